@@ -1,0 +1,112 @@
+/*
+ * kvprobe CUDA kernels: fill, poison and verify block slices of one layer's region.
+ * Compiled at run time by NVRTC with fingerprint.h prepended (src/fingerprint.rs,
+ * KERNEL_SOURCE), so the kernels and the CPU reference share one definition.
+ *
+ * Every kernel takes one layer's region as uint4 (16-byte) chunks; slice q of the region
+ * starts at q * slice_bytes. One thread block handles one slice at a time (grid-stride
+ * over slices); threads stride over the slice's 16-byte chunks, so accesses coalesce.
+ * `table[block]` = {logical block id, generation} names what a slot must hold.
+ */
+#ifndef KVP_NVRTC
+#include "fingerprint.h"
+#endif
+
+/* One failing slice, appended by kvp_verify (layout shared with src/cuda.rs). */
+struct kvp_fail {
+    unsigned int slice;     /* global slice index */
+    unsigned int bad_bytes; /* bytes that differ from the fingerprint */
+    unsigned int first_bad; /* byte offset of the first */
+    unsigned int pad;
+};
+
+__device__ __forceinline__ uint4 kvp_chunk(unsigned key, unsigned blk, unsigned lkv, unsigned gen, unsigned e) {
+    uint4 v;
+    v.x = kvp_elem(key, blk, lkv, gen, e);
+    v.y = kvp_elem(key, blk, lkv, gen, e + 1u);
+    v.z = kvp_elem(key, blk, lkv, gen, e + 2u);
+    v.w = kvp_elem(key, blk, lkv, gen, e + 3u);
+    return v;
+}
+
+extern "C" __global__ void kvp_fill(uint4 *region, unsigned slice_bytes, unsigned layout,
+                                    unsigned num_blocks, unsigned layer, unsigned seed32,
+                                    const uint2 *table, unsigned num_slices) {
+    const unsigned chunks = slice_bytes / 16u;
+    for (unsigned q = blockIdx.x; q < num_slices; q += gridDim.x) {
+        unsigned blk, kv;
+        kvp_slice_coords(layout, num_blocks, q, &blk, &kv);
+        const uint2 ent = table[blk];
+        if (ent.y == KVP_SKIP_GEN) continue;
+        const unsigned lkv = kvp_layer_kv(layer, kv);
+        const unsigned key = kvp_slice_key(seed32, ent.x, lkv, ent.y);
+        uint4 *s = region + (size_t)q * chunks;
+        for (unsigned c = threadIdx.x; c < chunks; c += blockDim.x)
+            s[c] = kvp_chunk(key, ent.x, lkv, ent.y, c * 4u);
+    }
+}
+
+extern "C" __global__ void kvp_poison(uint4 *region, unsigned slice_bytes, unsigned num_slices,
+                                      unsigned slice_base, unsigned iteration) {
+    const unsigned chunks = slice_bytes / 16u;
+    for (unsigned q = blockIdx.x; q < num_slices; q += gridDim.x) {
+        const unsigned slot = slice_base + q;
+        uint4 v;
+        v.x = kvp_poison_elem(slot, iteration, 0u);
+        v.y = kvp_poison_elem(slot, iteration, 1u);
+        v.z = v.x;
+        v.w = v.y;
+        uint4 *s = region + (size_t)q * chunks;
+        for (unsigned c = threadIdx.x; c < chunks; c += blockDim.x) s[c] = v;
+    }
+}
+
+__device__ __forceinline__ void kvp_cmp(unsigned want, unsigned got, unsigned off, unsigned *bad, unsigned *first) {
+    const unsigned x = want ^ got;
+    if (x) {
+        *bad += kvp_diff_bytes(want, got);
+        const unsigned at = off + (unsigned)(__ffs(x) - 1) / 8u;
+        if (at < *first) *first = at;
+    }
+}
+
+extern "C" __global__ void kvp_verify(const uint4 *region, unsigned slice_bytes, unsigned layout,
+                                      unsigned num_blocks, unsigned layer, unsigned seed32,
+                                      const uint2 *table, unsigned num_slices, unsigned slice_base,
+                                      kvp_fail *fails, unsigned *fail_count) {
+    __shared__ unsigned s_bad, s_first;
+    const unsigned chunks = slice_bytes / 16u;
+    for (unsigned q = blockIdx.x; q < num_slices; q += gridDim.x) {
+        unsigned blk, kv;
+        kvp_slice_coords(layout, num_blocks, q, &blk, &kv);
+        const uint2 ent = table[blk];
+        if (ent.y == KVP_SKIP_GEN) continue; /* uniform across the block */
+        if (threadIdx.x == 0) { s_bad = 0u; s_first = 0xFFFFFFFFu; }
+        __syncthreads();
+        const unsigned lkv = kvp_layer_kv(layer, kv);
+        const unsigned key = kvp_slice_key(seed32, ent.x, lkv, ent.y);
+        const uint4 *s = region + (size_t)q * chunks;
+        unsigned bad = 0u, first = 0xFFFFFFFFu;
+        for (unsigned c = threadIdx.x; c < chunks; c += blockDim.x) {
+            const uint4 got = s[c];
+            const uint4 want = kvp_chunk(key, ent.x, lkv, ent.y, c * 4u);
+            const unsigned off = c * 16u;
+            kvp_cmp(want.x, got.x, off, &bad, &first);
+            kvp_cmp(want.y, got.y, off + 4u, &bad, &first);
+            kvp_cmp(want.z, got.z, off + 8u, &bad, &first);
+            kvp_cmp(want.w, got.w, off + 12u, &bad, &first);
+        }
+        if (bad) { atomicAdd(&s_bad, bad); atomicMin(&s_first, first); }
+        __syncthreads();
+        if (threadIdx.x == 0 && s_bad) {
+            const unsigned i = atomicAdd(fail_count, 1u);
+            kvp_fail f;
+            f.slice = slice_base + q;
+            f.bad_bytes = s_bad;
+            f.first_bad = s_first;
+            f.pad = 0u;
+            fails[i] = f;
+        }
+        __syncthreads();
+    }
+}

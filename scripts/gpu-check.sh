@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The GPU host's lane: runs kvprobe's GPU tests and the main job on VRAM with binaries
+# built elsewhere (the GPU host has no cargo). Prepare them with scripts/gpu-bundle.sh,
+# then, from the repository root on the GPU host:  scripts/gpu-check.sh [BUNDLE_DIR]
+# Logs and reports go to $OUT (default /tmp/kvprobe-gpu).
+set -uo pipefail
+bundle="${1:-.carry}"
+out="${OUT:-/tmp/kvprobe-gpu}"
+mkdir -p "$out" /tmp/kvprobe-nixl
+tar xJf "$bundle/nixl.tar.xz" -C /tmp/kvprobe-nixl
+export KVPROBE_NIXL_DIR=/tmp/kvprobe-nixl/lib
+export KVPROBE_BIN="$PWD/$bundle/kvprobe" KVPROBE_REQUIRE_GPU=1 KVPROBE_TEST_TMP=/tmp/kvprobe-test
+export LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+kv="$KVPROBE_BIN"
+log="$out/log.txt"
+step() { echo; echo "=== $*" | tee -a "$log"; }
+
+step "env"
+"$kv" env 2>&1 | tee -a "$log"
+"$kv" env --json > "$out/env.json" 2>>"$log"
+
+step "tests (KVPROBE_REQUIRE_GPU=1)"
+"$bundle/tests" --test-threads=1 2>&1 | tee "$out/tests.txt" | grep -E "^test |test result|panicked|SKIP" | tee -a "$log"
+
+step "main job: llama3-8b, 1 GiB pool, 20 iterations, READ"
+/usr/bin/time -f "wall %e s, max RSS %M KiB" "$kv" run --memory vram --preset llama3-8b --iterations 20 \
+  --report "$out/llama3-8b.json" 2>&1 | grep -v "^iteration" | tee -a "$log"
+echo "exit ${PIPESTATUS[0]}" | tee -a "$log"
+
+step "llama3-8b WRITE, 5 iterations"
+"$kv" run --memory vram --preset llama3-8b --iterations 5 --op write 2>&1 | grep -v "^iteration" | tee -a "$log"
+
+step "deepseek-v3 (MLA), 5 iterations"
+"$kv" run --memory vram --preset deepseek-v3 --iterations 5 2>&1 | grep -v "^iteration" | tee -a "$log"
+
+for k in bitflip drop misroute stale torn; do
+  step "inject $k:3 on llama3-8b VRAM"
+  "$kv" run --memory vram --preset llama3-8b --iterations 2 --inject "$k:3" 2>&1 | grep -E "corrupt|injections|result" | tee -a "$log"
+  echo "exit ${PIPESTATUS[0]}" | tee -a "$log"
+done
+
+step "llama3-8b READ with UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y, 20 iterations"
+UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y "$kv" run --memory vram --preset llama3-8b --iterations 20 \
+  --report "$out/llama3-8b-zcopy.json" 2>&1 | grep -v "^iteration" | tee -a "$log"

@@ -1,0 +1,416 @@
+//! CUDA driver and NVRTC access: the only module with CUDA `unsafe`.
+//!
+//! Built on cudarc's raw `result` layer with dynamic loading, so kvprobe builds and runs
+//! (on DRAM) where no CUDA is installed; [`driver_present`] tells before anything loads.
+//! Device memory is allocated with plain `cuMemAlloc` (never stream-ordered pools), so
+//! NIXL/UCX can register it and share it by CUDA IPC. All work goes to the legacy default
+//! stream of the device's primary context and is synchronised before results are read.
+
+use crate::error::{Error, Result};
+use cudarc::driver::{result, sys};
+use std::ffi::{CString, c_void};
+use std::sync::Arc;
+
+fn derr(what: &str, e: impl std::fmt::Debug) -> Error {
+    Error::Device(format!("{what}: {e:?}"))
+}
+
+/// True when the CUDA driver library (libcuda.so.1) can be loaded.
+pub fn driver_present() -> bool {
+    // SAFETY: only attempts to dlopen candidate library names; nothing is called.
+    unsafe { sys::is_culib_present() }
+}
+
+/// True when NVRTC (libnvrtc.so.N) can be loaded.
+pub fn nvrtc_present() -> bool {
+    // SAFETY: only attempts to dlopen candidate library names.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// Initialises the driver. Errors: no driver library, or `cuInit` failed (no GPU).
+pub fn init() -> Result<()> {
+    if !driver_present() {
+        return Err(Error::Environment("CUDA driver library (libcuda.so.1) not found".into()));
+    }
+    result::init().map_err(|e| Error::Environment(format!("cuInit failed (no usable GPU?): {e:?}")))
+}
+
+/// Number of CUDA devices (0 when the driver is absent or cannot initialise).
+pub fn device_count() -> usize {
+    if init().is_err() {
+        return 0;
+    }
+    result::device::get_count().map(|n| n.max(0) as usize).unwrap_or(0)
+}
+
+/// Driver API version as `major.minor` (e.g. "13.0").
+pub fn driver_version() -> Result<String> {
+    init()?;
+    let mut v = 0i32;
+    // SAFETY: valid out-pointer; the driver is initialised.
+    unsafe { sys::cuDriverGetVersion(&mut v) }.result().map_err(|e| derr("cuDriverGetVersion", e))?;
+    Ok(format!("{}.{}", v / 1000, (v % 1000) / 10))
+}
+
+/// NVRTC version as `major.minor`, when NVRTC loads.
+pub fn nvrtc_version() -> Option<String> {
+    if !nvrtc_present() {
+        return None;
+    }
+    let (mut major, mut minor) = (0i32, 0i32);
+    // SAFETY: valid out-pointers; the library was found above.
+    let r = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    (r == cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS).then(|| format!("{major}.{minor}"))
+}
+
+/// Static facts about one GPU.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct GpuInfo {
+    /// CUDA ordinal.
+    pub ordinal: usize,
+    /// Marketing name, e.g. "NVIDIA H200".
+    pub name: String,
+    /// UUID as `GPU-xxxxxxxx-xxxx-...` (nvidia-smi's form).
+    pub uuid: String,
+    /// PCI bus id, e.g. "0000:19:00.0".
+    pub pci_bus_id: String,
+    /// Total device memory in bytes.
+    pub total_bytes: u64,
+    /// Compute capability `(major, minor)`.
+    pub compute_capability: (i32, i32),
+}
+
+fn attr(dev: sys::CUdevice, a: sys::CUdevice_attribute) -> Result<i32> {
+    // SAFETY: `dev` came from cuDeviceGet; the attribute enum is valid.
+    unsafe { result::device::get_attribute(dev, a) }.map_err(|e| derr("cuDeviceGetAttribute", e))
+}
+
+/// Reads the facts of GPU `ordinal`. Errors: no such device.
+pub fn gpu_info(ordinal: usize) -> Result<GpuInfo> {
+    init()?;
+    let dev = result::device::get(ordinal as i32).map_err(|e| derr("cuDeviceGet", e))?;
+    let name = result::device::get_name(dev).map_err(|e| derr("cuDeviceGetName", e))?;
+    let u = result::device::get_uuid(dev).map_err(|e| derr("cuDeviceGetUuid", e))?;
+    let b: Vec<u8> = u.bytes.iter().map(|&c| c as u8).collect();
+    let hex = |r: std::ops::Range<usize>| b[r].iter().map(|x| format!("{x:02x}")).collect::<String>();
+    let uuid = format!("GPU-{}-{}-{}-{}-{}", hex(0..4), hex(4..6), hex(6..8), hex(8..10), hex(10..16));
+    let mut bus = [0 as std::ffi::c_char; 32];
+    // SAFETY: the buffer is 32 bytes and its length is passed; the driver NUL-terminates.
+    unsafe { sys::cuDeviceGetPCIBusId(bus.as_mut_ptr(), bus.len() as i32, dev) }
+        .result()
+        .map_err(|e| derr("cuDeviceGetPCIBusId", e))?;
+    // SAFETY: NUL-terminated by the driver within the buffer.
+    let pci_bus_id = unsafe { std::ffi::CStr::from_ptr(bus.as_ptr()) }.to_string_lossy().into_owned();
+    // SAFETY: `dev` is a valid device handle.
+    let total_bytes = unsafe { result::device::total_mem(dev) }.map_err(|e| derr("cuDeviceTotalMem", e))? as u64;
+    let major = attr(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+    let minor = attr(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+    Ok(GpuInfo { ordinal, name, uuid, pci_bus_id, total_bytes, compute_capability: (major, minor) })
+}
+
+/// A GPU with its retained primary context.
+#[derive(Debug)]
+pub struct Device {
+    ordinal: usize,
+    dev: sys::CUdevice,
+    ctx: sys::CUcontext,
+}
+
+// SAFETY: a CUcontext may be made current on any thread; Device only hands it to the driver.
+unsafe impl Send for Device {}
+// SAFETY: as above; no interior state is mutated through &Device.
+unsafe impl Sync for Device {}
+
+impl Device {
+    /// Retains GPU `ordinal`'s primary context. Errors: no such device.
+    pub fn open(ordinal: usize) -> Result<Arc<Device>> {
+        init()?;
+        let n = device_count();
+        if ordinal >= n {
+            return Err(Error::Usage(format!("GPU {ordinal} does not exist ({n} found)")));
+        }
+        let dev = result::device::get(ordinal as i32).map_err(|e| derr("cuDeviceGet", e))?;
+        // SAFETY: `dev` is valid; the retain is balanced by the release in Drop.
+        let ctx = unsafe { result::primary_ctx::retain(dev) }.map_err(|e| derr("cuDevicePrimaryCtxRetain", e))?;
+        let d = Device { ordinal, dev, ctx };
+        d.bind()?;
+        Ok(Arc::new(d))
+    }
+
+    /// CUDA ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// Makes this device's context current on the calling thread.
+    pub fn bind(&self) -> Result<()> {
+        // SAFETY: `ctx` is a retained primary context, alive until Drop.
+        unsafe { result::ctx::set_current(self.ctx) }.map_err(|e| derr("cuCtxSetCurrent", e))
+    }
+
+    /// `(free, total)` device memory in bytes.
+    pub fn mem_info(&self) -> Result<(u64, u64)> {
+        self.bind()?;
+        let (f, t) = result::mem_get_info().map_err(|e| derr("cuMemGetInfo", e))?;
+        Ok((f as u64, t as u64))
+    }
+
+    /// Waits for all work queued on this device.
+    pub fn synchronize(&self) -> Result<()> {
+        self.bind()?;
+        result::ctx::synchronize().map_err(|e| derr("kernel or copy failed (cuCtxSynchronize)", e))
+    }
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        // SAFETY: balances the retain in `open`; buffers hold an Arc<Device>, so none outlive it.
+        let _ = unsafe { result::primary_ctx::release(self.dev) };
+    }
+}
+
+/// Device memory from `cuMemAlloc`, freed on drop.
+#[derive(Debug)]
+pub struct DeviceBuffer {
+    dev: Arc<Device>,
+    ptr: sys::CUdeviceptr,
+    len: usize,
+}
+
+impl DeviceBuffer {
+    /// Allocates `len` bytes on `dev` (plain cuMemAlloc). Errors: out of memory.
+    pub fn alloc(dev: &Arc<Device>, len: usize) -> Result<DeviceBuffer> {
+        dev.bind()?;
+        // SAFETY: allocation has no preconditions beyond a current context (bound above).
+        let ptr = unsafe { result::malloc_sync(len.max(1)) }.map_err(|e| derr(&format!("cuMemAlloc({len})"), e))?;
+        Ok(DeviceBuffer { dev: dev.clone(), ptr, len })
+    }
+
+    /// Device address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when zero-length.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device this buffer lives on.
+    pub fn device(&self) -> &Arc<Device> {
+        &self.dev
+    }
+
+    fn check(&self, off: usize, n: usize) -> Result<()> {
+        if off.checked_add(n).is_none_or(|end| end > self.len) {
+            return Err(Error::Device(format!("copy of {n} bytes at {off} outside a {}-byte buffer", self.len)));
+        }
+        Ok(())
+    }
+
+    /// Copies `dst.len()` bytes from offset `off` to the host (synchronous).
+    pub fn read(&self, off: usize, dst: &mut [u8]) -> Result<()> {
+        self.check(off, dst.len())?;
+        self.dev.bind()?;
+        // SAFETY: the range was bounds-checked against this live allocation.
+        unsafe { result::memcpy_dtoh_sync(dst, self.ptr + off as u64) }.map_err(|e| derr("cuMemcpyDtoH", e))
+    }
+
+    /// Copies `src` to offset `off` (synchronous).
+    pub fn write(&self, off: usize, src: &[u8]) -> Result<()> {
+        self.check(off, src.len())?;
+        self.dev.bind()?;
+        // SAFETY: the range was bounds-checked against this live allocation.
+        unsafe { result::memcpy_htod_sync(self.ptr + off as u64, src) }.map_err(|e| derr("cuMemcpyHtoD", e))
+    }
+
+    /// Sets every byte to zero (synchronous).
+    pub fn zero(&self) -> Result<()> {
+        self.dev.bind()?;
+        // SAFETY: the whole live allocation.
+        unsafe { result::memset_d8_sync(self.ptr, 0, self.len) }.map_err(|e| derr("cuMemsetD8", e))
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if self.dev.bind().is_ok() {
+            // SAFETY: `ptr` came from cuMemAlloc and is freed once.
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}
+
+/// Region parameters shared by the kernels (see csrc/kernels.cu).
+#[derive(Clone, Copy, Debug)]
+pub struct RegionArgs {
+    /// Base address of the layer's region.
+    pub region: u64,
+    /// Bytes per block slice (multiple of 16).
+    pub slice_bytes: u32,
+    /// `KVP_LAYOUT_*` code.
+    pub layout: u32,
+    /// Blocks per layer.
+    pub num_blocks: u32,
+    /// Layer index.
+    pub layer: u32,
+    /// Slices in the region.
+    pub num_slices: u32,
+    /// Global index of the region's first slice.
+    pub slice_base: u32,
+}
+
+/// One failing slice as the verify kernel reports it (16 bytes, `struct kvp_fail`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C)]
+pub struct KernelFail {
+    /// Global slice index.
+    pub slice: u32,
+    /// Bytes that differ.
+    pub bad_bytes: u32,
+    /// Offset of the first differing byte.
+    pub first_bad: u32,
+    /// Unused.
+    pub pad: u32,
+}
+
+/// The fill, poison and verify kernels, compiled by NVRTC for one device.
+#[derive(Debug)]
+pub struct Kernels {
+    dev: Arc<Device>,
+    module: sys::CUmodule,
+    fill: sys::CUfunction,
+    poison: sys::CUfunction,
+    verify: sys::CUfunction,
+}
+
+// SAFETY: module and function handles are context-bound, not thread-bound; every launch
+// binds the context first.
+unsafe impl Send for Kernels {}
+// SAFETY: as above.
+unsafe impl Sync for Kernels {}
+
+const THREADS: u32 = 256;
+
+fn grid(num_slices: u32) -> u32 {
+    num_slices.clamp(1, 1 << 20)
+}
+
+impl Kernels {
+    /// Compiles [`crate::fingerprint::KERNEL_SOURCE`] with NVRTC for `dev`'s architecture
+    /// and loads it. Errors: NVRTC missing, compile or load failure.
+    pub fn compile(dev: &Arc<Device>) -> Result<Kernels> {
+        if !nvrtc_present() {
+            return Err(Error::Environment(
+                "NVRTC (libnvrtc.so) not found: install the CUDA toolkit or add its lib64 to LD_LIBRARY_PATH".into(),
+            ));
+        }
+        let info = gpu_info(dev.ordinal())?;
+        let (ma, mi) = info.compute_capability;
+        let opts = cudarc::nvrtc::CompileOptions {
+            options: vec![format!("--gpu-architecture=compute_{ma}{mi}"), "-default-device".into()],
+            name: Some("kvprobe_kernels.cu".into()),
+            ..Default::default()
+        };
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(crate::fingerprint::KERNEL_SOURCE, opts)
+            .map_err(|e| Error::Device(format!("NVRTC compile failed: {e:?}")))?;
+        let image = CString::new(ptx.to_src()).map_err(|e| derr("PTX", e))?;
+        dev.bind()?;
+        // SAFETY: `image` is a NUL-terminated PTX string produced by NVRTC.
+        let module = unsafe { result::module::load_data(image.as_ptr() as *const c_void) }
+            .map_err(|e| derr("cuModuleLoadData", e))?;
+        let get = |n: &str| {
+            // SAFETY: `module` was just loaded and is unloaded only in Drop.
+            unsafe { result::module::get_function(module, CString::new(n).unwrap()) }
+                .map_err(|e| derr(&format!("cuModuleGetFunction({n})"), e))
+        };
+        Ok(Kernels { dev: dev.clone(), module, fill: get("kvp_fill")?, poison: get("kvp_poison")?, verify: get("kvp_verify")? })
+    }
+
+    fn launch(&self, f: sys::CUfunction, num_slices: u32, params: &mut [*mut c_void]) -> Result<()> {
+        self.dev.bind()?;
+        // SAFETY: `f` belongs to this loaded module; `params` points at locals of the caller
+        // that match the kernel's signature in csrc/kernels.cu and outlive this call
+        // (cuLaunchKernel copies the values before returning).
+        unsafe { result::launch_kernel(f, (grid(num_slices), 1, 1), (THREADS, 1, 1), 0, std::ptr::null_mut(), params) }
+            .map_err(|e| derr("cuLaunchKernel", e))
+    }
+
+    /// Fills every slice of a region with the fingerprint of `table[block]` (asynchronous).
+    /// `table` holds `num_blocks` `{logical block, generation}` u32 pairs.
+    pub fn fill(&self, r: RegionArgs, seed32: u32, table: &DeviceBuffer) -> Result<()> {
+        let (mut p, mut sb, mut lo, mut nb, mut l, mut s, mut t, mut n) =
+            (r.region, r.slice_bytes, r.layout, r.num_blocks, r.layer, seed32, table.ptr(), r.num_slices);
+        let mut params: [*mut c_void; 8] = [
+            &mut p as *mut _ as _,
+            &mut sb as *mut _ as _,
+            &mut lo as *mut _ as _,
+            &mut nb as *mut _ as _,
+            &mut l as *mut _ as _,
+            &mut s as *mut _ as _,
+            &mut t as *mut _ as _,
+            &mut n as *mut _ as _,
+        ];
+        self.launch(self.fill, r.num_slices, &mut params)
+    }
+
+    /// Writes the poison of (slot, iteration) into every slice of a region (asynchronous).
+    pub fn poison(&self, r: RegionArgs, iteration: u32) -> Result<()> {
+        let (mut p, mut sb, mut n, mut base, mut it) = (r.region, r.slice_bytes, r.num_slices, r.slice_base, iteration);
+        let mut params: [*mut c_void; 5] = [
+            &mut p as *mut _ as _,
+            &mut sb as *mut _ as _,
+            &mut n as *mut _ as _,
+            &mut base as *mut _ as _,
+            &mut it as *mut _ as _,
+        ];
+        self.launch(self.poison, r.num_slices, &mut params)
+    }
+
+    /// Verifies every slice of a region against `table`; failing slices are appended to
+    /// `fails` (array of [`KernelFail`], one slot per slice of the pool) and counted in
+    /// `count` (one u32). Asynchronous.
+    pub fn verify(&self, r: RegionArgs, seed32: u32, table: &DeviceBuffer, fails: &DeviceBuffer, count: &DeviceBuffer) -> Result<()> {
+        let (mut p, mut sb, mut lo, mut nb, mut l, mut s, mut t, mut n, mut base, mut f, mut c) = (
+            r.region,
+            r.slice_bytes,
+            r.layout,
+            r.num_blocks,
+            r.layer,
+            seed32,
+            table.ptr(),
+            r.num_slices,
+            r.slice_base,
+            fails.ptr(),
+            count.ptr(),
+        );
+        let mut params: [*mut c_void; 11] = [
+            &mut p as *mut _ as _,
+            &mut sb as *mut _ as _,
+            &mut lo as *mut _ as _,
+            &mut nb as *mut _ as _,
+            &mut l as *mut _ as _,
+            &mut s as *mut _ as _,
+            &mut t as *mut _ as _,
+            &mut n as *mut _ as _,
+            &mut base as *mut _ as _,
+            &mut f as *mut _ as _,
+            &mut c as *mut _ as _,
+        ];
+        self.launch(self.verify, r.num_slices, &mut params)
+    }
+}
+
+impl Drop for Kernels {
+    fn drop(&mut self) {
+        if self.dev.bind().is_ok() {
+            // SAFETY: the module was loaded in `compile` and is unloaded once.
+            let _ = unsafe { result::module::unload(self.module) };
+        }
+    }
+}

@@ -1,0 +1,137 @@
+//! What the machine offers: GPUs, driver, CUDA, NVRTC, NIXL library and plugins.
+//!
+//! Printed by `kvprobe env` and embedded in every report's `environment`.
+
+use crate::cuda::{self, GpuInfo};
+use serde::Serialize;
+use std::path::PathBuf;
+
+/// NIXL as found on this machine.
+#[derive(Clone, Debug, Serialize)]
+pub struct NixlInfo {
+    /// Full path of the loaded libnixl_capi.so (absent when not found).
+    pub library: Option<PathBuf>,
+    /// How it was found ("KVPROBE_NIXL_DIR" or "install dir").
+    pub found_via: Option<String>,
+    /// Plugin directory.
+    pub plugin_dir: Option<PathBuf>,
+    /// Backend plugins NIXL can load.
+    pub plugins: Vec<String>,
+    /// Whether nixl-sys runs on its stub (kvprobe refuses to run then).
+    pub stub: bool,
+    /// Why NIXL is unusable, when it is.
+    pub error: Option<String>,
+}
+
+/// The report's `environment` section.
+#[derive(Clone, Debug, Serialize)]
+pub struct Environment {
+    /// kvprobe version.
+    pub kvprobe_version: String,
+    /// Host name.
+    pub hostname: String,
+    /// GPUs visible to CUDA, with names and UUIDs.
+    pub gpus: Vec<GpuInfo>,
+    /// NVIDIA kernel driver version (from /proc/driver/nvidia/version), when present.
+    pub driver: Option<String>,
+    /// CUDA driver API version, e.g. "13.0".
+    pub cuda: Option<String>,
+    /// NVRTC version, e.g. "13.0".
+    pub nvrtc: Option<String>,
+    /// NIXL library and plugins.
+    pub nixl: NixlInfo,
+    /// UCX_* and NIXL_* variables in effect (they steer transport selection).
+    pub transport_env: std::collections::BTreeMap<String, String>,
+}
+
+fn kernel_driver() -> Option<String> {
+    // e.g. "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.95.05  Release Build ..."
+    let s = std::fs::read_to_string("/proc/driver/nvidia/version").ok()?;
+    let line = s.lines().next()?;
+    line.split_whitespace()
+        .find(|t| t.starts_with(|c: char| c.is_ascii_digit()) && t.contains('.') && t.chars().all(|c| c.is_ascii_digit() || c == '.'))
+        .map(str::to_string)
+}
+
+/// Probes NIXL: loads the library (which also sets its default environment) and lists plugins.
+pub fn nixl_info() -> NixlInfo {
+    match crate::nixl::load() {
+        Ok(lib) => {
+            let (plugins, error) = match crate::nixl::available_plugins() {
+                Ok(p) => (p, None),
+                Err(e) => (Vec::new(), Some(e.to_string())),
+            };
+            NixlInfo {
+                library: Some(lib.library),
+                found_via: Some(lib.found_via),
+                plugin_dir: Some(lib.plugin_dir),
+                plugins,
+                stub: lib.stub,
+                error,
+            }
+        }
+        Err(e) => NixlInfo {
+            library: None,
+            found_via: None,
+            plugin_dir: None,
+            plugins: Vec::new(),
+            stub: true,
+            error: Some(e.to_string()),
+        },
+    }
+}
+
+/// Gathers the environment. `nixl` is passed in so a caller that already probed it (or
+/// must not load it) decides.
+pub fn gather(nixl: NixlInfo) -> Environment {
+    let n = cuda::device_count();
+    let gpus = (0..n).filter_map(|i| cuda::gpu_info(i).ok()).collect();
+    let transport_env = std::env::vars().filter(|(k, _)| k.starts_with("UCX_") || k.starts_with("NIXL_")).collect();
+    Environment {
+        kvprobe_version: env!("CARGO_PKG_VERSION").to_string(),
+        hostname: std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_default(),
+        gpus,
+        driver: kernel_driver(),
+        cuda: if n > 0 { cuda::driver_version().ok() } else { None },
+        nvrtc: cuda::nvrtc_version(),
+        nixl,
+        transport_env,
+    }
+}
+
+/// Human-readable rendering for `kvprobe env`.
+pub fn render(e: &Environment) -> String {
+    let mut s = String::new();
+    s += &format!("kvprobe {}\n", e.kvprobe_version);
+    s += &format!("GPUs: {}\n", e.gpus.len());
+    for g in &e.gpus {
+        s += &format!(
+            "  [{}] {}  {}  pci {}  {:.1} GiB  sm_{}{}\n",
+            g.ordinal,
+            g.name,
+            g.uuid,
+            g.pci_bus_id,
+            g.total_bytes as f64 / (1u64 << 30) as f64,
+            g.compute_capability.0,
+            g.compute_capability.1
+        );
+    }
+    let opt = |o: &Option<String>| o.clone().unwrap_or_else(|| "not found".into());
+    s += &format!("driver: {}\n", opt(&e.driver));
+    s += &format!("CUDA driver API: {}\n", opt(&e.cuda));
+    s += &format!("NVRTC: {}\n", opt(&e.nvrtc));
+    match &e.nixl.library {
+        Some(p) => {
+            s += &format!("NIXL: {} (via {}, stub: {})\n", p.display(), e.nixl.found_via.as_deref().unwrap_or("?"), e.nixl.stub);
+            s += &format!("NIXL plugins ({}): {}\n", e.nixl.plugin_dir.as_ref().map(|p| p.display().to_string()).unwrap_or_default(), e.nixl.plugins.join(", "));
+        }
+        None => s += "NIXL: not found\n",
+    }
+    if let Some(err) = &e.nixl.error {
+        s += &format!("NIXL error: {err}\n");
+    }
+    for (k, v) in &e.transport_env {
+        s += &format!("{k}={v}\n");
+    }
+    s
+}

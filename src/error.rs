@@ -1,0 +1,83 @@
+//! Errors and the documented exit codes.
+//!
+//! | code | meaning |
+//! |------|---------|
+//! | 0 | clean: every block slice verified |
+//! | 1 | corruption found (wins over every other outcome) |
+//! | 2 | usage, configuration or environment error (bad flag, missing NIXL/GPU) |
+//! | 3 | transport or device error during the run (NIXL or CUDA call failed) |
+//! | 4 | a transfer did not complete within `--timeout` |
+//! | 5 | transfer rate below `--min-gbps` (only when given) |
+
+/// Process exit codes, as documented in README.md and `kvprobe --help`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[repr(u8)]
+pub enum Exit {
+    /// Every block slice verified.
+    Clean = 0,
+    /// Corruption found.
+    Corrupt = 1,
+    /// Usage, configuration or environment error.
+    Usage = 2,
+    /// Transport or device error.
+    Transport = 3,
+    /// Timeout waiting for a transfer.
+    Timeout = 4,
+    /// Transfer rate below `--min-gbps`.
+    BelowRate = 5,
+}
+
+/// kvprobe's error type; each variant maps to one exit code ([`Error::exit`]).
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Bad flags or geometry (exit 2).
+    #[error("{0}")]
+    Usage(String),
+    /// Something the run needs is missing on this machine (exit 2).
+    #[error("{0}")]
+    Environment(String),
+    /// A NIXL call failed during the run (exit 3).
+    #[error("transport error: {0}")]
+    Transport(String),
+    /// A CUDA call failed (exit 3).
+    #[error("device error: {0}")]
+    Device(String),
+    /// A transfer did not complete in time (exit 4).
+    #[error("timeout: {0}")]
+    Timeout(String),
+    /// Writing the report failed (exit 2).
+    #[error("report: {0}")]
+    Io(String),
+}
+
+impl Error {
+    /// The exit code for this error.
+    pub fn exit(&self) -> Exit {
+        match self {
+            Error::Usage(_) | Error::Environment(_) | Error::Io(_) => Exit::Usage,
+            Error::Transport(_) | Error::Device(_) => Exit::Transport,
+            Error::Timeout(_) => Exit::Timeout,
+        }
+    }
+
+    /// Short machine-readable kind for reports.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Error::Usage(_) => "usage",
+            Error::Environment(_) => "environment",
+            Error::Transport(_) => "transport",
+            Error::Device(_) => "device",
+            Error::Timeout(_) => "timeout",
+            Error::Io(_) => "io",
+        }
+    }
+}
+
+impl From<crate::geometry::GeometryError> for Error {
+    fn from(e: crate::geometry::GeometryError) -> Self {
+        Error::Usage(e.to_string())
+    }
+}
+
+/// Result with [`Error`].
+pub type Result<T> = std::result::Result<T, Error>;

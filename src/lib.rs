@@ -1,0 +1,31 @@
+//! kvprobe: proves that KV-cache blocks moved between a prefill and a decode engine arrive
+//! intact.
+//!
+//! The pipeline, one module per stage:
+//! [`geometry`] (vLLM paged layout, block slices, descriptors) →
+//! [`fingerprint`] (what every byte must be; shared with the CUDA kernels) →
+//! [`pool`] (fill / poison / verify on VRAM or DRAM) →
+//! [`transport`] (prefill and decode NIXL roles) →
+//! [`inject`] (faults planted through the real path) →
+//! [`verify`] (classifying corrupt slices) →
+//! [`report`] (versioned JSON and the human summary), driven by [`run`].
+//!
+//! `unsafe` lives only in the fenced FFI modules [`cuda`], [`hostmem`], [`nixl`] and the
+//! C bridge inside [`fingerprint`].
+#![deny(missing_docs)]
+
+pub mod cuda;
+pub mod envinfo;
+pub mod error;
+pub mod fingerprint;
+pub mod geometry;
+pub mod hostmem;
+pub mod inject;
+pub mod nixl;
+pub mod pool;
+pub mod report;
+pub mod run;
+pub mod transport;
+pub mod verify;
+
+pub use error::{Error, Exit, Result};

@@ -1,0 +1,205 @@
+//! The `kvprobe` command line: a thin layer over the library.
+
+use clap::{Args, Parser, Subcommand};
+use kvprobe::geometry::{Dtype, Layout, Preset};
+use kvprobe::inject::Spec;
+use kvprobe::pool::MemoryKind;
+use kvprobe::run::RunConfig;
+use kvprobe::transport::Op;
+use kvprobe::{Error, Exit};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+const EXIT_CODES: &str = "Exit codes:
+  0  clean: every block slice verified
+  1  corruption found (wins over every other outcome)
+  2  usage, configuration or environment error (bad flag, NIXL or GPU missing)
+  3  transport or device error during the run
+  4  a transfer did not complete within --timeout
+  5  transfer rate below --min-gbps (only when given)";
+
+/// Proves that KV-cache blocks moved between a prefill and a decode engine over NIXL
+/// arrive intact.
+#[derive(Parser)]
+#[command(name = "kvprobe", version, after_help = EXIT_CODES)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Fill fingerprinted KV blocks on prefill, move them with NIXL, verify every block slice on decode.
+    #[command(after_help = EXIT_CODES)]
+    Run(RunArgs),
+    /// Print what was found: GPUs, driver, CUDA, NVRTC, NIXL library and plugins.
+    Env {
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Args)]
+struct RunArgs {
+    /// Pool memory: vram (GPU) or dram (host). Default: vram when a GPU is present, else dram.
+    #[arg(long, value_enum)]
+    memory: Option<MemoryKind>,
+    /// GPU holding the prefill pool.
+    #[arg(long, default_value_t = 0)]
+    prefill_device: usize,
+    /// GPU holding the decode pool.
+    #[arg(long, default_value_t = 0)]
+    decode_device: usize,
+    /// Named geometry; the geometry flags below override its fields. Default: small.
+    #[arg(long, value_enum)]
+    preset: Option<Preset>,
+    /// Attention layers (one NIXL-registered region each).
+    #[arg(long)]
+    layers: Option<u32>,
+    /// KV heads per layer.
+    #[arg(long)]
+    kv_heads: Option<u32>,
+    /// Elements per head (MLA: latent width, e.g. 576).
+    #[arg(long)]
+    head_size: Option<u32>,
+    /// Tokens per block.
+    #[arg(long)]
+    block_size: Option<u32>,
+    /// Blocks per layer.
+    #[arg(long)]
+    blocks: Option<u32>,
+    /// Element type.
+    #[arg(long, value_enum)]
+    dtype: Option<Dtype>,
+    /// Tensor order of each layer's K/V cache.
+    #[arg(long, value_enum)]
+    layout: Option<Layout>,
+    /// MLA: one latent slice per (layer, block) instead of K and V.
+    #[arg(long)]
+    mla: bool,
+    /// read: decode pulls from prefill (vLLM's NixlConnector); write: prefill pushes.
+    #[arg(long, value_enum, default_value = "read")]
+    op: Op,
+    /// Iterations (each: refill, re-poison, transfer, verify everything).
+    #[arg(long, default_value_t = 5)]
+    iterations: u32,
+    /// Seed of fingerprints, block mapping and injections.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Plant a fault per iteration: bitflip, drop, misroute, stale or torn, optionally :COUNT. Repeatable.
+    #[arg(long, value_name = "CLASS[:N]")]
+    inject: Vec<Spec>,
+    /// Write the JSON report here (atomically; also when the run fails).
+    #[arg(long)]
+    report: Option<PathBuf>,
+    /// NIXL backend plugin.
+    #[arg(long, default_value = "UCX")]
+    backend: String,
+    /// Seconds to wait for each transfer and its notification.
+    #[arg(long, default_value_t = 60.0)]
+    timeout: f64,
+    /// Exit 5 when the transfer rate (GB/s = 1e9 B/s) is below this.
+    #[arg(long)]
+    min_gbps: Option<f64>,
+    /// At most this many failures listed in the report (counts stay complete).
+    #[arg(long, default_value_t = 1000)]
+    max_failures: usize,
+}
+
+impl RunArgs {
+    fn config(&self) -> RunConfig {
+        let mut g = self.preset.unwrap_or(Preset::Small).geometry();
+        if self.mla {
+            g.mla = true;
+            if self.kv_heads.is_none() {
+                g.num_kv_heads = 1;
+            }
+        }
+        if let Some(v) = self.layers {
+            g.num_layers = v;
+        }
+        if let Some(v) = self.kv_heads {
+            g.num_kv_heads = v;
+        }
+        if let Some(v) = self.head_size {
+            g.head_size = v;
+        }
+        if let Some(v) = self.block_size {
+            g.block_size = v;
+        }
+        if let Some(v) = self.blocks {
+            g.num_blocks = v;
+        }
+        if let Some(v) = self.dtype {
+            g.dtype = v;
+        }
+        if let Some(v) = self.layout {
+            g.layout = v;
+        }
+        let memory = self.memory.unwrap_or_else(|| {
+            if kvprobe::cuda::device_count() > 0 { MemoryKind::Vram } else { MemoryKind::Dram }
+        });
+        RunConfig {
+            memory,
+            prefill_device: self.prefill_device,
+            decode_device: self.decode_device,
+            preset: self.preset,
+            geometry: g,
+            op: self.op,
+            iterations: self.iterations,
+            seed: self.seed,
+            inject: self.inject.clone(),
+            backend: self.backend.clone(),
+            timeout_secs: self.timeout,
+            min_gbps: self.min_gbps,
+            max_failures: self.max_failures,
+        }
+    }
+}
+
+fn run(args: RunArgs) -> Exit {
+    let cfg = args.config();
+    let (report, mut exit) = kvprobe::run::run(&cfg, &mut |line| eprintln!("{line}"));
+    print!("{}", kvprobe::report::render(&report));
+    if let Some(path) = &args.report {
+        match kvprobe::report::write_atomic(path, &report) {
+            Ok(()) => println!("report:            {}", path.display()),
+            Err(e) => {
+                eprintln!("kvprobe: {e}");
+                if exit != Exit::Corrupt {
+                    exit = e.exit();
+                }
+            }
+        }
+    }
+    if let Some(e) = &report.outcome.error {
+        eprintln!("kvprobe: {}", e.message);
+    }
+    exit
+}
+
+fn env(json: bool) -> Exit {
+    let e = kvprobe::envinfo::gather(kvprobe::envinfo::nixl_info());
+    if json {
+        match serde_json::to_string_pretty(&e) {
+            Ok(s) => println!("{s}"),
+            Err(err) => {
+                eprintln!("kvprobe: {}", Error::Io(err.to_string()));
+                return Exit::Usage;
+            }
+        }
+    } else {
+        print!("{}", kvprobe::envinfo::render(&e));
+    }
+    Exit::Clean
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let exit = match cli.command {
+        Command::Run(a) => run(a),
+        Command::Env { json } => env(json),
+    };
+    ExitCode::from(exit as u8)
+}

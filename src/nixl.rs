@@ -1,0 +1,305 @@
+//! NIXL: finding the real library, and a small agent wrapper over `nixl-sys`.
+//!
+//! `nixl-sys` is built with `stub-api`: its stubs `dlopen("libnixl_capi.so")` on first use
+//! and abort the process when it is missing. kvprobe therefore finds the library itself
+//! ([`load`]) and preloads it by full path before any NIXL call, so the stubs bind to it by
+//! its soname — or kvprobe exits 2 with install instructions. It never runs on the stub.
+//!
+//! Search order: `$KVPROBE_NIXL_DIR` (a directory holding `libnixl_capi.so`), then the
+//! directory the install step writes (`$KVPROBE_HOME/nixl/lib`, default
+//! `~/.local/share/kvprobe/nixl/lib`, see scripts/install-deps.sh).
+
+use crate::error::{Error, Result};
+use nixl_sys::{MemType, MemoryRegion, NixlDescriptor, XferDescList, XferOp};
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// Environment variable naming the directory that holds `libnixl_capi.so`.
+pub const NIXL_DIR_ENV: &str = "KVPROBE_NIXL_DIR";
+
+/// How to install NIXL, for error messages.
+pub const INSTALL_HINT: &str =
+    "install it with `scripts/install-deps.sh` (PyPI wheel nixl-cu13 1.5.1), or set KVPROBE_NIXL_DIR to the directory holding libnixl_capi.so";
+
+/// kvprobe's data directory: `$KVPROBE_HOME`, else `$XDG_DATA_HOME/kvprobe`, else
+/// `~/.local/share/kvprobe`.
+pub fn kvprobe_home() -> PathBuf {
+    if let Some(h) = std::env::var_os("KVPROBE_HOME") {
+        return PathBuf::from(h);
+    }
+    if let Some(x) = std::env::var_os("XDG_DATA_HOME") {
+        return PathBuf::from(x).join("kvprobe");
+    }
+    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/root"));
+    home.join(".local/share/kvprobe")
+}
+
+/// Where the install step puts the NIXL libraries.
+pub fn default_lib_dir() -> PathBuf {
+    kvprobe_home().join("nixl/lib")
+}
+
+/// The NIXL library kvprobe loaded.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct NixlLibrary {
+    /// Full path of the loaded `libnixl_capi.so`.
+    pub library: PathBuf,
+    /// Plugin directory (`NIXL_PLUGIN_DIR`).
+    pub plugin_dir: PathBuf,
+    /// How it was found: "KVPROBE_NIXL_DIR" or "install dir".
+    pub found_via: String,
+    /// Whether nixl-sys runs on its stub (always false once loaded).
+    pub stub: bool,
+}
+
+/// Candidate directories in search order, with how each was named.
+pub fn candidates() -> Vec<(PathBuf, &'static str)> {
+    let mut v = Vec::new();
+    if let Some(d) = std::env::var_os(NIXL_DIR_ENV) {
+        v.push((PathBuf::from(d), NIXL_DIR_ENV));
+    }
+    v.push((default_lib_dir(), "install dir"));
+    v
+}
+
+/// Finds `libnixl_capi.so` without loading it.
+pub fn find() -> Option<(PathBuf, &'static str)> {
+    candidates().into_iter().find(|(d, _)| d.join("libnixl_capi.so").is_file())
+}
+
+static LOADED: OnceLock<std::result::Result<NixlLibrary, String>> = OnceLock::new();
+
+/// Finds and loads the real NIXL C API library (once per process). Also sets, when unset,
+/// `NIXL_PLUGIN_DIR` to the library's `plugins/` and `UCX_CUDA_IPC_ENABLE_SAME_PROCESS=y`
+/// (both agents live in this process; UCX refuses CUDA IPC within one process otherwise).
+///
+/// Errors (exit 2): not found, fails to load, or nixl-sys still reports its stub.
+pub fn load() -> Result<NixlLibrary> {
+    LOADED.get_or_init(load_once).clone().map_err(Error::Environment)
+}
+
+fn set_default_env(key: &str, value: &Path) {
+    if std::env::var_os(key).is_none() {
+        // SAFETY: called once, from `load_once`, before any NIXL/UCX thread exists (NIXL
+        // is not yet loaded) — kvprobe calls `load` before spawning threads.
+        unsafe { std::env::set_var(key, value) };
+    }
+}
+
+fn load_once() -> std::result::Result<NixlLibrary, String> {
+    let (dir, via) = find().ok_or_else(|| {
+        let looked: Vec<String> = candidates().iter().map(|(d, w)| format!("{} ({w})", d.display())).collect();
+        format!("NIXL library libnixl_capi.so not found (looked in: {}); {INSTALL_HINT}", looked.join(", "))
+    })?;
+    let lib = dir.join("libnixl_capi.so");
+    let plugin_dir = std::env::var_os("NIXL_PLUGIN_DIR").map(PathBuf::from).unwrap_or_else(|| dir.join("plugins"));
+    set_default_env("NIXL_PLUGIN_DIR", &plugin_dir);
+    if crate::cuda::driver_present() {
+        set_default_env("UCX_CUDA_IPC_ENABLE_SAME_PROCESS", Path::new("y"));
+    }
+    let c = std::ffi::CString::new(lib.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
+    // SAFETY: dlopen of a regular file by absolute path; the handle is intentionally never
+    // closed (the library stays loaded for the life of the process, as nixl-sys expects).
+    let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+    if h.is_null() {
+        // SAFETY: dlerror returns a thread-local NUL-terminated string or null.
+        let err = unsafe {
+            let e = libc::dlerror();
+            if e.is_null() { "unknown error".to_string() } else { std::ffi::CStr::from_ptr(e).to_string_lossy().into_owned() }
+        };
+        return Err(format!("cannot load {}: {err}; {INSTALL_HINT}", lib.display()));
+    }
+    let stub = nixl_sys::is_stub();
+    if stub {
+        return Err(format!("loaded {} but nixl-sys still reports its stub; {INSTALL_HINT}", lib.display()));
+    }
+    Ok(NixlLibrary { library: lib, plugin_dir, found_via: via.to_string(), stub })
+}
+
+/// Names of the backend plugins NIXL can load (e.g. "UCX", "POSIX").
+pub fn available_plugins() -> Result<Vec<String>> {
+    load()?;
+    let a = nixl_sys::Agent::new("kvprobe-env").map_err(|e| Error::Transport(format!("create NIXL agent: {e}")))?;
+    let list = a.get_available_plugins().map_err(|e| Error::Transport(format!("list NIXL plugins: {e}")))?;
+    Ok(list.iter().filter_map(|s| s.ok().map(str::to_string)).collect())
+}
+
+/// A contiguous memory range to register with NIXL.
+#[derive(Clone, Copy, Debug)]
+pub struct Region {
+    /// Start address (host virtual address, or CUDA device address for VRAM).
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// DRAM or VRAM.
+    pub mem: MemType,
+    /// GPU ordinal for VRAM, 0 for DRAM.
+    pub dev_id: u64,
+}
+
+impl MemoryRegion for Region {
+    unsafe fn as_ptr(&self) -> *const u8 {
+        self.addr as *const u8
+    }
+    fn size(&self) -> usize {
+        self.len as usize
+    }
+}
+
+impl NixlDescriptor for Region {
+    fn mem_type(&self) -> MemType {
+        self.mem
+    }
+    fn device_id(&self) -> u64 {
+        self.dev_id
+    }
+}
+
+fn terr(what: &str, e: nixl_sys::NixlError) -> Error {
+    Error::Transport(format!("{what}: {e}"))
+}
+
+/// A NIXL agent with one backend and its registered regions.
+pub struct Agent {
+    agent: nixl_sys::Agent,
+    backend: nixl_sys::Backend,
+    backend_name: String,
+    _regs: Vec<nixl_sys::RegistrationHandle>,
+}
+
+/// Outcome of one posted transfer.
+#[derive(Clone, Copy, Debug)]
+pub struct XferResult {
+    /// Bytes moved (sum of descriptor lengths).
+    pub bytes: u64,
+    /// Wall time from post to completion.
+    pub elapsed: Duration,
+}
+
+impl Agent {
+    /// Creates agent `name` with backend plugin `backend` (e.g. "UCX"). Errors (exit 2):
+    /// NIXL missing, or the plugin is not installed / fails to start.
+    pub fn new(name: &str, backend: &str) -> Result<Agent> {
+        load()?;
+        let agent = nixl_sys::Agent::new(name).map_err(|e| terr("create NIXL agent", e))?;
+        let plugins: Vec<String> = agent
+            .get_available_plugins()
+            .map(|l| l.iter().filter_map(|s| s.ok().map(str::to_string)).collect())
+            .unwrap_or_default();
+        if !plugins.iter().any(|p| p == backend) {
+            return Err(Error::Environment(format!(
+                "NIXL backend plugin {backend:?} is not installed (available: {})",
+                plugins.join(", ")
+            )));
+        }
+        let (_mems, params) =
+            agent.get_plugin_params(backend).map_err(|e| Error::Environment(format!("NIXL plugin {backend}: {e}")))?;
+        let b = agent
+            .create_backend(backend, &params)
+            .map_err(|e| Error::Environment(format!("NIXL backend {backend} failed to start: {e}")))?;
+        Ok(Agent { agent, backend: b, backend_name: backend.to_string(), _regs: Vec::new() })
+    }
+
+    /// The agent's name.
+    pub fn name(&self) -> String {
+        self.agent.name()
+    }
+
+    /// The backend plugin in use.
+    pub fn backend_name(&self) -> &str {
+        &self.backend_name
+    }
+
+    /// Registers regions (kept registered until the agent drops).
+    ///
+    /// # Safety contract (upheld by callers in this crate)
+    /// The regions must stay allocated while this agent lives.
+    pub fn register(&mut self, regions: &[Region]) -> Result<()> {
+        let mut opt = nixl_sys::OptArgs::new().map_err(|e| terr("opt args", e))?;
+        opt.add_backend(&self.backend).map_err(|e| terr("opt args", e))?;
+        for r in regions {
+            let h = self.agent.register_memory(r, Some(&opt)).map_err(|e| terr("register memory", e))?;
+            self._regs.push(h);
+        }
+        Ok(())
+    }
+
+    /// This agent's metadata blob, for the peer's [`Agent::load_remote`].
+    pub fn metadata(&self) -> Result<Vec<u8>> {
+        self.agent.get_local_md().map_err(|e| terr("get local metadata", e))
+    }
+
+    /// Loads a peer's metadata; returns the peer's agent name.
+    pub fn load_remote(&self, md: &[u8]) -> Result<String> {
+        self.agent.load_remote_md(md).map_err(|e| terr("load remote metadata", e))
+    }
+
+    fn dlist(mem: MemType, descs: &[(u64, u64)], dev: u64) -> Result<XferDescList<'static>> {
+        let mut l = XferDescList::new(mem).map_err(|e| terr("descriptor list", e))?;
+        for &(a, n) in descs {
+            l.add_desc(a as usize, n as usize, dev);
+        }
+        Ok(l)
+    }
+
+    /// Posts one transfer of `local[i] <-> remote[i]` and waits for it (polling) up to
+    /// `timeout`. READ pulls remote into local; WRITE pushes local to remote. The peer gets
+    /// `notif` as a NIXL notification when it completes.
+    ///
+    /// Errors: [`Error::Transport`] when NIXL refuses or fails the request,
+    /// [`Error::Timeout`] when it does not complete in time.
+    #[allow(clippy::too_many_arguments)]
+    pub fn transfer(
+        &self,
+        op: XferOp,
+        local: (&[(u64, u64)], MemType, u64),
+        remote: (&[(u64, u64)], MemType, u64),
+        peer: &str,
+        notif: &[u8],
+        timeout: Duration,
+    ) -> Result<XferResult> {
+        let l = Self::dlist(local.1, local.0, local.2)?;
+        let r = Self::dlist(remote.1, remote.0, remote.2)?;
+        let mut opt = nixl_sys::OptArgs::new().map_err(|e| terr("opt args", e))?;
+        opt.add_backend(&self.backend).map_err(|e| terr("opt args", e))?;
+        opt.set_notification_message(notif).map_err(|e| terr("notification", e))?;
+        opt.set_has_notification(true).map_err(|e| terr("notification", e))?;
+        let req = self.agent.create_xfer_req(op, &l, &r, peer, Some(&opt)).map_err(|e| terr("create transfer request", e))?;
+        let bytes: u64 = local.0.iter().map(|d| d.1).sum();
+        let t0 = Instant::now();
+        let mut pending = self.agent.post_xfer_req(&req, Some(&opt)).map_err(|e| terr("post transfer", e))?;
+        while pending {
+            match self.agent.get_xfer_status(&req).map_err(|e| terr("transfer failed", e))? {
+                nixl_sys::XferStatus::Success => pending = false,
+                nixl_sys::XferStatus::InProgress => {
+                    if t0.elapsed() > timeout {
+                        return Err(Error::Timeout(format!(
+                            "{op:?} of {bytes} bytes to {peer} not complete after {:.1} s",
+                            timeout.as_secs_f64()
+                        )));
+                    }
+                    std::thread::yield_now();
+                }
+            }
+        }
+        Ok(XferResult { bytes, elapsed: t0.elapsed() })
+    }
+
+    /// Waits up to `timeout` for a notification equal to `msg` from `peer`.
+    pub fn wait_notification(&self, peer: &str, msg: &str, timeout: Duration) -> Result<()> {
+        let t0 = Instant::now();
+        loop {
+            let mut map = nixl_sys::NotificationMap::new().map_err(|e| terr("notification map", e))?;
+            self.agent.get_notifications(&mut map, None).map_err(|e| terr("get notifications", e))?;
+            let got = map.take_notifs().map_err(|e| terr("read notifications", e))?;
+            if got.get(peer).is_some_and(|v| v.iter().any(|m| m == msg)) {
+                return Ok(());
+            }
+            if t0.elapsed() > timeout {
+                return Err(Error::Timeout(format!("no notification {msg:?} from {peer} after {:.1} s", timeout.as_secs_f64())));
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+}

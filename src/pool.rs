@@ -1,0 +1,323 @@
+//! A KV block pool on one side (prefill or decode): one region per layer, in VRAM or DRAM,
+//! with the fill, poison and verify passes of the probe.
+//!
+//! VRAM pools run the CUDA kernels (csrc/kernels.cu) and bring only failing slices to the
+//! host; DRAM pools run the CPU reference on all threads. Both honour the same
+//! per-block table of `{logical block, generation}` ([`TableEntry`]).
+
+use crate::cuda::{Device, DeviceBuffer, KernelFail, Kernels, RegionArgs};
+use crate::error::{Error, Result};
+use crate::fingerprint::{self, BlockIdentity, SKIP_GEN};
+use crate::geometry::{Geometry, SliceCoord};
+use crate::hostmem::HostBuffer;
+use std::sync::Arc;
+
+/// Where a pool lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum MemoryKind {
+    /// GPU memory (cuMemAlloc), registered with NIXL as VRAM.
+    Vram,
+    /// Host memory (mmap), registered with NIXL as DRAM.
+    Dram,
+}
+
+/// What a physical block slot holds (or must hold): the same for all its layers and K/V.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C)]
+pub struct TableEntry {
+    /// Logical block id.
+    pub block: u32,
+    /// Generation; [`SKIP_GEN`] leaves the slot alone.
+    pub generation: u32,
+}
+
+impl TableEntry {
+    /// The identity of this slot's slice at `c`.
+    pub fn identity(&self, c: SliceCoord) -> BlockIdentity {
+        BlockIdentity { layer: c.layer, kv: c.kv, block: self.block, generation: self.generation }
+    }
+}
+
+/// A slice whose bytes differ from what the table says (before classification).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RawFailure {
+    /// Global slice index.
+    pub slice: u32,
+    /// Bytes that differ.
+    pub bad_bytes: u64,
+    /// Offset of the first differing byte.
+    pub first_bad: u64,
+}
+
+enum Backing {
+    Host(Vec<HostBuffer>),
+    Device {
+        kernels: Arc<Kernels>,
+        regions: Vec<DeviceBuffer>,
+        table: DeviceBuffer,
+        fails: DeviceBuffer,
+        count: DeviceBuffer,
+    },
+}
+
+/// One side's KV pool.
+pub struct KvPool {
+    geom: Geometry,
+    seed: u64,
+    backing: Backing,
+}
+
+fn table_bytes(table: &[TableEntry]) -> Vec<u8> {
+    table.iter().flat_map(|e| e.block.to_le_bytes().into_iter().chain(e.generation.to_le_bytes())).collect()
+}
+
+fn threads() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+}
+
+impl KvPool {
+    /// Maps a DRAM pool. Errors: the geometry is invalid, or larger than available memory.
+    pub fn host(geom: &Geometry, seed: u64) -> Result<KvPool> {
+        geom.validate()?;
+        let region = geom.region_bytes()?;
+        let pool = geom.pool_bytes()?;
+        if let Some(avail) = crate::hostmem::available_bytes() {
+            // Two pools (prefill and decode) live in this process.
+            if pool.saturating_mul(2) > avail {
+                return Err(Error::Usage(format!(
+                    "two DRAM pools of {pool} bytes exceed the {avail} bytes of available host memory"
+                )));
+            }
+        }
+        let regions = (0..geom.num_layers).map(|_| HostBuffer::alloc(region as usize)).collect::<Result<Vec<_>>>()?;
+        Ok(KvPool { geom: geom.clone(), seed, backing: Backing::Host(regions) })
+    }
+
+    /// Allocates a VRAM pool on `dev` (one cuMemAlloc per layer). Errors: invalid geometry,
+    /// or the pool (plus bookkeeping) exceeds the device's free memory — checked before
+    /// allocating.
+    pub fn device(dev: &Arc<Device>, kernels: Arc<Kernels>, geom: &Geometry, seed: u64) -> Result<KvPool> {
+        geom.validate()?;
+        let region = geom.region_bytes()?;
+        let pool = geom.pool_bytes()?;
+        let slices = geom.total_slices()?;
+        let fails_len = slices.checked_mul(16).ok_or(Error::Usage("slice count overflows".into()))?;
+        let need = pool + fails_len + 8 * geom.num_blocks as u64 + (64 << 20);
+        let (free, _) = dev.mem_info()?;
+        if need > free {
+            return Err(Error::Usage(format!(
+                "a VRAM pool of {pool} bytes (+ bookkeeping) exceeds the {free} bytes free on GPU {}",
+                dev.ordinal()
+            )));
+        }
+        let regions =
+            (0..geom.num_layers).map(|_| DeviceBuffer::alloc(dev, region as usize)).collect::<Result<Vec<_>>>()?;
+        let table = DeviceBuffer::alloc(dev, 8 * geom.num_blocks as usize)?;
+        let fails = DeviceBuffer::alloc(dev, fails_len as usize)?;
+        let count = DeviceBuffer::alloc(dev, 4)?;
+        Ok(KvPool { geom: geom.clone(), seed, backing: Backing::Device { kernels, regions, table, fails, count } })
+    }
+
+    /// The pool's geometry.
+    pub fn geometry(&self) -> &Geometry {
+        &self.geom
+    }
+
+    /// VRAM or DRAM.
+    pub fn memory(&self) -> MemoryKind {
+        match self.backing {
+            Backing::Host(_) => MemoryKind::Dram,
+            Backing::Device { .. } => MemoryKind::Vram,
+        }
+    }
+
+    /// NIXL device id: the GPU ordinal for VRAM, 0 for DRAM.
+    pub fn device_id(&self) -> u64 {
+        match &self.backing {
+            Backing::Host(_) => 0,
+            Backing::Device { regions, .. } => regions[0].device().ordinal() as u64,
+        }
+    }
+
+    /// Base address of each layer's region.
+    pub fn region_addrs(&self) -> Vec<u64> {
+        match &self.backing {
+            Backing::Host(r) => r.iter().map(|b| b.addr()).collect(),
+            Backing::Device { regions, .. } => regions.iter().map(|b| b.ptr()).collect(),
+        }
+    }
+
+    fn check_table(&self, table: &[TableEntry]) -> Result<()> {
+        if table.len() != self.geom.num_blocks as usize {
+            return Err(Error::Usage(format!("table has {} entries for {} blocks", table.len(), self.geom.num_blocks)));
+        }
+        Ok(())
+    }
+
+    /// Runs `f(coord, slice bytes)` over every slice of a DRAM pool on all threads.
+    fn host_each<F>(geom: &Geometry, regions: &mut [HostBuffer], f: F)
+    where
+        F: Fn(SliceCoord, &mut [u8]) + Sync,
+    {
+        let sb = geom.slice_bytes().unwrap_or(0) as usize;
+        let mut work: Vec<(u32, &mut [u8])> = Vec::new();
+        for (layer, r) in regions.iter_mut().enumerate() {
+            let base = layer as u32 * geom.slices_per_layer() as u32;
+            for (q, s) in r.as_mut_slice().chunks_exact_mut(sb).enumerate() {
+                work.push((base + q as u32, s));
+            }
+        }
+        let per = work.len().div_ceil(threads()).max(1);
+        std::thread::scope(|sc| {
+            for part in work.chunks_mut(per) {
+                let f = &f;
+                sc.spawn(move || {
+                    for (g, s) in part.iter_mut() {
+                        f(geom.coord_of(*g), s);
+                    }
+                });
+            }
+        });
+    }
+
+    /// Writes the fingerprint of `table[block]` into every slice (table has one entry per
+    /// block; [`SKIP_GEN`] entries are left alone). Synchronous.
+    pub fn fill(&mut self, table: &[TableEntry]) -> Result<()> {
+        self.check_table(table)?;
+        let seed = self.seed;
+        match &mut self.backing {
+            Backing::Host(regions) => {
+                Self::host_each(&self.geom, regions, |c, s| {
+                    let e = table[c.block as usize];
+                    if e.generation != SKIP_GEN {
+                        fingerprint::fill(s, seed, e.identity(c));
+                    }
+                });
+                Ok(())
+            }
+            Backing::Device { kernels, regions, table: t, .. } => {
+                t.write(0, &table_bytes(table))?;
+                let s32 = fingerprint::seed32(seed);
+                for (layer, r) in regions.iter().enumerate() {
+                    let args = Self::region_args_of(&self.geom, layer as u32, r.ptr());
+                    kernels.fill(args, s32, t)?;
+                }
+                regions[0].device().synchronize()
+            }
+        }
+    }
+
+    fn region_args_of(geom: &Geometry, layer: u32, base: u64) -> RegionArgs {
+        let per = geom.slices_per_layer() as u32;
+        RegionArgs {
+            region: base,
+            slice_bytes: geom.slice_bytes().unwrap_or(0) as u32,
+            layout: geom.layout_code(),
+            num_blocks: geom.num_blocks,
+            layer,
+            num_slices: per,
+            slice_base: layer * per,
+        }
+    }
+
+    /// Writes the poison of (slot, `iteration`) into every slice. Synchronous.
+    pub fn poison(&mut self, iteration: u32) -> Result<()> {
+        match &mut self.backing {
+            Backing::Host(regions) => {
+                let g = &self.geom;
+                Self::host_each(g, regions, |c, s| fingerprint::poison(s, g.global_slice(c), iteration));
+                Ok(())
+            }
+            Backing::Device { kernels, regions, .. } => {
+                for (layer, r) in regions.iter().enumerate() {
+                    kernels.poison(Self::region_args_of(&self.geom, layer as u32, r.ptr()), iteration)?;
+                }
+                regions[0].device().synchronize()
+            }
+        }
+    }
+
+    /// Verifies every slice against `table`; returns the failing slices sorted by global
+    /// index. Host memory is O(failures): VRAM pools are checked by the verify kernel,
+    /// which appends only failing slices to a device-side list.
+    pub fn verify(&mut self, table: &[TableEntry]) -> Result<Vec<RawFailure>> {
+        self.check_table(table)?;
+        let seed = self.seed;
+        let mut out = match &mut self.backing {
+            Backing::Host(regions) => {
+                let found = std::sync::Mutex::new(Vec::new());
+                let g = &self.geom;
+                Self::host_each(g, regions, |c, s| {
+                    let e = table[c.block as usize];
+                    if e.generation == SKIP_GEN {
+                        return;
+                    }
+                    let (bad, first) = fingerprint::check(s, seed, e.identity(c));
+                    if bad > 0 {
+                        found.lock().unwrap().push(RawFailure { slice: g.global_slice(c), bad_bytes: bad, first_bad: first });
+                    }
+                });
+                found.into_inner().unwrap()
+            }
+            Backing::Device { kernels, regions, table: t, fails, count } => {
+                t.write(0, &table_bytes(table))?;
+                count.zero()?;
+                let s32 = fingerprint::seed32(seed);
+                for (layer, r) in regions.iter().enumerate() {
+                    kernels.verify(Self::region_args_of(&self.geom, layer as u32, r.ptr()), s32, t, fails, count)?;
+                }
+                regions[0].device().synchronize()?;
+                let mut n = [0u8; 4];
+                count.read(0, &mut n)?;
+                let n = u32::from_le_bytes(n) as usize;
+                let mut raw = vec![0u8; n * 16];
+                fails.read(0, &mut raw)?;
+                raw.chunks_exact(16)
+                    .map(|c| {
+                        let w = |i: usize| u32::from_le_bytes(c[4 * i..4 * i + 4].try_into().unwrap());
+                        let k = KernelFail { slice: w(0), bad_bytes: w(1), first_bad: w(2), pad: w(3) };
+                        RawFailure { slice: k.slice, bad_bytes: k.bad_bytes as u64, first_bad: k.first_bad as u64 }
+                    })
+                    .collect()
+            }
+        };
+        out.sort_by_key(|f| f.slice);
+        Ok(out)
+    }
+
+    fn locate(&self, c: SliceCoord) -> (usize, usize, usize) {
+        let sb = self.geom.slice_bytes().unwrap_or(0) as usize;
+        (c.layer as usize, self.geom.slice_offset(c.kv, c.block) as usize, sb)
+    }
+
+    /// Copies one slice to `buf` (which must be slice-sized).
+    pub fn read_slice(&self, c: SliceCoord, buf: &mut [u8]) -> Result<()> {
+        let (layer, off, sb) = self.locate(c);
+        if buf.len() != sb {
+            return Err(Error::Usage(format!("read_slice needs {sb} bytes, got {}", buf.len())));
+        }
+        match &self.backing {
+            Backing::Host(r) => {
+                buf.copy_from_slice(&r[layer].as_slice()[off..off + sb]);
+                Ok(())
+            }
+            Backing::Device { regions, .. } => regions[layer].read(off, buf),
+        }
+    }
+
+    /// Overwrites one slice with `bytes` (slice-sized).
+    pub fn write_slice(&mut self, c: SliceCoord, bytes: &[u8]) -> Result<()> {
+        let (layer, off, sb) = self.locate(c);
+        if bytes.len() != sb {
+            return Err(Error::Usage(format!("write_slice needs {sb} bytes, got {}", bytes.len())));
+        }
+        match &mut self.backing {
+            Backing::Host(r) => {
+                r[layer].as_mut_slice()[off..off + sb].copy_from_slice(bytes);
+                Ok(())
+            }
+            Backing::Device { regions, .. } => regions[layer].write(off, bytes),
+        }
+    }
+}

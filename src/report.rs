@@ -1,0 +1,245 @@
+//! The versioned JSON report (`schema` = [`SCHEMA`]) and the human summary.
+//!
+//! Reports are written atomically: to a temporary file in the target's directory, flushed
+//! to disk, then renamed over the target — a reader never sees a partial report, and a
+//! failed run still leaves one.
+
+use crate::envinfo::Environment;
+use crate::error::{Error, Exit, Result};
+use crate::fingerprint::BlockIdentity;
+use crate::geometry::KvPart;
+use crate::verify::{Class, SectorRun};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::Path;
+
+/// Report schema identifier; bumped on incompatible changes.
+pub const SCHEMA: &str = "kvprobe.report/1";
+
+/// One corrupt block slice.
+#[derive(Clone, Debug, Serialize)]
+pub struct Failure {
+    /// Iteration (1-based).
+    pub iteration: u32,
+    /// Layer.
+    pub layer: u32,
+    /// "K", "V" or "latent".
+    pub kv: KvPart,
+    /// Decode-side block id (the physical slot that was checked).
+    pub block: u32,
+    /// The failure class.
+    pub class: Class,
+    /// Byte offset of the first differing byte within the slice.
+    pub first_bad_offset: u64,
+    /// Number of differing bytes.
+    pub bad_bytes: u64,
+    /// SHA-256 of the expected slice bytes.
+    pub expected_digest: String,
+    /// SHA-256 of the received slice bytes.
+    pub actual_digest: String,
+    /// Identity the slice actually holds (decoded from its tags), when any.
+    pub observed: Option<BlockIdentity>,
+    /// Identity the slot should hold.
+    pub expected: BlockIdentity,
+    /// Prefill-side block id the slot was to receive from.
+    pub prefill_block: u32,
+    /// Flipped bits (bitflip only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bit_flips: Option<u64>,
+    /// Source of each 512-byte sector (torn only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sectors: Option<Vec<SectorRun>>,
+}
+
+/// One planted fault and whether it came back as predicted.
+#[derive(Clone, Debug, Serialize)]
+pub struct InjectionRecord {
+    /// Iteration.
+    pub iteration: u32,
+    /// Injection kind.
+    pub kind: crate::inject::Kind,
+    /// Predicted `(layer, kv, decode block, class)` outcomes.
+    pub predicted: Vec<PredictedHit>,
+    /// True when every predicted outcome was reported with its class.
+    pub detected: bool,
+}
+
+/// One predicted outcome of an injection.
+#[derive(Clone, Debug, Serialize)]
+pub struct PredictedHit {
+    /// Layer.
+    pub layer: u32,
+    /// K/V/latent.
+    pub kv: KvPart,
+    /// Decode-side block id.
+    pub block: u32,
+    /// Predicted class.
+    pub class: Class,
+}
+
+/// Totals over the run.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Summary {
+    /// Iterations completed.
+    pub iterations: u32,
+    /// Block slices verified (all iterations).
+    pub blocks_checked: u64,
+    /// Block slices found corrupt (all iterations).
+    pub blocks_corrupt: u64,
+    /// Corrupt slices per class (every class listed, zeros included).
+    pub by_class: BTreeMap<String, u64>,
+    /// Bytes moved by NIXL (all iterations).
+    pub bytes_transferred: u64,
+    /// Seconds spent in transfers (post to completion).
+    pub transfer_seconds: f64,
+    /// bytes_transferred / transfer_seconds / 1e9.
+    pub transfer_gbps: f64,
+    /// Failures left out of `failures` by `--max-failures`.
+    pub failures_omitted: u64,
+    /// Injections planted.
+    pub injections_planted: u64,
+    /// Injections whose predicted outcomes were all reported.
+    pub injections_detected: u64,
+    /// Corrupt slices not predicted by any injection.
+    pub unexpected_failures: u64,
+}
+
+impl Summary {
+    /// An empty summary with every class at zero.
+    pub fn new() -> Summary {
+        Summary { by_class: Class::ALL.iter().map(|c| (c.name().to_string(), 0)).collect(), ..Default::default() }
+    }
+}
+
+/// The error that ended a run, if any.
+#[derive(Clone, Debug, Serialize)]
+pub struct RunError {
+    /// "usage", "environment", "transport", "device", "timeout" or "io".
+    pub kind: String,
+    /// The message.
+    pub message: String,
+}
+
+/// How the run ended.
+#[derive(Clone, Debug, Serialize)]
+pub struct Outcome {
+    /// Process exit code (see README "Exit codes").
+    pub exit_code: u8,
+    /// "clean", "corrupt", "error", "timeout" or "below-min-gbps".
+    pub status: String,
+    /// The error, when the run stopped early.
+    pub error: Option<RunError>,
+}
+
+/// The whole report.
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    /// Always [`SCHEMA`].
+    pub schema: &'static str,
+    /// Unix time (seconds) the run started.
+    pub started_unix: u64,
+    /// Run parameters as resolved (preset expanded).
+    pub config: serde_json::Value,
+    /// Machine, GPUs, NIXL.
+    pub environment: Option<Environment>,
+    /// Totals.
+    pub summary: Summary,
+    /// Corrupt slices, at most `--max-failures`.
+    pub failures: Vec<Failure>,
+    /// Planted faults.
+    pub injections: Vec<InjectionRecord>,
+    /// How it ended.
+    pub outcome: Outcome,
+}
+
+impl Report {
+    /// Sets the outcome from the final exit code and error.
+    pub fn finish(&mut self, exit: Exit, error: Option<&Error>) {
+        let status = match exit {
+            Exit::Clean => "clean",
+            Exit::Corrupt => "corrupt",
+            Exit::Timeout => "timeout",
+            Exit::BelowRate => "below-min-gbps",
+            Exit::Usage | Exit::Transport => "error",
+        };
+        self.outcome = Outcome {
+            exit_code: exit as u8,
+            status: status.into(),
+            error: error.map(|e| RunError { kind: e.kind().into(), message: e.to_string() }),
+        };
+    }
+}
+
+/// Writes `value` as pretty JSON to `path` atomically (temp file, fsync, rename).
+/// Errors: [`Error::Io`] (exit 2) when the directory is not writable.
+pub fn write_atomic<T: Serialize>(path: &Path, value: &T) -> Result<()> {
+    let io = |what: &str, e: std::io::Error| Error::Io(format!("{what} {}: {e}", path.display()));
+    let name = path.file_name().ok_or_else(|| Error::Io(format!("{} is not a file path", path.display())))?;
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => std::path::PathBuf::from("."),
+    };
+    let tmp = dir.join(format!(".{}.{}.tmp", name.to_string_lossy(), std::process::id()));
+    let body = serde_json::to_vec_pretty(value).map_err(|e| Error::Io(format!("serialise report: {e}")))?;
+    let result = (|| {
+        let mut f = std::fs::File::create(&tmp).map_err(|e| io("create temp file for", e))?;
+        f.write_all(&body).map_err(|e| io("write", e))?;
+        f.write_all(b"\n").map_err(|e| io("write", e))?;
+        f.sync_all().map_err(|e| io("sync", e))?;
+        std::fs::rename(&tmp, path).map_err(|e| io("rename into", e))?;
+        if let Ok(d) = std::fs::File::open(&dir) {
+            let _ = d.sync_all();
+        }
+        Ok(())
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// The human summary printed on stdout.
+pub fn render(r: &Report) -> String {
+    let s = &r.summary;
+    let mut out = String::new();
+    out += &format!("iterations:        {}\n", s.iterations);
+    out += &format!("block slices:      {} checked, {} corrupt\n", s.blocks_checked, s.blocks_corrupt);
+    if s.blocks_corrupt > 0 {
+        let parts: Vec<String> = s.by_class.iter().filter(|(_, n)| **n > 0).map(|(k, n)| format!("{k} {n}")).collect();
+        out += &format!("corrupt by class:  {}\n", parts.join(", "));
+    }
+    out += &format!(
+        "transfer:          {:.3} GB in {:.3} s = {:.2} GB/s\n",
+        s.bytes_transferred as f64 / 1e9,
+        s.transfer_seconds,
+        s.transfer_gbps
+    );
+    if s.injections_planted > 0 {
+        out += &format!(
+            "injections:        {} planted, {} detected as predicted, {} unexpected failures\n",
+            s.injections_planted, s.injections_detected, s.unexpected_failures
+        );
+    }
+    for f in r.failures.iter().take(5) {
+        out += &format!(
+            "  iter {} layer {} {} block {}: {} (first bad byte {}, {} bad bytes){}\n",
+            f.iteration,
+            f.layer,
+            f.kv,
+            f.block,
+            f.class,
+            f.first_bad_offset,
+            f.bad_bytes,
+            f.observed.map(|o| format!(", holds layer {} {} block {} gen {}", o.layer, o.kv, o.block, o.generation)).unwrap_or_default()
+        );
+    }
+    if r.failures.len() > 5 || s.failures_omitted > 0 {
+        out += &format!("  ... {} more in the report\n", s.blocks_corrupt.saturating_sub(5));
+    }
+    out += &format!("result:            {} (exit {})\n", r.outcome.status, r.outcome.exit_code);
+    if let Some(e) = &r.outcome.error {
+        out += &format!("error:             {}\n", e.message);
+    }
+    out
+}

@@ -1,0 +1,314 @@
+//! `kvprobe run`: fingerprinted KV blocks → NIXL → per-block verification, iterated.
+//!
+//! Setup: both pools are allocated and registered, the roles exchange [`PeerInfo`], and
+//! the prefill pool gets generation 0. Each iteration `g` (1-based):
+//! 1. prefill refills every slice with generation `g` (fill kernel or CPU reference);
+//!    injected faults on the prefill side are applied;
+//! 2. decode re-poisons every slice with the pattern of (iteration, slot);
+//! 3. a seeded random permutation maps prefill blocks to decode blocks (block ids differ
+//!    between engines, as in vLLM); one NIXL request moves every block slice;
+//! 4. decode verifies every slice in full against the logical block it should hold;
+//!    failing slices are classified ([`crate::verify`]) and recorded.
+
+use crate::cuda::{self, Device, Kernels};
+use crate::error::{Error, Exit, Result};
+use crate::fingerprint;
+use crate::geometry::{Geometry, Preset, SliceCoord};
+use crate::inject::{self, Action, Spec};
+use crate::pool::{KvPool, MemoryKind, TableEntry};
+use crate::report::{Failure, InjectionRecord, Outcome, PredictedHit, Report, Summary};
+use crate::transport::{self, Endpoint, Op, Pair};
+use crate::verify::{self, Class};
+use rand::SeedableRng;
+use rand::seq::SliceRandom;
+use rand_chacha::ChaCha8Rng;
+use serde::Serialize;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Everything `kvprobe run` needs, resolved (preset expanded).
+#[derive(Clone, Debug, Serialize)]
+pub struct RunConfig {
+    /// VRAM or DRAM pools.
+    pub memory: MemoryKind,
+    /// GPU of the prefill pool (VRAM).
+    pub prefill_device: usize,
+    /// GPU of the decode pool (VRAM).
+    pub decode_device: usize,
+    /// The preset the geometry started from, if any.
+    pub preset: Option<Preset>,
+    /// KV geometry (the same on both sides).
+    pub geometry: Geometry,
+    /// READ (decode pulls) or WRITE (prefill pushes).
+    pub op: Op,
+    /// Iterations (≥ 1).
+    pub iterations: u32,
+    /// Fingerprint and scheduling seed.
+    pub seed: u64,
+    /// Faults to plant.
+    pub inject: Vec<Spec>,
+    /// NIXL backend plugin.
+    pub backend: String,
+    /// Seconds to wait for each transfer.
+    pub timeout_secs: f64,
+    /// Minimum acceptable transfer rate (GB/s, 1e9 B/s), if any.
+    pub min_gbps: Option<f64>,
+    /// Cap on failures listed in the report (counts stay complete).
+    pub max_failures: usize,
+}
+
+/// Logical block id of prefill slot `i`: a seeded bijection of u32 (so logical ≠ physical).
+pub fn logical_block(seed: u64, i: u32) -> u32 {
+    i.wrapping_mul(0x9E37_79B1) ^ (seed as u32).rotate_left(7)
+}
+
+struct Probe {
+    cfg: RunConfig,
+    prefill: Endpoint,
+    decode: Endpoint,
+}
+
+fn check_config(cfg: &RunConfig) -> Result<()> {
+    cfg.geometry.validate()?;
+    inject::check(&cfg.inject, &cfg.geometry)?;
+    if cfg.iterations == 0 {
+        return Err(Error::Usage("--iterations must be at least 1".into()));
+    }
+    if cfg.iterations >= 0x00FF_FFFF {
+        return Err(Error::Usage("--iterations must be below 16777215 (poison patterns carry 24 bits)".into()));
+    }
+    if !(cfg.timeout_secs.is_finite() && cfg.timeout_secs > 0.0) {
+        return Err(Error::Usage("--timeout must be a positive number of seconds".into()));
+    }
+    if let Some(m) = cfg.min_gbps {
+        if !(m.is_finite() && m >= 0.0) {
+            return Err(Error::Usage("--min-gbps must be a non-negative number".into()));
+        }
+    }
+    Ok(())
+}
+
+fn build_pools(cfg: &RunConfig) -> Result<(KvPool, KvPool)> {
+    let g = &cfg.geometry;
+    match cfg.memory {
+        MemoryKind::Dram => Ok((KvPool::host(g, cfg.seed)?, KvPool::host(g, cfg.seed)?)),
+        MemoryKind::Vram => {
+            if cuda::device_count() == 0 {
+                return Err(Error::Environment("--memory vram needs a CUDA GPU and none was found (use --memory dram)".into()));
+            }
+            let pd = Device::open(cfg.prefill_device)?;
+            let dd = if cfg.decode_device == cfg.prefill_device { pd.clone() } else { Device::open(cfg.decode_device)? };
+            let pk = Arc::new(Kernels::compile(&pd)?);
+            let dk = if Arc::ptr_eq(&pd, &dd) { pk.clone() } else { Arc::new(Kernels::compile(&dd)?) };
+            let p = KvPool::device(&pd, pk, g, cfg.seed)?;
+            let d = KvPool::device(&dd, dk, g, cfg.seed)?;
+            Ok((p, d))
+        }
+    }
+}
+
+impl Probe {
+    fn setup(cfg: &RunConfig) -> Result<Probe> {
+        let (p, d) = build_pools(cfg)?;
+        let mut prefill = Endpoint::new("kvprobe-prefill", &cfg.backend, p)?;
+        let mut decode = Endpoint::new("kvprobe-decode", &cfg.backend, d)?;
+        let pi = prefill.info()?;
+        let di = decode.info()?;
+        prefill.connect(di)?;
+        decode.connect(pi)?;
+        let mut probe = Probe { cfg: cfg.clone(), prefill, decode };
+        let t0 = probe.source_table(0);
+        probe.prefill.pool.fill(&t0)?;
+        Ok(probe)
+    }
+
+    fn source_table(&self, generation: u32) -> Vec<TableEntry> {
+        (0..self.cfg.geometry.num_blocks).map(|i| TableEntry { block: logical_block(self.cfg.seed, i), generation }).collect()
+    }
+
+    /// Applies prefill-side faults after the fill.
+    fn apply_source_faults(&mut self, actions: &[Action], generation: u32) -> Result<()> {
+        let sb = self.cfg.geometry.slice_bytes()? as usize;
+        for a in actions {
+            match *a {
+                Action::Stale { at } => {
+                    let id = fingerprint::BlockIdentity {
+                        layer: at.layer,
+                        kv: at.kv,
+                        block: logical_block(self.cfg.seed, at.block),
+                        generation: generation - 1,
+                    };
+                    let bytes = fingerprint::expected(sb, self.cfg.seed, id);
+                    self.prefill.pool.write_slice(at, &bytes)?;
+                }
+                Action::Bitflip { at, offset, bit } => {
+                    let mut buf = vec![0u8; sb];
+                    self.prefill.pool.read_slice(at, &mut buf)?;
+                    buf[offset as usize] ^= 1 << bit;
+                    self.prefill.pool.write_slice(at, &buf)?;
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    fn pairs(&self, perm: &[u32], actions: &[Action]) -> Result<Vec<Pair>> {
+        let g = &self.cfg.geometry;
+        let sb = g.slice_bytes()?;
+        let dst_of = |c: SliceCoord| SliceCoord { block: perm[c.block as usize], ..c };
+        let mut special: HashMap<SliceCoord, Option<Pair>> = HashMap::new();
+        for a in actions {
+            match *a {
+                Action::Drop { at } => {
+                    special.insert(at, None);
+                }
+                Action::Torn { at, len } => {
+                    special.insert(at, Some(Pair { src: at, dst: dst_of(at), len }));
+                }
+                Action::Misroute { from, to } => {
+                    special.insert(from, Some(Pair { src: from, dst: dst_of(to), len: sb }));
+                    special.insert(to, None);
+                }
+                Action::Bitflip { .. } | Action::Stale { .. } => {}
+            }
+        }
+        Ok(g.coords()
+            .filter_map(|c| match special.get(&c) {
+                Some(p) => *p,
+                None => Some(Pair { src: c, dst: dst_of(c), len: sb }),
+            })
+            .collect())
+    }
+}
+
+fn empty_report(cfg: &RunConfig) -> Report {
+    Report {
+        schema: crate::report::SCHEMA,
+        started_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+        config: serde_json::to_value(cfg).unwrap_or(serde_json::Value::Null),
+        environment: None,
+        summary: Summary::new(),
+        failures: Vec::new(),
+        injections: Vec::new(),
+        outcome: Outcome { exit_code: 0, status: "running".into(), error: None },
+    }
+}
+
+/// Runs the probe. Never panics on bad input: every outcome, including errors, comes back
+/// as a report with its exit code. `progress` receives one line per iteration.
+pub fn run(cfg: &RunConfig, progress: &mut dyn FnMut(&str)) -> (Report, Exit) {
+    let mut report = empty_report(cfg);
+    let result = run_inner(cfg, &mut report, progress);
+    let corrupt = report.summary.blocks_corrupt > 0;
+    let (exit, err) = match (&result, corrupt) {
+        (_, true) => (Exit::Corrupt, result.as_ref().err()),
+        (Err(e), false) => (e.exit(), Some(e)),
+        (Ok(()), false) => match cfg.min_gbps {
+            Some(m) if report.summary.transfer_gbps < m => (Exit::BelowRate, None),
+            _ => (Exit::Clean, None),
+        },
+    };
+    report.finish(exit, err);
+    (report, exit)
+}
+
+fn run_inner(cfg: &RunConfig, report: &mut Report, progress: &mut dyn FnMut(&str)) -> Result<()> {
+    check_config(cfg)?;
+    let lib = crate::nixl::load();
+    report.environment = Some(crate::envinfo::gather(crate::envinfo::nixl_info()));
+    lib?;
+    let mut probe = Probe::setup(cfg)?;
+    let g = cfg.geometry.clone();
+    let sb = g.slice_bytes()? as usize;
+    let total = g.total_slices()?;
+    let timeout = Duration::from_secs_f64(cfg.timeout_secs);
+    let mut buf = vec![0u8; sb];
+    for it in 1..=cfg.iterations {
+        let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ (it as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let mut perm: Vec<u32> = (0..g.num_blocks).collect();
+        perm.shuffle(&mut rng);
+        let actions = inject::plan(&cfg.inject, &g, &mut rng);
+
+        let src_table = probe.source_table(it);
+        probe.prefill.pool.fill(&src_table)?;
+        probe.apply_source_faults(&actions, it)?;
+        probe.decode.pool.poison(it)?;
+        let pairs = probe.pairs(&perm, &actions)?;
+        let xr = transport::transfer(cfg.op, &probe.prefill, &probe.decode, &pairs, &format!("kvprobe:iter={it}"), timeout)?;
+        report.summary.bytes_transferred += xr.bytes;
+        report.summary.transfer_seconds += xr.elapsed.as_secs_f64();
+
+        let mut dst_table = vec![TableEntry::default(); g.num_blocks as usize];
+        let mut src_of = vec![0u32; g.num_blocks as usize];
+        for (i, &d) in perm.iter().enumerate() {
+            dst_table[d as usize] = src_table[i];
+            src_of[d as usize] = i as u32;
+        }
+        let fails = probe.decode.pool.verify(&dst_table)?;
+        report.summary.blocks_checked += total;
+
+        let mut predicted: HashMap<SliceCoord, Class> = HashMap::new();
+        for a in &actions {
+            for (src, class) in a.predicted() {
+                predicted.insert(SliceCoord { block: perm[src.block as usize], ..src }, class);
+            }
+        }
+        let mut seen: HashMap<SliceCoord, Class> = HashMap::new();
+        for f in &fails {
+            let c = g.coord_of(f.slice);
+            let expected = dst_table[c.block as usize].identity(c);
+            probe.decode.pool.read_slice(c, &mut buf)?;
+            let v = verify::classify(&buf, expected, cfg.seed, f.slice, it);
+            seen.insert(c, v.class);
+            if predicted.get(&c) != Some(&v.class) {
+                report.summary.unexpected_failures += 1;
+            }
+            report.summary.blocks_corrupt += 1;
+            *report.summary.by_class.entry(v.class.name().to_string()).or_default() += 1;
+            if report.failures.len() < cfg.max_failures {
+                report.failures.push(Failure {
+                    iteration: it,
+                    layer: c.layer,
+                    kv: c.kv,
+                    block: c.block,
+                    class: v.class,
+                    first_bad_offset: f.first_bad,
+                    bad_bytes: f.bad_bytes,
+                    expected_digest: fingerprint::digest(&fingerprint::expected(sb, cfg.seed, expected)),
+                    actual_digest: fingerprint::digest(&buf),
+                    observed: v.observed,
+                    expected,
+                    prefill_block: src_of[c.block as usize],
+                    bit_flips: v.bit_flips,
+                    sectors: v.sectors,
+                });
+            } else {
+                report.summary.failures_omitted += 1;
+            }
+        }
+        for a in &actions {
+            let hits: Vec<PredictedHit> = a
+                .predicted()
+                .into_iter()
+                .map(|(src, class)| PredictedHit { layer: src.layer, kv: src.kv, block: perm[src.block as usize], class })
+                .collect();
+            let detected = hits.iter().all(|h| seen.get(&SliceCoord { layer: h.layer, kv: h.kv, block: h.block }) == Some(&h.class));
+            report.summary.injections_planted += 1;
+            report.summary.injections_detected += detected as u64;
+            report.injections.push(InjectionRecord { iteration: it, kind: a.kind(), predicted: hits, detected });
+        }
+        report.summary.iterations = it;
+        let s = &report.summary;
+        report.summary.transfer_gbps = if s.transfer_seconds > 0.0 { s.bytes_transferred as f64 / s.transfer_seconds / 1e9 } else { 0.0 };
+        progress(&format!(
+            "iteration {it}/{}: {} block slices, {} corrupt, {:.2} GB/s",
+            cfg.iterations,
+            total,
+            fails.len(),
+            if xr.elapsed.as_secs_f64() > 0.0 { xr.bytes as f64 / xr.elapsed.as_secs_f64() / 1e9 } else { 0.0 }
+        ));
+    }
+    Ok(())
+}

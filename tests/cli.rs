@@ -1,0 +1,88 @@
+//! Bad input: a clear message, exit 2, no panic — and the report still written.
+
+use crate::common::{kvprobe, kvprobe_env, read_report, tmpdir};
+
+fn assert_usage(args: &[&str], needle: &str) {
+    let (code, out, err) = kvprobe(args);
+    assert_eq!(code, 2, "{args:?}: stdout {out} stderr {err}");
+    assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
+    let all = format!("{out}{err}");
+    assert!(all.contains(needle), "{args:?}: expected {needle:?} in: {all}");
+}
+
+#[test]
+fn bad_flags_exit_2_with_a_message() {
+    assert_usage(&["run", "--memory", "dram", "--blocks", "0"], "--blocks must be at least 1");
+    assert_usage(&["run", "--memory", "dram", "--inject", "bogus"], "unknown injection");
+    assert_usage(&["run", "--memory", "dram", "--inject", "torn:0"], "at least 1");
+    assert_usage(&["run", "--memory", "dram", "--inject", "drop:x"], "positive integer");
+    assert_usage(&["run", "--memory", "dram", "--preset", "gpt5"], "invalid value");
+    assert_usage(&["run", "--memory", "dram", "--head-size", "3", "--kv-heads", "1", "--block-size", "1", "--dtype", "fp8"], "multiple of 16");
+    assert_usage(&["run", "--memory", "dram", "--iterations", "0"], "--iterations must be at least 1");
+    assert_usage(&["run", "--memory", "dram", "--timeout=-1"], "--timeout must be a positive");
+    assert_usage(&["run", "--memory", "dram", "--timeout", "nan"], "--timeout must be a positive");
+    assert_usage(&["run", "--memory", "dram", "--layers", "99999"], "65535");
+    assert_usage(&["run", "--memory", "dram", "--mla", "--kv-heads", "4"], "--kv-heads must be 1");
+    assert_usage(&["run", "--memory", "dram", "--blocks", "1", "--inject", "misroute"], "at least 2 blocks");
+    assert_usage(&["run", "--memory", "dram", "--blocks", "1", "--layers", "1", "--inject", "drop:3"], "distinct block slices");
+    assert_usage(&["run", "--memory", "hbm"], "invalid value");
+    assert_usage(&["frobnicate"], "unrecognized subcommand");
+}
+
+#[test]
+fn a_pool_larger_than_memory_is_refused_before_allocating() {
+    assert_usage(&["run", "--memory", "dram", "--preset", "llama3-8b", "--blocks", "4000000"], "exceed");
+}
+
+#[test]
+fn help_lists_the_exit_codes() {
+    let (code, out, _) = kvprobe(&["run", "--help"]);
+    assert_eq!(code, 0);
+    for line in ["0  clean", "1  corruption found", "2  usage", "3  transport", "4  a transfer did not complete", "5  transfer rate below"] {
+        assert!(out.contains(line), "missing {line:?} in help");
+    }
+}
+
+#[test]
+fn missing_nixl_exits_2_with_install_hint_and_a_report() {
+    let d = tmpdir("no-nixl");
+    let report = d.join("r.json");
+    let home = d.join("home");
+    let (code, _, err) = kvprobe_env(
+        &["run", "--memory", "dram", "--report", report.to_str().unwrap()],
+        &[("KVPROBE_NIXL_DIR", d.to_str().unwrap()), ("KVPROBE_HOME", home.to_str().unwrap())],
+    );
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("libnixl_capi.so not found") && err.contains("install-deps.sh"), "{err}");
+    let r = read_report(&report);
+    assert_eq!(r["schema"], "kvprobe.report/1");
+    assert_eq!(r["outcome"]["exit_code"], 2);
+    assert_eq!(r["outcome"]["error"]["kind"], "environment");
+    assert_eq!(r["environment"]["nixl"]["library"], serde_json::Value::Null);
+}
+
+#[test]
+fn vram_without_a_gpu_exits_2() {
+    if kvprobe::cuda::device_count() > 0 {
+        eprintln!("SKIP vram_without_a_gpu_exits_2: a GPU is present");
+        return;
+    }
+    assert_usage(&["run", "--memory", "vram"], "needs a CUDA GPU");
+}
+
+#[test]
+fn unwritable_report_path_exits_2() {
+    let (code, _, err) = kvprobe(&["run", "--memory", "dram", "--iterations", "1", "--report", "/nonexistent-dir/r.json"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("/nonexistent-dir/r.json"), "{err}");
+}
+
+#[test]
+fn ci_runs_the_readme_test_command() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let readme = std::fs::read_to_string(format!("{root}/README.md")).unwrap();
+    let ci = std::fs::read_to_string(format!("{root}/.ci/run")).unwrap();
+    let cmd = "scripts/install-deps.sh && cargo test";
+    assert!(readme.contains(&format!("```sh\n{cmd}\n```")), "README lost its test command");
+    assert!(ci.lines().any(|l| l.trim() == cmd), ".ci/run does not run the README's test command");
+}

@@ -1,0 +1,108 @@
+//! Helpers shared by the test modules.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+/// Path of the built `kvprobe` binary (`KVPROBE_BIN` overrides it, for test binaries
+/// carried to a GPU host without cargo).
+pub fn bin() -> PathBuf {
+    std::env::var_os("KVPROBE_BIN").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_kvprobe")))
+}
+
+/// Runs kvprobe with `args`; returns (exit code, stdout, stderr).
+pub fn kvprobe(args: &[&str]) -> (i32, String, String) {
+    kvprobe_env(args, &[])
+}
+
+/// Runs kvprobe with `args` and extra environment variables.
+pub fn kvprobe_env(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
+    let mut c = Command::new(bin());
+    c.args(args);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let o: Output = c.output().expect("spawn kvprobe");
+    (
+        o.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+/// A fresh temporary directory under the target dir (`KVPROBE_TEST_TMP` overrides it).
+pub fn tmpdir(name: &str) -> PathBuf {
+    let root = std::env::var_os("KVPROBE_TEST_TMP").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(env!("CARGO_TARGET_TMPDIR")));
+    let d = root.join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Reads a JSON report.
+pub fn read_report(p: &std::path::Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(p).expect("report written")).expect("valid JSON")
+}
+
+/// True when a CUDA GPU is present; otherwise prints why the test is skipped — or fails
+/// when KVPROBE_REQUIRE_GPU=1 (the GPU host's lane).
+pub fn gpu_or_skip(test: &str) -> bool {
+    if kvprobe::cuda::device_count() > 0 {
+        return true;
+    }
+    if std::env::var("KVPROBE_REQUIRE_GPU").as_deref() == Ok("1") {
+        panic!("{test}: KVPROBE_REQUIRE_GPU=1 but no CUDA GPU is present");
+    }
+    eprintln!("SKIP {test}: no CUDA GPU present (set KVPROBE_REQUIRE_GPU=1 to fail instead)");
+    false
+}
+
+/// The (iteration, layer, kv, block, class) tuples of a report's failures.
+pub fn failure_set(r: &serde_json::Value) -> std::collections::BTreeSet<(u64, u64, String, u64, String)> {
+    r["failures"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| {
+            (
+                f["iteration"].as_u64().unwrap(),
+                f["layer"].as_u64().unwrap(),
+                f["kv"].as_str().unwrap().to_string(),
+                f["block"].as_u64().unwrap(),
+                f["class"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+/// The outcomes the report's injections predicted, in the same form as [`failure_set`].
+pub fn predicted_set(r: &serde_json::Value) -> std::collections::BTreeSet<(u64, u64, String, u64, String)> {
+    let mut s = std::collections::BTreeSet::new();
+    for inj in r["injections"].as_array().unwrap() {
+        for p in inj["predicted"].as_array().unwrap() {
+            s.insert((
+                inj["iteration"].as_u64().unwrap(),
+                p["layer"].as_u64().unwrap(),
+                p["kv"].as_str().unwrap().to_string(),
+                p["block"].as_u64().unwrap(),
+                p["class"].as_str().unwrap().to_string(),
+            ));
+        }
+    }
+    s
+}
+
+/// Checks that a run with one injection kind reports exactly the predicted failures.
+pub fn assert_exact_injection(report: &serde_json::Value, class: &str) {
+    let failures = failure_set(report);
+    let predicted = predicted_set(report);
+    assert!(!predicted.is_empty(), "no injections recorded");
+    assert_eq!(failures, predicted, "reported failures differ from the injected ones");
+    let by = &report["summary"]["by_class"];
+    let total = report["summary"]["blocks_corrupt"].as_u64().unwrap();
+    assert!(by[class].as_u64().unwrap() > 0, "no {class} failures: {by}");
+    assert_eq!(report["summary"]["unexpected_failures"], 0);
+    assert_eq!(report["summary"]["injections_planted"], report["summary"]["injections_detected"]);
+    let counted: u64 = by.as_object().unwrap().values().map(|v| v.as_u64().unwrap()).sum();
+    assert_eq!(counted, total);
+}

@@ -1,0 +1,131 @@
+//! Real NIXL (UCX backend) between two agents on DRAM pools: clean runs and every
+//! injection classified exactly. Needs the NIXL libraries (scripts/install-deps.sh).
+
+use crate::common::{assert_exact_injection, kvprobe, read_report, tmpdir};
+
+fn run_report(name: &str, args: &[&str]) -> (i32, serde_json::Value, String) {
+    let d = tmpdir(name);
+    let p = d.join("report.json");
+    let mut a = vec!["run", "--memory", "dram", "--report", p.to_str().unwrap()];
+    a.extend_from_slice(args);
+    let (code, out, err) = kvprobe(&a);
+    assert!(!err.contains("panicked"), "{err}");
+    (code, read_report(&p), format!("{out}{err}"))
+}
+
+#[test]
+fn clean_run_reports_zero_with_the_real_nixl_library() {
+    let (code, r, log) = run_report("clean", &["--iterations", "4"]);
+    assert_eq!(code, 0, "{log}");
+    assert_eq!(r["schema"], "kvprobe.report/1");
+    assert_eq!(r["summary"]["iterations"], 4);
+    assert_eq!(r["summary"]["blocks_checked"], 4 * 4 * 2 * 64);
+    assert_eq!(r["summary"]["blocks_corrupt"], 0);
+    for class in ["unwritten", "stale", "misplaced", "torn", "bitflip", "garbage"] {
+        assert_eq!(r["summary"]["by_class"][class], 0, "{class}");
+    }
+    assert_eq!(r["summary"]["bytes_transferred"], 4 * (2u64 << 20));
+    assert!(r["summary"]["transfer_gbps"].as_f64().unwrap() > 0.0);
+    let nixl = &r["environment"]["nixl"];
+    assert_eq!(nixl["stub"], false);
+    assert!(nixl["library"].as_str().unwrap().ends_with("libnixl_capi.so"));
+    assert!(nixl["plugins"].as_array().unwrap().iter().any(|p| p == "UCX"));
+    assert_eq!(r["outcome"]["status"], "clean");
+    assert!(r["failures"].as_array().unwrap().is_empty());
+}
+
+#[test]
+fn write_op_and_other_layouts_are_clean() {
+    for args in [
+        &["--op", "write", "--iterations", "2"][..],
+        &["--layout", "hnd", "--iterations", "2"][..],
+        &["--mla", "--head-size", "576", "--block-size", "4", "--layers", "3", "--blocks", "9", "--iterations", "2"][..],
+        &["--layers", "2", "--kv-heads", "5", "--head-size", "72", "--block-size", "3", "--blocks", "7", "--dtype", "fp16", "--iterations", "2"][..],
+        &["--layers", "1", "--blocks", "1", "--iterations", "2"][..],
+    ] {
+        let (code, r, log) = run_report("variants", args);
+        assert_eq!(code, 0, "{args:?}: {log}");
+        assert_eq!(r["summary"]["blocks_corrupt"], 0, "{args:?}");
+    }
+}
+
+fn injection(kind: &str, class: &str) {
+    let spec = format!("{kind}:3");
+    let (code, r, log) = run_report(kind, &["--iterations", "3", "--inject", &spec, "--seed", "11"]);
+    assert_eq!(code, 1, "{kind}: {log}");
+    assert_eq!(r["outcome"]["status"], "corrupt");
+    assert_eq!(r["summary"]["injections_planted"], 9);
+    assert_exact_injection(&r, class);
+    let per_injection = if kind == "misroute" { 2 } else { 1 };
+    assert_eq!(r["summary"]["blocks_corrupt"], 9 * per_injection);
+    // Every failure record is complete.
+    for f in r["failures"].as_array().unwrap() {
+        assert_eq!(f["expected_digest"].as_str().unwrap().len(), 64);
+        assert_ne!(f["expected_digest"], f["actual_digest"]);
+        assert!(f["bad_bytes"].as_u64().unwrap() > 0);
+    }
+}
+
+#[test]
+fn inject_bitflip_is_classified_bitflip() {
+    injection("bitflip", "bitflip");
+}
+
+#[test]
+fn inject_drop_is_classified_unwritten() {
+    injection("drop", "unwritten");
+}
+
+#[test]
+fn inject_misroute_is_misplaced_plus_unwritten() {
+    injection("misroute", "misplaced");
+    let (_, r, _) = run_report("misroute2", &["--iterations", "1", "--inject", "misroute"]);
+    let by = &r["summary"]["by_class"];
+    assert_eq!((by["misplaced"].as_u64(), by["unwritten"].as_u64()), (Some(1), Some(1)));
+    let f = r["failures"].as_array().unwrap().iter().find(|f| f["class"] == "misplaced").unwrap();
+    assert_ne!(f["observed"]["block"], f["expected"]["block"]);
+}
+
+#[test]
+fn inject_stale_is_classified_stale() {
+    injection("stale", "stale");
+}
+
+#[test]
+fn inject_torn_is_classified_torn() {
+    injection("torn", "torn");
+}
+
+#[test]
+fn injections_combine_without_interference() {
+    let (code, r, log) = run_report(
+        "combined",
+        &["--iterations", "2", "--inject", "bitflip", "--inject", "drop:2", "--inject", "misroute", "--inject", "stale", "--inject", "torn", "--op", "write"],
+    );
+    assert_eq!(code, 1, "{log}");
+    assert_eq!(crate::common::failure_set(&r), crate::common::predicted_set(&r));
+}
+
+#[test]
+fn max_failures_caps_the_list_but_not_the_counts() {
+    let (code, r, _) = run_report("cap", &["--iterations", "2", "--inject", "drop:10", "--max-failures", "4"]);
+    assert_eq!(code, 1);
+    assert_eq!(r["failures"].as_array().unwrap().len(), 4);
+    assert_eq!(r["summary"]["blocks_corrupt"], 20);
+    assert_eq!(r["summary"]["failures_omitted"], 16);
+}
+
+#[test]
+fn min_gbps_not_met_exits_5() {
+    let (code, r, log) = run_report("slow", &["--iterations", "1", "--min-gbps", "1000000"]);
+    assert_eq!(code, 5, "{log}");
+    assert_eq!(r["outcome"]["status"], "below-min-gbps");
+}
+
+#[test]
+fn unknown_backend_exits_2() {
+    let (code, r, log) = run_report("backend", &["--iterations", "1", "--backend", "NOPE"]);
+    assert_eq!(code, 2, "{log}");
+    assert!(log.contains("\"NOPE\" is not installed"), "{log}");
+    assert_eq!(r["outcome"]["error"]["kind"], "environment");
+}

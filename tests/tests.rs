@@ -1,0 +1,11 @@
+//! kvprobe's integration tests, one module per area. Tests that need a GPU skip with a
+//! named reason where none is present (set KVPROBE_REQUIRE_GPU=1 to make them fail
+//! instead); tests of real NIXL need the libraries from scripts/install-deps.sh.
+
+mod common;
+
+mod cli;
+mod dram;
+mod fingerprint;
+mod geometry;
+mod gpu;
