@@ -79,9 +79,8 @@ fn unwritable_report_path_exits_2() {
 
 #[test]
 fn ci_runs_the_readme_test_command() {
-    let root = env!("CARGO_MANIFEST_DIR");
-    let readme = std::fs::read_to_string(format!("{root}/README.md")).unwrap();
-    let ci = std::fs::read_to_string(format!("{root}/.ci/run")).unwrap();
+    let readme = include_str!("../README.md");
+    let ci = include_str!("../.ci/run");
     let cmd = "scripts/install-deps.sh && cargo test";
     assert!(readme.contains(&format!("```sh\n{cmd}\n```")), "README lost its test command");
     assert!(ci.lines().any(|l| l.trim() == cmd), ".ci/run does not run the README's test command");
