@@ -297,6 +297,15 @@ unsafe impl Sync for Kernels {}
 
 const THREADS: u32 = 256;
 
+/// Binds each `name = value` to a local and builds `$params`, the array of pointers to
+/// them that cuLaunchKernel takes (values must have the kernel parameters' exact types).
+macro_rules! kernel_params {
+    ($params:ident; $($name:ident = $v:expr),+ $(,)?) => {
+        $(let mut $name = $v;)+
+        let mut $params = [$(&mut $name as *mut _ as *mut c_void),+];
+    };
+}
+
 fn grid(num_slices: u32) -> u32 {
     num_slices.clamp(1, 1 << 20)
 }
@@ -344,31 +353,13 @@ impl Kernels {
     /// Fills every slice of a region with the fingerprint of `table[block]` (asynchronous).
     /// `table` holds `num_blocks` `{logical block, generation}` u32 pairs.
     pub fn fill(&self, r: RegionArgs, seed32: u32, table: &DeviceBuffer) -> Result<()> {
-        let (mut p, mut sb, mut lo, mut nb, mut l, mut s, mut t, mut n) =
-            (r.region, r.slice_bytes, r.layout, r.num_blocks, r.layer, seed32, table.ptr(), r.num_slices);
-        let mut params: [*mut c_void; 8] = [
-            &mut p as *mut _ as _,
-            &mut sb as *mut _ as _,
-            &mut lo as *mut _ as _,
-            &mut nb as *mut _ as _,
-            &mut l as *mut _ as _,
-            &mut s as *mut _ as _,
-            &mut t as *mut _ as _,
-            &mut n as *mut _ as _,
-        ];
+        kernel_params!(params; p = r.region, sb = r.slice_bytes, lo = r.layout, nb = r.num_blocks, l = r.layer, s = seed32, t = table.ptr(), n = r.num_slices);
         self.launch(self.fill, r.num_slices, &mut params)
     }
 
     /// Writes the poison of (slot, iteration) into every slice of a region (asynchronous).
     pub fn poison(&self, r: RegionArgs, iteration: u32) -> Result<()> {
-        let (mut p, mut sb, mut n, mut base, mut it) = (r.region, r.slice_bytes, r.num_slices, r.slice_base, iteration);
-        let mut params: [*mut c_void; 5] = [
-            &mut p as *mut _ as _,
-            &mut sb as *mut _ as _,
-            &mut n as *mut _ as _,
-            &mut base as *mut _ as _,
-            &mut it as *mut _ as _,
-        ];
+        kernel_params!(params; p = r.region, sb = r.slice_bytes, n = r.num_slices, base = r.slice_base, it = iteration);
         self.launch(self.poison, r.num_slices, &mut params)
     }
 
@@ -376,32 +367,11 @@ impl Kernels {
     /// `fails` (array of [`KernelFail`], one slot per slice of the pool) and counted in
     /// `count` (one u32). Asynchronous.
     pub fn verify(&self, r: RegionArgs, seed32: u32, table: &DeviceBuffer, fails: &DeviceBuffer, count: &DeviceBuffer) -> Result<()> {
-        let (mut p, mut sb, mut lo, mut nb, mut l, mut s, mut t, mut n, mut base, mut f, mut c) = (
-            r.region,
-            r.slice_bytes,
-            r.layout,
-            r.num_blocks,
-            r.layer,
-            seed32,
-            table.ptr(),
-            r.num_slices,
-            r.slice_base,
-            fails.ptr(),
-            count.ptr(),
+        kernel_params!(
+            params;
+            p = r.region, sb = r.slice_bytes, lo = r.layout, nb = r.num_blocks, l = r.layer, s = seed32,
+            t = table.ptr(), n = r.num_slices, base = r.slice_base, f = fails.ptr(), c = count.ptr()
         );
-        let mut params: [*mut c_void; 11] = [
-            &mut p as *mut _ as _,
-            &mut sb as *mut _ as _,
-            &mut lo as *mut _ as _,
-            &mut nb as *mut _ as _,
-            &mut l as *mut _ as _,
-            &mut s as *mut _ as _,
-            &mut t as *mut _ as _,
-            &mut n as *mut _ as _,
-            &mut base as *mut _ as _,
-            &mut f as *mut _ as _,
-            &mut c as *mut _ as _,
-        ];
         self.launch(self.verify, r.num_slices, &mut params)
     }
 }

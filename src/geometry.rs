@@ -277,7 +277,7 @@ impl Geometry {
             (false, Layout::Nhd) => {
                 ((q % self.num_blocks as u64) as u32, if q < self.num_blocks as u64 { KvPart::K } else { KvPart::V })
             }
-            (false, Layout::Hnd) => ((q / 2) as u32, if q % 2 == 0 { KvPart::K } else { KvPart::V }),
+            (false, Layout::Hnd) => ((q / 2) as u32, if q.is_multiple_of(2) { KvPart::K } else { KvPart::V }),
         };
         SliceCoord { layer, kv, block }
     }

@@ -116,27 +116,14 @@ impl RunArgs {
                 g.num_kv_heads = 1;
             }
         }
-        if let Some(v) = self.layers {
-            g.num_layers = v;
-        }
-        if let Some(v) = self.kv_heads {
-            g.num_kv_heads = v;
-        }
-        if let Some(v) = self.head_size {
-            g.head_size = v;
-        }
-        if let Some(v) = self.block_size {
-            g.block_size = v;
-        }
-        if let Some(v) = self.blocks {
-            g.num_blocks = v;
-        }
-        if let Some(v) = self.dtype {
-            g.dtype = v;
-        }
-        if let Some(v) = self.layout {
-            g.layout = v;
-        }
+        let set = |dst: &mut u32, v: Option<u32>| *dst = v.unwrap_or(*dst);
+        set(&mut g.num_layers, self.layers);
+        set(&mut g.num_kv_heads, self.kv_heads);
+        set(&mut g.head_size, self.head_size);
+        set(&mut g.block_size, self.block_size);
+        set(&mut g.num_blocks, self.blocks);
+        g.dtype = self.dtype.unwrap_or(g.dtype);
+        g.layout = self.layout.unwrap_or(g.layout);
         let memory = self.memory.unwrap_or_else(|| {
             if kvprobe::cuda::device_count() > 0 { MemoryKind::Vram } else { MemoryKind::Dram }
         });

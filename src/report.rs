@@ -203,6 +203,21 @@ pub fn write_atomic<T: Serialize>(path: &Path, value: &T) -> Result<()> {
 pub fn render(r: &Report) -> String {
     let s = &r.summary;
     let mut out = String::new();
+    if let Some(lib) = r.environment.as_ref().and_then(|e| e.nixl.library.as_ref()) {
+        let backend = r.config.get("backend").and_then(|b| b.as_str()).unwrap_or("?");
+        out += &format!("nixl:              {} (backend {backend})\n", lib.display());
+    }
+    if let Ok(g) = serde_json::from_value::<crate::geometry::Geometry>(r.config["geometry"].clone()) {
+        out += &format!(
+            "pool:              {} per side, {} layers x {} x {} blocks, {}-byte block slices ({})\n",
+            r.config["memory"].as_str().unwrap_or("?"),
+            g.num_layers,
+            if g.mla { "latent" } else { "K/V" },
+            g.num_blocks,
+            g.slice_bytes().unwrap_or(0),
+            g.pool_bytes().map(|b| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)).unwrap_or_default()
+        );
+    }
     out += &format!("iterations:        {}\n", s.iterations);
     out += &format!("block slices:      {} checked, {} corrupt\n", s.blocks_checked, s.blocks_corrupt);
     if s.blocks_corrupt > 0 {

@@ -81,10 +81,10 @@ fn check_config(cfg: &RunConfig) -> Result<()> {
     if !(cfg.timeout_secs.is_finite() && cfg.timeout_secs > 0.0) {
         return Err(Error::Usage("--timeout must be a positive number of seconds".into()));
     }
-    if let Some(m) = cfg.min_gbps {
-        if !(m.is_finite() && m >= 0.0) {
-            return Err(Error::Usage("--min-gbps must be a non-negative number".into()));
-        }
+    if let Some(m) = cfg.min_gbps
+        && !(m.is_finite() && m >= 0.0)
+    {
+        return Err(Error::Usage("--min-gbps must be a non-negative number".into()));
     }
     Ok(())
 }

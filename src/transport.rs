@@ -63,10 +63,11 @@ fn mem_type(m: MemoryKind) -> MemType {
 
 /// A role: a NIXL agent with its pool registered.
 pub struct Endpoint {
-    /// The role's KV pool.
-    pub pool: KvPool,
+    // Field order is drop order: the agent deregisters its regions before the pool frees them.
     agent: Agent,
     peer: Option<PeerInfo>,
+    /// The role's KV pool.
+    pub pool: KvPool,
 }
 
 impl Endpoint {
@@ -80,7 +81,7 @@ impl Endpoint {
             .map(|addr| Region { addr, len, mem: mem_type(pool.memory()), dev_id: pool.device_id() })
             .collect();
         agent.register(&regions)?;
-        Ok(Endpoint { pool, agent, peer: None })
+        Ok(Endpoint { agent, peer: None, pool })
     }
 
     /// This role's [`PeerInfo`], to hand to the other role.
@@ -123,38 +124,23 @@ pub fn transfer(op: Op, prefill: &Endpoint, decode: &Endpoint, pairs: &[Pair], t
     if pairs.is_empty() {
         return Ok(XferResult { bytes: 0, elapsed: Duration::ZERO });
     }
-    let src = |e: &Endpoint, bases: &[u64]| e.descs(bases, pairs.iter().map(|p| (p.src, p.len)));
-    let dst = |e: &Endpoint, bases: &[u64]| e.descs(bases, pairs.iter().map(|p| (p.dst, p.len)));
-    match op {
-        Op::Read => {
-            let peer = decode.peer();
-            let local = dst(decode, &decode.pool.region_addrs());
-            let remote = src(decode, &peer.region_bases);
-            let r = decode.agent.transfer(
-                XferOp::Read,
-                (&local, mem_type(decode.pool.memory()), decode.pool.device_id()),
-                (&remote, mem_type(peer.memory), peer.device_id),
-                &peer.agent,
-                tag.as_bytes(),
-                timeout,
-            )?;
-            prefill.agent.wait_notification(&decode.agent.name(), tag, timeout)?;
-            Ok(r)
-        }
-        Op::Write => {
-            let peer = prefill.peer();
-            let local = src(prefill, &prefill.pool.region_addrs());
-            let remote = dst(prefill, &peer.region_bases);
-            let r = prefill.agent.transfer(
-                XferOp::Write,
-                (&local, mem_type(prefill.pool.memory()), prefill.pool.device_id()),
-                (&remote, mem_type(peer.memory), peer.device_id),
-                &peer.agent,
-                tag.as_bytes(),
-                timeout,
-            )?;
-            decode.agent.wait_notification(&prefill.agent.name(), tag, timeout)?;
-            Ok(r)
-        }
-    }
+    // The initiator posts the request; the other role waits for its notification.
+    let (init, other, xop) = match op {
+        Op::Read => (decode, prefill, XferOp::Read),
+        Op::Write => (prefill, decode, XferOp::Write),
+    };
+    let side = |p: &Pair| if op == Op::Write { (p.src, p.dst) } else { (p.dst, p.src) };
+    let peer = init.peer();
+    let local = init.descs(&init.pool.region_addrs(), pairs.iter().map(|p| (side(p).0, p.len)));
+    let remote = init.descs(&peer.region_bases, pairs.iter().map(|p| (side(p).1, p.len)));
+    let r = init.agent.transfer(
+        xop,
+        (&local, mem_type(init.pool.memory()), init.pool.device_id()),
+        (&remote, mem_type(peer.memory), peer.device_id),
+        &peer.agent,
+        tag.as_bytes(),
+        timeout,
+    )?;
+    other.agent.wait_notification(&init.agent.name(), tag, timeout)?;
+    Ok(r)
 }

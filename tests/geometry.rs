@@ -2,6 +2,7 @@
 
 use kvprobe::geometry::{Dtype, Geometry, GeometryError, KvPart, Layout, Preset, SliceCoord};
 
+#[allow(clippy::too_many_arguments)]
 fn g(layers: u32, heads: u32, head: u32, bs: u32, blocks: u32, dtype: Dtype, layout: Layout, mla: bool) -> Geometry {
     Geometry { num_layers: layers, num_kv_heads: heads, head_size: head, block_size: bs, num_blocks: blocks, dtype, layout, mla }
 }
