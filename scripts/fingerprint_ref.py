@@ -4,8 +4,10 @@ vendors who receive a report: recompute the expected bytes of any block slice an
 them with a dump, without kvprobe.
 
 usage: scripts/fingerprint_ref.py SEED LAYER KV BLOCK GENERATION SLICE_BYTES [OUT]
-  KV: 0 = K, 1 = V, 2 = MLA latent. Prints the slice's SHA-256 (as in the report's
-  expected_digest); writes the bytes to OUT when given.
+  KV: K, V or latent (or 0, 1, 2). BLOCK and GENERATION are the *logical* block id and
+  generation — a failure's `expected.block` / `expected.generation` (or `observed.*`),
+  not the slot `block`. Prints the slice's SHA-256 (as in the report's expected_digest);
+  writes the bytes to OUT when given. Numbers may be decimal or 0x hex.
 """
 import hashlib, struct, sys
 
@@ -40,6 +42,8 @@ if __name__ == "__main__":
     a = sys.argv[1:]
     if len(a) < 6:
         sys.exit(__doc__)
+    kv_names = {"K": "0", "V": "1", "latent": "2"}
+    a[2] = kv_names.get(a[2], a[2])
     seed, layer, kv, block, gen, n = (int(x, 0) for x in a[:6])
     b = slice_bytes(seed, layer, kv, block, gen, n)
     if len(a) > 6:

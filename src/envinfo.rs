@@ -17,8 +17,9 @@ pub struct NixlInfo {
     pub plugin_dir: Option<PathBuf>,
     /// Backend plugins NIXL can load.
     pub plugins: Vec<String>,
-    /// Whether nixl-sys runs on its stub (kvprobe refuses to run then).
-    pub stub: bool,
+    /// Whether nixl-sys runs on its stub once the library is loaded (always false: kvprobe
+    /// refuses to run on the stub); null when no library was loaded.
+    pub stub: Option<bool>,
     /// Why NIXL is unusable, when it is.
     pub error: Option<String>,
 }
@@ -66,7 +67,7 @@ pub fn nixl_info() -> NixlInfo {
                 found_via: Some(lib.found_via),
                 plugin_dir: Some(lib.plugin_dir),
                 plugins,
-                stub: lib.stub,
+                stub: Some(lib.stub),
                 error,
             }
         }
@@ -75,7 +76,7 @@ pub fn nixl_info() -> NixlInfo {
             found_via: None,
             plugin_dir: None,
             plugins: Vec::new(),
-            stub: true,
+            stub: None,
             error: Some(e.to_string()),
         },
     }
@@ -122,7 +123,7 @@ pub fn render(e: &Environment) -> String {
     s += &format!("NVRTC: {}\n", opt(&e.nvrtc));
     match &e.nixl.library {
         Some(p) => {
-            s += &format!("NIXL: {} (via {}, stub: {})\n", p.display(), e.nixl.found_via.as_deref().unwrap_or("?"), e.nixl.stub);
+            s += &format!("NIXL: {} (via {}, stub: {})\n", p.display(), e.nixl.found_via.as_deref().unwrap_or("?"), e.nixl.stub.unwrap_or(true));
             s += &format!("NIXL plugins ({}): {}\n", e.nixl.plugin_dir.as_ref().map(|p| p.display().to_string()).unwrap_or_default(), e.nixl.plugins.join(", "));
         }
         None => s += "NIXL: not found\n",

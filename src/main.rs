@@ -85,7 +85,7 @@ struct RunArgs {
     #[arg(long, default_value_t = 5)]
     iterations: u32,
     /// Seed of fingerprints, block mapping and injections.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value = "1", value_parser = parse_seed)]
     seed: u64,
     /// Plant a fault per iteration: bitflip, drop, misroute, stale or torn, optionally :COUNT. Repeatable.
     #[arg(long, value_name = "CLASS[:N]")]
@@ -105,6 +105,15 @@ struct RunArgs {
     /// At most this many failures listed in the report (counts stay complete).
     #[arg(long, default_value_t = 1000)]
     max_failures: usize,
+}
+
+/// Parses a seed in decimal or 0x-prefixed hex.
+fn parse_seed(s: &str) -> Result<u64, String> {
+    let r = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        Some(h) => u64::from_str_radix(h, 16),
+        None => s.parse(),
+    };
+    r.map_err(|_| format!("{s:?} is not a 64-bit seed (decimal or 0x hex)"))
 }
 
 impl RunArgs {
@@ -131,7 +140,7 @@ impl RunArgs {
             memory,
             prefill_device: self.prefill_device,
             decode_device: self.decode_device,
-            preset: self.preset,
+            preset: Some(self.preset.unwrap_or(Preset::Small)),
             geometry: g,
             op: self.op,
             iterations: self.iterations,
@@ -146,9 +155,17 @@ impl RunArgs {
 }
 
 fn run(args: RunArgs) -> Exit {
+    if let Some(path) = &args.report
+        && let Err(e) = kvprobe::report::check_writable(path)
+    {
+        eprintln!("kvprobe: {e}");
+        return e.exit();
+    }
     let cfg = args.config();
     let (report, mut exit) = kvprobe::run::run(&cfg, &mut |line| eprintln!("{line}"));
-    print!("{}", kvprobe::report::render(&report));
+    if report.summary.iterations > 0 || report.outcome.error.is_none() {
+        print!("{}", kvprobe::report::render(&report));
+    }
     if let Some(path) = &args.report {
         match kvprobe::report::write_atomic(path, &report) {
             Ok(()) => println!("report:            {}", path.display()),

@@ -5,8 +5,8 @@
 //! ([`load`]) and preloads it by full path before any NIXL call, so the stubs bind to it by
 //! its soname — or kvprobe exits 2 with install instructions. It never runs on the stub.
 //!
-//! Search order: `$KVPROBE_NIXL_DIR` (a directory holding `libnixl_capi.so`), then the
-//! directory the install step writes (`$KVPROBE_HOME/nixl/lib`, default
+//! Search order: `$KVPROBE_NIXL_DIR` (a directory holding `libnixl_capi.so`; when set, the
+//! only place looked at), else the directory the install step writes (`$KVPROBE_HOME/nixl/lib`, default
 //! `~/.local/share/kvprobe/nixl/lib`, see scripts/install-deps.sh).
 
 use crate::error::{Error, Result};
@@ -54,13 +54,13 @@ pub struct NixlLibrary {
 }
 
 /// Candidate directories in search order, with how each was named.
+/// When `KVPROBE_NIXL_DIR` is set it is the only candidate: an operator who pins a library
+/// gets that library or an error, never a silent fallback.
 pub fn candidates() -> Vec<(PathBuf, &'static str)> {
-    let mut v = Vec::new();
-    if let Some(d) = std::env::var_os(NIXL_DIR_ENV) {
-        v.push((PathBuf::from(d), NIXL_DIR_ENV));
+    match std::env::var_os(NIXL_DIR_ENV) {
+        Some(d) => vec![(PathBuf::from(d), NIXL_DIR_ENV)],
+        None => vec![(default_lib_dir(), "install dir")],
     }
-    v.push((default_lib_dir(), "install dir"));
-    v
 }
 
 /// Finds `libnixl_capi.so` without loading it.

@@ -171,16 +171,34 @@ impl Report {
     }
 }
 
-/// Writes `value` as pretty JSON to `path` atomically (temp file, fsync, rename).
-/// Errors: [`Error::Io`] (exit 2) when the directory is not writable.
-pub fn write_atomic<T: Serialize>(path: &Path, value: &T) -> Result<()> {
-    let io = |what: &str, e: std::io::Error| Error::Io(format!("{what} {}: {e}", path.display()));
+/// Checks, before a run, that a report can be written at `path`: not a directory, and its
+/// directory accepts a new file (one is created and removed). Errors: [`Error::Io`] (exit 2).
+pub fn check_writable(path: &Path) -> Result<()> {
+    if path.is_dir() {
+        return Err(Error::Io(format!("--report {} is a directory", path.display())));
+    }
+    let (dir, tmp) = temp_path(path)?;
+    std::fs::File::create(&tmp)
+        .map_err(|e| Error::Io(format!("--report {}: cannot create files in {}: {e}", path.display(), dir.display())))?;
+    let _ = std::fs::remove_file(&tmp);
+    Ok(())
+}
+
+fn temp_path(path: &Path) -> Result<(std::path::PathBuf, std::path::PathBuf)> {
     let name = path.file_name().ok_or_else(|| Error::Io(format!("{} is not a file path", path.display())))?;
     let dir = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => std::path::PathBuf::from("."),
     };
     let tmp = dir.join(format!(".{}.{}.tmp", name.to_string_lossy(), std::process::id()));
+    Ok((dir, tmp))
+}
+
+/// Writes `value` as pretty JSON to `path` atomically (temp file, fsync, rename).
+/// Errors: [`Error::Io`] (exit 2) when the directory is not writable.
+pub fn write_atomic<T: Serialize>(path: &Path, value: &T) -> Result<()> {
+    let io = |what: &str, e: std::io::Error| Error::Io(format!("{what} {}: {e}", path.display()));
+    let (dir, tmp) = temp_path(path)?;
     let body = serde_json::to_vec_pretty(value).map_err(|e| Error::Io(format!("serialise report: {e}")))?;
     let result = (|| {
         let mut f = std::fs::File::create(&tmp).map_err(|e| io("create temp file for", e))?;
@@ -249,12 +267,14 @@ pub fn render(r: &Report) -> String {
             f.observed.map(|o| format!(", holds layer {} {} block {} gen {}", o.layer, o.kv, o.block, o.generation)).unwrap_or_default()
         );
     }
-    if r.failures.len() > 5 || s.failures_omitted > 0 {
-        out += &format!("  ... {} more in the report\n", s.blocks_corrupt.saturating_sub(5));
+    let shown = r.failures.len().min(5) as u64;
+    if s.blocks_corrupt > shown {
+        out += &format!(
+            "  ... {} more corrupt slices ({} listed in the JSON report, --max-failures caps the list)\n",
+            s.blocks_corrupt - shown,
+            r.failures.len()
+        );
     }
     out += &format!("result:            {} (exit {})\n", r.outcome.status, r.outcome.exit_code);
-    if let Some(e) = &r.outcome.error {
-        out += &format!("error:             {}\n", e.message);
-    }
     out
 }

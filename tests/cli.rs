@@ -64,7 +64,8 @@ fn missing_nixl_exits_2_with_install_hint_and_a_report() {
 #[test]
 fn vram_without_a_gpu_exits_2() {
     if kvprobe::cuda::device_count() > 0 {
-        eprintln!("SKIP vram_without_a_gpu_exits_2: a GPU is present");
+        use std::io::Write;
+        let _ = writeln!(std::io::stderr(), "SKIP vram_without_a_gpu_exits_2: a GPU is present");
         return;
     }
     assert_usage(&["run", "--memory", "vram"], "needs a CUDA GPU");
@@ -84,4 +85,32 @@ fn ci_runs_the_readme_test_command() {
     let cmd = "scripts/install-deps.sh && cargo test";
     assert!(readme.contains(&format!("```sh\n{cmd}\n```")), "README lost its test command");
     assert!(ci.lines().any(|l| l.trim() == cmd), ".ci/run does not run the README's test command");
+}
+
+#[test]
+fn a_pinned_nixl_dir_is_never_silently_replaced() {
+    // The install dir has NIXL (the test command installs it); a wrong pin must still fail.
+    let d = tmpdir("pinned");
+    let (code, _, err) = kvprobe_env(&["run", "--memory", "dram"], &[("KVPROBE_NIXL_DIR", d.to_str().unwrap())]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains(&format!("{} (KVPROBE_NIXL_DIR)", d.display())), "{err}");
+}
+
+#[test]
+fn an_unwritable_report_is_refused_before_the_run() {
+    let d = tmpdir("report-dir");
+    let (code, out, err) = kvprobe(&["run", "--memory", "dram", "--report", d.to_str().unwrap()]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("is a directory"), "{err}");
+    assert!(!out.contains("block slices") && !err.contains("iteration 1"), "the run started: {out}{err}");
+}
+
+#[test]
+fn seeds_parse_as_decimal_or_hex() {
+    let d = tmpdir("seed");
+    let p = d.join("r.json");
+    let (code, _, err) = kvprobe(&["run", "--memory", "dram", "--iterations", "1", "--seed", "0xff", "--report", p.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(read_report(&p)["config"]["seed"], 255);
+    assert_usage(&["run", "--memory", "dram", "--seed", "0xzz"], "not a 64-bit seed");
 }

@@ -53,7 +53,9 @@ pub fn gpu_or_skip(test: &str) -> bool {
     if std::env::var("KVPROBE_REQUIRE_GPU").as_deref() == Ok("1") {
         panic!("{test}: KVPROBE_REQUIRE_GPU=1 but no CUDA GPU is present");
     }
-    eprintln!("SKIP {test}: no CUDA GPU present (set KVPROBE_REQUIRE_GPU=1 to fail instead)");
+    // Written to the real stderr (not the captured test output) so CI logs show the skip.
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "SKIP {test}: no CUDA GPU present (set KVPROBE_REQUIRE_GPU=1 to fail instead)");
     false
 }
 
