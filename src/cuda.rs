@@ -108,6 +108,44 @@ pub fn gpu_info(ordinal: usize) -> Result<GpuInfo> {
     Ok(GpuInfo { ordinal, name, uuid, pci_bus_id, total_bytes, compute_capability: (major, minor) })
 }
 
+/// How two GPUs reach each other (CUDA's peer-to-peer attributes).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct PeerLink {
+    /// Source GPU ordinal.
+    pub from: usize,
+    /// Destination GPU ordinal.
+    pub to: usize,
+    /// `from` can map and access `to`'s memory (cuDeviceGetP2PAttribute ACCESS_SUPPORTED).
+    pub access_supported: bool,
+    /// Native atomics over the link (true over NVLink, usually false over PCIe).
+    pub native_atomics: bool,
+    /// Relative performance rank of the link (lower is faster).
+    pub performance_rank: i32,
+}
+
+/// Peer-to-peer attributes from GPU `from` to GPU `to`. Errors: no such devices.
+pub fn peer_link(from: usize, to: usize) -> Result<PeerLink> {
+    init()?;
+    let a = result::device::get(from as i32).map_err(|e| derr("cuDeviceGet", e))?;
+    let b = result::device::get(to as i32).map_err(|e| derr("cuDeviceGet", e))?;
+    let get = |attr: sys::CUdevice_P2PAttribute| -> Result<i32> {
+        let mut v = 0i32;
+        // SAFETY: valid out-pointer and device handles from cuDeviceGet.
+        unsafe { sys::cuDeviceGetP2PAttribute(&mut v, attr, a, b) }
+            .result()
+            .map_err(|e| derr("cuDeviceGetP2PAttribute", e))?;
+        Ok(v)
+    };
+    use sys::CUdevice_P2PAttribute as A;
+    Ok(PeerLink {
+        from,
+        to,
+        access_supported: get(A::CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED)? != 0,
+        native_atomics: get(A::CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED)? != 0,
+        performance_rank: get(A::CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK)?,
+    })
+}
+
 /// A GPU with its retained primary context.
 #[derive(Debug)]
 pub struct Device {

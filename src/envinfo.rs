@@ -24,6 +24,17 @@ pub struct NixlInfo {
     pub error: Option<String>,
 }
 
+/// How one GPU reaches another.
+#[derive(Clone, Debug, Serialize)]
+pub struct GpuLink {
+    /// CUDA peer-to-peer attributes.
+    #[serde(flatten)]
+    pub p2p: cuda::PeerLink,
+    /// The link as `nvidia-smi topo -m` names it (e.g. "NV18" = 18 NVLinks, "PIX", "SYS"),
+    /// when nvidia-smi is available.
+    pub topology: Option<String>,
+}
+
 /// The report's `environment` section.
 #[derive(Clone, Debug, Serialize)]
 pub struct Environment {
@@ -33,6 +44,8 @@ pub struct Environment {
     pub hostname: String,
     /// GPUs visible to CUDA, with names and UUIDs.
     pub gpus: Vec<GpuInfo>,
+    /// Links between each ordered pair of GPUs (empty with fewer than two).
+    pub gpu_links: Vec<GpuLink>,
     /// NVIDIA kernel driver version (from /proc/driver/nvidia/version), when present.
     pub driver: Option<String>,
     /// CUDA driver API version, e.g. "13.0".
@@ -52,6 +65,43 @@ fn kernel_driver() -> Option<String> {
     line.split_whitespace()
         .find(|t| t.starts_with(|c: char| c.is_ascii_digit()) && t.contains('.') && t.chars().all(|c| c.is_ascii_digit() || c == '.'))
         .map(str::to_string)
+}
+
+/// `nvidia-smi topo -m`'s matrix as rows of cells, keyed by GPU ordinal.
+fn topology_matrix() -> Option<Vec<Vec<String>>> {
+    let out = std::process::Command::new("nvidia-smi").args(["topo", "-m"]).output().ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    // Rows look like "GPU0\t X \tNV18\t..." (ANSI colour codes stripped).
+    let rows: Vec<Vec<String>> = text
+        .lines()
+        .map(|l| l.replace("\u{1b}[4m", "").replace("\u{1b}[0m", ""))
+        .filter(|l| l.starts_with("GPU"))
+        .map(|l| l.split_whitespace().skip(1).map(str::to_string).collect())
+        .collect();
+    Some(rows)
+}
+
+fn gpu_links(n: usize) -> Vec<GpuLink> {
+    if n < 2 {
+        return Vec::new();
+    }
+    let topo = topology_matrix();
+    let mut v = Vec::new();
+    for a in 0..n {
+        for b in 0..n {
+            if a == b {
+                continue;
+            }
+            if let Ok(p2p) = cuda::peer_link(a, b) {
+                let topology = topo.as_ref().and_then(|m| m.get(a)).and_then(|r| r.get(b)).cloned();
+                v.push(GpuLink { p2p, topology });
+            }
+        }
+    }
+    v
 }
 
 /// Probes NIXL: loads the library (which also sets its default environment) and lists plugins.
@@ -92,6 +142,7 @@ pub fn gather(nixl: NixlInfo) -> Environment {
         kvprobe_version: env!("CARGO_PKG_VERSION").to_string(),
         hostname: std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_default(),
         gpus,
+        gpu_links: gpu_links(n),
         driver: kernel_driver(),
         cuda: if n > 0 { cuda::driver_version().ok() } else { None },
         nvrtc: cuda::nvrtc_version(),
@@ -115,6 +166,17 @@ pub fn render(e: &Environment) -> String {
             g.total_bytes as f64 / (1u64 << 30) as f64,
             g.compute_capability.0,
             g.compute_capability.1
+        );
+    }
+    for l in &e.gpu_links {
+        s += &format!(
+            "  link GPU{} -> GPU{}: peer access {}, native atomics {}, rank {}, topology {}\n",
+            l.p2p.from,
+            l.p2p.to,
+            if l.p2p.access_supported { "yes" } else { "no" },
+            if l.p2p.native_atomics { "yes" } else { "no" },
+            l.p2p.performance_rank,
+            l.topology.as_deref().unwrap_or("unknown (no nvidia-smi)")
         );
     }
     let opt = |o: &Option<String>| o.clone().unwrap_or_else(|| "not found".into());

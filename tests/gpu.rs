@@ -2,7 +2,7 @@
 //! exactly what the CPU finds, and VRAM runs are clean / classify every injection. They
 //! skip with a named reason where no GPU is present (KVPROBE_REQUIRE_GPU=1 fails instead).
 
-use crate::common::{assert_exact_injection, gpu_or_skip, kvprobe, read_report, tmpdir};
+use crate::common::{assert_exact_injection, gpu_or_skip, kvprobe, read_report, tmpdir, two_gpus_or_skip};
 use kvprobe::cuda::{Device, Kernels};
 use kvprobe::fingerprint;
 use kvprobe::geometry::{Dtype, Geometry, Layout};
@@ -125,4 +125,41 @@ fn vram_injections_are_classified_exactly() {
         assert_eq!(code, 1, "{kind}: {log}");
         assert_exact_injection(&r, class);
     }
+}
+
+#[test]
+fn cross_device_runs_are_clean_and_classify_injections() {
+    if !two_gpus_or_skip("cross_device_runs_are_clean_and_classify_injections") {
+        return;
+    }
+    let devs = ["--prefill-device", "0", "--decode-device", "1", "--blocks", "128"];
+    for op in ["read", "write"] {
+        let mut a = vec!["--iterations", "3", "--op", op];
+        a.extend_from_slice(&devs);
+        let (code, r, log) = vram_report("x2-clean", &a);
+        assert_eq!(code, 0, "{op}: {log}");
+        assert_eq!(r["summary"]["blocks_corrupt"], 0);
+        assert_eq!(r["config"]["decode_device"], 1);
+    }
+    for (kind, class) in [("bitflip", "bitflip"), ("drop", "unwritten"), ("misroute", "misplaced"), ("stale", "stale"), ("torn", "torn")] {
+        let spec = format!("{kind}:2");
+        let mut a = vec!["--iterations", "2", "--inject", spec.as_str()];
+        a.extend_from_slice(&devs);
+        let (code, r, log) = vram_report(kind, &a);
+        assert_eq!(code, 1, "{kind}: {log}");
+        assert_exact_injection(&r, class);
+    }
+}
+
+#[test]
+fn env_describes_the_link_between_two_gpus() {
+    if !two_gpus_or_skip("env_describes_the_link_between_two_gpus") {
+        return;
+    }
+    let (code, out, err) = kvprobe(&["env", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let e: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let links = e["gpu_links"].as_array().unwrap();
+    assert!(links.iter().any(|l| l["from"] == 0 && l["to"] == 1), "{links:?}");
+    assert!(e["gpus"][1]["uuid"].as_str().unwrap().starts_with("GPU-"));
 }

@@ -59,6 +59,21 @@ pub fn gpu_or_skip(test: &str) -> bool {
     false
 }
 
+/// True when at least two CUDA GPUs are present; otherwise prints why the test is skipped —
+/// or fails when KVPROBE_REQUIRE_GPUS=2 (the two-GPU host's lane).
+pub fn two_gpus_or_skip(test: &str) -> bool {
+    let n = kvprobe::cuda::device_count();
+    if n >= 2 {
+        return true;
+    }
+    if std::env::var("KVPROBE_REQUIRE_GPUS").as_deref() == Ok("2") {
+        panic!("{test}: KVPROBE_REQUIRE_GPUS=2 but {n} CUDA GPU(s) are present");
+    }
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "SKIP {test}: needs two CUDA GPUs, {n} present (set KVPROBE_REQUIRE_GPUS=2 to fail instead)");
+    false
+}
+
 /// The (iteration, layer, kv, block, class) tuples of a report's failures.
 pub fn failure_set(r: &serde_json::Value) -> std::collections::BTreeSet<(u64, u64, String, u64, String)> {
     r["failures"]
