@@ -71,18 +71,29 @@ pub fn find() -> Option<(PathBuf, &'static str)> {
 static LOADED: OnceLock<std::result::Result<NixlLibrary, String>> = OnceLock::new();
 
 /// Finds and loads the real NIXL C API library (once per process). Also sets, when unset,
-/// `NIXL_PLUGIN_DIR` to the library's `plugins/` and `UCX_CUDA_IPC_ENABLE_SAME_PROCESS=y`
-/// (both agents live in this process; UCX refuses CUDA IPC within one process otherwise).
+/// `NIXL_PLUGIN_DIR` to the library's `plugins/`.
 ///
 /// Errors (exit 2): not found, fails to load, or nixl-sys still reports its stub.
 pub fn load() -> Result<NixlLibrary> {
     LOADED.get_or_init(load_once).clone().map_err(Error::Environment)
 }
 
+/// Chooses UCX's CUDA IPC mode for two agents in this process, before NIXL starts: when both
+/// pools are on the same GPU, `UCX_CUDA_IPC_ENABLE_SAME_PROCESS=y` (without it UCX will not
+/// use CUDA IPC within one process); across GPUs it is left unset, because with it UCX opens
+/// the peer GPU's IPC handle in this process and fails ("cuIpcOpenMemHandle() failed:
+/// invalid device context", seen on two H200s). A value the user set is kept. Call before
+/// [`load`], while kvprobe has no other threads.
+pub fn prepare_ucx_env(vram_same_gpu: bool) {
+    if vram_same_gpu {
+        set_default_env("UCX_CUDA_IPC_ENABLE_SAME_PROCESS", Path::new("y"));
+    }
+}
+
 fn set_default_env(key: &str, value: &Path) {
     if std::env::var_os(key).is_none() {
-        // SAFETY: called once, from `load_once`, before any NIXL/UCX thread exists (NIXL
-        // is not yet loaded) — kvprobe calls `load` before spawning threads.
+        // SAFETY: called from `prepare_ucx_env` or `load_once`, before NIXL is loaded, so no
+        // NIXL/UCX thread exists, and kvprobe has spawned none of its own yet.
         unsafe { std::env::set_var(key, value) };
     }
 }
@@ -95,9 +106,6 @@ fn load_once() -> std::result::Result<NixlLibrary, String> {
     let lib = dir.join("libnixl_capi.so");
     let plugin_dir = std::env::var_os("NIXL_PLUGIN_DIR").map(PathBuf::from).unwrap_or_else(|| dir.join("plugins"));
     set_default_env("NIXL_PLUGIN_DIR", &plugin_dir);
-    if crate::cuda::driver_present() {
-        set_default_env("UCX_CUDA_IPC_ENABLE_SAME_PROCESS", Path::new("y"));
-    }
     let c = std::ffi::CString::new(lib.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
     // SAFETY: dlopen of a regular file by absolute path; the handle is intentionally never
     // closed (the library stays loaded for the life of the process, as nixl-sys expects).

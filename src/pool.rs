@@ -140,6 +140,15 @@ impl KvPool {
         }
     }
 
+    /// Makes this pool's GPU context current on the calling thread (no-op for DRAM), so
+    /// NIXL/UCX calls made next (which open CUDA IPC handles) see the right device.
+    pub fn bind(&self) -> Result<()> {
+        match &self.backing {
+            Backing::Host(_) => Ok(()),
+            Backing::Device { regions, .. } => regions[0].device().bind(),
+        }
+    }
+
     /// Base address of each layer's region.
     pub fn region_addrs(&self) -> Vec<u64> {
         match &self.backing {

@@ -216,6 +216,7 @@ pub fn run(cfg: &RunConfig, progress: &mut dyn FnMut(&str)) -> (Report, Exit) {
 
 fn run_inner(cfg: &RunConfig, report: &mut Report, progress: &mut dyn FnMut(&str)) -> Result<()> {
     check_config(cfg)?;
+    crate::nixl::prepare_ucx_env(cfg.memory == MemoryKind::Vram && cfg.prefill_device == cfg.decode_device);
     let lib = crate::nixl::load();
     report.environment = Some(crate::envinfo::gather(crate::envinfo::nixl_info()));
     lib?;

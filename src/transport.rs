@@ -133,6 +133,7 @@ pub fn transfer(op: Op, prefill: &Endpoint, decode: &Endpoint, pairs: &[Pair], t
     let peer = init.peer();
     let local = init.descs(&init.pool.region_addrs(), pairs.iter().map(|p| (side(p).0, p.len)));
     let remote = init.descs(&peer.region_bases, pairs.iter().map(|p| (side(p).1, p.len)));
+    init.pool.bind()?;
     let r = init.agent.transfer(
         xop,
         (&local, mem_type(init.pool.memory()), init.pool.device_id()),
