@@ -137,7 +137,10 @@ pub fn nixl_info() -> NixlInfo {
 pub fn gather(nixl: NixlInfo) -> Environment {
     let n = cuda::device_count();
     let gpus = (0..n).filter_map(|i| cuda::gpu_info(i).ok()).collect();
-    let transport_env = std::env::vars().filter(|(k, _)| k.starts_with("UCX_") || k.starts_with("NIXL_")).collect();
+    let transport_env = std::env::vars_os()
+        .map(|(k, v)| (k.to_string_lossy().into_owned(), v.to_string_lossy().into_owned()))
+        .filter(|(k, _)| k.starts_with("UCX_") || k.starts_with("NIXL_"))
+        .collect();
     Environment {
         kvprobe_version: env!("CARGO_PKG_VERSION").to_string(),
         hostname: std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_default(),
@@ -188,7 +191,7 @@ pub fn render(e: &Environment) -> String {
             s += &format!("NIXL: {} (via {}, stub: {})\n", p.display(), e.nixl.found_via.as_deref().unwrap_or("?"), e.nixl.stub.unwrap_or(true));
             s += &format!("NIXL plugins ({}): {}\n", e.nixl.plugin_dir.as_ref().map(|p| p.display().to_string()).unwrap_or_default(), e.nixl.plugins.join(", "));
         }
-        None => s += "NIXL: not found\n",
+        None => s += "NIXL: unusable (see the error below)\n",
     }
     if let Some(err) = &e.nixl.error {
         s += &format!("NIXL error: {err}\n");

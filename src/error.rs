@@ -8,6 +8,7 @@
 //! | 3 | transport or device error during the run (NIXL or CUDA call failed) |
 //! | 4 | a transfer did not complete within `--timeout` |
 //! | 5 | transfer rate below `--min-gbps` (only when given) |
+//! | 130 | interrupted by SIGINT/SIGTERM (the partial report is written) |
 
 /// Process exit codes, as documented in README.md and `kvprobe --help`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -25,6 +26,8 @@ pub enum Exit {
     Timeout = 4,
     /// Transfer rate below `--min-gbps`.
     BelowRate = 5,
+    /// Interrupted by SIGINT or SIGTERM.
+    Interrupted = 130,
 }
 
 /// kvprobe's error type; each variant maps to one exit code ([`Error::exit`]).
@@ -48,6 +51,9 @@ pub enum Error {
     /// Writing the report failed (exit 2).
     #[error("report: {0}")]
     Io(String),
+    /// SIGINT or SIGTERM arrived (exit 130).
+    #[error("interrupted by a signal after {0} complete iterations")]
+    Interrupted(u32),
 }
 
 impl Error {
@@ -57,6 +63,7 @@ impl Error {
             Error::Usage(_) | Error::Environment(_) | Error::Io(_) => Exit::Usage,
             Error::Transport(_) | Error::Device(_) => Exit::Transport,
             Error::Timeout(_) => Exit::Timeout,
+            Error::Interrupted(_) => Exit::Interrupted,
         }
     }
 
@@ -69,6 +76,7 @@ impl Error {
             Error::Device(_) => "device",
             Error::Timeout(_) => "timeout",
             Error::Io(_) => "io",
+            Error::Interrupted(_) => "interrupted",
         }
     }
 }

@@ -69,10 +69,45 @@ impl Drop for HostBuffer {
     }
 }
 
-/// Bytes of host memory available to allocate (`MemAvailable` in /proc/meminfo), if known.
+/// Bytes of host memory this process may still allocate: the smaller of `MemAvailable`
+/// (/proc/meminfo) and the headroom of its memory cgroup (v2 `memory.max - memory.current`,
+/// v1 `memory.limit_in_bytes - memory.usage_in_bytes`), when known.
 pub fn available_bytes() -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    kb.checked_mul(1024)
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok().and_then(|s| {
+        let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
+        line.split_whitespace().nth(1)?.parse::<u64>().ok()?.checked_mul(1024)
+    });
+    match (meminfo, cgroup_headroom()) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+fn read_u64(path: &str) -> Option<u64> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+fn cgroup_headroom() -> Option<u64> {
+    let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let mut best: Option<u64> = None;
+    for line in own.lines() {
+        let mut f = line.splitn(3, ':');
+        let (_, ctrl, path) = (f.next()?, f.next()?, f.next()?);
+        let (limit, usage) = if ctrl.is_empty() {
+            (format!("/sys/fs/cgroup{path}/memory.max"), format!("/sys/fs/cgroup{path}/memory.current"))
+        } else if ctrl.split(',').any(|c| c == "memory") {
+            (
+                format!("/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"),
+                format!("/sys/fs/cgroup/memory{path}/memory.usage_in_bytes"),
+            )
+        } else {
+            continue;
+        };
+        // "max" (v2) or a huge number (v1) means no limit: read_u64 fails or the min ignores it.
+        if let Some(l) = read_u64(&limit) {
+            let room = l.saturating_sub(read_u64(&usage).unwrap_or(0));
+            best = Some(best.map_or(room, |b| b.min(room)));
+        }
+    }
+    best
 }

@@ -13,9 +13,10 @@
 //! | `torn`     | transfer only a prefix of the slice (a multiple of 16 bytes) | `torn` |
 
 use crate::error::{Error, Result};
-use crate::geometry::{Geometry, KvPart, SliceCoord};
+use crate::geometry::{Geometry, SliceCoord};
 use crate::verify::Class;
 use rand::Rng;
+use std::collections::{HashMap, HashSet};
 use serde::{Deserialize, Serialize};
 
 /// An injection kind.
@@ -62,7 +63,7 @@ impl std::str::FromStr for Spec {
     fn from_str(s: &str) -> std::result::Result<Spec, String> {
         let (name, count) = match s.split_once(':') {
             Some((n, c)) => {
-                let c: u32 = c.parse().map_err(|_| format!("COUNT in {s:?} must be a positive integer"))?;
+                let c: u32 = c.parse().map_err(|_| format!("COUNT in {s:?} must be an integer from 1 to {}", u32::MAX))?;
                 (n, c)
             }
             None => (s, 1),
@@ -122,48 +123,102 @@ pub enum Action {
 }
 
 /// Checks that the injections fit the geometry. Errors (exit 2): torn needs slices of at
-/// least 32 bytes, misroute needs two blocks, and all injections need distinct slices.
+/// least 32 bytes; misroute pairs two slices of one (layer, K/V), so each needs a group
+/// with two free blocks; all injections need distinct slices.
 pub fn check(specs: &[Spec], g: &Geometry) -> Result<()> {
     let sb = g.slice_bytes()?;
-    let mut need: u64 = 0;
+    let (mut pairs, mut singles): (u64, u64) = (0, 0);
     for s in specs {
         if s.kind == Kind::Torn && sb < 32 {
             return Err(Error::Usage(format!("--inject torn needs block slices of at least 32 bytes (they are {sb})")));
         }
-        if s.kind == Kind::Misroute && g.num_blocks < 2 {
-            return Err(Error::Usage("--inject misroute needs at least 2 blocks".into()));
+        match s.kind {
+            Kind::Misroute => pairs += s.count as u64,
+            _ => singles += s.count as u64,
         }
-        need += s.count as u64 * if s.kind == Kind::Misroute { 2 } else { 1 };
+    }
+    if pairs > 0 && g.num_blocks < 2 {
+        return Err(Error::Usage("--inject misroute needs at least 2 blocks".into()));
+    }
+    let groups = g.num_layers as u64 * g.kv_parts() as u64;
+    let max_pairs = groups * (g.num_blocks as u64 / 2);
+    if pairs > max_pairs {
+        return Err(Error::Usage(format!(
+            "--inject misroute needs {pairs} pairs of blocks in one layer and K/V per iteration; the pool has room for {max_pairs}"
+        )));
     }
     let have = g.total_slices()?;
-    if need > have {
-        return Err(Error::Usage(format!("the injections need {need} distinct block slices per iteration; the pool has {have}")));
+    if 2 * pairs + singles > have {
+        return Err(Error::Usage(format!(
+            "the injections need {} distinct block slices per iteration; the pool has {have}",
+            2 * pairs + singles
+        )));
     }
     Ok(())
 }
 
-/// Plans one iteration's injections at distinct random source slices.
+/// Distinct random slices, drawn group by group (a group is one layer's K, V or latent).
+struct Picker<'a> {
+    g: &'a Geometry,
+    used: HashSet<SliceCoord>,
+    used_in: HashMap<u64, u32>,
+}
+
+impl Picker<'_> {
+    fn groups(&self) -> u64 {
+        self.g.num_layers as u64 * self.g.kv_parts() as u64
+    }
+
+    fn free_in(&self, gi: u64) -> u32 {
+        self.g.num_blocks - self.used_in.get(&gi).copied().unwrap_or(0)
+    }
+
+    /// The first group, from a random start, with at least `n` free blocks.
+    fn group_with(&self, n: u32, rng: &mut impl Rng) -> u64 {
+        let groups = self.groups();
+        let start = rng.random_range(0..groups);
+        (0..groups).map(|k| (start + k) % groups).find(|&gi| self.free_in(gi) >= n).expect("check() bounds the injections")
+    }
+
+    /// A random unused block of group `gi` (which has a free one).
+    fn take(&mut self, gi: u64, rng: &mut impl Rng) -> SliceCoord {
+        let parts = self.g.parts();
+        let (layer, kv) = ((gi / parts.len() as u64) as u32, parts[(gi % parts.len() as u64) as usize]);
+        loop {
+            let c = SliceCoord { layer, kv, block: rng.random_range(0..self.g.num_blocks) };
+            if self.used.insert(c) {
+                *self.used_in.entry(gi).or_default() += 1;
+                return c;
+            }
+        }
+    }
+}
+
+/// Plans one iteration's injections at distinct random source slices (misroute pairs first,
+/// so [`check`]'s capacity bound holds). Call [`check`] first.
 pub fn plan(specs: &[Spec], g: &Geometry, rng: &mut impl Rng) -> Vec<Action> {
     let sb = g.slice_bytes().unwrap_or(0);
-    let mut used = std::collections::HashSet::new();
-    let parts = g.parts();
-    let mut pick = |rng: &mut dyn rand::RngCore, layer_kv: Option<(u32, KvPart)>| loop {
-        let (layer, kv) = layer_kv.unwrap_or_else(|| (rng.random_range(0..g.num_layers), parts[rng.random_range(0..parts.len())]));
-        let c = SliceCoord { layer, kv, block: rng.random_range(0..g.num_blocks) };
-        if used.insert(c) {
-            return c;
-        }
-    };
+    let mut p = Picker { g, used: HashSet::new(), used_in: HashMap::new() };
     let mut out = Vec::new();
-    for s in specs {
+    let (pairs, singles): (Vec<&Spec>, Vec<&Spec>) = specs.iter().partition(|s| s.kind == Kind::Misroute);
+    for s in pairs {
         for _ in 0..s.count {
-            let a = pick(rng, None);
+            let gi = p.group_with(2, rng);
+            let from = p.take(gi, rng);
+            let to = p.take(gi, rng);
+            out.push(Action::Misroute { from, to });
+        }
+    }
+    for s in singles {
+        for _ in 0..s.count {
+            let gi = p.group_with(1, rng);
+            let a = p.take(gi, rng);
             out.push(match s.kind {
                 Kind::Bitflip => Action::Bitflip { at: a, offset: rng.random_range(0..sb), bit: rng.random_range(0..8) },
                 Kind::Drop => Action::Drop { at: a },
                 Kind::Stale => Action::Stale { at: a },
                 Kind::Torn => Action::Torn { at: a, len: 16 * rng.random_range(1..sb / 16) },
-                Kind::Misroute => Action::Misroute { from: a, to: pick(rng, Some((a.layer, a.kv))) },
+                Kind::Misroute => unreachable!("partitioned above"),
             });
         }
     }

@@ -21,6 +21,7 @@ pub mod fingerprint;
 pub mod geometry;
 pub mod hostmem;
 pub mod inject;
+pub mod interrupt;
 pub mod nixl;
 pub mod pool;
 pub mod report;

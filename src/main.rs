@@ -16,7 +16,8 @@ const EXIT_CODES: &str = "Exit codes:
   2  usage, configuration or environment error (bad flag, NIXL or GPU missing)
   3  transport or device error during the run
   4  a transfer did not complete within --timeout
-  5  transfer rate below --min-gbps (only when given)";
+  5  transfer rate below --min-gbps (only when given)
+  130  interrupted by SIGINT/SIGTERM (partial report written, marked interrupted)";
 
 /// Proves that KV-cache blocks moved between a prefill and a decode engine over NIXL
 /// arrive intact.
@@ -32,7 +33,7 @@ enum Command {
     /// Fill fingerprinted KV blocks on prefill, move them with NIXL, verify every block slice on decode.
     #[command(after_help = EXIT_CODES)]
     Run(RunArgs),
-    /// Print what was found: GPUs, driver, CUDA, NVRTC, NIXL library and plugins.
+    /// Print what was found: GPUs and their links, driver, CUDA, NVRTC, NIXL library and plugins (exit 2 when NIXL is unusable).
     Env {
         /// Print JSON instead of text.
         #[arg(long)]
@@ -161,6 +162,10 @@ fn run(args: RunArgs) -> Exit {
         eprintln!("kvprobe: {e}");
         return e.exit();
     }
+    if let Err(e) = kvprobe::interrupt::install() {
+        eprintln!("kvprobe: cannot install signal handlers: {e}");
+        return Exit::Usage;
+    }
     let cfg = args.config();
     let (report, mut exit) = kvprobe::run::run(&cfg, &mut |line| eprintln!("{line}"));
     if report.summary.iterations > 0 || report.outcome.error.is_none() {
@@ -196,7 +201,8 @@ fn env(json: bool) -> Exit {
     } else {
         print!("{}", kvprobe::envinfo::render(&e));
     }
-    Exit::Clean
+    // NIXL is what kvprobe cannot run without: say so in the exit code too.
+    if e.nixl.library.is_none() { Exit::Usage } else { Exit::Clean }
 }
 
 fn main() -> ExitCode {

@@ -24,14 +24,17 @@ pub const INSTALL_HINT: &str =
 
 /// kvprobe's data directory: `$KVPROBE_HOME`, else `$XDG_DATA_HOME/kvprobe`, else
 /// `~/.local/share/kvprobe`.
+/// Empty or relative values are ignored (a relative path would make kvprobe load a
+/// library from the current directory).
 pub fn kvprobe_home() -> PathBuf {
-    if let Some(h) = std::env::var_os("KVPROBE_HOME") {
-        return PathBuf::from(h);
+    let abs = |k: &str| std::env::var_os(k).map(PathBuf::from).filter(|p| p.is_absolute());
+    if let Some(h) = abs("KVPROBE_HOME") {
+        return h;
     }
-    if let Some(x) = std::env::var_os("XDG_DATA_HOME") {
-        return PathBuf::from(x).join("kvprobe");
+    if let Some(x) = abs("XDG_DATA_HOME") {
+        return x.join("kvprobe");
     }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/root"));
+    let home = std::env::home_dir().unwrap_or_else(|| PathBuf::from("/nonexistent"));
     home.join(".local/share/kvprobe")
 }
 
@@ -54,12 +57,12 @@ pub struct NixlLibrary {
 }
 
 /// Candidate directories in search order, with how each was named.
-/// When `KVPROBE_NIXL_DIR` is set it is the only candidate: an operator who pins a library
+/// When `KVPROBE_NIXL_DIR` is set (non-empty) it is the only candidate: an operator who pins a library
 /// gets that library or an error, never a silent fallback.
 pub fn candidates() -> Vec<(PathBuf, &'static str)> {
     match std::env::var_os(NIXL_DIR_ENV) {
-        Some(d) => vec![(PathBuf::from(d), NIXL_DIR_ENV)],
-        None => vec![(default_lib_dir(), "install dir")],
+        Some(d) if !d.is_empty() => vec![(PathBuf::from(d), NIXL_DIR_ENV)],
+        _ => vec![(default_lib_dir(), "install dir")],
     }
 }
 
@@ -283,7 +286,7 @@ impl Agent {
                 nixl_sys::XferStatus::InProgress => {
                     if t0.elapsed() > timeout {
                         return Err(Error::Timeout(format!(
-                            "{op:?} of {bytes} bytes to {peer} not complete after {:.1} s",
+                            "{op:?} of {bytes} bytes to {peer} not complete after {:.3} s",
                             timeout.as_secs_f64()
                         )));
                     }
@@ -305,7 +308,7 @@ impl Agent {
                 return Ok(());
             }
             if t0.elapsed() > timeout {
-                return Err(Error::Timeout(format!("no notification {msg:?} from {peer} after {:.1} s", timeout.as_secs_f64())));
+                return Err(Error::Timeout(format!("no notification {msg:?} from {peer} after {:.3} s", timeout.as_secs_f64())));
             }
             std::thread::sleep(Duration::from_micros(50));
         }

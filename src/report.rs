@@ -12,7 +12,7 @@ use crate::verify::{Class, SectorRun};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// Report schema identifier; bumped on incompatible changes.
 pub const SCHEMA: &str = "kvprobe.report/1";
@@ -126,7 +126,7 @@ pub struct RunError {
 pub struct Outcome {
     /// Process exit code (see README "Exit codes").
     pub exit_code: u8,
-    /// "clean", "corrupt", "error", "timeout" or "below-min-gbps".
+    /// "clean", "corrupt", "error", "timeout", "below-min-gbps" or "interrupted".
     pub status: String,
     /// The error, when the run stopped early.
     pub error: Option<RunError>,
@@ -161,6 +161,7 @@ impl Report {
             Exit::Corrupt => "corrupt",
             Exit::Timeout => "timeout",
             Exit::BelowRate => "below-min-gbps",
+            Exit::Interrupted => "interrupted",
             Exit::Usage | Exit::Transport => "error",
         };
         self.outcome = Outcome {
@@ -171,41 +172,65 @@ impl Report {
     }
 }
 
-/// Checks, before a run, that a report can be written at `path`: not a directory, and its
-/// directory accepts a new file (one is created and removed). Errors: [`Error::Io`] (exit 2).
-pub fn check_writable(path: &Path) -> Result<()> {
-    if path.is_dir() {
-        return Err(Error::Io(format!("--report {} is a directory", path.display())));
+/// Resolves where a report at `path` goes: a symlink is followed to its target; an
+/// existing target must be a regular file (never a device, FIFO or directory — as root,
+/// renaming over /dev/null would replace it). Returns (target, its directory).
+fn resolve_target(path: &Path) -> Result<(PathBuf, PathBuf)> {
+    let target = match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_symlink() => std::fs::canonicalize(path)
+            .map_err(|e| Error::Io(format!("--report {}: dangling symlink: {e}", path.display())))?,
+        _ => path.to_path_buf(),
+    };
+    match std::fs::metadata(&target) {
+        Ok(m) if m.is_dir() => return Err(Error::Io(format!("--report {} is a directory", path.display()))),
+        Ok(m) if !m.is_file() => {
+            return Err(Error::Io(format!("--report {} is not a regular file (device, FIFO or socket)", path.display())));
+        }
+        _ => {}
     }
-    let (dir, tmp) = temp_path(path)?;
+    if target.file_name().is_none() {
+        return Err(Error::Io(format!("--report {} is not a file path", path.display())));
+    }
+    let dir = match target.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    Ok((target, dir))
+}
+
+fn temp_in(dir: &Path) -> PathBuf {
+    dir.join(format!(".kvprobe-report.{}.tmp", std::process::id()))
+}
+
+/// Checks, before a run, that a report can be written at `path`: not a directory or
+/// special file, and its directory accepts a new file (one is created and removed).
+/// Errors: [`Error::Io`] (exit 2).
+pub fn check_writable(path: &Path) -> Result<()> {
+    let (_, dir) = resolve_target(path)?;
+    let tmp = temp_in(&dir);
     std::fs::File::create(&tmp)
         .map_err(|e| Error::Io(format!("--report {}: cannot create files in {}: {e}", path.display(), dir.display())))?;
     let _ = std::fs::remove_file(&tmp);
     Ok(())
 }
 
-fn temp_path(path: &Path) -> Result<(std::path::PathBuf, std::path::PathBuf)> {
-    let name = path.file_name().ok_or_else(|| Error::Io(format!("{} is not a file path", path.display())))?;
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => std::path::PathBuf::from("."),
-    };
-    let tmp = dir.join(format!(".{}.{}.tmp", name.to_string_lossy(), std::process::id()));
-    Ok((dir, tmp))
-}
-
-/// Writes `value` as pretty JSON to `path` atomically (temp file, fsync, rename).
-/// Errors: [`Error::Io`] (exit 2) when the directory is not writable.
+/// Writes `value` as pretty JSON to `path` atomically: a temporary file in the target's
+/// directory, synced, given the existing report's permissions, then renamed over it.
+/// Symlinks are followed; special files are refused. Errors: [`Error::Io`] (exit 2).
 pub fn write_atomic<T: Serialize>(path: &Path, value: &T) -> Result<()> {
     let io = |what: &str, e: std::io::Error| Error::Io(format!("{what} {}: {e}", path.display()));
-    let (dir, tmp) = temp_path(path)?;
+    let (target, dir) = resolve_target(path)?;
+    let tmp = temp_in(&dir);
     let body = serde_json::to_vec_pretty(value).map_err(|e| Error::Io(format!("serialise report: {e}")))?;
     let result = (|| {
         let mut f = std::fs::File::create(&tmp).map_err(|e| io("create temp file for", e))?;
         f.write_all(&body).map_err(|e| io("write", e))?;
         f.write_all(b"\n").map_err(|e| io("write", e))?;
+        if let Ok(m) = std::fs::metadata(&target) {
+            let _ = f.set_permissions(m.permissions());
+        }
         f.sync_all().map_err(|e| io("sync", e))?;
-        std::fs::rename(&tmp, path).map_err(|e| io("rename into", e))?;
+        std::fs::rename(&tmp, &target).map_err(|e| io("rename into", e))?;
         if let Ok(d) = std::fs::File::open(&dir) {
             let _ = d.sync_all();
         }

@@ -72,6 +72,9 @@ struct Probe {
 fn check_config(cfg: &RunConfig) -> Result<()> {
     cfg.geometry.validate()?;
     inject::check(&cfg.inject, &cfg.geometry)?;
+    if cfg.memory == MemoryKind::Dram && (cfg.prefill_device != 0 || cfg.decode_device != 0) {
+        return Err(Error::Usage("--prefill-device and --decode-device apply to --memory vram only".into()));
+    }
     if cfg.iterations == 0 {
         return Err(Error::Usage("--iterations must be at least 1".into()));
     }
@@ -81,10 +84,33 @@ fn check_config(cfg: &RunConfig) -> Result<()> {
     if !(cfg.timeout_secs.is_finite() && cfg.timeout_secs > 0.0) {
         return Err(Error::Usage("--timeout must be a positive number of seconds".into()));
     }
+    if Duration::try_from_secs_f64(cfg.timeout_secs).is_err() || cfg.timeout_secs > 1e9 {
+        return Err(Error::Usage("--timeout must be at most 1e9 seconds".into()));
+    }
     if let Some(m) = cfg.min_gbps
         && !(m.is_finite() && m >= 0.0)
     {
         return Err(Error::Usage("--min-gbps must be a non-negative number".into()));
+    }
+    Ok(())
+}
+
+/// Host bytes kvprobe and NIXL keep per block slice (descriptor lists, transfer plans):
+/// an upper bound measured on DRAM runs (about 285 B seen), used to refuse runs up front.
+pub const HOST_BYTES_PER_SLICE: u64 = 512;
+
+/// Refuses, before allocating, a run whose host memory (DRAM pools plus per-slice
+/// bookkeeping) exceeds what this process may allocate ([`crate::hostmem::available_bytes`]).
+fn check_host_memory(cfg: &RunConfig) -> Result<()> {
+    let g = &cfg.geometry;
+    let pools = if cfg.memory == MemoryKind::Dram { g.pool_bytes()?.saturating_mul(2) } else { 0 };
+    let need = pools.saturating_add(g.total_slices()?.saturating_mul(HOST_BYTES_PER_SLICE));
+    if let Some(avail) = crate::hostmem::available_bytes()
+        && need > avail
+    {
+        return Err(Error::Usage(format!(
+            "the run needs about {need} bytes of host memory ({pools} for DRAM pools + {HOST_BYTES_PER_SLICE} per block slice); {avail} are available (MemAvailable / cgroup limit)"
+        )));
     }
     Ok(())
 }
@@ -111,6 +137,18 @@ fn build_pools(cfg: &RunConfig) -> Result<(KvPool, KvPool)> {
 impl Probe {
     fn setup(cfg: &RunConfig) -> Result<Probe> {
         let (p, d) = build_pools(cfg)?;
+        Self::connect(cfg, p, d).map_err(|e| match e {
+            // Before any transfer, a NIXL refusal means this backend cannot serve these pools.
+            Error::Transport(m) => Error::Environment(format!(
+                "NIXL backend {} cannot serve {} pools: {m}",
+                cfg.backend,
+                if cfg.memory == MemoryKind::Vram { "VRAM" } else { "DRAM" }
+            )),
+            e => e,
+        })
+    }
+
+    fn connect(cfg: &RunConfig, p: KvPool, d: KvPool) -> Result<Probe> {
         let mut prefill = Endpoint::new("kvprobe-prefill", &cfg.backend, p)?;
         let mut decode = Endpoint::new("kvprobe-decode", &cfg.backend, d)?;
         let pi = prefill.info()?;
@@ -215,10 +253,11 @@ pub fn run(cfg: &RunConfig, progress: &mut dyn FnMut(&str)) -> (Report, Exit) {
 }
 
 fn run_inner(cfg: &RunConfig, report: &mut Report, progress: &mut dyn FnMut(&str)) -> Result<()> {
-    check_config(cfg)?;
     crate::nixl::prepare_ucx_env(cfg.memory == MemoryKind::Vram && cfg.prefill_device == cfg.decode_device);
     let lib = crate::nixl::load();
     report.environment = Some(crate::envinfo::gather(crate::envinfo::nixl_info()));
+    check_config(cfg)?;
+    check_host_memory(cfg)?;
     lib?;
     let mut probe = Probe::setup(cfg)?;
     let g = cfg.geometry.clone();
@@ -227,6 +266,9 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, progress: &mut dyn FnMut(&str
     let timeout = Duration::from_secs_f64(cfg.timeout_secs);
     let mut buf = vec![0u8; sb];
     for it in 1..=cfg.iterations {
+        if crate::interrupt::requested() {
+            return Err(Error::Interrupted(it - 1));
+        }
         let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ (it as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
         let mut perm: Vec<u32> = (0..g.num_blocks).collect();
         perm.shuffle(&mut rng);

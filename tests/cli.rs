@@ -15,7 +15,7 @@ fn bad_flags_exit_2_with_a_message() {
     assert_usage(&["run", "--memory", "dram", "--blocks", "0"], "--blocks must be at least 1");
     assert_usage(&["run", "--memory", "dram", "--inject", "bogus"], "unknown injection");
     assert_usage(&["run", "--memory", "dram", "--inject", "torn:0"], "at least 1");
-    assert_usage(&["run", "--memory", "dram", "--inject", "drop:x"], "positive integer");
+    assert_usage(&["run", "--memory", "dram", "--inject", "drop:x"], "must be an integer from 1");
     assert_usage(&["run", "--memory", "dram", "--preset", "gpt5"], "invalid value");
     assert_usage(&["run", "--memory", "dram", "--head-size", "3", "--kv-heads", "1", "--block-size", "1", "--dtype", "fp8"], "multiple of 16");
     assert_usage(&["run", "--memory", "dram", "--iterations", "0"], "--iterations must be at least 1");
@@ -31,7 +31,7 @@ fn bad_flags_exit_2_with_a_message() {
 
 #[test]
 fn a_pool_larger_than_memory_is_refused_before_allocating() {
-    assert_usage(&["run", "--memory", "dram", "--preset", "llama3-8b", "--blocks", "4000000"], "exceed");
+    assert_usage(&["run", "--memory", "dram", "--preset", "llama3-8b", "--blocks", "4000000"], "bytes of host memory");
 }
 
 #[test]
@@ -113,4 +113,43 @@ fn seeds_parse_as_decimal_or_hex() {
     assert_eq!(code, 0, "{err}");
     assert_eq!(read_report(&p)["config"]["seed"], 255);
     assert_usage(&["run", "--memory", "dram", "--seed", "0xzz"], "not a 64-bit seed");
+}
+
+#[test]
+fn special_files_are_never_replaced_by_a_report() {
+    let d = tmpdir("fifo");
+    let fifo = d.join("fifo");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: mkfifo on a path in our own temporary directory.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let (code, _, err) = kvprobe(&["run", "--memory", "dram", "--iterations", "1", "--report", fifo.to_str().unwrap()]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("not a regular file"), "{err}");
+    use std::os::unix::fs::FileTypeExt;
+    assert!(std::fs::symlink_metadata(&fifo).unwrap().file_type().is_fifo(), "the FIFO was replaced");
+}
+
+#[test]
+fn a_symlinked_report_path_writes_the_target() {
+    let d = tmpdir("symlink");
+    let target = d.join("real.json");
+    std::fs::write(&target, "old").unwrap();
+    let link = d.join("link.json");
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    let (code, _, err) = kvprobe(&["run", "--memory", "dram", "--iterations", "1", "--report", link.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink(), "the link was replaced");
+    assert_eq!(read_report(&target)["schema"], "kvprobe.report/1");
+}
+
+#[test]
+fn odd_environment_and_extreme_values_do_not_panic() {
+    use std::os::unix::ffi::OsStrExt;
+    let bad = std::ffi::OsStr::from_bytes(b"\xff\xfe");
+    let o = std::process::Command::new(crate::common::bin()).args(["env"]).env("UCX_ODD", bad).output().unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_usage(&["run", "--memory", "dram", "--timeout", "1e20"], "at most 1e9 seconds");
+    assert_usage(&["run", "--memory", "dram", "--layers", "2", "--blocks", "3", "--mla", "--inject", "misroute:3"], "room for 2");
+    // Would need 10^10 slices of bookkeeping: refused before allocating anything.
+    assert_usage(&["run", "--memory", "vram", "--layers", "65535", "--blocks", "65535", "--kv-heads", "1", "--head-size", "8", "--block-size", "1"], "");
 }

@@ -129,3 +129,32 @@ fn unknown_backend_exits_2() {
     assert!(log.contains("\"NOPE\" is not installed"), "{log}");
     assert_eq!(r["outcome"]["error"]["kind"], "environment");
 }
+
+#[test]
+fn sigint_stops_cleanly_with_a_partial_report() {
+    let d = crate::common::tmpdir("sigint");
+    let p = d.join("r.json");
+    let mut child = std::process::Command::new(crate::common::bin())
+        .args(["run", "--memory", "dram", "--iterations", "1000000", "--report", p.to_str().unwrap()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(2500));
+    // SAFETY: signalling our own child process.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(130));
+    let r = read_report(&p);
+    assert_eq!(r["outcome"]["status"], "interrupted");
+    assert!(r["summary"]["iterations"].as_u64().unwrap() >= 1);
+    assert_eq!(r["summary"]["blocks_corrupt"], 0);
+}
+
+#[test]
+fn a_backend_that_cannot_serve_the_pools_exits_2() {
+    let (code, r, log) = run_report("posix", &["--iterations", "1", "--backend", "POSIX"]);
+    assert_eq!(code, 2, "{log}");
+    assert!(log.contains("NIXL backend POSIX cannot serve DRAM pools"), "{log}");
+    assert_eq!(r["outcome"]["error"]["kind"], "environment");
+}
