@@ -95,6 +95,14 @@ pub struct Summary {
     pub transfer_seconds: f64,
     /// bytes_transferred / transfer_seconds / 1e9.
     pub transfer_gbps: f64,
+    /// Wall seconds (synchronised) spent filling prefill slices, all iterations.
+    pub fill_seconds: f64,
+    /// Wall seconds spent poisoning decode slices.
+    pub poison_seconds: f64,
+    /// Wall seconds spent verifying decode slices (kernel or CPU pass, plus classification).
+    pub verify_seconds: f64,
+    /// Pool bytes verified per verify second / 1e9 (GB/s).
+    pub verify_gbps: f64,
     /// Failures left out of `failures` by `--max-failures`.
     pub failures_omitted: u64,
     /// Injections planted.
@@ -272,6 +280,10 @@ pub fn render(r: &Report) -> String {
         s.bytes_transferred as f64 / 1e9,
         s.transfer_seconds,
         s.transfer_gbps
+    );
+    out += &format!(
+        "probe passes:      fill {:.3} s, poison {:.3} s, verify {:.3} s ({:.1} GB/s)\n",
+        s.fill_seconds, s.poison_seconds, s.verify_seconds, s.verify_gbps
     );
     if s.injections_planted > 0 {
         out += &format!(

@@ -25,7 +25,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Everything `kvprobe run` needs, resolved (preset expanded).
 #[derive(Clone, Debug, Serialize)]
@@ -263,6 +263,7 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, progress: &mut dyn FnMut(&str
     let g = cfg.geometry.clone();
     let sb = g.slice_bytes()? as usize;
     let total = g.total_slices()?;
+    let pool_bytes = g.pool_bytes()?;
     let timeout = Duration::from_secs_f64(cfg.timeout_secs);
     let mut buf = vec![0u8; sb];
     for it in 1..=cfg.iterations {
@@ -275,9 +276,13 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, progress: &mut dyn FnMut(&str
         let actions = inject::plan(&cfg.inject, &g, &mut rng);
 
         let src_table = probe.source_table(it);
+        let t = Instant::now();
         probe.prefill.pool.fill(&src_table)?;
+        report.summary.fill_seconds += t.elapsed().as_secs_f64();
         probe.apply_source_faults(&actions, it)?;
+        let t = Instant::now();
         probe.decode.pool.poison(it)?;
+        report.summary.poison_seconds += t.elapsed().as_secs_f64();
         let pairs = probe.pairs(&perm, &actions)?;
         let xr = transport::transfer(cfg.op, &probe.prefill, &probe.decode, &pairs, &format!("kvprobe:iter={it}"), timeout)?;
         report.summary.bytes_transferred += xr.bytes;
@@ -289,6 +294,7 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, progress: &mut dyn FnMut(&str
             dst_table[d as usize] = src_table[i];
             src_of[d as usize] = i as u32;
         }
+        let t = Instant::now();
         let fails = probe.decode.pool.verify(&dst_table)?;
         report.summary.blocks_checked += total;
 
@@ -331,6 +337,8 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, progress: &mut dyn FnMut(&str
                 report.summary.failures_omitted += 1;
             }
         }
+        report.summary.verify_seconds += t.elapsed().as_secs_f64();
+        report.summary.verify_gbps = pool_bytes as f64 * it as f64 / report.summary.verify_seconds.max(1e-9) / 1e9;
         for a in &actions {
             let hits: Vec<PredictedHit> = a
                 .predicted()
