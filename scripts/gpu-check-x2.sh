@@ -3,16 +3,8 @@
 # scripts/gpu-check.sh (scripts/gpu-bundle.sh), then from the repository root on the host:
 #   scripts/gpu-check-x2.sh [BUNDLE_DIR]      (logs and reports in $OUT, default /tmp/kvprobe-gpu)
 set -uo pipefail
-bundle="${1:-.carry}"
-out="${OUT:-/tmp/kvprobe-gpu}"
-mkdir -p "$out" /tmp/kvprobe-nixl
-tar xJf "$bundle/nixl.tar.xz" -C /tmp/kvprobe-nixl
-export KVPROBE_NIXL_DIR=/tmp/kvprobe-nixl/lib
-export KVPROBE_BIN="$PWD/$bundle/kvprobe" KVPROBE_REQUIRE_GPU=1 KVPROBE_REQUIRE_GPUS=2 KVPROBE_TEST_TMP=/tmp/kvprobe-test
-export LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
-kv="$KVPROBE_BIN"
-log="$out/log.txt"
-step() { echo; echo "=== $*" | tee -a "$log"; }
+source "$(dirname "$0")/gpu-lane.sh"
+export KVPROBE_REQUIRE_GPUS=2
 x2=(--memory vram --prefill-device 0 --decode-device 1)
 
 step "env"
@@ -29,8 +21,8 @@ for mode in "read" "read zcopy" "write"; do
     grep -E "cuda|emulation|tcp|transfer:|result" | sort | uniq -c | sort -rn | head -10 | sed "s/^/[$mode] /" | tee -a "$log"
 done
 
-step "main job across devices: llama3-8b, 4 GiB per side, 20 iterations, READ (UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y)"
-UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y "$kv" run "${x2[@]}" --preset llama3-8b --blocks 2048 --iterations 20 \
+step "main job across devices: llama3-8b, 4 GiB per side, 20 iterations, READ"
+"$kv" run "${x2[@]}" --preset llama3-8b --blocks 2048 --iterations 20 \
   --report "$out/x2-read.json" 2>&1 | grep -v "^iteration" | tee -a "$log"
 
 step "main job across devices: llama3-8b, 4 GiB per side, 20 iterations, WRITE"
@@ -39,6 +31,6 @@ step "main job across devices: llama3-8b, 4 GiB per side, 20 iterations, WRITE"
 
 for k in bitflip drop misroute stale torn; do
   step "inject $k:3 across devices"
-  UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y "$kv" run "${x2[@]}" --preset llama3-8b --iterations 2 --inject "$k:3" 2>&1 |
+  "$kv" run "${x2[@]}" --preset llama3-8b --iterations 2 --inject "$k:3" 2>&1 |
     grep -E "corrupt|injections|result" | tee -a "$log"
 done

@@ -4,16 +4,7 @@
 # then, from the repository root on the GPU host:  scripts/gpu-check.sh [BUNDLE_DIR]
 # Logs and reports go to $OUT (default /tmp/kvprobe-gpu).
 set -uo pipefail
-bundle="${1:-.carry}"
-out="${OUT:-/tmp/kvprobe-gpu}"
-mkdir -p "$out" /tmp/kvprobe-nixl
-tar xJf "$bundle/nixl.tar.xz" -C /tmp/kvprobe-nixl
-export KVPROBE_NIXL_DIR=/tmp/kvprobe-nixl/lib
-export KVPROBE_BIN="$PWD/$bundle/kvprobe" KVPROBE_REQUIRE_GPU=1 KVPROBE_TEST_TMP=/tmp/kvprobe-test
-export LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
-kv="$KVPROBE_BIN"
-log="$out/log.txt"
-step() { echo; echo "=== $*" | tee -a "$log"; }
+source "$(dirname "$0")/gpu-lane.sh"
 
 step "env"
 "$kv" env 2>&1 | tee -a "$log"

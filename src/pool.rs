@@ -77,18 +77,16 @@ fn threads() -> usize {
 }
 
 impl KvPool {
-    /// Maps a DRAM pool. Errors: the geometry is invalid, or larger than available memory.
+    /// Maps a DRAM pool. Errors: the geometry is invalid, or larger than the host memory this
+    /// process may allocate (checked before mapping).
     pub fn host(geom: &Geometry, seed: u64) -> Result<KvPool> {
         geom.validate()?;
         let region = geom.region_bytes()?;
         let pool = geom.pool_bytes()?;
-        if let Some(avail) = crate::hostmem::available_bytes() {
-            // Two pools (prefill and decode) live in this process.
-            if pool.saturating_mul(2) > avail {
-                return Err(Error::Usage(format!(
-                    "two DRAM pools of {pool} bytes exceed the {avail} bytes of available host memory"
-                )));
-            }
+        if let Some(avail) = crate::hostmem::available_bytes()
+            && pool > avail
+        {
+            return Err(Error::Usage(format!("a DRAM pool of {pool} bytes exceeds the {avail} bytes of available host memory")));
         }
         let regions = (0..geom.num_layers).map(|_| HostBuffer::alloc(region as usize)).collect::<Result<Vec<_>>>()?;
         Ok(KvPool { geom: geom.clone(), seed, backing: Backing::Host(regions) })
