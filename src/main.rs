@@ -31,7 +31,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Fill fingerprinted KV blocks on prefill, move them with NIXL, verify every block slice on decode.
-    #[command(after_help = EXIT_CODES)]
+    #[command(after_help = EXIT_CODES, allow_negative_numbers = true)]
     Run(RunArgs),
     /// Print what was found: GPUs and their links, driver, CUDA, NVRTC, NIXL library and plugins (exit 2 when NIXL is unusable).
     Env {

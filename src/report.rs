@@ -250,6 +250,17 @@ pub fn write_atomic<T: Serialize>(path: &Path, value: &T) -> Result<()> {
     result
 }
 
+/// Bytes in decimal units (B, kB, MB, GB; 1 GB = 1e9 B), three decimals.
+fn human_bytes(b: u64) -> String {
+    let x = b as f64;
+    match b {
+        0..1_000 => format!("{b} B"),
+        1_000..1_000_000 => format!("{:.3} kB", x / 1e3),
+        1_000_000..1_000_000_000 => format!("{:.3} MB", x / 1e6),
+        _ => format!("{:.3} GB", x / 1e9),
+    }
+}
+
 /// The human summary printed on stdout.
 pub fn render(r: &Report) -> String {
     let s = &r.summary;
@@ -276,8 +287,8 @@ pub fn render(r: &Report) -> String {
         out += &format!("corrupt by class:  {}\n", parts.join(", "));
     }
     out += &format!(
-        "transfer:          {:.3} GB in {:.3} s = {:.2} GB/s\n",
-        s.bytes_transferred as f64 / 1e9,
+        "transfer:          {} in {:.3} s = {:.3} GB/s\n",
+        human_bytes(s.bytes_transferred),
         s.transfer_seconds,
         s.transfer_gbps
     );
