@@ -109,6 +109,9 @@ pub fn nixl_info() -> NixlInfo {
     match crate::nixl::load() {
         Ok(lib) => {
             let (plugins, error) = match crate::nixl::available_plugins() {
+                Ok(p) if p.is_empty() => {
+                    (p, Some(format!("no NIXL backend plugin loads from {}", lib.plugin_dir.display())))
+                }
                 Ok(p) => (p, None),
                 Err(e) => (Vec::new(), Some(e.to_string())),
             };

@@ -7,6 +7,7 @@ use kvprobe::pool::MemoryKind;
 use kvprobe::run::RunConfig;
 use kvprobe::transport::Op;
 use kvprobe::{Error, Exit};
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -155,35 +156,52 @@ impl RunArgs {
     }
 }
 
+/// Writes to stdout, ignoring failures: a closed pipe (`kvprobe run | head`) must not cost
+/// the report or the exit code.
+fn out(text: &str) {
+    let _ = std::io::stdout().write_all(text.as_bytes());
+}
+
+/// Writes a line to stderr, ignoring failures.
+fn err(line: &str) {
+    let _ = writeln!(std::io::stderr(), "{line}");
+}
+
 fn run(args: RunArgs) -> Exit {
     if let Some(path) = &args.report
         && let Err(e) = kvprobe::report::check_writable(path)
     {
-        eprintln!("kvprobe: {e}");
+        err(&format!("kvprobe: {e}"));
         return e.exit();
     }
     if let Err(e) = kvprobe::interrupt::install() {
-        eprintln!("kvprobe: cannot install signal handlers: {e}");
+        err(&format!("kvprobe: cannot install signal handlers: {e}"));
         return Exit::Usage;
     }
     let cfg = args.config();
-    let (report, mut exit) = kvprobe::run::run(&cfg, &mut |line| eprintln!("{line}"));
-    if report.summary.iterations > 0 || report.outcome.error.is_none() {
-        print!("{}", kvprobe::report::render(&report));
-    }
+    let (mut report, mut exit) = kvprobe::run::run(&cfg, &mut |line| err(line));
+    // The report first, so a failure to write it is reflected in the summary and exit code.
+    let mut written = None;
     if let Some(path) = &args.report {
         match kvprobe::report::write_atomic(path, &report) {
-            Ok(()) => println!("report:            {}", path.display()),
+            Ok(()) => written = Some(path),
             Err(e) => {
-                eprintln!("kvprobe: {e}");
                 if exit != Exit::Corrupt {
                     exit = e.exit();
+                    report.finish(exit, Some(&e));
                 }
+                err(&format!("kvprobe: {e}"));
             }
         }
     }
+    if report.summary.iterations > 0 || report.outcome.error.is_none() {
+        out(&kvprobe::report::render(&report));
+    }
+    if let Some(path) = written {
+        out(&format!("report:            {}\n", path.display()));
+    }
     if let Some(e) = &report.outcome.error {
-        eprintln!("kvprobe: {}", e.message);
+        err(&format!("kvprobe: {}", e.message));
     }
     exit
 }
@@ -192,17 +210,17 @@ fn env(json: bool) -> Exit {
     let e = kvprobe::envinfo::gather(kvprobe::envinfo::nixl_info());
     if json {
         match serde_json::to_string_pretty(&e) {
-            Ok(s) => println!("{s}"),
-            Err(err) => {
-                eprintln!("kvprobe: {}", Error::Io(err.to_string()));
+            Ok(s) => out(&format!("{s}\n")),
+            Err(x) => {
+                err(&format!("kvprobe: {}", Error::Io(x.to_string())));
                 return Exit::Usage;
             }
         }
     } else {
-        print!("{}", kvprobe::envinfo::render(&e));
+        out(&kvprobe::envinfo::render(&e));
     }
-    // NIXL is what kvprobe cannot run without: say so in the exit code too.
-    if e.nixl.library.is_none() { Exit::Usage } else { Exit::Clean }
+    // NIXL (with at least one backend plugin) is what kvprobe cannot run without.
+    if e.nixl.library.is_none() || e.nixl.plugins.is_empty() { Exit::Usage } else { Exit::Clean }
 }
 
 fn main() -> ExitCode {

@@ -94,7 +94,7 @@ pub fn prepare_ucx_env(vram_same_gpu: bool) {
 }
 
 fn set_default_env(key: &str, value: &Path) {
-    if std::env::var_os(key).is_none() {
+    if std::env::var_os(key).is_none_or(|v| v.is_empty()) {
         // SAFETY: called from `prepare_ucx_env` or `load_once`, before NIXL is loaded, so no
         // NIXL/UCX thread exists, and kvprobe has spawned none of its own yet.
         unsafe { std::env::set_var(key, value) };
@@ -102,12 +102,18 @@ fn set_default_env(key: &str, value: &Path) {
 }
 
 fn load_once() -> std::result::Result<NixlLibrary, String> {
+    if let Some(d) = std::env::var_os(NIXL_DIR_ENV).filter(|d| !d.is_empty())
+        && !Path::new(&d).is_absolute()
+    {
+        return Err(format!("{NIXL_DIR_ENV} must be an absolute path (got {:?})", Path::new(&d)));
+    }
     let (dir, via) = find().ok_or_else(|| {
         let looked: Vec<String> = candidates().iter().map(|(d, w)| format!("{} ({w})", d.display())).collect();
         format!("NIXL library libnixl_capi.so not found (looked in: {}); {INSTALL_HINT}", looked.join(", "))
     })?;
     let lib = dir.join("libnixl_capi.so");
-    let plugin_dir = std::env::var_os("NIXL_PLUGIN_DIR").map(PathBuf::from).unwrap_or_else(|| dir.join("plugins"));
+    let plugin_dir =
+        std::env::var_os("NIXL_PLUGIN_DIR").filter(|v| !v.is_empty()).map(PathBuf::from).unwrap_or_else(|| dir.join("plugins"));
     set_default_env("NIXL_PLUGIN_DIR", &plugin_dir);
     let c = std::ffi::CString::new(lib.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
     // SAFETY: dlopen of a regular file by absolute path; the handle is intentionally never
@@ -286,7 +292,8 @@ impl Agent {
                 nixl_sys::XferStatus::InProgress => {
                     if t0.elapsed() > timeout {
                         return Err(Error::Timeout(format!(
-                            "{op:?} of {bytes} bytes to {peer} not complete after {:.3} s",
+                            "{op:?} of {bytes} bytes {} {peer} not complete after {:.3} s",
+                            if matches!(op, XferOp::Read) { "from" } else { "to" },
                             timeout.as_secs_f64()
                         )));
                     }

@@ -1,4 +1,5 @@
-//! A KV block pool on one side (prefill or decode): one region per layer, in VRAM or DRAM,
+//! A KV block pool on one side (prefill or decode): one region per layer (VRAM: one
+//! cuMemAlloc each; DRAM: consecutive ranges of one mapping), in VRAM or DRAM,
 //! with the fill, poison and verify passes of the probe.
 //!
 //! VRAM pools run the CUDA kernels (csrc/kernels.cu) and bring only failing slices to the
@@ -51,7 +52,9 @@ pub struct RawFailure {
 }
 
 enum Backing {
-    Host(Vec<HostBuffer>),
+    /// One mapping for the whole pool (one per layer would hit vm.max_map_count on deep
+    /// geometries); layer l's region starts at l * region_bytes.
+    Host(HostBuffer),
     Device {
         kernels: Arc<Kernels>,
         regions: Vec<DeviceBuffer>,
@@ -81,15 +84,14 @@ impl KvPool {
     /// process may allocate (checked before mapping).
     pub fn host(geom: &Geometry, seed: u64) -> Result<KvPool> {
         geom.validate()?;
-        let region = geom.region_bytes()?;
         let pool = geom.pool_bytes()?;
         if let Some(avail) = crate::hostmem::available_bytes()
             && pool > avail
         {
             return Err(Error::Usage(format!("a DRAM pool of {pool} bytes exceeds the {avail} bytes of available host memory")));
         }
-        let regions = (0..geom.num_layers).map(|_| HostBuffer::alloc(region as usize)).collect::<Result<Vec<_>>>()?;
-        Ok(KvPool { geom: geom.clone(), seed, backing: Backing::Host(regions) })
+        let buf = HostBuffer::alloc(pool as usize)?;
+        Ok(KvPool { geom: geom.clone(), seed, backing: Backing::Host(buf) })
     }
 
     /// Allocates a VRAM pool on `dev` (one cuMemAlloc per layer). Errors: invalid geometry,
@@ -150,7 +152,10 @@ impl KvPool {
     /// Base address of each layer's region.
     pub fn region_addrs(&self) -> Vec<u64> {
         match &self.backing {
-            Backing::Host(r) => r.iter().map(|b| b.addr()).collect(),
+            Backing::Host(b) => {
+                let region = self.geom.region_bytes().unwrap_or(0);
+                (0..self.geom.num_layers as u64).map(|l| b.addr() + l * region).collect()
+            }
             Backing::Device { regions, .. } => regions.iter().map(|b| b.ptr()).collect(),
         }
     }
@@ -163,25 +168,21 @@ impl KvPool {
     }
 
     /// Runs `f(coord, slice bytes)` over every slice of a DRAM pool on all threads.
-    fn host_each<F>(geom: &Geometry, regions: &mut [HostBuffer], f: F)
+    /// The pool is slices in global-index order (layer-major), so the n-th slice-sized chunk
+    /// of the mapping is global slice n; each thread takes a contiguous run of them.
+    fn host_each<F>(geom: &Geometry, buf: &mut HostBuffer, f: F)
     where
         F: Fn(SliceCoord, &mut [u8]) + Sync,
     {
         let sb = geom.slice_bytes().unwrap_or(0) as usize;
-        let mut work: Vec<(u32, &mut [u8])> = Vec::new();
-        for (layer, r) in regions.iter_mut().enumerate() {
-            let base = layer as u32 * geom.slices_per_layer() as u32;
-            for (q, s) in r.as_mut_slice().chunks_exact_mut(sb).enumerate() {
-                work.push((base + q as u32, s));
-            }
-        }
-        let per = work.len().div_ceil(threads()).max(1);
+        let slices = buf.len() / sb.max(1);
+        let per = slices.div_ceil(threads()).max(1);
         std::thread::scope(|sc| {
-            for part in work.chunks_mut(per) {
+            for (t, part) in buf.as_mut_slice().chunks_mut(per * sb).enumerate() {
                 let f = &f;
                 sc.spawn(move || {
-                    for (g, s) in part.iter_mut() {
-                        f(geom.coord_of(*g), s);
+                    for (i, s) in part.chunks_exact_mut(sb).enumerate() {
+                        f(geom.coord_of((t * per + i) as u32), s);
                     }
                 });
             }
@@ -194,8 +195,8 @@ impl KvPool {
         self.check_table(table)?;
         let seed = self.seed;
         match &mut self.backing {
-            Backing::Host(regions) => {
-                Self::host_each(&self.geom, regions, |c, s| {
+            Backing::Host(buf) => {
+                Self::host_each(&self.geom, buf, |c, s| {
                     let e = table[c.block as usize];
                     if e.generation != SKIP_GEN {
                         fingerprint::fill(s, seed, e.identity(c));
@@ -231,9 +232,9 @@ impl KvPool {
     /// Writes the poison of (slot, `iteration`) into every slice. Synchronous.
     pub fn poison(&mut self, iteration: u32) -> Result<()> {
         match &mut self.backing {
-            Backing::Host(regions) => {
+            Backing::Host(buf) => {
                 let g = &self.geom;
-                Self::host_each(g, regions, |c, s| fingerprint::poison(s, g.global_slice(c), iteration));
+                Self::host_each(g, buf, |c, s| fingerprint::poison(s, g.global_slice(c), iteration));
                 Ok(())
             }
             Backing::Device { kernels, regions, .. } => {
@@ -252,10 +253,10 @@ impl KvPool {
         self.check_table(table)?;
         let seed = self.seed;
         let mut out = match &mut self.backing {
-            Backing::Host(regions) => {
+            Backing::Host(buf) => {
                 let found = std::sync::Mutex::new(Vec::new());
                 let g = &self.geom;
-                Self::host_each(g, regions, |c, s| {
+                Self::host_each(g, buf, |c, s| {
                     let e = table[c.block as usize];
                     if e.generation == SKIP_GEN {
                         return;
@@ -305,8 +306,9 @@ impl KvPool {
             return Err(Error::Usage(format!("read_slice needs {sb} bytes, got {}", buf.len())));
         }
         match &self.backing {
-            Backing::Host(r) => {
-                buf.copy_from_slice(&r[layer].as_slice()[off..off + sb]);
+            Backing::Host(b) => {
+                let at = layer * self.geom.region_bytes().unwrap_or(0) as usize + off;
+                buf.copy_from_slice(&b.as_slice()[at..at + sb]);
                 Ok(())
             }
             Backing::Device { regions, .. } => regions[layer].read(off, buf),
@@ -320,8 +322,9 @@ impl KvPool {
             return Err(Error::Usage(format!("write_slice needs {sb} bytes, got {}", bytes.len())));
         }
         match &mut self.backing {
-            Backing::Host(r) => {
-                r[layer].as_mut_slice()[off..off + sb].copy_from_slice(bytes);
+            Backing::Host(b) => {
+                let at = layer * self.geom.region_bytes().unwrap_or(0) as usize + off;
+                b.as_mut_slice()[at..at + sb].copy_from_slice(bytes);
                 Ok(())
             }
             Backing::Device { regions, .. } => regions[layer].write(off, bytes),

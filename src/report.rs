@@ -12,6 +12,7 @@ use crate::verify::{Class, SectorRun};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::io::Write;
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 /// Report schema identifier; bumped on incompatible changes.
@@ -180,24 +181,31 @@ impl Report {
     }
 }
 
+/// Longest file name most Linux filesystems accept (NAME_MAX).
+const NAME_MAX: usize = 255;
+
 /// Resolves where a report at `path` goes: a symlink is followed to its target; an
 /// existing target must be a regular file (never a device, FIFO or directory — as root,
 /// renaming over /dev/null would replace it). Returns (target, its directory).
 fn resolve_target(path: &Path) -> Result<(PathBuf, PathBuf)> {
+    let bad = |why: String| Error::Io(format!("--report {}: {why}", path.display()));
+    if path.as_os_str().as_encoded_bytes().ends_with(b"/") {
+        return Err(bad("names a directory (trailing /)".into()));
+    }
     let target = match std::fs::symlink_metadata(path) {
-        Ok(m) if m.file_type().is_symlink() => std::fs::canonicalize(path)
-            .map_err(|e| Error::Io(format!("--report {}: dangling symlink: {e}", path.display())))?,
+        Ok(m) if m.file_type().is_symlink() => {
+            std::fs::canonicalize(path).map_err(|e| bad(format!("cannot resolve the symlink: {e}")))?
+        }
         _ => path.to_path_buf(),
     };
     match std::fs::metadata(&target) {
-        Ok(m) if m.is_dir() => return Err(Error::Io(format!("--report {} is a directory", path.display()))),
-        Ok(m) if !m.is_file() => {
-            return Err(Error::Io(format!("--report {} is not a regular file (device, FIFO or socket)", path.display())));
-        }
+        Ok(m) if m.is_dir() => return Err(bad("is a directory".into())),
+        Ok(m) if !m.is_file() => return Err(bad("is not a regular file (device, FIFO or socket)".into())),
         _ => {}
     }
-    if target.file_name().is_none() {
-        return Err(Error::Io(format!("--report {} is not a file path", path.display())));
+    let name = target.file_name().ok_or_else(|| bad("is not a file path".into()))?;
+    if name.len() > NAME_MAX {
+        return Err(bad(format!("the file name is longer than {NAME_MAX} bytes")));
     }
     let dir = match target.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
@@ -206,48 +214,57 @@ fn resolve_target(path: &Path) -> Result<(PathBuf, PathBuf)> {
     Ok((target, dir))
 }
 
-fn temp_in(dir: &Path) -> PathBuf {
-    dir.join(format!(".kvprobe-report.{}.tmp", std::process::id()))
-}
-
 /// Checks, before a run, that a report can be written at `path`: not a directory or
-/// special file, and its directory accepts a new file (one is created and removed).
+/// special file, an existing report can be opened for writing (not immutable), and its
+/// directory accepts a new file (an anonymous temporary file is created there).
 /// Errors: [`Error::Io`] (exit 2).
 pub fn check_writable(path: &Path) -> Result<()> {
-    let (_, dir) = resolve_target(path)?;
-    let tmp = temp_in(&dir);
-    std::fs::File::create(&tmp)
+    let (target, dir) = resolve_target(path)?;
+    if target.exists() {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&target)
+            .map_err(|e| Error::Io(format!("--report {}: cannot replace it: {e}", path.display())))?;
+    }
+    tempfile::tempfile_in(&dir)
         .map_err(|e| Error::Io(format!("--report {}: cannot create files in {}: {e}", path.display(), dir.display())))?;
-    let _ = std::fs::remove_file(&tmp);
     Ok(())
 }
 
-/// Writes `value` as pretty JSON to `path` atomically: a temporary file in the target's
-/// directory, synced, given the existing report's permissions, then renamed over it.
-/// Symlinks are followed; special files are refused. Errors: [`Error::Io`] (exit 2).
+/// Writes `value` as pretty JSON to `path` atomically: a new temporary file with a random
+/// name in the target's directory (created exclusively, never through a symlink), given the
+/// replaced report's mode and owner, synced, then renamed over the target. Symlinks at
+/// `path` are followed to their target; special files are refused. Errors: [`Error::Io`]
+/// (exit 2).
 pub fn write_atomic<T: Serialize>(path: &Path, value: &T) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
     let io = |what: &str, e: std::io::Error| Error::Io(format!("{what} {}: {e}", path.display()));
     let (target, dir) = resolve_target(path)?;
-    let tmp = temp_in(&dir);
     let body = serde_json::to_vec_pretty(value).map_err(|e| Error::Io(format!("serialise report: {e}")))?;
-    let result = (|| {
-        let mut f = std::fs::File::create(&tmp).map_err(|e| io("create temp file for", e))?;
-        f.write_all(&body).map_err(|e| io("write", e))?;
-        f.write_all(b"\n").map_err(|e| io("write", e))?;
-        if let Ok(m) = std::fs::metadata(&target) {
-            let _ = f.set_permissions(m.permissions());
+    let mut tmp = tempfile::Builder::new()
+        .prefix(".kvprobe-report.")
+        .suffix(".tmp")
+        .tempfile_in(&dir)
+        .map_err(|e| io("create temp file for", e))?;
+    let f = tmp.as_file_mut();
+    match std::fs::metadata(&target) {
+        Ok(m) => {
+            // Keep the replaced report's owner and mode (without set-id bits).
+            let _ = std::os::unix::fs::fchown(&*f, Some(m.uid()), Some(m.gid()));
+            let _ = f.set_permissions(std::fs::Permissions::from_mode(m.mode() & 0o777));
         }
-        f.sync_all().map_err(|e| io("sync", e))?;
-        std::fs::rename(&tmp, &target).map_err(|e| io("rename into", e))?;
-        if let Ok(d) = std::fs::File::open(&dir) {
-            let _ = d.sync_all();
+        Err(_) => {
+            let _ = f.set_permissions(std::fs::Permissions::from_mode(0o644));
         }
-        Ok(())
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
     }
-    result
+    f.write_all(&body).map_err(|e| io("write", e))?;
+    f.write_all(b"\n").map_err(|e| io("write", e))?;
+    f.sync_all().map_err(|e| io("sync", e))?;
+    tmp.persist(&target).map_err(|e| io("rename into", e.error))?;
+    if let Ok(d) = std::fs::File::open(&dir) {
+        let _ = d.sync_all();
+    }
+    Ok(())
 }
 
 /// Bytes in decimal units (B, kB, MB, GB; 1 GB = 1e9 B), three decimals.
@@ -318,10 +335,14 @@ pub fn render(r: &Report) -> String {
     let shown = r.failures.len().min(5) as u64;
     if s.blocks_corrupt > shown {
         out += &format!(
-            "  ... {} more corrupt slices ({} listed in the JSON report, --max-failures caps the list)\n",
+            "  ... {} more corrupt slices; the JSON report lists {}{}\n",
             s.blocks_corrupt - shown,
-            r.failures.len()
+            r.failures.len(),
+            if s.failures_omitted > 0 { format!(" ({} left out by --max-failures)", s.failures_omitted) } else { String::new() }
         );
+    }
+    if let (Some(m), 5) = (r.config.get("min_gbps").and_then(|v| v.as_f64()), r.outcome.exit_code) {
+        out += &format!("min rate:          {m} GB/s required, {:.3} GB/s measured\n", s.transfer_gbps);
     }
     out += &format!("result:            {} (exit {})\n", r.outcome.status, r.outcome.exit_code);
     out

@@ -75,6 +75,9 @@ fn check_config(cfg: &RunConfig) -> Result<()> {
     if cfg.memory == MemoryKind::Dram && (cfg.prefill_device != 0 || cfg.decode_device != 0) {
         return Err(Error::Usage("--prefill-device and --decode-device apply to --memory vram only".into()));
     }
+    if cfg.max_failures > 1_000_000 {
+        return Err(Error::Usage("--max-failures must be at most 1000000 (each listed failure stays in memory)".into()));
+    }
     if cfg.iterations == 0 {
         return Err(Error::Usage("--iterations must be at least 1".into()));
     }

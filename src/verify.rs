@@ -8,6 +8,7 @@
 //!   [`BITFLIP_MAX_BITS_PER_SECTOR`] bits flipped;
 //! - `poison` — this iteration's poison for this slot (nothing arrived);
 //! - another block's intact fingerprint, named by the sector's tag;
+//! - `expected+poison within the sector` — a tear inside the sector;
 //! - `unknown` — none of these.
 //!
 //! The slice's [`Class`] follows: all expected with flips → `bitflip`; all poison →
@@ -72,6 +73,9 @@ pub enum Source {
     Poison,
     /// Another identity's intact fingerprint.
     Other(BlockIdentity),
+    /// Part expected, part poison, split inside the sector (4-byte elements; at most one
+    /// element mixes both at the byte level).
+    Mixed,
     /// Unrecognised bytes.
     Unknown,
 }
@@ -83,6 +87,7 @@ impl Source {
             Source::Expected(n) => format!("expected({n} bits flipped)"),
             Source::Poison => "poison".into(),
             Source::Other(i) => format!("layer {} {} block {} gen {}", i.layer, i.kv, i.block, i.generation),
+            Source::Mixed => "expected+poison within the sector".into(),
             Source::Unknown => "unknown".into(),
         }
     }
@@ -132,6 +137,8 @@ pub fn classify(actual: &[u8], expected: BlockIdentity, seed: u64, slot: u32, it
             Source::Expected(h)
         } else if got == &poison[range.clone()] {
             Source::Poison
+        } else if split_within(got, exp, &poison[range.clone()]) {
+            Source::Mixed
         } else if let Some(id) = fingerprint::decode_tag(actual, seed, s as u32) {
             if !others.iter().any(|(i, _)| *i == id) {
                 others.push((id, fingerprint::expected(actual.len(), seed, id)));
@@ -144,6 +151,22 @@ pub fn classify(actual: &[u8], expected: BlockIdentity, seed: u64, slot: u32, it
         sources.push(src);
     }
     verdict(&sources, expected)
+}
+
+/// True when `got` is `exp` in some 4-byte elements and `poison` in the others (both
+/// present), with at most one element matching neither (a tear inside an element).
+fn split_within(got: &[u8], exp: &[u8], poison: &[u8]) -> bool {
+    let (mut e, mut p, mut x) = (0, 0, 0);
+    for ((g, a), b) in got.chunks(4).zip(exp.chunks(4)).zip(poison.chunks(4)) {
+        if g == a {
+            e += 1;
+        } else if g == b {
+            p += 1;
+        } else {
+            x += 1;
+        }
+    }
+    e > 0 && p > 0 && x <= 1
 }
 
 fn same_source(a: &Source, b: &Source) -> bool {

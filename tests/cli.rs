@@ -153,3 +153,29 @@ fn odd_environment_and_extreme_values_do_not_panic() {
     // Would need 10^10 slices of bookkeeping: refused before allocating anything.
     assert_usage(&["run", "--memory", "vram", "--layers", "65535", "--blocks", "65535", "--kv-heads", "1", "--head-size", "8", "--block-size", "1"], "");
 }
+
+#[test]
+fn a_closed_stdout_costs_neither_the_report_nor_the_exit_code() {
+    let d = tmpdir("pipe");
+    let p = d.join("r.json");
+    let mut child = std::process::Command::new(crate::common::bin())
+        .args(["run", "--memory", "dram", "--iterations", "3", "--inject", "drop", "--report", p.to_str().unwrap()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    drop(child.stderr.take());
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(1), "corruption must still exit 1");
+    assert_eq!(read_report(&p)["outcome"]["status"], "corrupt");
+}
+
+#[test]
+fn report_paths_that_cannot_name_a_file_are_refused_up_front() {
+    let d = tmpdir("names");
+    let slash = format!("{}/new.json/", d.display());
+    assert_usage(&["run", "--memory", "dram", "--report", &slash], "trailing /");
+    let long = format!("{}/{}.json", d.display(), "x".repeat(300));
+    assert_usage(&["run", "--memory", "dram", "--report", &long], "longer than 255");
+}

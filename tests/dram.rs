@@ -158,3 +158,13 @@ fn a_backend_that_cannot_serve_the_pools_exits_2() {
     assert!(log.contains("NIXL backend POSIX cannot serve DRAM pools"), "{log}");
     assert_eq!(r["outcome"]["error"]["kind"], "environment");
 }
+
+#[test]
+fn torn_is_classified_on_single_sector_slices() {
+    let (code, r, log) = run_report(
+        "torn-small",
+        &["--iterations", "3", "--inject", "torn:4", "--dtype", "fp8", "--head-size", "256", "--block-size", "1", "--kv-heads", "1", "--layers", "1", "--blocks", "8"],
+    );
+    assert_eq!(code, 1, "{log}");
+    assert_exact_injection(&r, "torn");
+}

@@ -147,3 +147,16 @@ fn classify_garbage_when_nothing_matches() {
     let v = classify(&s, want(), SEED, 7, 9);
     assert_eq!((v.class, v.observed), (Class::Garbage, None));
 }
+
+#[test]
+fn classify_torn_inside_one_sector() {
+    // Slices of 512 bytes or less are one sector: a tear inside it is still torn.
+    for (len, cut) in [(512usize, 272usize), (64, 32), (4096, 1030)] {
+        let mut s = fingerprint::expected(len, SEED, want());
+        let mut p = vec![0u8; len];
+        fingerprint::poison(&mut p, 7, 9);
+        s[cut..].copy_from_slice(&p[cut..]);
+        let v = classify(&s, want(), SEED, 7, 9);
+        assert_eq!(v.class, Class::Torn, "len {len} cut {cut}");
+    }
+}
