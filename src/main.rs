@@ -186,11 +186,14 @@ fn run(args: RunArgs) -> Exit {
         match kvprobe::report::write_atomic(path, &report) {
             Ok(()) => written = Some(path),
             Err(e) => {
-                if exit != Exit::Corrupt {
+                if exit == Exit::Corrupt {
+                    // Corruption keeps exit 1 and its outcome; say why the report is missing.
+                    err(&format!("kvprobe: {e}"));
+                } else {
+                    // Printed below as the outcome's error.
                     exit = e.exit();
                     report.finish(exit, Some(&e));
                 }
-                err(&format!("kvprobe: {e}"));
             }
         }
     }

@@ -6,7 +6,7 @@
 //! host; DRAM pools run the CPU reference on all threads. Both honour the same
 //! per-block table of `{logical block, generation}` ([`TableEntry`]).
 
-use crate::cuda::{Device, DeviceBuffer, KernelFail, Kernels, RegionArgs};
+use crate::cuda::{Device, DeviceBuffer, Kernels, RegionArgs};
 use crate::error::{Error, Result};
 use crate::fingerprint::{self, BlockIdentity, SKIP_GEN};
 use crate::geometry::{Geometry, SliceCoord};
@@ -284,8 +284,8 @@ impl KvPool {
                 raw.chunks_exact(16)
                     .map(|c| {
                         let w = |i: usize| u32::from_le_bytes(c[4 * i..4 * i + 4].try_into().unwrap());
-                        let k = KernelFail { slice: w(0), bad_bytes: w(1), first_bad: w(2), pad: w(3) };
-                        RawFailure { slice: k.slice, bad_bytes: k.bad_bytes as u64, first_bad: k.first_bad as u64 }
+                        // Fields of KernelFail: slice, bad_bytes, first_bad, pad.
+                        RawFailure { slice: w(0), bad_bytes: w(1) as u64, first_bad: w(2) as u64 }
                     })
                     .collect()
             }

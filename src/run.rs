@@ -312,7 +312,8 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, progress: &mut dyn FnMut(&str
             let c = g.coord_of(f.slice);
             let expected = dst_table[c.block as usize].identity(c);
             probe.decode.pool.read_slice(c, &mut buf)?;
-            let v = verify::classify(&buf, expected, cfg.seed, f.slice, it);
+            let want = fingerprint::expected(sb, cfg.seed, expected);
+            let v = verify::classify_against(&buf, &want, expected, cfg.seed, f.slice, it);
             seen.insert(c, v.class);
             if predicted.get(&c) != Some(&v.class) {
                 report.summary.unexpected_failures += 1;
@@ -328,7 +329,7 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, progress: &mut dyn FnMut(&str
                     class: v.class,
                     first_bad_offset: f.first_bad,
                     bad_bytes: f.bad_bytes,
-                    expected_digest: fingerprint::digest(&fingerprint::expected(sb, cfg.seed, expected)),
+                    expected_digest: fingerprint::digest(&want),
                     actual_digest: fingerprint::digest(&buf),
                     observed: v.observed,
                     expected,

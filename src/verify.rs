@@ -125,7 +125,11 @@ fn hamming(a: &[u8], b: &[u8]) -> u32 {
 /// Classifies `actual`, the bytes of destination slot `slot` (global slice index) in
 /// iteration `iteration`, which should hold `expected`.
 pub fn classify(actual: &[u8], expected: BlockIdentity, seed: u64, slot: u32, iteration: u32) -> Verdict {
-    let want = fingerprint::expected(actual.len(), seed, expected);
+    classify_against(actual, &fingerprint::expected(actual.len(), seed, expected), expected, seed, slot, iteration)
+}
+
+/// [`classify`] with the expected bytes `want` (the fingerprint of `expected`) already at hand.
+pub fn classify_against(actual: &[u8], want: &[u8], expected: BlockIdentity, seed: u64, slot: u32, iteration: u32) -> Verdict {
     let mut poison = vec![0u8; actual.len()];
     fingerprint::poison(&mut poison, slot, iteration);
     let mut others: Vec<(BlockIdentity, Vec<u8>)> = Vec::new();
