@@ -46,10 +46,18 @@ extern "C" __global__ void kvp_fill(uint4 *region, unsigned slice_bytes, unsigne
     }
 }
 
-extern "C" __global__ void kvp_poison(uint4 *region, unsigned slice_bytes, unsigned num_slices,
-                                      unsigned slice_base, unsigned iteration) {
+/* Poisons every slice of a region, or, when `table` is not null, only the slices of blocks
+ * whose table entry is not KVP_SKIP_GEN. */
+extern "C" __global__ void kvp_poison(uint4 *region, unsigned slice_bytes, unsigned layout,
+                                      unsigned num_blocks, unsigned num_slices,
+                                      unsigned slice_base, unsigned iteration, const uint2 *table) {
     const unsigned chunks = slice_bytes / 16u;
     for (unsigned q = blockIdx.x; q < num_slices; q += gridDim.x) {
+        if (table) {
+            unsigned blk, kv;
+            kvp_slice_coords(layout, num_blocks, q, &blk, &kv);
+            if (table[blk].y == KVP_SKIP_GEN) continue;
+        }
         const unsigned slot = slice_base + q;
         uint4 v;
         v.x = kvp_poison_elem(slot, iteration, 0u);

@@ -131,9 +131,7 @@ pub fn peer_link(from: usize, to: usize) -> Result<PeerLink> {
     let get = |attr: sys::CUdevice_P2PAttribute| -> Result<i32> {
         let mut v = 0i32;
         // SAFETY: valid out-pointer and device handles from cuDeviceGet.
-        unsafe { sys::cuDeviceGetP2PAttribute(&mut v, attr, a, b) }
-            .result()
-            .map_err(|e| derr("cuDeviceGetP2PAttribute", e))?;
+        unsafe { sys::cuDeviceGetP2PAttribute(&mut v, attr, a, b) }.result().map_err(|e| derr("cuDeviceGetP2PAttribute", e))?;
         Ok(v)
     };
     use sys::CUdevice_P2PAttribute as A;
@@ -369,8 +367,8 @@ impl Kernels {
         let image = CString::new(ptx.to_src()).map_err(|e| derr("PTX", e))?;
         dev.bind()?;
         // SAFETY: `image` is a NUL-terminated PTX string produced by NVRTC.
-        let module = unsafe { result::module::load_data(image.as_ptr() as *const c_void) }
-            .map_err(|e| derr("cuModuleLoadData", e))?;
+        let module =
+            unsafe { result::module::load_data(image.as_ptr() as *const c_void) }.map_err(|e| derr("cuModuleLoadData", e))?;
         let get = |n: &str| {
             // SAFETY: `module` was just loaded and is unloaded only in Drop.
             unsafe { result::module::get_function(module, CString::new(n).unwrap()) }
@@ -395,16 +393,28 @@ impl Kernels {
         self.launch(self.fill, r.num_slices, &mut params)
     }
 
-    /// Writes the poison of (slot, iteration) into every slice of a region (asynchronous).
-    pub fn poison(&self, r: RegionArgs, iteration: u32) -> Result<()> {
-        kernel_params!(params; p = r.region, sb = r.slice_bytes, n = r.num_slices, base = r.slice_base, it = iteration);
+    /// Writes the poison of (slot, iteration) into every slice of a region, or only into
+    /// the slices of blocks whose `table` entry is not SKIP_GEN (asynchronous).
+    pub fn poison(&self, r: RegionArgs, iteration: u32, table: Option<&DeviceBuffer>) -> Result<()> {
+        kernel_params!(
+            params;
+            p = r.region, sb = r.slice_bytes, lo = r.layout, nb = r.num_blocks, n = r.num_slices,
+            base = r.slice_base, it = iteration, t = table.map_or(0u64, |t| t.ptr())
+        );
         self.launch(self.poison, r.num_slices, &mut params)
     }
 
     /// Verifies every slice of a region against `table`; failing slices are appended to
     /// `fails` (array of [`KernelFail`], one slot per slice of the pool) and counted in
     /// `count` (one u32). Asynchronous.
-    pub fn verify(&self, r: RegionArgs, seed32: u32, table: &DeviceBuffer, fails: &DeviceBuffer, count: &DeviceBuffer) -> Result<()> {
+    pub fn verify(
+        &self,
+        r: RegionArgs,
+        seed32: u32,
+        table: &DeviceBuffer,
+        fails: &DeviceBuffer,
+        count: &DeviceBuffer,
+    ) -> Result<()> {
         kernel_params!(
             params;
             p = r.region, sb = r.slice_bytes, lo = r.layout, nb = r.num_blocks, l = r.layer, s = seed32,
@@ -419,6 +429,46 @@ impl Drop for Kernels {
         if self.dev.bind().is_ok() {
             // SAFETY: the module was loaded in `compile` and is unloaded once.
             let _ = unsafe { result::module::unload(self.module) };
+        }
+    }
+}
+
+/// A host buffer page-locked for the GPU (`cuMemHostRegister`), so copies between it and
+/// device memory run as DMA at full PCIe/C2C rate. Unregistered before the buffer is freed.
+pub struct PinnedHost {
+    dev: Arc<Device>,
+    buf: crate::hostmem::HostBuffer,
+}
+
+impl PinnedHost {
+    /// Page-locks `buf` for `dev`'s context. Errors: the driver refuses (e.g. the
+    /// memlock limit).
+    pub fn new(dev: &Arc<Device>, buf: crate::hostmem::HostBuffer) -> Result<PinnedHost> {
+        dev.bind()?;
+        // SAFETY: `buf` is a live mapping of `buf.len()` bytes that this struct owns and
+        // keeps until Drop unregisters it.
+        unsafe { sys::cuMemHostRegister_v2(buf.addr() as *mut c_void, buf.len().max(1), 0) }
+            .result()
+            .map_err(|e| derr(&format!("cuMemHostRegister({} bytes)", buf.len()), e))?;
+        Ok(PinnedHost { dev: dev.clone(), buf })
+    }
+
+    /// The buffer.
+    pub fn buffer(&self) -> &crate::hostmem::HostBuffer {
+        &self.buf
+    }
+
+    /// The buffer, mutably.
+    pub fn buffer_mut(&mut self) -> &mut crate::hostmem::HostBuffer {
+        &mut self.buf
+    }
+}
+
+impl Drop for PinnedHost {
+    fn drop(&mut self) {
+        if self.dev.bind().is_ok() {
+            // SAFETY: registered in `new`; the mapping is still alive (dropped after this).
+            let _ = unsafe { sys::cuMemHostUnregister(self.buf.addr() as *mut c_void) };
         }
     }
 }

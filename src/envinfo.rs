@@ -63,7 +63,9 @@ fn kernel_driver() -> Option<String> {
     let s = std::fs::read_to_string("/proc/driver/nvidia/version").ok()?;
     let line = s.lines().next()?;
     line.split_whitespace()
-        .find(|t| t.starts_with(|c: char| c.is_ascii_digit()) && t.contains('.') && t.chars().all(|c| c.is_ascii_digit() || c == '.'))
+        .find(|t| {
+            t.starts_with(|c: char| c.is_ascii_digit()) && t.contains('.') && t.chars().all(|c| c.is_ascii_digit() || c == '.')
+        })
         .map(str::to_string)
 }
 
@@ -109,9 +111,7 @@ pub fn nixl_info() -> NixlInfo {
     match crate::nixl::load() {
         Ok(lib) => {
             let (plugins, error) = match crate::nixl::available_plugins() {
-                Ok(p) if p.is_empty() => {
-                    (p, Some(format!("no NIXL backend plugin loads from {}", lib.plugin_dir.display())))
-                }
+                Ok(p) if p.is_empty() => (p, Some(format!("no NIXL backend plugin loads from {}", lib.plugin_dir.display()))),
                 Ok(p) => (p, None),
                 Err(e) => (Vec::new(), Some(e.to_string())),
             };
@@ -191,8 +191,17 @@ pub fn render(e: &Environment) -> String {
     s += &format!("NVRTC: {}\n", opt(&e.nvrtc));
     match &e.nixl.library {
         Some(p) => {
-            s += &format!("NIXL: {} (via {}, stub: {})\n", p.display(), e.nixl.found_via.as_deref().unwrap_or("?"), e.nixl.stub.unwrap_or(true));
-            s += &format!("NIXL plugins ({}): {}\n", e.nixl.plugin_dir.as_ref().map(|p| p.display().to_string()).unwrap_or_default(), e.nixl.plugins.join(", "));
+            s += &format!(
+                "NIXL: {} (via {}, stub: {})\n",
+                p.display(),
+                e.nixl.found_via.as_deref().unwrap_or("?"),
+                e.nixl.stub.unwrap_or(true)
+            );
+            s += &format!(
+                "NIXL plugins ({}): {}\n",
+                e.nixl.plugin_dir.as_ref().map(|p| p.display().to_string()).unwrap_or_default(),
+                e.nixl.plugins.join(", ")
+            );
         }
         None => s += "NIXL: unusable (see the error below)\n",
     }

@@ -8,6 +8,7 @@
 //! | 3 | transport or device error during the run (NIXL or CUDA call failed) |
 //! | 4 | a transfer did not complete within `--timeout` |
 //! | 5 | transfer rate below `--min-gbps` (only when given) |
+//! | 6 | `kvprobe ab`: an unfenced race mechanism was not detected |
 //! | 130 | interrupted by SIGINT/SIGTERM (the partial report is written) |
 
 /// Process exit codes, as documented in README.md and `kvprobe --help`.
@@ -26,6 +27,9 @@ pub enum Exit {
     Timeout = 4,
     /// Transfer rate below `--min-gbps`.
     BelowRate = 5,
+    /// `kvprobe ab`: an unfenced race mechanism was not detected (the probe could not have
+    /// seen that bug on this setup).
+    NotReproduced = 6,
     /// Interrupted by SIGINT or SIGTERM.
     Interrupted = 130,
 }
@@ -52,8 +56,8 @@ pub enum Error {
     #[error("report: {0}")]
     Io(String),
     /// SIGINT or SIGTERM arrived (exit 130).
-    #[error("interrupted by a signal after {0} complete iterations")]
-    Interrupted(u32),
+    #[error("interrupted by a signal after {0}")]
+    Interrupted(String),
 }
 
 impl Error {

@@ -22,12 +22,8 @@ pub const SKIP_GEN: u32 = u32::MAX;
 
 /// CUDA source of the fill, poison and verify kernels: `fingerprint.h` followed by
 /// `kernels.cu`, compiled by NVRTC at run time.
-pub const KERNEL_SOURCE: &str = concat!(
-    "#define KVP_NVRTC 1\n",
-    include_str!("../csrc/fingerprint.h"),
-    "\n",
-    include_str!("../csrc/kernels.cu")
-);
+pub const KERNEL_SOURCE: &str =
+    concat!("#define KVP_NVRTC 1\n", include_str!("../csrc/fingerprint.h"), "\n", include_str!("../csrc/kernels.cu"));
 
 /// What a block slice holds: the identity encoded in its fingerprint.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -181,9 +181,7 @@ impl Geometry {
             )));
         }
         if s > MAX_SLICE_BYTES {
-            return Err(GeometryError::Invalid(format!(
-                "a block slice is {s} bytes; at most {MAX_SLICE_BYTES} are supported"
-            )));
+            return Err(GeometryError::Invalid(format!("a block slice is {s} bytes; at most {MAX_SLICE_BYTES} are supported")));
         }
         let total = self.total_slices()?;
         if total > u32::MAX as u64 {
@@ -219,23 +217,17 @@ impl Geometry {
 
     /// Block slices in the pool: `num_layers * slices_per_layer`.
     pub fn total_slices(&self) -> Result<u64, GeometryError> {
-        (self.num_layers as u64)
-            .checked_mul(self.slices_per_layer())
-            .ok_or(GeometryError::Overflow("slice count"))
+        (self.num_layers as u64).checked_mul(self.slices_per_layer()).ok_or(GeometryError::Overflow("slice count"))
     }
 
     /// Bytes of one layer's region: `slices_per_layer * slice_bytes`.
     pub fn region_bytes(&self) -> Result<u64, GeometryError> {
-        self.slice_bytes()?
-            .checked_mul(self.slices_per_layer())
-            .ok_or(GeometryError::Overflow("region bytes"))
+        self.slice_bytes()?.checked_mul(self.slices_per_layer()).ok_or(GeometryError::Overflow("region bytes"))
     }
 
     /// Bytes of the whole pool on one side: `num_layers * region_bytes`.
     pub fn pool_bytes(&self) -> Result<u64, GeometryError> {
-        self.region_bytes()?
-            .checked_mul(self.num_layers as u64)
-            .ok_or(GeometryError::Overflow("pool bytes"))
+        self.region_bytes()?.checked_mul(self.num_layers as u64).ok_or(GeometryError::Overflow("pool bytes"))
     }
 
     /// Layout code used by the kernels (`KVP_LAYOUT_*` in csrc/fingerprint.h).

@@ -16,8 +16,8 @@ use crate::error::{Error, Result};
 use crate::geometry::{Geometry, SliceCoord};
 use crate::verify::Class;
 use rand::Rng;
-use std::collections::{HashMap, HashSet};
 use serde::{Deserialize, Serialize};
+use std::collections::{HashMap, HashSet};
 
 /// An injection kind.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -77,7 +77,9 @@ impl std::str::FromStr for Spec {
             "misroute" => Kind::Misroute,
             "stale" => Kind::Stale,
             "torn" => Kind::Torn,
-            _ => return Err(format!("unknown injection {name:?} (expected bitflip, drop, misroute, stale or torn)")),
+            _ => {
+                return Err(format!("unknown injection {name:?} (expected bitflip, drop, misroute, stale or torn)"));
+            }
         };
         Ok(Spec { kind, count })
     }

@@ -3,8 +3,8 @@
 //! `interrupted`); a second one exits at once with 130.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 static FLAG: OnceLock<Arc<AtomicBool>> = OnceLock::new();
 

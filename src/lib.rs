@@ -6,15 +6,20 @@
 //! [`fingerprint`] (what every byte must be; shared with the CUDA kernels) →
 //! [`pool`] (fill / poison / verify on VRAM or DRAM) →
 //! [`transport`] (prefill and decode NIXL roles) →
+//! [`tier`] / [`race`] (a KV tier on the same blocks, and the orderings between them),
+//! driven per request by [`engine`] over a [`workload`] →
 //! [`inject`] (faults planted through the real path) →
 //! [`verify`] (classifying corrupt slices) →
-//! [`report`] (versioned JSON and the human summary), driven by [`run`].
+//! [`report`] (versioned JSON and the human summary), driven by [`run`] (one scenario or the
+//! whole-pool sweep) and [`ab`] (the isolation matrix).
 //!
 //! `unsafe` lives only in the fenced FFI modules [`cuda`], [`hostmem`], [`nixl`] and the
 //! C bridge inside [`fingerprint`].
 #![deny(missing_docs)]
 
+pub mod ab;
 pub mod cuda;
+pub mod engine;
 pub mod envinfo;
 pub mod error;
 pub mod fingerprint;
@@ -24,9 +29,12 @@ pub mod inject;
 pub mod interrupt;
 pub mod nixl;
 pub mod pool;
+pub mod race;
 pub mod report;
 pub mod run;
+pub mod tier;
 pub mod transport;
 pub mod verify;
+pub mod workload;
 
 pub use error::{Error, Exit, Result};

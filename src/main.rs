@@ -1,23 +1,31 @@
 //! The `kvprobe` command line: a thin layer over the library.
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
+use kvprobe::ab::AbReport;
+use kvprobe::engine::{Progress, ScenarioConfig, TierKind};
 use kvprobe::geometry::{Dtype, Layout, Preset};
 use kvprobe::inject::Spec;
 use kvprobe::pool::MemoryKind;
+use kvprobe::race::{Mechanism, RaceSpec, Scenario};
+use kvprobe::report::Report;
+use kvprobe::run::Hooks;
 use kvprobe::run::RunConfig;
 use kvprobe::transport::Op;
+use kvprobe::workload::WorkloadConfig;
 use kvprobe::{Error, Exit};
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::{Duration, Instant};
 
 const EXIT_CODES: &str = "Exit codes:
-  0  clean: every block slice verified
-  1  corruption found (wins over every other outcome)
+  0  clean: every block slice verified (ab: fenced rows clean, unfenced races detected)
+  1  corruption found (wins over every other outcome; ab: a fenced row is corrupt)
   2  usage, configuration or environment error (bad flag, NIXL or GPU missing)
   3  transport or device error during the run
   4  a transfer did not complete within --timeout
   5  transfer rate below --min-gbps (only when given)
+  6  ab: an unfenced race mechanism was not detected
   130  interrupted by SIGINT/SIGTERM (partial report written, marked interrupted)";
 
 /// Proves that KV-cache blocks moved between a prefill and a decode engine over NIXL
@@ -31,9 +39,12 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Fill fingerprinted KV blocks on prefill, move them with NIXL, verify every block slice on decode.
+    /// Fill fingerprinted KV blocks on prefill, move them with NIXL, verify every block slice on decode (whole-pool sweep, or request-level load with --scenario).
     #[command(after_help = EXIT_CODES, allow_negative_numbers = true)]
     Run(RunArgs),
+    /// The isolation matrix: nixl-only, tier-only, stacked, and stacked with each race mechanism unfenced, same seed and load.
+    #[command(after_help = EXIT_CODES, allow_negative_numbers = true)]
+    Ab(AbArgs),
     /// Print what was found: GPUs and their links, driver, CUDA, NVRTC, NIXL library and plugins (exit 2 when NIXL is unusable).
     Env {
         /// Print JSON instead of text.
@@ -43,7 +54,8 @@ enum Command {
 }
 
 #[derive(Args)]
-struct RunArgs {
+#[command(next_help_heading = "Pools and transport")]
+struct PoolArgs {
     /// Pool memory: vram (GPU) or dram (host). Default: vram when a GPU is present, else dram.
     #[arg(long, value_enum)]
     memory: Option<MemoryKind>,
@@ -68,7 +80,7 @@ struct RunArgs {
     /// Tokens per block.
     #[arg(long)]
     block_size: Option<u32>,
-    /// Blocks per layer.
+    /// Blocks per layer (per pool).
     #[arg(long)]
     blocks: Option<u32>,
     /// Element type.
@@ -80,33 +92,93 @@ struct RunArgs {
     /// MLA: one latent slice per (layer, block) instead of K and V.
     #[arg(long)]
     mla: bool,
-    /// read: decode pulls from prefill (vLLM's NixlConnector); write: prefill pushes.
-    #[arg(long, value_enum, default_value = "read")]
-    op: Op,
-    /// Iterations (each: refill, re-poison, transfer, verify everything).
-    #[arg(long, default_value_t = 5)]
-    iterations: u32,
-    /// Seed of fingerprints, block mapping and injections.
+    /// Seed of fingerprints, block mapping, load and injections.
     #[arg(long, default_value = "1", value_parser = parse_seed)]
     seed: u64,
-    /// Plant a fault per iteration: bitflip, drop, misroute, stale or torn, optionally :COUNT. Repeatable.
-    #[arg(long, value_name = "CLASS[:N]")]
-    inject: Vec<Spec>,
     /// Write the JSON report here (atomically; also when the run fails).
     #[arg(long)]
     report: Option<PathBuf>,
     /// NIXL backend plugin.
     #[arg(long, default_value = "UCX")]
     backend: String,
-    /// Seconds to wait for each transfer and its notification.
+    /// Seconds to wait for each transfer (and, with --scenario, for any request to progress).
     #[arg(long, default_value_t = 60.0)]
     timeout: f64,
-    /// Exit 5 when the transfer rate (GB/s = 1e9 B/s) is below this.
-    #[arg(long)]
-    min_gbps: Option<f64>,
     /// At most this many failures listed in the report (counts stay complete).
     #[arg(long, default_value_t = 1000)]
     max_failures: usize,
+}
+
+#[derive(Args)]
+#[command(next_help_heading = "Request load (with --scenario, and for ab)")]
+struct LoadArgs {
+    /// Requests to admit (when no --duration is given).
+    #[arg(long)]
+    requests: Option<u64>,
+    /// Admit requests for this long instead (e.g. 90s, 10m, 1h), then drain.
+    #[arg(long, value_parser = parse_duration)]
+    duration: Option<f64>,
+    /// Requests in flight at most.
+    #[arg(long, default_value_t = 16)]
+    concurrency: u32,
+    /// Prompt length in blocks, uniform in MIN-MAX (or one number).
+    #[arg(long, default_value = "2-8", value_parser = parse_range)]
+    prompt_blocks: (u32, u32),
+    /// Share of requests (0-1) that extend an earlier prompt, so tier prefix hits happen.
+    #[arg(long, default_value_t = 0.5)]
+    prefix_share: f64,
+    /// Share of requests (0-1) the client aborts right after their prefill is issued.
+    #[arg(long, default_value_t = 0.05)]
+    abort_rate: f64,
+    /// The KV tier under the connectors.
+    #[arg(long, value_enum, default_value = "embedded")]
+    tier: TierKind,
+    /// Tier capacity in blocks. Default: 16 x --blocks, at most 4 GiB of host memory, at least 2 x concurrency x max prompt blocks.
+    #[arg(long)]
+    tier_blocks: Option<u32>,
+    /// Length of each error-rate interval in the report (e.g. 10s).
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    interval: f64,
+    /// Complete each step's NIXL READs before the step goes on: the run, corrupt counts included, then replays exactly from --seed (default: READs overlap the tier's copies, as in a real engine).
+    #[arg(long)]
+    lockstep: bool,
+    /// Rewrite the report (atomically) this often during a run, when --report is given (e.g. 30s; 0 = never).
+    #[arg(long, default_value = "30s", value_parser = parse_duration_or_zero)]
+    checkpoint: f64,
+}
+
+#[derive(Args)]
+struct RunArgs {
+    #[command(flatten)]
+    pool: PoolArgs,
+    /// read: decode pulls from prefill (vLLM's NixlConnector); write: prefill pushes (sweep only).
+    #[arg(long, value_enum, default_value = "read")]
+    op: Op,
+    /// Sweep iterations (each: refill, re-poison, transfer, verify everything).
+    #[arg(long, default_value_t = 5)]
+    iterations: u32,
+    /// Sweep: plant a fault per iteration: bitflip, drop, misroute, stale or torn, optionally :COUNT. Repeatable.
+    #[arg(long, value_name = "CLASS[:N]")]
+    inject: Vec<Spec>,
+    /// Exit 5 when the transfer rate (GB/s = 1e9 B/s) is below this.
+    #[arg(long)]
+    min_gbps: Option<f64>,
+    /// Request-level load instead of the sweep: which connectors move the blocks.
+    #[arg(long, value_enum)]
+    scenario: Option<Scenario>,
+    /// Leave a race mechanism unfenced (the bug) or fenced; implies --scenario stacked. Repeatable. See --help.
+    #[arg(long, value_name = "MECHANISM[=unfenced|fenced]")]
+    race: Vec<RaceSpec>,
+    #[command(flatten)]
+    load: LoadArgs,
+}
+
+#[derive(Args)]
+struct AbArgs {
+    #[command(flatten)]
+    pool: PoolArgs,
+    #[command(flatten)]
+    load: LoadArgs,
 }
 
 /// Parses a seed in decimal or 0x-prefixed hex.
@@ -118,7 +190,38 @@ fn parse_seed(s: &str) -> Result<u64, String> {
     r.map_err(|_| format!("{s:?} is not a 64-bit seed (decimal or 0x hex)"))
 }
 
-impl RunArgs {
+/// Parses a positive duration such as `90s`, `10m`, `1h 30m` or a plain number of seconds.
+fn parse_duration(s: &str) -> Result<f64, String> {
+    let d = parse_duration_or_zero(s)?;
+    if d <= 0.0 {
+        return Err(format!("{s:?}: the duration must be positive"));
+    }
+    Ok(d)
+}
+
+fn parse_duration_or_zero(s: &str) -> Result<f64, String> {
+    let d = match s.trim().parse::<f64>() {
+        Ok(x) => x,
+        Err(_) => humantime::parse_duration(s.trim())
+            .map_err(|e| format!("{s:?} is not a duration (e.g. 30s, 10m, 1h): {e}"))?
+            .as_secs_f64(),
+    };
+    if !d.is_finite() || !(0.0..=1e9).contains(&d) {
+        return Err(format!("{s:?}: the duration must be between 0 and 1e9 seconds"));
+    }
+    Ok(d)
+}
+
+/// Parses `MIN-MAX` or `N`.
+fn parse_range(s: &str) -> Result<(u32, u32), String> {
+    let bad = || format!("{s:?} is not MIN-MAX or N (blocks, e.g. 2-8)");
+    let (a, b) = s.split_once('-').unwrap_or((s, s));
+    let a: u32 = a.trim().parse().map_err(|_| bad())?;
+    let b: u32 = b.trim().parse().map_err(|_| bad())?;
+    Ok((a, b))
+}
+
+impl PoolArgs {
     fn config(&self) -> RunConfig {
         let mut g = self.preset.unwrap_or(Preset::Small).geometry();
         if self.mla {
@@ -135,24 +238,79 @@ impl RunArgs {
         set(&mut g.num_blocks, self.blocks);
         g.dtype = self.dtype.unwrap_or(g.dtype);
         g.layout = self.layout.unwrap_or(g.layout);
-        let memory = self.memory.unwrap_or_else(|| {
-            if kvprobe::cuda::device_count() > 0 { MemoryKind::Vram } else { MemoryKind::Dram }
-        });
+        let memory =
+            self.memory.unwrap_or_else(|| if kvprobe::cuda::device_count() > 0 { MemoryKind::Vram } else { MemoryKind::Dram });
         RunConfig {
             memory,
             prefill_device: self.prefill_device,
             decode_device: self.decode_device,
             preset: Some(self.preset.unwrap_or(Preset::Small)),
             geometry: g,
-            op: self.op,
-            iterations: self.iterations,
+            op: Op::Read,
+            iterations: 1,
             seed: self.seed,
-            inject: self.inject.clone(),
+            inject: Vec::new(),
             backend: self.backend.clone(),
             timeout_secs: self.timeout,
-            min_gbps: self.min_gbps,
+            min_gbps: None,
             max_failures: self.max_failures,
+            scenario: None,
         }
+    }
+}
+
+impl LoadArgs {
+    fn config(&self, scenario: Scenario, unfenced: Vec<Mechanism>, g: &kvprobe::geometry::Geometry) -> ScenarioConfig {
+        let (min_blocks, max_blocks) = self.prompt_blocks;
+        // Default tier: 16 x the pool's blocks, at most 4 GiB of host memory, and never
+        // fewer entries than in-flight requests can pin.
+        let block = (g.num_layers as u64 * g.kv_parts() as u64 * g.slice_bytes().unwrap_or(1)).max(1);
+        let pinned = 2 * self.concurrency as u64 * max_blocks as u64;
+        let auto = (16 * g.num_blocks as u64).min((4u64 << 30) / block).max(pinned).min(u32::MAX as u64) as u32;
+        ScenarioConfig {
+            scenario,
+            unfenced,
+            requests: self.requests.unwrap_or(2000),
+            duration_secs: self.duration,
+            concurrency: self.concurrency,
+            workload: WorkloadConfig { min_blocks, max_blocks, prefix_share: self.prefix_share, abort_rate: self.abort_rate },
+            tier: self.tier,
+            tier_blocks: self.tier_blocks.unwrap_or(auto),
+            interval_secs: self.interval,
+            lockstep: self.lockstep,
+        }
+    }
+
+    fn given(&self) -> bool {
+        self.requests.is_some() || self.duration.is_some()
+    }
+}
+
+impl RunArgs {
+    fn config(&self) -> Result<RunConfig, Error> {
+        let mut c = self.pool.config();
+        c.op = self.op;
+        c.iterations = self.iterations;
+        c.inject = self.inject.clone();
+        c.min_gbps = self.min_gbps;
+        let scenario = match (self.scenario, self.race.is_empty()) {
+            (Some(s), _) => Some(s),
+            (None, false) => Some(Scenario::Stacked),
+            (None, true) => None,
+        };
+        match scenario {
+            Some(s) => {
+                let races = kvprobe::race::Races::from_specs(&self.race);
+                c.scenario = Some(self.load.config(s, races.list(), &c.geometry));
+            }
+            None if self.load.given() => {
+                return Err(Error::Usage(
+                    "--requests and --duration drive a request-level load: add --scenario nixl-only|tier-only|stacked".into(),
+                ));
+            }
+            None => {}
+        }
+        Ok(c)
     }
 }
 
@@ -167,22 +325,111 @@ fn err(line: &str) {
     let _ = writeln!(std::io::stderr(), "{line}");
 }
 
-fn run(args: RunArgs) -> Exit {
-    if let Some(path) = &args.report
+/// Live progress on stderr: a spinner line on a terminal, else a plain line every 10 s.
+struct Display {
+    bar: Option<indicatif::ProgressBar>,
+    last_line: Option<Instant>,
+}
+
+impl Display {
+    fn new() -> Display {
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let b = indicatif::ProgressBar::new_spinner();
+            if let Ok(st) = indicatif::ProgressStyle::with_template("{spinner} {msg}") {
+                b.set_style(st);
+            }
+            b
+        });
+        Display { bar, last_line: None }
+    }
+
+    fn update(&mut self, label: &str, p: &Progress) {
+        let rate = if p.elapsed > 0.0 { p.requests as f64 / p.elapsed } else { 0.0 };
+        let gbps = if p.elapsed > 0.0 { p.bytes as f64 / p.elapsed / 1e9 } else { 0.0 };
+        let done = match (p.target_secs, p.target_requests) {
+            _ if p.draining => " (draining)".to_string(),
+            (Some(d), _) => format!(" ({:.0}%)", (100.0 * p.elapsed / d).min(100.0)),
+            (None, Some(n)) if n > 0 => format!(" of {n}"),
+            _ => String::new(),
+        };
+        let msg = format!(
+            "{label}[{:.1} s] {} requests verified{done}, {rate:.1} req/s, {gbps:.3} GB/s, {} corrupt",
+            p.elapsed, p.requests, p.corrupt
+        );
+        match &self.bar {
+            Some(b) => {
+                b.set_message(msg);
+                b.tick();
+            }
+            None => {
+                if self.last_line.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
+                    self.last_line = Some(Instant::now());
+                    err(&msg);
+                }
+            }
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(b) = &self.bar {
+            b.finish_and_clear();
+        }
+    }
+}
+
+fn install_signals() -> Result<(), Exit> {
+    kvprobe::interrupt::install().map_err(|e| {
+        err(&format!("kvprobe: cannot install signal handlers: {e}"));
+        Exit::Usage
+    })
+}
+
+fn check_report_path(path: &Option<PathBuf>) -> Result<(), Exit> {
+    if let Some(path) = path
         && let Err(e) = kvprobe::report::check_writable(path)
     {
         err(&format!("kvprobe: {e}"));
-        return e.exit();
+        return Err(e.exit());
     }
-    if let Err(e) = kvprobe::interrupt::install() {
-        err(&format!("kvprobe: cannot install signal handlers: {e}"));
-        return Exit::Usage;
+    Ok(())
+}
+
+fn run(args: RunArgs) -> Exit {
+    if let Err(x) = check_report_path(&args.pool.report).and_then(|_| install_signals()) {
+        return x;
     }
-    let cfg = args.config();
-    let (mut report, mut exit) = kvprobe::run::run(&cfg, &mut |line| err(line));
+    let cfg = match args.config() {
+        Ok(c) => c,
+        Err(e) => {
+            err(&format!("kvprobe: {e}"));
+            return e.exit();
+        }
+    };
+    let mut display = Display::new();
+    let mut ckpt_failed = false;
+    let path = args.pool.report.clone();
+    let mut line = |l: &str| err(l);
+    let mut progress = |p: &Progress| display.update("", p);
+    let mut checkpoint = |r: &Report| {
+        if let Some(path) = &path
+            && let Err(e) = kvprobe::report::write_atomic(path, r)
+            && !ckpt_failed
+        {
+            ckpt_failed = true;
+            err(&format!("kvprobe: checkpoint: {e}"));
+        }
+    };
+    let mut hooks = Hooks {
+        line: &mut line,
+        progress: &mut progress,
+        checkpoint_secs: if cfg.scenario.is_some() { args.load.checkpoint } else { 0.0 },
+        checkpoint: &mut checkpoint,
+    };
+    let (mut report, mut exit) = kvprobe::run::run(&cfg, &mut hooks);
+    display.finish();
     // The report first, so a failure to write it is reflected in the summary and exit code.
     let mut written = None;
-    if let Some(path) = &args.report {
+    if let Some(path) = &args.pool.report {
         match kvprobe::report::write_atomic(path, &report) {
             Ok(()) => written = Some(path),
             Err(e) => {
@@ -197,13 +444,65 @@ fn run(args: RunArgs) -> Exit {
             }
         }
     }
-    if report.summary.iterations > 0 || report.outcome.error.is_none() {
+    if report.summary.iterations > 0 || report.outcome.error.is_none() || report.scenario.is_some() {
         out(&kvprobe::report::render(&report));
     }
     if let Some(path) = written {
         out(&format!("report:            {}\n", path.display()));
     }
     if let Some(e) = &report.outcome.error {
+        err(&format!("kvprobe: {}", e.message));
+    }
+    exit
+}
+
+fn ab(args: AbArgs) -> Exit {
+    if let Err(x) = check_report_path(&args.pool.report).and_then(|_| install_signals()) {
+        return x;
+    }
+    let mut cfg = args.pool.config();
+    cfg.scenario = Some(args.load.config(Scenario::Stacked, Vec::new(), &cfg.geometry));
+    let mut display = Display::new();
+    let path = args.pool.report.clone();
+    let mut ckpt_failed = false;
+    let mut shown = 0;
+    let mut progress = |name: &str, p: &Progress| display.update(&format!("{name}: "), p);
+    let mut after_row = |ab: &AbReport| {
+        if let Some(r) = ab.rows.get(shown) {
+            shown += 1;
+            err(&format!("row {}: {} {} ({} requests, {} corrupt)", shown, r.name, r.verdict, r.requests, r.corrupt));
+        }
+        if let Some(path) = &path
+            && let Err(e) = kvprobe::report::write_atomic(path, ab)
+            && !ckpt_failed
+        {
+            ckpt_failed = true;
+            err(&format!("kvprobe: checkpoint: {e}"));
+        }
+    };
+    let (mut ab, mut exit) = kvprobe::ab::run_ab(&cfg, &mut progress, &mut after_row);
+    display.finish();
+    let mut written = None;
+    if let Some(path) = &args.pool.report {
+        match kvprobe::report::write_atomic(path, &ab) {
+            Ok(()) => written = Some(path),
+            Err(e) => {
+                err(&format!("kvprobe: {e}"));
+                if exit != Exit::Corrupt {
+                    exit = e.exit();
+                    ab.outcome.exit_code = exit as u8;
+                    ab.outcome.status = "error".into();
+                }
+            }
+        }
+    }
+    if !ab.rows.is_empty() {
+        out(&kvprobe::ab::render(&ab));
+    }
+    if let Some(path) = written {
+        out(&format!("report: {}\n", path.display()));
+    }
+    if let Some(e) = &ab.outcome.error {
         err(&format!("kvprobe: {}", e.message));
     }
     exit
@@ -226,10 +525,26 @@ fn env(json: bool) -> Exit {
     if e.nixl.library.is_none() || e.nixl.plugins.is_empty() { Exit::Usage } else { Exit::Clean }
 }
 
+/// `--race`'s long help: each mechanism with what its unfenced variant does.
+fn race_help() -> String {
+    let mut h = String::from(
+        "Leave a race mechanism unfenced (the bug) or keep it fenced (the correct protocol); implies --scenario stacked. Repeatable; MECHANISM alone means unfenced. Every mechanism not named is fenced.\n",
+    );
+    for m in Mechanism::ALL {
+        h += &format!("\n  {}: {}\n", m.name(), m.explain());
+    }
+    h
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cmd = Cli::command().mut_subcommand("run", |c| c.mut_arg("race", |a| a.long_help(race_help())));
+    let cli = match Cli::from_arg_matches(&cmd.get_matches()) {
+        Ok(c) => c,
+        Err(e) => e.exit(),
+    };
     let exit = match cli.command {
         Command::Run(a) => run(a),
+        Command::Ab(a) => ab(a),
         Command::Env { json } => env(json),
     };
     ExitCode::from(exit as u8)

@@ -19,8 +19,7 @@ use std::time::{Duration, Instant};
 pub const NIXL_DIR_ENV: &str = "KVPROBE_NIXL_DIR";
 
 /// How to install NIXL, for error messages.
-pub const INSTALL_HINT: &str =
-    "install it with `scripts/install-deps.sh` (PyPI wheel nixl-cu13 1.5.1), or set KVPROBE_NIXL_DIR to the directory holding libnixl_capi.so";
+pub const INSTALL_HINT: &str = "install it with `scripts/install-deps.sh` (PyPI wheel nixl-cu13 1.5.1), or set KVPROBE_NIXL_DIR to the directory holding libnixl_capi.so";
 
 /// kvprobe's data directory: `$KVPROBE_HOME`, else `$XDG_DATA_HOME/kvprobe`, else
 /// `~/.local/share/kvprobe`.
@@ -260,13 +259,49 @@ impl Agent {
         Ok(l)
     }
 
-    /// Posts one transfer of `local[i] <-> remote[i]` and waits for it (polling) up to
-    /// `timeout`. READ pulls remote into local; WRITE pushes local to remote. The peer gets
-    /// `notif` as a NIXL notification when it completes.
+    /// Posts one transfer of `local[i] <-> remote[i]` (READ pulls remote into local; WRITE
+    /// pushes local to remote) without waiting; the peer gets `notif` as a NIXL
+    /// notification when it completes. Poll it with [`Agent::poll`].
+    ///
+    /// Errors: [`Error::Transport`] when NIXL refuses the request.
+    pub fn post(
+        &self,
+        op: XferOp,
+        local: (&[(u64, u64)], MemType, u64),
+        remote: (&[(u64, u64)], MemType, u64),
+        peer: &str,
+        notif: &[u8],
+    ) -> Result<Posted> {
+        let l = Self::dlist(local.1, local.0, local.2)?;
+        let r = Self::dlist(remote.1, remote.0, remote.2)?;
+        let mut opt = nixl_sys::OptArgs::new().map_err(|e| terr("opt args", e))?;
+        opt.add_backend(&self.backend).map_err(|e| terr("opt args", e))?;
+        opt.set_notification_message(notif).map_err(|e| terr("notification", e))?;
+        opt.set_has_notification(true).map_err(|e| terr("notification", e))?;
+        let req = self.agent.create_xfer_req(op, &l, &r, peer, Some(&opt)).map_err(|e| terr("create transfer request", e))?;
+        let bytes: u64 = local.0.iter().map(|d| d.1).sum();
+        let started = Instant::now();
+        let pending = self.agent.post_xfer_req(&req, Some(&opt)).map_err(|e| terr("post transfer", e))?;
+        Ok(Posted { req, op, bytes, peer: peer.to_string(), started, done: (!pending).then(|| started.elapsed()) })
+    }
+
+    /// Checks a posted transfer once: `Some(result)` when it has completed.
+    /// Errors: [`Error::Transport`] when NIXL reports it failed.
+    pub fn poll(&self, p: &mut Posted) -> Result<Option<XferResult>> {
+        if p.done.is_none() {
+            match self.agent.get_xfer_status(&p.req).map_err(|e| terr("transfer failed", e))? {
+                nixl_sys::XferStatus::Success => p.done = Some(p.started.elapsed()),
+                nixl_sys::XferStatus::InProgress => return Ok(None),
+            }
+        }
+        Ok(p.done.map(|elapsed| XferResult { bytes: p.bytes, elapsed }))
+    }
+
+    /// Posts one transfer (see [`Agent::post`]) and polls it until it completes, up to
+    /// `timeout`.
     ///
     /// Errors: [`Error::Transport`] when NIXL refuses or fails the request,
     /// [`Error::Timeout`] when it does not complete in time.
-    #[allow(clippy::too_many_arguments)]
     pub fn transfer(
         &self,
         op: XferOp,
@@ -276,42 +311,30 @@ impl Agent {
         notif: &[u8],
         timeout: Duration,
     ) -> Result<XferResult> {
-        let l = Self::dlist(local.1, local.0, local.2)?;
-        let r = Self::dlist(remote.1, remote.0, remote.2)?;
-        let mut opt = nixl_sys::OptArgs::new().map_err(|e| terr("opt args", e))?;
-        opt.add_backend(&self.backend).map_err(|e| terr("opt args", e))?;
-        opt.set_notification_message(notif).map_err(|e| terr("notification", e))?;
-        opt.set_has_notification(true).map_err(|e| terr("notification", e))?;
-        let req = self.agent.create_xfer_req(op, &l, &r, peer, Some(&opt)).map_err(|e| terr("create transfer request", e))?;
-        let bytes: u64 = local.0.iter().map(|d| d.1).sum();
-        let t0 = Instant::now();
-        let mut pending = self.agent.post_xfer_req(&req, Some(&opt)).map_err(|e| terr("post transfer", e))?;
-        while pending {
-            match self.agent.get_xfer_status(&req).map_err(|e| terr("transfer failed", e))? {
-                nixl_sys::XferStatus::Success => pending = false,
-                nixl_sys::XferStatus::InProgress => {
-                    if t0.elapsed() > timeout {
-                        return Err(Error::Timeout(format!(
-                            "{op:?} of {bytes} bytes {} {peer} not complete after {:.3} s",
-                            if matches!(op, XferOp::Read) { "from" } else { "to" },
-                            timeout.as_secs_f64()
-                        )));
-                    }
-                    std::thread::yield_now();
-                }
+        let mut p = self.post(op, local, remote, peer, notif)?;
+        loop {
+            if let Some(r) = self.poll(&mut p)? {
+                return Ok(r);
             }
+            p.check_timeout(timeout)?;
+            std::thread::yield_now();
         }
-        Ok(XferResult { bytes, elapsed: t0.elapsed() })
     }
 
-    /// Waits up to `timeout` for a notification equal to `msg` from `peer`.
+    /// Takes every notification that has arrived, as `(peer agent, message)` pairs.
+    pub fn take_notifications(&self) -> Result<Vec<(String, String)>> {
+        let mut map = nixl_sys::NotificationMap::new().map_err(|e| terr("notification map", e))?;
+        self.agent.get_notifications(&mut map, None).map_err(|e| terr("get notifications", e))?;
+        let got = map.take_notifs().map_err(|e| terr("read notifications", e))?;
+        Ok(got.into_iter().flat_map(|(peer, msgs)| msgs.into_iter().map(move |m| (peer.clone(), m))).collect())
+    }
+
+    /// Waits up to `timeout` for a notification equal to `msg` from `peer` (other
+    /// notifications that arrive meanwhile are dropped).
     pub fn wait_notification(&self, peer: &str, msg: &str, timeout: Duration) -> Result<()> {
         let t0 = Instant::now();
         loop {
-            let mut map = nixl_sys::NotificationMap::new().map_err(|e| terr("notification map", e))?;
-            self.agent.get_notifications(&mut map, None).map_err(|e| terr("get notifications", e))?;
-            let got = map.take_notifs().map_err(|e| terr("read notifications", e))?;
-            if got.get(peer).is_some_and(|v| v.iter().any(|m| m == msg)) {
+            if self.take_notifications()?.iter().any(|(p, m)| p == peer && m == msg) {
                 return Ok(());
             }
             if t0.elapsed() > timeout {
@@ -319,5 +342,42 @@ impl Agent {
             }
             std::thread::sleep(Duration::from_micros(50));
         }
+    }
+}
+
+/// A posted NIXL transfer request (see [`Agent::post`]); released when dropped.
+pub struct Posted {
+    req: nixl_sys::XferRequest,
+    op: XferOp,
+    bytes: u64,
+    peer: String,
+    started: Instant,
+    done: Option<Duration>,
+}
+
+impl Posted {
+    /// Bytes the request moves.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Time since it was posted.
+    pub fn age(&self) -> Duration {
+        self.started.elapsed()
+    }
+
+    /// [`Error::Timeout`] when the request is still incomplete after `timeout`.
+    pub fn check_timeout(&self, timeout: Duration) -> Result<()> {
+        if self.done.is_none() && self.started.elapsed() > timeout {
+            return Err(Error::Timeout(format!(
+                "{:?} of {} bytes {} {} not complete after {:.3} s",
+                self.op,
+                self.bytes,
+                if matches!(self.op, XferOp::Read) { "from" } else { "to" },
+                self.peer,
+                timeout.as_secs_f64()
+            )));
+        }
+        Ok(())
     }
 }

@@ -111,8 +111,7 @@ impl KvPool {
                 dev.ordinal()
             )));
         }
-        let regions =
-            (0..geom.num_layers).map(|_| DeviceBuffer::alloc(dev, region as usize)).collect::<Result<Vec<_>>>()?;
+        let regions = (0..geom.num_layers).map(|_| DeviceBuffer::alloc(dev, region as usize)).collect::<Result<Vec<_>>>()?;
         let table = DeviceBuffer::alloc(dev, 8 * geom.num_blocks as usize)?;
         let fails = DeviceBuffer::alloc(dev, fails_len as usize)?;
         let count = DeviceBuffer::alloc(dev, 4)?;
@@ -137,6 +136,14 @@ impl KvPool {
         match &self.backing {
             Backing::Host(_) => 0,
             Backing::Device { regions, .. } => regions[0].device().ordinal() as u64,
+        }
+    }
+
+    /// The GPU holding a VRAM pool (None for DRAM).
+    pub fn gpu(&self) -> Option<Arc<Device>> {
+        match &self.backing {
+            Backing::Host(_) => None,
+            Backing::Device { regions, .. } => Some(regions[0].device().clone()),
         }
     }
 
@@ -167,22 +174,50 @@ impl KvPool {
         Ok(())
     }
 
-    /// Runs `f(coord, slice bytes)` over every slice of a DRAM pool on all threads.
-    /// The pool is slices in global-index order (layer-major), so the n-th slice-sized chunk
-    /// of the mapping is global slice n; each thread takes a contiguous run of them.
-    fn host_each<F>(geom: &Geometry, buf: &mut HostBuffer, f: F)
+    /// Runs `f(coord, slice bytes)` over the slices of a DRAM pool: all of them, or only
+    /// those of blocks whose `table` entry is not [`SKIP_GEN`]. Work above 8 MiB is split
+    /// over all threads (contiguous runs of global slice indices; the pool is slices in
+    /// global-index order, layer-major); smaller work runs on the calling thread.
+    fn host_each<F>(geom: &Geometry, buf: &mut HostBuffer, table: Option<&[TableEntry]>, f: F)
     where
         F: Fn(SliceCoord, &mut [u8]) + Sync,
     {
         let sb = geom.slice_bytes().unwrap_or(0) as usize;
         let slices = buf.len() / sb.max(1);
+        let selected: Option<Vec<bool>> = table.map(|t| t.iter().map(|e| e.generation != SKIP_GEN).collect());
+        let wanted = match &selected {
+            Some(sel) => sel.iter().filter(|x| **x).count() * geom.num_layers as usize * geom.kv_parts() as usize,
+            None => slices,
+        };
+        let keep = |c: SliceCoord| selected.as_ref().is_none_or(|s| s[c.block as usize]);
+        if wanted.saturating_mul(sb) < 8 << 20
+            && let Some(sel) = &selected
+        {
+            {
+                // Visit only the selected blocks' slices.
+                let bytes = buf.as_mut_slice();
+                for (block, _) in sel.iter().enumerate().filter(|(_, x)| **x) {
+                    for layer in 0..geom.num_layers {
+                        for &kv in geom.parts() {
+                            let c = SliceCoord { layer, kv, block: block as u32 };
+                            let at = geom.global_slice(c) as usize * sb;
+                            f(c, &mut bytes[at..at + sb]);
+                        }
+                    }
+                }
+                return;
+            }
+        }
         let per = slices.div_ceil(threads()).max(1);
         std::thread::scope(|sc| {
             for (t, part) in buf.as_mut_slice().chunks_mut(per * sb).enumerate() {
-                let f = &f;
+                let (f, keep) = (&f, &keep);
                 sc.spawn(move || {
                     for (i, s) in part.chunks_exact_mut(sb).enumerate() {
-                        f(geom.coord_of((t * per + i) as u32), s);
+                        let c = geom.coord_of((t * per + i) as u32);
+                        if keep(c) {
+                            f(c, s);
+                        }
                     }
                 });
             }
@@ -196,7 +231,7 @@ impl KvPool {
         let seed = self.seed;
         match &mut self.backing {
             Backing::Host(buf) => {
-                Self::host_each(&self.geom, buf, |c, s| {
+                Self::host_each(&self.geom, buf, Some(table), |c, s| {
                     let e = table[c.block as usize];
                     if e.generation != SKIP_GEN {
                         fingerprint::fill(s, seed, e.identity(c));
@@ -231,19 +266,77 @@ impl KvPool {
 
     /// Writes the poison of (slot, `iteration`) into every slice. Synchronous.
     pub fn poison(&mut self, iteration: u32) -> Result<()> {
+        self.poison_where(None, iteration)
+    }
+
+    /// Writes the poison of (slot, `iteration`) into the slices of every block whose
+    /// `table` entry is not [`SKIP_GEN`] (one entry per block). Synchronous.
+    pub fn poison_blocks(&mut self, table: &[TableEntry], iteration: u32) -> Result<()> {
+        self.check_table(table)?;
+        self.poison_where(Some(table), iteration)
+    }
+
+    fn poison_where(&mut self, table: Option<&[TableEntry]>, iteration: u32) -> Result<()> {
+        let keep = |block: u32| table.is_some_and(|t| t[block as usize].generation == SKIP_GEN);
         match &mut self.backing {
             Backing::Host(buf) => {
                 let g = &self.geom;
-                Self::host_each(g, buf, |c, s| fingerprint::poison(s, g.global_slice(c), iteration));
+                Self::host_each(g, buf, table, |c, s| {
+                    if !keep(c.block) {
+                        fingerprint::poison(s, g.global_slice(c), iteration)
+                    }
+                });
                 Ok(())
             }
-            Backing::Device { kernels, regions, .. } => {
+            Backing::Device { kernels, regions, table: t, .. } => {
+                if let Some(table) = table {
+                    t.write(0, &table_bytes(table))?;
+                }
                 for (layer, r) in regions.iter().enumerate() {
-                    kernels.poison(Self::region_args_of(&self.geom, layer as u32, r.ptr()), iteration)?;
+                    kernels.poison(Self::region_args_of(&self.geom, layer as u32, r.ptr()), iteration, table.map(|_| &*t))?;
                 }
                 regions[0].device().synchronize()
             }
         }
+    }
+
+    /// Bytes of one block across all its slices: `num_layers * kv_parts * slice_bytes`.
+    pub fn block_bytes(&self) -> u64 {
+        self.geom.num_layers as u64 * self.geom.kv_parts() as u64 * self.geom.slice_bytes().unwrap_or(0)
+    }
+
+    /// The slices of block `slot`, in (layer, K/V) order: what [`KvPool::read_block`] and
+    /// [`KvPool::write_block`] copy (a tier entry is these slices back to back).
+    fn block_slices(&self, slot: u32) -> impl Iterator<Item = SliceCoord> + '_ {
+        (0..self.geom.num_layers)
+            .flat_map(move |layer| self.geom.parts().iter().map(move |&kv| SliceCoord { layer, kv, block: slot }))
+    }
+
+    /// Copies every slice of block `slot` into `dst` (length [`KvPool::block_bytes`]),
+    /// slices in (layer, K/V) order. Synchronous.
+    pub fn read_block(&self, slot: u32, dst: &mut [u8]) -> Result<()> {
+        let sb = self.geom.slice_bytes()? as usize;
+        if dst.len() as u64 != self.block_bytes() || slot >= self.geom.num_blocks {
+            return Err(Error::Usage(format!("read_block: block {slot} into {} bytes", dst.len())));
+        }
+        for (c, chunk) in self.block_slices(slot).zip(dst.chunks_exact_mut(sb)) {
+            self.read_slice(c, chunk)?;
+        }
+        Ok(())
+    }
+
+    /// Overwrites every slice of block `slot` with `src` (as laid out by
+    /// [`KvPool::read_block`]). Synchronous.
+    pub fn write_block(&mut self, slot: u32, src: &[u8]) -> Result<()> {
+        let sb = self.geom.slice_bytes()? as usize;
+        if src.len() as u64 != self.block_bytes() || slot >= self.geom.num_blocks {
+            return Err(Error::Usage(format!("write_block: block {slot} from {} bytes", src.len())));
+        }
+        let coords: Vec<SliceCoord> = self.block_slices(slot).collect();
+        for (c, chunk) in coords.into_iter().zip(src.chunks_exact(sb)) {
+            self.write_slice(c, chunk)?;
+        }
+        Ok(())
     }
 
     /// Verifies every slice against `table`; returns the failing slices sorted by global
@@ -256,7 +349,7 @@ impl KvPool {
             Backing::Host(buf) => {
                 let found = std::sync::Mutex::new(Vec::new());
                 let g = &self.geom;
-                Self::host_each(g, buf, |c, s| {
+                Self::host_each(g, buf, Some(table), |c, s| {
                     let e = table[c.block as usize];
                     if e.generation == SKIP_GEN {
                         return;

@@ -51,6 +51,17 @@ pub struct Failure {
     /// Source of each 512-byte sector (torn only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sectors: Option<Vec<SectorRun>>,
+    /// Scenario runs: the request whose block this is (`iteration` is then the engine step).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub request: Option<u64>,
+    /// Scenario runs: what the engine's shadow of its own copies says the slot should hold
+    /// at this point (differs from `expected` when an unfenced mechanism acted).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub predicted: Option<BlockIdentity>,
+    /// Scenario runs: the unfenced mechanism that explains this slice; absent when nothing
+    /// the engine did explains it (a defect of the stack under test).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub attributed_to: Option<crate::race::Mechanism>,
 }
 
 /// One planted fault and whether it came back as predicted.
@@ -158,6 +169,9 @@ pub struct Report {
     pub failures: Vec<Failure>,
     /// Planted faults.
     pub injections: Vec<InjectionRecord>,
+    /// Scenario runs (`--scenario`): load, tier, race outcomes, error rate over time.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub scenario: Option<crate::engine::ScenarioReport>,
     /// How it ended.
     pub outcome: Outcome,
 }
@@ -170,6 +184,7 @@ impl Report {
             Exit::Corrupt => "corrupt",
             Exit::Timeout => "timeout",
             Exit::BelowRate => "below-min-gbps",
+            Exit::NotReproduced => "not-reproduced",
             Exit::Interrupted => "interrupted",
             Exit::Usage | Exit::Transport => "error",
         };
@@ -200,7 +215,9 @@ fn resolve_target(path: &Path) -> Result<(PathBuf, PathBuf)> {
     };
     match std::fs::metadata(&target) {
         Ok(m) if m.is_dir() => return Err(bad("is a directory".into())),
-        Ok(m) if !m.is_file() => return Err(bad("is not a regular file (device, FIFO or socket)".into())),
+        Ok(m) if !m.is_file() => {
+            return Err(bad("is not a regular file (device, FIFO or socket)".into()));
+        }
         _ => {}
     }
     let name = target.file_name().ok_or_else(|| bad("is not a file path".into()))?;
@@ -297,22 +314,84 @@ pub fn render(r: &Report) -> String {
             g.pool_bytes().map(|b| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)).unwrap_or_default()
         );
     }
-    out += &format!("iterations:        {}\n", s.iterations);
+    match &r.scenario {
+        None => out += &format!("iterations:        {}\n", s.iterations),
+        Some(sc) => {
+            let unf: Vec<&str> =
+                sc.races.iter().filter(|o| o.fencing == crate::race::Fencing::Unfenced).map(|o| o.mechanism.name()).collect();
+            out += &format!(
+                "scenario:          {}, tier {}, {}\n",
+                sc.scenario.name(),
+                serde_json::to_value(sc.tier).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default(),
+                if unf.is_empty() { "every race mechanism fenced".to_string() } else { format!("unfenced: {}", unf.join(", ")) }
+            );
+            out += &format!(
+                "requests:          {} verified, {} aborted by the client; {} steps in {:.3} s\n",
+                sc.requests_verified, sc.requests_aborted, sc.steps, sc.seconds
+            );
+            if sc.scenario.uses_tier() {
+                out += &format!(
+                    "tier:              {} prefix-hit blocks, {} saves, {} loads, {} evictions\n",
+                    sc.tier_hit_blocks, sc.tier_saves, sc.tier_loads, sc.tier_evictions
+                );
+            }
+        }
+    }
     out += &format!("block slices:      {} checked, {} corrupt\n", s.blocks_checked, s.blocks_corrupt);
     if s.blocks_corrupt > 0 {
         let parts: Vec<String> = s.by_class.iter().filter(|(_, n)| **n > 0).map(|(k, n)| format!("{k} {n}")).collect();
         out += &format!("corrupt by class:  {}\n", parts.join(", "));
     }
-    out += &format!(
-        "transfer:          {} in {:.3} s = {:.3} GB/s\n",
-        human_bytes(s.bytes_transferred),
-        s.transfer_seconds,
-        s.transfer_gbps
-    );
-    out += &format!(
-        "probe passes:      fill {:.3} s, poison {:.3} s, verify {:.3} s ({:.1} GB/s)\n",
-        s.fill_seconds, s.poison_seconds, s.verify_seconds, s.verify_gbps
-    );
+    if let Some(sc) = &r.scenario {
+        for o in sc.races.iter().filter(|o| o.fencing == crate::race::Fencing::Unfenced || o.corrupt_attributed > 0) {
+            let classes: Vec<String> = o.classes.iter().map(|(k, n)| format!("{k} {n}")).collect();
+            out += &format!(
+                "race:              {}: {} ({} windows opened, {} corrupt slices attributed{}){}\n",
+                o.mechanism,
+                o.verdict,
+                o.windows_opened,
+                o.corrupt_attributed,
+                if classes.is_empty() { String::new() } else { format!(": {}", classes.join(", ")) },
+                o.why.as_ref().map(|w| format!(" - {w}")).unwrap_or_default()
+            );
+        }
+        if sc.unexplained_corrupt > 0 {
+            out += &format!(
+                "UNEXPLAINED:       {} corrupt slices no kvprobe operation explains: a defect of the stack under test\n",
+                sc.unexplained_corrupt
+            );
+        }
+        if sc.intervals.len() > 1 && sc.intervals.iter().all(|i| i.corrupt == 0) {
+            out += &format!("error rate:        {} intervals, 0 corrupt in each\n", sc.intervals.len());
+        } else if sc.intervals.len() > 1 {
+            let worst = sc.intervals.iter().max_by_key(|i| i.corrupt).expect("non-empty");
+            out += &format!(
+                "error rate:        {} intervals; worst {:.1}-{:.1} s with {} corrupt of {} slices\n",
+                sc.intervals.len(),
+                worst.start_s,
+                worst.end_s,
+                worst.corrupt,
+                worst.slices_checked
+            );
+        }
+        out += &format!(
+            "transfer:          {} over NIXL, {:.3} s with READs in flight = {:.3} GB/s\n",
+            human_bytes(s.bytes_transferred),
+            s.transfer_seconds,
+            s.transfer_gbps
+        );
+    } else {
+        out += &format!(
+            "transfer:          {} in {:.3} s = {:.3} GB/s\n",
+            human_bytes(s.bytes_transferred),
+            s.transfer_seconds,
+            s.transfer_gbps
+        );
+        out += &format!(
+            "probe passes:      fill {:.3} s, poison {:.3} s, verify {:.3} s ({:.1} GB/s)\n",
+            s.fill_seconds, s.poison_seconds, s.verify_seconds, s.verify_gbps
+        );
+    }
     if s.injections_planted > 0 {
         out += &format!(
             "injections:        {} planted, {} detected as predicted, {} unexpected failures\n",
@@ -320,16 +399,26 @@ pub fn render(r: &Report) -> String {
         );
     }
     for f in r.failures.iter().take(5) {
+        let at = match f.request {
+            Some(req) => format!("step {} request {req}", f.iteration),
+            None => format!("iter {}", f.iteration),
+        };
         out += &format!(
-            "  iter {} layer {} {} block {}: {} (first bad byte {}, {} bad bytes){}\n",
-            f.iteration,
+            "  {at} layer {} {} block {}: {} (first bad byte {}, {} bad bytes){}{}\n",
             f.layer,
             f.kv,
             f.block,
             f.class,
             f.first_bad_offset,
             f.bad_bytes,
-            f.observed.map(|o| format!(", holds layer {} {} block {} gen {}", o.layer, o.kv, o.block, o.generation)).unwrap_or_default()
+            f.observed
+                .map(|o| format!(", holds layer {} {} block {} gen {}", o.layer, o.kv, o.block, o.generation))
+                .unwrap_or_default(),
+            match (f.request, f.attributed_to) {
+                (Some(_), Some(m)) => format!(", attributed to {m}"),
+                (Some(_), None) => ", UNEXPLAINED".to_string(),
+                _ => String::new(),
+            }
         );
     }
     let shown = r.failures.len().min(5) as u64;

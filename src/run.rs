@@ -11,6 +11,7 @@
 //!    failing slices are classified ([`crate::verify`]) and recorded.
 
 use crate::cuda::{self, Device, Kernels};
+use crate::engine::{Progress, ScenarioConfig};
 use crate::error::{Error, Exit, Result};
 use crate::fingerprint;
 use crate::geometry::{Geometry, Preset, SliceCoord};
@@ -56,6 +57,21 @@ pub struct RunConfig {
     pub min_gbps: Option<f64>,
     /// Cap on failures listed in the report (counts stay complete).
     pub max_failures: usize,
+    /// Request-level load with a tier and race mechanisms (`--scenario`); `None` runs the
+    /// whole-pool sweep of `iterations`.
+    pub scenario: Option<ScenarioConfig>,
+}
+
+/// Callbacks a run reports through.
+pub struct Hooks<'a> {
+    /// One line per sweep iteration.
+    pub line: &'a mut dyn FnMut(&str),
+    /// Scenario runs: live counters, about every 100 ms.
+    pub progress: &'a mut dyn FnMut(&Progress),
+    /// Scenario runs: seconds between checkpoints (0 = none).
+    pub checkpoint_secs: f64,
+    /// Scenario runs: called with the report so far at each checkpoint.
+    pub checkpoint: &'a mut dyn FnMut(&Report),
 }
 
 /// Logical block id of prefill slot `i`: a seeded bijection of u32 (so logical ≠ physical).
@@ -63,10 +79,11 @@ pub fn logical_block(seed: u64, i: u32) -> u32 {
     i.wrapping_mul(0x9E37_79B1) ^ (seed as u32).rotate_left(7)
 }
 
-struct Probe {
+/// Both roles, set up and connected.
+pub(crate) struct Probe {
     cfg: RunConfig,
-    prefill: Endpoint,
-    decode: Endpoint,
+    pub(crate) prefill: Endpoint,
+    pub(crate) decode: Endpoint,
 }
 
 fn check_config(cfg: &RunConfig) -> Result<()> {
@@ -95,6 +112,17 @@ fn check_config(cfg: &RunConfig) -> Result<()> {
     {
         return Err(Error::Usage("--min-gbps must be a non-negative number".into()));
     }
+    if let Some(sc) = &cfg.scenario {
+        if !cfg.inject.is_empty() {
+            return Err(Error::Usage("--inject applies to the whole-pool sweep; scenarios plant faults with --race".into()));
+        }
+        if cfg.op != Op::Read {
+            return Err(Error::Usage(
+                "scenarios follow NixlConnector's flow (decode READs); --op write applies to the sweep only".into(),
+            ));
+        }
+        crate::engine::check(sc, cfg.geometry.num_blocks)?;
+    }
     Ok(())
 }
 
@@ -106,13 +134,17 @@ pub const HOST_BYTES_PER_SLICE: u64 = 512;
 /// bookkeeping) exceeds what this process may allocate ([`crate::hostmem::available_bytes`]).
 fn check_host_memory(cfg: &RunConfig) -> Result<()> {
     let g = &cfg.geometry;
-    let pools = if cfg.memory == MemoryKind::Dram { g.pool_bytes()?.saturating_mul(2) } else { 0 };
+    let mut pools = if cfg.memory == MemoryKind::Dram { g.pool_bytes()?.saturating_mul(2) } else { 0 };
+    if let Some(sc) = cfg.scenario.as_ref().filter(|s| s.scenario.uses_tier()) {
+        let block = g.num_layers as u64 * g.kv_parts() as u64 * g.slice_bytes()?;
+        pools = pools.saturating_add(block.saturating_mul(sc.tier_blocks as u64));
+    }
     let need = pools.saturating_add(g.total_slices()?.saturating_mul(HOST_BYTES_PER_SLICE));
     if let Some(avail) = crate::hostmem::available_bytes()
         && need > avail
     {
         return Err(Error::Usage(format!(
-            "the run needs about {need} bytes of host memory ({pools} for DRAM pools + {HOST_BYTES_PER_SLICE} per block slice); {avail} are available (MemAvailable / cgroup limit)"
+            "the run needs about {need} bytes of host memory ({pools} for DRAM pools and the tier + {HOST_BYTES_PER_SLICE} per block slice); {avail} are available (MemAvailable / cgroup limit)"
         )));
     }
     Ok(())
@@ -138,7 +170,7 @@ fn build_pools(cfg: &RunConfig) -> Result<(KvPool, KvPool)> {
 }
 
 impl Probe {
-    fn setup(cfg: &RunConfig) -> Result<Probe> {
+    pub(crate) fn setup(cfg: &RunConfig) -> Result<Probe> {
         let (p, d) = build_pools(cfg)?;
         Self::connect(cfg, p, d).map_err(|e| match e {
             // Before any transfer, a NIXL refusal means this backend cannot serve these pools.
@@ -224,7 +256,8 @@ impl Probe {
     }
 }
 
-fn empty_report(cfg: &RunConfig) -> Report {
+/// A report with no results yet (status "running").
+pub(crate) fn empty_report(cfg: &RunConfig) -> Report {
     Report {
         schema: crate::report::SCHEMA,
         started_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
@@ -233,15 +266,17 @@ fn empty_report(cfg: &RunConfig) -> Report {
         summary: Summary::new(),
         failures: Vec::new(),
         injections: Vec::new(),
+        scenario: None,
         outcome: Outcome { exit_code: 0, status: "running".into(), error: None },
     }
 }
 
-/// Runs the probe. Never panics on bad input: every outcome, including errors, comes back
-/// as a report with its exit code. `progress` receives one line per iteration.
-pub fn run(cfg: &RunConfig, progress: &mut dyn FnMut(&str)) -> (Report, Exit) {
+/// Runs the probe: the whole-pool sweep, or one scenario when `cfg.scenario` is set. Never
+/// panics on bad input: every outcome, including errors, comes back as a report with its
+/// exit code.
+pub fn run(cfg: &RunConfig, hooks: &mut Hooks<'_>) -> (Report, Exit) {
     let mut report = empty_report(cfg);
-    let result = run_inner(cfg, &mut report, progress);
+    let result = run_inner(cfg, &mut report, hooks);
     let corrupt = report.summary.blocks_corrupt > 0;
     let (exit, err) = match (&result, corrupt) {
         (_, true) => (Exit::Corrupt, result.as_ref().err()),
@@ -255,14 +290,36 @@ pub fn run(cfg: &RunConfig, progress: &mut dyn FnMut(&str)) -> (Report, Exit) {
     (report, exit)
 }
 
-fn run_inner(cfg: &RunConfig, report: &mut Report, progress: &mut dyn FnMut(&str)) -> Result<()> {
+/// Checks the configuration and host memory, loads NIXL and records the environment in
+/// `report`; the common start of `run` and `ab`.
+pub(crate) fn prepare(cfg: &RunConfig, report: &mut Report) -> Result<()> {
     crate::nixl::prepare_ucx_env(cfg.memory == MemoryKind::Vram && cfg.prefill_device == cfg.decode_device);
     let lib = crate::nixl::load();
     report.environment = Some(crate::envinfo::gather(crate::envinfo::nixl_info()));
     check_config(cfg)?;
     check_host_memory(cfg)?;
     lib?;
+    Ok(())
+}
+
+fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>) -> Result<()> {
+    prepare(cfg, report)?;
     let mut probe = Probe::setup(cfg)?;
+    if let Some(sc) = &cfg.scenario {
+        let timeout = Duration::from_secs_f64(cfg.timeout_secs);
+        return crate::engine::run_scenario(
+            sc,
+            cfg.seed,
+            &mut probe.prefill,
+            &mut probe.decode,
+            timeout,
+            cfg.max_failures,
+            report,
+            hooks.progress,
+            (hooks.checkpoint_secs, hooks.checkpoint),
+        );
+    }
+    let progress = &mut hooks.line;
     let g = cfg.geometry.clone();
     let sb = g.slice_bytes()? as usize;
     let total = g.total_slices()?;
@@ -271,7 +328,7 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, progress: &mut dyn FnMut(&str
     let mut buf = vec![0u8; sb];
     for it in 1..=cfg.iterations {
         if crate::interrupt::requested() {
-            return Err(Error::Interrupted(it - 1));
+            return Err(Error::Interrupted(format!("{} complete iterations", it - 1)));
         }
         let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ (it as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
         let mut perm: Vec<u32> = (0..g.num_blocks).collect();
@@ -336,6 +393,9 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, progress: &mut dyn FnMut(&str
                     prefill_block: src_of[c.block as usize],
                     bit_flips: v.bit_flips,
                     sectors: v.sectors,
+                    request: None,
+                    predicted: None,
+                    attributed_to: None,
                 });
             } else {
                 report.summary.failures_omitted += 1;
@@ -349,14 +409,16 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, progress: &mut dyn FnMut(&str
                 .into_iter()
                 .map(|(src, class)| PredictedHit { layer: src.layer, kv: src.kv, block: perm[src.block as usize], class })
                 .collect();
-            let detected = hits.iter().all(|h| seen.get(&SliceCoord { layer: h.layer, kv: h.kv, block: h.block }) == Some(&h.class));
+            let detected =
+                hits.iter().all(|h| seen.get(&SliceCoord { layer: h.layer, kv: h.kv, block: h.block }) == Some(&h.class));
             report.summary.injections_planted += 1;
             report.summary.injections_detected += detected as u64;
             report.injections.push(InjectionRecord { iteration: it, kind: a.kind(), predicted: hits, detected });
         }
         report.summary.iterations = it;
         let s = &report.summary;
-        report.summary.transfer_gbps = if s.transfer_seconds > 0.0 { s.bytes_transferred as f64 / s.transfer_seconds / 1e9 } else { 0.0 };
+        report.summary.transfer_gbps =
+            if s.transfer_seconds > 0.0 { s.bytes_transferred as f64 / s.transfer_seconds / 1e9 } else { 0.0 };
         progress(&format!(
             "iteration {it}/{}: {} block slices, {} corrupt, {:.2} GB/s",
             cfg.iterations,

@@ -12,7 +12,7 @@
 
 use crate::error::Result;
 use crate::geometry::SliceCoord;
-use crate::nixl::{Agent, Region, XferResult};
+use crate::nixl::{Agent, Posted, Region, XferResult};
 use crate::pool::{KvPool, MemoryKind};
 use nixl_sys::{MemType, XferOp};
 use serde::{Deserialize, Serialize};
@@ -107,6 +107,35 @@ impl Endpoint {
         self.agent.backend_name()
     }
 
+    /// Posts one NIXL READ of `pairs` from the peer (this role is decode: `dst` slices are
+    /// local, `src` slices the peer's), with notification `tag` to the peer; does not wait.
+    /// Errors: transport (exit 3).
+    pub fn post_read(&self, pairs: &[Pair], tag: &str) -> Result<Posted> {
+        let peer = self.peer();
+        let local = self.descs(&self.pool.region_addrs(), pairs.iter().map(|p| (p.dst, p.len)));
+        let remote = self.descs(&peer.region_bases, pairs.iter().map(|p| (p.src, p.len)));
+        self.pool.bind()?;
+        self.agent.post(
+            XferOp::Read,
+            (&local, mem_type(self.pool.memory()), self.pool.device_id()),
+            (&remote, mem_type(peer.memory), peer.device_id),
+            &peer.agent,
+            tag.as_bytes(),
+        )
+    }
+
+    /// Checks a posted transfer once: `Some` when complete. Errors: transport (exit 3).
+    pub fn poll(&self, p: &mut Posted) -> Result<Option<XferResult>> {
+        self.pool.bind()?;
+        self.agent.poll(p)
+    }
+
+    /// Notification messages that arrived from the peer since the last call.
+    pub fn notifications(&self) -> Result<Vec<String>> {
+        let peer = self.peer().agent.clone();
+        Ok(self.agent.take_notifications()?.into_iter().filter(|(p, _)| *p == peer).map(|(_, m)| m).collect())
+    }
+
     fn peer(&self) -> &PeerInfo {
         self.peer.as_ref().expect("connect() before transfers")
     }
@@ -120,7 +149,14 @@ impl Endpoint {
 /// Moves `pairs` from `prefill` to `decode` with one NIXL request and waits for both the
 /// request's completion (initiator) and its notification `tag` (the other role), each
 /// within `timeout`. Errors: transport (exit 3) or timeout (exit 4).
-pub fn transfer(op: Op, prefill: &Endpoint, decode: &Endpoint, pairs: &[Pair], tag: &str, timeout: Duration) -> Result<XferResult> {
+pub fn transfer(
+    op: Op,
+    prefill: &Endpoint,
+    decode: &Endpoint,
+    pairs: &[Pair],
+    tag: &str,
+    timeout: Duration,
+) -> Result<XferResult> {
     if pairs.is_empty() {
         return Ok(XferResult { bytes: 0, elapsed: Duration::ZERO });
     }
@@ -129,7 +165,9 @@ pub fn transfer(op: Op, prefill: &Endpoint, decode: &Endpoint, pairs: &[Pair], t
         Op::Read => (decode, prefill, XferOp::Read),
         Op::Write => (prefill, decode, XferOp::Write),
     };
-    let side = |p: &Pair| if op == Op::Write { (p.src, p.dst) } else { (p.dst, p.src) };
+    let side = |p: &Pair| {
+        if op == Op::Write { (p.src, p.dst) } else { (p.dst, p.src) }
+    };
     let peer = init.peer();
     let local = init.descs(&init.pool.region_addrs(), pairs.iter().map(|p| (side(p).0, p.len)));
     let remote = init.descs(&peer.region_bases, pairs.iter().map(|p| (side(p).1, p.len)));

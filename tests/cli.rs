@@ -17,7 +17,10 @@ fn bad_flags_exit_2_with_a_message() {
     assert_usage(&["run", "--memory", "dram", "--inject", "torn:0"], "at least 1");
     assert_usage(&["run", "--memory", "dram", "--inject", "drop:x"], "must be an integer from 1");
     assert_usage(&["run", "--memory", "dram", "--preset", "gpt5"], "invalid value");
-    assert_usage(&["run", "--memory", "dram", "--head-size", "3", "--kv-heads", "1", "--block-size", "1", "--dtype", "fp8"], "multiple of 16");
+    assert_usage(
+        &["run", "--memory", "dram", "--head-size", "3", "--kv-heads", "1", "--block-size", "1", "--dtype", "fp8"],
+        "multiple of 16",
+    );
     assert_usage(&["run", "--memory", "dram", "--iterations", "0"], "--iterations must be at least 1");
     assert_usage(&["run", "--memory", "dram", "--timeout=-1"], "--timeout must be a positive");
     assert_usage(&["run", "--memory", "dram", "--timeout", "nan"], "--timeout must be a positive");
@@ -38,7 +41,14 @@ fn a_pool_larger_than_memory_is_refused_before_allocating() {
 fn help_lists_the_exit_codes() {
     let (code, out, _) = kvprobe(&["run", "--help"]);
     assert_eq!(code, 0);
-    for line in ["0  clean", "1  corruption found", "2  usage", "3  transport", "4  a transfer did not complete", "5  transfer rate below"] {
+    for line in [
+        "0  clean",
+        "1  corruption found",
+        "2  usage",
+        "3  transport",
+        "4  a transfer did not complete",
+        "5  transfer rate below",
+    ] {
         assert!(out.contains(line), "missing {line:?} in help");
     }
 }
@@ -109,7 +119,8 @@ fn an_unwritable_report_is_refused_before_the_run() {
 fn seeds_parse_as_decimal_or_hex() {
     let d = tmpdir("seed");
     let p = d.join("r.json");
-    let (code, _, err) = kvprobe(&["run", "--memory", "dram", "--iterations", "1", "--seed", "0xff", "--report", p.to_str().unwrap()]);
+    let (code, _, err) =
+        kvprobe(&["run", "--memory", "dram", "--iterations", "1", "--seed", "0xff", "--report", p.to_str().unwrap()]);
     assert_eq!(code, 0, "{err}");
     assert_eq!(read_report(&p)["config"]["seed"], 255);
     assert_usage(&["run", "--memory", "dram", "--seed", "0xzz"], "not a 64-bit seed");
@@ -151,7 +162,24 @@ fn odd_environment_and_extreme_values_do_not_panic() {
     assert_usage(&["run", "--memory", "dram", "--timeout", "1e20"], "at most 1e9 seconds");
     assert_usage(&["run", "--memory", "dram", "--layers", "2", "--blocks", "3", "--mla", "--inject", "misroute:3"], "room for 2");
     // Would need 10^10 slices of bookkeeping: refused before allocating anything.
-    assert_usage(&["run", "--memory", "vram", "--layers", "65535", "--blocks", "65535", "--kv-heads", "1", "--head-size", "8", "--block-size", "1"], "");
+    assert_usage(
+        &[
+            "run",
+            "--memory",
+            "vram",
+            "--layers",
+            "65535",
+            "--blocks",
+            "65535",
+            "--kv-heads",
+            "1",
+            "--head-size",
+            "8",
+            "--block-size",
+            "1",
+        ],
+        "",
+    );
 }
 
 #[test]

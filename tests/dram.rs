@@ -40,7 +40,22 @@ fn write_op_and_other_layouts_are_clean() {
         &["--op", "write", "--iterations", "2"][..],
         &["--layout", "hnd", "--iterations", "2"][..],
         &["--mla", "--head-size", "576", "--block-size", "4", "--layers", "3", "--blocks", "9", "--iterations", "2"][..],
-        &["--layers", "2", "--kv-heads", "5", "--head-size", "72", "--block-size", "3", "--blocks", "7", "--dtype", "fp16", "--iterations", "2"][..],
+        &[
+            "--layers",
+            "2",
+            "--kv-heads",
+            "5",
+            "--head-size",
+            "72",
+            "--block-size",
+            "3",
+            "--blocks",
+            "7",
+            "--dtype",
+            "fp16",
+            "--iterations",
+            "2",
+        ][..],
         &["--layers", "1", "--blocks", "1", "--iterations", "2"][..],
     ] {
         let (code, r, log) = run_report("variants", args);
@@ -100,7 +115,22 @@ fn inject_torn_is_classified_torn() {
 fn injections_combine_without_interference() {
     let (code, r, log) = run_report(
         "combined",
-        &["--iterations", "2", "--inject", "bitflip", "--inject", "drop:2", "--inject", "misroute", "--inject", "stale", "--inject", "torn", "--op", "write"],
+        &[
+            "--iterations",
+            "2",
+            "--inject",
+            "bitflip",
+            "--inject",
+            "drop:2",
+            "--inject",
+            "misroute",
+            "--inject",
+            "stale",
+            "--inject",
+            "torn",
+            "--op",
+            "write",
+        ],
     );
     assert_eq!(code, 1, "{log}");
     assert_eq!(crate::common::failure_set(&r), crate::common::predicted_set(&r));
@@ -163,7 +193,24 @@ fn a_backend_that_cannot_serve_the_pools_exits_2() {
 fn torn_is_classified_on_single_sector_slices() {
     let (code, r, log) = run_report(
         "torn-small",
-        &["--iterations", "3", "--inject", "torn:4", "--dtype", "fp8", "--head-size", "256", "--block-size", "1", "--kv-heads", "1", "--layers", "1", "--blocks", "8"],
+        &[
+            "--iterations",
+            "3",
+            "--inject",
+            "torn:4",
+            "--dtype",
+            "fp8",
+            "--head-size",
+            "256",
+            "--block-size",
+            "1",
+            "--kv-heads",
+            "1",
+            "--layers",
+            "1",
+            "--blocks",
+            "8",
+        ],
     );
     assert_eq!(code, 1, "{log}");
     assert_exact_injection(&r, "torn");

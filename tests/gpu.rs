@@ -119,7 +119,9 @@ fn vram_injections_are_classified_exactly() {
     if !gpu_or_skip("vram_injections_are_classified_exactly") {
         return;
     }
-    for (kind, class) in [("bitflip", "bitflip"), ("drop", "unwritten"), ("misroute", "misplaced"), ("stale", "stale"), ("torn", "torn")] {
+    for (kind, class) in
+        [("bitflip", "bitflip"), ("drop", "unwritten"), ("misroute", "misplaced"), ("stale", "stale"), ("torn", "torn")]
+    {
         let spec = format!("{kind}:2");
         let (code, r, log) = vram_report(kind, &["--iterations", "2", "--inject", &spec]);
         assert_eq!(code, 1, "{kind}: {log}");
@@ -141,7 +143,9 @@ fn cross_device_runs_are_clean_and_classify_injections() {
         assert_eq!(r["summary"]["blocks_corrupt"], 0);
         assert_eq!(r["config"]["decode_device"], 1);
     }
-    for (kind, class) in [("bitflip", "bitflip"), ("drop", "unwritten"), ("misroute", "misplaced"), ("stale", "stale"), ("torn", "torn")] {
+    for (kind, class) in
+        [("bitflip", "bitflip"), ("drop", "unwritten"), ("misroute", "misplaced"), ("stale", "stale"), ("torn", "torn")]
+    {
         let spec = format!("{kind}:2");
         let mut a = vec!["--iterations", "2", "--inject", spec.as_str()];
         a.extend_from_slice(&devs);

@@ -9,3 +9,5 @@ mod dram;
 mod fingerprint;
 mod geometry;
 mod gpu;
+mod scenario;
+mod units;

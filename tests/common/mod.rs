@@ -32,7 +32,8 @@ pub fn kvprobe_env(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String)
 
 /// A fresh temporary directory under the target dir (`KVPROBE_TEST_TMP` overrides it).
 pub fn tmpdir(name: &str) -> PathBuf {
-    let root = std::env::var_os("KVPROBE_TEST_TMP").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(env!("CARGO_TARGET_TMPDIR")));
+    let root =
+        std::env::var_os("KVPROBE_TEST_TMP").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(env!("CARGO_TARGET_TMPDIR")));
     let d = root.join(format!("{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
@@ -70,7 +71,8 @@ pub fn two_gpus_or_skip(test: &str) -> bool {
         panic!("{test}: KVPROBE_REQUIRE_GPUS=2 but {n} CUDA GPU(s) are present");
     }
     use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "SKIP {test}: needs two CUDA GPUs, {n} present (set KVPROBE_REQUIRE_GPUS=2 to fail instead)");
+    let _ =
+        writeln!(std::io::stderr(), "SKIP {test}: needs two CUDA GPUs, {n} present (set KVPROBE_REQUIRE_GPUS=2 to fail instead)");
     false
 }
 

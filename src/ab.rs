@@ -1,0 +1,232 @@
+//! `kvprobe ab`: the isolation matrix in one command.
+//!
+//! Same seed, geometry and load, on one pair of connected endpoints, for: nixl-only,
+//! tier-only, stacked (all fenced), then stacked with each race mechanism unfenced in turn.
+//! The fenced rows must be clean (else the stack under test corrupts blocks: exit 1); each
+//! unfenced row must be detected and attributed to its mechanism (else kvprobe could not
+//! have seen that bug on this setup: exit 6).
+
+use crate::engine::{Progress, ScenarioConfig};
+use crate::envinfo::Environment;
+use crate::error::{Error, Exit, Result};
+use crate::race::{Mechanism, Scenario};
+use crate::report::{Outcome, Report, RunError};
+use crate::run::{Probe, RunConfig};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// Schema of the `kvprobe ab` report.
+pub const AB_SCHEMA: &str = "kvprobe.ab/1";
+
+/// One row of the matrix.
+#[derive(Clone, Debug, Serialize)]
+pub struct AbRow {
+    /// Row name: the scenario, or `stacked+MECHANISM` for an unfenced mechanism.
+    pub name: String,
+    /// Scenario.
+    pub scenario: Scenario,
+    /// The mechanism left unfenced, if any.
+    pub unfenced: Option<Mechanism>,
+    /// Requests verified at decode.
+    pub requests: u64,
+    /// Block slices verified.
+    pub slices_checked: u64,
+    /// Corrupt slices.
+    pub corrupt: u64,
+    /// Corrupt slices by class (non-zero classes only).
+    pub classes: BTreeMap<String, u64>,
+    /// Corrupt slices no unfenced mechanism explains.
+    pub unexplained: u64,
+    /// What the row must show: "clean" or "detected".
+    pub expect: String,
+    /// What it showed: "clean", "corrupt", "detected", "not reproduced".
+    pub verdict: String,
+    /// Why an unfenced mechanism was not reproduced.
+    pub why: Option<String>,
+    /// True when `verdict` meets `expect` and nothing is unexplained.
+    pub pass: bool,
+}
+
+/// The `kvprobe ab` report.
+#[derive(Clone, Debug, Serialize)]
+pub struct AbReport {
+    /// Always [`AB_SCHEMA`].
+    pub schema: &'static str,
+    /// Unix time (seconds) the matrix started.
+    pub started_unix: u64,
+    /// Shared parameters (the load of every row).
+    pub config: serde_json::Value,
+    /// Machine, GPUs, NIXL.
+    pub environment: Option<Environment>,
+    /// The matrix.
+    pub rows: Vec<AbRow>,
+    /// One full run report per row, in row order.
+    pub sections: Vec<Report>,
+    /// How it ended: exit 0 all rows pass, 1 a fenced row is corrupt or corruption is
+    /// unexplained, 6 an unfenced mechanism was not detected, or the error's code.
+    pub outcome: Outcome,
+}
+
+/// The rows, in order: `(scenario, unfenced mechanism)`.
+pub fn cases() -> Vec<(Scenario, Option<Mechanism>)> {
+    let mut v = vec![(Scenario::NixlOnly, None), (Scenario::TierOnly, None), (Scenario::Stacked, None)];
+    v.extend(Mechanism::ALL.iter().map(|&m| (Scenario::Stacked, Some(m))));
+    v
+}
+
+fn row_of(name: String, scenario: Scenario, unfenced: Option<Mechanism>, r: &Report) -> AbRow {
+    let s = &r.summary;
+    let sc = r.scenario.as_ref();
+    let unexplained = sc.map_or(0, |x| x.unexplained_corrupt);
+    let classes = s.by_class.iter().filter(|(_, n)| **n > 0).map(|(k, n)| (k.clone(), *n)).collect();
+    let (expect, verdict, why) = match unfenced {
+        None => ("clean", if s.blocks_corrupt == 0 { "clean" } else { "corrupt" }.to_string(), None),
+        Some(m) => {
+            let o = sc.and_then(|x| x.races.iter().find(|o| o.mechanism == m));
+            ("detected", o.map_or("not reproduced".into(), |o| o.verdict.clone()), o.and_then(|o| o.why.clone()))
+        }
+    };
+    let pass = verdict == expect && unexplained == 0;
+    AbRow {
+        name,
+        scenario,
+        unfenced,
+        requests: sc.map_or(0, |x| x.requests_verified),
+        slices_checked: s.blocks_checked,
+        corrupt: s.blocks_corrupt,
+        classes,
+        unexplained,
+        expect: expect.into(),
+        verdict,
+        why,
+        pass,
+    }
+}
+
+/// Exit code of a finished matrix: 1 when a fenced row is corrupt or any corruption is
+/// unexplained, else 6 when an unfenced row was not detected, else 0.
+pub fn matrix_exit(rows: &[AbRow]) -> Exit {
+    if rows.iter().any(|r| (r.unfenced.is_none() && r.corrupt > 0) || r.unexplained > 0) {
+        Exit::Corrupt
+    } else if rows.iter().any(|r| !r.pass) {
+        Exit::NotReproduced
+    } else {
+        Exit::Clean
+    }
+}
+
+/// Runs the matrix. `cfg.scenario` carries the load (its scenario and unfenced set are
+/// replaced row by row). `after_row` is called with the report so far after each row
+/// (for checkpoints and the table). Never panics on bad input.
+pub fn run_ab(
+    cfg: &RunConfig,
+    progress: &mut dyn FnMut(&str, &Progress),
+    after_row: &mut dyn FnMut(&AbReport),
+) -> (AbReport, Exit) {
+    let mut ab = AbReport {
+        schema: AB_SCHEMA,
+        started_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+        config: serde_json::to_value(cfg).unwrap_or(serde_json::Value::Null),
+        environment: None,
+        rows: Vec::new(),
+        sections: Vec::new(),
+        outcome: Outcome { exit_code: 0, status: "running".into(), error: None },
+    };
+    let result = run_rows(cfg, &mut ab, progress, after_row);
+    let exit = match &result {
+        Err(e) if !matches!(matrix_exit(&ab.rows), Exit::Corrupt) => e.exit(),
+        _ => matrix_exit(&ab.rows),
+    };
+    let status = match exit {
+        Exit::Clean => "clean",
+        Exit::Corrupt => "corrupt",
+        Exit::NotReproduced => "not-reproduced",
+        Exit::Timeout => "timeout",
+        Exit::Interrupted => "interrupted",
+        _ => "error",
+    };
+    ab.outcome = Outcome {
+        exit_code: exit as u8,
+        status: status.into(),
+        error: result.err().map(|e| RunError { kind: e.kind().into(), message: e.to_string() }),
+    };
+    (ab, exit)
+}
+
+fn run_rows(
+    cfg: &RunConfig,
+    ab: &mut AbReport,
+    progress: &mut dyn FnMut(&str, &Progress),
+    after_row: &mut dyn FnMut(&AbReport),
+) -> Result<()> {
+    let template = cfg.scenario.clone().ok_or_else(|| Error::Usage("kvprobe ab needs a load (scenario config)".into()))?;
+    let mut head = crate::run::empty_report(cfg);
+    crate::run::prepare(cfg, &mut head)?;
+    ab.environment = head.environment.clone();
+    let mut probe = Probe::setup(cfg)?;
+    let timeout = Duration::from_secs_f64(cfg.timeout_secs);
+    for (scenario, unfenced) in cases() {
+        let name = match unfenced {
+            None => scenario.name().to_string(),
+            Some(m) => format!("{}+{}", scenario.name(), m.name()),
+        };
+        let sc = ScenarioConfig { scenario, unfenced: unfenced.into_iter().collect(), ..template.clone() };
+        let row_cfg = RunConfig { scenario: Some(sc.clone()), ..cfg.clone() };
+        let mut rep = crate::run::empty_report(&row_cfg);
+        rep.environment = None; // recorded once, at the top
+        let mut p = |x: &Progress| progress(&name, x);
+        let mut none = |_: &Report| {};
+        let r = crate::engine::run_scenario(
+            &sc,
+            cfg.seed,
+            &mut probe.prefill,
+            &mut probe.decode,
+            timeout,
+            cfg.max_failures,
+            &mut rep,
+            &mut p,
+            (0.0, &mut none),
+        );
+        let exit = match (&r, rep.summary.blocks_corrupt > 0) {
+            (_, true) => Exit::Corrupt,
+            (Err(e), false) => e.exit(),
+            (Ok(()), false) => Exit::Clean,
+        };
+        rep.finish(exit, r.as_ref().err());
+        ab.rows.push(row_of(name, scenario, unfenced, &rep));
+        ab.sections.push(rep);
+        after_row(ab);
+        r?;
+    }
+    Ok(())
+}
+
+/// The matrix as a text table.
+pub fn render(ab: &AbReport) -> String {
+    let mut out = format!(
+        "{:<36} {:>8} {:>14} {:>8}  {:<28} {}\n",
+        "scenario", "requests", "slices checked", "corrupt", "classes", "verdict"
+    );
+    for r in &ab.rows {
+        let classes: Vec<String> = r.classes.iter().map(|(k, n)| format!("{k} {n}")).collect();
+        let mut verdict = format!("{}{}", r.verdict, if r.pass { "" } else { "  <- FAIL" });
+        if r.unexplained > 0 {
+            verdict += &format!(" ({} unexplained)", r.unexplained);
+        }
+        if let Some(w) = &r.why {
+            verdict += &format!(": {w}");
+        }
+        out += &format!(
+            "{:<36} {:>8} {:>14} {:>8}  {:<28} {}\n",
+            r.name,
+            r.requests,
+            r.slices_checked,
+            r.corrupt,
+            if classes.is_empty() { "-".into() } else { classes.join(", ") },
+            verdict
+        );
+    }
+    out += &format!("result: {} (exit {})\n", ab.outcome.status, ab.outcome.exit_code);
+    out
+}

@@ -1,0 +1,1362 @@
+//! Request-level load on the two pools: a prefill engine with a KV tier, a decode engine
+//! pulling over NIXL, and the race mechanisms between them (`kvprobe run --scenario`).
+//!
+//! # The model
+//! Time advances in engine steps. Each step:
+//! 1. NIXL: the prefill agent takes its notifications (a decode READ is done, vLLM's
+//!    NixlConnector frees then); decode polls its posted READs.
+//! 2. The three prefill streams run the operations that are due: the compute stream
+//!    (fingerprint writes of computed blocks, in order), the load stream (tier loads of
+//!    prefix hits into newly allocated blocks) and the put worker (async saves). Decode's
+//!    tier loads (tier-only) run on decode's load stream. Each operation is due a seeded
+//!    0–3 steps after it was issued (a quarter of the saves 16–96 steps, a backlogged
+//!    store), which is how asynchrony is modelled: which copy runs
+//!    in which step follows from `--seed`. NIXL transfers are real and asynchronous and
+//!    overlap all of this, so when a READ completes (and with it what is freed next) varies
+//!    from run to run; `--lockstep` completes each step's READs within the step, and then
+//!    the whole run, corrupt counts included, replays exactly from the seed.
+//! 3. Requests move on: a request whose prefill writes are done is scheduled on decode a
+//!    seeded 0–2 steps later (decode allocates blocks, poisons them, posts one NIXL READ of
+//!    every block slice of the request, or loads the blocks from the tier); prefill
+//!    blocks are freed when every connector that touched them has reported done.
+//! 4. Decode verifies every slice of each request whose READ (or tier load) completed, in
+//!    one pass, against the logical block the request expects, then frees its blocks.
+//! 5. New requests are admitted up to `--concurrency`: the tier lookup of the prompt's
+//!    leading block hashes completes a step later (lookup_async), then hits are loaded and
+//!    the rest computed, and computed blocks are saved.
+//!
+//! # Attribution
+//! Every write into a prefill block goes through this engine, so it keeps a shadow of what
+//! each block and tier entry holds ([`Content`]), stamped with the unfenced mechanism that
+//! allowed a write, if one did. A corrupt slice at decode is *explained* when the shadow
+//! predicted exactly that wrong content (or a tear, when the block was rewritten while its
+//! READ was in flight), and is attributed to the stamped mechanism. Corruption the shadow
+//! does not predict is a defect of the stack under test (exit 1), as is any corruption in
+//! a fenced run.
+
+use crate::error::{Error, Result};
+use crate::fingerprint::{self, BlockIdentity, SKIP_GEN};
+use crate::geometry::SliceCoord;
+use crate::nixl::Posted;
+use crate::pool::TableEntry;
+use crate::race::{Fencing, Mechanism, Races, Scenario};
+use crate::report::{Failure, Report};
+use crate::tier::{Content, EntryId, Store};
+use crate::transport::{Endpoint, Pair};
+use crate::verify::{self, Class};
+use crate::workload::{RequestSpec, Workload, WorkloadConfig};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::Serialize;
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+/// The KV tier under the connectors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, serde::Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum TierKind {
+    /// The built-in store ([`crate::tier`]).
+    Embedded,
+}
+
+/// Parameters of a scenario run.
+#[derive(Clone, Debug, Serialize)]
+pub struct ScenarioConfig {
+    /// Which connectors move the blocks.
+    pub scenario: Scenario,
+    /// Mechanisms left unfenced (all others fenced).
+    pub unfenced: Vec<Mechanism>,
+    /// Stop admitting after this many requests (when no duration is given).
+    pub requests: u64,
+    /// Stop admitting after this many seconds (overrides `requests`).
+    pub duration_secs: Option<f64>,
+    /// Requests in flight at most.
+    pub concurrency: u32,
+    /// Prompt lengths, prefix sharing and aborts.
+    pub workload: WorkloadConfig,
+    /// The tier.
+    pub tier: TierKind,
+    /// Tier entries (blocks).
+    pub tier_blocks: u32,
+    /// Seconds per error-rate interval in the report.
+    pub interval_secs: f64,
+    /// Complete each step's READs (and their notifications) within the step: no copy
+    /// overlaps a transfer, and the whole run, counts included, follows from the seed.
+    pub lockstep: bool,
+}
+
+impl ScenarioConfig {
+    /// The unfenced set.
+    pub fn races(&self) -> Races {
+        Races::from_specs(
+            &self
+                .unfenced
+                .iter()
+                .map(|&m| crate::race::RaceSpec { mechanism: m, fencing: Fencing::Unfenced })
+                .collect::<Vec<_>>(),
+        )
+    }
+}
+
+/// Classes an unfenced mechanism may produce at decode: another block's data (misplaced),
+/// the same block's older data (stale), or a mix when the write lands during a READ (torn).
+pub const RACE_CLASSES: [Class; 3] = [Class::Misplaced, Class::Stale, Class::Torn];
+
+/// One mechanism's outcome in a run.
+#[derive(Clone, Debug, Serialize)]
+pub struct RaceOutcome {
+    /// The mechanism.
+    pub mechanism: Mechanism,
+    /// Kept or left out in this run.
+    pub fencing: Fencing,
+    /// Times the unfenced ordering let a conflicting copy happen.
+    pub windows_opened: u64,
+    /// Corrupt slices at decode explained by this mechanism.
+    pub corrupt_attributed: u64,
+    /// Those slices by class.
+    pub classes: BTreeMap<String, u64>,
+    /// Classes it predicts ([`RACE_CLASSES`]).
+    pub predicted_classes: Vec<Class>,
+    /// "detected", "not reproduced", or "clean" (fenced).
+    pub verdict: String,
+    /// Why it was not reproduced, when it was not.
+    pub why: Option<String>,
+}
+
+/// Counts over one interval of the run (error rate over time).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Interval {
+    /// Start, seconds since the run started.
+    pub start_s: f64,
+    /// End, seconds since the run started.
+    pub end_s: f64,
+    /// Requests verified at decode.
+    pub requests: u64,
+    /// Block slices verified.
+    pub slices_checked: u64,
+    /// Corrupt slices found.
+    pub corrupt: u64,
+}
+
+/// The scenario part of a report.
+#[derive(Clone, Debug, Serialize)]
+pub struct ScenarioReport {
+    /// Scenario.
+    pub scenario: Scenario,
+    /// Tier.
+    pub tier: TierKind,
+    /// Engine steps run.
+    pub steps: u64,
+    /// Seconds from the first admission to the end of the drain.
+    pub seconds: f64,
+    /// Requests admitted.
+    pub requests_admitted: u64,
+    /// Requests verified at decode.
+    pub requests_verified: u64,
+    /// Requests aborted by the client after their prefill was issued.
+    pub requests_aborted: u64,
+    /// Prompt blocks served from the tier (prefix hits).
+    pub tier_hit_blocks: u64,
+    /// Saves executed.
+    pub tier_saves: u64,
+    /// Loads executed (prefill hits and decode loads).
+    pub tier_loads: u64,
+    /// Tier entries evicted.
+    pub tier_evictions: u64,
+    /// Corrupt slices the engine's shadow did not predict (a defect of the stack under test).
+    pub unexplained_corrupt: u64,
+    /// One entry per mechanism: unfenced ones with their detection, fenced ones "clean" or not.
+    pub races: Vec<RaceOutcome>,
+    /// Error counts per `interval_secs`.
+    pub intervals: Vec<Interval>,
+}
+
+/// Live counters handed to the progress callback.
+#[derive(Clone, Debug, Default)]
+pub struct Progress {
+    /// Seconds since the start.
+    pub elapsed: f64,
+    /// Requests verified.
+    pub requests: u64,
+    /// Admission target (requests), when not running for a duration.
+    pub target_requests: Option<u64>,
+    /// Duration target (seconds), when given.
+    pub target_secs: Option<f64>,
+    /// NIXL bytes moved so far.
+    pub bytes: u64,
+    /// Corrupt slices so far.
+    pub corrupt: u64,
+    /// True once admission stopped and in-flight requests drain.
+    pub draining: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Side {
+    Prefill,
+    Decode,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum OpKind {
+    Fill { id: TableEntry },
+    Load { entry: EntryId, index: usize },
+    Save { entry: EntryId, promised: TableEntry },
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Op {
+    due: u64,
+    req: u64,
+    slot: u32,
+    kind: OpKind,
+    /// The unfenced mechanism under which this operation runs, once one applies (a save
+    /// whose block was freed early, or one issued without waiting for the write).
+    cause: Option<Mechanism>,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct PSlot {
+    owner: Option<u64>,
+    content: Content,
+    version: u64,
+    pending_compute: u32,
+    pending_load: u32,
+    /// Requests whose NIXL READ of this block has not been notified.
+    reading: u32,
+    /// The slot was released early by this unfenced mechanism.
+    early: Option<Mechanism>,
+    /// An unfenced load overtook a pending compute write here.
+    hazard: bool,
+    in_early_list: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stage {
+    Lookup,
+    Prefill,
+    WaitDecode,
+    Decoding,
+    Verify,
+    Done,
+}
+
+struct Req {
+    spec: RequestSpec,
+    stage: Stage,
+    ready_at: u64,
+    promised: Vec<TableEntry>,
+    pslots: Vec<u32>,
+    hits: Vec<EntryId>,
+    /// Tier entry per block (tier-only: where decode loads it from).
+    entries: Vec<Option<EntryId>>,
+    pending_writes: u32,
+    saves_left: u32,
+    had_saves: bool,
+    read_notified: bool,
+    released: bool,
+    early_listed: bool,
+    dslots: Vec<u32>,
+    xfer: Option<Posted>,
+    at_post: Vec<(Content, u64)>,
+    /// Decode-side prediction per block (tier-only loads).
+    delivered: Vec<Content>,
+    dloads_left: u32,
+    poison_iter: u32,
+}
+
+/// Runs one scenario on connected endpoints. Fills `report` (summary, failures,
+/// scenario section) as it goes; `progress` is called about every 100 ms and
+/// `checkpoint` about every `checkpoint` seconds with the report so far.
+///
+/// Errors: transport (exit 3), timeout (exit 4: a READ or the drain made no progress
+/// within `timeout`), device (exit 3), interrupted (130).
+#[allow(clippy::too_many_arguments)]
+pub fn run_scenario(
+    cfg: &ScenarioConfig,
+    seed: u64,
+    prefill: &mut Endpoint,
+    decode: &mut Endpoint,
+    timeout: Duration,
+    max_failures: usize,
+    report: &mut Report,
+    progress: &mut dyn FnMut(&Progress),
+    checkpoint: (f64, &mut dyn FnMut(&Report)),
+) -> Result<()> {
+    let mut e = Engine::new(cfg, seed, prefill, decode, timeout, max_failures)?;
+    let r = e.run(report, progress, checkpoint);
+    e.finish(report);
+    r
+}
+
+struct Engine<'a> {
+    cfg: ScenarioConfig,
+    races: Races,
+    seed: u64,
+    prefill: &'a mut Endpoint,
+    decode: &'a mut Endpoint,
+    timeout: Duration,
+    max_failures: usize,
+    store: Option<Store>,
+    workload: Workload,
+    rng: ChaCha8Rng,
+    now: u64,
+    next_gen: u32,
+    pslots: Vec<PSlot>,
+    pfree: Vec<u32>,
+    early_list: Vec<u32>,
+    dfree: Vec<u32>,
+    reqs: HashMap<u64, Req>,
+    order: Vec<u64>,
+    compute: VecDeque<Op>,
+    pload: VecDeque<Op>,
+    puts: VecDeque<Op>,
+    dload: VecDeque<Op>,
+    admitted: u64,
+    verified: u64,
+    aborted: u64,
+    hit_blocks: u64,
+    saves: u64,
+    loads: u64,
+    unexplained: u64,
+    windows: BTreeMap<Mechanism, u64>,
+    attributed: BTreeMap<Mechanism, BTreeMap<Class, u64>>,
+    intervals: Vec<Interval>,
+    started: Instant,
+    stop_admitting: bool,
+    last_progress: Instant,
+    busy_secs: f64,
+    listed_explained: u64,
+    listed_unexplained: u64,
+    /// Prefix of this run's NIXL notifications (unique per engine, so a late notification
+    /// of an earlier scenario in the same process is never taken for this one's).
+    tag: String,
+}
+
+fn ident(t: TableEntry, c: SliceCoord) -> BlockIdentity {
+    t.identity(c)
+}
+
+fn matches(obs: &Option<BlockIdentity>, t: TableEntry) -> bool {
+    obs.is_some_and(|o| o.block == t.block && o.generation == t.generation)
+}
+
+impl<'a> Engine<'a> {
+    fn new(
+        cfg: &ScenarioConfig,
+        seed: u64,
+        prefill: &'a mut Endpoint,
+        decode: &'a mut Endpoint,
+        timeout: Duration,
+        max_failures: usize,
+    ) -> Result<Engine<'a>> {
+        let g = prefill.pool.geometry().clone();
+        let n = g.num_blocks;
+        let store = if cfg.scenario.uses_tier() {
+            let dev = prefill.pool.gpu();
+            Some(Store::new(cfg.tier_blocks, prefill.pool.block_bytes(), dev.as_ref())?)
+        } else {
+            None
+        };
+        // Genesis: every prefill block holds a fingerprint no request will ask for.
+        let genesis: Vec<TableEntry> =
+            (0..n).map(|i| TableEntry { block: crate::run::logical_block(seed, i), generation: 0 }).collect();
+        prefill.pool.fill(&genesis)?;
+        let pslots = genesis.iter().map(|&id| PSlot { content: Content { id, cause: None }, ..Default::default() }).collect();
+        Ok(Engine {
+            cfg: cfg.clone(),
+            races: cfg.races(),
+            seed,
+            prefill,
+            decode,
+            timeout,
+            max_failures,
+            store,
+            workload: Workload::new(cfg.workload, seed),
+            rng: ChaCha8Rng::seed_from_u64(seed ^ 0x656E_6769_6E65),
+            now: 0,
+            next_gen: 0,
+            pslots,
+            pfree: (0..n).rev().collect(),
+            early_list: Vec::new(),
+            dfree: (0..n).rev().collect(),
+            reqs: HashMap::new(),
+            order: Vec::new(),
+            compute: VecDeque::new(),
+            pload: VecDeque::new(),
+            puts: VecDeque::new(),
+            dload: VecDeque::new(),
+            admitted: 0,
+            verified: 0,
+            aborted: 0,
+            hit_blocks: 0,
+            saves: 0,
+            loads: 0,
+            unexplained: 0,
+            windows: BTreeMap::new(),
+            attributed: BTreeMap::new(),
+            intervals: Vec::new(),
+            started: Instant::now(),
+            stop_admitting: false,
+            last_progress: Instant::now(),
+            busy_secs: 0.0,
+            listed_explained: 0,
+            listed_unexplained: 0,
+            tag: format!("kvprobe:{:016x}:req=", rand::rng().random::<u64>()),
+        })
+    }
+
+    fn lag(&mut self, max: u64) -> u64 {
+        self.now + self.rng.random_range(0..=max)
+    }
+
+    /// Steps until a save runs: usually 0–3, but one in four waits 16–96 steps behind a
+    /// backlog (a store's puts are slower than NIXL under sustained load: about 1 GB/s
+    /// for Mooncake over TCP against hundreds of GB/s for cuda_ipc).
+    fn window(&mut self, m: Mechanism) {
+        *self.windows.entry(m).or_default() += 1;
+    }
+
+    fn in_flight(&self) -> usize {
+        self.reqs.len()
+    }
+
+    fn run(
+        &mut self,
+        report: &mut Report,
+        progress: &mut dyn FnMut(&Progress),
+        checkpoint: (f64, &mut dyn FnMut(&Report)),
+    ) -> Result<()> {
+        let (every, save) = checkpoint;
+        self.started = Instant::now();
+        let mut last_ckpt = Instant::now();
+        let mut last_change = Instant::now();
+        let mut last_seen = (0u64, 0u64);
+        self.intervals.push(Interval::default());
+        loop {
+            if crate::interrupt::requested() {
+                return Err(Error::Interrupted(format!("{} verified requests", self.verified)));
+            }
+            let elapsed = self.started.elapsed().as_secs_f64();
+            if !self.stop_admitting {
+                self.stop_admitting = match self.cfg.duration_secs {
+                    Some(d) => elapsed >= d,
+                    None => self.admitted >= self.cfg.requests,
+                };
+            }
+            if self.stop_admitting && self.reqs.is_empty() && self.queues_empty() {
+                break;
+            }
+            let t = Instant::now();
+            let busy = self.reqs.values().any(|r| r.xfer.is_some());
+            self.step(report)?;
+            if busy {
+                self.busy_secs += t.elapsed().as_secs_f64();
+            }
+            // Interval bookkeeping.
+            let el = self.started.elapsed().as_secs_f64();
+            let cur = self.intervals.last_mut().expect("one interval");
+            cur.end_s = el;
+            if el - cur.start_s >= self.cfg.interval_secs {
+                self.intervals.push(Interval { start_s: el, end_s: el, ..Default::default() });
+            }
+            // Liveness: something must move within the timeout.
+            let seen = (self.verified + self.aborted, self.saves + self.loads);
+            if seen != last_seen || self.admitted_recently() {
+                last_seen = seen;
+                last_change = Instant::now();
+            } else if last_change.elapsed() > self.timeout {
+                return Err(Error::Timeout(format!(
+                    "no request progressed for {:.3} s ({} in flight at step {})",
+                    self.timeout.as_secs_f64(),
+                    self.in_flight(),
+                    self.now
+                )));
+            }
+            if self.last_progress.elapsed() >= Duration::from_millis(100) {
+                self.last_progress = Instant::now();
+                progress(&self.progress(report));
+            }
+            if every > 0.0 && last_ckpt.elapsed().as_secs_f64() >= every {
+                last_ckpt = Instant::now();
+                self.finish(report);
+                save(report);
+            }
+        }
+        progress(&self.progress(report));
+        Ok(())
+    }
+
+    fn queues_empty(&self) -> bool {
+        self.compute.is_empty() && self.pload.is_empty() && self.puts.is_empty() && self.dload.is_empty()
+    }
+
+    fn admitted_recently(&self) -> bool {
+        self.reqs.values().any(|r| r.stage == Stage::Lookup)
+    }
+
+    fn progress(&self, report: &Report) -> Progress {
+        Progress {
+            elapsed: self.started.elapsed().as_secs_f64(),
+            requests: self.verified,
+            target_requests: self.cfg.duration_secs.is_none().then_some(self.cfg.requests),
+            target_secs: self.cfg.duration_secs,
+            bytes: report.summary.bytes_transferred,
+            corrupt: report.summary.blocks_corrupt,
+            draining: self.stop_admitting,
+        }
+    }
+
+    fn step(&mut self, report: &mut Report) -> Result<()> {
+        self.now += 1;
+        self.poll_nixl(report)?;
+        self.run_compute()?;
+        self.run_loads(Side::Prefill)?;
+        self.run_puts()?;
+        self.run_loads(Side::Decode)?;
+        self.advance()?;
+        self.start_decode(report)?;
+        self.verify(report)?;
+        self.admit()?;
+        if self.reqs.values().all(|r| r.xfer.is_none()) {
+            std::thread::yield_now();
+        }
+        Ok(())
+    }
+
+    // ---- NIXL ----
+
+    fn poll_nixl(&mut self, report: &mut Report) -> Result<()> {
+        if !self.cfg.scenario.uses_nixl() {
+            return Ok(());
+        }
+        self.take_notifications()?;
+        for id in self.order.clone() {
+            let Some(r) = self.reqs.get_mut(&id) else {
+                continue;
+            };
+            let Some(x) = r.xfer.as_mut() else { continue };
+            match self.decode.poll(x)? {
+                Some(done) => {
+                    report.summary.bytes_transferred += done.bytes;
+                    r.xfer = None;
+                    r.stage = Stage::Verify;
+                }
+                None => x.check_timeout(self.timeout)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Prefill side: takes NIXL notifications (decode's READ of a request is done) and
+    /// returns how many were for live requests of this run.
+    fn take_notifications(&mut self) -> Result<usize> {
+        let mut n = 0;
+        for msg in self.prefill.notifications()? {
+            if let Some(id) = msg.strip_prefix(self.tag.as_str()).and_then(|s| s.parse::<u64>().ok()) {
+                n += self.notified(id) as usize;
+            }
+        }
+        Ok(n)
+    }
+
+    fn notified(&mut self, id: u64) -> bool {
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return false;
+        };
+        if r.read_notified {
+            return false;
+        }
+        r.read_notified = true;
+        for &s in &r.pslots {
+            let p = &mut self.pslots[s as usize];
+            p.reading = p.reading.saturating_sub(1);
+        }
+        true
+    }
+
+    /// `--lockstep`: completes this step's READs and their notifications before the step
+    /// goes on, so no copy overlaps a transfer and the whole run follows from the seed.
+    fn lockstep(&mut self, ids: &[u64], report: &mut Report) -> Result<()> {
+        let t = Instant::now();
+        for &id in ids {
+            let r = self.reqs.get_mut(&id).expect("posted request");
+            let Some(x) = r.xfer.as_mut() else { continue };
+            loop {
+                if let Some(done) = self.decode.poll(x)? {
+                    report.summary.bytes_transferred += done.bytes;
+                    break;
+                }
+                x.check_timeout(self.timeout)?;
+                std::thread::yield_now();
+            }
+            r.xfer = None;
+            r.stage = Stage::Verify;
+        }
+        let t0 = Instant::now();
+        while ids.iter().any(|id| self.reqs.get(id).is_some_and(|r| !r.read_notified)) {
+            if self.take_notifications()? == 0 {
+                if t0.elapsed() > self.timeout {
+                    return Err(Error::Timeout(format!("READ notifications missing after {:.3} s", self.timeout.as_secs_f64())));
+                }
+                std::thread::sleep(Duration::from_micros(20));
+            }
+        }
+        self.busy_secs += t.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    // ---- prefill streams ----
+
+    fn write_stamp(&mut self, slot: u32, req: u64, id: TableEntry, explicit: Option<Mechanism>) -> Content {
+        let p = &self.pslots[slot as usize];
+        let foreign_reader = p.reading > 0 && p.owner == Some(req) && p.early.is_some();
+        let cause = explicit.or(if p.owner != Some(req) && p.hazard { Some(Mechanism::UnfencedLoad) } else { None }).or(p.early);
+        if foreign_reader && let Some(m) = p.early {
+            self.window(m);
+        }
+        Content { id, cause }
+    }
+
+    fn run_compute(&mut self) -> Result<()> {
+        let mut due = Vec::new();
+        while self.compute.front().is_some_and(|o| o.due <= self.now) {
+            due.push(self.compute.pop_front().expect("front"));
+        }
+        if due.is_empty() {
+            return Ok(());
+        }
+        let n = self.pslots.len();
+        let mut table = vec![TableEntry { block: 0, generation: SKIP_GEN }; n];
+        for op in &due {
+            if let OpKind::Fill { id } = op.kind {
+                table[op.slot as usize] = id;
+            }
+        }
+        self.prefill.pool.fill(&table)?;
+        for op in due {
+            let OpKind::Fill { id } = op.kind else {
+                continue;
+            };
+            let stale_landing = self.pslots[op.slot as usize].owner != Some(op.req) && self.pslots[op.slot as usize].hazard;
+            if stale_landing {
+                self.window(Mechanism::UnfencedLoad);
+            }
+            let c = self.write_stamp(op.slot, op.req, id, None);
+            let p = &mut self.pslots[op.slot as usize];
+            p.content = c;
+            p.version += 1;
+            p.pending_compute -= 1;
+            if p.pending_compute == 0 {
+                p.hazard = false;
+            }
+            if let Some(r) = self.reqs.get_mut(&op.req) {
+                r.pending_writes = r.pending_writes.saturating_sub(1);
+            }
+        }
+        Ok(())
+    }
+
+    fn run_loads(&mut self, side: Side) -> Result<()> {
+        loop {
+            let q = if side == Side::Prefill { &self.pload } else { &self.dload };
+            let Some(&op) = q.front() else { break };
+            if op.due > self.now {
+                break;
+            }
+            let OpKind::Load { entry, index, .. } = op.kind else { unreachable!("load queue holds loads") };
+            if side == Side::Prefill && self.pslots[op.slot as usize].pending_compute > 0 {
+                if self.races.unfenced(Mechanism::UnfencedLoad) {
+                    self.window(Mechanism::UnfencedLoad);
+                    self.pslots[op.slot as usize].hazard = true;
+                } else {
+                    break; // event fence: wait for the previous owner's write
+                }
+            }
+            if side == Side::Prefill {
+                self.pload.pop_front()
+            } else {
+                self.dload.pop_front()
+            };
+            let store = self.store.as_mut().expect("loads need the tier");
+            let content = store.content(entry).expect("loads read complete entries");
+            self.loads += 1;
+            match side {
+                Side::Prefill => {
+                    self.prefill.pool.write_block(op.slot, store.bytes(entry))?;
+                    store.unpin(entry);
+                    let stamped = self.write_stamp(op.slot, op.req, content.id, content.cause);
+                    let p = &mut self.pslots[op.slot as usize];
+                    p.content = stamped;
+                    p.version += 1;
+                    p.pending_load -= 1;
+                    if let Some(r) = self.reqs.get_mut(&op.req) {
+                        r.pending_writes = r.pending_writes.saturating_sub(1);
+                    }
+                }
+                Side::Decode => {
+                    self.decode.pool.write_block(op.slot, store.bytes(entry))?;
+                    if let Some(r) = self.reqs.get_mut(&op.req) {
+                        r.delivered[index] = content;
+                        r.dloads_left -= 1;
+                        if r.dloads_left == 0 {
+                            r.stage = Stage::Verify;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn execute_put(&mut self, op: Op) -> Result<()> {
+        let OpKind::Save { entry, promised } = op.kind else { unreachable!("put queue holds saves") };
+        let p = self.pslots[op.slot as usize];
+        let store = self.store.as_mut().expect("saves need the tier");
+        self.prefill.pool.read_block(op.slot, store.bytes_mut(entry))?;
+        let mut content = p.content;
+        if content.id != promised {
+            // The copy is not what the key promises: say which missing fence let it happen.
+            // (None would be a flaw in kvprobe's own model; the decode side then reports
+            // the slice as unexplained.)
+            content.cause = op.cause.or(content.cause).or(p.early);
+            if let Some(m) = content.cause {
+                *self.windows.entry(m).or_default() += 1;
+            }
+        }
+        store.complete(entry, content);
+        if !self.cfg.scenario.uses_nixl() {
+            // Tier-only: the entry stays pinned until decode has loaded it.
+        } else {
+            store.unpin(entry);
+        }
+        self.saves += 1;
+        if let Some(r) = self.reqs.get_mut(&op.req) {
+            r.saves_left -= 1;
+        }
+        Ok(())
+    }
+
+    /// The put worker: runs every save that is due and whose block's write has landed (the
+    /// event fence); saves complete out of order, as a store's transfer threads do.
+    fn run_puts(&mut self) -> Result<()> {
+        let mut waiting = VecDeque::with_capacity(self.puts.len());
+        while let Some(op) = self.puts.pop_front() {
+            let p = &self.pslots[op.slot as usize];
+            if op.due > self.now || p.pending_compute + p.pending_load > 0 {
+                waiting.push_back(op);
+                continue;
+            }
+            self.execute_put(op)?;
+        }
+        self.puts = waiting;
+        Ok(())
+    }
+
+    // ---- request progress ----
+
+    fn release(&mut self, id: u64, early: Option<Mechanism>) {
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return;
+        };
+        if r.released {
+            return;
+        }
+        r.released = true;
+        if let Some(m) = early {
+            // Its saves still queued now copy blocks that are no longer its own.
+            for op in self.puts.iter_mut().filter(|o| o.req == id) {
+                op.cause = op.cause.or(Some(m));
+            }
+        }
+        for &s in &r.pslots {
+            let p = &mut self.pslots[s as usize];
+            if p.owner != Some(id) {
+                continue; // handed to a load early (load-into-reading)
+            }
+            p.owner = None;
+            p.in_early_list = false;
+            // A slot handed on early keeps its taint while an earlier owner's READ of it is
+            // still pending (e.g. load-into-reading: the borrower finishes first).
+            p.early = early.or(if p.reading > 0 { p.early } else { None });
+            self.pfree.push(s);
+        }
+    }
+
+    fn advance(&mut self) -> Result<()> {
+        let sc = self.cfg.scenario;
+        let mut finished = Vec::new();
+        let mut to_release = Vec::new();
+        for &id in &self.order {
+            let r = self.reqs.get_mut(&id).expect("ordered request");
+            if r.stage == Stage::Prefill && r.pending_writes == 0 {
+                r.stage = Stage::WaitDecode;
+                r.ready_at = self.now + self.rng.random_range(0..=2);
+                if sc.uses_nixl() {
+                    for &s in &r.pslots {
+                        self.pslots[s as usize].reading += 1;
+                    }
+                }
+            }
+            if r.released || r.stage == Stage::Lookup || r.stage == Stage::Prefill {
+                if r.released && r.stage == Stage::Done {
+                    finished.push(id);
+                }
+                continue;
+            }
+            let nixl_done = !sc.uses_nixl() || r.read_notified;
+            let tier_done = r.saves_left == 0;
+            if nixl_done && tier_done {
+                to_release.push((id, None));
+            } else if self.races.unfenced(Mechanism::SaveAfterFree) && nixl_done && !tier_done {
+                to_release.push((id, Some(Mechanism::SaveAfterFree)));
+            } else if self.races.unfenced(Mechanism::FreeOnFirstCompletion)
+                && sc == Scenario::Stacked
+                && r.had_saves
+                && (nixl_done || tier_done)
+            {
+                to_release.push((id, Some(Mechanism::FreeOnFirstCompletion)));
+            } else if self.races.unfenced(Mechanism::LoadIntoReading) && !nixl_done && !r.early_listed {
+                r.early_listed = true;
+                for &s in &r.pslots {
+                    let p = &mut self.pslots[s as usize];
+                    if p.owner == Some(id) {
+                        p.in_early_list = true;
+                        p.early = Some(Mechanism::LoadIntoReading);
+                        self.early_list.push(s);
+                    }
+                }
+            }
+        }
+        for (id, m) in to_release {
+            self.release(id, m);
+        }
+        for id in finished {
+            self.retire(id);
+        }
+        Ok(())
+    }
+
+    fn retire(&mut self, id: u64) {
+        if self.cfg.scenario.uses_nixl() {
+            // Released early and verified before the notification came: its READ is done.
+            self.notified(id);
+        }
+        if let Some(r) = self.reqs.remove(&id) {
+            self.order.retain(|&x| x != id);
+            for s in r.dslots {
+                self.dfree.push(s);
+            }
+            if !self.cfg.scenario.uses_nixl()
+                && let Some(store) = self.store.as_mut()
+            {
+                for e in r.entries.into_iter().flatten() {
+                    store.unpin(e);
+                }
+            }
+        }
+    }
+
+    // ---- decode ----
+
+    fn start_decode(&mut self, report: &mut Report) -> Result<()> {
+        let sc = self.cfg.scenario;
+        let n = self.decode.pool.geometry().num_blocks as usize;
+        let mut table = vec![TableEntry { block: 0, generation: SKIP_GEN }; n];
+        let mut starting = Vec::new();
+        for &id in &self.order {
+            let r = &self.reqs[&id];
+            if r.stage != Stage::WaitDecode || r.ready_at > self.now || r.spec.abort {
+                continue;
+            }
+            if !sc.uses_nixl() {
+                let store = self.store.as_ref().expect("tier");
+                let ready = r.saves_left == 0 && r.entries.iter().all(|e| e.is_some_and(|e| store.content(e).is_some()));
+                if !ready {
+                    continue;
+                }
+            }
+            if self.dfree.len() < r.pslots.len() {
+                break; // decode is full; keep order
+            }
+            let d: Vec<u32> = (0..r.pslots.len()).map(|_| self.dfree.pop().expect("checked")).collect();
+            for &s in &d {
+                table[s as usize] = TableEntry { block: 1, generation: 1 };
+            }
+            starting.push((id, d));
+        }
+        if starting.is_empty() {
+            return Ok(());
+        }
+        let iter = (self.now & 0xFF_FFFF) as u32;
+        self.decode.pool.poison_blocks(&table, iter)?;
+        let g = self.decode.pool.geometry().clone();
+        let sb = g.slice_bytes()?;
+        let posted: Vec<u64> = starting.iter().map(|(id, _)| *id).collect();
+        for (id, d) in starting {
+            let lag = self.rng.random_range(0..=1u64);
+            let r = self.reqs.get_mut(&id).expect("starting request");
+            r.poison_iter = iter;
+            r.dslots = d;
+            r.stage = Stage::Decoding;
+            if sc.uses_nixl() {
+                let mut pairs = Vec::with_capacity(r.pslots.len() * g.num_layers as usize * g.kv_parts() as usize);
+                for layer in 0..g.num_layers {
+                    for &kv in g.parts() {
+                        for (i, &ps) in r.pslots.iter().enumerate() {
+                            pairs.push(Pair {
+                                src: SliceCoord { layer, kv, block: ps },
+                                dst: SliceCoord { layer, kv, block: r.dslots[i] },
+                                len: sb,
+                            });
+                        }
+                    }
+                }
+                r.at_post =
+                    r.pslots.iter().map(|&s| (self.pslots[s as usize].content, self.pslots[s as usize].version)).collect();
+                r.xfer = Some(self.decode.post_read(&pairs, &format!("{}{id}", self.tag))?);
+            } else {
+                r.dloads_left = r.pslots.len() as u32;
+                r.delivered = vec![Content::default(); r.pslots.len()];
+                let due = self.now + lag;
+                for (i, e) in r.entries.iter().enumerate() {
+                    self.dload.push_back(Op {
+                        due,
+                        req: id,
+                        slot: r.dslots[i],
+                        cause: None,
+                        kind: OpKind::Load { entry: e.expect("ready"), index: i },
+                    });
+                }
+            }
+        }
+        if self.cfg.lockstep && sc.uses_nixl() {
+            self.lockstep(&posted, report)?;
+        }
+        Ok(())
+    }
+
+    fn verify(&mut self, report: &mut Report) -> Result<()> {
+        let ids: Vec<u64> = self.order.iter().copied().filter(|id| self.reqs[id].stage == Stage::Verify).collect();
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let g = self.decode.pool.geometry().clone();
+        let n = g.num_blocks as usize;
+        let mut table = vec![TableEntry { block: 0, generation: SKIP_GEN }; n];
+        // decode slot -> (request, block index)
+        let mut owner: HashMap<u32, (u64, usize)> = HashMap::new();
+        let sc = self.cfg.scenario;
+        for &id in &ids {
+            let r = &self.reqs[&id];
+            for (i, &d) in r.dslots.iter().enumerate() {
+                let expect = if sc.uses_nixl() {
+                    r.promised[i]
+                } else {
+                    self.store.as_ref().expect("tier").promised(r.entries[i].expect("entry"))
+                };
+                table[d as usize] = expect;
+                owner.insert(d, (id, i));
+            }
+        }
+        let t = Instant::now();
+        let fails = self.decode.pool.verify(&table)?;
+        let slices: u64 =
+            ids.iter().map(|id| self.reqs[id].dslots.len() as u64).sum::<u64>() * g.num_layers as u64 * g.kv_parts() as u64;
+        report.summary.blocks_checked += slices;
+        let sb = g.slice_bytes()? as usize;
+        let mut buf = vec![0u8; sb];
+        for f in &fails {
+            let c = g.coord_of(f.slice);
+            let Some(&(id, i)) = owner.get(&c.block) else {
+                continue;
+            };
+            let r = &self.reqs[&id];
+            let expected_t = table[c.block as usize];
+            let expected = ident(expected_t, c);
+            self.decode.pool.read_slice(c, &mut buf)?;
+            let want = fingerprint::expected(sb, self.seed, expected);
+            let v = verify::classify_against(&buf, &want, expected, self.seed, f.slice, r.poison_iter);
+            // What the engine's own operations predict this block holds.
+            let (pre, changed, cur) = if sc.uses_nixl() {
+                let (pre, ver) = r.at_post[i];
+                let p = &self.pslots[r.pslots[i] as usize];
+                (pre, p.version != ver, p.content)
+            } else {
+                (r.delivered[i], false, r.delivered[i])
+            };
+            let explained = (pre.id != expected_t && matches(&v.observed, pre.id) && v.class != Class::Torn)
+                || (changed && (matches(&v.observed, cur.id) || v.class == Class::Torn));
+            let cause = if explained {
+                if matches(&v.observed, pre.id) && pre.id != expected_t { pre.cause } else { cur.cause.or(pre.cause) }
+            } else {
+                None
+            };
+            match cause {
+                Some(m) if explained => *self.attributed.entry(m).or_default().entry(v.class).or_default() += 1,
+                _ => self.unexplained += 1,
+            }
+            report.summary.blocks_corrupt += 1;
+            *report.summary.by_class.entry(v.class.name().to_string()).or_default() += 1;
+            if let Some(iv) = self.intervals.last_mut() {
+                iv.corrupt += 1;
+            }
+            // Unexplained slices (defects of the stack under test) have their own budget, so
+            // a flood of explained race corruption never hides them.
+            let listed = if cause.is_some() { &mut self.listed_explained } else { &mut self.listed_unexplained };
+            if *listed < self.max_failures as u64 {
+                *listed += 1;
+                report.failures.push(Failure {
+                    iteration: self.now.min(u32::MAX as u64) as u32,
+                    layer: c.layer,
+                    kv: c.kv,
+                    block: c.block,
+                    class: v.class,
+                    first_bad_offset: f.first_bad,
+                    bad_bytes: f.bad_bytes,
+                    expected_digest: fingerprint::digest(&want),
+                    actual_digest: fingerprint::digest(&buf),
+                    observed: v.observed,
+                    expected,
+                    prefill_block: r.pslots[i],
+                    bit_flips: v.bit_flips,
+                    sectors: v.sectors,
+                    request: Some(id),
+                    predicted: Some(ident(pre.id, c)),
+                    attributed_to: cause,
+                });
+            } else {
+                report.summary.failures_omitted += 1;
+            }
+        }
+        report.summary.verify_seconds += t.elapsed().as_secs_f64();
+        for id in ids {
+            let r = self.reqs.get_mut(&id).expect("verified request");
+            r.stage = Stage::Done;
+            self.verified += 1;
+            if let Some(iv) = self.intervals.last_mut() {
+                iv.requests += 1;
+                iv.slices_checked += r.dslots.len() as u64 * g.num_layers as u64 * g.kv_parts() as u64;
+            }
+        }
+        Ok(())
+    }
+
+    // ---- admission ----
+
+    fn alloc(&mut self, n: usize, for_loads: bool) -> Option<Vec<u32>> {
+        let mut out = Vec::with_capacity(n);
+        if for_loads {
+            while out.len() < n {
+                let Some(s) = self.early_list.pop() else {
+                    break;
+                };
+                if self.pslots[s as usize].in_early_list && self.pslots[s as usize].owner.is_some() {
+                    self.pslots[s as usize].in_early_list = false;
+                    out.push(s);
+                }
+            }
+        }
+        while out.len() < n {
+            match self.pfree.pop() {
+                Some(s) => out.push(s),
+                None => {
+                    // Not enough: give everything back.
+                    for s in out.into_iter().rev() {
+                        if self.pslots[s as usize].owner.is_some() {
+                            self.pslots[s as usize].in_early_list = true;
+                            self.early_list.push(s);
+                        } else {
+                            self.pfree.push(s);
+                        }
+                    }
+                    return None;
+                }
+            }
+        }
+        Some(out)
+    }
+
+    fn admit(&mut self) -> Result<()> {
+        // Requests whose lookup completed last step start their prefill now.
+        let ready: Vec<u64> = self.order.iter().copied().filter(|id| self.reqs[id].stage == Stage::Lookup).collect();
+        for id in ready {
+            if !self.issue_prefill(id)? {
+                break; // out of blocks: retry next step, keep order
+            }
+        }
+        let max_new = 4;
+        let mut new = 0;
+        while !self.stop_admitting && self.in_flight() < self.cfg.concurrency as usize && new < max_new {
+            if self.cfg.duration_secs.is_none() && self.admitted >= self.cfg.requests {
+                break;
+            }
+            let spec = self.workload.next_request();
+            let id = spec.id;
+            let n = spec.hashes.len();
+            // lookup_async: the tier answers now, the request acts on it next step.
+            let hits = match (&mut self.store, spec.abort) {
+                (Some(s), false) => s.lookup_prefix(&spec.hashes),
+                _ => Vec::new(),
+            };
+            self.reqs.insert(
+                id,
+                Req {
+                    spec,
+                    stage: Stage::Lookup,
+                    ready_at: self.now + 1,
+                    promised: Vec::new(),
+                    pslots: Vec::new(),
+                    hits,
+                    entries: vec![None; n],
+                    pending_writes: 0,
+                    saves_left: 0,
+                    had_saves: false,
+                    read_notified: false,
+                    released: false,
+                    early_listed: false,
+                    dslots: Vec::new(),
+                    xfer: None,
+                    at_post: Vec::new(),
+                    delivered: Vec::new(),
+                    dloads_left: 0,
+                    poison_iter: 0,
+                },
+            );
+            self.order.push(id);
+            self.admitted += 1;
+            new += 1;
+        }
+        Ok(())
+    }
+
+    /// Allocates, loads hits, computes the rest, saves computed blocks. False when the
+    /// prefill pool has too few free blocks this step.
+    fn issue_prefill(&mut self, id: u64) -> Result<bool> {
+        let (n, k, abort) = {
+            let r = &self.reqs[&id];
+            if r.ready_at > self.now {
+                return Ok(true);
+            }
+            (r.spec.hashes.len(), r.hits.len(), r.spec.abort)
+        };
+        let Some(mut slots) = self.alloc(k, true) else {
+            return Ok(false);
+        };
+        let Some(rest) = self.alloc(n - k, false) else {
+            for s in slots.into_iter().rev() {
+                if self.pslots[s as usize].owner.is_some() {
+                    self.pslots[s as usize].in_early_list = true;
+                    self.early_list.push(s);
+                } else {
+                    self.pfree.push(s);
+                }
+            }
+            return Ok(false);
+        };
+        slots.extend(rest);
+        let sc = self.cfg.scenario;
+        let mut r = self.reqs.remove(&id).expect("request");
+        let mut promised = Vec::with_capacity(n);
+        for (i, &s) in slots.iter().enumerate() {
+            self.pslots[s as usize].owner = Some(id);
+            if i < k {
+                let e = r.hits[i];
+                let store = self.store.as_ref().expect("hits need the tier");
+                promised.push(store.promised(e));
+                r.entries[i] = Some(e);
+                if !sc.uses_nixl() {
+                    self.store.as_mut().expect("tier").pin(e); // kept for decode's load
+                }
+                let due = self.lag(2);
+                self.pload.push_back(Op { due, req: id, slot: s, cause: None, kind: OpKind::Load { entry: e, index: i } });
+                self.pslots[s as usize].pending_load += 1;
+                self.hit_blocks += 1;
+            } else {
+                self.next_gen = self.next_gen.wrapping_add(1).max(1);
+                let t = TableEntry { block: r.spec.hashes[i], generation: self.next_gen };
+                promised.push(t);
+                let due = self.lag(2).max(self.compute.back().map_or(0, |o| o.due));
+                self.compute.push_back(Op { due, req: id, slot: s, cause: None, kind: OpKind::Fill { id: t } });
+                self.pslots[s as usize].pending_compute += 1;
+            }
+            r.pending_writes += 1;
+        }
+        r.pslots = slots;
+        r.promised = promised;
+        r.stage = Stage::Prefill;
+        if abort {
+            // The client went away: vLLM frees the blocks at once; the compute stream
+            // still runs the issued writes.
+            self.aborted += 1;
+            self.reqs.insert(id, r);
+            self.order.retain(|&x| x != id);
+            let rr = self.reqs.remove(&id).expect("aborted");
+            for s in rr.pslots {
+                self.pslots[s as usize].owner = None;
+                self.pfree.push(s);
+            }
+            return Ok(true);
+        }
+        // Saves of computed blocks (keys not yet stored).
+        let mut immediate = Vec::new();
+        if let Some(store) = self.store.as_mut() {
+            for i in k..n {
+                let hash = r.spec.hashes[i];
+                let s = r.pslots[i];
+                match store.reserve(hash, r.promised[i]) {
+                    Some(e) => {
+                        // The reservation's pin lasts until the put runs (tier-only: until
+                        // decode has loaded the entry).
+                        r.entries[i] = Some(e);
+                        r.saves_left += 1;
+                        r.had_saves = true;
+                        let due = self.now + put_lag(&mut self.rng);
+                        let mut op =
+                            Op { due, req: id, slot: s, cause: None, kind: OpKind::Save { entry: e, promised: r.promised[i] } };
+                        if self.races.unfenced(Mechanism::SaveBeforeWrite) {
+                            // No event wait: the save copies the block before the write lands.
+                            op.cause = Some(Mechanism::SaveBeforeWrite);
+                            immediate.push(op);
+                        } else {
+                            self.puts.push_back(op);
+                        }
+                    }
+                    None if !sc.uses_nixl() => {
+                        // Already stored (same prefix computed by another request): decode
+                        // loads that entry and expects what it promises.
+                        if let Some(e) = store.find(hash) {
+                            store.pin(e);
+                            r.entries[i] = Some(e);
+                        }
+                    }
+                    None => {}
+                }
+            }
+        }
+        self.reqs.insert(id, r);
+        for op in immediate {
+            self.execute_put(op)?;
+        }
+        Ok(true)
+    }
+
+    fn finish(&self, report: &mut Report) {
+        let s = &mut report.summary;
+        s.transfer_seconds = self.busy_secs;
+        s.transfer_gbps = if s.transfer_seconds > 0.0 { s.bytes_transferred as f64 / s.transfer_seconds / 1e9 } else { 0.0 };
+        s.iterations = self.verified.min(u32::MAX as u64) as u32;
+        let races = Mechanism::ALL
+            .iter()
+            .map(|&m| {
+                let unf = self.races.unfenced(m);
+                let classes: BTreeMap<String, u64> = self
+                    .attributed
+                    .get(&m)
+                    .map(|c| c.iter().map(|(k, v)| (k.name().to_string(), *v)).collect())
+                    .unwrap_or_default();
+                let n: u64 = classes.values().sum();
+                let w = self.windows.get(&m).copied().unwrap_or(0);
+                let in_class = self.attributed.get(&m).is_none_or(|c| c.keys().all(|k| RACE_CLASSES.contains(k)));
+                let (verdict, why) = match (unf, n > 0 && in_class) {
+                    (false, _) => (if n == 0 { "clean" } else { "corrupt" }.to_string(), None),
+                    (true, true) => ("detected".to_string(), None),
+                    (true, false) if n > 0 => (
+                        "not reproduced".to_string(),
+                        Some("corruption was attributed but with classes it does not predict".to_string()),
+                    ),
+                    (true, false) if w == 0 => ("not reproduced".to_string(), Some(window_never(m))),
+                    (true, false) => (
+                        "not reproduced".to_string(),
+                        Some(format!("the window opened {w} times but no affected block reached a verified decode read")),
+                    ),
+                };
+                RaceOutcome {
+                    mechanism: m,
+                    fencing: if unf { Fencing::Unfenced } else { Fencing::Fenced },
+                    windows_opened: w,
+                    corrupt_attributed: n,
+                    classes,
+                    predicted_classes: RACE_CLASSES.to_vec(),
+                    verdict,
+                    why,
+                }
+            })
+            .collect();
+        let store = self.store.as_ref();
+        report.scenario = Some(ScenarioReport {
+            scenario: self.cfg.scenario,
+            tier: self.cfg.tier,
+            steps: self.now,
+            seconds: self.started.elapsed().as_secs_f64(),
+            requests_admitted: self.admitted,
+            requests_verified: self.verified,
+            requests_aborted: self.aborted,
+            tier_hit_blocks: self.hit_blocks,
+            tier_saves: self.saves,
+            tier_loads: self.loads,
+            tier_evictions: store.map_or(0, |s| s.evictions),
+            unexplained_corrupt: self.unexplained,
+            races,
+            intervals: self.intervals.clone(),
+        });
+    }
+}
+
+/// Steps until a save runs: usually 0–3, but one in four waits 16–96 steps behind a
+/// backlog (a store's puts are slower than NIXL under sustained load: about 1 GB/s for
+/// Mooncake over TCP against hundreds of GB/s for cuda_ipc).
+fn put_lag(rng: &mut ChaCha8Rng) -> u64 {
+    if rng.random_range(0..4u32) == 0 { rng.random_range(16..=96) } else { rng.random_range(0..=3) }
+}
+
+fn window_never(m: Mechanism) -> String {
+    match m {
+        Mechanism::LoadIntoReading => "the window never opened: no tier load was issued while another request's READ was pending (needs --scenario stacked and prefix hits)".into(),
+        Mechanism::SaveAfterFree => "the window never opened: no block was reused before its save ran (needs --scenario stacked)".into(),
+        Mechanism::SaveBeforeWrite => "the window never opened: every save found its block already written (needs a tier)".into(),
+        Mechanism::FreeOnFirstCompletion => "the window never opened: no block was reused while the other connector still used it (needs --scenario stacked)".into(),
+        Mechanism::UnfencedLoad => "the window never opened: no load targeted a block with a write still in flight (needs aborts, --abort-rate > 0, and prefix hits)".into(),
+    }
+}
+
+/// Whether a geometry and load fit: every prompt must fit in each pool.
+pub fn check(cfg: &ScenarioConfig, num_blocks: u32) -> Result<()> {
+    let w = &cfg.workload;
+    if w.min_blocks == 0 || w.min_blocks > w.max_blocks {
+        return Err(Error::Usage(format!("--prompt-blocks {}-{}: need 1 <= MIN <= MAX", w.min_blocks, w.max_blocks)));
+    }
+    if w.max_blocks > num_blocks / 2 {
+        return Err(Error::Usage(format!(
+            "--prompt-blocks up to {} needs at least {} blocks per pool (--blocks is {num_blocks})",
+            w.max_blocks,
+            w.max_blocks * 2
+        )));
+    }
+    for (name, v) in [("--prefix-share", w.prefix_share), ("--abort-rate", w.abort_rate)] {
+        if !(0.0..=1.0).contains(&v) {
+            return Err(Error::Usage(format!("{name} must be between 0 and 1, got {v}")));
+        }
+    }
+    if cfg.concurrency == 0 || cfg.concurrency > 4096 {
+        return Err(Error::Usage("--concurrency must be between 1 and 4096".into()));
+    }
+    if let Some(d) = cfg.duration_secs
+        && !(d.is_finite() && d > 0.0)
+    {
+        return Err(Error::Usage("--duration must be positive".into()));
+    }
+    if cfg.duration_secs.is_none() && cfg.requests == 0 {
+        return Err(Error::Usage("--requests must be at least 1".into()));
+    }
+    if !(cfg.interval_secs.is_finite() && cfg.interval_secs > 0.0) {
+        return Err(Error::Usage("--interval must be positive".into()));
+    }
+    let need = 2 * cfg.concurrency as u64 * w.max_blocks as u64;
+    if cfg.scenario.uses_tier() && (cfg.tier_blocks as u64) < need {
+        return Err(Error::Usage(format!(
+            "--tier-blocks {} is too small: in-flight requests may pin up to {need} entries (2 x concurrency x max prompt blocks)",
+            cfg.tier_blocks
+        )));
+    }
+    Ok(())
+}

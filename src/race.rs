@@ -1,0 +1,192 @@
+//! Scenarios and race mechanisms: which connectors touch the KV blocks, and which
+//! protocol fence is left out.
+//!
+//! The stack under test is vLLM's MultiConnector on the prefill engine: NixlConnector as
+//! kv_producer (decode READs the blocks, prefill frees them on the NIXL notification) and
+//! MooncakeStoreConnector as kv_both (async saves of computed blocks, async loads of
+//! prefix hits, lookup_async). Each [`Mechanism`] names one ordering rule of that stack;
+//! [`Fencing::Unfenced`] removes it, which is the suspected class of bug behind the field
+//! report (garbled tokens, no error). Fenced runs must be clean; an unfenced mechanism
+//! must show up as corruption of the class it predicts, attributed to it.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// Which connectors move the KV blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Scenario {
+    /// Decode READs every block of a request over NIXL; no tier.
+    NixlOnly,
+    /// No NIXL: prefill saves blocks to the tier, decode loads them from it.
+    TierOnly,
+    /// Both on the same prefill blocks: NIXL READs to decode while the tier saves and
+    /// loads prefix hits (vLLM MultiConnector: NixlConnector + MooncakeStoreConnector).
+    Stacked,
+}
+
+impl Scenario {
+    /// Name as on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Scenario::NixlOnly => "nixl-only",
+            Scenario::TierOnly => "tier-only",
+            Scenario::Stacked => "stacked",
+        }
+    }
+    /// Whether decode pulls the blocks over NIXL.
+    pub fn uses_nixl(self) -> bool {
+        self != Scenario::TierOnly
+    }
+    /// Whether the tier saves and loads blocks.
+    pub fn uses_tier(self) -> bool {
+        self != Scenario::NixlOnly
+    }
+}
+
+/// One ordering rule of the stacked connectors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Mechanism {
+    /// Prefill blocks whose NIXL READ has not completed are not given to tier loads.
+    LoadIntoReading,
+    /// A block is not freed while its async save still has to copy it.
+    SaveAfterFree,
+    /// A save copies a block only after the prefill write of it completed (event fence).
+    SaveBeforeWrite,
+    /// Blocks touched by two connectors are freed when both have reported done.
+    FreeOnFirstCompletion,
+    /// A tier load into a reused block waits for the previous owner's write.
+    UnfencedLoad,
+}
+
+impl Mechanism {
+    /// Every mechanism, in `kvprobe ab` order.
+    pub const ALL: [Mechanism; 5] = [
+        Mechanism::LoadIntoReading,
+        Mechanism::SaveAfterFree,
+        Mechanism::SaveBeforeWrite,
+        Mechanism::FreeOnFirstCompletion,
+        Mechanism::UnfencedLoad,
+    ];
+
+    /// Name as on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mechanism::LoadIntoReading => "load-into-reading",
+            Mechanism::SaveAfterFree => "save-after-free",
+            Mechanism::SaveBeforeWrite => "save-before-write",
+            Mechanism::FreeOnFirstCompletion => "free-on-first-completion",
+            Mechanism::UnfencedLoad => "unfenced-load",
+        }
+    }
+
+    /// What the unfenced variant does and how it shows up.
+    pub fn explain(self) -> &'static str {
+        match self {
+            Mechanism::LoadIntoReading => {
+                "unfenced: a request's prefill blocks are handed to tier loads as soon as prefill has written them, before decode's NIXL READ of them completed; the load's bytes reach decode instead (misplaced, stale, or torn when the READ is in flight)"
+            }
+            Mechanism::SaveAfterFree => {
+                "unfenced: blocks are freed on the NIXL notification while their async save is still queued; the save copies the next owner's data under the old block hash, and a later prefix hit loads it (misplaced/stale at decode)"
+            }
+            Mechanism::SaveBeforeWrite => {
+                "unfenced: a save is not ordered after the prefill write (no event wait) and copies the block's previous contents under the new hash; a later prefix hit loads them (misplaced/stale at decode)"
+            }
+            Mechanism::FreeOnFirstCompletion => {
+                "unfenced: MultiConnector counts one completion for two connectors and frees blocks when the first of NIXL and the save reports done; the other still reads a reused block (misplaced/stale at decode)"
+            }
+            Mechanism::UnfencedLoad => {
+                "unfenced: a tier load into a reused block does not wait for the previous owner's write (an aborted request's prefill still in flight), which lands over the loaded data (misplaced/stale at decode)"
+            }
+        }
+    }
+}
+
+impl fmt::Display for Mechanism {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Mechanism {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Mechanism, String> {
+        Mechanism::ALL.into_iter().find(|m| m.name() == s).ok_or_else(|| {
+            let names: Vec<&str> = Mechanism::ALL.iter().map(|m| m.name()).collect();
+            format!("unknown race mechanism {s:?} (expected one of: {})", names.join(", "))
+        })
+    }
+}
+
+/// Whether a mechanism's ordering rule is kept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Fencing {
+    /// The rule is kept (the correct protocol).
+    Fenced,
+    /// The rule is left out (the bug).
+    Unfenced,
+}
+
+/// One `--race MECHANISM[=fenced|unfenced]` flag (default unfenced: naming a mechanism
+/// asks for its bug).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RaceSpec {
+    /// The mechanism.
+    pub mechanism: Mechanism,
+    /// Kept or left out.
+    pub fencing: Fencing,
+}
+
+impl std::str::FromStr for RaceSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<RaceSpec, String> {
+        let (m, f) = s.split_once('=').unwrap_or((s, "unfenced"));
+        let fencing = match f {
+            "fenced" => Fencing::Fenced,
+            "unfenced" => Fencing::Unfenced,
+            _ => return Err(format!("{s:?}: the fencing must be `fenced` or `unfenced`")),
+        };
+        Ok(RaceSpec { mechanism: m.parse()?, fencing })
+    }
+}
+
+/// The set of mechanisms left unfenced in a run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Races(u8);
+
+impl Races {
+    /// Resolves `--race` flags (later flags win). All fenced when empty.
+    pub fn from_specs(specs: &[RaceSpec]) -> Races {
+        let mut r = Races(0);
+        for s in specs {
+            r.set(s.mechanism, s.fencing == Fencing::Unfenced);
+        }
+        r
+    }
+    /// Only `m` unfenced.
+    pub fn only(m: Mechanism) -> Races {
+        let mut r = Races(0);
+        r.set(m, true);
+        r
+    }
+    fn bit(m: Mechanism) -> u8 {
+        1 << Mechanism::ALL.iter().position(|x| *x == m).unwrap_or(0)
+    }
+    fn set(&mut self, m: Mechanism, unfenced: bool) {
+        if unfenced { self.0 |= Self::bit(m) } else { self.0 &= !Self::bit(m) }
+    }
+    /// True when `m` is left unfenced.
+    pub fn unfenced(self, m: Mechanism) -> bool {
+        self.0 & Self::bit(m) != 0
+    }
+    /// True when every mechanism is fenced.
+    pub fn all_fenced(self) -> bool {
+        self.0 == 0
+    }
+    /// The unfenced mechanisms.
+    pub fn list(self) -> Vec<Mechanism> {
+        Mechanism::ALL.into_iter().filter(|m| self.unfenced(*m)).collect()
+    }
+}

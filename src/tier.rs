@@ -1,0 +1,227 @@
+//! The built-in KV tier (`--tier embedded`): a block store keyed by block hash, modelled
+//! on vLLM's MooncakeStoreConnector (one store object per full block, key = block hash).
+//!
+//! Entries live in one host arena of `capacity` block-sized slots (page-locked for VRAM
+//! pools); an entry is the block's slices back to back in (layer, K/V) order
+//! ([`crate::pool::KvPool::read_block`]). A put first reserves an entry (invisible to
+//! lookups) and fills it when the save executes; lookups see only complete entries.
+//! Entries in use by a pending load or save are pinned; a reservation evicts the least
+//! recently used unpinned entry when the arena is full.
+//!
+//! Besides the bytes, each entry records what the engine believes it holds
+//! ([`Content`]): the identity its key promises and the identity actually copied in, so a
+//! save that copied the wrong block is attributable when a later load delivers it.
+
+use crate::error::{Error, Result};
+use crate::hostmem::HostBuffer;
+use crate::pool::TableEntry;
+use crate::race::Mechanism;
+use std::collections::HashMap;
+
+/// What a block (pool slot or tier entry) holds, as far as the engine's own operations go.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Content {
+    /// Logical block and generation of the fingerprint written there.
+    pub id: TableEntry,
+    /// The unfenced mechanism whose operation put it there, if one did.
+    pub cause: Option<Mechanism>,
+}
+
+/// One stored block.
+#[derive(Clone, Copy, Debug)]
+struct Entry {
+    /// The identity the key promises (what the saving request computed).
+    promised: TableEntry,
+    /// What was actually copied in (None while the put is pending).
+    content: Option<Content>,
+    pins: u32,
+    last_use: u64,
+}
+
+enum Arena {
+    Host(HostBuffer),
+    Pinned(crate::cuda::PinnedHost),
+}
+
+/// The embedded store.
+pub struct Store {
+    arena: Arena,
+    block_bytes: usize,
+    capacity: u32,
+    entries: Vec<Option<(u32, Entry)>>,
+    by_hash: HashMap<u32, u32>,
+    free: Vec<u32>,
+    tick: u64,
+    /// Saves skipped because every entry was pinned.
+    pub full_skips: u64,
+    /// Entries evicted.
+    pub evictions: u64,
+}
+
+/// Index of an entry in the store.
+pub type EntryId = u32;
+
+impl Store {
+    /// A store of `capacity` entries of `block_bytes` each; page-locked for `device` when
+    /// given. Errors: the arena does not fit in host memory, or cannot be page-locked.
+    pub fn new(capacity: u32, block_bytes: u64, device: Option<&std::sync::Arc<crate::cuda::Device>>) -> Result<Store> {
+        let bytes = (capacity as u64).checked_mul(block_bytes).ok_or_else(|| Error::Usage("tier size overflows".into()))?;
+        if let Some(avail) = crate::hostmem::available_bytes()
+            && bytes > avail
+        {
+            return Err(Error::Usage(format!(
+                "the tier of {capacity} blocks needs {bytes} bytes of host memory; {avail} are available (lower --tier-blocks)"
+            )));
+        }
+        let buf = HostBuffer::alloc(bytes as usize)?;
+        let arena = match device {
+            Some(d) => Arena::Pinned(crate::cuda::PinnedHost::new(d, buf)?),
+            None => Arena::Host(buf),
+        };
+        Ok(Store {
+            arena,
+            block_bytes: block_bytes as usize,
+            capacity,
+            entries: vec![None; capacity as usize],
+            by_hash: HashMap::new(),
+            free: (0..capacity).rev().collect(),
+            tick: 0,
+            full_skips: 0,
+            evictions: 0,
+        })
+    }
+
+    /// Entries the store holds at most.
+    pub fn capacity(&self) -> u32 {
+        self.capacity
+    }
+
+    fn entry(&self, id: EntryId) -> &Entry {
+        &self.entries[id as usize].as_ref().expect("live entry").1
+    }
+
+    fn entry_mut(&mut self, id: EntryId) -> &mut Entry {
+        &mut self.entries[id as usize].as_mut().expect("live entry").1
+    }
+
+    /// True when `hash` has an entry (complete or pending).
+    pub fn contains(&self, hash: u32) -> bool {
+        self.by_hash.contains_key(&hash)
+    }
+
+    /// The entry of `hash`, complete or pending.
+    pub fn find(&self, hash: u32) -> Option<EntryId> {
+        self.by_hash.get(&hash).copied()
+    }
+
+    /// The longest run of leading `hashes` with complete entries; pins and returns them
+    /// (batch_is_exist, then the loads).
+    pub fn lookup_prefix(&mut self, hashes: &[u32]) -> Vec<EntryId> {
+        let mut out = Vec::new();
+        for h in hashes {
+            match self.by_hash.get(h) {
+                Some(&id) if self.entry(id).content.is_some() => out.push(id),
+                _ => break,
+            }
+        }
+        for &id in &out {
+            self.pin(id);
+        }
+        out
+    }
+
+    /// Pins an entry (not evicted until unpinned).
+    pub fn pin(&mut self, id: EntryId) {
+        self.tick += 1;
+        let t = self.tick;
+        let e = self.entry_mut(id);
+        e.pins += 1;
+        e.last_use = t;
+    }
+
+    /// Releases one pin.
+    pub fn unpin(&mut self, id: EntryId) {
+        let e = self.entry_mut(id);
+        e.pins = e.pins.saturating_sub(1);
+    }
+
+    /// Reserves a pinned, pending entry for `hash` (promising `promised`); `None` when
+    /// `hash` is already stored or pending, or every entry is pinned (counted in
+    /// [`Store::full_skips`]).
+    pub fn reserve(&mut self, hash: u32, promised: TableEntry) -> Option<EntryId> {
+        if self.contains(hash) {
+            return None;
+        }
+        let id = match self.free.pop() {
+            Some(id) => id,
+            None => {
+                let victim = self
+                    .entries
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, e)| {
+                        e.as_ref().filter(|(_, e)| e.pins == 0 && e.content.is_some()).map(|(_, e)| (e.last_use, i))
+                    })
+                    .min()
+                    .map(|(_, i)| i as u32);
+                let Some(v) = victim else {
+                    self.full_skips += 1;
+                    return None;
+                };
+                let (h, _) = self.entries[v as usize].take().expect("victim is live");
+                self.by_hash.remove(&h);
+                self.evictions += 1;
+                v
+            }
+        };
+        self.tick += 1;
+        self.entries[id as usize] = Some((hash, Entry { promised, content: None, pins: 1, last_use: self.tick }));
+        self.by_hash.insert(hash, id);
+        Some(id)
+    }
+
+    /// The identity entry `id`'s key promises.
+    pub fn promised(&self, id: EntryId) -> TableEntry {
+        self.entry(id).promised
+    }
+
+    /// What entry `id` holds (None while its put is pending).
+    pub fn content(&self, id: EntryId) -> Option<Content> {
+        self.entry(id).content
+    }
+
+    /// Marks a reserved entry's put done: it holds `content` (bytes already copied with
+    /// [`Store::bytes_mut`]) and becomes visible to lookups.
+    pub fn complete(&mut self, id: EntryId, content: Content) {
+        self.entry_mut(id).content = Some(content);
+    }
+
+    /// The bytes of entry `id`.
+    pub fn bytes(&self, id: EntryId) -> &[u8] {
+        let s = match &self.arena {
+            Arena::Host(b) => b.as_slice(),
+            Arena::Pinned(p) => p.buffer().as_slice(),
+        };
+        &s[id as usize * self.block_bytes..(id as usize + 1) * self.block_bytes]
+    }
+
+    /// The bytes of entry `id`, for a put to copy into.
+    pub fn bytes_mut(&mut self, id: EntryId) -> &mut [u8] {
+        let bb = self.block_bytes;
+        let s = match &mut self.arena {
+            Arena::Host(b) => b.as_mut_slice(),
+            Arena::Pinned(p) => p.buffer_mut().as_mut_slice(),
+        };
+        &mut s[id as usize * bb..(id as usize + 1) * bb]
+    }
+
+    /// Complete entries.
+    pub fn len(&self) -> usize {
+        self.entries.iter().flatten().filter(|(_, e)| e.content.is_some()).count()
+    }
+
+    /// True when no entry is complete.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}

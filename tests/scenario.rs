@@ -1,0 +1,300 @@
+//! Request-level scenarios on DRAM with real NIXL (UCX) and the embedded tier: fenced
+//! scenarios are clean over thousands of requests, each unfenced race mechanism is detected
+//! with its predicted classes and attributed to it, and `kvprobe ab` gives the documented
+//! exit codes. Needs the NIXL libraries (scripts/install-deps.sh).
+
+use crate::common::{kvprobe, read_report, tmpdir};
+use serde_json::Value;
+
+const RACE_CLASSES: [&str; 3] = ["misplaced", "stale", "torn"];
+
+fn scenario_report(name: &str, args: &[&str]) -> (i32, Value, String) {
+    let d = tmpdir(name);
+    let p = d.join("report.json");
+    let mut a = vec!["run", "--memory", "dram", "--report", p.to_str().unwrap()];
+    a.extend_from_slice(args);
+    let (code, out, err) = kvprobe(&a);
+    assert!(!err.contains("panicked"), "{err}");
+    (code, read_report(&p), format!("{out}{err}"))
+}
+
+fn total_corrupt(r: &Value) -> u64 {
+    r["summary"]["blocks_corrupt"].as_u64().unwrap()
+}
+
+/// Checks a fenced scenario: every admitted request that was not aborted was verified, in
+/// full, and nothing is corrupt.
+fn assert_clean(r: &Value, requests: u64, log: &str) {
+    let sc = &r["scenario"];
+    assert_eq!(r["outcome"]["status"], "clean", "{log}");
+    assert_eq!(total_corrupt(r), 0, "{log}");
+    assert_eq!(sc["unexplained_corrupt"], 0);
+    assert_eq!(sc["requests_admitted"], requests);
+    let verified = sc["requests_verified"].as_u64().unwrap();
+    let aborted = sc["requests_aborted"].as_u64().unwrap();
+    assert_eq!(verified + aborted, requests, "every request is verified or aborted");
+    assert!(aborted > 0 && aborted < requests / 5, "abort rate 0.05 gives some aborts: {aborted}");
+    // Each verified request contributes 4 layers x K/V x 2..=8 blocks.
+    let checked = r["summary"]["blocks_checked"].as_u64().unwrap();
+    assert!(checked >= verified * 8 * 2 && checked <= verified * 8 * 8, "{checked} slices for {verified} requests");
+    for o in sc["races"].as_array().unwrap() {
+        assert_eq!(o["fencing"], "fenced");
+        assert_eq!(o["verdict"], "clean");
+        assert_eq!(o["corrupt_attributed"], 0);
+    }
+}
+
+#[test]
+fn fenced_scenarios_are_clean_over_thousands_of_requests() {
+    for sc in ["nixl-only", "tier-only", "stacked"] {
+        let (code, r, log) = scenario_report(sc, &["--scenario", sc, "--requests", "2500", "--seed", "5"]);
+        assert_eq!(code, 0, "{sc}: {log}");
+        assert_clean(&r, 2500, &log);
+        let s = &r["scenario"];
+        assert_eq!(s["scenario"], sc);
+        if sc == "nixl-only" {
+            assert_eq!(s["tier_saves"], 0);
+            assert!(r["summary"]["bytes_transferred"].as_u64().unwrap() > 0);
+        } else {
+            assert!(s["tier_saves"].as_u64().unwrap() > 1000, "{sc}: {s}");
+            assert!(s["tier_hit_blocks"].as_u64().unwrap() > 100, "{sc}: prefix hits must happen: {s}");
+        }
+        if sc == "tier-only" {
+            assert_eq!(r["summary"]["bytes_transferred"], 0, "tier-only moves nothing over NIXL");
+        }
+    }
+}
+
+fn assert_detected(mechanism: &str, seed: &str) {
+    let (code, r, log) = scenario_report(mechanism, &["--race", mechanism, "--requests", "2000", "--seed", seed]);
+    assert_eq!(code, 1, "{mechanism}: {log}");
+    let sc = &r["scenario"];
+    assert_eq!(sc["scenario"], "stacked", "--race implies stacked");
+    assert_eq!(sc["unexplained_corrupt"], 0, "{mechanism}: every corrupt slice is explained: {log}");
+    let o = sc["races"].as_array().unwrap().iter().find(|o| o["mechanism"] == mechanism).unwrap().clone();
+    assert_eq!(o["fencing"], "unfenced");
+    assert_eq!(o["verdict"], "detected", "{o}");
+    assert!(o["windows_opened"].as_u64().unwrap() > 0);
+    let corrupt = total_corrupt(&r);
+    assert!(corrupt > 0);
+    assert_eq!(o["corrupt_attributed"].as_u64().unwrap(), corrupt, "all corruption is attributed to {mechanism}");
+    for (class, n) in r["summary"]["by_class"].as_object().unwrap() {
+        if n.as_u64().unwrap() > 0 {
+            assert!(RACE_CLASSES.contains(&class.as_str()), "{mechanism} produced {class}");
+        }
+    }
+    // Listed failures name the mechanism and a request, and hold another block's data.
+    for f in r["failures"].as_array().unwrap() {
+        assert_eq!(f["attributed_to"], mechanism);
+        assert!(f["request"].is_u64());
+        assert_ne!(f["observed"], f["expected"], "{f}");
+        if f["class"] == "misplaced" {
+            assert_eq!(f["observed"]["block"], f["predicted"]["block"], "the shadow predicted the foreign block: {f}");
+        }
+    }
+    for other in sc["races"].as_array().unwrap().iter().filter(|o| o["mechanism"] != mechanism) {
+        assert_eq!(other["corrupt_attributed"], 0, "{other}");
+    }
+}
+
+#[test]
+fn load_into_reading_is_detected() {
+    assert_detected("load-into-reading", "21");
+}
+
+#[test]
+fn save_after_free_is_detected() {
+    assert_detected("save-after-free", "22");
+}
+
+#[test]
+fn save_before_write_is_detected() {
+    assert_detected("save-before-write", "23");
+}
+
+#[test]
+fn free_on_first_completion_is_detected() {
+    assert_detected("free-on-first-completion", "24");
+}
+
+#[test]
+fn unfenced_load_is_detected() {
+    assert_detected("unfenced-load", "25");
+}
+
+#[test]
+fn a_named_fenced_race_stays_clean() {
+    let (code, r, log) = scenario_report("fenced-flag", &["--race", "save-after-free=fenced", "--requests", "500"]);
+    assert_eq!(code, 0, "{log}");
+    assert_eq!(r["scenario"]["scenario"], "stacked");
+    assert_clean(&r, 500, &log);
+}
+
+#[test]
+fn lockstep_runs_replay_exactly_from_the_seed() {
+    let args = ["--race", "save-after-free", "--lockstep", "--requests", "800", "--seed", "0x2a"];
+    let (c1, r1, l1) = scenario_report("lockstep1", &args);
+    let (c2, r2, _) = scenario_report("lockstep2", &args);
+    assert_eq!(c1, 1, "{l1}");
+    assert_eq!(c2, 1);
+    assert_eq!(r1["summary"]["by_class"], r2["summary"]["by_class"]);
+    assert_eq!(r1["scenario"]["steps"], r2["scenario"]["steps"]);
+    assert_eq!(r1["scenario"]["races"], r2["scenario"]["races"]);
+    let key = |r: &Value| -> Vec<String> {
+        r["failures"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| format!("{} {} {} {} {}", f["iteration"], f["request"], f["layer"], f["kv"], f["actual_digest"]))
+            .collect()
+    };
+    assert_eq!(key(&r1), key(&r2));
+}
+
+#[test]
+fn duration_run_records_intervals() {
+    let (code, r, log) =
+        scenario_report("duration", &["--scenario", "stacked", "--duration", "2s", "--interval", "500ms", "--concurrency", "8"]);
+    assert_eq!(code, 0, "{log}");
+    let sc = &r["scenario"];
+    assert!(sc["seconds"].as_f64().unwrap() >= 2.0);
+    let iv = sc["intervals"].as_array().unwrap();
+    assert!(iv.len() >= 4, "{iv:?}");
+    let sum: u64 = iv.iter().map(|i| i["slices_checked"].as_u64().unwrap()).sum();
+    assert_eq!(sum, r["summary"]["blocks_checked"].as_u64().unwrap());
+    let reqs: u64 = iv.iter().map(|i| i["requests"].as_u64().unwrap()).sum();
+    assert_eq!(reqs, sc["requests_verified"].as_u64().unwrap());
+    assert!(log.contains("error rate:"), "{log}");
+}
+
+#[test]
+fn sigint_stops_a_scenario_with_a_partial_report() {
+    use std::process::Command;
+    let d = tmpdir("scenario-sigint");
+    let p = d.join("r.json");
+    let mut child = Command::new(crate::common::bin())
+        .args(["run", "--memory", "dram", "--scenario", "stacked", "--duration", "60s", "--checkpoint", "200ms"])
+        .arg("--report")
+        .arg(&p)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // Wait for the first checkpoint: the run is under way and the report says so.
+    let t0 = std::time::Instant::now();
+    while !p.exists() {
+        assert!(t0.elapsed().as_secs() < 30, "no checkpoint written");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let ck = read_report(&p);
+    assert_eq!(ck["outcome"]["status"], "running");
+    // SAFETY: plain kill(2) of our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let st = child.wait().unwrap();
+    assert_eq!(st.code(), Some(130));
+    let r = read_report(&p);
+    assert_eq!(r["outcome"]["status"], "interrupted");
+    assert!(r["scenario"]["requests_verified"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn ab_matrix_passes_on_dram() {
+    let d = tmpdir("ab");
+    let p = d.join("ab.json");
+    let (code, out, err) = kvprobe(&["ab", "--memory", "dram", "--requests", "1500", "--report", p.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}{err}");
+    let r = read_report(&p);
+    assert_eq!(r["schema"], "kvprobe.ab/1");
+    let rows = r["rows"].as_array().unwrap();
+    let names: Vec<&str> = rows.iter().map(|x| x["name"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        [
+            "nixl-only",
+            "tier-only",
+            "stacked",
+            "stacked+load-into-reading",
+            "stacked+save-after-free",
+            "stacked+save-before-write",
+            "stacked+free-on-first-completion",
+            "stacked+unfenced-load"
+        ]
+    );
+    for row in rows {
+        assert_eq!(row["pass"], true, "{row}");
+        assert_eq!(row["unexplained"], 0);
+        if row["unfenced"].is_null() {
+            assert_eq!(row["corrupt"], 0, "{row}");
+            assert_eq!(row["verdict"], "clean");
+        } else {
+            assert!(row["corrupt"].as_u64().unwrap() > 0, "{row}");
+            assert_eq!(row["verdict"], "detected");
+        }
+        // Same load in every row.
+        assert_eq!(row["requests"], rows[0]["requests"]);
+    }
+    assert_eq!(r["sections"].as_array().unwrap().len(), 8);
+    assert_eq!(r["outcome"]["exit_code"], 0);
+    for n in &names {
+        assert!(out.contains(n), "table lists {n}: {out}");
+    }
+}
+
+#[test]
+fn ab_exits_6_when_a_mechanism_cannot_be_reproduced() {
+    // Without aborts no block is reused while a write is in flight: unfenced-load's window
+    // never opens, and ab must say so rather than pass.
+    let d = tmpdir("ab6");
+    let p = d.join("ab.json");
+    let (code, out, err) =
+        kvprobe(&["ab", "--memory", "dram", "--requests", "300", "--abort-rate", "0", "--report", p.to_str().unwrap()]);
+    assert_eq!(code, 6, "{out}{err}");
+    let r = read_report(&p);
+    assert_eq!(r["outcome"]["status"], "not-reproduced");
+    let row = r["rows"].as_array().unwrap().iter().find(|x| x["name"] == "stacked+unfenced-load").unwrap();
+    assert_eq!(row["verdict"], "not reproduced");
+    assert_eq!(row["pass"], false);
+    assert!(row["why"].as_str().unwrap().contains("never opened"), "{row}");
+    assert!(out.contains("FAIL"), "{out}");
+}
+
+#[test]
+fn scenario_flags_are_checked() {
+    for (args, needle) in [
+        (&["--scenario", "stacked", "--inject", "drop"][..], "--inject"),
+        (&["--scenario", "stacked", "--op", "write"][..], "--op write"),
+        (&["--requests", "10"][..], "--scenario"),
+        (&["--scenario", "stacked", "--prompt-blocks", "0-3"][..], "prompt-blocks"),
+        (&["--scenario", "stacked", "--prompt-blocks", "9-3"][..], "prompt-blocks"),
+        (&["--scenario", "stacked", "--prompt-blocks", "40"][..], "blocks per pool"),
+        (&["--scenario", "stacked", "--prefix-share", "1.5"][..], "--prefix-share"),
+        (&["--scenario", "stacked", "--abort-rate", "-0.1"][..], "--abort-rate"),
+        (&["--scenario", "stacked", "--tier-blocks", "3"][..], "--tier-blocks"),
+        (&["--scenario", "stacked", "--concurrency", "0"][..], "--concurrency"),
+        (&["--scenario", "stacked", "--duration", "0s"][..], "duration"),
+        (&["--scenario", "stacked", "--duration", "soon"][..], "duration"),
+        (&["--race", "save-while-free"][..], "unknown race mechanism"),
+        (&["--race", "save-after-free=maybe"][..], "fenced"),
+        (&["--scenario", "everything"][..], "invalid value"),
+    ] {
+        let mut a = vec!["run", "--memory", "dram"];
+        a.extend_from_slice(args);
+        let (code, out, err) = kvprobe(&a);
+        assert_eq!(code, 2, "{args:?}: {out}{err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}
+
+#[test]
+fn race_help_explains_every_mechanism() {
+    let (code, out, _) = kvprobe(&["run", "--help"]);
+    assert_eq!(code, 0);
+    for m in ["load-into-reading", "save-after-free", "save-before-write", "free-on-first-completion", "unfenced-load"] {
+        let line =
+            out.lines().find(|l| l.trim_start().starts_with(&format!("{m}:"))).unwrap_or_else(|| panic!("{m} in --help: {out}"));
+        assert!(line.contains("unfenced:"), "{line}");
+    }
+    let (_, ab, _) = kvprobe(&["ab", "--help"]);
+    assert!(ab.contains("6  ab: an unfenced race mechanism was not detected"), "{ab}");
+}

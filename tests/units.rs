@@ -1,0 +1,134 @@
+//! Library pieces of the scenario machinery: the request stream, race flags, the tier
+//! store, and the `ab` exit rule.
+
+use kvprobe::Exit;
+use kvprobe::ab::{AbRow, matrix_exit};
+use kvprobe::pool::TableEntry;
+use kvprobe::race::{Fencing, Mechanism, RaceSpec, Races, Scenario};
+use kvprobe::tier::{Content, Store};
+use kvprobe::workload::{Workload, WorkloadConfig, chain_hash};
+
+fn wl(prefix_share: f64) -> WorkloadConfig {
+    WorkloadConfig { min_blocks: 2, max_blocks: 8, prefix_share, abort_rate: 0.1 }
+}
+
+#[test]
+fn workload_is_seeded_and_shares_prefixes() {
+    let mut a = Workload::new(wl(0.5), 7);
+    let mut b = Workload::new(wl(0.5), 7);
+    let ra: Vec<_> = (0..500).map(|_| a.next_request()).collect();
+    let rb: Vec<_> = (0..500).map(|_| b.next_request()).collect();
+    assert_eq!(ra, rb, "same seed, same stream");
+    let mut c = Workload::new(wl(0.5), 8);
+    assert_ne!(ra[1..20], (0..20).map(|_| c.next_request()).collect::<Vec<_>>()[1..20]);
+    let shared = ra.iter().filter(|r| r.shared > 0).count();
+    assert!((150..350).contains(&shared), "about half share a prefix: {shared}");
+    let aborts = ra.iter().filter(|r| r.abort).count();
+    assert!((20..90).contains(&aborts), "about 10% abort: {aborts}");
+    for (i, r) in ra.iter().enumerate() {
+        assert!((2..=8).contains(&r.hashes.len()));
+        assert_eq!(r.id, i as u64);
+        // A shared prefix is exactly some earlier prompt's leading blocks; the rest chain on.
+        if r.shared > 0 {
+            assert!(ra[..i].iter().any(|e| e.hashes.len() >= r.shared && e.hashes[..r.shared] == r.hashes[..r.shared]));
+        }
+    }
+    let none: Vec<_> = {
+        let mut w = Workload::new(wl(0.0), 7);
+        (0..200).map(|_| w.next_request()).collect()
+    };
+    assert!(none.iter().all(|r| r.shared == 0));
+}
+
+#[test]
+fn chain_hash_depends_on_parent_and_tokens() {
+    assert_ne!(chain_hash(1, 5), chain_hash(2, 5));
+    assert_ne!(chain_hash(1, 5), chain_hash(1, 6));
+    assert_eq!(chain_hash(9, 9), chain_hash(9, 9));
+}
+
+#[test]
+fn race_flags_parse_and_resolve() {
+    let s: RaceSpec = "save-after-free".parse().unwrap();
+    assert_eq!((s.mechanism, s.fencing), (Mechanism::SaveAfterFree, Fencing::Unfenced));
+    let f: RaceSpec = "unfenced-load=fenced".parse().unwrap();
+    assert_eq!(f.fencing, Fencing::Fenced);
+    assert!("save-after-free=sometimes".parse::<RaceSpec>().is_err());
+    assert!("nope".parse::<RaceSpec>().unwrap_err().contains("load-into-reading"));
+    let r = Races::from_specs(&[
+        "save-after-free".parse().unwrap(),
+        "unfenced-load".parse().unwrap(),
+        "save-after-free=fenced".parse().unwrap(),
+    ]);
+    assert_eq!(r.list(), vec![Mechanism::UnfencedLoad], "later flags win");
+    assert!(Races::from_specs(&[]).all_fenced());
+    for m in Mechanism::ALL {
+        assert_eq!(m.name().parse::<Mechanism>().unwrap(), m);
+        assert!(m.explain().starts_with("unfenced:"));
+        assert_eq!(Races::only(m).list(), vec![m]);
+    }
+    assert!(Scenario::Stacked.uses_nixl() && Scenario::Stacked.uses_tier());
+    assert!(!Scenario::TierOnly.uses_nixl() && !Scenario::NixlOnly.uses_tier());
+}
+
+fn te(block: u32, generation: u32) -> TableEntry {
+    TableEntry { block, generation }
+}
+
+#[test]
+fn store_reserves_completes_pins_and_evicts_lru() {
+    let mut s = Store::new(2, 64, None).unwrap();
+    let a = s.reserve(10, te(10, 1)).unwrap();
+    assert!(s.reserve(10, te(10, 2)).is_none(), "a pending key is not saved twice");
+    assert!(s.lookup_prefix(&[10]).is_empty(), "pending entries are invisible");
+    s.bytes_mut(a).fill(0xAB);
+    s.complete(a, Content { id: te(10, 1), cause: None });
+    s.unpin(a);
+    assert_eq!(s.lookup_prefix(&[10, 11]), vec![a], "longest complete prefix");
+    s.unpin(a);
+    let b = s.reserve(11, te(11, 1)).unwrap();
+    s.complete(b, Content { id: te(11, 1), cause: None });
+    s.unpin(b);
+    assert_eq!(s.len(), 2);
+    // Full: the least recently used unpinned entry (10) goes.
+    let c = s.reserve(12, te(12, 1)).unwrap();
+    assert_eq!(c, a, "entry 10's slot is reused");
+    assert_eq!(s.evictions, 1);
+    assert!(!s.contains(10) && s.contains(11) && s.contains(12));
+    // Everything pinned: the save is skipped and counted.
+    s.pin(b);
+    assert!(s.reserve(13, te(13, 1)).is_none());
+    assert_eq!(s.full_skips, 1);
+    assert_eq!(s.promised(b), te(11, 1));
+    assert_eq!(s.bytes(b).len(), 64);
+}
+
+fn row(unfenced: Option<Mechanism>, corrupt: u64, verdict: &str, pass: bool, unexplained: u64) -> AbRow {
+    AbRow {
+        name: "x".into(),
+        scenario: Scenario::Stacked,
+        unfenced,
+        requests: 1,
+        slices_checked: 1,
+        corrupt,
+        classes: Default::default(),
+        unexplained,
+        expect: if unfenced.is_some() { "detected" } else { "clean" }.into(),
+        verdict: verdict.into(),
+        why: None,
+        pass,
+    }
+}
+
+#[test]
+fn ab_exit_rule() {
+    let ok = vec![row(None, 0, "clean", true, 0), row(Some(Mechanism::SaveAfterFree), 5, "detected", true, 0)];
+    assert_eq!(matrix_exit(&ok), Exit::Clean);
+    let missed = vec![row(None, 0, "clean", true, 0), row(Some(Mechanism::SaveAfterFree), 0, "not reproduced", false, 0)];
+    assert_eq!(matrix_exit(&missed), Exit::NotReproduced);
+    let defect = vec![row(None, 3, "corrupt", false, 3), row(Some(Mechanism::SaveAfterFree), 0, "not reproduced", false, 0)];
+    assert_eq!(matrix_exit(&defect), Exit::Corrupt, "a corrupt fenced row wins over a missed mechanism");
+    let unexplained = vec![row(None, 0, "clean", true, 0), row(Some(Mechanism::UnfencedLoad), 9, "detected", false, 2)];
+    assert_eq!(matrix_exit(&unexplained), Exit::Corrupt);
+    assert_eq!(Exit::NotReproduced as u8, 6);
+}
