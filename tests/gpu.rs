@@ -167,3 +167,88 @@ fn env_describes_the_link_between_two_gpus() {
     assert!(links.iter().any(|l| l["from"] == 0 && l["to"] == 1), "{links:?}");
     assert!(e["gpus"][1]["uuid"].as_str().unwrap().starts_with("GPU-"));
 }
+
+#[test]
+fn block_poison_and_block_copies_match_the_cpu_reference() {
+    if !gpu_or_skip("block_poison_and_block_copies_match_the_cpu_reference") {
+        return;
+    }
+    let dev = Device::open(0).unwrap();
+    let k = Arc::new(Kernels::compile(&dev).unwrap());
+    for g in geometries() {
+        let seed = 77;
+        let mut vram = KvPool::device(&dev, k.clone(), &g, seed).unwrap();
+        let mut dram = KvPool::host(&g, seed).unwrap();
+        let t = table(&g, 2);
+        vram.fill(&t).unwrap();
+        dram.fill(&t).unwrap();
+        // Poison every other block only.
+        let sel: Vec<TableEntry> = (0..g.num_blocks)
+            .map(|b| if b % 2 == 0 { TableEntry { block: 1, generation: 1 } } else { TableEntry { block: 0, generation: u32::MAX } })
+            .collect();
+        vram.poison_blocks(&sel, 9).unwrap();
+        dram.poison_blocks(&sel, 9).unwrap();
+        let sb = g.slice_bytes().unwrap() as usize;
+        let (mut a, mut b) = (vec![0u8; sb], vec![0u8; sb]);
+        for c in g.coords() {
+            vram.read_slice(c, &mut a).unwrap();
+            dram.read_slice(c, &mut b).unwrap();
+            assert!(a == b, "{g:?}: VRAM and DRAM differ at {c:?} after a block poison");
+            let mut want = vec![0u8; sb];
+            if c.block % 2 == 0 {
+                fingerprint::poison(&mut want, g.global_slice(c), 9);
+            } else {
+                fingerprint::fill(&mut want, seed, t[c.block as usize].identity(c));
+            }
+            assert!(a == want, "{g:?}: block poison wrong at {c:?}");
+        }
+        // A block copied out of VRAM and into another slot lands slice for slice.
+        let bb = vram.block_bytes() as usize;
+        let mut blk = vec![0u8; bb];
+        let last = g.num_blocks - 1;
+        vram.read_block(last, &mut blk).unwrap();
+        vram.write_block(0, &blk).unwrap();
+        for c in g.coords().filter(|c| c.block == 0) {
+            vram.read_slice(c, &mut a).unwrap();
+            let from = kvprobe::geometry::SliceCoord { block: last, ..c };
+            let mut want = vec![0u8; sb];
+            if last % 2 == 0 {
+                fingerprint::poison(&mut want, g.global_slice(from), 9);
+            } else {
+                fingerprint::fill(&mut want, seed, t[last as usize].identity(c));
+            }
+            assert!(a == want, "{g:?}: block {last} copied into block 0 differs at {c:?}");
+        }
+    }
+}
+
+#[test]
+fn vram_scenarios_are_clean_and_races_are_detected() {
+    if !gpu_or_skip("vram_scenarios_are_clean_and_races_are_detected") {
+        return;
+    }
+    for sc in ["nixl-only", "tier-only", "stacked"] {
+        let (code, r, log) = vram_report(sc, &["--scenario", sc, "--requests", "400"]);
+        assert_eq!(code, 0, "{sc}: {log}");
+        assert_eq!(r["summary"]["blocks_corrupt"], 0);
+        assert_eq!(r["scenario"]["requests_verified"].as_u64().unwrap() + r["scenario"]["requests_aborted"].as_u64().unwrap(), 400);
+    }
+    let (code, r, log) = vram_report("vram-race", &["--race", "save-before-write", "--requests", "400"]);
+    assert_eq!(code, 1, "{log}");
+    assert_eq!(r["scenario"]["unexplained_corrupt"], 0, "{log}");
+    let o = r["scenario"]["races"].as_array().unwrap().iter().find(|o| o["mechanism"] == "save-before-write").unwrap().clone();
+    assert_eq!(o["verdict"], "detected", "{o}");
+}
+
+#[test]
+fn vram_ab_matrix_passes() {
+    if !gpu_or_skip("vram_ab_matrix_passes") {
+        return;
+    }
+    let d = tmpdir("vram-ab");
+    let p = d.join("ab.json");
+    let (code, out, err) = kvprobe(&["ab", "--memory", "vram", "--requests", "1000", "--report", p.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}{err}");
+    let r = read_report(&p);
+    assert!(r["rows"].as_array().unwrap().iter().all(|x| x["pass"] == true), "{out}");
+}
