@@ -214,8 +214,13 @@ struct Op {
     cause: Option<Mechanism>,
 }
 
-#[derive(Clone, Copy, Debug, Default)]
+/// Writes remembered per prefill block: a READ in flight may deliver any of them.
+const HISTORY: usize = 32;
+
+#[derive(Clone, Debug, Default)]
 struct PSlot {
+    /// The last [`HISTORY`] writes as (version after the write, content written).
+    history: VecDeque<(u64, Content)>,
     owner: Option<u64>,
     content: Content,
     version: u64,
@@ -228,6 +233,27 @@ struct PSlot {
     /// An unfenced load overtook a pending compute write here.
     hazard: bool,
     in_early_list: bool,
+}
+
+impl PSlot {
+    fn record(&mut self, c: Content) {
+        self.content = c;
+        self.version += 1;
+        if self.history.len() == HISTORY {
+            self.history.pop_front();
+        }
+        self.history.push_back((self.version, c));
+    }
+
+    /// Contents written after version `since`; `None` when more writes happened than are
+    /// remembered.
+    fn written_since(&self, since: u64) -> Option<Vec<Content>> {
+        let n = self.version.saturating_sub(since) as usize;
+        if n > self.history.len() {
+            return None;
+        }
+        Some(self.history.iter().filter(|(v, _)| *v > since).map(|(_, c)| *c).collect())
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -643,8 +669,7 @@ impl<'a> Engine<'a> {
             }
             let c = self.write_stamp(op.slot, op.req, id, None);
             let p = &mut self.pslots[op.slot as usize];
-            p.content = c;
-            p.version += 1;
+            p.record(c);
             p.pending_compute -= 1;
             if p.pending_compute == 0 {
                 p.hazard = false;
@@ -686,8 +711,7 @@ impl<'a> Engine<'a> {
                     store.unpin(entry);
                     let stamped = self.write_stamp(op.slot, op.req, content.id, content.cause);
                     let p = &mut self.pslots[op.slot as usize];
-                    p.content = stamped;
-                    p.version += 1;
+                    p.record(stamped);
                     p.pending_load -= 1;
                     if let Some(r) = self.reqs.get_mut(&op.req) {
                         r.pending_writes = r.pending_writes.saturating_sub(1);
@@ -710,7 +734,7 @@ impl<'a> Engine<'a> {
 
     fn execute_put(&mut self, op: Op) -> Result<()> {
         let OpKind::Save { entry, promised } = op.kind else { unreachable!("put queue holds saves") };
-        let p = self.pslots[op.slot as usize];
+        let p = self.pslots[op.slot as usize].clone();
         let store = self.store.as_mut().expect("saves need the tier");
         self.prefill.pool.read_block(op.slot, store.bytes_mut(entry))?;
         let mut content = p.content;
@@ -976,24 +1000,38 @@ impl<'a> Engine<'a> {
             self.decode.pool.read_slice(c, &mut buf)?;
             let want = fingerprint::expected(sb, self.seed, expected);
             let v = verify::classify_against(&buf, &want, expected, self.seed, f.slice, r.poison_iter);
-            // What the engine's own operations predict this block holds.
-            let (pre, changed, cur) = if sc.uses_nixl() {
+            // What the engine's own operations predict this block holds: its content when
+            // the READ was posted, or, if the prefill block was rewritten while the READ was
+            // in flight, any of the contents written meanwhile (or a tear between them).
+            let (pre, during) = if sc.uses_nixl() {
                 let (pre, ver) = r.at_post[i];
                 let p = &self.pslots[r.pslots[i] as usize];
-                (pre, p.version != ver, p.content)
+                (pre, if p.version == ver { Some(Vec::new()) } else { p.written_since(ver) })
             } else {
-                (r.delivered[i], false, r.delivered[i])
+                (r.delivered[i], Some(Vec::new()))
             };
-            let explained = (pre.id != expected_t && matches(&v.observed, pre.id) && v.class != Class::Torn)
-                || (changed && (matches(&v.observed, cur.id) || v.class == Class::Torn));
-            let cause = if explained {
-                if matches(&v.observed, pre.id) && pre.id != expected_t { pre.cause } else { cur.cause.or(pre.cause) }
+            let changed = during.as_ref().is_none_or(|d| !d.is_empty());
+            let hit = during.as_ref().and_then(|d| d.iter().rev().find(|c| matches(&v.observed, c.id)).copied());
+            let cause = if pre.id != expected_t && matches(&v.observed, pre.id) && v.class != Class::Torn {
+                pre.cause
+            } else if let Some(c) = hit {
+                c.cause.or(pre.cause)
+            } else if changed && v.class == Class::Torn {
+                // A tear between contents written during the READ: the last writer's cause.
+                during.as_ref().and_then(|d| d.iter().rev().find_map(|c| c.cause)).or(pre.cause)
+            } else if during.is_none() {
+                // More rewrites than remembered: the latest one's cause.
+                self.pslots[r.pslots[i] as usize].content.cause.or(pre.cause)
             } else {
                 None
             };
+            let predicted = match hit {
+                Some(c) if !(pre.id != expected_t && matches(&v.observed, pre.id)) => c.id,
+                _ => pre.id,
+            };
             match cause {
-                Some(m) if explained => *self.attributed.entry(m).or_default().entry(v.class).or_default() += 1,
-                _ => self.unexplained += 1,
+                Some(m) => *self.attributed.entry(m).or_default().entry(v.class).or_default() += 1,
+                None => self.unexplained += 1,
             }
             report.summary.blocks_corrupt += 1;
             *report.summary.by_class.entry(v.class.name().to_string()).or_default() += 1;
@@ -1021,7 +1059,7 @@ impl<'a> Engine<'a> {
                     bit_flips: v.bit_flips,
                     sectors: v.sectors,
                     request: Some(id),
-                    predicted: Some(ident(pre.id, c)),
+                    predicted: Some(ident(predicted, c)),
                     attributed_to: cause,
                 });
             } else {

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The GPU host's lane for issue 3's sustained run, in one call of at most 10 minutes: a
+# stacked run on VRAM in the foreground for DURATION (default 585s: the device's per-command
+# limit is 10 minutes, start and drain included), with, alongside it, the GPU tests, `kvprobe ab`
+# on VRAM (and across two GPUs, plus the 4 GiB cross-device WRITE sweep, when two are present).
+#   scripts/gpu-check-sustained.sh [BUNDLE_DIR] [DURATION]
+set -uo pipefail
+source "$(dirname "$0")/gpu-lane.sh"
+dur="${2:-585s}"
+ngpu=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
+[ "$ngpu" -ge 2 ] && export KVPROBE_REQUIRE_GPUS=2
+(
+  "$bundle/tests" --test-threads=2 > "$out/tests.txt" 2>&1
+  "$kv" ab --memory vram --report "$out/ab-vram.json" > "$out/ab-vram.txt" 2>&1; echo "exit $?" >> "$out/ab-vram.txt"
+  UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y "$kv" ab --memory vram --preset llama3-8b --requests 500 \
+    --report "$out/ab-llama3.json" > "$out/ab-llama3.txt" 2>&1; echo "exit $?" >> "$out/ab-llama3.txt"
+  if [ "$ngpu" -ge 2 ]; then
+    "$kv" ab --memory vram --prefill-device 0 --decode-device 1 --requests 1000 > "$out/ab-x2.txt" 2>&1; echo "exit $?" >> "$out/ab-x2.txt"
+    "$kv" run --memory vram --prefill-device 0 --decode-device 1 --preset llama3-8b --blocks 2048 --iterations 20 \
+      --op write 2>&1 | grep -v "^iteration" > "$out/x2-write.txt"; echo "exit ${PIPESTATUS[0]}" >> "$out/x2-write.txt"
+  fi
+) &
+side=$!
+
+step "stacked, llama3-8b VRAM (1 GiB per side), $dur, UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y"
+UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y /usr/bin/time -f "wall %e s, max RSS %M KiB" "$kv" run --memory vram --preset llama3-8b \
+  --scenario stacked --duration "$dur" --interval 60s --report "$out/stacked.json" 2> "$out/stacked-progress.txt" | tee -a "$log"
+echo "exit ${PIPESTATUS[0]}" | tee -a "$log"
+tail -3 "$out/stacked-progress.txt" | tee -a "$log"
+wait "$side"
+step "alongside"
+grep -E "test result|panicked|FAILED" "$out/tests.txt" | tee -a "$log"
+for f in ab-vram ab-llama3 ab-x2 x2-write; do [ -f "$out/$f.txt" ] && { echo "--- $f"; grep -v "requests verified\|^row " "$out/$f.txt"; } | tee -a "$log"; done
