@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The GPU host's lane for issue 3's sustained run, in one call of at most 10 minutes: a
-# stacked run on VRAM in the foreground for DURATION (default 585s: the device's per-command
+# stacked run on VRAM in the foreground for DURATION (default 575s: the device's per-command
 # limit is 10 minutes, start and drain included), with, alongside it, the GPU tests, `kvprobe ab`
 # on VRAM (and across two GPUs, plus the 4 GiB cross-device WRITE sweep, when two are present).
 #   scripts/gpu-check-sustained.sh [BUNDLE_DIR] [DURATION]
 set -uo pipefail
 source "$(dirname "$0")/gpu-lane.sh"
-dur="${2:-585s}"
+dur="${2:-575s}"
 ngpu=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
 [ "$ngpu" -ge 2 ] && export KVPROBE_REQUIRE_GPUS=2
 (
@@ -30,4 +30,7 @@ tail -3 "$out/stacked-progress.txt" | tee -a "$log"
 wait "$side"
 step "alongside"
 grep -E "test result|panicked|FAILED" "$out/tests.txt" | tee -a "$log"
-for f in ab-vram ab-llama3 ab-x2 x2-write; do [ -f "$out/$f.txt" ] && { echo "--- $f"; grep -v "requests verified\|^row " "$out/$f.txt"; } | tee -a "$log"; done
+for f in ab-vram ab-llama3 ab-x2 x2-write; do
+  [ -f "$out/$f.txt" ] && { echo "--- $f"; grep -v "requests verified\|^row " "$out/$f.txt"; } | tee -a "$log"
+  rm -f "$out/$f.txt"   # in the log now ($OUT returns at most 8 files)
+done
