@@ -194,7 +194,14 @@ fn run_rows(
             (Ok(()), false) => Exit::Clean,
         };
         rep.finish(exit, r.as_ref().err());
-        ab.rows.push(row_of(name, scenario, unfenced, &rep));
+        let mut row = row_of(name, scenario, unfenced, &rep);
+        if let Err(e) = &r {
+            // A row cut short proves nothing either way.
+            row.verdict = rep.outcome.status.clone();
+            row.why = Some(e.to_string());
+            row.pass = false;
+        }
+        ab.rows.push(row);
         ab.sections.push(rep);
         after_row(ab);
         r?;

@@ -309,8 +309,14 @@ pub fn run_scenario(
     checkpoint: (f64, &mut dyn FnMut(&Report)),
 ) -> Result<()> {
     let mut e = Engine::new(cfg, seed, prefill, decode, timeout, max_failures)?;
-    let r = e.run(report, progress, checkpoint);
+    let mut r = e.run(report, progress, checkpoint);
     e.finish(report);
+    if r.is_ok() && report.summary.blocks_checked == 0 {
+        r = Err(Error::Usage(format!(
+            "nothing was verified: {} requests admitted, {} aborted, none reached decode (raise --requests or --duration, lower --abort-rate)",
+            e.admitted, e.aborted
+        )));
+    }
     r
 }
 
@@ -468,6 +474,9 @@ impl<'a> Engine<'a> {
                     Some(d) => elapsed >= d,
                     None => self.admitted >= self.cfg.requests,
                 };
+                if self.stop_admitting && self.cfg.duration_secs.is_some() {
+                    self.cancel_waiting();
+                }
             }
             if self.stop_admitting && self.reqs.is_empty() && self.queues_empty() {
                 break;
@@ -510,6 +519,24 @@ impl<'a> Engine<'a> {
         }
         progress(&self.progress(report));
         Ok(())
+    }
+
+    /// At the end of a `--duration`: requests still waiting for prefill blocks never
+    /// started; they are dropped (not counted as admitted) so the drain only finishes work
+    /// in progress.
+    fn cancel_waiting(&mut self) {
+        let waiting: Vec<u64> = self.order.iter().copied().filter(|id| self.reqs[id].stage == Stage::Lookup).collect();
+        for id in waiting {
+            if let Some(r) = self.reqs.remove(&id) {
+                if let Some(store) = self.store.as_mut() {
+                    for e in r.hits {
+                        store.unpin(e);
+                    }
+                }
+                self.admitted -= 1;
+            }
+        }
+        self.order.retain(|id| self.reqs.contains_key(id));
     }
 
     fn queues_empty(&self) -> bool {
@@ -1349,10 +1376,10 @@ fn put_lag(rng: &mut ChaCha8Rng) -> u64 {
 
 fn window_never(m: Mechanism) -> String {
     match m {
-        Mechanism::LoadIntoReading => "the window never opened: no tier load was issued while another request's READ was pending (needs --scenario stacked and prefix hits)".into(),
-        Mechanism::SaveAfterFree => "the window never opened: no block was reused before its save ran (needs --scenario stacked)".into(),
-        Mechanism::SaveBeforeWrite => "the window never opened: every save found its block already written (needs a tier)".into(),
-        Mechanism::FreeOnFirstCompletion => "the window never opened: no block was reused while the other connector still used it (needs --scenario stacked)".into(),
+        Mechanism::LoadIntoReading => "the window never opened: no tier load landed in a block whose READ was pending (needs prefix hits: --prefix-share > 0)".into(),
+        Mechanism::SaveAfterFree => "the window never opened: no block was reused before its save ran (more load: --concurrency, --requests)".into(),
+        Mechanism::SaveBeforeWrite => "the window never opened: every save found its block already written".into(),
+        Mechanism::FreeOnFirstCompletion => "the window never opened: no block was reused while the other connector still used it (more load: --concurrency, --requests)".into(),
         Mechanism::UnfencedLoad => "the window never opened: no load targeted a block with a write still in flight (needs aborts, --abort-rate > 0, and prefix hits)".into(),
     }
 }
@@ -1370,10 +1397,14 @@ pub fn check(cfg: &ScenarioConfig, num_blocks: u32) -> Result<()> {
             w.max_blocks * 2
         )));
     }
-    for (name, v) in [("--prefix-share", w.prefix_share), ("--abort-rate", w.abort_rate)] {
-        if !(0.0..=1.0).contains(&v) {
-            return Err(Error::Usage(format!("{name} must be between 0 and 1, got {v}")));
-        }
+    if !(0.0..=1.0).contains(&w.prefix_share) {
+        return Err(Error::Usage(format!("--prefix-share must be between 0 and 1, got {}", w.prefix_share)));
+    }
+    if !(0.0..1.0).contains(&w.abort_rate) {
+        return Err(Error::Usage(format!(
+            "--abort-rate must be at least 0 and below 1 (some requests must reach decode), got {}",
+            w.abort_rate
+        )));
     }
     if cfg.concurrency == 0 || cfg.concurrency > 4096 {
         return Err(Error::Usage("--concurrency must be between 1 and 4096".into()));
@@ -1386,8 +1417,8 @@ pub fn check(cfg: &ScenarioConfig, num_blocks: u32) -> Result<()> {
     if cfg.duration_secs.is_none() && cfg.requests == 0 {
         return Err(Error::Usage("--requests must be at least 1".into()));
     }
-    if !(cfg.interval_secs.is_finite() && cfg.interval_secs > 0.0) {
-        return Err(Error::Usage("--interval must be positive".into()));
+    if !(cfg.interval_secs.is_finite() && cfg.interval_secs >= 0.1) {
+        return Err(Error::Usage("--interval must be at least 100ms".into()));
     }
     let need = 2 * cfg.concurrency as u64 * w.max_blocks as u64;
     if cfg.scenario.uses_tier() && (cfg.tier_blocks as u64) < need {

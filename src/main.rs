@@ -127,7 +127,7 @@ struct LoadArgs {
     /// Share of requests (0-1) that extend an earlier prompt, so tier prefix hits happen.
     #[arg(long, default_value_t = 0.5)]
     prefix_share: f64,
-    /// Share of requests (0-1) the client aborts right after their prefill is issued.
+    /// Share of requests (0 to below 1) the client aborts right after their prefill is issued.
     #[arg(long, default_value_t = 0.05)]
     abort_rate: f64,
     /// The KV tier under the connectors.
@@ -136,13 +136,13 @@ struct LoadArgs {
     /// Tier capacity in blocks. Default: 16 x --blocks, at most 4 GiB of host memory, at least 2 x concurrency x max prompt blocks.
     #[arg(long)]
     tier_blocks: Option<u32>,
-    /// Length of each error-rate interval in the report (e.g. 10s).
+    /// Length of each error-rate interval in the report (e.g. 10s; at least 100ms).
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     interval: f64,
     /// Complete each step's NIXL READs before the step goes on: the run, corrupt counts included, then replays exactly from --seed (default: READs overlap the tier's copies, as in a real engine).
     #[arg(long)]
     lockstep: bool,
-    /// Rewrite the report (atomically) this often during a run, when --report is given (e.g. 30s; 0 = never).
+    /// Rewrite the report (atomically) this often during a run, when --report is given (e.g. 30s; 0 = never). ab rewrites it after every row.
     #[arg(long, default_value = "30s", value_parser = parse_duration_or_zero)]
     checkpoint: f64,
 }
@@ -180,6 +180,24 @@ struct AbArgs {
     #[command(flatten)]
     load: LoadArgs,
 }
+
+/// `run` flags that shape a request-level load (clap ids).
+const LOAD_FLAGS: &[&str] = &[
+    "requests",
+    "duration",
+    "concurrency",
+    "prompt_blocks",
+    "prefix_share",
+    "abort_rate",
+    "tier",
+    "tier_blocks",
+    "interval",
+    "lockstep",
+    "checkpoint",
+];
+
+/// `run` flags of the whole-pool sweep only.
+const SWEEP_FLAGS: &[&str] = &["iterations"];
 
 /// Parses a seed in decimal or 0x-prefixed hex.
 fn parse_seed(s: &str) -> Result<u64, String> {
@@ -280,35 +298,47 @@ impl LoadArgs {
             lockstep: self.lockstep,
         }
     }
-
-    fn given(&self) -> bool {
-        self.requests.is_some() || self.duration.is_some()
-    }
 }
 
 impl RunArgs {
-    fn config(&self) -> Result<RunConfig, Error> {
+    /// The run's configuration. `typed`: the flags given on the command line (clap ids).
+    fn config(&self, typed: &[&str]) -> Result<RunConfig, Error> {
         let mut c = self.pool.config();
         c.op = self.op;
         c.iterations = self.iterations;
         c.inject = self.inject.clone();
         c.min_gbps = self.min_gbps;
+        let flag = |id: &str| format!("--{}", id.replace('_', "-"));
         let scenario = match (self.scenario, self.race.is_empty()) {
-            (Some(s), _) => Some(s),
-            (None, false) => Some(Scenario::Stacked),
+            (Some(s), true) => Some(s),
+            (Some(Scenario::Stacked), false) | (None, false) => Some(Scenario::Stacked),
+            (Some(s), false) => {
+                return Err(Error::Usage(format!(
+                    "--race needs both connectors on the same blocks (--scenario stacked), not --scenario {}",
+                    s.name()
+                )));
+            }
             (None, true) => None,
         };
         match scenario {
             Some(s) => {
+                if let Some(f) = typed.iter().find(|f| SWEEP_FLAGS.contains(f)) {
+                    return Err(Error::Usage(format!(
+                        "{} applies to the whole-pool sweep; a scenario runs --requests or --duration",
+                        flag(f)
+                    )));
+                }
                 let races = kvprobe::race::Races::from_specs(&self.race);
                 c.scenario = Some(self.load.config(s, races.list(), &c.geometry));
             }
-            None if self.load.given() => {
-                return Err(Error::Usage(
-                    "--requests and --duration drive a request-level load: add --scenario nixl-only|tier-only|stacked".into(),
-                ));
+            None => {
+                if let Some(f) = typed.iter().find(|f| LOAD_FLAGS.contains(f)) {
+                    return Err(Error::Usage(format!(
+                        "{} shapes a request-level load: add --scenario nixl-only|tier-only|stacked (or --race)",
+                        flag(f)
+                    )));
+                }
             }
-            None => {}
         }
         Ok(c)
     }
@@ -394,13 +424,17 @@ fn check_report_path(path: &Option<PathBuf>) -> Result<(), Exit> {
     Ok(())
 }
 
-fn run(args: RunArgs) -> Exit {
+fn run(args: RunArgs, typed: &[&str]) -> Exit {
     if let Err(x) = check_report_path(&args.pool.report).and_then(|_| install_signals()) {
         return x;
     }
-    let cfg = match args.config() {
+    let cfg = match args.config(typed) {
         Ok(c) => c,
         Err(e) => {
+            // Still leave a report saying why, as every other usage error does.
+            if let Some(path) = &args.pool.report {
+                let _ = kvprobe::report::write_atomic(path, &kvprobe::run::failed_report(&args.pool.config(), &e));
+            }
             err(&format!("kvprobe: {e}"));
             return e.exit();
         }
@@ -538,12 +572,24 @@ fn race_help() -> String {
 
 fn main() -> ExitCode {
     let cmd = Cli::command().mut_subcommand("run", |c| c.mut_arg("race", |a| a.long_help(race_help())));
-    let cli = match Cli::from_arg_matches(&cmd.get_matches()) {
+    let matches = cmd.get_matches();
+    // Flags typed on the command line (not defaults): load flags make no sense in a sweep,
+    // nor sweep flags in a scenario.
+    let typed: Vec<&'static str> = match matches.subcommand() {
+        Some(("run", m)) => LOAD_FLAGS
+            .iter()
+            .chain(SWEEP_FLAGS)
+            .copied()
+            .filter(|f| m.value_source(f) == Some(clap::parser::ValueSource::CommandLine))
+            .collect(),
+        _ => Vec::new(),
+    };
+    let cli = match Cli::from_arg_matches(&matches) {
         Ok(c) => c,
         Err(e) => e.exit(),
     };
     let exit = match cli.command {
-        Command::Run(a) => run(a),
+        Command::Run(a) => run(a, &typed),
         Command::Ab(a) => ab(a),
         Command::Env { json } => env(json),
     };

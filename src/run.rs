@@ -122,6 +122,9 @@ fn check_config(cfg: &RunConfig) -> Result<()> {
             ));
         }
         crate::engine::check(sc, cfg.geometry.num_blocks)?;
+        if cfg.min_gbps.is_some() && !sc.scenario.uses_nixl() {
+            return Err(Error::Usage("--min-gbps measures NIXL transfers; tier-only moves nothing over NIXL".into()));
+        }
     }
     Ok(())
 }
@@ -137,7 +140,17 @@ fn check_host_memory(cfg: &RunConfig) -> Result<()> {
     let mut pools = if cfg.memory == MemoryKind::Dram { g.pool_bytes()?.saturating_mul(2) } else { 0 };
     if let Some(sc) = cfg.scenario.as_ref().filter(|s| s.scenario.uses_tier()) {
         let block = g.num_layers as u64 * g.kv_parts() as u64 * g.slice_bytes()?;
-        pools = pools.saturating_add(block.saturating_mul(sc.tier_blocks as u64));
+        let tier = block.saturating_mul(sc.tier_blocks as u64);
+        pools = pools.saturating_add(tier);
+        if let Some(avail) = crate::hostmem::available_bytes()
+            && tier > avail / 2
+        {
+            return Err(Error::Usage(format!(
+                "the tier of {} blocks x {block} bytes = {tier} bytes of host memory is more than half of the {avail} available; lower --tier-blocks (at least 2 x --concurrency x max --prompt-blocks = {} are needed)",
+                sc.tier_blocks,
+                2 * sc.concurrency as u64 * sc.workload.max_blocks as u64
+            )));
+        }
     }
     let need = pools.saturating_add(g.total_slices()?.saturating_mul(HOST_BYTES_PER_SLICE));
     if let Some(avail) = crate::hostmem::available_bytes()
@@ -254,6 +267,13 @@ impl Probe {
             })
             .collect())
     }
+}
+
+/// The report of a run refused before it started (its outcome carries `e`).
+pub fn failed_report(cfg: &RunConfig, e: &Error) -> Report {
+    let mut r = empty_report(cfg);
+    r.finish(e.exit(), Some(e));
+    r
 }
 
 /// A report with no results yet (status "running").

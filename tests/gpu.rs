@@ -183,9 +183,16 @@ fn block_poison_and_block_copies_match_the_cpu_reference() {
         vram.fill(&t).unwrap();
         dram.fill(&t).unwrap();
         // Poison every other block only.
-        let sel: Vec<TableEntry> = (0..g.num_blocks)
-            .map(|b| if b % 2 == 0 { TableEntry { block: 1, generation: 1 } } else { TableEntry { block: 0, generation: u32::MAX } })
-            .collect();
+        let sel: Vec<TableEntry> =
+            (0..g.num_blocks)
+                .map(|b| {
+                    if b % 2 == 0 {
+                        TableEntry { block: 1, generation: 1 }
+                    } else {
+                        TableEntry { block: 0, generation: u32::MAX }
+                    }
+                })
+                .collect();
         vram.poison_blocks(&sel, 9).unwrap();
         dram.poison_blocks(&sel, 9).unwrap();
         let sb = g.slice_bytes().unwrap() as usize;
@@ -231,7 +238,10 @@ fn vram_scenarios_are_clean_and_races_are_detected() {
         let (code, r, log) = vram_report(sc, &["--scenario", sc, "--requests", "400"]);
         assert_eq!(code, 0, "{sc}: {log}");
         assert_eq!(r["summary"]["blocks_corrupt"], 0);
-        assert_eq!(r["scenario"]["requests_verified"].as_u64().unwrap() + r["scenario"]["requests_aborted"].as_u64().unwrap(), 400);
+        assert_eq!(
+            r["scenario"]["requests_verified"].as_u64().unwrap() + r["scenario"]["requests_aborted"].as_u64().unwrap(),
+            400
+        );
     }
     let (code, r, log) = vram_report("vram-race", &["--race", "save-before-write", "--requests", "400"]);
     assert_eq!(code, 1, "{log}");

@@ -276,6 +276,13 @@ fn scenario_flags_are_checked() {
         (&["--race", "save-while-free"][..], "unknown race mechanism"),
         (&["--race", "save-after-free=maybe"][..], "fenced"),
         (&["--scenario", "everything"][..], "invalid value"),
+        (&["--scenario", "nixl-only", "--race", "save-before-write"][..], "--scenario stacked"),
+        (&["--scenario", "stacked", "--iterations", "3"][..], "--iterations applies to the whole-pool sweep"),
+        (&["--lockstep"][..], "--lockstep shapes a request-level load"),
+        (&["--iterations", "1", "--concurrency", "0"][..], "--concurrency shapes a request-level load"),
+        (&["--scenario", "stacked", "--interval", "1ns"][..], "--interval"),
+        (&["--scenario", "stacked", "--abort-rate", "1"][..], "--abort-rate"),
+        (&["--scenario", "tier-only", "--min-gbps", "1"][..], "--min-gbps"),
     ] {
         let mut a = vec!["run", "--memory", "dram"];
         a.extend_from_slice(args);
@@ -284,6 +291,39 @@ fn scenario_flags_are_checked() {
         assert!(err.contains(needle), "{args:?}: {err}");
         assert!(!err.contains("panicked"), "{err}");
     }
+}
+
+#[test]
+fn usage_errors_still_leave_a_report() {
+    let d = tmpdir("usage-report");
+    let p = d.join("r.json");
+    let (code, _, err) = kvprobe(&["run", "--memory", "dram", "--requests", "5", "--report", p.to_str().unwrap()]);
+    assert_eq!(code, 2, "{err}");
+    let r = read_report(&p);
+    assert_eq!(r["outcome"]["exit_code"], 2);
+    assert!(r["outcome"]["error"]["message"].as_str().unwrap().contains("--scenario"));
+}
+
+#[test]
+fn a_run_that_verifies_nothing_is_not_clean() {
+    let (code, r, log) = scenario_report("nothing", &["--scenario", "stacked", "--requests", "3", "--abort-rate", "0.999"]);
+    assert_eq!(code, 2, "{log}");
+    assert_eq!(r["outcome"]["status"], "error");
+    assert!(log.contains("nothing was verified"), "{log}");
+}
+
+#[test]
+fn ab_rows_cut_short_do_not_pass() {
+    let d = tmpdir("ab-timeout");
+    let p = d.join("ab.json");
+    let (code, out, err) =
+        kvprobe(&["ab", "--memory", "dram", "--requests", "50", "--timeout", "0.000001", "--report", p.to_str().unwrap()]);
+    assert_eq!(code, 4, "{out}{err}");
+    let r = read_report(&p);
+    let row = &r["rows"][0];
+    assert_eq!(row["verdict"], "timeout", "{row}");
+    assert_eq!(row["pass"], false);
+    assert_eq!(r["outcome"]["status"], "timeout");
 }
 
 #[test]
