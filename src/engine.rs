@@ -1070,25 +1070,11 @@ impl<'a> Engine<'a> {
             let listed = if cause.is_some() { &mut self.listed_explained } else { &mut self.listed_unexplained };
             if *listed < self.max_failures as u64 {
                 *listed += 1;
-                report.failures.push(Failure {
-                    iteration: self.now.min(u32::MAX as u64) as u32,
-                    layer: c.layer,
-                    kv: c.kv,
-                    block: c.block,
-                    class: v.class,
-                    first_bad_offset: f.first_bad,
-                    bad_bytes: f.bad_bytes,
-                    expected_digest: fingerprint::digest(&want),
-                    actual_digest: fingerprint::digest(&buf),
-                    observed: v.observed,
-                    expected,
-                    prefill_block: r.pslots[i],
-                    bit_flips: v.bit_flips,
-                    sectors: v.sectors,
-                    request: Some(id),
-                    predicted: Some(ident(predicted, c)),
-                    attributed_to: cause,
-                });
+                let mut failure = Failure::new(self.now.min(u32::MAX as u64) as u32, c, f, v, &want, &buf, expected, r.pslots[i]);
+                failure.request = Some(id);
+                failure.predicted = Some(ident(predicted, c));
+                failure.attributed_to = cause;
+                report.failures.push(failure);
             } else {
                 report.summary.failures_omitted += 1;
             }
@@ -1108,6 +1094,19 @@ impl<'a> Engine<'a> {
 
     // ---- admission ----
 
+    /// Returns blocks an allocation took but could not use to where they came from (blocks
+    /// still owned go back to the early list, free ones to the free list).
+    fn give_back(&mut self, slots: Vec<u32>) {
+        for s in slots.into_iter().rev() {
+            if self.pslots[s as usize].owner.is_some() {
+                self.pslots[s as usize].in_early_list = true;
+                self.early_list.push(s);
+            } else {
+                self.pfree.push(s);
+            }
+        }
+    }
+
     fn alloc(&mut self, n: usize, for_loads: bool) -> Option<Vec<u32>> {
         let mut out = Vec::with_capacity(n);
         if for_loads {
@@ -1125,15 +1124,7 @@ impl<'a> Engine<'a> {
             match self.pfree.pop() {
                 Some(s) => out.push(s),
                 None => {
-                    // Not enough: give everything back.
-                    for s in out.into_iter().rev() {
-                        if self.pslots[s as usize].owner.is_some() {
-                            self.pslots[s as usize].in_early_list = true;
-                            self.early_list.push(s);
-                        } else {
-                            self.pfree.push(s);
-                        }
-                    }
+                    self.give_back(out);
                     return None;
                 }
             }
@@ -1208,14 +1199,7 @@ impl<'a> Engine<'a> {
             return Ok(false);
         };
         let Some(rest) = self.alloc(n - k, false) else {
-            for s in slots.into_iter().rev() {
-                if self.pslots[s as usize].owner.is_some() {
-                    self.pslots[s as usize].in_early_list = true;
-                    self.early_list.push(s);
-                } else {
-                    self.pfree.push(s);
-                }
-            }
+            self.give_back(slots);
             return Ok(false);
         };
         slots.extend(rest);

@@ -64,6 +64,43 @@ pub struct Failure {
     pub attributed_to: Option<crate::race::Mechanism>,
 }
 
+impl Failure {
+    /// A failure from the verify pass's finding and its classification: `want` and
+    /// `actual` are the expected and received slice bytes (digested here); the scenario
+    /// fields are left empty.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        iteration: u32,
+        c: crate::geometry::SliceCoord,
+        raw: &crate::pool::RawFailure,
+        v: crate::verify::Verdict,
+        want: &[u8],
+        actual: &[u8],
+        expected: BlockIdentity,
+        prefill_block: u32,
+    ) -> Failure {
+        Failure {
+            iteration,
+            layer: c.layer,
+            kv: c.kv,
+            block: c.block,
+            class: v.class,
+            first_bad_offset: raw.first_bad,
+            bad_bytes: raw.bad_bytes,
+            expected_digest: crate::fingerprint::digest(want),
+            actual_digest: crate::fingerprint::digest(actual),
+            observed: v.observed,
+            expected,
+            prefill_block,
+            bit_flips: v.bit_flips,
+            sectors: v.sectors,
+            request: None,
+            predicted: None,
+            attributed_to: None,
+        }
+    }
+}
+
 /// One planted fault and whether it came back as predicted.
 #[derive(Clone, Debug, Serialize)]
 pub struct InjectionRecord {

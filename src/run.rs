@@ -398,25 +398,7 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>) -> Res
             report.summary.blocks_corrupt += 1;
             *report.summary.by_class.entry(v.class.name().to_string()).or_default() += 1;
             if report.failures.len() < cfg.max_failures {
-                report.failures.push(Failure {
-                    iteration: it,
-                    layer: c.layer,
-                    kv: c.kv,
-                    block: c.block,
-                    class: v.class,
-                    first_bad_offset: f.first_bad,
-                    bad_bytes: f.bad_bytes,
-                    expected_digest: fingerprint::digest(&want),
-                    actual_digest: fingerprint::digest(&buf),
-                    observed: v.observed,
-                    expected,
-                    prefill_block: src_of[c.block as usize],
-                    bit_flips: v.bit_flips,
-                    sectors: v.sectors,
-                    request: None,
-                    predicted: None,
-                    attributed_to: None,
-                });
+                report.failures.push(Failure::new(it, c, f, v, &want, &buf, expected, src_of[c.block as usize]));
             } else {
                 report.summary.failures_omitted += 1;
             }

@@ -1,16 +1,11 @@
 //! Real NIXL (UCX backend) between two agents on DRAM pools: clean runs and every
 //! injection classified exactly. Needs the NIXL libraries (scripts/install-deps.sh).
 
-use crate::common::{assert_exact_injection, kvprobe, read_report, tmpdir};
+use crate::common::{assert_exact_injection, read_report};
+use serde_json::Value;
 
-fn run_report(name: &str, args: &[&str]) -> (i32, serde_json::Value, String) {
-    let d = tmpdir(name);
-    let p = d.join("report.json");
-    let mut a = vec!["run", "--memory", "dram", "--report", p.to_str().unwrap()];
-    a.extend_from_slice(args);
-    let (code, out, err) = kvprobe(&a);
-    assert!(!err.contains("panicked"), "{err}");
-    (code, read_report(&p), format!("{out}{err}"))
+fn run_report(name: &str, args: &[&str]) -> (i32, Value, String) {
+    crate::common::run_with_report(name, "dram", args)
 }
 
 #[test]

@@ -7,6 +7,7 @@ use kvprobe::cuda::{Device, Kernels};
 use kvprobe::fingerprint;
 use kvprobe::geometry::{Dtype, Geometry, Layout};
 use kvprobe::pool::{KvPool, TableEntry};
+use serde_json::Value;
 use std::sync::Arc;
 
 fn geometries() -> Vec<Geometry> {
@@ -91,13 +92,8 @@ fn verify_kernel_reports_what_the_cpu_reports() {
     assert_eq!(got, damaged);
 }
 
-fn vram_report(name: &str, args: &[&str]) -> (i32, serde_json::Value, String) {
-    let d = tmpdir(name);
-    let p = d.join("report.json");
-    let mut a = vec!["run", "--memory", "vram", "--report", p.to_str().unwrap()];
-    a.extend_from_slice(args);
-    let (code, out, err) = kvprobe(&a);
-    (code, read_report(&p), format!("{out}{err}"))
+fn vram_report(name: &str, args: &[&str]) -> (i32, Value, String) {
+    crate::common::run_with_report(name, "vram", args)
 }
 
 #[test]

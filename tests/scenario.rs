@@ -9,13 +9,7 @@ use serde_json::Value;
 const RACE_CLASSES: [&str; 3] = ["misplaced", "stale", "torn"];
 
 fn scenario_report(name: &str, args: &[&str]) -> (i32, Value, String) {
-    let d = tmpdir(name);
-    let p = d.join("report.json");
-    let mut a = vec!["run", "--memory", "dram", "--report", p.to_str().unwrap()];
-    a.extend_from_slice(args);
-    let (code, out, err) = kvprobe(&a);
-    assert!(!err.contains("panicked"), "{err}");
-    (code, read_report(&p), format!("{out}{err}"))
+    crate::common::run_with_report(name, "dram", args)
 }
 
 fn total_corrupt(r: &Value) -> u64 {

@@ -40,6 +40,18 @@ pub fn tmpdir(name: &str) -> PathBuf {
     d
 }
 
+/// `kvprobe run --memory MEMORY --report <tmp>/report.json ARGS`: (exit code, the report,
+/// stdout + stderr). Fails the test if kvprobe panicked.
+pub fn run_with_report(name: &str, memory: &str, args: &[&str]) -> (i32, serde_json::Value, String) {
+    let d = tmpdir(name);
+    let p = d.join("report.json");
+    let mut a = vec!["run", "--memory", memory, "--report", p.to_str().unwrap()];
+    a.extend_from_slice(args);
+    let (code, out, err) = kvprobe(&a);
+    assert!(!err.contains("panicked"), "{err}");
+    (code, read_report(&p), format!("{out}{err}"))
+}
+
 /// Reads a JSON report.
 pub fn read_report(p: &std::path::Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(p).expect("report written")).expect("valid JSON")
