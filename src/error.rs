@@ -52,8 +52,8 @@ pub enum Error {
     /// A transfer did not complete in time (exit 4).
     #[error("timeout: {0}")]
     Timeout(String),
-    /// Writing the report failed (exit 2).
-    #[error("report: {0}")]
+    /// Writing the report failed (exit 2). The message names the path.
+    #[error("{0}")]
     Io(String),
     /// SIGINT or SIGTERM arrived (exit 130).
     #[error("interrupted by a signal after {0}")]

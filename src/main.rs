@@ -548,7 +548,7 @@ fn env(json: bool) -> Exit {
         match serde_json::to_string_pretty(&e) {
             Ok(s) => out(&format!("{s}\n")),
             Err(x) => {
-                err(&format!("kvprobe: {}", Error::Io(x.to_string())));
+                err(&format!("kvprobe: env: {}", Error::Io(x.to_string())));
                 return Exit::Usage;
             }
         }

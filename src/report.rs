@@ -292,9 +292,9 @@ pub fn check_writable(path: &Path) -> Result<()> {
 /// (exit 2).
 pub fn write_atomic<T: Serialize>(path: &Path, value: &T) -> Result<()> {
     use std::os::unix::fs::MetadataExt;
-    let io = |what: &str, e: std::io::Error| Error::Io(format!("{what} {}: {e}", path.display()));
+    let io = |what: &str, e: std::io::Error| Error::Io(format!("report: {what} {}: {e}", path.display()));
     let (target, dir) = resolve_target(path)?;
-    let body = serde_json::to_vec_pretty(value).map_err(|e| Error::Io(format!("serialise report: {e}")))?;
+    let body = serde_json::to_vec_pretty(value).map_err(|e| Error::Io(format!("report: serialise: {e}")))?;
     let mut tmp = tempfile::Builder::new()
         .prefix(".kvprobe-report.")
         .suffix(".tmp")
