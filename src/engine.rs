@@ -55,7 +55,7 @@ use std::time::{Duration, Instant};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, serde::Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum TierKind {
-    /// The built-in store ([`crate::tier`]).
+    /// The built-in store (src/tier.rs): block-hash keyed entries in host memory.
     Embedded,
 }
 
@@ -359,6 +359,8 @@ struct Engine<'a> {
     busy_secs: f64,
     listed_explained: u64,
     listed_unexplained: u64,
+    fill_secs: f64,
+    poison_secs: f64,
     /// Prefix of this run's NIXL notifications (unique per engine, so a late notification
     /// of an earlier scenario in the same process is never taken for this one's).
     tag: String,
@@ -433,6 +435,8 @@ impl<'a> Engine<'a> {
             busy_secs: 0.0,
             listed_explained: 0,
             listed_unexplained: 0,
+            fill_secs: 0.0,
+            poison_secs: 0.0,
             tag: format!("kvprobe:{:016x}:req=", rand::rng().random::<u64>()),
         })
     }
@@ -685,7 +689,9 @@ impl<'a> Engine<'a> {
                 table[op.slot as usize] = id;
             }
         }
+        let t = Instant::now();
         self.prefill.pool.fill(&table)?;
+        self.fill_secs += t.elapsed().as_secs_f64();
         for op in due {
             let OpKind::Fill { id } = op.kind else {
                 continue;
@@ -939,7 +945,9 @@ impl<'a> Engine<'a> {
             return Ok(());
         }
         let iter = (self.now & 0xFF_FFFF) as u32;
+        let t = Instant::now();
         self.decode.pool.poison_blocks(&table, iter)?;
+        self.poison_secs += t.elapsed().as_secs_f64();
         let g = self.decode.pool.geometry().clone();
         let sb = g.slice_bytes()?;
         let posted: Vec<u64> = starting.iter().map(|(id, _)| *id).collect();
@@ -1294,6 +1302,11 @@ impl<'a> Engine<'a> {
         s.transfer_seconds = self.busy_secs;
         s.transfer_gbps = if s.transfer_seconds > 0.0 { s.bytes_transferred as f64 / s.transfer_seconds / 1e9 } else { 0.0 };
         s.iterations = self.verified.min(u32::MAX as u64) as u32;
+        s.fill_seconds = self.fill_secs;
+        s.poison_seconds = self.poison_secs;
+        let slice = self.decode.pool.geometry().slice_bytes().unwrap_or(0);
+        s.verify_gbps =
+            if s.verify_seconds > 0.0 { s.blocks_checked as f64 * slice as f64 / s.verify_seconds / 1e9 } else { 0.0 };
         let races = Mechanism::ALL
             .iter()
             .map(|&m| {

@@ -20,7 +20,8 @@ use std::time::{Duration, Instant};
 
 const EXIT_CODES: &str = "Exit codes:
   0  clean: every block slice verified (ab: fenced rows clean, unfenced races detected)
-  1  corruption found (wins over every other outcome; ab: a fenced row is corrupt)
+  1  corruption found, also when planted by --inject or --race (wins over every other outcome;
+     ab: a fenced row is corrupt, or corruption no mechanism explains)
   2  usage, configuration or environment error (bad flag, NIXL or GPU missing)
   3  transport or device error during the run
   4  a transfer did not complete within --timeout
@@ -104,7 +105,7 @@ struct PoolArgs {
     /// Seconds to wait for each transfer (and, with --scenario, for any request to progress).
     #[arg(long, default_value_t = 60.0)]
     timeout: f64,
-    /// At most this many failures listed in the report (counts stay complete).
+    /// At most this many failures listed in the report, up to 1000000 (counts stay complete; scenarios list up to N explained and N unexplained).
     #[arg(long, default_value_t = 1000)]
     max_failures: usize,
 }
@@ -112,7 +113,7 @@ struct PoolArgs {
 #[derive(Args)]
 #[command(next_help_heading = "Request load (with --scenario, and for ab)")]
 struct LoadArgs {
-    /// Requests to admit (when no --duration is given).
+    /// Requests to admit (when no --duration is given) [default: 2000].
     #[arg(long)]
     requests: Option<u64>,
     /// Admit requests for this long instead (e.g. 90s, 10m, 1h), then drain.
@@ -383,7 +384,7 @@ impl Display {
             _ => String::new(),
         };
         let msg = format!(
-            "{label}[{:.1} s] {} requests verified{done}, {rate:.1} req/s, {gbps:.3} GB/s, {} corrupt",
+            "{label}[{:.1} s] {} requests verified{done}, {rate:.1} req/s, {gbps:.3} GB/s, {} corrupt slices",
             p.elapsed, p.requests, p.corrupt
         );
         match &self.bar {

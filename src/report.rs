@@ -417,13 +417,16 @@ pub fn render(r: &Report) -> String {
             s.transfer_seconds,
             s.transfer_gbps
         );
-    } else {
+    }
+    if r.scenario.is_none() {
         out += &format!(
             "transfer:          {} in {:.3} s = {:.3} GB/s\n",
             human_bytes(s.bytes_transferred),
             s.transfer_seconds,
             s.transfer_gbps
         );
+    }
+    {
         out += &format!(
             "probe passes:      fill {:.3} s, poison {:.3} s, verify {:.3} s ({:.1} GB/s)\n",
             s.fill_seconds, s.poison_seconds, s.verify_seconds, s.verify_gbps
