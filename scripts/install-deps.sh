@@ -3,7 +3,8 @@
 #  - libclang (bindgen, used by the nixl-sys build);
 #  - the NIXL libraries and plugins (bundling UCX) from the PyPI wheel nixl-cu13,
 #    unpacked under $KVPROBE_HOME/nixl (default ~/.local/share/kvprobe/nixl), where
-#    kvprobe looks for them (override with KVPROBE_NIXL_DIR).
+#    kvprobe looks for them (override with KVPROBE_NIXL_DIR);
+#  - Mooncake Store in a venv under $KVPROBE_HOME/mooncake (scripts/install-mooncake.sh).
 # CUDA is not installed: kvprobe loads it at run time when present (VRAM runs).
 set -euo pipefail
 
@@ -26,6 +27,9 @@ if [ "${#need[@]}" -gt 0 ]; then
   sudo_ apt-get update -qq
   sudo_ env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
 fi
+
+# Mooncake Store (--tier mooncake): its own venv under $home/mooncake.
+"$(dirname "$0")/install-mooncake.sh"
 
 if [ -f "$stamp" ] && [ -f "$dest/lib/libnixl_capi.so" ]; then
   echo "install-deps: NIXL $NIXL_VERSION already in $dest"

@@ -56,6 +56,17 @@ pub struct Environment {
     pub nixl: NixlInfo,
     /// UCX_* and NIXL_* variables in effect (they steer transport selection).
     pub transport_env: std::collections::BTreeMap<String, String>,
+    /// Mooncake Store (`--tier mooncake`): the installation found, or why none is usable.
+    pub mooncake: MooncakeInfo,
+}
+
+/// Mooncake availability.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct MooncakeInfo {
+    /// The installation, when found.
+    pub install: Option<crate::mooncake::Install>,
+    /// Why it is not usable, otherwise.
+    pub error: Option<String>,
 }
 
 fn kernel_driver() -> Option<String> {
@@ -154,6 +165,10 @@ pub fn gather(nixl: NixlInfo) -> Environment {
         nvrtc: cuda::nvrtc_version(),
         nixl,
         transport_env,
+        mooncake: match crate::mooncake::find() {
+            Ok(i) => MooncakeInfo { install: Some(i), error: None },
+            Err(e) => MooncakeInfo { install: None, error: Some(e.to_string()) },
+        },
     }
 }
 
@@ -207,6 +222,11 @@ pub fn render(e: &Environment) -> String {
     }
     if let Some(err) = &e.nixl.error {
         s += &format!("NIXL error: {err}\n");
+    }
+    match (&e.mooncake.install, &e.mooncake.error) {
+        (Some(i), _) => s += &format!("Mooncake: {} {} ({})\n", i.wheel, i.version, i.venv.display()),
+        (None, Some(err)) => s += &format!("Mooncake: {err}\n"),
+        (None, None) => {}
     }
     for (k, v) in &e.transport_env {
         s += &format!("{k}={v}\n");

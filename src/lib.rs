@@ -27,6 +27,7 @@ pub mod geometry;
 pub mod hostmem;
 pub mod inject;
 pub mod interrupt;
+pub mod mooncake;
 pub mod nixl;
 pub mod pool;
 pub mod race;

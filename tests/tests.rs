@@ -9,5 +9,6 @@ mod dram;
 mod fingerprint;
 mod geometry;
 mod gpu;
+mod mooncake;
 mod scenario;
 mod units;
