@@ -15,7 +15,6 @@ use kvprobe::workload::WorkloadConfig;
 use kvprobe::{Error, Exit};
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
-use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 const EXIT_CODES: &str = "Exit codes:
@@ -571,7 +570,7 @@ fn race_help() -> String {
     h
 }
 
-fn main() -> ExitCode {
+fn main() {
     let cmd = Cli::command().mut_subcommand("run", |c| c.mut_arg("race", |a| a.long_help(race_help())));
     let matches = cmd.get_matches();
     // Flags typed on the command line (not defaults): load flags make no sense in a sweep,
@@ -594,5 +593,6 @@ fn main() -> ExitCode {
         Command::Ab(a) => ab(a),
         Command::Env { json } => env(json),
     };
-    ExitCode::from(exit as u8)
+    // Not a plain return: see `exit_now` (library destructors can crash at exit).
+    kvprobe::nixl::exit_now(exit as u8)
 }

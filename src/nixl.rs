@@ -133,6 +133,21 @@ fn load_once() -> std::result::Result<NixlLibrary, String> {
     Ok(NixlLibrary { library: lib, plugin_dir, found_via: via.to_string(), stub })
 }
 
+/// Ends the process with `code` without running library destructors, after flushing stdout
+/// and stderr. With NIXL loaded, the normal exit path can crash: the wheel's UCX bundles its
+/// own libnl-route, and when a second libnl comes in with the system's libibverbs (installed
+/// for Mooncake) its destructor `rtnl_tc_unregister` segfaults during `exit` (seen on Debian
+/// 12: exit code 139 after a clean run). kvprobe writes and syncs its report before this.
+pub fn exit_now(code: u8) -> ! {
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stderr().flush();
+    // SAFETY: _exit(2) terminates the process at once; every file kvprobe wrote was synced
+    // or closed before (reports are synced in `write_atomic`), and stdout/stderr were just
+    // flushed. Nothing else needs the atexit handlers that are skipped.
+    unsafe { libc::_exit(code as libc::c_int) }
+}
+
 /// Names of the backend plugins NIXL can load (e.g. "UCX", "POSIX").
 pub fn available_plugins() -> Result<Vec<String>> {
     load()?;
