@@ -5,11 +5,14 @@
 
 use crate::error::{Error, Result};
 
-/// An anonymous shared mapping of `len` bytes, unmapped on drop.
+/// An anonymous shared mapping of `len` bytes, unmapped on drop. A buffer from
+/// [`HostBuffer::alloc_shareable`] is backed by a memfd that child processes inherit, so a
+/// helper process (the Mooncake worker) can map the same pages.
 #[derive(Debug)]
 pub struct HostBuffer {
     ptr: *mut u8,
     len: usize,
+    fd: Option<std::os::fd::OwnedFd>,
 }
 
 // SAFETY: the mapping is plain memory owned by this value; access goes through &/&mut.
@@ -31,7 +34,43 @@ impl HostBuffer {
                 std::io::Error::last_os_error()
             )));
         }
-        Ok(HostBuffer { ptr: p as *mut u8, len })
+        Ok(HostBuffer { ptr: p as *mut u8, len, fd: None })
+    }
+
+    /// Maps `len` bytes backed by a memfd that is inherited by child processes (no
+    /// close-on-exec): a child maps the same pages through `/proc/self/fd/N`
+    /// ([`HostBuffer::shared_fd`]). Errors: memfd_create, ftruncate or mmap failed.
+    pub fn alloc_shareable(len: usize) -> Result<HostBuffer> {
+        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+        let n = len.max(1);
+        let err = |what: &str| Error::Environment(format!("{what} ({len} bytes): {}", std::io::Error::last_os_error()));
+        // SAFETY: the name is a valid NUL-terminated string; flags 0 (no MFD_CLOEXEC) so
+        // that children inherit the descriptor.
+        let raw = unsafe { libc::memfd_create(c"kvprobe-pool".as_ptr(), 0) };
+        if raw < 0 {
+            return Err(err("memfd_create"));
+        }
+        // SAFETY: `raw` is a fresh descriptor owned by nobody else.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        // SAFETY: ftruncate on our own memfd.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), n as libc::off_t) } != 0 {
+            return Err(err("ftruncate"));
+        }
+        // SAFETY: maps the memfd we just sized; no existing memory is affected.
+        let p = unsafe {
+            libc::mmap(std::ptr::null_mut(), n, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0)
+        };
+        if p == libc::MAP_FAILED {
+            return Err(err("mmap of the memfd"));
+        }
+        Ok(HostBuffer { ptr: p as *mut u8, len, fd: Some(fd) })
+    }
+
+    /// The inherited descriptor number of a shareable buffer (None otherwise): a child
+    /// process maps the buffer from `/proc/self/fd/N`.
+    pub fn shared_fd(&self) -> Option<i32> {
+        use std::os::fd::AsRawFd;
+        self.fd.as_ref().map(|f| f.as_raw_fd())
     }
 
     /// Start address (for NIXL descriptors).

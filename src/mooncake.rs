@@ -1,10 +1,13 @@
-//! Mooncake Store for `--tier mooncake` (in progress): finding the installation, and the
-//! `mooncake_master` process kvprobe starts, health-checks and always stops.
+//! Mooncake Store for `--tier mooncake` (in progress): finding the installation, the
+//! `mooncake_master` process kvprobe starts, health-checks and always stops, and the store
+//! worker kvprobe drives over a pipe.
 //!
 //! The install step (scripts/install-mooncake.sh, run by scripts/install-deps.sh) puts the
 //! wheel `mooncake-transfer-engine-cuda13` (CUDA 13 hosts) or `-non-cuda` into a virtual
 //! environment at `$KVPROBE_HOME/mooncake/venv`; `$KVPROBE_MOONCAKE_VENV` names another.
-//! Mooncake exports no C API, so the store client will be a worker on its Python API.
+//! Mooncake exports no C API, so the store client is a worker on its Python API
+//! ([`Worker`], python/kvprobe_mooncake_worker.py) that maps kvprobe's DRAM pool (a memfd it
+//! inherits) and moves blocks between it and the store.
 
 use crate::error::{Error, Result};
 use std::io::Read;
@@ -183,4 +186,220 @@ impl Drop for Master {
         }
         let _ = self.child.wait();
     }
+}
+
+/// Source of the store worker (python/kvprobe_mooncake_worker.py), run in the Mooncake venv.
+pub const WORKER_SOURCE: &str = include_str!("../python/kvprobe_mooncake_worker.py");
+
+/// The worker's protocol name.
+pub const PROTOCOL: &str = "kvprobe-mooncake/1";
+
+/// One byte range `(offset, length)` of the shared pool.
+pub type Range = (u64, u64);
+
+/// The store worker: a child process running [`WORKER_SOURCE`] with the Mooncake Python API,
+/// driven over a typed JSON-lines protocol ([`PROTOCOL`]). Its stderr goes to a log whose
+/// tail ends up in errors. Killed and reaped when dropped; it also exits when its stdin
+/// closes.
+pub struct Worker {
+    child: Child,
+    stdin: std::process::ChildStdin,
+    replies: std::sync::mpsc::Receiver<String>,
+    next_id: u64,
+    timeout: Duration,
+    log: tempfile::NamedTempFile,
+    _script: tempfile::NamedTempFile,
+}
+
+impl Worker {
+    /// Starts the worker with `install`'s Python and checks its protocol (`hello`). Each
+    /// later call waits at most `timeout` for its reply.
+    ///
+    /// Errors: [`Error::Environment`] when it cannot start, [`Error::Transport`] when it
+    /// dies, answers out of protocol, or not in time.
+    pub fn start(install: &Install, timeout: Duration) -> Result<Worker> {
+        use std::io::{BufRead, Write};
+        let env_err = |w: &str, e: std::io::Error| Error::Environment(format!("Mooncake worker: {w}: {e}"));
+        let mut script = tempfile::Builder::new()
+            .prefix("kvprobe-mooncake-worker.")
+            .suffix(".py")
+            .tempfile()
+            .map_err(|e| env_err("script", e))?;
+        script.write_all(WORKER_SOURCE.as_bytes()).map_err(|e| env_err("script", e))?;
+        let log = tempfile::Builder::new()
+            .prefix("kvprobe-mooncake-worker.")
+            .suffix(".log")
+            .tempfile()
+            .map_err(|e| env_err("log", e))?;
+        let mut child = Command::new(&install.python)
+            .arg("-u")
+            .arg(script.path())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(log.reopen().map_err(|e| env_err("log", e))?)
+            .process_group(0)
+            .spawn()
+            .map_err(|e| env_err(&format!("cannot start {}", install.python.display()), e))?;
+        let stdin = child.stdin.take().expect("piped");
+        let stdout = child.stdout.take().expect("piped");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut w = Worker { child, stdin, replies: rx, next_id: 1, timeout, log, _script: script };
+        let hello = w.call("hello", serde_json::json!({}))?;
+        if hello["protocol"] != PROTOCOL {
+            return Err(Error::Transport(format!("Mooncake worker speaks {}, not {PROTOCOL}", hello["protocol"])));
+        }
+        Ok(w)
+    }
+
+    fn log_tail(&self, n: usize) -> String {
+        let mut s = String::new();
+        if let Ok(mut f) = self.log.reopen() {
+            let _ = f.read_to_string(&mut s);
+        }
+        let lines: Vec<&str> = s.lines().filter(|l| !l.trim().is_empty()).collect();
+        lines[lines.len().saturating_sub(n)..].join("\n")
+    }
+
+    fn dead(&mut self, what: &str) -> Error {
+        let status = match self.child.try_wait() {
+            Ok(Some(st)) => format!(" (exited: {st})"),
+            _ => String::new(),
+        };
+        Error::Transport(format!("Mooncake worker {what}{status}; its log ends:\n{}", self.log_tail(20)))
+    }
+
+    /// Sends `op` with `args` (a JSON object) and returns the reply's fields. Errors:
+    /// transport (exit 3) when the worker fails the op, dies or answers out of protocol;
+    /// timeout (exit 4) when it does not answer within the worker's timeout.
+    pub fn call(&mut self, op: &str, args: serde_json::Value) -> Result<serde_json::Value> {
+        use std::io::Write;
+        let id = self.next_id;
+        self.next_id += 1;
+        let mut req = match args {
+            serde_json::Value::Object(m) => m,
+            _ => serde_json::Map::new(),
+        };
+        req.insert("v".into(), 1.into());
+        req.insert("id".into(), id.into());
+        req.insert("op".into(), op.into());
+        let line = serde_json::to_string(&req).map_err(|e| Error::Transport(e.to_string()))?;
+        if writeln!(self.stdin, "{line}").and_then(|_| self.stdin.flush()).is_err() {
+            return Err(self.dead(&format!("did not take `{op}`")));
+        }
+        let reply = match self.replies.recv_timeout(self.timeout) {
+            Ok(r) => r,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                return Err(Error::Timeout(format!(
+                    "Mooncake worker did not answer `{op}` within {:.3} s",
+                    self.timeout.as_secs_f64()
+                )));
+            }
+            Err(_) => return Err(self.dead(&format!("died during `{op}`"))),
+        };
+        let v: serde_json::Value =
+            serde_json::from_str(&reply).map_err(|e| Error::Transport(format!("Mooncake worker: bad reply {reply:?}: {e}")))?;
+        if v["v"] != 1 || v["id"] != id {
+            return Err(Error::Transport(format!("Mooncake worker: reply out of protocol: {reply}")));
+        }
+        if v["ok"] != true {
+            return Err(Error::Transport(format!("Mooncake worker: `{op}` failed: {}", v["error"].as_str().unwrap_or("?"))));
+        }
+        Ok(v)
+    }
+
+    /// Connects the store client to `master` (see [`Master`]) over `protocol` ("tcp"),
+    /// contributing `segment_bytes` of its memory to the store.
+    pub fn setup(&mut self, master: &Master, protocol: &str, segment_bytes: u64) -> Result<()> {
+        self.call(
+            "setup",
+            serde_json::json!({
+                "local_hostname": "127.0.0.1",
+                "metadata_url": master.metadata_url,
+                "master": master.rpc.to_string(),
+                "protocol": protocol,
+                "global_segment_bytes": segment_bytes,
+                "local_buffer_bytes": 16u64 << 20,
+            }),
+        )?;
+        Ok(())
+    }
+
+    /// Maps a shareable host buffer ([`crate::hostmem::HostBuffer::alloc_shareable`]) in the
+    /// worker and registers it with the store; later ranges are offsets into it. The buffer
+    /// must have been allocated before [`Worker::start`] (the worker inherits its memfd);
+    /// otherwise the worker refuses it.
+    pub fn map_shared(&mut self, buf: &crate::hostmem::HostBuffer) -> Result<()> {
+        let fd = buf.shared_fd().ok_or_else(|| Error::Usage("the pool is not shareable with the Mooncake worker".into()))?;
+        self.call("map_fd", serde_json::json!({ "fd": fd, "len": buf.len() }))?;
+        Ok(())
+    }
+
+    fn batch(&mut self, op: &str, keys: &[String], ranges: &[Vec<Range>]) -> Result<Vec<i64>> {
+        let v = self.call(op, serde_json::json!({ "keys": keys, "ranges": ranges }))?;
+        let rc: Vec<i64> =
+            v["rc"].as_array().map(|a| a.iter().map(|x| x.as_i64().unwrap_or(i64::MIN)).collect()).unwrap_or_default();
+        if rc.len() != keys.len() {
+            return Err(Error::Transport(format!(
+                "Mooncake worker: `{op}` answered {} results for {} keys",
+                rc.len(),
+                keys.len()
+            )));
+        }
+        Ok(rc)
+    }
+
+    /// Stores each key from its byte ranges of the mapped pool (batch_put_from_multi_buffers);
+    /// one return code per key (0 = stored).
+    pub fn put(&mut self, keys: &[String], ranges: &[Vec<Range>]) -> Result<Vec<i64>> {
+        self.batch("put", keys, ranges)
+    }
+
+    /// Loads each key into its byte ranges of the mapped pool (batch_get_into_multi_buffers);
+    /// per key the bytes read, or a negative Mooncake error code.
+    pub fn get(&mut self, keys: &[String], ranges: &[Vec<Range>]) -> Result<Vec<i64>> {
+        self.batch("get", keys, ranges)
+    }
+
+    /// Which keys the store holds (batch_is_exist): 1 yes, 0 no, negative on error.
+    pub fn exists(&mut self, keys: &[String]) -> Result<Vec<i64>> {
+        let v = self.call("exists", serde_json::json!({ "keys": keys }))?;
+        Ok(v["rc"].as_array().map(|a| a.iter().map(|x| x.as_i64().unwrap_or(i64::MIN)).collect()).unwrap_or_default())
+    }
+
+    /// The worker's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.call("quit", serde_json::json!({}));
+            let t0 = Instant::now();
+            while t0.elapsed() < Duration::from_secs(2) {
+                if let Ok(Some(_)) = self.child.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let _ = self.child.kill();
+        }
+        let _ = self.child.wait();
+    }
+}
+
+/// The store key of a block, following vLLM's MooncakeStoreConnector scheme: a fingerprint
+/// of the configuration (here kvprobe's seed and geometry) and the block hash, so keys of
+/// different runs or geometries never collide and a foreign key is attributable.
+pub fn block_key(config_fingerprint: &str, block_hash: u32) -> String {
+    format!("kvprobe/{config_fingerprint}/{block_hash:08x}")
 }

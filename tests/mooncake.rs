@@ -94,3 +94,69 @@ fn a_killed_master_is_a_transport_error_with_its_log() {
     drop(m);
     assert!(!running(pid));
 }
+
+#[test]
+fn worker_moves_blocks_between_a_shared_pool_and_the_store() {
+    if !mooncake_or_skip("worker_moves_blocks_between_a_shared_pool_and_the_store") {
+        return;
+    }
+    use kvprobe::fingerprint::{self, BlockIdentity};
+    use kvprobe::geometry::KvPart;
+    let install = mooncake::find().expect("Mooncake installed by scripts/install-deps.sh");
+    let master = Master::start(&install, Duration::from_secs(30)).unwrap();
+    // The pool first: the worker inherits its memfd.
+    let mut pool = kvprobe::hostmem::HostBuffer::alloc_shareable(1 << 20).unwrap();
+    let late = |w: &mut mooncake::Worker| {
+        let other = kvprobe::hostmem::HostBuffer::alloc_shareable(4096).unwrap();
+        let e = w.map_shared(&other).unwrap_err();
+        assert!(e.to_string().contains("before starting the worker"), "{e}");
+    };
+    let mut w = mooncake::Worker::start(&install, Duration::from_secs(60)).unwrap();
+    w.setup(&master, "tcp", 64 << 20).unwrap();
+    late(&mut w);
+    w.map_shared(&pool).unwrap();
+    // A "block" of two slices that are not adjacent in the pool, as a block's K and V are.
+    let sb = 4096usize;
+    let id = |kv| BlockIdentity { layer: 0, kv, block: 77, generation: 3 };
+    fingerprint::fill(&mut pool.as_mut_slice()[0..sb], 9, id(KvPart::K));
+    fingerprint::fill(&mut pool.as_mut_slice()[65536..65536 + sb], 9, id(KvPart::V));
+    let key = mooncake::block_key("test", 77);
+    assert_eq!(key, "kvprobe/test/0000004d");
+    assert_eq!(w.exists(std::slice::from_ref(&key)).unwrap(), vec![0]);
+    let src = vec![(0u64, sb as u64), (65536, sb as u64)];
+    assert_eq!(w.put(std::slice::from_ref(&key), std::slice::from_ref(&src)).unwrap(), vec![0]);
+    assert_eq!(w.exists(std::slice::from_ref(&key)).unwrap(), vec![1]);
+    // Load it into two other places of the pool: the bytes arrive intact.
+    let dst = vec![(131072u64, sb as u64), (262144, sb as u64)];
+    let got = w.get(std::slice::from_ref(&key), std::slice::from_ref(&dst)).unwrap();
+    assert_eq!(got, vec![2 * sb as i64], "bytes read");
+    assert_eq!(fingerprint::check(&pool.as_slice()[131072..131072 + sb], 9, id(KvPart::K)).0, 0);
+    assert_eq!(fingerprint::check(&pool.as_slice()[262144..262144 + sb], 9, id(KvPart::V)).0, 0);
+    // A missing key is an error code, not bytes.
+    let missing = mooncake::block_key("test", 78);
+    assert!(w.get(std::slice::from_ref(&missing), std::slice::from_ref(&dst)).unwrap()[0] < 0);
+    // Ranges outside the pool are refused by the worker, which stays usable.
+    let e = w.put(std::slice::from_ref(&key), &[vec![(1 << 20, 16)]]).unwrap_err();
+    assert!(e.to_string().contains("outside"), "{e}");
+    assert_eq!(w.exists(std::slice::from_ref(&key)).unwrap(), vec![1]);
+    let pid = w.pid();
+    drop(w);
+    assert!(!running(pid), "the worker outlived its handle");
+}
+
+#[test]
+fn a_killed_worker_is_a_transport_error() {
+    if !mooncake_or_skip("a_killed_worker_is_a_transport_error") {
+        return;
+    }
+    let install = mooncake::find().expect("Mooncake installed by scripts/install-deps.sh");
+    let mut w = mooncake::Worker::start(&install, Duration::from_secs(30)).unwrap();
+    let pid = w.pid();
+    assert!(std::process::Command::new("kill").args(["-KILL", &pid.to_string()]).status().unwrap().success());
+    std::thread::sleep(Duration::from_millis(200));
+    let e = w.exists(&["k".to_string()]).unwrap_err();
+    assert_eq!(e.exit() as u8, 3, "{e}");
+    assert!(e.to_string().contains("Mooncake worker"), "{e}");
+    drop(w);
+    assert!(!running(pid));
+}

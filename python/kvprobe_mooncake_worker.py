@@ -1,0 +1,163 @@
+"""kvprobe's Mooncake Store worker: drives the official Python store client for kvprobe.
+
+Mooncake exports no C API in its released packages, so kvprobe runs this program in the
+Mooncake virtual environment and talks to it over stdin/stdout, one JSON object per line
+(protocol `kvprobe-mooncake/1`, src/mooncake.rs is the other end):
+
+  request:  {"v": 1, "id": N, "op": OP, ...arguments}
+  reply:    {"v": 1, "id": N, "ok": true, ...results}  or  {"v": 1, "id": N, "ok": false, "error": TEXT}
+
+ops:
+  hello                                   -> {"protocol", "mooncake": version}
+  setup   {local_hostname, metadata_url, master, protocol, global_segment_bytes, local_buffer_bytes}
+                                          -> {"rc"}            (MooncakeDistributedStore.setup)
+  map_fd  {fd, len}                       -> {"base"}          maps kvprobe's shared pool (an inherited
+                                                               memfd) and registers it (register_buffer)
+  put     {keys, ranges}                  -> {"rc": [..]}      batch_put_from_multi_buffers; ranges[k] is
+                                                               [[offset, length], ...] into the mapped pool
+  get     {keys, ranges}                  -> {"rc": [..]}      batch_get_into_multi_buffers (bytes read, or < 0)
+  exists  {keys}                          -> {"rc": [..]}      batch_is_exist (1 yes, 0 no, < 0 error)
+  remove_all                              -> {"rc"}
+  quit                                    -> {} and exit 0
+
+Diagnostics go to stderr (kvprobe keeps its tail for reports). The worker exits when
+stdin closes, so it never outlives kvprobe.
+"""
+
+import ctypes
+import json
+import mmap
+import os
+import sys
+
+PROTOCOL = "kvprobe-mooncake/1"
+
+
+def mooncake_version():
+    try:
+        from importlib import metadata
+
+        for dist in metadata.distributions():
+            name = (dist.metadata.get("Name") or "").lower()
+            if name.startswith("mooncake-transfer-engine") or name.startswith("mooncake_transfer_engine"):
+                return dist.version
+    except Exception:  # noqa: BLE001 - a version is informative only
+        pass
+    return "unknown"
+
+
+class Worker:
+    def __init__(self):
+        self.store = None
+        self.maps = []  # (mmap, base) of mapped pools; the first is the pool ranges refer to
+
+    def op_hello(self, _req):
+        return {"protocol": PROTOCOL, "mooncake": mooncake_version()}
+
+    def op_setup(self, req):
+        from mooncake.store import MooncakeDistributedStore
+
+        self.store = MooncakeDistributedStore()
+        rc = self.store.setup(
+            req["local_hostname"],
+            req["metadata_url"],
+            int(req["global_segment_bytes"]),
+            int(req["local_buffer_bytes"]),
+            req.get("protocol", "tcp"),
+            req.get("device_name", ""),
+            req["master"],
+        )
+        if rc != 0:
+            raise RuntimeError(f"MooncakeDistributedStore.setup returned {rc}")
+        return {"rc": rc}
+
+    def need_store(self):
+        if self.store is None:
+            raise RuntimeError("setup first")
+        return self.store
+
+    def op_map_fd(self, req):
+        store = self.need_store()
+        fd, length = int(req["fd"]), int(req["len"])
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            target = "nothing"
+        if not target.startswith("/memfd:kvprobe-pool"):
+            raise ValueError(f"fd {fd} is {target}, not kvprobe's pool: allocate the pool before starting the worker")
+        f = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+        try:
+            m = mmap.mmap(f, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(f)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+        rc = store.register_buffer(base, length)
+        if rc != 0:
+            raise RuntimeError(f"register_buffer returned {rc}")
+        self.maps.append((m, base, length))
+        return {"base": base}
+
+    def ptrs(self, ranges):
+        if not self.maps:
+            raise RuntimeError("map_fd first")
+        _, base, length = self.maps[0]
+        out_p, out_s = [], []
+        for key_ranges in ranges:
+            ps, ss = [], []
+            for off, n in key_ranges:
+                off, n = int(off), int(n)
+                if off < 0 or n <= 0 or off + n > length:
+                    raise ValueError(f"range [{off}, {off + n}) outside the {length}-byte pool")
+                ps.append(base + off)
+                ss.append(n)
+            out_p.append(ps)
+            out_s.append(ss)
+        return out_p, out_s
+
+    def op_put(self, req):
+        p, s = self.ptrs(req["ranges"])
+        return {"rc": list(self.need_store().batch_put_from_multi_buffers(req["keys"], p, s))}
+
+    def op_get(self, req):
+        p, s = self.ptrs(req["ranges"])
+        return {"rc": list(self.need_store().batch_get_into_multi_buffers(req["keys"], p, s))}
+
+    def op_exists(self, req):
+        return {"rc": list(self.need_store().batch_is_exist(req["keys"]))}
+
+    def op_remove_all(self, _req):
+        return {"rc": self.need_store().remove_all()}
+
+
+def main():
+    w = Worker()
+    out = sys.stdout
+    for line in sys.stdin:
+        line = line.strip()
+        if not line:
+            continue
+        rid = None
+        try:
+            req = json.loads(line)
+            rid = req.get("id")
+            if req.get("v") != 1:
+                raise ValueError(f"unsupported protocol version {req.get('v')!r} (this worker speaks {PROTOCOL})")
+            op = req.get("op")
+            if op == "quit":
+                out.write(json.dumps({"v": 1, "id": rid, "ok": True}) + "\n")
+                out.flush()
+                return 0
+            fn = getattr(w, f"op_{op}", None)
+            if fn is None:
+                raise ValueError(f"unknown op {op!r}")
+            reply = {"v": 1, "id": rid, "ok": True}
+            reply.update(fn(req))
+        except Exception as e:  # noqa: BLE001 - every failure goes back to kvprobe
+            reply = {"v": 1, "id": rid, "ok": False, "error": f"{type(e).__name__}: {e}"}
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
