@@ -13,9 +13,11 @@ ops:
                                           -> {"rc"}            (MooncakeDistributedStore.setup)
   map_fd  {fd, len}                       -> {"base"}          maps kvprobe's shared pool (an inherited
                                                                memfd) and registers it (register_buffer)
-  put     {keys, ranges}                  -> {"rc": [..]}      batch_put_from_multi_buffers; ranges[k] is
-                                                               [[offset, length], ...] into the mapped pool
-  get     {keys, ranges}                  -> {"rc": [..]}      batch_get_into_multi_buffers (bytes read, or < 0)
+  put     {keys, ranges, pool}            -> {"rc": [..]}      batch_put_from_multi_buffers; ranges[k] is
+                                                               [[offset, length], ...] into mapped pool
+                                                               number `pool` (0 = first map_fd, default)
+  get     {keys, ranges, pool}            -> {"rc": [..]}      batch_get_into_multi_buffers (bytes read, or < 0)
+  remove  {keys}                          -> {"rc": [..]}      batch_remove
   exists  {keys}                          -> {"rc": [..]}      batch_is_exist (1 yes, 0 no, < 0 error)
   remove_all                              -> {"rc"}
   quit                                    -> {} and exit 0
@@ -97,10 +99,10 @@ class Worker:
         self.maps.append((m, base, length))
         return {"base": base}
 
-    def ptrs(self, ranges):
-        if not self.maps:
-            raise RuntimeError("map_fd first")
-        _, base, length = self.maps[0]
+    def ptrs(self, ranges, pool=0):
+        if not 0 <= pool < len(self.maps):
+            raise RuntimeError(f"pool {pool} is not mapped (map_fd first)")
+        _, base, length = self.maps[pool]
         out_p, out_s = [], []
         for key_ranges in ranges:
             ps, ss = [], []
@@ -115,15 +117,18 @@ class Worker:
         return out_p, out_s
 
     def op_put(self, req):
-        p, s = self.ptrs(req["ranges"])
+        p, s = self.ptrs(req["ranges"], int(req.get("pool", 0)))
         return {"rc": list(self.need_store().batch_put_from_multi_buffers(req["keys"], p, s))}
 
     def op_get(self, req):
-        p, s = self.ptrs(req["ranges"])
+        p, s = self.ptrs(req["ranges"], int(req.get("pool", 0)))
         return {"rc": list(self.need_store().batch_get_into_multi_buffers(req["keys"], p, s))}
 
     def op_exists(self, req):
         return {"rc": list(self.need_store().batch_is_exist(req["keys"]))}
+
+    def op_remove(self, req):
+        return {"rc": list(self.need_store().batch_remove(req["keys"]))}
 
     def op_remove_all(self, _req):
         return {"rc": self.need_store().remove_all()}

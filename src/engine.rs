@@ -57,6 +57,9 @@ use std::time::{Duration, Instant};
 pub enum TierKind {
     /// The built-in store (src/tier.rs): block-hash keyed entries in host memory.
     Embedded,
+    /// A real Mooncake Store (master started by kvprobe, Python store client as a worker);
+    /// DRAM pools only for now.
+    Mooncake,
 }
 
 /// Parameters of a scenario run.
@@ -163,6 +166,8 @@ pub struct ScenarioReport {
     pub tier_loads: u64,
     /// Tier entries evicted.
     pub tier_evictions: u64,
+    /// The tier in use: for Mooncake its version, protocol and master address.
+    pub tier_detail: String,
     /// Corrupt slices the engine's shadow did not predict (a defect of the stack under test).
     pub unexplained_corrupt: u64,
     /// One entry per mechanism: unfenced ones with their detection, fenced ones "clean" or not.
@@ -359,11 +364,53 @@ struct Engine<'a> {
     busy_secs: f64,
     listed_explained: u64,
     listed_unexplained: u64,
+    /// `--tier mooncake`: the master and the store worker (dropped with the engine).
+    mooncake: Option<MooncakeTier>,
     fill_secs: f64,
     poison_secs: f64,
     /// Prefix of this run's NIXL notifications (unique per engine, so a late notification
     /// of an earlier scenario in the same process is never taken for this one's).
     tag: String,
+}
+
+/// `--tier mooncake`: a master kvprobe started and a store worker mapping both DRAM pools
+/// (prefill = pool 0, decode = pool 1).
+struct MooncakeTier {
+    master: crate::mooncake::Master,
+    worker: crate::mooncake::Worker,
+    /// Key prefix: the seed and a run nonce (vLLM's keys lead with a config fingerprint).
+    fingerprint: String,
+    detail: String,
+    /// Keys of evicted entries still to remove from the store.
+    doomed: Vec<String>,
+}
+
+impl MooncakeTier {
+    fn start(cfg: &ScenarioConfig, seed: u64, prefill: &Endpoint, decode: &Endpoint, timeout: Duration) -> Result<MooncakeTier> {
+        let (Some(pb), Some(db)) = (prefill.pool.host_buffer(), decode.pool.host_buffer()) else {
+            return Err(Error::Usage(
+                "--tier mooncake needs --memory dram for now (VRAM pools via CUDA IPC are not done yet)".into(),
+            ));
+        };
+        let install = crate::mooncake::find()?;
+        let master = crate::mooncake::Master::start(&install, timeout.min(Duration::from_secs(60)))?;
+        let mut worker = crate::mooncake::Worker::start(&install, timeout)?;
+        // Room for every entry the engine may hold, twice over, so Mooncake itself never evicts one.
+        let segment = (cfg.tier_blocks as u64 * prefill.pool.block_bytes()).saturating_mul(2).max(64 << 20);
+        worker.setup(&master, "tcp", segment)?;
+        worker.map_shared(pb)?;
+        worker.map_shared(db)?;
+        let fingerprint = format!("{:08x}-{:08x}", crate::fingerprint::seed32(seed), rand::rng().random::<u32>());
+        let detail = format!(
+            "mooncake {} {}, tcp, master {}, metadata {}",
+            install.wheel, install.version, master.rpc, master.metadata_url
+        );
+        Ok(MooncakeTier { master, worker, fingerprint, detail, doomed: Vec::new() })
+    }
+
+    fn key(&self, serial: u64) -> String {
+        format!("kvprobe/{}/{serial:x}", self.fingerprint)
+    }
 }
 
 fn ident(t: TableEntry, c: SliceCoord) -> BlockIdentity {
@@ -385,11 +432,15 @@ impl<'a> Engine<'a> {
     ) -> Result<Engine<'a>> {
         let g = prefill.pool.geometry().clone();
         let n = g.num_blocks;
-        let store = if cfg.scenario.uses_tier() {
-            let dev = prefill.pool.gpu();
-            Some(Store::new(cfg.tier_blocks, prefill.pool.block_bytes(), dev.as_ref())?)
+        let mooncake = if cfg.scenario.uses_tier() && cfg.tier == TierKind::Mooncake {
+            Some(MooncakeTier::start(cfg, seed, prefill, decode, timeout)?)
         } else {
             None
+        };
+        let store = match (cfg.scenario.uses_tier(), &mooncake) {
+            (false, _) => None,
+            (true, Some(_)) => Some(Store::metadata_only(cfg.tier_blocks, prefill.pool.block_bytes())),
+            (true, None) => Some(Store::new(cfg.tier_blocks, prefill.pool.block_bytes(), prefill.pool.gpu().as_ref())?),
         };
         // Genesis: every prefill block holds a fingerprint no request will ask for.
         let genesis: Vec<TableEntry> =
@@ -435,6 +486,7 @@ impl<'a> Engine<'a> {
             busy_secs: 0.0,
             listed_explained: 0,
             listed_unexplained: 0,
+            mooncake,
             fill_secs: 0.0,
             poison_secs: 0.0,
             tag: format!("kvprobe:{:016x}:req=", rand::rng().random::<u64>()),
@@ -565,6 +617,11 @@ impl<'a> Engine<'a> {
 
     fn step(&mut self, report: &mut Report) -> Result<()> {
         self.now += 1;
+        if self.now.is_multiple_of(256)
+            && let Some(mc) = self.mooncake.as_mut()
+        {
+            mc.master.alive()?;
+        }
         self.poll_nixl(report)?;
         self.run_compute()?;
         self.run_loads(Side::Prefill)?;
@@ -599,6 +656,60 @@ impl<'a> Engine<'a> {
                     r.stage = Stage::Verify;
                 }
                 None => x.check_timeout(self.timeout)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies prefill block `slot` into tier entry `entry` (a save).
+    fn tier_put(&mut self, slot: u32, entry: EntryId) -> Result<()> {
+        let store = self.store.as_mut().expect("saves need the tier");
+        match self.mooncake.as_mut() {
+            None => self.prefill.pool.read_block(slot, store.bytes_mut(entry)),
+            Some(mc) => {
+                let key = mc.key(store.serial(entry));
+                let rc = mc.worker.put(0, std::slice::from_ref(&key), &[self.prefill.pool.block_ranges(slot)])?;
+                if rc.first() != Some(&0) {
+                    return Err(Error::Transport(format!("Mooncake put of {key} returned {rc:?}")));
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Copies tier entry `entry` into block `slot` of the prefill or decode pool (a load).
+    fn tier_get(&mut self, side: Side, slot: u32, entry: EntryId) -> Result<()> {
+        let store = self.store.as_ref().expect("loads need the tier");
+        let pool = if side == Side::Prefill { &mut self.prefill.pool } else { &mut self.decode.pool };
+        match self.mooncake.as_mut() {
+            None => pool.write_block(slot, store.bytes(entry)),
+            Some(mc) => {
+                let key = mc.key(store.serial(entry));
+                let want = pool.block_bytes() as i64;
+                let rc = mc.worker.get(
+                    if side == Side::Prefill { 0 } else { 1 },
+                    std::slice::from_ref(&key),
+                    &[pool.block_ranges(slot)],
+                )?;
+                if rc.first() != Some(&want) {
+                    return Err(Error::Transport(format!("Mooncake get of {key} returned {rc:?} (expected {want} bytes)")));
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Drops the objects of evicted tier entries from Mooncake (best effort: a leftover object
+    /// is never read, its key is unique to the evicted reservation).
+    fn drop_evicted(&mut self) -> Result<()> {
+        if let (Some(store), Some(mc)) = (self.store.as_mut(), self.mooncake.as_mut()) {
+            let evicted: Vec<String> = store.take_evicted().into_iter().map(|s| mc.key(s)).collect();
+            mc.doomed.extend(evicted);
+            if !mc.doomed.is_empty() && (mc.doomed.len() >= 64 || self.now.is_multiple_of(64)) {
+                let keys = std::mem::take(&mut mc.doomed);
+                let rc = mc.worker.remove(&keys)?;
+                // Objects still under a read lease are retried later.
+                mc.doomed = keys.into_iter().zip(rc).filter(|(_, rc)| *rc != 0).map(|(k, _)| k).collect();
             }
         }
         Ok(())
@@ -735,12 +846,12 @@ impl<'a> Engine<'a> {
             } else {
                 self.dload.pop_front()
             };
+            let content = self.store.as_ref().expect("loads need the tier").content(entry).expect("loads read complete entries");
+            self.tier_get(side, op.slot, entry)?;
             let store = self.store.as_mut().expect("loads need the tier");
-            let content = store.content(entry).expect("loads read complete entries");
             self.loads += 1;
             match side {
                 Side::Prefill => {
-                    self.prefill.pool.write_block(op.slot, store.bytes(entry))?;
                     store.unpin(entry);
                     let stamped = self.write_stamp(op.slot, op.req, content.id, content.cause);
                     let p = &mut self.pslots[op.slot as usize];
@@ -751,7 +862,6 @@ impl<'a> Engine<'a> {
                     }
                 }
                 Side::Decode => {
-                    self.decode.pool.write_block(op.slot, store.bytes(entry))?;
                     if let Some(r) = self.reqs.get_mut(&op.req) {
                         r.delivered[index] = content;
                         r.dloads_left -= 1;
@@ -768,8 +878,8 @@ impl<'a> Engine<'a> {
     fn execute_put(&mut self, op: Op) -> Result<()> {
         let OpKind::Save { entry, promised } = op.kind else { unreachable!("put queue holds saves") };
         let p = self.pslots[op.slot as usize].clone();
+        self.tier_put(op.slot, entry)?;
         let store = self.store.as_mut().expect("saves need the tier");
-        self.prefill.pool.read_block(op.slot, store.bytes_mut(entry))?;
         let mut content = p.content;
         if content.id != promised {
             // The copy is not what the key promises: say which missing fence let it happen.
@@ -1291,6 +1401,7 @@ impl<'a> Engine<'a> {
             }
         }
         self.reqs.insert(id, r);
+        self.drop_evicted()?;
         for op in immediate {
             self.execute_put(op)?;
         }
@@ -1357,6 +1468,11 @@ impl<'a> Engine<'a> {
             tier_saves: self.saves,
             tier_loads: self.loads,
             tier_evictions: store.map_or(0, |s| s.evictions),
+            tier_detail: match (&self.mooncake, self.cfg.scenario.uses_tier()) {
+                (Some(mc), _) => mc.detail.clone(),
+                (None, true) => "embedded".into(),
+                (None, false) => "none".into(),
+            },
             unexplained_corrupt: self.unexplained,
             races,
             intervals: self.intervals.clone(),

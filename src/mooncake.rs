@@ -118,6 +118,10 @@ impl Master {
             .arg("--http_metadata_server_host=127.0.0.1")
             .arg(format!("--http_metadata_server_port={http_port}"))
             .arg(format!("--metrics_port={metrics_port}"))
+            // A read lease must outlast one get (shorter ones fail it: LEASE_EXPIRED), but the
+            // default 10 s keeps kvprobe from removing evicted objects (OBJECT_HAS_LEASE) long
+            // enough for the store to fill with dead ones; kvprobe retries refused removals.
+            .arg("--default_kv_lease_ttl=500")
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err)
@@ -342,8 +346,8 @@ impl Worker {
         Ok(())
     }
 
-    fn batch(&mut self, op: &str, keys: &[String], ranges: &[Vec<Range>]) -> Result<Vec<i64>> {
-        let v = self.call(op, serde_json::json!({ "keys": keys, "ranges": ranges }))?;
+    fn batch(&mut self, op: &str, pool: usize, keys: &[String], ranges: &[Vec<Range>]) -> Result<Vec<i64>> {
+        let v = self.call(op, serde_json::json!({ "keys": keys, "ranges": ranges, "pool": pool }))?;
         let rc: Vec<i64> =
             v["rc"].as_array().map(|a| a.iter().map(|x| x.as_i64().unwrap_or(i64::MIN)).collect()).unwrap_or_default();
         if rc.len() != keys.len() {
@@ -356,16 +360,22 @@ impl Worker {
         Ok(rc)
     }
 
-    /// Stores each key from its byte ranges of the mapped pool (batch_put_from_multi_buffers);
-    /// one return code per key (0 = stored).
-    pub fn put(&mut self, keys: &[String], ranges: &[Vec<Range>]) -> Result<Vec<i64>> {
-        self.batch("put", keys, ranges)
+    /// Stores each key from its byte ranges of mapped pool `pool` (0 = the first mapped)
+    /// (batch_put_from_multi_buffers); one return code per key (0 = stored).
+    pub fn put(&mut self, pool: usize, keys: &[String], ranges: &[Vec<Range>]) -> Result<Vec<i64>> {
+        self.batch("put", pool, keys, ranges)
     }
 
-    /// Loads each key into its byte ranges of the mapped pool (batch_get_into_multi_buffers);
-    /// per key the bytes read, or a negative Mooncake error code.
-    pub fn get(&mut self, keys: &[String], ranges: &[Vec<Range>]) -> Result<Vec<i64>> {
-        self.batch("get", keys, ranges)
+    /// Loads each key into its byte ranges of mapped pool `pool`
+    /// (batch_get_into_multi_buffers); per key the bytes read, or a negative Mooncake error code.
+    pub fn get(&mut self, pool: usize, keys: &[String], ranges: &[Vec<Range>]) -> Result<Vec<i64>> {
+        self.batch("get", pool, keys, ranges)
+    }
+
+    /// Drops keys from the store (batch_remove); one return code per key.
+    pub fn remove(&mut self, keys: &[String]) -> Result<Vec<i64>> {
+        let v = self.call("remove", serde_json::json!({ "keys": keys }))?;
+        Ok(v["rc"].as_array().map(|a| a.iter().map(|x| x.as_i64().unwrap_or(i64::MIN)).collect()).unwrap_or_default())
     }
 
     /// Which keys the store holds (batch_is_exist): 1 yes, 0 no, negative on error.

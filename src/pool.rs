@@ -94,6 +94,34 @@ impl KvPool {
         Ok(KvPool { geom: geom.clone(), seed, backing: Backing::Host(buf) })
     }
 
+    /// Maps a DRAM pool that a helper process can map too (memfd-backed, see
+    /// [`HostBuffer::alloc_shareable`]): for the Mooncake worker. Errors as [`KvPool::host`].
+    pub fn host_shareable(geom: &Geometry, seed: u64) -> Result<KvPool> {
+        geom.validate()?;
+        let pool = geom.pool_bytes()?;
+        if let Some(avail) = crate::hostmem::available_bytes()
+            && pool > avail
+        {
+            return Err(Error::Usage(format!("a DRAM pool of {pool} bytes exceeds the {avail} bytes of available host memory")));
+        }
+        Ok(KvPool { geom: geom.clone(), seed, backing: Backing::Host(HostBuffer::alloc_shareable(pool as usize)?) })
+    }
+
+    /// The host mapping of a DRAM pool (None for VRAM).
+    pub fn host_buffer(&self) -> Option<&HostBuffer> {
+        match &self.backing {
+            Backing::Host(b) => Some(b),
+            Backing::Device { .. } => None,
+        }
+    }
+
+    /// Byte ranges `(offset, length)` of block `slot`'s slices within the pool mapping, in
+    /// (layer, K/V) order (DRAM pools: slices are in global-index order).
+    pub fn block_ranges(&self, slot: u32) -> Vec<(u64, u64)> {
+        let sb = self.geom.slice_bytes().unwrap_or(0);
+        self.block_slices(slot).map(|c| (self.geom.global_slice(c) as u64 * sb, sb)).collect()
+    }
+
     /// Allocates a VRAM pool on `dev` (one cuMemAlloc per layer). Errors: invalid geometry,
     /// or the pool (plus bookkeeping) exceeds the device's free memory — checked before
     /// allocating.

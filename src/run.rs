@@ -122,6 +122,9 @@ fn check_config(cfg: &RunConfig) -> Result<()> {
             ));
         }
         crate::engine::check(sc, cfg.geometry.num_blocks)?;
+        if sc.tier == crate::engine::TierKind::Mooncake && cfg.memory != MemoryKind::Dram {
+            return Err(Error::Usage("--tier mooncake needs --memory dram for now (sharing VRAM pools with the Mooncake worker by CUDA IPC is not done yet)".into()));
+        }
         if cfg.min_gbps.is_some() && !sc.scenario.uses_nixl() {
             return Err(Error::Usage("--min-gbps measures NIXL transfers; tier-only moves nothing over NIXL".into()));
         }
@@ -166,7 +169,12 @@ fn check_host_memory(cfg: &RunConfig) -> Result<()> {
 fn build_pools(cfg: &RunConfig) -> Result<(KvPool, KvPool)> {
     let g = &cfg.geometry;
     match cfg.memory {
-        MemoryKind::Dram => Ok((KvPool::host(g, cfg.seed)?, KvPool::host(g, cfg.seed)?)),
+        MemoryKind::Dram => {
+            // The Mooncake worker maps both pools: they must be shareable (memfd-backed).
+            let mooncake = cfg.scenario.as_ref().is_some_and(|s| s.tier == crate::engine::TierKind::Mooncake);
+            let alloc = if mooncake { KvPool::host_shareable } else { KvPool::host };
+            Ok((alloc(g, cfg.seed)?, alloc(g, cfg.seed)?))
+        }
         MemoryKind::Vram => {
             if cuda::device_count() == 0 {
                 return Err(Error::Environment("--memory vram needs a CUDA GPU and none was found (use --memory dram)".into()));

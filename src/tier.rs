@@ -30,6 +30,8 @@ pub struct Content {
 /// One stored block.
 #[derive(Clone, Copy, Debug)]
 struct Entry {
+    /// Unique per reservation: names the object in an external store.
+    serial: u64,
     /// The identity the key promises (what the saving request computed).
     promised: TableEntry,
     /// What was actually copied in (None while the put is pending).
@@ -41,6 +43,8 @@ struct Entry {
 enum Arena {
     Host(HostBuffer),
     Pinned(crate::cuda::PinnedHost),
+    /// The bytes live elsewhere (Mooncake Store); this store keeps only the metadata.
+    Elsewhere,
 }
 
 /// The embedded store.
@@ -56,6 +60,8 @@ pub struct Store {
     pub full_skips: u64,
     /// Entries evicted.
     pub evictions: u64,
+    serials: u64,
+    evicted: Vec<u64>,
 }
 
 /// Index of an entry in the store.
@@ -88,7 +94,37 @@ impl Store {
             tick: 0,
             full_skips: 0,
             evictions: 0,
+            serials: 0,
+            evicted: Vec::new(),
         })
+    }
+
+    /// A store that keeps only the metadata of `capacity` entries; the bytes live in an
+    /// external store (Mooncake), named by [`Store::serial`].
+    pub fn metadata_only(capacity: u32, block_bytes: u64) -> Store {
+        Store {
+            arena: Arena::Elsewhere,
+            block_bytes: block_bytes as usize,
+            capacity,
+            entries: vec![None; capacity as usize],
+            by_hash: HashMap::new(),
+            free: (0..capacity).rev().collect(),
+            tick: 0,
+            full_skips: 0,
+            evictions: 0,
+            serials: 0,
+            evicted: Vec::new(),
+        }
+    }
+
+    /// The reservation serial of entry `id` (unique for the life of the store).
+    pub fn serial(&self, id: EntryId) -> u64 {
+        self.entry(id).serial
+    }
+
+    /// Serials of the entries evicted since the last call (to drop from an external store).
+    pub fn take_evicted(&mut self) -> Vec<u64> {
+        std::mem::take(&mut self.evicted)
     }
 
     /// Entries the store holds at most.
@@ -168,14 +204,17 @@ impl Store {
                     self.full_skips += 1;
                     return None;
                 };
-                let (h, _) = self.entries[v as usize].take().expect("victim is live");
+                let (h, old) = self.entries[v as usize].take().expect("victim is live");
                 self.by_hash.remove(&h);
+                self.evicted.push(old.serial);
                 self.evictions += 1;
                 v
             }
         };
         self.tick += 1;
-        self.entries[id as usize] = Some((hash, Entry { promised, content: None, pins: 1, last_use: self.tick }));
+        self.serials += 1;
+        self.entries[id as usize] =
+            Some((hash, Entry { serial: self.serials, promised, content: None, pins: 1, last_use: self.tick }));
         self.by_hash.insert(hash, id);
         Some(id)
     }
@@ -196,21 +235,23 @@ impl Store {
         self.entry_mut(id).content = Some(content);
     }
 
-    /// The bytes of entry `id`.
+    /// The bytes of entry `id` (empty for a metadata-only store).
     pub fn bytes(&self, id: EntryId) -> &[u8] {
         let s = match &self.arena {
             Arena::Host(b) => b.as_slice(),
             Arena::Pinned(p) => p.buffer().as_slice(),
+            Arena::Elsewhere => return &[],
         };
         &s[id as usize * self.block_bytes..(id as usize + 1) * self.block_bytes]
     }
 
-    /// The bytes of entry `id`, for a put to copy into.
+    /// The bytes of entry `id`, for a put to copy into (empty for a metadata-only store).
     pub fn bytes_mut(&mut self, id: EntryId) -> &mut [u8] {
         let bb = self.block_bytes;
         let s = match &mut self.arena {
             Arena::Host(b) => b.as_mut_slice(),
             Arena::Pinned(p) => p.buffer_mut().as_mut_slice(),
+            Arena::Elsewhere => return &mut [],
         };
         &mut s[id as usize * bb..(id as usize + 1) * bb]
     }

@@ -124,19 +124,19 @@ fn worker_moves_blocks_between_a_shared_pool_and_the_store() {
     assert_eq!(key, "kvprobe/test/0000004d");
     assert_eq!(w.exists(std::slice::from_ref(&key)).unwrap(), vec![0]);
     let src = vec![(0u64, sb as u64), (65536, sb as u64)];
-    assert_eq!(w.put(std::slice::from_ref(&key), std::slice::from_ref(&src)).unwrap(), vec![0]);
+    assert_eq!(w.put(0, std::slice::from_ref(&key), std::slice::from_ref(&src)).unwrap(), vec![0]);
     assert_eq!(w.exists(std::slice::from_ref(&key)).unwrap(), vec![1]);
     // Load it into two other places of the pool: the bytes arrive intact.
     let dst = vec![(131072u64, sb as u64), (262144, sb as u64)];
-    let got = w.get(std::slice::from_ref(&key), std::slice::from_ref(&dst)).unwrap();
+    let got = w.get(0, std::slice::from_ref(&key), std::slice::from_ref(&dst)).unwrap();
     assert_eq!(got, vec![2 * sb as i64], "bytes read");
     assert_eq!(fingerprint::check(&pool.as_slice()[131072..131072 + sb], 9, id(KvPart::K)).0, 0);
     assert_eq!(fingerprint::check(&pool.as_slice()[262144..262144 + sb], 9, id(KvPart::V)).0, 0);
     // A missing key is an error code, not bytes.
     let missing = mooncake::block_key("test", 78);
-    assert!(w.get(std::slice::from_ref(&missing), std::slice::from_ref(&dst)).unwrap()[0] < 0);
+    assert!(w.get(0, std::slice::from_ref(&missing), std::slice::from_ref(&dst)).unwrap()[0] < 0);
     // Ranges outside the pool are refused by the worker, which stays usable.
-    let e = w.put(std::slice::from_ref(&key), &[vec![(1 << 20, 16)]]).unwrap_err();
+    let e = w.put(0, std::slice::from_ref(&key), &[vec![(1 << 20, 16)]]).unwrap_err();
     assert!(e.to_string().contains("outside"), "{e}");
     assert_eq!(w.exists(std::slice::from_ref(&key)).unwrap(), vec![1]);
     let pid = w.pid();
@@ -159,4 +159,93 @@ fn a_killed_worker_is_a_transport_error() {
     assert!(e.to_string().contains("Mooncake worker"), "{e}");
     drop(w);
     assert!(!running(pid));
+}
+
+fn children(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    if let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) {
+        for t in tasks.flatten() {
+            if let Ok(s) = std::fs::read_to_string(t.path().join("children")) {
+                out.extend(s.split_whitespace().filter_map(|x| x.parse::<u32>().ok()));
+            }
+        }
+    }
+    out
+}
+
+fn cmdline(pid: u32) -> String {
+    std::fs::read(format!("/proc/{pid}/cmdline")).map(|b| String::from_utf8_lossy(&b).replace('\0', " ")).unwrap_or_default()
+}
+
+#[test]
+fn scenarios_run_on_the_real_mooncake_store() {
+    if !mooncake_or_skip("scenarios_run_on_the_real_mooncake_store") {
+        return;
+    }
+    for sc in ["stacked", "tier-only"] {
+        let (code, r, log) = crate::common::run_with_report(
+            sc,
+            "dram",
+            &["--scenario", sc, "--tier", "mooncake", "--requests", "400", "--seed", "3"],
+        );
+        assert_eq!(code, 0, "{sc}: {log}");
+        assert_eq!(r["summary"]["blocks_corrupt"], 0);
+        let s = &r["scenario"];
+        assert_eq!(s["tier"], "mooncake");
+        let detail = s["tier_detail"].as_str().unwrap();
+        assert!(
+            detail.contains("mooncake_transfer_engine") && detail.contains("tcp") && detail.contains("master 127.0.0.1:"),
+            "{detail}"
+        );
+        assert!(s["tier_saves"].as_u64().unwrap() > 100 && s["tier_hit_blocks"].as_u64().unwrap() > 10, "{s}");
+        assert!(r["environment"]["mooncake"]["install"]["version"].is_string());
+    }
+    let (code, r, log) = crate::common::run_with_report(
+        "mc-race",
+        "dram",
+        &["--race", "save-before-write", "--tier", "mooncake", "--requests", "400"],
+    );
+    assert_eq!(code, 1, "{log}");
+    assert_eq!(r["scenario"]["unexplained_corrupt"], 0, "{log}");
+    let o = r["scenario"]["races"].as_array().unwrap().iter().find(|o| o["mechanism"] == "save-before-write").unwrap().clone();
+    assert_eq!(o["verdict"], "detected", "{o}");
+}
+
+#[test]
+fn a_master_killed_mid_run_is_exit_3_and_nothing_is_left_running() {
+    if !mooncake_or_skip("a_master_killed_mid_run_is_exit_3_and_nothing_is_left_running") {
+        return;
+    }
+    let d = crate::common::tmpdir("mc-kill");
+    let p = d.join("r.json");
+    let mut child = std::process::Command::new(crate::common::bin())
+        .args(["run", "--memory", "dram", "--scenario", "stacked", "--tier", "mooncake", "--duration", "60s"])
+        .arg("--report")
+        .arg(&p)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait until kvprobe has started the master and the worker.
+    let t0 = std::time::Instant::now();
+    let (master, worker) = loop {
+        let kids = children(child.id());
+        let m = kids.iter().copied().find(|k| cmdline(*k).contains("mooncake_master"));
+        let w = kids.iter().copied().find(|k| cmdline(*k).contains("kvprobe-mooncake-worker"));
+        if let (Some(m), Some(w)) = (m, w) {
+            break (m, w);
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "master and worker not started");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(std::process::Command::new("kill").args(["-KILL", &master.to_string()]).status().unwrap().success());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    let r = crate::common::read_report(&p);
+    assert_eq!(r["outcome"]["error"]["kind"], "transport");
+    let msg = r["outcome"]["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("mooncake") || msg.contains("Mooncake"), "{msg}");
+    assert!(!running(master) && !running(worker), "orphans: master {master} worker {worker}");
 }
