@@ -218,7 +218,7 @@ fn a_master_killed_mid_run_is_exit_3_and_nothing_is_left_running() {
     }
     let d = crate::common::tmpdir("mc-kill");
     let p = d.join("r.json");
-    let mut child = std::process::Command::new(crate::common::bin())
+    let child = std::process::Command::new(crate::common::bin())
         .args(["run", "--memory", "dram", "--scenario", "stacked", "--tier", "mooncake", "--duration", "60s"])
         .arg("--report")
         .arg(&p)
