@@ -83,6 +83,12 @@ impl KvPool {
     /// Maps a DRAM pool. Errors: the geometry is invalid, or larger than the host memory this
     /// process may allocate (checked before mapping).
     pub fn host(geom: &Geometry, seed: u64) -> Result<KvPool> {
+        let pool = Self::host_bytes(geom)?;
+        Ok(KvPool { geom: geom.clone(), seed, backing: Backing::Host(HostBuffer::alloc(pool)?) })
+    }
+
+    /// The bytes of a DRAM pool of `geom`, checked against the host memory available.
+    fn host_bytes(geom: &Geometry) -> Result<usize> {
         geom.validate()?;
         let pool = geom.pool_bytes()?;
         if let Some(avail) = crate::hostmem::available_bytes()
@@ -90,21 +96,14 @@ impl KvPool {
         {
             return Err(Error::Usage(format!("a DRAM pool of {pool} bytes exceeds the {avail} bytes of available host memory")));
         }
-        let buf = HostBuffer::alloc(pool as usize)?;
-        Ok(KvPool { geom: geom.clone(), seed, backing: Backing::Host(buf) })
+        Ok(pool as usize)
     }
 
     /// Maps a DRAM pool that a helper process can map too (memfd-backed, see
     /// [`HostBuffer::alloc_shareable`]): for the Mooncake worker. Errors as [`KvPool::host`].
     pub fn host_shareable(geom: &Geometry, seed: u64) -> Result<KvPool> {
-        geom.validate()?;
-        let pool = geom.pool_bytes()?;
-        if let Some(avail) = crate::hostmem::available_bytes()
-            && pool > avail
-        {
-            return Err(Error::Usage(format!("a DRAM pool of {pool} bytes exceeds the {avail} bytes of available host memory")));
-        }
-        Ok(KvPool { geom: geom.clone(), seed, backing: Backing::Host(HostBuffer::alloc_shareable(pool as usize)?) })
+        let pool = Self::host_bytes(geom)?;
+        Ok(KvPool { geom: geom.clone(), seed, backing: Backing::Host(HostBuffer::alloc_shareable(pool)?) })
     }
 
     /// The host mapping of a DRAM pool (None for VRAM).

@@ -84,7 +84,11 @@ impl Store {
             Some(d) => Arena::Pinned(crate::cuda::PinnedHost::new(d, buf)?),
             None => Arena::Host(buf),
         };
-        Ok(Store {
+        Ok(Store::with_arena(arena, capacity, block_bytes))
+    }
+
+    fn with_arena(arena: Arena, capacity: u32, block_bytes: u64) -> Store {
+        Store {
             arena,
             block_bytes: block_bytes as usize,
             capacity,
@@ -96,25 +100,13 @@ impl Store {
             evictions: 0,
             serials: 0,
             evicted: Vec::new(),
-        })
+        }
     }
 
     /// A store that keeps only the metadata of `capacity` entries; the bytes live in an
     /// external store (Mooncake), named by [`Store::serial`].
     pub fn metadata_only(capacity: u32, block_bytes: u64) -> Store {
-        Store {
-            arena: Arena::Elsewhere,
-            block_bytes: block_bytes as usize,
-            capacity,
-            entries: vec![None; capacity as usize],
-            by_hash: HashMap::new(),
-            free: (0..capacity).rev().collect(),
-            tick: 0,
-            full_skips: 0,
-            evictions: 0,
-            serials: 0,
-            evicted: Vec::new(),
-        }
+        Store::with_arena(Arena::Elsewhere, capacity, block_bytes)
     }
 
     /// The reservation serial of entry `id` (unique for the life of the store).
