@@ -13,11 +13,12 @@
 //! [`report`] (versioned JSON and the human summary), driven by [`run`] (one scenario or the
 //! whole-pool sweep) and [`ab`] (the isolation matrix).
 //!
-//! `unsafe` lives only in the fenced FFI modules [`cuda`], [`hostmem`], [`nixl`] and the
-//! C bridge inside [`fingerprint`].
+//! `unsafe` lives only in the fenced FFI modules [`cuda`], [`hostmem`], [`nixl`], [`child`]
+//! and the C bridge inside [`fingerprint`].
 #![deny(missing_docs)]
 
 pub mod ab;
+pub mod child;
 pub mod cuda;
 pub mod engine;
 pub mod envinfo;

@@ -111,7 +111,9 @@ impl Master {
             .map_err(|e| Error::Environment(format!("master log file: {e}")))?;
         let out = log.reopen().map_err(|e| Error::Environment(e.to_string()))?;
         let err = log.reopen().map_err(|e| Error::Environment(e.to_string()))?;
-        let child = Command::new(&install.master)
+        let mut cmd = Command::new(&install.master);
+        crate::child::die_with_parent(&mut cmd);
+        let child = cmd
             .arg(format!("--rpc_port={rpc_port}"))
             .arg("--rpc_address=127.0.0.1")
             .arg("--enable_http_metadata_server=true")
@@ -235,7 +237,9 @@ impl Worker {
             .suffix(".log")
             .tempfile()
             .map_err(|e| env_err("log", e))?;
-        let mut child = Command::new(&install.python)
+        let mut cmd = Command::new(&install.python);
+        crate::child::die_with_parent(&mut cmd);
+        let mut child = cmd
             .arg("-u")
             .arg(script.path())
             .stdin(Stdio::piped())

@@ -249,3 +249,39 @@ fn a_master_killed_mid_run_is_exit_3_and_nothing_is_left_running() {
     assert!(msg.contains("mooncake") || msg.contains("Mooncake"), "{msg}");
     assert!(!running(master) && !running(worker), "orphans: master {master} worker {worker}");
 }
+
+#[test]
+fn a_kvprobe_killed_hard_takes_its_master_and_worker_along() {
+    if !mooncake_or_skip("a_kvprobe_killed_hard_takes_its_master_and_worker_along") {
+        return;
+    }
+    let mut child = std::process::Command::new(crate::common::bin())
+        .args(["run", "--memory", "dram", "--scenario", "stacked", "--tier", "mooncake", "--duration", "60s"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    let (master, worker) = loop {
+        let kids = children(child.id());
+        let m = kids.iter().copied().find(|k| cmdline(*k).contains("mooncake_master"));
+        let w = kids.iter().copied().find(|k| cmdline(*k).contains("kvprobe-mooncake-worker"));
+        if let (Some(m), Some(w)) = (m, w) {
+            break (m, w);
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "master and worker not started");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    child.kill().unwrap(); // SIGKILL: no destructor of kvprobe runs
+    child.wait().unwrap();
+    let t0 = std::time::Instant::now();
+    while running(master) || running(worker) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "left running: master {master} {}, worker {worker} {}",
+            running(master),
+            running(worker)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
