@@ -54,6 +54,8 @@ class Worker:
         self.maps = []  # (mmap, base) of mapped pools; the first is the pool ranges refer to
 
     def op_hello(self, _req):
+        import mooncake.store  # noqa: F401 - a broken install must fail here, at hello
+
         return {"protocol": PROTOCOL, "mooncake": mooncake_version()}
 
     def op_setup(self, req):

@@ -222,7 +222,8 @@ pub fn render(ab: &AbReport) -> String {
             verdict += &format!(" ({} unexplained)", r.unexplained);
         }
         if let Some(w) = &r.why {
-            verdict += &format!(": {w}");
+            // One line in the table; the report holds the whole text (a master's log, say).
+            verdict += &format!(": {}", w.lines().next().unwrap_or(""));
         }
         out += &format!(
             "{:<36} {:>8} {:>14} {:>8}  {:<28} {}\n",

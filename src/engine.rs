@@ -393,8 +393,11 @@ impl MooncakeTier {
             ));
         };
         let install = crate::mooncake::find()?;
-        let master = crate::mooncake::Master::start(&install, timeout.min(Duration::from_secs(60)))?;
+        // The worker first: its hello imports the store client, so a broken install is a
+        // set-up error (exit 2) before anything else starts.
         let mut worker = crate::mooncake::Worker::start(&install, timeout)?;
+        // Start-up has its own window (the master takes about a second), whatever --timeout says.
+        let master = crate::mooncake::Master::start(&install, Duration::from_secs(30))?;
         // Room for every entry the engine may hold, twice over, so Mooncake itself never evicts one.
         let segment = (cfg.tier_blocks as u64 * prefill.pool.block_bytes()).saturating_mul(2).max(64 << 20);
         worker.setup(&master, "tcp", segment)?;
@@ -406,6 +409,17 @@ impl MooncakeTier {
             install.wheel, install.version, master.rpc, master.metadata_url
         );
         Ok(MooncakeTier { master, worker, fingerprint, detail, doomed: Vec::new() })
+    }
+
+    /// After a failed store call: the master's death (with its log) when that is the cause.
+    /// A killed master is reaped a moment after its client sees the connection drop.
+    fn master_gone(&mut self) -> Result<()> {
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_millis(300) {
+            self.master.alive()?;
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
     }
 
     fn key(&self, serial: u64) -> String {
@@ -668,11 +682,18 @@ impl<'a> Engine<'a> {
             None => self.prefill.pool.read_block(slot, store.bytes_mut(entry)),
             Some(mc) => {
                 let key = mc.key(store.serial(entry));
-                let rc = mc.worker.put(0, std::slice::from_ref(&key), &[self.prefill.pool.block_ranges(slot)])?;
-                if rc.first() != Some(&0) {
-                    return Err(Error::Transport(format!("Mooncake put of {key} returned {rc:?}")));
+                let rc = mc.worker.put(0, std::slice::from_ref(&key), &[self.prefill.pool.block_ranges(slot)]);
+                match rc {
+                    Ok(rc) if rc.first() == Some(&0) => Ok(()),
+                    // A dead master explains a failed put best: say so, with its log.
+                    other => {
+                        mc.master_gone()?;
+                        Err(match other {
+                            Err(e) => e,
+                            Ok(rc) => Error::Transport(format!("Mooncake put of {key} returned {rc:?}")),
+                        })
+                    }
                 }
-                Ok(())
             }
         }
     }

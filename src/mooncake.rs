@@ -119,6 +119,7 @@ impl Master {
             .arg("--enable_http_metadata_server=true")
             .arg("--http_metadata_server_host=127.0.0.1")
             .arg(format!("--http_metadata_server_port={http_port}"))
+            .arg("--metrics_host=127.0.0.1")
             .arg(format!("--metrics_port={metrics_port}"))
             // A read lease must outlast one get (shorter ones fail it: LEASE_EXPIRED), but the
             // default 10 s keeps kvprobe from removing evicted objects (OBJECT_HAS_LEASE) long
@@ -137,6 +138,9 @@ impl Master {
         let t0 = Instant::now();
         loop {
             m.alive()?;
+            if crate::interrupt::requested() {
+                return Err(Error::Interrupted("starting mooncake_master".into()));
+            }
             let up = |a: &SocketAddr| TcpStream::connect_timeout(a, Duration::from_millis(100)).is_ok();
             if up(&m.rpc) && up(&http) {
                 return Ok(m);
@@ -260,7 +264,11 @@ impl Worker {
             }
         });
         let mut w = Worker { child, stdin, replies: rx, next_id: 1, timeout, log, _script: script };
-        let hello = w.call("hello", serde_json::json!({}))?;
+        // hello imports the store client: a broken install fails here, as a set-up problem.
+        let hello = w.call("hello", serde_json::json!({})).map_err(|e| match e {
+            Error::Transport(m) => Error::Environment(format!("{m}; {INSTALL_HINT}")),
+            e => e,
+        })?;
         if hello["protocol"] != PROTOCOL {
             return Err(Error::Transport(format!("Mooncake worker speaks {}, not {PROTOCOL}", hello["protocol"])));
         }
@@ -397,6 +405,7 @@ impl Worker {
 impl Drop for Worker {
     fn drop(&mut self) {
         if let Ok(None) = self.child.try_wait() {
+            self.timeout = self.timeout.min(Duration::from_secs(2));
             let _ = self.call("quit", serde_json::json!({}));
             let t0 = Instant::now();
             while t0.elapsed() < Duration::from_secs(2) {

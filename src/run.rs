@@ -122,8 +122,11 @@ fn check_config(cfg: &RunConfig) -> Result<()> {
             ));
         }
         crate::engine::check(sc, cfg.geometry.num_blocks)?;
-        if sc.tier == crate::engine::TierKind::Mooncake && cfg.memory != MemoryKind::Dram {
-            return Err(Error::Usage("--tier mooncake needs --memory dram for now (sharing VRAM pools with the Mooncake worker by CUDA IPC is not done yet)".into()));
+        if sc.tier == crate::engine::TierKind::Mooncake {
+            if cfg.memory != MemoryKind::Dram {
+                return Err(Error::Usage("--tier mooncake needs --memory dram for now (sharing VRAM pools with the Mooncake worker by CUDA IPC is not done yet)".into()));
+            }
+            crate::mooncake::find()?; // refuse up front, not at the first row that needs it
         }
         if cfg.min_gbps.is_some() && !sc.scenario.uses_nixl() {
             return Err(Error::Usage("--min-gbps measures NIXL transfers; tier-only moves nothing over NIXL".into()));

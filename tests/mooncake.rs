@@ -246,7 +246,7 @@ fn a_master_killed_mid_run_is_exit_3_and_nothing_is_left_running() {
     let r = crate::common::read_report(&p);
     assert_eq!(r["outcome"]["error"]["kind"], "transport");
     let msg = r["outcome"]["error"]["message"].as_str().unwrap();
-    assert!(msg.contains("mooncake") || msg.contains("Mooncake"), "{msg}");
+    assert!(msg.contains("mooncake_master exited") && msg.contains("log ends"), "{msg}");
     assert!(!running(master) && !running(worker), "orphans: master {master} worker {worker}");
 }
 
@@ -284,4 +284,28 @@ fn a_kvprobe_killed_hard_takes_its_master_and_worker_along() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+#[test]
+fn a_broken_mooncake_install_is_a_set_up_error() {
+    if !mooncake_or_skip("a_broken_mooncake_install_is_a_set_up_error") {
+        return;
+    }
+    // A venv whose package directory exists but holds no store client.
+    let d = crate::common::tmpdir("broken-venv");
+    let site = d.join("lib/python3/site-packages");
+    std::fs::create_dir_all(site.join("mooncake")).unwrap();
+    std::fs::create_dir_all(site.join("mooncake_transfer_engine_non_cuda-0.0.0.dist-info")).unwrap();
+    std::fs::write(site.join("mooncake/mooncake_master"), "#!/bin/sh\nsleep 60\n").unwrap();
+    std::fs::create_dir_all(d.join("bin")).unwrap();
+    let py = std::process::Command::new("sh").args(["-c", "command -v python3"]).output().unwrap();
+    let py = String::from_utf8_lossy(&py.stdout).trim().to_string();
+    std::os::unix::fs::symlink(&py, d.join("bin/python")).unwrap();
+    let venv = d.to_str().unwrap();
+    let (code, out, err) = kvprobe_env(
+        &["run", "--memory", "dram", "--scenario", "stacked", "--tier", "mooncake", "--requests", "10"],
+        &[("KVPROBE_MOONCAKE_VENV", venv)],
+    );
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(err.contains("install-mooncake.sh"), "{err}");
 }
