@@ -177,6 +177,32 @@ fn cmdline(pid: u32) -> String {
     std::fs::read(format!("/proc/{pid}/cmdline")).map(|b| String::from_utf8_lossy(&b).replace('\0', " ")).unwrap_or_default()
 }
 
+/// Starts a 60 s `--tier mooncake` run (report at `report`, if any) and waits until kvprobe
+/// has started the master and the worker: (kvprobe, master pid, worker pid).
+fn run_with_helpers(report: Option<&std::path::Path>) -> (std::process::Child, u32, u32) {
+    let mut cmd = std::process::Command::new(crate::common::bin());
+    cmd.args(["run", "--memory", "dram", "--scenario", "stacked", "--tier", "mooncake", "--duration", "60s"]);
+    if let Some(p) = report {
+        cmd.arg("--report").arg(p);
+    }
+    let mut child = cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let t0 = std::time::Instant::now();
+    loop {
+        let kids = children(child.id());
+        let m = kids.iter().copied().find(|k| cmdline(*k).contains("mooncake_master"));
+        let w = kids.iter().copied().find(|k| cmdline(*k).contains("kvprobe-mooncake-worker"));
+        if let (Some(m), Some(w)) = (m, w) {
+            return (child, m, w);
+        }
+        if t0.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("master and worker not started");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 #[test]
 fn scenarios_run_on_the_real_mooncake_store() {
     if !mooncake_or_skip("scenarios_run_on_the_real_mooncake_store") {
@@ -218,26 +244,7 @@ fn a_master_killed_mid_run_is_exit_3_and_nothing_is_left_running() {
     }
     let d = crate::common::tmpdir("mc-kill");
     let p = d.join("r.json");
-    let child = std::process::Command::new(crate::common::bin())
-        .args(["run", "--memory", "dram", "--scenario", "stacked", "--tier", "mooncake", "--duration", "60s"])
-        .arg("--report")
-        .arg(&p)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    // Wait until kvprobe has started the master and the worker.
-    let t0 = std::time::Instant::now();
-    let (master, worker) = loop {
-        let kids = children(child.id());
-        let m = kids.iter().copied().find(|k| cmdline(*k).contains("mooncake_master"));
-        let w = kids.iter().copied().find(|k| cmdline(*k).contains("kvprobe-mooncake-worker"));
-        if let (Some(m), Some(w)) = (m, w) {
-            break (m, w);
-        }
-        assert!(t0.elapsed() < Duration::from_secs(30), "master and worker not started");
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let (child, master, worker) = run_with_helpers(Some(&p));
     std::thread::sleep(Duration::from_millis(1500));
     assert!(std::process::Command::new("kill").args(["-KILL", &master.to_string()]).status().unwrap().success());
     let out = child.wait_with_output().unwrap();
@@ -255,23 +262,7 @@ fn a_kvprobe_killed_hard_takes_its_master_and_worker_along() {
     if !mooncake_or_skip("a_kvprobe_killed_hard_takes_its_master_and_worker_along") {
         return;
     }
-    let mut child = std::process::Command::new(crate::common::bin())
-        .args(["run", "--memory", "dram", "--scenario", "stacked", "--tier", "mooncake", "--duration", "60s"])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let t0 = std::time::Instant::now();
-    let (master, worker) = loop {
-        let kids = children(child.id());
-        let m = kids.iter().copied().find(|k| cmdline(*k).contains("mooncake_master"));
-        let w = kids.iter().copied().find(|k| cmdline(*k).contains("kvprobe-mooncake-worker"));
-        if let (Some(m), Some(w)) = (m, w) {
-            break (m, w);
-        }
-        assert!(t0.elapsed() < Duration::from_secs(30), "master and worker not started");
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let (mut child, master, worker) = run_with_helpers(None);
     child.kill().unwrap(); // SIGKILL: no destructor of kvprobe runs
     child.wait().unwrap();
     let t0 = std::time::Instant::now();
