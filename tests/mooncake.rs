@@ -178,7 +178,9 @@ fn cmdline(pid: u32) -> String {
 }
 
 /// Starts a 60 s `--tier mooncake` run (report at `report`, if any) and waits until kvprobe
-/// has started the master and the worker: (kvprobe, master pid, worker pid).
+/// has started the master and the worker: (kvprobe, master pid, worker pid). The caller
+/// waits for kvprobe.
+#[allow(clippy::zombie_processes)]
 fn run_with_helpers(report: Option<&std::path::Path>) -> (std::process::Child, u32, u32) {
     let mut cmd = std::process::Command::new(crate::common::bin());
     cmd.args(["run", "--memory", "dram", "--scenario", "stacked", "--tier", "mooncake", "--duration", "60s"]);
