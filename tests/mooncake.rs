@@ -302,3 +302,26 @@ fn a_broken_mooncake_install_is_a_set_up_error() {
     assert_eq!(code, 2, "{out}{err}");
     assert!(err.contains("install-mooncake.sh"), "{err}");
 }
+
+#[test]
+fn ab_on_the_real_mooncake_store_passes() {
+    if !mooncake_or_skip("ab_on_the_real_mooncake_store_passes") {
+        return;
+    }
+    let d = crate::common::tmpdir("mc-ab");
+    let p = d.join("ab.json");
+    let (code, out, err) =
+        kvprobe_env(&["ab", "--memory", "dram", "--tier", "mooncake", "--requests", "400", "--report", p.to_str().unwrap()], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    let r = crate::common::read_report(&p);
+    let rows = r["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 8);
+    for row in rows {
+        assert_eq!(row["pass"], true, "{row}");
+        assert_eq!(row["unexplained"], 0);
+    }
+    // Every tier row ran on Mooncake.
+    for s in r["sections"].as_array().unwrap().iter().skip(1) {
+        assert!(s["scenario"]["tier_detail"].as_str().unwrap().starts_with("mooncake"), "{}", s["scenario"]["tier_detail"]);
+    }
+}
