@@ -360,8 +360,7 @@ impl Worker {
 
     fn batch(&mut self, op: &str, pool: usize, keys: &[String], ranges: &[Vec<Range>]) -> Result<Vec<i64>> {
         let v = self.call(op, serde_json::json!({ "keys": keys, "ranges": ranges, "pool": pool }))?;
-        let rc: Vec<i64> =
-            v["rc"].as_array().map(|a| a.iter().map(|x| x.as_i64().unwrap_or(i64::MIN)).collect()).unwrap_or_default();
+        let rc: Vec<i64> = rc_list(&v);
         if rc.len() != keys.len() {
             return Err(Error::Transport(format!(
                 "Mooncake worker: `{op}` answered {} results for {} keys",
@@ -387,13 +386,13 @@ impl Worker {
     /// Drops keys from the store (batch_remove); one return code per key.
     pub fn remove(&mut self, keys: &[String]) -> Result<Vec<i64>> {
         let v = self.call("remove", serde_json::json!({ "keys": keys }))?;
-        Ok(v["rc"].as_array().map(|a| a.iter().map(|x| x.as_i64().unwrap_or(i64::MIN)).collect()).unwrap_or_default())
+        Ok(rc_list(&v))
     }
 
     /// Which keys the store holds (batch_is_exist): 1 yes, 0 no, negative on error.
     pub fn exists(&mut self, keys: &[String]) -> Result<Vec<i64>> {
         let v = self.call("exists", serde_json::json!({ "keys": keys }))?;
-        Ok(v["rc"].as_array().map(|a| a.iter().map(|x| x.as_i64().unwrap_or(i64::MIN)).collect()).unwrap_or_default())
+        Ok(rc_list(&v))
     }
 
     /// The worker's process id.
@@ -418,6 +417,11 @@ impl Drop for Worker {
         }
         let _ = self.child.wait();
     }
+}
+
+/// A reply's per-key return codes (`rc`); a non-integer code reads as `i64::MIN`.
+fn rc_list(v: &serde_json::Value) -> Vec<i64> {
+    v["rc"].as_array().map(|a| a.iter().map(|x| x.as_i64().unwrap_or(i64::MIN)).collect()).unwrap_or_default()
 }
 
 /// The store key of a block, following vLLM's MooncakeStoreConnector scheme: a fingerprint
