@@ -11,11 +11,16 @@ ops:
   hello                                   -> {"protocol", "mooncake": version}
   setup   {local_hostname, metadata_url, master, protocol, global_segment_bytes, local_buffer_bytes}
                                           -> {"rc"}            (MooncakeDistributedStore.setup)
-  map_fd  {fd, len}                       -> {"base"}          maps kvprobe's shared pool (an inherited
-                                                               memfd) and registers it (register_buffer)
+  map_fd  {fd, len}                       -> {"base"}          maps kvprobe's shared DRAM pool (an
+                                                               inherited memfd) and registers it (register_buffer)
+  map_cuda {device, handles, region_bytes} -> {"bases"}        opens a VRAM pool: one CUDA IPC handle (128 hex
+                                                               digits) per layer region of region_bytes, on
+                                                               GPU ordinal `device`; registers each region
   put     {keys, ranges, pool}            -> {"rc": [..]}      batch_put_from_multi_buffers; ranges[k] is
                                                                [[offset, length], ...] into mapped pool
-                                                               number `pool` (0 = first map_fd, default)
+                                                               number `pool` (0 = first mapped, default); a
+                                                               VRAM pool's offsets run over its regions in
+                                                               order (layer * region_bytes + offset)
   get     {keys, ranges, pool}            -> {"rc": [..]}      batch_get_into_multi_buffers (bytes read, or < 0)
   remove  {keys}                          -> {"rc": [..]}      batch_remove
   exists  {keys}                          -> {"rc": [..]}      batch_is_exist (1 yes, 0 no, < 0 error)
@@ -48,10 +53,62 @@ def mooncake_version():
     return "unknown"
 
 
+class Pool:
+    """A mapped pool: equal regions (one for DRAM, one per layer for VRAM) at `bases`."""
+
+    def __init__(self, bases, region_bytes, keep=None):
+        self.bases, self.region, self.keep = bases, region_bytes, keep
+
+    def ptr(self, off, n):
+        i, within = divmod(off, self.region)
+        if off < 0 or n <= 0 or i >= len(self.bases) or within + n > self.region:
+            raise ValueError(f"range [{off}, {off + n}) outside the pool's {len(self.bases)} x {self.region}-byte regions")
+        return self.bases[i] + within
+
+
+class CudaIpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+
+class CudaDriver:
+    """The few CUDA driver calls that open kvprobe's VRAM pool (libcuda through ctypes, so the
+    worker needs neither torch nor cuda-python)."""
+
+    def __init__(self):
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        self.check(self.lib.cuInit(0), "cuInit")
+        self.open_ipc = getattr(self.lib, "cuIpcOpenMemHandle_v2", None) or self.lib.cuIpcOpenMemHandle
+        self.open_ipc.argtypes = [ctypes.POINTER(ctypes.c_uint64), CudaIpcHandle, ctypes.c_uint]
+
+    def check(self, rc, what):
+        if rc != 0:
+            name = ctypes.c_char_p()
+            self.lib.cuGetErrorName(rc, ctypes.byref(name))
+            raise RuntimeError(f"{what} failed: {(name.value or b'?').decode()} ({rc})")
+
+    def bind(self, ordinal):
+        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+        self.check(self.lib.cuDeviceGet(ctypes.byref(dev), int(ordinal)), f"cuDeviceGet({ordinal})")
+        self.check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+        self.check(self.lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+    def open(self, handle_hex):
+        raw = bytes.fromhex(handle_hex)
+        if len(raw) != 64:
+            raise ValueError(f"a CUDA IPC handle is 64 bytes, got {len(raw)}")
+        h = CudaIpcHandle()
+        ctypes.memmove(ctypes.byref(h), raw, 64)
+        ptr = ctypes.c_uint64()
+        # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
+        self.check(self.open_ipc(ctypes.byref(ptr), h, 1), "cuIpcOpenMemHandle")
+        return ptr.value
+
+
 class Worker:
     def __init__(self):
         self.store = None
-        self.maps = []  # (mmap, base) of mapped pools; the first is the pool ranges refer to
+        self.cuda = None
+        self.maps = []  # mapped pools (Pool), in the order kvprobe mapped them
 
     def op_hello(self, _req):
         import mooncake.store  # noqa: F401 - a broken install must fail here, at hello
@@ -98,21 +155,37 @@ class Worker:
         rc = store.register_buffer(base, length)
         if rc != 0:
             raise RuntimeError(f"register_buffer returned {rc}")
-        self.maps.append((m, base, length))
+        self.maps.append(Pool([base], length, keep=m))
         return {"base": base}
+
+    def op_map_cuda(self, req):
+        store = self.need_store()
+        region = int(req["region_bytes"])
+        if region <= 0 or not req["handles"]:
+            raise ValueError("map_cuda needs region_bytes > 0 and at least one handle")
+        if self.cuda is None:
+            self.cuda = CudaDriver()
+        self.cuda.bind(req["device"])
+        bases = []
+        for h in req["handles"]:
+            base = self.cuda.open(h)
+            rc = store.register_buffer(base, region)
+            if rc != 0:
+                raise RuntimeError(f"register_buffer of a VRAM region returned {rc}")
+            bases.append(base)
+        self.maps.append(Pool(bases, region))
+        return {"bases": bases}
 
     def ptrs(self, ranges, pool=0):
         if not 0 <= pool < len(self.maps):
-            raise RuntimeError(f"pool {pool} is not mapped (map_fd first)")
-        _, base, length = self.maps[pool]
+            raise RuntimeError(f"pool {pool} is not mapped (map_fd / map_cuda first)")
+        p = self.maps[pool]
         out_p, out_s = [], []
         for key_ranges in ranges:
             ps, ss = [], []
             for off, n in key_ranges:
                 off, n = int(off), int(n)
-                if off < 0 or n <= 0 or off + n > length:
-                    raise ValueError(f"range [{off}, {off + n}) outside the {length}-byte pool")
-                ps.append(base + off)
+                ps.append(p.ptr(off, n))
                 ss.append(n)
             out_p.append(ps)
             out_s.append(ss)

@@ -242,6 +242,19 @@ impl DeviceBuffer {
         &self.dev
     }
 
+    /// The CUDA IPC handle of this allocation (`cuIpcGetMemHandle`, 64 opaque bytes): another
+    /// process opens it with `cuIpcOpenMemHandle` to read and write this memory (the Mooncake
+    /// store worker does). Valid while this buffer lives. Errors: the driver refuses (e.g. the
+    /// platform has no IPC support).
+    pub fn ipc_handle(&self) -> Result<[u8; 64]> {
+        self.dev.bind()?;
+        let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
+        // SAFETY: `h` is a valid out-pointer; `ptr` is the base of a live cuMemAlloc allocation
+        // in the bound context.
+        unsafe { sys::cuIpcGetMemHandle(&mut h, self.ptr) }.result().map_err(|e| derr("cuIpcGetMemHandle", e))?;
+        Ok(h.reserved.map(|b| b as u8))
+    }
+
     fn check(&self, off: usize, n: usize) -> Result<()> {
         if off.checked_add(n).is_none_or(|end| end > self.len) {
             return Err(Error::Device(format!("copy of {n} bytes at {off} outside a {}-byte buffer", self.len)));

@@ -57,8 +57,8 @@ use std::time::{Duration, Instant};
 pub enum TierKind {
     /// The built-in store (src/tier.rs): block-hash keyed entries in host memory.
     Embedded,
-    /// A real Mooncake Store (master started by kvprobe, Python store client as a worker);
-    /// DRAM pools only for now.
+    /// A real Mooncake Store (master started by kvprobe, or `--mooncake-master`; Python store
+    /// client as a worker) on DRAM or VRAM pools.
     Mooncake,
 }
 
@@ -79,6 +79,9 @@ pub struct ScenarioConfig {
     pub workload: WorkloadConfig,
     /// The tier.
     pub tier: TierKind,
+    /// `--tier mooncake` with an existing master and metadata service instead of one kvprobe
+    /// starts.
+    pub mooncake: Option<crate::mooncake::External>,
     /// Tier entries (blocks).
     pub tier_blocks: u32,
     /// Seconds per error-rate interval in the report.
@@ -316,6 +319,9 @@ pub fn run_scenario(
     let mut e = Engine::new(cfg, seed, prefill, decode, timeout, max_failures)?;
     let mut r = e.run(report, progress, checkpoint);
     e.finish(report);
+    if let (Some(mc), Some(store)) = (e.mooncake.as_mut(), e.store.as_ref()) {
+        mc.clean_up(store);
+    }
     if r.is_ok() && report.summary.blocks_checked == 0 {
         r = Err(Error::Usage(format!(
             "nothing was verified: {} requests admitted, {} aborted, none reached decode (raise --requests or --duration, lower --abort-rate)",
@@ -373,10 +379,10 @@ struct Engine<'a> {
     tag: String,
 }
 
-/// `--tier mooncake`: a master kvprobe started and a store worker mapping both DRAM pools
-/// (prefill = pool 0, decode = pool 1).
+/// `--tier mooncake`: the master (started by kvprobe, or an existing deployment) and a store
+/// worker mapping both pools (prefill = pool 0, decode = pool 1).
 struct MooncakeTier {
-    master: crate::mooncake::Master,
+    master: crate::mooncake::Deployment,
     worker: crate::mooncake::Worker,
     /// Key prefix: the seed and a run nonce (vLLM's keys lead with a config fingerprint).
     fingerprint: String,
@@ -387,43 +393,80 @@ struct MooncakeTier {
 
 impl MooncakeTier {
     fn start(cfg: &ScenarioConfig, seed: u64, prefill: &Endpoint, decode: &Endpoint, timeout: Duration) -> Result<MooncakeTier> {
-        let (Some(pb), Some(db)) = (prefill.pool.host_buffer(), decode.pool.host_buffer()) else {
-            return Err(Error::Usage(
-                "--tier mooncake needs --memory dram for now (VRAM pools via CUDA IPC are not done yet)".into(),
-            ));
-        };
+        use crate::mooncake::{Deployment, Master, Worker};
         let install = crate::mooncake::find()?;
         // The worker first: its hello imports the store client, so a broken install is a
         // set-up error (exit 2) before anything else starts.
-        let mut worker = crate::mooncake::Worker::start(&install, timeout)?;
-        // Start-up has its own window (the master takes about a second), whatever --timeout says.
-        let master = crate::mooncake::Master::start(&install, Duration::from_secs(30))?;
+        let mut worker = Worker::start(&install, timeout)?;
+        let master = match &cfg.mooncake {
+            Some(ext) => {
+                ext.reachable(Duration::from_secs(5))?;
+                Deployment::External(ext.clone())
+            }
+            // Start-up has its own window (the master takes about a second), whatever --timeout says.
+            None => Deployment::Started(Master::start(&install, Duration::from_secs(30))?),
+        };
         // Room for every entry the engine may hold, twice over, so Mooncake itself never evicts one.
         let segment = (cfg.tier_blocks as u64 * prefill.pool.block_bytes()).saturating_mul(2).max(64 << 20);
         worker.setup(&master, "tcp", segment)?;
-        worker.map_shared(pb)?;
-        worker.map_shared(db)?;
+        let mut sharing = "a shared memory mapping (memfd)";
+        for pool in [&prefill.pool, &decode.pool] {
+            match (pool.host_buffer(), pool.ipc_handles()?) {
+                (Some(buf), _) => worker.map_shared(buf)?,
+                (None, Some((device, handles))) => {
+                    worker.map_cuda(device, &handles, pool.geometry().region_bytes()?)?;
+                    sharing = "CUDA IPC handles (one per layer region)";
+                }
+                (None, None) => unreachable!("a pool is DRAM or VRAM"),
+            }
+        }
         let fingerprint = format!("{:08x}-{:08x}", crate::fingerprint::seed32(seed), rand::rng().random::<u32>());
         let detail = format!(
-            "mooncake {} {}, tcp, master {}, metadata {}",
-            install.wheel, install.version, master.rpc, master.metadata_url
+            "mooncake {} {}, tcp, master {} ({}), metadata {}, pools shared with the store client by {sharing}",
+            install.wheel,
+            install.version,
+            master.rpc(),
+            if master.is_started() { "started by kvprobe" } else { "existing deployment" },
+            master.metadata_url()
         );
         Ok(MooncakeTier { master, worker, fingerprint, detail, doomed: Vec::new() })
     }
 
-    /// After a failed store call: the master's death (with its log) when that is the cause.
-    /// A killed master is reaped a moment after its client sees the connection drop.
-    fn master_gone(&mut self) -> Result<()> {
+    /// The error to report for a failed store call `e`: the master's death (with its log)
+    /// when that is the cause, else `e`. A killed master is reaped a moment after its client
+    /// sees the connection drop, so a started master is watched for 300 ms.
+    fn explain(&mut self, e: Error) -> Error {
         let t0 = Instant::now();
         while t0.elapsed() < Duration::from_millis(300) {
-            self.master.alive()?;
+            if let Err(gone) = self.master.alive() {
+                return gone;
+            }
+            if !self.master.is_started() {
+                break;
+            }
             std::thread::sleep(Duration::from_millis(20));
         }
-        Ok(())
+        e
     }
 
-    fn key(&self, serial: u64) -> String {
-        format!("kvprobe/{}/{serial:x}", self.fingerprint)
+    fn key(&self, (hash, serial): (u32, u64)) -> String {
+        crate::mooncake::block_key(&self.fingerprint, hash, serial)
+    }
+
+    /// Removes this run's objects from a store kvprobe did not start (best effort: objects
+    /// still under a read lease stay until the store evicts them; their keys are unique to
+    /// this run).
+    fn clean_up(&mut self, store: &Store) {
+        if self.master.is_started() {
+            return; // the master and everything in it go with the run
+        }
+        let mut keys = std::mem::take(&mut self.doomed);
+        keys.extend(store.live_keys().into_iter().map(|k| self.key(k)));
+        for chunk in keys.chunks(1024) {
+            if self.worker.remove(chunk).is_err() {
+                break;
+            }
+        }
     }
 }
 
@@ -632,9 +675,9 @@ impl<'a> Engine<'a> {
     fn step(&mut self, report: &mut Report) -> Result<()> {
         self.now += 1;
         if self.now.is_multiple_of(256)
-            && let Some(mc) = self.mooncake.as_mut()
+            && let Some(crate::mooncake::Deployment::Started(m)) = self.mooncake.as_mut().map(|mc| &mut mc.master)
         {
-            mc.master.alive()?;
+            m.alive()?;
         }
         self.poll_nixl(report)?;
         self.run_compute()?;
@@ -681,18 +724,12 @@ impl<'a> Engine<'a> {
         match self.mooncake.as_mut() {
             None => self.prefill.pool.read_block(slot, store.bytes_mut(entry)),
             Some(mc) => {
-                let key = mc.key(store.serial(entry));
+                let key = mc.key(store.key_of(entry));
                 let rc = mc.worker.put(0, std::slice::from_ref(&key), &[self.prefill.pool.block_ranges(slot)]);
                 match rc {
                     Ok(rc) if rc.first() == Some(&0) => Ok(()),
-                    // A dead master explains a failed put best: say so, with its log.
-                    other => {
-                        mc.master_gone()?;
-                        Err(match other {
-                            Err(e) => e,
-                            Ok(rc) => Error::Transport(format!("Mooncake put of {key} returned {rc:?}")),
-                        })
-                    }
+                    Ok(rc) => Err(mc.explain(Error::Transport(format!("Mooncake put of {key} returned {rc:?}")))),
+                    Err(e) => Err(mc.explain(e)),
                 }
             }
         }
@@ -705,17 +742,17 @@ impl<'a> Engine<'a> {
         match self.mooncake.as_mut() {
             None => pool.write_block(slot, store.bytes(entry)),
             Some(mc) => {
-                let key = mc.key(store.serial(entry));
+                let key = mc.key(store.key_of(entry));
                 let want = pool.block_bytes() as i64;
-                let rc = mc.worker.get(
-                    if side == Side::Prefill { 0 } else { 1 },
-                    std::slice::from_ref(&key),
-                    &[pool.block_ranges(slot)],
-                )?;
-                if rc.first() != Some(&want) {
-                    return Err(Error::Transport(format!("Mooncake get of {key} returned {rc:?} (expected {want} bytes)")));
+                let index = if side == Side::Prefill { 0 } else { 1 };
+                match mc.worker.get(index, std::slice::from_ref(&key), &[pool.block_ranges(slot)]) {
+                    Ok(rc) if rc.first() == Some(&want) => Ok(()),
+                    Ok(rc) => {
+                        Err(mc
+                            .explain(Error::Transport(format!("Mooncake get of {key} returned {rc:?} (expected {want} bytes)"))))
+                    }
+                    Err(e) => Err(mc.explain(e)),
                 }
-                Ok(())
             }
         }
     }
@@ -724,11 +761,11 @@ impl<'a> Engine<'a> {
     /// is never read, its key is unique to the evicted reservation).
     fn drop_evicted(&mut self) -> Result<()> {
         if let (Some(store), Some(mc)) = (self.store.as_mut(), self.mooncake.as_mut()) {
-            let evicted: Vec<String> = store.take_evicted().into_iter().map(|s| mc.key(s)).collect();
+            let evicted: Vec<String> = store.take_evicted().into_iter().map(|k| mc.key(k)).collect();
             mc.doomed.extend(evicted);
             if !mc.doomed.is_empty() && (mc.doomed.len() >= 64 || self.now.is_multiple_of(64)) {
                 let keys = std::mem::take(&mut mc.doomed);
-                let rc = mc.worker.remove(&keys)?;
+                let rc = mc.worker.remove(&keys).map_err(|e| mc.explain(e))?;
                 // Objects still under a read lease are retried later.
                 mc.doomed = keys.into_iter().zip(rc).filter(|(_, rc)| *rc != 0).map(|(k, _)| k).collect();
             }

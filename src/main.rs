@@ -133,6 +133,12 @@ struct LoadArgs {
     /// The KV tier under the connectors.
     #[arg(long, value_enum, default_value = "embedded")]
     tier: TierKind,
+    /// With --tier mooncake: an existing master's RPC address (HOST:PORT) instead of one kvprobe starts; needs --mooncake-metadata.
+    #[arg(long, value_name = "HOST:PORT", requires = "mooncake_metadata")]
+    mooncake_master: Option<String>,
+    /// With --mooncake-master: its metadata service (http://HOST:PORT/metadata, etcd://HOST:PORT, redis://HOST:PORT or P2PHANDSHAKE).
+    #[arg(long, value_name = "URL", requires = "mooncake_master")]
+    mooncake_metadata: Option<String>,
     /// Tier capacity in blocks. Default: 16 x --blocks, at most 4 GiB of host memory, at least 2 x concurrency x max prompt blocks.
     #[arg(long)]
     tier_blocks: Option<u32>,
@@ -191,6 +197,8 @@ const LOAD_FLAGS: &[&str] = &[
     "abort_rate",
     "tier",
     "tier_blocks",
+    "mooncake_master",
+    "mooncake_metadata",
     "interval",
     "lockstep",
     "checkpoint",
@@ -293,6 +301,10 @@ impl LoadArgs {
             concurrency: self.concurrency,
             workload: WorkloadConfig { min_blocks, max_blocks, prefix_share: self.prefix_share, abort_rate: self.abort_rate },
             tier: self.tier,
+            mooncake: match (&self.mooncake_master, &self.mooncake_metadata) {
+                (Some(m), Some(u)) => Some(kvprobe::mooncake::External { master: m.clone(), metadata_url: u.clone() }),
+                _ => None,
+            },
             tier_blocks: self.tier_blocks.unwrap_or(auto),
             interval_secs: self.interval,
             lockstep: self.lockstep,

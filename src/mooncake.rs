@@ -1,13 +1,15 @@
-//! Mooncake Store for `--tier mooncake` (in progress): finding the installation, the
-//! `mooncake_master` process kvprobe starts, health-checks and always stops, and the store
-//! worker kvprobe drives over a pipe.
+//! Mooncake Store for `--tier mooncake`: finding the installation, the `mooncake_master`
+//! process kvprobe starts, health-checks and always stops (or an existing deployment named by
+//! `--mooncake-master` / `--mooncake-metadata`), and the store worker kvprobe drives over a
+//! pipe.
 //!
 //! The install step (scripts/install-mooncake.sh, run by scripts/install-deps.sh) puts the
 //! wheel `mooncake-transfer-engine-cuda13` (CUDA 13 hosts) or `-non-cuda` into a virtual
 //! environment at `$KVPROBE_HOME/mooncake/venv`; `$KVPROBE_MOONCAKE_VENV` names another.
 //! Mooncake exports no C API, so the store client is a worker on its Python API
-//! ([`Worker`], python/kvprobe_mooncake_worker.py) that maps kvprobe's DRAM pool (a memfd it
-//! inherits) and moves blocks between it and the store.
+//! ([`Worker`], python/kvprobe_mooncake_worker.py) that maps kvprobe's pools (DRAM: a memfd it
+//! inherits; VRAM: each layer region's CUDA IPC handle) and moves blocks between them and the
+//! store.
 
 use crate::error::{Error, Result};
 use std::io::Read;
@@ -79,10 +81,122 @@ pub fn find() -> Result<Install> {
     Ok(Install { venv, python, master, wheel, version })
 }
 
-/// A free TCP port on the loopback interface (bound once, then released for the child).
-fn free_port() -> Result<u16> {
-    let l = TcpListener::bind("127.0.0.1:0").map_err(|e| Error::Environment(format!("no free port on 127.0.0.1: {e}")))?;
-    Ok(l.local_addr().map_err(|e| Error::Environment(e.to_string()))?.port())
+/// `N` distinct free TCP ports on the loopback interface: all bound at once (so none is
+/// handed out twice), then released for the child to bind.
+fn free_ports<const N: usize>() -> Result<[u16; N]> {
+    let err = |e: std::io::Error| Error::Environment(format!("no free port on 127.0.0.1: {e}"));
+    let held = (0..N).map(|_| TcpListener::bind("127.0.0.1:0").map_err(err)).collect::<Result<Vec<_>>>()?;
+    let mut ports = [0u16; N];
+    for (p, l) in ports.iter_mut().zip(&held) {
+        *p = l.local_addr().map_err(err)?.port();
+    }
+    Ok(ports)
+}
+
+/// An existing Mooncake deployment (`--mooncake-master`, `--mooncake-metadata`): kvprobe's
+/// worker joins it as one more store client instead of starting a master.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct External {
+    /// The master's RPC address, `HOST:PORT` (mooncake_master's `--rpc_port`, default 50051).
+    pub master: String,
+    /// The metadata service: `http://HOST:PORT/metadata` (the master's HTTP metadata server),
+    /// `etcd://HOST:PORT`, `redis://HOST:PORT` or `P2PHANDSHAKE`, as Mooncake's
+    /// `metadata_server` setting takes it.
+    pub metadata_url: String,
+}
+
+impl External {
+    /// Checks both settings' form. Errors (usage, exit 2): not `HOST:PORT`, or a metadata
+    /// service Mooncake does not take.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::Usage(m));
+        match self.master.rsplit_once(':') {
+            Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0) => {}
+            _ => return bad(format!("--mooncake-master {:?}: expected HOST:PORT (e.g. 10.0.0.5:50051)", self.master)),
+        }
+        let u = &self.metadata_url;
+        let hostport = ["http://", "https://", "etcd://", "redis://"].iter().find_map(|p| u.strip_prefix(p));
+        match hostport {
+            Some(rest) if !rest.is_empty() && !rest.starts_with('/') => Ok(()),
+            None if u == "P2PHANDSHAKE" => Ok(()),
+            _ => bad(format!(
+                "--mooncake-metadata {u:?}: expected http://HOST:PORT/metadata, etcd://HOST:PORT, redis://HOST:PORT or P2PHANDSHAKE"
+            )),
+        }
+    }
+
+    /// The master's socket address. Errors: usage (exit 2) when the host does not resolve.
+    pub fn master_addr(&self) -> Result<SocketAddr> {
+        use std::net::ToSocketAddrs;
+        self.master
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut a| a.next())
+            .ok_or_else(|| Error::Usage(format!("--mooncake-master {}: the host does not resolve", self.master)))
+    }
+
+    /// Whether the master accepts a TCP connection within `timeout`. Errors: transport
+    /// (exit 3) when it does not.
+    pub fn reachable(&self, timeout: Duration) -> Result<()> {
+        let a = self.master_addr()?;
+        TcpStream::connect_timeout(&a, timeout)
+            .map(|_| ())
+            .map_err(|e| Error::Transport(format!("the Mooncake master at {} does not answer: {e}", self.master)))
+    }
+}
+
+/// The master a run uses: one kvprobe started (and stops), or an existing deployment.
+pub enum Deployment {
+    /// Started by kvprobe on loopback.
+    Started(Master),
+    /// Given by `--mooncake-master` / `--mooncake-metadata`.
+    External(External),
+}
+
+impl Deployment {
+    /// The master's RPC address as the store client's `master_server_address`.
+    pub fn rpc(&self) -> String {
+        match self {
+            Deployment::Started(m) => m.rpc.to_string(),
+            Deployment::External(e) => e.master.clone(),
+        }
+    }
+
+    /// The metadata service URL.
+    pub fn metadata_url(&self) -> &str {
+        match self {
+            Deployment::Started(m) => &m.metadata_url,
+            Deployment::External(e) => &e.metadata_url,
+        }
+    }
+
+    /// The address this host's store client advertises to the others: loopback for a master
+    /// kvprobe started, else the local address of the route to the master (no packet is sent).
+    pub fn local_hostname(&self) -> String {
+        let Deployment::External(e) = self else { return "127.0.0.1".into() };
+        let local = e.master_addr().ok().and_then(|a| {
+            let any: SocketAddr =
+                if a.is_ipv4() { ([0, 0, 0, 0], 0).into() } else { (std::net::Ipv6Addr::UNSPECIFIED, 0).into() };
+            let s = std::net::UdpSocket::bind(any).ok()?;
+            s.connect(a).ok()?;
+            s.local_addr().ok()
+        });
+        local.map(|a| a.ip().to_string()).unwrap_or_else(|| "127.0.0.1".into())
+    }
+
+    /// [`Error::Transport`] when the master is gone: a started one exited (with its log's
+    /// tail), an external one refuses connections.
+    pub fn alive(&mut self) -> Result<()> {
+        match self {
+            Deployment::Started(m) => m.alive(),
+            Deployment::External(e) => e.reachable(Duration::from_secs(2)),
+        }
+    }
+
+    /// True for a master kvprobe started.
+    pub fn is_started(&self) -> bool {
+        matches!(self, Deployment::Started(_))
+    }
 }
 
 /// A `mooncake_master` kvprobe started on loopback, with its HTTP metadata server. Stopped
@@ -102,8 +216,22 @@ impl Master {
     ///
     /// Errors: [`Error::Environment`] when it cannot be started, [`Error::Transport`] (with
     /// the tail of its log) when it exits or does not answer in time.
+    ///
+    /// Another process can take a chosen port between kvprobe releasing it and the master
+    /// binding it; a master that exits at start-up with "Address already in use" is started
+    /// again on new ports (three attempts).
     pub fn start(install: &Install, timeout: Duration) -> Result<Master> {
-        let (rpc_port, http_port, metrics_port) = (free_port()?, free_port()?, free_port()?);
+        let mut attempt = 1;
+        loop {
+            match Master::start_once(install, timeout) {
+                Err(Error::Transport(m)) if attempt < 3 && m.contains("Address already in use") => attempt += 1,
+                r => return r,
+            }
+        }
+    }
+
+    fn start_once(install: &Install, timeout: Duration) -> Result<Master> {
+        let [rpc_port, http_port, metrics_port] = free_ports::<3>()?;
         let log = tempfile::Builder::new()
             .prefix("kvprobe-mooncake-master.")
             .suffix(".log")
@@ -135,6 +263,7 @@ impl Master {
         let rpc: SocketAddr = ([127, 0, 0, 1], rpc_port).into();
         let mut m = Master { child, rpc, metadata_url: format!("http://127.0.0.1:{http_port}/metadata"), log };
         let http: SocketAddr = ([127, 0, 0, 1], http_port).into();
+        let metrics: SocketAddr = ([127, 0, 0, 1], metrics_port).into();
         let t0 = Instant::now();
         loop {
             m.alive()?;
@@ -142,14 +271,16 @@ impl Master {
                 return Err(Error::Interrupted("starting mooncake_master".into()));
             }
             let up = |a: &SocketAddr| TcpStream::connect_timeout(a, Duration::from_millis(100)).is_ok();
-            if up(&m.rpc) && up(&http) {
+            // The admin (metrics) server starts last, about a second after the others.
+            if up(&m.rpc) && up(&http) && up(&metrics) {
                 return Ok(m);
             }
             if t0.elapsed() > timeout {
                 return Err(Error::Transport(format!(
-                    "mooncake_master did not answer on {} and {} within {:.1} s; its log ends:\n{}",
+                    "mooncake_master did not answer on {}, {} and {} within {:.1} s; its log ends:\n{}",
                     m.rpc,
                     http,
+                    metrics,
                     timeout.as_secs_f64(),
                     m.log_tail(20)
                 )));
@@ -331,15 +462,15 @@ impl Worker {
         Ok(v)
     }
 
-    /// Connects the store client to `master` (see [`Master`]) over `protocol` ("tcp"),
+    /// Connects the store client to the master of `deployment` over `protocol` ("tcp"),
     /// contributing `segment_bytes` of its memory to the store.
-    pub fn setup(&mut self, master: &Master, protocol: &str, segment_bytes: u64) -> Result<()> {
+    pub fn setup(&mut self, deployment: &Deployment, protocol: &str, segment_bytes: u64) -> Result<()> {
         self.call(
             "setup",
             serde_json::json!({
-                "local_hostname": "127.0.0.1",
-                "metadata_url": master.metadata_url,
-                "master": master.rpc.to_string(),
+                "local_hostname": deployment.local_hostname(),
+                "metadata_url": deployment.metadata_url(),
+                "master": deployment.rpc(),
                 "protocol": protocol,
                 "global_segment_bytes": segment_bytes,
                 "local_buffer_bytes": 16u64 << 20,
@@ -355,6 +486,17 @@ impl Worker {
     pub fn map_shared(&mut self, buf: &crate::hostmem::HostBuffer) -> Result<()> {
         let fd = buf.shared_fd().ok_or_else(|| Error::Usage("the pool is not shareable with the Mooncake worker".into()))?;
         self.call("map_fd", serde_json::json!({ "fd": fd, "len": buf.len() }))?;
+        Ok(())
+    }
+
+    /// Opens a VRAM pool in the worker by CUDA IPC: `handles` are its layer regions'
+    /// handles ([`crate::pool::KvPool::ipc_handles`]), each region `region_bytes` long, on GPU
+    /// `device` (the ordinal under the same CUDA_VISIBLE_DEVICES). Later ranges are offsets
+    /// `layer * region_bytes + offset`, the DRAM pool's layout. Errors: transport (exit 3)
+    /// when the worker cannot open or register a region.
+    pub fn map_cuda(&mut self, device: usize, handles: &[[u8; 64]], region_bytes: u64) -> Result<()> {
+        let hex: Vec<String> = handles.iter().map(|h| h.iter().map(|b| format!("{b:02x}")).collect()).collect();
+        self.call("map_cuda", serde_json::json!({ "device": device, "handles": hex, "region_bytes": region_bytes }))?;
         Ok(())
     }
 
@@ -424,9 +566,11 @@ fn rc_list(v: &serde_json::Value) -> Vec<i64> {
     v["rc"].as_array().map(|a| a.iter().map(|x| x.as_i64().unwrap_or(i64::MIN)).collect()).unwrap_or_default()
 }
 
-/// The store key of a block, following vLLM's MooncakeStoreConnector scheme: a fingerprint
-/// of the configuration (here kvprobe's seed and geometry) and the block hash, so keys of
-/// different runs or geometries never collide and a foreign key is attributable.
-pub fn block_key(config_fingerprint: &str, block_hash: u32) -> String {
-    format!("kvprobe/{config_fingerprint}/{block_hash:08x}")
+/// The store key of a block, following vLLM's MooncakeStoreConnector scheme (a fingerprint
+/// of the configuration, then the block hash): `kvprobe/CONFIG/HASH/SERIAL`. CONFIG is the
+/// run's seed and nonce, so keys of different runs never collide and a foreign key is
+/// attributable; SERIAL (the tier reservation) tells apart saves of one hash made again after
+/// an eviction whose object the store still holds under a read lease.
+pub fn block_key(config_fingerprint: &str, block_hash: u32, serial: u64) -> String {
+    format!("kvprobe/{config_fingerprint}/{block_hash:08x}/{serial:x}")
 }

@@ -174,6 +174,19 @@ impl KvPool {
         }
     }
 
+    /// VRAM pools: the GPU ordinal and the CUDA IPC handle of each layer's region (layer
+    /// order; each region is `Geometry::region_bytes` long), so another process can map the
+    /// pool. `None` for DRAM pools. Errors: the driver refuses a handle.
+    pub fn ipc_handles(&self) -> Result<Option<(usize, Vec<[u8; 64]>)>> {
+        match &self.backing {
+            Backing::Host(_) => Ok(None),
+            Backing::Device { regions, .. } => {
+                let handles = regions.iter().map(|r| r.ipc_handle()).collect::<Result<Vec<_>>>()?;
+                Ok(Some((regions[0].device().ordinal(), handles)))
+            }
+        }
+    }
+
     /// Makes this pool's GPU context current on the calling thread (no-op for DRAM), so
     /// NIXL/UCX calls made next (which open CUDA IPC handles) see the right device.
     pub fn bind(&self) -> Result<()> {

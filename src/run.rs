@@ -122,10 +122,13 @@ fn check_config(cfg: &RunConfig) -> Result<()> {
             ));
         }
         crate::engine::check(sc, cfg.geometry.num_blocks)?;
-        if sc.tier == crate::engine::TierKind::Mooncake {
-            if cfg.memory != MemoryKind::Dram {
-                return Err(Error::Usage("--tier mooncake needs --memory dram for now (sharing VRAM pools with the Mooncake worker by CUDA IPC is not done yet)".into()));
+        if let Some(ext) = &sc.mooncake {
+            if sc.tier != crate::engine::TierKind::Mooncake {
+                return Err(Error::Usage("--mooncake-master and --mooncake-metadata need --tier mooncake".into()));
             }
+            ext.validate()?;
+        }
+        if sc.tier == crate::engine::TierKind::Mooncake {
             crate::mooncake::find()?; // refuse up front, not at the first row that needs it
         }
         if cfg.min_gbps.is_some() && !sc.scenario.uses_nixl() {

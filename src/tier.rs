@@ -61,7 +61,7 @@ pub struct Store {
     /// Entries evicted.
     pub evictions: u64,
     serials: u64,
-    evicted: Vec<u64>,
+    evicted: Vec<(u32, u64)>,
 }
 
 /// Index of an entry in the store.
@@ -104,18 +104,26 @@ impl Store {
     }
 
     /// A store that keeps only the metadata of `capacity` entries; the bytes live in an
-    /// external store (Mooncake), named by [`Store::serial`].
+    /// external store (Mooncake), named by [`Store::key_of`].
     pub fn metadata_only(capacity: u32, block_bytes: u64) -> Store {
         Store::with_arena(Arena::Elsewhere, capacity, block_bytes)
     }
 
-    /// The reservation serial of entry `id` (unique for the life of the store).
-    pub fn serial(&self, id: EntryId) -> u64 {
-        self.entry(id).serial
+    /// The block hash and reservation serial of entry `id` (the pair is unique for the life
+    /// of the store: a hash saved again after eviction gets a new serial).
+    pub fn key_of(&self, id: EntryId) -> (u32, u64) {
+        let (hash, e) = self.entries[id as usize].as_ref().expect("live entry");
+        (*hash, e.serial)
     }
 
-    /// Serials of the entries evicted since the last call (to drop from an external store).
-    pub fn take_evicted(&mut self) -> Vec<u64> {
+    /// `(block hash, serial)` of every entry held (complete or pending).
+    pub fn live_keys(&self) -> Vec<(u32, u64)> {
+        self.entries.iter().flatten().map(|(h, e)| (*h, e.serial)).collect()
+    }
+
+    /// `(block hash, serial)` of the entries evicted since the last call (to drop from an
+    /// external store).
+    pub fn take_evicted(&mut self) -> Vec<(u32, u64)> {
         std::mem::take(&mut self.evicted)
     }
 
@@ -198,7 +206,7 @@ impl Store {
                 };
                 let (h, old) = self.entries[v as usize].take().expect("victim is live");
                 self.by_hash.remove(&h);
-                self.evicted.push(old.serial);
+                self.evicted.push((h, old.serial));
                 self.evictions += 1;
                 v
             }

@@ -33,6 +33,27 @@ fn bad_flags_exit_2_with_a_message() {
 }
 
 #[test]
+fn an_existing_mooncake_deployment_is_named_completely() {
+    let run = ["run", "--memory", "dram", "--scenario", "stacked"];
+    let with = |extra: &[&'static str]| -> Vec<&'static str> { run.iter().chain(extra).copied().collect() };
+    let meta = "http://10.0.0.5:8080/metadata";
+    assert_usage(&with(&["--tier", "mooncake", "--mooncake-master", "10.0.0.5:50051"]), "--mooncake-metadata");
+    assert_usage(&with(&["--tier", "mooncake", "--mooncake-metadata", meta]), "--mooncake-master");
+    assert_usage(&with(&["--mooncake-master", "10.0.0.5:50051", "--mooncake-metadata", meta]), "need --tier mooncake");
+    assert_usage(&with(&["--tier", "mooncake", "--mooncake-master", "10.0.0.5", "--mooncake-metadata", meta]), "HOST:PORT");
+    assert_usage(&with(&["--tier", "mooncake", "--mooncake-master", "10.0.0.5:0", "--mooncake-metadata", meta]), "HOST:PORT");
+    assert_usage(
+        &with(&["--tier", "mooncake", "--mooncake-master", "10.0.0.5:50051", "--mooncake-metadata", "ftp://x/metadata"]),
+        "P2PHANDSHAKE",
+    );
+    // Without --scenario these shape nothing.
+    assert_usage(
+        &["run", "--memory", "dram", "--mooncake-master", "10.0.0.5:50051", "--mooncake-metadata", meta],
+        "shapes a request-level load",
+    );
+}
+
+#[test]
 fn a_pool_larger_than_memory_is_refused_before_allocating() {
     assert_usage(&["run", "--memory", "dram", "--preset", "llama3-8b", "--blocks", "4000000"], "bytes of host memory");
 }

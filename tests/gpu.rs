@@ -2,7 +2,7 @@
 //! exactly what the CPU finds, and VRAM runs are clean / classify every injection. They
 //! skip with a named reason where no GPU is present (KVPROBE_REQUIRE_GPU=1 fails instead).
 
-use crate::common::{assert_exact_injection, gpu_or_skip, kvprobe, read_report, tmpdir, two_gpus_or_skip};
+use crate::common::{assert_exact_injection, gpu_or_skip, kvprobe, mooncake_or_skip, read_report, tmpdir, two_gpus_or_skip};
 use kvprobe::cuda::{Device, Kernels};
 use kvprobe::fingerprint;
 use kvprobe::geometry::{Dtype, Geometry, Layout};
@@ -257,4 +257,33 @@ fn vram_ab_matrix_passes() {
     assert_eq!(code, 0, "{out}{err}");
     let r = read_report(&p);
     assert!(r["rows"].as_array().unwrap().iter().all(|x| x["pass"] == true), "{out}");
+}
+
+#[test]
+fn mooncake_tier_on_vram_pools_shared_by_cuda_ipc() {
+    let name = "mooncake_tier_on_vram_pools_shared_by_cuda_ipc";
+    if !gpu_or_skip(name) || !mooncake_or_skip(name) {
+        return;
+    }
+    let (code, r, log) = crate::common::run_with_report(
+        "mc-vram",
+        "vram",
+        &["--preset", "llama3-8b", "--blocks", "256", "--scenario", "stacked", "--tier", "mooncake", "--requests", "400"],
+    );
+    assert_eq!(code, 0, "{log}");
+    assert_eq!(r["summary"]["blocks_corrupt"], 0);
+    let s = &r["scenario"];
+    let detail = s["tier_detail"].as_str().unwrap();
+    assert!(detail.starts_with("mooncake") && detail.contains("CUDA IPC"), "{detail}");
+    assert!(s["tier_saves"].as_u64().unwrap() > 100 && s["tier_hit_blocks"].as_u64().unwrap() > 10, "{s}");
+    // A race on VRAM through the real store is caught and attributed.
+    let (code, r, log) = crate::common::run_with_report(
+        "mc-vram-race",
+        "vram",
+        &["--preset", "llama3-8b", "--blocks", "256", "--race", "save-before-write", "--tier", "mooncake", "--requests", "400"],
+    );
+    assert_eq!(code, 1, "{log}");
+    assert_eq!(r["scenario"]["unexplained_corrupt"], 0, "{log}");
+    let o = r["scenario"]["races"].as_array().unwrap().iter().find(|o| o["mechanism"] == "save-before-write").unwrap().clone();
+    assert_eq!(o["verdict"], "detected", "{o}");
 }

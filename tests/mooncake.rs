@@ -2,22 +2,9 @@
 //! starts answers on its ports, is seen dying, and leaves no process behind. Needs
 //! scripts/install-mooncake.sh (run by scripts/install-deps.sh).
 
-use crate::common::kvprobe_env;
+use crate::common::{kvprobe_env, mooncake_or_skip};
 use kvprobe::mooncake::{self, Master};
 use std::time::Duration;
-
-/// Mooncake tests run everywhere the set-up commands ran (CI included); a lane without the
-/// install (the GPU host's carried bundle) sets KVPROBE_SKIP_MOONCAKE to its reason.
-fn mooncake_or_skip(test: &str) -> bool {
-    match std::env::var("KVPROBE_SKIP_MOONCAKE") {
-        Ok(why) if !why.is_empty() => {
-            use std::io::Write;
-            let _ = writeln!(std::io::stderr(), "SKIP {test}: {why} (KVPROBE_SKIP_MOONCAKE)");
-            false
-        }
-        _ => true,
-    }
-}
 
 fn running(pid: u32) -> bool {
     // A reaped child has no /proc entry; a zombie would show state Z.
@@ -103,7 +90,7 @@ fn worker_moves_blocks_between_a_shared_pool_and_the_store() {
     use kvprobe::fingerprint::{self, BlockIdentity};
     use kvprobe::geometry::KvPart;
     let install = mooncake::find().expect("Mooncake installed by scripts/install-deps.sh");
-    let master = Master::start(&install, Duration::from_secs(30)).unwrap();
+    let master = mooncake::Deployment::Started(Master::start(&install, Duration::from_secs(30)).unwrap());
     // The pool first: the worker inherits its memfd.
     let mut pool = kvprobe::hostmem::HostBuffer::alloc_shareable(1 << 20).unwrap();
     let late = |w: &mut mooncake::Worker| {
@@ -120,8 +107,8 @@ fn worker_moves_blocks_between_a_shared_pool_and_the_store() {
     let id = |kv| BlockIdentity { layer: 0, kv, block: 77, generation: 3 };
     fingerprint::fill(&mut pool.as_mut_slice()[0..sb], 9, id(KvPart::K));
     fingerprint::fill(&mut pool.as_mut_slice()[65536..65536 + sb], 9, id(KvPart::V));
-    let key = mooncake::block_key("test", 77);
-    assert_eq!(key, "kvprobe/test/0000004d");
+    let key = mooncake::block_key("test", 77, 3);
+    assert_eq!(key, "kvprobe/test/0000004d/3");
     assert_eq!(w.exists(std::slice::from_ref(&key)).unwrap(), vec![0]);
     let src = vec![(0u64, sb as u64), (65536, sb as u64)];
     assert_eq!(w.put(0, std::slice::from_ref(&key), std::slice::from_ref(&src)).unwrap(), vec![0]);
@@ -133,7 +120,7 @@ fn worker_moves_blocks_between_a_shared_pool_and_the_store() {
     assert_eq!(fingerprint::check(&pool.as_slice()[131072..131072 + sb], 9, id(KvPart::K)).0, 0);
     assert_eq!(fingerprint::check(&pool.as_slice()[262144..262144 + sb], 9, id(KvPart::V)).0, 0);
     // A missing key is an error code, not bytes.
-    let missing = mooncake::block_key("test", 78);
+    let missing = mooncake::block_key("test", 78, 1);
     assert!(w.get(0, std::slice::from_ref(&missing), std::slice::from_ref(&dst)).unwrap()[0] < 0);
     // Ranges outside the pool are refused by the worker, which stays usable.
     let e = w.put(0, std::slice::from_ref(&key), &[vec![(1 << 20, 16)]]).unwrap_err();
@@ -324,4 +311,68 @@ fn ab_on_the_real_mooncake_store_passes() {
     for s in r["sections"].as_array().unwrap().iter().skip(1) {
         assert!(s["scenario"]["tier_detail"].as_str().unwrap().starts_with("mooncake"), "{}", s["scenario"]["tier_detail"]);
     }
+}
+
+#[test]
+fn an_existing_master_is_used_and_left_running() {
+    if !mooncake_or_skip("an_existing_master_is_used_and_left_running") {
+        return;
+    }
+    let install = mooncake::find().expect("Mooncake installed by scripts/install-deps.sh");
+    let mut m = Master::start(&install, Duration::from_secs(30)).unwrap();
+    let rpc = m.rpc.to_string();
+    let (code, r, log) = crate::common::run_with_report(
+        "mc-external",
+        "dram",
+        &[
+            "--scenario",
+            "stacked",
+            "--tier",
+            "mooncake",
+            "--requests",
+            "300",
+            "--mooncake-master",
+            &rpc,
+            "--mooncake-metadata",
+            &m.metadata_url,
+        ],
+    );
+    assert_eq!(code, 0, "{log}");
+    assert_eq!(r["summary"]["blocks_corrupt"], 0);
+    let s = &r["scenario"];
+    let detail = s["tier_detail"].as_str().unwrap();
+    assert!(detail.contains(&format!("master {rpc} (existing deployment)")), "{detail}");
+    assert!(s["tier_saves"].as_u64().unwrap() > 50, "{s}");
+    // kvprobe neither started another master nor stopped this one.
+    m.alive().expect("the existing master still runs after kvprobe");
+}
+
+#[test]
+fn an_existing_master_that_does_not_answer_is_exit_3() {
+    if !mooncake_or_skip("an_existing_master_that_does_not_answer_is_exit_3") {
+        return;
+    }
+    // A port nothing listens on: bound, then released.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let master = format!("127.0.0.1:{port}");
+    let (code, out, err) = kvprobe_env(
+        &[
+            "run",
+            "--memory",
+            "dram",
+            "--scenario",
+            "stacked",
+            "--tier",
+            "mooncake",
+            "--requests",
+            "10",
+            "--mooncake-master",
+            &master,
+            "--mooncake-metadata",
+            &format!("http://{master}/metadata"),
+        ],
+        &[],
+    );
+    assert_eq!(code, 3, "{out}{err}");
+    assert!(err.contains(&format!("the Mooncake master at {master} does not answer")), "{err}");
 }
