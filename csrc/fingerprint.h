@@ -76,10 +76,14 @@ KVP_FN kvp_u32 kvp_tag_check(kvp_u32 key, kvp_u32 sector) {
     return kvp_fmix32(key ^ (sector * 0x85EBCA77u));
 }
 
+/* Element e of a sector's body (w = e % 128 >= 4): the fast paths of the kernels and the
+ * CPU reference compute bodies with this alone. */
+KVP_FN kvp_u32 kvp_body(kvp_u32 key, kvp_u32 e) { return kvp_fmix32(key ^ (e * 0x9E3779B9u)); }
+
 /* Element e of the slice identified by (block, layer_kv, gen) whose key is `key`. */
 KVP_FN kvp_u32 kvp_elem(kvp_u32 key, kvp_u32 block, kvp_u32 layer_kv, kvp_u32 gen, kvp_u32 e) {
     kvp_u32 w = e & (KVP_SECTOR_ELEMS - 1u);
-    if (w >= KVP_TAG_ELEMS) return kvp_fmix32(key ^ (e * 0x9E3779B9u));
+    if (w >= KVP_TAG_ELEMS) return kvp_body(key, e);
     if (w == 0u) return block;
     if (w == 1u) return layer_kv;
     if (w == 2u) return gen;

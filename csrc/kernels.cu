@@ -4,9 +4,12 @@
  * KERNEL_SOURCE), so the kernels and the CPU reference share one definition.
  *
  * Every kernel takes one layer's region as uint4 (16-byte) chunks; slice q of the region
- * starts at q * slice_bytes. One thread block handles one slice at a time (grid-stride
- * over slices); threads stride over the slice's 16-byte chunks, so accesses coalesce.
- * `table[block]` = {logical block id, generation} names what a slot must hold.
+ * starts at q * slice_bytes. Work items are parts of slices: part p of slice q covers chunks
+ * [p * KVP_PART_CHUNKS, (p + 1) * KVP_PART_CHUNKS) (16 KiB), so a region of few large slices
+ * (2 MiB with block_size 1024) still spreads over every SM. One thread block handles one
+ * part at a time (grid-stride over parts); threads stride over its chunks, so accesses
+ * coalesce. `table[block]` = {logical block id, generation} names what a slot must hold.
+ * src/cuda.rs computes the same part count (PART_CHUNKS) for grids and the failure list.
  */
 #ifndef KVP_NVRTC
 #include "fingerprint.h"
@@ -20,20 +23,37 @@ struct kvp_fail {
     unsigned int pad;
 };
 
-__device__ __forceinline__ uint4 kvp_chunk(unsigned key, unsigned blk, unsigned lkv, unsigned gen, unsigned e) {
+#define KVP_PART_CHUNKS 1024u
+
+__device__ __forceinline__ unsigned kvp_parts(unsigned chunks) { return (chunks + KVP_PART_CHUNKS - 1u) / KVP_PART_CHUNKS; }
+
+/* Chunk c (elements 4c .. 4c+3) of a slice: the sector's tag when c is a sector's first
+ * chunk, else four body elements (kvp_elem, without its per-element branch). */
+__device__ __forceinline__ uint4 kvp_chunk(unsigned key, unsigned blk, unsigned lkv, unsigned gen, unsigned c) {
+    const unsigned e = c * 4u;
     uint4 v;
-    v.x = kvp_elem(key, blk, lkv, gen, e);
-    v.y = kvp_elem(key, blk, lkv, gen, e + 1u);
-    v.z = kvp_elem(key, blk, lkv, gen, e + 2u);
-    v.w = kvp_elem(key, blk, lkv, gen, e + 3u);
+    if ((e & (KVP_SECTOR_ELEMS - 1u)) == 0u) {
+        v.x = blk;
+        v.y = lkv;
+        v.z = gen;
+        v.w = kvp_tag_check(key, e / KVP_SECTOR_ELEMS);
+    } else {
+        v.x = kvp_body(key, e);
+        v.y = kvp_body(key, e + 1u);
+        v.z = kvp_body(key, e + 2u);
+        v.w = kvp_body(key, e + 3u);
+    }
     return v;
 }
 
 extern "C" __global__ void kvp_fill(uint4 *region, unsigned slice_bytes, unsigned layout,
                                     unsigned num_blocks, unsigned layer, unsigned seed32,
                                     const uint2 *table, unsigned num_slices) {
-    const unsigned chunks = slice_bytes / 16u;
-    for (unsigned q = blockIdx.x; q < num_slices; q += gridDim.x) {
+    const unsigned chunks = slice_bytes / 16u, parts = kvp_parts(chunks);
+    const unsigned long long items = (unsigned long long)num_slices * parts;
+    for (unsigned long long w = blockIdx.x; w < items; w += gridDim.x) {
+        const unsigned q = (unsigned)(w / parts), c0 = (unsigned)(w % parts) * KVP_PART_CHUNKS;
+        const unsigned c1 = min(c0 + KVP_PART_CHUNKS, chunks);
         unsigned blk, kv;
         kvp_slice_coords(layout, num_blocks, q, &blk, &kv);
         const uint2 ent = table[blk];
@@ -41,8 +61,7 @@ extern "C" __global__ void kvp_fill(uint4 *region, unsigned slice_bytes, unsigne
         const unsigned lkv = kvp_layer_kv(layer, kv);
         const unsigned key = kvp_slice_key(seed32, ent.x, lkv, ent.y);
         uint4 *s = region + (size_t)q * chunks;
-        for (unsigned c = threadIdx.x; c < chunks; c += blockDim.x)
-            s[c] = kvp_chunk(key, ent.x, lkv, ent.y, c * 4u);
+        for (unsigned c = c0 + threadIdx.x; c < c1; c += blockDim.x) s[c] = kvp_chunk(key, ent.x, lkv, ent.y, c);
     }
 }
 
@@ -51,8 +70,11 @@ extern "C" __global__ void kvp_fill(uint4 *region, unsigned slice_bytes, unsigne
 extern "C" __global__ void kvp_poison(uint4 *region, unsigned slice_bytes, unsigned layout,
                                       unsigned num_blocks, unsigned num_slices,
                                       unsigned slice_base, unsigned iteration, const uint2 *table) {
-    const unsigned chunks = slice_bytes / 16u;
-    for (unsigned q = blockIdx.x; q < num_slices; q += gridDim.x) {
+    const unsigned chunks = slice_bytes / 16u, parts = kvp_parts(chunks);
+    const unsigned long long items = (unsigned long long)num_slices * parts;
+    for (unsigned long long w = blockIdx.x; w < items; w += gridDim.x) {
+        const unsigned q = (unsigned)(w / parts), c0 = (unsigned)(w % parts) * KVP_PART_CHUNKS;
+        const unsigned c1 = min(c0 + KVP_PART_CHUNKS, chunks);
         if (table) {
             unsigned blk, kv;
             kvp_slice_coords(layout, num_blocks, q, &blk, &kv);
@@ -65,7 +87,7 @@ extern "C" __global__ void kvp_poison(uint4 *region, unsigned slice_bytes, unsig
         v.z = v.x;
         v.w = v.y;
         uint4 *s = region + (size_t)q * chunks;
-        for (unsigned c = threadIdx.x; c < chunks; c += blockDim.x) s[c] = v;
+        for (unsigned c = c0 + threadIdx.x; c < c1; c += blockDim.x) s[c] = v;
     }
 }
 
@@ -78,26 +100,39 @@ __device__ __forceinline__ void kvp_cmp(unsigned want, unsigned got, unsigned of
     }
 }
 
+/* Verifies every part; a failing part appends one kvp_fail (its slice, its bad bytes, its
+ * first bad byte within the slice) — the host merges the parts of a slice. The fast path
+ * only ORs the differences; a part that differs is counted again byte by byte. */
 extern "C" __global__ void kvp_verify(const uint4 *region, unsigned slice_bytes, unsigned layout,
                                       unsigned num_blocks, unsigned layer, unsigned seed32,
                                       const uint2 *table, unsigned num_slices, unsigned slice_base,
                                       kvp_fail *fails, unsigned *fail_count) {
     __shared__ unsigned s_bad, s_first;
-    const unsigned chunks = slice_bytes / 16u;
-    for (unsigned q = blockIdx.x; q < num_slices; q += gridDim.x) {
+    const unsigned chunks = slice_bytes / 16u, parts = kvp_parts(chunks);
+    const unsigned long long items = (unsigned long long)num_slices * parts;
+    for (unsigned long long w = blockIdx.x; w < items; w += gridDim.x) {
+        const unsigned q = (unsigned)(w / parts), c0 = (unsigned)(w % parts) * KVP_PART_CHUNKS;
+        const unsigned c1 = min(c0 + KVP_PART_CHUNKS, chunks);
         unsigned blk, kv;
         kvp_slice_coords(layout, num_blocks, q, &blk, &kv);
         const uint2 ent = table[blk];
         if (ent.y == KVP_SKIP_GEN) continue; /* uniform across the block */
-        if (threadIdx.x == 0) { s_bad = 0u; s_first = 0xFFFFFFFFu; }
-        __syncthreads();
         const unsigned lkv = kvp_layer_kv(layer, kv);
         const unsigned key = kvp_slice_key(seed32, ent.x, lkv, ent.y);
         const uint4 *s = region + (size_t)q * chunks;
-        unsigned bad = 0u, first = 0xFFFFFFFFu;
-        for (unsigned c = threadIdx.x; c < chunks; c += blockDim.x) {
+        unsigned acc = 0u;
+        for (unsigned c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
             const uint4 got = s[c];
-            const uint4 want = kvp_chunk(key, ent.x, lkv, ent.y, c * 4u);
+            const uint4 want = kvp_chunk(key, ent.x, lkv, ent.y, c);
+            acc |= (got.x ^ want.x) | (got.y ^ want.y) | (got.z ^ want.z) | (got.w ^ want.w);
+        }
+        if (!__syncthreads_or(acc != 0u)) continue; /* the part is intact (uniform) */
+        if (threadIdx.x == 0) { s_bad = 0u; s_first = 0xFFFFFFFFu; }
+        __syncthreads();
+        unsigned bad = 0u, first = 0xFFFFFFFFu;
+        for (unsigned c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
+            const uint4 got = s[c];
+            const uint4 want = kvp_chunk(key, ent.x, lkv, ent.y, c);
             const unsigned off = c * 16u;
             kvp_cmp(want.x, got.x, off, &bad, &first);
             kvp_cmp(want.y, got.y, off + 4u, &bad, &first);

@@ -9,6 +9,7 @@
 use crate::error::{Error, Result};
 use cudarc::driver::{result, sys};
 use std::ffi::{CString, c_void};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 fn derr(what: &str, e: impl std::fmt::Debug) -> Error {
@@ -205,6 +206,51 @@ impl Drop for Device {
     }
 }
 
+/// Times GPU work queued on the legacy default stream (where kvprobe's kernels and copies
+/// run) with a pair of CUDA events, as GPU benchmarks do: the time the device spent between
+/// the two records, not host launch time.
+pub struct GpuTimer {
+    dev: Arc<Device>,
+    start: sys::CUevent,
+    end: sys::CUevent,
+}
+
+impl GpuTimer {
+    /// Records the start event on `dev`'s default stream. Errors: the driver refuses events.
+    pub fn start(dev: &Arc<Device>) -> Result<GpuTimer> {
+        dev.bind()?;
+        let create = || result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(|e| derr("cuEventCreate", e));
+        let t = GpuTimer { dev: dev.clone(), start: create()?, end: create()? };
+        // SAFETY: a live event of the bound context, recorded on the default stream.
+        unsafe { result::event::record(t.start, std::ptr::null_mut()) }.map_err(|e| derr("cuEventRecord", e))?;
+        Ok(t)
+    }
+
+    /// Records the end event, waits for it and returns the seconds between the two.
+    pub fn stop(self) -> Result<f64> {
+        self.dev.bind()?;
+        // SAFETY: both events are live events of this context (destroyed only in Drop).
+        unsafe {
+            result::event::record(self.end, std::ptr::null_mut()).map_err(|e| derr("cuEventRecord", e))?;
+            sys::cuEventSynchronize(self.end).result().map_err(|e| derr("kernel or copy failed (cuEventSynchronize)", e))?;
+            let ms = result::event::elapsed(self.start, self.end).map_err(|e| derr("cuEventElapsedTime", e))?;
+            Ok(ms as f64 / 1e3)
+        }
+    }
+}
+
+impl Drop for GpuTimer {
+    fn drop(&mut self) {
+        if self.dev.bind().is_ok() {
+            // SAFETY: created in `start`, destroyed once here.
+            unsafe {
+                let _ = sys::cuEventDestroy_v2(self.start);
+                let _ = sys::cuEventDestroy_v2(self.end);
+            }
+        }
+    }
+}
+
 /// Device memory from `cuMemAlloc`, freed on drop.
 #[derive(Debug)]
 pub struct DeviceBuffer {
@@ -276,6 +322,20 @@ impl DeviceBuffer {
         self.dev.bind()?;
         // SAFETY: the range was bounds-checked against this live allocation.
         unsafe { result::memcpy_htod_sync(self.ptr + off as u64, src) }.map_err(|e| derr("cuMemcpyHtoD", e))
+    }
+
+    /// Queues a copy of `src` (same length, any device: unified addressing) into this buffer
+    /// on the default stream (cuMemcpyDtoDAsync; asynchronous — time it with [`GpuTimer`]).
+    /// Errors: lengths differ, or the driver refuses.
+    pub fn copy_from(&self, src: &DeviceBuffer) -> Result<()> {
+        if src.len != self.len {
+            return Err(Error::Device(format!("copy of {} bytes into a {}-byte buffer", src.len, self.len)));
+        }
+        self.dev.bind()?;
+        // SAFETY: both are live allocations of `len` bytes; the default stream orders the copy
+        // after earlier work on it.
+        unsafe { result::memcpy_dtod_async(self.ptr, src.ptr, self.len, std::ptr::null_mut()) }
+            .map_err(|e| derr("cuMemcpyDtoDAsync", e))
     }
 
     /// Sets every byte to zero (synchronous).
@@ -355,8 +415,45 @@ macro_rules! kernel_params {
     };
 }
 
-fn grid(num_slices: u32) -> u32 {
-    num_slices.clamp(1, 1 << 20)
+/// Chunks of 16 bytes per work item of the kernels (`KVP_PART_CHUNKS` in csrc/kernels.cu):
+/// each thread block handles 16 KiB of one slice at a time.
+pub const PART_CHUNKS: u64 = 1024;
+
+/// Work items (slice parts) of one slice of `slice_bytes`.
+pub fn parts_per_slice(slice_bytes: u64) -> u64 {
+    (slice_bytes / 16).div_ceil(PART_CHUNKS).max(1)
+}
+
+fn grid(r: &RegionArgs) -> u32 {
+    (r.num_slices as u64 * parts_per_slice(r.slice_bytes as u64)).clamp(1, 1 << 20) as u32
+}
+
+/// Where the PTX NVRTC made for `arch` is kept between runs:
+/// `$KVPROBE_HOME/kernels/<sha256 of source, arch, NVRTC version>.ptx`, so a warm start skips
+/// NVRTC (the driver's own JIT cache then skips ptxas).
+fn ptx_cache_path(arch: &str) -> PathBuf {
+    let nvrtc = nvrtc_version().unwrap_or_default();
+    let key = crate::fingerprint::digest(format!("{}\0{arch}\0{nvrtc}", crate::fingerprint::KERNEL_SOURCE).as_bytes());
+    crate::nixl::kvprobe_home().join("kernels").join(format!("{}-{arch}.ptx", &key[..32]))
+}
+
+fn cached_ptx(arch: &str) -> Option<String> {
+    std::fs::read_to_string(ptx_cache_path(arch)).ok().filter(|p| p.contains(".entry kvp_verify"))
+}
+
+/// Best effort: a cache that cannot be written costs the next run a compile, nothing else.
+fn store_ptx(arch: &str, ptx: &str) {
+    let path = ptx_cache_path(arch);
+    let Some(dir) = path.parent() else { return };
+    if std::fs::create_dir_all(dir).is_err() {
+        return;
+    }
+    if let Ok(mut tmp) = tempfile::NamedTempFile::new_in(dir) {
+        use std::io::Write;
+        if tmp.write_all(ptx.as_bytes()).is_ok() {
+            let _ = tmp.persist(&path);
+        }
+    }
 }
 
 impl Kernels {
@@ -370,14 +467,23 @@ impl Kernels {
         }
         let info = gpu_info(dev.ordinal())?;
         let (ma, mi) = info.compute_capability;
-        let opts = cudarc::nvrtc::CompileOptions {
-            options: vec![format!("--gpu-architecture=compute_{ma}{mi}"), "-default-device".into()],
-            name: Some("kvprobe_kernels.cu".into()),
-            ..Default::default()
+        let arch = format!("compute_{ma}{mi}");
+        let ptx = match cached_ptx(&arch) {
+            Some(p) => p,
+            None => {
+                let opts = cudarc::nvrtc::CompileOptions {
+                    options: vec![format!("--gpu-architecture={arch}"), "-default-device".into()],
+                    name: Some("kvprobe_kernels.cu".into()),
+                    ..Default::default()
+                };
+                let ptx = cudarc::nvrtc::compile_ptx_with_opts(crate::fingerprint::KERNEL_SOURCE, opts)
+                    .map_err(|e| Error::Device(format!("NVRTC compile failed: {e:?}")))?
+                    .to_src();
+                store_ptx(&arch, &ptx);
+                ptx
+            }
         };
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(crate::fingerprint::KERNEL_SOURCE, opts)
-            .map_err(|e| Error::Device(format!("NVRTC compile failed: {e:?}")))?;
-        let image = CString::new(ptx.to_src()).map_err(|e| derr("PTX", e))?;
+        let image = CString::new(ptx).map_err(|e| derr("PTX", e))?;
         dev.bind()?;
         // SAFETY: `image` is a NUL-terminated PTX string produced by NVRTC.
         let module =
@@ -390,12 +496,12 @@ impl Kernels {
         Ok(Kernels { dev: dev.clone(), module, fill: get("kvp_fill")?, poison: get("kvp_poison")?, verify: get("kvp_verify")? })
     }
 
-    fn launch(&self, f: sys::CUfunction, num_slices: u32, params: &mut [*mut c_void]) -> Result<()> {
+    fn launch(&self, f: sys::CUfunction, r: &RegionArgs, params: &mut [*mut c_void]) -> Result<()> {
         self.dev.bind()?;
         // SAFETY: `f` belongs to this loaded module; `params` points at locals of the caller
         // that match the kernel's signature in csrc/kernels.cu and outlive this call
         // (cuLaunchKernel copies the values before returning).
-        unsafe { result::launch_kernel(f, (grid(num_slices), 1, 1), (THREADS, 1, 1), 0, std::ptr::null_mut(), params) }
+        unsafe { result::launch_kernel(f, (grid(r), 1, 1), (THREADS, 1, 1), 0, std::ptr::null_mut(), params) }
             .map_err(|e| derr("cuLaunchKernel", e))
     }
 
@@ -403,7 +509,7 @@ impl Kernels {
     /// `table` holds `num_blocks` `{logical block, generation}` u32 pairs.
     pub fn fill(&self, r: RegionArgs, seed32: u32, table: &DeviceBuffer) -> Result<()> {
         kernel_params!(params; p = r.region, sb = r.slice_bytes, lo = r.layout, nb = r.num_blocks, l = r.layer, s = seed32, t = table.ptr(), n = r.num_slices);
-        self.launch(self.fill, r.num_slices, &mut params)
+        self.launch(self.fill, &r, &mut params)
     }
 
     /// Writes the poison of (slot, iteration) into every slice of a region, or only into
@@ -414,12 +520,13 @@ impl Kernels {
             p = r.region, sb = r.slice_bytes, lo = r.layout, nb = r.num_blocks, n = r.num_slices,
             base = r.slice_base, it = iteration, t = table.map_or(0u64, |t| t.ptr())
         );
-        self.launch(self.poison, r.num_slices, &mut params)
+        self.launch(self.poison, &r, &mut params)
     }
 
-    /// Verifies every slice of a region against `table`; failing slices are appended to
-    /// `fails` (array of [`KernelFail`], one slot per slice of the pool) and counted in
-    /// `count` (one u32). Asynchronous.
+    /// Verifies every slice of a region against `table`; each failing part of a slice
+    /// ([`PART_CHUNKS`] chunks) appends one 16-byte record {slice, bad bytes, first bad
+    /// byte, 0} to `fails` (room for every part of the pool) and counts it in `count` (one
+    /// u32); the caller merges a slice's parts. Asynchronous.
     pub fn verify(
         &self,
         r: RegionArgs,
@@ -433,7 +540,7 @@ impl Kernels {
             p = r.region, sb = r.slice_bytes, lo = r.layout, nb = r.num_blocks, l = r.layer, s = seed32,
             t = table.ptr(), n = r.num_slices, base = r.slice_base, f = fails.ptr(), c = count.ptr()
         );
-        self.launch(self.verify, r.num_slices, &mut params)
+        self.launch(self.verify, &r, &mut params)
     }
 }
 

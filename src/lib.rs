@@ -11,13 +11,15 @@
 //! [`inject`] (faults planted through the real path) →
 //! [`verify`] (classifying corrupt slices) →
 //! [`report`] (versioned JSON and the human summary), driven by [`run`] (one scenario or the
-//! whole-pool sweep) and [`ab`] (the isolation matrix).
+//! whole-pool sweep) and [`ab`] (the isolation matrix); [`bench`] measures the probe's own
+//! speed against same-run ceilings.
 //!
 //! `unsafe` lives only in the fenced FFI modules [`cuda`], [`hostmem`], [`nixl`], [`child`]
 //! and the C bridge inside [`fingerprint`].
 #![deny(missing_docs)]
 
 pub mod ab;
+pub mod bench;
 pub mod child;
 pub mod cuda;
 pub mod engine;

@@ -45,12 +45,69 @@ enum Command {
     /// The isolation matrix: nixl-only, tier-only, stacked, and stacked with each race mechanism unfenced, same seed and load.
     #[command(after_help = EXIT_CODES, allow_negative_numbers = true)]
     Ab(AbArgs),
+    /// Measure kvprobe's own speed: fill, poison and verify against a same-run copy ceiling, CPU passes against memcpy, and sweep iterations broken down (table, and JSON with --json). Driven by bench/run.sh.
+    Bench(BenchArgs),
     /// Print what was found: GPUs and their links, driver, CUDA, NVRTC, NIXL library and plugins (exit 2 when NIXL is unusable).
     Env {
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
     },
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// vram: GPU kernels and the copy ceiling, DRAM passes, VRAM sweeps; dram: DRAM passes and sweeps. Default: vram when a GPU is present.
+    #[arg(long, value_enum)]
+    memory: Option<MemoryKind>,
+    /// GPU to measure.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+    /// GPU pool the kernels and the copy ceiling run over (e.g. 4GiB, 512MiB; whole 2 MiB llama3-8b blocks).
+    #[arg(long, default_value = "4GiB", value_parser = parse_bytes)]
+    gpu_bytes: u64,
+    /// DRAM buffers for memcpy and the CPU passes (two of them are allocated).
+    #[arg(long, default_value = "1GiB", value_parser = parse_bytes)]
+    host_bytes: u64,
+    /// Each pool of the sweep breakdowns (llama3-8b geometry).
+    #[arg(long, default_value = "1GiB", value_parser = parse_bytes)]
+    sweep_bytes: u64,
+    /// Timed passes per figure after one warm-up (the median is reported).
+    #[arg(long, default_value_t = 7)]
+    repeats: u32,
+    /// Iterations of each sweep breakdown.
+    #[arg(long, default_value_t = 5)]
+    iterations: u32,
+    /// Fingerprint seed (decimal or 0x hex).
+    #[arg(long, default_value = "1", value_parser = parse_seed)]
+    seed: u64,
+    /// NIXL backend of the sweeps.
+    #[arg(long, default_value = "UCX")]
+    backend: String,
+    /// Seconds to wait for each transfer of the sweeps.
+    #[arg(long, default_value_t = 60.0)]
+    timeout: f64,
+    /// Write the results as JSON (schema kvprobe.bench/1), atomically.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+/// Parses a byte count: a plain number, or with a KiB/MiB/GiB/TiB (or KB/MB/GB/TB, powers of 1000) suffix.
+fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let units: [(&str, u64); 8] = [
+        ("KiB", 1 << 10),
+        ("MiB", 1 << 20),
+        ("GiB", 1 << 30),
+        ("TiB", 1 << 40),
+        ("KB", 1_000),
+        ("MB", 1_000_000),
+        ("GB", 1_000_000_000),
+        ("TB", 1_000_000_000_000),
+    ];
+    let (num, mul) = units.iter().find_map(|(u, m)| t.strip_suffix(u).map(|n| (n.trim(), *m))).unwrap_or((t, 1));
+    let n: u64 = num.parse().map_err(|_| format!("{s:?}: expected a byte count such as 4GiB, 512MiB or 1000000"))?;
+    n.checked_mul(mul).ok_or_else(|| format!("{s:?}: too large"))
 }
 
 #[derive(Args)]
@@ -554,6 +611,48 @@ fn ab(args: AbArgs) -> Exit {
     exit
 }
 
+fn bench(a: BenchArgs) -> Exit {
+    if !(a.timeout.is_finite() && a.timeout > 0.0) {
+        err("kvprobe: --timeout must be a positive number of seconds");
+        return Exit::Usage;
+    }
+    let cfg = kvprobe::bench::BenchConfig {
+        memory: a.memory.unwrap_or_else(|| if kvprobe::cuda::device_count() > 0 { MemoryKind::Vram } else { MemoryKind::Dram }),
+        device: a.device,
+        gpu_bytes: a.gpu_bytes,
+        host_bytes: a.host_bytes,
+        repeats: a.repeats,
+        iterations: a.iterations,
+        sweep_bytes: a.sweep_bytes,
+        seed: a.seed,
+        backend: a.backend,
+        timeout_secs: a.timeout,
+    };
+    if let Some(p) = &a.json
+        && let Err(e) = kvprobe::report::check_writable(p)
+    {
+        err(&format!("kvprobe: {e}"));
+        return e.exit();
+    }
+    match kvprobe::bench::run(&cfg) {
+        Ok(r) => {
+            out(&kvprobe::bench::render(&r));
+            if let Some(p) = &a.json {
+                if let Err(e) = kvprobe::report::write_atomic(p, &r) {
+                    err(&format!("kvprobe: {e}"));
+                    return e.exit();
+                }
+                out(&format!("results: {}\n", p.display()));
+            }
+            Exit::Clean
+        }
+        Err(e) => {
+            err(&format!("kvprobe: {e}"));
+            e.exit()
+        }
+    }
+}
+
 fn env(json: bool) -> Exit {
     let e = kvprobe::envinfo::gather(kvprobe::envinfo::nixl_info());
     if json {
@@ -603,6 +702,7 @@ fn main() {
     let exit = match cli.command {
         Command::Run(a) => run(a, &typed),
         Command::Ab(a) => ab(a),
+        Command::Bench(a) => bench(a),
         Command::Env { json } => env(json),
     };
     // Not a plain return: see `exit_now` (library destructors can crash at exit).

@@ -69,6 +69,8 @@ pub struct KvPool {
     geom: Geometry,
     seed: u64,
     backing: Backing,
+    /// VRAM pools: device seconds of the last fill, poison or verify pass's kernels.
+    last_kernel_secs: Option<f64>,
 }
 
 fn table_bytes(table: &[TableEntry]) -> Vec<u8> {
@@ -84,7 +86,7 @@ impl KvPool {
     /// process may allocate (checked before mapping).
     pub fn host(geom: &Geometry, seed: u64) -> Result<KvPool> {
         let pool = Self::host_bytes(geom)?;
-        Ok(KvPool { geom: geom.clone(), seed, backing: Backing::Host(HostBuffer::alloc(pool)?) })
+        Ok(KvPool { geom: geom.clone(), seed, backing: Backing::Host(HostBuffer::alloc(pool)?), last_kernel_secs: None })
     }
 
     /// The bytes of a DRAM pool of `geom`, checked against the host memory available.
@@ -103,7 +105,12 @@ impl KvPool {
     /// [`HostBuffer::alloc_shareable`]): for the Mooncake worker. Errors as [`KvPool::host`].
     pub fn host_shareable(geom: &Geometry, seed: u64) -> Result<KvPool> {
         let pool = Self::host_bytes(geom)?;
-        Ok(KvPool { geom: geom.clone(), seed, backing: Backing::Host(HostBuffer::alloc_shareable(pool)?) })
+        Ok(KvPool {
+            geom: geom.clone(),
+            seed,
+            backing: Backing::Host(HostBuffer::alloc_shareable(pool)?),
+            last_kernel_secs: None,
+        })
     }
 
     /// The host mapping of a DRAM pool (None for VRAM).
@@ -129,7 +136,11 @@ impl KvPool {
         let region = geom.region_bytes()?;
         let pool = geom.pool_bytes()?;
         let slices = geom.total_slices()?;
-        let fails_len = slices.checked_mul(16).ok_or(Error::Usage("slice count overflows".into()))?;
+        // One 16-byte failure record per slice part (csrc/kernels.cu): the list never overflows.
+        let fails_len = slices
+            .checked_mul(crate::cuda::parts_per_slice(geom.slice_bytes()?))
+            .and_then(|n| n.checked_mul(16))
+            .ok_or(Error::Usage("slice count overflows".into()))?;
         let need = pool + fails_len + 8 * geom.num_blocks as u64 + (64 << 20);
         let (free, _) = dev.mem_info()?;
         if need > free {
@@ -142,7 +153,12 @@ impl KvPool {
         let table = DeviceBuffer::alloc(dev, 8 * geom.num_blocks as usize)?;
         let fails = DeviceBuffer::alloc(dev, fails_len as usize)?;
         let count = DeviceBuffer::alloc(dev, 4)?;
-        Ok(KvPool { geom: geom.clone(), seed, backing: Backing::Device { kernels, regions, table, fails, count } })
+        Ok(KvPool {
+            geom: geom.clone(),
+            seed,
+            backing: Backing::Device { kernels, regions, table, fails, count },
+            last_kernel_secs: None,
+        })
     }
 
     /// The pool's geometry.
@@ -282,10 +298,12 @@ impl KvPool {
             Backing::Device { kernels, regions, table: t, .. } => {
                 t.write(0, &table_bytes(table))?;
                 let s32 = fingerprint::seed32(seed);
+                let timer = crate::cuda::GpuTimer::start(regions[0].device())?;
                 for (layer, r) in regions.iter().enumerate() {
                     let args = Self::region_args_of(&self.geom, layer as u32, r.ptr());
                     kernels.fill(args, s32, t)?;
                 }
+                self.last_kernel_secs = Some(timer.stop()?);
                 regions[0].device().synchronize()
             }
         }
@@ -332,12 +350,37 @@ impl KvPool {
                 if let Some(table) = table {
                     t.write(0, &table_bytes(table))?;
                 }
+                let timer = crate::cuda::GpuTimer::start(regions[0].device())?;
                 for (layer, r) in regions.iter().enumerate() {
                     kernels.poison(Self::region_args_of(&self.geom, layer as u32, r.ptr()), iteration, table.map(|_| &*t))?;
                 }
+                self.last_kernel_secs = Some(timer.stop()?);
                 regions[0].device().synchronize()
             }
         }
+    }
+
+    /// VRAM pools: copies every layer region of `src` (same geometry) into this pool with
+    /// cuMemcpyDtoD on the default stream and returns the device seconds (CUDA events): the
+    /// copy ceiling `kvprobe bench` rates the kernels against. Errors: usage when either pool
+    /// is DRAM or the geometries differ; device when a copy fails.
+    pub fn copy_pool_from(&mut self, src: &KvPool) -> Result<f64> {
+        match (&self.backing, &src.backing) {
+            (Backing::Device { regions: d, .. }, Backing::Device { regions: s, .. }) if self.geom == src.geom => {
+                let timer = crate::cuda::GpuTimer::start(d[0].device())?;
+                for (d, s) in d.iter().zip(s) {
+                    d.copy_from(s)?;
+                }
+                timer.stop()
+            }
+            _ => Err(Error::Usage("copy_pool_from needs two VRAM pools of one geometry".into())),
+        }
+    }
+
+    /// VRAM pools: the device seconds (CUDA events around the launches) of the kernels of the
+    /// last [`KvPool::fill`], poison or [`KvPool::verify`] pass; `None` for DRAM pools.
+    pub fn last_kernel_seconds(&self) -> Option<f64> {
+        self.last_kernel_secs
     }
 
     /// Bytes of one block across all its slices: `num_layers * kv_parts * slice_bytes`.
@@ -405,22 +448,35 @@ impl KvPool {
                 t.write(0, &table_bytes(table))?;
                 count.zero()?;
                 let s32 = fingerprint::seed32(seed);
+                let timer = crate::cuda::GpuTimer::start(regions[0].device())?;
                 for (layer, r) in regions.iter().enumerate() {
                     kernels.verify(Self::region_args_of(&self.geom, layer as u32, r.ptr()), s32, t, fails, count)?;
                 }
+                self.last_kernel_secs = Some(timer.stop()?);
                 regions[0].device().synchronize()?;
                 let mut n = [0u8; 4];
                 count.read(0, &mut n)?;
                 let n = u32::from_le_bytes(n) as usize;
                 let mut raw = vec![0u8; n * 16];
                 fails.read(0, &mut raw)?;
-                raw.chunks_exact(16)
+                let mut parts: Vec<RawFailure> = raw
+                    .chunks_exact(16)
                     .map(|c| {
                         let w = |i: usize| u32::from_le_bytes(c[4 * i..4 * i + 4].try_into().unwrap());
-                        // Fields of KernelFail: slice, bad_bytes, first_bad, pad.
+                        // Fields of kvp_fail: slice, bad_bytes, first_bad, pad.
                         RawFailure { slice: w(0), bad_bytes: w(1) as u64, first_bad: w(2) as u64 }
                     })
-                    .collect()
+                    .collect();
+                // A slice's failing parts become one failure: bytes summed, first offset kept.
+                parts.sort_by_key(|f| (f.slice, f.first_bad));
+                let mut merged: Vec<RawFailure> = Vec::with_capacity(parts.len());
+                for f in parts {
+                    match merged.last_mut() {
+                        Some(m) if m.slice == f.slice => m.bad_bytes += f.bad_bytes,
+                        _ => merged.push(f),
+                    }
+                }
+                merged
             }
         };
         out.sort_by_key(|f| f.slice);

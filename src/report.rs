@@ -160,6 +160,46 @@ pub struct Summary {
     pub injections_detected: u64,
     /// Corrupt slices not predicted by any injection.
     pub unexpected_failures: u64,
+    /// Sweep: wall seconds of the iterations (fill, poison, transfer, verify and the host
+    /// work between them); the host work is this minus the four parts.
+    pub iteration_seconds: f64,
+    /// Seconds from the start of the run (NIXL load, environment, pools, kernels, agents) to
+    /// the first transfer being posted.
+    pub setup_seconds: f64,
+    /// VRAM pools: device seconds of the fill, poison and verify kernels alone (CUDA events),
+    /// all iterations; 0 on DRAM.
+    pub kernel_seconds: KernelSeconds,
+    /// Sweep: the times of each iteration, in order (`kvprobe bench` takes medians over all
+    /// but the first, which warms up: page faults, UCX connection and registration caches).
+    pub per_iteration: Vec<IterationTimes>,
+}
+
+/// Wall seconds of one sweep iteration and its parts.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct IterationTimes {
+    /// The whole iteration.
+    pub iteration: f64,
+    /// Fill (synchronised).
+    pub fill: f64,
+    /// Poison.
+    pub poison: f64,
+    /// NIXL transfer, post to completion.
+    pub transfer: f64,
+    /// Verify, classification included.
+    pub verify: f64,
+    /// VRAM: device seconds of the kernels alone.
+    pub kernels: KernelSeconds,
+}
+
+/// Device seconds of the probe's kernels (CUDA events around the launches).
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct KernelSeconds {
+    /// Fill kernels (prefill pool).
+    pub fill: f64,
+    /// Poison kernels (decode pool).
+    pub poison: f64,
+    /// Verify kernels (decode pool).
+    pub verify: f64,
 }
 
 impl Summary {

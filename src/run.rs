@@ -17,7 +17,7 @@ use crate::fingerprint;
 use crate::geometry::{Geometry, Preset, SliceCoord};
 use crate::inject::{self, Action, Spec};
 use crate::pool::{KvPool, MemoryKind, TableEntry};
-use crate::report::{Failure, InjectionRecord, Outcome, PredictedHit, Report, Summary};
+use crate::report::{Failure, InjectionRecord, IterationTimes, Outcome, PredictedHit, Report, Summary};
 use crate::transport::{self, Endpoint, Op, Pair};
 use crate::verify::{self, Class};
 use rand::SeedableRng;
@@ -337,6 +337,7 @@ pub(crate) fn prepare(cfg: &RunConfig, report: &mut Report) -> Result<()> {
 }
 
 fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>) -> Result<()> {
+    let started = Instant::now();
     prepare(cfg, report)?;
     let mut probe = Probe::setup(cfg)?;
     if let Some(sc) = &cfg.scenario {
@@ -364,23 +365,30 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>) -> Res
         if crate::interrupt::requested() {
             return Err(Error::Interrupted(format!("{} complete iterations", it - 1)));
         }
+        let iteration_start = Instant::now();
         let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ (it as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
         let mut perm: Vec<u32> = (0..g.num_blocks).collect();
         perm.shuffle(&mut rng);
         let actions = inject::plan(&cfg.inject, &g, &mut rng);
 
         let src_table = probe.source_table(it);
+        let mut times = IterationTimes::default();
         let t = Instant::now();
         probe.prefill.pool.fill(&src_table)?;
-        report.summary.fill_seconds += t.elapsed().as_secs_f64();
+        times.fill = t.elapsed().as_secs_f64();
+        times.kernels.fill = probe.prefill.pool.last_kernel_seconds().unwrap_or(0.0);
         probe.apply_source_faults(&actions, it)?;
         let t = Instant::now();
         probe.decode.pool.poison(it)?;
-        report.summary.poison_seconds += t.elapsed().as_secs_f64();
+        times.poison = t.elapsed().as_secs_f64();
+        times.kernels.poison = probe.decode.pool.last_kernel_seconds().unwrap_or(0.0);
         let pairs = probe.pairs(&perm, &actions)?;
+        if it == 1 {
+            report.summary.setup_seconds = started.elapsed().as_secs_f64();
+        }
         let xr = transport::transfer(cfg.op, &probe.prefill, &probe.decode, &pairs, &format!("kvprobe:iter={it}"), timeout)?;
         report.summary.bytes_transferred += xr.bytes;
-        report.summary.transfer_seconds += xr.elapsed.as_secs_f64();
+        times.transfer = xr.elapsed.as_secs_f64();
 
         let mut dst_table = vec![TableEntry::default(); g.num_blocks as usize];
         let mut src_of = vec![0u32; g.num_blocks as usize];
@@ -390,6 +398,7 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>) -> Res
         }
         let t = Instant::now();
         let fails = probe.decode.pool.verify(&dst_table)?;
+        times.kernels.verify = probe.decode.pool.last_kernel_seconds().unwrap_or(0.0);
         report.summary.blocks_checked += total;
 
         let mut predicted: HashMap<SliceCoord, Class> = HashMap::new();
@@ -417,8 +426,7 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>) -> Res
                 report.summary.failures_omitted += 1;
             }
         }
-        report.summary.verify_seconds += t.elapsed().as_secs_f64();
-        report.summary.verify_gbps = pool_bytes as f64 * it as f64 / report.summary.verify_seconds.max(1e-9) / 1e9;
+        times.verify = t.elapsed().as_secs_f64();
         for a in &actions {
             let hits: Vec<PredictedHit> = a
                 .predicted()
@@ -432,6 +440,18 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>) -> Res
             report.injections.push(InjectionRecord { iteration: it, kind: a.kind(), predicted: hits, detected });
         }
         report.summary.iterations = it;
+        times.iteration = iteration_start.elapsed().as_secs_f64();
+        let s = &mut report.summary;
+        s.fill_seconds += times.fill;
+        s.poison_seconds += times.poison;
+        s.transfer_seconds += times.transfer;
+        s.verify_seconds += times.verify;
+        s.iteration_seconds += times.iteration;
+        s.kernel_seconds.fill += times.kernels.fill;
+        s.kernel_seconds.poison += times.kernels.poison;
+        s.kernel_seconds.verify += times.kernels.verify;
+        s.per_iteration.push(times);
+        s.verify_gbps = pool_bytes as f64 * it as f64 / s.verify_seconds.max(1e-9) / 1e9;
         let s = &report.summary;
         report.summary.transfer_gbps =
             if s.transfer_seconds > 0.0 { s.bytes_transferred as f64 / s.transfer_seconds / 1e9 } else { 0.0 };

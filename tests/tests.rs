@@ -4,6 +4,7 @@
 
 mod common;
 
+mod bench;
 mod cli;
 mod dram;
 mod fingerprint;

@@ -1,0 +1,507 @@
+//! `kvprobe bench`: the probe's own speed, so it is never the bottleneck it measures.
+//!
+//! Measured as GPU practice demands: one warm-up pass, then the median of `repeats` passes,
+//! GPU work timed with CUDA events on the default stream (the kernels' device time, not host
+//! launch time), on fingerprinted (pseudo-random, never zero) data. Every rate is a ratio
+//! to a ceiling measured in the same run on the same device:
+//!
+//! - GPU ceiling: cuMemcpyDtoD of a whole pool (≥ 4 GiB by default, layer region by layer
+//!   region), counted as bytes read + bytes written (a copy of N bytes moves 2N);
+//! - fill kernel (bytes written / s), poison pass (bytes written / s) and verify kernel
+//!   (bytes read / s) over that pool, each as a ratio to the ceiling (goal ≥ 0.85 for fill
+//!   and verify);
+//! - DRAM: memcpy (read + written) on one thread and on all threads against the CPU
+//!   reference's fill (written) and verify (read) on as many threads (goal ≥ 0.5, all
+//!   threads);
+//! - one `kvprobe run` sweep iteration broken down into fill, poison, NIXL transfer, verify
+//!   and host work, with the transfer rate as a ratio to the one-way copy rate (the
+//!   ceiling / 2, both counting the bytes moved once), and the probe's share of the
+//!   iteration (goal ≤ 5 % where the transfer reaches 50 GB/s).
+//!
+//! GB/s = 1e9 B/s throughout. The goals come from the performance issue (bench/NOTES.md).
+
+use crate::error::{Error, Result};
+use crate::fingerprint::{self, BlockIdentity};
+use crate::geometry::{Geometry, KvPart, Preset};
+use crate::pool::{KvPool, MemoryKind, TableEntry};
+use crate::run::{Hooks, RunConfig};
+use serde::Serialize;
+use std::time::Instant;
+
+/// Schema name of the JSON `kvprobe bench` writes.
+pub const SCHEMA: &str = "kvprobe.bench/1";
+
+/// Goal: fill and verify kernel rates as a share of the same-run copy ceiling.
+pub const GOAL_KERNEL_RATIO: f64 = 0.85;
+/// Goal: CPU fill and verify (all threads) as a share of memcpy (all threads).
+pub const GOAL_CPU_RATIO: f64 = 0.5;
+/// Goal: the probe's share of a sweep iteration (everything but the transfer), where the
+/// transfer reaches [`OVERHEAD_APPLIES_GBPS`].
+pub const GOAL_PROBE_SHARE: f64 = 0.05;
+/// Transfer rate (GB/s) from which [`GOAL_PROBE_SHARE`] applies.
+pub const OVERHEAD_APPLIES_GBPS: f64 = 50.0;
+
+/// What to measure.
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchConfig {
+    /// Vram: the GPU figures, the DRAM figures and VRAM sweep breakdowns; Dram: the DRAM
+    /// figures and a DRAM sweep breakdown.
+    pub memory: MemoryKind,
+    /// GPU ordinal (VRAM).
+    pub device: usize,
+    /// Bytes of the GPU pool the kernels and the copy ceiling run over (rounded down to whole
+    /// llama3-8b blocks of 2 MiB).
+    pub gpu_bytes: u64,
+    /// Bytes of the DRAM buffers (rounded down to whole 32 KiB slices).
+    pub host_bytes: u64,
+    /// Timed passes per figure (after one warm-up); the median is reported.
+    pub repeats: u32,
+    /// Iterations of each sweep breakdown.
+    pub iterations: u32,
+    /// Bytes of each pool in the sweep breakdowns (llama3-8b geometry).
+    pub sweep_bytes: u64,
+    /// Fingerprint seed.
+    pub seed: u64,
+    /// NIXL backend of the sweep breakdowns.
+    pub backend: String,
+    /// Seconds to wait for each transfer of the sweep breakdowns.
+    pub timeout_secs: f64,
+}
+
+/// One measured rate.
+#[derive(Clone, Debug, Serialize)]
+pub struct Figure {
+    /// Stable identifier, e.g. `gpu.fill`.
+    pub name: String,
+    /// Human label.
+    pub what: String,
+    /// Bytes counted per pass.
+    pub bytes: u64,
+    /// How `bytes` counts: "read+written", "written" or "read".
+    pub counted: &'static str,
+    /// Median seconds of the timed passes.
+    pub seconds_median: f64,
+    /// Fastest pass.
+    pub seconds_min: f64,
+    /// Slowest pass.
+    pub seconds_max: f64,
+    /// `bytes / seconds_median / 1e9`.
+    pub gbps: f64,
+    /// Rate as a share of `ratio_to`'s rate.
+    pub ratio: Option<f64>,
+    /// The figure the ratio is against.
+    pub ratio_to: Option<String>,
+    /// The goal for `ratio` (at least), if any.
+    pub goal: Option<f64>,
+    /// Whether `ratio` meets `goal`.
+    pub meets: Option<bool>,
+}
+
+/// One `kvprobe run` sweep, per iteration: medians over the iterations after the first
+/// (a warm-up), from the run report's `summary.per_iteration`.
+#[derive(Clone, Debug, Serialize)]
+pub struct Breakdown {
+    /// What the sweep moves, e.g. "llama3-8b, 32 KiB slices (vLLM-shaped)".
+    pub label: String,
+    /// Pool memory.
+    pub memory: MemoryKind,
+    /// Bytes of one block slice (one NIXL descriptor).
+    pub slice_bytes: u64,
+    /// Bytes of each pool.
+    pub pool_bytes: u64,
+    /// Iterations run (the first is a warm-up, left out of the medians when there are more).
+    pub iterations: u32,
+    /// The run's exit code (0 = clean).
+    pub exit_code: u8,
+    /// The run's error, if any.
+    pub error: Option<String>,
+    /// Seconds from the run's start to its first transfer.
+    pub setup_seconds: f64,
+    /// Per-iteration wall seconds: the whole iteration.
+    pub iteration_s: f64,
+    /// Per-iteration wall seconds: fill (synchronised).
+    pub fill_s: f64,
+    /// Per-iteration wall seconds: poison.
+    pub poison_s: f64,
+    /// Per-iteration wall seconds: NIXL transfer (post to completion).
+    pub transfer_s: f64,
+    /// Per-iteration wall seconds: verify, classification included.
+    pub verify_s: f64,
+    /// Per-iteration wall seconds: everything else (descriptor lists, tables, bookkeeping).
+    pub host_s: f64,
+    /// VRAM: per-iteration device seconds of the fill, poison and verify kernels.
+    pub kernel_s: crate::report::KernelSeconds,
+    /// The transfer rate (GB/s).
+    pub transfer_gbps: f64,
+    /// Transfer rate / one-way copy rate of the same memory (GPU: ceiling / 2; DRAM:
+    /// all-thread memcpy / 2).
+    pub transfer_ratio: Option<f64>,
+    /// (iteration − transfer) / iteration.
+    pub probe_share: f64,
+    /// Whether `probe_share` ≤ [`GOAL_PROBE_SHARE`]; `None` where the transfer is below
+    /// [`OVERHEAD_APPLIES_GBPS`] (the goal does not apply).
+    pub meets: Option<bool>,
+}
+
+/// The `kvprobe bench` result (`schema` = [`SCHEMA`]).
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchReport {
+    /// Always [`SCHEMA`].
+    pub schema: &'static str,
+    /// Unix time the bench started.
+    pub started_unix: u64,
+    /// What was asked.
+    pub config: BenchConfig,
+    /// Hosts, GPUs, driver, NIXL, UCX settings in effect.
+    pub environment: crate::envinfo::Environment,
+    /// The rates.
+    pub figures: Vec<Figure>,
+    /// The sweep breakdowns.
+    pub breakdowns: Vec<Breakdown>,
+}
+
+fn median(mut v: Vec<f64>) -> (f64, f64, f64) {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    let med = if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 };
+    (med, v[0], v[n - 1])
+}
+
+/// Runs `pass` once to warm up, then `repeats` times; `pass` returns its own seconds.
+fn timed(repeats: u32, mut pass: impl FnMut() -> Result<f64>) -> Result<(f64, f64, f64)> {
+    pass()?;
+    let v = (0..repeats.max(1)).map(|_| pass()).collect::<Result<Vec<_>>>()?;
+    Ok(median(v))
+}
+
+fn figure(name: &str, what: &str, bytes: u64, counted: &'static str, t: (f64, f64, f64)) -> Figure {
+    Figure {
+        name: name.into(),
+        what: what.into(),
+        bytes,
+        counted,
+        seconds_median: t.0,
+        seconds_min: t.1,
+        seconds_max: t.2,
+        gbps: bytes as f64 / t.0.max(1e-12) / 1e9,
+        ratio: None,
+        ratio_to: None,
+        goal: None,
+        meets: None,
+    }
+}
+
+fn rate_against(f: &mut Figure, base: &Figure, goal: Option<f64>) {
+    let r = f.gbps / base.gbps.max(1e-12);
+    f.ratio = Some(r);
+    f.ratio_to = Some(base.name.clone());
+    f.goal = goal;
+    f.meets = goal.map(|g| r >= g);
+}
+
+/// The llama3-8b geometry (32 KiB block slices) with as many blocks as fit in `bytes`.
+fn llama_pool_geometry(bytes: u64) -> Result<Geometry> {
+    let mut g = Preset::Llama3_8b.geometry();
+    g.num_blocks = 1;
+    let per_block = g.pool_bytes()?;
+    g.num_blocks = (bytes / per_block).clamp(2, u32::MAX as u64) as u32;
+    Ok(g)
+}
+
+fn gpu_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
+    let dev = crate::cuda::Device::open(cfg.device)?;
+    let kernels = std::sync::Arc::new(crate::cuda::Kernels::compile(&dev)?);
+    let g = llama_pool_geometry(cfg.gpu_bytes)?;
+    let bytes = g.pool_bytes()?;
+    let mut src = KvPool::device(&dev, kernels.clone(), &g, cfg.seed)?;
+    let mut dst = KvPool::device(&dev, kernels, &g, cfg.seed)?;
+    let table: Vec<TableEntry> =
+        (0..g.num_blocks).map(|i| TableEntry { block: crate::run::logical_block(cfg.seed, i), generation: 1 }).collect();
+    let kernel_secs = |p: &KvPool| p.last_kernel_seconds().ok_or_else(|| Error::Device("no kernel time recorded".into()));
+    let fill = timed(cfg.repeats, || {
+        src.fill(&table)?;
+        kernel_secs(&src)
+    })?;
+    let copy = timed(cfg.repeats, || dst.copy_pool_from(&src))?;
+    let verify = timed(cfg.repeats, || {
+        let fails = dst.verify(&table)?;
+        if !fails.is_empty() {
+            return Err(Error::Device(format!("bench: {} slices of the copied pool do not verify", fails.len())));
+        }
+        kernel_secs(&dst)
+    })?;
+    let mut it = 0;
+    let poison = timed(cfg.repeats, || {
+        it += 1;
+        dst.poison(it)?;
+        kernel_secs(&dst)
+    })?;
+    let gib = bytes as f64 / (1u64 << 30) as f64;
+    let ceiling = figure("gpu.copy", &format!("GPU copy ceiling, cuMemcpyDtoD {gib:.2} GiB"), 2 * bytes, "read+written", copy);
+    let mut f = figure("gpu.fill", "fill kernel", bytes, "written", fill);
+    rate_against(&mut f, &ceiling, Some(GOAL_KERNEL_RATIO));
+    let mut v = figure("gpu.verify", "verify kernel", bytes, "read", verify);
+    rate_against(&mut v, &ceiling, Some(GOAL_KERNEL_RATIO));
+    let mut p = figure("gpu.poison", "poison kernel", bytes, "written", poison);
+    rate_against(&mut p, &ceiling, None);
+    out.extend([ceiling, f, v, p]);
+    Ok(())
+}
+
+/// Splits `buf` into `threads` runs of whole `sb`-byte slices and runs `f(first slice index,
+/// run)` on each in parallel.
+fn par_slices(buf: &mut [u8], sb: usize, threads: usize, f: impl Fn(usize, &mut [u8]) + Sync) {
+    let slices = buf.len() / sb;
+    let per = slices.div_ceil(threads.max(1)).max(1);
+    std::thread::scope(|sc| {
+        for (t, part) in buf.chunks_mut(per * sb).enumerate() {
+            let f = &f;
+            sc.spawn(move || f(t * per, part));
+        }
+    });
+}
+
+fn identity(i: usize) -> BlockIdentity {
+    BlockIdentity { layer: (i % 32) as u32, kv: KvPart::K, block: (i / 32) as u32, generation: 1 }
+}
+
+fn host_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
+    const SB: usize = 32 << 10; // one llama3-8b block slice
+    let n = (cfg.host_bytes as usize / SB).max(1) * SB;
+    let mut src = crate::hostmem::HostBuffer::alloc(n)?;
+    let mut dst = crate::hostmem::HostBuffer::alloc(n)?;
+    let all = std::thread::available_parallelism().map(|x| x.get()).unwrap_or(1);
+    let seed = cfg.seed;
+    let fill_pass = |buf: &mut [u8], threads: usize| {
+        let t = Instant::now();
+        par_slices(buf, SB, threads, |first, run| {
+            for (i, s) in run.chunks_exact_mut(SB).enumerate() {
+                fingerprint::fill(s, seed, identity(first + i));
+            }
+        });
+        t.elapsed().as_secs_f64()
+    };
+    let fill1 = timed(cfg.repeats, || Ok(fill_pass(src.as_mut_slice(), 1)))?;
+    let filln = timed(cfg.repeats, || Ok(fill_pass(src.as_mut_slice(), all)))?;
+    let copy_pass = |dst: &mut [u8], src: &[u8], threads: usize| {
+        let t = Instant::now();
+        let per = n.div_ceil(threads).div_ceil(SB) * SB;
+        std::thread::scope(|sc| {
+            for (d, s) in dst.chunks_mut(per).zip(src.chunks(per)) {
+                sc.spawn(move || d.copy_from_slice(s));
+            }
+        });
+        t.elapsed().as_secs_f64()
+    };
+    let copy1 = timed(cfg.repeats, || Ok(copy_pass(dst.as_mut_slice(), src.as_slice(), 1)))?;
+    let copyn = timed(cfg.repeats, || Ok(copy_pass(dst.as_mut_slice(), src.as_slice(), all)))?;
+    let verify_pass = |buf: &mut [u8], threads: usize| -> Result<f64> {
+        let bad = std::sync::atomic::AtomicU64::new(0);
+        let t = Instant::now();
+        par_slices(buf, SB, threads, |first, run| {
+            let mut b = 0;
+            for (i, s) in run.chunks_exact(SB).enumerate() {
+                b += fingerprint::check(s, seed, identity(first + i)).0;
+            }
+            bad.fetch_add(b, std::sync::atomic::Ordering::Relaxed);
+        });
+        let secs = t.elapsed().as_secs_f64();
+        match bad.into_inner() {
+            0 => Ok(secs),
+            b => Err(Error::Device(format!("bench: {b} bytes of the copied DRAM buffer do not verify"))),
+        }
+    };
+    let verify1 = timed(cfg.repeats, || verify_pass(dst.as_mut_slice(), 1))?;
+    let verifyn = timed(cfg.repeats, || verify_pass(dst.as_mut_slice(), all))?;
+    let n = n as u64;
+    let mib = n >> 20;
+    let c1 = figure("cpu.memcpy.1", &format!("memcpy {mib} MiB, 1 thread"), 2 * n, "read+written", copy1);
+    let cn = figure("cpu.memcpy.all", &format!("memcpy {mib} MiB, {all} threads"), 2 * n, "read+written", copyn);
+    let mut f1 = figure("cpu.fill.1", "CPU fill, 1 thread", n, "written", fill1);
+    rate_against(&mut f1, &c1, None);
+    let mut fnn = figure("cpu.fill.all", &format!("CPU fill, {all} threads"), n, "written", filln);
+    rate_against(&mut fnn, &cn, Some(GOAL_CPU_RATIO));
+    let mut v1 = figure("cpu.verify.1", "CPU verify, 1 thread", n, "read", verify1);
+    rate_against(&mut v1, &c1, None);
+    let mut vn = figure("cpu.verify.all", &format!("CPU verify, {all} threads"), n, "read", verifyn);
+    rate_against(&mut vn, &cn, Some(GOAL_CPU_RATIO));
+    out.extend([c1, cn, f1, fnn, v1, vn]);
+    Ok(())
+}
+
+fn breakdown(cfg: &BenchConfig, label: &str, memory: MemoryKind, g: Geometry, one_way_gbps: Option<f64>) -> Breakdown {
+    let rc = RunConfig {
+        memory,
+        prefill_device: cfg.device,
+        decode_device: cfg.device,
+        preset: None,
+        geometry: g.clone(),
+        op: crate::transport::Op::Read,
+        iterations: cfg.iterations,
+        seed: cfg.seed,
+        inject: Vec::new(),
+        backend: cfg.backend.clone(),
+        timeout_secs: cfg.timeout_secs,
+        min_gbps: None,
+        max_failures: 100,
+        scenario: None,
+    };
+    let (mut line, mut progress, mut ckpt) = (|_: &str| {}, |_: &crate::engine::Progress| {}, |_: &crate::report::Report| {});
+    let mut hooks = Hooks { line: &mut line, progress: &mut progress, checkpoint_secs: 0.0, checkpoint: &mut ckpt };
+    let (report, exit) = crate::run::run(&rc, &mut hooks);
+    let s = &report.summary;
+    // The first iteration warms up (page faults, UCX connections and registration caches);
+    // each part is the median over the others (all of them when there is only one).
+    let warm = if s.per_iteration.len() > 1 { &s.per_iteration[1..] } else { &s.per_iteration[..] };
+    let med = |f: &dyn Fn(&crate::report::IterationTimes) -> f64| {
+        if warm.is_empty() { 0.0 } else { median(warm.iter().map(f).collect()).0 }
+    };
+    let (iteration, transfer) = (med(&|t| t.iteration), med(&|t| t.transfer));
+    let (fill, poison, verify) = (med(&|t| t.fill), med(&|t| t.poison), med(&|t| t.verify));
+    let host = med(&|t| (t.iteration - t.fill - t.poison - t.transfer - t.verify).max(0.0));
+    let pool_bytes = g.pool_bytes().unwrap_or(0);
+    let transfer_gbps = if transfer > 0.0 { pool_bytes as f64 / transfer / 1e9 } else { 0.0 };
+    let probe_share = if iteration > 0.0 { 1.0 - transfer / iteration } else { 0.0 };
+    Breakdown {
+        label: label.into(),
+        memory,
+        slice_bytes: g.slice_bytes().unwrap_or(0),
+        pool_bytes,
+        iterations: s.iterations,
+        exit_code: exit as u8,
+        error: report.outcome.error.as_ref().map(|e| e.message.clone()),
+        setup_seconds: s.setup_seconds,
+        iteration_s: iteration,
+        fill_s: fill,
+        poison_s: poison,
+        transfer_s: transfer,
+        verify_s: verify,
+        host_s: host,
+        kernel_s: crate::report::KernelSeconds {
+            fill: med(&|t| t.kernels.fill),
+            poison: med(&|t| t.kernels.poison),
+            verify: med(&|t| t.kernels.verify),
+        },
+        transfer_gbps,
+        transfer_ratio: one_way_gbps.map(|c| transfer_gbps / c.max(1e-12)),
+        probe_share,
+        meets: (transfer_gbps >= OVERHEAD_APPLIES_GBPS && !warm.is_empty()).then_some(probe_share <= GOAL_PROBE_SHARE),
+    }
+}
+
+/// Runs the bench. Errors: usage (exit 2) for bad sizes or no GPU with `--memory vram`;
+/// device (exit 3) when a kernel, a copy or a check of the copied data fails. A sweep
+/// breakdown that fails is recorded in its row (`exit_code`, `error`), not raised.
+pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
+    if cfg.repeats == 0 || cfg.iterations == 0 {
+        return Err(Error::Usage("--repeats and --iterations must be at least 1".into()));
+    }
+    if cfg.host_bytes < 32 << 10 || cfg.gpu_bytes < 4 << 20 || cfg.sweep_bytes < 4 << 20 {
+        return Err(Error::Usage("--host-bytes must be at least 32 KiB, --gpu-bytes and --sweep-bytes at least 4 MiB".into()));
+    }
+    if let Some(avail) = crate::hostmem::available_bytes()
+        && cfg.host_bytes.saturating_mul(2) > avail / 2
+    {
+        return Err(Error::Usage(format!(
+            "--host-bytes {}: the bench needs twice that, and {avail} bytes are available (use at most a quarter)",
+            cfg.host_bytes
+        )));
+    }
+    crate::nixl::prepare_ucx_env(cfg.memory == MemoryKind::Vram);
+    let nixl = crate::nixl::load();
+    let environment = crate::envinfo::gather(crate::envinfo::nixl_info());
+    let started_unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let mut figures = Vec::new();
+    if cfg.memory == MemoryKind::Vram {
+        if crate::cuda::device_count() == 0 {
+            return Err(Error::Usage("--memory vram: no CUDA GPU present (use --memory dram)".into()));
+        }
+        gpu_figures(cfg, &mut figures)?;
+    }
+    host_figures(cfg, &mut figures)?;
+    let rate = |name: &str| figures.iter().find(|f| f.name == name).map(|f| f.gbps / 2.0);
+    let mut breakdowns = Vec::new();
+    if nixl.is_ok() {
+        // vLLM-shaped: block_size 16 (32 KiB slices). Wide: the largest block_size up to 1024
+        // (2 MiB slices) that still gives 8 blocks, so descriptors are few and large.
+        let llama = llama_pool_geometry(cfg.sweep_bytes)?;
+        let mut wide = llama.clone();
+        let per_token = llama.slice_bytes()? / llama.block_size as u64; // bytes per token per layer and K/V
+        let target = cfg.sweep_bytes / 8 / (llama.num_layers as u64 * 2) / per_token;
+        wide.block_size = (1u64 << (63 - target.max(16).leading_zeros())).min(1024) as u32;
+        wide.num_blocks = 1;
+        wide.num_blocks = (cfg.sweep_bytes / wide.pool_bytes()?).max(2) as u32;
+        let one_way = if cfg.memory == MemoryKind::Vram { rate("gpu.copy") } else { rate("cpu.memcpy.all") };
+        for g in [llama, wide] {
+            let label = format!("llama3-8b, block_size {}: {} KiB slices", g.block_size, g.slice_bytes()? >> 10);
+            breakdowns.push(breakdown(cfg, &label, cfg.memory, g, one_way));
+        }
+    }
+    Ok(BenchReport { schema: SCHEMA, started_unix, config: cfg.clone(), environment, figures, breakdowns })
+}
+
+/// The human table: every figure with its rate, ratio and goal, then each breakdown.
+pub fn render(r: &BenchReport) -> String {
+    let mut s = format!("{:<44} {:>14} {:>10} {:>10}  {:<16} {}\n", "figure", "bytes", "median s", "GB/s", "ratio", "goal");
+    for f in &r.figures {
+        let ratio = match (&f.ratio, &f.ratio_to) {
+            (Some(x), Some(to)) => format!("{x:.3} of {}", to.rsplit('.').next().unwrap_or(to)),
+            _ => "-".into(),
+        };
+        let goal = match (f.goal, f.meets) {
+            (Some(g), Some(true)) => format!(">= {g} met"),
+            (Some(g), _) => format!(">= {g} MISSED"),
+            _ => String::new(),
+        };
+        s += &format!(
+            "{:<44} {:>14} {:>10.6} {:>10.2}  {:<16} {}\n",
+            format!("{} ({})", f.what, f.counted),
+            f.bytes,
+            f.seconds_median,
+            f.gbps,
+            ratio,
+            goal
+        );
+    }
+    for b in &r.breakdowns {
+        s += &format!(
+            "\nsweep iteration, {:?} pools, {} (pool {} MiB, {} iterations, exit {}{})\n",
+            b.memory,
+            b.label,
+            b.pool_bytes >> 20,
+            b.iterations,
+            b.exit_code,
+            b.error.as_deref().map(|e| format!(": {e}")).unwrap_or_default()
+        );
+        let pct = |x: f64| if b.iteration_s > 0.0 { 100.0 * x / b.iteration_s } else { 0.0 };
+        for (name, x) in [
+            ("fill", b.fill_s),
+            ("poison", b.poison_s),
+            ("transfer", b.transfer_s),
+            ("verify", b.verify_s),
+            ("host work", b.host_s),
+            ("iteration", b.iteration_s),
+        ] {
+            s += &format!("  {name:<10} {x:>10.6} s  {:>5.1} %\n", pct(x));
+        }
+        if b.memory == MemoryKind::Vram {
+            s += &format!(
+                "  kernels (device time): fill {:.6} s, poison {:.6} s, verify {:.6} s\n",
+                b.kernel_s.fill, b.kernel_s.poison, b.kernel_s.verify
+            );
+        }
+        s += &format!(
+            "  transfer {:.2} GB/s{}; probe share {:.1} % ({}); start to first transfer {:.2} s\n",
+            b.transfer_gbps,
+            b.transfer_ratio.map(|r| format!(" = {r:.3} of the one-way copy rate")).unwrap_or_default(),
+            100.0 * b.probe_share,
+            match b.meets {
+                Some(true) => format!("goal <= {:.0} % met", 100.0 * GOAL_PROBE_SHARE),
+                Some(false) => format!("goal <= {:.0} % MISSED", 100.0 * GOAL_PROBE_SHARE),
+                None => format!("goal applies from {OVERHEAD_APPLIES_GBPS} GB/s"),
+            },
+            b.setup_seconds
+        );
+    }
+    s
+}
