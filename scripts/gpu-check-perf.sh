@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU host for the performance work: bench/run.sh on a quiet GPU, then the
-# whole test binary (KVPROBE_REQUIRE_GPU=1, Mooncake from the bundle), then UCX's protocol
-# tables for a VRAM READ with and without cuda_ipc get-zcopy, kept whole in $OUT for study.
+# whole test binary (KVPROBE_REQUIRE_GPU=1, Mooncake from the bundle), then the transport path
+# kvprobe reports for a VRAM READ with and without cuda_ipc get-zcopy, and for a WRITE.
 #   scripts/gpu-check-perf.sh [BUNDLE_DIR]
 set -uo pipefail
 source "$(dirname "$0")/gpu-lane.sh"
@@ -11,7 +11,9 @@ step "tests"
 "$bundle/tests" --test-threads=2 > "$out/tests.txt" 2>&1
 grep -E "test result|panicked|FAILED|SKIP" "$out/tests.txt" | tee -a "$log"
 for z in n y; do
-  UCX_PROTO_INFO=y UCX_CUDA_IPC_ENABLE_GET_ZCOPY=$z "$kv" run --memory vram --preset llama3-8b --iterations 1 \
-    > "$out/ucx-proto-zcopy-$z.txt" 2>&1
+  step "llama3-8b READ, UCX_CUDA_IPC_ENABLE_GET_ZCOPY=$z: the path kvprobe reports"
+  UCX_CUDA_IPC_ENABLE_GET_ZCOPY=$z "$kv" run --memory vram --preset llama3-8b --iterations 3 2>&1 |
+    grep -E "^(transfer|path|  |warning|ucx|result)" | tee -a "$log"
 done
-xz -9 "$out"/ucx-proto-zcopy-*.txt
+step "llama3-8b WRITE: the path kvprobe reports"
+"$kv" run --memory vram --preset llama3-8b --iterations 3 --op write 2>&1 | grep -E "^(transfer|path|  |warning|ucx|result)" | tee -a "$log"

@@ -158,6 +158,10 @@ pub struct BenchReport {
     pub figures: Vec<Figure>,
     /// The sweep breakdowns.
     pub breakdowns: Vec<Breakdown>,
+    /// How the bench ended: exit 0 when everything was measured; a failing sweep's exit
+    /// code (2–4); 3 when a kernel, copy or check failed; 130 when interrupted (the figures
+    /// measured until then are kept).
+    pub outcome: crate::report::Outcome,
 }
 
 fn median(mut v: Vec<f64>) -> (f64, f64, f64) {
@@ -168,9 +172,18 @@ fn median(mut v: Vec<f64>) -> (f64, f64, f64) {
 }
 
 /// Runs `pass` once to warm up, then `repeats` times; `pass` returns its own seconds.
+/// Errors: the pass's, or [`Error::Interrupted`] on SIGINT/SIGTERM between passes.
 fn timed(repeats: u32, mut pass: impl FnMut() -> Result<f64>) -> Result<(f64, f64, f64)> {
-    pass()?;
-    let v = (0..repeats.max(1)).map(|_| pass()).collect::<Result<Vec<_>>>()?;
+    let mut v = Vec::with_capacity(repeats as usize);
+    for i in 0..=repeats.max(1) {
+        if crate::interrupt::requested() {
+            return Err(Error::Interrupted("bench".into()));
+        }
+        let t = pass()?;
+        if i > 0 {
+            v.push(t);
+        }
+    }
     Ok(median(v))
 }
 
@@ -314,9 +327,9 @@ fn host_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
     let verify1 = timed(cfg.repeats, || verify_pass(dst.as_mut_slice(), 1))?;
     let verifyn = timed(cfg.repeats, || verify_pass(dst.as_mut_slice(), all))?;
     let n = n as u64;
-    let mib = n >> 20;
-    let c1 = figure("cpu.memcpy.1", &format!("memcpy {mib} MiB, 1 thread"), 2 * n, "read+written", copy1);
-    let cn = figure("cpu.memcpy.all", &format!("memcpy {mib} MiB, {all} threads"), 2 * n, "read+written", copyn);
+    let size = if n >= 1 << 20 { format!("{} MiB", n >> 20) } else { format!("{} KiB", n >> 10) };
+    let c1 = figure("cpu.memcpy.1", &format!("memcpy {size}, 1 thread"), 2 * n, "read+written", copy1);
+    let cn = figure("cpu.memcpy.all", &format!("memcpy {size}, {all} threads"), 2 * n, "read+written", copyn);
     let mut f1 = figure("cpu.fill.1", "CPU fill, 1 thread", n, "written", fill1);
     rate_against(&mut f1, &c1, None);
     let mut fnn = figure("cpu.fill.all", &format!("CPU fill, {all} threads"), n, "written", filln);
@@ -330,10 +343,11 @@ fn host_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
 }
 
 fn breakdown(cfg: &BenchConfig, label: &str, memory: MemoryKind, g: Geometry, one_way_gbps: Option<f64>) -> Breakdown {
+    let device = if memory == MemoryKind::Vram { cfg.device } else { 0 };
     let rc = RunConfig {
         memory,
-        prefill_device: cfg.device,
-        decode_device: cfg.device,
+        prefill_device: device,
+        decode_device: device,
         preset: None,
         geometry: g.clone(),
         op: crate::transport::Op::Read,
@@ -389,10 +403,10 @@ fn breakdown(cfg: &BenchConfig, label: &str, memory: MemoryKind, g: Geometry, on
     }
 }
 
-/// Runs the bench. Errors: usage (exit 2) for bad sizes or no GPU with `--memory vram`;
-/// device (exit 3) when a kernel, a copy or a check of the copied data fails. A sweep
-/// breakdown that fails is recorded in its row (`exit_code`, `error`), not raised.
-pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
+/// Checks `cfg` before anything is measured. Errors (usage, exit 2): zero repeats or
+/// iterations, sizes too small or too large for host memory, `--device` with DRAM, no GPU
+/// for VRAM; (environment, exit 2) NIXL not usable (the sweeps need it).
+pub fn check(cfg: &BenchConfig) -> Result<()> {
     if cfg.repeats == 0 || cfg.iterations == 0 {
         return Err(Error::Usage("--repeats and --iterations must be at least 1".into()));
     }
@@ -407,37 +421,72 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
             cfg.host_bytes
         )));
     }
+    if cfg.memory == MemoryKind::Dram && cfg.device != 0 {
+        return Err(Error::Usage("--device applies to --memory vram only".into()));
+    }
+    if cfg.memory == MemoryKind::Vram && crate::cuda::device_count() == 0 {
+        return Err(Error::Usage("--memory vram: no CUDA GPU present (use --memory dram)".into()));
+    }
+    Ok(())
+}
+
+/// An empty report for `cfg`, with the environment (and NIXL loaded, if it can be).
+pub fn start(cfg: &BenchConfig) -> BenchReport {
     crate::nixl::prepare_ucx_env(cfg.memory == MemoryKind::Vram);
-    let nixl = crate::nixl::load();
-    let environment = crate::envinfo::gather(crate::envinfo::nixl_info());
-    let started_unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-    let mut figures = Vec::new();
+    let _ = crate::nixl::load();
+    BenchReport {
+        schema: SCHEMA,
+        started_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+        config: cfg.clone(),
+        environment: crate::envinfo::gather(crate::envinfo::nixl_info()),
+        figures: Vec::new(),
+        breakdowns: Vec::new(),
+        outcome: crate::report::Outcome { exit_code: 0, status: "clean".into(), error: None },
+    }
+}
+
+/// Runs the bench into `r` (from [`start`]): the GPU figures (VRAM), the DRAM figures, then
+/// the sweep breakdowns; figures measured before an error stay in `r`. Errors: [`check`]'s;
+/// NIXL unusable (environment, exit 2); device (exit 3) when a kernel, a copy or a check of
+/// the copied data fails; interrupted (130); a sweep that fails ends the bench with its
+/// error (its row is kept, with `exit_code` and `error`).
+pub fn run(cfg: &BenchConfig, r: &mut BenchReport) -> Result<()> {
+    check(cfg)?;
+    crate::nixl::load()?;
     if cfg.memory == MemoryKind::Vram {
-        if crate::cuda::device_count() == 0 {
-            return Err(Error::Usage("--memory vram: no CUDA GPU present (use --memory dram)".into()));
-        }
-        gpu_figures(cfg, &mut figures)?;
+        gpu_figures(cfg, &mut r.figures)?;
     }
-    host_figures(cfg, &mut figures)?;
-    let rate = |name: &str| figures.iter().find(|f| f.name == name).map(|f| f.gbps / 2.0);
-    let mut breakdowns = Vec::new();
-    if nixl.is_ok() {
-        // vLLM-shaped: block_size 16 (32 KiB slices). Wide: the largest block_size up to 1024
-        // (2 MiB slices) that still gives 8 blocks, so descriptors are few and large.
-        let llama = llama_pool_geometry(cfg.sweep_bytes)?;
-        let mut wide = llama.clone();
-        let per_token = llama.slice_bytes()? / llama.block_size as u64; // bytes per token per layer and K/V
-        let target = cfg.sweep_bytes / 8 / (llama.num_layers as u64 * 2) / per_token;
-        wide.block_size = (1u64 << (63 - target.max(16).leading_zeros())).min(1024) as u32;
-        wide.num_blocks = 1;
-        wide.num_blocks = (cfg.sweep_bytes / wide.pool_bytes()?).max(2) as u32;
-        let one_way = if cfg.memory == MemoryKind::Vram { rate("gpu.copy") } else { rate("cpu.memcpy.all") };
-        for g in [llama, wide] {
-            let label = format!("llama3-8b, block_size {}: {} KiB slices", g.block_size, g.slice_bytes()? >> 10);
-            breakdowns.push(breakdown(cfg, &label, cfg.memory, g, one_way));
+    host_figures(cfg, &mut r.figures)?;
+    let rate = |name: &str| r.figures.iter().find(|f| f.name == name).map(|f| f.gbps / 2.0);
+    // vLLM-shaped: block_size 16 (32 KiB slices). Wide: the largest block_size up to 1024
+    // (2 MiB slices) that still gives 8 blocks, so descriptors are few and large.
+    let llama = llama_pool_geometry(cfg.sweep_bytes)?;
+    let mut wide = llama.clone();
+    let per_token = llama.slice_bytes()? / llama.block_size as u64; // bytes per token per layer and K/V
+    let target = cfg.sweep_bytes / 8 / (llama.num_layers as u64 * 2) / per_token;
+    wide.block_size = (1u64 << (63 - target.max(16).leading_zeros())).min(1024) as u32;
+    wide.num_blocks = 1;
+    wide.num_blocks = (cfg.sweep_bytes / wide.pool_bytes()?).max(2) as u32;
+    let one_way = if cfg.memory == MemoryKind::Vram { rate("gpu.copy") } else { rate("cpu.memcpy.all") };
+    let mut sweeps = vec![llama.clone()];
+    if wide.block_size != llama.block_size {
+        sweeps.push(wide); // too small a --sweep-bytes for larger slices: one sweep only
+    }
+    for g in sweeps {
+        let label = format!("llama3-8b, block_size {}: {} KiB slices", g.block_size, g.slice_bytes()? >> 10);
+        let b = breakdown(cfg, &label, cfg.memory, g, one_way);
+        let failed = (b.exit_code != 0).then(|| (b.exit_code, b.error.clone().unwrap_or_default()));
+        r.breakdowns.push(b);
+        if let Some((code, msg)) = failed {
+            return Err(match code {
+                130 => Error::Interrupted("bench".into()),
+                4 => Error::Timeout(format!("sweep: {msg}")),
+                3 => Error::Transport(format!("sweep: {msg}")),
+                _ => Error::Usage(format!("sweep: {msg}")),
+            });
         }
     }
-    Ok(BenchReport { schema: SCHEMA, started_unix, config: cfg.clone(), environment, figures, breakdowns })
+    Ok(())
 }
 
 /// The human table: every figure with its rate, ratio and goal, then each breakdown.

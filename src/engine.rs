@@ -406,20 +406,42 @@ impl MooncakeTier {
             // Start-up has its own window (the master takes about a second), whatever --timeout says.
             None => Deployment::Started(Master::start(&install, Duration::from_secs(30))?),
         };
+        let mut master = master;
         // Room for every entry the engine may hold, twice over, so Mooncake itself never evicts one.
         let segment = (cfg.tier_blocks as u64 * prefill.pool.block_bytes()).saturating_mul(2).max(64 << 20);
-        worker.setup(&master, "tcp", segment)?;
-        let mut sharing = "a shared memory mapping (memfd)";
-        for pool in [&prefill.pool, &decode.pool] {
-            match (pool.host_buffer(), pool.ipc_handles()?) {
-                (Some(buf), _) => worker.map_shared(buf)?,
-                (None, Some((device, handles))) => {
-                    worker.map_cuda(device, &handles, pool.geometry().region_bytes()?)?;
-                    sharing = "CUDA IPC handles (one per layer region)";
+        let mut connect = || -> Result<&'static str> {
+            worker.setup(&master, "tcp", segment)?;
+            let mut sharing = "a shared memory mapping (memfd)";
+            for pool in [&prefill.pool, &decode.pool] {
+                match (pool.host_buffer(), pool.ipc_handles()?) {
+                    (Some(buf), _) => worker.map_shared(buf)?,
+                    (None, Some((device, handles))) => {
+                        worker.map_cuda(device, &handles, pool.geometry().region_bytes()?)?;
+                        sharing = "CUDA IPC handles (one per layer region)";
+                    }
+                    (None, None) => unreachable!("a pool is DRAM or VRAM"),
                 }
-                (None, None) => unreachable!("a pool is DRAM or VRAM"),
             }
-        }
+            Ok(sharing)
+        };
+        // A master that dies while the worker connects explains the failure best; with an
+        // existing deployment, name the two addresses to check. Not answering in time here is
+        // a transport failure (exit 3), not a transfer timeout.
+        let sharing = connect().map_err(|e| {
+            let e = match e {
+                Error::Timeout(m) => Error::Transport(m),
+                e => e,
+            };
+            match explain(&mut master, e) {
+                Error::Transport(m) if !master.is_started() => Error::Transport(format!(
+                    "joining the Mooncake deployment failed ({m}): check that --mooncake-master {} is a mooncake_master's RPC \
+                     address and --mooncake-metadata {} its metadata service",
+                    master.rpc(),
+                    master.metadata_url()
+                )),
+                e => e,
+            }
+        })?;
         let fingerprint = format!("{:08x}-{:08x}", crate::fingerprint::seed32(seed), rand::rng().random::<u32>());
         let detail = format!(
             "mooncake {} {}, tcp, master {} ({}), metadata {}, pools shared with the store client by {sharing}",
@@ -432,21 +454,9 @@ impl MooncakeTier {
         Ok(MooncakeTier { master, worker, fingerprint, detail, doomed: Vec::new() })
     }
 
-    /// The error to report for a failed store call `e`: the master's death (with its log)
-    /// when that is the cause, else `e`. A killed master is reaped a moment after its client
-    /// sees the connection drop, so a started master is watched for 300 ms.
+    /// The error to report for a failed store call `e` (see [`explain`]).
     fn explain(&mut self, e: Error) -> Error {
-        let t0 = Instant::now();
-        while t0.elapsed() < Duration::from_millis(300) {
-            if let Err(gone) = self.master.alive() {
-                return gone;
-            }
-            if !self.master.is_started() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        e
+        explain(&mut self.master, e)
     }
 
     fn key(&self, (hash, serial): (u32, u64)) -> String {
@@ -468,6 +478,23 @@ impl MooncakeTier {
             }
         }
     }
+}
+
+/// The error to report for a failed store call `e`: the master's death (with its log) when
+/// that is the cause, else `e`. A killed master is reaped a moment after its client sees the
+/// connection drop, so a started master is watched for 300 ms.
+fn explain(master: &mut crate::mooncake::Deployment, e: Error) -> Error {
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_millis(300) {
+        if let Err(gone) = master.alive() {
+            return gone;
+        }
+        if !master.is_started() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    e
 }
 
 fn ident(t: TableEntry, c: SliceCoord) -> BlockIdentity {

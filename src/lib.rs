@@ -5,7 +5,7 @@
 //! [`geometry`] (vLLM paged layout, block slices, descriptors) →
 //! [`fingerprint`] (what every byte must be; shared with the CUDA kernels) →
 //! [`pool`] (fill / poison / verify on VRAM or DRAM) →
-//! [`transport`] (prefill and decode NIXL roles) →
+//! [`transport`] (prefill and decode NIXL roles; [`ucx`] reads which path UCX chose) →
 //! [`tier`] / [`race`] (a KV tier on the same blocks, and the orderings between them),
 //! driven per request by [`engine`] over a [`workload`] →
 //! [`inject`] (faults planted through the real path) →
@@ -38,6 +38,7 @@ pub mod report;
 pub mod run;
 pub mod tier;
 pub mod transport;
+pub mod ucx;
 pub mod verify;
 pub mod workload;
 

@@ -92,7 +92,7 @@ struct BenchArgs {
     json: Option<PathBuf>,
 }
 
-/// Parses a byte count: a plain number, or with a KiB/MiB/GiB/TiB (or KB/MB/GB/TB, powers of 1000) suffix.
+/// Parses a byte count: a plain number, or with a KiB/MiB/GiB/TiB (or KB/MB/GB/TB, powers of 1000) suffix, any case.
 fn parse_bytes(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let units: [(&str, u64); 8] = [
@@ -105,7 +105,11 @@ fn parse_bytes(s: &str) -> Result<u64, String> {
         ("GB", 1_000_000_000),
         ("TB", 1_000_000_000_000),
     ];
-    let (num, mul) = units.iter().find_map(|(u, m)| t.strip_suffix(u).map(|n| (n.trim(), *m))).unwrap_or((t, 1));
+    let lower = t.to_ascii_lowercase();
+    let (num, mul) = units
+        .iter()
+        .find_map(|(u, m)| lower.strip_suffix(&u.to_ascii_lowercase()).map(|n| (n.trim(), *m)))
+        .unwrap_or((lower.as_str(), 1));
     let n: u64 = num.parse().map_err(|_| format!("{s:?}: expected a byte count such as 4GiB, 512MiB or 1000000"))?;
     n.checked_mul(mul).ok_or_else(|| format!("{s:?}: too large"))
 }
@@ -193,7 +197,7 @@ struct LoadArgs {
     /// With --tier mooncake: an existing master's RPC address (HOST:PORT) instead of one kvprobe starts; needs --mooncake-metadata.
     #[arg(long, value_name = "HOST:PORT", requires = "mooncake_metadata")]
     mooncake_master: Option<String>,
-    /// With --mooncake-master: its metadata service (http://HOST:PORT/metadata, etcd://HOST:PORT, redis://HOST:PORT or P2PHANDSHAKE).
+    /// With --mooncake-master: its metadata service (http://HOST:PORT/metadata, etcd://HOST:PORT or P2PHANDSHAKE).
     #[arg(long, value_name = "URL", requires = "mooncake_master")]
     mooncake_metadata: Option<String>,
     /// Tier capacity in blocks. Default: 16 x --blocks, at most 4 GiB of host memory, at least 2 x concurrency x max prompt blocks.
@@ -398,6 +402,12 @@ impl RunArgs {
                     )));
                 }
                 let races = kvprobe::race::Races::from_specs(&self.race);
+                if !s.uses_tier() && (self.load.mooncake_master.is_some() || typed.contains(&"tier")) {
+                    return Err(Error::Usage(format!(
+                        "--scenario {} moves blocks over NIXL only; --tier and --mooncake-* apply to tier-only and stacked",
+                        s.name()
+                    )));
+                }
                 c.scenario = Some(self.load.config(s, races.list(), &c.geometry));
             }
             None => {
@@ -629,28 +639,39 @@ fn bench(a: BenchArgs) -> Exit {
         timeout_secs: a.timeout,
     };
     if let Some(p) = &a.json
-        && let Err(e) = kvprobe::report::check_writable(p)
+        && let Err(e) = kvprobe::report::check_writable_for(p, "--json")
     {
         err(&format!("kvprobe: {e}"));
         return e.exit();
     }
-    match kvprobe::bench::run(&cfg) {
-        Ok(r) => {
-            out(&kvprobe::bench::render(&r));
-            if let Some(p) = &a.json {
-                if let Err(e) = kvprobe::report::write_atomic(p, &r) {
-                    err(&format!("kvprobe: {e}"));
-                    return e.exit();
-                }
-                out(&format!("results: {}\n", p.display()));
-            }
-            Exit::Clean
-        }
-        Err(e) => {
-            err(&format!("kvprobe: {e}"));
-            e.exit()
-        }
+    if let Err(e) = kvprobe::bench::check(&cfg) {
+        err(&format!("kvprobe: {e}"));
+        return e.exit();
     }
+    if let Err(code) = install_signals() {
+        return code;
+    }
+    let mut r = kvprobe::bench::start(&cfg);
+    let result = kvprobe::bench::run(&cfg, &mut r);
+    let exit = match &result {
+        Ok(()) => Exit::Clean,
+        Err(e) => e.exit(),
+    };
+    r.outcome = kvprobe::report::Outcome::of(exit, result.as_ref().err());
+    if !r.figures.is_empty() || !r.breakdowns.is_empty() {
+        out(&kvprobe::bench::render(&r));
+    }
+    if let Some(p) = &a.json {
+        if let Err(e) = kvprobe::report::write_atomic(p, &r) {
+            err(&format!("kvprobe: {e}"));
+            return e.exit();
+        }
+        out(&format!("results: {}\n", p.display()));
+    }
+    if let Err(e) = &result {
+        err(&format!("kvprobe: {e}"));
+    }
+    exit
 }
 
 fn env(json: bool) -> Exit {

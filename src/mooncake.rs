@@ -100,8 +100,8 @@ pub struct External {
     /// The master's RPC address, `HOST:PORT` (mooncake_master's `--rpc_port`, default 50051).
     pub master: String,
     /// The metadata service: `http://HOST:PORT/metadata` (the master's HTTP metadata server),
-    /// `etcd://HOST:PORT`, `redis://HOST:PORT` or `P2PHANDSHAKE`, as Mooncake's
-    /// `metadata_server` setting takes it.
+    /// `etcd://HOST:PORT` or `P2PHANDSHAKE`, as Mooncake's `metadata_server` setting takes it
+    /// (the released wheels carry no redis plugin).
     pub metadata_url: String,
 }
 
@@ -115,13 +115,12 @@ impl External {
             _ => return bad(format!("--mooncake-master {:?}: expected HOST:PORT (e.g. 10.0.0.5:50051)", self.master)),
         }
         let u = &self.metadata_url;
-        let hostport = ["http://", "https://", "etcd://", "redis://"].iter().find_map(|p| u.strip_prefix(p));
+        let hostport = ["http://", "etcd://"].iter().find_map(|p| u.strip_prefix(p));
+        let port_ok = |hp: &str| hp.rsplit_once(':').is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0));
         match hostport {
-            Some(rest) if !rest.is_empty() && !rest.starts_with('/') => Ok(()),
+            Some(rest) if port_ok(rest.split('/').next().unwrap_or("")) => Ok(()),
             None if u == "P2PHANDSHAKE" => Ok(()),
-            _ => bad(format!(
-                "--mooncake-metadata {u:?}: expected http://HOST:PORT/metadata, etcd://HOST:PORT, redis://HOST:PORT or P2PHANDSHAKE"
-            )),
+            _ => bad(format!("--mooncake-metadata {u:?}: expected http://HOST:PORT/metadata, etcd://HOST:PORT or P2PHANDSHAKE")),
         }
     }
 
@@ -132,7 +131,7 @@ impl External {
             .to_socket_addrs()
             .ok()
             .and_then(|mut a| a.next())
-            .ok_or_else(|| Error::Usage(format!("--mooncake-master {}: the host does not resolve", self.master)))
+            .ok_or_else(|| Error::Usage(format!("--mooncake-master {:?}: the host does not resolve", self.master)))
     }
 
     /// Whether the master accepts a TCP connection within `timeout`. Errors: transport

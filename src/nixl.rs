@@ -86,10 +86,34 @@ pub fn load() -> Result<NixlLibrary> {
 /// the peer GPU's IPC handle in this process and fails ("cuIpcOpenMemHandle() failed:
 /// invalid device context", seen on two H200s). A value the user set is kept. Call before
 /// [`load`], while kvprobe has no other threads.
+///
+/// Also turns on the transport diagnosis ([`crate::ucx`]) on the first call: UCX's protocol
+/// tables (`UCX_PROTO_INFO=y`) written to a log file in a private temporary directory
+/// (`UCX_LOG_FILE`), unless the user set either or `KVPROBE_UCX_DIAG=0`.
 pub fn prepare_ucx_env(vram_same_gpu: bool) {
     if vram_same_gpu {
         set_default_env("UCX_CUDA_IPC_ENABLE_SAME_PROCESS", Path::new("y"));
     }
+    if crate::ucx::log_path().is_none() && LOADED.get().is_none() {
+        let off = std::env::var(crate::ucx::DIAG_ENV).is_ok_and(|v| v == "0")
+            || ["UCX_PROTO_INFO", "UCX_LOG_FILE"].iter().any(|k| std::env::var_os(k).is_some_and(|v| !v.is_empty()));
+        let log = if off {
+            None
+        } else {
+            tempfile::Builder::new().prefix("kvprobe-ucx.").tempdir().ok().map(|d| d.keep().join("ucx.log"))
+        };
+        if let Some(l) = &log {
+            set_default_env("UCX_PROTO_INFO", Path::new("y"));
+            set_default_env("UCX_LOG_FILE", l);
+        }
+        crate::ucx::set_log_path(log);
+    }
+}
+
+/// Flushes every C stdio stream (UCX writes its log and diagnostics through buffered ones).
+pub fn flush_c_stdio() {
+    // SAFETY: fflush(NULL) flushes all open output streams; it takes the streams' own locks.
+    unsafe { libc::fflush(std::ptr::null_mut()) };
 }
 
 fn set_default_env(key: &str, value: &Path) {
@@ -142,6 +166,10 @@ pub fn exit_now(code: u8) -> ! {
     use std::io::Write;
     let _ = std::io::stdout().flush();
     let _ = std::io::stderr().flush();
+    // UCX's diagnostics (UCX_PROTO_INFO, UCX_LOG_LEVEL) go through a buffered C stdout that
+    // _exit would drop.
+    flush_c_stdio();
+    crate::ucx::remove_log();
     // SAFETY: _exit(2) terminates the process at once; every file kvprobe wrote was synced
     // or closed before (reports are synced in `write_atomic`), and stdout/stderr were just
     // flushed. Nothing else needs the atexit handlers that are skipped.

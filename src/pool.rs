@@ -360,20 +360,34 @@ impl KvPool {
         }
     }
 
-    /// VRAM pools: copies every layer region of `src` (same geometry) into this pool with
-    /// cuMemcpyDtoD on the default stream and returns the device seconds (CUDA events): the
-    /// copy ceiling `kvprobe bench` rates the kernels against. Errors: usage when either pool
-    /// is DRAM or the geometries differ; device when a copy fails.
+    /// Copies all of `src` (same geometry, same memory kind) into this pool and returns the
+    /// seconds it took: VRAM, cuMemcpyDtoD of every layer region on the default stream, device
+    /// time (CUDA events); DRAM, memcpy on all threads, wall time. The copy ceiling that
+    /// `kvprobe bench` rates the kernels against and `run` the transfer. Errors: usage when the
+    /// geometries or memory kinds differ; device when a copy fails.
     pub fn copy_pool_from(&mut self, src: &KvPool) -> Result<f64> {
-        match (&self.backing, &src.backing) {
-            (Backing::Device { regions: d, .. }, Backing::Device { regions: s, .. }) if self.geom == src.geom => {
+        if self.geom != src.geom {
+            return Err(Error::Usage("copy_pool_from needs two pools of one geometry".into()));
+        }
+        match (&mut self.backing, &src.backing) {
+            (Backing::Device { regions: d, .. }, Backing::Device { regions: s, .. }) => {
                 let timer = crate::cuda::GpuTimer::start(d[0].device())?;
                 for (d, s) in d.iter().zip(s) {
                     d.copy_from(s)?;
                 }
                 timer.stop()
             }
-            _ => Err(Error::Usage("copy_pool_from needs two VRAM pools of one geometry".into())),
+            (Backing::Host(d), Backing::Host(s)) => {
+                let t = std::time::Instant::now();
+                let per = d.len().div_ceil(threads()).max(1);
+                std::thread::scope(|sc| {
+                    for (d, s) in d.as_mut_slice().chunks_mut(per).zip(s.as_slice().chunks(per)) {
+                        sc.spawn(move || d.copy_from_slice(s));
+                    }
+                });
+                Ok(t.elapsed().as_secs_f64())
+            }
+            _ => Err(Error::Usage("copy_pool_from needs two pools of the same memory kind".into())),
         }
     }
 

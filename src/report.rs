@@ -169,6 +169,9 @@ pub struct Summary {
     /// VRAM pools: device seconds of the fill, poison and verify kernels alone (CUDA events),
     /// all iterations; 0 on DRAM.
     pub kernel_seconds: KernelSeconds,
+    /// What carried the transfers: NIXL backend, UCX's protocol selection for the run's
+    /// memory types, and the transfer rate against a same-run copy of the pool (sweeps).
+    pub transport_path: Option<crate::ucx::TransportPath>,
     /// Sweep: the times of each iteration, in order (`kvprobe bench` takes medians over all
     /// but the first, which warms up: page faults, UCX connection and registration caches).
     pub per_iteration: Vec<IterationTimes>,
@@ -256,6 +259,13 @@ pub struct Report {
 impl Report {
     /// Sets the outcome from the final exit code and error.
     pub fn finish(&mut self, exit: Exit, error: Option<&Error>) {
+        self.outcome = Outcome::of(exit, error);
+    }
+}
+
+impl Outcome {
+    /// The outcome of exit code `exit` with `error`.
+    pub fn of(exit: Exit, error: Option<&Error>) -> Outcome {
         let status = match exit {
             Exit::Clean => "clean",
             Exit::Corrupt => "corrupt",
@@ -265,11 +275,11 @@ impl Report {
             Exit::Interrupted => "interrupted",
             Exit::Usage | Exit::Transport => "error",
         };
-        self.outcome = Outcome {
+        Outcome {
             exit_code: exit as u8,
             status: status.into(),
             error: error.map(|e| RunError { kind: e.kind().into(), message: e.to_string() }),
-        };
+        }
     }
 }
 
@@ -279,8 +289,8 @@ const NAME_MAX: usize = 255;
 /// Resolves where a report at `path` goes: a symlink is followed to its target; an
 /// existing target must be a regular file (never a device, FIFO or directory — as root,
 /// renaming over /dev/null would replace it). Returns (target, its directory).
-fn resolve_target(path: &Path) -> Result<(PathBuf, PathBuf)> {
-    let bad = |why: String| Error::Io(format!("--report {}: {why}", path.display()));
+fn resolve_target(path: &Path, flag: &str) -> Result<(PathBuf, PathBuf)> {
+    let bad = |why: String| Error::Io(format!("{flag} {}: {why}", path.display()));
     if path.as_os_str().as_encoded_bytes().ends_with(b"/") {
         return Err(bad("names a directory (trailing /)".into()));
     }
@@ -313,15 +323,20 @@ fn resolve_target(path: &Path) -> Result<(PathBuf, PathBuf)> {
 /// directory accepts a new file (an anonymous temporary file is created there).
 /// Errors: [`Error::Io`] (exit 2).
 pub fn check_writable(path: &Path) -> Result<()> {
-    let (target, dir) = resolve_target(path)?;
+    check_writable_for(path, "--report")
+}
+
+/// [`check_writable`] for a file named by `flag` (e.g. "--json"), which errors name.
+pub fn check_writable_for(path: &Path, flag: &str) -> Result<()> {
+    let (target, dir) = resolve_target(path, flag)?;
     if target.exists() {
         std::fs::OpenOptions::new()
             .write(true)
             .open(&target)
-            .map_err(|e| Error::Io(format!("--report {}: cannot replace it: {e}", path.display())))?;
+            .map_err(|e| Error::Io(format!("{flag} {}: cannot replace it: {e}", path.display())))?;
     }
     tempfile::tempfile_in(&dir)
-        .map_err(|e| Error::Io(format!("--report {}: cannot create files in {}: {e}", path.display(), dir.display())))?;
+        .map_err(|e| Error::Io(format!("{flag} {}: cannot create files in {}: {e}", path.display(), dir.display())))?;
     Ok(())
 }
 
@@ -333,7 +348,7 @@ pub fn check_writable(path: &Path) -> Result<()> {
 pub fn write_atomic<T: Serialize>(path: &Path, value: &T) -> Result<()> {
     use std::os::unix::fs::MetadataExt;
     let io = |what: &str, e: std::io::Error| Error::Io(format!("report: {what} {}: {e}", path.display()));
-    let (target, dir) = resolve_target(path)?;
+    let (target, dir) = resolve_target(path, "--report")?;
     let body = serde_json::to_vec_pretty(value).map_err(|e| Error::Io(format!("report: serialise: {e}")))?;
     let mut tmp = tempfile::Builder::new()
         .prefix(".kvprobe-report.")
@@ -465,6 +480,18 @@ pub fn render(r: &Report) -> String {
             s.transfer_seconds,
             s.transfer_gbps
         );
+    }
+    if let Some(p) = &s.transport_path {
+        out += &format!("path:              {}\n", crate::ucx::describe(p));
+        if let (Some(c), Some(r)) = (p.copy_gbps, p.ratio_to_copy) {
+            out += &format!("                   transfer = {r:.3} of a same-run copy of the pool ({c:.1} GB/s)\n");
+        }
+        if let Some(w) = &p.warning {
+            out += &format!("warning:           {w}\n");
+        }
+        for m in &p.ucx_messages {
+            out += &format!("ucx:               {m}\n");
+        }
     }
     {
         out += &format!(

@@ -39,7 +39,7 @@ fn bench_on_dram_writes_consistent_figures_and_breakdowns() {
         "--host-bytes",
         "16MiB",
         "--sweep-bytes",
-        "16MiB",
+        "64MiB",
         "--repeats",
         "3",
         "--iterations",
@@ -51,6 +51,7 @@ fn bench_on_dram_writes_consistent_figures_and_breakdowns() {
     assert!(out.contains("CPU fill") && out.contains("sweep iteration"), "{out}");
     let r = read_report(&p);
     assert_eq!(r["schema"], "kvprobe.bench/1");
+    assert_eq!(r["outcome"]["exit_code"], 0);
     check_figures(&r, &["cpu.memcpy.1", "cpu.memcpy.all", "cpu.fill.1", "cpu.fill.all", "cpu.verify.1", "cpu.verify.all"]);
     let figs = r["figures"].as_array().unwrap();
     assert!(figs.iter().all(|f| !f["name"].as_str().unwrap().starts_with("gpu.")), "no GPU figures on DRAM");
@@ -73,7 +74,9 @@ fn bench_on_dram_writes_consistent_figures_and_breakdowns() {
         // DRAM over UCX/TCP never reaches 50 GB/s on CI: the overhead goal does not apply.
         assert!(row["meets"].is_null() || x("transfer_gbps") >= 50.0, "{row}");
     }
+    // vLLM-shaped 32 KiB slices, then the largest slices that leave 8 blocks in 64 MiB.
     assert_eq!(b[0]["slice_bytes"], 32768);
+    assert_eq!(b[1]["slice_bytes"], 131072);
 }
 
 #[test]
@@ -95,6 +98,44 @@ fn bench_refuses_bad_input_with_exit_2() {
     }
     let (code, out, err) = kvprobe(&["bench", "--memory", "dram", "--json", "/nonexistent-dir/b.json"]);
     assert_eq!(code, 2, "{out}{err}");
+    assert!(err.contains("--json /nonexistent-dir/b.json"), "{err}");
+    let (code, out, err) = kvprobe(&["bench", "--memory", "dram", "--device", "3"]);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(err.contains("--device applies to --memory vram only"), "{err}");
+    let (code, out, err) = crate::common::kvprobe_env(&["bench", "--memory", "dram"], &[("KVPROBE_NIXL_DIR", "/nonexistent")]);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(err.contains("NIXL"), "{err}");
+}
+
+#[test]
+fn a_failing_sweep_fails_the_bench_and_keeps_the_figures() {
+    let d = tmpdir("bench-bogus");
+    let p = d.join("b.json");
+    let (code, out, err) = kvprobe(&[
+        "bench",
+        "--memory",
+        "dram",
+        "--host-bytes",
+        "1MiB",
+        "--sweep-bytes",
+        "4MiB",
+        "--repeats",
+        "1",
+        "--iterations",
+        "1",
+        "--backend",
+        "BOGUS",
+        "--json",
+        p.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(err.contains("BOGUS"), "{err}");
+    let r = read_report(&p);
+    assert_eq!(r["outcome"]["exit_code"], 2);
+    assert_eq!(r["figures"].as_array().unwrap().len(), 6, "the CPU figures measured before the sweep stay");
+    let b = r["breakdowns"].as_array().unwrap();
+    assert_eq!(b.len(), 1, "the bench stops at the first failing sweep");
+    assert_eq!(b[0]["exit_code"], 2);
 }
 
 #[test]

@@ -42,9 +42,37 @@ fn an_existing_mooncake_deployment_is_named_completely() {
     assert_usage(&with(&["--mooncake-master", "10.0.0.5:50051", "--mooncake-metadata", meta]), "need --tier mooncake");
     assert_usage(&with(&["--tier", "mooncake", "--mooncake-master", "10.0.0.5", "--mooncake-metadata", meta]), "HOST:PORT");
     assert_usage(&with(&["--tier", "mooncake", "--mooncake-master", "10.0.0.5:0", "--mooncake-metadata", meta]), "HOST:PORT");
+    for bad in [
+        "ftp://x/metadata",
+        "redis://10.0.0.5:6379",
+        "https://10.0.0.5:8080/metadata",
+        "http://10.0.0.5/metadata",
+        "http://h:99999/metadata",
+    ] {
+        assert_usage(
+            &with(&["--tier", "mooncake", "--mooncake-master", "10.0.0.5:50051", "--mooncake-metadata", bad]),
+            "P2PHANDSHAKE",
+        );
+    }
     assert_usage(
-        &with(&["--tier", "mooncake", "--mooncake-master", "10.0.0.5:50051", "--mooncake-metadata", "ftp://x/metadata"]),
-        "P2PHANDSHAKE",
+        &[
+            "run",
+            "--memory",
+            "dram",
+            "--scenario",
+            "nixl-only",
+            "--tier",
+            "mooncake",
+            "--mooncake-master",
+            "10.0.0.5:50051",
+            "--mooncake-metadata",
+            meta,
+        ],
+        "apply to tier-only and stacked",
+    );
+    assert_usage(
+        &with(&["--tier", "mooncake", "--mooncake-master", "nonexistent.invalid:50051", "--mooncake-metadata", meta]),
+        "\"nonexistent.invalid:50051\": the host does not resolve",
     );
     // Without --scenario these shape nothing.
     assert_usage(

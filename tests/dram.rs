@@ -210,3 +210,29 @@ fn torn_is_classified_on_single_sector_slices() {
     assert_eq!(code, 1, "{log}");
     assert_exact_injection(&r, "torn");
 }
+
+#[test]
+fn the_report_names_the_ucx_path_and_rates_the_transfer_against_a_copy() {
+    let (code, r, log) = crate::common::run_with_report("ucx-path", "dram", &["--iterations", "2"]);
+    assert_eq!(code, 0, "{log}");
+    let p = &r["summary"]["transport_path"];
+    assert_eq!(p["backend"], "UCX");
+    let sel = p["selections"].as_array().unwrap();
+    assert!(!sel.is_empty(), "{p}");
+    for s in sel {
+        let op = s["operation"].as_str().unwrap();
+        assert!(op.starts_with("remote memory read") && op.contains("host"), "{op}");
+        assert!(!s["rows"].as_array().unwrap().is_empty());
+    }
+    let (c, ratio) = (p["copy_gbps"].as_f64().unwrap(), p["ratio_to_copy"].as_f64().unwrap());
+    let gbps = r["summary"]["transfer_gbps"].as_f64().unwrap();
+    assert!(c > 0.0 && (ratio - gbps / c).abs() <= 1e-9 * ratio.max(1.0), "{p}");
+    assert!(log.contains("path:              UCX "), "{log}");
+    // Off on request: said so, nothing guessed.
+    let (code, out, err) = crate::common::kvprobe_env(
+        &["run", "--memory", "dram", "--report", &format!("{}/off.json", crate::common::tmpdir("ucx-off").display())],
+        &[("KVPROBE_UCX_DIAG", "0")],
+    );
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("capture off"), "{out}");
+}

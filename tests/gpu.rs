@@ -287,3 +287,51 @@ fn mooncake_tier_on_vram_pools_shared_by_cuda_ipc() {
     let o = r["scenario"]["races"].as_array().unwrap().iter().find(|o| o["mechanism"] == "save-before-write").unwrap().clone();
     assert_eq!(o["verdict"], "detected", "{o}");
 }
+
+#[test]
+fn the_report_names_ucx_emulation_and_cuda_ipc_on_vram() {
+    if !gpu_or_skip("the_report_names_ucx_emulation_and_cuda_ipc_on_vram") {
+        return;
+    }
+    for zcopy in ["n", "y"] {
+        let d = tmpdir(&format!("ucx-vram-{zcopy}"));
+        let p = d.join("r.json");
+        let (code, out, err) = crate::common::kvprobe_env(
+            &[
+                "run",
+                "--memory",
+                "vram",
+                "--preset",
+                "llama3-8b",
+                "--blocks",
+                "64",
+                "--iterations",
+                "2",
+                "--report",
+                p.to_str().unwrap(),
+            ],
+            &[("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", zcopy)],
+        );
+        assert_eq!(code, 0, "{out}{err}");
+        let t = &read_report(&p)["summary"]["transport_path"];
+        let configs: Vec<String> = t["selections"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|s| s["rows"].as_array().unwrap().iter().map(|r| r["config"].as_str().unwrap().to_string()))
+            .collect();
+        let descs = t["selections"].as_array().unwrap().iter().flat_map(|s| s["rows"].as_array().unwrap().clone());
+        let emulated = descs.clone().any(|r| r["description"].as_str().unwrap().contains("emulation"));
+        assert_eq!(t["emulated"], emulated, "{t}");
+        if zcopy == "n" {
+            // On the H200 host UCX emulates this READ over TCP (cuda_ipc get-zcopy off); where
+            // it does, kvprobe must say so and give the setting.
+            if emulated {
+                assert!(out.contains("warning:") && out.contains("UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y"), "{out}");
+            }
+        } else {
+            assert_eq!(t["emulated"], false, "{t}");
+            assert!(configs.iter().any(|c| c.starts_with("cuda_ipc")), "{t}");
+        }
+    }
+}

@@ -132,3 +132,49 @@ fn ab_exit_rule() {
     assert_eq!(matrix_exit(&unexplained), Exit::Corrupt);
     assert_eq!(Exit::NotReproduced as u8, 6);
 }
+
+/// UCX_PROTO_INFO output as UCX 1.19 (the NIXL wheel's) prints it on the H200 host for a
+/// VRAM READ on one GPU without cuda_ipc get-zcopy, with a host-memory table around it.
+const UCX_EMULATION_LOG: &str = "\
+[1795982121.101940] [vm:921  :0]   +--------------------------------+-------------------------------------+
+[1795982121.101940] [vm:921  :0]   | remote memory write by ucp_put* from host memory to host |
+[1795982121.101940] [vm:921  :0]   +---------------+-------------+----------------------------+
+[1795982121.101940] [vm:921  :0]   | Range         | Description | Config                     |
+[1795982121.101940] [vm:921  :0]   +---------------+-------------+----------------------------+
+[1795982121.101940] [vm:921  :0]   | 0..inf        | zero-copy   | cma/memory                 |
+[1795982121.101940] [vm:921  :0]   +---------------+-------------+----------------------------+
+[1795982121.202020] [vm:921  :0]   | remote memory read by ucp_get*(multi) into cuda/dev[0] from cuda/dev[0] |
+[1795982121.202020] [vm:921  :0]   +--------+--------------------+--------+
+[1795982121.202020] [vm:921  :0]   | Range  | Description        | Config |
+[1795982121.202020] [vm:921  :0]   +--------+--------------------+--------+
+[1795982121.202020] [vm:921  :0]   | 0..inf | software emulation | tcp/lo |
+[1795982121.202020] [vm:921  :0]   +--------+--------------------+--------+
+[1795982121.303030] [vm:921  :0]        ucp_worker.c:1234 UCX  WARN  something UCX wanted said
+";
+
+#[test]
+fn ucx_tables_are_parsed_and_emulation_is_flagged() {
+    use kvprobe::ucx::{TransportPath, classify, parse};
+    let sel = parse(UCX_EMULATION_LOG);
+    assert_eq!(sel.len(), 2, "{sel:?}");
+    assert_eq!(sel[0].operation, "remote memory write by ucp_put* from host memory to host");
+    assert_eq!((sel[0].rows[0].description.as_str(), sel[0].rows[0].config.as_str()), ("zero-copy", "cma/memory"));
+    let base = || TransportPath { backend: "UCX".into(), ..Default::default() };
+    // A VRAM READ: the cuda table only, flagged, with the advice.
+    let p = classify(UCX_EMULATION_LOG, base(), "READ", true);
+    assert_eq!(p.selections.len(), 1);
+    assert!(p.selections[0].operation.contains("into cuda/dev[0] from cuda/dev[0]"));
+    assert!(p.emulated);
+    assert!(p.warning.as_deref().unwrap().contains("UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y"));
+    assert_eq!(p.ucx_messages.len(), 1);
+    assert!(p.ucx_messages[0].contains("UCX  WARN"));
+    // A DRAM READ saw no host read table: unknown, not guessed.
+    let p = classify(UCX_EMULATION_LOG, base(), "READ", false);
+    assert!(p.selections.is_empty() && !p.emulated && p.warning.is_none());
+    assert!(p.unknown_because.unwrap().contains("remote memory read"));
+    // A DRAM WRITE: the host table, not emulated.
+    let p = classify(UCX_EMULATION_LOG, base(), "WRITE", false);
+    assert_eq!(p.selections.len(), 1);
+    assert!(!p.emulated);
+    assert_eq!(kvprobe::ucx::describe(&p), "UCX 0..inf zero-copy via cma/memory");
+}

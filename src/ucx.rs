@@ -1,0 +1,206 @@
+//! Transport diagnosis: which transport and protocol UCX chose for kvprobe's transfers.
+//!
+//! UCX prints its protocol selection tables when `UCX_PROTO_INFO=y` (one table per operation
+//! and memory-type pair, the first time a worker uses it: "remote memory read by
+//! ucp_get*(multi) into cuda/dev[0] from cuda/dev[0]", with rows of message-size range,
+//! description such as "zero-copy" or "software emulation", and config such as
+//! "cuda_ipc/cuda" or "tcp/lo"). kvprobe turns that on for its own process (unless the user
+//! set `UCX_PROTO_INFO` or `UCX_LOG_FILE`, or `KVPROBE_UCX_DIAG=0`) with the log going to a
+//! file ([`crate::nixl::prepare_ucx_env`]), reads back the tables of each run, and reports
+//! the selection for the memory types of the run, flagging software emulation.
+//!
+//! UCX's own warnings go to that file too while it is on; they are handed back in
+//! [`TransportPath::ucx_messages`] and printed with the summary.
+
+use serde::Serialize;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+/// Environment variable that turns the capture off (`KVPROBE_UCX_DIAG=0`).
+pub const DIAG_ENV: &str = "KVPROBE_UCX_DIAG";
+
+static LOG: OnceLock<Option<PathBuf>> = OnceLock::new();
+
+/// The UCX log file kvprobe asked for, if the capture is on (set once, by
+/// [`crate::nixl::prepare_ucx_env`]).
+pub fn log_path() -> Option<&'static PathBuf> {
+    LOG.get().and_then(|p| p.as_ref())
+}
+
+pub(crate) fn set_log_path(p: Option<PathBuf>) {
+    let _ = LOG.set(p);
+}
+
+/// One row of a UCX protocol table.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ProtoRow {
+    /// Message sizes in bytes, e.g. "0..inf" or "8185..65528".
+    pub range: String,
+    /// UCX's protocol, e.g. "zero-copy", "multi-frag copy-in", "software emulation".
+    pub description: String,
+    /// Transport/device, e.g. "cuda_ipc/cuda", "cma/memory", "tcp/lo".
+    pub config: String,
+}
+
+/// One UCX protocol selection: the operation and memory types, and its rows.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Selection {
+    /// UCX's heading, e.g. "remote memory read by ucp_get*(multi) into cuda/dev[0] from cuda/dev[0]".
+    pub operation: String,
+    /// The rows, smallest messages first.
+    pub rows: Vec<ProtoRow>,
+}
+
+/// What carried a run's transfers.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct TransportPath {
+    /// NIXL backend.
+    pub backend: String,
+    /// UCX's selections for this run's operation (READ: remote memory read; WRITE: remote
+    /// memory write) between the run's memory types (VRAM: cuda; DRAM: host).
+    pub selections: Vec<Selection>,
+    /// Why `selections` is empty, when it is (capture off, another backend, nothing seen).
+    pub unknown_because: Option<String>,
+    /// True when a selection is UCX's "software emulation" (the slow fallback).
+    pub emulated: bool,
+    /// Rate of one copy of the pool, prefill to decode, measured in the same run (GB/s, bytes
+    /// moved once: cuMemcpyDtoD for VRAM, memcpy on all threads for DRAM); the ceiling the
+    /// transfer rate is compared to.
+    pub copy_gbps: Option<f64>,
+    /// Transfer rate / `copy_gbps`.
+    pub ratio_to_copy: Option<f64>,
+    /// Advice when the path is slow for a known reason.
+    pub warning: Option<String>,
+    /// UCX's warnings and errors from this run (they go to kvprobe's UCX log while the capture is on).
+    pub ucx_messages: Vec<String>,
+}
+
+/// Size of the UCX log now: a run reads what was written after it.
+pub fn mark() -> u64 {
+    crate::nixl::flush_c_stdio();
+    log_path().and_then(|p| std::fs::metadata(p).ok()).map_or(0, |m| m.len())
+}
+
+/// Reads the UCX log from `from` (see [`mark`]).
+fn read_since(from: u64) -> Option<String> {
+    crate::nixl::flush_c_stdio();
+    let mut f = std::fs::File::open(log_path()?).ok()?;
+    f.seek(SeekFrom::Start(from)).ok()?;
+    let mut s = String::new();
+    f.read_to_string(&mut s).ok()?;
+    Some(s)
+}
+
+/// The cell text of a table line `[time] [host:pid:thread]   | a | b | c |`.
+fn cells(line: &str) -> Option<Vec<String>> {
+    let body = &line[line.find('|')?..];
+    let body = body.trim().strip_prefix('|')?.strip_suffix('|')?;
+    Some(body.split('|').map(|c| c.trim().to_string()).collect())
+}
+
+/// Parses UCX_PROTO_INFO tables out of log text.
+pub fn parse(text: &str) -> Vec<Selection> {
+    let mut out: Vec<Selection> = Vec::new();
+    let mut current: Option<Selection> = None;
+    for line in text.lines() {
+        let Some(c) = cells(line) else {
+            if line.contains("+-") {
+                continue; // a table rule
+            }
+            if let Some(s) = current.take() {
+                out.push(s);
+            }
+            continue;
+        };
+        match c.len() {
+            1 if c[0].starts_with("remote memory") || c[0].contains(" by ucp_") => {
+                if let Some(s) = current.take() {
+                    out.push(s);
+                }
+                current = Some(Selection { operation: c[0].clone(), rows: Vec::new() });
+            }
+            3 if c[0] == "Range" => {}
+            3 => {
+                if let Some(s) = current.as_mut() {
+                    s.rows.push(ProtoRow { range: c[0].clone(), description: c[1].clone(), config: c[2].clone() });
+                }
+            }
+            _ => {}
+        }
+    }
+    out.extend(current);
+    out.retain(|s| !s.rows.is_empty());
+    out.dedup();
+    out
+}
+
+/// The selections of a run with `op` ("READ"/"WRITE") between pools of `vram` memory, from the
+/// UCX log written since `from`.
+pub fn path_since(from: u64, backend: &str, op: &str, vram: bool) -> TransportPath {
+    let mut p = TransportPath { backend: backend.to_string(), ..Default::default() };
+    if backend != "UCX" {
+        p.unknown_because = Some(format!("backend {backend}: only UCX's choice is read"));
+        return p;
+    }
+    let Some(text) = read_since(from) else {
+        p.unknown_because = Some(match log_path() {
+            None => format!("capture off (UCX_PROTO_INFO or UCX_LOG_FILE set by the user, or {DIAG_ENV}=0)"),
+            Some(l) => format!("UCX log {} unreadable", l.display()),
+        });
+        return p;
+    };
+    classify(&text, p, op, vram)
+}
+
+/// Fills `p` from UCX log `text`: the selections of `op` ("READ"/"WRITE") between two
+/// memories of the run's kind (`vram`: cuda; else host), emulation, advice, UCX's warnings.
+pub fn classify(text: &str, mut p: TransportPath, op: &str, vram: bool) -> TransportPath {
+    p.ucx_messages =
+        text.lines().filter(|l| l.contains("UCX  WARN") || l.contains("UCX  ERROR")).map(|l| l.trim().to_string()).collect();
+    let want_op = if op == "WRITE" { "remote memory write" } else { "remote memory read" };
+    let mem = if vram { "cuda" } else { "host" };
+    p.selections =
+        parse(text).into_iter().filter(|s| s.operation.starts_with(want_op) && s.operation.matches(mem).count() >= 2).collect();
+    if p.selections.is_empty() {
+        p.unknown_because = Some(format!("UCX printed no {want_op} table between {mem} memory"));
+    }
+    p.emulated = p.selections.iter().any(|s| s.rows.iter().any(|r| r.description.contains("emulation")));
+    if p.emulated && vram && op != "WRITE" {
+        p.warning = Some(
+            "UCX moves this VRAM READ by software emulation (cuda_ipc get zero-copy is off): \
+             set UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y (README, \"Running on a GPU host\")"
+                .into(),
+        );
+    } else if p.emulated {
+        p.warning = Some("UCX moves these transfers by software emulation (slow fallback); see UCX_PROTO_INFO".into());
+    }
+    p
+}
+
+/// One line for the human summary: the transports and protocols of the selections.
+pub fn describe(p: &TransportPath) -> String {
+    if p.selections.is_empty() {
+        return format!("{} (protocol unknown: {})", p.backend, p.unknown_because.as_deref().unwrap_or("not seen"));
+    }
+    let mut seen: Vec<String> = Vec::new();
+    for s in &p.selections {
+        for r in &s.rows {
+            let x = format!("{} {} via {}", r.range, r.description, r.config);
+            if !seen.contains(&x) {
+                seen.push(x);
+            }
+        }
+    }
+    format!("{} {}", p.backend, seen.join("; "))
+}
+
+/// Removes kvprobe's UCX log and its private directory (at exit).
+pub fn remove_log() {
+    if let Some(p) = log_path() {
+        let _ = std::fs::remove_file(p);
+        if let Some(d) = p.parent() {
+            let _ = std::fs::remove_dir(d);
+        }
+    }
+}
