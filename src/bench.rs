@@ -47,8 +47,11 @@ pub struct BenchConfig {
     /// Vram: the GPU figures, the DRAM figures and VRAM sweep breakdowns; Dram: the DRAM
     /// figures and a DRAM sweep breakdown.
     pub memory: MemoryKind,
-    /// GPU ordinal (VRAM).
+    /// GPU ordinal (VRAM): the prefill pool's, and the one the kernels are measured on.
     pub device: usize,
+    /// A second GPU for the decode pool (VRAM): adds the cross-device copy ceiling
+    /// (`gpu.peer_copy`) and runs the sweeps across the two GPUs against it.
+    pub decode_device: Option<usize>,
     /// Bytes of the GPU pool the kernels and the copy ceiling run over (rounded down to whole
     /// llama3-8b blocks of 2 MiB).
     pub gpu_bytes: u64,
@@ -133,8 +136,8 @@ pub struct Breakdown {
     pub kernel_s: crate::report::KernelSeconds,
     /// The transfer rate (GB/s).
     pub transfer_gbps: f64,
-    /// Transfer rate / one-way copy rate of the same memory (GPU: ceiling / 2; DRAM:
-    /// all-thread memcpy / 2).
+    /// Transfer rate / one-way copy rate of the same path (one GPU: ceiling / 2; two GPUs:
+    /// the peer copy; DRAM: all-thread memcpy / 2).
     pub transfer_ratio: Option<f64>,
     /// (iteration − transfer) / iteration.
     pub probe_share: f64,
@@ -250,6 +253,25 @@ fn gpu_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
         kernel_secs(&dst)
     })?;
     let gib = bytes as f64 / (1u64 << 30) as f64;
+    if let Some(d) = cfg.decode_device.filter(|&d| d != cfg.device) {
+        // Cross-device ceiling: the pool copied into a pool on the decode GPU (cuMemcpyDtoD
+        // with unified addressing, peer access enabled for the copy: NVLink or PCIe P2P).
+        let dev2 = crate::cuda::Device::open(d)?;
+        let k2 = std::sync::Arc::new(crate::cuda::Kernels::compile(&dev2)?);
+        let mut far = KvPool::device(&dev2, k2, &g, cfg.seed)?;
+        let peer = dev2.with_peer_access(&dev, || timed(cfg.repeats, || far.copy_pool_from(&src)))?;
+        let fails = far.verify(&table)?;
+        if !fails.is_empty() {
+            return Err(Error::Device(format!("bench: {} slices of the pool copied to GPU {d} do not verify", fails.len())));
+        }
+        out.push(figure(
+            "gpu.peer_copy",
+            &format!("GPU {} -> GPU {d} copy, {gib:.2} GiB", cfg.device),
+            bytes,
+            "moved once",
+            peer,
+        ));
+    }
     let ceiling = figure("gpu.copy", &format!("GPU copy ceiling, cuMemcpyDtoD {gib:.2} GiB"), 2 * bytes, "read+written", copy);
     let mut f = figure("gpu.fill", "fill kernel", bytes, "written", fill);
     rate_against(&mut f, &ceiling, Some(GOAL_KERNEL_RATIO));
@@ -344,10 +366,11 @@ fn host_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
 
 fn breakdown(cfg: &BenchConfig, label: &str, memory: MemoryKind, g: Geometry, one_way_gbps: Option<f64>) -> Breakdown {
     let device = if memory == MemoryKind::Vram { cfg.device } else { 0 };
+    let decode = if memory == MemoryKind::Vram { cfg.decode_device.unwrap_or(device) } else { 0 };
     let rc = RunConfig {
         memory,
         prefill_device: device,
-        decode_device: device,
+        decode_device: decode,
         preset: None,
         geometry: g.clone(),
         op: crate::transport::Op::Read,
@@ -421,8 +444,8 @@ pub fn check(cfg: &BenchConfig) -> Result<()> {
             cfg.host_bytes
         )));
     }
-    if cfg.memory == MemoryKind::Dram && cfg.device != 0 {
-        return Err(Error::Usage("--device applies to --memory vram only".into()));
+    if cfg.memory == MemoryKind::Dram && (cfg.device != 0 || cfg.decode_device.is_some()) {
+        return Err(Error::Usage("--device and --decode-device apply to --memory vram only".into()));
     }
     if cfg.memory == MemoryKind::Vram && crate::cuda::device_count() == 0 {
         return Err(Error::Usage("--memory vram: no CUDA GPU present (use --memory dram)".into()));
@@ -467,13 +490,22 @@ pub fn run(cfg: &BenchConfig, r: &mut BenchReport) -> Result<()> {
     wide.block_size = (1u64 << (63 - target.max(16).leading_zeros())).min(1024) as u32;
     wide.num_blocks = 1;
     wide.num_blocks = (cfg.sweep_bytes / wide.pool_bytes()?).max(2) as u32;
-    let one_way = if cfg.memory == MemoryKind::Vram { rate("gpu.copy") } else { rate("cpu.memcpy.all") };
+    // The transfer is compared to one copy over the same path: across GPUs the peer copy
+    // (bytes moved once), else half the read+written copy rate.
+    let peer = r.figures.iter().find(|f| f.name == "gpu.peer_copy").map(|f| f.gbps);
+    let one_way = match cfg.memory {
+        MemoryKind::Vram => peer.or(rate("gpu.copy")),
+        MemoryKind::Dram => rate("cpu.memcpy.all"),
+    };
     let mut sweeps = vec![llama.clone()];
     if wide.block_size != llama.block_size {
         sweeps.push(wide); // too small a --sweep-bytes for larger slices: one sweep only
     }
     for g in sweeps {
-        let label = format!("llama3-8b, block_size {}: {} KiB slices", g.block_size, g.slice_bytes()? >> 10);
+        let mut label = format!("llama3-8b, block_size {}: {} KiB slices", g.block_size, g.slice_bytes()? >> 10);
+        if let Some(d) = cfg.decode_device.filter(|&d| d != cfg.device && cfg.memory == MemoryKind::Vram) {
+            label += &format!(", GPU {} -> GPU {d}", cfg.device);
+        }
         let b = breakdown(cfg, &label, cfg.memory, g, one_way);
         let failed = (b.exit_code != 0).then(|| (b.exit_code, b.error.clone().unwrap_or_default()));
         r.breakdowns.push(b);

@@ -185,6 +185,46 @@ impl Device {
         unsafe { result::ctx::set_current(self.ctx) }.map_err(|e| derr("cuCtxSetCurrent", e))
     }
 
+    /// Runs `f` with peer access enabled both ways between this device and `peer` (so copies
+    /// between them go over NVLink/PCIe peer-to-peer instead of through host memory), then
+    /// disables what it enabled. Errors: the devices cannot access each other, or the driver
+    /// refuses.
+    pub fn with_peer_access<T>(&self, peer: &Device, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let enable = |from: &Device, to: &Device| -> Result<bool> {
+            from.bind()?;
+            // SAFETY: both are retained primary contexts, alive while `self`/`peer` are.
+            match unsafe { sys::cuCtxEnablePeerAccess(to.ctx, 0) } {
+                sys::CUresult::CUDA_SUCCESS => Ok(true),
+                sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(false),
+                e => Err(derr(&format!("cuCtxEnablePeerAccess(GPU {} -> GPU {})", from.ordinal, to.ordinal), e)),
+            }
+        };
+        let disable = |from: &Device, to: &Device| {
+            if from.bind().is_ok() {
+                // SAFETY: as above; undoes an enable made here.
+                let _ = unsafe { sys::cuCtxDisablePeerAccess(to.ctx) };
+            }
+        };
+        let a = enable(self, peer)?;
+        let b = match enable(peer, self) {
+            Ok(b) => b,
+            Err(e) => {
+                if a {
+                    disable(self, peer);
+                }
+                return Err(e);
+            }
+        };
+        let r = f();
+        if a {
+            disable(self, peer);
+        }
+        if b {
+            disable(peer, self);
+        }
+        r
+    }
+
     /// `(free, total)` device memory in bytes.
     pub fn mem_info(&self) -> Result<(u64, u64)> {
         self.bind()?;

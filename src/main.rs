@@ -60,9 +60,12 @@ struct BenchArgs {
     /// vram: GPU kernels and the copy ceiling, DRAM passes, VRAM sweeps; dram: DRAM passes and sweeps. Default: vram when a GPU is present.
     #[arg(long, value_enum)]
     memory: Option<MemoryKind>,
-    /// GPU to measure.
+    /// GPU to measure (and of the prefill pool).
     #[arg(long, default_value_t = 0)]
     device: usize,
+    /// A second GPU for the decode pool: adds the cross-device copy ceiling and runs the sweeps across the two GPUs.
+    #[arg(long)]
+    decode_device: Option<usize>,
     /// GPU pool the kernels and the copy ceiling run over (e.g. 4GiB, 512MiB; whole 2 MiB llama3-8b blocks).
     #[arg(long, default_value = "4GiB", value_parser = parse_bytes)]
     gpu_bytes: u64,
@@ -629,6 +632,7 @@ fn bench(a: BenchArgs) -> Exit {
     let cfg = kvprobe::bench::BenchConfig {
         memory: a.memory.unwrap_or_else(|| if kvprobe::cuda::device_count() > 0 { MemoryKind::Vram } else { MemoryKind::Dram }),
         device: a.device,
+        decode_device: a.decode_device,
         gpu_bytes: a.gpu_bytes,
         host_bytes: a.host_bytes,
         repeats: a.repeats,

@@ -484,7 +484,8 @@ pub fn render(r: &Report) -> String {
     if let Some(p) = &s.transport_path {
         out += &format!("path:              {}\n", crate::ucx::describe(p));
         if let (Some(c), Some(r)) = (p.copy_gbps, p.ratio_to_copy) {
-            out += &format!("                   transfer = {r:.3} of a same-run copy of the pool ({c:.1} GB/s)\n");
+            let r = if r < 0.01 { format!("{r:.5}") } else { format!("{r:.3}") };
+            out += &format!("                   transfer = {r} of a same-run copy of the pool ({c:.1} GB/s)\n");
         }
         if let Some(w) = &p.warning {
             out += &format!("warning:           {w}\n");

@@ -101,7 +101,7 @@ fn bench_refuses_bad_input_with_exit_2() {
     assert!(err.contains("--json /nonexistent-dir/b.json"), "{err}");
     let (code, out, err) = kvprobe(&["bench", "--memory", "dram", "--device", "3"]);
     assert_eq!(code, 2, "{out}{err}");
-    assert!(err.contains("--device applies to --memory vram only"), "{err}");
+    assert!(err.contains("--device and --decode-device apply to --memory vram only"), "{err}");
     let (code, out, err) = crate::common::kvprobe_env(&["bench", "--memory", "dram"], &[("KVPROBE_NIXL_DIR", "/nonexistent")]);
     assert_eq!(code, 2, "{out}{err}");
     assert!(err.contains("NIXL"), "{err}");
@@ -174,5 +174,43 @@ fn bench_on_vram_rates_the_kernels_against_the_copy_ceiling() {
     for row in r["breakdowns"].as_array().unwrap() {
         assert_eq!(row["exit_code"], 0, "{row}");
         assert!(row["kernel_s"]["fill"].as_f64().unwrap() > 0.0, "{row}");
+    }
+}
+
+#[test]
+fn bench_across_two_gpus_rates_the_transfer_against_the_peer_copy() {
+    if !crate::common::two_gpus_or_skip("bench_across_two_gpus_rates_the_transfer_against_the_peer_copy") {
+        return;
+    }
+    let d = tmpdir("bench-x2");
+    let p = d.join("bench.json");
+    let (code, out, err) = kvprobe(&[
+        "bench",
+        "--device",
+        "0",
+        "--decode-device",
+        "1",
+        "--gpu-bytes",
+        "256MiB",
+        "--host-bytes",
+        "16MiB",
+        "--sweep-bytes",
+        "64MiB",
+        "--repeats",
+        "3",
+        "--iterations",
+        "3",
+        "--json",
+        p.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+    let r = read_report(&p);
+    check_figures(&r, &["gpu.copy", "gpu.peer_copy", "gpu.fill"]);
+    let peer = r["figures"].as_array().unwrap().iter().find(|f| f["name"] == "gpu.peer_copy").unwrap()["gbps"].as_f64().unwrap();
+    for row in r["breakdowns"].as_array().unwrap() {
+        assert_eq!(row["exit_code"], 0, "{row}");
+        assert!(row["label"].as_str().unwrap().ends_with("GPU 0 -> GPU 1"), "{row}");
+        let want = row["transfer_gbps"].as_f64().unwrap() / peer;
+        assert!(close(row["transfer_ratio"].as_f64().unwrap(), want), "{row}");
     }
 }
