@@ -180,7 +180,7 @@ fn timed(repeats: u32, mut pass: impl FnMut() -> Result<f64>) -> Result<(f64, f6
     let mut v = Vec::with_capacity(repeats as usize);
     for i in 0..=repeats.max(1) {
         if crate::interrupt::requested() {
-            return Err(Error::Interrupted("bench".into()));
+            return Err(Error::Interrupted("during the bench; the figures measured so far are kept".into()));
         }
         let t = pass()?;
         if i > 0 {
@@ -316,8 +316,6 @@ fn host_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
         });
         t.elapsed().as_secs_f64()
     };
-    let fill1 = timed(cfg.repeats, || Ok(fill_pass(src.as_mut_slice(), 1)))?;
-    let filln = timed(cfg.repeats, || Ok(fill_pass(src.as_mut_slice(), all)))?;
     let copy_pass = |dst: &mut [u8], src: &[u8], threads: usize| {
         let t = Instant::now();
         let per = n.div_ceil(threads).div_ceil(SB) * SB;
@@ -328,8 +326,6 @@ fn host_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
         });
         t.elapsed().as_secs_f64()
     };
-    let copy1 = timed(cfg.repeats, || Ok(copy_pass(dst.as_mut_slice(), src.as_slice(), 1)))?;
-    let copyn = timed(cfg.repeats, || Ok(copy_pass(dst.as_mut_slice(), src.as_slice(), all)))?;
     let verify_pass = |buf: &mut [u8], threads: usize| -> Result<f64> {
         let bad = std::sync::atomic::AtomicU64::new(0);
         let t = Instant::now();
@@ -346,21 +342,45 @@ fn host_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
             b => Err(Error::Device(format!("bench: {b} bytes of the copied DRAM buffer do not verify"))),
         }
     };
-    let verify1 = timed(cfg.repeats, || verify_pass(dst.as_mut_slice(), 1))?;
-    let verifyn = timed(cfg.repeats, || verify_pass(dst.as_mut_slice(), all))?;
-    let n = n as u64;
-    let size = if n >= 1 << 20 { format!("{} MiB", n >> 20) } else { format!("{} KiB", n >> 10) };
-    let c1 = figure("cpu.memcpy.1", &format!("memcpy {size}, 1 thread"), 2 * n, "read+written", copy1);
-    let cn = figure("cpu.memcpy.all", &format!("memcpy {size}, {all} threads"), 2 * n, "read+written", copyn);
-    let mut f1 = figure("cpu.fill.1", "CPU fill, 1 thread", n, "written", fill1);
-    rate_against(&mut f1, &c1, None);
-    let mut fnn = figure("cpu.fill.all", &format!("CPU fill, {all} threads"), n, "written", filln);
-    rate_against(&mut fnn, &cn, Some(GOAL_CPU_RATIO));
-    let mut v1 = figure("cpu.verify.1", "CPU verify, 1 thread", n, "read", verify1);
-    rate_against(&mut v1, &c1, None);
-    let mut vn = figure("cpu.verify.all", &format!("CPU verify, {all} threads"), n, "read", verifyn);
-    rate_against(&mut vn, &cn, Some(GOAL_CPU_RATIO));
-    out.extend([c1, cn, f1, fnn, v1, vn]);
+    // Each figure goes into `out` as soon as it is measured (an interrupt keeps them); the
+    // source is filled first so every copy moves fingerprinted bytes.
+    let bytes = n as u64;
+    let size = if bytes >= 1 << 20 { format!("{} MiB", bytes >> 20) } else { format!("{} KiB", bytes >> 10) };
+    fill_pass(src.as_mut_slice(), all);
+    let c1 = figure(
+        "cpu.memcpy.1",
+        &format!("memcpy {size}, 1 thread"),
+        2 * bytes,
+        "read+written",
+        timed(cfg.repeats, || Ok(copy_pass(dst.as_mut_slice(), src.as_slice(), 1)))?,
+    );
+    out.push(c1.clone());
+    let cn = figure(
+        "cpu.memcpy.all",
+        &format!("memcpy {size}, {all} threads"),
+        2 * bytes,
+        "read+written",
+        timed(cfg.repeats, || Ok(copy_pass(dst.as_mut_slice(), src.as_slice(), all)))?,
+    );
+    out.push(cn.clone());
+    // (name, label, what is counted, threads, the memcpy it is rated against, goal)
+    type Pass<'a> = (&'a str, String, &'static str, usize, &'a Figure, Option<f64>);
+    let passes: [Pass; 4] = [
+        ("cpu.fill.1", "CPU fill, 1 thread".into(), "written", 1, &c1, None),
+        ("cpu.fill.all", format!("CPU fill, {all} threads"), "written", all, &cn, Some(GOAL_CPU_RATIO)),
+        ("cpu.verify.1", "CPU verify, 1 thread".into(), "read", 1, &c1, None),
+        ("cpu.verify.all", format!("CPU verify, {all} threads"), "read", all, &cn, Some(GOAL_CPU_RATIO)),
+    ];
+    for (name, what, counted, threads, base, goal) in passes {
+        let t = if counted == "written" {
+            timed(cfg.repeats, || Ok(fill_pass(src.as_mut_slice(), threads)))?
+        } else {
+            timed(cfg.repeats, || verify_pass(dst.as_mut_slice(), threads))?
+        };
+        let mut f = figure(name, &what, bytes, counted, t);
+        rate_against(&mut f, base, goal);
+        out.push(f);
+    }
     Ok(())
 }
 
@@ -420,7 +440,7 @@ fn breakdown(cfg: &BenchConfig, label: &str, memory: MemoryKind, g: Geometry, on
             verify: med(&|t| t.kernels.verify),
         },
         transfer_gbps,
-        transfer_ratio: one_way_gbps.map(|c| transfer_gbps / c.max(1e-12)),
+        transfer_ratio: one_way_gbps.filter(|_| transfer_gbps > 0.0).map(|c| transfer_gbps / c.max(1e-12)),
         probe_share,
         meets: (transfer_gbps >= OVERHEAD_APPLIES_GBPS && !warm.is_empty()).then_some(probe_share <= GOAL_PROBE_SHARE),
     }
@@ -430,6 +450,7 @@ fn breakdown(cfg: &BenchConfig, label: &str, memory: MemoryKind, g: Geometry, on
 /// iterations, sizes too small or too large for host memory, `--device` with DRAM, no GPU
 /// for VRAM; (environment, exit 2) NIXL not usable (the sweeps need it).
 pub fn check(cfg: &BenchConfig) -> Result<()> {
+    crate::nixl::check_ucx_log_file()?;
     if cfg.repeats == 0 || cfg.iterations == 0 {
         return Err(Error::Usage("--repeats and --iterations must be at least 1".into()));
     }
@@ -442,6 +463,15 @@ pub fn check(cfg: &BenchConfig) -> Result<()> {
         return Err(Error::Usage(format!(
             "--host-bytes {}: the bench needs twice that, and {avail} bytes are available (use at most a quarter)",
             cfg.host_bytes
+        )));
+    }
+    if let Some(avail) = crate::hostmem::available_bytes()
+        && cfg.memory == MemoryKind::Dram
+        && cfg.sweep_bytes.saturating_mul(2) > avail / 2
+    {
+        return Err(Error::Usage(format!(
+            "--sweep-bytes {}: the DRAM sweeps need two pools of that, and {avail} bytes are available (use at most a quarter)",
+            cfg.sweep_bytes
         )));
     }
     if cfg.memory == MemoryKind::Dram && (cfg.device != 0 || cfg.decode_device.is_some()) {
@@ -507,14 +537,21 @@ pub fn run(cfg: &BenchConfig, r: &mut BenchReport) -> Result<()> {
             label += &format!(", GPU {} -> GPU {d}", cfg.device);
         }
         let b = breakdown(cfg, &label, cfg.memory, g, one_way);
-        let failed = (b.exit_code != 0).then(|| (b.exit_code, b.error.clone().unwrap_or_default()));
+        let failed = (b.exit_code != 0).then(|| (b.exit_code, b.error.clone().unwrap_or_default(), b.label.clone()));
         r.breakdowns.push(b);
-        if let Some((code, msg)) = failed {
+        if let Some((code, msg, label)) = failed {
+            // The sweep's own message without its kind prefix, which the new error adds back.
+            let msg = ["transport error: ", "device error: ", "timeout: "]
+                .iter()
+                .find_map(|p| msg.strip_prefix(p))
+                .unwrap_or(&msg)
+                .to_string();
             return Err(match code {
-                130 => Error::Interrupted("bench".into()),
-                4 => Error::Timeout(format!("sweep: {msg}")),
-                3 => Error::Transport(format!("sweep: {msg}")),
-                _ => Error::Usage(format!("sweep: {msg}")),
+                1 => Error::Corrupt(format!("the sweep ({label}) found corrupt block slices")),
+                130 => Error::Interrupted(format!("during the sweep ({label})")),
+                4 => Error::Timeout(format!("sweep ({label}): {msg}")),
+                3 => Error::Transport(format!("sweep ({label}): {msg}")),
+                _ => Error::Usage(format!("sweep ({label}): {msg}")),
             });
         }
     }

@@ -606,7 +606,7 @@ impl<'a> Engine<'a> {
         self.intervals.push(Interval::default());
         loop {
             if crate::interrupt::requested() {
-                return Err(Error::Interrupted(format!("{} verified requests", self.verified)));
+                return Err(Error::Interrupted(format!("after {} verified requests", self.verified)));
             }
             let elapsed = self.started.elapsed().as_secs_f64();
             if !self.stop_admitting {

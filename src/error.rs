@@ -56,8 +56,11 @@ pub enum Error {
     #[error("{0}")]
     Io(String),
     /// SIGINT or SIGTERM arrived (exit 130).
-    #[error("interrupted by a signal after {0}")]
+    #[error("interrupted by a signal ({0})")]
     Interrupted(String),
+    /// A run that a larger job drives (a `kvprobe bench` sweep) found corruption (exit 1).
+    #[error("corruption found: {0}")]
+    Corrupt(String),
 }
 
 impl Error {
@@ -68,6 +71,7 @@ impl Error {
             Error::Transport(_) | Error::Device(_) => Exit::Transport,
             Error::Timeout(_) => Exit::Timeout,
             Error::Interrupted(_) => Exit::Interrupted,
+            Error::Corrupt(_) => Exit::Corrupt,
         }
     }
 
@@ -81,6 +85,7 @@ impl Error {
             Error::Timeout(_) => "timeout",
             Error::Io(_) => "io",
             Error::Interrupted(_) => "interrupted",
+            Error::Corrupt(_) => "corrupt",
         }
     }
 }

@@ -1,29 +1,51 @@
 //! SIGINT/SIGTERM handling: the first signal asks the run to stop at the next iteration
 //! boundary (the transfer in flight completes, the partial report is written and marked
-//! `interrupted`); a second one exits at once with 130.
+//! `interrupted`); a second one, a second or more later, exits at once with 130. A repeat
+//! within a second counts as the same request: `timeout(1)` sends its signal to kvprobe
+//! and again to the process group, and two Ctrl-C presses that close are one impatient user.
 
-use std::sync::Arc;
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-static FLAG: OnceLock<Arc<AtomicBool>> = OnceLock::new();
+static INSTALLED: OnceLock<()> = OnceLock::new();
+static FLAG: AtomicBool = AtomicBool::new(false);
+/// CLOCK_MONOTONIC milliseconds of the first signal.
+static FIRST_MS: AtomicU64 = AtomicU64::new(0);
+
+/// Milliseconds of CLOCK_MONOTONIC (async-signal-safe).
+fn now_ms() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes into the valid `ts`; it is async-signal-safe.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1000 + ts.tv_nsec as u64 / 1_000_000
+}
+
+fn on_signal() {
+    if !FLAG.swap(true, Ordering::SeqCst) {
+        FIRST_MS.store(now_ms().max(1), Ordering::SeqCst);
+        return;
+    }
+    if now_ms().saturating_sub(FIRST_MS.load(Ordering::SeqCst)) >= 1000 {
+        // SAFETY: _exit is async-signal-safe; the user asked twice to stop now.
+        unsafe { libc::_exit(130) };
+    }
+}
 
 /// Installs the handlers (idempotent). Errors: the signal handlers cannot be registered.
 pub fn install() -> std::io::Result<()> {
-    if FLAG.get().is_some() {
+    if INSTALLED.get().is_some() {
         return Ok(());
     }
-    let flag = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        // A second signal, when the flag is already set, exits with 130.
-        signal_hook::flag::register_conditional_shutdown(sig, 130, flag.clone())?;
-        signal_hook::flag::register(sig, flag.clone())?;
+        // SAFETY: `on_signal` only touches atomics, clock_gettime and _exit, all
+        // async-signal-safe; it allocates nothing and takes no lock.
+        unsafe { signal_hook::low_level::register(sig, on_signal) }?;
     }
-    let _ = FLAG.set(flag);
+    let _ = INSTALLED.set(());
     Ok(())
 }
 
 /// True once SIGINT or SIGTERM arrived.
 pub fn requested() -> bool {
-    FLAG.get().is_some_and(|f| f.load(Ordering::SeqCst))
+    FLAG.load(Ordering::SeqCst)
 }

@@ -14,8 +14,8 @@
 //! whole-pool sweep) and [`ab`] (the isolation matrix); [`bench`] measures the probe's own
 //! speed against same-run ceilings.
 //!
-//! `unsafe` lives only in the fenced FFI modules [`cuda`], [`hostmem`], [`nixl`], [`child`]
-//! and the C bridge inside [`fingerprint`].
+//! `unsafe` lives only in the fenced FFI modules [`cuda`], [`hostmem`], [`nixl`], [`child`],
+//! [`interrupt`] (the signal handler) and the C bridge inside [`fingerprint`].
 #![deny(missing_docs)]
 
 pub mod ab;

@@ -405,9 +405,11 @@ impl RunArgs {
                     )));
                 }
                 let races = kvprobe::race::Races::from_specs(&self.race);
-                if !s.uses_tier() && (self.load.mooncake_master.is_some() || typed.contains(&"tier")) {
+                if !s.uses_tier()
+                    && (self.load.mooncake_master.is_some() || typed.iter().any(|f| *f == "tier" || *f == "tier_blocks"))
+                {
                     return Err(Error::Usage(format!(
-                        "--scenario {} moves blocks over NIXL only; --tier and --mooncake-* apply to tier-only and stacked",
+                        "--scenario {} moves blocks over NIXL only; --tier, --tier-blocks and --mooncake-* apply to tier-only and stacked",
                         s.name()
                     )));
                 }
@@ -665,15 +667,15 @@ fn bench(a: BenchArgs) -> Exit {
     if !r.figures.is_empty() || !r.breakdowns.is_empty() {
         out(&kvprobe::bench::render(&r));
     }
-    if let Some(p) = &a.json {
-        if let Err(e) = kvprobe::report::write_atomic(p, &r) {
-            err(&format!("kvprobe: {e}"));
-            return e.exit();
-        }
-        out(&format!("results: {}\n", p.display()));
-    }
     if let Err(e) = &result {
         err(&format!("kvprobe: {e}"));
+    }
+    if let Some(p) = &a.json {
+        if let Err(e) = kvprobe::report::write_atomic(p, &r) {
+            err(&format!("kvprobe: --json: {e}"));
+            return if exit == Exit::Clean { e.exit() } else { exit };
+        }
+        out(&format!("results: {}\n", p.display()));
     }
     exit
 }

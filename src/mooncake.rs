@@ -267,7 +267,7 @@ impl Master {
         loop {
             m.alive()?;
             if crate::interrupt::requested() {
-                return Err(Error::Interrupted("starting mooncake_master".into()));
+                return Err(Error::Interrupted("while starting mooncake_master".into()));
             }
             let up = |a: &SocketAddr| TcpStream::connect_timeout(a, Duration::from_millis(100)).is_ok();
             // The admin (metrics) server starts last, about a second after the others.
@@ -440,15 +440,26 @@ impl Worker {
         if writeln!(self.stdin, "{line}").and_then(|_| self.stdin.flush()).is_err() {
             return Err(self.dead(&format!("did not take `{op}`")));
         }
-        let reply = match self.replies.recv_timeout(self.timeout) {
-            Ok(r) => r,
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
-                return Err(Error::Timeout(format!(
-                    "Mooncake worker did not answer `{op}` within {:.3} s",
-                    self.timeout.as_secs_f64()
-                )));
+        // Wait in slices, so Ctrl-C is honoured while the store client is busy (a setup
+        // against something that is not a master can take the whole timeout).
+        let t0 = Instant::now();
+        let reply = loop {
+            let left = self.timeout.saturating_sub(t0.elapsed());
+            match self.replies.recv_timeout(left.min(Duration::from_millis(100))) {
+                Ok(r) => break r,
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) if left > Duration::from_millis(100) => {
+                    if crate::interrupt::requested() && op != "quit" {
+                        return Err(Error::Interrupted(format!("while waiting for the Mooncake worker's `{op}`")));
+                    }
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    return Err(Error::Timeout(format!(
+                        "Mooncake worker did not answer `{op}` within {:.3} s",
+                        self.timeout.as_secs_f64()
+                    )));
+                }
+                Err(_) => return Err(self.dead(&format!("died during `{op}`"))),
             }
-            Err(_) => return Err(self.dead(&format!("died during `{op}`"))),
         };
         let v: serde_json::Value =
             serde_json::from_str(&reply).map_err(|e| Error::Transport(format!("Mooncake worker: bad reply {reply:?}: {e}")))?;

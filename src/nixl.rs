@@ -110,6 +110,30 @@ pub fn prepare_ucx_env(vram_same_gpu: bool) {
     }
 }
 
+/// Refuses a user-set `UCX_LOG_FILE` that UCX could not open (a directory, a missing or
+/// read-only directory): UCX aborts the whole process on it (SIGABRT, no report). Errors:
+/// environment (exit 2).
+pub fn check_ucx_log_file() -> Result<()> {
+    let Some(v) = std::env::var_os("UCX_LOG_FILE").filter(|v| !v.is_empty()) else { return Ok(()) };
+    if crate::ucx::log_path().is_some_and(|p| p.as_os_str() == v) {
+        return Ok(()); // kvprobe's own
+    }
+    let p = PathBuf::from(&v);
+    let bad = |why: String| Err(Error::Environment(format!("UCX_LOG_FILE {}: {why} (UCX would abort)", p.display())));
+    if p.is_dir() {
+        return bad("is a directory".into());
+    }
+    let dir = p.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    if !dir.is_dir() {
+        return bad(format!("{} is not a directory", dir.display()));
+    }
+    // UCX expands %p, %h and the like in the name: check the directory takes new files.
+    if let Err(e) = tempfile::tempfile_in(dir) {
+        return bad(format!("cannot create files in {}: {e}", dir.display()));
+    }
+    Ok(())
+}
+
 /// Flushes every C stdio stream (UCX writes its log and diagnostics through buffered ones).
 pub fn flush_c_stdio() {
     // SAFETY: fflush(NULL) flushes all open output streams; it takes the streams' own locks.
@@ -169,6 +193,14 @@ pub fn exit_now(code: u8) -> ! {
     // UCX's diagnostics (UCX_PROTO_INFO, UCX_LOG_LEVEL) go through a buffered C stdout that
     // _exit would drop.
     flush_c_stdio();
+    let ucx = crate::ucx::messages();
+    if !ucx.is_empty() {
+        let mut e = std::io::stderr().lock();
+        for m in ucx {
+            let _ = writeln!(e, "{m}");
+        }
+        let _ = e.flush();
+    }
     crate::ucx::remove_log();
     // SAFETY: _exit(2) terminates the process at once; every file kvprobe wrote was synced
     // or closed before (reports are synced in `write_atomic`), and stdout/stderr were just

@@ -490,9 +490,6 @@ pub fn render(r: &Report) -> String {
         if let Some(w) = &p.warning {
             out += &format!("warning:           {w}\n");
         }
-        for m in &p.ucx_messages {
-            out += &format!("ucx:               {m}\n");
-        }
     }
     {
         out += &format!(

@@ -330,6 +330,7 @@ pub fn run(cfg: &RunConfig, hooks: &mut Hooks<'_>) -> (Report, Exit) {
 /// `report`; the common start of `run` and `ab`.
 pub(crate) fn prepare(cfg: &RunConfig, report: &mut Report) -> Result<()> {
     crate::nixl::prepare_ucx_env(cfg.memory == MemoryKind::Vram && cfg.prefill_device == cfg.decode_device);
+    crate::nixl::check_ucx_log_file()?;
     let lib = crate::nixl::load();
     report.environment = Some(crate::envinfo::gather(crate::envinfo::nixl_info()));
     check_config(cfg)?;
@@ -343,6 +344,7 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>) -> Res
     prepare(cfg, report)?;
     let ucx_mark = crate::ucx::mark();
     let mut probe = Probe::setup(cfg)?;
+    crate::ucx::adopt();
     if let Some(sc) = &cfg.scenario {
         let timeout = Duration::from_secs_f64(cfg.timeout_secs);
         return crate::engine::run_scenario(
@@ -367,7 +369,7 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>) -> Res
     let mut copy_gbps = None;
     for it in 1..=cfg.iterations {
         if crate::interrupt::requested() {
-            return Err(Error::Interrupted(format!("{} complete iterations", it - 1)));
+            return Err(Error::Interrupted(format!("after {} complete iterations", it - 1)));
         }
         let iteration_start = Instant::now();
         let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ (it as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));

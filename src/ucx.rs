@@ -9,8 +9,9 @@
 //! file ([`crate::nixl::prepare_ucx_env`]), reads back the tables of each run, and reports
 //! the selection for the memory types of the run, flagging software emulation.
 //!
-//! UCX's own warnings go to that file too while it is on; they are handed back in
-//! [`TransportPath::ucx_messages`] and printed with the summary.
+//! UCX's own messages go to that file too while it is on; a sweep's are handed back in
+//! [`TransportPath::ucx_messages`], and kvprobe prints all of them to stderr when it exits
+//! ([`messages`]), so a failure UCX explains (a bad `UCX_TLS`, say) is still explained.
 
 use serde::Serialize;
 use std::io::{Read, Seek, SeekFrom};
@@ -76,19 +77,53 @@ pub struct TransportPath {
     pub ucx_messages: Vec<String>,
 }
 
+static ADOPTED: OnceLock<std::sync::Mutex<std::fs::File>> = OnceLock::new();
+
+/// Once UCX has opened its log (after the first NIXL agent with the UCX backend), keeps a
+/// handle on it through `/proc/self/fd` and removes the file and its directory, so nothing
+/// is left behind even when kvprobe is killed. Later reads go through the handle.
+pub fn adopt() {
+    if ADOPTED.get().is_some() {
+        return;
+    }
+    let Some(path) = log_path() else { return };
+    let Ok(fds) = std::fs::read_dir("/proc/self/fd") else { return };
+    for fd in fds.flatten() {
+        if std::fs::read_link(fd.path()).is_ok_and(|t| &t == path)
+            && let Ok(f) = std::fs::File::open(fd.path())
+        {
+            let _ = ADOPTED.set(std::sync::Mutex::new(f));
+            remove_log();
+            return;
+        }
+    }
+}
+
 /// Size of the UCX log now: a run reads what was written after it.
 pub fn mark() -> u64 {
     crate::nixl::flush_c_stdio();
-    log_path().and_then(|p| std::fs::metadata(p).ok()).map_or(0, |m| m.len())
+    match ADOPTED.get() {
+        Some(f) => f.lock().ok().and_then(|f| f.metadata().ok()).map_or(0, |m| m.len()),
+        None => log_path().and_then(|p| std::fs::metadata(p).ok()).map_or(0, |m| m.len()),
+    }
 }
 
 /// Reads the UCX log from `from` (see [`mark`]).
 fn read_since(from: u64) -> Option<String> {
     crate::nixl::flush_c_stdio();
-    let mut f = std::fs::File::open(log_path()?).ok()?;
-    f.seek(SeekFrom::Start(from)).ok()?;
     let mut s = String::new();
-    f.read_to_string(&mut s).ok()?;
+    match ADOPTED.get() {
+        Some(f) => {
+            let mut f = f.lock().ok()?;
+            f.seek(SeekFrom::Start(from)).ok()?;
+            f.read_to_string(&mut s).ok()?;
+        }
+        None => {
+            let mut f = std::fs::File::open(log_path()?).ok()?;
+            f.seek(SeekFrom::Start(from)).ok()?;
+            f.read_to_string(&mut s).ok()?;
+        }
+    }
     Some(s)
 }
 
@@ -193,6 +228,19 @@ pub fn describe(p: &TransportPath) -> String {
         }
     }
     format!("{} {}", p.backend, seen.join("; "))
+}
+
+/// UCX's messages in kvprobe's log other than the protocol tables (warnings, errors, and what
+/// `UCX_LOG_LEVEL` asked for), in order: printed at exit so the capture hides nothing.
+pub fn messages() -> Vec<String> {
+    let Some(text) = read_since(0) else { return Vec::new() };
+    text.lines()
+        .filter(|l| {
+            let body = l.split_once("] ").and_then(|(_, r)| r.split_once("] ")).map_or(*l, |(_, r)| r).trim_start();
+            !body.is_empty() && !body.starts_with('|') && !body.starts_with('+')
+        })
+        .map(str::to_string)
+        .collect()
 }
 
 /// Removes kvprobe's UCX log and its private directory (at exit).
