@@ -172,10 +172,14 @@ pub struct Summary {
     /// What carried the transfers: NIXL backend, UCX's protocol selection for the run's
     /// memory types, and the transfer rate against a same-run copy of the pool (sweeps).
     pub transport_path: Option<crate::ucx::TransportPath>,
-    /// Sweep: the times of each iteration, in order (`kvprobe bench` takes medians over all
-    /// but the first, which warms up: page faults, UCX connection and registration caches).
+    /// Sweep: the times of each iteration, in order, for the first [`PER_ITERATION_MAX`]
+    /// (`kvprobe bench` takes medians over all but the first, which warms up: page faults, UCX
+    /// connection and registration caches). The totals above cover every iteration.
     pub per_iteration: Vec<IterationTimes>,
 }
+
+/// Iterations listed in `summary.per_iteration` at most (the report stays small on long runs).
+pub const PER_ITERATION_MAX: usize = 1000;
 
 /// Wall seconds of one sweep iteration and its parts.
 #[derive(Clone, Copy, Debug, Default, Serialize)]

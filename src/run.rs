@@ -470,7 +470,9 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>) -> Res
         s.kernel_seconds.fill += times.kernels.fill;
         s.kernel_seconds.poison += times.kernels.poison;
         s.kernel_seconds.verify += times.kernels.verify;
-        s.per_iteration.push(times);
+        if s.per_iteration.len() < crate::report::PER_ITERATION_MAX {
+            s.per_iteration.push(times);
+        }
         s.verify_gbps = pool_bytes as f64 * it as f64 / s.verify_seconds.max(1e-9) / 1e9;
         let s = &report.summary;
         report.summary.transfer_gbps =

@@ -236,3 +236,16 @@ fn the_report_names_the_ucx_path_and_rates_the_transfer_against_a_copy() {
     assert_eq!(code, 0, "{out}{err}");
     assert!(out.contains("capture off"), "{out}");
 }
+
+#[test]
+fn per_iteration_times_stop_at_a_thousand_but_totals_cover_every_iteration() {
+    let (code, r, log) =
+        crate::common::run_with_report("per-iter", "dram", &["--blocks", "2", "--layers", "1", "--iterations", "1003"]);
+    assert_eq!(code, 0, "{log}");
+    let s = &r["summary"];
+    assert_eq!(s["iterations"], 1003);
+    let per = s["per_iteration"].as_array().unwrap();
+    assert_eq!(per.len(), 1000);
+    let listed: f64 = per.iter().map(|t| t["iteration"].as_f64().unwrap()).sum();
+    assert!(s["iteration_seconds"].as_f64().unwrap() > listed, "the totals include the unlisted iterations");
+}
