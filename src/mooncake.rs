@@ -117,8 +117,10 @@ impl External {
         let u = &self.metadata_url;
         let hostport = ["http://", "etcd://"].iter().find_map(|p| u.strip_prefix(p));
         let port_ok = |hp: &str| hp.rsplit_once(':').is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0));
+        // The HTTP metadata server answers on a path (mooncake_master serves /metadata).
+        let path_ok = |rest: &str| !u.starts_with("http://") || rest.split_once('/').is_some_and(|(_, p)| !p.is_empty());
         match hostport {
-            Some(rest) if port_ok(rest.split('/').next().unwrap_or("")) => Ok(()),
+            Some(rest) if port_ok(rest.split('/').next().unwrap_or("")) && path_ok(rest) => Ok(()),
             None if u == "P2PHANDSHAKE" => Ok(()),
             _ => bad(format!("--mooncake-metadata {u:?}: expected http://HOST:PORT/metadata, etcd://HOST:PORT or P2PHANDSHAKE")),
         }

@@ -48,6 +48,8 @@ fn an_existing_mooncake_deployment_is_named_completely() {
         "https://10.0.0.5:8080/metadata",
         "http://10.0.0.5/metadata",
         "http://h:99999/metadata",
+        "http://10.0.0.5:8080",
+        "http://10.0.0.5:8080/",
     ] {
         assert_usage(
             &with(&["--tier", "mooncake", "--mooncake-master", "10.0.0.5:50051", "--mooncake-metadata", bad]),
