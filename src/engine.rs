@@ -398,7 +398,7 @@ impl MooncakeTier {
         // The worker first: its hello imports the store client, so a broken install is a
         // set-up error (exit 2) before anything else starts.
         let mut worker = Worker::start(&install, timeout)?;
-        let master = match &cfg.mooncake {
+        let mut master = match &cfg.mooncake {
             Some(ext) => {
                 ext.reachable(Duration::from_secs(5))?;
                 Deployment::External(ext.clone())
@@ -406,7 +406,6 @@ impl MooncakeTier {
             // Start-up has its own window (the master takes about a second), whatever --timeout says.
             None => Deployment::Started(Master::start(&install, Duration::from_secs(30))?),
         };
-        let mut master = master;
         // Room for every entry the engine may hold, twice over, so Mooncake itself never evicts one.
         let segment = (cfg.tier_blocks as u64 * prefill.pool.block_bytes()).saturating_mul(2).max(64 << 20);
         let mut connect = || -> Result<&'static str> {

@@ -111,20 +111,16 @@ pub fn mark() -> u64 {
 /// Reads the UCX log from `from` (see [`mark`]).
 fn read_since(from: u64) -> Option<String> {
     crate::nixl::flush_c_stdio();
-    let mut s = String::new();
+    let read = |f: &mut std::fs::File| {
+        let mut s = String::new();
+        f.seek(SeekFrom::Start(from)).ok()?;
+        f.read_to_string(&mut s).ok()?;
+        Some(s)
+    };
     match ADOPTED.get() {
-        Some(f) => {
-            let mut f = f.lock().ok()?;
-            f.seek(SeekFrom::Start(from)).ok()?;
-            f.read_to_string(&mut s).ok()?;
-        }
-        None => {
-            let mut f = std::fs::File::open(log_path()?).ok()?;
-            f.seek(SeekFrom::Start(from)).ok()?;
-            f.read_to_string(&mut s).ok()?;
-        }
+        Some(f) => read(&mut *f.lock().ok()?),
+        None => read(&mut std::fs::File::open(log_path()?).ok()?),
     }
-    Some(s)
 }
 
 /// The cell text of a table line `[time] [host:pid:thread]   | a | b | c |`.

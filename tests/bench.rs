@@ -28,28 +28,27 @@ fn check_figures(r: &Value, names: &[&str]) {
     }
 }
 
+/// `kvprobe bench ARGS --json <tmp>/bench.json`: (exit code, stdout, stderr, the JSON, or
+/// null when none was written — the caller's exit-code assertion then shows the output).
+fn bench_json(name: &str, args: &[&str]) -> (i32, String, String, Value) {
+    let p = tmpdir(name).join("bench.json");
+    let mut a = vec!["bench"];
+    a.extend_from_slice(args);
+    a.extend(["--json", p.to_str().unwrap()]);
+    let (code, out, err) = kvprobe(&a);
+    assert!(!err.contains("panicked"), "{err}");
+    let r = if p.exists() { read_report(&p) } else { Value::Null };
+    (code, out, err, r)
+}
+
 #[test]
 fn bench_on_dram_writes_consistent_figures_and_breakdowns() {
-    let d = tmpdir("bench-dram");
-    let p = d.join("bench.json");
-    let (code, out, err) = kvprobe(&[
-        "bench",
-        "--memory",
-        "dram",
-        "--host-bytes",
-        "16MiB",
-        "--sweep-bytes",
-        "64MiB",
-        "--repeats",
-        "3",
-        "--iterations",
-        "3",
-        "--json",
-        p.to_str().unwrap(),
-    ]);
+    let (code, out, err, r) = bench_json(
+        "bench-dram",
+        &["--memory", "dram", "--host-bytes", "16MiB", "--sweep-bytes", "64MiB", "--repeats", "3", "--iterations", "3"],
+    );
     assert_eq!(code, 0, "{out}{err}");
     assert!(out.contains("CPU fill") && out.contains("sweep iteration"), "{out}");
-    let r = read_report(&p);
     assert_eq!(r["schema"], "kvprobe.bench/1");
     assert_eq!(r["outcome"]["exit_code"], 0);
     check_figures(&r, &["cpu.memcpy.1", "cpu.memcpy.all", "cpu.fill.1", "cpu.fill.all", "cpu.verify.1", "cpu.verify.all"]);
@@ -109,28 +108,25 @@ fn bench_refuses_bad_input_with_exit_2() {
 
 #[test]
 fn a_failing_sweep_fails_the_bench_and_keeps_the_figures() {
-    let d = tmpdir("bench-bogus");
-    let p = d.join("b.json");
-    let (code, out, err) = kvprobe(&[
-        "bench",
-        "--memory",
-        "dram",
-        "--host-bytes",
-        "1MiB",
-        "--sweep-bytes",
-        "4MiB",
-        "--repeats",
-        "1",
-        "--iterations",
-        "1",
-        "--backend",
-        "BOGUS",
-        "--json",
-        p.to_str().unwrap(),
-    ]);
+    let (code, out, err, r) = bench_json(
+        "bench-bogus",
+        &[
+            "--memory",
+            "dram",
+            "--host-bytes",
+            "1MiB",
+            "--sweep-bytes",
+            "4MiB",
+            "--repeats",
+            "1",
+            "--iterations",
+            "1",
+            "--backend",
+            "BOGUS",
+        ],
+    );
     assert_eq!(code, 2, "{out}{err}");
     assert!(err.contains("BOGUS"), "{err}");
-    let r = read_report(&p);
     assert_eq!(r["outcome"]["exit_code"], 2);
     assert_eq!(r["figures"].as_array().unwrap().len(), 6, "the CPU figures measured before the sweep stay");
     let b = r["breakdowns"].as_array().unwrap();
@@ -143,25 +139,11 @@ fn bench_on_vram_rates_the_kernels_against_the_copy_ceiling() {
     if !gpu_or_skip("bench_on_vram_rates_the_kernels_against_the_copy_ceiling") {
         return;
     }
-    let d = tmpdir("bench-vram");
-    let p = d.join("bench.json");
-    let (code, out, err) = kvprobe(&[
-        "bench",
-        "--gpu-bytes",
-        "256MiB",
-        "--host-bytes",
-        "16MiB",
-        "--sweep-bytes",
-        "64MiB",
-        "--repeats",
-        "3",
-        "--iterations",
-        "3",
-        "--json",
-        p.to_str().unwrap(),
-    ]);
+    let (code, out, err, r) = bench_json(
+        "bench-vram",
+        &["--gpu-bytes", "256MiB", "--host-bytes", "16MiB", "--sweep-bytes", "64MiB", "--repeats", "3", "--iterations", "3"],
+    );
     assert_eq!(code, 0, "{out}{err}");
-    let r = read_report(&p);
     check_figures(&r, &["gpu.copy", "gpu.fill", "gpu.verify", "gpu.poison", "cpu.fill.all"]);
     let figs = r["figures"].as_array().unwrap();
     let copy = figs.iter().find(|f| f["name"] == "gpu.copy").unwrap();
@@ -182,29 +164,26 @@ fn bench_across_two_gpus_rates_the_transfer_against_the_peer_copy() {
     if !crate::common::two_gpus_or_skip("bench_across_two_gpus_rates_the_transfer_against_the_peer_copy") {
         return;
     }
-    let d = tmpdir("bench-x2");
-    let p = d.join("bench.json");
-    let (code, out, err) = kvprobe(&[
-        "bench",
-        "--device",
-        "0",
-        "--decode-device",
-        "1",
-        "--gpu-bytes",
-        "256MiB",
-        "--host-bytes",
-        "16MiB",
-        "--sweep-bytes",
-        "64MiB",
-        "--repeats",
-        "3",
-        "--iterations",
-        "3",
-        "--json",
-        p.to_str().unwrap(),
-    ]);
+    let (code, out, err, r) = bench_json(
+        "bench-x2",
+        &[
+            "--device",
+            "0",
+            "--decode-device",
+            "1",
+            "--gpu-bytes",
+            "256MiB",
+            "--host-bytes",
+            "16MiB",
+            "--sweep-bytes",
+            "64MiB",
+            "--repeats",
+            "3",
+            "--iterations",
+            "3",
+        ],
+    );
     assert_eq!(code, 0, "{out}{err}");
-    let r = read_report(&p);
     check_figures(&r, &["gpu.copy", "gpu.peer_copy", "gpu.fill"]);
     let peer = r["figures"].as_array().unwrap().iter().find(|f| f["name"] == "gpu.peer_copy").unwrap()["gbps"].as_f64().unwrap();
     for row in r["breakdowns"].as_array().unwrap() {
