@@ -108,8 +108,14 @@ pub struct Breakdown {
     pub label: String,
     /// Pool memory.
     pub memory: MemoryKind,
-    /// Bytes of one block slice (one NIXL descriptor).
+    /// Bytes of one block slice.
     pub slice_bytes: u64,
+    /// Blocks per NIXL descriptor (`run --descriptor-blocks`).
+    pub descriptor_blocks: u32,
+    /// Bytes of one NIXL descriptor (`descriptor_blocks` slices).
+    pub descriptor_bytes: u64,
+    /// Pipeline stages of the sweep.
+    pub pipeline_stages: u32,
     /// Bytes of each pool.
     pub pool_bytes: u64,
     /// Iterations run (the first is a warm-up, left out of the medians when there are more).
@@ -122,14 +128,16 @@ pub struct Breakdown {
     pub setup_seconds: f64,
     /// Per-iteration wall seconds: the whole iteration.
     pub iteration_s: f64,
-    /// Per-iteration wall seconds: fill (synchronised).
+    /// Per-iteration wall seconds: fill outside the transfer window.
     pub fill_s: f64,
-    /// Per-iteration wall seconds: poison.
+    /// Per-iteration wall seconds: poison outside the transfer window.
     pub poison_s: f64,
-    /// Per-iteration wall seconds: NIXL transfer (post to completion).
+    /// Per-iteration wall seconds: the transfer window (every stage's NIXL requests).
     pub transfer_s: f64,
-    /// Per-iteration wall seconds: verify, classification included.
+    /// Per-iteration wall seconds: verify outside the transfer window, classification included.
     pub verify_s: f64,
+    /// Per-iteration wall seconds of probe work hidden inside the transfer window.
+    pub overlapped_s: f64,
     /// Per-iteration wall seconds: everything else (descriptor lists, tables, bookkeeping).
     pub host_s: f64,
     /// VRAM: per-iteration device seconds of the fill, poison and verify kernels.
@@ -384,7 +392,14 @@ fn host_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
     Ok(())
 }
 
-fn breakdown(cfg: &BenchConfig, label: &str, memory: MemoryKind, g: Geometry, one_way_gbps: Option<f64>) -> Breakdown {
+fn breakdown(
+    cfg: &BenchConfig,
+    label: &str,
+    memory: MemoryKind,
+    g: Geometry,
+    descriptor_blocks: u32,
+    one_way_gbps: Option<f64>,
+) -> Breakdown {
     let device = if memory == MemoryKind::Vram { cfg.device } else { 0 };
     let decode = if memory == MemoryKind::Vram { cfg.decode_device.unwrap_or(device) } else { 0 };
     let rc = RunConfig {
@@ -401,6 +416,9 @@ fn breakdown(cfg: &BenchConfig, label: &str, memory: MemoryKind, g: Geometry, on
         timeout_secs: cfg.timeout_secs,
         min_gbps: None,
         max_failures: 100,
+        descriptor_blocks,
+        stages: None,
+        decode_process: false,
         scenario: None,
     };
     let (mut line, mut progress, mut ckpt) = (|_: &str| {}, |_: &crate::engine::Progress| {}, |_: &crate::report::Report| {});
@@ -423,6 +441,9 @@ fn breakdown(cfg: &BenchConfig, label: &str, memory: MemoryKind, g: Geometry, on
         label: label.into(),
         memory,
         slice_bytes: g.slice_bytes().unwrap_or(0),
+        descriptor_blocks,
+        descriptor_bytes: g.slice_bytes().unwrap_or(0) * descriptor_blocks as u64,
+        pipeline_stages: s.pipeline_stages,
         pool_bytes,
         iterations: s.iterations,
         exit_code: exit as u8,
@@ -433,6 +454,7 @@ fn breakdown(cfg: &BenchConfig, label: &str, memory: MemoryKind, g: Geometry, on
         poison_s: poison,
         transfer_s: transfer,
         verify_s: verify,
+        overlapped_s: med(&|t| t.overlapped),
         host_s: host,
         kernel_s: crate::report::KernelSeconds {
             fill: med(&|t| t.kernels.fill),
@@ -527,16 +549,26 @@ pub fn run(cfg: &BenchConfig, r: &mut BenchReport) -> Result<()> {
         MemoryKind::Vram => peer.or(rate("gpu.copy")),
         MemoryKind::Dram => rate("cpu.memcpy.all"),
     };
-    let mut sweeps = vec![llama.clone()];
-    if wide.block_size != llama.block_size {
-        sweeps.push(wide); // too small a --sweep-bytes for larger slices: one sweep only
+    // vLLM-shaped first; then the same pool with runs of blocks moved as one descriptor
+    // (the per-descriptor cost of the path); then the wide slices.
+    let mut sweeps = vec![(llama.clone(), 1)];
+    for n in [16, llama.num_blocks] {
+        if n > 1 && llama.num_blocks.is_multiple_of(n) && sweeps.iter().all(|(_, m)| *m != n) {
+            sweeps.push((llama.clone(), n));
+        }
     }
-    for g in sweeps {
+    if wide.block_size != llama.block_size {
+        sweeps.push((wide, 1)); // too small a --sweep-bytes for larger slices: no wide sweep
+    }
+    for (g, n) in sweeps {
         let mut label = format!("llama3-8b, block_size {}: {} KiB slices", g.block_size, g.slice_bytes()? >> 10);
+        if n > 1 {
+            label += &format!(", {n} blocks per descriptor ({} KiB)", (g.slice_bytes()? * n as u64) >> 10);
+        }
         if let Some(d) = cfg.decode_device.filter(|&d| d != cfg.device && cfg.memory == MemoryKind::Vram) {
             label += &format!(", GPU {} -> GPU {d}", cfg.device);
         }
-        let b = breakdown(cfg, &label, cfg.memory, g, one_way);
+        let b = breakdown(cfg, &label, cfg.memory, g, n, one_way);
         let failed = (b.exit_code != 0).then(|| (b.exit_code, b.error.clone().unwrap_or_default(), b.label.clone()));
         r.breakdowns.push(b);
         if let Some((code, msg, label)) = failed {
@@ -598,9 +630,15 @@ pub fn render(r: &BenchReport) -> String {
             ("transfer", b.transfer_s),
             ("verify", b.verify_s),
             ("host work", b.host_s),
+            ("hidden", b.overlapped_s),
             ("iteration", b.iteration_s),
         ] {
-            s += &format!("  {name:<10} {x:>10.6} s  {:>5.1} %\n", pct(x));
+            if name == "hidden" {
+                s +=
+                    &format!("  {name:<10} {x:>10.6} s  (probe work inside the transfer window, {} stages)\n", b.pipeline_stages);
+            } else {
+                s += &format!("  {name:<10} {x:>10.6} s  {:>5.1} %\n", pct(x));
+            }
         }
         if b.memory == MemoryKind::Vram {
             s += &format!(

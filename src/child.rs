@@ -27,3 +27,14 @@ pub fn die_with_parent(cmd: &mut Command) -> &mut Command {
         })
     }
 }
+
+/// Makes this process ignore SIGINT and SIGTERM (the decode agent process: a Ctrl-C in the
+/// terminal reaches the whole process group, and kvprobe, not the child, decides how to stop;
+/// it ends the child by closing its input, or by dying — see [`die_with_parent`]).
+pub fn ignore_interrupts() {
+    // SAFETY: signal(2) with SIG_IGN installs no handler code; called at the child's start.
+    unsafe {
+        libc::signal(libc::SIGINT, libc::SIG_IGN);
+        libc::signal(libc::SIGTERM, libc::SIG_IGN);
+    }
+}

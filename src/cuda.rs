@@ -268,12 +268,34 @@ impl GpuTimer {
 
     /// Records the end event, waits for it and returns the seconds between the two.
     pub fn stop(self) -> Result<f64> {
+        self.end()?.seconds()
+    }
+
+    /// Records the end event without waiting: read the seconds later with
+    /// [`PendingTime::seconds`] (after the work is known to be done, it does not block).
+    pub fn end(self) -> Result<PendingTime> {
         self.dev.bind()?;
-        // SAFETY: both events are live events of this context (destroyed only in Drop).
+        // SAFETY: a live event of this context (destroyed only in Drop), recorded on the
+        // default stream.
+        unsafe { result::event::record(self.end, std::ptr::null_mut()) }.map_err(|e| derr("cuEventRecord", e))?;
+        Ok(PendingTime(self))
+    }
+}
+
+/// A [`GpuTimer`] whose end event is recorded: the device seconds of the work between the
+/// two records, once it is done.
+pub struct PendingTime(GpuTimer);
+
+impl PendingTime {
+    /// Waits for the end event and returns the seconds between the two events. Errors: the
+    /// work failed (device, exit 3).
+    pub fn seconds(&self) -> Result<f64> {
+        let t = &self.0;
+        t.dev.bind()?;
+        // SAFETY: both events are live events of this context, both recorded.
         unsafe {
-            result::event::record(self.end, std::ptr::null_mut()).map_err(|e| derr("cuEventRecord", e))?;
-            sys::cuEventSynchronize(self.end).result().map_err(|e| derr("kernel or copy failed (cuEventSynchronize)", e))?;
-            let ms = result::event::elapsed(self.start, self.end).map_err(|e| derr("cuEventElapsedTime", e))?;
+            sys::cuEventSynchronize(t.end).result().map_err(|e| derr("kernel or copy failed (cuEventSynchronize)", e))?;
+            let ms = result::event::elapsed(t.start, t.end).map_err(|e| derr("cuEventElapsedTime", e))?;
             Ok(ms as f64 / 1e3)
         }
     }
@@ -291,12 +313,20 @@ impl Drop for GpuTimer {
     }
 }
 
-/// Device memory from `cuMemAlloc`, freed on drop.
-#[derive(Debug)]
+/// Device memory from `cuMemAlloc`, freed on drop — or another process's allocation opened
+/// by its CUDA IPC handle ([`DeviceBuffer::import`]), closed on drop.
 pub struct DeviceBuffer {
     dev: Arc<Device>,
     ptr: sys::CUdeviceptr,
     len: usize,
+    /// Imported: what keeps the exporting process alive until the mapping is closed.
+    exporter: Option<Arc<dyn std::any::Any + Send + Sync>>,
+}
+
+impl std::fmt::Debug for DeviceBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceBuffer({:#x}, {} bytes{})", self.ptr, self.len, if self.exporter.is_some() { ", imported" } else { "" })
+    }
 }
 
 impl DeviceBuffer {
@@ -305,7 +335,31 @@ impl DeviceBuffer {
         dev.bind()?;
         // SAFETY: allocation has no preconditions beyond a current context (bound above).
         let ptr = unsafe { result::malloc_sync(len.max(1)) }.map_err(|e| derr(&format!("cuMemAlloc({len})"), e))?;
-        Ok(DeviceBuffer { dev: dev.clone(), ptr, len })
+        Ok(DeviceBuffer { dev: dev.clone(), ptr, len, exporter: None })
+    }
+
+    /// Opens another process's allocation of `len` bytes by its CUDA IPC `handle`
+    /// (`cuIpcOpenMemHandle`, peer access enabled lazily) in `dev`'s context. `exporter` is
+    /// kept until the mapping is closed (on drop), so the exporting process outlives it.
+    /// Errors: the driver refuses the handle (device, exit 3).
+    pub fn import(
+        dev: &Arc<Device>,
+        handle: &[u8; 64],
+        len: usize,
+        exporter: Arc<dyn std::any::Any + Send + Sync>,
+    ) -> Result<DeviceBuffer> {
+        dev.bind()?;
+        let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
+        for (d, s) in h.reserved.iter_mut().zip(handle) {
+            *d = *s as _;
+        }
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: `ptr` is a valid out-pointer and `h` a handle by value; flag 1 is
+        // CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS. The mapping is closed once, in Drop.
+        unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, h, 1) }
+            .result()
+            .map_err(|e| derr("cuIpcOpenMemHandle (the decode agent's pool)", e))?;
+        Ok(DeviceBuffer { dev: dev.clone(), ptr, len, exporter: Some(exporter) })
     }
 
     /// Device address.
@@ -389,8 +443,14 @@ impl DeviceBuffer {
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
         if self.dev.bind().is_ok() {
-            // SAFETY: `ptr` came from cuMemAlloc and is freed once.
-            let _ = unsafe { result::free_sync(self.ptr) };
+            if self.exporter.is_some() {
+                // SAFETY: `ptr` came from cuIpcOpenMemHandle and is closed once; the exporter
+                // (dropped after this) still holds the allocation.
+                let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
+            } else {
+                // SAFETY: `ptr` came from cuMemAlloc and is freed once.
+                let _ = unsafe { result::free_sync(self.ptr) };
+            }
         }
     }
 }
@@ -412,6 +472,11 @@ pub struct RegionArgs {
     pub num_slices: u32,
     /// Global index of the region's first slice.
     pub slice_base: u32,
+    /// Most thread blocks to launch (0 = one per 16 KiB slice part, up to 2^20). The
+    /// kernels loop over their work items, so fewer blocks do the same work on fewer SMs:
+    /// the pipelined sweep caps them so the probe leaves memory bandwidth to the copy
+    /// engines carrying the transfer.
+    pub grid_cap: u32,
 }
 
 /// One failing slice as the verify kernel reports it (16 bytes, `struct kvp_fail`).
@@ -465,7 +530,8 @@ pub fn parts_per_slice(slice_bytes: u64) -> u64 {
 }
 
 fn grid(r: &RegionArgs) -> u32 {
-    (r.num_slices as u64 * parts_per_slice(r.slice_bytes as u64)).clamp(1, 1 << 20) as u32
+    let cap = if r.grid_cap == 0 { 1 << 20 } else { r.grid_cap as u64 };
+    (r.num_slices as u64 * parts_per_slice(r.slice_bytes as u64)).clamp(1, cap) as u32
 }
 
 /// Where the PTX NVRTC made for `arch` is kept between runs:

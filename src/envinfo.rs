@@ -58,6 +58,135 @@ pub struct Environment {
     pub transport_env: std::collections::BTreeMap<String, String>,
     /// Mooncake Store (`--tier mooncake`): the installation found, or why none is usable.
     pub mooncake: MooncakeInfo,
+    /// `kvprobe env` only: the paths UCX selected for small probe transfers
+    /// ([`probe_paths`]); empty in run reports (they carry their own `transport_path`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub transport_probes: Vec<PathProbe>,
+}
+
+/// One probe transfer of `kvprobe env`: a short sweep in a child `kvprobe run` (llama3-8b
+/// geometry, 16 blocks = 32 MiB per side, 32 KiB slices, 2 iterations), so each probe gets
+/// its own process, UCX configuration and defaults.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct PathProbe {
+    /// What moved, e.g. "READ VRAM GPU 0 -> GPU 1".
+    pub what: String,
+    /// The child run's exit code (0 clean; see `kvprobe run --help`).
+    pub exit_code: i32,
+    /// The path its report names (backend, UCX protocol rows, emulation flag, warning).
+    pub path: Option<crate::ucx::TransportPath>,
+    /// Its transfer rate (GB/s = 1e9 B/s) — tiny transfers: an indication, not a measurement.
+    pub transfer_gbps: Option<f64>,
+    /// Why it failed, when it did.
+    pub error: Option<String>,
+}
+
+/// Seconds a probe transfer may take before it is stopped.
+const PROBE_SECS: u64 = 90;
+
+/// Runs the probe transfers for `gpus` visible GPUs: DRAM READ; with a GPU, VRAM READ and
+/// WRITE on GPU 0; with two, READ from GPU 0 to GPU 1. Each is `kvprobe run` in a child
+/// process (killed after 90 s or when kvprobe dies); failures are recorded, not raised.
+pub fn probe_paths(gpus: usize) -> Vec<PathProbe> {
+    let mut plan = vec![("dram", "read", 0, 0)];
+    if gpus > 0 {
+        plan.push(("vram", "read", 0, 0));
+        plan.push(("vram", "write", 0, 0));
+    }
+    if gpus > 1 {
+        plan.push(("vram", "read", 0, 1));
+    }
+    plan.into_iter()
+        .map(|(mem, op, a, b)| {
+            let what = if mem == "vram" {
+                format!("{} VRAM GPU {a} -> GPU {b}", op.to_uppercase())
+            } else {
+                format!("{} DRAM -> DRAM", op.to_uppercase())
+            };
+            probe_one(mem, op, a, b)
+                .unwrap_or_else(|e| PathProbe {
+                    what: what.clone(),
+                    exit_code: e.exit() as i32,
+                    path: None,
+                    transfer_gbps: None,
+                    error: Some(e.to_string()),
+                })
+                .named(what)
+        })
+        .collect()
+}
+
+impl PathProbe {
+    fn named(mut self, what: String) -> PathProbe {
+        self.what = what;
+        self
+    }
+}
+
+fn probe_one(mem: &str, op: &str, a: usize, b: usize) -> crate::error::Result<PathProbe> {
+    use crate::error::Error;
+    let exe = std::env::current_exe().map_err(|e| Error::Environment(format!("cannot find kvprobe's own executable: {e}")))?;
+    let dir = tempfile::tempdir().map_err(|e| Error::Io(format!("temporary directory: {e}")))?;
+    let report = dir.path().join("probe.json");
+    let mut cmd = std::process::Command::new(exe);
+    cmd.args(["run", "--memory", mem, "--preset", "llama3-8b", "--blocks", "16", "--iterations", "2", "--op", op]);
+    if mem == "vram" {
+        cmd.args(["--prefill-device", &a.to_string(), "--decode-device", &b.to_string()]);
+    }
+    cmd.arg("--report").arg(&report);
+    cmd.stdin(std::process::Stdio::null()).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped());
+    crate::child::die_with_parent(&mut cmd);
+    let mut child = cmd.spawn().map_err(|e| Error::Environment(format!("cannot start a probe run: {e}")))?;
+    let mut stderr = child.stderr.take();
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        if let Some(e) = stderr.as_mut() {
+            let _ = std::io::Read::read_to_string(e, &mut s);
+        }
+        s
+    });
+    let t0 = std::time::Instant::now();
+    let status = loop {
+        if let Some(st) = child.try_wait().map_err(|e| Error::Environment(format!("probe run: {e}")))? {
+            break Some(st);
+        }
+        if t0.elapsed().as_secs() > PROBE_SECS || crate::interrupt::requested() {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let err_text = reader.join().unwrap_or_default();
+    let Some(status) = status else {
+        return Err(if crate::interrupt::requested() {
+            Error::Interrupted("during the probe transfers".into())
+        } else {
+            Error::Timeout(format!("the probe run did not finish in {PROBE_SECS} s"))
+        });
+    };
+    let code = status.code().unwrap_or(128 + std::os::unix::process::ExitStatusExt::signal(&status).unwrap_or(0));
+    let last_line = || err_text.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("").to_string();
+    let v: serde_json::Value = match std::fs::read(&report).ok().and_then(|b| serde_json::from_slice(&b).ok()) {
+        Some(v) => v,
+        None => {
+            return Ok(PathProbe {
+                what: String::new(),
+                exit_code: code,
+                path: None,
+                transfer_gbps: None,
+                error: Some(last_line()),
+            });
+        }
+    };
+    let s = &v["summary"];
+    Ok(PathProbe {
+        what: String::new(),
+        exit_code: code,
+        path: serde_json::from_value(s["transport_path"].clone()).ok(),
+        transfer_gbps: s["transfer_gbps"].as_f64().filter(|_| code == 0),
+        error: v["outcome"]["error"]["message"].as_str().map(str::to_string),
+    })
 }
 
 /// Mooncake availability.
@@ -169,6 +298,7 @@ pub fn gather(nixl: NixlInfo) -> Environment {
             Ok(i) => MooncakeInfo { install: Some(i), error: None },
             Err(e) => MooncakeInfo { install: None, error: Some(e.to_string()) },
         },
+        transport_probes: Vec::new(),
     }
 }
 
@@ -230,6 +360,22 @@ pub fn render(e: &Environment) -> String {
     }
     for (k, v) in &e.transport_env {
         s += &format!("{k}={v}\n");
+    }
+    if !e.transport_probes.is_empty() {
+        s += "transport (probe transfers, 32 MiB per side, 32 KiB descriptors):\n";
+    }
+    for p in &e.transport_probes {
+        match (&p.path, p.exit_code) {
+            (Some(path), 0) => {
+                s += &format!("  {}: {} ({:.2} GB/s)\n", p.what, crate::ucx::describe(path), p.transfer_gbps.unwrap_or(0.0));
+                if let Some(w) = &path.warning {
+                    s += &format!("    warning: {w}\n");
+                }
+            }
+            _ => {
+                s += &format!("  {}: failed (exit {}): {}\n", p.what, p.exit_code, p.error.as_deref().unwrap_or("no report"));
+            }
+        }
     }
     s
 }

@@ -35,7 +35,7 @@ pub enum Exit {
 }
 
 /// kvprobe's error type; each variant maps to one exit code ([`Error::exit`]).
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum Error {
     /// Bad flags or geometry (exit 2).
     #[error("{0}")]
@@ -64,6 +64,20 @@ pub enum Error {
 }
 
 impl Error {
+    /// The message without the kind's prefix ("transport error: " and the like).
+    pub fn detail(&self) -> &str {
+        match self {
+            Error::Usage(m)
+            | Error::Environment(m)
+            | Error::Transport(m)
+            | Error::Device(m)
+            | Error::Timeout(m)
+            | Error::Io(m)
+            | Error::Interrupted(m)
+            | Error::Corrupt(m) => m,
+        }
+    }
+
     /// The exit code for this error.
     pub fn exit(&self) -> Exit {
         match self {

@@ -66,6 +66,24 @@ impl HostBuffer {
         Ok(HostBuffer { ptr: p as *mut u8, len, fd: Some(fd) })
     }
 
+    /// Maps `len` bytes of a shareable buffer another kvprobe process created, through the
+    /// descriptor `fd` this process inherited (the decode agent process of
+    /// `run --decode-process` on DRAM). The descriptor stays open and is not owned. Errors:
+    /// the mapping failed (environment).
+    pub fn map_inherited(fd: i32, len: usize) -> Result<HostBuffer> {
+        // SAFETY: maps an existing shared memory object read-write; no existing memory of
+        // this process is affected. A bad descriptor makes mmap fail, which is reported.
+        let p =
+            unsafe { libc::mmap(std::ptr::null_mut(), len.max(1), libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0) };
+        if p == libc::MAP_FAILED {
+            return Err(Error::Environment(format!(
+                "cannot map the shared pool (descriptor {fd}, {len} bytes): {}",
+                std::io::Error::last_os_error()
+            )));
+        }
+        Ok(HostBuffer { ptr: p as *mut u8, len, fd: None })
+    }
+
     /// The inherited descriptor number of a shareable buffer (None otherwise): a child
     /// process maps the buffer from `/proc/self/fd/N`.
     pub fn shared_fd(&self) -> Option<i32> {
@@ -120,6 +138,15 @@ pub fn available_bytes() -> Option<u64> {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
     }
+}
+
+/// Peak resident memory of this process so far (bytes; `VmHWM` in /proc/self/status):
+/// what a run's host memory footprint reaches, pools included for DRAM. `None` where
+/// /proc is unavailable.
+pub fn peak_resident_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    line.split_whitespace().nth(1)?.parse::<u64>().ok()?.checked_mul(1024)
 }
 
 fn read_u64(path: &str) -> Option<u64> {

@@ -34,6 +34,7 @@ pub mod mooncake;
 pub mod nixl;
 pub mod pool;
 pub mod race;
+pub mod remote;
 pub mod report;
 pub mod run;
 pub mod tier;

@@ -47,11 +47,17 @@ enum Command {
     Ab(AbArgs),
     /// Measure kvprobe's own speed: fill, poison and verify against a same-run copy ceiling, CPU passes against memcpy, and sweep iterations broken down (table, and JSON with --json). Driven by bench/run.sh.
     Bench(BenchArgs),
-    /// Print what was found: GPUs and their links, driver, CUDA, NVRTC, NIXL library and plugins (exit 2 when NIXL is unusable).
+    /// The decode agent process of `run --decode-process` (internal: speaks kvprobe's pipe protocol on stdin/stdout).
+    #[command(hide = true)]
+    Agent,
+    /// Print what was found: GPUs and their links, driver, CUDA, NVRTC, NIXL library and plugins, and the path UCX selects for small probe transfers (exit 2 when NIXL is unusable).
     Env {
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
+        /// Skip the probe transfers (DRAM READ; on a GPU, VRAM READ and WRITE; with two GPUs, READ across them), each a short `kvprobe run` in a child process.
+        #[arg(long)]
+        no_probe: bool,
     },
 }
 
@@ -227,6 +233,15 @@ struct RunArgs {
     /// Sweep iterations (each: refill, re-poison, transfer, verify everything).
     #[arg(long, default_value_t = 5)]
     iterations: u32,
+    /// Sweep: blocks per NIXL descriptor. The block map moves runs of N consecutive blocks together and each run's contiguous slices travel as one descriptor; 1 = vLLM NixlConnector's per-block descriptors. Must divide the number of blocks.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    descriptor_blocks: u32,
+    /// Sweep: pipeline stages (consecutive layer ranges, one NIXL request each; while one is in flight the finished ones are verified, refilled and re-poisoned). Default: 8 on VRAM, 1 on DRAM (CPU passes would slow the transfer they overlap), more when a stage would exceed 65536 descriptors; at most the number of layers; 1 = no overlap.
+    #[arg(long, value_name = "N")]
+    pipeline_stages: Option<u32>,
+    /// Sweep: run decode's NIXL agent in a second kvprobe process (as vLLM's engines run), so UCX sees two processes (cuda_ipc between them on VRAM). VRAM: the child allocates the decode pool and shares it back by CUDA IPC for verification; DRAM: it maps kvprobe's pool (memfd).
+    #[arg(long)]
+    decode_process: bool,
     /// Sweep: plant a fault per iteration: bitflip, drop, misroute, stale or torn, optionally :COUNT. Repeatable.
     #[arg(long, value_name = "CLASS[:N]")]
     inject: Vec<Spec>,
@@ -269,7 +284,7 @@ const LOAD_FLAGS: &[&str] = &[
 ];
 
 /// `run` flags of the whole-pool sweep only.
-const SWEEP_FLAGS: &[&str] = &["iterations"];
+const SWEEP_FLAGS: &[&str] = &["iterations", "descriptor_blocks", "pipeline_stages", "decode_process"];
 
 /// Parses a seed in decimal or 0x-prefixed hex.
 fn parse_seed(s: &str) -> Result<u64, String> {
@@ -344,6 +359,9 @@ impl PoolArgs {
             timeout_secs: self.timeout,
             min_gbps: None,
             max_failures: self.max_failures,
+            descriptor_blocks: 1,
+            stages: None,
+            decode_process: false,
             scenario: None,
         }
     }
@@ -382,6 +400,9 @@ impl RunArgs {
         let mut c = self.pool.config();
         c.op = self.op;
         c.iterations = self.iterations;
+        c.descriptor_blocks = self.descriptor_blocks;
+        c.stages = self.pipeline_stages;
+        c.decode_process = self.decode_process;
         c.inject = self.inject.clone();
         c.min_gbps = self.min_gbps;
         let flag = |id: &str| format!("--{}", id.replace('_', "-"));
@@ -680,8 +701,14 @@ fn bench(a: BenchArgs) -> Exit {
     exit
 }
 
-fn env(json: bool) -> Exit {
-    let e = kvprobe::envinfo::gather(kvprobe::envinfo::nixl_info());
+fn env(json: bool, probe: bool) -> Exit {
+    let mut e = kvprobe::envinfo::gather(kvprobe::envinfo::nixl_info());
+    if probe && e.nixl.library.is_some() && !e.nixl.plugins.is_empty() {
+        if let Err(code) = install_signals() {
+            return code;
+        }
+        e.transport_probes = kvprobe::envinfo::probe_paths(e.gpus.len());
+    }
     if json {
         match serde_json::to_string_pretty(&e) {
             Ok(s) => out(&format!("{s}\n")),
@@ -730,7 +757,8 @@ fn main() {
         Command::Run(a) => run(a, &typed),
         Command::Ab(a) => ab(a),
         Command::Bench(a) => bench(a),
-        Command::Env { json } => env(json),
+        Command::Env { json, no_probe } => env(json, !no_probe),
+        Command::Agent => kvprobe::remote::agent_main(),
     };
     // Not a plain return: see `exit_now` (library destructors can crash at exit).
     kvprobe::nixl::exit_now(exit as u8)

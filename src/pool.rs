@@ -6,11 +6,13 @@
 //! host; DRAM pools run the CPU reference on all threads. Both honour the same
 //! per-block table of `{logical block, generation}` ([`TableEntry`]).
 
-use crate::cuda::{Device, DeviceBuffer, Kernels, RegionArgs};
+use crate::cuda::{Device, DeviceBuffer, GpuTimer, Kernels, PendingTime, RegionArgs};
 use crate::error::{Error, Result};
 use crate::fingerprint::{self, BlockIdentity, SKIP_GEN};
 use crate::geometry::{Geometry, SliceCoord};
 use crate::hostmem::HostBuffer;
+use crate::report::KernelSeconds;
+use std::ops::Range;
 use std::sync::Arc;
 
 /// Where a pool lives.
@@ -69,8 +71,26 @@ pub struct KvPool {
     geom: Geometry,
     seed: u64,
     backing: Backing,
-    /// VRAM pools: device seconds of the last fill, poison or verify pass's kernels.
+    /// VRAM pools: device seconds of the kernels waited for by the last [`KvPool::finish`].
     last_kernel_secs: Option<f64>,
+    /// The per-block table of the next passes ([`KvPool::load_table`]).
+    table: Vec<TableEntry>,
+    /// VRAM: timers of the passes queued since the last [`KvPool::finish`].
+    timers: Vec<(Pass, PendingTime)>,
+    /// DRAM: failures found since the last [`KvPool::take_failures`].
+    host_fails: Vec<RawFailure>,
+    /// Kernel seconds waited for since the last [`KvPool::take_kernel_seconds`].
+    kernel_acc: KernelSeconds,
+    /// Most thread blocks per kernel launch (0 = no cap; see [`RegionArgs::grid_cap`]).
+    grid_cap: u32,
+}
+
+/// Kinds of pass, for the kernel seconds [`KvPool::finish`] returns.
+#[derive(Clone, Copy, Debug)]
+enum Pass {
+    Fill,
+    Poison,
+    Verify,
 }
 
 fn table_bytes(table: &[TableEntry]) -> Vec<u8> {
@@ -86,7 +106,17 @@ impl KvPool {
     /// process may allocate (checked before mapping).
     pub fn host(geom: &Geometry, seed: u64) -> Result<KvPool> {
         let pool = Self::host_bytes(geom)?;
-        Ok(KvPool { geom: geom.clone(), seed, backing: Backing::Host(HostBuffer::alloc(pool)?), last_kernel_secs: None })
+        Ok(KvPool {
+            geom: geom.clone(),
+            seed,
+            backing: Backing::Host(HostBuffer::alloc(pool)?),
+            last_kernel_secs: None,
+            table: Vec::new(),
+            timers: Vec::new(),
+            host_fails: Vec::new(),
+            kernel_acc: KernelSeconds::default(),
+            grid_cap: 0,
+        })
     }
 
     /// The bytes of a DRAM pool of `geom`, checked against the host memory available.
@@ -110,6 +140,32 @@ impl KvPool {
             seed,
             backing: Backing::Host(HostBuffer::alloc_shareable(pool)?),
             last_kernel_secs: None,
+            table: Vec::new(),
+            timers: Vec::new(),
+            host_fails: Vec::new(),
+            kernel_acc: KernelSeconds::default(),
+            grid_cap: 0,
+        })
+    }
+
+    /// A DRAM pool over an existing mapping of [`Geometry::pool_bytes`] bytes (the decode
+    /// agent process maps the pool kvprobe allocated). Errors: invalid geometry, or a
+    /// mapping of another size (usage).
+    pub fn host_over(geom: &Geometry, seed: u64, buf: HostBuffer) -> Result<KvPool> {
+        geom.validate()?;
+        if buf.len() as u64 != geom.pool_bytes()? {
+            return Err(Error::Usage(format!("a {}-byte mapping for a {}-byte pool", buf.len(), geom.pool_bytes()?)));
+        }
+        Ok(KvPool {
+            geom: geom.clone(),
+            seed,
+            backing: Backing::Host(buf),
+            last_kernel_secs: None,
+            table: Vec::new(),
+            timers: Vec::new(),
+            host_fails: Vec::new(),
+            kernel_acc: KernelSeconds::default(),
+            grid_cap: 0,
         })
     }
 
@@ -150,6 +206,40 @@ impl KvPool {
             )));
         }
         let regions = (0..geom.num_layers).map(|_| DeviceBuffer::alloc(dev, region as usize)).collect::<Result<Vec<_>>>()?;
+        Self::with_regions(dev, kernels, geom, seed, regions)
+    }
+
+    /// A VRAM pool whose layer regions another process allocated (the decode agent of
+    /// `run --decode-process`), opened by their CUDA IPC handles on `dev` (one per layer,
+    /// `region_bytes` each); the probe's kernels run on it here. `exporter` is kept until
+    /// every region is closed. Errors: invalid geometry, a handle count that is not the
+    /// layer count (usage), the driver refuses a handle (device).
+    pub fn imported(
+        dev: &Arc<Device>,
+        kernels: Arc<Kernels>,
+        geom: &Geometry,
+        seed: u64,
+        handles: &[[u8; 64]],
+        exporter: Arc<dyn std::any::Any + Send + Sync>,
+    ) -> Result<KvPool> {
+        geom.validate()?;
+        if handles.len() != geom.num_layers as usize {
+            return Err(Error::Usage(format!("{} region handles for {} layers", handles.len(), geom.num_layers)));
+        }
+        let region = geom.region_bytes()? as usize;
+        let regions =
+            handles.iter().map(|h| DeviceBuffer::import(dev, h, region, exporter.clone())).collect::<Result<Vec<_>>>()?;
+        Self::with_regions(dev, kernels, geom, seed, regions)
+    }
+
+    fn with_regions(
+        dev: &Arc<Device>,
+        kernels: Arc<Kernels>,
+        geom: &Geometry,
+        seed: u64,
+        regions: Vec<DeviceBuffer>,
+    ) -> Result<KvPool> {
+        let fails_len = geom.total_slices()? * crate::cuda::parts_per_slice(geom.slice_bytes()?) * 16;
         let table = DeviceBuffer::alloc(dev, 8 * geom.num_blocks as usize)?;
         let fails = DeviceBuffer::alloc(dev, fails_len as usize)?;
         let count = DeviceBuffer::alloc(dev, 4)?;
@@ -158,6 +248,11 @@ impl KvPool {
             seed,
             backing: Backing::Device { kernels, regions, table, fails, count },
             last_kernel_secs: None,
+            table: Vec::new(),
+            timers: Vec::new(),
+            host_fails: Vec::new(),
+            kernel_acc: KernelSeconds::default(),
+            grid_cap: 0,
         })
     }
 
@@ -230,47 +325,47 @@ impl KvPool {
         Ok(())
     }
 
-    /// Runs `f(coord, slice bytes)` over the slices of a DRAM pool: all of them, or only
-    /// those of blocks whose `table` entry is not [`SKIP_GEN`]. Work above 8 MiB is split
-    /// over all threads (contiguous runs of global slice indices; the pool is slices in
-    /// global-index order, layer-major); smaller work runs on the calling thread.
-    fn host_each<F>(geom: &Geometry, buf: &mut HostBuffer, table: Option<&[TableEntry]>, f: F)
+    /// Runs `f(coord, slice bytes)` over the slices of layers `layers` of a DRAM pool: all
+    /// of them, or only those of blocks whose `table` entry is not [`SKIP_GEN`]. Work above
+    /// 8 MiB is split over all threads (contiguous runs of global slice indices; the pool is
+    /// slices in global-index order, layer-major); smaller work runs on the calling thread.
+    fn host_each<F>(geom: &Geometry, buf: &mut HostBuffer, layers: Range<u32>, table: Option<&[TableEntry]>, f: F)
     where
         F: Fn(SliceCoord, &mut [u8]) + Sync,
     {
         let sb = geom.slice_bytes().unwrap_or(0) as usize;
-        let slices = buf.len() / sb.max(1);
+        let per_layer = geom.slices_per_layer() as usize;
+        let first = layers.start as usize * per_layer;
+        let slices = layers.len() * per_layer;
         let selected: Option<Vec<bool>> = table.map(|t| t.iter().map(|e| e.generation != SKIP_GEN).collect());
         let wanted = match &selected {
-            Some(sel) => sel.iter().filter(|x| **x).count() * geom.num_layers as usize * geom.kv_parts() as usize,
+            Some(sel) => sel.iter().filter(|x| **x).count() * layers.len() * geom.kv_parts() as usize,
             None => slices,
         };
         let keep = |c: SliceCoord| selected.as_ref().is_none_or(|s| s[c.block as usize]);
+        let bytes = &mut buf.as_mut_slice()[first * sb..(first + slices) * sb];
         if wanted.saturating_mul(sb) < 8 << 20
             && let Some(sel) = &selected
         {
-            {
-                // Visit only the selected blocks' slices.
-                let bytes = buf.as_mut_slice();
-                for (block, _) in sel.iter().enumerate().filter(|(_, x)| **x) {
-                    for layer in 0..geom.num_layers {
-                        for &kv in geom.parts() {
-                            let c = SliceCoord { layer, kv, block: block as u32 };
-                            let at = geom.global_slice(c) as usize * sb;
-                            f(c, &mut bytes[at..at + sb]);
-                        }
+            // Visit only the selected blocks' slices.
+            for (block, _) in sel.iter().enumerate().filter(|(_, x)| **x) {
+                for layer in layers.clone() {
+                    for &kv in geom.parts() {
+                        let c = SliceCoord { layer, kv, block: block as u32 };
+                        let at = geom.global_slice(c) as usize * sb - first * sb;
+                        f(c, &mut bytes[at..at + sb]);
                     }
                 }
-                return;
             }
+            return;
         }
         let per = slices.div_ceil(threads()).max(1);
         std::thread::scope(|sc| {
-            for (t, part) in buf.as_mut_slice().chunks_mut(per * sb).enumerate() {
+            for (t, part) in bytes.chunks_mut(per * sb).enumerate() {
                 let (f, keep) = (&f, &keep);
                 sc.spawn(move || {
                     for (i, s) in part.chunks_exact_mut(sb).enumerate() {
-                        let c = geom.coord_of((t * per + i) as u32);
+                        let c = geom.coord_of((first + t * per + i) as u32);
                         if keep(c) {
                             f(c, s);
                         }
@@ -280,14 +375,46 @@ impl KvPool {
         });
     }
 
-    /// Writes the fingerprint of `table[block]` into every slice (table has one entry per
-    /// block; [`SKIP_GEN`] entries are left alone). Synchronous.
-    pub fn fill(&mut self, table: &[TableEntry]) -> Result<()> {
+    /// Caps the thread blocks of this pool's later kernel launches (VRAM; 0 = no cap).
+    pub fn set_grid_cap(&mut self, blocks: u32) {
+        self.grid_cap = blocks;
+    }
+
+    /// Every layer of the pool.
+    fn all_layers(&self) -> Range<u32> {
+        0..self.geom.num_layers
+    }
+
+    fn check_layers(&self, layers: &Range<u32>) -> Result<()> {
+        if layers.start > layers.end || layers.end > self.geom.num_layers {
+            return Err(Error::Usage(format!("layers {layers:?} outside the pool's {}", self.geom.num_layers)));
+        }
+        Ok(())
+    }
+
+    /// Sets the per-block table (one entry per block) that the next fill, table-restricted
+    /// poison and verify passes use. VRAM: uploaded to the device after every pass queued
+    /// before it has finished (the upload is ordered on the default stream).
+    pub fn load_table(&mut self, table: &[TableEntry]) -> Result<()> {
         self.check_table(table)?;
+        self.table.clear();
+        self.table.extend_from_slice(table);
+        if let Backing::Device { table: t, .. } = &self.backing {
+            t.write(0, &table_bytes(table))?;
+        }
+        Ok(())
+    }
+
+    /// Writes the fingerprint of the loaded table's entry into every slice of `layers`
+    /// ([`SKIP_GEN`] entries are left alone). DRAM: synchronous; VRAM: queued on the default
+    /// stream (see [`KvPool::finish`]).
+    pub fn fill_layers(&mut self, layers: Range<u32>) -> Result<()> {
+        self.check_layers(&layers)?;
         let seed = self.seed;
+        let table = &self.table;
         match &mut self.backing {
             Backing::Host(buf) => {
-                Self::host_each(&self.geom, buf, Some(table), |c, s| {
+                Self::host_each(&self.geom, buf, layers, Some(table), |c, s| {
                     let e = table[c.block as usize];
                     if e.generation != SKIP_GEN {
                         fingerprint::fill(s, seed, e.identity(c));
@@ -296,17 +423,169 @@ impl KvPool {
                 Ok(())
             }
             Backing::Device { kernels, regions, table: t, .. } => {
-                t.write(0, &table_bytes(table))?;
                 let s32 = fingerprint::seed32(seed);
-                let timer = crate::cuda::GpuTimer::start(regions[0].device())?;
-                for (layer, r) in regions.iter().enumerate() {
-                    let args = Self::region_args_of(&self.geom, layer as u32, r.ptr());
+                let timer = GpuTimer::start(regions[0].device())?;
+                for layer in layers {
+                    let args = RegionArgs {
+                        grid_cap: self.grid_cap,
+                        ..Self::region_args_of(&self.geom, layer, regions[layer as usize].ptr())
+                    };
                     kernels.fill(args, s32, t)?;
                 }
-                self.last_kernel_secs = Some(timer.stop()?);
-                regions[0].device().synchronize()
+                self.timers.push((Pass::Fill, timer.end()?));
+                Ok(())
             }
         }
+    }
+
+    /// Writes the poison of (slot, `iteration`) into the slices of `layers`: all of them, or
+    /// (`by_table`) only those of blocks whose loaded table entry is not [`SKIP_GEN`]. DRAM:
+    /// synchronous; VRAM: queued.
+    pub fn poison_layers(&mut self, layers: Range<u32>, iteration: u32, by_table: bool) -> Result<()> {
+        self.check_layers(&layers)?;
+        let table = by_table.then_some(&self.table[..]);
+        let keep = |block: u32| table.is_some_and(|t| t[block as usize].generation == SKIP_GEN);
+        match &mut self.backing {
+            Backing::Host(buf) => {
+                let g = &self.geom;
+                Self::host_each(g, buf, layers, table, |c, s| {
+                    if !keep(c.block) {
+                        fingerprint::poison(s, g.global_slice(c), iteration)
+                    }
+                });
+                Ok(())
+            }
+            Backing::Device { kernels, regions, table: t, .. } => {
+                let timer = GpuTimer::start(regions[0].device())?;
+                for layer in layers {
+                    let args = RegionArgs {
+                        grid_cap: self.grid_cap,
+                        ..Self::region_args_of(&self.geom, layer, regions[layer as usize].ptr())
+                    };
+                    kernels.poison(args, iteration, by_table.then_some(&*t))?;
+                }
+                self.timers.push((Pass::Poison, timer.end()?));
+                Ok(())
+            }
+        }
+    }
+
+    /// Verifies every slice of `layers` against the loaded table; failures are kept until
+    /// [`KvPool::take_failures`]. Host memory is O(failures): VRAM pools are checked by the
+    /// verify kernel, which appends only failing slice parts to a device-side list. DRAM:
+    /// synchronous; VRAM: queued.
+    pub fn verify_layers(&mut self, layers: Range<u32>) -> Result<()> {
+        self.check_layers(&layers)?;
+        let seed = self.seed;
+        let table = &self.table;
+        match &mut self.backing {
+            Backing::Host(buf) => {
+                let found = std::sync::Mutex::new(Vec::new());
+                let g = &self.geom;
+                Self::host_each(g, buf, layers, Some(table), |c, s| {
+                    let e = table[c.block as usize];
+                    if e.generation == SKIP_GEN {
+                        return;
+                    }
+                    let (bad, first) = fingerprint::check(s, seed, e.identity(c));
+                    if bad > 0 {
+                        found.lock().unwrap().push(RawFailure { slice: g.global_slice(c), bad_bytes: bad, first_bad: first });
+                    }
+                });
+                self.host_fails.append(&mut found.into_inner().unwrap());
+                Ok(())
+            }
+            Backing::Device { kernels, regions, table: t, fails, count } => {
+                let s32 = fingerprint::seed32(seed);
+                let timer = GpuTimer::start(regions[0].device())?;
+                for layer in layers {
+                    let args = RegionArgs {
+                        grid_cap: self.grid_cap,
+                        ..Self::region_args_of(&self.geom, layer, regions[layer as usize].ptr())
+                    };
+                    kernels.verify(args, s32, t, fails, count)?;
+                }
+                self.timers.push((Pass::Verify, timer.end()?));
+                Ok(())
+            }
+        }
+    }
+
+    /// Waits for every queued pass (VRAM: each pass's end event, so transfers in flight on
+    /// other streams are not waited for; DRAM passes are already done) and returns the
+    /// device seconds of the kernels of each kind since the last call (CUDA events around
+    /// each pass's launches; zero for DRAM). Errors: a kernel failed (device, exit 3).
+    pub fn finish(&mut self) -> Result<KernelSeconds> {
+        // Each pass's end event is waited for (not the whole context: cuCtxSynchronize would
+        // also wait for the NIXL/UCX copies in flight on UCX's streams and drain the pipeline).
+        let mut k = KernelSeconds::default();
+        for (pass, t) in self.timers.drain(..) {
+            let s = t.seconds()?;
+            match pass {
+                Pass::Fill => k.fill += s,
+                Pass::Poison => k.poison += s,
+                Pass::Verify => k.verify += s,
+            }
+        }
+        self.last_kernel_secs = match self.backing {
+            Backing::Device { .. } => Some(k.fill + k.poison + k.verify),
+            Backing::Host(_) => None,
+        };
+        self.kernel_acc.fill += k.fill;
+        self.kernel_acc.poison += k.poison;
+        self.kernel_acc.verify += k.verify;
+        Ok(k)
+    }
+
+    /// The kernel seconds of every pass [`KvPool::finish`] waited for since the last call
+    /// (zero for DRAM pools).
+    pub fn take_kernel_seconds(&mut self) -> KernelSeconds {
+        std::mem::take(&mut self.kernel_acc)
+    }
+
+    /// Waits for every queued pass ([`KvPool::finish`]) and returns the failing slices the
+    /// verify passes since the last call found, sorted by global index (a slice's failing
+    /// parts merged: bytes summed, first offset kept).
+    pub fn take_failures(&mut self) -> Result<Vec<RawFailure>> {
+        self.finish()?;
+        let mut out = match &mut self.backing {
+            Backing::Host(_) => std::mem::take(&mut self.host_fails),
+            Backing::Device { fails, count, .. } => {
+                let mut n = [0u8; 4];
+                count.read(0, &mut n)?;
+                let n = u32::from_le_bytes(n) as usize;
+                let mut raw = vec![0u8; n * 16];
+                fails.read(0, &mut raw)?;
+                count.zero()?;
+                let mut parts: Vec<RawFailure> = raw
+                    .chunks_exact(16)
+                    .map(|c| {
+                        let w = |i: usize| u32::from_le_bytes(c[4 * i..4 * i + 4].try_into().unwrap());
+                        // Fields of kvp_fail: slice, bad_bytes, first_bad, pad.
+                        RawFailure { slice: w(0), bad_bytes: w(1) as u64, first_bad: w(2) as u64 }
+                    })
+                    .collect();
+                parts.sort_by_key(|f| (f.slice, f.first_bad));
+                let mut merged: Vec<RawFailure> = Vec::with_capacity(parts.len());
+                for f in parts {
+                    match merged.last_mut() {
+                        Some(m) if m.slice == f.slice => m.bad_bytes += f.bad_bytes,
+                        _ => merged.push(f),
+                    }
+                }
+                merged
+            }
+        };
+        out.sort_by_key(|f| f.slice);
+        Ok(out)
+    }
+
+    /// Writes the fingerprint of `table[block]` into every slice (table has one entry per
+    /// block; [`SKIP_GEN`] entries are left alone). Synchronous.
+    pub fn fill(&mut self, table: &[TableEntry]) -> Result<()> {
+        self.load_table(table)?;
+        self.fill_layers(self.all_layers())?;
+        self.finish().map(|_| ())
     }
 
     fn region_args_of(geom: &Geometry, layer: u32, base: u64) -> RegionArgs {
@@ -319,45 +598,22 @@ impl KvPool {
             layer,
             num_slices: per,
             slice_base: layer * per,
+            grid_cap: 0,
         }
     }
 
     /// Writes the poison of (slot, `iteration`) into every slice. Synchronous.
     pub fn poison(&mut self, iteration: u32) -> Result<()> {
-        self.poison_where(None, iteration)
+        self.poison_layers(self.all_layers(), iteration, false)?;
+        self.finish().map(|_| ())
     }
 
     /// Writes the poison of (slot, `iteration`) into the slices of every block whose
     /// `table` entry is not [`SKIP_GEN`] (one entry per block). Synchronous.
     pub fn poison_blocks(&mut self, table: &[TableEntry], iteration: u32) -> Result<()> {
-        self.check_table(table)?;
-        self.poison_where(Some(table), iteration)
-    }
-
-    fn poison_where(&mut self, table: Option<&[TableEntry]>, iteration: u32) -> Result<()> {
-        let keep = |block: u32| table.is_some_and(|t| t[block as usize].generation == SKIP_GEN);
-        match &mut self.backing {
-            Backing::Host(buf) => {
-                let g = &self.geom;
-                Self::host_each(g, buf, table, |c, s| {
-                    if !keep(c.block) {
-                        fingerprint::poison(s, g.global_slice(c), iteration)
-                    }
-                });
-                Ok(())
-            }
-            Backing::Device { kernels, regions, table: t, .. } => {
-                if let Some(table) = table {
-                    t.write(0, &table_bytes(table))?;
-                }
-                let timer = crate::cuda::GpuTimer::start(regions[0].device())?;
-                for (layer, r) in regions.iter().enumerate() {
-                    kernels.poison(Self::region_args_of(&self.geom, layer as u32, r.ptr()), iteration, table.map(|_| &*t))?;
-                }
-                self.last_kernel_secs = Some(timer.stop()?);
-                regions[0].device().synchronize()
-            }
-        }
+        self.load_table(table)?;
+        self.poison_layers(self.all_layers(), iteration, true)?;
+        self.finish().map(|_| ())
     }
 
     /// Copies all of `src` (same geometry, same memory kind) into this pool and returns the
@@ -392,7 +648,8 @@ impl KvPool {
     }
 
     /// VRAM pools: the device seconds (CUDA events around the launches) of the kernels of the
-    /// last [`KvPool::fill`], poison or [`KvPool::verify`] pass; `None` for DRAM pools.
+    /// passes the last [`KvPool::finish`] waited for (one [`KvPool::fill`], poison or
+    /// [`KvPool::verify`] pass when called after one); `None` for DRAM pools.
     pub fn last_kernel_seconds(&self) -> Option<f64> {
         self.last_kernel_secs
     }
@@ -437,64 +694,11 @@ impl KvPool {
     }
 
     /// Verifies every slice against `table`; returns the failing slices sorted by global
-    /// index. Host memory is O(failures): VRAM pools are checked by the verify kernel,
-    /// which appends only failing slices to a device-side list.
+    /// index. Host memory is O(failures) (see [`KvPool::verify_layers`]). Synchronous.
     pub fn verify(&mut self, table: &[TableEntry]) -> Result<Vec<RawFailure>> {
-        self.check_table(table)?;
-        let seed = self.seed;
-        let mut out = match &mut self.backing {
-            Backing::Host(buf) => {
-                let found = std::sync::Mutex::new(Vec::new());
-                let g = &self.geom;
-                Self::host_each(g, buf, Some(table), |c, s| {
-                    let e = table[c.block as usize];
-                    if e.generation == SKIP_GEN {
-                        return;
-                    }
-                    let (bad, first) = fingerprint::check(s, seed, e.identity(c));
-                    if bad > 0 {
-                        found.lock().unwrap().push(RawFailure { slice: g.global_slice(c), bad_bytes: bad, first_bad: first });
-                    }
-                });
-                found.into_inner().unwrap()
-            }
-            Backing::Device { kernels, regions, table: t, fails, count } => {
-                t.write(0, &table_bytes(table))?;
-                count.zero()?;
-                let s32 = fingerprint::seed32(seed);
-                let timer = crate::cuda::GpuTimer::start(regions[0].device())?;
-                for (layer, r) in regions.iter().enumerate() {
-                    kernels.verify(Self::region_args_of(&self.geom, layer as u32, r.ptr()), s32, t, fails, count)?;
-                }
-                self.last_kernel_secs = Some(timer.stop()?);
-                regions[0].device().synchronize()?;
-                let mut n = [0u8; 4];
-                count.read(0, &mut n)?;
-                let n = u32::from_le_bytes(n) as usize;
-                let mut raw = vec![0u8; n * 16];
-                fails.read(0, &mut raw)?;
-                let mut parts: Vec<RawFailure> = raw
-                    .chunks_exact(16)
-                    .map(|c| {
-                        let w = |i: usize| u32::from_le_bytes(c[4 * i..4 * i + 4].try_into().unwrap());
-                        // Fields of kvp_fail: slice, bad_bytes, first_bad, pad.
-                        RawFailure { slice: w(0), bad_bytes: w(1) as u64, first_bad: w(2) as u64 }
-                    })
-                    .collect();
-                // A slice's failing parts become one failure: bytes summed, first offset kept.
-                parts.sort_by_key(|f| (f.slice, f.first_bad));
-                let mut merged: Vec<RawFailure> = Vec::with_capacity(parts.len());
-                for f in parts {
-                    match merged.last_mut() {
-                        Some(m) if m.slice == f.slice => m.bad_bytes += f.bad_bytes,
-                        _ => merged.push(f),
-                    }
-                }
-                merged
-            }
-        };
-        out.sort_by_key(|f| f.slice);
-        Ok(out)
+        self.load_table(table)?;
+        self.verify_layers(self.all_layers())?;
+        self.take_failures()
     }
 
     fn locate(&self, c: SliceCoord) -> (usize, usize, usize) {

@@ -144,13 +144,25 @@ pub struct Summary {
     pub transfer_seconds: f64,
     /// bytes_transferred / transfer_seconds / 1e9.
     pub transfer_gbps: f64,
-    /// Wall seconds (synchronised) spent filling prefill slices, all iterations.
+    /// Wall seconds (synchronised) spent filling prefill slices outside the transfers, all
+    /// iterations (sweep: the last pipeline stage's refill; scenarios: every fill).
     pub fill_seconds: f64,
-    /// Wall seconds spent poisoning decode slices.
+    /// Wall seconds spent poisoning decode slices outside the transfers.
     pub poison_seconds: f64,
-    /// Wall seconds spent verifying decode slices (kernel or CPU pass, plus classification).
+    /// Wall seconds spent verifying decode slices outside the transfers (kernel or CPU
+    /// pass, plus classification).
     pub verify_seconds: f64,
-    /// Pool bytes verified per verify second / 1e9 (GB/s).
+    /// Sweep: wall seconds of probe work done while transfers were in flight (the pipelined
+    /// stages' verify, refill, re-poison and planning; see [`IterationTimes::overlapped`]).
+    pub overlapped_seconds: f64,
+    /// Peak resident host memory of the kvprobe process at the end of the run (bytes,
+    /// VmHWM): DRAM pools included; with VRAM pools it stays O(failures + blocks), not
+    /// O(pool bytes) — the host never holds a copy of the pool.
+    pub host_peak_bytes: Option<u64>,
+    /// Pipeline stages of the sweep (consecutive layer ranges, one NIXL request each).
+    pub pipeline_stages: u32,
+    /// Pool bytes verified per second of verify passes (all stages, classification
+    /// included) / 1e9 (GB/s).
     pub verify_gbps: f64,
     /// Failures left out of `failures` by `--max-failures`.
     pub failures_omitted: u64,
@@ -161,7 +173,8 @@ pub struct Summary {
     /// Corrupt slices not predicted by any injection.
     pub unexpected_failures: u64,
     /// Sweep: wall seconds of the iterations (fill, poison, transfer, verify and the host
-    /// work between them); the host work is this minus the four parts.
+    /// work between them); the host work is this minus the four parts (`overlapped` lies
+    /// inside `transfer`).
     pub iteration_seconds: f64,
     /// Seconds from the start of the run (NIXL load, environment, pools, kernels, agents) to
     /// the first transfer being posted.
@@ -186,14 +199,20 @@ pub const PER_ITERATION_MAX: usize = 1000;
 pub struct IterationTimes {
     /// The whole iteration.
     pub iteration: f64,
-    /// Fill (synchronised).
+    /// Fill outside the transfer window (the pipelined sweep: the last stage's refill).
     pub fill: f64,
-    /// Poison.
+    /// Poison outside the transfer window (the last stage's, and waiting for the queued
+    /// passes to finish).
     pub poison: f64,
-    /// NIXL transfer, post to completion.
+    /// The transfer window: from building the first request's descriptors to the last
+    /// request's completion (every stage's NIXL requests).
     pub transfer: f64,
     /// Verify, classification included.
     pub verify: f64,
+    /// Probe work done while a transfer was in flight (the pipelined sweep's verify,
+    /// classification, refill and re-poison of finished stages, and the next plan); it
+    /// overlaps `transfer` and is not part of the probe's share.
+    pub overlapped: f64,
     /// VRAM: device seconds of the kernels alone.
     pub kernels: KernelSeconds,
 }
@@ -497,9 +516,18 @@ pub fn render(r: &Report) -> String {
     }
     {
         out += &format!(
-            "probe passes:      fill {:.3} s, poison {:.3} s, verify {:.3} s ({:.1} GB/s)\n",
+            "probe passes:      fill {:.3} s, poison {:.3} s, verify {:.3} s outside the transfers ({:.1} GB/s verified)\n",
             s.fill_seconds, s.poison_seconds, s.verify_seconds, s.verify_gbps
         );
+        if s.pipeline_stages > 1 {
+            out += &format!(
+                "pipeline:          {} stages; {:.3} s of probe work hidden inside the transfers\n",
+                s.pipeline_stages, s.overlapped_seconds
+            );
+        }
+        if let Some(b) = s.host_peak_bytes {
+            out += &format!("host memory:       {:.1} MiB peak resident\n", b as f64 / (1u64 << 20) as f64);
+        }
     }
     if s.injections_planted > 0 {
         out += &format!(

@@ -25,6 +25,7 @@ use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -57,6 +58,16 @@ pub struct RunConfig {
     pub min_gbps: Option<f64>,
     /// Cap on failures listed in the report (counts stay complete).
     pub max_failures: usize,
+    /// Sweep: blocks per NIXL descriptor (`--descriptor-blocks`, ≥ 1, divides num_blocks):
+    /// the block map moves runs of this many consecutive blocks together and each run's
+    /// contiguous slices travel as one descriptor. 1 = vLLM NixlConnector's per-block
+    /// descriptors.
+    pub descriptor_blocks: u32,
+    /// Sweep: pipeline stages (`--pipeline-stages`; `None` = automatic, see [`stages`]).
+    pub stages: Option<u32>,
+    /// Sweep, VRAM: decode's NIXL agent and pool in a second kvprobe process
+    /// (`--decode-process`, [`crate::remote`]), as vLLM runs its engines.
+    pub decode_process: bool,
     /// Request-level load with a tier and race mechanisms (`--scenario`); `None` runs the
     /// whole-pool sweep of `iterations`.
     pub scenario: Option<ScenarioConfig>,
@@ -97,6 +108,26 @@ fn check_config(cfg: &RunConfig) -> Result<()> {
     }
     if cfg.iterations == 0 {
         return Err(Error::Usage("--iterations must be at least 1".into()));
+    }
+    let n = cfg.descriptor_blocks;
+    if n == 0 || !cfg.geometry.num_blocks.is_multiple_of(n) {
+        return Err(Error::Usage(format!(
+            "--descriptor-blocks must be at least 1 and divide --num-blocks ({}); got {n}",
+            cfg.geometry.num_blocks
+        )));
+    }
+    if cfg.decode_process {
+        if cfg.scenario.is_some() {
+            return Err(Error::Usage("--decode-process applies to the whole-pool sweep".into()));
+        }
+    }
+    if let Some(st) = cfg.stages
+        && (st == 0 || st > cfg.geometry.num_layers)
+    {
+        return Err(Error::Usage(format!(
+            "--pipeline-stages must be between 1 and the number of layers ({}); got {st}",
+            cfg.geometry.num_layers
+        )));
     }
     if cfg.iterations >= 0x00FF_FFFF {
         return Err(Error::Usage("--iterations must be below 16777215 (poison patterns carry 24 bits)".into()));
@@ -174,14 +205,16 @@ fn check_host_memory(cfg: &RunConfig) -> Result<()> {
     Ok(())
 }
 
-fn build_pools(cfg: &RunConfig) -> Result<(KvPool, KvPool)> {
+/// Both pools; the decode pool is `None` with `--decode-process` (the child allocates it).
+fn build_pools(cfg: &RunConfig) -> Result<(KvPool, Option<KvPool>)> {
     let g = &cfg.geometry;
     match cfg.memory {
         MemoryKind::Dram => {
             // The Mooncake worker maps both pools: they must be shareable (memfd-backed).
+            // So does the decode agent process (`--decode-process`) its pool.
             let mooncake = cfg.scenario.as_ref().is_some_and(|s| s.tier == crate::engine::TierKind::Mooncake);
-            let alloc = if mooncake { KvPool::host_shareable } else { KvPool::host };
-            Ok((alloc(g, cfg.seed)?, alloc(g, cfg.seed)?))
+            let alloc = if mooncake || cfg.decode_process { KvPool::host_shareable } else { KvPool::host };
+            Ok((alloc(g, cfg.seed)?, Some(alloc(g, cfg.seed)?)))
         }
         MemoryKind::Vram => {
             if cuda::device_count() == 0 {
@@ -192,8 +225,11 @@ fn build_pools(cfg: &RunConfig) -> Result<(KvPool, KvPool)> {
             let pk = Arc::new(Kernels::compile(&pd)?);
             let dk = if Arc::ptr_eq(&pd, &dd) { pk.clone() } else { Arc::new(Kernels::compile(&dd)?) };
             let p = KvPool::device(&pd, pk, g, cfg.seed)?;
+            if cfg.decode_process {
+                return Ok((p, None));
+            }
             let d = KvPool::device(&dd, dk, g, cfg.seed)?;
-            Ok((p, d))
+            Ok((p, Some(d)))
         }
     }
 }
@@ -202,8 +238,9 @@ impl Probe {
     pub(crate) fn setup(cfg: &RunConfig) -> Result<Probe> {
         let (p, d) = build_pools(cfg)?;
         Self::connect(cfg, p, d).map_err(|e| match e {
-            // Before any transfer, a NIXL refusal means this backend cannot serve these pools.
-            Error::Transport(m) => Error::Environment(format!(
+            // Before any transfer, a NIXL refusal means this backend cannot serve these pools
+            // (a decode agent process that died is not that).
+            Error::Transport(m) if !m.contains("decode agent process") => Error::Environment(format!(
                 "NIXL backend {} cannot serve {} pools: {m}",
                 cfg.backend,
                 if cfg.memory == MemoryKind::Vram { "VRAM" } else { "DRAM" }
@@ -212,56 +249,82 @@ impl Probe {
         })
     }
 
-    fn connect(cfg: &RunConfig, p: KvPool, d: KvPool) -> Result<Probe> {
+    fn connect(cfg: &RunConfig, p: KvPool, d: Option<KvPool>) -> Result<Probe> {
         let mut prefill = Endpoint::new("kvprobe-prefill", &cfg.backend, p)?;
-        let mut decode = Endpoint::new("kvprobe-decode", &cfg.backend, d)?;
         let pi = prefill.info()?;
-        let di = decode.info()?;
-        prefill.connect(di)?;
-        decode.connect(pi)?;
+        let decode = match d {
+            Some(d) if !cfg.decode_process => {
+                let mut decode = Endpoint::new("kvprobe-decode", &cfg.backend, d)?;
+                decode.connect(pi)?;
+                decode
+            }
+            d => Self::decode_process(cfg, pi, d)?,
+        };
+        prefill.connect(decode.info()?)?;
         let mut probe = Probe { cfg: cfg.clone(), prefill, decode };
         let t0 = probe.source_table(0);
         probe.prefill.pool.fill(&t0)?;
         Ok(probe)
     }
 
+    /// Starts the decode agent process ([`crate::remote`]): VRAM, opens the pool it allocated;
+    /// DRAM, hands it `dram` (shareable) to map.
+    fn decode_process(cfg: &RunConfig, prefill: crate::transport::PeerInfo, dram: Option<KvPool>) -> Result<Endpoint> {
+        let dram_fd = dram.as_ref().and_then(|p| p.host_buffer()).and_then(|b| b.shared_fd());
+        let init = crate::remote::Init {
+            name: "kvprobe-decode".into(),
+            backend: cfg.backend.clone(),
+            memory: cfg.memory,
+            dram_fd,
+            device: cfg.decode_device,
+            geometry: cfg.geometry.clone(),
+            seed: cfg.seed,
+            peer: prefill.clone(),
+        };
+        let (agent, ready, keep) = crate::remote::RemoteAgent::spawn(&init)?;
+        if let Some(pool) = dram {
+            return Ok(Endpoint::remote(agent, &cfg.backend, pool, prefill));
+        }
+        let handles = ready
+            .handles
+            .iter()
+            .map(|h| {
+                let b: Vec<u8> = (0..h.len() / 2).filter_map(|i| u8::from_str_radix(&h[2 * i..2 * i + 2], 16).ok()).collect();
+                <[u8; 64]>::try_from(b).map_err(|_| Error::Transport("the decode agent process sent a bad IPC handle".into()))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let dev = Device::open(cfg.decode_device)?;
+        let kernels = Arc::new(Kernels::compile(&dev)?);
+        let pool = KvPool::imported(&dev, kernels, &cfg.geometry, cfg.seed, &handles, keep)?;
+        Ok(Endpoint::remote(agent, &cfg.backend, pool, prefill))
+    }
+
     fn source_table(&self, generation: u32) -> Vec<TableEntry> {
         (0..self.cfg.geometry.num_blocks).map(|i| TableEntry { block: logical_block(self.cfg.seed, i), generation }).collect()
     }
 
-    /// Applies prefill-side faults after the fill.
-    fn apply_source_faults(&mut self, actions: &[Action], generation: u32) -> Result<()> {
-        let sb = self.cfg.geometry.slice_bytes()? as usize;
-        for a in actions {
-            match *a {
-                Action::Stale { at } => {
-                    let id = fingerprint::BlockIdentity {
-                        layer: at.layer,
-                        kv: at.kv,
-                        block: logical_block(self.cfg.seed, at.block),
-                        generation: generation - 1,
-                    };
-                    let bytes = fingerprint::expected(sb, self.cfg.seed, id);
-                    self.prefill.pool.write_slice(at, &bytes)?;
-                }
-                Action::Bitflip { at, offset, bit } => {
-                    let mut buf = vec![0u8; sb];
-                    self.prefill.pool.read_slice(at, &mut buf)?;
-                    buf[offset as usize] ^= 1 << bit;
-                    self.prefill.pool.write_slice(at, &buf)?;
-                }
-                _ => {}
-            }
-        }
-        Ok(())
-    }
-
-    fn pairs(&self, perm: &[u32], actions: &[Action]) -> Result<Vec<Pair>> {
+    /// Plans sweep iteration `it`: the block map (a seeded random permutation of runs of
+    /// `descriptor_blocks` consecutive blocks; runs of one block for vLLM's per-block
+    /// descriptors), the injections, and the tables both sides check against.
+    fn plan(&self, it: u32) -> Result<Plan> {
         let g = &self.cfg.geometry;
+        let n = self.cfg.descriptor_blocks.max(1);
+        let mut rng = ChaCha8Rng::seed_from_u64(self.cfg.seed ^ (it as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let mut runs: Vec<u32> = (0..g.num_blocks / n).collect();
+        runs.shuffle(&mut rng);
+        let perm: Vec<u32> = (0..g.num_blocks).map(|b| runs[(b / n) as usize] * n + b % n).collect();
+        let actions = inject::plan(&self.cfg.inject, g, &mut rng);
+        let src_table = self.source_table(it);
+        let mut dst_table = vec![TableEntry::default(); g.num_blocks as usize];
+        let mut src_of = vec![0u32; g.num_blocks as usize];
+        for (i, &d) in perm.iter().enumerate() {
+            dst_table[d as usize] = src_table[i];
+            src_of[d as usize] = i as u32;
+        }
         let sb = g.slice_bytes()?;
         let dst_of = |c: SliceCoord| SliceCoord { block: perm[c.block as usize], ..c };
         let mut special: HashMap<SliceCoord, Option<Pair>> = HashMap::new();
-        for a in actions {
+        for a in &actions {
             match *a {
                 Action::Drop { at } => {
                     special.insert(at, None);
@@ -276,13 +339,140 @@ impl Probe {
                 Action::Bitflip { .. } | Action::Stale { .. } => {}
             }
         }
-        Ok(g.coords()
-            .filter_map(|c| match special.get(&c) {
-                Some(p) => *p,
-                None => Some(Pair { src: c, dst: dst_of(c), len: sb }),
-            })
-            .collect())
+        let mut predicted = HashMap::new();
+        for a in &actions {
+            for (src, class) in a.predicted() {
+                predicted.insert(dst_of(src), class);
+            }
+        }
+        Ok(Plan { it, perm, actions, src_table, dst_table, src_of, special, predicted })
     }
+
+    /// Applies the prefill-side faults of `plan` that fall in `layers`, after their fill.
+    fn apply_source_faults(&mut self, plan: &Plan, layers: &Range<u32>) -> Result<()> {
+        let sb = self.cfg.geometry.slice_bytes()? as usize;
+        for a in &plan.actions {
+            match *a {
+                Action::Stale { at } if layers.contains(&at.layer) => {
+                    let id = fingerprint::BlockIdentity {
+                        layer: at.layer,
+                        kv: at.kv,
+                        block: logical_block(self.cfg.seed, at.block),
+                        generation: plan.it - 1,
+                    };
+                    let bytes = fingerprint::expected(sb, self.cfg.seed, id);
+                    self.prefill.pool.write_slice(at, &bytes)?;
+                }
+                Action::Bitflip { at, offset, bit } if layers.contains(&at.layer) => {
+                    let mut buf = vec![0u8; sb];
+                    self.prefill.pool.read_slice(at, &mut buf)?;
+                    buf[offset as usize] ^= 1 << bit;
+                    self.prefill.pool.write_slice(at, &buf)?;
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// The transfer pairs of `layers` under `plan` (injected drops, tears and misroutes
+    /// applied), in descriptor order; with `descriptor_blocks` > 1, the slices of each run
+    /// that are contiguous on both sides become one descriptor ([`coalesce`]).
+    fn stage_pairs(&self, plan: &Plan, layers: Range<u32>) -> Result<Vec<Pair>> {
+        let g = &self.cfg.geometry;
+        let sb = g.slice_bytes()?;
+        let mut pairs: Vec<Pair> = layers
+            .flat_map(|layer| {
+                g.parts().iter().flat_map(move |&kv| (0..g.num_blocks).map(move |block| SliceCoord { layer, kv, block }))
+            })
+            .filter_map(|c| match plan.special.get(&c) {
+                Some(p) => *p,
+                None => Some(Pair { src: c, dst: SliceCoord { block: plan.perm[c.block as usize], ..c }, len: sb }),
+            })
+            .collect();
+        if self.cfg.descriptor_blocks > 1 {
+            pairs = coalesce(g, pairs, self.cfg.descriptor_blocks);
+        }
+        Ok(pairs)
+    }
+}
+
+/// One sweep iteration's plan, made before its fill (which the pipeline runs while the
+/// previous iteration's transfer is in flight).
+struct Plan {
+    it: u32,
+    /// Prefill slot → decode slot.
+    perm: Vec<u32>,
+    actions: Vec<Action>,
+    /// What each prefill slot holds.
+    src_table: Vec<TableEntry>,
+    /// What each decode slot must hold after the transfer.
+    dst_table: Vec<TableEntry>,
+    /// Decode slot → prefill slot.
+    src_of: Vec<u32>,
+    /// Injected pairs by source slice (`None`: not sent).
+    special: HashMap<SliceCoord, Option<Pair>>,
+    /// Decode slices where an injection must show, with its class.
+    predicted: HashMap<SliceCoord, Class>,
+}
+
+/// Merges full-slice pairs that are contiguous on both sides, within one layer and one run
+/// of `run_blocks` blocks, into one pair (one NIXL descriptor): sorted by source offset,
+/// a pair joins the previous one when both its source and destination slices start where
+/// the previous ones end. NHD: one descriptor per (layer, K/V, run); HND: per (layer, run),
+/// K and V interleaved. Torn pairs (shorter than a slice) stay alone.
+pub fn coalesce(g: &Geometry, mut pairs: Vec<Pair>, run_blocks: u32) -> Vec<Pair> {
+    let sb = g.slice_bytes().unwrap_or(0);
+    let off = |c: SliceCoord| g.slice_offset(c.kv, c.block);
+    pairs.sort_by_key(|p| (p.src.layer, off(p.src)));
+    let mut out: Vec<Pair> = Vec::with_capacity(pairs.len() / run_blocks.max(1) as usize + 1);
+    for p in pairs {
+        if let Some(q) = out.last_mut()
+            && p.len == sb
+            && q.len.is_multiple_of(sb)
+            && q.src.layer == p.src.layer
+            && q.dst.layer == p.dst.layer
+            && (q.src.kv == p.src.kv || (g.layout == crate::geometry::Layout::Hnd && !g.mla))
+            && off(q.src) + q.len == off(p.src)
+            && off(q.dst) + q.len == off(p.dst)
+            && q.src.block / run_blocks == p.src.block / run_blocks
+            && q.dst.block / run_blocks == p.dst.block / run_blocks
+        {
+            q.len += sb;
+            continue;
+        }
+        out.push(p);
+    }
+    out
+}
+
+/// Thread blocks per kernel launch while transfers are in flight (pipelined sweeps):
+/// `KVPROBE_OVERLAP_GRID` (0 = no cap), else [`OVERLAP_GRID`].
+fn overlap_grid() -> u32 {
+    std::env::var("KVPROBE_OVERLAP_GRID").ok().and_then(|v| v.parse().ok()).unwrap_or(OVERLAP_GRID)
+}
+
+/// Default thread blocks per kernel launch in a pipelined sweep (see [`overlap_grid`]).
+pub const OVERLAP_GRID: u32 = 0;
+
+/// Most descriptors one sweep request carries when the stage count is chosen
+/// automatically (bounds the host memory of descriptor lists, which NIXL copies).
+pub const MAX_DESCRIPTORS_PER_REQUEST: u64 = 1 << 16;
+
+/// The sweep's pipeline stages: the layers split into `stages` near-equal consecutive
+/// ranges, at most one per layer. `None` (automatic): VRAM, 8 (the probe's passes are GPU
+/// kernels that run beside the copy engines); DRAM, 1 (the CPU passes would take the cores
+/// and memory bandwidth the transfer needs, slowing what is measured) — in both cases more
+/// where a stage would carry over [`MAX_DESCRIPTORS_PER_REQUEST`] slices.
+pub fn stages(g: &Geometry, stages: Option<u32>, memory: MemoryKind) -> Vec<Range<u32>> {
+    let l = g.num_layers.max(1);
+    let auto = || {
+        let by_size = g.total_slices().unwrap_or(0).div_ceil(MAX_DESCRIPTORS_PER_REQUEST) as u32;
+        by_size.max(if memory == MemoryKind::Vram { 8 } else { 1 })
+    };
+    let s = stages.unwrap_or_else(auto).clamp(1, l);
+    let at = |i: u32| (i as u64 * l as u64 / s as u64) as u32;
+    (0..s).map(|i| at(i)..at(i + 1)).collect()
 }
 
 /// The report of a run refused before it started (its outcome carries `e`).
@@ -313,6 +503,7 @@ pub(crate) fn empty_report(cfg: &RunConfig) -> Report {
 pub fn run(cfg: &RunConfig, hooks: &mut Hooks<'_>) -> (Report, Exit) {
     let mut report = empty_report(cfg);
     let result = run_inner(cfg, &mut report, hooks);
+    report.summary.host_peak_bytes = crate::hostmem::peak_resident_bytes();
     let corrupt = report.summary.blocks_corrupt > 0;
     let (exit, err) = match (&result, corrupt) {
         (_, true) => (Exit::Corrupt, result.as_ref().err()),
@@ -329,7 +520,9 @@ pub fn run(cfg: &RunConfig, hooks: &mut Hooks<'_>) -> (Report, Exit) {
 /// Checks the configuration and host memory, loads NIXL and records the environment in
 /// `report`; the common start of `run` and `ab`.
 pub(crate) fn prepare(cfg: &RunConfig, report: &mut Report) -> Result<()> {
-    crate::nixl::prepare_ucx_env(cfg.memory == MemoryKind::Vram && cfg.prefill_device == cfg.decode_device);
+    crate::nixl::prepare_ucx_env(
+        cfg.memory == MemoryKind::Vram && cfg.prefill_device == cfg.decode_device && !cfg.decode_process,
+    );
     crate::nixl::check_ucx_log_file()?;
     let lib = crate::nixl::load();
     report.environment = Some(crate::envinfo::gather(crate::envinfo::nixl_info()));
@@ -359,99 +552,185 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>) -> Res
             (hooks.checkpoint_secs, hooks.checkpoint),
         );
     }
-    let progress = &mut hooks.line;
+    sweep(cfg, &mut probe, report, hooks.line, started, ucx_mark)
+}
+
+/// The whole-pool sweep, pipelined by layer stages ([`stages`]): while stage k+1 (and
+/// k+2) of iteration `it` are in flight, decode verifies stage k (failures classified at
+/// once, before the slices are reused), re-poisons it for `it + 1`, and prefill refills it
+/// with generation `it + 1` — so only the last stage's passes stay outside the transfer.
+/// The first fill and poison run before iteration 1 (part of setup).
+fn sweep(
+    cfg: &RunConfig,
+    probe: &mut Probe,
+    report: &mut Report,
+    progress: &mut dyn FnMut(&str),
+    started: Instant,
+    ucx_mark: u64,
+) -> Result<()> {
     let g = cfg.geometry.clone();
     let sb = g.slice_bytes()? as usize;
     let total = g.total_slices()?;
     let pool_bytes = g.pool_bytes()?;
     let timeout = Duration::from_secs_f64(cfg.timeout_secs);
+    let stages = stages(&g, cfg.stages, cfg.memory);
+    let all = 0..g.num_layers;
     let mut buf = vec![0u8; sb];
-    let mut copy_gbps = None;
+    let mut verify_all = 0.0;
+
+    // Setup: iteration 1's fill and faults, the copy ceiling, iteration 1's poison.
+    let mut cur = probe.plan(1)?;
+    probe.prefill.pool.load_table(&cur.src_table)?;
+    probe.prefill.pool.fill_layers(all.clone())?;
+    probe.prefill.pool.finish()?;
+    probe.apply_source_faults(&cur, &all)?;
+    // The ceiling the transfer rate is compared to: one copy of the (fingerprinted) pool,
+    // prefill to decode, on the same memory (decode is poisoned next anyway). The second of
+    // two copies: the first warms up (page faults on DRAM).
+    probe.decode.pool.copy_pool_from(&probe.prefill.pool)?;
+    let secs = probe.decode.pool.copy_pool_from(&probe.prefill.pool)?;
+    let copy_gbps = Some(pool_bytes as f64 / secs.max(1e-12) / 1e9);
+    probe.decode.pool.poison_layers(all.clone(), 1, false)?;
+    probe.decode.pool.finish()?;
+    probe.prefill.pool.take_kernel_seconds();
+    probe.decode.pool.take_kernel_seconds();
+    report.summary.setup_seconds = started.elapsed().as_secs_f64();
+    report.summary.pipeline_stages = stages.len() as u32;
+    if stages.len() > 1 {
+        let cap = overlap_grid();
+        probe.prefill.pool.set_grid_cap(cap);
+        probe.decode.pool.set_grid_cap(cap);
+    }
+
     for it in 1..=cfg.iterations {
         if crate::interrupt::requested() {
             return Err(Error::Interrupted(format!("after {} complete iterations", it - 1)));
         }
         let iteration_start = Instant::now();
-        let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ (it as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        let mut perm: Vec<u32> = (0..g.num_blocks).collect();
-        perm.shuffle(&mut rng);
-        let actions = inject::plan(&cfg.inject, &g, &mut rng);
-
-        let src_table = probe.source_table(it);
         let mut times = IterationTimes::default();
-        let t = Instant::now();
-        probe.prefill.pool.fill(&src_table)?;
-        times.fill = t.elapsed().as_secs_f64();
-        times.kernels.fill = probe.prefill.pool.last_kernel_seconds().unwrap_or(0.0);
-        if it == 1 {
-            // The ceiling the transfer rate is compared to: one copy of the (fingerprinted)
-            // pool, prefill to decode, on the same memory (decode is poisoned next anyway).
-            // The second of two copies: the first warms up (page faults on DRAM).
-            probe.decode.pool.copy_pool_from(&probe.prefill.pool)?;
-            let secs = probe.decode.pool.copy_pool_from(&probe.prefill.pool)?;
-            copy_gbps = Some(pool_bytes as f64 / secs.max(1e-12) / 1e9);
+        let more = it < cfg.iterations;
+        probe.decode.pool.load_table(&cur.dst_table)?;
+        let mut next: Option<Plan> = None;
+        let mut seen: HashMap<SliceCoord, Class> = HashMap::new();
+        let mut corrupt = 0u64;
+        let mut bytes = 0u64;
+        let tag = |k: usize| format!("kvprobe:iter={it}:stage={k}");
+        let mut tags = std::collections::HashSet::new();
+        let mut inflight = std::collections::VecDeque::new();
+        let mut post = |probe: &Probe, k: usize, inflight: &mut std::collections::VecDeque<_>| -> Result<()> {
+            let pairs = probe.stage_pairs(&cur, stages[k].clone())?;
+            let posted = if pairs.is_empty() {
+                None
+            } else {
+                Some(transport::post(cfg.op, &probe.prefill, &probe.decode, &pairs, &tag(k))?)
+            };
+            if posted.is_some() {
+                tags.insert(tag(k));
+            }
+            inflight.push_back(posted);
+            Ok(())
+        };
+        // The transfer window: from building the first request's descriptors to the last
+        // request's completion.
+        let window_start = Instant::now();
+        for k in 0..stages.len().min(2) {
+            post(probe, k, &mut inflight)?;
         }
-        probe.apply_source_faults(&actions, it)?;
-        let t = Instant::now();
-        probe.decode.pool.poison(it)?;
-        times.poison = t.elapsed().as_secs_f64();
-        times.kernels.poison = probe.decode.pool.last_kernel_seconds().unwrap_or(0.0);
-        let pairs = probe.pairs(&perm, &actions)?;
-        if it == 1 {
-            report.summary.setup_seconds = started.elapsed().as_secs_f64();
+        let mut window_end = window_start;
+        for (k, layers) in stages.iter().enumerate() {
+            // Wait for stage k.
+            let mut posted = inflight.pop_front().expect("one request per stage");
+            if let Some(p) = posted.as_mut() {
+                loop {
+                    if let Some(r) = transport::poll(cfg.op, &probe.prefill, &probe.decode, p)? {
+                        bytes += r.bytes;
+                        break;
+                    }
+                    p.check_timeout(timeout)?;
+                    std::hint::spin_loop();
+                }
+            }
+            if k + 2 < stages.len() {
+                post(probe, k + 2, &mut inflight)?;
+            }
+            let last = k + 1 == stages.len();
+            if last {
+                window_end = Instant::now();
+            }
+            if k == 0 && more {
+                // Inside the window: the next iteration's plan.
+                let t = Instant::now();
+                probe.prefill.pool.load_table(&probe.source_table(it + 1))?;
+                next = Some(probe.plan(it + 1)?);
+                times.overlapped += t.elapsed().as_secs_f64();
+            }
+            // Stage k's probe passes: verify, classify, then refill and re-poison for it + 1.
+            let t = Instant::now();
+            probe.decode.pool.verify_layers(layers.clone())?;
+            let fails = probe.decode.pool.take_failures()?;
+            for f in &fails {
+                let c = g.coord_of(f.slice);
+                let expected = cur.dst_table[c.block as usize].identity(c);
+                probe.decode.pool.read_slice(c, &mut buf)?;
+                let want = fingerprint::expected(sb, cfg.seed, expected);
+                let v = verify::classify_against(&buf, &want, expected, cfg.seed, f.slice, it);
+                seen.insert(c, v.class);
+                if cur.predicted.get(&c) != Some(&v.class) {
+                    report.summary.unexpected_failures += 1;
+                }
+                corrupt += 1;
+                *report.summary.by_class.entry(v.class.name().to_string()).or_default() += 1;
+                if report.failures.len() < cfg.max_failures {
+                    report.failures.push(Failure::new(it, c, f, v, &want, &buf, expected, cur.src_of[c.block as usize]));
+                } else {
+                    report.summary.failures_omitted += 1;
+                }
+            }
+            let verify_s = t.elapsed().as_secs_f64();
+            verify_all += verify_s;
+            let t = Instant::now();
+            if let Some(n) = &next {
+                probe.prefill.pool.fill_layers(layers.clone())?;
+                probe.apply_source_faults(n, layers)?;
+            }
+            let fill_s = t.elapsed().as_secs_f64();
+            let t = Instant::now();
+            if more {
+                probe.decode.pool.poison_layers(layers.clone(), it + 1, false)?;
+            }
+            let mut poison_s = t.elapsed().as_secs_f64();
+            if last {
+                // Outside the window: the last stage's passes, waited for.
+                let t = Instant::now();
+                probe.prefill.pool.finish()?;
+                probe.decode.pool.finish()?;
+                poison_s += t.elapsed().as_secs_f64();
+                times.verify += verify_s;
+                times.fill += fill_s;
+                times.poison += poison_s;
+            } else {
+                times.overlapped += verify_s + fill_s + poison_s;
+            }
         }
-        let xr = transport::transfer(cfg.op, &probe.prefill, &probe.decode, &pairs, &format!("kvprobe:iter={it}"), timeout)?;
-        report.summary.bytes_transferred += xr.bytes;
-        times.transfer = xr.elapsed.as_secs_f64();
+        transport::await_notifications(cfg.op, &probe.prefill, &probe.decode, &mut tags, timeout)?;
+        times.transfer = (window_end - window_start).as_secs_f64();
+        let kp = probe.prefill.pool.take_kernel_seconds();
+        let kd = probe.decode.pool.take_kernel_seconds();
+        times.kernels = crate::report::KernelSeconds { fill: kp.fill, poison: kd.poison, verify: kd.verify };
+        report.summary.bytes_transferred += bytes;
+        report.summary.blocks_checked += total;
+        report.summary.blocks_corrupt += corrupt;
         if it == 1 {
-            let op = if cfg.op == Op::Write { "WRITE" } else { "READ" };
-            let mut p = crate::ucx::path_since(ucx_mark, &cfg.backend, op, cfg.memory == MemoryKind::Vram);
+            let init = if cfg.op == Op::Write { &probe.prefill } else { &probe.decode };
+            let mut p = init.transport_path(ucx_mark, cfg.op, cfg.memory == MemoryKind::Vram, timeout);
             p.copy_gbps = copy_gbps;
             report.summary.transport_path = Some(p);
         }
-
-        let mut dst_table = vec![TableEntry::default(); g.num_blocks as usize];
-        let mut src_of = vec![0u32; g.num_blocks as usize];
-        for (i, &d) in perm.iter().enumerate() {
-            dst_table[d as usize] = src_table[i];
-            src_of[d as usize] = i as u32;
-        }
-        let t = Instant::now();
-        let fails = probe.decode.pool.verify(&dst_table)?;
-        times.kernels.verify = probe.decode.pool.last_kernel_seconds().unwrap_or(0.0);
-        report.summary.blocks_checked += total;
-
-        let mut predicted: HashMap<SliceCoord, Class> = HashMap::new();
-        for a in &actions {
-            for (src, class) in a.predicted() {
-                predicted.insert(SliceCoord { block: perm[src.block as usize], ..src }, class);
-            }
-        }
-        let mut seen: HashMap<SliceCoord, Class> = HashMap::new();
-        for f in &fails {
-            let c = g.coord_of(f.slice);
-            let expected = dst_table[c.block as usize].identity(c);
-            probe.decode.pool.read_slice(c, &mut buf)?;
-            let want = fingerprint::expected(sb, cfg.seed, expected);
-            let v = verify::classify_against(&buf, &want, expected, cfg.seed, f.slice, it);
-            seen.insert(c, v.class);
-            if predicted.get(&c) != Some(&v.class) {
-                report.summary.unexpected_failures += 1;
-            }
-            report.summary.blocks_corrupt += 1;
-            *report.summary.by_class.entry(v.class.name().to_string()).or_default() += 1;
-            if report.failures.len() < cfg.max_failures {
-                report.failures.push(Failure::new(it, c, f, v, &want, &buf, expected, src_of[c.block as usize]));
-            } else {
-                report.summary.failures_omitted += 1;
-            }
-        }
-        times.verify = t.elapsed().as_secs_f64();
-        for a in &actions {
+        for a in &cur.actions {
             let hits: Vec<PredictedHit> = a
                 .predicted()
                 .into_iter()
-                .map(|(src, class)| PredictedHit { layer: src.layer, kv: src.kv, block: perm[src.block as usize], class })
+                .map(|(src, class)| PredictedHit { layer: src.layer, kv: src.kv, block: cur.perm[src.block as usize], class })
                 .collect();
             let detected =
                 hits.iter().all(|h| seen.get(&SliceCoord { layer: h.layer, kv: h.kv, block: h.block }) == Some(&h.class));
@@ -466,6 +745,8 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>) -> Res
         s.poison_seconds += times.poison;
         s.transfer_seconds += times.transfer;
         s.verify_seconds += times.verify;
+        s.overlapped_seconds += times.overlapped;
+        s.verify_gbps = pool_bytes as f64 * it as f64 / verify_all.max(1e-9) / 1e9;
         s.iteration_seconds += times.iteration;
         s.kernel_seconds.fill += times.kernels.fill;
         s.kernel_seconds.poison += times.kernels.poison;
@@ -473,7 +754,6 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>) -> Res
         if s.per_iteration.len() < crate::report::PER_ITERATION_MAX {
             s.per_iteration.push(times);
         }
-        s.verify_gbps = pool_bytes as f64 * it as f64 / s.verify_seconds.max(1e-9) / 1e9;
         let s = &report.summary;
         report.summary.transfer_gbps =
             if s.transfer_seconds > 0.0 { s.bytes_transferred as f64 / s.transfer_seconds / 1e9 } else { 0.0 };
@@ -485,9 +765,12 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>) -> Res
             "iteration {it}/{}: {} block slices, {} corrupt, {:.2} GB/s",
             cfg.iterations,
             total,
-            fails.len(),
-            if xr.elapsed.as_secs_f64() > 0.0 { xr.bytes as f64 / xr.elapsed.as_secs_f64() / 1e9 } else { 0.0 }
+            corrupt,
+            if times.transfer > 0.0 { bytes as f64 / times.transfer / 1e9 } else { 0.0 }
         ));
+        if let Some(n) = next {
+            cur = n;
+        }
     }
     Ok(())
 }

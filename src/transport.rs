@@ -14,9 +14,10 @@ use crate::error::Result;
 use crate::geometry::SliceCoord;
 use crate::nixl::{Agent, Posted, Region, XferResult};
 use crate::pool::{KvPool, MemoryKind};
+use crate::remote::Request;
 use nixl_sys::{MemType, XferOp};
 use serde::{Deserialize, Serialize};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Direction of the NIXL transfer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -61,10 +62,20 @@ fn mem_type(m: MemoryKind) -> MemType {
     }
 }
 
+/// Where a role's NIXL agent lives.
+enum Role {
+    /// In this process.
+    Local(Agent),
+    /// In the decode agent process ([`crate::remote`]); the pool is imported from it.
+    Remote(crate::remote::RemoteAgent),
+}
+
 /// A role: a NIXL agent with its pool registered.
 pub struct Endpoint {
-    // Field order is drop order: the agent deregisters its regions before the pool frees them.
-    agent: Agent,
+    // Field order is drop order: the agent deregisters its regions before the pool frees them
+    // (a remote agent's process lives until the imported pool's regions are closed too).
+    agent: Role,
+    backend: String,
     peer: Option<PeerInfo>,
     /// The role's KV pool.
     pub pool: KvPool,
@@ -81,30 +92,104 @@ impl Endpoint {
             .map(|addr| Region { addr, len, mem: mem_type(pool.memory()), dev_id: pool.device_id() })
             .collect();
         agent.register(&regions)?;
-        Ok(Endpoint { agent, peer: None, pool })
+        Ok(Endpoint { agent: Role::Local(agent), backend: backend.to_string(), peer: None, pool })
+    }
+
+    /// The decode role with its agent in the decode agent process and `pool` imported from
+    /// there ([`crate::remote`]); the child has already loaded `peer` (the prefill role).
+    pub fn remote(agent: crate::remote::RemoteAgent, backend: &str, pool: KvPool, peer: PeerInfo) -> Endpoint {
+        Endpoint { agent: Role::Remote(agent), backend: backend.to_string(), peer: Some(peer), pool }
+    }
+
+    fn local(&self) -> Result<&Agent> {
+        match &self.agent {
+            Role::Local(a) => Ok(a),
+            Role::Remote(_) => Err(crate::error::Error::Usage(
+                "this operation needs the agent in this process (scenarios run without --decode-process)".into(),
+            )),
+        }
     }
 
     /// This role's [`PeerInfo`], to hand to the other role.
     pub fn info(&self) -> Result<PeerInfo> {
-        Ok(PeerInfo {
-            agent: self.agent.name(),
-            metadata: self.agent.metadata()?,
-            region_bases: self.pool.region_addrs(),
-            memory: self.pool.memory(),
-            device_id: self.pool.device_id(),
-        })
+        match &self.agent {
+            Role::Local(a) => Ok(PeerInfo {
+                agent: a.name(),
+                metadata: a.metadata()?,
+                region_bases: self.pool.region_addrs(),
+                memory: self.pool.memory(),
+                device_id: self.pool.device_id(),
+            }),
+            Role::Remote(r) => Ok(r.info().clone()),
+        }
+    }
+
+    /// NIXL agent name.
+    pub fn name(&self) -> String {
+        match &self.agent {
+            Role::Local(a) => a.name(),
+            Role::Remote(r) => r.info().agent.clone(),
+        }
+    }
+
+    /// True when the agent lives in the decode agent process.
+    pub fn is_remote(&self) -> bool {
+        matches!(self.agent, Role::Remote(_))
     }
 
     /// Loads the peer's metadata so transfers and notifications can reach it.
     pub fn connect(&mut self, peer: PeerInfo) -> Result<()> {
-        self.agent.load_remote(&peer.metadata)?;
+        self.local()?.load_remote(&peer.metadata)?;
         self.peer = Some(peer);
         Ok(())
     }
 
     /// NIXL backend in use.
     pub fn backend(&self) -> &str {
-        self.agent.backend_name()
+        &self.backend
+    }
+
+    /// Posts `op` as the initiator (READ: this role is decode and `dst` slices are local;
+    /// WRITE: this role is prefill and `src` slices are local) with notification `tag`; does
+    /// not wait. Errors: transport (exit 3); usage for an agent in another process.
+    pub fn post_as_initiator(&self, op: Op, pairs: &[Pair], tag: &str) -> Result<Posted> {
+        let agent = self.local()?;
+        let side = |p: &Pair| {
+            if op == Op::Write { (p.src, p.dst) } else { (p.dst, p.src) }
+        };
+        let peer = self.peer();
+        let local = self.descs(&self.pool.region_addrs(), pairs.iter().map(|p| (side(p).0, p.len)));
+        let remote = self.descs(&peer.region_bases, pairs.iter().map(|p| (side(p).1, p.len)));
+        self.pool.bind()?;
+        agent.post(
+            if op == Op::Write { XferOp::Write } else { XferOp::Read },
+            (&local, mem_type(self.pool.memory()), self.pool.device_id()),
+            (&remote, mem_type(peer.memory), peer.device_id),
+            &peer.agent,
+            tag.as_bytes(),
+        )
+    }
+
+    /// Notifications from any peer since the last call: (peer agent, message).
+    pub fn raw_notifications(&self) -> Result<Vec<(String, String)>> {
+        match &self.agent {
+            Role::Local(a) => a.take_notifications(),
+            Role::Remote(r) => r.take_notifications(),
+        }
+    }
+
+    /// UCX's protocol selection for `op` as seen by the agent that initiates it from this
+    /// role (this process's UCX log since `mark`, or the decode agent process's).
+    pub fn transport_path(&self, mark: u64, op: Op, vram: bool, timeout: Duration) -> crate::ucx::TransportPath {
+        let name = if op == Op::Write { "WRITE" } else { "READ" };
+        match &self.agent {
+            Role::Local(_) => crate::ucx::path_since(mark, &self.backend, name, vram),
+            Role::Remote(r) => r.transport_path(timeout).unwrap_or_else(|e| crate::ucx::TransportPath {
+                backend: self.backend.clone(),
+                unknown_because: Some(format!("the decode agent process did not say: {e}")),
+                ..Default::default()
+            }),
+        }
     }
 
     /// Posts one NIXL READ of `pairs` from the peer (this role is decode: `dst` slices are
@@ -115,7 +200,7 @@ impl Endpoint {
         let local = self.descs(&self.pool.region_addrs(), pairs.iter().map(|p| (p.dst, p.len)));
         let remote = self.descs(&peer.region_bases, pairs.iter().map(|p| (p.src, p.len)));
         self.pool.bind()?;
-        self.agent.post(
+        self.local()?.post(
             XferOp::Read,
             (&local, mem_type(self.pool.memory()), self.pool.device_id()),
             (&remote, mem_type(peer.memory), peer.device_id),
@@ -127,13 +212,13 @@ impl Endpoint {
     /// Checks a posted transfer once: `Some` when complete. Errors: transport (exit 3).
     pub fn poll(&self, p: &mut Posted) -> Result<Option<XferResult>> {
         self.pool.bind()?;
-        self.agent.poll(p)
+        self.local()?.poll(p)
     }
 
     /// Notification messages that arrived from the peer since the last call.
     pub fn notifications(&self) -> Result<Vec<String>> {
         let peer = self.peer().agent.clone();
-        Ok(self.agent.take_notifications()?.into_iter().filter(|(p, _)| *p == peer).map(|(_, m)| m).collect())
+        Ok(self.raw_notifications()?.into_iter().filter(|(p, _)| *p == peer).map(|(_, m)| m).collect())
     }
 
     fn peer(&self) -> &PeerInfo {
@@ -144,6 +229,76 @@ impl Endpoint {
         let g = self.pool.geometry();
         coords.map(|(c, len)| (g.descriptor(bases, c).0, len)).collect()
     }
+}
+
+/// The role that posts requests for `op` (decode for READ, prefill for WRITE) and the other.
+fn roles<'a>(op: Op, prefill: &'a Endpoint, decode: &'a Endpoint) -> (&'a Endpoint, &'a Endpoint) {
+    match op {
+        Op::Read => (decode, prefill),
+        Op::Write => (prefill, decode),
+    }
+}
+
+/// Posts one NIXL request moving `pairs` (each `len` bytes from its slice start, possibly
+/// spanning the next contiguous slices of one layer) from `prefill` to `decode`, with
+/// notification `tag` to the other role; does not wait. A decode agent in another process
+/// posts READs there. Errors: transport (exit 3).
+pub fn post(op: Op, prefill: &Endpoint, decode: &Endpoint, pairs: &[Pair], tag: &str) -> Result<Request> {
+    let (init, _) = roles(op, prefill, decode);
+    match &init.agent {
+        Role::Local(_) => Ok(Request::Local(init.post_as_initiator(op, pairs, tag)?)),
+        Role::Remote(r) => {
+            r.post_read(pairs, tag)?;
+            Ok(Request::Remote { tag: tag.to_string(), bytes: pairs.iter().map(|p| p.len).sum(), started: Instant::now() })
+        }
+    }
+}
+
+/// Checks a request [`post`]ed for `op` once: `Some` when complete. Errors: transport (exit 3).
+pub fn poll(op: Op, prefill: &Endpoint, decode: &Endpoint, p: &mut Request) -> Result<Option<XferResult>> {
+    let (init, _) = roles(op, prefill, decode);
+    match (p, &init.agent) {
+        (Request::Local(p), _) => init.poll(p),
+        (Request::Remote { tag, .. }, Role::Remote(r)) => r.poll(tag),
+        (Request::Remote { .. }, Role::Local(_)) => {
+            Err(crate::error::Error::Usage("a request of the decode agent process polled in this process".into()))
+        }
+    }
+}
+
+/// Waits until the role that did not post `op`'s requests has received every notification
+/// in `tags` (removed as they arrive; others are dropped), within `timeout` in all.
+/// Errors: timeout (exit 4), transport (exit 3).
+pub fn await_notifications(
+    op: Op,
+    prefill: &Endpoint,
+    decode: &Endpoint,
+    tags: &mut std::collections::HashSet<String>,
+    timeout: Duration,
+) -> Result<()> {
+    let (init, other) = roles(op, prefill, decode);
+    let t0 = std::time::Instant::now();
+    let from = init.name();
+    while !tags.is_empty() {
+        for (peer, msg) in other.raw_notifications()? {
+            if peer == from {
+                tags.remove(&msg);
+            }
+        }
+        if tags.is_empty() {
+            break;
+        }
+        if t0.elapsed() > timeout {
+            let mut missing: Vec<&String> = tags.iter().collect();
+            missing.sort();
+            return Err(crate::error::Error::Timeout(format!(
+                "no notification {missing:?} from {from} after {:.3} s",
+                timeout.as_secs_f64()
+            )));
+        }
+        std::thread::sleep(Duration::from_micros(20));
+    }
+    Ok(())
 }
 
 /// Moves `pairs` from `prefill` to `decode` with one NIXL request and waits for both the
@@ -160,26 +315,14 @@ pub fn transfer(
     if pairs.is_empty() {
         return Ok(XferResult { bytes: 0, elapsed: Duration::ZERO });
     }
-    // The initiator posts the request; the other role waits for its notification.
-    let (init, other, xop) = match op {
-        Op::Read => (decode, prefill, XferOp::Read),
-        Op::Write => (prefill, decode, XferOp::Write),
+    let mut p = post(op, prefill, decode, pairs, tag)?;
+    let r = loop {
+        if let Some(r) = poll(op, prefill, decode, &mut p)? {
+            break r;
+        }
+        p.check_timeout(timeout)?;
+        std::thread::yield_now();
     };
-    let side = |p: &Pair| {
-        if op == Op::Write { (p.src, p.dst) } else { (p.dst, p.src) }
-    };
-    let peer = init.peer();
-    let local = init.descs(&init.pool.region_addrs(), pairs.iter().map(|p| (side(p).0, p.len)));
-    let remote = init.descs(&peer.region_bases, pairs.iter().map(|p| (side(p).1, p.len)));
-    init.pool.bind()?;
-    let r = init.agent.transfer(
-        xop,
-        (&local, mem_type(init.pool.memory()), init.pool.device_id()),
-        (&remote, mem_type(peer.memory), peer.device_id),
-        &peer.agent,
-        tag.as_bytes(),
-        timeout,
-    )?;
-    other.agent.wait_notification(&init.agent.name(), tag, timeout)?;
+    await_notifications(op, prefill, decode, &mut [tag.to_string()].into_iter().collect(), timeout)?;
     Ok(r)
 }

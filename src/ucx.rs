@@ -34,7 +34,7 @@ pub(crate) fn set_log_path(p: Option<PathBuf>) {
 }
 
 /// One row of a UCX protocol table.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct ProtoRow {
     /// Message sizes in bytes, e.g. "0..inf" or "8185..65528".
     pub range: String,
@@ -45,7 +45,7 @@ pub struct ProtoRow {
 }
 
 /// One UCX protocol selection: the operation and memory types, and its rows.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct Selection {
     /// UCX's heading, e.g. "remote memory read by ucp_get*(multi) into cuda/dev[0] from cuda/dev[0]".
     pub operation: String,
@@ -54,7 +54,7 @@ pub struct Selection {
 }
 
 /// What carried a run's transfers.
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, serde::Deserialize)]
 pub struct TransportPath {
     /// NIXL backend.
     pub backend: String,

@@ -60,7 +60,7 @@ fn bench_on_dram_writes_consistent_figures_and_breakdowns() {
         assert_eq!(f["ratio_to"], "cpu.memcpy.all");
     }
     let b = r["breakdowns"].as_array().unwrap();
-    assert_eq!(b.len(), 2, "{r}");
+    assert_eq!(b.len(), 4, "{r}");
     for row in b {
         assert_eq!(row["exit_code"], 0, "{row}");
         assert_eq!(row["iterations"], 3);
@@ -73,9 +73,14 @@ fn bench_on_dram_writes_consistent_figures_and_breakdowns() {
         // DRAM over UCX/TCP never reaches 50 GB/s on CI: the overhead goal does not apply.
         assert!(row["meets"].is_null() || x("transfer_gbps") >= 50.0, "{row}");
     }
-    // vLLM-shaped 32 KiB slices, then the largest slices that leave 8 blocks in 64 MiB.
-    assert_eq!(b[0]["slice_bytes"], 32768);
-    assert_eq!(b[1]["slice_bytes"], 131072);
+    // vLLM-shaped 32 KiB slices (one descriptor per slice), the same pool (32 blocks) with
+    // 16 and then all 32 blocks per descriptor, then the largest slices that leave 8 blocks
+    // in 64 MiB. DRAM sweeps run unpipelined (one stage).
+    let cols = |k: &str| b.iter().map(|x| x[k].as_u64().unwrap()).collect::<Vec<_>>();
+    assert_eq!(cols("slice_bytes"), [32768, 32768, 32768, 131072]);
+    assert_eq!(cols("descriptor_blocks"), [1, 16, 32, 1]);
+    assert_eq!(cols("descriptor_bytes"), [32768, 16 * 32768, 32 * 32768, 131072]);
+    assert_eq!(cols("pipeline_stages"), [1, 1, 1, 1]);
 }
 
 #[test]

@@ -249,3 +249,180 @@ fn per_iteration_times_stop_at_a_thousand_but_totals_cover_every_iteration() {
     let listed: f64 = per.iter().map(|t| t["iteration"].as_f64().unwrap()).sum();
     assert!(s["iteration_seconds"].as_f64().unwrap() > listed, "the totals include the unlisted iterations");
 }
+
+#[test]
+fn pipelined_and_merged_sweeps_classify_every_injection_exactly() {
+    // Forced pipeline stages on DRAM (the default there is 1), runs of blocks merged into
+    // descriptors, NHD and HND, READ and WRITE: every planted fault shows where and as
+    // predicted, and nothing else fails.
+    for extra in [
+        vec!["--pipeline-stages", "4"],
+        vec!["--pipeline-stages", "3", "--layers", "7", "--op", "write"],
+        vec!["--descriptor-blocks", "16"],
+        vec!["--descriptor-blocks", "64", "--pipeline-stages", "2", "--layout", "hnd"],
+        vec!["--descriptor-blocks", "8", "--mla"],
+    ] {
+        let mut args = vec!["--iterations", "3", "--inject", "bitflip", "--inject", "drop", "--inject", "misroute"];
+        args.extend(["--inject", "stale", "--inject", "torn"]);
+        args.extend(extra.iter());
+        let (code, r, log) = run_report("pipelined", &args);
+        assert_eq!(code, 1, "{extra:?}: {log}");
+        let s = &r["summary"];
+        assert_eq!(s["injections_planted"], 15, "{extra:?}");
+        assert_eq!(s["injections_detected"], 15, "{extra:?}: {log}");
+        assert_eq!(s["unexpected_failures"], 0, "{extra:?}: {log}");
+        assert_eq!(crate::common::failure_set(&r), crate::common::predicted_set(&r), "{extra:?}");
+        let want_stages = extra.iter().position(|a| *a == "--pipeline-stages").map_or(1, |i| extra[i + 1].parse().unwrap());
+        assert_eq!(s["pipeline_stages"], want_stages, "{extra:?}");
+        assert!(s["host_peak_bytes"].as_u64().unwrap() > 0);
+        // Every iteration moves every slice but the dropped and misrouted-away ones, and
+        // the torn one only in part.
+        let per_it = r["config"]["geometry"]["num_layers"].as_u64().unwrap()
+            * if extra.contains(&"--mla") { 1 } else { 2 }
+            * r["config"]["geometry"]["num_blocks"].as_u64().unwrap();
+        assert_eq!(s["blocks_checked"], 3 * per_it, "{extra:?}");
+    }
+}
+
+#[test]
+fn clean_pipelined_and_merged_sweeps_stay_clean() {
+    for extra in [["--pipeline-stages", "4"], ["--descriptor-blocks", "64"], ["--descriptor-blocks", "2"]] {
+        let mut args = vec!["--iterations", "4"];
+        args.extend(extra.iter());
+        let (code, r, log) = run_report("pipelined-clean", &args);
+        assert_eq!(code, 0, "{extra:?}: {log}");
+        assert_eq!(r["summary"]["blocks_corrupt"], 0);
+        assert_eq!(r["summary"]["per_iteration"].as_array().unwrap().len(), 4);
+    }
+}
+
+#[test]
+fn sweep_shape_flags_are_checked() {
+    for (args, needle) in [
+        (vec!["--descriptor-blocks", "7"], "--descriptor-blocks must be at least 1 and divide --num-blocks (64); got 7"),
+        (vec!["--descriptor-blocks", "0"], "--descriptor-blocks must be at least 1"),
+        (vec!["--pipeline-stages", "0"], "--pipeline-stages must be between 1 and the number of layers (4); got 0"),
+        (vec!["--pipeline-stages", "5"], "--pipeline-stages must be between 1 and the number of layers (4); got 5"),
+        (vec!["--pipeline-stages", "2", "--scenario", "nixl-only"], "--pipeline-stages applies to the whole-pool sweep"),
+        (vec!["--descriptor-blocks", "2", "--scenario", "stacked"], "--descriptor-blocks applies to the whole-pool sweep"),
+    ] {
+        let mut a = vec!["run", "--memory", "dram"];
+        a.extend(args.iter());
+        let (code, out, err) = crate::common::kvprobe(&a);
+        assert_eq!(code, 2, "{a:?}: {out}{err}");
+        assert!(err.contains(needle), "{a:?}: expected {needle:?} in {err}");
+    }
+}
+
+#[test]
+fn env_probes_the_dram_path_in_a_child_run() {
+    let (code, out, err) = crate::common::kvprobe(&["env", "--json"]);
+    assert_eq!(code, 0, "{out}{err}");
+    let e: Value = serde_json::from_str(&out).unwrap();
+    let probes = e["transport_probes"].as_array().expect("transport_probes");
+    let dram = probes.iter().find(|p| p["what"] == "READ DRAM -> DRAM").expect("a DRAM READ probe");
+    assert_eq!(dram["exit_code"], 0, "{dram}");
+    assert_eq!(dram["path"]["backend"], "UCX");
+    let rows = dram["path"]["selections"][0]["rows"].as_array().expect("UCX protocol rows");
+    assert!(!rows.is_empty(), "{dram}");
+    assert!(dram["transfer_gbps"].as_f64().unwrap() > 0.0);
+    let (code, out, _) = crate::common::kvprobe(&["env"]);
+    assert_eq!(code, 0);
+    assert!(out.contains("READ DRAM -> DRAM: UCX "), "{out}");
+    let (code, out, _) = crate::common::kvprobe(&["env", "--json", "--no-probe"]);
+    assert_eq!(code, 0);
+    assert!(serde_json::from_str::<Value>(&out).unwrap().get("transport_probes").is_none());
+}
+
+#[test]
+fn decode_agent_in_a_second_process_moves_and_classifies_like_one() {
+    // The decode role's NIXL agent in a child kvprobe process mapping the pool: READ (the
+    // child posts) and WRITE (the child receives the notifications), pipelined.
+    for op in ["read", "write"] {
+        let args = [
+            "--decode-process",
+            "--iterations",
+            "3",
+            "--op",
+            op,
+            "--pipeline-stages",
+            "2",
+            "--inject",
+            "bitflip",
+            "--inject",
+            "drop",
+            "--inject",
+            "misroute",
+            "--inject",
+            "stale",
+            "--inject",
+            "torn",
+        ];
+        let (code, r, log) = run_report("decode-process", &args);
+        assert_eq!(code, 1, "{op}: {log}");
+        assert_eq!(r["summary"]["injections_detected"], 15, "{op}: {log}");
+        assert_eq!(r["summary"]["unexpected_failures"], 0, "{op}: {log}");
+        assert_eq!(crate::common::failure_set(&r), crate::common::predicted_set(&r), "{op}");
+        assert_eq!(r["config"]["decode_process"], true);
+        // The protocol table comes from whichever process initiated: the child for READ.
+        let rows = r["summary"]["transport_path"]["selections"][0]["rows"].as_array().cloned().unwrap_or_default();
+        assert!(!rows.is_empty(), "{op}: {}", r["summary"]["transport_path"]);
+        let (code, r, log) = run_report("decode-process-clean", &["--decode-process", "--iterations", "2", "--op", op]);
+        assert_eq!(code, 0, "{op}: {log}");
+        assert_eq!(r["summary"]["blocks_corrupt"], 0);
+    }
+    let (code, out, err) = crate::common::kvprobe(&["run", "--memory", "dram", "--decode-process", "--scenario", "nixl-only"]);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(err.contains("--decode-process applies to the whole-pool sweep"), "{err}");
+}
+
+#[test]
+fn a_decode_agent_process_that_dies_is_a_transport_error() {
+    // The child is found by its command line and killed mid-run: exit 3 naming it, a report,
+    // and no child left behind.
+    let d = crate::common::tmpdir("agent-dies");
+    let report = d.join("r.json");
+    let mut child = std::process::Command::new(crate::common::bin())
+        .args([
+            "run",
+            "--memory",
+            "dram",
+            "--decode-process",
+            "--preset",
+            "llama3-8b",
+            "--blocks",
+            "32",
+            "--iterations",
+            "100000",
+        ])
+        .arg("--report")
+        .arg(&report)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let me = child.id().to_string();
+    // Wait until it iterates (its progress lines go to stderr), then kill the agent.
+    let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut seen = String::new();
+    while !seen.contains("iteration 2/") {
+        let mut l = String::new();
+        if std::io::BufRead::read_line(&mut stderr, &mut l).unwrap() == 0 {
+            panic!("kvprobe ended before iterating: {seen}");
+        }
+        seen += &l;
+    }
+    let out = std::process::Command::new("pgrep").args(["-P", &me, "-f", "kvprobe agent"]).output().unwrap();
+    let agent = String::from_utf8_lossy(&out.stdout).split_whitespace().next().expect("the decode agent process").to_string();
+    assert!(std::process::Command::new("kill").args(["-9", &agent]).status().unwrap().success());
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stderr, &mut rest).unwrap();
+    let status = child.wait().unwrap();
+    let err = seen + &rest;
+    assert_eq!(status.code(), Some(3), "{err}");
+    assert!(err.contains("decode agent process"), "{err}");
+    let r: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    assert_eq!(r["outcome"]["exit_code"], 3);
+    let left = std::process::Command::new("pgrep").args(["-P", &me]).output().unwrap();
+    assert!(left.stdout.is_empty(), "children left: {}", String::from_utf8_lossy(&left.stdout));
+}

@@ -126,6 +126,33 @@ fn vram_injections_are_classified_exactly() {
 }
 
 #[test]
+fn pipelined_vram_sweeps_classify_injections_exactly_and_merge_descriptors() {
+    if !gpu_or_skip("pipelined_vram_sweeps_classify_injections_exactly_and_merge_descriptors") {
+        return;
+    }
+    // VRAM sweeps are pipelined by default (8 stages for 32 layers): faults planted in any
+    // stage, with and without merged descriptors, READ and WRITE.
+    for extra in [
+        vec!["--preset", "llama3-8b", "--blocks", "64"],
+        vec!["--preset", "llama3-8b", "--blocks", "64", "--descriptor-blocks", "64", "--op", "write"],
+        vec!["--preset", "llama3-8b", "--blocks", "64", "--descriptor-blocks", "16", "--layout", "hnd"],
+    ] {
+        let mut args = vec!["--iterations", "3", "--inject", "bitflip:2", "--inject", "drop:2", "--inject", "misroute:2"];
+        args.extend(["--inject", "stale:2", "--inject", "torn:2"]);
+        args.extend(extra.iter());
+        let (code, r, log) = vram_report("vram-pipelined", &args);
+        assert_eq!(code, 1, "{extra:?}: {log}");
+        assert_eq!(r["summary"]["pipeline_stages"], 8, "{extra:?}");
+        assert_eq!(r["summary"]["injections_detected"], 30, "{extra:?}: {log}");
+        assert_eq!(r["summary"]["unexpected_failures"], 0, "{extra:?}: {log}");
+        assert_eq!(crate::common::failure_set(&r), crate::common::predicted_set(&r), "{extra:?}");
+        let (code, r, log) = vram_report("vram-pipelined-clean", &[&extra[..], &["--iterations", "3"]].concat());
+        assert_eq!(code, 0, "{extra:?}: {log}");
+        assert_eq!(r["summary"]["blocks_corrupt"], 0);
+    }
+}
+
+#[test]
 fn cross_device_runs_are_clean_and_classify_injections() {
     if !two_gpus_or_skip("cross_device_runs_are_clean_and_classify_injections") {
         return;
@@ -333,5 +360,46 @@ fn the_report_names_ucx_emulation_and_cuda_ipc_on_vram() {
             assert_eq!(t["emulated"], false, "{t}");
             assert!(configs.iter().any(|c| c.starts_with("cuda_ipc")), "{t}");
         }
+    }
+}
+
+#[test]
+fn decode_agent_process_on_vram_shares_its_pool_by_cuda_ipc() {
+    if !gpu_or_skip("decode_agent_process_on_vram_shares_its_pool_by_cuda_ipc") {
+        return;
+    }
+    let decode = if kvprobe::cuda::device_count() > 1 { "1" } else { "0" };
+    for op in ["read", "write"] {
+        let args = [
+            "--decode-process",
+            "--decode-device",
+            decode,
+            "--preset",
+            "llama3-8b",
+            "--blocks",
+            "64",
+            "--iterations",
+            "3",
+            "--op",
+            op,
+            "--inject",
+            "bitflip:2",
+            "--inject",
+            "drop",
+            "--inject",
+            "misroute",
+            "--inject",
+            "stale",
+            "--inject",
+            "torn",
+        ];
+        let (code, r, log) = vram_report("vram-decode-process", &args);
+        assert_eq!(code, 1, "{op}: {log}");
+        assert_eq!(r["summary"]["injections_detected"], 18, "{op}: {log}");
+        assert_eq!(r["summary"]["unexpected_failures"], 0, "{op}: {log}");
+        assert_eq!(crate::common::failure_set(&r), crate::common::predicted_set(&r), "{op}");
+        let (code, r, log) = vram_report("vram-decode-process-clean", &[&args[..9], &["--op", op]].concat());
+        assert_eq!(code, 0, "{op}: {log}");
+        assert_eq!(r["summary"]["blocks_corrupt"], 0);
     }
 }

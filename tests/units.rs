@@ -178,3 +178,60 @@ fn ucx_tables_are_parsed_and_emulation_is_flagged() {
     assert!(!p.emulated);
     assert_eq!(kvprobe::ucx::describe(&p), "UCX 0..inf zero-copy via cma/memory");
 }
+
+use kvprobe::geometry::{Geometry, KvPart, Layout, SliceCoord};
+use kvprobe::run::{coalesce, stages};
+use kvprobe::transport::Pair;
+
+fn pair(g: &Geometry, layer: u32, kv: KvPart, src: u32, dst: u32) -> Pair {
+    Pair { src: SliceCoord { layer, kv, block: src }, dst: SliceCoord { layer, kv, block: dst }, len: g.slice_bytes().unwrap() }
+}
+
+#[test]
+fn contiguous_runs_coalesce_into_one_descriptor_each() {
+    let mut g = kvprobe::geometry::Preset::Small.geometry(); // 4 layers, 64 blocks, NHD
+    let sb = g.slice_bytes().unwrap();
+    // Runs of 4 blocks: prefill 0..4 -> decode 8..12, prefill 4..8 -> decode 0..4.
+    let map = |b: u32| if b < 4 { 8 + b } else { b - 4 };
+    let pairs: Vec<Pair> = (0..8).map(|b| pair(&g, 1, KvPart::V, b, map(b))).collect();
+    let out = coalesce(&g, pairs.clone(), 4);
+    assert_eq!(
+        out,
+        vec![Pair { len: 4 * sb, ..pair(&g, 1, KvPart::V, 0, 8) }, Pair { len: 4 * sb, ..pair(&g, 1, KvPart::V, 4, 0) },]
+    );
+    // Contiguous on both sides across the run boundary still splits at the run size.
+    let ident: Vec<Pair> = (0..8).map(|b| pair(&g, 0, KvPart::K, b, b)).collect();
+    assert_eq!(coalesce(&g, ident.clone(), 4).len(), 2);
+    assert_eq!(coalesce(&g, ident.clone(), 8).len(), 1);
+    assert_eq!(coalesce(&g, ident.clone(), 1).len(), 8);
+    // A torn pair stays alone and breaks the run; K and V never merge in NHD.
+    let mut torn = ident.clone();
+    torn[2].len = 100;
+    let out = coalesce(&g, torn, 8);
+    assert_eq!(out.iter().map(|p| p.len).collect::<Vec<_>>(), vec![2 * sb, 100, 5 * sb]);
+    let kv = vec![pair(&g, 0, KvPart::K, 63, 63), pair(&g, 0, KvPart::V, 0, 0)];
+    assert_eq!(coalesce(&g, kv, 64).len(), 2, "K's last block and V's first are adjacent but different runs");
+    // HND: a block's K and V are adjacent, so a run of 2 blocks is one descriptor of 4 slices.
+    g.layout = Layout::Hnd;
+    let hnd: Vec<Pair> = (0..2).flat_map(|b| [pair(&g, 2, KvPart::V, b, b + 2), pair(&g, 2, KvPart::K, b, b + 2)]).collect();
+    assert_eq!(coalesce(&g, hnd, 2), vec![Pair { len: 4 * sb, ..pair(&g, 2, KvPart::K, 0, 2) }]);
+}
+
+#[test]
+fn pipeline_stages_cover_every_layer_once() {
+    use kvprobe::pool::MemoryKind;
+    let mut g = kvprobe::geometry::Preset::Llama3_8b.geometry(); // 32 layers
+    let s = stages(&g, None, MemoryKind::Vram);
+    assert_eq!(s.len(), 8);
+    assert_eq!(s[0], 0..4);
+    assert_eq!(s[7], 28..32);
+    assert_eq!(stages(&g, None, MemoryKind::Dram), vec![0..32]);
+    let s = stages(&g, Some(5), MemoryKind::Vram);
+    assert_eq!(s.iter().map(|r| r.len()).sum::<usize>(), 32);
+    assert!(s.windows(2).all(|w| w[0].end == w[1].start) && s.iter().all(|r| r.len() >= 6));
+    // More than 65536 descriptors per stage: more stages (here 2^20 blocks x 64 slices).
+    g.num_blocks = 1 << 20;
+    assert_eq!(stages(&g, None, MemoryKind::Dram).len(), 32);
+    g.num_blocks = 1 << 14; // 2^20 slices: 16 stages of 2 layers
+    assert_eq!(stages(&g, None, MemoryKind::Dram).len(), 16);
+}
