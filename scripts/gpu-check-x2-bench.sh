@@ -1,23 +1,57 @@
 #!/usr/bin/env bash
-# Two-GPU lane for the cross-device benchmark, in one call: bench/run.sh with the decode pool
-# on GPU 1 (the peer-copy ceiling and the NIXL sweeps across the GPUs), the two-GPU tests, and
-# `kvprobe ab` across the GPUs with the embedded tier and, when the bundle carries it, Mooncake.
+# Two-GPU lane (issue 6) in one call: `kvprobe env` (GPUs, link, probe transfers), bench/run.sh
+# across the GPUs with decode's agent in this process and in a second process, the main job
+# across the GPUs (READ and WRITE, 4 GiB per side, 20 iterations) in a second process, each
+# injection class across devices, pipelined against unpipelined, the two-GPU tests, and `ab`
+# across the GPUs (embedded tier; Mooncake when the bundle carries it).
 #   scripts/gpu-check-x2-bench.sh [BUNDLE_DIR]
 set -uo pipefail
 source "$(dirname "$0")/gpu-lane.sh"
 export KVPROBE_REQUIRE_GPUS=2
-step "env: GPUs and their link"
-"$kv" env 2>&1 | grep -iE "GPU|link|peer|nvlink|NV[0-9]" | tee -a "$log"
-step "bench/run.sh --decode-device 1"
-BENCH_OUT="$out" bench/run.sh --device 0 --decode-device 1 2>&1 | tee -a "$log"
+x2=(--memory vram --prefill-device 0 --decode-device 1)
+medians() {
+  python3 - "$1" <<'PY' | tee -a "$log"
+import json, statistics as st, sys
+r = json.load(open(sys.argv[1])); s = r["summary"]; it = s["per_iteration"][1:] or s["per_iteration"]
+m = lambda k: st.median(x[k] for x in it)
+p = s.get("transport_path") or {}
+pool = s["bytes_transferred"] / max(1, s["iterations"])
+print(f"  exit {r['outcome']['exit_code']}, corrupt {s['blocks_corrupt']}; medians: iteration {m('iteration')*1e3:.3f} ms, "
+      f"transfer {m('transfer')*1e3:.3f} ms = {pool/m('transfer')/1e9:.1f} GB/s ({pool/m('transfer')/1e9/max(p.get('copy_gbps') or 1e-9,1e-9):.3f} of the "
+      f"same-run copy {p.get('copy_gbps') or 0:.0f} GB/s), outside {100*(1-m('transfer')/m('iteration')):.2f} %, stages {s['pipeline_stages']}")
+PY
+}
+run() {
+  step "$*"
+  env "$@" --report "$out/x.json" 2>&1 | grep -E "^(path|warning|result)|error" | tee -a "$log"
+  medians "$out/x.json"
+}
+step "env: GPUs, link, probe transfers"
+"$kv" env 2>&1 | grep -vE "^(NIXL|UCX_|NIXL_|Mooncake|driver|CUDA|NVRTC)" | tee -a "$log"
+step "bench/run.sh --device 0 --decode-device 1 (decode agent in this process)"
+BENCH_OUT="$out" bench/run.sh --device 0 --decode-device 1 --repeats 5 2>&1 | sed -n '/^figure/,$p' | grep -vE "^cpu|CPU|memcpy" | tee -a "$log"
+step "bench/run.sh --device 0 --decode-device 1 --decode-process"
+BENCH_OUT="$out" bench/run.sh --device 0 --decode-device 1 --decode-process --repeats 5 2>&1 | sed -n '/^sweep/,$p' | tee -a "$log"
+k=(run "$kv" run "${x2[@]}" --preset llama3-8b)
+"${k[@]}" --blocks 2048 --iterations 20 --decode-process
+"${k[@]}" --blocks 2048 --iterations 20 --decode-process --op write
+"${k[@]}" --blocks 2048 --iterations 20
+"${k[@]}" --blocks 2048 --iterations 20 --decode-process --descriptor-blocks 2048
+"${k[@]}" --blocks 2048 --iterations 20 --decode-process --descriptor-blocks 2048 --pipeline-stages 8
+"${k[@]}" --blocks 2048 --iterations 20 --decode-process --descriptor-blocks 64
+for inj in bitflip drop misroute stale torn; do
+  step "inject $inj:3 across devices, decode agent in a second process"
+  "$kv" run "${x2[@]}" --preset llama3-8b --iterations 2 --decode-process --inject "$inj:3" 2>&1 |
+    grep -E "corrupt|injections|result" | tee -a "$log"
+done
 step "two-GPU tests"
-"$bundle/tests" bench:: cross_device env_describes_the_link 2>&1 | grep -E "^test |test result|panicked|SKIP" | tee -a "$log"
+"$bundle/tests" --test-threads=1 cross_device env_describes_the_link decode_agent bench::bench_across 2>&1 |
+  grep -E "^test |test result|panicked|SKIP" | tee -a "$log"
 step "ab across GPUs, embedded tier"
-"$kv" ab --memory vram --prefill-device 0 --decode-device 1 --requests 1000 2>&1 | grep -v "requests verified\|^row " | tee -a "$log"
+"$kv" ab "${x2[@]}" --requests 1000 2>&1 | grep -v "requests verified\|^row " | tee -a "$log"
 echo "exit ${PIPESTATUS[0]}" | tee -a "$log"
 if [ -n "${KVPROBE_MOONCAKE_VENV:-}" ]; then
   step "ab across GPUs, Mooncake tier"
-  "$kv" ab --memory vram --prefill-device 0 --decode-device 1 --tier mooncake --requests 1000 \
-    --report "$out/ab-x2-mooncake.json" 2>&1 | grep -v "requests verified\|^row " | tee -a "$log"
+  "$kv" ab "${x2[@]}" --tier mooncake --requests 500 2>&1 | grep -v "requests verified\|^row " | tee -a "$log"
   echo "exit ${PIPESTATUS[0]}" | tee -a "$log"
 fi

@@ -65,6 +65,8 @@ pub struct BenchConfig {
     pub sweep_bytes: u64,
     /// Fingerprint seed.
     pub seed: u64,
+    /// VRAM sweeps with the decode agent in a second process (`run --decode-process`).
+    pub decode_process: bool,
     /// NIXL backend of the sweep breakdowns.
     pub backend: String,
     /// Seconds to wait for each transfer of the sweep breakdowns.
@@ -397,7 +399,7 @@ fn breakdown(
     label: &str,
     memory: MemoryKind,
     g: Geometry,
-    descriptor_blocks: u32,
+    (descriptor_blocks, stages): (u32, Option<u32>),
     one_way_gbps: Option<f64>,
 ) -> Breakdown {
     let device = if memory == MemoryKind::Vram { cfg.device } else { 0 };
@@ -417,8 +419,8 @@ fn breakdown(
         min_gbps: None,
         max_failures: 100,
         descriptor_blocks,
-        stages: None,
-        decode_process: false,
+        stages,
+        decode_process: cfg.decode_process && memory == MemoryKind::Vram,
         scenario: None,
     };
     let (mut line, mut progress, mut ckpt) = (|_: &str| {}, |_: &crate::engine::Progress| {}, |_: &crate::report::Report| {});
@@ -550,25 +552,34 @@ pub fn run(cfg: &BenchConfig, r: &mut BenchReport) -> Result<()> {
         MemoryKind::Dram => rate("cpu.memcpy.all"),
     };
     // vLLM-shaped first; then the same pool with runs of blocks moved as one descriptor
-    // (the per-descriptor cost of the path); then the wide slices.
-    let mut sweeps = vec![(llama.clone(), 1)];
+    // (the per-descriptor cost of the path), the largest of them again pipelined in 8 stages
+    // (the probe's passes overlapping the transfer); then the wide slices.
+    let mut sweeps = vec![(llama.clone(), 1, None)];
     for n in [16, llama.num_blocks] {
-        if n > 1 && llama.num_blocks.is_multiple_of(n) && sweeps.iter().all(|(_, m)| *m != n) {
-            sweeps.push((llama.clone(), n));
+        if n > 1 && llama.num_blocks.is_multiple_of(n) && sweeps.iter().all(|(_, m, _)| *m != n) {
+            sweeps.push((llama.clone(), n, None));
         }
     }
+    let largest = sweeps.last().map(|(_, n, _)| *n).unwrap_or(1);
+    sweeps.push((llama.clone(), largest, Some(8)));
     if wide.block_size != llama.block_size {
-        sweeps.push((wide, 1)); // too small a --sweep-bytes for larger slices: no wide sweep
+        sweeps.push((wide, 1, None)); // too small a --sweep-bytes for larger slices: no wide sweep
     }
-    for (g, n) in sweeps {
+    for (g, n, stages) in sweeps {
         let mut label = format!("llama3-8b, block_size {}: {} KiB slices", g.block_size, g.slice_bytes()? >> 10);
         if n > 1 {
             label += &format!(", {n} blocks per descriptor ({} KiB)", (g.slice_bytes()? * n as u64) >> 10);
         }
+        if let Some(st) = stages {
+            label += &format!(", pipelined in {} stages", st.min(g.num_layers));
+        }
+        if cfg.decode_process && cfg.memory == MemoryKind::Vram {
+            label += ", decode agent in a second process";
+        }
         if let Some(d) = cfg.decode_device.filter(|&d| d != cfg.device && cfg.memory == MemoryKind::Vram) {
             label += &format!(", GPU {} -> GPU {d}", cfg.device);
         }
-        let b = breakdown(cfg, &label, cfg.memory, g, n, one_way);
+        let b = breakdown(cfg, &label, cfg.memory, g, (n, stages), one_way);
         let failed = (b.exit_code != 0).then(|| (b.exit_code, b.error.clone().unwrap_or_default(), b.label.clone()));
         r.breakdowns.push(b);
         if let Some((code, msg, label)) = failed {

@@ -472,11 +472,6 @@ pub struct RegionArgs {
     pub num_slices: u32,
     /// Global index of the region's first slice.
     pub slice_base: u32,
-    /// Most thread blocks to launch (0 = one per 16 KiB slice part, up to 2^20). The
-    /// kernels loop over their work items, so fewer blocks do the same work on fewer SMs:
-    /// the pipelined sweep caps them so the probe leaves memory bandwidth to the copy
-    /// engines carrying the transfer.
-    pub grid_cap: u32,
 }
 
 /// One failing slice as the verify kernel reports it (16 bytes, `struct kvp_fail`).
@@ -530,8 +525,7 @@ pub fn parts_per_slice(slice_bytes: u64) -> u64 {
 }
 
 fn grid(r: &RegionArgs) -> u32 {
-    let cap = if r.grid_cap == 0 { 1 << 20 } else { r.grid_cap as u64 };
-    (r.num_slices as u64 * parts_per_slice(r.slice_bytes as u64)).clamp(1, cap) as u32
+    (r.num_slices as u64 * parts_per_slice(r.slice_bytes as u64)).clamp(1, 1 << 20) as u32
 }
 
 /// Where the PTX NVRTC made for `arch` is kept between runs:

@@ -81,8 +81,6 @@ pub struct KvPool {
     host_fails: Vec<RawFailure>,
     /// Kernel seconds waited for since the last [`KvPool::take_kernel_seconds`].
     kernel_acc: KernelSeconds,
-    /// Most thread blocks per kernel launch (0 = no cap; see [`RegionArgs::grid_cap`]).
-    grid_cap: u32,
 }
 
 /// Kinds of pass, for the kernel seconds [`KvPool::finish`] returns.
@@ -115,7 +113,6 @@ impl KvPool {
             timers: Vec::new(),
             host_fails: Vec::new(),
             kernel_acc: KernelSeconds::default(),
-            grid_cap: 0,
         })
     }
 
@@ -144,7 +141,6 @@ impl KvPool {
             timers: Vec::new(),
             host_fails: Vec::new(),
             kernel_acc: KernelSeconds::default(),
-            grid_cap: 0,
         })
     }
 
@@ -165,7 +161,6 @@ impl KvPool {
             timers: Vec::new(),
             host_fails: Vec::new(),
             kernel_acc: KernelSeconds::default(),
-            grid_cap: 0,
         })
     }
 
@@ -252,7 +247,6 @@ impl KvPool {
             timers: Vec::new(),
             host_fails: Vec::new(),
             kernel_acc: KernelSeconds::default(),
-            grid_cap: 0,
         })
     }
 
@@ -375,11 +369,6 @@ impl KvPool {
         });
     }
 
-    /// Caps the thread blocks of this pool's later kernel launches (VRAM; 0 = no cap).
-    pub fn set_grid_cap(&mut self, blocks: u32) {
-        self.grid_cap = blocks;
-    }
-
     /// Every layer of the pool.
     fn all_layers(&self) -> Range<u32> {
         0..self.geom.num_layers
@@ -426,10 +415,7 @@ impl KvPool {
                 let s32 = fingerprint::seed32(seed);
                 let timer = GpuTimer::start(regions[0].device())?;
                 for layer in layers {
-                    let args = RegionArgs {
-                        grid_cap: self.grid_cap,
-                        ..Self::region_args_of(&self.geom, layer, regions[layer as usize].ptr())
-                    };
+                    let args = Self::region_args_of(&self.geom, layer, regions[layer as usize].ptr());
                     kernels.fill(args, s32, t)?;
                 }
                 self.timers.push((Pass::Fill, timer.end()?));
@@ -458,10 +444,7 @@ impl KvPool {
             Backing::Device { kernels, regions, table: t, .. } => {
                 let timer = GpuTimer::start(regions[0].device())?;
                 for layer in layers {
-                    let args = RegionArgs {
-                        grid_cap: self.grid_cap,
-                        ..Self::region_args_of(&self.geom, layer, regions[layer as usize].ptr())
-                    };
+                    let args = Self::region_args_of(&self.geom, layer, regions[layer as usize].ptr());
                     kernels.poison(args, iteration, by_table.then_some(&*t))?;
                 }
                 self.timers.push((Pass::Poison, timer.end()?));
@@ -499,10 +482,7 @@ impl KvPool {
                 let s32 = fingerprint::seed32(seed);
                 let timer = GpuTimer::start(regions[0].device())?;
                 for layer in layers {
-                    let args = RegionArgs {
-                        grid_cap: self.grid_cap,
-                        ..Self::region_args_of(&self.geom, layer, regions[layer as usize].ptr())
-                    };
+                    let args = Self::region_args_of(&self.geom, layer, regions[layer as usize].ptr());
                     kernels.verify(args, s32, t, fails, count)?;
                 }
                 self.timers.push((Pass::Verify, timer.end()?));
@@ -598,7 +578,6 @@ impl KvPool {
             layer,
             num_slices: per,
             slice_base: layer * per,
-            grid_cap: 0,
         }
     }
 

@@ -446,30 +446,20 @@ pub fn coalesce(g: &Geometry, mut pairs: Vec<Pair>, run_blocks: u32) -> Vec<Pair
     out
 }
 
-/// Thread blocks per kernel launch while transfers are in flight (pipelined sweeps):
-/// `KVPROBE_OVERLAP_GRID` (0 = no cap), else [`OVERLAP_GRID`].
-fn overlap_grid() -> u32 {
-    std::env::var("KVPROBE_OVERLAP_GRID").ok().and_then(|v| v.parse().ok()).unwrap_or(OVERLAP_GRID)
-}
-
-/// Default thread blocks per kernel launch in a pipelined sweep (see [`overlap_grid`]).
-pub const OVERLAP_GRID: u32 = 0;
-
 /// Most descriptors one sweep request carries when the stage count is chosen
 /// automatically (bounds the host memory of descriptor lists, which NIXL copies).
 pub const MAX_DESCRIPTORS_PER_REQUEST: u64 = 1 << 16;
 
 /// The sweep's pipeline stages: the layers split into `stages` near-equal consecutive
-/// ranges, at most one per layer. `None` (automatic): VRAM, 8 (the probe's passes are GPU
-/// kernels that run beside the copy engines); DRAM, 1 (the CPU passes would take the cores
-/// and memory bandwidth the transfer needs, slowing what is measured) — in both cases more
-/// where a stage would carry over [`MAX_DESCRIPTORS_PER_REQUEST`] slices.
-pub fn stages(g: &Geometry, stages: Option<u32>, memory: MemoryKind) -> Vec<Range<u32>> {
+/// ranges, at most one per layer. `None` (automatic): one stage — nothing overlaps the
+/// transfer, which is then measured alone — unless a stage would carry over
+/// [`MAX_DESCRIPTORS_PER_REQUEST`] slices (host memory of the descriptor lists), then as
+/// many as that needs. Overlap is opt-in (`--pipeline-stages`): on one H200 the probe's
+/// kernels share HBM with the copy engines and slow the transfer by more than they hide
+/// (bench/NOTES.md v3); on DRAM the CPU passes take the cores the transfer needs.
+pub fn stages(g: &Geometry, stages: Option<u32>, _memory: MemoryKind) -> Vec<Range<u32>> {
     let l = g.num_layers.max(1);
-    let auto = || {
-        let by_size = g.total_slices().unwrap_or(0).div_ceil(MAX_DESCRIPTORS_PER_REQUEST) as u32;
-        by_size.max(if memory == MemoryKind::Vram { 8 } else { 1 })
-    };
+    let auto = || g.total_slices().unwrap_or(0).div_ceil(MAX_DESCRIPTORS_PER_REQUEST).max(1) as u32;
     let s = stages.unwrap_or_else(auto).clamp(1, l);
     let at = |i: u32| (i as u64 * l as u64 / s as u64) as u32;
     (0..s).map(|i| at(i)..at(i + 1)).collect()
@@ -596,11 +586,6 @@ fn sweep(
     probe.decode.pool.take_kernel_seconds();
     report.summary.setup_seconds = started.elapsed().as_secs_f64();
     report.summary.pipeline_stages = stages.len() as u32;
-    if stages.len() > 1 {
-        let cap = overlap_grid();
-        probe.prefill.pool.set_grid_cap(cap);
-        probe.decode.pool.set_grid_cap(cap);
-    }
 
     for it in 1..=cfg.iterations {
         if crate::interrupt::requested() {

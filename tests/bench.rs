@@ -60,7 +60,7 @@ fn bench_on_dram_writes_consistent_figures_and_breakdowns() {
         assert_eq!(f["ratio_to"], "cpu.memcpy.all");
     }
     let b = r["breakdowns"].as_array().unwrap();
-    assert_eq!(b.len(), 4, "{r}");
+    assert_eq!(b.len(), 5, "{r}");
     for row in b {
         assert_eq!(row["exit_code"], 0, "{row}");
         assert_eq!(row["iterations"], 3);
@@ -74,13 +74,14 @@ fn bench_on_dram_writes_consistent_figures_and_breakdowns() {
         assert!(row["meets"].is_null() || x("transfer_gbps") >= 50.0, "{row}");
     }
     // vLLM-shaped 32 KiB slices (one descriptor per slice), the same pool (32 blocks) with
-    // 16 and then all 32 blocks per descriptor, then the largest slices that leave 8 blocks
-    // in 64 MiB. DRAM sweeps run unpipelined (one stage).
+    // 16 and then all 32 blocks per descriptor, that again pipelined in 8 stages, then the
+    // largest slices that leave 8 blocks in 64 MiB.
     let cols = |k: &str| b.iter().map(|x| x[k].as_u64().unwrap()).collect::<Vec<_>>();
-    assert_eq!(cols("slice_bytes"), [32768, 32768, 32768, 131072]);
-    assert_eq!(cols("descriptor_blocks"), [1, 16, 32, 1]);
-    assert_eq!(cols("descriptor_bytes"), [32768, 16 * 32768, 32 * 32768, 131072]);
-    assert_eq!(cols("pipeline_stages"), [1, 1, 1, 1]);
+    assert_eq!(cols("slice_bytes"), [32768, 32768, 32768, 32768, 131072]);
+    assert_eq!(cols("descriptor_blocks"), [1, 16, 32, 32, 1]);
+    assert_eq!(cols("descriptor_bytes"), [32768, 16 * 32768, 32 * 32768, 32 * 32768, 131072]);
+    assert_eq!(cols("pipeline_stages"), [1, 1, 1, 8, 1]);
+    assert!(b[3]["label"].as_str().unwrap().ends_with("pipelined in 8 stages"), "{}", b[3]["label"]);
 }
 
 #[test]
@@ -169,25 +170,16 @@ fn bench_across_two_gpus_rates_the_transfer_against_the_peer_copy() {
     if !crate::common::two_gpus_or_skip("bench_across_two_gpus_rates_the_transfer_against_the_peer_copy") {
         return;
     }
-    let (code, out, err, r) = bench_json(
-        "bench-x2",
-        &[
-            "--device",
-            "0",
-            "--decode-device",
-            "1",
-            "--gpu-bytes",
-            "256MiB",
-            "--host-bytes",
-            "16MiB",
-            "--sweep-bytes",
-            "64MiB",
-            "--repeats",
-            "3",
-            "--iterations",
-            "3",
-        ],
-    );
+    for extra in [&[][..], &["--decode-process"][..]] {
+        let mut args = vec!["--device", "0", "--decode-device", "1", "--gpu-bytes", "256MiB", "--host-bytes", "16MiB"];
+        args.extend(["--sweep-bytes", "64MiB", "--repeats", "3", "--iterations", "3"]);
+        args.extend(extra);
+        bench_across_two_gpus(&args);
+    }
+}
+
+fn bench_across_two_gpus(args: &[&str]) {
+    let (code, out, err, r) = bench_json("bench-x2", args);
     assert_eq!(code, 0, "{out}{err}");
     check_figures(&r, &["gpu.copy", "gpu.peer_copy", "gpu.fill"]);
     let peer = r["figures"].as_array().unwrap().iter().find(|f| f["name"] == "gpu.peer_copy").unwrap()["gbps"].as_f64().unwrap();

@@ -130,12 +130,12 @@ fn pipelined_vram_sweeps_classify_injections_exactly_and_merge_descriptors() {
     if !gpu_or_skip("pipelined_vram_sweeps_classify_injections_exactly_and_merge_descriptors") {
         return;
     }
-    // VRAM sweeps are pipelined by default (8 stages for 32 layers): faults planted in any
-    // stage, with and without merged descriptors, READ and WRITE.
+    // Pipelined VRAM sweeps (8 stages of 4 layers): faults planted in any stage, with and
+    // without merged descriptors, READ and WRITE.
     for extra in [
-        vec!["--preset", "llama3-8b", "--blocks", "64"],
-        vec!["--preset", "llama3-8b", "--blocks", "64", "--descriptor-blocks", "64", "--op", "write"],
-        vec!["--preset", "llama3-8b", "--blocks", "64", "--descriptor-blocks", "16", "--layout", "hnd"],
+        vec!["--preset", "llama3-8b", "--blocks", "64", "--pipeline-stages", "8"],
+        vec!["--preset", "llama3-8b", "--blocks", "64", "--pipeline-stages", "8", "--descriptor-blocks", "64", "--op", "write"],
+        vec!["--preset", "llama3-8b", "--blocks", "64", "--pipeline-stages", "8", "--descriptor-blocks", "16", "--layout", "hnd"],
     ] {
         let mut args = vec!["--iterations", "3", "--inject", "bitflip:2", "--inject", "drop:2", "--inject", "misroute:2"];
         args.extend(["--inject", "stale:2", "--inject", "torn:2"]);
