@@ -85,25 +85,30 @@ pub struct PathProbe {
 const PROBE_SECS: u64 = 90;
 
 /// Runs the probe transfers for `gpus` visible GPUs: DRAM READ; with a GPU, VRAM READ and
-/// WRITE on GPU 0; with two, READ from GPU 0 to GPU 1. Each is `kvprobe run` in a child
+/// WRITE on GPU 0; with two, READ from GPU 0 to GPU 1 in one process and with decode's agent
+/// in a second process (`run --decode-process`). Each is `kvprobe run` in a child
 /// process (killed after 90 s or when kvprobe dies); failures are recorded, not raised.
 pub fn probe_paths(gpus: usize) -> Vec<PathProbe> {
-    let mut plan = vec![("dram", "read", 0, 0)];
+    let mut plan = vec![("dram", "read", 0, 0, false)];
     if gpus > 0 {
-        plan.push(("vram", "read", 0, 0));
-        plan.push(("vram", "write", 0, 0));
+        plan.push(("vram", "read", 0, 0, false));
+        plan.push(("vram", "write", 0, 0, false));
     }
     if gpus > 1 {
-        plan.push(("vram", "read", 0, 1));
+        plan.push(("vram", "read", 0, 1, false));
+        plan.push(("vram", "read", 0, 1, true));
     }
     plan.into_iter()
-        .map(|(mem, op, a, b)| {
-            let what = if mem == "vram" {
+        .map(|(mem, op, a, b, two)| {
+            let mut what = if mem == "vram" {
                 format!("{} VRAM GPU {a} -> GPU {b}", op.to_uppercase())
             } else {
                 format!("{} DRAM -> DRAM", op.to_uppercase())
             };
-            probe_one(mem, op, a, b)
+            if two {
+                what += ", decode agent in a second process";
+            }
+            probe_one(mem, op, a, b, two)
                 .unwrap_or_else(|e| PathProbe {
                     what: what.clone(),
                     exit_code: e.exit() as i32,
@@ -123,7 +128,7 @@ impl PathProbe {
     }
 }
 
-fn probe_one(mem: &str, op: &str, a: usize, b: usize) -> crate::error::Result<PathProbe> {
+fn probe_one(mem: &str, op: &str, a: usize, b: usize, two: bool) -> crate::error::Result<PathProbe> {
     use crate::error::Error;
     let exe = std::env::current_exe().map_err(|e| Error::Environment(format!("cannot find kvprobe's own executable: {e}")))?;
     let dir = tempfile::tempdir().map_err(|e| Error::Io(format!("temporary directory: {e}")))?;
@@ -132,6 +137,9 @@ fn probe_one(mem: &str, op: &str, a: usize, b: usize) -> crate::error::Result<Pa
     cmd.args(["run", "--memory", mem, "--preset", "llama3-8b", "--blocks", "16", "--iterations", "2", "--op", op]);
     if mem == "vram" {
         cmd.args(["--prefill-device", &a.to_string(), "--decode-device", &b.to_string()]);
+    }
+    if two {
+        cmd.arg("--decode-process");
     }
     cmd.arg("--report").arg(&report);
     cmd.stdin(std::process::Stdio::null()).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped());

@@ -44,3 +44,20 @@ pub mod verify;
 pub mod workload;
 
 pub use error::{Error, Exit, Result};
+
+/// True when `KVPROBE_TRACE=1`: kvprobe then prints each setup step to stderr, so a crash
+/// inside NIXL, UCX or the CUDA driver (which leaves no report) is located by the last line.
+pub fn tracing() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("KVPROBE_TRACE").is_ok_and(|v| v == "1"))
+}
+
+/// Prints `kvprobe trace [pid]: <message>` to stderr when [`tracing`] is on.
+#[macro_export]
+macro_rules! trace {
+    ($($t:tt)*) => {
+        if $crate::tracing() {
+            eprintln!("kvprobe trace [{}]: {}", std::process::id(), format!($($t)*));
+        }
+    };
+}

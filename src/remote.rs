@@ -148,10 +148,10 @@ impl RemoteAgent {
         cmd.arg("agent").stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
         // kvprobe's own UCX capture file is private to this process (and already unlinked):
         // the child makes its own.
-        if let Some(own) = crate::ucx::log_path() {
-            if std::env::var_os("UCX_LOG_FILE").is_some_and(|v| v == own.as_os_str()) {
-                cmd.env_remove("UCX_LOG_FILE").env_remove("UCX_PROTO_INFO");
-            }
+        if let Some(own) = crate::ucx::log_path()
+            && std::env::var_os("UCX_LOG_FILE").is_some_and(|v| v == own.as_os_str())
+        {
+            cmd.env_remove("UCX_LOG_FILE").env_remove("UCX_PROTO_INFO");
         }
         crate::child::die_with_parent(&mut cmd);
         let mut child = cmd.spawn().map_err(|e| Error::Environment(format!("cannot start the decode agent process: {e}")))?;
@@ -389,6 +389,7 @@ fn serve(say: &dyn Fn(String)) -> Result<()> {
     let mut line = String::new();
     input.read_line(&mut line).map_err(|e| Error::Io(e.to_string()))?;
     let init: Init = serde_json::from_str(line.trim()).map_err(|e| Error::Usage(format!("kvprobe agent: bad init: {e}")))?;
+    crate::trace!("decode agent process: init for GPU {}", init.device);
     crate::nixl::prepare_ucx_env(false);
     crate::nixl::check_ucx_log_file()?;
     crate::nixl::load()?;
@@ -406,7 +407,9 @@ fn serve(say: &dyn Fn(String)) -> Result<()> {
         }
     };
     let handles = pool.ipc_handles()?.map(|(_, h)| h).unwrap_or_default();
+    crate::trace!("decode agent process: NIXL agent");
     let mut ep = Endpoint::new(&init.name, &init.backend, pool)?;
+    crate::trace!("decode agent process: loads prefill's metadata");
     ep.connect(init.peer.clone())?;
     crate::ucx::adopt();
     let ready = Ready { info: ep.info()?, handles: handles.iter().map(|h| hex(h)).collect() };
@@ -449,6 +452,7 @@ fn serve(say: &dyn Fn(String)) -> Result<()> {
         let mut busy = false;
         match rx.try_recv() {
             Ok(Cmd::Xfer(tag, pairs)) => {
+                crate::trace!("decode agent process: READ {tag}");
                 busy = true;
                 inflight.push((tag.clone(), ep.post_as_initiator(Op::Read, &pairs, &tag)?));
             }

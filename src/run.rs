@@ -116,10 +116,8 @@ fn check_config(cfg: &RunConfig) -> Result<()> {
             cfg.geometry.num_blocks
         )));
     }
-    if cfg.decode_process {
-        if cfg.scenario.is_some() {
-            return Err(Error::Usage("--decode-process applies to the whole-pool sweep".into()));
-        }
+    if cfg.decode_process && cfg.scenario.is_some() {
+        return Err(Error::Usage("--decode-process applies to the whole-pool sweep".into()));
     }
     if let Some(st) = cfg.stages
         && (st == 0 || st > cfg.geometry.num_layers)
@@ -221,13 +219,13 @@ fn build_pools(cfg: &RunConfig) -> Result<(KvPool, Option<KvPool>)> {
                 return Err(Error::Environment("--memory vram needs a CUDA GPU and none was found (use --memory dram)".into()));
             }
             let pd = Device::open(cfg.prefill_device)?;
-            let dd = if cfg.decode_device == cfg.prefill_device { pd.clone() } else { Device::open(cfg.decode_device)? };
             let pk = Arc::new(Kernels::compile(&pd)?);
-            let dk = if Arc::ptr_eq(&pd, &dd) { pk.clone() } else { Arc::new(Kernels::compile(&dd)?) };
-            let p = KvPool::device(&pd, pk, g, cfg.seed)?;
+            let p = KvPool::device(&pd, pk.clone(), g, cfg.seed)?;
             if cfg.decode_process {
-                return Ok((p, None));
+                return Ok((p, None)); // the decode agent process allocates the decode pool
             }
+            let dd = if cfg.decode_device == cfg.prefill_device { pd.clone() } else { Device::open(cfg.decode_device)? };
+            let dk = if Arc::ptr_eq(&pd, &dd) { pk } else { Arc::new(Kernels::compile(&dd)?) };
             let d = KvPool::device(&dd, dk, g, cfg.seed)?;
             Ok((p, Some(d)))
         }
@@ -236,6 +234,7 @@ fn build_pools(cfg: &RunConfig) -> Result<(KvPool, Option<KvPool>)> {
 
 impl Probe {
     pub(crate) fn setup(cfg: &RunConfig) -> Result<Probe> {
+        crate::trace!("allocating pools");
         let (p, d) = build_pools(cfg)?;
         Self::connect(cfg, p, d).map_err(|e| match e {
             // Before any transfer, a NIXL refusal means this backend cannot serve these pools
@@ -250,8 +249,10 @@ impl Probe {
     }
 
     fn connect(cfg: &RunConfig, p: KvPool, d: Option<KvPool>) -> Result<Probe> {
+        crate::trace!("prefill NIXL agent");
         let mut prefill = Endpoint::new("kvprobe-prefill", &cfg.backend, p)?;
         let pi = prefill.info()?;
+        crate::trace!("decode NIXL agent");
         let decode = match d {
             Some(d) if !cfg.decode_process => {
                 let mut decode = Endpoint::new("kvprobe-decode", &cfg.backend, d)?;
@@ -260,7 +261,9 @@ impl Probe {
             }
             d => Self::decode_process(cfg, pi, d)?,
         };
+        crate::trace!("prefill loads decode's metadata");
         prefill.connect(decode.info()?)?;
+        crate::trace!("connected");
         let mut probe = Probe { cfg: cfg.clone(), prefill, decode };
         let t0 = probe.source_table(0);
         probe.prefill.pool.fill(&t0)?;
@@ -281,7 +284,9 @@ impl Probe {
             seed: cfg.seed,
             peer: prefill.clone(),
         };
+        crate::trace!("starting the decode agent process");
         let (agent, ready, keep) = crate::remote::RemoteAgent::spawn(&init)?;
+        crate::trace!("decode agent process ready");
         if let Some(pool) = dram {
             return Ok(Endpoint::remote(agent, &cfg.backend, pool, prefill));
         }
@@ -295,6 +300,7 @@ impl Probe {
             .collect::<Result<Vec<_>>>()?;
         let dev = Device::open(cfg.decode_device)?;
         let kernels = Arc::new(Kernels::compile(&dev)?);
+        crate::trace!("opening the decode pool by CUDA IPC on GPU {}", cfg.decode_device);
         let pool = KvPool::imported(&dev, kernels, &cfg.geometry, cfg.seed, &handles, keep)?;
         Ok(Endpoint::remote(agent, &cfg.backend, pool, prefill))
     }
@@ -577,8 +583,18 @@ fn sweep(
     // The ceiling the transfer rate is compared to: one copy of the (fingerprinted) pool,
     // prefill to decode, on the same memory (decode is poisoned next anyway). The second of
     // two copies: the first warms up (page faults on DRAM).
-    probe.decode.pool.copy_pool_from(&probe.prefill.pool)?;
-    let secs = probe.decode.pool.copy_pool_from(&probe.prefill.pool)?;
+    // Across two GPUs the copy runs with peer access enabled (as cuMemcpyPeer over NVLink
+    // would; without it the driver stages through the host at a tenth of the rate).
+    crate::trace!("copy ceiling");
+    let gpus = (probe.decode.pool.gpu(), probe.prefill.pool.gpu());
+    let mut copy = || {
+        probe.decode.pool.copy_pool_from(&probe.prefill.pool)?;
+        probe.decode.pool.copy_pool_from(&probe.prefill.pool)
+    };
+    let secs = match gpus {
+        (Some(d), Some(p)) if d.ordinal() != p.ordinal() => d.with_peer_access(&p, copy)?,
+        _ => copy()?,
+    };
     let copy_gbps = Some(pool_bytes as f64 / secs.max(1e-12) / 1e9);
     probe.decode.pool.poison_layers(all.clone(), 1, false)?;
     probe.decode.pool.finish()?;
@@ -618,6 +634,7 @@ fn sweep(
         // The transfer window: from building the first request's descriptors to the last
         // request's completion.
         let window_start = Instant::now();
+        crate::trace!("iteration {it}: posting");
         for k in 0..stages.len().min(2) {
             post(probe, k, &mut inflight)?;
         }
@@ -649,6 +666,7 @@ fn sweep(
                 next = Some(probe.plan(it + 1)?);
                 times.overlapped += t.elapsed().as_secs_f64();
             }
+            crate::trace!("iteration {it}: stage {k} complete");
             // Stage k's probe passes: verify, classify, then refill and re-poison for it + 1.
             let t = Instant::now();
             probe.decode.pool.verify_layers(layers.clone())?;
@@ -709,6 +727,13 @@ fn sweep(
             let init = if cfg.op == Op::Write { &probe.prefill } else { &probe.decode };
             let mut p = init.transport_path(ucx_mark, cfg.op, cfg.memory == MemoryKind::Vram, timeout);
             p.copy_gbps = copy_gbps;
+            if p.emulated && cfg.memory == MemoryKind::Vram && cfg.prefill_device != cfg.decode_device && !cfg.decode_process {
+                p.warning = Some(
+                    "UCX does not use cuda_ipc between two GPUs of one process (cuda_ipc reaches other processes \
+                     only): add --decode-process to run decode's agent in a second process"
+                        .into(),
+                );
+            }
             report.summary.transport_path = Some(p);
         }
         for a in &cur.actions {

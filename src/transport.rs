@@ -67,7 +67,7 @@ enum Role {
     /// In this process.
     Local(Agent),
     /// In the decode agent process ([`crate::remote`]); the pool is imported from it.
-    Remote(crate::remote::RemoteAgent),
+    Remote(Box<crate::remote::RemoteAgent>),
 }
 
 /// A role: a NIXL agent with its pool registered.
@@ -98,7 +98,7 @@ impl Endpoint {
     /// The decode role with its agent in the decode agent process and `pool` imported from
     /// there ([`crate::remote`]); the child has already loaded `peer` (the prefill role).
     pub fn remote(agent: crate::remote::RemoteAgent, backend: &str, pool: KvPool, peer: PeerInfo) -> Endpoint {
-        Endpoint { agent: Role::Remote(agent), backend: backend.to_string(), peer: Some(peer), pool }
+        Endpoint { agent: Role::Remote(Box::new(agent)), backend: backend.to_string(), peer: Some(peer), pool }
     }
 
     fn local(&self) -> Result<&Agent> {

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Two-GPU lane for the decode agent in a second process (run --decode-process), one call:
+# a traced run first (KVPROBE_TRACE=1: the last line names the step of a crash); when it
+# works, the main job across the GPUs (READ/WRITE, 4 GiB per side, 20 iterations), merged
+# descriptors, pipelined, each injection class, bench --decode-process and the tests that
+# need two GPUs; when it crashes, a backtrace (gdb or cuda-gdb when present) and variants.
+#   scripts/gpu-check-x2-process.sh [BUNDLE_DIR]
+set -uo pipefail
+source "$(dirname "$0")/gpu-lane.sh"
+export KVPROBE_REQUIRE_GPUS=2
+x2=(--memory vram --prefill-device 0 --decode-device 1 --decode-process)
+medians() {
+  python3 - "$1" <<'PY' | tee -a "$log"
+import json, statistics as st, sys
+r = json.load(open(sys.argv[1])); s = r["summary"]; it = s["per_iteration"][1:] or s["per_iteration"]
+m = lambda k: st.median(x[k] for x in it)
+p = s.get("transport_path") or {}
+pool = s["bytes_transferred"] / max(1, s["iterations"])
+print(f"  exit {r['outcome']['exit_code']}, corrupt {s['blocks_corrupt']}; medians: iteration {m('iteration')*1e3:.3f} ms, "
+      f"transfer {m('transfer')*1e3:.3f} ms = {pool/m('transfer')/1e9:.1f} GB/s ({pool/m('transfer')/1e9/max(p.get('copy_gbps') or 1e-9,1e-9):.3f} of the "
+      f"same-run copy {p.get('copy_gbps') or 0:.0f} GB/s), outside {100*(1-m('transfer')/m('iteration')):.2f} %, stages {s['pipeline_stages']}")
+PY
+}
+run() {
+  step "$*"
+  rm -f "$out/x.json"
+  env "$@" --report "$out/x.json" > "$out/run.txt" 2>&1
+  echo "exit $?" | tee -a "$log"
+  grep -E "^(path|warning|result)|error" "$out/run.txt" | tee -a "$log"
+  [ -f "$out/x.json" ] && medians "$out/x.json"
+}
+step "traced: decode agent process on GPU 1, READ"
+KVPROBE_TRACE=1 "$kv" run "${x2[@]}" --preset llama3-8b --blocks 64 --iterations 2 > "$out/trace.txt" 2>&1
+rc=$?
+echo "exit $rc" | tee -a "$log"
+tail -25 "$out/trace.txt" | tee -a "$log"
+if [ "$rc" -gt 1 ]; then
+  for g in gdb /usr/local/cuda/bin/cuda-gdb; do
+    if command -v "$g" > /dev/null; then
+      step "backtrace ($g)"
+      "$g" -batch -ex run -ex "thread apply all bt 12" --args "$kv" run "${x2[@]}" --preset llama3-8b --blocks 64 --iterations 2 2>&1 |
+        grep -E "^#|signal|Thread" | head -60 | tee -a "$log"
+      break
+    fi
+  done
+  for v in "--prefill-device 1 --decode-device 0" "--op write"; do
+    step "variant: $v"
+    KVPROBE_TRACE=1 "$kv" run "${x2[@]}" --preset llama3-8b --blocks 64 --iterations 2 $v 2>&1 | tail -4 | tee -a "$log"
+  done
+  step "variant: UCX_TLS=tcp,self,cuda_copy"
+  UCX_TLS=tcp,self,cuda_copy KVPROBE_TRACE=1 "$kv" run "${x2[@]}" --preset llama3-8b --blocks 64 --iterations 2 2>&1 | tail -4 | tee -a "$log"
+  exit 0
+fi
+k=(run "$kv" run "${x2[@]}" --preset llama3-8b --blocks 2048 --iterations 20)
+"${k[@]}"
+"${k[@]}" --op write
+"${k[@]}" --descriptor-blocks 2048
+"${k[@]}" --descriptor-blocks 2048 --pipeline-stages 8
+"${k[@]}" --descriptor-blocks 64
+UCX_CUDA_IPC_ENABLE_GET_ZCOPY=n "${k[@]}" --descriptor-blocks 2048
+for inj in bitflip drop misroute stale torn; do
+  step "inject $inj:3 across devices, decode agent in a second process"
+  "$kv" run "${x2[@]}" --preset llama3-8b --iterations 2 --inject "$inj:3" 2>&1 | grep -E "corrupt|injections|result" | tee -a "$log"
+done
+step "bench/run.sh --device 0 --decode-device 1 --decode-process"
+BENCH_OUT="$out" bench/run.sh --device 0 --decode-device 1 --decode-process --repeats 5 2>&1 | sed -n '/^sweep/,$p' | grep -vE "^  (fill|poison|verify|host|hidden|kernels)" | tee -a "$log"
+step "two-GPU tests"
+"$bundle/tests" --test-threads=1 cross_device env_describes_the_link decode_agent bench::bench_across 2>&1 |
+  grep -E "^test |test result|panicked|SKIP" | tee -a "$log"
