@@ -65,7 +65,7 @@ pub struct BenchConfig {
     pub sweep_bytes: u64,
     /// Fingerprint seed.
     pub seed: u64,
-    /// VRAM sweeps with the decode agent in a second process (`run --decode-process`).
+    /// Sweeps with the decode agent in a second process (`run --decode-process`).
     pub decode_process: bool,
     /// NIXL backend of the sweep breakdowns.
     pub backend: String,
@@ -420,7 +420,7 @@ fn breakdown(
         max_failures: 100,
         descriptor_blocks,
         stages,
-        decode_process: cfg.decode_process && memory == MemoryKind::Vram,
+        decode_process: cfg.decode_process,
         scenario: None,
     };
     let (mut line, mut progress, mut ckpt) = (|_: &str| {}, |_: &crate::engine::Progress| {}, |_: &crate::report::Report| {});
@@ -573,7 +573,7 @@ pub fn run(cfg: &BenchConfig, r: &mut BenchReport) -> Result<()> {
         if let Some(st) = stages {
             label += &format!(", pipelined in {} stages", st.min(g.num_layers));
         }
-        if cfg.decode_process && cfg.memory == MemoryKind::Vram {
+        if cfg.decode_process {
             label += ", decode agent in a second process";
         }
         if let Some(d) = cfg.decode_device.filter(|&d| d != cfg.device && cfg.memory == MemoryKind::Vram) {

@@ -90,7 +90,7 @@ struct BenchArgs {
     /// Fingerprint seed (decimal or 0x hex).
     #[arg(long, default_value = "1", value_parser = parse_seed)]
     seed: u64,
-    /// VRAM sweeps with decode's NIXL agent in a second kvprobe process (run --decode-process).
+    /// Sweeps with decode's NIXL agent in a second kvprobe process (run --decode-process).
     #[arg(long)]
     decode_process: bool,
     /// NIXL backend of the sweeps.
