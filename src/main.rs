@@ -239,7 +239,7 @@ struct RunArgs {
     /// Sweep: blocks per NIXL descriptor. The block map moves runs of N consecutive blocks together and each run's contiguous slices travel as one descriptor; 1 = vLLM NixlConnector's per-block descriptors. Must divide the number of blocks.
     #[arg(long, default_value_t = 1, value_name = "N")]
     descriptor_blocks: u32,
-    /// Sweep: pipeline stages (consecutive layer ranges, one NIXL request each; while one is in flight the finished ones are verified, refilled and re-poisoned). Default: 1 (the transfer is measured alone), more when a stage would exceed 65536 descriptors; at most the number of layers. Overlap hides the probe's passes but they compete with the transfer for memory bandwidth (one H200: the transfer slows by more than is hidden; bench/NOTES.md).
+    /// Sweep: pipeline stages (consecutive layer ranges, one NIXL request each; while one is in flight the finished ones are verified, refilled and re-poisoned). Default: 8 with VRAM pools on two GPUs (the passes use each GPU's memory while the transfer uses the link), else 1 (the transfer measured alone: on one GPU the passes compete with it for memory bandwidth and slow it by more than they hide; bench/NOTES.md); more when a stage would exceed 65536 descriptors; at most the number of layers.
     #[arg(long, value_name = "N")]
     pipeline_stages: Option<u32>,
     /// Sweep: run decode's NIXL agent in a second kvprobe process (as vLLM's engines run), so UCX sees two processes (cuda_ipc between them on VRAM). VRAM: the child allocates the decode pool and shares it back by CUDA IPC for verification; DRAM: it maps kvprobe's pool (memfd).

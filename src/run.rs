@@ -457,15 +457,20 @@ pub fn coalesce(g: &Geometry, mut pairs: Vec<Pair>, run_blocks: u32) -> Vec<Pair
 pub const MAX_DESCRIPTORS_PER_REQUEST: u64 = 1 << 16;
 
 /// The sweep's pipeline stages: the layers split into `stages` near-equal consecutive
-/// ranges, at most one per layer. `None` (automatic): one stage — nothing overlaps the
-/// transfer, which is then measured alone — unless a stage would carry over
-/// [`MAX_DESCRIPTORS_PER_REQUEST`] slices (host memory of the descriptor lists), then as
-/// many as that needs. Overlap is opt-in (`--pipeline-stages`): on one H200 the probe's
-/// kernels share HBM with the copy engines and slow the transfer by more than they hide
-/// (bench/NOTES.md v3); on DRAM the CPU passes take the cores the transfer needs.
-pub fn stages(g: &Geometry, stages: Option<u32>, _memory: MemoryKind) -> Vec<Range<u32>> {
+/// ranges, at most one per layer. `None` (automatic): with `cross_gpu` (VRAM pools on two
+/// GPUs) 8 stages — the transfer runs over the GPUs' link while the probe's passes use each
+/// GPU's own memory, so overlapping them hides the passes (two NVLinked H200s, 1 GiB, 16 MiB
+/// descriptors: outside share 12 % → 3 %, iteration 7.4 → 5.6 ms); otherwise one stage, so
+/// the transfer is measured alone (on one H200 the passes share HBM with the copy engines and
+/// slow a 300 GB/s transfer by more than they hide; on DRAM they take the transfer's cores).
+/// Either way more stages where one would carry over [`MAX_DESCRIPTORS_PER_REQUEST`] slices
+/// (host memory of the descriptor lists). bench/NOTES.md v3 has the measurements.
+pub fn stages(g: &Geometry, stages: Option<u32>, cross_gpu: bool) -> Vec<Range<u32>> {
     let l = g.num_layers.max(1);
-    let auto = || g.total_slices().unwrap_or(0).div_ceil(MAX_DESCRIPTORS_PER_REQUEST).max(1) as u32;
+    let auto = || {
+        let by_size = g.total_slices().unwrap_or(0).div_ceil(MAX_DESCRIPTORS_PER_REQUEST).max(1) as u32;
+        by_size.max(if cross_gpu { 8 } else { 1 })
+    };
     let s = stages.unwrap_or_else(auto).clamp(1, l);
     let at = |i: u32| (i as u64 * l as u64 / s as u64) as u32;
     (0..s).map(|i| at(i)..at(i + 1)).collect()
@@ -569,7 +574,11 @@ fn sweep(
     let total = g.total_slices()?;
     let pool_bytes = g.pool_bytes()?;
     let timeout = Duration::from_secs_f64(cfg.timeout_secs);
-    let stages = stages(&g, cfg.stages, cfg.memory);
+    let stages = stages(
+        &g,
+        cfg.stages,
+        cfg.memory == MemoryKind::Vram && cfg.prefill_device != cfg.decode_device,
+    );
     let all = 0..g.num_layers;
     let mut buf = vec![0u8; sb];
     let mut verify_all = 0.0;

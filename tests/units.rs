@@ -219,22 +219,21 @@ fn contiguous_runs_coalesce_into_one_descriptor_each() {
 
 #[test]
 fn pipeline_stages_cover_every_layer_once() {
-    use kvprobe::pool::MemoryKind;
     let mut g = kvprobe::geometry::Preset::Llama3_8b.geometry(); // 32 layers
-    // Default: one stage on both memories (the transfer measured alone).
-    assert_eq!(stages(&g, None, MemoryKind::Vram), vec![0..32]);
-    assert_eq!(stages(&g, None, MemoryKind::Dram), vec![0..32]);
-    let s = stages(&g, Some(8), MemoryKind::Vram);
+    // Default: one stage (the transfer measured alone), 8 across two GPUs.
+    assert_eq!(stages(&g, None, false), vec![0..32]);
+    assert_eq!(stages(&g, None, true).len(), 8);
+    let s = stages(&g, Some(8), false);
     assert_eq!(s.len(), 8);
     assert_eq!(s[0], 0..4);
     assert_eq!(s[7], 28..32);
-    let s = stages(&g, Some(5), MemoryKind::Vram);
+    let s = stages(&g, Some(5), false);
     assert_eq!(s.iter().map(|r| r.len()).sum::<usize>(), 32);
     assert!(s.windows(2).all(|w| w[0].end == w[1].start) && s.iter().all(|r| r.len() >= 6));
-    assert_eq!(stages(&g, Some(99), MemoryKind::Vram).len(), 32, "at most one per layer");
+    assert_eq!(stages(&g, Some(99), false).len(), 32, "at most one per layer");
     // More than 65536 descriptors per stage: more stages (here 2^20 blocks x 64 slices).
     g.num_blocks = 1 << 20;
-    assert_eq!(stages(&g, None, MemoryKind::Dram).len(), 32);
+    assert_eq!(stages(&g, None, false).len(), 32);
     g.num_blocks = 1 << 14; // 2^20 slices: 16 stages of 2 layers
-    assert_eq!(stages(&g, None, MemoryKind::Dram).len(), 16);
+    assert_eq!(stages(&g, None, false).len(), 16);
 }
