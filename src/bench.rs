@@ -6,7 +6,9 @@
 //! to a ceiling measured in the same run on the same device:
 //!
 //! - GPU ceiling: cuMemcpyDtoD of a whole pool (≥ 4 GiB by default, layer region by layer
-//!   region), counted as bytes read + bytes written (a copy of N bytes moves 2N);
+//!   region), counted as bytes read + bytes written (a copy of N bytes moves 2N); beside it
+//!   the same copy in 16 MiB pieces on a non-blocking stream, as UCX's cuda_ipc issues a
+//!   transfer (`gpu.copy_stream`);
 //! - fill kernel (bytes written / s), poison pass (bytes written / s) and verify kernel
 //!   (bytes read / s) over that pool, each as a ratio to the ceiling (goal ≥ 0.85 for fill
 //!   and verify);
@@ -249,6 +251,9 @@ fn gpu_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
         kernel_secs(&src)
     })?;
     let copy = timed(cfg.repeats, || dst.copy_pool_from(&src))?;
+    // The same copy as UCX's cuda_ipc issues a transfer: 16 MiB pieces, one async copy each,
+    // on a non-blocking stream (where a NIXL transfer's rate limit would show without NIXL).
+    let pieces = timed(cfg.repeats, || dst.copy_pool_in_pieces(&src, 16 << 20))?;
     let verify = timed(cfg.repeats, || {
         let fails = dst.verify(&table)?;
         if !fails.is_empty() {
@@ -289,7 +294,15 @@ fn gpu_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
     rate_against(&mut v, &ceiling, Some(GOAL_KERNEL_RATIO));
     let mut p = figure("gpu.poison", "poison kernel", bytes, "written", poison);
     rate_against(&mut p, &ceiling, None);
-    out.extend([ceiling, f, v, p]);
+    let mut c = figure(
+        "gpu.copy_stream",
+        &format!("cuMemcpyDtoDAsync {gib:.2} GiB in 16 MiB pieces, non-blocking stream"),
+        2 * bytes,
+        "read+written",
+        pieces,
+    );
+    rate_against(&mut c, &ceiling, None);
+    out.extend([ceiling, f, v, p, c]);
     Ok(())
 }
 

@@ -626,6 +626,19 @@ impl KvPool {
         }
     }
 
+    /// Like [`KvPool::copy_pool_from`] on VRAM, but in pieces of `piece` bytes on a
+    /// non-blocking stream (see [`crate::cuda::copy_pieces_on_stream`]): the copy as UCX's
+    /// cuda_ipc issues it. Errors: DRAM pools or other geometries (usage), the driver (device).
+    pub fn copy_pool_in_pieces(&mut self, src: &KvPool, piece: usize) -> Result<f64> {
+        match (&self.backing, &src.backing) {
+            (Backing::Device { regions: d, .. }, Backing::Device { regions: s, .. }) if self.geom == src.geom => {
+                let pairs: Vec<(&DeviceBuffer, &DeviceBuffer)> = d.iter().zip(s.iter()).collect();
+                crate::cuda::copy_pieces_on_stream(d[0].device(), &pairs, piece)
+            }
+            _ => Err(Error::Usage("copy_pool_in_pieces needs two VRAM pools of one geometry".into())),
+        }
+    }
+
     /// VRAM pools: the device seconds (CUDA events around the launches) of the kernels of the
     /// passes the last [`KvPool::finish`] waited for (one [`KvPool::fill`], poison or
     /// [`KvPool::verify`] pass when called after one); `None` for DRAM pools.

@@ -574,11 +574,7 @@ fn sweep(
     let total = g.total_slices()?;
     let pool_bytes = g.pool_bytes()?;
     let timeout = Duration::from_secs_f64(cfg.timeout_secs);
-    let stages = stages(
-        &g,
-        cfg.stages,
-        cfg.memory == MemoryKind::Vram && cfg.prefill_device != cfg.decode_device,
-    );
+    let stages = stages(&g, cfg.stages, cfg.memory == MemoryKind::Vram && cfg.prefill_device != cfg.decode_device);
     let all = 0..g.num_layers;
     let mut buf = vec![0u8; sb];
     let mut verify_all = 0.0;

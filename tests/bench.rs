@@ -150,7 +150,7 @@ fn bench_on_vram_rates_the_kernels_against_the_copy_ceiling() {
         &["--gpu-bytes", "256MiB", "--host-bytes", "16MiB", "--sweep-bytes", "64MiB", "--repeats", "3", "--iterations", "3"],
     );
     assert_eq!(code, 0, "{out}{err}");
-    check_figures(&r, &["gpu.copy", "gpu.fill", "gpu.verify", "gpu.poison", "cpu.fill.all"]);
+    check_figures(&r, &["gpu.copy", "gpu.fill", "gpu.verify", "gpu.poison", "gpu.copy_stream", "cpu.fill.all"]);
     let figs = r["figures"].as_array().unwrap();
     let copy = figs.iter().find(|f| f["name"] == "gpu.copy").unwrap();
     assert_eq!(copy["counted"], "read+written");

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Two-GPU lane, short: bench across the GPUs with decode's agent in a second process (the
+# default-stream and piecewise-stream copy ceilings, sweeps pipelined by default across GPUs),
+# the tests that involve pipelining, two GPUs or the second process, and each injection
+# class across the GPUs with the default (pipelined) sweep.
+#   scripts/gpu-check-x2-last.sh [BUNDLE_DIR]
+set -uo pipefail
+source "$(dirname "$0")/gpu-lane.sh"
+export KVPROBE_REQUIRE_GPUS=2
+step "bench/run.sh --device 0 --decode-device 1 --decode-process"
+BENCH_OUT="$out" bench/run.sh --device 0 --decode-device 1 --decode-process --repeats 5 2>&1 |
+  grep -vE "^  (fill|poison|verify|host|hidden|kernels) |^cpu|CPU|memcpy" | tee -a "$log"
+step "tests: pipelined, cross-device, decode agent process, bench across GPUs, VRAM bench"
+"$bundle/tests" --test-threads=2 pipelined cross_device decode_agent bench_across bench_on_vram 2>&1 |
+  grep -E "^test |test result|panicked|SKIP" | tee -a "$log"
+for inj in bitflip drop misroute stale torn; do
+  step "inject $inj:3 across devices (default stages), decode agent process"
+  "$kv" run --memory vram --prefill-device 0 --decode-device 1 --decode-process --preset llama3-8b --iterations 3 \
+    --inject "$inj:3" 2>&1 | grep -E "^(block slices|corrupt by|injections|result|pipeline)" | tee -a "$log"
+done
