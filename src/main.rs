@@ -713,6 +713,7 @@ fn env(json: bool, probe: bool) -> Exit {
         }
         e.transport_probes = kvprobe::envinfo::probe_paths(e.gpus.len());
     }
+    let interrupted = kvprobe::interrupt::requested();
     if json {
         match serde_json::to_string_pretty(&e) {
             Ok(s) => out(&format!("{s}\n")),
@@ -724,8 +725,16 @@ fn env(json: bool, probe: bool) -> Exit {
     } else {
         out(&kvprobe::envinfo::render(&e));
     }
-    // NIXL (with at least one backend plugin) is what kvprobe cannot run without.
-    if e.nixl.library.is_none() || e.nixl.plugins.is_empty() { Exit::Usage } else { Exit::Clean }
+    // NIXL (with at least one backend plugin) is what kvprobe cannot run without; a DRAM probe
+    // transfer refused by the environment (exit 2) means it is not usable either.
+    let dram_refused = e.transport_probes.first().is_some_and(|p| p.what.contains("DRAM") && p.exit_code == 2);
+    if interrupted {
+        Exit::Interrupted
+    } else if e.nixl.library.is_none() || e.nixl.plugins.is_empty() || dram_refused {
+        Exit::Usage
+    } else {
+        Exit::Clean
+    }
 }
 
 /// `--race`'s long help: each mechanism with what its unfenced variant does.

@@ -100,7 +100,16 @@ pub fn prepare_ucx_env(vram_same_gpu: bool) {
         let log = if off {
             None
         } else {
-            tempfile::Builder::new().prefix("kvprobe-ucx.").tempdir().ok().map(|d| d.keep().join("ucx.log"))
+            match tempfile::Builder::new().prefix("kvprobe-ucx.").tempdir() {
+                Ok(d) => Some(d.keep().join("ucx.log")),
+                Err(e) => {
+                    crate::ucx::set_off_because(format!(
+                        "capture off: no temporary directory for UCX's log ({e}; TMPDIR={})",
+                        std::env::var("TMPDIR").unwrap_or_default()
+                    ));
+                    None
+                }
+            }
         };
         if let Some(l) = &log {
             set_default_env("UCX_PROTO_INFO", Path::new("y"));

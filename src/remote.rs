@@ -22,6 +22,10 @@
 //! | → child / ← child | `P` / `T <TransportPath as JSON>` | UCX's protocol selection seen by the child |
 //! | → child | `Q` (or end of input) | the child releases everything and exits 0 |
 //!
+//! The child checks what it reads: lines are bounded (64 MiB for [`Init`], 4 KiB for a
+//! command), a pair count is 1 to the pool's slice count, and each pair must lie inside the
+//! pool; anything else is `E 2 <why>` and exit 2, never a quit with 0.
+//!
 //! A child that fails sends `E` and exits with the code kvprobe would have used; a child
 //! that dies is reported as a transport error (exit 3). The child ignores Ctrl-C (kvprobe
 //! stops it by closing its input) and dies with kvprobe (`PR_SET_PDEATHSIG`).
@@ -34,7 +38,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, BufWriter, Read, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc::{Receiver, TryRecvError, channel};
+use std::sync::mpsc::{Receiver, Sender, TryRecvError, channel};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -69,24 +73,33 @@ pub struct Ready {
 }
 
 /// The child process; closing its input ends it. Kept alive by the decode agent's proxy and
-/// by every region of the pool imported from it.
+/// by every region of the pool imported from it. Messages to the child go through a writer
+/// thread, so a child that stops reading never blocks kvprobe (its requests then time out).
 struct ChildGuard {
     child: Mutex<Child>,
-    stdin: Mutex<Option<BufWriter<ChildStdin>>>,
+    to_child: Mutex<Option<Sender<Vec<u8>>>>,
+}
+
+/// Writes what it receives to the child's stdin until the channel closes (then ends the
+/// child's input with `Q` and EOF) or the child's input is gone.
+fn writer(stdin: ChildStdin, rx: Receiver<Vec<u8>>) {
+    let mut w = BufWriter::new(stdin);
+    for msg in rx {
+        if w.write_all(&msg).and_then(|_| w.flush()).is_err() {
+            return;
+        }
+    }
+    let _ = w.write_all(b"Q\n").and_then(|_| w.flush());
 }
 
 impl Drop for ChildGuard {
     fn drop(&mut self) {
-        if let Ok(mut s) = self.stdin.lock() {
-            if let Some(w) = s.as_mut() {
-                let _ = w.write_all(b"Q\n");
-                let _ = w.flush();
-            }
-            *s = None; // end of input
+        if let Ok(mut s) = self.to_child.lock() {
+            *s = None; // the writer sends Q and closes the child's input
         }
         if let Ok(mut c) = self.child.lock() {
             let t0 = Instant::now();
-            while t0.elapsed() < Duration::from_secs(10) {
+            while t0.elapsed() < Duration::from_secs(5) {
                 if let Ok(Some(_)) = c.try_wait() {
                     return;
                 }
@@ -155,9 +168,11 @@ impl RemoteAgent {
         }
         crate::child::die_with_parent(&mut cmd);
         let mut child = cmd.spawn().map_err(|e| Error::Environment(format!("cannot start the decode agent process: {e}")))?;
-        let stdin = child.stdin.take().map(BufWriter::new);
+        let stdin = child.stdin.take().expect("piped");
         let stdout = child.stdout.take().expect("piped");
-        let guard = Arc::new(ChildGuard { child: Mutex::new(child), stdin: Mutex::new(stdin) });
+        let (wtx, wrx) = channel::<Vec<u8>>();
+        std::thread::spawn(move || writer(stdin, wrx));
+        let guard = Arc::new(ChildGuard { child: Mutex::new(child), to_child: Mutex::new(Some(wtx)) });
         let (tx, rx) = channel();
         std::thread::spawn(move || {
             let mut r = BufReader::new(stdout);
@@ -230,13 +245,14 @@ impl RemoteAgent {
         Ok((remote, ready, guard))
     }
 
+    /// Queues a message for the child (never blocks: the writer thread delivers it).
     fn send(&self, head: &[u8], body: &[u8]) -> Result<()> {
-        let mut s = self.guard.stdin.lock().unwrap();
-        let w = s.as_mut().ok_or_else(|| Error::Transport("the decode agent process is closed".into()))?;
-        w.write_all(head)
-            .and_then(|_| w.write_all(body))
-            .and_then(|_| w.flush())
-            .map_err(|e| Error::Transport(format!("the decode agent process is gone: {e}")))
+        let s = self.guard.to_child.lock().unwrap();
+        let tx = s.as_ref().ok_or_else(|| Error::Transport("the decode agent process is closed".into()))?;
+        let mut msg = Vec::with_capacity(head.len() + body.len());
+        msg.extend_from_slice(head);
+        msg.extend_from_slice(body);
+        tx.send(msg).map_err(|_| Error::Transport("the decode agent process is gone (its input is closed)".into()))
     }
 
     /// The agent's name and metadata, as the child reported them.
@@ -364,6 +380,74 @@ enum Cmd {
     Xfer(String, Vec<Pair>),
     Path,
     Quit,
+    /// A malformed command: the child fails with this message (exit 2).
+    Bad(String),
+}
+
+/// Longest [`Init`] line the child accepts (its NIXL metadata is a few hundred KiB at most).
+const MAX_INIT_BYTES: u64 = 64 << 20;
+/// Longest command line the child accepts (`X <tag> <n>`).
+const MAX_COMMAND_BYTES: u64 = 4096;
+
+/// Reads one line of at most `max` bytes; `Ok(None)` at end of input. Errors: a longer line
+/// or invalid UTF-8 (usage).
+fn read_line_limited(r: &mut impl BufRead, max: u64) -> Result<Option<String>> {
+    let mut buf = Vec::new();
+    let n = r.take(max + 1).read_until(b'\n', &mut buf).map_err(|e| Error::Io(format!("kvprobe agent: input: {e}")))?;
+    if n == 0 {
+        return Ok(None);
+    }
+    if n as u64 > max {
+        return Err(Error::Usage(format!("kvprobe agent: an input line is longer than {max} bytes")));
+    }
+    String::from_utf8(buf).map(Some).map_err(|_| Error::Usage("kvprobe agent: input is not UTF-8".into()))
+}
+
+/// Reads and checks the next command (see the module's table); end of input is `Quit`.
+fn read_command(input: &mut impl BufRead, geometry: &Geometry, max_pairs: u64) -> Cmd {
+    let l = match read_line_limited(input, MAX_COMMAND_BYTES) {
+        Ok(Some(l)) => l,
+        Ok(None) => return Cmd::Quit,
+        Err(e) => return Cmd::Bad(e.detail().to_string()),
+    };
+    let f: Vec<&str> = l.split_whitespace().collect();
+    match f.as_slice() {
+        ["X", tag, n] => match n.parse::<u64>() {
+            Ok(n) if n >= 1 && n <= max_pairs => {
+                let mut body = vec![0u8; n as usize * 32];
+                if input.read_exact(&mut body).is_err() {
+                    return Cmd::Bad(format!("kvprobe agent: input ended inside the {n} pairs of {tag}"));
+                }
+                match body.chunks_exact(32).map(decode_pair).collect::<Option<Vec<_>>>() {
+                    Some(pairs) => match pairs.iter().try_for_each(|p| check_pair(geometry, p)) {
+                        Ok(()) => Cmd::Xfer(tag.to_string(), pairs),
+                        Err(e) => Cmd::Bad(e.detail().to_string()),
+                    },
+                    None => Cmd::Bad(format!("kvprobe agent: a pair of {tag} has an unknown K/V code")),
+                }
+            }
+            _ => Cmd::Bad(format!("kvprobe agent: X {tag} {n}: the pair count must be 1 to {max_pairs}")),
+        },
+        ["P"] => Cmd::Path,
+        ["Q"] => Cmd::Quit,
+        _ => Cmd::Bad(format!("kvprobe agent: unknown command {:?}", l.trim_end())),
+    }
+}
+
+/// Checks a pair against the pool's geometry: both slices exist and `len` bytes from each
+/// stay inside its layer region. Errors: usage.
+fn check_pair(g: &Geometry, p: &Pair) -> Result<()> {
+    let sb = g.slice_bytes()?;
+    let region = g.region_bytes()?;
+    for c in [p.src, p.dst] {
+        if c.layer >= g.num_layers || c.block >= g.num_blocks || !g.parts().contains(&c.kv) {
+            return Err(Error::Usage(format!("kvprobe agent: pair names a slice outside the pool: {c:?}")));
+        }
+        if p.len == 0 || g.slice_offset(c.kv, c.block) + p.len > region || (p.len > sb && !p.len.is_multiple_of(sb)) {
+            return Err(Error::Usage(format!("kvprobe agent: pair of {} bytes at {c:?} leaves its layer region", p.len)));
+        }
+    }
+    Ok(())
 }
 
 /// `kvprobe agent`: the child side. Reads [`Init`] from stdin, serves the protocol above,
@@ -386,9 +470,14 @@ pub fn agent_main() -> Exit {
 
 fn serve(say: &dyn Fn(String)) -> Result<()> {
     let mut input = BufReader::new(std::io::stdin());
-    let mut line = String::new();
-    input.read_line(&mut line).map_err(|e| Error::Io(e.to_string()))?;
+    let line = read_line_limited(&mut input, MAX_INIT_BYTES)?
+        .ok_or_else(|| Error::Usage("kvprobe agent: no init line on stdin".into()))?;
     let init: Init = serde_json::from_str(line.trim()).map_err(|e| Error::Usage(format!("kvprobe agent: bad init: {e}")))?;
+    if init.memory == crate::pool::MemoryKind::Dram && init.dram_fd.is_none() {
+        return Err(Error::Usage("kvprobe agent: a DRAM init needs the pool's descriptor (dram_fd)".into()));
+    }
+    init.geometry.validate()?;
+    let max_pairs = init.geometry.total_slices()?;
     crate::trace!("decode agent process: init for GPU {}", init.device);
     crate::nixl::prepare_ucx_env(false);
     crate::nixl::check_ucx_log_file()?;
@@ -416,33 +505,12 @@ fn serve(say: &dyn Fn(String)) -> Result<()> {
     say(format!("R {}\n", serde_json::to_string(&ready).map_err(|e| Error::Io(e.to_string()))?));
 
     let (tx, rx) = channel();
+    let geometry = init.geometry.clone();
     std::thread::spawn(move || {
-        let mut l = String::new();
         loop {
-            l.clear();
-            if input.read_line(&mut l).unwrap_or(0) == 0 {
-                let _ = tx.send(Cmd::Quit);
-                return;
-            }
-            let f: Vec<&str> = l.split_whitespace().collect();
-            let cmd = match f.as_slice() {
-                ["X", tag, n] => {
-                    let n: usize = n.parse().unwrap_or(0);
-                    let mut body = vec![0u8; n * 32];
-                    if input.read_exact(&mut body).is_err() {
-                        let _ = tx.send(Cmd::Quit);
-                        return;
-                    }
-                    match body.chunks_exact(32).map(decode_pair).collect::<Option<Vec<_>>>() {
-                        Some(pairs) => Cmd::Xfer(tag.to_string(), pairs),
-                        None => Cmd::Quit,
-                    }
-                }
-                ["P"] => Cmd::Path,
-                _ => Cmd::Quit,
-            };
-            let quit = matches!(cmd, Cmd::Quit);
-            if tx.send(cmd).is_err() || quit {
+            let cmd = read_command(&mut input, &geometry, max_pairs);
+            let stop = matches!(cmd, Cmd::Quit | Cmd::Bad(_));
+            if tx.send(cmd).is_err() || stop {
                 return;
             }
         }
@@ -461,6 +529,7 @@ fn serve(say: &dyn Fn(String)) -> Result<()> {
                 let p = crate::ucx::path_since(mark, &init.backend, "READ", vram);
                 say(format!("T {}\n", serde_json::to_string(&p).map_err(|e| Error::Io(e.to_string()))?));
             }
+            Ok(Cmd::Bad(m)) => return Err(Error::Usage(m)),
             Ok(Cmd::Quit) | Err(TryRecvError::Disconnected) => return Ok(()),
             Err(TryRecvError::Empty) => {}
         }
@@ -485,5 +554,70 @@ fn serve(say: &dyn Fn(String)) -> Result<()> {
                 std::hint::spin_loop();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::geometry::Preset;
+    use std::io::Cursor;
+
+    fn wire(pairs: &[[u32; 6]], len: u64) -> Vec<u8> {
+        let mut b = Vec::new();
+        for p in pairs {
+            for v in p {
+                b.extend_from_slice(&v.to_le_bytes());
+            }
+            b.extend_from_slice(&len.to_le_bytes());
+        }
+        b
+    }
+
+    fn cmd(input: Vec<u8>) -> Cmd {
+        let g = Preset::Small.geometry(); // 4 layers x K/V x 64 blocks, 4096-byte slices
+        read_command(&mut Cursor::new(input), &g, g.total_slices().unwrap())
+    }
+
+    fn bad(input: Vec<u8>, needle: &str) {
+        match cmd(input) {
+            Cmd::Bad(m) => assert!(m.contains(needle), "{m:?} lacks {needle:?}"),
+            _ => panic!("accepted; expected an error containing {needle:?}"),
+        }
+    }
+
+    #[test]
+    fn commands_are_parsed_and_checked_against_the_pool() {
+        let mut ok = b"X t0 2\n".to_vec();
+        ok.extend(wire(&[[1, 0, 5, 1, 0, 9], [3, 1, 63, 3, 1, 0]], 4096));
+        match cmd(ok) {
+            Cmd::Xfer(tag, pairs) => {
+                assert_eq!(tag, "t0");
+                assert_eq!(pairs.len(), 2);
+                assert_eq!((pairs[1].src.layer, pairs[1].src.kv, pairs[1].dst.block), (3, KvPart::V, 0));
+            }
+            _ => panic!("a valid X was refused"),
+        }
+        assert!(matches!(cmd(b"P\n".to_vec()), Cmd::Path));
+        assert!(matches!(cmd(b"Q\n".to_vec()), Cmd::Quit));
+        assert!(matches!(cmd(Vec::new()), Cmd::Quit));
+        bad(b"hello\n".to_vec(), "unknown command");
+        bad(b"X\n".to_vec(), "unknown command");
+        bad(b"P extra\n".to_vec(), "unknown command");
+        bad(b"X t abc\n".to_vec(), "pair count must be 1 to 512");
+        bad(b"X t 0\n".to_vec(), "pair count must be 1 to 512");
+        bad(b"X t 99999999999999\n".to_vec(), "pair count must be 1 to 512");
+        bad(b"X t 2\n".to_vec(), "input ended inside the 2 pairs");
+        let with = |p: [u32; 6], len: u64| [b"X t 1\n".to_vec(), wire(&[p], len)].concat();
+        bad(with([99, 0, 0, 0, 0, 0], 4096), "outside the pool");
+        bad(with([0, 0, 64, 0, 0, 0], 4096), "outside the pool");
+        bad(with([0, 2, 0, 0, 0, 0], 4096), "outside the pool"); // latent in a K/V pool
+        bad(with([0, 7, 0, 0, 0, 0], 4096), "unknown K/V code");
+        bad(with([0, 0, 0, 0, 0, 0], 0), "leaves its layer region");
+        bad(with([0, 1, 63, 0, 1, 63], 2 * 4096), "leaves its layer region"); // past V's last block
+        bad(with([0, 0, 0, 0, 0, 0], 4097), "leaves its layer region");
+        // Two whole slices from K's last block run into V's first: inside the region, allowed.
+        assert!(matches!(cmd(with([0, 0, 63, 0, 0, 63], 2 * 4096)), Cmd::Xfer(..)));
+        bad([b"X ".to_vec(), vec![b'a'; 5000], b" 1\n".to_vec()].concat(), "longer than 4096 bytes");
     }
 }

@@ -157,7 +157,9 @@ pub struct Summary {
     pub overlapped_seconds: f64,
     /// Peak resident host memory of the kvprobe process at the end of the run (bytes,
     /// VmHWM): DRAM pools included; with VRAM pools it stays O(failures + blocks), not
-    /// O(pool bytes) — the host never holds a copy of the pool.
+    /// O(pool bytes) — the host never holds a copy of the pool. With `--decode-process` the
+    /// decode agent process's own memory is not included. `None` where /proc is missing or
+    /// the run was refused before it started.
     pub host_peak_bytes: Option<u64>,
     /// Pipeline stages of the sweep (consecutive layer ranges, one NIXL request each).
     pub pipeline_stages: u32,

@@ -112,7 +112,7 @@ fn check_config(cfg: &RunConfig) -> Result<()> {
     let n = cfg.descriptor_blocks;
     if n == 0 || !cfg.geometry.num_blocks.is_multiple_of(n) {
         return Err(Error::Usage(format!(
-            "--descriptor-blocks must be at least 1 and divide --num-blocks ({}); got {n}",
+            "--descriptor-blocks must be at least 1 and divide --blocks ({}); got {n}",
             cfg.geometry.num_blocks
         )));
     }
@@ -648,12 +648,23 @@ fn sweep(
             // Wait for stage k.
             let mut posted = inflight.pop_front().expect("one request per stage");
             if let Some(p) = posted.as_mut() {
+                // A signal lets the request finish for up to a second (then the report says
+                // interrupted rather than waiting out --timeout on a stalled transfer).
+                let mut interrupted: Option<Instant> = None;
                 loop {
                     if let Some(r) = transport::poll(cfg.op, &probe.prefill, &probe.decode, p)? {
                         bytes += r.bytes;
                         break;
                     }
                     p.check_timeout(timeout)?;
+                    if crate::interrupt::requested() {
+                        let since = *interrupted.get_or_insert_with(Instant::now);
+                        if since.elapsed() > Duration::from_secs(1) {
+                            return Err(Error::Interrupted(format!(
+                                "in iteration {it} while stage {k}'s transfer was in flight (incomplete after 1 s)"
+                            )));
+                        }
+                    }
                     std::hint::spin_loop();
                 }
             }

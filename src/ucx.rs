@@ -33,6 +33,14 @@ pub(crate) fn set_log_path(p: Option<PathBuf>) {
     let _ = LOG.set(p);
 }
 
+static OFF_BECAUSE: OnceLock<String> = OnceLock::new();
+
+/// Records why the capture is off when it is not the user's choice (e.g. no temporary
+/// directory could be made); reports give it as the path's `unknown_because`.
+pub(crate) fn set_off_because(why: String) {
+    let _ = OFF_BECAUSE.set(why);
+}
+
 /// One row of a UCX protocol table.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct ProtoRow {
@@ -176,7 +184,10 @@ pub fn path_since(from: u64, backend: &str, op: &str, vram: bool) -> TransportPa
     }
     let Some(text) = read_since(from) else {
         p.unknown_because = Some(match log_path() {
-            None => format!("capture off (UCX_PROTO_INFO or UCX_LOG_FILE set by the user, or {DIAG_ENV}=0)"),
+            None => OFF_BECAUSE
+                .get()
+                .cloned()
+                .unwrap_or_else(|| format!("capture off (UCX_PROTO_INFO or UCX_LOG_FILE set by the user, or {DIAG_ENV}=0)")),
             Some(l) => format!("UCX log {} unreadable", l.display()),
         });
         return p;

@@ -299,7 +299,7 @@ fn clean_pipelined_and_merged_sweeps_stay_clean() {
 #[test]
 fn sweep_shape_flags_are_checked() {
     for (args, needle) in [
-        (vec!["--descriptor-blocks", "7"], "--descriptor-blocks must be at least 1 and divide --num-blocks (64); got 7"),
+        (vec!["--descriptor-blocks", "7"], "--descriptor-blocks must be at least 1 and divide --blocks (64); got 7"),
         (vec!["--descriptor-blocks", "0"], "--descriptor-blocks must be at least 1"),
         (vec!["--pipeline-stages", "0"], "--pipeline-stages must be between 1 and the number of layers (4); got 0"),
         (vec!["--pipeline-stages", "5"], "--pipeline-stages must be between 1 and the number of layers (4); got 5"),
@@ -425,4 +425,60 @@ fn a_decode_agent_process_that_dies_is_a_transport_error() {
     assert_eq!(r["outcome"]["exit_code"], 3);
     let left = std::process::Command::new("pgrep").args(["-P", &me]).output().unwrap();
     assert!(left.stdout.is_empty(), "children left: {}", String::from_utf8_lossy(&left.stdout));
+}
+
+/// Starts a long `--decode-process` run, waits until it iterates, freezes its decode agent
+/// (SIGSTOP) and returns (kvprobe child, its stderr so far, report path).
+fn run_with_frozen_agent(name: &str, timeout: &str) -> (std::process::Child, String, std::path::PathBuf) {
+    let d = crate::common::tmpdir(name);
+    let report = d.join("r.json");
+    let mut child = std::process::Command::new(crate::common::bin())
+        .args(["run", "--memory", "dram", "--decode-process", "--preset", "llama3-8b", "--blocks", "32"])
+        .args(["--iterations", "100000", "--timeout", timeout, "--report"])
+        .arg(&report)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let me = child.id().to_string();
+    let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut seen = String::new();
+    while !seen.contains("iteration 2/") {
+        let mut l = String::new();
+        if std::io::BufRead::read_line(&mut stderr, &mut l).unwrap() == 0 {
+            panic!("kvprobe ended before iterating: {seen}");
+        }
+        seen += &l;
+    }
+    let out = std::process::Command::new("pgrep").args(["-P", &me, "-f", "kvprobe agent"]).output().unwrap();
+    let agent = String::from_utf8_lossy(&out.stdout).split_whitespace().next().expect("the decode agent process").to_string();
+    assert!(std::process::Command::new("kill").args(["-STOP", &agent]).status().unwrap().success());
+    std::thread::spawn(move || {
+        let mut rest = String::new();
+        let _ = std::io::Read::read_to_string(&mut stderr, &mut rest);
+    });
+    (child, seen, report)
+}
+
+#[test]
+fn a_frozen_decode_agent_times_out_and_ctrl_c_is_not_held_up_by_it() {
+    // A stopped agent neither reads its requests nor answers: --timeout ends the run (exit 4,
+    // report written) even when requests are larger than a pipe's buffer.
+    let (mut child, _, report) = run_with_frozen_agent("frozen-timeout", "2");
+    let t0 = std::time::Instant::now();
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(4), "exit after {:?}", t0.elapsed());
+    assert!(t0.elapsed() < std::time::Duration::from_secs(20), "{:?}", t0.elapsed());
+    let r: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    assert_eq!(r["outcome"]["status"], "timeout");
+    // Ctrl-C while the transfer is stuck: 130 within seconds, not after --timeout (60 s).
+    let (mut child, _, report) = run_with_frozen_agent("frozen-sigint", "60");
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let t0 = std::time::Instant::now();
+    assert!(std::process::Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap().success());
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(130));
+    assert!(t0.elapsed() < std::time::Duration::from_secs(15), "{:?}", t0.elapsed());
+    let r: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    assert_eq!(r["outcome"]["status"], "interrupted");
 }
