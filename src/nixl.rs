@@ -381,51 +381,12 @@ impl Agent {
         Ok(p.done.map(|elapsed| XferResult { bytes: p.bytes, elapsed }))
     }
 
-    /// Posts one transfer (see [`Agent::post`]) and polls it until it completes, up to
-    /// `timeout`.
-    ///
-    /// Errors: [`Error::Transport`] when NIXL refuses or fails the request,
-    /// [`Error::Timeout`] when it does not complete in time.
-    pub fn transfer(
-        &self,
-        op: XferOp,
-        local: (&[(u64, u64)], MemType, u64),
-        remote: (&[(u64, u64)], MemType, u64),
-        peer: &str,
-        notif: &[u8],
-        timeout: Duration,
-    ) -> Result<XferResult> {
-        let mut p = self.post(op, local, remote, peer, notif)?;
-        loop {
-            if let Some(r) = self.poll(&mut p)? {
-                return Ok(r);
-            }
-            p.check_timeout(timeout)?;
-            std::thread::yield_now();
-        }
-    }
-
     /// Takes every notification that has arrived, as `(peer agent, message)` pairs.
     pub fn take_notifications(&self) -> Result<Vec<(String, String)>> {
         let mut map = nixl_sys::NotificationMap::new().map_err(|e| terr("notification map", e))?;
         self.agent.get_notifications(&mut map, None).map_err(|e| terr("get notifications", e))?;
         let got = map.take_notifs().map_err(|e| terr("read notifications", e))?;
         Ok(got.into_iter().flat_map(|(peer, msgs)| msgs.into_iter().map(move |m| (peer.clone(), m))).collect())
-    }
-
-    /// Waits up to `timeout` for a notification equal to `msg` from `peer` (other
-    /// notifications that arrive meanwhile are dropped).
-    pub fn wait_notification(&self, peer: &str, msg: &str, timeout: Duration) -> Result<()> {
-        let t0 = Instant::now();
-        loop {
-            if self.take_notifications()?.iter().any(|(p, m)| p == peer && m == msg) {
-                return Ok(());
-            }
-            if t0.elapsed() > timeout {
-                return Err(Error::Timeout(format!("no notification {msg:?} from {peer} after {:.3} s", timeout.as_secs_f64())));
-            }
-            std::thread::sleep(Duration::from_micros(50));
-        }
     }
 }
 

@@ -264,10 +264,8 @@ impl Probe {
         crate::trace!("prefill loads decode's metadata");
         prefill.connect(decode.info()?)?;
         crate::trace!("connected");
-        let mut probe = Probe { cfg: cfg.clone(), prefill, decode };
-        let t0 = probe.source_table(0);
-        probe.prefill.pool.fill(&t0)?;
-        Ok(probe)
+        // The sweep and the scenario engine each fill the prefill pool themselves.
+        Ok(Probe { cfg: cfg.clone(), prefill, decode })
     }
 
     /// Starts the decode agent process ([`crate::remote`]): VRAM, opens the pool it allocated;

@@ -300,29 +300,3 @@ pub fn await_notifications(
     }
     Ok(())
 }
-
-/// Moves `pairs` from `prefill` to `decode` with one NIXL request and waits for both the
-/// request's completion (initiator) and its notification `tag` (the other role), each
-/// within `timeout`. Errors: transport (exit 3) or timeout (exit 4).
-pub fn transfer(
-    op: Op,
-    prefill: &Endpoint,
-    decode: &Endpoint,
-    pairs: &[Pair],
-    tag: &str,
-    timeout: Duration,
-) -> Result<XferResult> {
-    if pairs.is_empty() {
-        return Ok(XferResult { bytes: 0, elapsed: Duration::ZERO });
-    }
-    let mut p = post(op, prefill, decode, pairs, tag)?;
-    let r = loop {
-        if let Some(r) = poll(op, prefill, decode, &mut p)? {
-            break r;
-        }
-        p.check_timeout(timeout)?;
-        std::thread::yield_now();
-    };
-    await_notifications(op, prefill, decode, &mut [tag.to_string()].into_iter().collect(), timeout)?;
-    Ok(r)
-}
