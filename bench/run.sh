@@ -16,5 +16,8 @@ if [ -z "$kv" ]; then
 fi
 out="${BENCH_OUT:-bench/results}"
 mkdir -p "$out"
-export UCX_CUDA_IPC_ENABLE_GET_ZCOPY="${UCX_CUDA_IPC_ENABLE_GET_ZCOPY:-y}"
+# Only where a GPU is present (UCX warns about unused variables elsewhere).
+if [ -e /dev/nvidiactl ] && [ -z "${UCX_CUDA_IPC_ENABLE_GET_ZCOPY:-}" ]; then
+  export UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y
+fi
 exec "$kv" bench --json "$out/$(hostname)-$(date -u +%Y%m%dT%H%M%SZ).json" "$@"

@@ -658,8 +658,8 @@ pub fn render(r: &BenchReport) -> String {
             ("iteration", b.iteration_s),
         ] {
             if name == "hidden" {
-                s +=
-                    &format!("  {name:<10} {x:>10.6} s  (probe work inside the transfer window, {} stages)\n", b.pipeline_stages);
+                let stages = if b.pipeline_stages == 1 { "1 stage".to_string() } else { format!("{} stages", b.pipeline_stages) };
+                s += &format!("  {name:<10} {x:>10.6} s  (probe work inside the transfer window, {stages})\n");
             } else {
                 s += &format!("  {name:<10} {x:>10.6} s  {:>5.1} %\n", pct(x));
             }

@@ -478,7 +478,10 @@ fn serve(say: &dyn Fn(String)) -> Result<()> {
     }
     init.geometry.validate()?;
     let max_pairs = init.geometry.total_slices()?;
-    crate::trace!("decode agent process: init for GPU {}", init.device);
+    crate::trace!(
+        "decode agent process: init ({})",
+        if init.memory == crate::pool::MemoryKind::Vram { format!("VRAM on GPU {}", init.device) } else { "DRAM".into() }
+    );
     crate::nixl::prepare_ucx_env(false);
     crate::nixl::check_ucx_log_file()?;
     crate::nixl::load()?;

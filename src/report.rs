@@ -422,13 +422,14 @@ pub fn render(r: &Report) -> String {
     }
     if let Ok(g) = serde_json::from_value::<crate::geometry::Geometry>(r.config["geometry"].clone()) {
         out += &format!(
-            "pool:              {} per side, {} layers x {} x {} blocks, {}-byte block slices ({})\n",
+            "pool:              {} per side, {} layers x {} x {} blocks, {}-byte block slices ({}){}\n",
             r.config["memory"].as_str().unwrap_or("?"),
             g.num_layers,
             if g.mla { "latent" } else { "K/V" },
             g.num_blocks,
             g.slice_bytes().unwrap_or(0),
-            g.pool_bytes().map(|b| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)).unwrap_or_default()
+            g.pool_bytes().map(|b| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)).unwrap_or_default(),
+            if r.config["decode_process"] == true { "; decode agent in a second process" } else { "" }
         );
     }
     match &r.scenario {
@@ -543,13 +544,14 @@ pub fn render(r: &Report) -> String {
             None => format!("iter {}", f.iteration),
         };
         out += &format!(
-            "  {at} layer {} {} block {}: {} (first bad byte {}, {} bad bytes){}{}\n",
+            "  {at} layer {} {} block {}: {} (first bad byte {}, {} bad byte{}){}{}\n",
             f.layer,
             f.kv,
             f.block,
             f.class,
             f.first_bad_offset,
             f.bad_bytes,
+            if f.bad_bytes == 1 { "" } else { "s" },
             f.observed
                 .map(|o| format!(", holds layer {} {} block {} gen {}", o.layer, o.kv, o.block, o.generation))
                 .unwrap_or_default(),
@@ -563,7 +565,7 @@ pub fn render(r: &Report) -> String {
     let shown = r.failures.len().min(5) as u64;
     if s.blocks_corrupt > shown {
         out += &format!(
-            "  ... {} more corrupt slices; the JSON report lists {}{}\n",
+            "  ... {} more corrupt slices; the JSON report (--report) lists {}{}\n",
             s.blocks_corrupt - shown,
             r.failures.len(),
             if s.failures_omitted > 0 { format!(" ({} left out by --max-failures)", s.failures_omitted) } else { String::new() }

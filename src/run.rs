@@ -252,9 +252,9 @@ impl Probe {
         crate::trace!("prefill NIXL agent");
         let mut prefill = Endpoint::new("kvprobe-prefill", &cfg.backend, p)?;
         let pi = prefill.info()?;
-        crate::trace!("decode NIXL agent");
         let decode = match d {
             Some(d) if !cfg.decode_process => {
+                crate::trace!("decode NIXL agent");
                 let mut decode = Endpoint::new("kvprobe-decode", &cfg.backend, d)?;
                 decode.connect(pi)?;
                 decode
