@@ -376,9 +376,14 @@ fn decode_pair(b: &[u8]) -> Option<Pair> {
     })
 }
 
-enum Cmd {
+/// A command the decode agent process read (see the module's table).
+#[derive(Debug)]
+pub enum AgentCommand {
+    /// `X`: post a READ of these pairs under this tag.
     Xfer(String, Vec<Pair>),
+    /// `P`: report UCX's protocol selection.
     Path,
+    /// `Q` or end of input: release everything and exit 0.
     Quit,
     /// A malformed command: the child fails with this message (exit 2).
     Bad(String),
@@ -403,12 +408,14 @@ fn read_line_limited(r: &mut impl BufRead, max: u64) -> Result<Option<String>> {
     String::from_utf8(buf).map(Some).map_err(|_| Error::Usage("kvprobe agent: input is not UTF-8".into()))
 }
 
-/// Reads and checks the next command (see the module's table); end of input is `Quit`.
-fn read_command(input: &mut impl BufRead, geometry: &Geometry, max_pairs: u64) -> Cmd {
+/// Reads and checks the next command of the decode agent process (see the module's table):
+/// lines of at most 4 KiB, a pair count of 1 to `max_pairs`, every pair inside a pool of
+/// `geometry` ([`check_pair`]); end of input is `Quit`, anything else malformed `Bad`.
+pub fn read_command(input: &mut impl BufRead, geometry: &Geometry, max_pairs: u64) -> AgentCommand {
     let l = match read_line_limited(input, MAX_COMMAND_BYTES) {
         Ok(Some(l)) => l,
-        Ok(None) => return Cmd::Quit,
-        Err(e) => return Cmd::Bad(e.detail().to_string()),
+        Ok(None) => return AgentCommand::Quit,
+        Err(e) => return AgentCommand::Bad(e.detail().to_string()),
     };
     let f: Vec<&str> = l.split_whitespace().collect();
     match f.as_slice() {
@@ -416,27 +423,27 @@ fn read_command(input: &mut impl BufRead, geometry: &Geometry, max_pairs: u64) -
             Ok(n) if n >= 1 && n <= max_pairs => {
                 let mut body = vec![0u8; n as usize * 32];
                 if input.read_exact(&mut body).is_err() {
-                    return Cmd::Bad(format!("kvprobe agent: input ended inside the {n} pairs of {tag}"));
+                    return AgentCommand::Bad(format!("kvprobe agent: input ended inside the {n} pairs of {tag}"));
                 }
                 match body.chunks_exact(32).map(decode_pair).collect::<Option<Vec<_>>>() {
                     Some(pairs) => match pairs.iter().try_for_each(|p| check_pair(geometry, p)) {
-                        Ok(()) => Cmd::Xfer(tag.to_string(), pairs),
-                        Err(e) => Cmd::Bad(e.detail().to_string()),
+                        Ok(()) => AgentCommand::Xfer(tag.to_string(), pairs),
+                        Err(e) => AgentCommand::Bad(e.detail().to_string()),
                     },
-                    None => Cmd::Bad(format!("kvprobe agent: a pair of {tag} has an unknown K/V code")),
+                    None => AgentCommand::Bad(format!("kvprobe agent: a pair of {tag} has an unknown K/V code")),
                 }
             }
-            _ => Cmd::Bad(format!("kvprobe agent: X {tag} {n}: the pair count must be 1 to {max_pairs}")),
+            _ => AgentCommand::Bad(format!("kvprobe agent: X {tag} {n}: the pair count must be 1 to {max_pairs}")),
         },
-        ["P"] => Cmd::Path,
-        ["Q"] => Cmd::Quit,
-        _ => Cmd::Bad(format!("kvprobe agent: unknown command {:?}", l.trim_end())),
+        ["P"] => AgentCommand::Path,
+        ["Q"] => AgentCommand::Quit,
+        _ => AgentCommand::Bad(format!("kvprobe agent: unknown command {:?}", l.trim_end())),
     }
 }
 
 /// Checks a pair against the pool's geometry: both slices exist and `len` bytes from each
-/// stay inside its layer region. Errors: usage.
-fn check_pair(g: &Geometry, p: &Pair) -> Result<()> {
+/// stay inside its layer region (a length over one slice must be whole slices). Errors: usage.
+pub fn check_pair(g: &Geometry, p: &Pair) -> Result<()> {
     let sb = g.slice_bytes()?;
     let region = g.region_bytes()?;
     for c in [p.src, p.dst] {
@@ -512,7 +519,7 @@ fn serve(say: &dyn Fn(String)) -> Result<()> {
     std::thread::spawn(move || {
         loop {
             let cmd = read_command(&mut input, &geometry, max_pairs);
-            let stop = matches!(cmd, Cmd::Quit | Cmd::Bad(_));
+            let stop = matches!(cmd, AgentCommand::Quit | AgentCommand::Bad(_));
             if tx.send(cmd).is_err() || stop {
                 return;
             }
@@ -522,18 +529,18 @@ fn serve(say: &dyn Fn(String)) -> Result<()> {
     loop {
         let mut busy = false;
         match rx.try_recv() {
-            Ok(Cmd::Xfer(tag, pairs)) => {
+            Ok(AgentCommand::Xfer(tag, pairs)) => {
                 crate::trace!("decode agent process: READ {tag}");
                 busy = true;
                 inflight.push((tag.clone(), ep.post_as_initiator(Op::Read, &pairs, &tag)?));
             }
-            Ok(Cmd::Path) => {
+            Ok(AgentCommand::Path) => {
                 busy = true;
                 let p = crate::ucx::path_since(mark, &init.backend, "READ", vram);
                 say(format!("T {}\n", serde_json::to_string(&p).map_err(|e| Error::Io(e.to_string()))?));
             }
-            Ok(Cmd::Bad(m)) => return Err(Error::Usage(m)),
-            Ok(Cmd::Quit) | Err(TryRecvError::Disconnected) => return Ok(()),
+            Ok(AgentCommand::Bad(m)) => return Err(Error::Usage(m)),
+            Ok(AgentCommand::Quit) | Err(TryRecvError::Disconnected) => return Ok(()),
             Err(TryRecvError::Empty) => {}
         }
         let mut i = 0;
@@ -557,70 +564,5 @@ fn serve(say: &dyn Fn(String)) -> Result<()> {
                 std::hint::spin_loop();
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::geometry::Preset;
-    use std::io::Cursor;
-
-    fn wire(pairs: &[[u32; 6]], len: u64) -> Vec<u8> {
-        let mut b = Vec::new();
-        for p in pairs {
-            for v in p {
-                b.extend_from_slice(&v.to_le_bytes());
-            }
-            b.extend_from_slice(&len.to_le_bytes());
-        }
-        b
-    }
-
-    fn cmd(input: Vec<u8>) -> Cmd {
-        let g = Preset::Small.geometry(); // 4 layers x K/V x 64 blocks, 4096-byte slices
-        read_command(&mut Cursor::new(input), &g, g.total_slices().unwrap())
-    }
-
-    fn bad(input: Vec<u8>, needle: &str) {
-        match cmd(input) {
-            Cmd::Bad(m) => assert!(m.contains(needle), "{m:?} lacks {needle:?}"),
-            _ => panic!("accepted; expected an error containing {needle:?}"),
-        }
-    }
-
-    #[test]
-    fn commands_are_parsed_and_checked_against_the_pool() {
-        let mut ok = b"X t0 2\n".to_vec();
-        ok.extend(wire(&[[1, 0, 5, 1, 0, 9], [3, 1, 63, 3, 1, 0]], 4096));
-        match cmd(ok) {
-            Cmd::Xfer(tag, pairs) => {
-                assert_eq!(tag, "t0");
-                assert_eq!(pairs.len(), 2);
-                assert_eq!((pairs[1].src.layer, pairs[1].src.kv, pairs[1].dst.block), (3, KvPart::V, 0));
-            }
-            _ => panic!("a valid X was refused"),
-        }
-        assert!(matches!(cmd(b"P\n".to_vec()), Cmd::Path));
-        assert!(matches!(cmd(b"Q\n".to_vec()), Cmd::Quit));
-        assert!(matches!(cmd(Vec::new()), Cmd::Quit));
-        bad(b"hello\n".to_vec(), "unknown command");
-        bad(b"X\n".to_vec(), "unknown command");
-        bad(b"P extra\n".to_vec(), "unknown command");
-        bad(b"X t abc\n".to_vec(), "pair count must be 1 to 512");
-        bad(b"X t 0\n".to_vec(), "pair count must be 1 to 512");
-        bad(b"X t 99999999999999\n".to_vec(), "pair count must be 1 to 512");
-        bad(b"X t 2\n".to_vec(), "input ended inside the 2 pairs");
-        let with = |p: [u32; 6], len: u64| [b"X t 1\n".to_vec(), wire(&[p], len)].concat();
-        bad(with([99, 0, 0, 0, 0, 0], 4096), "outside the pool");
-        bad(with([0, 0, 64, 0, 0, 0], 4096), "outside the pool");
-        bad(with([0, 2, 0, 0, 0, 0], 4096), "outside the pool"); // latent in a K/V pool
-        bad(with([0, 7, 0, 0, 0, 0], 4096), "unknown K/V code");
-        bad(with([0, 0, 0, 0, 0, 0], 0), "leaves its layer region");
-        bad(with([0, 1, 63, 0, 1, 63], 2 * 4096), "leaves its layer region"); // past V's last block
-        bad(with([0, 0, 0, 0, 0, 0], 4097), "leaves its layer region");
-        // Two whole slices from K's last block run into V's first: inside the region, allowed.
-        assert!(matches!(cmd(with([0, 0, 63, 0, 0, 63], 2 * 4096)), Cmd::Xfer(..)));
-        bad([b"X ".to_vec(), vec![b'a'; 5000], b" 1\n".to_vec()].concat(), "longer than 4096 bytes");
     }
 }
