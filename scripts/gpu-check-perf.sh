@@ -9,18 +9,6 @@
 set -uo pipefail
 source "$(dirname "$0")/gpu-lane.sh"
 what="${2:-bench}"
-medians() {
-  python3 - "$1" <<'PY' | tee -a "$log"
-import json, statistics as st, sys
-s = json.load(open(sys.argv[1]))["summary"]; it = s["per_iteration"][1:] or s["per_iteration"]
-m = lambda k: st.median(x[k] for x in it)
-cp = (s.get("transport_path") or {}).get("copy_gbps") or 0
-pool = s["bytes_transferred"] / max(1, s["iterations"])
-print(f"  medians after warm-up: iteration {m('iteration')*1e3:.3f} ms, transfer {m('transfer')*1e3:.3f} ms "
-      f"({pool/m('transfer')/1e9:.1f} GB/s = {pool/m('transfer')/1e9/max(cp,1e-9):.3f} of the copy, {cp:.0f} GB/s), "
-      f"outside {100*(1-m('transfer')/m('iteration')):.2f} %, hidden {m('overlapped')*1e3:.3f} ms, stages {s['pipeline_stages']}")
-PY
-}
 summary() { grep -E "^(pool|transfer|path|  |warning|ucx|result|probe passes|pipeline|host memory)" | grep -v "^  iter" | tee -a "$log"; }
 if [ "$what" = bench ] || [ "$what" = all ]; then
   step "bench/run.sh"

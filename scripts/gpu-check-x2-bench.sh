@@ -9,18 +9,6 @@ set -uo pipefail
 source "$(dirname "$0")/gpu-lane.sh"
 export KVPROBE_REQUIRE_GPUS=2
 x2=(--memory vram --prefill-device 0 --decode-device 1)
-medians() {
-  python3 - "$1" <<'PY' | tee -a "$log"
-import json, statistics as st, sys
-r = json.load(open(sys.argv[1])); s = r["summary"]; it = s["per_iteration"][1:] or s["per_iteration"]
-m = lambda k: st.median(x[k] for x in it)
-p = s.get("transport_path") or {}
-pool = s["bytes_transferred"] / max(1, s["iterations"])
-print(f"  exit {r['outcome']['exit_code']}, corrupt {s['blocks_corrupt']}; medians: iteration {m('iteration')*1e3:.3f} ms, "
-      f"transfer {m('transfer')*1e3:.3f} ms = {pool/m('transfer')/1e9:.1f} GB/s ({pool/m('transfer')/1e9/max(p.get('copy_gbps') or 1e-9,1e-9):.3f} of the "
-      f"same-run copy {p.get('copy_gbps') or 0:.0f} GB/s), outside {100*(1-m('transfer')/m('iteration')):.2f} %, stages {s['pipeline_stages']}")
-PY
-}
 run() {
   step "$*"
   env "$@" --report "$out/x.json" 2>&1 | grep -E "^(path|warning|result)|error" | tee -a "$log"

@@ -23,3 +23,21 @@ export LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 kv="$KVPROBE_BIN"
 log="$out/log.txt"
 step() { echo; echo "=== $*" | tee -a "$log"; }
+# medians REPORT: one line from a sweep report: exit, corrupt slices, medians after the warm-up
+# iteration (iteration, transfer, rate and its share of the same-run copy, share outside the
+# transfer, stages).
+medians() {
+  python3 - "$1" <<'PY' | tee -a "$log"
+import json, statistics as st, sys
+r = json.load(open(sys.argv[1])); s = r["summary"]; it = s["per_iteration"][1:] or s["per_iteration"]
+if not it:
+    print(f"  exit {r['outcome']['exit_code']}: no iteration ({(r['outcome'].get('error') or {}).get('message', '')})"); sys.exit()
+m = lambda k: st.median(x[k] for x in it)
+p = s.get("transport_path") or {}
+cp = p.get("copy_gbps") or 0
+gbps = s["bytes_transferred"] / max(1, s["iterations"]) / m("transfer") / 1e9
+print(f"  exit {r['outcome']['exit_code']}, corrupt {s['blocks_corrupt']}; medians: iteration {m('iteration')*1e3:.3f} ms, "
+      f"transfer {m('transfer')*1e3:.3f} ms = {gbps:.1f} GB/s ({gbps/max(cp,1e-9):.3f} of the same-run copy {cp:.0f} GB/s), "
+      f"outside {100*(1-m('transfer')/m('iteration')):.2f} %, hidden {m('overlapped')*1e3:.3f} ms, stages {s['pipeline_stages']}")
+PY
+}

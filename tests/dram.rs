@@ -376,60 +376,9 @@ fn decode_agent_in_a_second_process_moves_and_classifies_like_one() {
     assert!(err.contains("--decode-process applies to the whole-pool sweep"), "{err}");
 }
 
-#[test]
-fn a_decode_agent_process_that_dies_is_a_transport_error() {
-    // The child is found by its command line and killed mid-run: exit 3 naming it, a report,
-    // and no child left behind.
-    let d = crate::common::tmpdir("agent-dies");
-    let report = d.join("r.json");
-    let mut child = std::process::Command::new(crate::common::bin())
-        .args([
-            "run",
-            "--memory",
-            "dram",
-            "--decode-process",
-            "--preset",
-            "llama3-8b",
-            "--blocks",
-            "32",
-            "--iterations",
-            "100000",
-        ])
-        .arg("--report")
-        .arg(&report)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let me = child.id().to_string();
-    // Wait until it iterates (its progress lines go to stderr), then kill the agent.
-    let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
-    let mut seen = String::new();
-    while !seen.contains("iteration 2/") {
-        let mut l = String::new();
-        if std::io::BufRead::read_line(&mut stderr, &mut l).unwrap() == 0 {
-            panic!("kvprobe ended before iterating: {seen}");
-        }
-        seen += &l;
-    }
-    let out = std::process::Command::new("pgrep").args(["-P", &me, "-f", "kvprobe agent"]).output().unwrap();
-    let agent = String::from_utf8_lossy(&out.stdout).split_whitespace().next().expect("the decode agent process").to_string();
-    assert!(std::process::Command::new("kill").args(["-9", &agent]).status().unwrap().success());
-    let mut rest = String::new();
-    std::io::Read::read_to_string(&mut stderr, &mut rest).unwrap();
-    let status = child.wait().unwrap();
-    let err = seen + &rest;
-    assert_eq!(status.code(), Some(3), "{err}");
-    assert!(err.contains("decode agent process"), "{err}");
-    let r: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
-    assert_eq!(r["outcome"]["exit_code"], 3);
-    let left = std::process::Command::new("pgrep").args(["-P", &me]).output().unwrap();
-    assert!(left.stdout.is_empty(), "children left: {}", String::from_utf8_lossy(&left.stdout));
-}
-
-/// Starts a long `--decode-process` run, waits until it iterates, freezes its decode agent
-/// (SIGSTOP) and returns (kvprobe child, its stderr so far, report path).
-fn run_with_frozen_agent(name: &str, timeout: &str) -> (std::process::Child, String, std::path::PathBuf) {
+/// Starts a long `--decode-process` run, waits until it iterates, and sends its decode agent
+/// `signal` (e.g. "-KILL", "-STOP"). Returns (kvprobe child, report path).
+fn run_and_signal_the_agent(name: &str, timeout: &str, signal: &str) -> (std::process::Child, std::path::PathBuf) {
     let d = crate::common::tmpdir(name);
     let report = d.join("r.json");
     let mut child = std::process::Command::new(crate::common::bin())
@@ -452,19 +401,32 @@ fn run_with_frozen_agent(name: &str, timeout: &str) -> (std::process::Child, Str
     }
     let out = std::process::Command::new("pgrep").args(["-P", &me, "-f", "kvprobe agent"]).output().unwrap();
     let agent = String::from_utf8_lossy(&out.stdout).split_whitespace().next().expect("the decode agent process").to_string();
-    assert!(std::process::Command::new("kill").args(["-STOP", &agent]).status().unwrap().success());
+    assert!(std::process::Command::new("kill").args([signal, &agent]).status().unwrap().success());
     std::thread::spawn(move || {
         let mut rest = String::new();
         let _ = std::io::Read::read_to_string(&mut stderr, &mut rest);
     });
-    (child, seen, report)
+    (child, report)
+}
+
+#[test]
+fn a_decode_agent_process_that_dies_is_a_transport_error() {
+    // Killed mid-run: exit 3 naming it, a report, and no child left behind.
+    let (mut child, report) = run_and_signal_the_agent("agent-dies", "60", "-KILL");
+    let me = child.id().to_string();
+    assert_eq!(child.wait().unwrap().code(), Some(3));
+    let r: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    assert_eq!(r["outcome"]["exit_code"], 3);
+    assert!(r["outcome"]["error"]["message"].as_str().unwrap().contains("decode agent process"), "{}", r["outcome"]);
+    let left = std::process::Command::new("pgrep").args(["-P", &me]).output().unwrap();
+    assert!(left.stdout.is_empty(), "children left: {}", String::from_utf8_lossy(&left.stdout));
 }
 
 #[test]
 fn a_frozen_decode_agent_times_out_and_ctrl_c_is_not_held_up_by_it() {
     // A stopped agent neither reads its requests nor answers: --timeout ends the run (exit 4,
     // report written) even when requests are larger than a pipe's buffer.
-    let (mut child, _, report) = run_with_frozen_agent("frozen-timeout", "2");
+    let (mut child, report) = run_and_signal_the_agent("frozen-timeout", "2", "-STOP");
     let t0 = std::time::Instant::now();
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(4), "exit after {:?}", t0.elapsed());
@@ -472,7 +434,7 @@ fn a_frozen_decode_agent_times_out_and_ctrl_c_is_not_held_up_by_it() {
     let r: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
     assert_eq!(r["outcome"]["status"], "timeout");
     // Ctrl-C while the transfer is stuck: 130 within seconds, not after --timeout (60 s).
-    let (mut child, _, report) = run_with_frozen_agent("frozen-sigint", "60");
+    let (mut child, report) = run_and_signal_the_agent("frozen-sigint", "60", "-STOP");
     std::thread::sleep(std::time::Duration::from_millis(300));
     let t0 = std::time::Instant::now();
     assert!(std::process::Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap().success());
