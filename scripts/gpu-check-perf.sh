@@ -18,17 +18,11 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     UCX_CUDA_IPC_ENABLE_GET_ZCOPY=$z "$kv" env 2>&1 | sed -n '/^transport/,$p' | tee -a "$log"
   done
   export UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y
-  for args in "--descriptor-blocks 512 --pipeline-stages 1" "--descriptor-blocks 512" \
+  for args in "--descriptor-blocks 512" "--descriptor-blocks 512 --pipeline-stages 8" \
               "--descriptor-blocks 512 --pipeline-stages 32" "--descriptor-blocks 64" "--descriptor-blocks 4"; do
     step "llama3-8b 1 GiB, 20 iterations, $args"
     "$kv" run --memory vram --preset llama3-8b --iterations 20 $args --report "$out/r.json" 2>&1 | summary
-    python3 - "$out/r.json" <<'PY' | tee -a "$log"
-import json, statistics as st, sys
-s = json.load(open(sys.argv[1]))["summary"]; it = s["per_iteration"][1:]
-m = lambda k: st.median(x[k] for x in it)
-print(f"  medians after warm-up: iteration {m('iteration')*1e3:.3f} ms, transfer {m('transfer')*1e3:.3f} ms, "
-      f"outside {100*(1-m('transfer')/m('iteration')):.2f} %, hidden {m('overlapped')*1e3:.3f} ms, stages {s['pipeline_stages']}")
-PY
+    medians "$out/r.json"
   done
   step "host memory: llama3-8b VRAM 1 GiB per side vs 50 GiB per side (100 GiB of pools), 32 KiB descriptors"
   for blocks in 512 25600; do
