@@ -150,3 +150,16 @@ pub fn mooncake_or_skip(test: &str) -> bool {
         _ => true,
     }
 }
+
+/// `--inject` arguments planting one fault of every class per iteration (bitflip, drop,
+/// misroute, stale, torn): five planted injections per iteration.
+pub const EVERY_INJECTION: [&str; 10] =
+    ["--inject", "bitflip", "--inject", "drop", "--inject", "misroute", "--inject", "stale", "--inject", "torn"];
+
+/// Asserts a report found exactly the `planted` injections it planted, where predicted, and
+/// nothing else; `ctx` names the case in failure messages.
+pub fn assert_found_exactly(report: &serde_json::Value, planted: u64, ctx: &str) {
+    assert_eq!(report["summary"]["injections_detected"], planted, "{ctx}");
+    assert_eq!(report["summary"]["unexpected_failures"], 0, "{ctx}");
+    assert_eq!(failure_set(report), predicted_set(report), "{ctx}");
+}
