@@ -1,12 +1,22 @@
 #!/usr/bin/env bash
 # Installs what kvprobe needs on a fresh Debian/Ubuntu machine, idempotently:
-#  - libclang (bindgen, used by the nixl-sys build);
-#  - the NIXL libraries and plugins (bundling UCX) from the PyPI wheel nixl-cu13,
-#    unpacked under $KVPROBE_HOME/nixl (default ~/.local/share/kvprobe/nixl), where
-#    kvprobe looks for them (override with KVPROBE_NIXL_DIR);
+#  - libclang (Debian's libclang-dev), which bindgen loads in the nixl-sys build script;
+#  - the NIXL libraries and plugins (bundling UCX) from the PyPI wheel nixl-cu13, unpacked
+#    under $KVPROBE_HOME/nixl (default ~/.local/share/kvprobe/nixl), where kvprobe looks for
+#    them (override with KVPROBE_NIXL_DIR), and the shared libraries they load (libnuma1);
 #  - Mooncake Store in a venv under $KVPROBE_HOME/mooncake (scripts/install-mooncake.sh).
 # CUDA is not installed: kvprobe loads it at run time when present (VRAM runs).
+#
+# Each dependency is detected by what consumes it (scripts/deps.sh). After installing, the
+# NIXL libraries are loaded-checked (ldd): a library still missing is an error naming it.
+#
+#   scripts/install-deps.sh           install what is missing
+#   scripts/install-deps.sh --check   print what is missing, one line each, install nothing:
+#                                     exit 0 when nothing is, 1 when something is
 set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+# shellcheck source=scripts/deps.sh
+. "$here/deps.sh"
 
 NIXL_WHEEL="nixl-cu13"
 NIXL_VERSION="1.5.1"
@@ -14,42 +24,68 @@ home="${KVPROBE_HOME:-${XDG_DATA_HOME:-$HOME/.local/share}/kvprobe}"
 dest="$home/nixl"
 stamp="$dest/.installed-$NIXL_WHEEL-$NIXL_VERSION"
 
-sudo_() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+case "${1:-}" in
+  --check) check=1 ;;
+  "") check=0 ;;
+  *) echo "usage: scripts/install-deps.sh [--check]" >&2; exit 2 ;;
+esac
 
-# Debian's libclang-dev, plus the run-time libraries the bundled UCX/NIXL link against.
+# Debian packages: libclang-dev for bindgen; libnuma1 for the bundled UCX (libucs needs
+# libnuma.so.1). python3 unpacks the wheel (zipfile), so no unzip is needed.
 need=()
-ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || need+=(libclang-dev)
-for pkg in libnuma1 unzip; do
-  dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
-done
-if [ "${#need[@]}" -gt 0 ]; then
-  echo "install-deps: apt-get install ${need[*]}"
-  sudo_ apt-get update -qq
-  sudo_ env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+deps_need need find_libclang libclang-dev
+deps_need need "have_shlib libnuma.so.1" libnuma1
+
+if [ "$check" = 1 ]; then
+  status=0
+  for p in "${need[@]}"; do echo "missing: $p"; status=1; done
+  [ -f "$stamp" ] && [ -f "$dest/lib/libnixl_capi.so" ] || { echo "missing: NIXL $NIXL_VERSION in $dest"; status=1; }
+  "$here/install-mooncake.sh" --check || status=1
+  exit "$status"
 fi
 
+apt_install install-deps "${need[@]}"
+if ! lib="$(find_libclang)"; then
+  echo "install-deps: libclang-dev is installed but no libclang shared library is where bindgen looks (set LIBCLANG_PATH)" >&2
+  exit 1
+fi
+echo "install-deps: libclang for bindgen: $lib"
+
 # Mooncake Store (--tier mooncake): its own venv under $home/mooncake.
-"$(dirname "$0")/install-mooncake.sh"
+"$here/install-mooncake.sh"
 
 if [ -f "$stamp" ] && [ -f "$dest/lib/libnixl_capi.so" ]; then
   echo "install-deps: NIXL $NIXL_VERSION already in $dest"
-  exit 0
+else
+  py="$deps_py"
+  tmp="$(mktemp -d)"
+  trap 'rm -rf "$tmp"' EXIT
+  echo "install-deps: downloading $NIXL_WHEEL==$NIXL_VERSION"
+  "$py" -m pip download --quiet --no-deps --only-binary=:all: -d "$tmp" "$NIXL_WHEEL==$NIXL_VERSION"
+  whl="$(ls "$tmp"/*.whl | head -n 1)"
+  mkdir -p "$tmp/x"
+  "$py" - "$whl" "$tmp/x" <<'PY'
+import sys, zipfile
+whl, out = sys.argv[1], sys.argv[2]
+with zipfile.ZipFile(whl) as z:
+    z.extractall(out, [n for n in z.namelist()
+                       if n.startswith((".nixl_cu13.mesonpy.libs/", "nixl_cu13.libs/"))])
+PY
+  rm -rf "$dest.new"
+  mkdir -p "$dest.new"
+  # Keep the wheel's relative layout: the libraries' RPATH is $ORIGIN/../nixl_cu13.libs.
+  mv "$tmp/x/.nixl_cu13.mesonpy.libs" "$dest.new/lib"
+  mv "$tmp/x/nixl_cu13.libs" "$dest.new/nixl_cu13.libs"
+  touch "$dest.new/.installed-$NIXL_WHEEL-$NIXL_VERSION"
+  rm -rf "$dest"
+  mv "$dest.new" "$dest"
+  echo "install-deps: NIXL $NIXL_VERSION installed in $dest"
 fi
 
-py="$(command -v python3 || command -v python)"
-tmp="$(mktemp -d)"
-trap 'rm -rf "$tmp"' EXIT
-echo "install-deps: downloading $NIXL_WHEEL==$NIXL_VERSION"
-"$py" -m pip download --quiet --no-deps --only-binary=:all: -d "$tmp" "$NIXL_WHEEL==$NIXL_VERSION"
-whl="$(ls "$tmp"/*.whl | head -n 1)"
-mkdir -p "$tmp/x"
-unzip -q "$whl" '.nixl_cu13.mesonpy.libs/*' 'nixl_cu13.libs/*' -d "$tmp/x"
-rm -rf "$dest.new"
-mkdir -p "$dest.new"
-# Keep the wheel's relative layout: the libraries' RPATH is $ORIGIN/../nixl_cu13.libs.
-mv "$tmp/x/.nixl_cu13.mesonpy.libs" "$dest.new/lib"
-mv "$tmp/x/nixl_cu13.libs" "$dest.new/nixl_cu13.libs"
-touch "$dest.new/.installed-$NIXL_WHEEL-$NIXL_VERSION"
-rm -rf "$dest"
-mv "$dest.new" "$dest"
-echo "install-deps: NIXL $NIXL_VERSION installed in $dest"
+# The loader's word: every NIXL library and plugin resolves its shared libraries. (CUDA's are
+# loaded at run time by the plugins that need a GPU, so libcuda is not required here.)
+missing="$(missing_libs_of "$dest"/lib/libnixl*.so "$dest"/lib/plugins/*.so | grep -v -E '^lib(cuda|cudart|nvidia-ml)\.so' || true)"
+if [ -n "$missing" ]; then
+  echo "install-deps: NIXL libraries in $dest cannot load; missing: $(echo $missing)" >&2
+  exit 1
+fi

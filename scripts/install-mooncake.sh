@@ -2,34 +2,50 @@
 # Installs Mooncake Store (master + Python store client) for `--tier mooncake`, idempotently,
 # into a project-managed virtual environment: $KVPROBE_HOME/mooncake/venv (default
 # ~/.local/share/kvprobe/mooncake/venv), where kvprobe looks for it.
-#  - wheel: mooncake-transfer-engine-cuda13 on CUDA 13 hosts, mooncake-transfer-engine-non-cuda
+#  - wheel: mooncake-transfer-engine-cuda13 on CUDA 13 hosts (libcudart.so.13 in
+#    /usr/local/cuda*/lib64 or where the loader looks), mooncake-transfer-engine-non-cuda
 #    elsewhere (override with MOONCAKE_WHEEL=name==version);
-#  - Debian's run-time libraries the wheel links against: libibverbs1, ibverbs-providers,
-#    libnuma1, libcurl4.
-# Called by scripts/install-deps.sh.
+#  - Debian's run-time libraries the wheel's libraries and mooncake_master load: libibverbs.so.1
+#    (libibverbs1) with a user-space provider (ibverbs-providers), libnuma.so.1 (libnuma1),
+#    libcurl.so.4 (libcurl4), and python3-venv when `python3 -m venv` cannot make a venv.
+# Each is detected by what consumes it (scripts/deps.sh); after the install the store client is
+# imported and mooncake_master's libraries are loader-checked.
+# Called by scripts/install-deps.sh; `--check` prints what is missing (exit 1) and installs nothing.
 set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+# shellcheck source=scripts/deps.sh
+. "$here/deps.sh"
 
 home="${KVPROBE_HOME:-${XDG_DATA_HOME:-$HOME/.local/share}/kvprobe}"
 dest="$home/mooncake"
-if [ -e /usr/local/cuda/lib64/libcudart.so.13 ] || ls /usr/local/cuda-13*/lib64/libcudart.so.13 >/dev/null 2>&1; then
+cuda13=0
+for f in "$deps_root"/usr/local/cuda*/lib64/libcudart.so.13; do [ -e "$f" ] && cuda13=1; done
+have_shlib libcudart.so.13 && cuda13=1
+if [ "$cuda13" = 1 ]; then
   wheel="${MOONCAKE_WHEEL:-mooncake-transfer-engine-cuda13==0.3.14}"
 else
   wheel="${MOONCAKE_WHEEL:-mooncake-transfer-engine-non-cuda==0.3.13.post1}"
 fi
 stamp="$dest/.installed-${wheel//[^A-Za-z0-9._-]/_}"
 
-sudo_() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 need=()
-for pkg in libibverbs1 ibverbs-providers libnuma1 libcurl4; do
-  dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
-done
-py="$(command -v python3 || command -v python)"
-"$py" -c 'import venv, ensurepip' 2>/dev/null || need+=(python3-venv)
-if [ "${#need[@]}" -gt 0 ]; then
-  echo "install-mooncake: apt-get install ${need[*]}"
-  sudo_ apt-get update -qq
-  sudo_ env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
-fi
+deps_need need "have_shlib libibverbs.so.1" libibverbs1
+deps_need need have_ibverbs_providers ibverbs-providers
+deps_need need "have_shlib libnuma.so.1" libnuma1
+deps_need need "have_shlib libcurl.so.4" libcurl4
+deps_need need have_python_venv python3-venv
+
+case "${1:-}" in
+  --check)
+    status=0
+    for p in "${need[@]}"; do echo "missing: $p"; status=1; done
+    [ -f "$stamp" ] && [ -x "$dest/venv/bin/mooncake_master" ] || { echo "missing: $wheel in $dest"; status=1; }
+    exit "$status" ;;
+  "") ;;
+  *) echo "usage: scripts/install-mooncake.sh [--check]" >&2; exit 2 ;;
+esac
+
+apt_install install-mooncake "${need[@]}"
 
 if [ -f "$stamp" ] && [ -x "$dest/venv/bin/mooncake_master" ]; then
   echo "install-mooncake: $wheel already in $dest"
@@ -39,9 +55,17 @@ fi
 # stamp, written last, marks a complete install.
 rm -rf "$dest"
 mkdir -p "$dest"
-"$py" -m venv "$dest/venv"
+"$deps_py" -m venv "$dest/venv"
 echo "install-mooncake: installing $wheel"
 "$dest/venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --only-binary=:all: "$wheel"
-"$dest/venv/bin/python" -c 'import mooncake.store' # the client loads (its libraries are present)
+"$dest/venv/bin/python" -c 'import mooncake.store' # the store client loads (its libraries are present)
+master="$("$dest/venv/bin/python" -c 'import mooncake, os; print(os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master"))')"
+if [ -e "$master" ]; then
+  missing="$(missing_libs_of "$master" | grep -v -E '^lib(cuda|cudart|nvidia-ml)\.so' || true)"
+  if [ -n "$missing" ]; then
+    echo "install-mooncake: mooncake_master cannot load; missing: $(echo $missing)" >&2
+    exit 1
+  fi
+fi
 touch "$stamp"
 echo "install-mooncake: $wheel installed in $dest"
