@@ -12,4 +12,5 @@ mod geometry;
 mod gpu;
 mod mooncake;
 mod scenario;
+mod setup;
 mod units;

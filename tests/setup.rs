@@ -1,0 +1,136 @@
+//! The set-up scripts' dependency detection (scripts/deps.sh through `install-deps.sh --check`)
+//! run against machine states made up in a temporary directory (KVPROBE_DEPS_ROOT): each
+//! dependency must be found exactly where its consumer finds it, and only there. A fresh
+//! Debian 12 image with libclang-cpp14 but no libclang once passed the old check.
+
+use crate::common::tmpdir;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// A 64-bit (or 32-bit) ELF header followed by padding: enough for the class check bindgen's
+/// loader (clang-sys) makes before it accepts a library.
+fn elf(path: &Path, class64: bool) {
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    let mut b = vec![0x7f, b'E', b'L', b'F', if class64 { 2 } else { 1 }, 1, 1, 0];
+    b.resize(64, 0);
+    std::fs::write(path, b).unwrap();
+}
+
+/// `scripts/install-deps.sh --check` (with `--check` of install-mooncake.sh) against `root`:
+/// (exit code, the missing items). The environment that steers clang-sys's search is
+/// cleared (LIBCLANG_PATH, LD_LIBRARY_PATH, LIBRARY_PATH) and llvm-config is `llvm_config`.
+fn check(root: &Path, llvm_config: &Path, env: &[(&str, &str)]) -> (i32, Vec<String>) {
+    let home = root.join("kvprobe-home");
+    let mut c = Command::new("bash");
+    c.arg(repo().join("scripts/install-deps.sh"))
+        .arg("--check")
+        .env("KVPROBE_DEPS_ROOT", root)
+        .env("KVPROBE_HOME", &home)
+        .env("LLVM_CONFIG_PATH", llvm_config)
+        .env_remove("LIBCLANG_PATH")
+        .env_remove("LD_LIBRARY_PATH")
+        .env_remove("LIBRARY_PATH");
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let o = c.output().expect("run install-deps.sh --check");
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.stderr.is_empty(), "{}", String::from_utf8_lossy(&o.stderr));
+    let missing = out.lines().filter_map(|l| l.strip_prefix("missing: ")).map(|s| s.to_string()).collect();
+    (o.status.code().unwrap(), missing)
+}
+
+fn missing(root: &Path, env: &[(&str, &str)]) -> Vec<String> {
+    check(root, Path::new("/nonexistent/llvm-config"), env).1
+}
+
+#[test]
+fn libclang_is_found_where_bindgen_loads_it_and_libclang_cpp_is_not_libclang() {
+    let root = tmpdir("deps-libclang");
+    // The fresh Debian 12 image: llvm-14-dev pulled in libclang-cpp14 only.
+    elf(&root.join("usr/lib/llvm-14/lib/libclang-cpp.so.14"), true);
+    elf(&root.join("usr/lib/x86_64-linux-gnu/libclang-cpp.so.14"), true);
+    assert!(missing(&root, &[]).contains(&"libclang-dev".to_string()), "libclang-cpp taken for libclang");
+
+    // A 32-bit libclang is no use to a 64-bit build script.
+    elf(&root.join("usr/lib/i386-linux-gnu/libclang-14.so.1"), false);
+    assert!(missing(&root, &[]).contains(&"libclang-dev".to_string()), "a 32-bit libclang accepted");
+
+    // Debian's libclang1-14 puts libclang-14.so.1 in the multiarch directory: found.
+    elf(&root.join("usr/lib/x86_64-linux-gnu/libclang-14.so.1"), true);
+    assert!(!missing(&root, &[]).contains(&"libclang-dev".to_string()));
+
+    // LIBCLANG_PATH, when set, is the only place clang-sys looks.
+    let empty = root.join("empty-dir");
+    std::fs::create_dir_all(&empty).unwrap();
+    let m = missing(&root, &[("LIBCLANG_PATH", "/empty-dir")]);
+    assert!(m.contains(&"libclang-dev".to_string()), "LIBCLANG_PATH ignored: {m:?}");
+}
+
+#[test]
+fn libclang_under_llvm_config_prefix_and_ld_library_path_is_found() {
+    let root = tmpdir("deps-llvm-config");
+    elf(&root.join("usr/lib/llvm-17/lib/libclang-cpp.so.17"), true);
+    let fake = root.join("llvm-config");
+    std::fs::write(&fake, "#!/bin/sh\necho /opt/llvm-17\n").unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let (_, m) = check(&root, &fake, &[]);
+    assert!(m.contains(&"libclang-dev".to_string()), "{m:?}");
+    elf(&root.join("opt/llvm-17/lib/libclang.so.17"), true);
+    let (_, m) = check(&root, &fake, &[]);
+    assert!(!m.contains(&"libclang-dev".to_string()), "llvm-config --prefix not searched: {m:?}");
+
+    let root2 = tmpdir("deps-ld-library-path");
+    elf(&root2.join("custom/lib/libclang.so"), true);
+    assert!(missing(&root2, &[]).contains(&"libclang-dev".to_string()));
+    assert!(!missing(&root2, &[("LD_LIBRARY_PATH", "/custom/lib")]).contains(&"libclang-dev".to_string()));
+}
+
+#[test]
+fn shared_libraries_are_found_where_the_loader_finds_them() {
+    let root = tmpdir("deps-shlibs");
+    let m = missing(&root, &[]);
+    for p in ["libnuma1", "libibverbs1", "ibverbs-providers", "libcurl4"] {
+        assert!(m.contains(&p.to_string()), "{p} not reported missing on an empty machine: {m:?}");
+    }
+    // A look-alike name is not the library: libcurl-gnutls.so.4 is not libcurl.so.4.
+    elf(&root.join("usr/lib/libcurl-gnutls.so.4"), true);
+    elf(&root.join("usr/lib/libnuma.so.1.0.0"), true);
+    let m = missing(&root, &[]);
+    assert!(m.contains(&"libcurl4".to_string()) && m.contains(&"libnuma1".to_string()), "{m:?}");
+
+    // The trusted directories, and a directory named in /etc/ld.so.conf.d.
+    elf(&root.join("usr/lib/libnuma.so.1"), true);
+    elf(&root.join("opt/ofed/lib/libibverbs.so.1"), true);
+    elf(&root.join("lib64/libcurl.so.4"), true);
+    std::fs::create_dir_all(root.join("etc/ld.so.conf.d")).unwrap();
+    std::fs::write(root.join("etc/ld.so.conf.d/ofed.conf"), "# OFED\n/opt/ofed/lib\n").unwrap();
+    std::fs::create_dir_all(root.join("etc/libibverbs.d")).unwrap();
+    std::fs::write(root.join("etc/libibverbs.d/mlx5.driver"), "driver mlx5\n").unwrap();
+    let m = missing(&root, &[]);
+    for p in ["libnuma1", "libibverbs1", "ibverbs-providers", "libcurl4"] {
+        assert!(!m.contains(&p.to_string()), "{p} reported missing although present: {m:?}");
+    }
+}
+
+#[test]
+fn the_check_installs_nothing_and_names_the_missing_installs() {
+    let root = tmpdir("deps-installs");
+    let (code, m) = missing_with_code(&root);
+    assert_eq!(code, 1);
+    assert!(m.iter().any(|s| s.starts_with("NIXL 1.5.1 in ")), "{m:?}");
+    assert!(m.iter().any(|s| s.starts_with("mooncake-transfer-engine-")), "{m:?}");
+    assert!(!root.join("kvprobe-home").exists(), "--check created the install directory");
+    let o = Command::new("bash").arg(repo().join("scripts/install-deps.sh")).arg("--bogus").output().unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("usage"));
+}
+
+fn missing_with_code(root: &Path) -> (i32, Vec<String>) {
+    check(root, Path::new("/nonexistent/llvm-config"), &[])
+}
