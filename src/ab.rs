@@ -116,6 +116,19 @@ pub fn matrix_exit(rows: &[AbRow]) -> Exit {
     }
 }
 
+/// An empty matrix of `cfg` (status "running").
+fn start(cfg: &RunConfig) -> AbReport {
+    AbReport {
+        schema: AB_SCHEMA,
+        started_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+        config: serde_json::to_value(cfg).unwrap_or(serde_json::Value::Null),
+        environment: None,
+        rows: Vec::new(),
+        sections: Vec::new(),
+        outcome: Outcome { exit_code: 0, status: "running".into(), error: None },
+    }
+}
+
 /// Runs the matrix. `cfg.scenario` carries the load (its scenario and unfenced set are
 /// replaced row by row). `after_row` is called with the report so far after each row
 /// (for checkpoints and the table). Never panics on bad input.
@@ -124,18 +137,17 @@ pub fn run_ab(
     progress: &mut dyn FnMut(&str, &Progress),
     after_row: &mut dyn FnMut(&AbReport),
 ) -> (AbReport, Exit) {
-    let mut ab = AbReport {
-        schema: AB_SCHEMA,
-        started_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
-        config: serde_json::to_value(cfg).unwrap_or(serde_json::Value::Null),
-        environment: None,
-        rows: Vec::new(),
-        sections: Vec::new(),
-        outcome: Outcome { exit_code: 0, status: "running".into(), error: None },
-    };
+    let mut ab = start(cfg);
     let result = run_rows(cfg, &mut ab, progress, after_row);
-    let exit = match &result {
-        Err(e) if !matches!(matrix_exit(&ab.rows), Exit::Corrupt) => e.exit(),
+    let exit = conclude(&mut ab, result.err().as_ref());
+    (ab, exit)
+}
+
+/// Sets the outcome of a matrix that ended with `error` (or none) and returns its exit code:
+/// the matrix's own ([`matrix_exit`]) unless an error cut it short (corruption still wins).
+fn conclude(ab: &mut AbReport, error: Option<&Error>) -> Exit {
+    let exit = match error {
+        Some(e) if !matches!(matrix_exit(&ab.rows), Exit::Corrupt) => e.exit(),
         _ => matrix_exit(&ab.rows),
     };
     let status = match exit {
@@ -149,9 +161,58 @@ pub fn run_ab(
     ab.outcome = Outcome {
         exit_code: exit as u8,
         status: status.into(),
-        error: result.err().map(|e| RunError { kind: e.kind().into(), message: e.to_string() }),
+        error: error.map(|e| RunError { kind: e.kind().into(), message: e.to_string() }),
     };
+    exit
+}
+
+/// The row being run, for the watchdog: (name, scenario, unfenced mechanism).
+type RowName = (String, Scenario, Option<Mechanism>);
+
+/// The matrix so far and the row in progress, as last published, for the watchdog.
+static SHADOW: std::sync::Mutex<Option<(AbReport, Option<RowName>)>> = std::sync::Mutex::new(None);
+
+fn publish(ab: &AbReport, row: Option<RowName>) {
+    *SHADOW.lock().unwrap_or_else(|p| p.into_inner()) = Some((ab.clone(), row));
+}
+
+/// The matrix to write when a call blocked past its deadline (`e`, a timeout; see
+/// [`crate::deadline`]): the rows so far, the row in progress cut short with `e` (its
+/// section as last published, [`crate::run::expired_report`]), and the outcome.
+pub fn expired_report(cfg: &RunConfig, e: &Error) -> (AbReport, Exit) {
+    let shadow = SHADOW.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let (mut ab, row) = shadow.unwrap_or_else(|| (start(cfg), None));
+    if let Some((name, scenario, unfenced)) = row {
+        let row_cfg = RunConfig {
+            scenario: cfg.scenario.clone().map(|sc| ScenarioConfig { scenario, unfenced: unfenced.into_iter().collect(), ..sc }),
+            ..cfg.clone()
+        };
+        let (mut rep, _) = crate::run::expired_report(&row_cfg, e);
+        rep.environment = None; // recorded once, at the top
+        push_row(&mut ab, name, scenario, unfenced, rep, Some(e));
+    }
+    let exit = conclude(&mut ab, Some(e));
     (ab, exit)
+}
+
+/// Appends a finished row (its report `rep`, ended by `error` or not).
+fn push_row(
+    ab: &mut AbReport,
+    name: String,
+    scenario: Scenario,
+    unfenced: Option<Mechanism>,
+    rep: Report,
+    error: Option<&Error>,
+) {
+    let mut row = row_of(name, scenario, unfenced, &rep);
+    if let Some(e) = error {
+        // A row cut short proves nothing either way.
+        row.verdict = rep.outcome.status.clone();
+        row.why = Some(e.to_string());
+        row.pass = false;
+    }
+    ab.rows.push(row);
+    ab.sections.push(rep);
 }
 
 fn run_rows(
@@ -162,10 +223,13 @@ fn run_rows(
 ) -> Result<()> {
     let template = cfg.scenario.clone().ok_or_else(|| Error::Usage("kvprobe ab needs a load (scenario config)".into()))?;
     let mut head = crate::run::empty_report(cfg);
+    publish(ab, None);
     crate::run::prepare(cfg, &mut head)?;
     ab.environment = head.environment.clone();
-    let mut probe = Probe::setup(cfg)?;
     let timeout = Duration::from_secs_f64(cfg.timeout_secs);
+    crate::deadline::set_limit(Some(timeout));
+    publish(ab, None);
+    let mut probe = Probe::setup(cfg)?;
     for (scenario, unfenced) in cases() {
         let name = match unfenced {
             None => scenario.name().to_string(),
@@ -175,6 +239,8 @@ fn run_rows(
         let row_cfg = RunConfig { scenario: Some(sc.clone()), ..cfg.clone() };
         let mut rep = crate::run::empty_report(&row_cfg);
         rep.environment = None; // recorded once, at the top
+        crate::run::publish(&rep);
+        publish(ab, Some((name.clone(), scenario, unfenced)));
         let mut p = |x: &Progress| progress(&name, x);
         let mut none = |_: &Report| {};
         let r = crate::engine::run_scenario(
@@ -194,15 +260,8 @@ fn run_rows(
             (Ok(()), false) => Exit::Clean,
         };
         rep.finish(exit, r.as_ref().err());
-        let mut row = row_of(name, scenario, unfenced, &rep);
-        if let Err(e) = &r {
-            // A row cut short proves nothing either way.
-            row.verdict = rep.outcome.status.clone();
-            row.why = Some(e.to_string());
-            row.pass = false;
-        }
-        ab.rows.push(row);
-        ab.sections.push(rep);
+        push_row(ab, name, scenario, unfenced, rep, r.as_ref().err());
+        publish(ab, None);
         after_row(ab);
         r?;
     }

@@ -232,9 +232,12 @@ impl Device {
         Ok((f as u64, t as u64))
     }
 
-    /// Waits for all work queued on this device.
+    /// Waits for all work queued on this device; in a run, bounded by `--timeout`
+    /// ([`crate::deadline::watch`]).
     pub fn synchronize(&self) -> Result<()> {
         self.bind()?;
+        let _w = crate::deadline::watch(|| format!("CUDA synchronisation of GPU {}", self.ordinal()));
+        crate::deadline::Stall::Sync.here();
         result::ctx::synchronize().map_err(|e| derr("kernel or copy failed (cuCtxSynchronize)", e))
     }
 }
@@ -292,6 +295,7 @@ impl PendingTime {
     pub fn seconds(&self) -> Result<f64> {
         let t = &self.0;
         t.dev.bind()?;
+        let _w = crate::deadline::watch(|| format!("CUDA event wait on GPU {}", t.dev.ordinal()));
         // SAFETY: both events are live events of this context, both recorded.
         unsafe {
             sys::cuEventSynchronize(t.end).result().map_err(|e| derr("kernel or copy failed (cuEventSynchronize)", e))?;
@@ -406,6 +410,7 @@ impl DeviceBuffer {
     pub fn read(&self, off: usize, dst: &mut [u8]) -> Result<()> {
         self.check(off, dst.len())?;
         self.dev.bind()?;
+        let _w = crate::deadline::watch(|| format!("CUDA copy of {} bytes to the host", dst.len()));
         // SAFETY: the range was bounds-checked against this live allocation.
         unsafe { result::memcpy_dtoh_sync(dst, self.ptr + off as u64) }.map_err(|e| derr("cuMemcpyDtoH", e))
     }
@@ -414,6 +419,7 @@ impl DeviceBuffer {
     pub fn write(&self, off: usize, src: &[u8]) -> Result<()> {
         self.check(off, src.len())?;
         self.dev.bind()?;
+        let _w = crate::deadline::watch(|| format!("CUDA copy of {} bytes to the device", src.len()));
         // SAFETY: the range was bounds-checked against this live allocation.
         unsafe { result::memcpy_htod_sync(self.ptr + off as u64, src) }.map_err(|e| derr("cuMemcpyHtoD", e))
     }

@@ -287,6 +287,11 @@ struct Req {
     saves_left: u32,
     had_saves: bool,
     read_notified: bool,
+    /// The READ's deadline (`--timeout` from just before it was posted), until its
+    /// notification arrives.
+    read_deadline: Option<crate::deadline::Deadline>,
+    /// Notification checks begun after `read_deadline` that did not find it.
+    notify_misses: u8,
     released: bool,
     early_listed: bool,
     dslots: Vec<u32>,
@@ -397,7 +402,9 @@ impl MooncakeTier {
         let install = crate::mooncake::find()?;
         // The worker first: its hello imports the store client, so a broken install is a
         // set-up error (exit 2) before anything else starts.
-        let mut worker = Worker::start(&install, timeout)?;
+        // Set-up calls (hello, setup, mapping the pools) get at least the set-up floor; the
+        // run's calls then --timeout (crate::deadline).
+        let mut worker = Worker::start(&install, timeout.max(crate::deadline::SETUP_FLOOR))?;
         let mut master = match &cfg.mooncake {
             Some(ext) => {
                 ext.reachable(Duration::from_secs(5))?;
@@ -441,6 +448,7 @@ impl MooncakeTier {
                 e => e,
             }
         })?;
+        worker.set_timeout(timeout);
         let fingerprint = format!("{:08x}-{:08x}", crate::fingerprint::seed32(seed), rand::rng().random::<u32>());
         let detail = format!(
             "mooncake {} {}, tcp, master {} ({}), metadata {}, pools shared with the store client by {sharing}",
@@ -603,6 +611,8 @@ impl<'a> Engine<'a> {
         let mut last_change = Instant::now();
         let mut last_seen = (0u64, 0u64);
         self.intervals.push(Interval::default());
+        self.finish(report);
+        crate::run::publish(report);
         loop {
             if crate::interrupt::requested() {
                 return Err(Error::Interrupted(format!("after {} verified requests", self.verified)));
@@ -649,6 +659,9 @@ impl<'a> Engine<'a> {
             if self.last_progress.elapsed() >= Duration::from_millis(100) {
                 self.last_progress = Instant::now();
                 progress(&self.progress(report));
+                // What a call blocked past its deadline would still report.
+                self.finish(report);
+                crate::run::publish(report);
             }
             if every > 0.0 && last_ckpt.elapsed().as_secs_f64() >= every {
                 last_ckpt = Instant::now();
@@ -726,19 +739,39 @@ impl<'a> Engine<'a> {
         if !self.cfg.scenario.uses_nixl() {
             return Ok(());
         }
+        let asked = Instant::now();
         self.take_notifications()?;
+        self.check_notification_deadlines(asked)?;
         for id in self.order.clone() {
             let Some(r) = self.reqs.get_mut(&id) else {
                 continue;
             };
             let Some(x) = r.xfer.as_mut() else { continue };
-            match self.decode.poll(x)? {
-                Some(done) => {
-                    report.summary.bytes_transferred += done.bytes;
-                    r.xfer = None;
-                    r.stage = Stage::Verify;
-                }
-                None => x.check_timeout(self.timeout)?,
+            // `poll` ends the run with a timeout past the READ's deadline.
+            if let Some(done) = self.decode.poll(x)? {
+                report.summary.bytes_transferred += done.bytes;
+                r.xfer = None;
+                r.stage = Stage::Verify;
+            }
+        }
+        Ok(())
+    }
+
+    /// After a notification check begun at `asked`: a READ whose notification is still
+    /// missing at two checks begun after its deadline has timed out (exit 4).
+    fn check_notification_deadlines(&mut self, asked: Instant) -> Result<()> {
+        for (id, r) in self.reqs.iter_mut() {
+            if r.read_notified {
+                continue;
+            }
+            let Some(d) = r.read_deadline.filter(|d| d.passed_at(asked)) else { continue };
+            r.notify_misses += 1;
+            if r.notify_misses >= 2 {
+                return Err(Error::Timeout(format!(
+                    "no notification of request {id}'s READ within --timeout {:.6} s ({:.3} s since it was posted)",
+                    d.limit_secs(),
+                    d.elapsed_secs()
+                )));
             }
         }
         Ok(())
@@ -833,23 +866,21 @@ impl<'a> Engine<'a> {
         for &id in ids {
             let r = self.reqs.get_mut(&id).expect("posted request");
             let Some(x) = r.xfer.as_mut() else { continue };
+            // `poll` ends the wait with a timeout past the READ's deadline.
             loop {
                 if let Some(done) = self.decode.poll(x)? {
                     report.summary.bytes_transferred += done.bytes;
                     break;
                 }
-                x.check_timeout(self.timeout)?;
                 std::thread::yield_now();
             }
             r.xfer = None;
             r.stage = Stage::Verify;
         }
-        let t0 = Instant::now();
         while ids.iter().any(|id| self.reqs.get(id).is_some_and(|r| !r.read_notified)) {
+            let asked = Instant::now();
             if self.take_notifications()? == 0 {
-                if t0.elapsed() > self.timeout {
-                    return Err(Error::Timeout(format!("READ notifications missing after {:.3} s", self.timeout.as_secs_f64())));
-                }
+                self.check_notification_deadlines(asked)?;
                 std::thread::sleep(Duration::from_micros(20));
             }
         }
@@ -1166,7 +1197,9 @@ impl<'a> Engine<'a> {
                 }
                 r.at_post =
                     r.pslots.iter().map(|&s| (self.pslots[s as usize].content, self.pslots[s as usize].version)).collect();
-                r.xfer = Some(self.decode.post_read(&pairs, &format!("{}{id}", self.tag))?);
+                let x = self.decode.post_read(&pairs, &format!("{}{id}", self.tag), self.timeout)?;
+                r.read_deadline = Some(x.deadline());
+                r.xfer = Some(x);
             } else {
                 r.dloads_left = r.pslots.len() as u32;
                 r.delivered = vec![Content::default(); r.pslots.len()];
@@ -1370,6 +1403,8 @@ impl<'a> Engine<'a> {
                     saves_left: 0,
                     had_saves: false,
                     read_notified: false,
+                    read_deadline: None,
+                    notify_misses: 0,
                     released: false,
                     early_listed: false,
                     dslots: Vec::new(),

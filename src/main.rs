@@ -532,6 +532,39 @@ fn check_report_path(path: &Option<PathBuf>) -> Result<(), Exit> {
     Ok(())
 }
 
+/// A call blocked past its deadline: the watchdog ([`kvprobe::deadline`]) ends the run from
+/// its own thread (the stuck call is never joined). `finish` builds what to write and show
+/// (the document, its exit code, the text for stdout); this clears the status line, writes
+/// `path`, prints, and exits with the code. Helper processes die with kvprobe.
+fn on_stall<T, F>(bar: Option<indicatif::ProgressBar>, path: Option<PathBuf>, label: &'static str, finish: F)
+where
+    T: serde::Serialize,
+    F: Fn(&Error) -> (T, Exit, String) + Send + Sync + 'static,
+{
+    kvprobe::deadline::on_expiry(std::sync::Arc::new(move |e: &Error| {
+        if let Some(b) = &bar {
+            b.finish_and_clear();
+        }
+        let (doc, exit, text) = finish(e);
+        let written = match &path {
+            Some(p) => match kvprobe::report::write_atomic(p, &doc) {
+                Ok(()) => Some(p),
+                Err(we) => {
+                    err(&format!("kvprobe: {we}"));
+                    None
+                }
+            },
+            None => None,
+        };
+        out(&text);
+        if let Some(p) = written {
+            out(&format!("{label}{}\n", p.display()));
+        }
+        err(&format!("kvprobe: {e}"));
+        kvprobe::nixl::exit_now(exit as u8)
+    }));
+}
+
 fn run(args: RunArgs, typed: &[&str]) -> Exit {
     if let Err(x) = check_report_path(&args.pool.report).and_then(|_| install_signals()) {
         return x;
@@ -548,6 +581,12 @@ fn run(args: RunArgs, typed: &[&str]) -> Exit {
         }
     };
     let mut display = Display::new();
+    let stall_cfg = cfg.clone();
+    on_stall(display.bar.clone(), args.pool.report.clone(), "report:            ", move |e| {
+        let (r, exit) = kvprobe::run::expired_report(&stall_cfg, e);
+        let text = if r.summary.iterations > 0 || r.scenario.is_some() { kvprobe::report::render(&r) } else { String::new() };
+        (r, exit, text)
+    });
     let mut ckpt_failed = false;
     let path = args.pool.report.clone();
     let mut line = |l: &str| err(l);
@@ -605,6 +644,12 @@ fn ab(args: AbArgs) -> Exit {
     let mut cfg = args.pool.config();
     cfg.scenario = Some(args.load.config(Scenario::Stacked, Vec::new(), &cfg.geometry));
     let mut display = Display::new();
+    let stall_cfg = cfg.clone();
+    on_stall(display.bar.clone(), args.pool.report.clone(), "report: ", move |e| {
+        let (ab, exit) = kvprobe::ab::expired_report(&stall_cfg, e);
+        let text = if ab.rows.is_empty() { String::new() } else { kvprobe::ab::render(&ab) };
+        (ab, exit, text)
+    });
     let path = args.pool.report.clone();
     let mut ckpt_failed = false;
     let mut shown = 0;

@@ -439,12 +439,19 @@ impl Worker {
         req.insert("id".into(), id.into());
         req.insert("op".into(), op.into());
         let line = serde_json::to_string(&req).map_err(|e| Error::Transport(e.to_string()))?;
-        if writeln!(self.stdin, "{line}").and_then(|_| self.stdin.flush()).is_err() {
+        // The deadline starts before the request is written: a worker that stops reading
+        // fills the pipe and blocks the write (the watchdog ends that, crate::deadline).
+        let deadline = crate::deadline::Deadline::after(self.timeout);
+        let sent = {
+            let _w = crate::deadline::watch_until(deadline, || format!("writing `{op}` to the Mooncake worker"));
+            writeln!(self.stdin, "{line}").and_then(|_| self.stdin.flush())
+        };
+        if sent.is_err() {
             return Err(self.dead(&format!("did not take `{op}`")));
         }
         // Wait in slices, so Ctrl-C is honoured while the store client is busy (a setup
         // against something that is not a master can take the whole timeout).
-        let t0 = Instant::now();
+        let t0 = deadline.start;
         let reply = loop {
             let left = self.timeout.saturating_sub(t0.elapsed());
             match self.replies.recv_timeout(left.min(Duration::from_millis(100))) {
@@ -547,6 +554,12 @@ impl Worker {
     pub fn exists(&mut self, keys: &[String]) -> Result<Vec<i64>> {
         let v = self.call("exists", serde_json::json!({ "keys": keys }))?;
         Ok(rc_list(&v))
+    }
+
+    /// Sets how long each later call waits for its reply (set-up calls run with
+    /// [`crate::deadline::SETUP_FLOOR`] at least, the run's calls with `--timeout`).
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
     }
 
     /// The worker's process id.

@@ -9,6 +9,7 @@
 //! only place looked at), else the directory the install step writes (`$KVPROBE_HOME/nixl/lib`, default
 //! `~/.local/share/kvprobe/nixl/lib`, see scripts/install-deps.sh).
 
+use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use nixl_sys::{MemType, MemoryRegion, NixlDescriptor, XferDescList, XferOp};
 use std::path::{Path, PathBuf};
@@ -282,6 +283,7 @@ impl Agent {
     /// NIXL missing, or the plugin is not installed / fails to start.
     pub fn new(name: &str, backend: &str) -> Result<Agent> {
         load()?;
+        let _w = crate::deadline::watch_setup(|| format!("creating NIXL agent {name} with backend {backend}"));
         let agent = nixl_sys::Agent::new(name).map_err(|e| terr("create NIXL agent", e))?;
         let plugins: Vec<String> = agent
             .get_available_plugins()
@@ -316,6 +318,7 @@ impl Agent {
     /// # Safety contract (upheld by callers in this crate)
     /// The regions must stay allocated while this agent lives.
     pub fn register(&mut self, regions: &[Region]) -> Result<()> {
+        let _w = crate::deadline::watch_setup(|| format!("registering {} regions with NIXL", regions.len()));
         let mut opt = nixl_sys::OptArgs::new().map_err(|e| terr("opt args", e))?;
         opt.add_backend(&self.backend).map_err(|e| terr("opt args", e))?;
         for r in regions {
@@ -327,11 +330,13 @@ impl Agent {
 
     /// This agent's metadata blob, for the peer's [`Agent::load_remote`].
     pub fn metadata(&self) -> Result<Vec<u8>> {
+        let _w = crate::deadline::watch_setup(|| "NIXL getLocalMD".into());
         self.agent.get_local_md().map_err(|e| terr("get local metadata", e))
     }
 
     /// Loads a peer's metadata; returns the peer's agent name.
     pub fn load_remote(&self, md: &[u8]) -> Result<String> {
+        let _w = crate::deadline::watch_setup(|| "NIXL loadRemoteMD".into());
         self.agent.load_remote_md(md).map_err(|e| terr("load remote metadata", e))
     }
 
@@ -347,7 +352,10 @@ impl Agent {
     /// pushes local to remote) without waiting; the peer gets `notif` as a NIXL
     /// notification when it completes. Poll it with [`Agent::poll`].
     ///
-    /// Errors: [`Error::Transport`] when NIXL refuses the request.
+    /// `deadline` started just before the caller built the request: a post call that returns
+    /// after it is a timeout, whether or not the request completed inside the call (the
+    /// request is released). Errors: [`Error::Transport`] when NIXL refuses the request,
+    /// [`Error::Timeout`] (exit 4) past the deadline.
     pub fn post(
         &self,
         op: XferOp,
@@ -355,7 +363,11 @@ impl Agent {
         remote: (&[(u64, u64)], MemType, u64),
         peer: &str,
         notif: &[u8],
+        deadline: Deadline,
     ) -> Result<Posted> {
+        let bytes: u64 = local.0.iter().map(|d| d.1).sum();
+        let what = || format!("posting a NIXL {op:?} of {bytes} bytes ({} descriptors) with {peer}", local.0.len());
+        let _w = crate::deadline::watch_until(deadline, what);
         let l = Self::dlist(local.1, local.0, local.2)?;
         let r = Self::dlist(remote.1, remote.0, remote.2)?;
         let mut opt = nixl_sys::OptArgs::new().map_err(|e| terr("opt args", e))?;
@@ -363,19 +375,54 @@ impl Agent {
         opt.set_notification_message(notif).map_err(|e| terr("notification", e))?;
         opt.set_has_notification(true).map_err(|e| terr("notification", e))?;
         let req = self.agent.create_xfer_req(op, &l, &r, peer, Some(&opt)).map_err(|e| terr("create transfer request", e))?;
-        let bytes: u64 = local.0.iter().map(|d| d.1).sum();
-        let started = Instant::now();
         let pending = self.agent.post_xfer_req(&req, Some(&opt)).map_err(|e| terr("post transfer", e))?;
-        Ok(Posted { req, op, bytes, peer: peer.to_string(), started, done: (!pending).then(|| started.elapsed()) })
+        crate::deadline::Stall::Post.here();
+        let returned = Instant::now();
+        let p = Posted {
+            req,
+            op,
+            bytes,
+            peer: peer.to_string(),
+            deadline,
+            done: (!pending).then(|| deadline.start.elapsed()),
+            late_misses: 0,
+        };
+        if deadline.passed_at(returned) {
+            return Err(p.timeout(&format!(
+                "posting it took {:.3} s{}",
+                (returned - deadline.start).as_secs_f64(),
+                if pending { "" } else { " (it completed inside the post call)" }
+            )));
+        }
+        Ok(p)
     }
 
-    /// Checks a posted transfer once: `Some(result)` when it has completed.
-    /// Errors: [`Error::Transport`] when NIXL reports it failed.
+    /// Checks a posted transfer once: `Some(result)` when it has completed. A request still in
+    /// progress at two checks that began after its deadline has timed out (the first check
+    /// after kvprobe was busy elsewhere drives NIXL's progress; a request found complete is
+    /// never late by this rule: when it completed is not known).
+    /// Errors: [`Error::Transport`] when NIXL reports it failed, [`Error::Timeout`] (exit 4).
     pub fn poll(&self, p: &mut Posted) -> Result<Option<XferResult>> {
         if p.done.is_none() {
-            match self.agent.get_xfer_status(&p.req).map_err(|e| terr("transfer failed", e))? {
-                nixl_sys::XferStatus::Success => p.done = Some(p.started.elapsed()),
-                nixl_sys::XferStatus::InProgress => return Ok(None),
+            let asked = Instant::now();
+            let status = {
+                let _w = crate::deadline::watch_until(p.deadline, || {
+                    format!("NIXL status query of a {:?} of {} bytes with {}", p.op, p.bytes, p.peer)
+                });
+                crate::deadline::Stall::Status.here();
+                self.agent.get_xfer_status(&p.req).map_err(|e| terr("transfer failed", e))?
+            };
+            match status {
+                nixl_sys::XferStatus::Success => p.done = Some(p.deadline.start.elapsed()),
+                nixl_sys::XferStatus::InProgress => {
+                    if p.deadline.passed_at(asked) {
+                        p.late_misses += 1;
+                        if p.late_misses >= 2 {
+                            return Err(p.timeout("still in progress"));
+                        }
+                    }
+                    return Ok(None);
+                }
             }
         }
         Ok(p.done.map(|elapsed| XferResult { bytes: p.bytes, elapsed }))
@@ -383,6 +430,8 @@ impl Agent {
 
     /// Takes every notification that has arrived, as `(peer agent, message)` pairs.
     pub fn take_notifications(&self) -> Result<Vec<(String, String)>> {
+        let _w = crate::deadline::watch(|| format!("NIXL notification query of agent {}", self.name()));
+        crate::deadline::Stall::Notifications.here();
         let mut map = nixl_sys::NotificationMap::new().map_err(|e| terr("notification map", e))?;
         self.agent.get_notifications(&mut map, None).map_err(|e| terr("get notifications", e))?;
         let got = map.take_notifs().map_err(|e| terr("read notifications", e))?;
@@ -396,8 +445,10 @@ pub struct Posted {
     op: XferOp,
     bytes: u64,
     peer: String,
-    started: Instant,
+    deadline: Deadline,
     done: Option<Duration>,
+    /// Checks begun after the deadline that found it still in progress.
+    late_misses: u8,
 }
 
 impl Posted {
@@ -406,23 +457,25 @@ impl Posted {
         self.bytes
     }
 
-    /// Time since it was posted.
+    /// Time since its deadline started (just before it was posted).
     pub fn age(&self) -> Duration {
-        self.started.elapsed()
+        self.deadline.start.elapsed()
     }
 
-    /// [`Error::Timeout`] when the request is still incomplete after `timeout`.
-    pub fn check_timeout(&self, timeout: Duration) -> Result<()> {
-        if self.done.is_none() && self.started.elapsed() > timeout {
-            return Err(Error::Timeout(format!(
-                "{:?} of {} bytes {} {} not complete after {:.3} s",
-                self.op,
-                self.bytes,
-                if matches!(self.op, XferOp::Read) { "from" } else { "to" },
-                self.peer,
-                timeout.as_secs_f64()
-            )));
-        }
-        Ok(())
+    /// Its deadline (`--timeout` from just before it was posted).
+    pub fn deadline(&self) -> Deadline {
+        self.deadline
+    }
+
+    fn timeout(&self, why: &str) -> Error {
+        Error::Timeout(format!(
+            "{:?} of {} bytes {} {}: {why}, over --timeout {:.6} s ({:.3} s since it was posted)",
+            self.op,
+            self.bytes,
+            if matches!(self.op, XferOp::Read) { "from" } else { "to" },
+            self.peer,
+            self.deadline.limit_secs(),
+            self.deadline.elapsed_secs()
+        ))
     }
 }

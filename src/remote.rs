@@ -346,22 +346,19 @@ pub enum Request {
         tag: String,
         /// Bytes it moves.
         bytes: u64,
-        /// When it was sent to the child.
-        started: Instant,
+        /// `--timeout` from just before it was sent to the child.
+        deadline: crate::deadline::Deadline,
+        /// Checks begun after the deadline that found it incomplete.
+        late_misses: u8,
     },
 }
 
 impl Request {
-    /// [`Error::Timeout`] when still incomplete after `timeout` (checked by the caller while
-    /// polling).
-    pub fn check_timeout(&self, timeout: Duration) -> Result<()> {
+    /// Its deadline (`--timeout` from just before it was posted).
+    pub fn deadline(&self) -> crate::deadline::Deadline {
         match self {
-            Request::Local(p) => p.check_timeout(timeout),
-            Request::Remote { tag, bytes, started } if started.elapsed() > timeout => Err(Error::Timeout(format!(
-                "READ {tag} of {bytes} bytes by the decode agent process not complete after {:.3} s",
-                timeout.as_secs_f64()
-            ))),
-            Request::Remote { .. } => Ok(()),
+            Request::Local(p) => p.deadline(),
+            Request::Remote { deadline, .. } => *deadline,
         }
     }
 }
@@ -461,6 +458,7 @@ pub fn check_pair(g: &Geometry, p: &Pair) -> Result<()> {
 /// and returns the exit code (0 after `Q` or end of input).
 pub fn agent_main() -> Exit {
     crate::child::ignore_interrupts();
+    crate::deadline::set_agent_process();
     let out = Arc::new(Mutex::new(std::io::stdout()));
     let say = |s: String| {
         let mut o = out.lock().unwrap();
@@ -532,7 +530,9 @@ fn serve(say: &dyn Fn(String)) -> Result<()> {
             Ok(AgentCommand::Xfer(tag, pairs)) => {
                 crate::trace!("decode agent process: READ {tag}");
                 busy = true;
-                inflight.push((tag.clone(), ep.post_as_initiator(Op::Read, &pairs, &tag)?));
+                // kvprobe bounds the request (--timeout); here it is only measured.
+                let unbounded = crate::deadline::Deadline::after(Duration::from_secs(u32::MAX as u64));
+                inflight.push((tag.clone(), ep.post_as_initiator(Op::Read, &pairs, &tag, unbounded)?));
             }
             Ok(AgentCommand::Path) => {
                 busy = true;

@@ -496,6 +496,49 @@ pub(crate) fn empty_report(cfg: &RunConfig) -> Report {
     }
 }
 
+/// The report of the run in progress as last published ([`publish`]), for the watchdog.
+static SHADOW: std::sync::Mutex<Option<Report>> = std::sync::Mutex::new(None);
+
+/// Publishes the report so far, so that a call that blocks past its deadline still ends the
+/// run with it ([`expired_report`], [`crate::deadline`]). Called after set-up steps, after
+/// each sweep iteration and with each scenario progress update. Cheap: listed failures and
+/// injections are appended, not copied again (a run only ever appends to them).
+pub(crate) fn publish(r: &Report) {
+    let mut s = SHADOW.lock().unwrap_or_else(|p| p.into_inner());
+    match s.as_mut() {
+        Some(sh)
+            if sh.started_unix == r.started_unix
+                && sh.config == r.config
+                && sh.failures.len() <= r.failures.len()
+                && sh.injections.len() <= r.injections.len() =>
+        {
+            sh.failures.extend_from_slice(&r.failures[sh.failures.len()..]);
+            sh.injections.extend_from_slice(&r.injections[sh.injections.len()..]);
+            sh.summary = r.summary.clone();
+            sh.scenario = r.scenario.clone();
+            if sh.environment.is_none() {
+                sh.environment = r.environment.clone();
+            }
+        }
+        _ => *s = Some(r.clone()),
+    }
+}
+
+/// The report to write when a call blocked past its deadline (`e`, a timeout) and the run
+/// cannot end normally: the last published report of `cfg`'s run (or an empty one), its
+/// outcome `e` — exit 4, or 1 when corruption was already found.
+pub fn expired_report(cfg: &RunConfig, e: &Error) -> (Report, Exit) {
+    let mut r = empty_report(cfg);
+    let shadow = SHADOW.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    if let Some(s) = shadow.filter(|s| s.config == r.config) {
+        r = s;
+    }
+    r.summary.host_peak_bytes = crate::hostmem::peak_resident_bytes();
+    let exit = if r.summary.blocks_corrupt > 0 { Exit::Corrupt } else { e.exit() };
+    r.finish(exit, Some(e));
+    (r, exit)
+}
+
 /// Runs the probe: the whole-pool sweep, or one scenario when `cfg.scenario` is set. Never
 /// panics on bad input: every outcome, including errors, comes back as a report with its
 /// exit code.
@@ -533,7 +576,10 @@ pub(crate) fn prepare(cfg: &RunConfig, report: &mut Report) -> Result<()> {
 
 fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>) -> Result<()> {
     let started = Instant::now();
+    publish(report);
     prepare(cfg, report)?;
+    crate::deadline::set_limit(Some(Duration::from_secs_f64(cfg.timeout_secs)));
+    publish(report);
     let ucx_mark = crate::ucx::mark();
     let mut probe = Probe::setup(cfg)?;
     crate::ucx::adopt();
@@ -619,17 +665,17 @@ fn sweep(
         let mut corrupt = 0u64;
         let mut bytes = 0u64;
         let tag = |k: usize| format!("kvprobe:iter={it}:stage={k}");
-        let mut tags = std::collections::HashSet::new();
+        let mut tags = HashMap::new();
         let mut inflight = std::collections::VecDeque::new();
         let mut post = |probe: &Probe, k: usize, inflight: &mut std::collections::VecDeque<_>| -> Result<()> {
             let pairs = probe.stage_pairs(&cur, stages[k].clone())?;
             let posted = if pairs.is_empty() {
                 None
             } else {
-                Some(transport::post(cfg.op, &probe.prefill, &probe.decode, &pairs, &tag(k))?)
+                Some(transport::post(cfg.op, &probe.prefill, &probe.decode, &pairs, &tag(k), timeout)?)
             };
-            if posted.is_some() {
-                tags.insert(tag(k));
+            if let Some(p) = &posted {
+                tags.insert(tag(k), p.deadline());
             }
             inflight.push_back(posted);
             Ok(())
@@ -648,13 +694,13 @@ fn sweep(
             if let Some(p) = posted.as_mut() {
                 // A signal lets the request finish for up to a second (then the report says
                 // interrupted rather than waiting out --timeout on a stalled transfer).
+                // `poll` ends the wait with a timeout past the request's deadline.
                 let mut interrupted: Option<Instant> = None;
                 loop {
                     if let Some(r) = transport::poll(cfg.op, &probe.prefill, &probe.decode, p)? {
                         bytes += r.bytes;
                         break;
                     }
-                    p.check_timeout(timeout)?;
                     if crate::interrupt::requested() {
                         let since = *interrupted.get_or_insert_with(Instant::now);
                         if since.elapsed() > Duration::from_secs(1) {
@@ -731,7 +777,7 @@ fn sweep(
                 times.overlapped += verify_s + fill_s + poison_s;
             }
         }
-        transport::await_notifications(cfg.op, &probe.prefill, &probe.decode, &mut tags, timeout)?;
+        transport::await_notifications(cfg.op, &probe.prefill, &probe.decode, &mut tags)?;
         times.transfer = (window_end - window_start).as_secs_f64();
         let kp = probe.prefill.pool.take_kernel_seconds();
         let kd = probe.decode.pool.take_kernel_seconds();
@@ -797,6 +843,7 @@ fn sweep(
         if let Some(n) = next {
             cur = n;
         }
+        publish(report);
     }
     Ok(())
 }

@@ -10,6 +10,7 @@
 //! `--op read` (default): decode pulls from prefill and notifies it (vLLM's flow);
 //! `--op write`: prefill pushes and notifies decode.
 
+use crate::deadline::Deadline;
 use crate::error::Result;
 use crate::geometry::SliceCoord;
 use crate::nixl::{Agent, Posted, Region, XferResult};
@@ -151,8 +152,9 @@ impl Endpoint {
 
     /// Posts `op` as the initiator (READ: this role is decode and `dst` slices are local;
     /// WRITE: this role is prefill and `src` slices are local) with notification `tag`; does
-    /// not wait. Errors: transport (exit 3); usage for an agent in another process.
-    pub fn post_as_initiator(&self, op: Op, pairs: &[Pair], tag: &str) -> Result<Posted> {
+    /// not wait. `deadline` started just before the request was built ([`Agent::post`]).
+    /// Errors: transport (exit 3); timeout (exit 4); usage for an agent in another process.
+    pub fn post_as_initiator(&self, op: Op, pairs: &[Pair], tag: &str, deadline: Deadline) -> Result<Posted> {
         let agent = self.local()?;
         let side = |p: &Pair| {
             if op == Op::Write { (p.src, p.dst) } else { (p.dst, p.src) }
@@ -167,6 +169,7 @@ impl Endpoint {
             (&remote, mem_type(peer.memory), peer.device_id),
             &peer.agent,
             tag.as_bytes(),
+            deadline,
         )
     }
 
@@ -194,8 +197,10 @@ impl Endpoint {
 
     /// Posts one NIXL READ of `pairs` from the peer (this role is decode: `dst` slices are
     /// local, `src` slices the peer's), with notification `tag` to the peer; does not wait.
-    /// Errors: transport (exit 3).
-    pub fn post_read(&self, pairs: &[Pair], tag: &str) -> Result<Posted> {
+    /// Its deadline is `timeout` from now (before the descriptors are built).
+    /// Errors: transport (exit 3), timeout (exit 4: [`Agent::post`]).
+    pub fn post_read(&self, pairs: &[Pair], tag: &str, timeout: Duration) -> Result<Posted> {
+        let deadline = Deadline::after(timeout);
         let peer = self.peer();
         let local = self.descs(&self.pool.region_addrs(), pairs.iter().map(|p| (p.dst, p.len)));
         let remote = self.descs(&peer.region_bases, pairs.iter().map(|p| (p.src, p.len)));
@@ -206,10 +211,12 @@ impl Endpoint {
             (&remote, mem_type(peer.memory), peer.device_id),
             &peer.agent,
             tag.as_bytes(),
+            deadline,
         )
     }
 
-    /// Checks a posted transfer once: `Some` when complete. Errors: transport (exit 3).
+    /// Checks a posted transfer once: `Some` when complete. Errors: transport (exit 3),
+    /// timeout (exit 4, [`Agent::poll`]).
     pub fn poll(&self, p: &mut Posted) -> Result<Option<XferResult>> {
         self.pool.bind()?;
         self.local()?.poll(p)
@@ -242,44 +249,72 @@ fn roles<'a>(op: Op, prefill: &'a Endpoint, decode: &'a Endpoint) -> (&'a Endpoi
 /// Posts one NIXL request moving `pairs` (each `len` bytes from its slice start, possibly
 /// spanning the next contiguous slices of one layer) from `prefill` to `decode`, with
 /// notification `tag` to the other role; does not wait. A decode agent in another process
-/// posts READs there. Errors: transport (exit 3).
-pub fn post(op: Op, prefill: &Endpoint, decode: &Endpoint, pairs: &[Pair], tag: &str) -> Result<Request> {
+/// posts READs there. The request's deadline is `timeout` from now, before its descriptors
+/// are built: it bounds the post call, the completion ([`poll`]) and the notification
+/// ([`await_notifications`]). Errors: transport (exit 3), timeout (exit 4).
+pub fn post(op: Op, prefill: &Endpoint, decode: &Endpoint, pairs: &[Pair], tag: &str, timeout: Duration) -> Result<Request> {
+    let deadline = Deadline::after(timeout);
     let (init, _) = roles(op, prefill, decode);
     match &init.agent {
-        Role::Local(_) => Ok(Request::Local(init.post_as_initiator(op, pairs, tag)?)),
+        Role::Local(_) => Ok(Request::Local(init.post_as_initiator(op, pairs, tag, deadline)?)),
         Role::Remote(r) => {
             r.post_read(pairs, tag)?;
-            Ok(Request::Remote { tag: tag.to_string(), bytes: pairs.iter().map(|p| p.len).sum(), started: Instant::now() })
+            Ok(Request::Remote { tag: tag.to_string(), bytes: pairs.iter().map(|p| p.len).sum(), deadline, late_misses: 0 })
         }
     }
 }
 
-/// Checks a request [`post`]ed for `op` once: `Some` when complete. Errors: transport (exit 3).
+/// Checks a request [`post`]ed for `op` once: `Some` when complete. A request still
+/// incomplete at two checks that began after its deadline has timed out (for the decode agent
+/// process's READs also one whose post-to-completion time, as the child measured it, exceeds
+/// the limit). Errors: transport (exit 3), timeout (exit 4).
 pub fn poll(op: Op, prefill: &Endpoint, decode: &Endpoint, p: &mut Request) -> Result<Option<XferResult>> {
     let (init, _) = roles(op, prefill, decode);
     match (p, &init.agent) {
         (Request::Local(p), _) => init.poll(p),
-        (Request::Remote { tag, .. }, Role::Remote(r)) => r.poll(tag),
+        (Request::Remote { tag, bytes, deadline, late_misses }, Role::Remote(r)) => {
+            let asked = Instant::now();
+            let timeout = |why: String| {
+                crate::error::Error::Timeout(format!(
+                    "READ {tag} of {bytes} bytes by the decode agent process: {why}, over --timeout {:.6} s ({:.3} s since it was sent)",
+                    deadline.limit_secs(),
+                    deadline.elapsed_secs()
+                ))
+            };
+            match r.poll(tag)? {
+                Some(done) if done.elapsed > deadline.limit => {
+                    Err(timeout(format!("it took {:.3} s from post to completion", done.elapsed.as_secs_f64())))
+                }
+                Some(done) => Ok(Some(done)),
+                None if deadline.passed_at(asked) => {
+                    *late_misses += 1;
+                    if *late_misses >= 2 { Err(timeout("still not complete".into())) } else { Ok(None) }
+                }
+                None => Ok(None),
+            }
+        }
         (Request::Remote { .. }, Role::Local(_)) => {
             Err(crate::error::Error::Usage("a request of the decode agent process polled in this process".into()))
         }
     }
 }
 
-/// Waits until the role that did not post `op`'s requests has received every notification
-/// in `tags` (removed as they arrive; others are dropped), within `timeout` in all.
-/// Errors: timeout (exit 4), transport (exit 3).
+/// Waits until the role that did not post `op`'s requests has received the notification of
+/// every tag in `tags` (removed as they arrive; others are dropped). Each tag carries its
+/// request's deadline ([`post`]): a tag still missing at two checks that began after its
+/// deadline has timed out (the first check after kvprobe was busy elsewhere collects what
+/// arrived meanwhile). Errors: timeout (exit 4), transport (exit 3).
 pub fn await_notifications(
     op: Op,
     prefill: &Endpoint,
     decode: &Endpoint,
-    tags: &mut std::collections::HashSet<String>,
-    timeout: Duration,
+    tags: &mut std::collections::HashMap<String, Deadline>,
 ) -> Result<()> {
     let (init, other) = roles(op, prefill, decode);
-    let t0 = std::time::Instant::now();
     let from = init.name();
+    let mut late_misses = 0u32;
     while !tags.is_empty() {
+        let asked = Instant::now();
         for (peer, msg) in other.raw_notifications()? {
             if peer == from {
                 tags.remove(&msg);
@@ -288,13 +323,17 @@ pub fn await_notifications(
         if tags.is_empty() {
             break;
         }
-        if t0.elapsed() > timeout {
-            let mut missing: Vec<&String> = tags.iter().collect();
-            missing.sort();
-            return Err(crate::error::Error::Timeout(format!(
-                "no notification {missing:?} from {from} after {:.3} s",
-                timeout.as_secs_f64()
-            )));
+        if let Some((tag, d)) = tags.iter().filter(|(_, d)| d.passed_at(asked)).min_by_key(|(_, d)| d.at()) {
+            late_misses += 1;
+            if late_misses >= 2 {
+                let mut missing: Vec<&String> = tags.keys().collect();
+                missing.sort();
+                return Err(crate::error::Error::Timeout(format!(
+                    "no notification {tag} from {from} within --timeout {:.6} s ({:.3} s since its request was posted; missing: {missing:?})",
+                    d.limit_secs(),
+                    d.elapsed_secs()
+                )));
+            }
         }
         std::thread::sleep(Duration::from_micros(20));
     }

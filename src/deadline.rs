@@ -1,0 +1,263 @@
+//! Deadlines for every wait of a run (`--timeout`), and the watchdog that ends a run whose
+//! call blocks past its deadline.
+//!
+//! What `--timeout` bounds (README, "`--timeout`"):
+//! - each NIXL request: from just before it is created (descriptor lists, `createXferReq`,
+//!   `postXferReq`) until the initiator sees it complete and the other role has its
+//!   notification ([`Deadline`], checked by [`crate::nixl::Agent::post`] and
+//!   [`crate::nixl::Agent::poll`], [`crate::transport::await_notifications`], the scenario
+//!   engine);
+//! - each other blocking call of the run ([`watch`]): a NIXL status or notification query,
+//!   a CUDA synchronisation or synchronous copy, a write to a helper's pipe — from just before
+//!   the call, with the run's limit ([`set_limit`]);
+//! - set-up calls (NIXL agent and backend creation, memory registration, metadata) get at
+//!   least [`SETUP_FLOOR`] ([`setup_limit`]).
+//!
+//! A call that returns after its deadline is a timeout (exit 4) found by its caller, which then
+//! ends the run normally (report written, helpers stopped). A call that does not return at all
+//! is found by the watchdog thread: [`GRACE`] after the deadline it hands the error to the
+//! handler the command installed ([`on_expiry`]; `kvprobe run` and `ab` write the report of
+//! the run so far, outcome `timeout`) and ends the process with exit 4 without joining the
+//! stuck call. Helper processes die with kvprobe (`PR_SET_PDEATHSIG`, [`crate::child`]).
+//!
+//! Test-only fault hooks: `KVPROBE_TEST_STALL_<POINT>=SECS` makes the call at `<POINT>` block
+//! for SECS seconds inside its watched region ([`Stall`]). They exist to prove the above in
+//! tests and are never set in normal use.
+
+use crate::error::Error;
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// How long a call may stay blocked after its deadline before the watchdog ends the run
+/// (a call that returns within it is handled by its caller, with the full report).
+pub const GRACE: Duration = Duration::from_secs(5);
+
+/// The least bound of a set-up call (NIXL agent and backend start, registration, metadata
+/// exchange, the Mooncake worker's set-up): UCX, its transports and the store client take
+/// seconds to start on a loaded host, whatever a short `--timeout` says. The default
+/// `--timeout`, so with it every wait has the same bound.
+pub const SETUP_FLOOR: Duration = Duration::from_secs(60);
+
+/// A deadline started just before a wait began: `start + limit`.
+#[derive(Clone, Copy, Debug)]
+pub struct Deadline {
+    /// When the wait began (just before the first call of it).
+    pub start: Instant,
+    /// The bound (`--timeout`).
+    pub limit: Duration,
+}
+
+impl Deadline {
+    /// A deadline `limit` from now.
+    pub fn after(limit: Duration) -> Deadline {
+        Deadline { start: Instant::now(), limit }
+    }
+
+    /// The instant it passes (far in the future when `start + limit` overflows).
+    pub fn at(&self) -> Instant {
+        self.start.checked_add(self.limit).unwrap_or_else(|| self.start + Duration::from_secs(1 << 32))
+    }
+
+    /// True when `t` is past the deadline.
+    pub fn passed_at(&self, t: Instant) -> bool {
+        t > self.at()
+    }
+
+    /// Seconds since the wait began.
+    pub fn elapsed_secs(&self) -> f64 {
+        self.start.elapsed().as_secs_f64()
+    }
+
+    /// The limit in seconds.
+    pub fn limit_secs(&self) -> f64 {
+        self.limit.as_secs_f64()
+    }
+}
+
+/// Called by the watchdog with the timeout error of a call that stayed blocked past its
+/// deadline; it should write what it can and end the process (if it returns, the watchdog
+/// prints the error and exits 4).
+pub type Handler = Arc<dyn Fn(&Error) + Send + Sync>;
+
+struct Armed {
+    id: u64,
+    deadline: Instant,
+    limit: Duration,
+    what: String,
+}
+
+#[derive(Default)]
+struct State {
+    armed: Vec<Armed>,
+    next_id: u64,
+    limit: Option<Duration>,
+    handler: Option<Handler>,
+    started: bool,
+}
+
+fn state() -> &'static (Mutex<State>, Condvar) {
+    static S: OnceLock<(Mutex<State>, Condvar)> = OnceLock::new();
+    S.get_or_init(|| (Mutex::new(State::default()), Condvar::new()))
+}
+
+fn lock() -> std::sync::MutexGuard<'static, State> {
+    state().0.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Sets the bound of the run's blocking calls ([`watch`]; `None`: unbounded, as outside a
+/// run). Called at the start of `run` and `ab` with `--timeout`.
+pub fn set_limit(limit: Option<Duration>) {
+    lock().limit = limit;
+}
+
+/// The bound of the run's blocking calls, if one is set.
+pub fn limit() -> Option<Duration> {
+    lock().limit
+}
+
+/// The bound of a set-up call: the run's limit, but at least [`SETUP_FLOOR`].
+pub fn setup_limit() -> Option<Duration> {
+    limit().map(|l| l.max(SETUP_FLOOR))
+}
+
+/// Installs what the watchdog calls when a call stays blocked past its deadline (replaces any
+/// earlier handler).
+pub fn on_expiry(handler: Handler) {
+    lock().handler = Some(handler);
+}
+
+/// A watched call: disarmed when dropped.
+#[must_use = "the call is watched while this guard lives"]
+pub struct Watch {
+    id: Option<u64>,
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        if let Some(id) = self.id {
+            let mut s = lock();
+            if let Some(i) = s.armed.iter().position(|a| a.id == id) {
+                s.armed.swap_remove(i);
+            }
+        }
+    }
+}
+
+/// Watches a blocking call that starts now, with the run's limit ([`set_limit`]); no-op
+/// when none is set. `what` names the call in the error.
+pub fn watch(what: impl FnOnce() -> String) -> Watch {
+    match limit() {
+        Some(l) => watch_until(Deadline::after(l), what),
+        None => Watch { id: None },
+    }
+}
+
+/// Watches a set-up call that starts now ([`setup_limit`]); no-op outside a run.
+pub fn watch_setup(what: impl FnOnce() -> String) -> Watch {
+    match setup_limit() {
+        Some(l) => watch_until(Deadline::after(l), what),
+        None => Watch { id: None },
+    }
+}
+
+/// Watches a blocking call bounded by `deadline` (a transfer's): if it has not returned
+/// [`GRACE`] after the deadline, the watchdog ends the run.
+pub fn watch_until(deadline: Deadline, what: impl FnOnce() -> String) -> Watch {
+    let mut s = lock();
+    let id = s.next_id;
+    s.next_id += 1;
+    s.armed.push(Armed { id, deadline: deadline.at(), limit: deadline.limit, what: what() });
+    if !s.started {
+        s.started = true;
+        std::thread::Builder::new().name("kvprobe-watchdog".into()).spawn(watchdog).ok();
+    }
+    Watch { id: Some(id) }
+}
+
+fn watchdog() {
+    let (m, cv) = state();
+    let mut s = m.lock().unwrap_or_else(|p| p.into_inner());
+    loop {
+        let now = Instant::now();
+        let due = s.armed.iter().min_by_key(|a| a.deadline).map(|a| (a.deadline + GRACE, a.limit, a.what.clone()));
+        match due {
+            // Checks at least every 100 ms (arming does not wake it: a watched status query
+            // runs in a spin loop, and a wake-up per call would cost a system call each).
+            None => s = cv.wait_timeout(s, Duration::from_millis(100)).unwrap_or_else(|p| p.into_inner()).0,
+            Some((at, _, _)) if at > now => {
+                let wait = (at - now).min(Duration::from_millis(100));
+                s = cv.wait_timeout(s, wait).unwrap_or_else(|p| p.into_inner()).0;
+            }
+            Some((_, limit, what)) => {
+                let handler = s.handler.clone();
+                drop(s);
+                let e = Error::Timeout(format!(
+                    "{what} did not return within {:.3} s (still blocked {} s after its deadline; kvprobe ended the run \
+                     without waiting for it)",
+                    limit.as_secs_f64(),
+                    GRACE.as_secs()
+                ));
+                if let Some(h) = handler {
+                    h(&e);
+                }
+                eprintln!("kvprobe: {e}");
+                crate::nixl::exit_now(crate::error::Exit::Timeout as u8);
+            }
+        }
+    }
+}
+
+static AGENT_PROCESS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Marks this process as the decode agent process (`kvprobe agent`): its stall points read
+/// `KVPROBE_TEST_STALL_AGENT_<NAME>` instead, so a test can stall one process of the two.
+pub fn set_agent_process() {
+    AGENT_PROCESS.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// Points where a test can make a call block (`KVPROBE_TEST_STALL_<NAME>=SECS` in kvprobe,
+/// `KVPROBE_TEST_STALL_AGENT_<NAME>=SECS` in the decode agent process; test-only).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stall {
+    /// Inside [`crate::nixl::Agent::post`], after `postXferReq` returned (a post call that
+    /// takes long, the request possibly complete inside it): `KVPROBE_TEST_STALL_POST`.
+    Post,
+    /// Inside a NIXL transfer status query: `KVPROBE_TEST_STALL_STATUS`.
+    Status,
+    /// Inside a NIXL notification query: `KVPROBE_TEST_STALL_NOTIFICATIONS`.
+    Notifications,
+    /// Inside a CUDA synchronisation: `KVPROBE_TEST_STALL_SYNC`.
+    Sync,
+}
+
+impl Stall {
+    const ALL: [Stall; 4] = [Stall::Post, Stall::Status, Stall::Notifications, Stall::Sync];
+
+    /// The environment variable that sets it in this process.
+    pub fn var(self) -> String {
+        let name = match self {
+            Stall::Post => "POST",
+            Stall::Status => "STATUS",
+            Stall::Notifications => "NOTIFICATIONS",
+            Stall::Sync => "SYNC",
+        };
+        let agent = if AGENT_PROCESS.load(std::sync::atomic::Ordering::SeqCst) { "AGENT_" } else { "" };
+        format!("KVPROBE_TEST_STALL_{agent}{name}")
+    }
+
+    /// Blocks for the seconds its variable names (read once per process); nothing when unset.
+    pub fn here(self) {
+        static SECS: OnceLock<[Option<Duration>; 4]> = OnceLock::new();
+        let all = SECS.get_or_init(|| {
+            Stall::ALL.map(|p| {
+                std::env::var(p.var())
+                    .ok()
+                    .and_then(|v| v.trim().parse::<f64>().ok())
+                    .and_then(|s| Duration::try_from_secs_f64(s).ok())
+            })
+        });
+        if let Some(d) = all[Stall::ALL.iter().position(|&p| p == self).unwrap_or(0)] {
+            std::thread::sleep(d);
+        }
+    }
+}
