@@ -219,8 +219,9 @@ pub fn set_agent_process() {
 /// `KVPROBE_TEST_STALL_AGENT_<NAME>=SECS` in the decode agent process; test-only).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Stall {
-    /// Inside [`crate::nixl::Agent::post`], after `postXferReq` returned (a post call that
-    /// takes long, the request possibly complete inside it): `KVPROBE_TEST_STALL_POST`.
+    /// Inside [`crate::nixl::Agent::post`], after `postXferReq` returned: the call waits
+    /// until the request has completed, then blocks SECS more — a post call that completes
+    /// its request inside it (SECS = 0) and takes long: `KVPROBE_TEST_STALL_POST`.
     Post,
     /// Inside a NIXL transfer status query: `KVPROBE_TEST_STALL_STATUS`.
     Status,
@@ -245,8 +246,8 @@ impl Stall {
         format!("KVPROBE_TEST_STALL_{agent}{name}")
     }
 
-    /// Blocks for the seconds its variable names (read once per process); nothing when unset.
-    pub fn here(self) {
+    /// The seconds its variable names (read once per process), if set.
+    pub fn secs(self) -> Option<Duration> {
         static SECS: OnceLock<[Option<Duration>; 4]> = OnceLock::new();
         let all = SECS.get_or_init(|| {
             Stall::ALL.map(|p| {
@@ -256,7 +257,12 @@ impl Stall {
                     .and_then(|s| Duration::try_from_secs_f64(s).ok())
             })
         });
-        if let Some(d) = all[Stall::ALL.iter().position(|&p| p == self).unwrap_or(0)] {
+        all[Stall::ALL.iter().position(|&p| p == self).unwrap_or(0)]
+    }
+
+    /// Blocks for the seconds its variable names; nothing when unset.
+    pub fn here(self) {
+        if let Some(d) = self.secs() {
             std::thread::sleep(d);
         }
     }

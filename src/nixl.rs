@@ -375,8 +375,17 @@ impl Agent {
         opt.set_notification_message(notif).map_err(|e| terr("notification", e))?;
         opt.set_has_notification(true).map_err(|e| terr("notification", e))?;
         let req = self.agent.create_xfer_req(op, &l, &r, peer, Some(&opt)).map_err(|e| terr("create transfer request", e))?;
-        let pending = self.agent.post_xfer_req(&req, Some(&opt)).map_err(|e| terr("post transfer", e))?;
-        crate::deadline::Stall::Post.here();
+        let mut pending = self.agent.post_xfer_req(&req, Some(&opt)).map_err(|e| terr("post transfer", e))?;
+        if let Some(stall) = crate::deadline::Stall::Post.secs() {
+            // Test-only: a post call that completes its request inside it, then blocks.
+            while pending {
+                pending = matches!(
+                    self.agent.get_xfer_status(&req).map_err(|e| terr("transfer failed", e))?,
+                    nixl_sys::XferStatus::InProgress
+                );
+            }
+            std::thread::sleep(stall);
+        }
         let returned = Instant::now();
         let p = Posted {
             req,

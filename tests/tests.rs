@@ -13,4 +13,5 @@ mod gpu;
 mod mooncake;
 mod scenario;
 mod setup;
+mod timeout;
 mod units;

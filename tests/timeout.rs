@@ -1,0 +1,202 @@
+//! `--timeout` bounds every wait (README, `--timeout` and exit code 4): each NIXL request from
+//! just before it is built — the post call included — to its completion and notification, and
+//! every other blocking call; a call that blocks past its deadline still ends the run with
+//! exit 4 and a report. Real NIXL on DRAM.
+//!
+//! Nothing here depends on the machine's speed: a microsecond limit is shorter than any real
+//! post call, and the stalls (test-only hooks `KVPROBE_TEST_STALL_*`, see src/deadline.rs)
+//! block for an hour, far past the limit; durations are asserted only as "does not hang".
+
+use crate::common::{bin, kvprobe_env, read_report, tmpdir};
+use serde_json::Value;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// `kvprobe ARGS --report <tmp>/r.json` with `env`: (exit code, report, stdout + stderr).
+fn run_env(name: &str, args: &[&str], env: &[(&str, &str)]) -> (i32, Value, String) {
+    let p = tmpdir(name).join("r.json");
+    let mut a = args.to_vec();
+    a.extend_from_slice(&["--report", p.to_str().unwrap()]);
+    let (code, out, err) = kvprobe_env(&a, env);
+    assert!(!err.contains("panicked"), "{err}");
+    (code, read_report(&p), format!("{out}{err}"))
+}
+
+fn assert_timeout(code: i32, r: &Value, log: &str) {
+    assert_eq!(code, 4, "{log}");
+    assert_eq!(r["outcome"]["exit_code"], 4, "{}", r["outcome"]);
+    assert_eq!(r["outcome"]["status"], "timeout", "{}", r["outcome"]);
+    assert_eq!(r["outcome"]["error"]["kind"], "timeout", "{}", r["outcome"]);
+}
+
+fn message(r: &Value) -> String {
+    r["outcome"]["error"]["message"].as_str().unwrap_or("").to_string()
+}
+
+const SWEEP: &[&str] = &["run", "--memory", "dram", "--iterations", "3"];
+const NIXL_ONLY: &[&str] = &["run", "--memory", "dram", "--scenario", "nixl-only", "--requests", "100"];
+
+#[test]
+fn a_microsecond_timeout_fails_every_transfer_path() {
+    // Any real transfer, its post call alone included, takes longer than a microsecond.
+    for (name, args) in [
+        ("us-sweep", SWEEP.to_vec()),
+        ("us-write", [SWEEP, &["--op", "write"]].concat()),
+        ("us-stages", [SWEEP, &["--pipeline-stages", "4"]].concat()),
+        ("us-agent", [SWEEP, &["--decode-process"]].concat()),
+        ("us-scenario", NIXL_ONLY.to_vec()),
+        ("us-lockstep", [NIXL_ONLY, &["--lockstep"]].concat()),
+    ] {
+        let args = [&args[..], &["--timeout", "0.000001"]].concat();
+        let (code, r, log) = run_env(name, &args, &[]);
+        assert_timeout(code, &r, &format!("{name}: {log}"));
+        // Nothing was verified under that limit: the first request already ended the run.
+        assert_eq!(r["summary"]["blocks_checked"], 0, "{name}: {}", r["summary"]);
+    }
+}
+
+#[test]
+fn a_request_completed_inside_its_post_call_is_still_measured() {
+    // The hook makes the post call return only once its request has completed (as NIXL's
+    // UCX backend may for DRAM): the request is done when posting returns, and still late.
+    for (name, args) in [("in-post-sweep", SWEEP), ("in-post-scenario", NIXL_ONLY)] {
+        let args = [args, &["--timeout", "0.000001"]].concat();
+        let (code, r, log) = run_env(name, &args, &[("KVPROBE_TEST_STALL_POST", "0")]);
+        assert_timeout(code, &r, &format!("{name}: {log}"));
+        assert!(message(&r).contains("completed inside the post call"), "{name}: {}", message(&r));
+    }
+}
+
+#[test]
+fn a_generous_timeout_passes_with_slow_post_calls() {
+    // Each post call takes 0.2 s (request complete inside it): well inside --timeout 600.
+    for (name, args) in [
+        ("slow-sweep", SWEEP),
+        ("slow-scenario", &["run", "--memory", "dram", "--scenario", "nixl-only", "--requests", "20"][..]),
+    ] {
+        let args = [args, &["--timeout", "600"]].concat();
+        let (code, r, log) = run_env(name, &args, &[("KVPROBE_TEST_STALL_POST", "0.2")]);
+        assert_eq!(code, 0, "{name}: {log}");
+        assert_eq!(r["outcome"]["status"], "clean", "{name}");
+        assert!(r["summary"]["blocks_checked"].as_u64().unwrap() > 0, "{name}");
+    }
+    let (code, r, log) = run_env(
+        "slow-agent",
+        &[SWEEP, &["--decode-process", "--timeout", "600"]].concat(),
+        &[("KVPROBE_TEST_STALL_AGENT_POST", "0.2")],
+    );
+    assert_eq!(code, 0, "{log}");
+    assert_eq!(r["outcome"]["status"], "clean");
+}
+
+/// Starts kvprobe with `args` (a report path appended) and `env`; returns it, the report path
+/// and, with `agent`, the pid of its decode agent process once it runs.
+fn spawn(name: &str, args: &[&str], env: &[(&str, &str)], agent: bool) -> (std::process::Child, PathBuf, Option<u32>) {
+    let d = tmpdir(name);
+    let report = d.join("r.json");
+    // stderr to a file: the decode agent process inherits it, so a pipe would stay open
+    // while the agent lives.
+    let log = std::fs::File::create(d.join("stderr")).unwrap();
+    let mut c = Command::new(bin());
+    c.args(args).arg("--report").arg(&report).stdout(Stdio::null()).stderr(log);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let child = c.spawn().unwrap();
+    let mut pid = None;
+    if agent {
+        let t0 = Instant::now();
+        while pid.is_none() {
+            let out = Command::new("pgrep").args(["-P", &child.id().to_string(), "-f", "kvprobe agent"]).output().unwrap();
+            pid = String::from_utf8_lossy(&out.stdout).split_whitespace().next().and_then(|p| p.parse().ok());
+            assert!(t0.elapsed() < Duration::from_secs(120), "{name}: no decode agent process started");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    (child, report, pid)
+}
+
+/// Waits for kvprobe; returns its exit code, report and stderr.
+fn finish(mut child: std::process::Child, report: &std::path::Path) -> (i32, Value, String) {
+    let code = child.wait().unwrap().code().unwrap_or(-1);
+    let err = std::fs::read_to_string(report.with_file_name("stderr")).unwrap_or_default();
+    assert!(!err.contains("panicked"), "{err}");
+    (code, read_report(report), err)
+}
+
+/// True once process `pid` is gone (or a zombie waiting for its new parent to reap it).
+fn gone(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(s) => s.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
+    }
+}
+
+fn assert_gone(pid: u32, what: &str) {
+    let t0 = Instant::now();
+    while !gone(pid) {
+        assert!(t0.elapsed() < Duration::from_secs(30), "{what}: the decode agent process {pid} is still running");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_call_blocked_past_its_deadline_still_ends_the_run_with_exit_4_and_a_report() {
+    // The post call never returns (an hour): the watchdog ends the run 5 s past the deadline,
+    // with the report so far (environment included) and outcome timeout.
+    for (name, args) in [("stuck-sweep", SWEEP), ("stuck-scenario", NIXL_ONLY)] {
+        let args = [args, &["--timeout", "1"]].concat();
+        let (child, report, _) = spawn(name, &args, &[("KVPROBE_TEST_STALL_POST", "3600")], false);
+        let (code, r, err) = finish(child, &report);
+        assert_timeout(code, &r, &format!("{name}: {err}"));
+        assert!(message(&r).contains("did not return within 1.000 s"), "{name}: {}", message(&r));
+        assert!(r["environment"]["nixl"]["library"].is_string(), "{name}: the report keeps the environment");
+        if name == "stuck-scenario" {
+            assert!(r["scenario"].is_object(), "the scenario section is kept");
+        }
+    }
+    // A status query that never returns.
+    let (child, report, _) =
+        spawn("stuck-status", &[SWEEP, &["--timeout", "1"]].concat(), &[("KVPROBE_TEST_STALL_STATUS", "3600")], false);
+    let (code, r, err) = finish(child, &report);
+    assert_timeout(code, &r, &err);
+    assert!(message(&r).contains("NIXL status query"), "{}", message(&r));
+}
+
+#[test]
+fn a_blocked_call_in_either_process_of_decode_process_ends_the_run_and_the_agent() {
+    let args = [SWEEP, &["--decode-process", "--timeout", "1"]].concat();
+    // kvprobe's own notification query never returns: the watchdog ends the run, and the
+    // decode agent process dies with kvprobe.
+    let (child, report, agent) = spawn("stuck-parent", &args, &[("KVPROBE_TEST_STALL_NOTIFICATIONS", "3600")], true);
+    let (code, r, err) = finish(child, &report);
+    assert_timeout(code, &r, &err);
+    assert!(message(&r).contains("notification query"), "{}", message(&r));
+    assert_gone(agent.unwrap(), "stuck-parent");
+    // The agent's post call never returns: its READ is not complete by the deadline (exit 4
+    // through the normal path), and kvprobe stops the agent.
+    let (child, report, agent) = spawn("stuck-agent", &args, &[("KVPROBE_TEST_STALL_AGENT_POST", "3600")], true);
+    let (code, r, err) = finish(child, &report);
+    assert_timeout(code, &r, &err);
+    assert!(message(&r).contains("by the decode agent process"), "{}", message(&r));
+    assert_gone(agent.unwrap(), "stuck-agent");
+}
+
+#[test]
+fn ab_with_a_blocked_call_reports_the_row_cut_short() {
+    let (child, report, _) = spawn(
+        "stuck-ab",
+        &["ab", "--memory", "dram", "--requests", "50", "--timeout", "1"],
+        &[("KVPROBE_TEST_STALL_POST", "3600")],
+        false,
+    );
+    let (code, r, err) = finish(child, &report);
+    assert_eq!(code, 4, "{err}");
+    assert_eq!(r["outcome"]["status"], "timeout");
+    let rows = r["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 1, "the first row (nixl-only) is cut short: {rows:?}");
+    assert_eq!(rows[0]["verdict"], "timeout");
+    assert_eq!(rows[0]["pass"], false);
+    assert_eq!(r["sections"][0]["outcome"]["status"], "timeout");
+}
