@@ -32,6 +32,11 @@ use std::time::{Duration, Instant};
 /// (a call that returns within it is handled by its caller, with the full report).
 pub const GRACE: Duration = Duration::from_secs(5);
 
+/// How long after SIGINT/SIGTERM (or after it began, if later) a watched call may stay blocked
+/// and keep the run from stopping (the run itself lets a transfer in flight finish for 1 s)
+/// before the watchdog ends it with the report marked interrupted (exit 130).
+pub const INTERRUPT_GRACE: Duration = Duration::from_secs(2);
+
 /// The least bound of a set-up call (NIXL agent and backend start, registration, metadata
 /// exchange, the Mooncake worker's set-up): UCX, its transports and the store client take
 /// seconds to start on a loaded host, whatever a short `--timeout` says. The default
@@ -81,6 +86,7 @@ pub type Handler = Arc<dyn Fn(&Error) + Send + Sync>;
 
 struct Armed {
     id: u64,
+    armed_at: Instant,
     deadline: Instant,
     limit: Duration,
     what: String,
@@ -166,7 +172,7 @@ pub fn watch_until(deadline: Deadline, what: impl FnOnce() -> String) -> Watch {
     let mut s = lock();
     let id = s.next_id;
     s.next_id += 1;
-    s.armed.push(Armed { id, deadline: deadline.at(), limit: deadline.limit, what: what() });
+    s.armed.push(Armed { id, armed_at: Instant::now(), deadline: deadline.at(), limit: deadline.limit, what: what() });
     if !s.started {
         s.started = true;
         std::thread::Builder::new().name("kvprobe-watchdog".into()).spawn(watchdog).ok();
@@ -177,32 +183,45 @@ pub fn watch_until(deadline: Deadline, what: impl FnOnce() -> String) -> Watch {
 fn watchdog() {
     let (m, cv) = state();
     let mut s = m.lock().unwrap_or_else(|p| p.into_inner());
+    let mut signalled: Option<Instant> = None;
     loop {
         let now = Instant::now();
+        if crate::interrupt::requested() {
+            signalled.get_or_insert(now);
+        }
+        // A call blocked for INTERRUPT_GRACE since the signal (or since it began, if later)
+        // keeps the run from stopping: end it here with the report marked interrupted (130).
+        let stuck = signalled.and_then(|t| {
+            s.armed.iter().find(|a| now.duration_since(a.armed_at.max(t)) >= INTERRUPT_GRACE).map(|a| a.what.clone())
+        });
         let due = s.armed.iter().min_by_key(|a| a.deadline).map(|a| (a.deadline + GRACE, a.limit, a.what.clone()));
-        match due {
-            // Checks at least every 100 ms (arming does not wake it: a watched status query
-            // runs in a spin loop, and a wake-up per call would cost a system call each).
-            None => s = cv.wait_timeout(s, Duration::from_millis(100)).unwrap_or_else(|p| p.into_inner()).0,
-            Some((at, _, _)) if at > now => {
-                let wait = (at - now).min(Duration::from_millis(100));
+        let fire = match (stuck, due) {
+            (Some(what), _) => Some(Error::Interrupted(format!(
+                "{what} was still blocked {} s after the signal; kvprobe ended the run without waiting for it",
+                INTERRUPT_GRACE.as_secs()
+            ))),
+            (None, Some((at, limit, what))) if at <= now => Some(Error::Timeout(format!(
+                "{what} did not return within {:.3} s (still blocked {} s after its deadline; kvprobe ended the run \
+                 without waiting for it)",
+                limit.as_secs_f64(),
+                GRACE.as_secs()
+            ))),
+            (None, due) => {
+                // Checks at least every 100 ms (arming does not wake it: a watched status
+                // query runs in a spin loop, and a wake-up per call would cost a system call).
+                let wait = due.map_or(Duration::from_millis(100), |(at, _, _)| (at - now).min(Duration::from_millis(100)));
                 s = cv.wait_timeout(s, wait).unwrap_or_else(|p| p.into_inner()).0;
+                None
             }
-            Some((_, limit, what)) => {
-                let handler = s.handler.clone();
-                drop(s);
-                let e = Error::Timeout(format!(
-                    "{what} did not return within {:.3} s (still blocked {} s after its deadline; kvprobe ended the run \
-                     without waiting for it)",
-                    limit.as_secs_f64(),
-                    GRACE.as_secs()
-                ));
-                if let Some(h) = handler {
-                    h(&e);
-                }
-                eprintln!("kvprobe: {e}");
-                crate::nixl::exit_now(crate::error::Exit::Timeout as u8);
+        };
+        if let Some(e) = fire {
+            let handler = s.handler.clone();
+            drop(s);
+            if let Some(h) = handler {
+                h(&e);
             }
+            eprintln!("kvprobe: {e}");
+            crate::nixl::exit_now(e.exit() as u8);
         }
     }
 }

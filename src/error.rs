@@ -6,7 +6,7 @@
 //! | 1 | corruption found (wins over every other outcome) |
 //! | 2 | usage, configuration or environment error (bad flag, missing NIXL/GPU) |
 //! | 3 | transport or device error during the run (NIXL or CUDA call failed) |
-//! | 4 | a transfer did not complete within `--timeout` |
+//! | 4 | a wait exceeded `--timeout` (a transfer, its notification, a blocking call; [`crate::deadline`]) |
 //! | 5 | transfer rate below `--min-gbps` (only when given) |
 //! | 6 | `kvprobe ab`: an unfenced race mechanism was not detected |
 //! | 130 | interrupted by SIGINT/SIGTERM (the partial report is written) |
@@ -49,7 +49,7 @@ pub enum Error {
     /// A CUDA call failed (exit 3).
     #[error("device error: {0}")]
     Device(String),
-    /// A transfer did not complete in time (exit 4).
+    /// A wait exceeded its bound: a transfer, its notification or a blocking call (exit 4).
     #[error("timeout: {0}")]
     Timeout(String),
     /// Writing the report failed (exit 2). The message names the path.

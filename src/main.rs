@@ -23,7 +23,7 @@ const EXIT_CODES: &str = "Exit codes:
      ab: a fenced row is corrupt, or corruption no mechanism explains)
   2  usage, configuration or environment error (bad flag, NIXL or GPU missing)
   3  transport or device error during the run
-  4  a transfer did not complete within --timeout
+  4  a transfer did not complete within --timeout, or another wait exceeded its bound
   5  transfer rate below --min-gbps (only when given)
   6  ab: an unfenced race mechanism was not detected
   130  interrupted by SIGINT/SIGTERM (partial report written, marked interrupted)";
@@ -174,7 +174,7 @@ struct PoolArgs {
     /// NIXL backend plugin.
     #[arg(long, default_value = "UCX")]
     backend: String,
-    /// Seconds to wait for each transfer (and, with --scenario, for any request to progress).
+    /// Bound of every wait, in seconds: each transfer from just before it is posted until it completes and its notification arrives, and each other blocking call (set-up calls: at least 60 s); with --scenario, also for any request to progress.
     #[arg(long, default_value_t = 60.0)]
     timeout: f64,
     /// At most this many failures listed in the report, up to 1000000 (counts stay complete; scenarios list up to N explained and N unexplained).

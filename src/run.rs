@@ -52,7 +52,8 @@ pub struct RunConfig {
     pub inject: Vec<Spec>,
     /// NIXL backend plugin.
     pub backend: String,
-    /// Seconds to wait for each transfer.
+    /// Bound of every wait, in seconds (`--timeout`): each transfer from just before it is
+    /// posted to its completion and notification, each other blocking call ([`crate::deadline`]).
     pub timeout_secs: f64,
     /// Minimum acceptable transfer rate (GB/s, 1e9 B/s), if any.
     pub min_gbps: Option<f64>,

@@ -200,3 +200,23 @@ fn ab_with_a_blocked_call_reports_the_row_cut_short() {
     assert_eq!(rows[0]["pass"], false);
     assert_eq!(r["sections"][0]["outcome"]["status"], "timeout");
 }
+
+#[test]
+fn ctrl_c_is_not_held_up_by_a_blocked_call() {
+    // The post call blocks for an hour under --timeout 600: SIGINT still ends the run within
+    // seconds (the watchdog, 2 s after the signal), with the report marked interrupted.
+    let args = [SWEEP, &["--timeout", "600"]].concat();
+    let (child, report, _) = spawn("stuck-sigint", &args, &[("KVPROBE_TEST_STALL_POST", "3600"), ("KVPROBE_TRACE", "1")], false);
+    let log = report.with_file_name("stderr");
+    let t0 = Instant::now();
+    // Past this trace line the run posts its first request, with no check for signals before.
+    while !std::fs::read_to_string(&log).unwrap_or_default().contains("iteration 1: posting") {
+        assert!(t0.elapsed() < Duration::from_secs(120), "kvprobe did not reach its first transfer");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap().success());
+    let (code, r, err) = finish(child, &report);
+    assert_eq!(code, 130, "{err}");
+    assert_eq!(r["outcome"]["status"], "interrupted");
+    assert!(message(&r).contains("still blocked 2 s after the signal"), "{}", message(&r));
+}
