@@ -236,9 +236,10 @@ impl Device {
     /// ([`crate::deadline::watch`]).
     pub fn synchronize(&self) -> Result<()> {
         self.bind()?;
-        let _w = crate::deadline::watch(|| format!("CUDA synchronisation of GPU {}", self.ordinal()));
+        let w = crate::deadline::watch(|| format!("CUDA synchronisation of GPU {}", self.ordinal()).into());
         crate::deadline::Stall::Sync.here();
-        result::ctx::synchronize().map_err(|e| derr("kernel or copy failed (cuCtxSynchronize)", e))
+        result::ctx::synchronize().map_err(|e| derr("kernel or copy failed (cuCtxSynchronize)", e))?;
+        w.check()
     }
 }
 
@@ -295,13 +296,15 @@ impl PendingTime {
     pub fn seconds(&self) -> Result<f64> {
         let t = &self.0;
         t.dev.bind()?;
-        let _w = crate::deadline::watch(|| format!("CUDA event wait on GPU {}", t.dev.ordinal()));
+        let w = crate::deadline::watch(|| format!("CUDA event wait on GPU {}", t.dev.ordinal()).into());
+        crate::deadline::Stall::Sync.here();
         // SAFETY: both events are live events of this context, both recorded.
-        unsafe {
+        let ms = unsafe {
             sys::cuEventSynchronize(t.end).result().map_err(|e| derr("kernel or copy failed (cuEventSynchronize)", e))?;
-            let ms = result::event::elapsed(t.start, t.end).map_err(|e| derr("cuEventElapsedTime", e))?;
-            Ok(ms as f64 / 1e3)
-        }
+            result::event::elapsed(t.start, t.end).map_err(|e| derr("cuEventElapsedTime", e))?
+        };
+        w.check()?;
+        Ok(ms as f64 / 1e3)
     }
 }
 
@@ -410,18 +413,20 @@ impl DeviceBuffer {
     pub fn read(&self, off: usize, dst: &mut [u8]) -> Result<()> {
         self.check(off, dst.len())?;
         self.dev.bind()?;
-        let _w = crate::deadline::watch(|| format!("CUDA copy of {} bytes to the host", dst.len()));
+        let w = crate::deadline::watch(|| format!("CUDA copy of {} bytes to the host", dst.len()).into());
         // SAFETY: the range was bounds-checked against this live allocation.
-        unsafe { result::memcpy_dtoh_sync(dst, self.ptr + off as u64) }.map_err(|e| derr("cuMemcpyDtoH", e))
+        unsafe { result::memcpy_dtoh_sync(dst, self.ptr + off as u64) }.map_err(|e| derr("cuMemcpyDtoH", e))?;
+        w.check()
     }
 
     /// Copies `src` to offset `off` (synchronous).
     pub fn write(&self, off: usize, src: &[u8]) -> Result<()> {
         self.check(off, src.len())?;
         self.dev.bind()?;
-        let _w = crate::deadline::watch(|| format!("CUDA copy of {} bytes to the device", src.len()));
+        let w = crate::deadline::watch(|| format!("CUDA copy of {} bytes to the device", src.len()).into());
         // SAFETY: the range was bounds-checked against this live allocation.
-        unsafe { result::memcpy_htod_sync(self.ptr + off as u64, src) }.map_err(|e| derr("cuMemcpyHtoD", e))
+        unsafe { result::memcpy_htod_sync(self.ptr + off as u64, src) }.map_err(|e| derr("cuMemcpyHtoD", e))?;
+        w.check()
     }
 
     /// Queues a copy of `src` (same length, any device: unified addressing) into this buffer

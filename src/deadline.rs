@@ -7,9 +7,11 @@
 //!   notification ([`Deadline`], checked by [`crate::nixl::Agent::post`] and
 //!   [`crate::nixl::Agent::poll`], [`crate::transport::await_notifications`], the scenario
 //!   engine);
-//! - each other blocking call of the run ([`watch`]): a NIXL status or notification query,
-//!   a CUDA synchronisation or synchronous copy, a write to a helper's pipe — from just before
-//!   the call, with the run's limit ([`set_limit`]);
+//! - each other blocking call of the run ([`watch`], [`Watch::check`]): a CUDA
+//!   synchronisation, event wait or synchronous copy, a write to the Mooncake worker's pipe —
+//!   from just before the call, with the run's limit ([`set_limit`]); NIXL status and
+//!   notification queries are polls for requests with their own deadlines, watched only for
+//!   never returning;
 //! - set-up calls (NIXL agent and backend creation, memory registration, metadata) get at
 //!   least [`SETUP_FLOOR`] ([`setup_limit`]).
 //!
@@ -25,6 +27,7 @@
 //! tests and are never set in normal use.
 
 use crate::error::Error;
+use std::borrow::Cow;
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -89,7 +92,7 @@ struct Armed {
     armed_at: Instant,
     deadline: Instant,
     limit: Duration,
-    what: String,
+    what: Cow<'static, str>,
 }
 
 #[derive(Default)]
@@ -136,10 +139,37 @@ pub fn on_expiry(handler: Handler) {
 #[must_use = "the call is watched while this guard lives"]
 pub struct Watch {
     id: Option<u64>,
+    deadline: Option<Deadline>,
 }
+
+impl Watch {
+    /// Ends the watch after the call returned: [`Error::Timeout`] (exit 4) when it returned
+    /// after its deadline — a call that took longer than its bound is a timeout even though
+    /// it returned.
+    pub fn check(self) -> crate::error::Result<()> {
+        let (Some(id), Some(d)) = (self.id, self.deadline) else { return Ok(()) };
+        let returned = Instant::now();
+        if !d.passed_at(returned) {
+            return Ok(());
+        }
+        let what = lock().armed.iter().find(|a| a.id == id).map(|a| a.what.to_string()).unwrap_or_default();
+        Err(Error::Timeout(format!(
+            "{what} took {:.3} s, over its bound of {:.6} s",
+            (returned - d.start).as_secs_f64(),
+            d.limit_secs()
+        )))
+    }
+}
+
+/// Set once the watchdog ends the run: a watched call that returns after that never goes on
+/// (its thread waits for the process to end), so the run is not ended twice.
+static FIRED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 impl Drop for Watch {
     fn drop(&mut self) {
+        while FIRED.load(std::sync::atomic::Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_secs(1));
+        }
         if let Some(id) = self.id {
             let mut s = lock();
             if let Some(i) = s.armed.iter().position(|a| a.id == id) {
@@ -150,25 +180,26 @@ impl Drop for Watch {
 }
 
 /// Watches a blocking call that starts now, with the run's limit ([`set_limit`]); no-op
-/// when none is set. `what` names the call in the error.
-pub fn watch(what: impl FnOnce() -> String) -> Watch {
+/// when none is set. `what` names the call in the error (called only when the call is
+/// watched; hot paths pass a static name).
+pub fn watch(what: impl FnOnce() -> Cow<'static, str>) -> Watch {
     match limit() {
         Some(l) => watch_until(Deadline::after(l), what),
-        None => Watch { id: None },
+        None => Watch { id: None, deadline: None },
     }
 }
 
 /// Watches a set-up call that starts now ([`setup_limit`]); no-op outside a run.
-pub fn watch_setup(what: impl FnOnce() -> String) -> Watch {
+pub fn watch_setup(what: impl FnOnce() -> Cow<'static, str>) -> Watch {
     match setup_limit() {
         Some(l) => watch_until(Deadline::after(l), what),
-        None => Watch { id: None },
+        None => Watch { id: None, deadline: None },
     }
 }
 
 /// Watches a blocking call bounded by `deadline` (a transfer's): if it has not returned
 /// [`GRACE`] after the deadline, the watchdog ends the run.
-pub fn watch_until(deadline: Deadline, what: impl FnOnce() -> String) -> Watch {
+pub fn watch_until(deadline: Deadline, what: impl FnOnce() -> Cow<'static, str>) -> Watch {
     let mut s = lock();
     let id = s.next_id;
     s.next_id += 1;
@@ -177,7 +208,7 @@ pub fn watch_until(deadline: Deadline, what: impl FnOnce() -> String) -> Watch {
         s.started = true;
         std::thread::Builder::new().name("kvprobe-watchdog".into()).spawn(watchdog).ok();
     }
-    Watch { id: Some(id) }
+    Watch { id: Some(id), deadline: Some(deadline) }
 }
 
 fn watchdog() {
@@ -215,6 +246,7 @@ fn watchdog() {
             }
         };
         if let Some(e) = fire {
+            FIRED.store(true, std::sync::atomic::Ordering::SeqCst);
             let handler = s.handler.clone();
             drop(s);
             if let Some(h) = handler {
@@ -246,7 +278,7 @@ pub enum Stall {
     Status,
     /// Inside a NIXL notification query: `KVPROBE_TEST_STALL_NOTIFICATIONS`.
     Notifications,
-    /// Inside a CUDA synchronisation: `KVPROBE_TEST_STALL_SYNC`.
+    /// Inside a CUDA synchronisation or event wait (VRAM): `KVPROBE_TEST_STALL_SYNC`.
     Sync,
 }
 

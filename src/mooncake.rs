@@ -442,13 +442,11 @@ impl Worker {
         // The deadline starts before the request is written: a worker that stops reading
         // fills the pipe and blocks the write (the watchdog ends that, crate::deadline).
         let deadline = crate::deadline::Deadline::after(self.timeout);
-        let sent = {
-            let _w = crate::deadline::watch_until(deadline, || format!("writing `{op}` to the Mooncake worker"));
-            writeln!(self.stdin, "{line}").and_then(|_| self.stdin.flush())
-        };
-        if sent.is_err() {
+        let w = crate::deadline::watch_until(deadline, || format!("writing `{op}` to the Mooncake worker").into());
+        if writeln!(self.stdin, "{line}").and_then(|_| self.stdin.flush()).is_err() {
             return Err(self.dead(&format!("did not take `{op}`")));
         }
+        w.check()?;
         // Wait in slices, so Ctrl-C is honoured while the store client is busy (a setup
         // against something that is not a master can take the whole timeout).
         let t0 = deadline.start;

@@ -283,7 +283,7 @@ impl Agent {
     /// NIXL missing, or the plugin is not installed / fails to start.
     pub fn new(name: &str, backend: &str) -> Result<Agent> {
         load()?;
-        let _w = crate::deadline::watch_setup(|| format!("creating NIXL agent {name} with backend {backend}"));
+        let w = crate::deadline::watch_setup(|| format!("creating NIXL agent {name} with backend {backend}").into());
         let agent = nixl_sys::Agent::new(name).map_err(|e| terr("create NIXL agent", e))?;
         let plugins: Vec<String> = agent
             .get_available_plugins()
@@ -300,6 +300,7 @@ impl Agent {
         let b = agent
             .create_backend(backend, &params)
             .map_err(|e| Error::Environment(format!("NIXL backend {backend} failed to start: {e}")))?;
+        w.check()?;
         Ok(Agent { agent, backend: b, backend_name: backend.to_string(), _regs: Vec::new() })
     }
 
@@ -318,26 +319,30 @@ impl Agent {
     /// # Safety contract (upheld by callers in this crate)
     /// The regions must stay allocated while this agent lives.
     pub fn register(&mut self, regions: &[Region]) -> Result<()> {
-        let _w = crate::deadline::watch_setup(|| format!("registering {} regions with NIXL", regions.len()));
+        let w = crate::deadline::watch_setup(|| format!("registering {} regions with NIXL", regions.len()).into());
         let mut opt = nixl_sys::OptArgs::new().map_err(|e| terr("opt args", e))?;
         opt.add_backend(&self.backend).map_err(|e| terr("opt args", e))?;
         for r in regions {
             let h = self.agent.register_memory(r, Some(&opt)).map_err(|e| terr("register memory", e))?;
             self._regs.push(h);
         }
-        Ok(())
+        w.check()
     }
 
     /// This agent's metadata blob, for the peer's [`Agent::load_remote`].
     pub fn metadata(&self) -> Result<Vec<u8>> {
-        let _w = crate::deadline::watch_setup(|| "NIXL getLocalMD".into());
-        self.agent.get_local_md().map_err(|e| terr("get local metadata", e))
+        let w = crate::deadline::watch_setup(|| "NIXL getLocalMD".into());
+        let md = self.agent.get_local_md().map_err(|e| terr("get local metadata", e))?;
+        w.check()?;
+        Ok(md)
     }
 
     /// Loads a peer's metadata; returns the peer's agent name.
     pub fn load_remote(&self, md: &[u8]) -> Result<String> {
-        let _w = crate::deadline::watch_setup(|| "NIXL loadRemoteMD".into());
-        self.agent.load_remote_md(md).map_err(|e| terr("load remote metadata", e))
+        let w = crate::deadline::watch_setup(|| "NIXL loadRemoteMD".into());
+        let name = self.agent.load_remote_md(md).map_err(|e| terr("load remote metadata", e))?;
+        w.check()?;
+        Ok(name)
     }
 
     fn dlist(mem: MemType, descs: &[(u64, u64)], dev: u64) -> Result<XferDescList<'static>> {
@@ -366,7 +371,7 @@ impl Agent {
         deadline: Deadline,
     ) -> Result<Posted> {
         let bytes: u64 = local.0.iter().map(|d| d.1).sum();
-        let what = || format!("posting a NIXL {op:?} of {bytes} bytes ({} descriptors) with {peer}", local.0.len());
+        let what = || format!("posting a NIXL {op:?} of {bytes} bytes ({} descriptors) with {peer}", local.0.len()).into();
         let _w = crate::deadline::watch_until(deadline, what);
         let l = Self::dlist(local.1, local.0, local.2)?;
         let r = Self::dlist(remote.1, remote.0, remote.2)?;
@@ -415,9 +420,8 @@ impl Agent {
         if p.done.is_none() {
             let asked = Instant::now();
             let status = {
-                let _w = crate::deadline::watch_until(p.deadline, || {
-                    format!("NIXL status query of a {:?} of {} bytes with {}", p.op, p.bytes, p.peer)
-                });
+                // A static name: this runs in the wait's spin loop.
+                let _w = crate::deadline::watch_until(p.deadline, || "a NIXL transfer status query".into());
                 crate::deadline::Stall::Status.here();
                 self.agent.get_xfer_status(&p.req).map_err(|e| terr("transfer failed", e))?
             };
@@ -439,7 +443,9 @@ impl Agent {
 
     /// Takes every notification that has arrived, as `(peer agent, message)` pairs.
     pub fn take_notifications(&self) -> Result<Vec<(String, String)>> {
-        let _w = crate::deadline::watch(|| format!("NIXL notification query of agent {}", self.name()));
+        // A poll for requests that carry their own deadlines (checked by the callers): only a
+        // query that never returns needs the watchdog.
+        let _w = crate::deadline::watch(|| "a NIXL notification query".into());
         crate::deadline::Stall::Notifications.here();
         let mut map = nixl_sys::NotificationMap::new().map_err(|e| terr("notification map", e))?;
         self.agent.get_notifications(&mut map, None).map_err(|e| terr("get notifications", e))?;

@@ -161,7 +161,7 @@ fn a_call_blocked_past_its_deadline_still_ends_the_run_with_exit_4_and_a_report(
         spawn("stuck-status", &[SWEEP, &["--timeout", "1"]].concat(), &[("KVPROBE_TEST_STALL_STATUS", "3600")], false);
     let (code, r, err) = finish(child, &report);
     assert_timeout(code, &r, &err);
-    assert!(message(&r).contains("NIXL status query"), "{}", message(&r));
+    assert!(message(&r).contains("NIXL transfer status query"), "{}", message(&r));
 }
 
 #[test]
@@ -219,4 +219,24 @@ fn ctrl_c_is_not_held_up_by_a_blocked_call() {
     assert_eq!(code, 130, "{err}");
     assert_eq!(r["outcome"]["status"], "interrupted");
     assert!(message(&r).contains("still blocked 2 s after the signal"), "{}", message(&r));
+}
+
+#[test]
+fn vram_a_cuda_wait_blocked_past_its_deadline_ends_the_run_with_exit_4() {
+    if !crate::common::gpu_or_skip("vram_a_cuda_wait_blocked_past_its_deadline_ends_the_run_with_exit_4") {
+        return;
+    }
+    // The first wait for the fill kernel never returns: CUDA waits are bounded like the rest.
+    let (child, report, _) = spawn(
+        "stuck-cuda",
+        &["run", "--memory", "vram", "--iterations", "2", "--timeout", "1"],
+        &[("KVPROBE_TEST_STALL_SYNC", "3600")],
+        false,
+    );
+    let (code, r, err) = finish(child, &report);
+    assert_timeout(code, &r, &err);
+    assert!(message(&r).contains("CUDA"), "{}", message(&r));
+    // And a microsecond limit on VRAM: any transfer's post call takes longer.
+    let (code, r, log) = run_env("us-vram", &["run", "--memory", "vram", "--iterations", "2", "--timeout", "0.000001"], &[]);
+    assert_timeout(code, &r, &log);
 }
