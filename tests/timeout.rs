@@ -136,7 +136,7 @@ fn gone(pid: u32) -> bool {
 fn assert_gone(pid: u32, what: &str) {
     let t0 = Instant::now();
     while !gone(pid) {
-        assert!(t0.elapsed() < Duration::from_secs(30), "{what}: the decode agent process {pid} is still running");
+        assert!(t0.elapsed() < Duration::from_secs(30), "{what}: process {pid} is still running");
         std::thread::sleep(Duration::from_millis(50));
     }
 }
@@ -173,14 +173,14 @@ fn a_blocked_call_in_either_process_of_decode_process_ends_the_run_and_the_agent
     let (code, r, err) = finish(child, &report);
     assert_timeout(code, &r, &err);
     assert!(message(&r).contains("notification query"), "{}", message(&r));
-    assert_gone(agent.unwrap(), "stuck-parent");
+    assert_gone(agent.unwrap(), "stuck-parent: the decode agent");
     // The agent's post call never returns: its READ is not complete by the deadline (exit 4
     // through the normal path), and kvprobe stops the agent.
     let (child, report, agent) = spawn("stuck-agent", &args, &[("KVPROBE_TEST_STALL_AGENT_POST", "3600")], true);
     let (code, r, err) = finish(child, &report);
     assert_timeout(code, &r, &err);
     assert!(message(&r).contains("by the decode agent process"), "{}", message(&r));
-    assert_gone(agent.unwrap(), "stuck-agent");
+    assert_gone(agent.unwrap(), "stuck-agent: the decode agent");
 }
 
 #[test]
@@ -239,4 +239,60 @@ fn vram_a_cuda_wait_blocked_past_its_deadline_ends_the_run_with_exit_4() {
     // And a microsecond limit on VRAM: any transfer's post call takes longer.
     let (code, r, log) = run_env("us-vram", &["run", "--memory", "vram", "--iterations", "2", "--timeout", "0.000001"], &[]);
     assert_timeout(code, &r, &log);
+}
+
+/// Child processes of `pid` (every thread's).
+fn children(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    if let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) {
+        for t in tasks.flatten() {
+            if let Ok(s) = std::fs::read_to_string(t.path().join("children")) {
+                out.extend(s.split_whitespace().filter_map(|x| x.parse::<u32>().ok()));
+            }
+        }
+    }
+    out
+}
+
+fn cmdline(pid: u32) -> String {
+    std::fs::read(format!("/proc/{pid}/cmdline")).map(|b| String::from_utf8_lossy(&b).replace('\0', " ")).unwrap_or_default()
+}
+
+#[test]
+fn a_frozen_mooncake_worker_is_a_timeout_with_a_report_and_nothing_left_running() {
+    if !crate::common::mooncake_or_skip("a_frozen_mooncake_worker_is_a_timeout_with_a_report_and_nothing_left_running") {
+        return;
+    }
+    let args = [
+        "run",
+        "--memory",
+        "dram",
+        "--scenario",
+        "stacked",
+        "--tier",
+        "mooncake",
+        "--duration",
+        "10m",
+        "--timeout",
+        "2",
+        "--checkpoint",
+        "1s",
+    ];
+    let (child, report, _) = spawn("frozen-worker", &args, &[], false);
+    // A checkpoint means the engine runs: the worker is set up and serving saves and loads.
+    let t0 = Instant::now();
+    while !report.exists() {
+        assert!(t0.elapsed() < Duration::from_secs(120), "no checkpoint written");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let kids = children(child.id());
+    let master = kids.iter().copied().find(|k| cmdline(*k).contains("mooncake_master")).expect("the master");
+    let worker = kids.iter().copied().find(|k| cmdline(*k).contains("kvprobe-mooncake-worker")).expect("the worker");
+    assert!(Command::new("kill").args(["-STOP", &worker.to_string()]).status().unwrap().success());
+    let (code, r, err) = finish(child, &report);
+    assert_timeout(code, &r, &err);
+    assert!(message(&r).contains("Mooncake worker"), "{}", message(&r));
+    assert!(r["scenario"]["tier_saves"].as_u64().unwrap() > 0, "the report keeps the run so far");
+    assert_gone(master, "the Mooncake master");
+    assert_gone(worker, "the Mooncake worker");
 }
