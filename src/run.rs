@@ -652,6 +652,7 @@ fn sweep(
     probe.decode.pool.take_kernel_seconds();
     report.summary.setup_seconds = started.elapsed().as_secs_f64();
     report.summary.pipeline_stages = stages.len() as u32;
+    publish(report);
 
     for it in 1..=cfg.iterations {
         if crate::interrupt::requested() {
