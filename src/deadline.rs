@@ -1,7 +1,7 @@
 //! Deadlines for every wait of a run (`--timeout`), and the watchdog that ends a run whose
 //! call blocks past its deadline.
 //!
-//! What `--timeout` bounds (README, "`--timeout`"):
+//! What `--timeout` bounds (README, "What `--timeout` bounds"):
 //! - each NIXL request: from just before it is created (descriptor lists, `createXferReq`,
 //!   `postXferReq`) until the initiator sees it complete and the other role has its
 //!   notification ([`Deadline`], checked by [`crate::nixl::Agent::post`] and
@@ -21,6 +21,8 @@
 //! handler the command installed ([`on_expiry`]; `kvprobe run` and `ab` write the report of
 //! the run so far, outcome `timeout`) and ends the process with exit 4 without joining the
 //! stuck call. Helper processes die with kvprobe (`PR_SET_PDEATHSIG`, [`crate::child`]).
+//! The same thread keeps SIGINT/SIGTERM from being held up by a blocked call
+//! ([`INTERRUPT_GRACE`]: the report is then marked interrupted, exit 130).
 //!
 //! Test-only fault hooks: `KVPROBE_TEST_STALL_<POINT>=SECS` makes the call at `<POINT>` block
 //! for SECS seconds inside its watched region ([`Stall`]). They exist to prove the above in
@@ -63,7 +65,8 @@ impl Deadline {
 
     /// The instant it passes (far in the future when `start + limit` overflows).
     pub fn at(&self) -> Instant {
-        self.start.checked_add(self.limit).unwrap_or_else(|| self.start + Duration::from_secs(1 << 32))
+        let far = || self.start.checked_add(Duration::from_secs(1 << 32));
+        self.start.checked_add(self.limit).or_else(far).unwrap_or(self.start)
     }
 
     /// True when `t` is past the deadline.
@@ -225,7 +228,11 @@ fn watchdog() {
         let stuck = signalled.and_then(|t| {
             s.armed.iter().find(|a| now.duration_since(a.armed_at.max(t)) >= INTERRUPT_GRACE).map(|a| a.what.clone())
         });
-        let due = s.armed.iter().min_by_key(|a| a.deadline).map(|a| (a.deadline + GRACE, a.limit, a.what.clone()));
+        let due = s
+            .armed
+            .iter()
+            .min_by_key(|a| a.deadline)
+            .map(|a| (a.deadline.checked_add(GRACE).unwrap_or(a.deadline), a.limit, a.what.clone()));
         let fire = match (stuck, due) {
             (Some(what), _) => Some(Error::Interrupted(format!(
                 "{what} was still blocked {} s after the signal; kvprobe ended the run without waiting for it",
