@@ -3,6 +3,10 @@
 //! `interrupted`); a second one, a second or more later, exits at once with 130. A repeat
 //! within a second counts as the same request: `timeout(1)` sends its signal to kvprobe
 //! and again to the process group, and two Ctrl-C presses that close are one impatient user.
+//!
+//! SIGXFSZ (a write past the file-size limit, `ulimit -f`) is ignored ([`ignore_file_size_signal`]):
+//! the write then fails with EFBIG, an error kvprobe handles like a full disk, instead of
+//! killing it with no report.
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -48,4 +52,15 @@ pub fn install() -> std::io::Result<()> {
 /// True once SIGINT or SIGTERM arrived.
 pub fn requested() -> bool {
     FLAG.load(Ordering::SeqCst)
+}
+
+/// Ignores SIGXFSZ for the life of the process (and of the processes it starts, which inherit
+/// the ignored disposition): a write past `RLIMIT_FSIZE` fails with EFBIG instead of killing
+/// kvprobe before it can report, and UCX then fails its shared-memory set-up cleanly (removing
+/// its segment) instead of dying with one left in /dev/shm. Call first thing in `main`.
+pub fn ignore_file_size_signal() {
+    // SAFETY: signal(2) with SIG_IGN installs no handler code; called at start-up.
+    unsafe {
+        libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+    }
 }

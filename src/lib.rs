@@ -37,6 +37,7 @@ pub mod race;
 pub mod remote;
 pub mod report;
 pub mod run;
+pub mod scratch;
 pub mod tier;
 pub mod transport;
 pub mod ucx;

@@ -749,6 +749,8 @@ fn race_help() -> String {
 }
 
 fn main() {
+    // A write past `ulimit -f` is an error (EFBIG) kvprobe reports, not a signal that kills it.
+    kvprobe::interrupt::ignore_file_size_signal();
     let cmd = Cli::command().mut_subcommand("run", |c| c.mut_arg("race", |a| a.long_help(race_help())));
     let matches = cmd.get_matches();
     // Flags typed on the command line (not defaults): load flags make no sense in a sweep,
@@ -766,6 +768,10 @@ fn main() {
         Ok(c) => c,
         Err(e) => e.exit(),
     };
+    if !matches!(cli.command, Command::Agent) {
+        // What killed kvprobes left in their private directories (SIGKILL, a crash).
+        kvprobe::scratch::sweep_stale();
+    }
     let exit = match cli.command {
         Command::Run(a) => run(a, &typed),
         Command::Ab(a) => ab(a),

@@ -88,8 +88,10 @@ pub fn load() -> Result<NixlLibrary> {
 /// [`load`], while kvprobe has no other threads.
 ///
 /// Also turns on the transport diagnosis ([`crate::ucx`]) on the first call: UCX's protocol
-/// tables (`UCX_PROTO_INFO=y`) written to a log file in a private temporary directory
-/// (`UCX_LOG_FILE`), unless the user set either or `KVPROBE_UCX_DIAG=0`.
+/// tables (`UCX_PROTO_INFO=y`) written to a log file in kvprobe's private temporary directory
+/// ([`crate::scratch::dir`], `UCX_LOG_FILE`), unless the user set either or
+/// `KVPROBE_UCX_DIAG=0`; and points UCX's shared-memory segments (`UCX_POSIX_DIR`, unless set)
+/// to kvprobe's private directory in /dev/shm ([`crate::scratch::shm_dir`]).
 pub fn prepare_ucx_env(vram_same_gpu: bool) {
     if vram_same_gpu {
         set_default_env("UCX_CUDA_IPC_ENABLE_SAME_PROCESS", Path::new("y"));
@@ -100,8 +102,8 @@ pub fn prepare_ucx_env(vram_same_gpu: bool) {
         let log = if off {
             None
         } else {
-            match tempfile::Builder::new().prefix("kvprobe-ucx.").tempdir() {
-                Ok(d) => Some(d.keep().join("ucx.log")),
+            match crate::scratch::dir() {
+                Ok(d) => Some(d.join("ucx.log")),
                 Err(e) => {
                     crate::ucx::set_off_because(format!(
                         "capture off: no temporary directory for UCX's log ({e}; TMPDIR={})",
@@ -116,6 +118,14 @@ pub fn prepare_ucx_env(vram_same_gpu: bool) {
             set_default_env("UCX_LOG_FILE", l);
         }
         crate::ucx::set_log_path(log);
+        // UCX's shared-memory segments (posix transport) in kvprobe's private /dev/shm
+        // directory: UCX unlinks each right after creating it, and one a kill catches in
+        // between is removed with the directory (at exit, or at the next kvprobe's start).
+        if std::env::var_os("UCX_POSIX_DIR").is_none_or(|v| v.is_empty())
+            && let Ok(d) = crate::scratch::shm_dir()
+        {
+            set_default_env("UCX_POSIX_DIR", d);
+        }
     }
 }
 
@@ -211,6 +221,7 @@ pub fn exit_now(code: u8) -> ! {
         let _ = e.flush();
     }
     crate::ucx::remove_log();
+    crate::scratch::remove_own();
     // SAFETY: _exit(2) terminates the process at once; every file kvprobe wrote was synced
     // or closed before (reports are synced in `write_atomic`), and stdout/stderr were just
     // flushed. Nothing else needs the atexit handlers that are skipped.
