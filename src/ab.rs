@@ -142,6 +142,7 @@ pub fn run_ab(
         Exit::Clean => "clean",
         Exit::Corrupt => "corrupt",
         Exit::NotReproduced => "not-reproduced",
+        Exit::ReportNotWritten => "report-not-written",
         Exit::Timeout => "timeout",
         Exit::Interrupted => "interrupted",
         _ => "error",

@@ -26,6 +26,9 @@ const EXIT_CODES: &str = "Exit codes:
   4  a transfer did not complete within --timeout
   5  transfer rate below --min-gbps (only when given)
   6  ab: an unfenced race mechanism was not detected
+  7  the run was clean but --report (bench: --json) could not be written (disk full, ulimit -f):
+     the report is on stderr between -----BEGIN/END KVPROBE REPORT----- lines; other outcomes
+     keep their code
   130  interrupted by SIGINT/SIGTERM (partial report written, marked interrupted)";
 
 /// Proves that KV-cache blocks moved between a prefill and a decode engine over NIXL
@@ -540,10 +543,13 @@ fn run(args: RunArgs, typed: &[&str]) -> Exit {
         Ok(c) => c,
         Err(e) => {
             // Still leave a report saying why, as every other usage error does.
-            if let Some(path) = &args.pool.report {
-                let _ = kvprobe::report::write_atomic(path, &kvprobe::run::failed_report(&args.pool.config(), &e));
-            }
             err(&format!("kvprobe: {e}"));
+            if let Some(path) = &args.pool.report {
+                let r = kvprobe::run::failed_report(&args.pool.config(), &e);
+                if let Err(w) = kvprobe::report::write_atomic(path, &r) {
+                    kvprobe::report::print_fallback(&format!("--report {}", path.display()), &r, &w);
+                }
+            }
             return e.exit();
         }
     };
@@ -567,34 +573,38 @@ fn run(args: RunArgs, typed: &[&str]) -> Exit {
         checkpoint_secs: if cfg.scenario.is_some() { args.load.checkpoint } else { 0.0 },
         checkpoint: &mut checkpoint,
     };
-    let (mut report, mut exit) = kvprobe::run::run(&cfg, &mut hooks);
+    let (report, exit) = kvprobe::run::run(&cfg, &mut hooks);
     display.finish();
-    // The report first, so a failure to write it is reflected in the summary and exit code.
-    let mut written = None;
-    if let Some(path) = &args.pool.report {
-        match kvprobe::report::write_atomic(path, &report) {
-            Ok(()) => written = Some(path),
-            Err(e) => {
-                if exit == Exit::Corrupt {
-                    // Corruption keeps exit 1 and its outcome; say why the report is missing.
-                    err(&format!("kvprobe: {e}"));
-                } else {
-                    // Printed below as the outcome's error.
-                    exit = e.exit();
-                    report.finish(exit, Some(&e));
-                }
-            }
-        }
-    }
+    let lost = args.pool.report.as_ref().and_then(|p| kvprobe::report::write_atomic(p, &report).err());
     if report.summary.iterations > 0 || report.outcome.error.is_none() || report.scenario.is_some() {
         out(&kvprobe::report::render(&report));
     }
-    if let Some(path) = written {
-        out(&format!("report:            {}\n", path.display()));
+    report_error(&report.outcome);
+    match (&args.pool.report, lost) {
+        (Some(path), None) => {
+            out(&format!("report:            {}\n", path.display()));
+            exit
+        }
+        (Some(path), Some(e)) => report_lost(&format!("--report {}", path.display()), &report, &e, exit),
+        (None, _) => exit,
     }
-    if let Some(e) = &report.outcome.error {
+}
+
+/// Prints the error that ended a run, if any, on stderr.
+fn report_error(o: &kvprobe::report::Outcome) {
+    if let Some(e) = &o.error {
         err(&format!("kvprobe: {}", e.message));
     }
+}
+
+/// A final report (`what`: "--report PATH") that could not be written (`why`): says so on
+/// stdout, puts the report on stderr ([`kvprobe::report::print_fallback`]), and returns the
+/// exit code: the run's own, or 7 (report not written) in place of 0, so neither a clean
+/// verdict nor a missing file passes unnoticed.
+fn report_lost<T: serde::Serialize>(what: &str, value: &T, why: &Error, exit: Exit) -> Exit {
+    let exit = if exit == Exit::Clean { Exit::ReportNotWritten } else { exit };
+    out(&format!("report:            NOT WRITTEN ({why}): the JSON report is on stderr; exit {}\n", exit as u8));
+    kvprobe::report::print_fallback(what, value, why);
     exit
 }
 
@@ -622,32 +632,21 @@ fn ab(args: AbArgs) -> Exit {
             err(&format!("kvprobe: checkpoint: {e}"));
         }
     };
-    let (mut ab, mut exit) = kvprobe::ab::run_ab(&cfg, &mut progress, &mut after_row);
+    let (ab, exit) = kvprobe::ab::run_ab(&cfg, &mut progress, &mut after_row);
     display.finish();
-    let mut written = None;
-    if let Some(path) = &args.pool.report {
-        match kvprobe::report::write_atomic(path, &ab) {
-            Ok(()) => written = Some(path),
-            Err(e) => {
-                err(&format!("kvprobe: {e}"));
-                if exit != Exit::Corrupt {
-                    exit = e.exit();
-                    ab.outcome.exit_code = exit as u8;
-                    ab.outcome.status = "error".into();
-                }
-            }
-        }
-    }
+    let lost = args.pool.report.as_ref().and_then(|p| kvprobe::report::write_atomic(p, &ab).err());
     if !ab.rows.is_empty() {
         out(&kvprobe::ab::render(&ab));
     }
-    if let Some(path) = written {
-        out(&format!("report: {}\n", path.display()));
+    report_error(&ab.outcome);
+    match (&args.pool.report, lost) {
+        (Some(path), None) => {
+            out(&format!("report: {}\n", path.display()));
+            exit
+        }
+        (Some(path), Some(e)) => report_lost(&format!("--report {}", path.display()), &ab, &e, exit),
+        (None, _) => exit,
     }
-    if let Some(e) = &ab.outcome.error {
-        err(&format!("kvprobe: {}", e.message));
-    }
-    exit
 }
 
 fn bench(a: BenchArgs) -> Exit {
@@ -697,8 +696,7 @@ fn bench(a: BenchArgs) -> Exit {
     }
     if let Some(p) = &a.json {
         if let Err(e) = kvprobe::report::write_atomic(p, &r) {
-            err(&format!("kvprobe: --json: {e}"));
-            return if exit == Exit::Clean { e.exit() } else { exit };
+            return report_lost(&format!("--json {}", p.display()), &r, &e, exit);
         }
         out(&format!("results: {}\n", p.display()));
     }

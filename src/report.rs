@@ -2,7 +2,9 @@
 //!
 //! Reports are written atomically: to a temporary file in the target's directory, flushed
 //! to disk, then renamed over the target — a reader never sees a partial report, and a
-//! failed run still leaves one.
+//! failed run still leaves one. When the report cannot be written (disk full, `ulimit -f`,
+//! an I/O error) the temporary file is removed and the report goes to stderr instead
+//! ([`print_fallback`]).
 
 use crate::envinfo::Environment;
 use crate::error::{Error, Exit, Result};
@@ -297,6 +299,7 @@ impl Outcome {
             Exit::Timeout => "timeout",
             Exit::BelowRate => "below-min-gbps",
             Exit::NotReproduced => "not-reproduced",
+            Exit::ReportNotWritten => "report-not-written",
             Exit::Interrupted => "interrupted",
             Exit::Usage | Exit::Transport => "error",
         };
@@ -399,6 +402,26 @@ pub fn write_atomic<T: Serialize>(path: &Path, value: &T) -> Result<()> {
         let _ = d.sync_all();
     }
     Ok(())
+}
+
+/// The line before a report printed on stderr because it could not be written ([`print_fallback`]).
+pub const FALLBACK_BEGIN: &str = "-----BEGIN KVPROBE REPORT-----";
+/// The line after it.
+pub const FALLBACK_END: &str = "-----END KVPROBE REPORT-----";
+
+/// Puts a report that could not be written (`why`: [`write_atomic`]'s error) on stderr
+/// instead, so a finished run's result is never lost: a message naming the error and where
+/// the report went, then the JSON exactly as the file would have held it, alone on the lines
+/// between [`FALLBACK_BEGIN`] and [`FALLBACK_END`]. `what` names the file for the message
+/// ("--report r.json"). Returns false when stderr did not take it either (then nothing more
+/// can be done: the human summary on stdout is all that is left).
+pub fn print_fallback<T: Serialize>(what: &str, value: &T, why: &Error) -> bool {
+    let Ok(body) = serde_json::to_string_pretty(value) else { return false };
+    let text = format!(
+        "kvprobe: {what} was not written ({why}); the report follows on stderr, between the lines {FALLBACK_BEGIN} and {FALLBACK_END}\n{FALLBACK_BEGIN}\n{body}\n{FALLBACK_END}\n"
+    );
+    let mut e = std::io::stderr().lock();
+    e.write_all(text.as_bytes()).and_then(|_| e.flush()).is_ok()
 }
 
 /// Bytes in decimal units (B, kB, MB, GB; 1 GB = 1e9 B), three decimals.
