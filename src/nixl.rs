@@ -228,6 +228,26 @@ pub fn exit_now(code: u8) -> ! {
     unsafe { libc::_exit(code as libc::c_int) }
 }
 
+/// The file-size limit of this process (`ulimit -f`, RLIMIT_FSIZE) in bytes, from
+/// /proc/self/limits; `None` when unlimited or unknown.
+pub fn file_size_limit() -> Option<u64> {
+    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let line = limits.lines().find(|l| l.starts_with("Max file size"))?;
+    line["Max file size".len()..].split_whitespace().next()?.parse().ok()
+}
+
+/// Why a backend may not start under a file-size limit: UCX's shared-memory transport (posix)
+/// sizes its segments as files, which the limit caps. Empty without a limit.
+fn file_size_limit_hint() -> String {
+    match file_size_limit() {
+        Some(b) => format!(
+            "; the file-size limit (ulimit -f) is {b} bytes, and UCX's shared-memory segments count as files: \
+             raise the limit, or leave UCX's posix transport out (UCX_TLS=^posix)"
+        ),
+        None => String::new(),
+    }
+}
+
 /// Names of the backend plugins NIXL can load (e.g. "UCX", "POSIX").
 pub fn available_plugins() -> Result<Vec<String>> {
     load()?;
@@ -308,7 +328,7 @@ impl Agent {
             agent.get_plugin_params(backend).map_err(|e| Error::Environment(format!("NIXL plugin {backend}: {e}")))?;
         let b = agent
             .create_backend(backend, &params)
-            .map_err(|e| Error::Environment(format!("NIXL backend {backend} failed to start: {e}")))?;
+            .map_err(|e| Error::Environment(format!("NIXL backend {backend} failed to start: {e}{}", file_size_limit_hint())))?;
         Ok(Agent { agent, backend: b, backend_name: backend.to_string(), _regs: Vec::new() })
     }
 

@@ -95,6 +95,33 @@ fn a_report_the_file_size_limit_refuses_goes_to_stderr_with_the_runs_outcome() {
 }
 
 #[test]
+fn under_a_tiny_file_size_limit_ucx_cannot_start_and_kvprobe_says_why() {
+    // The issue's own example: `ulimit -f 4` (4 KiB) killed kvprobe by SIGXFSZ inside UCX's
+    // shared-memory set-up, leaving a segment in /dev/shm and UCX's log directory.
+    let d = tmpdir("fsize-4k");
+    let tmp = d.join("tmp");
+    std::fs::create_dir_all(&tmp).unwrap();
+    let p = d.join("r.json");
+    let mut cmd = command(&["run", "--memory", "dram", "--iterations", "2", "--report", p.to_str().unwrap()], &tmp, Some(4096));
+    cmd.env_remove("UCX_TLS");
+    let child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let pid = child.id();
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("NIXL backend UCX failed to start") && err.contains("file-size limit (ulimit -f) is 4096 bytes"),
+        "{err}"
+    );
+    // The error report: in the file, or (when larger than the limit) on stderr.
+    let r = if p.exists() { crate::common::read_report(&p) } else { fallback_report(&err) };
+    assert_eq!(r["outcome"]["error"]["kind"], "environment");
+    assert_only(&d, &["tmp", "r.json"]);
+    assert_eq!(entries(&tmp), Vec::<String>::new(), "left in TMPDIR");
+    assert_eq!(private_dirs(Path::new("/dev/shm"), pid), Vec::<PathBuf>::new(), "left in /dev/shm");
+}
+
+#[test]
 fn bench_json_the_file_size_limit_refuses_goes_to_stderr() {
     let d = tmpdir("fsize-bench");
     let tmp = d.join("tmp");
