@@ -368,21 +368,55 @@ pub fn check_writable_for(path: &Path, flag: &str) -> Result<()> {
     Ok(())
 }
 
+/// Name prefix of a report being written (beside its target).
+const TMP_PREFIX: &str = ".kvprobe-report.";
+/// Name suffix of a report being written.
+const TMP_SUFFIX: &str = ".tmp";
+/// A temporary report is removed by a later write into its directory once it is older than
+/// this and nobody holds its lock: its writer locks it right after creating it and holds the
+/// lock until the rename, so only a writer killed mid-write (SIGKILL) leaves one; the age
+/// covers the instant between creating and locking.
+pub const STALE_TMP_AGE: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Removes the temporary reports (`.kvprobe-report.*.tmp`) in `dir` that killed writers left
+/// (see [`STALE_TMP_AGE`]); only this user's regular files. Best effort.
+fn sweep_stale_temps(dir: &Path) {
+    use std::os::unix::fs::MetadataExt;
+    let (Ok(entries), Some(me)) = (std::fs::read_dir(dir), crate::scratch::own_uid()) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if !(name.starts_with(TMP_PREFIX) && name.ends_with(TMP_SUFFIX)) {
+            continue;
+        }
+        let path = e.path();
+        let Ok(m) = std::fs::symlink_metadata(&path) else { continue };
+        let old = m.modified().ok().and_then(|t| t.elapsed().ok()).is_some_and(|age| age > STALE_TMP_AGE);
+        if m.is_file() && m.uid() == me && old && std::fs::File::open(&path).is_ok_and(|f| f.try_lock().is_ok()) {
+            let _ = std::fs::remove_file(&path);
+        }
+    }
+}
+
 /// Writes `value` as pretty JSON to `path` atomically: a new temporary file with a random
 /// name in the target's directory (created exclusively, never through a symlink), given the
-/// replaced report's mode and owner, synced, then renamed over the target. Symlinks at
-/// `path` are followed to their target; special files are refused. Errors: [`Error::Io`]
-/// (exit 2).
+/// replaced report's mode and owner, synced, then renamed over the target; removed again when
+/// any step fails. Temporary reports that killed writers left in that directory are removed
+/// first ([`STALE_TMP_AGE`]). Symlinks at `path` are followed to their target; special files
+/// are refused. Errors: [`Error::Io`] (exit 2).
 pub fn write_atomic<T: Serialize>(path: &Path, value: &T) -> Result<()> {
     use std::os::unix::fs::MetadataExt;
     let io = |what: &str, e: std::io::Error| Error::Io(format!("report: {what} {}: {e}", path.display()));
     let (target, dir) = resolve_target(path, "--report")?;
     let body = serde_json::to_vec_pretty(value).map_err(|e| Error::Io(format!("report: serialise: {e}")))?;
+    sweep_stale_temps(&dir);
     let mut tmp = tempfile::Builder::new()
-        .prefix(".kvprobe-report.")
-        .suffix(".tmp")
+        .prefix(TMP_PREFIX)
+        .suffix(TMP_SUFFIX)
         .tempfile_in(&dir)
         .map_err(|e| io("create temp file for", e))?;
+    // Marks the file as being written, for [`sweep_stale_temps`] (released when it closes).
+    let _ = tmp.as_file().try_lock();
     let f = tmp.as_file_mut();
     match std::fs::metadata(&target) {
         Ok(m) => {

@@ -111,6 +111,11 @@ pub fn remove_own() {
     }
 }
 
+/// This process's effective uid (the owner of its /proc entry); `None` without /proc.
+pub(crate) fn own_uid() -> Option<u32> {
+    std::fs::metadata("/proc/self").map(|m| m.uid()).ok()
+}
+
 /// Removes the private directories of kvprobe processes that are gone (see the module
 /// documentation) from `$TMPDIR` and /dev/shm. Only directories owned by this user and named
 /// as kvprobe names them are considered; errors are ignored (best effort).
@@ -123,8 +128,7 @@ pub fn sweep_stale() {
 pub fn sweep_in(root: &Path) -> Vec<PathBuf> {
     let mut removed = Vec::new();
     let Ok(entries) = std::fs::read_dir(root) else { return removed };
-    // The owner of this process's /proc entry is its effective uid.
-    let Ok(me) = std::fs::metadata("/proc/self").map(|m| m.uid()) else { return removed };
+    let Some(me) = own_uid() else { return removed };
     let own = |p: &Path| TMP.get().into_iter().chain(SHM.get()).any(|c| c.as_ref().is_ok_and(|x| x.path == p));
     for e in entries.flatten() {
         let name = e.file_name();

@@ -152,9 +152,31 @@ fn bench_json_the_file_size_limit_refuses_goes_to_stderr() {
     assert_only(&d, &["tmp"]);
 }
 
+/// A kvprobe child that is SIGKILLed and reaped if the test fails before it ends.
+struct Running(Option<Child>);
+
+impl Running {
+    fn id(&self) -> u32 {
+        self.0.as_ref().expect("running").id()
+    }
+
+    fn take(mut self) -> Child {
+        self.0.take().expect("running")
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(c) = self.0.as_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
 /// Starts `cmd` with stderr piped and waits (up to a generous bound, for a loaded machine)
 /// until a stderr line contains `ready`; the rest of stderr is drained in the background.
-fn start_until(mut cmd: Command, ready: &str) -> Child {
+fn start_until(mut cmd: Command, ready: &str) -> Running {
     let mut child = cmd.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
     let stderr = child.stderr.take().unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
@@ -174,12 +196,13 @@ fn start_until(mut cmd: Command, ready: &str) -> Child {
         let _ = child.wait();
         panic!("kvprobe never printed {ready:?}");
     }
-    child
+    Running(Some(child))
 }
 
 /// SIGKILLs `child`, then starts another kvprobe with the same TMPDIR and checks that
 /// nothing of the killed one is left there or in /dev/shm.
-fn kill_and_check_swept(mut child: Child, tmp: &Path) {
+fn kill_and_check_swept(child: Running, tmp: &Path) {
+    let mut child = child.take();
     let pid = child.id();
     child.kill().unwrap(); // SIGKILL: no destructor, no exit path of kvprobe runs
     child.wait().unwrap();
@@ -239,7 +262,7 @@ fn a_live_runs_private_directory_is_never_swept() {
     let d = tmpdir("live-private");
     let tmp = d.join("tmp");
     std::fs::create_dir_all(&tmp).unwrap();
-    let mut child = start_until(command(&["run", "--memory", "dram", "--iterations", "1000000"], &tmp, None), "iteration 1/");
+    let child = start_until(command(&["run", "--memory", "dram", "--iterations", "1000000"], &tmp, None), "iteration 1/");
     let pid = child.id();
     let before = private_dirs(&tmp, pid);
     // A stale directory of a dead process (no lock holder) next to it, and a foreign one.
@@ -253,9 +276,33 @@ fn a_live_runs_private_directory_is_never_swept() {
     assert!(tmp.join("kvprobe-notes").exists(), "a directory kvprobe did not name was removed");
     // SAFETY: signalling our own child process.
     unsafe { libc::kill(pid as i32, libc::SIGINT) };
-    let st = child.wait().unwrap();
+    let st = child.take().wait().unwrap();
     assert_eq!(st.code(), Some(130));
     // A run that ends normally removes its own directories.
     assert_eq!(private_dirs(&tmp, pid), Vec::<PathBuf>::new());
     assert_eq!(private_dirs(Path::new("/dev/shm"), pid), Vec::<PathBuf>::new());
+}
+
+#[test]
+fn temporary_reports_that_killed_writers_left_are_removed_by_the_next_write() {
+    let d = tmpdir("stale-tmp");
+    let old = std::time::SystemTime::now() - Duration::from_secs(3600);
+    let make = |name: &str, mtime: std::time::SystemTime| {
+        let f = std::fs::File::create(d.join(name)).unwrap();
+        f.set_modified(mtime).unwrap();
+        f
+    };
+    // A writer killed mid-write an hour ago: unlocked and old.
+    drop(make(".kvprobe-report.dead01.tmp", old));
+    // One being written now (locked), one just created (not yet locked), and a file kvprobe
+    // did not name.
+    let live = make(".kvprobe-report.live01.tmp", old);
+    live.lock().unwrap();
+    drop(make(".kvprobe-report.new001.tmp", std::time::SystemTime::now()));
+    drop(make("notes.tmp", old));
+    let p = d.join("r.json");
+    let o =
+        command(&["run", "--memory", "dram", "--iterations", "1", "--report", p.to_str().unwrap()], &d, None).output().unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(entries(&d), [".kvprobe-report.live01.tmp", ".kvprobe-report.new001.tmp", "notes.tmp", "r.json"]);
 }
