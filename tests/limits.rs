@@ -152,6 +152,28 @@ fn bench_json_the_file_size_limit_refuses_goes_to_stderr() {
     assert_only(&d, &["tmp"]);
 }
 
+#[test]
+fn an_ab_report_the_file_size_limit_refuses_goes_to_stderr() {
+    let d = tmpdir("fsize-ab");
+    let tmp = d.join("tmp");
+    std::fs::create_dir_all(&tmp).unwrap();
+    let p = d.join("ab.json");
+    let o = command(&["ab", "--memory", "dram", "--requests", "20", "--report", p.to_str().unwrap()], &tmp, Some(1024))
+        .output()
+        .unwrap();
+    let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(err.contains(&format!("--report {} was not written", p.display())), "{out}{err}");
+    assert!(out.contains("NOT WRITTEN"), "{out}");
+    let r = fallback_report(&err);
+    assert_eq!(r["schema"], "kvprobe.ab/1");
+    assert_eq!(r["rows"].as_array().unwrap().len(), r["sections"].as_array().unwrap().len());
+    // The matrix's own code, or 7 in place of a clean 0.
+    let own = r["outcome"]["exit_code"].as_i64().unwrap();
+    assert_eq!(o.status.code().map(i64::from), Some(if own == 0 { 7 } else { own }), "{out}{err}");
+    assert_only(&d, &["tmp"]);
+    assert_eq!(entries(&tmp), Vec::<String>::new(), "left in TMPDIR");
+}
+
 /// A kvprobe child that is SIGKILLed and reaped if the test fails before it ends.
 struct Running(Option<Child>);
 
