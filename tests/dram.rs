@@ -162,10 +162,11 @@ fn sigint_stops_cleanly_with_a_partial_report() {
     let mut child = std::process::Command::new(crate::common::bin())
         .args(["run", "--memory", "dram", "--iterations", "1000000", "--report", p.to_str().unwrap()])
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(std::time::Duration::from_millis(2500));
+    // Under way (not a fixed sleep: set-up takes longer on a loaded machine).
+    crate::common::wait_for_stderr_line(&mut child, "iteration 1/");
     // SAFETY: signalling our own child process.
     unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
     let status = child.wait().unwrap();
@@ -369,22 +370,10 @@ fn run_and_signal_the_agent(name: &str, timeout: &str, signal: &str) -> (std::pr
         .spawn()
         .unwrap();
     let me = child.id().to_string();
-    let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
-    let mut seen = String::new();
-    while !seen.contains("iteration 2/") {
-        let mut l = String::new();
-        if std::io::BufRead::read_line(&mut stderr, &mut l).unwrap() == 0 {
-            panic!("kvprobe ended before iterating: {seen}");
-        }
-        seen += &l;
-    }
+    crate::common::wait_for_stderr_line(&mut child, "iteration 2/");
     let out = std::process::Command::new("pgrep").args(["-P", &me, "-f", "kvprobe agent"]).output().unwrap();
     let agent = String::from_utf8_lossy(&out.stdout).split_whitespace().next().expect("the decode agent process").to_string();
     assert!(std::process::Command::new("kill").args([signal, &agent]).status().unwrap().success());
-    std::thread::spawn(move || {
-        let mut rest = String::new();
-        let _ = std::io::Read::read_to_string(&mut stderr, &mut rest);
-    });
     (child, report)
 }
 
@@ -405,21 +394,23 @@ fn a_decode_agent_process_that_dies_is_a_transport_error() {
 fn a_frozen_decode_agent_times_out_and_ctrl_c_is_not_held_up_by_it() {
     // A stopped agent neither reads its requests nor answers: --timeout ends the run (exit 4,
     // report written) even when requests are larger than a pipe's buffer.
+    // The bounds below only tell "ended by the limit or the signal" from "waited out a far
+    // longer one": generous, so a loaded machine cannot fail them.
     let (mut child, report) = run_and_signal_the_agent("frozen-timeout", "2", "-STOP");
     let t0 = std::time::Instant::now();
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(4), "exit after {:?}", t0.elapsed());
-    assert!(t0.elapsed() < std::time::Duration::from_secs(20), "{:?}", t0.elapsed());
+    assert!(t0.elapsed() < std::time::Duration::from_secs(300), "{:?}", t0.elapsed());
     let r: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
     assert_eq!(r["outcome"]["status"], "timeout");
-    // Ctrl-C while the transfer is stuck: 130 within seconds, not after --timeout (60 s).
-    let (mut child, report) = run_and_signal_the_agent("frozen-sigint", "60", "-STOP");
+    // Ctrl-C while the transfer is stuck: 130 within seconds, not after --timeout (3600 s).
+    let (mut child, report) = run_and_signal_the_agent("frozen-sigint", "3600", "-STOP");
     std::thread::sleep(std::time::Duration::from_millis(300));
     let t0 = std::time::Instant::now();
     assert!(std::process::Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap().success());
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(130));
-    assert!(t0.elapsed() < std::time::Duration::from_secs(15), "{:?}", t0.elapsed());
+    assert!(t0.elapsed() < std::time::Duration::from_secs(600), "{:?}", t0.elapsed());
     let r: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
     assert_eq!(r["outcome"]["status"], "interrupted");
 }
