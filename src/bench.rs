@@ -498,8 +498,9 @@ pub fn check(cfg: &BenchConfig) -> Result<()> {
         && cfg.host_bytes.saturating_mul(2) > avail / 2
     {
         return Err(Error::Usage(format!(
-            "--host-bytes {}: the bench needs twice that, and {avail} bytes are available (use at most a quarter)",
-            cfg.host_bytes
+            "--host-bytes {}: the bench needs twice that, and {} are available (use at most a quarter)",
+            crate::report::bytes_exact(cfg.host_bytes),
+            crate::report::bytes_exact(avail)
         )));
     }
     if let Some(avail) = crate::hostmem::available_bytes()
@@ -507,8 +508,9 @@ pub fn check(cfg: &BenchConfig) -> Result<()> {
         && cfg.sweep_bytes.saturating_mul(2) > avail / 2
     {
         return Err(Error::Usage(format!(
-            "--sweep-bytes {}: the DRAM sweeps need two pools of that, and {avail} bytes are available (use at most a quarter)",
-            cfg.sweep_bytes
+            "--sweep-bytes {}: the DRAM sweeps need two pools of that, and {} are available (use at most a quarter)",
+            crate::report::bytes_exact(cfg.sweep_bytes),
+            crate::report::bytes_exact(avail)
         )));
     }
     if cfg.memory == MemoryKind::Dram && (cfg.device != 0 || cfg.decode_device.is_some()) {

@@ -169,6 +169,11 @@ fn check_config(cfg: &RunConfig) -> Result<()> {
     Ok(())
 }
 
+/// Smallest pool (bytes per side) whose copy a sweep times as the transfer's ceiling
+/// (`summary.transport_path.copy_gbps`): below it the copy takes about as long as its fixed
+/// costs (thread start, kernel launch), so the rate would be noise, not a ceiling.
+pub const MIN_CEILING_BYTES: u64 = 64 << 20;
+
 /// Host bytes kvprobe and NIXL keep per block slice (descriptor lists, transfer plans):
 /// an upper bound measured on DRAM runs (about 285 B seen), used to refuse runs up front.
 pub const HOST_BYTES_PER_SLICE: u64 = 512;
@@ -186,8 +191,11 @@ fn check_host_memory(cfg: &RunConfig) -> Result<()> {
             && tier > avail / 2
         {
             return Err(Error::Usage(format!(
-                "the tier of {} blocks x {block} bytes = {tier} bytes of host memory is more than half of the {avail} available; lower --tier-blocks (at least 2 x --concurrency x max --prompt-blocks = {} are needed)",
+                "the tier of {} blocks x {} = {} of host memory is more than half of the {} available; lower --tier-blocks (at least 2 x --concurrency x max --prompt-blocks = {} are needed)",
                 sc.tier_blocks,
+                crate::report::bytes_exact(block),
+                crate::report::bytes_exact(tier),
+                crate::report::bytes_exact(avail),
                 2 * sc.concurrency as u64 * sc.workload.max_blocks as u64
             )));
         }
@@ -197,7 +205,10 @@ fn check_host_memory(cfg: &RunConfig) -> Result<()> {
         && need > avail
     {
         return Err(Error::Usage(format!(
-            "the run needs about {need} bytes of host memory ({pools} for DRAM pools and the tier + {HOST_BYTES_PER_SLICE} per block slice); {avail} are available (MemAvailable / cgroup limit)"
+            "the run needs about {} of host memory ({} for DRAM pools and the tier + {HOST_BYTES_PER_SLICE} bytes per block slice); {} are available (MemAvailable / cgroup limit)",
+            crate::report::bytes_exact(need),
+            crate::report::bytes_exact(pools),
+            crate::report::bytes_exact(avail)
         )));
     }
     Ok(())
@@ -507,6 +518,9 @@ pub fn run(cfg: &RunConfig, hooks: &mut Hooks<'_>) -> (Report, Exit) {
     let (exit, err) = match (&result, corrupt) {
         (_, true) => (Exit::Corrupt, result.as_ref().err()),
         (Err(e), false) => (e.exit(), Some(e)),
+        // An unfenced mechanism that never corrupted anything is not a pass: the run could
+        // not have seen that bug (exit 6, as `kvprobe ab` gives for the same verdict).
+        (Ok(()), false) if !unfenced_not_reproduced(&report).is_empty() => (Exit::NotReproduced, None),
         (Ok(()), false) => match cfg.min_gbps {
             Some(m) if report.summary.transfer_gbps < m => (Exit::BelowRate, None),
             _ => (Exit::Clean, None),
@@ -514,6 +528,18 @@ pub fn run(cfg: &RunConfig, hooks: &mut Hooks<'_>) -> (Report, Exit) {
     };
     report.finish(exit, err);
     (report, exit)
+}
+
+/// The unfenced race mechanisms of a scenario run whose verdict is not `detected` (empty
+/// for sweeps and fenced runs).
+pub fn unfenced_not_reproduced(report: &Report) -> Vec<crate::race::Mechanism> {
+    report.scenario.as_ref().map_or_else(Vec::new, |sc| {
+        sc.races
+            .iter()
+            .filter(|o| o.fencing == crate::race::Fencing::Unfenced && o.verdict != "detected")
+            .map(|o| o.mechanism)
+            .collect()
+    })
 }
 
 /// Checks the configuration and host memory, loads NIXL and records the environment in
@@ -594,11 +620,17 @@ fn sweep(
         probe.decode.pool.copy_pool_from(&probe.prefill.pool)?;
         probe.decode.pool.copy_pool_from(&probe.prefill.pool)
     };
-    let secs = match gpus {
-        (Some(d), Some(p)) if d.ordinal() != p.ordinal() => d.with_peer_access(&p, copy)?,
-        _ => copy()?,
+    // A pool below MIN_CEILING_BYTES copies in the time of the copy's fixed costs (threads,
+    // launches): no ceiling is measured, and the summary says so instead of a ratio.
+    let copy_gbps = if pool_bytes < MIN_CEILING_BYTES {
+        None
+    } else {
+        let secs = match gpus {
+            (Some(d), Some(p)) if d.ordinal() != p.ordinal() => d.with_peer_access(&p, copy)?,
+            _ => copy()?,
+        };
+        Some(pool_bytes as f64 / secs.max(1e-12) / 1e9)
     };
-    let copy_gbps = Some(pool_bytes as f64 / secs.max(1e-12) / 1e9);
     probe.decode.pool.poison_layers(all.clone(), 1, false)?;
     probe.decode.pool.finish()?;
     probe.prefill.pool.take_kernel_seconds();
@@ -646,22 +678,21 @@ fn sweep(
             // Wait for stage k.
             let mut posted = inflight.pop_front().expect("one request per stage");
             if let Some(p) = posted.as_mut() {
-                // A signal lets the request finish for up to a second (then the report says
-                // interrupted rather than waiting out --timeout on a stalled transfer).
-                let mut interrupted: Option<Instant> = None;
+                // A signal lets the requests in flight finish for up to `interrupt::GRACE` after
+                // it (then the report says interrupted rather than waiting out --timeout on a
+                // stalled transfer).
                 loop {
                     if let Some(r) = transport::poll(cfg.op, &probe.prefill, &probe.decode, p)? {
                         bytes += r.bytes;
                         break;
                     }
                     p.check_timeout(timeout)?;
-                    if crate::interrupt::requested() {
-                        let since = *interrupted.get_or_insert_with(Instant::now);
-                        if since.elapsed() > Duration::from_secs(1) {
-                            return Err(Error::Interrupted(format!(
-                                "in iteration {it} while stage {k}'s transfer was in flight (incomplete after 1 s)"
-                            )));
-                        }
+                    if crate::interrupt::since_requested().is_some_and(|d| d > crate::interrupt::GRACE) {
+                        return Err(Error::Interrupted(format!(
+                            "in iteration {it} while stage {k}'s transfer was in flight (incomplete {} s after the signal; \
+                             this iteration is not verified)",
+                            crate::interrupt::GRACE.as_secs()
+                        )));
                     }
                     std::hint::spin_loop();
                 }
