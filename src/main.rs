@@ -507,6 +507,43 @@ fn err(line: &str) {
     let _ = writeln!(std::io::stderr(), "{line}");
 }
 
+/// The spinner showing the current set-up or bench phase on a terminal (see [`show_phases`]).
+static PHASE_BAR: std::sync::Mutex<Option<indicatif::ProgressBar>> = std::sync::Mutex::new(None);
+
+/// Shows each phase the library announces ([`kvprobe::phase`]): on a terminal as one spinner
+/// line (cleared by [`end_phases`] before anything else is printed), otherwise as one plain
+/// line on stderr per phase. `setup_lines`: whether plain lines include `setup:` phases
+/// (bench leaves its sweeps' set-up steps to the spinner).
+fn show_phases(setup_lines: bool) {
+    if std::io::stderr().is_terminal() {
+        kvprobe::phase::set_sink(|msg| {
+            let mut g = PHASE_BAR.lock().unwrap_or_else(|e| e.into_inner());
+            let bar = g.get_or_insert_with(|| {
+                let b = indicatif::ProgressBar::new_spinner();
+                if let Ok(st) = indicatif::ProgressStyle::with_template("{spinner} {msg} [{elapsed}]") {
+                    b.set_style(st);
+                }
+                b.enable_steady_tick(Duration::from_millis(100));
+                b
+            });
+            bar.set_message(msg.to_string());
+        });
+    } else {
+        kvprobe::phase::set_sink(move |msg| {
+            if setup_lines || !msg.starts_with("setup:") {
+                err(msg);
+            }
+        });
+    }
+}
+
+/// Clears the phase spinner (before other output on the terminal).
+fn end_phases() {
+    if let Some(b) = PHASE_BAR.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        b.finish_and_clear();
+    }
+}
+
 /// Live progress on stderr: a spinner line on a terminal, else a plain line every 10 s.
 struct Display {
     bar: Option<indicatif::ProgressBar>,
@@ -526,6 +563,7 @@ impl Display {
     }
 
     fn update(&mut self, label: &str, p: &Progress) {
+        end_phases();
         let rate = if p.elapsed > 0.0 { p.requests as f64 / p.elapsed } else { 0.0 };
         let gbps = if p.elapsed > 0.0 { p.bytes as f64 / p.elapsed / 1e9 } else { 0.0 };
         let done = match (p.target_secs, p.target_requests) {
@@ -596,7 +634,11 @@ fn run(args: RunArgs, typed: &[&str]) -> Exit {
     let mut display = Display::new();
     let mut ckpt_failed = false;
     let path = checkpoints_to(&args.pool.report);
-    let mut line = |l: &str| err(l);
+    show_phases(true);
+    let mut line = |l: &str| {
+        end_phases();
+        err(l)
+    };
     let mut progress = |p: &Progress| display.update("", p);
     let mut checkpoint = |r: &Report| {
         if let Some(path) = &path
@@ -614,6 +656,7 @@ fn run(args: RunArgs, typed: &[&str]) -> Exit {
         checkpoint: &mut checkpoint,
     };
     let (mut report, mut exit) = kvprobe::run::run(&cfg, &mut hooks);
+    end_phases();
     display.finish();
     // The report first, so a failure to write it is reflected in the summary and exit code.
     let mut written = None;
@@ -664,7 +707,9 @@ fn ab(args: AbArgs) -> Exit {
     let mut ckpt_failed = false;
     let mut shown = 0;
     let mut progress = |name: &str, p: &Progress| display.update(&format!("{name}: "), p);
+    show_phases(true);
     let mut after_row = |ab: &AbReport| {
+        end_phases();
         if let Some(r) = ab.rows.get(shown) {
             shown += 1;
             err(&format!("row {}: {} {} ({} requests, {} corrupt)", shown, r.name, r.verdict, r.requests, r.corrupt));
@@ -678,6 +723,7 @@ fn ab(args: AbArgs) -> Exit {
         }
     };
     let (mut ab, mut exit) = kvprobe::ab::run_ab(&cfg, &mut progress, &mut after_row);
+    end_phases();
     display.finish();
     let mut written = None;
     if let Some(path) = &args.pool.report {
@@ -739,8 +785,10 @@ fn bench(a: BenchArgs) -> Exit {
     if let Err(code) = install_signals() {
         return code;
     }
+    show_phases(false);
     let mut r = kvprobe::bench::start(&cfg);
     let result = kvprobe::bench::run(&cfg, &mut r);
+    end_phases();
     let exit = match &result {
         Ok(()) => Exit::Clean,
         Err(e) => e.exit(),

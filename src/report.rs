@@ -420,9 +420,15 @@ fn wall_gbps(bytes: u64, secs: f64) -> f64 {
 /// A byte count in binary units with the exact value, for messages: `196.84 GiB
 /// (211353600000 bytes)`; plain `N bytes` below 1 KiB.
 pub fn bytes_exact(b: u64) -> String {
+    if b < 1024 { format!("{b} bytes") } else { format!("{} ({b} bytes)", bytes_binary(b)) }
+}
+
+/// A byte count in binary units (KiB = 1024 B ... EiB), two decimals: `196.84 GiB`; `N B`
+/// below 1 KiB.
+pub fn bytes_binary(b: u64) -> String {
     const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
     if b < 1024 {
-        return format!("{b} bytes");
+        return format!("{b} B");
     }
     let mut x = b as f64 / 1024.0;
     let mut u = 0;
@@ -430,7 +436,7 @@ pub fn bytes_exact(b: u64) -> String {
         x /= 1024.0;
         u += 1;
     }
-    format!("{x:.2} {} ({b} bytes)", UNITS[u])
+    format!("{x:.2} {}", UNITS[u])
 }
 
 /// The human summary printed on stdout.

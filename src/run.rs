@@ -245,7 +245,11 @@ fn build_pools(cfg: &RunConfig) -> Result<(KvPool, Option<KvPool>)> {
 
 impl Probe {
     pub(crate) fn setup(cfg: &RunConfig) -> Result<Probe> {
-        crate::trace!("allocating pools");
+        crate::phase::announce(&format!(
+            "setup: allocating pools ({} {} per side)",
+            cfg.geometry.pool_bytes().map(crate::report::bytes_binary).unwrap_or_default(),
+            if cfg.memory == MemoryKind::Vram { "VRAM" } else { "DRAM" }
+        ));
         let (p, d) = build_pools(cfg)?;
         Self::connect(cfg, p, d).map_err(|e| match e {
             // Before any transfer, a NIXL refusal means this backend cannot serve these pools
@@ -260,6 +264,11 @@ impl Probe {
     }
 
     fn connect(cfg: &RunConfig, p: KvPool, d: Option<KvPool>) -> Result<Probe> {
+        crate::phase::announce(&format!(
+            "setup: registering the pools with NIXL (backend {}{})",
+            cfg.backend,
+            if cfg.decode_process { ", decode agent in a second process" } else { "" }
+        ));
         crate::trace!("prefill NIXL agent");
         let mut prefill = Endpoint::new("kvprobe-prefill", &cfg.backend, p)?;
         let pi = prefill.info()?;
@@ -545,6 +554,7 @@ pub fn unfenced_not_reproduced(report: &Report) -> Vec<crate::race::Mechanism> {
 /// Checks the configuration and host memory, loads NIXL and records the environment in
 /// `report`; the common start of `run` and `ab`.
 pub(crate) fn prepare(cfg: &RunConfig, report: &mut Report) -> Result<()> {
+    crate::phase::announce("setup: loading NIXL, checking the environment");
     crate::nixl::prepare_ucx_env(
         cfg.memory == MemoryKind::Vram && cfg.prefill_device == cfg.decode_device && !cfg.decode_process,
     );
@@ -604,6 +614,10 @@ fn sweep(
     let mut verify_all = 0.0;
 
     // Setup: iteration 1's fill and faults, the copy ceiling, iteration 1's poison.
+    crate::phase::announce(&format!(
+        "setup: filling the prefill pool{}, poisoning the decode pool",
+        if pool_bytes >= MIN_CEILING_BYTES { ", timing a copy of it (the ceiling)" } else { "" }
+    ));
     let mut cur = probe.plan(1)?;
     probe.prefill.pool.load_table(&cur.src_table)?;
     probe.prefill.pool.fill_layers(all.clone())?;
