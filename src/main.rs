@@ -25,8 +25,9 @@ const EXIT_CODES: &str = "Exit codes:
   3  transport or device error during the run
   4  a transfer did not complete within --timeout
   5  transfer rate below --min-gbps (only when given)
-  6  ab: an unfenced race mechanism was not detected
-  130  interrupted by SIGINT/SIGTERM (partial report written, marked interrupted)";
+  6  an unfenced race mechanism was not detected (ab; run --race MECHANISM: not reproduced)
+  130  interrupted by SIGINT/SIGTERM (partial report written, marked interrupted; a transfer
+     in flight gets up to 1 s after the signal to complete)";
 
 /// Proves that KV-cache blocks moved between a prefill and a decode engine over NIXL
 /// arrive intact.

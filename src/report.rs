@@ -196,10 +196,13 @@ pub struct Summary {
 /// Iterations listed in `summary.per_iteration` at most (the report stays small on long runs).
 pub const PER_ITERATION_MAX: usize = 1000;
 
-/// Wall seconds of one sweep iteration and its parts.
+/// Wall seconds of one sweep iteration and its parts (every field but `index` is in seconds).
 #[derive(Clone, Copy, Debug, Default, Serialize)]
 pub struct IterationTimes {
-    /// The whole iteration.
+    /// Which iteration this is: 1-based, as in `failures[].iteration`.
+    pub index: u32,
+    /// Seconds: the whole iteration, wall time (a duration, not an index; the name is kept
+    /// for existing readers of the report).
     pub iteration: f64,
     /// Fill outside the transfer window (the pipelined sweep: the last stage's refill).
     pub fill: f64,
@@ -251,7 +254,8 @@ pub struct RunError {
 pub struct Outcome {
     /// Process exit code (see README "Exit codes").
     pub exit_code: u8,
-    /// "clean", "corrupt", "error", "timeout", "below-min-gbps" or "interrupted".
+    /// "clean", "corrupt", "error", "timeout", "below-min-gbps", "not-reproduced" (an
+    /// unfenced `--race` mechanism, or an ab row, not detected) or "interrupted".
     pub status: String,
     /// The error, when the run stopped early.
     pub error: Option<RunError>,

@@ -657,7 +657,7 @@ fn sweep(
             return Err(Error::Interrupted(format!("after {} complete iterations", it - 1)));
         }
         let iteration_start = Instant::now();
-        let mut times = IterationTimes::default();
+        let mut times = IterationTimes { index: it, ..Default::default() };
         let more = it < cfg.iterations;
         probe.decode.pool.load_table(&cur.dst_table)?;
         let mut next: Option<Plan> = None;
