@@ -753,11 +753,12 @@ fn sweep(
             let verify_s = t.elapsed().as_secs_f64();
             verify_all += verify_s;
             let t = Instant::now();
+            let mut fill_s = 0.0; // the last iteration refills nothing
             if let Some(n) = &next {
                 probe.prefill.pool.fill_layers(layers.clone())?;
                 probe.apply_source_faults(n, layers)?;
+                fill_s = t.elapsed().as_secs_f64();
             }
-            let fill_s = t.elapsed().as_secs_f64();
             let t = Instant::now();
             if more {
                 probe.decode.pool.poison_layers(layers.clone(), it + 1, false)?;
