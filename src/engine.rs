@@ -71,7 +71,8 @@ pub struct ScenarioConfig {
     pub unfenced: Vec<Mechanism>,
     /// Stop admitting after this many requests (when no duration is given).
     pub requests: u64,
-    /// Stop admitting after this many seconds (overrides `requests`).
+    /// Stop admitting after this many seconds; `requests` is then unused (the command line
+    /// refuses `--duration` with `--requests`).
     pub duration_secs: Option<f64>,
     /// Requests in flight at most.
     pub concurrency: u32,
