@@ -196,10 +196,13 @@ pub struct Summary {
 /// Iterations listed in `summary.per_iteration` at most (the report stays small on long runs).
 pub const PER_ITERATION_MAX: usize = 1000;
 
-/// Wall seconds of one sweep iteration and its parts.
+/// Wall seconds of one sweep iteration and its parts (every field but `index` is in seconds).
 #[derive(Clone, Copy, Debug, Default, Serialize)]
 pub struct IterationTimes {
-    /// The whole iteration.
+    /// Which iteration this is: 1-based, as in `failures[].iteration`.
+    pub index: u32,
+    /// Seconds: the whole iteration, wall time (a duration, not an index; the name is kept
+    /// for existing readers of the report).
     pub iteration: f64,
     /// Fill outside the transfer window (the pipelined sweep: the last stage's refill).
     pub fill: f64,
@@ -251,7 +254,8 @@ pub struct RunError {
 pub struct Outcome {
     /// Process exit code (see README "Exit codes").
     pub exit_code: u8,
-    /// "clean", "corrupt", "error", "timeout", "below-min-gbps" or "interrupted".
+    /// "clean", "corrupt", "error", "timeout", "below-min-gbps", "not-reproduced" (an
+    /// unfenced `--race` mechanism, or an ab row, not detected) or "interrupted".
     pub status: String,
     /// The error, when the run stopped early.
     pub error: Option<RunError>,
@@ -412,6 +416,33 @@ fn human_bytes(b: u64) -> String {
     }
 }
 
+/// Bytes per second of wall time in GB/s (1e9 B/s); 0 for no time.
+fn wall_gbps(bytes: u64, secs: f64) -> f64 {
+    if secs > 0.0 { bytes as f64 / secs / 1e9 } else { 0.0 }
+}
+
+/// A byte count in binary units with the exact value, for messages: `196.84 GiB
+/// (211353600000 bytes)`; plain `N bytes` below 1 KiB.
+pub fn bytes_exact(b: u64) -> String {
+    if b < 1024 { format!("{b} bytes") } else { format!("{} ({b} bytes)", bytes_binary(b)) }
+}
+
+/// A byte count in binary units (KiB = 1024 B ... EiB), two decimals: `196.84 GiB`; `N B`
+/// below 1 KiB.
+pub fn bytes_binary(b: u64) -> String {
+    const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    if b < 1024 {
+        return format!("{b} B");
+    }
+    let mut x = b as f64 / 1024.0;
+    let mut u = 0;
+    while x >= 1024.0 && u + 1 < UNITS.len() {
+        x /= 1024.0;
+        u += 1;
+    }
+    format!("{x:.2} {}", UNITS[u])
+}
+
 /// The human summary printed on stdout.
 pub fn render(r: &Report) -> String {
     let s = &r.summary;
@@ -437,10 +468,17 @@ pub fn render(r: &Report) -> String {
         Some(sc) => {
             let unf: Vec<&str> =
                 sc.races.iter().filter(|o| o.fencing == crate::race::Fencing::Unfenced).map(|o| o.mechanism.name()).collect();
+            let tier = if sc.scenario.uses_tier() {
+                format!(
+                    "tier {}",
+                    serde_json::to_value(sc.tier).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default()
+                )
+            } else {
+                "no tier".to_string()
+            };
             out += &format!(
-                "scenario:          {}, tier {}, {}\n",
+                "scenario:          {}, {tier}, {}\n",
                 sc.scenario.name(),
-                serde_json::to_value(sc.tier).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default(),
                 if unf.is_empty() { "every race mechanism fenced".to_string() } else { format!("unfenced: {}", unf.join(", ")) }
             );
             out += &format!(
@@ -493,10 +531,12 @@ pub fn render(r: &Report) -> String {
             );
         }
         out += &format!(
-            "transfer:          {} over NIXL, {:.3} s with READs in flight = {:.3} GB/s\n",
+            "transfer:          {} over NIXL: {:.3} GB/s while READs were in flight ({:.3} s), {:.3} GB/s over the wall time ({:.3} s)\n",
             human_bytes(s.bytes_transferred),
+            s.transfer_gbps,
             s.transfer_seconds,
-            s.transfer_gbps
+            wall_gbps(s.bytes_transferred, sc.seconds),
+            sc.seconds
         );
     }
     if r.scenario.is_none() {
@@ -512,6 +552,15 @@ pub fn render(r: &Report) -> String {
         if let (Some(c), Some(r)) = (p.copy_gbps, p.ratio_to_copy) {
             let r = if r < 0.01 { format!("{r:.5}") } else { format!("{r:.3}") };
             out += &format!("                   transfer = {r} of a same-run copy of the pool ({c:.1} GB/s)\n");
+        } else if r.scenario.is_none() && p.copy_gbps.is_none() {
+            let pool = serde_json::from_value::<crate::geometry::Geometry>(r.config["geometry"].clone())
+                .ok()
+                .and_then(|g| g.pool_bytes().ok());
+            out += &format!(
+                "                   transfer not rated against a copy: a pool of {} is too small to time one (at least {} MiB per side)\n",
+                pool.map(bytes_exact).unwrap_or_else(|| "this size".into()),
+                crate::run::MIN_CEILING_BYTES >> 20
+            );
         }
         if let Some(w) = &p.warning {
             out += &format!("warning:           {w}\n");
@@ -522,6 +571,14 @@ pub fn render(r: &Report) -> String {
             "probe passes:      fill {:.3} s, poison {:.3} s, verify {:.3} s outside the transfers ({:.1} GB/s verified)\n",
             s.fill_seconds, s.poison_seconds, s.verify_seconds, s.verify_gbps
         );
+        if r.scenario.is_none() && s.iterations > 0 {
+            // The sweep fills and poisons for iteration 1 before it starts, and the last
+            // iteration refills nothing: with one iteration both read 0.
+            out += &format!(
+                "set-up:            {:.3} s to the first transfer (NIXL, pools, agents, the copy ceiling if measured, and iteration 1's fill and poison, which the figures above leave out)\n",
+                s.setup_seconds
+            );
+        }
         if s.pipeline_stages > 1 {
             out += &format!(
                 "pipeline:          {} stages; {:.3} s of probe work hidden inside the transfers\n",

@@ -214,7 +214,9 @@ fn torn_is_classified_on_single_sector_slices() {
 
 #[test]
 fn the_report_names_the_ucx_path_and_rates_the_transfer_against_a_copy() {
-    let (code, r, log) = crate::common::run_with_report("ucx-path", "dram", &["--iterations", "2"]);
+    // 64 MiB per side: the smallest pool whose copy is timed as a ceiling.
+    let (code, r, log) =
+        crate::common::run_with_report("ucx-path", "dram", &["--iterations", "2", "--preset", "llama3-8b", "--blocks", "32"]);
     assert_eq!(code, 0, "{log}");
     let p = &r["summary"]["transport_path"];
     assert_eq!(p["backend"], "UCX");
@@ -413,4 +415,57 @@ fn a_frozen_decode_agent_times_out_and_ctrl_c_is_not_held_up_by_it() {
     assert!(t0.elapsed() < std::time::Duration::from_secs(600), "{:?}", t0.elapsed());
     let r: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
     assert_eq!(r["outcome"]["status"], "interrupted");
+}
+
+#[test]
+fn a_pool_too_small_to_time_a_copy_is_not_rated_against_one() {
+    // 2 MiB per side (preset small): a copy that short times its fixed costs, not a ceiling.
+    let (code, r, log) = crate::common::run_with_report("small-ceiling", "dram", &["--iterations", "1"]);
+    assert_eq!(code, 0, "{log}");
+    let p = &r["summary"]["transport_path"];
+    assert!(p["copy_gbps"].is_null() && p["ratio_to_copy"].is_null(), "{p}");
+    assert!(
+        log.contains(&format!(
+            "transfer not rated against a copy: a pool of 2.00 MiB (2097152 bytes) is too small to time one (at least {} MiB per side)",
+            kvprobe::run::MIN_CEILING_BYTES >> 20
+        )),
+        "{log}"
+    );
+    assert!(!log.contains("of a same-run copy"), "{log}");
+}
+
+#[test]
+fn one_iteration_says_its_fill_and_poison_are_in_set_up() {
+    let (code, r, log) = crate::common::run_with_report("one-iteration", "dram", &["--iterations", "1"]);
+    assert_eq!(code, 0, "{log}");
+    let s = &r["summary"];
+    // The last iteration refills and re-poisons nothing; iteration 1's passes were set-up.
+    assert_eq!(s["fill_seconds"], 0.0);
+    let setup = s["setup_seconds"].as_f64().unwrap();
+    assert!(setup > 0.0);
+    let line = log.lines().find(|l| l.starts_with("set-up:")).unwrap_or_else(|| panic!("no set-up line: {log}"));
+    assert!(line.starts_with(&format!("set-up:            {setup:.3} s to the first transfer")), "{line}");
+    assert!(line.contains("iteration 1's fill and poison, which the figures above leave out"), "{line}");
+    assert_eq!(s["per_iteration"][0]["index"], 1, "per_iteration[].index is the iteration; `iteration` holds seconds");
+    assert!(s["per_iteration"][0]["iteration"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn set_up_phases_are_named_on_stderr_before_the_first_iteration() {
+    // Not a terminal: one plain line per phase on stderr, stdout untouched.
+    let (code, out, err) =
+        crate::common::kvprobe(&["run", "--memory", "dram", "--preset", "llama3-8b", "--blocks", "32", "--iterations", "2"]);
+    assert_eq!(code, 0, "{out}{err}");
+    let lines: Vec<&str> = err.lines().collect();
+    let at = |p: &str| lines.iter().position(|l| l.starts_with(p)).unwrap_or_else(|| panic!("no {p:?} line: {err}"));
+    let phases = [
+        at("setup: loading NIXL"),
+        at("setup: allocating pools (64.00 MiB DRAM per side)"),
+        at("setup: registering the pools with NIXL (backend UCX)"),
+        at("setup: filling the prefill pool, timing a copy of it (the ceiling), poisoning the decode pool"),
+        at("iteration 1/2"),
+    ];
+    assert!(phases.windows(2).all(|w| w[0] < w[1]), "phases out of order: {err}");
+    assert_eq!(lines.iter().filter(|l| l.starts_with("setup:")).count(), 4, "one line per phase: {err}");
+    assert!(!out.contains("setup:"), "{out}");
 }
