@@ -65,7 +65,8 @@ pub struct BenchConfig {
     pub iterations: u32,
     /// Bytes of each pool in the sweep breakdowns (llama3-8b geometry).
     pub sweep_bytes: u64,
-    /// Fingerprint seed.
+    /// Fingerprint seed (written as `seed` and `seed_hex`, [`crate::run::serialize_seed`]).
+    #[serde(flatten, serialize_with = "crate::run::serialize_seed")]
     pub seed: u64,
     /// Sweeps with the decode agent in a second process (`run --decode-process`).
     pub decode_process: bool,

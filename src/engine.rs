@@ -1280,6 +1280,7 @@ impl<'a> Engine<'a> {
                 *listed += 1;
                 let mut failure = Failure::new(self.now.min(u32::MAX as u64) as u32, c, f, v, &want, &buf, expected, r.pslots[i]);
                 failure.request = Some(id);
+                failure.poison_iteration = r.poison_iter;
                 failure.predicted = Some(ident(predicted, c));
                 failure.attributed_to = cause;
                 report.failures.push(failure);

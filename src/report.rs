@@ -21,7 +21,7 @@ pub const SCHEMA: &str = "kvprobe.report/1";
 /// One corrupt block slice.
 #[derive(Clone, Debug, Serialize)]
 pub struct Failure {
-    /// Iteration (1-based).
+    /// Sweep iteration, counted from 1 (scenarios: the engine step of the verify, from 0).
     pub iteration: u32,
     /// Layer.
     pub layer: u32,
@@ -31,9 +31,18 @@ pub struct Failure {
     pub block: u32,
     /// The failure class.
     pub class: Class,
-    /// Byte offset of the first differing byte within the slice.
+    /// The slot's global slice index in the decode pool (`layer * slices_per_layer +` the
+    /// slice's index in its layer region; [`crate::geometry::Geometry::global_slice`]): the
+    /// `slot` of its poison.
+    pub slot: u32,
+    /// The iteration number the slot's poison was written with before the transfer (sweeps:
+    /// `iteration`; scenarios: the engine step at which decode poisoned the block, mod 2^24).
+    pub poison_iteration: u32,
+    /// Smallest byte offset `i` within the slice where the received byte differs from the
+    /// expected fingerprint's byte `i`.
     pub first_bad_offset: u64,
-    /// Number of differing bytes.
+    /// Number of byte offsets `i` in `[0, slice_bytes)` where the received byte differs from
+    /// the expected one (bytes, not bits or elements).
     pub bad_bytes: u64,
     /// SHA-256 of the expected slice bytes.
     pub expected_digest: String,
@@ -67,7 +76,7 @@ pub struct Failure {
 impl Failure {
     /// A failure from the verify pass's finding and its classification: `want` and
     /// `actual` are the expected and received slice bytes (digested here); the scenario
-    /// fields are left empty.
+    /// fields are left empty and `poison_iteration` is `iteration` (a scenario sets its own).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         iteration: u32,
@@ -85,6 +94,8 @@ impl Failure {
             kv: c.kv,
             block: c.block,
             class: v.class,
+            slot: raw.slice,
+            poison_iteration: iteration,
             first_bad_offset: raw.first_bad,
             bad_bytes: raw.bad_bytes,
             expected_digest: crate::fingerprint::digest(want),

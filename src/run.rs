@@ -40,13 +40,16 @@ pub struct RunConfig {
     pub decode_device: usize,
     /// The preset the geometry started from, if any.
     pub preset: Option<Preset>,
-    /// KV geometry (the same on both sides).
+    /// KV geometry (the same on both sides); reports add its `slice_bytes`.
+    #[serde(serialize_with = "crate::geometry::serialize_with_slice_bytes")]
     pub geometry: Geometry,
     /// READ (decode pulls) or WRITE (prefill pushes).
     pub op: Op,
     /// Iterations (≥ 1).
     pub iterations: u32,
-    /// Fingerprint and scheduling seed.
+    /// Fingerprint and scheduling seed; reports write it as `seed` (an integer) and
+    /// `seed_hex` ([`serialize_seed`]).
+    #[serde(flatten, serialize_with = "serialize_seed")]
     pub seed: u64,
     /// Faults to plant.
     pub inject: Vec<Spec>,
@@ -83,6 +86,23 @@ pub struct Hooks<'a> {
     pub checkpoint_secs: f64,
     /// Scenario runs: called with the report so far at each checkpoint.
     pub checkpoint: &'a mut dyn FnMut(&Report),
+}
+
+/// The seed as `seed` (a JSON integer, as before) and `seed_hex` (`"0x"` and 16 lowercase
+/// hex digits): common JSON tools read integers as doubles and round seeds above 2^53 (jq
+/// prints 18446744073709551615 as 18446744073709552000), a string keeps every bit. For
+/// `#[serde(flatten, serialize_with = "serialize_seed")]` on a `u64` field named `seed`.
+pub fn serialize_seed<S: serde::Serializer>(seed: &u64, s: S) -> std::result::Result<S::Ok, S::Error> {
+    use serde::ser::SerializeMap;
+    let mut m = s.serialize_map(Some(2))?;
+    m.serialize_entry("seed", seed)?;
+    m.serialize_entry("seed_hex", &seed_hex(*seed))?;
+    m.end()
+}
+
+/// `seed` as `"0x"` followed by 16 lowercase hex digits (the report's `seed_hex`).
+pub fn seed_hex(seed: u64) -> String {
+    format!("{seed:#018x}")
 }
 
 /// Logical block id of prefill slot `i`: a seeded bijection of u32 (so logical ≠ physical).

@@ -141,6 +141,9 @@ fn a_failing_sweep_fails_the_bench_and_keeps_the_figures() {
     let b = r["breakdowns"].as_array().unwrap();
     assert_eq!(b.len(), 1, "the bench stops at the first failing sweep");
     assert_eq!(b[0]["exit_code"], 2);
+    // The seed as an integer and, for tools that round large integers, as a hex string.
+    let seed = r["config"]["seed"].as_u64().unwrap();
+    assert_eq!(r["config"]["seed_hex"], format!("0x{seed:016x}"));
 }
 
 #[test]

@@ -469,3 +469,57 @@ fn set_up_phases_are_named_on_stderr_before_the_first_iteration() {
     assert_eq!(lines.iter().filter(|l| l.starts_with("setup:")).count(), 4, "one line per phase: {err}");
     assert!(!out.contains("setup:"), "{out}");
 }
+
+/// Issue 12.3, end to end: on the smallest slices the geometry accepts (16 bytes = one tag,
+/// 32, 48, 64, up to a sector and a 16-byte tail) every injection class comes back exactly as
+/// predicted, in NHD, HND and MLA pools, over many iterations (each a new plan and
+/// generation, so the poison's slot numbers meet the tags' small generations and block ids)
+/// — and torn, which needs a prefix shorter than the slice, is refused up front on 16-byte
+/// slices with the reason.
+#[test]
+fn every_injection_is_classified_exactly_on_the_smallest_slices() {
+    // One layer of `blocks` blocks of one fp8 token of one head: slices of `head` bytes.
+    fn tiny(head: u32, blocks: u32, extra: &[&str]) -> Vec<String> {
+        let mut a: Vec<String> =
+            ["--layers", "1", "--kv-heads", "1", "--block-size", "1", "--dtype", "fp8"].map(String::from).into();
+        a.extend(["--head-size".into(), head.to_string(), "--blocks".into(), blocks.to_string()]);
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    }
+    fn strs(v: &[String]) -> Vec<&str> {
+        v.iter().map(String::as_str).collect()
+    }
+    // The issue's example: planted 4, detected 3, one stale read as torn.
+    let args = tiny(16, 8, &["--iterations", "2", "--seed", "0", "--inject", "stale:2"]);
+    let (code, r, log) = run_report("tiny-issue", &strs(&args));
+    assert_eq!(code, 1, "{log}");
+    crate::common::assert_found_exactly(&r, 4, &log);
+
+    let mut refused = vec!["run".to_string(), "--memory".into(), "dram".into()];
+    refused.extend(tiny(16, 16, &["--iterations", "1", "--inject", "torn"]));
+    let (code, out, err) = crate::common::kvprobe(&strs(&refused));
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(err.contains("--inject torn needs block slices of at least 32 bytes (they are 16)"), "{err}");
+
+    let layouts: [&[&str]; 3] = [&[], &["--layout", "hnd"], &["--mla"]];
+    let iterations = 12u64;
+    for (n, head) in [16u32, 32, 48, 64, 112, 496, 512, 528, 1040].into_iter().enumerate() {
+        for (k, seed) in [n as u64 + 1, u64::MAX - 15 - n as u64].into_iter().enumerate() {
+            let layout = layouts[(n + k) % 3];
+            let per_it = if head >= 32 { 11 } else { 9 };
+            let mut extra = vec!["--inject", "bitflip:2", "--inject", "drop:2", "--inject", "misroute:2", "--inject", "stale:3"];
+            if head >= 32 {
+                extra.extend(["--inject", "torn:2"]);
+            }
+            let (its, sd) = (iterations.to_string(), seed.to_string());
+            extra.extend(["--iterations", &its, "--seed", &sd]);
+            extra.extend_from_slice(layout);
+            let args = tiny(head, 16, &extra);
+            let ctx = format!("{head}-byte slices, seed {seed}, {layout:?}");
+            let (code, r, log) = run_report("tiny", &strs(&args));
+            assert_eq!(code, 1, "{ctx}: {log}");
+            assert_eq!(r["summary"]["injections_planted"], iterations * per_it, "{ctx}");
+            crate::common::assert_found_exactly(&r, iterations * per_it, &format!("{ctx}: {log}"));
+        }
+    }
+}
