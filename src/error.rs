@@ -28,8 +28,8 @@ pub enum Exit {
     Timeout = 4,
     /// Transfer rate below `--min-gbps`.
     BelowRate = 5,
-    /// `kvprobe ab`: an unfenced race mechanism was not detected (the probe could not have
-    /// seen that bug on this setup).
+    /// An unfenced race mechanism was not detected (`kvprobe ab`, or `kvprobe run --race`
+    /// whose verdict is `not reproduced`): the probe could not have seen that bug on this setup.
     NotReproduced = 6,
     /// The run was clean, but its report (`--report`, `--json`) could not be written (disk
     /// full, file-size limit, I/O error): the report went to stderr instead

@@ -32,6 +32,7 @@ pub mod inject;
 pub mod interrupt;
 pub mod mooncake;
 pub mod nixl;
+pub mod phase;
 pub mod pool;
 pub mod race;
 pub mod remote;

@@ -23,7 +23,7 @@ pub const SCHEMA: &str = "kvprobe.report/1";
 /// One corrupt block slice.
 #[derive(Clone, Debug, Serialize)]
 pub struct Failure {
-    /// Iteration (1-based).
+    /// Sweep iteration, counted from 1 (scenarios: the engine step of the verify, from 0).
     pub iteration: u32,
     /// Layer.
     pub layer: u32,
@@ -33,9 +33,18 @@ pub struct Failure {
     pub block: u32,
     /// The failure class.
     pub class: Class,
-    /// Byte offset of the first differing byte within the slice.
+    /// The slot's global slice index in the decode pool (`layer * slices_per_layer +` the
+    /// slice's index in its layer region; [`crate::geometry::Geometry::global_slice`]): the
+    /// `slot` of its poison.
+    pub slot: u32,
+    /// The iteration number the slot's poison was written with before the transfer (sweeps:
+    /// `iteration`; scenarios: the engine step at which decode poisoned the block, mod 2^24).
+    pub poison_iteration: u32,
+    /// Smallest byte offset `i` within the slice where the received byte differs from the
+    /// expected fingerprint's byte `i`.
     pub first_bad_offset: u64,
-    /// Number of differing bytes.
+    /// Number of byte offsets `i` in `[0, slice_bytes)` where the received byte differs from
+    /// the expected one (bytes, not bits or elements).
     pub bad_bytes: u64,
     /// SHA-256 of the expected slice bytes.
     pub expected_digest: String,
@@ -69,7 +78,7 @@ pub struct Failure {
 impl Failure {
     /// A failure from the verify pass's finding and its classification: `want` and
     /// `actual` are the expected and received slice bytes (digested here); the scenario
-    /// fields are left empty.
+    /// fields are left empty and `poison_iteration` is `iteration` (a scenario sets its own).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         iteration: u32,
@@ -87,6 +96,8 @@ impl Failure {
             kv: c.kv,
             block: c.block,
             class: v.class,
+            slot: raw.slice,
+            poison_iteration: iteration,
             first_bad_offset: raw.first_bad,
             bad_bytes: raw.bad_bytes,
             expected_digest: crate::fingerprint::digest(want),
@@ -198,10 +209,13 @@ pub struct Summary {
 /// Iterations listed in `summary.per_iteration` at most (the report stays small on long runs).
 pub const PER_ITERATION_MAX: usize = 1000;
 
-/// Wall seconds of one sweep iteration and its parts.
+/// Wall seconds of one sweep iteration and its parts (every field but `index` is in seconds).
 #[derive(Clone, Copy, Debug, Default, Serialize)]
 pub struct IterationTimes {
-    /// The whole iteration.
+    /// Which iteration this is: 1-based, as in `failures[].iteration`.
+    pub index: u32,
+    /// Seconds: the whole iteration, wall time (a duration, not an index; the name is kept
+    /// for existing readers of the report).
     pub iteration: f64,
     /// Fill outside the transfer window (the pipelined sweep: the last stage's refill).
     pub fill: f64,
@@ -253,7 +267,8 @@ pub struct RunError {
 pub struct Outcome {
     /// Process exit code (see README "Exit codes").
     pub exit_code: u8,
-    /// "clean", "corrupt", "error", "timeout", "below-min-gbps" or "interrupted".
+    /// "clean", "corrupt", "error", "timeout", "below-min-gbps", "not-reproduced" (an
+    /// unfenced `--race` mechanism, or an ab row, not detected) or "interrupted".
     pub status: String,
     /// The error, when the run stopped early.
     pub error: Option<RunError>,
@@ -469,6 +484,33 @@ fn human_bytes(b: u64) -> String {
     }
 }
 
+/// Bytes per second of wall time in GB/s (1e9 B/s); 0 for no time.
+fn wall_gbps(bytes: u64, secs: f64) -> f64 {
+    if secs > 0.0 { bytes as f64 / secs / 1e9 } else { 0.0 }
+}
+
+/// A byte count in binary units with the exact value, for messages: `196.84 GiB
+/// (211353600000 bytes)`; plain `N bytes` below 1 KiB.
+pub fn bytes_exact(b: u64) -> String {
+    if b < 1024 { format!("{b} bytes") } else { format!("{} ({b} bytes)", bytes_binary(b)) }
+}
+
+/// A byte count in binary units (KiB = 1024 B ... EiB), two decimals: `196.84 GiB`; `N B`
+/// below 1 KiB.
+pub fn bytes_binary(b: u64) -> String {
+    const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    if b < 1024 {
+        return format!("{b} B");
+    }
+    let mut x = b as f64 / 1024.0;
+    let mut u = 0;
+    while x >= 1024.0 && u + 1 < UNITS.len() {
+        x /= 1024.0;
+        u += 1;
+    }
+    format!("{x:.2} {}", UNITS[u])
+}
+
 /// The human summary printed on stdout.
 pub fn render(r: &Report) -> String {
     let s = &r.summary;
@@ -494,10 +536,17 @@ pub fn render(r: &Report) -> String {
         Some(sc) => {
             let unf: Vec<&str> =
                 sc.races.iter().filter(|o| o.fencing == crate::race::Fencing::Unfenced).map(|o| o.mechanism.name()).collect();
+            let tier = if sc.scenario.uses_tier() {
+                format!(
+                    "tier {}",
+                    serde_json::to_value(sc.tier).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default()
+                )
+            } else {
+                "no tier".to_string()
+            };
             out += &format!(
-                "scenario:          {}, tier {}, {}\n",
+                "scenario:          {}, {tier}, {}\n",
                 sc.scenario.name(),
-                serde_json::to_value(sc.tier).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default(),
                 if unf.is_empty() { "every race mechanism fenced".to_string() } else { format!("unfenced: {}", unf.join(", ")) }
             );
             out += &format!(
@@ -550,10 +599,12 @@ pub fn render(r: &Report) -> String {
             );
         }
         out += &format!(
-            "transfer:          {} over NIXL, {:.3} s with READs in flight = {:.3} GB/s\n",
+            "transfer:          {} over NIXL: {:.3} GB/s while READs were in flight ({:.3} s), {:.3} GB/s over the wall time ({:.3} s)\n",
             human_bytes(s.bytes_transferred),
+            s.transfer_gbps,
             s.transfer_seconds,
-            s.transfer_gbps
+            wall_gbps(s.bytes_transferred, sc.seconds),
+            sc.seconds
         );
     }
     if r.scenario.is_none() {
@@ -569,6 +620,15 @@ pub fn render(r: &Report) -> String {
         if let (Some(c), Some(r)) = (p.copy_gbps, p.ratio_to_copy) {
             let r = if r < 0.01 { format!("{r:.5}") } else { format!("{r:.3}") };
             out += &format!("                   transfer = {r} of a same-run copy of the pool ({c:.1} GB/s)\n");
+        } else if r.scenario.is_none() && p.copy_gbps.is_none() {
+            let pool = serde_json::from_value::<crate::geometry::Geometry>(r.config["geometry"].clone())
+                .ok()
+                .and_then(|g| g.pool_bytes().ok());
+            out += &format!(
+                "                   transfer not rated against a copy: a pool of {} is too small to time one (at least {} MiB per side)\n",
+                pool.map(bytes_exact).unwrap_or_else(|| "this size".into()),
+                crate::run::MIN_CEILING_BYTES >> 20
+            );
         }
         if let Some(w) = &p.warning {
             out += &format!("warning:           {w}\n");
@@ -579,6 +639,14 @@ pub fn render(r: &Report) -> String {
             "probe passes:      fill {:.3} s, poison {:.3} s, verify {:.3} s outside the transfers ({:.1} GB/s verified)\n",
             s.fill_seconds, s.poison_seconds, s.verify_seconds, s.verify_gbps
         );
+        if r.scenario.is_none() && s.iterations > 0 {
+            // The sweep fills and poisons for iteration 1 before it starts, and the last
+            // iteration refills nothing: with one iteration both read 0.
+            out += &format!(
+                "set-up:            {:.3} s to the first transfer (NIXL, pools, agents, the copy ceiling if measured, and iteration 1's fill and poison, which the figures above leave out)\n",
+                s.setup_seconds
+            );
+        }
         if s.pipeline_stages > 1 {
             out += &format!(
                 "pipeline:          {} stages; {:.3} s of probe work hidden inside the transfers\n",

@@ -75,7 +75,8 @@ pub struct TransportPath {
     pub emulated: bool,
     /// Rate of one copy of the pool, prefill to decode, measured in the same run (GB/s, bytes
     /// moved once: cuMemcpyDtoD for VRAM, memcpy on all threads for DRAM); the ceiling the
-    /// transfer rate is compared to.
+    /// transfer rate is compared to. `None` for pools under [`crate::run::MIN_CEILING_BYTES`]
+    /// (too small to time a copy).
     pub copy_gbps: Option<f64>,
     /// Transfer rate / `copy_gbps`.
     pub ratio_to_copy: Option<f64>,
