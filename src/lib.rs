@@ -12,7 +12,8 @@
 //! [`verify`] (classifying corrupt slices) →
 //! [`report`] (versioned JSON and the human summary), driven by [`run`] (one scenario or the
 //! whole-pool sweep) and [`ab`] (the isolation matrix); [`bench`] measures the probe's own
-//! speed against same-run ceilings.
+//! speed against same-run ceilings. [`scratch`] keeps the files kvprobe needs while it runs in
+//! private directories that never outlive it.
 //!
 //! `unsafe` lives only in the fenced FFI modules [`cuda`], [`hostmem`], [`nixl`], [`child`],
 //! [`interrupt`] (the signal handler) and the C bridge inside [`fingerprint`].

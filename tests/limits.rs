@@ -4,7 +4,6 @@
 
 use crate::common::{bin, mooncake_or_skip, tmpdir};
 use serde_json::Value;
-use std::io::{BufRead, BufReader};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -196,29 +195,12 @@ impl Drop for Running {
     }
 }
 
-/// Starts `cmd` with stderr piped and waits (up to a generous bound, for a loaded machine)
-/// until a stderr line contains `ready`; the rest of stderr is drained in the background.
+/// Starts `cmd` with stderr piped and waits until a stderr line contains `ready`
+/// ([`crate::common::wait_for_stderr_line`]: no time limit, the rest drained in the background).
 fn start_until(mut cmd: Command, ready: &str) -> Running {
-    let mut child = cmd.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
-    let stderr = child.stderr.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    let want = ready.to_string();
-    std::thread::spawn(move || {
-        let mut seen = false;
-        for line in BufReader::new(stderr).lines() {
-            let Ok(line) = line else { break };
-            if !seen && line.contains(&want) {
-                seen = true;
-                let _ = tx.send(());
-            }
-        }
-    });
-    if rx.recv_timeout(Duration::from_secs(300)).is_err() {
-        let _ = child.kill();
-        let _ = child.wait();
-        panic!("kvprobe never printed {ready:?}");
-    }
-    Running(Some(child))
+    let mut r = Running(Some(cmd.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap()));
+    crate::common::wait_for_stderr_line(r.0.as_mut().expect("running"), ready);
+    r
 }
 
 /// SIGKILLs `child`, then starts another kvprobe with the same TMPDIR and checks that
