@@ -1430,7 +1430,9 @@ impl<'a> Engine<'a> {
                 self.pslots[s as usize].pending_load += 1;
                 self.hit_blocks += 1;
             } else {
-                self.next_gen = self.next_gen.wrapping_add(1).max(1);
+                // Generations run 1..SKIP_GEN (exclusive): 0 is never computed and SKIP_GEN marks
+                // "neither fill nor verify" in the kernels' tables.
+                self.next_gen = if self.next_gen >= crate::fingerprint::SKIP_GEN - 1 { 1 } else { self.next_gen + 1 };
                 let t = TableEntry { block: r.spec.hashes[i], generation: self.next_gen };
                 promised.push(t);
                 let due = self.lag(2).max(self.compute.back().map_or(0, |o| o.due));
