@@ -22,7 +22,11 @@
  *
  * Poison (written into destination slices before each transfer) is unique to
  * (iteration, slot): element e is `slot` (the global slice index) for even e and
- * 0x5A000000 | (iteration & 0xFFFFFF) for odd e.
+ * 0x5A000000 | (iteration & 0xFFFFFF) for odd e. The global slice index of (layer, kv,
+ * block) in the decode pool is layer * slices_per_layer + q, with q the slice's index in
+ * its layer region (KVP_LAYOUT_* below) and slices_per_layer = 2 * num_blocks (NHD, HND)
+ * or num_blocks (MLA). Poison differs from every fingerprint sector in at least 2 bits
+ * (element 1's top byte: 0x5A against 0x4B), so a 1-bit flip never looks like poison.
  */
 #ifndef KVPROBE_FINGERPRINT_H
 #define KVPROBE_FINGERPRINT_H

@@ -1,17 +1,31 @@
 #!/usr/bin/env python3
-"""Independent reference of the kvprobe fingerprint (README "Fingerprint format"), for
-vendors who receive a report: recompute the expected bytes of any block slice and compare
-them with a dump, without kvprobe.
+"""Independent reference of the kvprobe fingerprint and poison (README "Fingerprint format"),
+for vendors who receive a report: recompute the expected bytes of any block slice, or the
+poison of any slot, and compare them with a dump, without kvprobe.
 
 usage: scripts/fingerprint_ref.py SEED LAYER KV BLOCK GENERATION SLICE_BYTES [OUT]
-  KV: K, V or latent (or 0, 1, 2). BLOCK and GENERATION are the *logical* block id and
-  generation — a failure's `expected.block` / `expected.generation` (or `observed.*`),
-  not the slot `block`. Prints the slice's SHA-256 (as in the report's expected_digest);
-  writes the bytes to OUT when given. Numbers may be decimal or 0x hex.
+       scripts/fingerprint_ref.py poison SLOT ITERATION SLICE_BYTES [OUT]
+       scripts/fingerprint_ref.py slot LAYOUT NUM_LAYERS NUM_BLOCKS LAYER KV BLOCK
+
+  The first form prints the SHA-256 of a slice's fingerprint (a failure's expected_digest);
+  BLOCK and GENERATION are the *logical* block id and generation (a failure's
+  `expected.block` / `expected.generation`, or `observed.*`), not the slot `block`.
+  `poison` prints the SHA-256 of the poison of global slice index SLOT in ITERATION (an
+  `unwritten` slice's actual_digest). `slot` prints the global slice index of a decode slot
+  (a failure's layer, kv and block) in a pool of LAYOUT nhd, hnd or mla.
+  OUT, when given, receives the bytes.
+
+  SEED: 0 to 2^64-1.  LAYER: 0 to 65535.  KV: K, V or latent (or 0, 1, 2; latent only with
+  mla, K and V only without).  BLOCK, GENERATION, ITERATION: 0 to 2^32-1.  SLOT: 0 to 2^32-2.
+  SLICE_BYTES: a multiple of 16 from 16 to 2^31 (config.geometry.slice_bytes).
+  NUM_LAYERS: 1 to 65535.  NUM_BLOCKS: 1 to 2^32-1.  Numbers are decimal or 0x hex.
+  Bad arguments: this text and exit status 2.
 """
-import hashlib, struct, sys
+import hashlib, re, struct, sys
 
 M = 0xFFFFFFFF
+MAX_SLICE_BYTES = 1 << 31
+
 
 def fmix32(h):
     h ^= h >> 16
@@ -21,8 +35,10 @@ def fmix32(h):
     h ^= h >> 16
     return h
 
+
 def seed32(seed):
     return fmix32((seed & M) ^ fmix32(((seed >> 32) & M) ^ 0x6B767062))
+
 
 def slice_bytes(seed, layer, kv, block, gen, length):
     lkv = (layer & 0xFFFF) | ((kv & 0xFF) << 16) | (0x4B << 24)
@@ -38,14 +54,95 @@ def slice_bytes(seed, layer, kv, block, gen, length):
         out.append(v)
     return struct.pack("<%dI" % len(out), *out)
 
-if __name__ == "__main__":
-    a = sys.argv[1:]
-    if len(a) < 6:
-        sys.exit(__doc__)
-    kv_names = {"K": "0", "V": "1", "latent": "2"}
-    a[2] = kv_names.get(a[2], a[2])
-    seed, layer, kv, block, gen, n = (int(x, 0) for x in a[:6])
-    b = slice_bytes(seed, layer, kv, block, gen, n)
-    if len(a) > 6:
-        open(a[6], "wb").write(b)
+
+def poison_bytes(slot, iteration, length):
+    even, odd = slot & M, 0x5A000000 | (iteration & 0xFFFFFF)
+    return struct.pack("<%dI" % (length // 4), *[odd if e & 1 else even for e in range(length // 4)])
+
+
+def global_slot(layout, num_layers, num_blocks, layer, kv, block):
+    parts = 1 if layout == "mla" else 2
+    if layout == "nhd": q = kv * num_blocks + block
+    elif layout == "hnd": q = block * 2 + kv
+    else: q = block
+    return layer * parts * num_blocks + q
+
+
+class Usage(Exception):
+    pass
+
+
+def number(name, text, lo, hi):
+    if not re.fullmatch(r"[0-9]+|0[xX][0-9a-fA-F]+", text):
+        raise Usage("%s must be a non-negative decimal or 0x hex integer, not %r" % (name, text))
+    v = int(text, 0)
+    if not lo <= v <= hi:
+        raise Usage("%s must be from %d to %d, not %d" % (name, lo, hi, v))
+    return v
+
+
+def length(text):
+    n = number("SLICE_BYTES", text, 16, MAX_SLICE_BYTES)
+    if n % 16:
+        raise Usage("SLICE_BYTES must be a multiple of 16 (a block slice always is), not %d" % n)
+    return n
+
+
+def kv_code(text, allowed=(0, 1, 2)):
+    names = {"K": 0, "V": 1, "latent": 2, "0": 0, "1": 1, "2": 2}
+    if text not in names or names[text] not in allowed:
+        ok = ", ".join(n for n, c in names.items() if c in allowed and not n.isdigit())
+        raise Usage("KV must be one of %s (or its code), not %r" % (ok, text))
+    return names[text]
+
+
+def main(a):
+    if a and a[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    if not a:
+        raise Usage("no arguments")
+    if a[0] == "poison":
+        if len(a) not in (4, 5):
+            raise Usage("poison takes SLOT ITERATION SLICE_BYTES [OUT]")
+        slot = number("SLOT", a[1], 0, M - 1)
+        it = number("ITERATION", a[2], 0, M)
+        b, out = poison_bytes(slot, it, length(a[3])), a[4:]
+    elif a[0] == "slot":
+        if len(a) != 7:
+            raise Usage("slot takes LAYOUT NUM_LAYERS NUM_BLOCKS LAYER KV BLOCK")
+        layout = a[1].lower()
+        if layout not in ("nhd", "hnd", "mla"):
+            raise Usage("LAYOUT must be nhd, hnd or mla, not %r" % a[1])
+        layers = number("NUM_LAYERS", a[2], 1, 0xFFFF)
+        blocks = number("NUM_BLOCKS", a[3], 1, M)
+        layer = number("LAYER", a[4], 0, layers - 1)
+        kv = kv_code(a[5], (2,) if layout == "mla" else (0, 1))
+        block = number("BLOCK", a[6], 0, blocks - 1)
+        s = global_slot(layout, layers, blocks, layer, kv, block)
+        if layers * (1 if layout == "mla" else 2) * blocks > M:
+            raise Usage("the pool has more than 2^32-1 slices (kvprobe refuses that geometry)")
+        print(s)
+        return 0
+    else:
+        if len(a) not in (6, 7):
+            raise Usage("expected SEED LAYER KV BLOCK GENERATION SLICE_BYTES [OUT]")
+        seed = number("SEED", a[0], 0, (1 << 64) - 1)
+        layer = number("LAYER", a[1], 0, 0xFFFF)
+        kv = kv_code(a[2])
+        block = number("BLOCK", a[3], 0, M)
+        gen = number("GENERATION", a[4], 0, M)
+        b, out = slice_bytes(seed, layer, kv, block, gen, length(a[5])), a[6:]
+    if out:
+        with open(out[0], "wb") as f:
+            f.write(b)
     print(hashlib.sha256(b).hexdigest())
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except Usage as e:
+        sys.stderr.write(__doc__ + "\nerror: %s\n" % e)
+        sys.exit(2)

@@ -36,8 +36,9 @@ m = lambda k: st.median(x[k] for x in it)
 p = s.get("transport_path") or {}
 cp = p.get("copy_gbps") or 0
 gbps = s["bytes_transferred"] / max(1, s["iterations"]) / m("transfer") / 1e9
+vs = f"{gbps/cp:.3f} of the same-run copy {cp:.0f} GB/s" if cp else "no copy ceiling: pool under 64 MiB"
 print(f"  exit {r['outcome']['exit_code']}, corrupt {s['blocks_corrupt']}; medians: iteration {m('iteration')*1e3:.3f} ms, "
-      f"transfer {m('transfer')*1e3:.3f} ms = {gbps:.1f} GB/s ({gbps/max(cp,1e-9):.3f} of the same-run copy {cp:.0f} GB/s), "
+      f"transfer {m('transfer')*1e3:.3f} ms = {gbps:.1f} GB/s ({vs}), "
       f"outside {100*(1-m('transfer')/m('iteration')):.2f} %, hidden {m('overlapped')*1e3:.3f} ms, stages {s['pipeline_stages']}")
 PY
 }

@@ -154,6 +154,7 @@ fn conclude(ab: &mut AbReport, error: Option<&Error>) -> Exit {
         Exit::Clean => "clean",
         Exit::Corrupt => "corrupt",
         Exit::NotReproduced => "not-reproduced",
+        Exit::ReportNotWritten => "report-not-written",
         Exit::Timeout => "timeout",
         Exit::Interrupted => "interrupted",
         _ => "error",

@@ -65,7 +65,8 @@ pub struct BenchConfig {
     pub iterations: u32,
     /// Bytes of each pool in the sweep breakdowns (llama3-8b geometry).
     pub sweep_bytes: u64,
-    /// Fingerprint seed.
+    /// Fingerprint seed (written as `seed` and `seed_hex`, [`crate::run::serialize_seed`]).
+    #[serde(flatten, serialize_with = "crate::run::serialize_seed")]
     pub seed: u64,
     /// Sweeps with the decode agent in a second process (`run --decode-process`).
     pub decode_process: bool,
@@ -104,8 +105,10 @@ pub struct Figure {
     pub meets: Option<bool>,
 }
 
-/// One `kvprobe run` sweep, per iteration: medians over the iterations after the first
-/// (a warm-up), from the run report's `summary.per_iteration`.
+/// One `kvprobe run` sweep, per iteration: the parts of one representative iteration — of the
+/// iterations after the first (a warm-up; all of them when there is only one), the one with
+/// the median wall time — from the run report's `summary.per_iteration`, so the parts add up:
+/// `fill_s + poison_s + transfer_s + verify_s + host_s = iteration_s`.
 #[derive(Clone, Debug, Serialize)]
 pub struct Breakdown {
     /// What the sweep moves, e.g. "llama3-8b, 32 KiB slices (vLLM-shaped)".
@@ -130,6 +133,9 @@ pub struct Breakdown {
     pub error: Option<String>,
     /// Seconds from the run's start to its first transfer.
     pub setup_seconds: f64,
+    /// The iteration (1-based index into the run's iterations) the per-iteration seconds
+    /// below come from: the median by wall time of those after the first; 0 when none ran.
+    pub representative_iteration: u32,
     /// Per-iteration wall seconds: the whole iteration.
     pub iteration_s: f64,
     /// Per-iteration wall seconds: fill outside the transfer window.
@@ -144,7 +150,7 @@ pub struct Breakdown {
     pub overlapped_s: f64,
     /// Per-iteration wall seconds: everything else (descriptor lists, tables, bookkeeping).
     pub host_s: f64,
-    /// VRAM: per-iteration device seconds of the fill, poison and verify kernels.
+    /// VRAM: device seconds of the fill, poison and verify kernels of that iteration.
     pub kernel_s: crate::report::KernelSeconds,
     /// The transfer rate (GB/s).
     pub transfer_gbps: f64,
@@ -246,14 +252,19 @@ fn gpu_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
     let table: Vec<TableEntry> =
         (0..g.num_blocks).map(|i| TableEntry { block: crate::run::logical_block(cfg.seed, i), generation: 1 }).collect();
     let kernel_secs = |p: &KvPool| p.last_kernel_seconds().ok_or_else(|| Error::Device("no kernel time recorded".into()));
+    let m = |name: &str| crate::phase::announce(&format!("bench: measuring {name} ({} passes after a warm-up)", cfg.repeats));
+    m("gpu.fill");
     let fill = timed(cfg.repeats, || {
         src.fill(&table)?;
         kernel_secs(&src)
     })?;
+    m("gpu.copy");
     let copy = timed(cfg.repeats, || dst.copy_pool_from(&src))?;
     // The same copy as UCX's cuda_ipc issues a transfer: 16 MiB pieces, one async copy each,
     // on a non-blocking stream (where a NIXL transfer's rate limit would show without NIXL).
+    m("gpu.copy_stream");
     let pieces = timed(cfg.repeats, || dst.copy_pool_in_pieces(&src, 16 << 20))?;
+    m("gpu.verify");
     let verify = timed(cfg.repeats, || {
         let fails = dst.verify(&table)?;
         if !fails.is_empty() {
@@ -262,6 +273,7 @@ fn gpu_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
         kernel_secs(&dst)
     })?;
     let mut it = 0;
+    m("gpu.poison");
     let poison = timed(cfg.repeats, || {
         it += 1;
         dst.poison(it)?;
@@ -274,6 +286,7 @@ fn gpu_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
         let dev2 = crate::cuda::Device::open(d)?;
         let k2 = std::sync::Arc::new(crate::cuda::Kernels::compile(&dev2)?);
         let mut far = KvPool::device(&dev2, k2, &g, cfg.seed)?;
+        m("gpu.peer_copy");
         let peer = dev2.with_peer_access(&dev, || timed(cfg.repeats, || far.copy_pool_from(&src)))?;
         let fails = far.verify(&table)?;
         if !fails.is_empty() {
@@ -369,7 +382,9 @@ fn host_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
     // source is filled first so every copy moves fingerprinted bytes.
     let bytes = n as u64;
     let size = if bytes >= 1 << 20 { format!("{} MiB", bytes >> 20) } else { format!("{} KiB", bytes >> 10) };
+    let m = |name: &str| crate::phase::announce(&format!("bench: measuring {name} ({} passes after a warm-up)", cfg.repeats));
     fill_pass(src.as_mut_slice(), all);
+    m("cpu.memcpy.1");
     let c1 = figure(
         "cpu.memcpy.1",
         &format!("memcpy {size}, 1 thread"),
@@ -378,6 +393,7 @@ fn host_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
         timed(cfg.repeats, || Ok(copy_pass(dst.as_mut_slice(), src.as_slice(), 1)))?,
     );
     out.push(c1.clone());
+    m("cpu.memcpy.all");
     let cn = figure(
         "cpu.memcpy.all",
         &format!("memcpy {size}, {all} threads"),
@@ -395,6 +411,7 @@ fn host_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
         ("cpu.verify.all", format!("CPU verify, {all} threads"), "read", all, &cn, Some(GOAL_CPU_RATIO)),
     ];
     for (name, what, counted, threads, base, goal) in passes {
+        m(name);
         let t = if counted == "written" {
             timed(cfg.repeats, || Ok(fill_pass(src.as_mut_slice(), threads)))?
         } else {
@@ -440,15 +457,13 @@ fn breakdown(
     let mut hooks = Hooks { line: &mut line, progress: &mut progress, checkpoint_secs: 0.0, checkpoint: &mut ckpt };
     let (report, exit) = crate::run::run(&rc, &mut hooks);
     let s = &report.summary;
-    // The first iteration warms up (page faults, UCX connections and registration caches);
-    // each part is the median over the others (all of them when there is only one).
-    let warm = if s.per_iteration.len() > 1 { &s.per_iteration[1..] } else { &s.per_iteration[..] };
-    let med = |f: &dyn Fn(&crate::report::IterationTimes) -> f64| {
-        if warm.is_empty() { 0.0 } else { median(warm.iter().map(f).collect()).0 }
-    };
-    let (iteration, transfer) = (med(&|t| t.iteration), med(&|t| t.transfer));
-    let (fill, poison, verify) = (med(&|t| t.fill), med(&|t| t.poison), med(&|t| t.verify));
-    let host = med(&|t| (t.iteration - t.fill - t.poison - t.transfer - t.verify).max(0.0));
+    // The first iteration warms up (page faults, UCX connections and registration caches).
+    // One representative iteration, not per-part medians (which need not add up).
+    let (index, rep) = representative(&s.per_iteration).map_or((0, Default::default()), |i| (i as u32 + 1, s.per_iteration[i]));
+    let (iteration, transfer) = (rep.iteration, rep.transfer);
+    let (fill, poison, verify) = (rep.fill, rep.poison, rep.verify);
+    let host = (iteration - fill - poison - transfer - verify).max(0.0);
+    let warm = s.per_iteration.len() > 1;
     let pool_bytes = g.pool_bytes().unwrap_or(0);
     let transfer_gbps = if transfer > 0.0 { pool_bytes as f64 / transfer / 1e9 } else { 0.0 };
     let probe_share = if iteration > 0.0 { 1.0 - transfer / iteration } else { 0.0 };
@@ -464,23 +479,31 @@ fn breakdown(
         exit_code: exit as u8,
         error: report.outcome.error.as_ref().map(|e| e.message.clone()),
         setup_seconds: s.setup_seconds,
+        representative_iteration: index,
         iteration_s: iteration,
         fill_s: fill,
         poison_s: poison,
         transfer_s: transfer,
         verify_s: verify,
-        overlapped_s: med(&|t| t.overlapped),
+        overlapped_s: rep.overlapped,
         host_s: host,
-        kernel_s: crate::report::KernelSeconds {
-            fill: med(&|t| t.kernels.fill),
-            poison: med(&|t| t.kernels.poison),
-            verify: med(&|t| t.kernels.verify),
-        },
+        kernel_s: rep.kernels,
         transfer_gbps,
         transfer_ratio: one_way_gbps.filter(|_| transfer_gbps > 0.0).map(|c| transfer_gbps / c.max(1e-12)),
         probe_share,
-        meets: (transfer_gbps >= OVERHEAD_APPLIES_GBPS && !warm.is_empty()).then_some(probe_share <= GOAL_PROBE_SHARE),
+        meets: (transfer_gbps >= OVERHEAD_APPLIES_GBPS && warm).then_some(probe_share <= GOAL_PROBE_SHARE),
     }
+}
+
+/// Index (0-based) of the representative iteration of a sweep's `per_iteration`: of those
+/// after the first (the warm-up; the only one when there is one), the one whose wall time is
+/// the median (the lower middle for an even count; the earliest among equal times). `None`
+/// when the list is empty.
+pub fn representative(per_iteration: &[crate::report::IterationTimes]) -> Option<usize> {
+    let first = usize::from(per_iteration.len() > 1);
+    let mut idx: Vec<usize> = (first..per_iteration.len()).collect();
+    idx.sort_by(|&a, &b| per_iteration[a].iteration.total_cmp(&per_iteration[b].iteration).then(a.cmp(&b)));
+    idx.get(idx.len().saturating_sub(1) / 2).copied()
 }
 
 /// Checks `cfg` before anything is measured. Errors (usage, exit 2): zero repeats or
@@ -498,8 +521,9 @@ pub fn check(cfg: &BenchConfig) -> Result<()> {
         && cfg.host_bytes.saturating_mul(2) > avail / 2
     {
         return Err(Error::Usage(format!(
-            "--host-bytes {}: the bench needs twice that, and {avail} bytes are available (use at most a quarter)",
-            cfg.host_bytes
+            "--host-bytes {}: the bench needs twice that, and {} are available (use at most a quarter)",
+            crate::report::bytes_exact(cfg.host_bytes),
+            crate::report::bytes_exact(avail)
         )));
     }
     if let Some(avail) = crate::hostmem::available_bytes()
@@ -507,8 +531,9 @@ pub fn check(cfg: &BenchConfig) -> Result<()> {
         && cfg.sweep_bytes.saturating_mul(2) > avail / 2
     {
         return Err(Error::Usage(format!(
-            "--sweep-bytes {}: the DRAM sweeps need two pools of that, and {avail} bytes are available (use at most a quarter)",
-            cfg.sweep_bytes
+            "--sweep-bytes {}: the DRAM sweeps need two pools of that, and {} are available (use at most a quarter)",
+            crate::report::bytes_exact(cfg.sweep_bytes),
+            crate::report::bytes_exact(avail)
         )));
     }
     if cfg.memory == MemoryKind::Dram && (cfg.device != 0 || cfg.decode_device.is_some()) {
@@ -578,7 +603,8 @@ pub fn run(cfg: &BenchConfig, r: &mut BenchReport) -> Result<()> {
     if wide.block_size != llama.block_size {
         sweeps.push((wide, 1, None)); // too small a --sweep-bytes for larger slices: no wide sweep
     }
-    for (g, n, stages) in sweeps {
+    let count = sweeps.len();
+    for (k, (g, n, stages)) in sweeps.into_iter().enumerate() {
         let mut label = format!("llama3-8b, block_size {}: {} KiB slices", g.block_size, g.slice_bytes()? >> 10);
         if n > 1 {
             label += &format!(", {n} blocks per descriptor ({} KiB)", (g.slice_bytes()? * n as u64) >> 10);
@@ -592,6 +618,7 @@ pub fn run(cfg: &BenchConfig, r: &mut BenchReport) -> Result<()> {
         if let Some(d) = cfg.decode_device.filter(|&d| d != cfg.device && cfg.memory == MemoryKind::Vram) {
             label += &format!(", GPU {} -> GPU {d}", cfg.device);
         }
+        crate::phase::announce(&format!("bench: sweep {}/{count}: {label} ({} iterations)", k + 1, cfg.iterations));
         let b = breakdown(cfg, &label, cfg.memory, g, (n, stages), one_way);
         let failed = (b.exit_code != 0).then(|| (b.exit_code, b.error.clone().unwrap_or_default(), b.label.clone()));
         r.breakdowns.push(b);
@@ -647,6 +674,14 @@ pub fn render(r: &BenchReport) -> String {
             b.exit_code,
             b.error.as_deref().map(|e| format!(": {e}")).unwrap_or_default()
         );
+        if b.representative_iteration > 0 {
+            s += &format!(
+                "  iteration {} of {}, the median by wall time{}; its parts add up to it\n",
+                b.representative_iteration,
+                b.iterations,
+                if b.iterations > 1 { " of those after the first (a warm-up)" } else { "" }
+            );
+        }
         let pct = |x: f64| if b.iteration_s > 0.0 { 100.0 * x / b.iteration_s } else { 0.0 };
         for (name, x) in [
             ("fill", b.fill_s),

@@ -38,9 +38,10 @@ use std::time::{Duration, Instant};
 pub const GRACE: Duration = Duration::from_secs(5);
 
 /// How long after SIGINT/SIGTERM (or after it began, if later) a watched call may stay blocked
-/// and keep the run from stopping (the run itself lets a transfer in flight finish for 1 s)
-/// before the watchdog ends it with the report marked interrupted (exit 130).
-pub const INTERRUPT_GRACE: Duration = Duration::from_secs(2);
+/// and keep the run from stopping before the watchdog ends it with the report marked
+/// interrupted (exit 130): a second more than a transfer in flight is given
+/// ([`crate::interrupt::GRACE`]).
+pub const INTERRUPT_GRACE: Duration = Duration::from_secs(crate::interrupt::GRACE.as_secs() + 1);
 
 /// The least bound of a set-up call (NIXL agent and backend start, registration, metadata
 /// exchange, the Mooncake worker's set-up): UCX, its transports and the store client take
@@ -217,17 +218,13 @@ pub fn watch_until(deadline: Deadline, what: impl FnOnce() -> Cow<'static, str>)
 fn watchdog() {
     let (m, cv) = state();
     let mut s = m.lock().unwrap_or_else(|p| p.into_inner());
-    let mut signalled: Option<Instant> = None;
     loop {
         let now = Instant::now();
-        if crate::interrupt::requested() {
-            signalled.get_or_insert(now);
-        }
         // A call blocked for INTERRUPT_GRACE since the signal (or since it began, if later)
         // keeps the run from stopping: end it here with the report marked interrupted (130).
-        let stuck = signalled.and_then(|t| {
-            s.armed.iter().find(|a| now.duration_since(a.armed_at.max(t)) >= INTERRUPT_GRACE).map(|a| a.what.clone())
-        });
+        let stuck = crate::interrupt::since_requested()
+            .filter(|d| *d >= INTERRUPT_GRACE)
+            .and_then(|_| s.armed.iter().find(|a| now.duration_since(a.armed_at) >= INTERRUPT_GRACE).map(|a| a.what.clone()));
         let due = s
             .armed
             .iter()

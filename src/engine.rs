@@ -71,7 +71,8 @@ pub struct ScenarioConfig {
     pub unfenced: Vec<Mechanism>,
     /// Stop admitting after this many requests (when no duration is given).
     pub requests: u64,
-    /// Stop admitting after this many seconds (overrides `requests`).
+    /// Stop admitting after this many seconds; `requests` is then unused (the command line
+    /// refuses `--duration` with `--requests`).
     pub duration_secs: Option<f64>,
     /// Requests in flight at most.
     pub concurrency: u32,
@@ -523,6 +524,11 @@ impl<'a> Engine<'a> {
     ) -> Result<Engine<'a>> {
         let g = prefill.pool.geometry().clone();
         let n = g.num_blocks;
+        crate::phase::announce(&match (cfg.scenario.uses_tier(), cfg.tier) {
+            (false, _) => "setup: filling the prefill pool".to_string(),
+            (true, TierKind::Mooncake) => "setup: starting the Mooncake store (worker, master), filling the prefill pool".into(),
+            (true, TierKind::Embedded) => format!("setup: the tier ({} blocks), filling the prefill pool", cfg.tier_blocks),
+        });
         let mooncake = if cfg.scenario.uses_tier() && cfg.tier == TierKind::Mooncake {
             Some(MooncakeTier::start(cfg, seed, prefill, decode, timeout)?)
         } else {
@@ -1307,6 +1313,7 @@ impl<'a> Engine<'a> {
                 *listed += 1;
                 let mut failure = Failure::new(self.now.min(u32::MAX as u64) as u32, c, f, v, &want, &buf, expected, r.pslots[i]);
                 failure.request = Some(id);
+                failure.poison_iteration = r.poison_iter;
                 failure.predicted = Some(ident(predicted, c));
                 failure.attributed_to = cause;
                 report.failures.push(failure);
@@ -1458,7 +1465,9 @@ impl<'a> Engine<'a> {
                 self.pslots[s as usize].pending_load += 1;
                 self.hit_blocks += 1;
             } else {
-                self.next_gen = self.next_gen.wrapping_add(1).max(1);
+                // Generations run 1..SKIP_GEN (exclusive): 0 is never computed and SKIP_GEN marks
+                // "neither fill nor verify" in the kernels' tables.
+                self.next_gen = if self.next_gen >= crate::fingerprint::SKIP_GEN - 1 { 1 } else { self.next_gen + 1 };
                 let t = TableEntry { block: r.spec.hashes[i], generation: self.next_gen };
                 promised.push(t);
                 let due = self.lag(2).max(self.compute.back().map_or(0, |o| o.due));

@@ -9,6 +9,7 @@
 //! | 4 | a wait exceeded `--timeout` (a transfer, its notification, a blocking call; [`crate::deadline`]) |
 //! | 5 | transfer rate below `--min-gbps` (only when given) |
 //! | 6 | `kvprobe ab`: an unfenced race mechanism was not detected |
+//! | 7 | the run was clean but its report could not be written (it went to stderr) |
 //! | 130 | interrupted by SIGINT/SIGTERM (the partial report is written) |
 
 /// Process exit codes, as documented in README.md and `kvprobe --help`.
@@ -27,9 +28,13 @@ pub enum Exit {
     Timeout = 4,
     /// Transfer rate below `--min-gbps`.
     BelowRate = 5,
-    /// `kvprobe ab`: an unfenced race mechanism was not detected (the probe could not have
-    /// seen that bug on this setup).
+    /// An unfenced race mechanism was not detected (`kvprobe ab`, or `kvprobe run --race`
+    /// whose verdict is `not reproduced`): the probe could not have seen that bug on this setup.
     NotReproduced = 6,
+    /// The run was clean, but its report (`--report`, `--json`) could not be written (disk
+    /// full, file-size limit, I/O error): the report went to stderr instead
+    /// ([`crate::report::print_fallback`]). A run that was not clean keeps its own code.
+    ReportNotWritten = 7,
     /// Interrupted by SIGINT or SIGTERM.
     Interrupted = 130,
 }

@@ -79,7 +79,9 @@ pub fn fill(dst: &mut [u8], seed: u64, id: BlockIdentity) {
     unsafe { ffi::kvp_cpu_fill(dst.as_mut_ptr(), dst.len() as u64, seed, id.block, id.layer, id.kv.code(), id.generation) }
 }
 
-/// Writes the poison pattern of (slot, iteration) into `dst`.
+/// Writes the poison pattern of (slot, iteration) into `dst`: little-endian u32 elements,
+/// `slot` at even indices and `0x5A000000 | (iteration & 0xFFFFFF)` at odd ones; `slot` is
+/// the global slice index ([`crate::geometry::Geometry::global_slice`]).
 pub fn poison(dst: &mut [u8], slot: u32, iteration: u32) {
     // SAFETY: writes exactly `dst.len()` bytes of the exclusively borrowed buffer.
     unsafe { ffi::kvp_cpu_poison(dst.as_mut_ptr(), dst.len() as u64, slot, iteration) }

@@ -289,6 +289,17 @@ impl Geometry {
     }
 }
 
+/// Serialises a geometry with its derived `slice_bytes` added (reports' `config.geometry`,
+/// so a reader needs no formula to recompute digests). For `#[serde(serialize_with)]`.
+pub fn serialize_with_slice_bytes<S: serde::Serializer>(g: &Geometry, s: S) -> Result<S::Ok, S::Error> {
+    use serde::ser::Error;
+    let mut v = serde_json::to_value(g).map_err(S::Error::custom)?;
+    if let (Some(m), Ok(b)) = (v.as_object_mut(), g.slice_bytes()) {
+        m.insert("slice_bytes".into(), b.into());
+    }
+    v.serialize(s)
+}
+
 /// Named geometries (`--preset`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]

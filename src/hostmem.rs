@@ -30,7 +30,8 @@ impl HostBuffer {
         };
         if p == libc::MAP_FAILED {
             return Err(Error::Environment(format!(
-                "cannot map {len} bytes of host memory: {}",
+                "cannot map {} of host memory: {}",
+                crate::report::bytes_exact(len as u64),
                 std::io::Error::last_os_error()
             )));
         }

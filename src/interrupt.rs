@@ -1,8 +1,14 @@
 //! SIGINT/SIGTERM handling: the first signal asks the run to stop at the next iteration
-//! boundary (the transfer in flight completes, the partial report is written and marked
-//! `interrupted`); a second one, a second or more later, exits at once with 130. A repeat
+//! boundary (a sweep's transfer in flight gets up to [`GRACE`] after the signal to complete,
+//! and its iteration is then verified; one still incomplete is abandoned unverified; a
+//! scenario stops at its next engine step); the partial report is written and marked
+//! `interrupted`. A second signal, a second or more later, exits at once with 130. A repeat
 //! within a second counts as the same request: `timeout(1)` sends its signal to kvprobe
 //! and again to the process group, and two Ctrl-C presses that close are one impatient user.
+//!
+//! SIGXFSZ (a write past the file-size limit, `ulimit -f`) is ignored ([`ignore_file_size_signal`]):
+//! the write then fails with EFBIG, an error kvprobe handles like a full disk, instead of
+//! killing it with no report.
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -45,7 +51,31 @@ pub fn install() -> std::io::Result<()> {
     Ok(())
 }
 
+/// How long after the first signal a sweep's transfer in flight may still complete (its
+/// iteration is then verified and reported); README "Exit codes" states the same.
+pub const GRACE: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Time since the first SIGINT/SIGTERM, or `None` when none arrived.
+pub fn since_requested() -> Option<std::time::Duration> {
+    if !requested() {
+        return None;
+    }
+    let first = FIRST_MS.load(Ordering::SeqCst);
+    Some(std::time::Duration::from_millis(now_ms().saturating_sub(first)))
+}
+
 /// True once SIGINT or SIGTERM arrived.
 pub fn requested() -> bool {
     FLAG.load(Ordering::SeqCst)
+}
+
+/// Ignores SIGXFSZ for the life of the process (and of the processes it starts, which inherit
+/// the ignored disposition): a write past `RLIMIT_FSIZE` fails with EFBIG instead of killing
+/// kvprobe before it can report, and UCX then fails its shared-memory set-up cleanly (removing
+/// its segment) instead of dying with one left in /dev/shm. Call first thing in `main`.
+pub fn ignore_file_size_signal() {
+    // SAFETY: signal(2) with SIG_IGN installs no handler code; called at start-up.
+    unsafe {
+        libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+    }
 }

@@ -13,7 +13,8 @@
 //! [`report`] (versioned JSON and the human summary), driven by [`run`] (one scenario or the
 //! whole-pool sweep) and [`ab`] (the isolation matrix); [`bench`] measures the probe's own
 //! speed against same-run ceilings. [`deadline`] bounds every wait of a run (`--timeout`) and
-//! ends a run whose call never returns.
+//! ends a run whose call never returns. [`scratch`] keeps the files kvprobe needs while it
+//! runs in private directories that never outlive it.
 //!
 //! `unsafe` lives only in the fenced FFI modules [`cuda`], [`hostmem`], [`nixl`], [`child`],
 //! [`interrupt`] (the signal handler) and the C bridge inside [`fingerprint`].
@@ -34,11 +35,13 @@ pub mod inject;
 pub mod interrupt;
 pub mod mooncake;
 pub mod nixl;
+pub mod phase;
 pub mod pool;
 pub mod race;
 pub mod remote;
 pub mod report;
 pub mod run;
+pub mod scratch;
 pub mod tier;
 pub mod transport;
 pub mod ucx;

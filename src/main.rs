@@ -14,7 +14,7 @@ use kvprobe::transport::Op;
 use kvprobe::workload::WorkloadConfig;
 use kvprobe::{Error, Exit};
 use std::io::{IsTerminal, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 const EXIT_CODES: &str = "Exit codes:
@@ -25,8 +25,12 @@ const EXIT_CODES: &str = "Exit codes:
   3  transport or device error during the run
   4  a transfer did not complete within --timeout, or another wait exceeded its bound
   5  transfer rate below --min-gbps (only when given)
-  6  ab: an unfenced race mechanism was not detected
-  130  interrupted by SIGINT/SIGTERM (partial report written, marked interrupted)";
+  6  an unfenced race mechanism was not detected (ab; run --race MECHANISM: not reproduced)
+  7  the run was clean but --report (bench: --json) could not be written (disk full, ulimit -f):
+     the report is on stderr between -----BEGIN/END KVPROBE REPORT----- lines; other outcomes
+     keep their code
+  130  interrupted by SIGINT/SIGTERM (partial report written, marked interrupted; a transfer
+     in flight gets up to 1 s after the signal to complete)";
 
 /// Proves that KV-cache blocks moved between a prefill and a decode engine over NIXL
 /// arrive intact.
@@ -99,7 +103,7 @@ struct BenchArgs {
     /// Seconds to wait for each transfer of the sweeps.
     #[arg(long, default_value_t = 60.0)]
     timeout: f64,
-    /// Write the results as JSON (schema kvprobe.bench/1), atomically.
+    /// Write the results as JSON (schema kvprobe.bench/1), atomically; `-` writes it to stdout (the table then goes to stderr).
     #[arg(long)]
     json: Option<PathBuf>,
 }
@@ -168,7 +172,7 @@ struct PoolArgs {
     /// Seed of fingerprints, block mapping, load and injections.
     #[arg(long, default_value = "1", value_parser = parse_seed)]
     seed: u64,
-    /// Write the JSON report here (atomically; also when the run fails).
+    /// Write the JSON report here (atomically; also when the run fails). `-` writes it to stdout at the end (no checkpoints), and the human summary goes to stderr.
     #[arg(long)]
     report: Option<PathBuf>,
     /// NIXL backend plugin.
@@ -185,11 +189,11 @@ struct PoolArgs {
 #[derive(Args)]
 #[command(next_help_heading = "Request load (with --scenario, and for ab)")]
 struct LoadArgs {
-    /// Requests to admit (when no --duration is given) [default: 2000].
+    /// Requests to admit, then drain [default: 2000]. Not with --duration.
     #[arg(long)]
     requests: Option<u64>,
-    /// Admit requests for this long instead (e.g. 90s, 10m, 1h), then drain.
-    #[arg(long, value_parser = parse_duration)]
+    /// Admit requests for this long instead (e.g. 90s, 10m, 1h), then drain. Not with --requests (refused: one of them decides when admission stops).
+    #[arg(long, value_parser = parse_duration, conflicts_with = "requests")]
     duration: Option<f64>,
     /// Requests in flight at most.
     #[arg(long, default_value_t = 16)]
@@ -267,6 +271,13 @@ struct AbArgs {
     pool: PoolArgs,
     #[command(flatten)]
     load: LoadArgs,
+    /// Not an ab flag (ab leaves each mechanism unfenced in turn): accepted only to say so
+    /// instead of clap's "did you mean --backend".
+    #[arg(long, hide = true, num_args = 0..=1, default_missing_value = "", action = clap::ArgAction::Append)]
+    race: Vec<String>,
+    /// Not an ab flag (ab runs every scenario): accepted only to say so.
+    #[arg(long, hide = true, num_args = 0..=1, default_missing_value = "")]
+    scenario: Option<String>,
 }
 
 /// `run` flags that shape a request-level load (clap ids).
@@ -452,15 +463,89 @@ impl RunArgs {
     }
 }
 
-/// Writes to stdout, ignoring failures: a closed pipe (`kvprobe run | head`) must not cost
-/// the report or the exit code.
+/// Set when `--report -` / `--json -` sends the JSON to stdout: the human output then goes to
+/// stderr, so stdout holds nothing but the JSON.
+static HUMAN_TO_STDERR: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Writes the human output to stdout (stderr when stdout carries the JSON), ignoring
+/// failures: a closed pipe (`kvprobe run | head`) must not cost the report or the exit code.
 fn out(text: &str) {
-    let _ = std::io::stdout().write_all(text.as_bytes());
+    if HUMAN_TO_STDERR.load(std::sync::atomic::Ordering::Relaxed) {
+        let _ = std::io::stderr().write_all(text.as_bytes());
+    } else {
+        let _ = std::io::stdout().write_all(text.as_bytes());
+    }
+}
+
+/// True when a `--report`/`--json` path is `-`: the JSON goes to stdout.
+fn is_stdout(p: &Path) -> bool {
+    p.as_os_str() == "-"
+}
+
+/// Sends the human output to stderr when `path` is `-` (the JSON then owns stdout).
+fn claim_stdout(path: &Option<PathBuf>) {
+    if path.as_deref().is_some_and(is_stdout) {
+        HUMAN_TO_STDERR.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Writes a `--report`/`--json` document: pretty JSON on stdout for `-` (once, at the end),
+/// else atomically to the file. Errors: [`Error::Io`] (exit 2).
+fn write_json<T: serde::Serialize>(path: &Path, value: &T) -> Result<(), Error> {
+    if !is_stdout(path) {
+        return kvprobe::report::write_atomic(path, value);
+    }
+    let mut body = serde_json::to_vec_pretty(value).map_err(|e| Error::Io(format!("report: serialise: {e}")))?;
+    body.push(b'\n');
+    let mut o = std::io::stdout().lock();
+    o.write_all(&body).and_then(|_| o.flush()).map_err(|e| Error::Io(format!("report: writing the JSON to stdout: {e}")))
+}
+
+/// Checkpoints rewrite a file; stdout takes the JSON only once, at the end.
+fn checkpoints_to(path: &Option<PathBuf>) -> Option<PathBuf> {
+    path.clone().filter(|p| !is_stdout(p))
 }
 
 /// Writes a line to stderr, ignoring failures.
 fn err(line: &str) {
     let _ = writeln!(std::io::stderr(), "{line}");
+}
+
+/// The spinner showing the current set-up or bench phase on a terminal (see [`show_phases`]).
+static PHASE_BAR: std::sync::Mutex<Option<indicatif::ProgressBar>> = std::sync::Mutex::new(None);
+
+/// Shows each phase the library announces ([`kvprobe::phase`]): on a terminal as one spinner
+/// line (cleared by [`end_phases`] before anything else is printed), otherwise as one plain
+/// line on stderr per phase. `setup_lines`: whether plain lines include `setup:` phases
+/// (bench leaves its sweeps' set-up steps to the spinner).
+fn show_phases(setup_lines: bool) {
+    if std::io::stderr().is_terminal() {
+        kvprobe::phase::set_sink(|msg| {
+            let mut g = PHASE_BAR.lock().unwrap_or_else(|e| e.into_inner());
+            let bar = g.get_or_insert_with(|| {
+                let b = indicatif::ProgressBar::new_spinner();
+                if let Ok(st) = indicatif::ProgressStyle::with_template("{spinner} {msg} [{elapsed}]") {
+                    b.set_style(st);
+                }
+                b.enable_steady_tick(Duration::from_millis(100));
+                b
+            });
+            bar.set_message(msg.to_string());
+        });
+    } else {
+        kvprobe::phase::set_sink(move |msg| {
+            if setup_lines || !msg.starts_with("setup:") {
+                err(msg);
+            }
+        });
+    }
+}
+
+/// Clears the phase spinner (before other output on the terminal).
+fn end_phases() {
+    if let Some(b) = PHASE_BAR.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        b.finish_and_clear();
+    }
 }
 
 /// Live progress on stderr: a spinner line on a terminal, else a plain line every 10 s.
@@ -482,6 +567,7 @@ impl Display {
     }
 
     fn update(&mut self, label: &str, p: &Progress) {
+        end_phases();
         let rate = if p.elapsed > 0.0 { p.requests as f64 / p.elapsed } else { 0.0 };
         let gbps = if p.elapsed > 0.0 { p.bytes as f64 / p.elapsed / 1e9 } else { 0.0 };
         let done = match (p.target_secs, p.target_requests) {
@@ -491,7 +577,7 @@ impl Display {
             _ => String::new(),
         };
         let msg = format!(
-            "{label}[{:.1} s] {} requests verified{done}, {rate:.1} req/s, {gbps:.3} GB/s, {} corrupt slices",
+            "{label}[{:.1} s] {} requests verified{done}, {rate:.1} req/s, {gbps:.3} GB/s over NIXL (over the wall time), {} corrupt slices",
             p.elapsed, p.requests, p.corrupt
         );
         match &self.bar {
@@ -524,6 +610,7 @@ fn install_signals() -> Result<(), Exit> {
 
 fn check_report_path(path: &Option<PathBuf>) -> Result<(), Exit> {
     if let Some(path) = path
+        && !is_stdout(path)
         && let Err(e) = kvprobe::report::check_writable(path)
     {
         err(&format!("kvprobe: {e}"));
@@ -534,8 +621,9 @@ fn check_report_path(path: &Option<PathBuf>) -> Result<(), Exit> {
 
 /// A call blocked past its deadline: the watchdog ([`kvprobe::deadline`]) ends the run from
 /// its own thread (the stuck call is never joined). `finish` builds what to write and show
-/// (the document, its exit code, the text for stdout); this clears the status line, writes
-/// `path`, prints, and exits with the code. Helper processes die with kvprobe.
+/// (the document, its exit code, the text for the human output); this clears the status
+/// lines, writes `path` as the normal end does ([`write_json`], [`report_lost`]), prints, and
+/// exits with the code. Helper processes die with kvprobe.
 fn on_stall<T, F>(bar: Option<indicatif::ProgressBar>, path: Option<PathBuf>, label: &'static str, finish: F)
 where
     T: serde::Serialize,
@@ -545,27 +633,32 @@ where
         if let Some(b) = &bar {
             b.finish_and_clear();
         }
-        let (doc, exit, text) = finish(e);
-        let written = match &path {
-            Some(p) => match kvprobe::report::write_atomic(p, &doc) {
-                Ok(()) => Some(p),
-                Err(we) => {
-                    err(&format!("kvprobe: {we}"));
-                    None
-                }
-            },
-            None => None,
-        };
-        out(&text);
-        if let Some(p) = written {
-            out(&format!("{label}{}\n", p.display()));
+        // try_lock: the stuck thread may be the one announcing a phase.
+        if let Ok(mut g) = PHASE_BAR.try_lock()
+            && let Some(b) = g.take()
+        {
+            b.finish_and_clear();
         }
+        let (doc, exit, text) = finish(e);
+        let lost = path.as_ref().and_then(|p| write_json(p, &doc).err());
+        out(&text);
         err(&format!("kvprobe: {e}"));
+        let exit = match (&path, lost) {
+            (Some(p), None) => {
+                if !is_stdout(p) {
+                    out(&format!("{label}{}\n", p.display()));
+                }
+                exit
+            }
+            (Some(p), Some(we)) => report_lost(&format!("--report {}", p.display()), &doc, &we, exit),
+            (None, _) => exit,
+        };
         kvprobe::nixl::exit_now(exit as u8)
     }));
 }
 
 fn run(args: RunArgs, typed: &[&str]) -> Exit {
+    claim_stdout(&args.pool.report);
     if let Err(x) = check_report_path(&args.pool.report).and_then(|_| install_signals()) {
         return x;
     }
@@ -573,10 +666,13 @@ fn run(args: RunArgs, typed: &[&str]) -> Exit {
         Ok(c) => c,
         Err(e) => {
             // Still leave a report saying why, as every other usage error does.
-            if let Some(path) = &args.pool.report {
-                let _ = kvprobe::report::write_atomic(path, &kvprobe::run::failed_report(&args.pool.config(), &e));
-            }
             err(&format!("kvprobe: {e}"));
+            if let Some(path) = &args.pool.report {
+                let r = kvprobe::run::failed_report(&args.pool.config(), &e);
+                if let Err(w) = write_json(path, &r) {
+                    kvprobe::report::print_fallback(&format!("--report {}", path.display()), &r, &w);
+                }
+            }
             return e.exit();
         }
     };
@@ -588,8 +684,12 @@ fn run(args: RunArgs, typed: &[&str]) -> Exit {
         (r, exit, text)
     });
     let mut ckpt_failed = false;
-    let path = args.pool.report.clone();
-    let mut line = |l: &str| err(l);
+    let path = checkpoints_to(&args.pool.report);
+    show_phases(true);
+    let mut line = |l: &str| {
+        end_phases();
+        err(l)
+    };
     let mut progress = |p: &Progress| display.update("", p);
     let mut checkpoint = |r: &Report| {
         if let Some(path) = &path
@@ -606,38 +706,54 @@ fn run(args: RunArgs, typed: &[&str]) -> Exit {
         checkpoint_secs: if cfg.scenario.is_some() { args.load.checkpoint } else { 0.0 },
         checkpoint: &mut checkpoint,
     };
-    let (mut report, mut exit) = kvprobe::run::run(&cfg, &mut hooks);
+    let (report, exit) = kvprobe::run::run(&cfg, &mut hooks);
+    end_phases();
     display.finish();
-    // The report first, so a failure to write it is reflected in the summary and exit code.
-    let mut written = None;
-    if let Some(path) = &args.pool.report {
-        match kvprobe::report::write_atomic(path, &report) {
-            Ok(()) => written = Some(path),
-            Err(e) => {
-                if exit == Exit::Corrupt {
-                    // Corruption keeps exit 1 and its outcome; say why the report is missing.
-                    err(&format!("kvprobe: {e}"));
-                } else {
-                    // Printed below as the outcome's error.
-                    exit = e.exit();
-                    report.finish(exit, Some(&e));
-                }
-            }
-        }
-    }
+    let lost = args.pool.report.as_ref().and_then(|p| write_json(p, &report).err());
     if report.summary.iterations > 0 || report.outcome.error.is_none() || report.scenario.is_some() {
         out(&kvprobe::report::render(&report));
     }
-    if let Some(path) = written {
-        out(&format!("report:            {}\n", path.display()));
+    report_error(&report.outcome);
+    match (&args.pool.report, lost) {
+        (Some(path), None) => {
+            if !is_stdout(path) {
+                out(&format!("report:            {}\n", path.display()));
+            }
+            exit
+        }
+        (Some(path), Some(e)) => report_lost(&format!("--report {}", path.display()), &report, &e, exit),
+        (None, _) => exit,
     }
-    if let Some(e) = &report.outcome.error {
+}
+
+/// Prints the error that ended a run, if any, on stderr.
+fn report_error(o: &kvprobe::report::Outcome) {
+    if let Some(e) = &o.error {
         err(&format!("kvprobe: {}", e.message));
     }
+}
+
+/// A final report (`what`: "--report PATH") that could not be written (`why`): says so on
+/// stdout, puts the report on stderr ([`kvprobe::report::print_fallback`]), and returns the
+/// exit code: the run's own, or 7 (report not written) in place of 0, so neither a clean
+/// verdict nor a missing file passes unnoticed.
+fn report_lost<T: serde::Serialize>(what: &str, value: &T, why: &Error, exit: Exit) -> Exit {
+    let exit = if exit == Exit::Clean { Exit::ReportNotWritten } else { exit };
+    out(&format!("report:            NOT WRITTEN ({why}): the JSON report is on stderr; exit {}\n", exit as u8));
+    kvprobe::report::print_fallback(what, value, why);
     exit
 }
 
 fn ab(args: AbArgs) -> Exit {
+    if !args.race.is_empty() || args.scenario.is_some() {
+        let flag = if args.race.is_empty() { "--scenario" } else { "--race" };
+        err(&format!(
+            "kvprobe ab: {flag} is not an ab flag: ab runs nixl-only, tier-only and stacked, then stacked with each race \
+             mechanism unfenced in turn (rows stacked+MECHANISM). For one scenario or one mechanism use `kvprobe run {flag} ...`"
+        ));
+        return Exit::Usage;
+    }
+    claim_stdout(&args.pool.report);
     if let Err(x) = check_report_path(&args.pool.report).and_then(|_| install_signals()) {
         return x;
     }
@@ -650,11 +766,13 @@ fn ab(args: AbArgs) -> Exit {
         let text = if ab.rows.is_empty() { String::new() } else { kvprobe::ab::render(&ab) };
         (ab, exit, text)
     });
-    let path = args.pool.report.clone();
+    let path = checkpoints_to(&args.pool.report);
     let mut ckpt_failed = false;
     let mut shown = 0;
     let mut progress = |name: &str, p: &Progress| display.update(&format!("{name}: "), p);
+    show_phases(true);
     let mut after_row = |ab: &AbReport| {
+        end_phases();
         if let Some(r) = ab.rows.get(shown) {
             shown += 1;
             err(&format!("row {}: {} {} ({} requests, {} corrupt)", shown, r.name, r.verdict, r.requests, r.corrupt));
@@ -667,32 +785,24 @@ fn ab(args: AbArgs) -> Exit {
             err(&format!("kvprobe: checkpoint: {e}"));
         }
     };
-    let (mut ab, mut exit) = kvprobe::ab::run_ab(&cfg, &mut progress, &mut after_row);
+    let (ab, exit) = kvprobe::ab::run_ab(&cfg, &mut progress, &mut after_row);
+    end_phases();
     display.finish();
-    let mut written = None;
-    if let Some(path) = &args.pool.report {
-        match kvprobe::report::write_atomic(path, &ab) {
-            Ok(()) => written = Some(path),
-            Err(e) => {
-                err(&format!("kvprobe: {e}"));
-                if exit != Exit::Corrupt {
-                    exit = e.exit();
-                    ab.outcome.exit_code = exit as u8;
-                    ab.outcome.status = "error".into();
-                }
-            }
-        }
-    }
+    let lost = args.pool.report.as_ref().and_then(|p| write_json(p, &ab).err());
     if !ab.rows.is_empty() {
         out(&kvprobe::ab::render(&ab));
     }
-    if let Some(path) = written {
-        out(&format!("report: {}\n", path.display()));
+    report_error(&ab.outcome);
+    match (&args.pool.report, lost) {
+        (Some(path), None) => {
+            if !is_stdout(path) {
+                out(&format!("report: {}\n", path.display()));
+            }
+            exit
+        }
+        (Some(path), Some(e)) => report_lost(&format!("--report {}", path.display()), &ab, &e, exit),
+        (None, _) => exit,
     }
-    if let Some(e) = &ab.outcome.error {
-        err(&format!("kvprobe: {}", e.message));
-    }
-    exit
 }
 
 fn bench(a: BenchArgs) -> Exit {
@@ -714,7 +824,9 @@ fn bench(a: BenchArgs) -> Exit {
         backend: a.backend,
         timeout_secs: a.timeout,
     };
+    claim_stdout(&a.json);
     if let Some(p) = &a.json
+        && !is_stdout(p)
         && let Err(e) = kvprobe::report::check_writable_for(p, "--json")
     {
         err(&format!("kvprobe: {e}"));
@@ -727,8 +839,10 @@ fn bench(a: BenchArgs) -> Exit {
     if let Err(code) = install_signals() {
         return code;
     }
+    show_phases(false);
     let mut r = kvprobe::bench::start(&cfg);
     let result = kvprobe::bench::run(&cfg, &mut r);
+    end_phases();
     let exit = match &result {
         Ok(()) => Exit::Clean,
         Err(e) => e.exit(),
@@ -741,11 +855,12 @@ fn bench(a: BenchArgs) -> Exit {
         err(&format!("kvprobe: {e}"));
     }
     if let Some(p) = &a.json {
-        if let Err(e) = kvprobe::report::write_atomic(p, &r) {
-            err(&format!("kvprobe: --json: {e}"));
-            return if exit == Exit::Clean { e.exit() } else { exit };
+        if let Err(e) = write_json(p, &r) {
+            return report_lost(&format!("--json {}", p.display()), &r, &e, exit);
         }
-        out(&format!("results: {}\n", p.display()));
+        if !is_stdout(p) {
+            out(&format!("results: {}\n", p.display()));
+        }
     }
     exit
 }
@@ -794,6 +909,8 @@ fn race_help() -> String {
 }
 
 fn main() {
+    // A write past `ulimit -f` is an error (EFBIG) kvprobe reports, not a signal that kills it.
+    kvprobe::interrupt::ignore_file_size_signal();
     let cmd = Cli::command().mut_subcommand("run", |c| c.mut_arg("race", |a| a.long_help(race_help())));
     let matches = cmd.get_matches();
     // Flags typed on the command line (not defaults): load flags make no sense in a sweep,
@@ -811,6 +928,10 @@ fn main() {
         Ok(c) => c,
         Err(e) => e.exit(),
     };
+    if !matches!(cli.command, Command::Agent) {
+        // What killed kvprobes left in their private directories (SIGKILL, a crash).
+        kvprobe::scratch::sweep_stale();
+    }
     let exit = match cli.command {
         Command::Run(a) => run(a, &typed),
         Command::Ab(a) => ab(a),

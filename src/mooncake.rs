@@ -12,10 +12,9 @@
 //! store.
 
 use crate::error::{Error, Result};
-use std::io::Read;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -208,7 +207,8 @@ pub struct Master {
     pub rpc: SocketAddr,
     /// HTTP metadata server URL, `http://127.0.0.1:PORT/metadata`.
     pub metadata_url: String,
-    log: tempfile::NamedTempFile,
+    /// The master's stdout and stderr: an anonymous file ([`crate::scratch::anonymous_file`]).
+    log: std::fs::File,
 }
 
 impl Master {
@@ -233,13 +233,9 @@ impl Master {
 
     fn start_once(install: &Install, timeout: Duration) -> Result<Master> {
         let [rpc_port, http_port, metrics_port] = free_ports::<3>()?;
-        let log = tempfile::Builder::new()
-            .prefix("kvprobe-mooncake-master.")
-            .suffix(".log")
-            .tempfile()
-            .map_err(|e| Error::Environment(format!("master log file: {e}")))?;
-        let out = log.reopen().map_err(|e| Error::Environment(e.to_string()))?;
-        let err = log.reopen().map_err(|e| Error::Environment(e.to_string()))?;
+        let log = crate::scratch::anonymous_file().map_err(|e| Error::Environment(format!("master log file: {e}")))?;
+        let out = log.try_clone().map_err(|e| Error::Environment(format!("master log file: {e}")))?;
+        let err = log.try_clone().map_err(|e| Error::Environment(format!("master log file: {e}")))?;
         let mut cmd = Command::new(&install.master);
         crate::child::die_with_parent(&mut cmd);
         let child = cmd
@@ -304,17 +300,9 @@ impl Master {
         }
     }
 
-    /// Path of the master's log.
-    pub fn log_path(&self) -> &Path {
-        self.log.path()
-    }
-
     /// The last `n` lines of the master's log.
     pub fn log_tail(&self, n: usize) -> String {
-        let mut s = String::new();
-        if let Ok(mut f) = self.log.reopen() {
-            let _ = f.read_to_string(&mut s);
-        }
+        let s = read_all(&self.log);
         let lines: Vec<&str> = s.lines().collect();
         lines[lines.len().saturating_sub(n)..].join("\n")
     }
@@ -349,7 +337,9 @@ pub struct Worker {
     replies: std::sync::mpsc::Receiver<String>,
     next_id: u64,
     timeout: Duration,
-    log: tempfile::NamedTempFile,
+    /// The worker's stderr: an anonymous file.
+    log: std::fs::File,
+    /// The worker's script, in kvprobe's private directory ([`crate::scratch::dir`]).
     _script: tempfile::NamedTempFile,
 }
 
@@ -362,17 +352,14 @@ impl Worker {
     pub fn start(install: &Install, timeout: Duration) -> Result<Worker> {
         use std::io::{BufRead, Write};
         let env_err = |w: &str, e: std::io::Error| Error::Environment(format!("Mooncake worker: {w}: {e}"));
+        let dir = crate::scratch::dir()?;
         let mut script = tempfile::Builder::new()
             .prefix("kvprobe-mooncake-worker.")
             .suffix(".py")
-            .tempfile()
+            .tempfile_in(dir)
             .map_err(|e| env_err("script", e))?;
         script.write_all(WORKER_SOURCE.as_bytes()).map_err(|e| env_err("script", e))?;
-        let log = tempfile::Builder::new()
-            .prefix("kvprobe-mooncake-worker.")
-            .suffix(".log")
-            .tempfile()
-            .map_err(|e| env_err("log", e))?;
+        let log = crate::scratch::anonymous_file().map_err(|e| env_err("log", e))?;
         let mut cmd = Command::new(&install.python);
         crate::child::die_with_parent(&mut cmd);
         let mut child = cmd
@@ -380,7 +367,7 @@ impl Worker {
             .arg(script.path())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(log.reopen().map_err(|e| env_err("log", e))?)
+            .stderr(log.try_clone().map_err(|e| env_err("log", e))?)
             .process_group(0)
             .spawn()
             .map_err(|e| env_err(&format!("cannot start {}", install.python.display()), e))?;
@@ -408,10 +395,7 @@ impl Worker {
     }
 
     fn log_tail(&self, n: usize) -> String {
-        let mut s = String::new();
-        if let Ok(mut f) = self.log.reopen() {
-            let _ = f.read_to_string(&mut s);
-        }
+        let s = read_all(&self.log);
         let lines: Vec<&str> = s.lines().filter(|l| !l.trim().is_empty()).collect();
         lines[lines.len().saturating_sub(n)..].join("\n")
     }
@@ -582,6 +566,18 @@ impl Drop for Worker {
         }
         let _ = self.child.wait();
     }
+}
+
+/// The whole of a log file a child writes through its own descriptor (read from offset 0,
+/// without moving the shared file offset the child appends at).
+fn read_all(f: &std::fs::File) -> String {
+    use std::os::unix::fs::FileExt;
+    let mut buf = Vec::new();
+    let mut chunk = vec![0u8; 1 << 16];
+    while let Ok(n @ 1..) = f.read_at(&mut chunk, buf.len() as u64) {
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    String::from_utf8_lossy(&buf).into_owned()
 }
 
 /// A reply's per-key return codes (`rc`); a non-integer code reads as `i64::MIN`.

@@ -89,8 +89,10 @@ pub fn load() -> Result<NixlLibrary> {
 /// [`load`], while kvprobe has no other threads.
 ///
 /// Also turns on the transport diagnosis ([`crate::ucx`]) on the first call: UCX's protocol
-/// tables (`UCX_PROTO_INFO=y`) written to a log file in a private temporary directory
-/// (`UCX_LOG_FILE`), unless the user set either or `KVPROBE_UCX_DIAG=0`.
+/// tables (`UCX_PROTO_INFO=y`) written to a log file in kvprobe's private temporary directory
+/// ([`crate::scratch::dir`], `UCX_LOG_FILE`), unless the user set either or
+/// `KVPROBE_UCX_DIAG=0`; and points UCX's shared-memory segments (`UCX_POSIX_DIR`, unless set)
+/// to kvprobe's private directory in /dev/shm ([`crate::scratch::shm_dir`]).
 pub fn prepare_ucx_env(vram_same_gpu: bool) {
     if vram_same_gpu {
         set_default_env("UCX_CUDA_IPC_ENABLE_SAME_PROCESS", Path::new("y"));
@@ -101,8 +103,8 @@ pub fn prepare_ucx_env(vram_same_gpu: bool) {
         let log = if off {
             None
         } else {
-            match tempfile::Builder::new().prefix("kvprobe-ucx.").tempdir() {
-                Ok(d) => Some(d.keep().join("ucx.log")),
+            match crate::scratch::dir() {
+                Ok(d) => Some(d.join("ucx.log")),
                 Err(e) => {
                     crate::ucx::set_off_because(format!(
                         "capture off: no temporary directory for UCX's log ({e}; TMPDIR={})",
@@ -117,6 +119,14 @@ pub fn prepare_ucx_env(vram_same_gpu: bool) {
             set_default_env("UCX_LOG_FILE", l);
         }
         crate::ucx::set_log_path(log);
+        // UCX's shared-memory segments (posix transport) in kvprobe's private /dev/shm
+        // directory: UCX unlinks each right after creating it, and one a kill catches in
+        // between is removed with the directory (at exit, or at the next kvprobe's start).
+        if std::env::var_os("UCX_POSIX_DIR").is_none_or(|v| v.is_empty())
+            && let Ok(d) = crate::scratch::shm_dir()
+        {
+            set_default_env("UCX_POSIX_DIR", d);
+        }
     }
 }
 
@@ -212,10 +222,31 @@ pub fn exit_now(code: u8) -> ! {
         let _ = e.flush();
     }
     crate::ucx::remove_log();
+    crate::scratch::remove_own();
     // SAFETY: _exit(2) terminates the process at once; every file kvprobe wrote was synced
     // or closed before (reports are synced in `write_atomic`), and stdout/stderr were just
     // flushed. Nothing else needs the atexit handlers that are skipped.
     unsafe { libc::_exit(code as libc::c_int) }
+}
+
+/// The file-size limit of this process (`ulimit -f`, RLIMIT_FSIZE) in bytes, from
+/// /proc/self/limits; `None` when unlimited or unknown.
+pub fn file_size_limit() -> Option<u64> {
+    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let line = limits.lines().find(|l| l.starts_with("Max file size"))?;
+    line["Max file size".len()..].split_whitespace().next()?.parse().ok()
+}
+
+/// Why a backend may not start under a file-size limit: UCX's shared-memory transport (posix)
+/// sizes its segments as files, which the limit caps. Empty without a limit.
+fn file_size_limit_hint() -> String {
+    match file_size_limit() {
+        Some(b) => format!(
+            "; the file-size limit (ulimit -f) is {b} bytes, and UCX's shared-memory segments count as files: \
+             raise the limit, or leave UCX's posix transport out (UCX_TLS=^posix)"
+        ),
+        None => String::new(),
+    }
 }
 
 /// Names of the backend plugins NIXL can load (e.g. "UCX", "POSIX").
@@ -299,7 +330,7 @@ impl Agent {
             agent.get_plugin_params(backend).map_err(|e| Error::Environment(format!("NIXL plugin {backend}: {e}")))?;
         let b = agent
             .create_backend(backend, &params)
-            .map_err(|e| Error::Environment(format!("NIXL backend {backend} failed to start: {e}")))?;
+            .map_err(|e| Error::Environment(format!("NIXL backend {backend} failed to start: {e}{}", file_size_limit_hint())))?;
         w.check()?;
         Ok(Agent { agent, backend: b, backend_name: backend.to_string(), _regs: Vec::new() })
     }

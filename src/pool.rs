@@ -123,7 +123,11 @@ impl KvPool {
         if let Some(avail) = crate::hostmem::available_bytes()
             && pool > avail
         {
-            return Err(Error::Usage(format!("a DRAM pool of {pool} bytes exceeds the {avail} bytes of available host memory")));
+            return Err(Error::Usage(format!(
+                "a DRAM pool of {} exceeds the {} of available host memory",
+                crate::report::bytes_exact(pool),
+                crate::report::bytes_exact(avail)
+            )));
         }
         Ok(pool as usize)
     }
@@ -196,7 +200,9 @@ impl KvPool {
         let (free, _) = dev.mem_info()?;
         if need > free {
             return Err(Error::Usage(format!(
-                "a VRAM pool of {pool} bytes (+ bookkeeping) exceeds the {free} bytes free on GPU {}",
+                "a VRAM pool of {} (+ bookkeeping) exceeds the {} free on GPU {}",
+                crate::report::bytes_exact(pool),
+                crate::report::bytes_exact(free),
                 dev.ordinal()
             )));
         }

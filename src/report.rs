@@ -2,7 +2,9 @@
 //!
 //! Reports are written atomically: to a temporary file in the target's directory, flushed
 //! to disk, then renamed over the target — a reader never sees a partial report, and a
-//! failed run still leaves one.
+//! failed run still leaves one. When the report cannot be written (disk full, `ulimit -f`,
+//! an I/O error) the temporary file is removed and the report goes to stderr instead
+//! ([`print_fallback`]).
 
 use crate::envinfo::Environment;
 use crate::error::{Error, Exit, Result};
@@ -21,7 +23,7 @@ pub const SCHEMA: &str = "kvprobe.report/1";
 /// One corrupt block slice.
 #[derive(Clone, Debug, Serialize)]
 pub struct Failure {
-    /// Iteration (1-based).
+    /// Sweep iteration, counted from 1 (scenarios: the engine step of the verify, from 0).
     pub iteration: u32,
     /// Layer.
     pub layer: u32,
@@ -31,9 +33,18 @@ pub struct Failure {
     pub block: u32,
     /// The failure class.
     pub class: Class,
-    /// Byte offset of the first differing byte within the slice.
+    /// The slot's global slice index in the decode pool (`layer * slices_per_layer +` the
+    /// slice's index in its layer region; [`crate::geometry::Geometry::global_slice`]): the
+    /// `slot` of its poison.
+    pub slot: u32,
+    /// The iteration number the slot's poison was written with before the transfer (sweeps:
+    /// `iteration`; scenarios: the engine step at which decode poisoned the block, mod 2^24).
+    pub poison_iteration: u32,
+    /// Smallest byte offset `i` within the slice where the received byte differs from the
+    /// expected fingerprint's byte `i`.
     pub first_bad_offset: u64,
-    /// Number of differing bytes.
+    /// Number of byte offsets `i` in `[0, slice_bytes)` where the received byte differs from
+    /// the expected one (bytes, not bits or elements).
     pub bad_bytes: u64,
     /// SHA-256 of the expected slice bytes.
     pub expected_digest: String,
@@ -67,7 +78,7 @@ pub struct Failure {
 impl Failure {
     /// A failure from the verify pass's finding and its classification: `want` and
     /// `actual` are the expected and received slice bytes (digested here); the scenario
-    /// fields are left empty.
+    /// fields are left empty and `poison_iteration` is `iteration` (a scenario sets its own).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         iteration: u32,
@@ -85,6 +96,8 @@ impl Failure {
             kv: c.kv,
             block: c.block,
             class: v.class,
+            slot: raw.slice,
+            poison_iteration: iteration,
             first_bad_offset: raw.first_bad,
             bad_bytes: raw.bad_bytes,
             expected_digest: crate::fingerprint::digest(want),
@@ -196,10 +209,13 @@ pub struct Summary {
 /// Iterations listed in `summary.per_iteration` at most (the report stays small on long runs).
 pub const PER_ITERATION_MAX: usize = 1000;
 
-/// Wall seconds of one sweep iteration and its parts.
+/// Wall seconds of one sweep iteration and its parts (every field but `index` is in seconds).
 #[derive(Clone, Copy, Debug, Default, Serialize)]
 pub struct IterationTimes {
-    /// The whole iteration.
+    /// Which iteration this is: 1-based, as in `failures[].iteration`.
+    pub index: u32,
+    /// Seconds: the whole iteration, wall time (a duration, not an index; the name is kept
+    /// for existing readers of the report).
     pub iteration: f64,
     /// Fill outside the transfer window (the pipelined sweep: the last stage's refill).
     pub fill: f64,
@@ -251,7 +267,8 @@ pub struct RunError {
 pub struct Outcome {
     /// Process exit code (see README "Exit codes").
     pub exit_code: u8,
-    /// "clean", "corrupt", "error", "timeout", "below-min-gbps" or "interrupted".
+    /// "clean", "corrupt", "error", "timeout", "below-min-gbps", "not-reproduced" (an
+    /// unfenced `--race` mechanism, or an ab row, not detected) or "interrupted".
     pub status: String,
     /// The error, when the run stopped early.
     pub error: Option<RunError>,
@@ -297,6 +314,7 @@ impl Outcome {
             Exit::Timeout => "timeout",
             Exit::BelowRate => "below-min-gbps",
             Exit::NotReproduced => "not-reproduced",
+            Exit::ReportNotWritten => "report-not-written",
             Exit::Interrupted => "interrupted",
             Exit::Usage | Exit::Transport => "error",
         };
@@ -365,21 +383,55 @@ pub fn check_writable_for(path: &Path, flag: &str) -> Result<()> {
     Ok(())
 }
 
+/// Name prefix of a report being written (beside its target).
+const TMP_PREFIX: &str = ".kvprobe-report.";
+/// Name suffix of a report being written.
+const TMP_SUFFIX: &str = ".tmp";
+/// A temporary report is removed by a later write into its directory once it is older than
+/// this and nobody holds its lock: its writer locks it right after creating it and holds the
+/// lock until the rename, so only a writer killed mid-write (SIGKILL) leaves one; the age
+/// covers the instant between creating and locking.
+pub const STALE_TMP_AGE: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Removes the temporary reports (`.kvprobe-report.*.tmp`) in `dir` that killed writers left
+/// (see [`STALE_TMP_AGE`]); only this user's regular files. Best effort.
+fn sweep_stale_temps(dir: &Path) {
+    use std::os::unix::fs::MetadataExt;
+    let (Ok(entries), Some(me)) = (std::fs::read_dir(dir), crate::scratch::own_uid()) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if !(name.starts_with(TMP_PREFIX) && name.ends_with(TMP_SUFFIX)) {
+            continue;
+        }
+        let path = e.path();
+        let Ok(m) = std::fs::symlink_metadata(&path) else { continue };
+        let old = m.modified().ok().and_then(|t| t.elapsed().ok()).is_some_and(|age| age > STALE_TMP_AGE);
+        if m.is_file() && m.uid() == me && old && std::fs::File::open(&path).is_ok_and(|f| f.try_lock().is_ok()) {
+            let _ = std::fs::remove_file(&path);
+        }
+    }
+}
+
 /// Writes `value` as pretty JSON to `path` atomically: a new temporary file with a random
 /// name in the target's directory (created exclusively, never through a symlink), given the
-/// replaced report's mode and owner, synced, then renamed over the target. Symlinks at
-/// `path` are followed to their target; special files are refused. Errors: [`Error::Io`]
-/// (exit 2).
+/// replaced report's mode and owner, synced, then renamed over the target; removed again when
+/// any step fails. Temporary reports that killed writers left in that directory are removed
+/// first ([`STALE_TMP_AGE`]). Symlinks at `path` are followed to their target; special files
+/// are refused. Errors: [`Error::Io`] (exit 2).
 pub fn write_atomic<T: Serialize>(path: &Path, value: &T) -> Result<()> {
     use std::os::unix::fs::MetadataExt;
     let io = |what: &str, e: std::io::Error| Error::Io(format!("report: {what} {}: {e}", path.display()));
     let (target, dir) = resolve_target(path, "--report")?;
     let body = serde_json::to_vec_pretty(value).map_err(|e| Error::Io(format!("report: serialise: {e}")))?;
+    sweep_stale_temps(&dir);
     let mut tmp = tempfile::Builder::new()
-        .prefix(".kvprobe-report.")
-        .suffix(".tmp")
+        .prefix(TMP_PREFIX)
+        .suffix(TMP_SUFFIX)
         .tempfile_in(&dir)
         .map_err(|e| io("create temp file for", e))?;
+    // Marks the file as being written, for [`sweep_stale_temps`] (released when it closes).
+    let _ = tmp.as_file().try_lock();
     let f = tmp.as_file_mut();
     match std::fs::metadata(&target) {
         Ok(m) => {
@@ -401,6 +453,26 @@ pub fn write_atomic<T: Serialize>(path: &Path, value: &T) -> Result<()> {
     Ok(())
 }
 
+/// The line before a report printed on stderr because it could not be written ([`print_fallback`]).
+pub const FALLBACK_BEGIN: &str = "-----BEGIN KVPROBE REPORT-----";
+/// The line after it.
+pub const FALLBACK_END: &str = "-----END KVPROBE REPORT-----";
+
+/// Puts a report that could not be written (`why`: [`write_atomic`]'s error) on stderr
+/// instead, so a finished run's result is never lost: a message naming the error and where
+/// the report went, then the JSON exactly as the file would have held it, alone on the lines
+/// between [`FALLBACK_BEGIN`] and [`FALLBACK_END`]. `what` names the file for the message
+/// ("--report r.json"). Returns false when stderr did not take it either (then nothing more
+/// can be done: the human summary on stdout is all that is left).
+pub fn print_fallback<T: Serialize>(what: &str, value: &T, why: &Error) -> bool {
+    let Ok(body) = serde_json::to_string_pretty(value) else { return false };
+    let text = format!(
+        "kvprobe: {what} was not written ({why}); the report follows on stderr, between the lines {FALLBACK_BEGIN} and {FALLBACK_END}\n{FALLBACK_BEGIN}\n{body}\n{FALLBACK_END}\n"
+    );
+    let mut e = std::io::stderr().lock();
+    e.write_all(text.as_bytes()).and_then(|_| e.flush()).is_ok()
+}
+
 /// Bytes in decimal units (B, kB, MB, GB; 1 GB = 1e9 B), three decimals.
 fn human_bytes(b: u64) -> String {
     let x = b as f64;
@@ -410,6 +482,33 @@ fn human_bytes(b: u64) -> String {
         1_000_000..1_000_000_000 => format!("{:.3} MB", x / 1e6),
         _ => format!("{:.3} GB", x / 1e9),
     }
+}
+
+/// Bytes per second of wall time in GB/s (1e9 B/s); 0 for no time.
+fn wall_gbps(bytes: u64, secs: f64) -> f64 {
+    if secs > 0.0 { bytes as f64 / secs / 1e9 } else { 0.0 }
+}
+
+/// A byte count in binary units with the exact value, for messages: `196.84 GiB
+/// (211353600000 bytes)`; plain `N bytes` below 1 KiB.
+pub fn bytes_exact(b: u64) -> String {
+    if b < 1024 { format!("{b} bytes") } else { format!("{} ({b} bytes)", bytes_binary(b)) }
+}
+
+/// A byte count in binary units (KiB = 1024 B ... EiB), two decimals: `196.84 GiB`; `N B`
+/// below 1 KiB.
+pub fn bytes_binary(b: u64) -> String {
+    const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    if b < 1024 {
+        return format!("{b} B");
+    }
+    let mut x = b as f64 / 1024.0;
+    let mut u = 0;
+    while x >= 1024.0 && u + 1 < UNITS.len() {
+        x /= 1024.0;
+        u += 1;
+    }
+    format!("{x:.2} {}", UNITS[u])
 }
 
 /// The human summary printed on stdout.
@@ -437,10 +536,17 @@ pub fn render(r: &Report) -> String {
         Some(sc) => {
             let unf: Vec<&str> =
                 sc.races.iter().filter(|o| o.fencing == crate::race::Fencing::Unfenced).map(|o| o.mechanism.name()).collect();
+            let tier = if sc.scenario.uses_tier() {
+                format!(
+                    "tier {}",
+                    serde_json::to_value(sc.tier).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default()
+                )
+            } else {
+                "no tier".to_string()
+            };
             out += &format!(
-                "scenario:          {}, tier {}, {}\n",
+                "scenario:          {}, {tier}, {}\n",
                 sc.scenario.name(),
-                serde_json::to_value(sc.tier).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default(),
                 if unf.is_empty() { "every race mechanism fenced".to_string() } else { format!("unfenced: {}", unf.join(", ")) }
             );
             out += &format!(
@@ -493,10 +599,12 @@ pub fn render(r: &Report) -> String {
             );
         }
         out += &format!(
-            "transfer:          {} over NIXL, {:.3} s with READs in flight = {:.3} GB/s\n",
+            "transfer:          {} over NIXL: {:.3} GB/s while READs were in flight ({:.3} s), {:.3} GB/s over the wall time ({:.3} s)\n",
             human_bytes(s.bytes_transferred),
+            s.transfer_gbps,
             s.transfer_seconds,
-            s.transfer_gbps
+            wall_gbps(s.bytes_transferred, sc.seconds),
+            sc.seconds
         );
     }
     if r.scenario.is_none() {
@@ -512,6 +620,15 @@ pub fn render(r: &Report) -> String {
         if let (Some(c), Some(r)) = (p.copy_gbps, p.ratio_to_copy) {
             let r = if r < 0.01 { format!("{r:.5}") } else { format!("{r:.3}") };
             out += &format!("                   transfer = {r} of a same-run copy of the pool ({c:.1} GB/s)\n");
+        } else if r.scenario.is_none() && p.copy_gbps.is_none() {
+            let pool = serde_json::from_value::<crate::geometry::Geometry>(r.config["geometry"].clone())
+                .ok()
+                .and_then(|g| g.pool_bytes().ok());
+            out += &format!(
+                "                   transfer not rated against a copy: a pool of {} is too small to time one (at least {} MiB per side)\n",
+                pool.map(bytes_exact).unwrap_or_else(|| "this size".into()),
+                crate::run::MIN_CEILING_BYTES >> 20
+            );
         }
         if let Some(w) = &p.warning {
             out += &format!("warning:           {w}\n");
@@ -522,6 +639,14 @@ pub fn render(r: &Report) -> String {
             "probe passes:      fill {:.3} s, poison {:.3} s, verify {:.3} s outside the transfers ({:.1} GB/s verified)\n",
             s.fill_seconds, s.poison_seconds, s.verify_seconds, s.verify_gbps
         );
+        if r.scenario.is_none() && s.iterations > 0 {
+            // The sweep fills and poisons for iteration 1 before it starts, and the last
+            // iteration refills nothing: with one iteration both read 0.
+            out += &format!(
+                "set-up:            {:.3} s to the first transfer (NIXL, pools, agents, the copy ceiling if measured, and iteration 1's fill and poison, which the figures above leave out)\n",
+                s.setup_seconds
+            );
+        }
         if s.pipeline_stages > 1 {
             out += &format!(
                 "pipeline:          {} stages; {:.3} s of probe work hidden inside the transfers\n",

@@ -40,13 +40,16 @@ pub struct RunConfig {
     pub decode_device: usize,
     /// The preset the geometry started from, if any.
     pub preset: Option<Preset>,
-    /// KV geometry (the same on both sides).
+    /// KV geometry (the same on both sides); reports add its `slice_bytes`.
+    #[serde(serialize_with = "crate::geometry::serialize_with_slice_bytes")]
     pub geometry: Geometry,
     /// READ (decode pulls) or WRITE (prefill pushes).
     pub op: Op,
     /// Iterations (≥ 1).
     pub iterations: u32,
-    /// Fingerprint and scheduling seed.
+    /// Fingerprint and scheduling seed; reports write it as `seed` (an integer) and
+    /// `seed_hex` ([`serialize_seed`]).
+    #[serde(flatten, serialize_with = "serialize_seed")]
     pub seed: u64,
     /// Faults to plant.
     pub inject: Vec<Spec>,
@@ -84,6 +87,23 @@ pub struct Hooks<'a> {
     pub checkpoint_secs: f64,
     /// Scenario runs: called with the report so far at each checkpoint.
     pub checkpoint: &'a mut dyn FnMut(&Report),
+}
+
+/// The seed as `seed` (a JSON integer, as before) and `seed_hex` (`"0x"` and 16 lowercase
+/// hex digits): common JSON tools read integers as doubles and round seeds above 2^53 (jq
+/// prints 18446744073709551615 as 18446744073709552000), a string keeps every bit. For
+/// `#[serde(flatten, serialize_with = "serialize_seed")]` on a `u64` field named `seed`.
+pub fn serialize_seed<S: serde::Serializer>(seed: &u64, s: S) -> std::result::Result<S::Ok, S::Error> {
+    use serde::ser::SerializeMap;
+    let mut m = s.serialize_map(Some(2))?;
+    m.serialize_entry("seed", seed)?;
+    m.serialize_entry("seed_hex", &seed_hex(*seed))?;
+    m.end()
+}
+
+/// `seed` as `"0x"` followed by 16 lowercase hex digits (the report's `seed_hex`).
+pub fn seed_hex(seed: u64) -> String {
+    format!("{seed:#018x}")
 }
 
 /// Logical block id of prefill slot `i`: a seeded bijection of u32 (so logical ≠ physical).
@@ -170,6 +190,11 @@ fn check_config(cfg: &RunConfig) -> Result<()> {
     Ok(())
 }
 
+/// Smallest pool (bytes per side) whose copy a sweep times as the transfer's ceiling
+/// (`summary.transport_path.copy_gbps`): below it the copy takes about as long as its fixed
+/// costs (thread start, kernel launch), so the rate would be noise, not a ceiling.
+pub const MIN_CEILING_BYTES: u64 = 64 << 20;
+
 /// Host bytes kvprobe and NIXL keep per block slice (descriptor lists, transfer plans):
 /// an upper bound measured on DRAM runs (about 285 B seen), used to refuse runs up front.
 pub const HOST_BYTES_PER_SLICE: u64 = 512;
@@ -187,8 +212,11 @@ fn check_host_memory(cfg: &RunConfig) -> Result<()> {
             && tier > avail / 2
         {
             return Err(Error::Usage(format!(
-                "the tier of {} blocks x {block} bytes = {tier} bytes of host memory is more than half of the {avail} available; lower --tier-blocks (at least 2 x --concurrency x max --prompt-blocks = {} are needed)",
+                "the tier of {} blocks x {} = {} of host memory is more than half of the {} available; lower --tier-blocks (at least 2 x --concurrency x max --prompt-blocks = {} are needed)",
                 sc.tier_blocks,
+                crate::report::bytes_exact(block),
+                crate::report::bytes_exact(tier),
+                crate::report::bytes_exact(avail),
                 2 * sc.concurrency as u64 * sc.workload.max_blocks as u64
             )));
         }
@@ -198,7 +226,10 @@ fn check_host_memory(cfg: &RunConfig) -> Result<()> {
         && need > avail
     {
         return Err(Error::Usage(format!(
-            "the run needs about {need} bytes of host memory ({pools} for DRAM pools and the tier + {HOST_BYTES_PER_SLICE} per block slice); {avail} are available (MemAvailable / cgroup limit)"
+            "the run needs about {} of host memory ({} for DRAM pools and the tier + {HOST_BYTES_PER_SLICE} bytes per block slice); {} are available (MemAvailable / cgroup limit)",
+            crate::report::bytes_exact(need),
+            crate::report::bytes_exact(pools),
+            crate::report::bytes_exact(avail)
         )));
     }
     Ok(())
@@ -235,7 +266,11 @@ fn build_pools(cfg: &RunConfig) -> Result<(KvPool, Option<KvPool>)> {
 
 impl Probe {
     pub(crate) fn setup(cfg: &RunConfig) -> Result<Probe> {
-        crate::trace!("allocating pools");
+        crate::phase::announce(&format!(
+            "setup: allocating pools ({} {} per side)",
+            cfg.geometry.pool_bytes().map(crate::report::bytes_binary).unwrap_or_default(),
+            if cfg.memory == MemoryKind::Vram { "VRAM" } else { "DRAM" }
+        ));
         let (p, d) = build_pools(cfg)?;
         Self::connect(cfg, p, d).map_err(|e| match e {
             // Before any transfer, a NIXL refusal means this backend cannot serve these pools
@@ -250,6 +285,11 @@ impl Probe {
     }
 
     fn connect(cfg: &RunConfig, p: KvPool, d: Option<KvPool>) -> Result<Probe> {
+        crate::phase::announce(&format!(
+            "setup: registering the pools with NIXL (backend {}{})",
+            cfg.backend,
+            if cfg.decode_process { ", decode agent in a second process" } else { "" }
+        ));
         crate::trace!("prefill NIXL agent");
         let mut prefill = Endpoint::new("kvprobe-prefill", &cfg.backend, p)?;
         let pi = prefill.info()?;
@@ -551,6 +591,9 @@ pub fn run(cfg: &RunConfig, hooks: &mut Hooks<'_>) -> (Report, Exit) {
     let (exit, err) = match (&result, corrupt) {
         (_, true) => (Exit::Corrupt, result.as_ref().err()),
         (Err(e), false) => (e.exit(), Some(e)),
+        // An unfenced mechanism that never corrupted anything is not a pass: the run could
+        // not have seen that bug (exit 6, as `kvprobe ab` gives for the same verdict).
+        (Ok(()), false) if !unfenced_not_reproduced(&report).is_empty() => (Exit::NotReproduced, None),
         (Ok(()), false) => match cfg.min_gbps {
             Some(m) if report.summary.transfer_gbps < m => (Exit::BelowRate, None),
             _ => (Exit::Clean, None),
@@ -560,9 +603,22 @@ pub fn run(cfg: &RunConfig, hooks: &mut Hooks<'_>) -> (Report, Exit) {
     (report, exit)
 }
 
+/// The unfenced race mechanisms of a scenario run whose verdict is not `detected` (empty
+/// for sweeps and fenced runs).
+pub fn unfenced_not_reproduced(report: &Report) -> Vec<crate::race::Mechanism> {
+    report.scenario.as_ref().map_or_else(Vec::new, |sc| {
+        sc.races
+            .iter()
+            .filter(|o| o.fencing == crate::race::Fencing::Unfenced && o.verdict != "detected")
+            .map(|o| o.mechanism)
+            .collect()
+    })
+}
+
 /// Checks the configuration and host memory, loads NIXL and records the environment in
 /// `report`; the common start of `run` and `ab`.
 pub(crate) fn prepare(cfg: &RunConfig, report: &mut Report) -> Result<()> {
+    crate::phase::announce("setup: loading NIXL, checking the environment");
     crate::nixl::prepare_ucx_env(
         cfg.memory == MemoryKind::Vram && cfg.prefill_device == cfg.decode_device && !cfg.decode_process,
     );
@@ -625,6 +681,10 @@ fn sweep(
     let mut verify_all = 0.0;
 
     // Setup: iteration 1's fill and faults, the copy ceiling, iteration 1's poison.
+    crate::phase::announce(&format!(
+        "setup: filling the prefill pool{}, poisoning the decode pool",
+        if pool_bytes >= MIN_CEILING_BYTES { ", timing a copy of it (the ceiling)" } else { "" }
+    ));
     let mut cur = probe.plan(1)?;
     probe.prefill.pool.load_table(&cur.src_table)?;
     probe.prefill.pool.fill_layers(all.clone())?;
@@ -641,11 +701,17 @@ fn sweep(
         probe.decode.pool.copy_pool_from(&probe.prefill.pool)?;
         probe.decode.pool.copy_pool_from(&probe.prefill.pool)
     };
-    let secs = match gpus {
-        (Some(d), Some(p)) if d.ordinal() != p.ordinal() => d.with_peer_access(&p, copy)?,
-        _ => copy()?,
+    // A pool below MIN_CEILING_BYTES copies in the time of the copy's fixed costs (threads,
+    // launches): no ceiling is measured, and the summary says so instead of a ratio.
+    let copy_gbps = if pool_bytes < MIN_CEILING_BYTES {
+        None
+    } else {
+        let secs = match gpus {
+            (Some(d), Some(p)) if d.ordinal() != p.ordinal() => d.with_peer_access(&p, copy)?,
+            _ => copy()?,
+        };
+        Some(pool_bytes as f64 / secs.max(1e-12) / 1e9)
     };
-    let copy_gbps = Some(pool_bytes as f64 / secs.max(1e-12) / 1e9);
     probe.decode.pool.poison_layers(all.clone(), 1, false)?;
     probe.decode.pool.finish()?;
     probe.prefill.pool.take_kernel_seconds();
@@ -659,7 +725,7 @@ fn sweep(
             return Err(Error::Interrupted(format!("after {} complete iterations", it - 1)));
         }
         let iteration_start = Instant::now();
-        let mut times = IterationTimes::default();
+        let mut times = IterationTimes { index: it, ..Default::default() };
         let more = it < cfg.iterations;
         probe.decode.pool.load_table(&cur.dst_table)?;
         let mut next: Option<Plan> = None;
@@ -694,22 +760,21 @@ fn sweep(
             // Wait for stage k.
             let mut posted = inflight.pop_front().expect("one request per stage");
             if let Some(p) = posted.as_mut() {
-                // A signal lets the request finish for up to a second (then the report says
-                // interrupted rather than waiting out --timeout on a stalled transfer).
-                // `poll` ends the wait with a timeout past the request's deadline.
-                let mut interrupted: Option<Instant> = None;
+                // A signal lets the requests in flight finish for up to `interrupt::GRACE` after
+                // it (then the report says interrupted rather than waiting out --timeout on a
+                // stalled transfer). `poll` ends the wait with a timeout past the request's
+                // deadline.
                 loop {
                     if let Some(r) = transport::poll(cfg.op, &probe.prefill, &probe.decode, p)? {
                         bytes += r.bytes;
                         break;
                     }
-                    if crate::interrupt::requested() {
-                        let since = *interrupted.get_or_insert_with(Instant::now);
-                        if since.elapsed() > Duration::from_secs(1) {
-                            return Err(Error::Interrupted(format!(
-                                "in iteration {it} while stage {k}'s transfer was in flight (incomplete after 1 s)"
-                            )));
-                        }
+                    if crate::interrupt::since_requested().is_some_and(|d| d > crate::interrupt::GRACE) {
+                        return Err(Error::Interrupted(format!(
+                            "in iteration {it} while stage {k}'s transfer was in flight (incomplete {} s after the signal; \
+                             this iteration is not verified)",
+                            crate::interrupt::GRACE.as_secs()
+                        )));
                     }
                     std::hint::spin_loop();
                 }
@@ -756,11 +821,12 @@ fn sweep(
             let verify_s = t.elapsed().as_secs_f64();
             verify_all += verify_s;
             let t = Instant::now();
+            let mut fill_s = 0.0; // the last iteration refills nothing
             if let Some(n) = &next {
                 probe.prefill.pool.fill_layers(layers.clone())?;
                 probe.apply_source_faults(n, layers)?;
+                fill_s = t.elapsed().as_secs_f64();
             }
-            let fill_s = t.elapsed().as_secs_f64();
             let t = Instant::now();
             if more {
                 probe.decode.pool.poison_layers(layers.clone(), it + 1, false)?;

@@ -76,7 +76,9 @@ impl Store {
             && bytes > avail
         {
             return Err(Error::Usage(format!(
-                "the tier of {capacity} blocks needs {bytes} bytes of host memory; {avail} are available (lower --tier-blocks)"
+                "the tier of {capacity} blocks needs {} of host memory; {} are available (lower --tier-blocks)",
+                crate::report::bytes_exact(bytes),
+                crate::report::bytes_exact(avail)
             )));
         }
         let buf = HostBuffer::alloc(bytes as usize)?;

@@ -75,7 +75,8 @@ pub struct TransportPath {
     pub emulated: bool,
     /// Rate of one copy of the pool, prefill to decode, measured in the same run (GB/s, bytes
     /// moved once: cuMemcpyDtoD for VRAM, memcpy on all threads for DRAM); the ceiling the
-    /// transfer rate is compared to.
+    /// transfer rate is compared to. `None` for pools under [`crate::run::MIN_CEILING_BYTES`]
+    /// (too small to time a copy).
     pub copy_gbps: Option<f64>,
     /// Transfer rate / `copy_gbps`.
     pub ratio_to_copy: Option<f64>,
@@ -88,8 +89,8 @@ pub struct TransportPath {
 static ADOPTED: OnceLock<std::sync::Mutex<std::fs::File>> = OnceLock::new();
 
 /// Once UCX has opened its log (after the first NIXL agent with the UCX backend), keeps a
-/// handle on it through `/proc/self/fd` and removes the file and its directory, so nothing
-/// is left behind even when kvprobe is killed. Later reads go through the handle.
+/// handle on it through `/proc/self/fd` and removes the file (a kill before then leaves it in
+/// kvprobe's private directory, which the next kvprobe removes: [`crate::scratch`]). Later reads go through the handle.
 pub fn adopt() {
     if ADOPTED.get().is_some() {
         return;
@@ -250,12 +251,10 @@ pub fn messages() -> Vec<String> {
         .collect()
 }
 
-/// Removes kvprobe's UCX log and its private directory (at exit).
+/// Removes kvprobe's UCX log (once UCX has it open, and at exit); its directory, kvprobe's
+/// private one, goes at exit ([`crate::scratch::remove_own`]).
 pub fn remove_log() {
     if let Some(p) = log_path() {
         let _ = std::fs::remove_file(p);
-        if let Some(d) = p.parent() {
-            let _ = std::fs::remove_dir(d);
-        }
     }
 }

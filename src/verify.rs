@@ -2,14 +2,27 @@
 //!
 //! The pool's verify pass ([`crate::pool::KvPool::verify`]) finds slices whose bytes differ
 //! from the fingerprint; this module looks at one such slice on the host and attributes
-//! each 512-byte sector to a source:
+//! each 512-byte sector (the last one may be as short as 16 bytes: its tag alone) to the
+//! first of these sources that fits, exact matches before approximate ones:
 //!
-//! - `expected` — the expected fingerprint, exactly or with at most
-//!   [`BITFLIP_MAX_BITS_PER_SECTOR`] bits flipped;
-//! - `poison` — this iteration's poison for this slot (nothing arrived);
-//! - another block's intact fingerprint, named by the sector's tag;
-//! - `expected+poison within the sector` — a tear inside the sector;
-//! - `unknown` — none of these.
+//! 1. `expected` — the expected fingerprint, exactly;
+//! 2. `poison` — exactly this iteration's poison for this slot (nothing arrived);
+//! 3. another identity's intact fingerprint, named by the sector's tag, exactly;
+//! 4. `expected(N bits flipped)` — the expected fingerprint with 1 to
+//!    [`BITFLIP_MAX_BITS_PER_SECTOR`] bits flipped in this sector;
+//! 5. `expected+poison within the sector` — every 4-byte element either expected or poison
+//!    (both present), at most one element neither: a tear inside the sector;
+//! 6. `unknown` — none of these.
+//!
+//! The order matters in short sectors: a 16-byte sector has one hashed word (the check), and
+//! the poison's even elements are the slot number, a small integer like the tag's block id
+//! and generation, so an old generation's or another block's exact tag can also be within a
+//! few bits of the expected one, or look like expected and poison split inside the sector.
+//! An injected fault is classified as predicted on every slice size: a one-bit flip never
+//! turns a sector into poison (poison differs from every fingerprint sector in at least two
+//! bits: the top byte of element 1 is 0x5A, not 0x4B) nor into another identity's valid tag
+//! (the tag key is a bijection of each of block, layer/K/V and generation, and the check
+//! word is a bijection of the key), and a tear at a 16-byte boundary leaves every tag whole.
 //!
 //! The slice's [`Class`] follows: all expected with flips → `bitflip`; all poison →
 //! `unwritten`; all one other identity → `stale` (same layer, K/V and logical block, other
@@ -137,18 +150,31 @@ pub fn classify_against(actual: &[u8], want: &[u8], expected: BlockIdentity, see
     for (s, (got, exp)) in actual.chunks(SECTOR_BYTES).zip(want.chunks(SECTOR_BYTES)).enumerate() {
         let range = s * SECTOR_BYTES..s * SECTOR_BYTES + got.len();
         let h = hamming(got, exp);
-        let src = if h <= BITFLIP_MAX_BITS_PER_SECTOR {
-            Source::Expected(h)
-        } else if got == &poison[range.clone()] {
-            Source::Poison
-        } else if split_within(got, exp, &poison[range.clone()]) {
-            Source::Mixed
-        } else if let Some(id) = fingerprint::decode_tag(actual, seed, s as u32) {
+        // Exact matches first (the expected bytes, this slot's poison, another identity's
+        // fingerprint named by the sector's tag), then the approximate ones (a few flipped
+        // bits, a tear inside the sector). In a short sector (a 16-byte one is its tag alone)
+        // the approximate tests alone are ambiguous: the poison's even elements are the slot
+        // number, a small integer like the tag's block id and generation, so a stale or
+        // misplaced tag could pass for "expected and poison split inside the sector", and
+        // its one random word (the check) for a few flipped bits of the expected one.
+        let mut other = || {
+            let id = fingerprint::decode_tag(actual, seed, s as u32).filter(|id| *id != expected)?;
             if !others.iter().any(|(i, _)| *i == id) {
                 others.push((id, fingerprint::expected(actual.len(), seed, id)));
             }
-            let bytes = &others.iter().find(|(i, _)| *i == id).unwrap().1;
-            if got == &bytes[range] { Source::Other(id) } else { Source::Unknown }
+            let bytes = &others.iter().find(|(i, _)| *i == id).expect("just added").1;
+            (got == &bytes[range.clone()]).then_some(id)
+        };
+        let src = if h == 0 {
+            Source::Expected(0)
+        } else if got == &poison[range.clone()] {
+            Source::Poison
+        } else if let Some(id) = other() {
+            Source::Other(id)
+        } else if h <= BITFLIP_MAX_BITS_PER_SECTOR {
+            Source::Expected(h)
+        } else if split_within(got, exp, &poison[range.clone()]) {
+            Source::Mixed
         } else {
             Source::Unknown
         };

@@ -85,11 +85,83 @@ fn an_existing_mooncake_deployment_is_named_completely() {
 
 #[test]
 fn a_pool_larger_than_memory_is_refused_before_allocating() {
-    assert_usage(&["run", "--memory", "dram", "--preset", "llama3-8b", "--blocks", "4000000"], "bytes of host memory");
+    // Two 2 MiB-per-block pools of 4 000 000 blocks plus 512 bytes per slice (32 layers x K/V),
+    // in binary units with the exact byte count, never a bare byte count.
+    let need: u64 = 2 * 4_000_000 * (2 << 20) + 32 * 2 * 4_000_000 * 512;
+    assert_eq!(need, 16_908_288_000_000);
+    assert_usage(
+        &["run", "--memory", "dram", "--preset", "llama3-8b", "--blocks", "4000000"],
+        &format!("needs about 15.38 TiB ({need} bytes) of host memory"),
+    );
+    let (_, _, err) = kvprobe(&["run", "--memory", "dram", "--preset", "llama3-8b", "--blocks", "4000000"]);
+    let avail = err.split("; ").nth(1).unwrap_or_else(|| panic!("{err}"));
+    assert!(avail.contains("iB (") && avail.contains(" bytes) are available"), "{err}");
 }
 
 #[test]
-fn help_lists_the_exit_codes() {
+fn duration_and_requests_together_are_refused() {
+    // One of them decides when admission stops: both is ambiguous, so refused (run and ab).
+    for cmd in ["run", "ab"] {
+        let mut a = vec![cmd, "--memory", "dram"];
+        if cmd == "run" {
+            a.extend(["--scenario", "stacked"]);
+        }
+        a.extend(["--duration", "10min", "--requests", "5"]);
+        let (code, out, err) = kvprobe(&a);
+        assert_eq!(code, 2, "{a:?}: {out}{err}");
+        assert!(err.contains("'--duration <DURATION>' cannot be used with '--requests <REQUESTS>'"), "{err}");
+    }
+}
+
+#[test]
+fn ab_explains_that_race_and_scenario_belong_to_run() {
+    for (flag, value) in [("--race", "save-after-free"), ("--scenario", "stacked")] {
+        let (code, out, err) = kvprobe(&["ab", "--memory", "dram", flag, value]);
+        assert_eq!(code, 2, "{out}{err}");
+        assert!(err.contains(&format!("{flag} is not an ab flag")) && err.contains(&format!("kvprobe run {flag}")), "{err}");
+        assert!(!err.contains("--backend"), "no unrelated suggestion: {err}");
+    }
+}
+
+#[test]
+fn report_dash_writes_the_json_to_stdout_and_the_summary_to_stderr() {
+    let d = tmpdir("report-stdout");
+    let o = std::process::Command::new(crate::common::bin())
+        .args(["run", "--memory", "dram", "--iterations", "2", "--report", "-"])
+        .current_dir(&d)
+        .output()
+        .unwrap();
+    let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert_eq!(o.status.code(), Some(0), "{out}{err}");
+    let r: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("stdout is not only JSON ({e}): {out}"));
+    assert_eq!(r["schema"], "kvprobe.report/1");
+    assert_eq!(r["summary"]["iterations"], 2);
+    assert_eq!(r["outcome"]["status"], "clean");
+    assert!(err.contains("result:            clean (exit 0)"), "the human summary goes to stderr: {err}");
+    assert!(!d.join("-").exists(), "no file named -");
+    // A usage error still leaves its report, on stdout too.
+    let o = std::process::Command::new(crate::common::bin())
+        .args(["run", "--memory", "dram", "--lockstep", "--report", "-"])
+        .current_dir(&d)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(r["outcome"]["exit_code"], 2);
+    assert!(!d.join("-").exists());
+}
+
+#[test]
+fn help_lists_the_exit_codes_and_readme_agrees_on_the_interrupt_grace() {
+    // README and --help state the grace a transfer in flight gets after a signal; the code
+    // uses kvprobe::interrupt::GRACE.
+    let grace = kvprobe::interrupt::GRACE.as_secs();
+    let readme = include_str!("../README.md");
+    let row = readme.lines().find(|l| l.starts_with("| 130 |")).unwrap();
+    assert!(row.contains(&format!("a transfer in flight gets up to {grace} s after the signal")), "{row}");
+    assert!(!row.contains("the iteration in flight completes"), "{row}");
+    let (_, help, _) = kvprobe(&["run", "--help"]);
+    assert!(help.contains(&format!("in flight gets up to {grace} s after the signal")), "{help}");
     let (code, out, _) = kvprobe(&["run", "--help"]);
     assert_eq!(code, 0);
     for line in [

@@ -162,10 +162,11 @@ fn sigint_stops_cleanly_with_a_partial_report() {
     let mut child = std::process::Command::new(crate::common::bin())
         .args(["run", "--memory", "dram", "--iterations", "1000000", "--report", p.to_str().unwrap()])
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(std::time::Duration::from_millis(2500));
+    // Under way (not a fixed sleep: set-up takes longer on a loaded machine).
+    crate::common::wait_for_stderr_line(&mut child, "iteration 1/");
     // SAFETY: signalling our own child process.
     unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
     let status = child.wait().unwrap();
@@ -213,7 +214,9 @@ fn torn_is_classified_on_single_sector_slices() {
 
 #[test]
 fn the_report_names_the_ucx_path_and_rates_the_transfer_against_a_copy() {
-    let (code, r, log) = crate::common::run_with_report("ucx-path", "dram", &["--iterations", "2"]);
+    // 64 MiB per side: the smallest pool whose copy is timed as a ceiling.
+    let (code, r, log) =
+        crate::common::run_with_report("ucx-path", "dram", &["--iterations", "2", "--preset", "llama3-8b", "--blocks", "32"]);
     assert_eq!(code, 0, "{log}");
     let p = &r["summary"]["transport_path"];
     assert_eq!(p["backend"], "UCX");
@@ -369,22 +372,10 @@ fn run_and_signal_the_agent(name: &str, timeout: &str, signal: &str) -> (std::pr
         .spawn()
         .unwrap();
     let me = child.id().to_string();
-    let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
-    let mut seen = String::new();
-    while !seen.contains("iteration 2/") {
-        let mut l = String::new();
-        if std::io::BufRead::read_line(&mut stderr, &mut l).unwrap() == 0 {
-            panic!("kvprobe ended before iterating: {seen}");
-        }
-        seen += &l;
-    }
+    crate::common::wait_for_stderr_line(&mut child, "iteration 2/");
     let out = std::process::Command::new("pgrep").args(["-P", &me, "-f", "kvprobe agent"]).output().unwrap();
     let agent = String::from_utf8_lossy(&out.stdout).split_whitespace().next().expect("the decode agent process").to_string();
     assert!(std::process::Command::new("kill").args([signal, &agent]).status().unwrap().success());
-    std::thread::spawn(move || {
-        let mut rest = String::new();
-        let _ = std::io::Read::read_to_string(&mut stderr, &mut rest);
-    });
     (child, report)
 }
 
@@ -405,21 +396,130 @@ fn a_decode_agent_process_that_dies_is_a_transport_error() {
 fn a_frozen_decode_agent_times_out_and_ctrl_c_is_not_held_up_by_it() {
     // A stopped agent neither reads its requests nor answers: --timeout ends the run (exit 4,
     // report written) even when requests are larger than a pipe's buffer.
+    // The bounds below only tell "ended by the limit or the signal" from "waited out a far
+    // longer one": generous, so a loaded machine cannot fail them.
     let (mut child, report) = run_and_signal_the_agent("frozen-timeout", "2", "-STOP");
     let t0 = std::time::Instant::now();
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(4), "exit after {:?}", t0.elapsed());
-    assert!(t0.elapsed() < std::time::Duration::from_secs(20), "{:?}", t0.elapsed());
+    assert!(t0.elapsed() < std::time::Duration::from_secs(300), "{:?}", t0.elapsed());
     let r: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
     assert_eq!(r["outcome"]["status"], "timeout");
-    // Ctrl-C while the transfer is stuck: 130 within seconds, not after --timeout (60 s).
-    let (mut child, report) = run_and_signal_the_agent("frozen-sigint", "60", "-STOP");
+    // Ctrl-C while the transfer is stuck: 130 within seconds, not after --timeout (3600 s).
+    let (mut child, report) = run_and_signal_the_agent("frozen-sigint", "3600", "-STOP");
     std::thread::sleep(std::time::Duration::from_millis(300));
     let t0 = std::time::Instant::now();
     assert!(std::process::Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap().success());
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(130));
-    assert!(t0.elapsed() < std::time::Duration::from_secs(15), "{:?}", t0.elapsed());
+    assert!(t0.elapsed() < std::time::Duration::from_secs(600), "{:?}", t0.elapsed());
     let r: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
     assert_eq!(r["outcome"]["status"], "interrupted");
+}
+
+#[test]
+fn a_pool_too_small_to_time_a_copy_is_not_rated_against_one() {
+    // 2 MiB per side (preset small): a copy that short times its fixed costs, not a ceiling.
+    let (code, r, log) = crate::common::run_with_report("small-ceiling", "dram", &["--iterations", "1"]);
+    assert_eq!(code, 0, "{log}");
+    let p = &r["summary"]["transport_path"];
+    assert!(p["copy_gbps"].is_null() && p["ratio_to_copy"].is_null(), "{p}");
+    assert!(
+        log.contains(&format!(
+            "transfer not rated against a copy: a pool of 2.00 MiB (2097152 bytes) is too small to time one (at least {} MiB per side)",
+            kvprobe::run::MIN_CEILING_BYTES >> 20
+        )),
+        "{log}"
+    );
+    assert!(!log.contains("of a same-run copy"), "{log}");
+}
+
+#[test]
+fn one_iteration_says_its_fill_and_poison_are_in_set_up() {
+    let (code, r, log) = crate::common::run_with_report("one-iteration", "dram", &["--iterations", "1"]);
+    assert_eq!(code, 0, "{log}");
+    let s = &r["summary"];
+    // The last iteration refills and re-poisons nothing; iteration 1's passes were set-up.
+    assert_eq!(s["fill_seconds"], 0.0);
+    let setup = s["setup_seconds"].as_f64().unwrap();
+    assert!(setup > 0.0);
+    let line = log.lines().find(|l| l.starts_with("set-up:")).unwrap_or_else(|| panic!("no set-up line: {log}"));
+    assert!(line.starts_with(&format!("set-up:            {setup:.3} s to the first transfer")), "{line}");
+    assert!(line.contains("iteration 1's fill and poison, which the figures above leave out"), "{line}");
+    assert_eq!(s["per_iteration"][0]["index"], 1, "per_iteration[].index is the iteration; `iteration` holds seconds");
+    assert!(s["per_iteration"][0]["iteration"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn set_up_phases_are_named_on_stderr_before_the_first_iteration() {
+    // Not a terminal: one plain line per phase on stderr, stdout untouched.
+    let (code, out, err) =
+        crate::common::kvprobe(&["run", "--memory", "dram", "--preset", "llama3-8b", "--blocks", "32", "--iterations", "2"]);
+    assert_eq!(code, 0, "{out}{err}");
+    let lines: Vec<&str> = err.lines().collect();
+    let at = |p: &str| lines.iter().position(|l| l.starts_with(p)).unwrap_or_else(|| panic!("no {p:?} line: {err}"));
+    let phases = [
+        at("setup: loading NIXL"),
+        at("setup: allocating pools (64.00 MiB DRAM per side)"),
+        at("setup: registering the pools with NIXL (backend UCX)"),
+        at("setup: filling the prefill pool, timing a copy of it (the ceiling), poisoning the decode pool"),
+        at("iteration 1/2"),
+    ];
+    assert!(phases.windows(2).all(|w| w[0] < w[1]), "phases out of order: {err}");
+    assert_eq!(lines.iter().filter(|l| l.starts_with("setup:")).count(), 4, "one line per phase: {err}");
+    assert!(!out.contains("setup:"), "{out}");
+}
+
+/// Issue 12.3, end to end: on the smallest slices the geometry accepts (16 bytes = one tag,
+/// 32, 48, 64, up to a sector and a 16-byte tail) every injection class comes back exactly as
+/// predicted, in NHD, HND and MLA pools, over many iterations (each a new plan and
+/// generation, so the poison's slot numbers meet the tags' small generations and block ids)
+/// — and torn, which needs a prefix shorter than the slice, is refused up front on 16-byte
+/// slices with the reason.
+#[test]
+fn every_injection_is_classified_exactly_on_the_smallest_slices() {
+    // One layer of `blocks` blocks of one fp8 token of one head: slices of `head` bytes.
+    fn tiny(head: u32, blocks: u32, extra: &[&str]) -> Vec<String> {
+        let mut a: Vec<String> =
+            ["--layers", "1", "--kv-heads", "1", "--block-size", "1", "--dtype", "fp8"].map(String::from).into();
+        a.extend(["--head-size".into(), head.to_string(), "--blocks".into(), blocks.to_string()]);
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    }
+    fn strs(v: &[String]) -> Vec<&str> {
+        v.iter().map(String::as_str).collect()
+    }
+    // The issue's example: planted 4, detected 3, one stale read as torn.
+    let args = tiny(16, 8, &["--iterations", "2", "--seed", "0", "--inject", "stale:2"]);
+    let (code, r, log) = run_report("tiny-issue", &strs(&args));
+    assert_eq!(code, 1, "{log}");
+    crate::common::assert_found_exactly(&r, 4, &log);
+
+    let mut refused = vec!["run".to_string(), "--memory".into(), "dram".into()];
+    refused.extend(tiny(16, 16, &["--iterations", "1", "--inject", "torn"]));
+    let (code, out, err) = crate::common::kvprobe(&strs(&refused));
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(err.contains("--inject torn needs block slices of at least 32 bytes (they are 16)"), "{err}");
+
+    let layouts: [&[&str]; 3] = [&[], &["--layout", "hnd"], &["--mla"]];
+    let iterations = 12u64;
+    for (n, head) in [16u32, 32, 48, 64, 112, 496, 512, 528, 1040].into_iter().enumerate() {
+        for (k, seed) in [n as u64 + 1, u64::MAX - 15 - n as u64].into_iter().enumerate() {
+            let layout = layouts[(n + k) % 3];
+            let per_it = if head >= 32 { 11 } else { 9 };
+            let mut extra = vec!["--inject", "bitflip:2", "--inject", "drop:2", "--inject", "misroute:2", "--inject", "stale:3"];
+            if head >= 32 {
+                extra.extend(["--inject", "torn:2"]);
+            }
+            let (its, sd) = (iterations.to_string(), seed.to_string());
+            extra.extend(["--iterations", &its, "--seed", &sd]);
+            extra.extend_from_slice(layout);
+            let args = tiny(head, 16, &extra);
+            let ctx = format!("{head}-byte slices, seed {seed}, {layout:?}");
+            let (code, r, log) = run_report("tiny", &strs(&args));
+            assert_eq!(code, 1, "{ctx}: {log}");
+            assert_eq!(r["summary"]["injections_planted"], iterations * per_it, "{ctx}");
+            crate::common::assert_found_exactly(&r, iterations * per_it, &format!("{ctx}: {log}"));
+        }
+    }
 }

@@ -45,7 +45,7 @@ fn master_starts_answers_and_is_always_stopped() {
         return;
     }
     let install = mooncake::find().expect("Mooncake installed by scripts/install-deps.sh");
-    let mut m = Master::start(&install, Duration::from_secs(30)).unwrap();
+    let mut m = Master::start(&install, Duration::from_secs(300)).unwrap();
     let pid = m.pid();
     assert!(running(pid));
     m.alive().unwrap();
@@ -61,7 +61,7 @@ fn a_killed_master_is_a_transport_error_with_its_log() {
         return;
     }
     let install = mooncake::find().expect("Mooncake installed by scripts/install-deps.sh");
-    let mut m = Master::start(&install, Duration::from_secs(30)).unwrap();
+    let mut m = Master::start(&install, Duration::from_secs(300)).unwrap();
     let pid = m.pid();
     let st = std::process::Command::new("kill").args(["-KILL", &pid.to_string()]).status().unwrap();
     assert!(st.success());
@@ -70,7 +70,7 @@ fn a_killed_master_is_a_transport_error_with_its_log() {
         match m.alive() {
             Err(e) => break e,
             Ok(()) => {
-                assert!(t0.elapsed() < Duration::from_secs(10), "death not seen");
+                assert!(t0.elapsed() < Duration::from_secs(300), "death not seen");
                 std::thread::sleep(Duration::from_millis(20));
             }
         }
@@ -90,7 +90,7 @@ fn worker_moves_blocks_between_a_shared_pool_and_the_store() {
     use kvprobe::fingerprint::{self, BlockIdentity};
     use kvprobe::geometry::KvPart;
     let install = mooncake::find().expect("Mooncake installed by scripts/install-deps.sh");
-    let master = mooncake::Deployment::Started(Master::start(&install, Duration::from_secs(30)).unwrap());
+    let master = mooncake::Deployment::Started(Master::start(&install, Duration::from_secs(300)).unwrap());
     // The pool first: the worker inherits its memfd.
     let mut pool = kvprobe::hostmem::HostBuffer::alloc_shareable(1 << 20).unwrap();
     let late = |w: &mut mooncake::Worker| {
@@ -98,7 +98,7 @@ fn worker_moves_blocks_between_a_shared_pool_and_the_store() {
         let e = w.map_shared(&other).unwrap_err();
         assert!(e.to_string().contains("before starting the worker"), "{e}");
     };
-    let mut w = mooncake::Worker::start(&install, Duration::from_secs(60)).unwrap();
+    let mut w = mooncake::Worker::start(&install, Duration::from_secs(300)).unwrap();
     w.setup(&master, "tcp", 64 << 20).unwrap();
     late(&mut w);
     w.map_shared(&pool).unwrap();
@@ -137,10 +137,12 @@ fn a_killed_worker_is_a_transport_error() {
         return;
     }
     let install = mooncake::find().expect("Mooncake installed by scripts/install-deps.sh");
-    let mut w = mooncake::Worker::start(&install, Duration::from_secs(30)).unwrap();
+    let mut w = mooncake::Worker::start(&install, Duration::from_secs(300)).unwrap();
     let pid = w.pid();
     assert!(std::process::Command::new("kill").args(["-KILL", &pid.to_string()]).status().unwrap().success());
-    std::thread::sleep(Duration::from_millis(200));
+    while running(pid) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let e = w.exists(&["k".to_string()]).unwrap_err();
     assert_eq!(e.exit() as u8, 3, "{e}");
     assert!(e.to_string().contains("Mooncake worker"), "{e}");
@@ -172,7 +174,8 @@ fn run_with_helpers(report: Option<&std::path::Path>) -> (std::process::Child, u
     let mut cmd = std::process::Command::new(crate::common::bin());
     cmd.args(["run", "--memory", "dram", "--scenario", "stacked", "--tier", "mooncake", "--duration", "60s"]);
     if let Some(p) = report {
-        cmd.arg("--report").arg(p);
+        // A checkpoint soon after the first step tells the caller the run is under way.
+        cmd.arg("--report").arg(p).args(["--checkpoint", "200ms"]);
     }
     let mut child = cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn().unwrap();
     let t0 = std::time::Instant::now();
@@ -183,7 +186,7 @@ fn run_with_helpers(report: Option<&std::path::Path>) -> (std::process::Child, u
         if let (Some(m), Some(w)) = (m, w) {
             return (child, m, w);
         }
-        if t0.elapsed() > Duration::from_secs(30) {
+        if t0.elapsed() > Duration::from_secs(300) {
             let _ = child.kill();
             let _ = child.wait();
             panic!("master and worker not started");
@@ -234,7 +237,10 @@ fn a_master_killed_mid_run_is_exit_3_and_nothing_is_left_running() {
     let d = crate::common::tmpdir("mc-kill");
     let p = d.join("r.json");
     let (child, master, worker) = run_with_helpers(Some(&p));
-    std::thread::sleep(Duration::from_millis(1500));
+    // Mid-run: the first checkpoint is written (no fixed sleep: set-up is slower under load).
+    while !p.exists() {
+        std::thread::sleep(Duration::from_millis(20));
+    }
     assert!(std::process::Command::new("kill").args(["-KILL", &master.to_string()]).status().unwrap().success());
     let out = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
@@ -257,7 +263,7 @@ fn a_kvprobe_killed_hard_takes_its_master_and_worker_along() {
     let t0 = std::time::Instant::now();
     while running(master) || running(worker) {
         assert!(
-            t0.elapsed() < Duration::from_secs(10),
+            t0.elapsed() < Duration::from_secs(300),
             "left running: master {master} {}, worker {worker} {}",
             running(master),
             running(worker)
@@ -319,7 +325,7 @@ fn an_existing_master_is_used_and_left_running() {
         return;
     }
     let install = mooncake::find().expect("Mooncake installed by scripts/install-deps.sh");
-    let mut m = Master::start(&install, Duration::from_secs(30)).unwrap();
+    let mut m = Master::start(&install, Duration::from_secs(300)).unwrap();
     let rpc = m.rpc.to_string();
     let (code, r, log) = crate::common::run_with_report(
         "mc-external",
@@ -352,9 +358,9 @@ fn an_existing_master_that_does_not_answer_is_exit_3() {
     if !mooncake_or_skip("an_existing_master_that_does_not_answer_is_exit_3") {
         return;
     }
-    // A port nothing listens on: bound, then released.
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let master = format!("127.0.0.1:{port}");
+    // A port nothing listens on, held for the test so no other process can take it.
+    let (_held, addr) = crate::common::refusing_addr();
+    let master = addr.to_string();
     let (code, out, err) = kvprobe_env(
         &[
             "run",

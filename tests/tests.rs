@@ -10,6 +10,7 @@ mod dram;
 mod fingerprint;
 mod geometry;
 mod gpu;
+mod limits;
 mod mooncake;
 mod scenario;
 mod setup;

@@ -297,3 +297,28 @@ fn commands_are_parsed_and_checked_against_the_pool() {
     assert!(matches!(cmd(with([0, 0, 63, 0, 0, 63], 2 * 4096)), AgentCommand::Xfer(..)));
     bad([b"X ".to_vec(), vec![b'a'; 5000], b" 1\n".to_vec()].concat(), "longer than 4096 bytes");
 }
+
+#[test]
+fn byte_counts_read_in_binary_units_with_the_exact_value() {
+    use kvprobe::report::{bytes_binary, bytes_exact};
+    assert_eq!(bytes_exact(211_353_600_000), "196.84 GiB (211353600000 bytes)");
+    assert_eq!(bytes_exact(2 << 20), "2.00 MiB (2097152 bytes)");
+    assert_eq!(bytes_exact(1536), "1.50 KiB (1536 bytes)");
+    assert_eq!(bytes_exact(1023), "1023 bytes");
+    assert_eq!(bytes_binary(16_908_288_000_000), "15.38 TiB");
+    assert_eq!(bytes_binary(u64::MAX), "16.00 EiB");
+}
+
+#[test]
+fn the_bench_breakdown_takes_the_median_iteration_after_the_warm_up() {
+    use kvprobe::bench::representative;
+    use kvprobe::report::IterationTimes;
+    let t = |s: f64| IterationTimes { iteration: s, ..Default::default() };
+    assert_eq!(representative(&[]), None);
+    assert_eq!(representative(&[t(9.0)]), Some(0), "one iteration: itself");
+    assert_eq!(representative(&[t(9.0), t(2.0)]), Some(1), "the warm-up is left out");
+    // After the warm-up: 3, 1, 2 -> the median 2 is index 3.
+    assert_eq!(representative(&[t(9.0), t(3.0), t(1.0), t(2.0)]), Some(3));
+    // Even count: the lower middle (4, 1, 3, 2 -> 2 at index 4).
+    assert_eq!(representative(&[t(0.5), t(4.0), t(1.0), t(3.0), t(2.0)]), Some(4));
+}

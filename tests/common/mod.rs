@@ -30,11 +30,16 @@ pub fn kvprobe_env(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String)
     )
 }
 
-/// A fresh temporary directory under the target dir (`KVPROBE_TEST_TMP` overrides it).
+/// A fresh temporary directory under the target dir (`KVPROBE_TEST_TMP` overrides it),
+/// unique to this call: tests run in parallel threads of one process, and several test
+/// processes (another checkout's, CI's) may share the root, so the name carries the process
+/// id and a per-process serial.
 pub fn tmpdir(name: &str) -> PathBuf {
+    static SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let root =
         std::env::var_os("KVPROBE_TEST_TMP").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(env!("CARGO_TARGET_TMPDIR")));
-    let d = root.join(format!("{name}-{}", std::process::id()));
+    let n = SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let d = root.join(format!("{name}-{}-{n}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
@@ -162,4 +167,49 @@ pub fn assert_found_exactly(report: &serde_json::Value, planted: u64, ctx: &str)
     assert_eq!(report["summary"]["injections_detected"], planted, "{ctx}");
     assert_eq!(report["summary"]["unexpected_failures"], 0, "{ctx}");
     assert_eq!(failure_set(report), predicted_set(report), "{ctx}");
+}
+
+/// Reads `child`'s stderr until a line contains `marker` (the run is under way: e.g.
+/// "iteration 1/"), then keeps draining it on a thread so the child never blocks on a full
+/// pipe. Panics with what was read when the child closes stderr first. No time limit: a
+/// loaded machine only makes it slower, and a hung child fails the test run as a whole.
+pub fn wait_for_stderr_line(child: &mut std::process::Child, marker: &str) -> String {
+    use std::io::BufRead;
+    let mut stderr = std::io::BufReader::new(child.stderr.take().expect("stderr piped"));
+    let mut seen = String::new();
+    while !seen.contains(marker) {
+        let mut l = String::new();
+        if stderr.read_line(&mut l).unwrap() == 0 {
+            panic!("kvprobe ended before printing {marker:?}: {seen}");
+        }
+        seen += &l;
+    }
+    std::thread::spawn(move || {
+        let mut rest = String::new();
+        let _ = std::io::Read::read_to_string(&mut stderr, &mut rest);
+    });
+    seen
+}
+
+/// A loopback TCP address that refuses connections and that no other process can take while
+/// the returned socket lives: bound, never listening (a port bound and released could be
+/// taken by a Mooncake master or another test in between).
+pub fn refusing_addr() -> (std::os::fd::OwnedFd, std::net::SocketAddr) {
+    use std::os::fd::FromRawFd;
+    // SAFETY: plain socket(2)/bind(2)/getsockname(2) on a socket this function owns; the
+    // sockaddr_in structures are fully initialised and their sizes passed.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+        let owned = std::os::fd::OwnedFd::from_raw_fd(fd);
+        let mut a: libc::sockaddr_in = std::mem::zeroed();
+        a.sin_family = libc::AF_INET as libc::sa_family_t;
+        a.sin_addr.s_addr = u32::from_ne_bytes([127, 0, 0, 1]);
+        let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        assert_eq!(libc::bind(fd, &a as *const _ as *const libc::sockaddr, len), 0, "bind: {}", std::io::Error::last_os_error());
+        let mut b: libc::sockaddr_in = std::mem::zeroed();
+        let mut blen = len;
+        assert_eq!(libc::getsockname(fd, &mut b as *mut _ as *mut libc::sockaddr, &mut blen), 0);
+        (owned, std::net::SocketAddr::from(([127, 0, 0, 1], u16::from_be(b.sin_port))))
+    }
 }
