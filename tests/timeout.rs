@@ -156,6 +156,12 @@ fn a_call_blocked_past_its_deadline_still_ends_the_run_with_exit_4_and_a_report(
             assert!(r["scenario"].is_object(), "the scenario section is kept");
         }
     }
+    // `--report -`: the watchdog's report goes to stdout like any other, nothing else there.
+    let (code, out, err) =
+        kvprobe_env(&[SWEEP, &["--timeout", "1", "--report", "-"]].concat(), &[("KVPROBE_TEST_STALL_POST", "3600")]);
+    assert_eq!(code, 4, "{err}");
+    let r: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("stdout is the report ({e}): {out}"));
+    assert_eq!(r["outcome"]["status"], "timeout");
     // A status query that never returns.
     let (child, report, _) =
         spawn("stuck-status", &[SWEEP, &["--timeout", "1"]].concat(), &[("KVPROBE_TEST_STALL_STATUS", "3600")], false);
