@@ -84,11 +84,14 @@ have_shlib() {
   return 1
 }
 
-# have_ibverbs_providers: libibverbs finds a user-space provider (ibverbs-providers puts them in
-# <libdir>/libibverbs/ and names them in /etc/libibverbs.d/*.driver).
+# have_ibverbs_providers: libibverbs can load a user-space provider: a library
+# lib<name>-rdmav<N>.so in <libdir>/libibverbs/ (what ibverbs-providers installs; its
+# /etc/libibverbs.d/*.driver files are conffiles that stay after a removal, so they prove nothing).
 have_ibverbs_providers() {
-  local f
-  for f in "$deps_root"/etc/libibverbs.d/*.driver; do [ -e "$f" ] && return 0; done
+  local d f
+  while IFS= read -r d; do
+    for f in "$d"/libibverbs/lib*-rdmav*.so; do [ -e "$f" ] && return 0; done
+  done < <(shlib_dirs)
   return 1
 }
 

@@ -110,8 +110,12 @@ fn shared_libraries_are_found_where_the_loader_finds_them() {
     elf(&root.join("lib64/libcurl.so.4"), true);
     std::fs::create_dir_all(root.join("etc/ld.so.conf.d")).unwrap();
     std::fs::write(root.join("etc/ld.so.conf.d/ofed.conf"), "# OFED\n/opt/ofed/lib\n").unwrap();
+    // A removed (not purged) ibverbs-providers leaves its /etc/libibverbs.d/*.driver
+    // conffiles: no provider library, so still missing.
     std::fs::create_dir_all(root.join("etc/libibverbs.d")).unwrap();
     std::fs::write(root.join("etc/libibverbs.d/mlx5.driver"), "driver mlx5\n").unwrap();
+    assert!(missing(&root, &[]).contains(&"ibverbs-providers".to_string()), "conffiles taken for providers");
+    elf(&root.join("opt/ofed/lib/libibverbs/libmlx5-rdmav34.so"), true);
     let m = missing(&root, &[]);
     for p in ["libnuma1", "libibverbs1", "ibverbs-providers", "libcurl4"] {
         assert!(!m.contains(&p.to_string()), "{p} reported missing although present: {m:?}");
