@@ -106,8 +106,9 @@ pub struct Figure {
 }
 
 /// One `kvprobe run` sweep, per iteration: the parts of one representative iteration — of the
-/// iterations after the first (a warm-up; all of them when there is only one), the one with
-/// the median wall time — from the run report's `summary.per_iteration`, so the parts add up:
+/// steady iterations (neither the first, a warm-up, nor the last, which has no next iteration
+/// to refill for), the one with the median wall time ([`representative`]) — from the run
+/// report's `summary.per_iteration`, so the parts add up:
 /// `fill_s + poison_s + transfer_s + verify_s + host_s = iteration_s`.
 #[derive(Clone, Debug, Serialize)]
 pub struct Breakdown {
@@ -134,7 +135,7 @@ pub struct Breakdown {
     /// Seconds from the run's start to its first transfer.
     pub setup_seconds: f64,
     /// The iteration (1-based index into the run's iterations) the per-iteration seconds
-    /// below come from: the median by wall time of those after the first; 0 when none ran.
+    /// below come from ([`representative`]); 0 when none ran.
     pub representative_iteration: u32,
     /// Per-iteration wall seconds: the whole iteration.
     pub iteration_s: f64,
@@ -495,13 +496,15 @@ fn breakdown(
     }
 }
 
-/// Index (0-based) of the representative iteration of a sweep's `per_iteration`: of those
-/// after the first (the warm-up; the only one when there is one), the one whose wall time is
-/// the median (the lower middle for an even count; the earliest among equal times). `None`
-/// when the list is empty.
+/// Index (0-based) of the representative iteration of a sweep's `per_iteration`: of the steady
+/// ones — after the first (the warm-up) and before the last (which refills and re-poisons
+/// nothing, there being no next iteration), as far as there are any — the one whose wall time
+/// is the median (the lower middle for an even count; the earliest among equal times). With one
+/// or two iterations: the last. `None` when the list is empty.
 pub fn representative(per_iteration: &[crate::report::IterationTimes]) -> Option<usize> {
-    let first = usize::from(per_iteration.len() > 1);
-    let mut idx: Vec<usize> = (first..per_iteration.len()).collect();
+    let n = per_iteration.len();
+    let (first, end) = if n >= 3 { (1, n - 1) } else { (n.saturating_sub(1), n) };
+    let mut idx: Vec<usize> = (first..end).collect();
     idx.sort_by(|&a, &b| per_iteration[a].iteration.total_cmp(&per_iteration[b].iteration).then(a.cmp(&b)));
     idx.get(idx.len().saturating_sub(1) / 2).copied()
 }

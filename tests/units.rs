@@ -317,8 +317,10 @@ fn the_bench_breakdown_takes_the_median_iteration_after_the_warm_up() {
     assert_eq!(representative(&[]), None);
     assert_eq!(representative(&[t(9.0)]), Some(0), "one iteration: itself");
     assert_eq!(representative(&[t(9.0), t(2.0)]), Some(1), "the warm-up is left out");
-    // After the warm-up: 3, 1, 2 -> the median 2 is index 3.
-    assert_eq!(representative(&[t(9.0), t(3.0), t(1.0), t(2.0)]), Some(3));
-    // Even count: the lower middle (4, 1, 3, 2 -> 2 at index 4).
-    assert_eq!(representative(&[t(0.5), t(4.0), t(1.0), t(3.0), t(2.0)]), Some(4));
+    // Neither the warm-up nor the last (no refill for a next iteration): 3, 1 -> lower middle 1
+    // at index 2.
+    assert_eq!(representative(&[t(9.0), t(3.0), t(1.0), t(2.0)]), Some(2));
+    assert_eq!(representative(&[t(9.0), t(3.0), t(0.1)]), Some(1), "three: the middle one");
+    // Odd count of steady iterations: 4, 1, 3 -> 3 at index 3.
+    assert_eq!(representative(&[t(0.5), t(4.0), t(1.0), t(3.0), t(2.0)]), Some(3));
 }
