@@ -150,22 +150,6 @@ fn a_killed_worker_is_a_transport_error() {
     assert!(!running(pid));
 }
 
-fn children(pid: u32) -> Vec<u32> {
-    let mut out = Vec::new();
-    if let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) {
-        for t in tasks.flatten() {
-            if let Ok(s) = std::fs::read_to_string(t.path().join("children")) {
-                out.extend(s.split_whitespace().filter_map(|x| x.parse::<u32>().ok()));
-            }
-        }
-    }
-    out
-}
-
-fn cmdline(pid: u32) -> String {
-    std::fs::read(format!("/proc/{pid}/cmdline")).map(|b| String::from_utf8_lossy(&b).replace('\0', " ")).unwrap_or_default()
-}
-
 /// Starts a 60 s `--tier mooncake` run (report at `report`, if any) and waits until kvprobe
 /// has started the master and the worker: (kvprobe, master pid, worker pid). The caller
 /// waits for kvprobe.
@@ -180,9 +164,9 @@ fn run_with_helpers(report: Option<&std::path::Path>) -> (std::process::Child, u
     let mut child = cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn().unwrap();
     let t0 = std::time::Instant::now();
     loop {
-        let kids = children(child.id());
-        let m = kids.iter().copied().find(|k| cmdline(*k).contains("mooncake_master"));
-        let w = kids.iter().copied().find(|k| cmdline(*k).contains("kvprobe-mooncake-worker"));
+        let kids = crate::common::children(child.id());
+        let m = kids.iter().copied().find(|k| crate::common::cmdline(*k).contains("mooncake_master"));
+        let w = kids.iter().copied().find(|k| crate::common::cmdline(*k).contains("kvprobe-mooncake-worker"));
         if let (Some(m), Some(w)) = (m, w) {
             return (child, m, w);
         }

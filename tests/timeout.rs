@@ -247,23 +247,6 @@ fn vram_a_cuda_wait_blocked_past_its_deadline_ends_the_run_with_exit_4() {
     assert_timeout(code, &r, &log);
 }
 
-/// Child processes of `pid` (every thread's).
-fn children(pid: u32) -> Vec<u32> {
-    let mut out = Vec::new();
-    if let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) {
-        for t in tasks.flatten() {
-            if let Ok(s) = std::fs::read_to_string(t.path().join("children")) {
-                out.extend(s.split_whitespace().filter_map(|x| x.parse::<u32>().ok()));
-            }
-        }
-    }
-    out
-}
-
-fn cmdline(pid: u32) -> String {
-    std::fs::read(format!("/proc/{pid}/cmdline")).map(|b| String::from_utf8_lossy(&b).replace('\0', " ")).unwrap_or_default()
-}
-
 #[test]
 fn a_frozen_mooncake_worker_is_a_timeout_with_a_report_and_nothing_left_running() {
     if !crate::common::mooncake_or_skip("a_frozen_mooncake_worker_is_a_timeout_with_a_report_and_nothing_left_running") {
@@ -291,9 +274,10 @@ fn a_frozen_mooncake_worker_is_a_timeout_with_a_report_and_nothing_left_running(
         assert!(t0.elapsed() < Duration::from_secs(120), "no checkpoint written");
         std::thread::sleep(Duration::from_millis(50));
     }
-    let kids = children(child.id());
-    let master = kids.iter().copied().find(|k| cmdline(*k).contains("mooncake_master")).expect("the master");
-    let worker = kids.iter().copied().find(|k| cmdline(*k).contains("kvprobe-mooncake-worker")).expect("the worker");
+    let kids = crate::common::children(child.id());
+    let master = kids.iter().copied().find(|k| crate::common::cmdline(*k).contains("mooncake_master")).expect("the master");
+    let worker =
+        kids.iter().copied().find(|k| crate::common::cmdline(*k).contains("kvprobe-mooncake-worker")).expect("the worker");
     assert!(Command::new("kill").args(["-STOP", &worker.to_string()]).status().unwrap().success());
     let (code, r, err) = finish(child, &report);
     assert_timeout(code, &r, &err);

@@ -213,3 +213,21 @@ pub fn refusing_addr() -> (std::os::fd::OwnedFd, std::net::SocketAddr) {
         (owned, std::net::SocketAddr::from(([127, 0, 0, 1], u16::from_be(b.sin_port))))
     }
 }
+
+/// Child processes of `pid` (of every thread of it), from /proc.
+pub fn children(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    if let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) {
+        for t in tasks.flatten() {
+            if let Ok(s) = std::fs::read_to_string(t.path().join("children")) {
+                out.extend(s.split_whitespace().filter_map(|x| x.parse::<u32>().ok()));
+            }
+        }
+    }
+    out
+}
+
+/// The command line of process `pid`, arguments joined by spaces ("" when it is gone).
+pub fn cmdline(pid: u32) -> String {
+    std::fs::read(format!("/proc/{pid}/cmdline")).map(|b| String::from_utf8_lossy(&b).replace('\0', " ")).unwrap_or_default()
+}
