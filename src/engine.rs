@@ -330,8 +330,9 @@ pub fn run_scenario(
     }
     if r.is_ok() && report.summary.blocks_checked == 0 {
         r = Err(Error::Usage(format!(
-            "nothing was verified: {} requests admitted, {} aborted, none reached decode (raise --requests or --duration, lower --abort-rate)",
-            e.admitted, e.aborted
+            "nothing was verified: {} admitted, {} aborted, none reached decode (raise --requests or --duration, lower --abort-rate)",
+            crate::report::plural(e.admitted, "request"),
+            e.aborted
         )));
     }
     r

@@ -177,7 +177,8 @@ impl Geometry {
         let s = self.slice_bytes()?;
         if s % 16 != 0 {
             return Err(GeometryError::Invalid(format!(
-                "a block slice is {s} bytes (block_size * kv_heads * head_size * dtype bytes); it must be a multiple of 16"
+                "a block slice is {s} bytes ({}); it must be a multiple of 16",
+                if self.mla { "block_size * head_size * dtype bytes" } else { "block_size * kv_heads * head_size * dtype bytes" }
             )));
         }
         if s > MAX_SLICE_BYTES {

@@ -223,6 +223,9 @@ pub fn exit_now(code: u8) -> ! {
     }
     crate::ucx::remove_log();
     crate::scratch::remove_own();
+    // And what killed kvprobes left (a decode agent process or a run killed hard): each start
+    // sweeps too, but the last run on a host should not leave them until the next one.
+    crate::scratch::sweep_stale();
     // SAFETY: _exit(2) terminates the process at once; every file kvprobe wrote was synced
     // or closed before (reports are synced in `write_atomic`), and stdout/stderr were just
     // flushed. Nothing else needs the atexit handlers that are skipped.

@@ -489,6 +489,11 @@ fn wall_gbps(bytes: u64, secs: f64) -> f64 {
     if secs > 0.0 { bytes as f64 / secs / 1e9 } else { 0.0 }
 }
 
+/// `n` and `noun`, the noun with an `s` unless `n` is 1: "1 request", "3 requests".
+pub fn plural(n: u64, noun: &str) -> String {
+    format!("{n} {noun}{}", if n == 1 { "" } else { "s" })
+}
+
 /// A byte count in binary units with the exact value, for messages: `196.84 GiB
 /// (211353600000 bytes)`; plain `N bytes` below 1 KiB.
 pub fn bytes_exact(b: u64) -> String {

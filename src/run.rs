@@ -226,9 +226,15 @@ fn check_host_memory(cfg: &RunConfig) -> Result<()> {
         && need > avail
     {
         return Err(Error::Usage(format!(
-            "the run needs about {} of host memory ({} for DRAM pools and the tier + {HOST_BYTES_PER_SLICE} bytes per block slice); {} are available (MemAvailable / cgroup limit)",
+            "the run needs about {} of host memory ({} for {} + {HOST_BYTES_PER_SLICE} bytes per block slice); {} are available (MemAvailable / cgroup limit)",
             crate::report::bytes_exact(need),
             crate::report::bytes_exact(pools),
+            match (cfg.memory == MemoryKind::Dram, cfg.scenario.as_ref().is_some_and(|s| s.scenario.uses_tier())) {
+                (true, true) => "the DRAM pools and the tier",
+                (true, false) => "the DRAM pools",
+                (false, true) => "the tier",
+                (false, false) => "host buffers",
+            },
             crate::report::bytes_exact(avail)
         )));
     }
@@ -618,14 +624,19 @@ pub fn unfenced_not_reproduced(report: &Report) -> Vec<crate::race::Mechanism> {
 /// Checks the configuration and host memory, loads NIXL and records the environment in
 /// `report`; the common start of `run` and `ab`.
 pub(crate) fn prepare(cfg: &RunConfig, report: &mut Report) -> Result<()> {
-    crate::phase::announce("setup: loading NIXL, checking the environment");
+    // A refused configuration is said before any set-up line (its report still records the
+    // environment).
+    let config = check_config(cfg);
+    if config.is_ok() {
+        crate::phase::announce("setup: loading NIXL, checking the environment");
+    }
     crate::nixl::prepare_ucx_env(
         cfg.memory == MemoryKind::Vram && cfg.prefill_device == cfg.decode_device && !cfg.decode_process,
     );
     crate::nixl::check_ucx_log_file()?;
     let lib = crate::nixl::load();
     report.environment = Some(crate::envinfo::gather(crate::envinfo::nixl_info()));
-    check_config(cfg)?;
+    config?;
     check_host_memory(cfg)?;
     lib?;
     Ok(())

@@ -203,8 +203,14 @@ pub fn classify(text: &str, mut p: TransportPath, op: &str, vram: bool) -> Trans
         text.lines().filter(|l| l.contains("UCX  WARN") || l.contains("UCX  ERROR")).map(|l| l.trim().to_string()).collect();
     let want_op = if op == "WRITE" { "remote memory write" } else { "remote memory read" };
     let mem = if vram { "cuda" } else { "host" };
-    p.selections =
-        parse(text).into_iter().filter(|s| s.operation.starts_with(want_op) && s.operation.matches(mem).count() >= 2).collect();
+    // UCX prints a table per endpoint configuration; identical ones (e.g. one per worker
+    // connection of a WRITE) are listed once.
+    p.selections = Vec::new();
+    for s in parse(text).into_iter().filter(|s| s.operation.starts_with(want_op) && s.operation.matches(mem).count() >= 2) {
+        if !p.selections.contains(&s) {
+            p.selections.push(s);
+        }
+    }
     if p.selections.is_empty() {
         p.unknown_because = Some(format!("UCX printed no {want_op} table between {mem} memory"));
     }

@@ -359,11 +359,19 @@ fn decode_agent_in_a_second_process_moves_and_classifies_like_one() {
 }
 
 /// Starts a long `--decode-process` run, waits until it iterates, and sends its decode agent
-/// `signal` (e.g. "-KILL", "-STOP"). Returns (kvprobe child, report path).
-fn run_and_signal_the_agent(name: &str, timeout: &str, signal: &str) -> (std::process::Child, std::path::PathBuf) {
+/// `signal` (e.g. "-KILL", "-STOP"). Returns (kvprobe child, report path, agent pid, the run's
+/// TMPDIR).
+fn run_and_signal_the_agent(
+    name: &str,
+    timeout: &str,
+    signal: &str,
+) -> (std::process::Child, std::path::PathBuf, String, std::path::PathBuf) {
     let d = crate::common::tmpdir(name);
     let report = d.join("r.json");
+    let tmp = d.join("tmp");
+    std::fs::create_dir_all(&tmp).unwrap();
     let mut child = std::process::Command::new(crate::common::bin())
+        .env("TMPDIR", &tmp)
         .args(["run", "--memory", "dram", "--decode-process", "--preset", "llama3-8b", "--blocks", "32"])
         .args(["--iterations", "100000", "--timeout", timeout, "--report"])
         .arg(&report)
@@ -376,13 +384,13 @@ fn run_and_signal_the_agent(name: &str, timeout: &str, signal: &str) -> (std::pr
     let out = std::process::Command::new("pgrep").args(["-P", &me, "-f", "kvprobe agent"]).output().unwrap();
     let agent = String::from_utf8_lossy(&out.stdout).split_whitespace().next().expect("the decode agent process").to_string();
     assert!(std::process::Command::new("kill").args([signal, &agent]).status().unwrap().success());
-    (child, report)
+    (child, report, agent, tmp)
 }
 
 #[test]
 fn a_decode_agent_process_that_dies_is_a_transport_error() {
     // Killed mid-run: exit 3 naming it, a report, and no child left behind.
-    let (mut child, report) = run_and_signal_the_agent("agent-dies", "60", "-KILL");
+    let (mut child, report, agent, tmp) = run_and_signal_the_agent("agent-dies", "60", "-KILL");
     let me = child.id().to_string();
     assert_eq!(child.wait().unwrap().code(), Some(3));
     let r: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
@@ -390,6 +398,13 @@ fn a_decode_agent_process_that_dies_is_a_transport_error() {
     assert!(r["outcome"]["error"]["message"].as_str().unwrap().contains("decode agent process"), "{}", r["outcome"]);
     let left = std::process::Command::new("pgrep").args(["-P", &me]).output().unwrap();
     assert!(left.stdout.is_empty(), "children left: {}", String::from_utf8_lossy(&left.stdout));
+    // The killed agent's private directories went with kvprobe's exit, not at a later start.
+    let shm: Vec<_> = std::fs::read_dir("/dev/shm")
+        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default();
+    assert!(!shm.iter().any(|n| n.starts_with(&format!("kvprobe-{agent}."))), "left in /dev/shm: {shm:?}");
+    let left: Vec<_> = std::fs::read_dir(&tmp).unwrap().flatten().map(|e| e.file_name()).collect();
+    assert!(left.is_empty(), "left in TMPDIR: {left:?}");
 }
 
 #[test]
@@ -398,7 +413,7 @@ fn a_frozen_decode_agent_times_out_and_ctrl_c_is_not_held_up_by_it() {
     // report written) even when requests are larger than a pipe's buffer.
     // The bounds below only tell "ended by the limit or the signal" from "waited out a far
     // longer one": generous, so a loaded machine cannot fail them.
-    let (mut child, report) = run_and_signal_the_agent("frozen-timeout", "2", "-STOP");
+    let (mut child, report, _, _) = run_and_signal_the_agent("frozen-timeout", "2", "-STOP");
     let t0 = std::time::Instant::now();
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(4), "exit after {:?}", t0.elapsed());
@@ -406,7 +421,7 @@ fn a_frozen_decode_agent_times_out_and_ctrl_c_is_not_held_up_by_it() {
     let r: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
     assert_eq!(r["outcome"]["status"], "timeout");
     // Ctrl-C while the transfer is stuck: 130 within seconds, not after --timeout (3600 s).
-    let (mut child, report) = run_and_signal_the_agent("frozen-sigint", "3600", "-STOP");
+    let (mut child, report, _, _) = run_and_signal_the_agent("frozen-sigint", "3600", "-STOP");
     std::thread::sleep(std::time::Duration::from_millis(300));
     let t0 = std::time::Instant::now();
     assert!(std::process::Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap().success());

@@ -154,8 +154,9 @@ fn a_killed_worker_is_a_transport_error() {
 /// has started the master and the worker: (kvprobe, master pid, worker pid). The caller
 /// waits for kvprobe.
 #[allow(clippy::zombie_processes)]
-fn run_with_helpers(report: Option<&std::path::Path>) -> (std::process::Child, u32, u32) {
+fn run_with_helpers(report: Option<&std::path::Path>, tmp: &std::path::Path) -> (std::process::Child, u32, u32) {
     let mut cmd = std::process::Command::new(crate::common::bin());
+    cmd.env("TMPDIR", tmp);
     cmd.args(["run", "--memory", "dram", "--scenario", "stacked", "--tier", "mooncake", "--duration", "60s"]);
     if let Some(p) = report {
         // A checkpoint soon after the first step tells the caller the run is under way.
@@ -220,7 +221,7 @@ fn a_master_killed_mid_run_is_exit_3_and_nothing_is_left_running() {
     }
     let d = crate::common::tmpdir("mc-kill");
     let p = d.join("r.json");
-    let (child, master, worker) = run_with_helpers(Some(&p));
+    let (child, master, worker) = run_with_helpers(Some(&p), &d);
     // Mid-run: the first checkpoint is written (no fixed sleep: set-up is slower under load).
     while !p.exists() {
         std::thread::sleep(Duration::from_millis(20));
@@ -241,9 +242,21 @@ fn a_kvprobe_killed_hard_takes_its_master_and_worker_along() {
     if !mooncake_or_skip("a_kvprobe_killed_hard_takes_its_master_and_worker_along") {
         return;
     }
-    let (mut child, master, worker) = run_with_helpers(None);
+    let tmp = crate::common::tmpdir("mc-killed-hard");
+    let (mut child, master, worker) = run_with_helpers(None, &tmp);
+    let pid = child.id();
     child.kill().unwrap(); // SIGKILL: no destructor of kvprobe runs
     child.wait().unwrap();
+    // Its private directories go at the next kvprobe's start (here: `env`).
+    let (code, _, err) = kvprobe_env(&["env", "--json", "--no-probe"], &[("TMPDIR", tmp.to_str().unwrap())]);
+    assert_eq!(code, 0, "{err}");
+    let mine = format!("kvprobe-{pid}.");
+    for root in [tmp.as_path(), std::path::Path::new("/dev/shm")] {
+        let left: Vec<String> = std::fs::read_dir(root)
+            .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+            .unwrap_or_default();
+        assert!(!left.iter().any(|n| n.starts_with(&mine)), "left in {}: {left:?}", root.display());
+    }
     let t0 = std::time::Instant::now();
     while running(master) || running(worker) {
         assert!(

@@ -177,6 +177,11 @@ fn ucx_tables_are_parsed_and_emulation_is_flagged() {
     assert_eq!(p.selections.len(), 1);
     assert!(!p.emulated);
     assert_eq!(kvprobe::ucx::describe(&p), "UCX 0..inf zero-copy via cma/memory");
+    // The same table printed again (one per endpoint configuration) is listed once.
+    let twice = format!("{UCX_EMULATION_LOG}{UCX_EMULATION_LOG}");
+    assert_eq!(parse(&twice).len(), 4);
+    assert_eq!(classify(&twice, base(), "WRITE", false).selections.len(), 1);
+    assert_eq!(classify(&twice, base(), "READ", true).selections.len(), 1);
 }
 
 use kvprobe::geometry::{Geometry, KvPart, Layout, SliceCoord};
