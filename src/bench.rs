@@ -325,12 +325,7 @@ fn gpu_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
 fn par_slices(buf: &mut [u8], sb: usize, threads: usize, f: impl Fn(usize, &mut [u8]) + Sync) {
     let slices = buf.len() / sb;
     let per = slices.div_ceil(threads.max(1)).max(1);
-    std::thread::scope(|sc| {
-        for (t, part) in buf.chunks_mut(per * sb).enumerate() {
-            let f = &f;
-            sc.spawn(move || f(t * per, part));
-        }
-    });
+    crate::par::for_each(buf.chunks_mut(per * sb).enumerate(), threads, |(t, part)| f(t * per, part));
 }
 
 fn identity(i: usize) -> BlockIdentity {
@@ -356,11 +351,7 @@ fn host_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
     let copy_pass = |dst: &mut [u8], src: &[u8], threads: usize| {
         let t = Instant::now();
         let per = n.div_ceil(threads).div_ceil(SB) * SB;
-        std::thread::scope(|sc| {
-            for (d, s) in dst.chunks_mut(per).zip(src.chunks(per)) {
-                sc.spawn(move || d.copy_from_slice(s));
-            }
-        });
+        crate::par::for_each(dst.chunks_mut(per).zip(src.chunks(per)), threads, |(d, s)| d.copy_from_slice(s));
         t.elapsed().as_secs_f64()
     };
     let verify_pass = |buf: &mut [u8], threads: usize| -> Result<f64> {

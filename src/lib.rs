@@ -35,6 +35,7 @@ pub mod inject;
 pub mod interrupt;
 pub mod mooncake;
 pub mod nixl;
+pub mod par;
 pub mod phase;
 pub mod pool;
 pub mod race;

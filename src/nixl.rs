@@ -168,7 +168,40 @@ fn set_default_env(key: &str, value: &Path) {
     }
 }
 
+/// The fewest open file descriptors kvprobe starts NIXL with (`ulimit -n`): the UCX backend
+/// failed to start below 48 on a DRAM sweep, and aborted the process (SIGABRT, no report)
+/// below 12; the rest is headroom for the decode agent's pipes and the Mooncake worker.
+pub const MIN_OPEN_FILES: u64 = 128;
+
+/// Raises the soft open-file limit to the hard one when it is below [`MIN_OPEN_FILES`] (as
+/// a server would; it changes nothing else), and refuses a hard limit below it before UCX can
+/// abort on it. Errors: the message for [`load`] (environment, exit 2).
+pub fn ensure_open_files() -> std::result::Result<(), String> {
+    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit(2)/setrlimit(2) on this process with a fully initialised struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) != 0 {
+            return Ok(()); // unknown: let UCX try
+        }
+        if (r.rlim_cur as u64) < MIN_OPEN_FILES && r.rlim_max > r.rlim_cur {
+            let raised =
+                libc::rlimit { rlim_cur: r.rlim_max.min(MIN_OPEN_FILES.max(4096) as libc::rlim_t), rlim_max: r.rlim_max };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                r = raised;
+            }
+        }
+    }
+    if (r.rlim_cur as u64) < MIN_OPEN_FILES {
+        return Err(format!(
+            "the open-file limit (ulimit -n) is {} and cannot be raised (hard limit {}); NIXL's UCX backend needs more descriptors (it fails below 48, aborts below 12): kvprobe needs at least {MIN_OPEN_FILES}",
+            r.rlim_cur, r.rlim_max
+        ));
+    }
+    Ok(())
+}
+
 fn load_once() -> std::result::Result<NixlLibrary, String> {
+    ensure_open_files()?;
     if let Some(d) = std::env::var_os(NIXL_DIR_ENV).filter(|d| !d.is_empty())
         && !Path::new(&d).is_absolute()
     {

@@ -360,17 +360,12 @@ impl KvPool {
             return;
         }
         let per = slices.div_ceil(threads()).max(1);
-        std::thread::scope(|sc| {
-            for (t, part) in bytes.chunks_mut(per * sb).enumerate() {
-                let (f, keep) = (&f, &keep);
-                sc.spawn(move || {
-                    for (i, s) in part.chunks_exact_mut(sb).enumerate() {
-                        let c = geom.coord_of((first + t * per + i) as u32);
-                        if keep(c) {
-                            f(c, s);
-                        }
-                    }
-                });
+        crate::par::for_each(bytes.chunks_mut(per * sb).enumerate(), threads(), |(t, part)| {
+            for (i, s) in part.chunks_exact_mut(sb).enumerate() {
+                let c = geom.coord_of((first + t * per + i) as u32);
+                if keep(c) {
+                    f(c, s);
+                }
             }
         });
     }
@@ -621,10 +616,8 @@ impl KvPool {
             (Backing::Host(d), Backing::Host(s)) => {
                 let t = std::time::Instant::now();
                 let per = d.len().div_ceil(threads()).max(1);
-                std::thread::scope(|sc| {
-                    for (d, s) in d.as_mut_slice().chunks_mut(per).zip(s.as_slice().chunks(per)) {
-                        sc.spawn(move || d.copy_from_slice(s));
-                    }
+                crate::par::for_each(d.as_mut_slice().chunks_mut(per).zip(s.as_slice().chunks(per)), threads(), |(d, s)| {
+                    d.copy_from_slice(s)
                 });
                 Ok(t.elapsed().as_secs_f64())
             }

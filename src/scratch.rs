@@ -36,7 +36,9 @@ pub const SHM_ROOT: &str = "/dev/shm";
 /// One private directory and the open, locked `lock` file that marks it alive.
 struct Private {
     path: PathBuf,
-    _lock: File,
+    /// Closed just before the directory is removed at exit (removal needs a descriptor, and
+    /// under a tight `ulimit -n` that one may be the last).
+    lock: Mutex<Option<File>>,
 }
 
 static TMP: OnceLock<std::result::Result<Private, String>> = OnceLock::new();
@@ -69,7 +71,7 @@ fn create(root: &Path) -> std::result::Result<Private, String> {
     let path = root.join(format!("{PREFIX}{}.{suffix}", std::process::id()));
     std::fs::rename(new.path(), &path).map_err(|e| fail("cannot rename a directory", e))?;
     let _ = new.keep();
-    Ok(Private { path, _lock: lock })
+    Ok(Private { path, lock: Mutex::new(Some(lock)) })
 }
 
 fn get(cell: &'static OnceLock<std::result::Result<Private, String>>, root: &Path) -> Result<&'static Path> {
@@ -106,6 +108,7 @@ pub fn remove_own() {
     for cell in [&TMP, &SHM] {
         let _ = cell.set(Err("kvprobe is exiting".into()));
         if let Some(Ok(p)) = cell.get() {
+            drop(p.lock.lock().unwrap_or_else(|e| e.into_inner()).take());
             let _ = std::fs::remove_dir_all(&p.path);
         }
     }
