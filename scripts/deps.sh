@@ -7,6 +7,16 @@
 # (tests/setup.rs does). Commands (python3) are still the real ones.
 
 deps_root="${KVPROBE_DEPS_ROOT:-}"
+
+# deps_home: where kvprobe keeps its installs: $KVPROBE_HOME, else $XDG_DATA_HOME/kvprobe,
+# else ~/.local/share/kvprobe (as kvprobe looks for them); exit 2 when none can be named.
+deps_home() {
+  if [ -n "${KVPROBE_HOME:-}" ]; then echo "$KVPROBE_HOME"
+  elif [ -n "${XDG_DATA_HOME:-}" ]; then echo "$XDG_DATA_HOME/kvprobe"
+  elif [ -n "${HOME:-}" ]; then echo "$HOME/.local/share/kvprobe"
+  else echo "neither KVPROBE_HOME, XDG_DATA_HOME nor HOME is set: set KVPROBE_HOME to where kvprobe's dependencies go" >&2; return 2
+  fi
+}
 deps_multiarch="$(gcc -print-multiarch 2>/dev/null || dpkg-architecture -qDEB_HOST_MULTIARCH 2>/dev/null || echo "$(uname -m)-linux-gnu")"
 
 # is_elf64 FILE: the file starts with a 64-bit ELF header (clang-sys rejects other classes).

@@ -13,13 +13,15 @@ usage: scripts/fingerprint_ref.py SEED LAYER KV BLOCK GENERATION SLICE_BYTES [OU
   `poison` prints the SHA-256 of the poison of global slice index SLOT in ITERATION (an
   `unwritten` slice's actual_digest). `slot` prints the global slice index of a decode slot
   (a failure's layer, kv and block) in a pool of LAYOUT nhd, hnd or mla.
-  OUT, when given, receives the bytes.
+  OUT, when given, receives the bytes ("-": standard output, and the digest goes to
+  standard error).
 
   SEED: 0 to 2^64-1.  LAYER: 0 to 65535.  KV: K, V or latent (or 0, 1, 2; latent only with
   mla, K and V only without).  BLOCK, GENERATION, ITERATION: 0 to 2^32-1.  SLOT: 0 to 2^32-2.
   SLICE_BYTES: a multiple of 16 from 16 to 2^31 (config.geometry.slice_bytes).
   NUM_LAYERS: 1 to 65535.  NUM_BLOCKS: 1 to 2^32-1.  Numbers are decimal or 0x hex.
-  Bad arguments: this text and exit status 2.
+  Bad arguments: this text and exit status 2. OUT (or standard output) that cannot be
+  written, or too little memory for SLICE_BYTES: a one-line error and exit status 1.
 """
 import hashlib, re, struct, sys
 
@@ -133,10 +135,17 @@ def main(a):
         block = number("BLOCK", a[3], 0, M)
         gen = number("GENERATION", a[4], 0, M)
         b, out = slice_bytes(seed, layer, kv, block, gen, length(a[5])), a[6:]
+    digest = hashlib.sha256(b).hexdigest()
+    if out and out[0] == "-":
+        sys.stdout.buffer.write(b)
+        sys.stdout.buffer.flush()
+        sys.stderr.write(digest + "\n")
+        return 0
     if out:
         with open(out[0], "wb") as f:
             f.write(b)
-    print(hashlib.sha256(b).hexdigest())
+    print(digest)
+    sys.stdout.flush()
     return 0
 
 
@@ -146,3 +155,12 @@ if __name__ == "__main__":
     except Usage as e:
         sys.stderr.write(__doc__ + "\nerror: %s\n" % e)
         sys.exit(2)
+    except MemoryError:
+        sys.stderr.write("fingerprint_ref.py: not enough memory for SLICE_BYTES bytes\n")
+        sys.exit(1)
+    except OSError as e:
+        sys.stderr.write("fingerprint_ref.py: cannot write %s: %s\n" % (e.filename or "the output", e.strerror or e))
+        try:
+            sys.stdout = None  # no second error from flushing a broken stdout at exit
+        finally:
+            sys.exit(1)

@@ -18,17 +18,17 @@ here="$(cd "$(dirname "$0")" && pwd)"
 # shellcheck source=scripts/deps.sh
 . "$here/deps.sh"
 
-NIXL_WHEEL="nixl-cu13"
-NIXL_VERSION="1.5.1"
-home="${KVPROBE_HOME:-${XDG_DATA_HOME:-$HOME/.local/share}/kvprobe}"
-dest="$home/nixl"
-stamp="$dest/.installed-$NIXL_WHEEL-$NIXL_VERSION"
-
-case "${1:-}" in
-  --check) check=1 ;;
-  "") check=0 ;;
+case "$#:${1:-}" in
+  1:--check) check=1 ;;
+  0:) check=0 ;;
   *) echo "usage: scripts/install-deps.sh [--check]" >&2; exit 2 ;;
 esac
+
+NIXL_WHEEL="nixl-cu13"
+NIXL_VERSION="1.5.1"
+home="$(deps_home)" || exit 2
+dest="$home/nixl"
+stamp="$dest/.installed-$NIXL_WHEEL-$NIXL_VERSION"
 
 # Debian packages: libclang-dev for bindgen; libnuma1 for the bundled UCX (libucs needs
 # libnuma.so.1). python3 unpacks the wheel (zipfile), so no unzip is needed.
@@ -39,7 +39,12 @@ deps_need need "have_shlib libnuma.so.1" libnuma1
 if [ "$check" = 1 ]; then
   status=0
   for p in "${need[@]}"; do echo "missing: $p"; status=1; done
-  [ -f "$stamp" ] && [ -f "$dest/lib/libnixl_capi.so" ] || { echo "missing: NIXL $NIXL_VERSION in $dest"; status=1; }
+  if [ -n "${KVPROBE_NIXL_DIR:-}" ]; then
+    # kvprobe then loads NIXL from there and only there.
+    [ -f "$KVPROBE_NIXL_DIR/libnixl_capi.so" ] || { echo "missing: NIXL in KVPROBE_NIXL_DIR=$KVPROBE_NIXL_DIR"; status=1; }
+  else
+    [ -f "$stamp" ] && [ -f "$dest/lib/libnixl_capi.so" ] || { echo "missing: NIXL $NIXL_VERSION in $dest"; status=1; }
+  fi
   "$here/install-mooncake.sh" --check || status=1
   exit "$status"
 fi

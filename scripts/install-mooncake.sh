@@ -16,7 +16,7 @@ here="$(cd "$(dirname "$0")" && pwd)"
 # shellcheck source=scripts/deps.sh
 . "$here/deps.sh"
 
-home="${KVPROBE_HOME:-${XDG_DATA_HOME:-$HOME/.local/share}/kvprobe}"
+home="$(deps_home)" || exit 2
 dest="$home/mooncake"
 cuda13=0
 for f in "$deps_root"/usr/local/cuda*/lib64/libcudart.so.13; do [ -e "$f" ] && cuda13=1; done
@@ -35,13 +35,18 @@ deps_need need "have_shlib libnuma.so.1" libnuma1
 deps_need need "have_shlib libcurl.so.4" libcurl4
 deps_need need have_python_venv python3-venv
 
-case "${1:-}" in
-  --check)
+case "$#:${1:-}" in
+  1:--check)
     status=0
     for p in "${need[@]}"; do echo "missing: $p"; status=1; done
-    [ -f "$stamp" ] && [ -x "$dest/venv/bin/mooncake_master" ] || { echo "missing: $wheel in $dest"; status=1; }
+    if [ -n "${KVPROBE_MOONCAKE_VENV:-}" ]; then
+      # kvprobe then uses that venv.
+      [ -x "$KVPROBE_MOONCAKE_VENV/bin/python" ] || { echo "missing: Mooncake venv KVPROBE_MOONCAKE_VENV=$KVPROBE_MOONCAKE_VENV"; status=1; }
+    else
+      [ -f "$stamp" ] && [ -x "$dest/venv/bin/mooncake_master" ] || { echo "missing: $wheel in $dest"; status=1; }
+    fi
     exit "$status" ;;
-  "") ;;
+  0:) ;;
   *) echo "usage: scripts/install-mooncake.sh [--check]" >&2; exit 2 ;;
 esac
 

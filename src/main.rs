@@ -609,14 +609,32 @@ fn install_signals() -> Result<(), Exit> {
 }
 
 fn check_report_path(path: &Option<PathBuf>) -> Result<(), Exit> {
-    if let Some(path) = path
-        && !is_stdout(path)
-        && let Err(e) = kvprobe::report::check_writable(path)
-    {
+    let checked = match path {
+        Some(p) if is_stdout(p) => stdout_takes_json("--report"),
+        Some(p) => kvprobe::report::check_writable(p),
+        None => Ok(()),
+    };
+    checked.map_err(|e| {
         err(&format!("kvprobe: {e}"));
-        return Err(e.exit());
+        e.exit()
+    })
+}
+
+/// Refuses `FLAG -` when stdout is /dev/null, as `FLAG /dev/null` is refused: the JSON would
+/// be lost. That includes a closed stdout (`>&-`), which the Rust runtime reopens on /dev/null
+/// at start-up. Errors: usage (exit 2).
+fn stdout_takes_json(flag: &str) -> Result<(), Error> {
+    use std::os::unix::fs::MetadataExt;
+    let same = |a: &std::fs::Metadata, b: &std::fs::Metadata| a.dev() == b.dev() && a.ino() == b.ino();
+    match (std::fs::metadata("/proc/self/fd/1"), std::fs::metadata("/dev/null")) {
+        (Ok(out), Ok(null)) if same(&out, &null) => Err(Error::Usage(format!(
+            "{flag} - writes the JSON to stdout, but stdout is closed or /dev/null: it would be lost (give a file, or keep stdout open)"
+        ))),
+        _ if std::env::var("UCX_LOG_FILE").is_ok_and(|v| v == "stdout") => Err(Error::Usage(format!(
+            "{flag} - writes the JSON to stdout, and UCX_LOG_FILE=stdout would mix UCX's log into it: unset it or give a file"
+        ))),
+        _ => Ok(()),
     }
-    Ok(())
 }
 
 /// A call blocked past its deadline: the watchdog ([`kvprobe::deadline`]) ends the run from
@@ -825,10 +843,12 @@ fn bench(a: BenchArgs) -> Exit {
         timeout_secs: a.timeout,
     };
     claim_stdout(&a.json);
-    if let Some(p) = &a.json
-        && !is_stdout(p)
-        && let Err(e) = kvprobe::report::check_writable_for(p, "--json")
-    {
+    let checked = match &a.json {
+        Some(p) if is_stdout(p) => stdout_takes_json("--json"),
+        Some(p) => kvprobe::report::check_writable_for(p, "--json"),
+        None => Ok(()),
+    };
+    if let Err(e) = checked {
         err(&format!("kvprobe: {e}"));
         return e.exit();
     }

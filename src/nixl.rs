@@ -200,8 +200,44 @@ pub fn ensure_open_files() -> std::result::Result<(), String> {
     Ok(())
 }
 
+/// The least address space (`ulimit -v`, RLIMIT_AS) kvprobe starts NIXL with, in bytes: UCX
+/// reserves address space well beyond the pools (memory pools, registration caches, thread
+/// stacks) and under a tighter limit it failed to connect (exit 4 after --timeout) or crashed
+/// in registration (SIGSEGV, no report): seen between 200 and 500 MB, fine from 600 MB, on the
+/// smallest DRAM run.
+pub const MIN_ADDRESS_SPACE: u64 = 2 << 30;
+
+/// Raises a soft address-space limit below [`MIN_ADDRESS_SPACE`] to the hard one, and refuses
+/// a hard limit below it before UCX can crash on it. Errors: the message for [`load`]
+/// (environment, exit 2).
+pub fn ensure_address_space() -> std::result::Result<(), String> {
+    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit(2)/setrlimit(2) on this process with a fully initialised struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_AS, &mut r) != 0 || r.rlim_cur == libc::RLIM_INFINITY {
+            return Ok(());
+        }
+        if (r.rlim_cur as u64) < MIN_ADDRESS_SPACE && r.rlim_max > r.rlim_cur {
+            let raised = libc::rlimit { rlim_cur: r.rlim_max, rlim_max: r.rlim_max };
+            if libc::setrlimit(libc::RLIMIT_AS, &raised) == 0 {
+                r = raised;
+            }
+        }
+    }
+    if (r.rlim_cur as u64) < MIN_ADDRESS_SPACE {
+        return Err(format!(
+            "the address-space limit (ulimit -v) is {} KiB and cannot be raised; NIXL's UCX backend reserves address space beyond the pools and fails or crashes under tight limits: kvprobe needs at least {} KiB (ulimit -v {}) plus its DRAM pools, or no limit",
+            r.rlim_cur >> 10,
+            MIN_ADDRESS_SPACE >> 10,
+            MIN_ADDRESS_SPACE >> 10
+        ));
+    }
+    Ok(())
+}
+
 fn load_once() -> std::result::Result<NixlLibrary, String> {
     ensure_open_files()?;
+    ensure_address_space()?;
     if let Some(d) = std::env::var_os(NIXL_DIR_ENV).filter(|d| !d.is_empty())
         && !Path::new(&d).is_absolute()
     {

@@ -330,3 +330,44 @@ fn report_paths_that_cannot_name_a_file_are_refused_up_front() {
     let long = format!("{}/{}.json", d.display(), "x".repeat(300));
     assert_usage(&["run", "--memory", "dram", "--report", &long], "longer than 255");
 }
+
+/// `--report -` / `--json -` where stdout is closed (the Rust runtime reopens it on /dev/null)
+/// or /dev/null would lose the JSON: refused up front like `--report /dev/null`; and
+/// UCX_LOG_FILE=stdout would mix UCX's log into it.
+#[test]
+fn json_to_a_stdout_that_cannot_take_it_is_refused() {
+    use std::process::{Command, Stdio};
+    let closed = |args: &[&str], env: &[(&str, &str)], stdout: Stdio| {
+        let mut c = Command::new(crate::common::bin());
+        c.args(args).stdout(stdout).stderr(Stdio::piped());
+        for (k, v) in env {
+            c.env(k, v);
+        }
+        // SAFETY: runs in the forked child before exec; close(2) is async-signal-safe.
+        if env.iter().any(|(k, _)| *k == "CLOSE_STDOUT") {
+            unsafe {
+                std::os::unix::process::CommandExt::pre_exec(&mut c, || {
+                    libc::close(1);
+                    Ok(())
+                });
+            }
+        }
+        let o = c.output().unwrap();
+        (o.status.code(), String::from_utf8_lossy(&o.stderr).into_owned())
+    };
+    let run = ["run", "--memory", "dram", "--iterations", "1", "--report", "-"];
+    let bench = ["bench", "--memory", "dram", "--host-bytes", "1MiB", "--sweep-bytes", "4MiB", "--repeats", "1", "--json", "-"];
+    for (args, flag) in [(&run[..], "--report"), (&bench[..], "--json")] {
+        let (code, err) = closed(args, &[("CLOSE_STDOUT", "1")], Stdio::inherit());
+        assert_eq!(code, Some(2), "{err}");
+        assert!(err.contains(&format!("{flag} - writes the JSON to stdout, but stdout is closed or /dev/null")), "{err}");
+        let (code, err) = closed(args, &[], Stdio::null());
+        assert_eq!(code, Some(2), "{err}");
+    }
+    let (code, err) = closed(&run, &[("UCX_LOG_FILE", "stdout")], Stdio::piped());
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("UCX_LOG_FILE=stdout would mix UCX's log into it"), "{err}");
+    // A pipe takes it.
+    let (code, err) = closed(&run, &[], Stdio::piped());
+    assert_eq!(code, Some(0), "{err}");
+}

@@ -310,3 +310,83 @@ fn temporary_reports_that_killed_writers_left_are_removed_by_the_next_write() {
     assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
     assert_eq!(entries(&d), [".kvprobe-report.live01.tmp", ".kvprobe-report.new001.tmp", "notes.tmp", "r.json"]);
 }
+
+/// Sets the limit `resource` of the command's process to (`soft`, `hard`) before exec.
+fn with_rlimit(c: &mut Command, resource: libc::__rlimit_resource_t, soft: u64, hard: u64) {
+    // SAFETY: runs in the forked child before exec; setrlimit(2) is async-signal-safe and the
+    // closure allocates nothing.
+    unsafe {
+        c.pre_exec(move || {
+            let r = libc::rlimit { rlim_cur: soft, rlim_max: hard };
+            if libc::setrlimit(resource, &r) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+/// Under an address-space limit (`ulimit -v`) too tight for UCX (it crashed in registration,
+/// or failed to connect, below about 600 MB; the CPU passes once panicked when a thread could
+/// not be spawned) kvprobe refuses up front with exit 2 and a report — never a panic or a
+/// signal; with enough address space the run is clean.
+#[test]
+fn an_address_space_limit_is_an_error_with_a_report_never_a_panic() {
+    for kib in [150_000u64, 200_000, 400_000, 1_000_000, 4 << 20] {
+        let d = tmpdir("rlimit-as");
+        let tmp = d.join("tmp");
+        std::fs::create_dir_all(&tmp).unwrap();
+        let p = d.join("r.json");
+        let mut c = command(
+            &["run", "--memory", "dram", "--iterations", "2", "--timeout", "5", "--report", p.to_str().unwrap()],
+            &tmp,
+            None,
+        );
+        with_rlimit(&mut c, libc::RLIMIT_AS, kib << 10, kib << 10);
+        let o = c.output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        let want = if kib << 10 >= kvprobe::nixl::MIN_ADDRESS_SPACE { 0 } else { 2 };
+        assert_eq!(o.status.code(), Some(want), "ulimit -v {kib}: {:?}: {err}", o.status);
+        assert!(!err.contains("panicked"), "ulimit -v {kib}: {err}");
+        if want == 2 {
+            assert!(err.contains(&format!("the address-space limit (ulimit -v) is {kib} KiB and cannot be raised")), "{err}");
+        }
+        let r: Value = serde_json::from_str(&std::fs::read_to_string(&p).expect("report written")).unwrap();
+        assert_eq!(r["outcome"]["exit_code"], want, "ulimit -v {kib}");
+        assert_eq!(entries(&tmp), Vec::<String>::new(), "ulimit -v {kib}: left in TMPDIR");
+    }
+}
+
+/// An open-file limit UCX cannot start under (it aborted the process below 12 descriptors,
+/// failed below 48) is refused up front with exit 2 and a report when it cannot be raised,
+/// and raised to the hard limit when it can.
+#[test]
+fn an_open_file_limit_too_low_is_raised_or_refused_up_front() {
+    for n in [5u64, 6, 10, 40] {
+        let d = tmpdir("rlimit-nofile");
+        let tmp = d.join("tmp");
+        std::fs::create_dir_all(&tmp).unwrap();
+        let p = d.join("r.json");
+        let mut c = command(&["run", "--memory", "dram", "--iterations", "2", "--report", p.to_str().unwrap()], &tmp, None);
+        with_rlimit(&mut c, libc::RLIMIT_NOFILE, n, n);
+        let o = c.output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "ulimit -n {n}: {:?}: {err}", o.status);
+        assert!(err.contains(&format!("the open-file limit (ulimit -n) is {n} and cannot be raised")), "{err}");
+        if n >= 6 {
+            // With 5 descriptors the report itself has none to be written with; it then goes to
+            // stderr (see the file-size tests).
+            let r: Value = serde_json::from_str(&std::fs::read_to_string(&p).expect("report written")).unwrap();
+            assert_eq!(r["outcome"]["exit_code"], 2);
+        }
+        assert_eq!(entries(&tmp), Vec::<String>::new(), "ulimit -n {n}: left in TMPDIR");
+    }
+    // A soft limit of 10 under a higher hard one is raised, and the run is clean.
+    let d = tmpdir("rlimit-nofile-soft");
+    let tmp = d.join("tmp");
+    std::fs::create_dir_all(&tmp).unwrap();
+    let mut c = command(&["run", "--memory", "dram", "--iterations", "2"], &tmp, None);
+    with_rlimit(&mut c, libc::RLIMIT_NOFILE, 10, 4096);
+    let o = c.output().unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
+}

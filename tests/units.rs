@@ -329,3 +329,17 @@ fn the_bench_breakdown_takes_the_median_iteration_after_the_warm_up() {
     // Odd count of steady iterations: 4, 1, 3 -> 3 at index 3.
     assert_eq!(representative(&[t(0.5), t(4.0), t(1.0), t(3.0), t(2.0)]), Some(3));
 }
+
+#[test]
+fn parallel_passes_visit_every_part_once_whatever_the_thread_count() {
+    for threads in [0usize, 1, 2, 7, 64] {
+        let mut v = vec![0u32; 1000];
+        kvprobe::par::for_each(v.chunks_mut(7).enumerate(), threads, |(i, part)| {
+            for x in part.iter_mut() {
+                *x += i as u32 + 1;
+            }
+        });
+        let want: Vec<u32> = (0..1000).map(|j| (j / 7) as u32 + 1).collect();
+        assert_eq!(v, want, "{threads} threads");
+    }
+}
