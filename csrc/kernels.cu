@@ -102,11 +102,13 @@ __device__ __forceinline__ void kvp_cmp(unsigned want, unsigned got, unsigned of
 
 /* Verifies every part; a failing part appends one kvp_fail (its slice, its bad bytes, its
  * first bad byte within the slice) — the host merges the parts of a slice. The fast path
- * only ORs the differences; a part that differs is counted again byte by byte. */
+ * only ORs the differences; a part that differs is counted again byte by byte. `fails` holds
+ * `fail_cap` records: a record past it is not written, but `fail_count` still counts it, so
+ * the host sees the overflow (src/pool.rs treats `*fail_count > fail_cap` as a device error). */
 extern "C" __global__ void kvp_verify(const uint4 *region, unsigned slice_bytes, unsigned layout,
                                       unsigned num_blocks, unsigned layer, unsigned seed32,
                                       const uint2 *table, unsigned num_slices, unsigned slice_base,
-                                      kvp_fail *fails, unsigned *fail_count) {
+                                      kvp_fail *fails, unsigned *fail_count, unsigned fail_cap) {
     __shared__ unsigned s_bad, s_first;
     const unsigned chunks = slice_bytes / 16u, parts = kvp_parts(chunks);
     const unsigned long long items = (unsigned long long)num_slices * parts;
@@ -148,7 +150,7 @@ extern "C" __global__ void kvp_verify(const uint4 *region, unsigned slice_bytes,
             f.bad_bytes = s_bad;
             f.first_bad = s_first;
             f.pad = 0u;
-            fails[i] = f;
+            if (i < fail_cap) fails[i] = f;
         }
         __syncthreads();
     }

@@ -687,8 +687,9 @@ impl Kernels {
 
     /// Verifies every slice of a region against `table`; each failing part of a slice
     /// ([`PART_CHUNKS`] chunks) appends one 16-byte record {slice, bad bytes, first bad
-    /// byte, 0} to `fails` (room for every part of the pool) and counts it in `count` (one
-    /// u32); the caller merges a slice's parts. Asynchronous.
+    /// byte, 0} to `fails` and counts it in `count` (one u32, zeroed by the caller); the
+    /// caller merges a slice's parts. Records past `fails.len() / 16` are not written but
+    /// still counted, so a count above that capacity reveals an overflow. Asynchronous.
     pub fn verify(
         &self,
         r: RegionArgs,
@@ -700,7 +701,8 @@ impl Kernels {
         kernel_params!(
             params;
             p = r.region, sb = r.slice_bytes, lo = r.layout, nb = r.num_blocks, l = r.layer, s = seed32,
-            t = table.ptr(), n = r.num_slices, base = r.slice_base, f = fails.ptr(), c = count.ptr()
+            t = table.ptr(), n = r.num_slices, base = r.slice_base, f = fails.ptr(), c = count.ptr(),
+            cap = u32::try_from(fails.len() / 16).unwrap_or(u32::MAX)
         );
         self.launch(self.verify, &r, &mut params)
     }
