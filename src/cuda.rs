@@ -581,6 +581,11 @@ macro_rules! kernel_params {
 /// each thread block handles 16 KiB of one slice at a time.
 pub const PART_CHUNKS: u64 = 1024;
 
+/// Slots of the verify kernel's compared-work counters (`KVP_CMP_SLOTS` in csrc/kernels.cu):
+/// the counter buffer holds this many {slices, bytes} u64 pairs (16 bytes each), which the
+/// host sums.
+pub const CMP_SLOTS: usize = 256;
+
 /// Work items (slice parts) of one slice of `slice_bytes`.
 pub fn parts_per_slice(slice_bytes: u64) -> u64 {
     (slice_bytes / 16).div_ceil(PART_CHUNKS).max(1)
@@ -689,7 +694,9 @@ impl Kernels {
     /// ([`PART_CHUNKS`] chunks) appends one 16-byte record {slice, bad bytes, first bad
     /// byte, 0} to `fails` and counts it in `count` (one u32, zeroed by the caller); the
     /// caller merges a slice's parts. Records past `fails.len() / 16` are not written but
-    /// still counted, so a count above that capacity reveals an overflow. Asynchronous.
+    /// still counted, so a count above that capacity reveals an overflow. The kernel also
+    /// adds the slices and bytes it compared to `compared` ([`CMP_SLOTS`] little-endian
+    /// {slices, bytes} u64 pairs, zeroed by the caller; sum them). Asynchronous.
     pub fn verify(
         &self,
         r: RegionArgs,
@@ -697,12 +704,16 @@ impl Kernels {
         table: &DeviceBuffer,
         fails: &DeviceBuffer,
         count: &DeviceBuffer,
+        compared: &DeviceBuffer,
     ) -> Result<()> {
+        if compared.len() < CMP_SLOTS * 16 {
+            return Err(Error::Device(format!("a {}-byte compared-work buffer (needs {})", compared.len(), CMP_SLOTS * 16)));
+        }
         kernel_params!(
             params;
             p = r.region, sb = r.slice_bytes, lo = r.layout, nb = r.num_blocks, l = r.layer, s = seed32,
             t = table.ptr(), n = r.num_slices, base = r.slice_base, f = fails.ptr(), c = count.ptr(),
-            cap = u32::try_from(fails.len() / 16).unwrap_or(u32::MAX)
+            cap = u32::try_from(fails.len() / 16).unwrap_or(u32::MAX), cmp = compared.ptr()
         );
         self.launch(self.verify, &r, &mut params)
     }

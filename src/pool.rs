@@ -14,6 +14,7 @@ use crate::hostmem::HostBuffer;
 use crate::report::KernelSeconds;
 use std::ops::Range;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Where a pool lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum)]
@@ -105,7 +106,20 @@ enum Backing {
         table: DeviceBuffer,
         fails: DeviceBuffer,
         count: DeviceBuffer,
+        /// The verify kernel's compared-work counters ([`crate::cuda::CMP_SLOTS`] pairs).
+        compared: DeviceBuffer,
     },
+}
+
+/// What verify passes actually compared against the fingerprint, counted by the pass as
+/// it compares (the verify kernel on VRAM, the CPU pass on DRAM), not derived from the
+/// geometry: slices whose table entry is [`SKIP_GEN`] are not compared and not counted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Compared {
+    /// Block slices compared.
+    pub slices: u64,
+    /// Bytes compared.
+    pub bytes: u64,
 }
 
 /// One side's KV pool.
@@ -123,6 +137,11 @@ pub struct KvPool {
     host_fails: Vec<RawFailure>,
     /// Kernel seconds waited for since the last [`KvPool::take_kernel_seconds`].
     kernel_acc: KernelSeconds,
+    /// Work compared by the verify passes whose failures were taken, since the last
+    /// [`KvPool::take_compared`].
+    compared_acc: Compared,
+    /// DRAM: work compared since the last [`KvPool::take_failures`].
+    host_compared: Compared,
 }
 
 /// Kinds of pass, for the kernel seconds [`KvPool::finish`] returns.
@@ -155,6 +174,8 @@ impl KvPool {
             timers: Vec::new(),
             host_fails: Vec::new(),
             kernel_acc: KernelSeconds::default(),
+            compared_acc: Compared::default(),
+            host_compared: Compared::default(),
         })
     }
 
@@ -187,6 +208,8 @@ impl KvPool {
             timers: Vec::new(),
             host_fails: Vec::new(),
             kernel_acc: KernelSeconds::default(),
+            compared_acc: Compared::default(),
+            host_compared: Compared::default(),
         })
     }
 
@@ -207,6 +230,8 @@ impl KvPool {
             timers: Vec::new(),
             host_fails: Vec::new(),
             kernel_acc: KernelSeconds::default(),
+            compared_acc: Compared::default(),
+            host_compared: Compared::default(),
         })
     }
 
@@ -288,19 +313,23 @@ impl KvPool {
         let table = DeviceBuffer::alloc(dev, 8 * geom.num_blocks as usize)?;
         let fails = DeviceBuffer::alloc(dev, fails_len as usize)?;
         let count = DeviceBuffer::alloc(dev, 4)?;
+        let compared = DeviceBuffer::alloc(dev, crate::cuda::CMP_SLOTS * 16)?;
         // cuMemAlloc may hand back a freed buffer's bytes (seen on an H200): a stale count
         // would report phantom failures. The list is zeroed too, so nothing stale is ever read.
         count.zero()?;
         fails.zero()?;
+        compared.zero()?;
         Ok(KvPool {
             geom: geom.clone(),
             seed,
-            backing: Backing::Device { kernels, regions, table, fails, count },
+            backing: Backing::Device { kernels, regions, table, fails, count, compared },
             last_kernel_secs: None,
             table: Vec::new(),
             timers: Vec::new(),
             host_fails: Vec::new(),
             kernel_acc: KernelSeconds::default(),
+            compared_acc: Compared::default(),
+            host_compared: Compared::default(),
         })
     }
 
@@ -520,6 +549,7 @@ impl KvPool {
         match &mut self.backing {
             Backing::Host(buf) => {
                 let found = std::sync::Mutex::new(Vec::new());
+                let (n_slices, n_bytes) = (AtomicU64::new(0), AtomicU64::new(0));
                 let g = &self.geom;
                 Self::host_each(g, buf, layers, Some(table), |c, s| {
                     let e = table[c.block as usize];
@@ -527,19 +557,23 @@ impl KvPool {
                         return;
                     }
                     let (bad, first) = fingerprint::check(s, seed, e.identity(c));
+                    n_slices.fetch_add(1, Ordering::Relaxed);
+                    n_bytes.fetch_add(s.len() as u64, Ordering::Relaxed);
                     if bad > 0 {
                         found.lock().unwrap().push(RawFailure { slice: g.global_slice(c), bad_bytes: bad, first_bad: first });
                     }
                 });
                 self.host_fails.append(&mut found.into_inner().unwrap());
+                self.host_compared.slices += n_slices.into_inner();
+                self.host_compared.bytes += n_bytes.into_inner();
                 Ok(())
             }
-            Backing::Device { kernels, regions, table: t, fails, count } => {
+            Backing::Device { kernels, regions, table: t, fails, count, compared } => {
                 let s32 = fingerprint::seed32(seed);
                 let timer = GpuTimer::start(regions[0].device())?;
                 for layer in layers {
                     let args = Self::region_args_of(&self.geom, layer, regions[layer as usize].ptr());
-                    kernels.verify(args, s32, t, fails, count)?;
+                    kernels.verify(args, s32, t, fails, count, compared)?;
                 }
                 self.timers.push((Pass::Verify, timer.end()?));
                 Ok(())
@@ -587,8 +621,21 @@ impl KvPool {
     pub fn take_failures(&mut self) -> Result<Vec<RawFailure>> {
         self.finish()?;
         let mut out = match &mut self.backing {
-            Backing::Host(_) => std::mem::take(&mut self.host_fails),
-            Backing::Device { fails, count, .. } => {
+            Backing::Host(_) => {
+                let c = std::mem::take(&mut self.host_compared);
+                self.compared_acc.slices += c.slices;
+                self.compared_acc.bytes += c.bytes;
+                std::mem::take(&mut self.host_fails)
+            }
+            Backing::Device { fails, count, compared, .. } => {
+                let mut cmp = vec![0u8; crate::cuda::CMP_SLOTS * 16];
+                compared.read(0, &mut cmp)?;
+                compared.zero()?;
+                for pair in cmp.chunks_exact(16) {
+                    let w = |i: usize| u64::from_le_bytes(pair[8 * i..8 * i + 8].try_into().unwrap_or([0; 8]));
+                    self.compared_acc.slices += w(0);
+                    self.compared_acc.bytes += w(1);
+                }
                 let mut n = [0u8; 4];
                 count.read(0, &mut n)?;
                 let n = u32::from_le_bytes(n);
@@ -602,6 +649,13 @@ impl KvPool {
         };
         out.sort_by_key(|f| f.slice);
         Ok(out)
+    }
+
+    /// The slices and bytes the verify passes compared, counted by the passes themselves
+    /// (see [`Compared`]), over every [`KvPool::take_failures`] since the last call; resets
+    /// the sum. A pass whose failures were not yet taken is not included.
+    pub fn take_compared(&mut self) -> Compared {
+        std::mem::take(&mut self.compared_acc)
     }
 
     /// Writes the fingerprint of `table[block]` into every slice (table has one entry per

@@ -168,22 +168,53 @@ fn damage_every_part_edge(pool: &mut KvPool, g: &Geometry) -> (Vec<(u32, u64, u6
     (got, want)
 }
 
+/// Checks that `pool`'s verify passes count what they compared (independent of the
+/// geometry code: slice count and bytes from the geometry's fields): one pass over a pool
+/// with damaged slices (failing slices are compared too), two passes before one take, then
+/// a table that skips every third block (its slices are not compared).
+fn compared_counts_what_was_compared(pool: &mut KvPool, g: &Geometry) {
+    let sb = g.block_size as u64 * g.num_kv_heads as u64 * g.head_size as u64 * g.dtype.bytes();
+    let per_block = g.num_layers as u64 * if g.mla { 1 } else { 2 };
+    let slices = per_block * g.num_blocks as u64;
+    let _ = pool.take_compared();
+    let (got, want) = damage_every_part_edge(pool, g);
+    assert_eq!(got, want, "{g:?}");
+    let c = pool.take_compared();
+    assert_eq!((c.slices, c.bytes), (slices, slices * sb), "{g:?}: one pass, failures included");
+    let t = table(g, 3);
+    pool.fill(&t).unwrap();
+    pool.verify_layers(0..g.num_layers).unwrap();
+    assert!(pool.verify(&t).unwrap().is_empty(), "{g:?}");
+    let c = pool.take_compared();
+    assert_eq!((c.slices, c.bytes), (2 * slices, 2 * slices * sb), "{g:?}: two passes");
+    assert_eq!(pool.take_compared(), Default::default(), "{g:?}: take resets");
+    let mut skip = t.clone();
+    for e in skip.iter_mut().step_by(3) {
+        e.generation = fingerprint::SKIP_GEN;
+    }
+    let kept = per_block * (g.num_blocks as u64 - g.num_blocks.div_ceil(3) as u64);
+    assert!(pool.verify(&skip).unwrap().is_empty(), "{g:?}");
+    let c = pool.take_compared();
+    assert_eq!((c.slices, c.bytes), (kept, kept * sb), "{g:?}: skipped blocks are not compared");
+}
+
 /// The same detection check on DRAM (the CPU verify pass): it runs everywhere, so the check
 /// itself is exercised without a GPU.
 #[test]
-fn cpu_verify_finds_the_first_and_last_byte_of_every_part() {
+fn cpu_verify_finds_the_first_and_last_byte_of_every_part_and_counts_what_it_compared() {
     for g in detection_geometries() {
         let mut pool = KvPool::host(&g, 77).unwrap();
         let (got, want) = damage_every_part_edge(&mut pool, &g);
         let slices = g.total_slices().unwrap() as usize;
         assert!(want.len() >= slices.min(3), "{g:?}: too few damaged slices: {want:?}");
         assert_eq!(got, want, "{g:?}");
+        compared_counts_what_was_compared(&mut pool, &g);
     }
 }
 
 #[test]
-fn verify_kernel_finds_the_first_and_last_byte_of_every_part() {
-    if !gpu_or_skip("verify_kernel_finds_the_first_and_last_byte_of_every_part") {
+fn verify_kernel_finds_the_first_and_last_byte_of_every_part_and_counts_what_it_compared() {
+    if !gpu_or_skip("verify_kernel_finds_the_first_and_last_byte_of_every_part_and_counts_what_it_compared") {
         return;
     }
     let dev = Device::open(0).unwrap();
@@ -196,6 +227,8 @@ fn verify_kernel_finds_the_first_and_last_byte_of_every_part() {
         let t = table(&g, 3);
         pool.fill(&t).unwrap();
         assert!(pool.verify(&t).unwrap().is_empty(), "{g:?}: a refilled pool still reports failures");
+        // The kernel counts the slices and bytes it compared (issue 13 item 4).
+        compared_counts_what_was_compared(&mut pool, &g);
     }
 }
 
@@ -249,6 +282,15 @@ fn vram_run_is_clean() {
         let (code, r, log) = vram_report("vram-clean", &["--iterations", "3", "--op", op, "--blocks", "256"]);
         assert_eq!(code, 0, "{op}: {log}");
         assert_eq!(r["summary"]["blocks_corrupt"], 0);
+        // Counted by the verify kernel: every slice of the pool, whole, every iteration.
+        let geo = &r["config"]["geometry"];
+        let n = |k: &str| geo[k].as_u64().unwrap();
+        assert_eq!(geo["dtype"], "bf16", "{op}");
+        assert_eq!(geo["mla"], false, "{op}");
+        let slices = n("num_layers") * 2 * 256;
+        let sb = n("block_size") * n("num_kv_heads") * n("head_size") * 2;
+        assert_eq!(r["summary"]["slices_compared"], 3 * slices, "{op}");
+        assert_eq!(r["summary"]["bytes_compared"], 3 * slices * sb, "{op}");
         assert!(!r["environment"]["gpus"].as_array().unwrap().is_empty());
         assert!(r["environment"]["gpus"][0]["uuid"].as_str().unwrap().starts_with("GPU-"));
     }
