@@ -105,9 +105,9 @@ enum Backing {
         regions: Vec<DeviceBuffer>,
         table: DeviceBuffer,
         fails: DeviceBuffer,
-        count: DeviceBuffer,
-        /// The verify kernel's compared-work counters ([`crate::cuda::CMP_SLOTS`] pairs).
-        compared: DeviceBuffer,
+        /// The verify kernel's failure count and compared-work counters
+        /// ([`crate::cuda::VERIFY_COUNTERS_BYTES`]).
+        counters: DeviceBuffer,
     },
 }
 
@@ -312,17 +312,15 @@ impl KvPool {
         let fails_len = geom.total_slices()? * crate::cuda::parts_per_slice(geom.slice_bytes()?) * 16;
         let table = DeviceBuffer::alloc(dev, 8 * geom.num_blocks as usize)?;
         let fails = DeviceBuffer::alloc(dev, fails_len as usize)?;
-        let count = DeviceBuffer::alloc(dev, 4)?;
-        let compared = DeviceBuffer::alloc(dev, crate::cuda::CMP_SLOTS * 16)?;
+        let counters = DeviceBuffer::alloc(dev, crate::cuda::VERIFY_COUNTERS_BYTES)?;
         // cuMemAlloc may hand back a freed buffer's bytes (seen on an H200): a stale count
         // would report phantom failures. The list is zeroed too, so nothing stale is ever read.
-        count.zero()?;
+        counters.zero()?;
         fails.zero()?;
-        compared.zero()?;
         Ok(KvPool {
             geom: geom.clone(),
             seed,
-            backing: Backing::Device { kernels, regions, table, fails, count, compared },
+            backing: Backing::Device { kernels, regions, table, fails, counters },
             last_kernel_secs: None,
             table: Vec::new(),
             timers: Vec::new(),
@@ -568,12 +566,12 @@ impl KvPool {
                 self.host_compared.bytes += n_bytes.into_inner();
                 Ok(())
             }
-            Backing::Device { kernels, regions, table: t, fails, count, compared } => {
+            Backing::Device { kernels, regions, table: t, fails, counters } => {
                 let s32 = fingerprint::seed32(seed);
                 let timer = GpuTimer::start(regions[0].device())?;
                 for layer in layers {
                     let args = Self::region_args_of(&self.geom, layer, regions[layer as usize].ptr());
-                    kernels.verify(args, s32, t, fails, count, compared)?;
+                    kernels.verify(args, s32, t, fails, counters)?;
                 }
                 self.timers.push((Pass::Verify, timer.end()?));
                 Ok(())
@@ -627,23 +625,20 @@ impl KvPool {
                 self.compared_acc.bytes += c.bytes;
                 std::mem::take(&mut self.host_fails)
             }
-            Backing::Device { fails, count, compared, .. } => {
-                let mut cmp = vec![0u8; crate::cuda::CMP_SLOTS * 16];
-                compared.read(0, &mut cmp)?;
-                compared.zero()?;
-                for pair in cmp.chunks_exact(16) {
+            Backing::Device { fails, counters, .. } => {
+                let mut head = vec![0u8; crate::cuda::VERIFY_COUNTERS_BYTES];
+                counters.read(0, &mut head)?;
+                // Zeroed before the list is checked, so an error leaves the next pass clean.
+                counters.zero()?;
+                let n = u32::from_le_bytes([head[0], head[1], head[2], head[3]]);
+                for pair in head[16..].chunks_exact(16) {
                     let w = |i: usize| u64::from_le_bytes(pair[8 * i..8 * i + 8].try_into().unwrap_or([0; 8]));
                     self.compared_acc.slices += w(0);
                     self.compared_acc.bytes += w(1);
                 }
-                let mut n = [0u8; 4];
-                count.read(0, &mut n)?;
-                let n = u32::from_le_bytes(n);
                 let cap = fails.len() / 16;
                 let mut raw = vec![0u8; (n as usize).min(cap) * 16];
                 fails.read(0, &mut raw)?;
-                // Zeroed before the list is checked, so an error leaves the next pass clean.
-                count.zero()?;
                 decode_device_failures(&raw, n, &self.geom)?
             }
         };

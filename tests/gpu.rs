@@ -245,7 +245,7 @@ fn verify_failure_list_starts_empty_and_its_overflow_is_an_error() {
     // Leave freed buffers of the pool's bookkeeping sizes full of 0xFF: cuMemAlloc may hand
     // those bytes to the pool's counter and list (a re-created buffer read back stale values
     // on an H200). A pool must start with an empty failure list regardless.
-    for len in [4, list_bytes, 8 * g.num_blocks as usize] {
+    for len in [kvprobe::cuda::VERIFY_COUNTERS_BYTES, list_bytes, 8 * g.num_blocks as usize] {
         for _ in 0..4 {
             let b = kvprobe::cuda::DeviceBuffer::alloc(&dev, len).unwrap();
             b.write(0, &vec![0xFF; len]).unwrap();
