@@ -581,6 +581,14 @@ macro_rules! kernel_params {
 /// each thread block handles 16 KiB of one slice at a time.
 pub const PART_CHUNKS: u64 = 1024;
 
+/// Slots of the verify kernel's compared-work counters (`KVP_CMP_SLOTS` in csrc/kernels.cu):
+/// the kernel adds to this many {slices, bytes} u64 pairs (16 bytes each), which the host sums.
+pub const CMP_SLOTS: usize = 256;
+
+/// Bytes of the verify kernel's counter buffer: the failure count (a u32 at offset 0,
+/// padded to 16 bytes), then [`CMP_SLOTS`] little-endian {slices, bytes} u64 pairs.
+pub const VERIFY_COUNTERS_BYTES: usize = 16 + CMP_SLOTS * 16;
+
 /// Work items (slice parts) of one slice of `slice_bytes`.
 pub fn parts_per_slice(slice_bytes: u64) -> u64 {
     (slice_bytes / 16).div_ceil(PART_CHUNKS).max(1)
@@ -687,20 +695,31 @@ impl Kernels {
 
     /// Verifies every slice of a region against `table`; each failing part of a slice
     /// ([`PART_CHUNKS`] chunks) appends one 16-byte record {slice, bad bytes, first bad
-    /// byte, 0} to `fails` (room for every part of the pool) and counts it in `count` (one
-    /// u32); the caller merges a slice's parts. Asynchronous.
+    /// byte, 0} to `fails` and counts it in the u32 at offset 0 of `counters`
+    /// ([`VERIFY_COUNTERS_BYTES`], zeroed by the caller); the caller merges a slice's parts.
+    /// Records past `fails.len() / 16` are not written but still counted, so a count above
+    /// that capacity reveals an overflow. The kernel also adds the slices and bytes it
+    /// compared to the [`CMP_SLOTS`] pairs at offset 16 of `counters` (sum them).
+    /// Errors: a counter buffer too short (device). Asynchronous.
     pub fn verify(
         &self,
         r: RegionArgs,
         seed32: u32,
         table: &DeviceBuffer,
         fails: &DeviceBuffer,
-        count: &DeviceBuffer,
+        counters: &DeviceBuffer,
     ) -> Result<()> {
+        if counters.len() < VERIFY_COUNTERS_BYTES {
+            return Err(Error::Device(format!(
+                "a {}-byte verify counter buffer (needs {VERIFY_COUNTERS_BYTES})",
+                counters.len()
+            )));
+        }
         kernel_params!(
             params;
             p = r.region, sb = r.slice_bytes, lo = r.layout, nb = r.num_blocks, l = r.layer, s = seed32,
-            t = table.ptr(), n = r.num_slices, base = r.slice_base, f = fails.ptr(), c = count.ptr()
+            t = table.ptr(), n = r.num_slices, base = r.slice_base, f = fails.ptr(), c = counters.ptr(),
+            cap = u32::try_from(fails.len() / 16).unwrap_or(u32::MAX), cmp = counters.ptr() + 16
         );
         self.launch(self.verify, &r, &mut params)
     }

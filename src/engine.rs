@@ -325,6 +325,9 @@ pub fn run_scenario(
     let mut e = Engine::new(cfg, seed, prefill, decode, timeout, max_failures)?;
     let mut r = e.run(report, progress, checkpoint);
     e.finish(report);
+    let compared = e.decode.pool.take_compared();
+    report.summary.slices_compared += compared.slices;
+    report.summary.bytes_compared += compared.bytes;
     if let (Some(mc), Some(store)) = (e.mooncake.as_mut(), e.store.as_ref()) {
         mc.clean_up(store);
     }

@@ -14,6 +14,7 @@ use crate::hostmem::HostBuffer;
 use crate::report::KernelSeconds;
 use std::ops::Range;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Where a pool lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum)]
@@ -53,6 +54,48 @@ pub struct RawFailure {
     pub first_bad: u64,
 }
 
+/// Decodes and checks the verify kernel's failure list (csrc/kernels.cu `kvp_fail`: four
+/// little-endian u32 — slice, bad bytes, first bad byte, pad — per failing slice part): `raw`
+/// holds the first `min(n, capacity)` records of the `n` the kernel counted. Returns the
+/// failing slices of `geom`, a slice's parts merged (bytes summed, first offset kept), sorted
+/// by global index. Errors (device, exit 3): `n` above the list's capacity (`raw` is short:
+/// failures were lost), or a record that cannot come from a correct kernel (slice id not
+/// below the pool's slice count, no bad bytes, more bad bytes than a slice holds, first bad
+/// byte outside the slice) — never a panic on what the device returned.
+fn decode_device_failures(raw: &[u8], n: u32, geom: &Geometry) -> Result<Vec<RawFailure>> {
+    let slices = geom.total_slices()?;
+    let sb = geom.slice_bytes()?;
+    if raw.len() != n as usize * 16 {
+        return Err(Error::Device(format!(
+            "the verify kernel counted {n} failing slice parts but its list holds {}: failures were lost \
+             (a stale counter or a kernel fault)",
+            raw.len() / 16
+        )));
+    }
+    let mut parts = Vec::with_capacity(n as usize);
+    for c in raw.chunks_exact(16) {
+        let w = |i: usize| u32::from_le_bytes([c[4 * i], c[4 * i + 1], c[4 * i + 2], c[4 * i + 3]]);
+        let f = RawFailure { slice: w(0), bad_bytes: w(1) as u64, first_bad: w(2) as u64 };
+        if f.slice as u64 >= slices || f.bad_bytes == 0 || f.bad_bytes > sb || f.first_bad >= sb {
+            return Err(Error::Device(format!(
+                "the verify kernel returned an impossible failure record (slice {} of {slices}, {} bad bytes, first at \
+                 {} of a {sb}-byte slice)",
+                f.slice, f.bad_bytes, f.first_bad
+            )));
+        }
+        parts.push(f);
+    }
+    parts.sort_by_key(|f| (f.slice, f.first_bad));
+    let mut merged: Vec<RawFailure> = Vec::with_capacity(parts.len());
+    for f in parts {
+        match merged.last_mut() {
+            Some(m) if m.slice == f.slice => m.bad_bytes += f.bad_bytes,
+            _ => merged.push(f),
+        }
+    }
+    Ok(merged)
+}
+
 enum Backing {
     /// One mapping for the whole pool (one per layer would hit vm.max_map_count on deep
     /// geometries); layer l's region starts at l * region_bytes.
@@ -62,8 +105,21 @@ enum Backing {
         regions: Vec<DeviceBuffer>,
         table: DeviceBuffer,
         fails: DeviceBuffer,
-        count: DeviceBuffer,
+        /// The verify kernel's failure count and compared-work counters
+        /// ([`crate::cuda::VERIFY_COUNTERS_BYTES`]).
+        counters: DeviceBuffer,
     },
+}
+
+/// What verify passes actually compared against the fingerprint, counted by the pass as
+/// it compares (the verify kernel on VRAM, the CPU pass on DRAM), not derived from the
+/// geometry: slices whose table entry is [`SKIP_GEN`] are not compared and not counted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Compared {
+    /// Block slices compared.
+    pub slices: u64,
+    /// Bytes compared.
+    pub bytes: u64,
 }
 
 /// One side's KV pool.
@@ -81,6 +137,11 @@ pub struct KvPool {
     host_fails: Vec<RawFailure>,
     /// Kernel seconds waited for since the last [`KvPool::take_kernel_seconds`].
     kernel_acc: KernelSeconds,
+    /// Work compared by the verify passes whose failures were taken, since the last
+    /// [`KvPool::take_compared`].
+    compared_acc: Compared,
+    /// DRAM: work compared since the last [`KvPool::take_failures`].
+    host_compared: Compared,
 }
 
 /// Kinds of pass, for the kernel seconds [`KvPool::finish`] returns.
@@ -113,6 +174,8 @@ impl KvPool {
             timers: Vec::new(),
             host_fails: Vec::new(),
             kernel_acc: KernelSeconds::default(),
+            compared_acc: Compared::default(),
+            host_compared: Compared::default(),
         })
     }
 
@@ -145,6 +208,8 @@ impl KvPool {
             timers: Vec::new(),
             host_fails: Vec::new(),
             kernel_acc: KernelSeconds::default(),
+            compared_acc: Compared::default(),
+            host_compared: Compared::default(),
         })
     }
 
@@ -165,6 +230,8 @@ impl KvPool {
             timers: Vec::new(),
             host_fails: Vec::new(),
             kernel_acc: KernelSeconds::default(),
+            compared_acc: Compared::default(),
+            host_compared: Compared::default(),
         })
     }
 
@@ -191,7 +258,9 @@ impl KvPool {
         let region = geom.region_bytes()?;
         let pool = geom.pool_bytes()?;
         let slices = geom.total_slices()?;
-        // One 16-byte failure record per slice part (csrc/kernels.cu): the list never overflows.
+        // One 16-byte failure record per slice part (csrc/kernels.cu): one verify pass over
+        // every layer cannot overflow the list; more passes before take_failures can, and that
+        // is an error there (decode_device_failures), never a write past the list.
         let fails_len = slices
             .checked_mul(crate::cuda::parts_per_slice(geom.slice_bytes()?))
             .and_then(|n| n.checked_mul(16))
@@ -243,16 +312,22 @@ impl KvPool {
         let fails_len = geom.total_slices()? * crate::cuda::parts_per_slice(geom.slice_bytes()?) * 16;
         let table = DeviceBuffer::alloc(dev, 8 * geom.num_blocks as usize)?;
         let fails = DeviceBuffer::alloc(dev, fails_len as usize)?;
-        let count = DeviceBuffer::alloc(dev, 4)?;
+        let counters = DeviceBuffer::alloc(dev, crate::cuda::VERIFY_COUNTERS_BYTES)?;
+        // cuMemAlloc may hand back a freed buffer's bytes (seen on an H200): a stale count
+        // would report phantom failures. The list is zeroed too, so nothing stale is ever read.
+        counters.zero()?;
+        fails.zero()?;
         Ok(KvPool {
             geom: geom.clone(),
             seed,
-            backing: Backing::Device { kernels, regions, table, fails, count },
+            backing: Backing::Device { kernels, regions, table, fails, counters },
             last_kernel_secs: None,
             table: Vec::new(),
             timers: Vec::new(),
             host_fails: Vec::new(),
             kernel_acc: KernelSeconds::default(),
+            compared_acc: Compared::default(),
+            host_compared: Compared::default(),
         })
     }
 
@@ -456,7 +531,9 @@ impl KvPool {
 
     /// Verifies every slice of `layers` against the loaded table; failures are kept until
     /// [`KvPool::take_failures`]. Host memory is O(failures): VRAM pools are checked by the
-    /// verify kernel, which appends only failing slice parts to a device-side list. DRAM:
+    /// verify kernel, which appends only failing slice parts to a device-side list (room for
+    /// every part of the pool once: verify each layer at most once between two
+    /// [`KvPool::take_failures`], which reports an overflow as a device error). DRAM:
     /// synchronous; VRAM: queued.
     pub fn verify_layers(&mut self, layers: Range<u32>) -> Result<()> {
         self.check_layers(&layers)?;
@@ -465,6 +542,7 @@ impl KvPool {
         match &mut self.backing {
             Backing::Host(buf) => {
                 let found = std::sync::Mutex::new(Vec::new());
+                let (n_slices, n_bytes) = (AtomicU64::new(0), AtomicU64::new(0));
                 let g = &self.geom;
                 Self::host_each(g, buf, layers, Some(table), |c, s| {
                     let e = table[c.block as usize];
@@ -472,19 +550,23 @@ impl KvPool {
                         return;
                     }
                     let (bad, first) = fingerprint::check(s, seed, e.identity(c));
+                    n_slices.fetch_add(1, Ordering::Relaxed);
+                    n_bytes.fetch_add(s.len() as u64, Ordering::Relaxed);
                     if bad > 0 {
                         found.lock().unwrap().push(RawFailure { slice: g.global_slice(c), bad_bytes: bad, first_bad: first });
                     }
                 });
                 self.host_fails.append(&mut found.into_inner().unwrap());
+                self.host_compared.slices += n_slices.into_inner();
+                self.host_compared.bytes += n_bytes.into_inner();
                 Ok(())
             }
-            Backing::Device { kernels, regions, table: t, fails, count } => {
+            Backing::Device { kernels, regions, table: t, fails, counters } => {
                 let s32 = fingerprint::seed32(seed);
                 let timer = GpuTimer::start(regions[0].device())?;
                 for layer in layers {
                     let args = Self::region_args_of(&self.geom, layer, regions[layer as usize].ptr());
-                    kernels.verify(args, s32, t, fails, count)?;
+                    kernels.verify(args, s32, t, fails, counters)?;
                 }
                 self.timers.push((Pass::Verify, timer.end()?));
                 Ok(())
@@ -526,39 +608,44 @@ impl KvPool {
 
     /// Waits for every queued pass ([`KvPool::finish`]) and returns the failing slices the
     /// verify passes since the last call found, sorted by global index (a slice's failing
-    /// parts merged: bytes summed, first offset kept).
+    /// parts merged: bytes summed, first offset kept). Errors (device, exit 3): a kernel
+    /// failed, or the verify kernel's list overflowed or holds an impossible record (see
+    /// `decode_device_failures`); the device counter is reset either way.
     pub fn take_failures(&mut self) -> Result<Vec<RawFailure>> {
         self.finish()?;
         let mut out = match &mut self.backing {
-            Backing::Host(_) => std::mem::take(&mut self.host_fails),
-            Backing::Device { fails, count, .. } => {
-                let mut n = [0u8; 4];
-                count.read(0, &mut n)?;
-                let n = u32::from_le_bytes(n) as usize;
-                let mut raw = vec![0u8; n * 16];
-                fails.read(0, &mut raw)?;
-                count.zero()?;
-                let mut parts: Vec<RawFailure> = raw
-                    .chunks_exact(16)
-                    .map(|c| {
-                        let w = |i: usize| u32::from_le_bytes(c[4 * i..4 * i + 4].try_into().unwrap());
-                        // Fields of kvp_fail: slice, bad_bytes, first_bad, pad.
-                        RawFailure { slice: w(0), bad_bytes: w(1) as u64, first_bad: w(2) as u64 }
-                    })
-                    .collect();
-                parts.sort_by_key(|f| (f.slice, f.first_bad));
-                let mut merged: Vec<RawFailure> = Vec::with_capacity(parts.len());
-                for f in parts {
-                    match merged.last_mut() {
-                        Some(m) if m.slice == f.slice => m.bad_bytes += f.bad_bytes,
-                        _ => merged.push(f),
-                    }
+            Backing::Host(_) => {
+                let c = std::mem::take(&mut self.host_compared);
+                self.compared_acc.slices += c.slices;
+                self.compared_acc.bytes += c.bytes;
+                std::mem::take(&mut self.host_fails)
+            }
+            Backing::Device { fails, counters, .. } => {
+                let mut head = vec![0u8; crate::cuda::VERIFY_COUNTERS_BYTES];
+                counters.read(0, &mut head)?;
+                // Zeroed before the list is checked, so an error leaves the next pass clean.
+                counters.zero()?;
+                let n = u32::from_le_bytes([head[0], head[1], head[2], head[3]]);
+                for pair in head[16..].chunks_exact(16) {
+                    let w = |i: usize| u64::from_le_bytes(pair[8 * i..8 * i + 8].try_into().unwrap_or([0; 8]));
+                    self.compared_acc.slices += w(0);
+                    self.compared_acc.bytes += w(1);
                 }
-                merged
+                let cap = fails.len() / 16;
+                let mut raw = vec![0u8; (n as usize).min(cap) * 16];
+                fails.read(0, &mut raw)?;
+                decode_device_failures(&raw, n, &self.geom)?
             }
         };
         out.sort_by_key(|f| f.slice);
         Ok(out)
+    }
+
+    /// The slices and bytes the verify passes compared, counted by the passes themselves
+    /// (see [`Compared`]), over every [`KvPool::take_failures`] since the last call; resets
+    /// the sum. A pass whose failures were not yet taken is not included.
+    pub fn take_compared(&mut self) -> Compared {
+        std::mem::take(&mut self.compared_acc)
     }
 
     /// Writes the fingerprint of `table[block]` into every slice (table has one entry per
@@ -727,5 +814,69 @@ impl KvPool {
             }
             Backing::Device { regions, .. } => regions[layer].write(off, bytes),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::geometry::{Dtype, Layout};
+
+    /// 2 layers x K/V x 3 blocks = 12 slices of 4 * 1 * 8 * 2 = 64 bytes.
+    fn geom() -> Geometry {
+        Geometry {
+            num_layers: 2,
+            num_kv_heads: 1,
+            head_size: 8,
+            block_size: 4,
+            num_blocks: 3,
+            dtype: Dtype::Bf16,
+            layout: Layout::Nhd,
+            mla: false,
+        }
+    }
+
+    fn rec(slice: u32, bad: u32, first: u32) -> [u8; 16] {
+        let mut r = [0u8; 16];
+        for (i, v) in [slice, bad, first, 0].into_iter().enumerate() {
+            r[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes());
+        }
+        r
+    }
+
+    fn list(recs: &[[u8; 16]]) -> Vec<u8> {
+        recs.concat()
+    }
+
+    #[test]
+    fn device_failures_merge_a_slices_parts_and_sort() {
+        let raw = list(&[rec(7, 2, 40), rec(0, 1, 0), rec(7, 3, 5), rec(11, 64, 0)]);
+        let got: Vec<_> =
+            decode_device_failures(&raw, 4, &geom()).unwrap().into_iter().map(|f| (f.slice, f.bad_bytes, f.first_bad)).collect();
+        assert_eq!(got, vec![(0, 1, 0), (7, 5, 5), (11, 64, 0)]);
+        assert!(decode_device_failures(&[], 0, &geom()).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_count_above_the_lists_capacity_is_a_device_error() {
+        // The kernel counted 3 records but the list held 2 (raw has only what fit).
+        let raw = list(&[rec(1, 1, 0), rec(2, 1, 0)]);
+        let e = decode_device_failures(&raw, 3, &geom()).unwrap_err();
+        assert!(matches!(e, Error::Device(_)), "{e:?}");
+        assert!(e.to_string().contains("counted 3 failing slice parts but its list holds 2"), "{e}");
+        // A garbage count from a stale allocation: an error, not a huge allocation or panic.
+        assert!(matches!(decode_device_failures(&[], u32::MAX, &geom()), Err(Error::Device(_))));
+    }
+
+    #[test]
+    fn impossible_failure_records_are_device_errors_not_panics() {
+        for bad in [rec(12, 1, 0), rec(u32::MAX, 1, 0), rec(3, 0, 0), rec(3, 65, 0), rec(3, 1, 64), rec(3, 1, u32::MAX)] {
+            let raw = list(&[rec(0, 1, 0), bad]);
+            let e = decode_device_failures(&raw, 2, &geom()).unwrap_err();
+            assert!(matches!(e, Error::Device(_)), "{e:?}");
+            assert!(e.to_string().contains("impossible failure record"), "{e}");
+        }
+        // The largest valid record is accepted.
+        assert_eq!(decode_device_failures(&rec(11, 64, 63), 1, &geom()).unwrap().len(), 1);
     }
 }

@@ -147,6 +147,14 @@ pub struct Summary {
     pub iterations: u32,
     /// Block slices verified (all iterations).
     pub blocks_checked: u64,
+    /// Block slices the verify passes actually compared against their fingerprint, counted
+    /// by the passes themselves (the verify kernel on VRAM, the CPU pass on DRAM; see
+    /// [`crate::pool::Compared`]), all iterations. Equals `blocks_checked` when every
+    /// checked slice was compared.
+    pub slices_compared: u64,
+    /// Bytes those passes compared (all iterations): `slices_compared * slice bytes` when
+    /// every slice was compared whole.
+    pub bytes_compared: u64,
     /// Block slices found corrupt (all iterations).
     pub blocks_corrupt: u64,
     /// Corrupt slices per class (every class listed, zeros included).

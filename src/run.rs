@@ -863,6 +863,9 @@ fn sweep(
         times.kernels = crate::report::KernelSeconds { fill: kp.fill, poison: kd.poison, verify: kd.verify };
         report.summary.bytes_transferred += bytes;
         report.summary.blocks_checked += total;
+        let compared = probe.decode.pool.take_compared();
+        report.summary.slices_compared += compared.slices;
+        report.summary.bytes_compared += compared.bytes;
         report.summary.blocks_corrupt += corrupt;
         if it == 1 {
             let init = if cfg.op == Op::Write { &probe.prefill } else { &probe.decode };

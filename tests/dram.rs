@@ -15,6 +15,9 @@ fn clean_run_reports_zero_with_the_real_nixl_library() {
     assert_eq!(r["schema"], "kvprobe.report/1");
     assert_eq!(r["summary"]["iterations"], 4);
     assert_eq!(r["summary"]["blocks_checked"], 4 * 4 * 2 * 64);
+    // Counted by the CPU verify pass as it compared: every slice, every byte, every iteration.
+    assert_eq!(r["summary"]["slices_compared"], 4 * 4 * 2 * 64);
+    assert_eq!(r["summary"]["bytes_compared"], 4 * (2u64 << 20));
     assert_eq!(r["summary"]["blocks_corrupt"], 0);
     for class in ["unwritten", "stale", "misplaced", "torn", "bitflip", "garbage"] {
         assert_eq!(r["summary"]["by_class"][class], 0, "{class}");
@@ -282,6 +285,17 @@ fn pipelined_and_merged_sweeps_classify_every_injection_exactly() {
             * if extra.contains(&"--mla") { 1 } else { 2 }
             * r["config"]["geometry"]["num_blocks"].as_u64().unwrap();
         assert_eq!(s["blocks_checked"], 3 * per_it, "{extra:?}");
+        // Faults or not, every slice is compared whole (slice bytes from the geometry's
+        // fields: block_size * heads * head_size * element width).
+        let geo = &r["config"]["geometry"];
+        let width = match geo["dtype"].as_str().unwrap() {
+            "fp8" => 1,
+            "bf16" | "fp16" => 2,
+            d => panic!("unexpected dtype {d}"),
+        };
+        let sb = ["block_size", "num_kv_heads", "head_size"].iter().map(|k| geo[k].as_u64().unwrap()).product::<u64>() * width;
+        assert_eq!(s["slices_compared"], 3 * per_it, "{extra:?}");
+        assert_eq!(s["bytes_compared"], 3 * per_it * sb, "{extra:?}");
     }
 }
 

@@ -92,6 +92,183 @@ fn verify_kernel_reports_what_the_cpu_reports() {
     assert_eq!(got, damaged);
 }
 
+/// Geometries for the verify-detection tests: every one [`geometries`] lists (two 16 KiB
+/// parts, 2160-byte slices, MLA 72 KiB = 4.5 parts, 16-byte slices) plus MLA 72 KiB with
+/// enough slices for one damage per slice, 1.4 parts (23040 B, non-MLA, NHD), 4 KiB and
+/// 512 B slices (one part, smaller than it), 8 parts (128 KiB, HND) and 16-byte slices
+/// with one damage per slice.
+fn detection_geometries() -> Vec<Geometry> {
+    let g = |layers, heads, head, bs, blocks, dtype, layout, mla| Geometry {
+        num_layers: layers,
+        num_kv_heads: heads,
+        head_size: head,
+        block_size: bs,
+        num_blocks: blocks,
+        dtype,
+        layout,
+        mla,
+    };
+    let mut v = geometries();
+    v.extend([
+        g(2, 1, 576, 64, 8, Dtype::Bf16, Layout::Nhd, true),
+        g(2, 5, 72, 32, 4, Dtype::Fp16, Layout::Nhd, false),
+        g(2, 8, 128, 2, 4, Dtype::Bf16, Layout::Nhd, false),
+        g(2, 2, 64, 2, 5, Dtype::Fp16, Layout::Hnd, false),
+        g(2, 8, 128, 64, 6, Dtype::Bf16, Layout::Hnd, false),
+        g(1, 1, 16, 1, 3, Dtype::Fp8, Layout::Nhd, false),
+    ]);
+    v
+}
+
+/// Bytes of one work item of the kernels (csrc/kernels.cu KVP_PART_CHUNKS * 16), written
+/// out here rather than taken from the code under test.
+const PART_BYTES: usize = 16384;
+
+/// Fills `pool` (of `g`), then damages, each in its own slice where the pool has enough
+/// (spread from the first global slice to the last), the first byte of every 16 KiB part,
+/// the last byte of every part (the slice's last byte for the last, possibly partial,
+/// part), and in one more slice the first and last byte of every part together; then
+/// verifies. The expected failures come from the damage alone — a slice with k distinct
+/// flipped bytes has k bad bytes, the first at its lowest offset — not from the code under
+/// test. Returns (what the pool's verify reported, what was expected), both as (global
+/// slice, bad bytes, first bad byte) sorted by slice.
+#[allow(clippy::type_complexity)]
+fn damage_every_part_edge(pool: &mut KvPool, g: &Geometry) -> (Vec<(u32, u64, u64)>, Vec<(u32, u64, u64)>) {
+    let t = table(g, 3);
+    pool.fill(&t).unwrap();
+    let sb = g.slice_bytes().unwrap() as usize;
+    let parts = sb.div_ceil(PART_BYTES);
+    let first = |p: usize| p * PART_BYTES;
+    let last = |p: usize| ((p + 1) * PART_BYTES).min(sb) - 1;
+    let mut cases: Vec<Vec<usize>> = Vec::new();
+    for p in 0..parts {
+        cases.push(vec![first(p)]);
+        cases.push(vec![last(p)]);
+    }
+    cases.push((0..parts).flat_map(|p| [first(p), last(p)]).collect());
+    let slices = g.total_slices().unwrap() as usize;
+    let mut hit: std::collections::BTreeMap<u32, std::collections::BTreeSet<usize>> = Default::default();
+    for (k, offs) in cases.iter().enumerate() {
+        let slice = if cases.len() <= slices { k * (slices - 1) / (cases.len() - 1).max(1) } else { k % slices };
+        hit.entry(slice as u32).or_default().extend(offs);
+    }
+    let mut buf = vec![0u8; sb];
+    for (&slice, offs) in &hit {
+        let c = g.coord_of(slice);
+        assert_eq!(g.global_slice(c), slice);
+        pool.read_slice(c, &mut buf).unwrap();
+        for &o in offs {
+            buf[o] ^= 0x41;
+        }
+        pool.write_slice(c, &buf).unwrap();
+    }
+    let want: Vec<(u32, u64, u64)> =
+        hit.iter().map(|(&s, offs)| (s, offs.len() as u64, *offs.iter().next().unwrap() as u64)).collect();
+    let got = pool.verify(&t).unwrap().into_iter().map(|f| (f.slice, f.bad_bytes, f.first_bad)).collect();
+    (got, want)
+}
+
+/// Checks that `pool`'s verify passes count what they compared (independent of the
+/// geometry code: slice count and bytes from the geometry's fields): one pass over a pool
+/// with damaged slices (failing slices are compared too), two passes before one take, then
+/// a table that skips every third block (its slices are not compared).
+fn compared_counts_what_was_compared(pool: &mut KvPool, g: &Geometry) {
+    let sb = g.block_size as u64 * g.num_kv_heads as u64 * g.head_size as u64 * g.dtype.bytes();
+    let per_block = g.num_layers as u64 * if g.mla { 1 } else { 2 };
+    let slices = per_block * g.num_blocks as u64;
+    let _ = pool.take_compared();
+    let (got, want) = damage_every_part_edge(pool, g);
+    assert_eq!(got, want, "{g:?}");
+    let c = pool.take_compared();
+    assert_eq!((c.slices, c.bytes), (slices, slices * sb), "{g:?}: one pass, failures included");
+    let t = table(g, 3);
+    pool.fill(&t).unwrap();
+    pool.verify_layers(0..g.num_layers).unwrap();
+    assert!(pool.verify(&t).unwrap().is_empty(), "{g:?}");
+    let c = pool.take_compared();
+    assert_eq!((c.slices, c.bytes), (2 * slices, 2 * slices * sb), "{g:?}: two passes");
+    assert_eq!(pool.take_compared(), Default::default(), "{g:?}: take resets");
+    let mut skip = t.clone();
+    for e in skip.iter_mut().step_by(3) {
+        e.generation = fingerprint::SKIP_GEN;
+    }
+    let kept = per_block * (g.num_blocks as u64 - g.num_blocks.div_ceil(3) as u64);
+    assert!(pool.verify(&skip).unwrap().is_empty(), "{g:?}");
+    let c = pool.take_compared();
+    assert_eq!((c.slices, c.bytes), (kept, kept * sb), "{g:?}: skipped blocks are not compared");
+}
+
+/// The same detection check on DRAM (the CPU verify pass): it runs everywhere, so the check
+/// itself is exercised without a GPU.
+#[test]
+fn cpu_verify_finds_the_first_and_last_byte_of_every_part_and_counts_what_it_compared() {
+    for g in detection_geometries() {
+        let mut pool = KvPool::host(&g, 77).unwrap();
+        let (got, want) = damage_every_part_edge(&mut pool, &g);
+        let slices = g.total_slices().unwrap() as usize;
+        assert!(want.len() >= slices.min(3), "{g:?}: too few damaged slices: {want:?}");
+        assert_eq!(got, want, "{g:?}");
+        compared_counts_what_was_compared(&mut pool, &g);
+    }
+}
+
+#[test]
+fn verify_kernel_finds_the_first_and_last_byte_of_every_part_and_counts_what_it_compared() {
+    if !gpu_or_skip("verify_kernel_finds_the_first_and_last_byte_of_every_part_and_counts_what_it_compared") {
+        return;
+    }
+    let dev = Device::open(0).unwrap();
+    let k = Arc::new(Kernels::compile(&dev).unwrap());
+    for g in detection_geometries() {
+        let mut pool = KvPool::device(&dev, k.clone(), &g, 77).unwrap();
+        let (got, want) = damage_every_part_edge(&mut pool, &g);
+        assert_eq!(got, want, "{g:?}");
+        // The list was taken: an intact pool reads clean again.
+        let t = table(&g, 3);
+        pool.fill(&t).unwrap();
+        assert!(pool.verify(&t).unwrap().is_empty(), "{g:?}: a refilled pool still reports failures");
+        // The kernel counts the slices and bytes it compared (issue 13 item 4).
+        compared_counts_what_was_compared(&mut pool, &g);
+    }
+}
+
+#[test]
+fn verify_failure_list_starts_empty_and_its_overflow_is_an_error() {
+    if !gpu_or_skip("verify_failure_list_starts_empty_and_its_overflow_is_an_error") {
+        return;
+    }
+    let dev = Device::open(0).unwrap();
+    let k = Arc::new(Kernels::compile(&dev).unwrap());
+    let g = geometries().remove(2); // MLA, 72 KiB slices: 5 parts each
+    let slices = g.total_slices().unwrap() as usize;
+    let list_bytes = slices * 5 * 16;
+    // Leave freed buffers of the pool's bookkeeping sizes full of 0xFF: cuMemAlloc may hand
+    // those bytes to the pool's counter and list (a re-created buffer read back stale values
+    // on an H200). A pool must start with an empty failure list regardless.
+    for len in [kvprobe::cuda::VERIFY_COUNTERS_BYTES, list_bytes, 8 * g.num_blocks as usize] {
+        for _ in 0..4 {
+            let b = kvprobe::cuda::DeviceBuffer::alloc(&dev, len).unwrap();
+            b.write(0, &vec![0xFF; len]).unwrap();
+        }
+    }
+    let t = table(&g, 1);
+    let mut pool = KvPool::device(&dev, k, &g, 5).unwrap();
+    pool.fill(&t).unwrap();
+    assert!(pool.verify(&t).unwrap().is_empty(), "a fresh, intact pool reports failures");
+    // Every part of every slice fails; two passes before the list is taken count twice the
+    // list's capacity: a device error, not a panic or a truncated list.
+    pool.poison(1).unwrap();
+    pool.verify_layers(0..g.num_layers).unwrap();
+    let e = pool.verify(&t).unwrap_err();
+    assert!(matches!(e, kvprobe::error::Error::Device(_)), "{e:?}");
+    assert!(e.to_string().contains("failures were lost"), "{e}");
+    // The counter was reset: the next pass reports every slice once, all bytes bad counted
+    // per slice no more than the slice holds.
+    let fails = pool.verify(&t).unwrap();
+    assert_eq!(fails.iter().map(|f| f.slice).collect::<Vec<_>>(), (0..slices as u32).collect::<Vec<_>>());
+    assert!(fails.iter().all(|f| f.bad_bytes >= 1 && f.bad_bytes <= g.slice_bytes().unwrap()));
+}
+
 fn vram_report(name: &str, args: &[&str]) -> (i32, Value, String) {
     crate::common::run_with_report(name, "vram", args)
 }
@@ -105,6 +282,15 @@ fn vram_run_is_clean() {
         let (code, r, log) = vram_report("vram-clean", &["--iterations", "3", "--op", op, "--blocks", "256"]);
         assert_eq!(code, 0, "{op}: {log}");
         assert_eq!(r["summary"]["blocks_corrupt"], 0);
+        // Counted by the verify kernel: every slice of the pool, whole, every iteration.
+        let geo = &r["config"]["geometry"];
+        let n = |k: &str| geo[k].as_u64().unwrap();
+        assert_eq!(geo["dtype"], "bf16", "{op}");
+        assert_eq!(geo["mla"], false, "{op}");
+        let slices = n("num_layers") * 2 * 256;
+        let sb = n("block_size") * n("num_kv_heads") * n("head_size") * 2;
+        assert_eq!(r["summary"]["slices_compared"], 3 * slices, "{op}");
+        assert_eq!(r["summary"]["bytes_compared"], 3 * slices * sb, "{op}");
         assert!(!r["environment"]["gpus"].as_array().unwrap().is_empty());
         assert!(r["environment"]["gpus"][0]["uuid"].as_str().unwrap().starts_with("GPU-"));
     }
