@@ -128,12 +128,93 @@ pub fn predicted_set(r: &serde_json::Value) -> std::collections::BTreeSet<(u64, 
     s
 }
 
-/// Checks that a run with one injection kind reports exactly the predicted failures.
+/// The tests' own table of what ONE planted fault of each `--inject` kind must cause at the
+/// decode side, by failure class (README "Fault injection"), written here independently of
+/// `src/inject.rs` so that a wrong prediction there cannot pass by agreeing with itself.
+pub const CLASSES_PER_FAULT: [(&str, &[(&str, u64)]); 5] = [
+    ("bitflip", &[("bitflip", 1)]),
+    ("drop", &[("unwritten", 1)]),
+    ("misroute", &[("misplaced", 1), ("unwritten", 1)]),
+    ("stale", &[("stale", 1)]),
+    ("torn", &[("torn", 1)]),
+];
+
+/// Every failure class a report's `summary.by_class` carries.
+pub const ALL_CLASSES: [&str; 6] = ["bitflip", "garbage", "misplaced", "stale", "torn", "unwritten"];
+
+/// The table's classes for one fault of `kind` (panics on a kind the table does not know).
+pub fn classes_of(kind: &str) -> &'static [(&'static str, u64)] {
+    CLASSES_PER_FAULT.iter().find(|(k, _)| *k == kind).unwrap_or_else(|| panic!("unknown injection kind {kind:?}")).1
+}
+
+/// The failures by class that `planted` = [(kind, number of faults)] must cause, from
+/// [`CLASSES_PER_FAULT`]; every class of [`ALL_CLASSES`] present (zero when none).
+pub fn expected_by_class(planted: &[(&str, u64)]) -> std::collections::BTreeMap<String, u64> {
+    let mut m: std::collections::BTreeMap<String, u64> = ALL_CLASSES.iter().map(|c| (c.to_string(), 0)).collect();
+    for (kind, n) in planted {
+        for (class, per) in classes_of(kind) {
+            *m.get_mut(*class).unwrap() += n * per;
+        }
+    }
+    m
+}
+
+/// What a run planted, from its echoed configuration (`config.inject[]` × `config.iterations`,
+/// i.e. what the command line asked for): [(kind, faults)].
+pub fn planted_from_config(r: &serde_json::Value) -> Vec<(String, u64)> {
+    let its = r["config"]["iterations"].as_u64().unwrap();
+    r["config"]["inject"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| (i["kind"].as_str().unwrap().to_string(), i["count"].as_u64().unwrap() * its))
+        .collect()
+}
+
+/// Asserts the report's failures by class are exactly the planted faults × the tests' own
+/// table ([`CLASSES_PER_FAULT`]): `summary.by_class`, `summary.blocks_corrupt`, the listed
+/// failures' classes (when none were omitted), and each injection's own `predicted` classes.
+pub fn assert_classes_match_table(r: &serde_json::Value, ctx: &str) {
+    let planted = planted_from_config(r);
+    let planted_ref: Vec<(&str, u64)> = planted.iter().map(|(k, n)| (k.as_str(), *n)).collect();
+    let want = expected_by_class(&planted_ref);
+    let by: std::collections::BTreeMap<String, u64> =
+        r["summary"]["by_class"].as_object().unwrap().iter().map(|(k, v)| (k.clone(), v.as_u64().unwrap())).collect();
+    assert_eq!(by, want, "{ctx}: summary.by_class differs from planted {planted:?} × the tests' table");
+    let total: u64 = want.values().sum();
+    assert_eq!(r["summary"]["blocks_corrupt"], total, "{ctx}");
+    if r["summary"]["failures_omitted"].as_u64().unwrap_or(0) == 0 {
+        let mut listed: std::collections::BTreeMap<String, u64> = ALL_CLASSES.iter().map(|c| (c.to_string(), 0)).collect();
+        for f in r["failures"].as_array().unwrap() {
+            *listed.entry(f["class"].as_str().unwrap().to_string()).or_default() += 1;
+        }
+        assert_eq!(listed, want, "{ctx}: the listed failures' classes differ from the tests' table");
+    }
+    for inj in r["injections"].as_array().unwrap() {
+        let kind = inj["kind"].as_str().unwrap();
+        let mut got: Vec<(String, u64)> = Vec::new();
+        for p in inj["predicted"].as_array().unwrap() {
+            let c = p["class"].as_str().unwrap().to_string();
+            match got.iter_mut().find(|(k, _)| *k == c) {
+                Some(e) => e.1 += 1,
+                None => got.push((c, 1)),
+            }
+        }
+        got.sort();
+        let mut table: Vec<(String, u64)> = classes_of(kind).iter().map(|(c, n)| (c.to_string(), *n)).collect();
+        table.sort();
+        assert_eq!(got, table, "{ctx}: the program's prediction for a {kind} injection differs from the tests' table: {inj}");
+    }
+}
+
+/// Checks that a run with one injection kind reports exactly the predicted failures, and
+/// that those are what the tests' own table says the planted faults cause.
 pub fn assert_exact_injection(report: &serde_json::Value, class: &str) {
     let failures = failure_set(report);
     let predicted = predicted_set(report);
     assert!(!predicted.is_empty(), "no injections recorded");
     assert_eq!(failures, predicted, "reported failures differ from the injected ones");
+    assert_classes_match_table(report, class);
     let by = &report["summary"]["by_class"];
     let total = report["summary"]["blocks_corrupt"].as_u64().unwrap();
     assert!(by[class].as_u64().unwrap() > 0, "no {class} failures: {by}");
@@ -167,6 +248,9 @@ pub fn assert_found_exactly(report: &serde_json::Value, planted: u64, ctx: &str)
     assert_eq!(report["summary"]["injections_detected"], planted, "{ctx}");
     assert_eq!(report["summary"]["unexpected_failures"], 0, "{ctx}");
     assert_eq!(failure_set(report), predicted_set(report), "{ctx}");
+    let planted_cfg: u64 = planted_from_config(report).iter().map(|(_, n)| n).sum();
+    assert_eq!(planted_cfg, planted, "{ctx}: the command line planted a different number");
+    assert_classes_match_table(report, ctx);
 }
 
 /// Reads `child`'s stderr until a line contains `marker` (the run is under way: e.g.
