@@ -366,8 +366,13 @@ fn decode_agent_process_on_vram_shares_its_pool_by_cuda_ipc() {
     if !gpu_or_skip("decode_agent_process_on_vram_shares_its_pool_by_cuda_ipc") {
         return;
     }
-    let decode = if kvprobe::cuda::device_count() > 1 { "1" } else { "0" };
-    for op in ["read", "write"] {
+    // The same GPU always; across GPUs where the lane has two (never a silent fall-back to one:
+    // a two-GPU lane without the second GPU fails in two_gpus_or_skip).
+    let mut decodes = vec!["0"];
+    if crate::common::two_gpus_or_skip("decode_agent_process_on_vram_shares_its_pool_by_cuda_ipc (decode on GPU 1)") {
+        decodes.push("1");
+    }
+    for (decode, op) in decodes.iter().flat_map(|d| ["read", "write"].map(|op| (*d, op))) {
         let args = [
             "--decode-process",
             "--decode-device",
@@ -393,9 +398,10 @@ fn decode_agent_process_on_vram_shares_its_pool_by_cuda_ipc() {
         ];
         let (code, r, log) = vram_report("vram-decode-process", &args);
         assert_eq!(code, 1, "{op}: {log}");
-        crate::common::assert_found_exactly(&r, 18, &format!("{op}: {log}"));
+        assert_eq!(r["config"]["decode_device"], decode.parse::<u64>().unwrap(), "{op}");
+        crate::common::assert_found_exactly(&r, 18, &format!("decode GPU {decode}, {op}: {log}"));
         let (code, r, log) = vram_report("vram-decode-process-clean", &[&args[..9], &["--op", op]].concat());
-        assert_eq!(code, 0, "{op}: {log}");
+        assert_eq!(code, 0, "decode GPU {decode}, {op}: {log}");
         assert_eq!(r["summary"]["blocks_corrupt"], 0);
     }
 }

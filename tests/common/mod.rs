@@ -62,35 +62,69 @@ pub fn read_report(p: &std::path::Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(p).expect("report written")).expect("valid JSON")
 }
 
+/// What a GPU test does given the CUDA device count (`Err`: why there is no answer, e.g.
+/// libcuda.so.1 missing or `cuInit` failed), the GPUs it needs and the GPUs the lane requires
+/// ([`required_gpus`]): `Ok(None)` run it, `Ok(Some(line))` do not run it and print `line`,
+/// `Err(message)` fail. A lane that requires the GPUs never skips: a `cuInit` failure there is
+/// an error naming it, not "0 GPUs". Where nothing is required the line starts `SKIP `; in a
+/// lane that requires fewer GPUs than the test needs (a two-GPU test on a one-GPU host kind,
+/// KVPROBE_REQUIRE_GPUS=1) it starts `NOT RUN ` — the lane scripts fail on any `SKIP` line.
+pub fn gpu_decision(test: &str, count: Result<usize, String>, needed: usize, required: usize) -> Result<Option<String>, String> {
+    let why = match count {
+        Ok(n) if n >= needed => return Ok(None),
+        Ok(n) => format!("needs {needed} CUDA GPU(s), {n} present"),
+        Err(e) => format!("needs {needed} CUDA GPU(s) but CUDA gave no device count: {e}"),
+    };
+    if required >= needed {
+        Err(format!("{test}: the lane requires {required} GPU(s) (KVPROBE_REQUIRE_GPU/KVPROBE_REQUIRE_GPUS) but it {why}"))
+    } else if required == 0 {
+        Ok(Some(format!("SKIP {test}: {why} (set KVPROBE_REQUIRE_GPUS={needed} to fail instead)")))
+    } else {
+        Ok(Some(format!("NOT RUN {test}: {why}; the lane requires {required} (KVPROBE_REQUIRE_GPUS={required})")))
+    }
+}
+
+/// GPUs the lane requires: KVPROBE_REQUIRE_GPUS=N, else 1 when KVPROBE_REQUIRE_GPU=1, else 0
+/// (the larger when both are set). A value that is not a number fails the test: a typo must
+/// not turn a lane's GPU tests into skips.
+pub fn required_gpus() -> usize {
+    let n = match std::env::var("KVPROBE_REQUIRE_GPUS") {
+        Ok(v) => v.parse::<usize>().unwrap_or_else(|_| panic!("KVPROBE_REQUIRE_GPUS={v:?} is not a number")),
+        Err(_) => 0,
+    };
+    let one = match std::env::var("KVPROBE_REQUIRE_GPU").as_deref() {
+        Ok("1") => 1,
+        Ok("0") | Ok("") | Err(_) => 0,
+        Ok(v) => panic!("KVPROBE_REQUIRE_GPU={v:?} must be 1 or 0"),
+    };
+    n.max(one)
+}
+
+fn gpus_or_skip(test: &str, needed: usize) -> bool {
+    let count = kvprobe::cuda::try_device_count().map_err(|e| e.to_string());
+    match gpu_decision(test, count, needed, required_gpus()) {
+        Ok(None) => true,
+        Ok(Some(line)) => {
+            // Written to the real stderr (not the captured test output) so CI logs show the skip.
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "{line}");
+            false
+        }
+        Err(m) => panic!("{m}"),
+    }
+}
+
 /// True when a CUDA GPU is present; otherwise prints why the test is skipped — or fails
-/// when KVPROBE_REQUIRE_GPU=1 (the GPU host's lane).
+/// when the lane requires GPUs (KVPROBE_REQUIRE_GPU=1 or KVPROBE_REQUIRE_GPUS ≥ 1), naming
+/// the CUDA error when `cuInit` failed.
 pub fn gpu_or_skip(test: &str) -> bool {
-    if kvprobe::cuda::device_count() > 0 {
-        return true;
-    }
-    if std::env::var("KVPROBE_REQUIRE_GPU").as_deref() == Ok("1") {
-        panic!("{test}: KVPROBE_REQUIRE_GPU=1 but no CUDA GPU is present");
-    }
-    // Written to the real stderr (not the captured test output) so CI logs show the skip.
-    use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "SKIP {test}: no CUDA GPU present (set KVPROBE_REQUIRE_GPU=1 to fail instead)");
-    false
+    gpus_or_skip(test, 1)
 }
 
 /// True when at least two CUDA GPUs are present; otherwise prints why the test is skipped —
-/// or fails when KVPROBE_REQUIRE_GPUS=2 (the two-GPU host's lane).
+/// or fails when KVPROBE_REQUIRE_GPUS ≥ 2 (the two-GPU host's lane).
 pub fn two_gpus_or_skip(test: &str) -> bool {
-    let n = kvprobe::cuda::device_count();
-    if n >= 2 {
-        return true;
-    }
-    if std::env::var("KVPROBE_REQUIRE_GPUS").as_deref() == Ok("2") {
-        panic!("{test}: KVPROBE_REQUIRE_GPUS=2 but {n} CUDA GPU(s) are present");
-    }
-    use std::io::Write;
-    let _ =
-        writeln!(std::io::stderr(), "SKIP {test}: needs two CUDA GPUs, {n} present (set KVPROBE_REQUIRE_GPUS=2 to fail instead)");
-    false
+    gpus_or_skip(test, 2)
 }
 
 /// The (iteration, layer, kv, block, class) tuples of a report's failures.
