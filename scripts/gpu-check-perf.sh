@@ -13,26 +13,31 @@ summary() { grep -E "^(pool|transfer|path|  |warning|ucx|result|probe passes|pip
 if [ "$what" = bench ] || [ "$what" = all ]; then
   step "bench/run.sh"
   BENCH_OUT="$out" bench/run.sh 2>&1 | tee -a "$log"
+  expect 0 "${PIPESTATUS[0]}" bench/run.sh
   for z in n y; do
     step "kvprobe env, UCX_CUDA_IPC_ENABLE_GET_ZCOPY=$z"
     UCX_CUDA_IPC_ENABLE_GET_ZCOPY=$z "$kv" env 2>&1 | sed -n '/^transport/,$p' | tee -a "$log"
+    expect 0 "${PIPESTATUS[0]}" "kvprobe env, GET_ZCOPY=$z"
   done
   export UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y
   for args in "--descriptor-blocks 512" "--descriptor-blocks 512 --pipeline-stages 8" \
               "--descriptor-blocks 512 --pipeline-stages 32" "--descriptor-blocks 64" "--descriptor-blocks 4"; do
     step "llama3-8b 1 GiB, 20 iterations, $args"
     "$kv" run --memory vram --preset llama3-8b --iterations 20 $args --report "$out/r.json" 2>&1 | summary
+    expect 0 "${PIPESTATUS[0]}" "llama3-8b $args"
     medians "$out/r.json"
   done
   step "host memory: llama3-8b VRAM 1 GiB per side vs 50 GiB per side (100 GiB of pools), 32 KiB descriptors"
   for blocks in 512 25600; do
     /usr/bin/time -f "  max RSS %M KiB, %e s wall" "$kv" run --memory vram --preset llama3-8b --blocks $blocks --iterations 2 \
       --report "$out/mem-$blocks.json" 2>&1 | summary
+    expect 0 "${PIPESTATUS[0]}" "host memory, $blocks blocks"
     python3 -c "import json,sys; s=json.load(open(sys.argv[1]))['summary']; print('  blocks', sys.argv[2], 'slices', s['blocks_checked']//2, 'host_peak_bytes', s['host_peak_bytes'])" "$out/mem-$blocks.json" $blocks | tee -a "$log"
   done
   step "100 GiB of pools with a bitflip and a misroute planted: found"
   "$kv" run --memory vram --preset llama3-8b --blocks 25600 --iterations 2 --descriptor-blocks 512 --inject bitflip --inject misroute \
     --report "$out/mem-inject.json" 2>&1 | summary
+  expect 1 "${PIPESTATUS[0]}" "100 GiB of pools with a bitflip and a misroute"
 fi
 if [ "$what" = ucx ] || [ "$what" = all ]; then
   export UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y
@@ -41,11 +46,13 @@ if [ "$what" = ucx ] || [ "$what" = all ]; then
     for args in "--descriptor-blocks 512 --pipeline-stages 1" "--descriptor-blocks 512" "--blocks 2048 --descriptor-blocks 2048 --pipeline-stages 1"; do
       step "READ llama3-8b, 10 iterations, $args; ${env:-defaults}"
       env $env "$kv" run --memory vram --preset llama3-8b --iterations 10 $args --report "$out/u.json" 2>&1 | grep -E "^(path|result|ucx)" | tee -a "$log"
+      expect 0 "${PIPESTATUS[0]}" "READ $args; ${env:-defaults}"
       medians "$out/u.json"
     done
   done
   step "WRITE llama3-8b, 10 iterations, 16 MiB descriptors"
   "$kv" run --memory vram --preset llama3-8b --iterations 10 --descriptor-blocks 512 --op write --report "$out/u.json" 2>&1 | grep -E "^(path|result)" | tee -a "$log"
+  expect 0 "${PIPESTATUS[0]}" "WRITE, 16 MiB descriptors"
   medians "$out/u.json"
 fi
 if [ "$what" = procs ] || [ "$what" = all ]; then
@@ -54,6 +61,7 @@ if [ "$what" = procs ] || [ "$what" = all ]; then
   run() {
     step "$*"
     env "$@" --report "$out/p.json" 2>&1 | grep -E "^(path|result|ucx|warning)|error" | tee -a "$log"
+    expect 0 "${PIPESTATUS[0]}" "$*"
     medians "$out/p.json"
   }
   z="UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y"
@@ -74,6 +82,5 @@ if [ "$what" = procs ] || [ "$what" = all ]; then
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   step "tests"
-  "$bundle/tests" --test-threads=2 > "$out/tests.txt" 2>&1
-  grep -E "test result|panicked|FAILED|SKIP" "$out/tests.txt" | tee -a "$log"
+  run_tests tests "$bundle/tests" --test-threads=2
 fi

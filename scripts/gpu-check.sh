@@ -11,25 +11,28 @@ step "env"
 "$kv" env --json > "$out/env.json" 2>>"$log"
 
 step "tests (KVPROBE_REQUIRE_GPU=1)"
-"$bundle/tests" --test-threads=1 2>&1 | tee "$out/tests.txt" | grep -E "^test |test result|panicked|SKIP" | tee -a "$log"
+run_tests tests "$bundle/tests" --test-threads=1
 
 step "main job: llama3-8b, 1 GiB pool, 20 iterations, READ"
 /usr/bin/time -f "wall %e s, max RSS %M KiB" "$kv" run --memory vram --preset llama3-8b --iterations 20 \
   --report "$out/llama3-8b.json" 2>&1 | grep -v "^iteration" | tee -a "$log"
-echo "exit ${PIPESTATUS[0]}" | tee -a "$log"
+expect 0 "${PIPESTATUS[0]}" main job
 
 step "llama3-8b WRITE, 5 iterations"
 "$kv" run --memory vram --preset llama3-8b --iterations 5 --op write 2>&1 | grep -v "^iteration" | tee -a "$log"
+expect 0 "${PIPESTATUS[0]}" llama3-8b WRITE
 
 step "deepseek-v3 (MLA), 5 iterations"
 "$kv" run --memory vram --preset deepseek-v3 --iterations 5 2>&1 | grep -v "^iteration" | tee -a "$log"
+expect 0 "${PIPESTATUS[0]}" deepseek-v3
 
 for k in bitflip drop misroute stale torn; do
   step "inject $k:3 on llama3-8b VRAM"
   "$kv" run --memory vram --preset llama3-8b --iterations 2 --inject "$k:3" 2>&1 | grep -E "corrupt|injections|result" | tee -a "$log"
-  echo "exit ${PIPESTATUS[0]}" | tee -a "$log"
+  expect 1 "${PIPESTATUS[0]}" "inject $k:3"
 done
 
 step "llama3-8b READ with UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y, 20 iterations"
 UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y "$kv" run --memory vram --preset llama3-8b --iterations 20 \
   --report "$out/llama3-8b-zcopy.json" 2>&1 | grep -v "^iteration" | tee -a "$log"
+expect 0 "${PIPESTATUS[0]}" main job with GET_ZCOPY

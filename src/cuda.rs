@@ -36,12 +36,19 @@ pub fn init() -> Result<()> {
     result::init().map_err(|e| Error::Environment(format!("cuInit failed (no usable GPU?): {e:?}")))
 }
 
-/// Number of CUDA devices (0 when the driver is absent or cannot initialise).
+/// Number of CUDA devices (0 when the driver is absent or cannot initialise; see
+/// [`try_device_count`] to tell those apart).
 pub fn device_count() -> usize {
-    if init().is_err() {
-        return 0;
-    }
-    result::device::get_count().map(|n| n.max(0) as usize).unwrap_or(0)
+    try_device_count().unwrap_or(0)
+}
+
+/// Number of CUDA devices, with the reason when there is no answer. Errors:
+/// [`Error::Environment`] when libcuda.so.1 is not found or `cuInit` fails (its CUDA error
+/// named: e.g. `CUDA_ERROR_NO_DEVICE`, a driver/library mismatch), [`Error::Device`] when
+/// `cuDeviceGetCount` fails. `Ok(0)` only when the driver initialised and reports no device.
+pub fn try_device_count() -> Result<usize> {
+    init()?;
+    result::device::get_count().map(|n| n.max(0) as usize).map_err(|e| derr("cuDeviceGetCount", e))
 }
 
 /// Driver API version as `major.minor` (e.g. "13.0").

@@ -1471,7 +1471,7 @@ impl<'a> Engine<'a> {
             } else {
                 // Generations run 1..SKIP_GEN (exclusive): 0 is never computed and SKIP_GEN marks
                 // "neither fill nor verify" in the kernels' tables.
-                self.next_gen = if self.next_gen >= crate::fingerprint::SKIP_GEN - 1 { 1 } else { self.next_gen + 1 };
+                self.next_gen = fingerprint::next_generation(self.next_gen);
                 let t = TableEntry { block: r.spec.hashes[i], generation: self.next_gen };
                 promised.push(t);
                 let due = self.lag(2).max(self.compute.back().map_or(0, |o| o.due));

@@ -20,6 +20,14 @@ pub const SECTOR_BYTES: usize = 512;
 /// Generation value that marks a table entry "neither fill nor verify".
 pub const SKIP_GEN: u32 = u32::MAX;
 
+/// The generation computed after `g`: `g + 1`, wrapping from `SKIP_GEN - 1` (and from
+/// anything above it) back to 1, so a computed generation is never 0 (the initial fill's)
+/// nor [`SKIP_GEN`] (the kernels' "neither fill nor verify" marker), however many blocks a
+/// run computes. Scenario runs number every computed block this way.
+pub fn next_generation(g: u32) -> u32 {
+    if g >= SKIP_GEN - 1 { 1 } else { g + 1 }
+}
+
 /// CUDA source of the fill, poison and verify kernels: `fingerprint.h` followed by
 /// `kernels.cu`, compiled by NVRTC at run time.
 pub const KERNEL_SOURCE: &str =

@@ -148,7 +148,7 @@ fn check_config(cfg: &RunConfig) -> Result<()> {
             cfg.geometry.num_layers
         )));
     }
-    if cfg.iterations >= 0x00FF_FFFF {
+    if cfg.iterations > MAX_ITERATIONS {
         return Err(Error::Usage("--iterations must be below 16777215 (poison patterns carry 24 bits)".into()));
     }
     if !(cfg.timeout_secs.is_finite() && cfg.timeout_secs > 0.0) {
@@ -189,6 +189,12 @@ fn check_config(cfg: &RunConfig) -> Result<()> {
     }
     Ok(())
 }
+
+/// The most iterations a sweep accepts (`--iterations`, 16777214 = 2^24 − 2): poison patterns
+/// carry the iteration in 24 bits, and a sweep's generations (1..=iterations, the prefill
+/// refill of iteration `it + 1` included) stay below [`fingerprint::SKIP_GEN`] — checked at compile time.
+pub const MAX_ITERATIONS: u32 = 0x00FF_FFFE;
+const _: () = assert!(MAX_ITERATIONS < 0x00FF_FFFF && MAX_ITERATIONS < fingerprint::SKIP_GEN - 1);
 
 /// Smallest pool (bytes per side) whose copy a sweep times as the transfer's ceiling
 /// (`summary.transport_path.copy_gbps`): below it the copy takes about as long as its fixed

@@ -73,6 +73,10 @@ fn bench_on_dram_writes_consistent_figures_and_breakdowns() {
         assert!((2..=3).contains(&rep), "{row}");
         assert!((parts + x("host_s") - x("iteration_s")).abs() <= 1e-9 * x("iteration_s"), "{row}");
         assert!(close(x("probe_share"), 1.0 - x("transfer_s") / x("iteration_s")), "{row}");
+        // The rate from the pool the command line asked for (--sweep-bytes 64MiB), not from
+        // the row's own pool_bytes: GB/s = 1e9 B/s.
+        assert_eq!(row["pool_bytes"], 64u64 << 20, "{row}");
+        assert!(close(x("transfer_gbps"), (64u64 << 20) as f64 / x("transfer_s") / 1e9), "{row}");
         // DRAM over UCX/TCP never reaches 50 GB/s on CI: the overhead goal does not apply.
         assert!(row["meets"].is_null() || x("transfer_gbps") >= 50.0, "{row}");
     }

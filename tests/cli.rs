@@ -3,6 +3,8 @@
 use crate::common::{kvprobe, kvprobe_env, read_report, tmpdir};
 
 fn assert_usage(args: &[&str], needle: &str) {
+    // An empty needle is in every message: it would check nothing (issue 13.15).
+    assert!(!needle.is_empty(), "{args:?}: an empty needle checks nothing");
     let (code, out, err) = kvprobe(args);
     assert_eq!(code, 2, "{args:?}: stdout {out} stderr {err}");
     assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
@@ -22,6 +24,12 @@ fn bad_flags_exit_2_with_a_message() {
         "multiple of 16",
     );
     assert_usage(&["run", "--memory", "dram", "--iterations", "0"], "--iterations must be at least 1");
+    // Issue 13.7: a sweep's generations (1..=iterations) must never reach SKIP_GEN (u32::MAX)
+    // nor the poison's 24 bits: the largest counts are refused before anything is set up.
+    for n in ["16777215", "4294967294", "4294967295"] {
+        assert_usage(&["run", "--memory", "dram", "--iterations", n], "--iterations must be below 16777215");
+    }
+    assert_eq!(kvprobe::run::MAX_ITERATIONS, 16_777_214);
     assert_usage(&["run", "--memory", "dram", "--timeout=-1"], "--timeout must be a positive");
     assert_usage(&["run", "--memory", "dram", "--timeout", "nan"], "--timeout must be a positive");
     assert_usage(&["run", "--memory", "dram", "--layers", "99999"], "65535");
@@ -196,12 +204,10 @@ fn missing_nixl_exits_2_with_install_hint_and_a_report() {
 
 #[test]
 fn vram_without_a_gpu_exits_2() {
-    if kvprobe::cuda::device_count() > 0 {
-        use std::io::Write;
-        let _ = writeln!(std::io::stderr(), "SKIP vram_without_a_gpu_exits_2: a GPU is present");
-        return;
-    }
-    assert_usage(&["run", "--memory", "vram"], "needs a CUDA GPU");
+    // Runs on GPU hosts too (no SKIP there): CUDA_VISIBLE_DEVICES=-1 hides every GPU.
+    let (code, out, err) = crate::common::kvprobe_env(&["run", "--memory", "vram"], &[("CUDA_VISIBLE_DEVICES", "-1")]);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(err.contains("--memory vram needs a CUDA GPU and none was found"), "{err}");
 }
 
 #[test]
@@ -301,8 +307,24 @@ fn odd_environment_and_extreme_values_do_not_panic() {
             "--block-size",
             "1",
         ],
-        "",
+        "geometry too large: number of block slices (2^32 - 1 at most) overflows",
     );
+    let (_, out, err) = kvprobe(&[
+        "run",
+        "--memory",
+        "dram",
+        "--layers",
+        "65535",
+        "--blocks",
+        "65535",
+        "--kv-heads",
+        "1",
+        "--head-size",
+        "8",
+        "--block-size",
+        "1",
+    ]);
+    assert!(!format!("{out}{err}").contains("allocating"), "refused only after allocating: {out}{err}");
 }
 
 #[test]

@@ -9,6 +9,26 @@ fn id(layer: u32, kv: KvPart, block: u32, generation: u32) -> BlockIdentity {
     BlockIdentity { layer, kv, block, generation }
 }
 
+/// Issue 13.7: generations computed in a scenario run wrap from SKIP_GEN − 1 to 1, never
+/// reaching SKIP_GEN (the kernels' "neither fill nor verify") nor 0 (the initial fill).
+#[test]
+fn generations_wrap_past_the_skip_marker_to_one() {
+    use kvprobe::fingerprint::{SKIP_GEN, next_generation};
+    assert_eq!(SKIP_GEN, u32::MAX);
+    assert_eq!(next_generation(0), 1);
+    assert_eq!(next_generation(1), 2);
+    assert_eq!(next_generation(u32::MAX - 2), u32::MAX - 1);
+    assert_eq!(next_generation(u32::MAX - 1), 1, "SKIP_GEN - 1 wraps to 1");
+    assert_eq!(next_generation(u32::MAX), 1, "even from SKIP_GEN itself");
+    // Walk across the boundary: every value produced is in 1..SKIP_GEN.
+    let mut g = u32::MAX - 5;
+    for _ in 0..10 {
+        g = next_generation(g);
+        assert!(g != 0 && g != SKIP_GEN, "{g}");
+    }
+    assert_eq!(g, 6);
+}
+
 #[test]
 fn vectors_match_the_python_reference() {
     // scripts/fingerprint_ref.py 1 3 1 17 5 4096

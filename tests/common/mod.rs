@@ -62,35 +62,69 @@ pub fn read_report(p: &std::path::Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(p).expect("report written")).expect("valid JSON")
 }
 
+/// What a GPU test does given the CUDA device count (`Err`: why there is no answer, e.g.
+/// libcuda.so.1 missing or `cuInit` failed), the GPUs it needs and the GPUs the lane requires
+/// ([`required_gpus`]): `Ok(None)` run it, `Ok(Some(line))` do not run it and print `line`,
+/// `Err(message)` fail. A lane that requires the GPUs never skips: a `cuInit` failure there is
+/// an error naming it, not "0 GPUs". Where nothing is required the line starts `SKIP `; in a
+/// lane that requires fewer GPUs than the test needs (a two-GPU test on a one-GPU host kind,
+/// KVPROBE_REQUIRE_GPUS=1) it starts `NOT RUN ` — the lane scripts fail on any `SKIP` line.
+pub fn gpu_decision(test: &str, count: Result<usize, String>, needed: usize, required: usize) -> Result<Option<String>, String> {
+    let why = match count {
+        Ok(n) if n >= needed => return Ok(None),
+        Ok(n) => format!("needs {needed} CUDA GPU(s), {n} present"),
+        Err(e) => format!("needs {needed} CUDA GPU(s) but CUDA gave no device count: {e}"),
+    };
+    if required >= needed {
+        Err(format!("{test}: the lane requires {required} GPU(s) (KVPROBE_REQUIRE_GPU/KVPROBE_REQUIRE_GPUS) but it {why}"))
+    } else if required == 0 {
+        Ok(Some(format!("SKIP {test}: {why} (set KVPROBE_REQUIRE_GPUS={needed} to fail instead)")))
+    } else {
+        Ok(Some(format!("NOT RUN {test}: {why}; the lane requires {required} (KVPROBE_REQUIRE_GPUS={required})")))
+    }
+}
+
+/// GPUs the lane requires: KVPROBE_REQUIRE_GPUS=N, else 1 when KVPROBE_REQUIRE_GPU=1, else 0
+/// (the larger when both are set). A value that is not a number fails the test: a typo must
+/// not turn a lane's GPU tests into skips.
+pub fn required_gpus() -> usize {
+    let n = match std::env::var("KVPROBE_REQUIRE_GPUS") {
+        Ok(v) => v.parse::<usize>().unwrap_or_else(|_| panic!("KVPROBE_REQUIRE_GPUS={v:?} is not a number")),
+        Err(_) => 0,
+    };
+    let one = match std::env::var("KVPROBE_REQUIRE_GPU").as_deref() {
+        Ok("1") => 1,
+        Ok("0") | Ok("") | Err(_) => 0,
+        Ok(v) => panic!("KVPROBE_REQUIRE_GPU={v:?} must be 1 or 0"),
+    };
+    n.max(one)
+}
+
+fn gpus_or_skip(test: &str, needed: usize) -> bool {
+    let count = kvprobe::cuda::try_device_count().map_err(|e| e.to_string());
+    match gpu_decision(test, count, needed, required_gpus()) {
+        Ok(None) => true,
+        Ok(Some(line)) => {
+            // Written to the real stderr (not the captured test output) so CI logs show the skip.
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "{line}");
+            false
+        }
+        Err(m) => panic!("{m}"),
+    }
+}
+
 /// True when a CUDA GPU is present; otherwise prints why the test is skipped — or fails
-/// when KVPROBE_REQUIRE_GPU=1 (the GPU host's lane).
+/// when the lane requires GPUs (KVPROBE_REQUIRE_GPU=1 or KVPROBE_REQUIRE_GPUS ≥ 1), naming
+/// the CUDA error when `cuInit` failed.
 pub fn gpu_or_skip(test: &str) -> bool {
-    if kvprobe::cuda::device_count() > 0 {
-        return true;
-    }
-    if std::env::var("KVPROBE_REQUIRE_GPU").as_deref() == Ok("1") {
-        panic!("{test}: KVPROBE_REQUIRE_GPU=1 but no CUDA GPU is present");
-    }
-    // Written to the real stderr (not the captured test output) so CI logs show the skip.
-    use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "SKIP {test}: no CUDA GPU present (set KVPROBE_REQUIRE_GPU=1 to fail instead)");
-    false
+    gpus_or_skip(test, 1)
 }
 
 /// True when at least two CUDA GPUs are present; otherwise prints why the test is skipped —
-/// or fails when KVPROBE_REQUIRE_GPUS=2 (the two-GPU host's lane).
+/// or fails when KVPROBE_REQUIRE_GPUS ≥ 2 (the two-GPU host's lane).
 pub fn two_gpus_or_skip(test: &str) -> bool {
-    let n = kvprobe::cuda::device_count();
-    if n >= 2 {
-        return true;
-    }
-    if std::env::var("KVPROBE_REQUIRE_GPUS").as_deref() == Ok("2") {
-        panic!("{test}: KVPROBE_REQUIRE_GPUS=2 but {n} CUDA GPU(s) are present");
-    }
-    use std::io::Write;
-    let _ =
-        writeln!(std::io::stderr(), "SKIP {test}: needs two CUDA GPUs, {n} present (set KVPROBE_REQUIRE_GPUS=2 to fail instead)");
-    false
+    gpus_or_skip(test, 2)
 }
 
 /// The (iteration, layer, kv, block, class) tuples of a report's failures.
@@ -128,12 +162,93 @@ pub fn predicted_set(r: &serde_json::Value) -> std::collections::BTreeSet<(u64, 
     s
 }
 
-/// Checks that a run with one injection kind reports exactly the predicted failures.
+/// The tests' own table of what ONE planted fault of each `--inject` kind must cause at the
+/// decode side, by failure class (README "Fault injection"), written here independently of
+/// `src/inject.rs` so that a wrong prediction there cannot pass by agreeing with itself.
+pub const CLASSES_PER_FAULT: [(&str, &[(&str, u64)]); 5] = [
+    ("bitflip", &[("bitflip", 1)]),
+    ("drop", &[("unwritten", 1)]),
+    ("misroute", &[("misplaced", 1), ("unwritten", 1)]),
+    ("stale", &[("stale", 1)]),
+    ("torn", &[("torn", 1)]),
+];
+
+/// Every failure class a report's `summary.by_class` carries.
+pub const ALL_CLASSES: [&str; 6] = ["bitflip", "garbage", "misplaced", "stale", "torn", "unwritten"];
+
+/// The table's classes for one fault of `kind` (panics on a kind the table does not know).
+pub fn classes_of(kind: &str) -> &'static [(&'static str, u64)] {
+    CLASSES_PER_FAULT.iter().find(|(k, _)| *k == kind).unwrap_or_else(|| panic!("unknown injection kind {kind:?}")).1
+}
+
+/// The failures by class that `planted` = [(kind, number of faults)] must cause, from
+/// [`CLASSES_PER_FAULT`]; every class of [`ALL_CLASSES`] present (zero when none).
+pub fn expected_by_class(planted: &[(&str, u64)]) -> std::collections::BTreeMap<String, u64> {
+    let mut m: std::collections::BTreeMap<String, u64> = ALL_CLASSES.iter().map(|c| (c.to_string(), 0)).collect();
+    for (kind, n) in planted {
+        for (class, per) in classes_of(kind) {
+            *m.get_mut(*class).unwrap() += n * per;
+        }
+    }
+    m
+}
+
+/// What a run planted, from its echoed configuration (`config.inject[]` × `config.iterations`,
+/// i.e. what the command line asked for): [(kind, faults)].
+pub fn planted_from_config(r: &serde_json::Value) -> Vec<(String, u64)> {
+    let its = r["config"]["iterations"].as_u64().unwrap();
+    r["config"]["inject"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| (i["kind"].as_str().unwrap().to_string(), i["count"].as_u64().unwrap() * its))
+        .collect()
+}
+
+/// Asserts the report's failures by class are exactly the planted faults × the tests' own
+/// table ([`CLASSES_PER_FAULT`]): `summary.by_class`, `summary.blocks_corrupt`, the listed
+/// failures' classes (when none were omitted), and each injection's own `predicted` classes.
+pub fn assert_classes_match_table(r: &serde_json::Value, ctx: &str) {
+    let planted = planted_from_config(r);
+    let planted_ref: Vec<(&str, u64)> = planted.iter().map(|(k, n)| (k.as_str(), *n)).collect();
+    let want = expected_by_class(&planted_ref);
+    let by: std::collections::BTreeMap<String, u64> =
+        r["summary"]["by_class"].as_object().unwrap().iter().map(|(k, v)| (k.clone(), v.as_u64().unwrap())).collect();
+    assert_eq!(by, want, "{ctx}: summary.by_class differs from planted {planted:?} × the tests' table");
+    let total: u64 = want.values().sum();
+    assert_eq!(r["summary"]["blocks_corrupt"], total, "{ctx}");
+    if r["summary"]["failures_omitted"].as_u64().unwrap_or(0) == 0 {
+        let mut listed: std::collections::BTreeMap<String, u64> = ALL_CLASSES.iter().map(|c| (c.to_string(), 0)).collect();
+        for f in r["failures"].as_array().unwrap() {
+            *listed.entry(f["class"].as_str().unwrap().to_string()).or_default() += 1;
+        }
+        assert_eq!(listed, want, "{ctx}: the listed failures' classes differ from the tests' table");
+    }
+    for inj in r["injections"].as_array().unwrap() {
+        let kind = inj["kind"].as_str().unwrap();
+        let mut got: Vec<(String, u64)> = Vec::new();
+        for p in inj["predicted"].as_array().unwrap() {
+            let c = p["class"].as_str().unwrap().to_string();
+            match got.iter_mut().find(|(k, _)| *k == c) {
+                Some(e) => e.1 += 1,
+                None => got.push((c, 1)),
+            }
+        }
+        got.sort();
+        let mut table: Vec<(String, u64)> = classes_of(kind).iter().map(|(c, n)| (c.to_string(), *n)).collect();
+        table.sort();
+        assert_eq!(got, table, "{ctx}: the program's prediction for a {kind} injection differs from the tests' table: {inj}");
+    }
+}
+
+/// Checks that a run with one injection kind reports exactly the predicted failures, and
+/// that those are what the tests' own table says the planted faults cause.
 pub fn assert_exact_injection(report: &serde_json::Value, class: &str) {
     let failures = failure_set(report);
     let predicted = predicted_set(report);
     assert!(!predicted.is_empty(), "no injections recorded");
     assert_eq!(failures, predicted, "reported failures differ from the injected ones");
+    assert_classes_match_table(report, class);
     let by = &report["summary"]["by_class"];
     let total = report["summary"]["blocks_corrupt"].as_u64().unwrap();
     assert!(by[class].as_u64().unwrap() > 0, "no {class} failures: {by}");
@@ -167,6 +282,9 @@ pub fn assert_found_exactly(report: &serde_json::Value, planted: u64, ctx: &str)
     assert_eq!(report["summary"]["injections_detected"], planted, "{ctx}");
     assert_eq!(report["summary"]["unexpected_failures"], 0, "{ctx}");
     assert_eq!(failure_set(report), predicted_set(report), "{ctx}");
+    let planted_cfg: u64 = planted_from_config(report).iter().map(|(_, n)| n).sum();
+    assert_eq!(planted_cfg, planted, "{ctx}: the command line planted a different number");
+    assert_classes_match_table(report, ctx);
 }
 
 /// Reads `child`'s stderr until a line contains `marker` (the run is under way: e.g.
