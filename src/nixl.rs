@@ -183,7 +183,7 @@ pub fn ensure_open_files() -> std::result::Result<(), String> {
         if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) != 0 {
             return Ok(()); // unknown: let UCX try
         }
-        if (r.rlim_cur as u64) < MIN_OPEN_FILES && r.rlim_max > r.rlim_cur {
+        if r.rlim_cur < MIN_OPEN_FILES && r.rlim_max > r.rlim_cur {
             let raised =
                 libc::rlimit { rlim_cur: r.rlim_max.min(MIN_OPEN_FILES.max(4096) as libc::rlim_t), rlim_max: r.rlim_max };
             if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
@@ -191,7 +191,7 @@ pub fn ensure_open_files() -> std::result::Result<(), String> {
             }
         }
     }
-    if (r.rlim_cur as u64) < MIN_OPEN_FILES {
+    if r.rlim_cur < MIN_OPEN_FILES {
         return Err(format!(
             "the open-file limit (ulimit -n) is {} and cannot be raised (hard limit {}); NIXL's UCX backend needs more descriptors (it fails below 48, aborts below 12): kvprobe needs at least {MIN_OPEN_FILES}",
             r.rlim_cur, r.rlim_max
@@ -217,14 +217,14 @@ pub fn ensure_address_space() -> std::result::Result<(), String> {
         if libc::getrlimit(libc::RLIMIT_AS, &mut r) != 0 || r.rlim_cur == libc::RLIM_INFINITY {
             return Ok(());
         }
-        if (r.rlim_cur as u64) < MIN_ADDRESS_SPACE && r.rlim_max > r.rlim_cur {
+        if r.rlim_cur < MIN_ADDRESS_SPACE && r.rlim_max > r.rlim_cur {
             let raised = libc::rlimit { rlim_cur: r.rlim_max, rlim_max: r.rlim_max };
             if libc::setrlimit(libc::RLIMIT_AS, &raised) == 0 {
                 r = raised;
             }
         }
     }
-    if (r.rlim_cur as u64) < MIN_ADDRESS_SPACE {
+    if r.rlim_cur < MIN_ADDRESS_SPACE {
         return Err(format!(
             "the address-space limit (ulimit -v) is {} KiB and cannot be raised; NIXL's UCX backend reserves address space beyond the pools and fails or crashes under tight limits: kvprobe needs at least {} KiB (ulimit -v {}) plus its DRAM pools, or no limit",
             r.rlim_cur >> 10,

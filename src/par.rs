@@ -25,7 +25,7 @@ pub fn for_each<T: Send>(items: impl IntoIterator<Item = T>, threads: usize, f: 
     };
     std::thread::scope(|sc| {
         for _ in 1..threads.max(1) {
-            if std::thread::Builder::new().spawn_scoped(sc, &work).is_err() {
+            if std::thread::Builder::new().spawn_scoped(sc, work).is_err() {
                 break;
             }
         }

@@ -62,7 +62,7 @@ pub struct RawFailure {
 /// failures were lost), or a record that cannot come from a correct kernel (slice id not
 /// below the pool's slice count, no bad bytes, more bad bytes than a slice holds, first bad
 /// byte outside the slice) — never a panic on what the device returned.
-fn decode_device_failures(raw: &[u8], n: u32, geom: &Geometry) -> Result<Vec<RawFailure>> {
+pub fn decode_device_failures(raw: &[u8], n: u32, geom: &Geometry) -> Result<Vec<RawFailure>> {
     let slices = geom.total_slices()?;
     let sb = geom.slice_bytes()?;
     if raw.len() != n as usize * 16 {
@@ -814,69 +814,5 @@ impl KvPool {
             }
             Backing::Device { regions, .. } => regions[layer].write(off, bytes),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::geometry::{Dtype, Layout};
-
-    /// 2 layers x K/V x 3 blocks = 12 slices of 4 * 1 * 8 * 2 = 64 bytes.
-    fn geom() -> Geometry {
-        Geometry {
-            num_layers: 2,
-            num_kv_heads: 1,
-            head_size: 8,
-            block_size: 4,
-            num_blocks: 3,
-            dtype: Dtype::Bf16,
-            layout: Layout::Nhd,
-            mla: false,
-        }
-    }
-
-    fn rec(slice: u32, bad: u32, first: u32) -> [u8; 16] {
-        let mut r = [0u8; 16];
-        for (i, v) in [slice, bad, first, 0].into_iter().enumerate() {
-            r[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes());
-        }
-        r
-    }
-
-    fn list(recs: &[[u8; 16]]) -> Vec<u8> {
-        recs.concat()
-    }
-
-    #[test]
-    fn device_failures_merge_a_slices_parts_and_sort() {
-        let raw = list(&[rec(7, 2, 40), rec(0, 1, 0), rec(7, 3, 5), rec(11, 64, 0)]);
-        let got: Vec<_> =
-            decode_device_failures(&raw, 4, &geom()).unwrap().into_iter().map(|f| (f.slice, f.bad_bytes, f.first_bad)).collect();
-        assert_eq!(got, vec![(0, 1, 0), (7, 5, 5), (11, 64, 0)]);
-        assert!(decode_device_failures(&[], 0, &geom()).unwrap().is_empty());
-    }
-
-    #[test]
-    fn a_count_above_the_lists_capacity_is_a_device_error() {
-        // The kernel counted 3 records but the list held 2 (raw has only what fit).
-        let raw = list(&[rec(1, 1, 0), rec(2, 1, 0)]);
-        let e = decode_device_failures(&raw, 3, &geom()).unwrap_err();
-        assert!(matches!(e, Error::Device(_)), "{e:?}");
-        assert!(e.to_string().contains("counted 3 failing slice parts but its list holds 2"), "{e}");
-        // A garbage count from a stale allocation: an error, not a huge allocation or panic.
-        assert!(matches!(decode_device_failures(&[], u32::MAX, &geom()), Err(Error::Device(_))));
-    }
-
-    #[test]
-    fn impossible_failure_records_are_device_errors_not_panics() {
-        for bad in [rec(12, 1, 0), rec(u32::MAX, 1, 0), rec(3, 0, 0), rec(3, 65, 0), rec(3, 1, 64), rec(3, 1, u32::MAX)] {
-            let raw = list(&[rec(0, 1, 0), bad]);
-            let e = decode_device_failures(&raw, 2, &geom()).unwrap_err();
-            assert!(matches!(e, Error::Device(_)), "{e:?}");
-            assert!(e.to_string().contains("impossible failure record"), "{e}");
-        }
-        // The largest valid record is accepted.
-        assert_eq!(decode_device_failures(&rec(11, 64, 63), 1, &geom()).unwrap().len(), 1);
     }
 }
