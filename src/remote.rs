@@ -264,6 +264,10 @@ impl RemoteAgent {
                     return Err(Error::Interrupted("while the decode agent process started".into()));
                 }
                 Err(_) if t0.elapsed() > bound => {
+                    // It reads kvprobe's input only once ready: waiting for it to exit is no use.
+                    if let Ok(mut c) = guard.child.lock() {
+                        let _ = c.kill();
+                    }
                     return Err(Error::Timeout(format!(
                         "the decode agent process was not ready within {} s of its start (a fixed bound)",
                         bound.as_secs_f64()
