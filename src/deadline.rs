@@ -10,8 +10,9 @@
 //! - each other blocking call of the run ([`watch`], [`Watch::check`]): a CUDA
 //!   synchronisation, event wait or synchronous copy, a write to the Mooncake worker's pipe —
 //!   from just before the call, with the run's limit ([`set_limit`]); NIXL status and
-//!   notification queries are polls for requests with their own deadlines, watched only for
-//!   never returning;
+//!   notification queries are polls for requests with their own deadlines: one still in
+//!   progress when such a deadline passed is a timeout ([`crossed`], checked by the callers),
+//!   one that never returns is found by the watchdog;
 //! - set-up calls (NIXL agent and backend creation, memory registration, metadata) get at
 //!   least [`SETUP_FLOOR`] ([`setup_limit`]).
 //!
@@ -22,7 +23,9 @@
 //! the run so far, outcome `timeout`) and ends the process with exit 4 without joining the
 //! stuck call. Helper processes die with kvprobe (`PR_SET_PDEATHSIG`, [`crate::child`]).
 //! The same thread keeps SIGINT/SIGTERM from being held up by a blocked call
-//! ([`INTERRUPT_GRACE`]: the report is then marked interrupted, exit 130).
+//! ([`INTERRUPT_GRACE`]: the report is then marked interrupted, exit 130), and ends the run at
+//! once on a second signal ([`crate::interrupt::second_requested`]) through the same handler,
+//! so the report so far is still written.
 //!
 //! Test-only fault hooks: `KVPROBE_TEST_STALL_<POINT>=SECS` makes the call at `<POINT>` block
 //! for SECS seconds inside its watched region ([`Stall`]). They exist to prove the above in
@@ -84,6 +87,14 @@ impl Deadline {
     pub fn limit_secs(&self) -> f64 {
         self.limit.as_secs_f64()
     }
+}
+
+/// True when a poll call (a NIXL status or notification query) for a request with deadline
+/// `d`, begun at `asked` and returned at `returned`, was in progress when `d` passed: the wait
+/// exceeded `--timeout` inside the call, whatever it found (a call begun after the deadline
+/// is the first check after kvprobe was busy elsewhere: README "What `--timeout` bounds").
+pub fn crossed(d: &Deadline, asked: Instant, returned: Instant) -> bool {
+    !d.passed_at(asked) && d.passed_at(returned)
 }
 
 /// Called by the watchdog with the timeout error of a call that stayed blocked past its
@@ -208,11 +219,22 @@ pub fn watch_until(deadline: Deadline, what: impl FnOnce() -> Cow<'static, str>)
     let id = s.next_id;
     s.next_id += 1;
     s.armed.push(Armed { id, armed_at: Instant::now(), deadline: deadline.at(), limit: deadline.limit, what: what() });
+    start_locked(&mut s);
+    Watch { id: Some(id), deadline: Some(deadline) }
+}
+
+fn start_locked(s: &mut State) {
     if !s.started {
         s.started = true;
         std::thread::Builder::new().name("kvprobe-watchdog".into()).spawn(watchdog).ok();
     }
-    Watch { id: Some(id), deadline: Some(deadline) }
+}
+
+/// Starts the watchdog thread now (idempotent; otherwise it starts with the first watched
+/// call). [`crate::interrupt::install`] calls it: the watchdog also ends the run on a second
+/// SIGINT/SIGTERM, writing the report so far through the [`on_expiry`] handler (exit 130).
+pub fn start_watchdog() {
+    start_locked(&mut lock());
 }
 
 fn watchdog() {
@@ -231,6 +253,10 @@ fn watchdog() {
             .min_by_key(|a| a.deadline)
             .map(|a| (a.deadline.checked_add(GRACE).unwrap_or(a.deadline), a.limit, a.what.clone()));
         let fire = match (stuck, due) {
+            // A second signal: the user wants out now, with the report so far.
+            _ if crate::interrupt::second_requested() => Some(Error::Interrupted(
+                "a second signal: kvprobe ended the run at once, without waiting for the call or iteration in progress".into(),
+            )),
             (Some(what), _) => Some(Error::Interrupted(format!(
                 "{what} was still blocked {} s after the signal; kvprobe ended the run without waiting for it",
                 INTERRUPT_GRACE.as_secs()
@@ -284,10 +310,13 @@ pub enum Stall {
     Notifications,
     /// Inside a CUDA synchronisation or event wait (VRAM): `KVPROBE_TEST_STALL_SYNC`.
     Sync,
+    /// The decode agent process's start-up, just before it says it is ready:
+    /// `KVPROBE_TEST_STALL_AGENT_START`.
+    Start,
 }
 
 impl Stall {
-    const ALL: [Stall; 4] = [Stall::Post, Stall::Status, Stall::Notifications, Stall::Sync];
+    const ALL: [Stall; 5] = [Stall::Post, Stall::Status, Stall::Notifications, Stall::Sync, Stall::Start];
 
     /// The environment variable that sets it in this process.
     pub fn var(self) -> String {
@@ -296,6 +325,7 @@ impl Stall {
             Stall::Status => "STATUS",
             Stall::Notifications => "NOTIFICATIONS",
             Stall::Sync => "SYNC",
+            Stall::Start => "START",
         };
         let agent = if AGENT_PROCESS.load(std::sync::atomic::Ordering::SeqCst) { "AGENT_" } else { "" };
         format!("KVPROBE_TEST_STALL_{agent}{name}")
@@ -303,7 +333,7 @@ impl Stall {
 
     /// The seconds its variable names (read once per process), if set.
     pub fn secs(self) -> Option<Duration> {
-        static SECS: OnceLock<[Option<Duration>; 4]> = OnceLock::new();
+        static SECS: OnceLock<[Option<Duration>; 5]> = OnceLock::new();
         let all = SECS.get_or_init(|| {
             Stall::ALL.map(|p| {
                 std::env::var(p.var())

@@ -844,9 +844,31 @@ impl<'a> Engine<'a> {
 
     /// Prefill side: takes NIXL notifications (decode's READ of a request is done) and
     /// returns how many were for live requests of this run.
+    /// A notification query still in progress when a pending READ's deadline passed is a
+    /// timeout (exit 4), even if it brings that notification ([`crate::deadline::crossed`]).
     fn take_notifications(&mut self) -> Result<usize> {
         let mut n = 0;
-        for msg in self.prefill.notifications()? {
+        let asked = Instant::now();
+        let next = self
+            .reqs
+            .iter()
+            .filter(|(_, r)| !r.read_notified)
+            .filter_map(|(id, r)| r.read_deadline.filter(|d| !d.passed_at(asked)).map(|d| (*id, d)))
+            .min_by_key(|(_, d)| d.at());
+        let got = self.prefill.notifications()?;
+        let returned = Instant::now();
+        if let Some((id, d)) = next
+            && crate::deadline::crossed(&d, asked, returned)
+        {
+            return Err(Error::Timeout(format!(
+                "notification of request {id}'s READ: a notification query begun {:.3} s after it was posted returned \
+                 {:.3} s after it, over --timeout {:.6} s",
+                (asked - d.start).as_secs_f64(),
+                (returned - d.start).as_secs_f64(),
+                d.limit_secs()
+            )));
+        }
+        for msg in got {
             if let Some(id) = msg.strip_prefix(self.tag.as_str()).and_then(|s| s.parse::<u64>().ok()) {
                 n += self.notified(id) as usize;
             }

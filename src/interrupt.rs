@@ -2,9 +2,12 @@
 //! boundary (a sweep's transfer in flight gets up to [`GRACE`] after the signal to complete,
 //! and its iteration is then verified; one still incomplete is abandoned unverified; a
 //! scenario stops at its next engine step); the partial report is written and marked
-//! `interrupted`. A second signal, a second or more later, exits at once with 130. A repeat
-//! within a second counts as the same request: `timeout(1)` sends its signal to kvprobe
-//! and again to the process group, and two Ctrl-C presses that close are one impatient user.
+//! `interrupted`. A second signal, a second or more later, ends the run at once with 130: the
+//! watchdog thread ([`crate::deadline`]) writes the report published so far, marked
+//! `interrupted`, without waiting for the run; a third signal exits with 130 even if that
+//! write is held up. A repeat within a second counts as the same request: `timeout(1)` sends
+//! its signal to kvprobe and again to the process group, and two Ctrl-C presses that close are
+//! one impatient user.
 //!
 //! SIGXFSZ (a write past the file-size limit, `ulimit -f`) is ignored ([`ignore_file_size_signal`]):
 //! the write then fails with EFBIG, an error kvprobe handles like a full disk, instead of
@@ -15,6 +18,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 static INSTALLED: OnceLock<()> = OnceLock::new();
 static FLAG: AtomicBool = AtomicBool::new(false);
+/// Set by a second signal (a second or more after the first).
+static SECOND: AtomicBool = AtomicBool::new(false);
 /// CLOCK_MONOTONIC milliseconds of the first signal.
 static FIRST_MS: AtomicU64 = AtomicU64::new(0);
 
@@ -31,8 +36,9 @@ fn on_signal() {
         FIRST_MS.store(now_ms().max(1), Ordering::SeqCst);
         return;
     }
-    if now_ms().saturating_sub(FIRST_MS.load(Ordering::SeqCst)) >= 1000 {
-        // SAFETY: _exit is async-signal-safe; the user asked twice to stop now.
+    if now_ms().saturating_sub(FIRST_MS.load(Ordering::SeqCst)) >= 1000 && SECOND.swap(true, Ordering::SeqCst) {
+        // SAFETY: _exit is async-signal-safe; the user asked three times to stop now (the
+        // second signal's report write, by the watchdog, is held up).
         unsafe { libc::_exit(130) };
     }
 }
@@ -48,6 +54,8 @@ pub fn install() -> std::io::Result<()> {
         unsafe { signal_hook::low_level::register(sig, on_signal) }?;
     }
     let _ = INSTALLED.set(());
+    // The watchdog ends the run on a second signal (with the report so far).
+    crate::deadline::start_watchdog();
     Ok(())
 }
 
@@ -62,6 +70,12 @@ pub fn since_requested() -> Option<std::time::Duration> {
     }
     let first = FIRST_MS.load(Ordering::SeqCst);
     Some(std::time::Duration::from_millis(now_ms().saturating_sub(first)))
+}
+
+/// True once a second SIGINT/SIGTERM arrived, a second or more after the first: the run
+/// ends at once (the watchdog writes the report so far).
+pub fn second_requested() -> bool {
+    SECOND.load(Ordering::SeqCst)
 }
 
 /// True once SIGINT or SIGTERM arrived.

@@ -517,7 +517,8 @@ impl Agent {
     /// Checks a posted transfer once: `Some(result)` when it has completed. A request still in
     /// progress at two checks that began after its deadline has timed out (the first check
     /// after kvprobe was busy elsewhere drives NIXL's progress; a request found complete is
-    /// never late by this rule: when it completed is not known).
+    /// never late by this rule: when it completed is not known); so has one whose status
+    /// query began before its deadline and returned after it ([`crate::deadline::crossed`]).
     /// Errors: [`Error::Transport`] when NIXL reports it failed, [`Error::Timeout`] (exit 4).
     pub fn poll(&self, p: &mut Posted) -> Result<Option<XferResult>> {
         if p.done.is_none() {
@@ -528,6 +529,16 @@ impl Agent {
                 crate::deadline::Stall::Status.here();
                 self.agent.get_xfer_status(&p.req).map_err(|e| terr("transfer failed", e))?
             };
+            // A query that was still blocked when the deadline passed: the wait exceeded
+            // --timeout, whatever the query found.
+            let returned = Instant::now();
+            if crate::deadline::crossed(&p.deadline, asked, returned) {
+                return Err(p.timeout(&format!(
+                    "a status query begun {:.3} s after it was posted returned {:.3} s after it was posted",
+                    (asked - p.deadline.start).as_secs_f64(),
+                    (returned - p.deadline.start).as_secs_f64()
+                )));
+            }
             match status {
                 nixl_sys::XferStatus::Success => p.done = Some(p.deadline.start.elapsed()),
                 nixl_sys::XferStatus::InProgress => {
@@ -544,7 +555,9 @@ impl Agent {
         Ok(p.done.map(|elapsed| XferResult { bytes: p.bytes, elapsed }))
     }
 
-    /// Takes every notification that has arrived, as `(peer agent, message)` pairs.
+    /// Takes every notification that has arrived, as `(peer agent, message)` pairs. The
+    /// callers check the query against the deadlines of the requests they wait for
+    /// ([`crate::deadline::crossed`]).
     pub fn take_notifications(&self) -> Result<Vec<(String, String)>> {
         // A poll for requests that carry their own deadlines (checked by the callers): only a
         // query that never returns needs the watchdog.

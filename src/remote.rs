@@ -92,6 +92,28 @@ fn writer(stdin: ChildStdin, rx: Receiver<Vec<u8>>) {
     let _ = w.write_all(b"Q\n").and_then(|_| w.flush());
 }
 
+/// How long kvprobe waits for the decode agent process to exit after closing its input (it
+/// deregisters its memory and closes its NIXL agent) before killing it.
+pub const EXIT_GRACE: Duration = Duration::from_secs(5);
+
+/// [`EXIT_GRACE`] after SIGINT/SIGTERM: a child that is stuck or stopped is killed after this,
+/// so an interrupted run exits within [`crate::deadline::INTERRUPT_GRACE`] of the signal plus
+/// this (README "What `--timeout` bounds").
+pub const EXIT_GRACE_INTERRUPTED: Duration = Duration::from_secs(1);
+
+/// How long the decode agent process has to become ready (fixed; not `--timeout`).
+pub const START_BOUND: Duration = Duration::from_secs(120);
+
+/// Test-only: `KVPROBE_TEST_AGENT_START_SECS=SECS` replaces [`START_BOUND`], so a test of a
+/// child that never becomes ready does not take two minutes. Never set in normal use.
+fn start_bound() -> Duration {
+    std::env::var("KVPROBE_TEST_AGENT_START_SECS")
+        .ok()
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .and_then(|s| Duration::try_from_secs_f64(s).ok())
+        .unwrap_or(START_BOUND)
+}
+
 impl Drop for ChildGuard {
     fn drop(&mut self) {
         if let Ok(mut s) = self.to_child.lock() {
@@ -99,7 +121,8 @@ impl Drop for ChildGuard {
         }
         if let Ok(mut c) = self.child.lock() {
             let t0 = Instant::now();
-            while t0.elapsed() < Duration::from_secs(5) {
+            // After SIGINT/SIGTERM a stuck (or stopped) child must not hold up the exit.
+            while t0.elapsed() < if crate::interrupt::requested() { EXIT_GRACE_INTERRUPTED } else { EXIT_GRACE } {
                 if let Ok(Some(_)) = c.try_wait() {
                     return;
                 }
@@ -107,6 +130,10 @@ impl Drop for ChildGuard {
             }
             let _ = c.kill();
             let _ = c.wait();
+            eprintln!(
+                "kvprobe: the decode agent process did not exit within {} s of being told to; kvprobe killed it",
+                t0.elapsed().as_secs()
+            );
         }
     }
 }
@@ -151,10 +178,10 @@ fn error_of(code: u8, msg: String) -> Error {
 }
 
 impl RemoteAgent {
-    /// Starts `kvprobe agent`, sends `init` and waits (up to 120 s) for the child's pool and
-    /// agent. Returns the proxy, the child's [`Ready`] and the keep-alive to hand to the
-    /// imported pool. Errors: the child cannot start or reports an error (its exit code's
-    /// kind), dies or does not answer (transport, exit 3).
+    /// Starts `kvprobe agent`, sends `init` and waits (up to [`START_BOUND`], 120 s) for the
+    /// child's pool and agent. Returns the proxy, the child's [`Ready`] and the keep-alive to
+    /// hand to the imported pool. Errors: the child cannot start or reports an error (its exit
+    /// code's kind), dies (transport, exit 3) or is not ready within the bound (timeout, exit 4).
     pub fn spawn(init: &Init) -> Result<(RemoteAgent, Ready, Arc<dyn std::any::Any + Send + Sync>)> {
         let exe = std::env::current_exe().map_err(|e| Error::Environment(format!("cannot find kvprobe's executable: {e}")))?;
         let mut cmd = Command::new(exe);
@@ -225,6 +252,7 @@ impl RemoteAgent {
         };
         remote.send(format!("{}\n", serde_json::to_string(init).map_err(|e| Error::Io(e.to_string()))?).as_bytes(), &[])?;
         let t0 = Instant::now();
+        let bound = start_bound();
         let ready = loop {
             let ev = remote.events.lock().unwrap().recv_timeout(Duration::from_millis(100));
             match ev {
@@ -235,8 +263,15 @@ impl RemoteAgent {
                 Err(_) if crate::interrupt::requested() => {
                     return Err(Error::Interrupted("while the decode agent process started".into()));
                 }
-                Err(_) if t0.elapsed() > Duration::from_secs(120) => {
-                    return Err(Error::Transport("the decode agent process did not answer in 120 s".into()));
+                Err(_) if t0.elapsed() > bound => {
+                    // It reads kvprobe's input only once ready: waiting for it to exit is no use.
+                    if let Ok(mut c) = guard.child.lock() {
+                        let _ = c.kill();
+                    }
+                    return Err(Error::Timeout(format!(
+                        "the decode agent process was not ready within {} s of its start (a fixed bound)",
+                        bound.as_secs_f64()
+                    )));
                 }
                 Err(_) => {}
             }
@@ -509,6 +544,7 @@ fn serve(say: &dyn Fn(String)) -> Result<()> {
     crate::trace!("decode agent process: loads prefill's metadata");
     ep.connect(init.peer.clone())?;
     crate::ucx::adopt();
+    crate::deadline::Stall::Start.here();
     let ready = Ready { info: ep.info()?, handles: handles.iter().map(|h| hex(h)).collect() };
     say(format!("R {}\n", serde_json::to_string(&ready).map_err(|e| Error::Io(e.to_string()))?));
 

@@ -303,7 +303,8 @@ pub fn poll(op: Op, prefill: &Endpoint, decode: &Endpoint, p: &mut Request) -> R
 /// every tag in `tags` (removed as they arrive; others are dropped). Each tag carries its
 /// request's deadline ([`post`]): a tag still missing at two checks that began after its
 /// deadline has timed out (the first check after kvprobe was busy elsewhere collects what
-/// arrived meanwhile). Errors: timeout (exit 4), transport (exit 3).
+/// arrived meanwhile), and so has one whose deadline passed while a notification query was
+/// in progress ([`crate::deadline::crossed`]). Errors: timeout (exit 4), transport (exit 3).
 pub fn await_notifications(
     op: Op,
     prefill: &Endpoint,
@@ -315,7 +316,23 @@ pub fn await_notifications(
     let mut late_misses = 0u32;
     while !tags.is_empty() {
         let asked = Instant::now();
-        for (peer, msg) in other.raw_notifications()? {
+        // The pending tag whose deadline comes first and has not passed yet: a query still
+        // blocked when it passes is a timeout, even if it brings the notification.
+        let next = tags.iter().filter(|(_, d)| !d.passed_at(asked)).min_by_key(|(_, d)| d.at()).map(|(t, d)| (t.clone(), *d));
+        let got = other.raw_notifications()?;
+        let returned = Instant::now();
+        if let Some((tag, d)) = next
+            && crate::deadline::crossed(&d, asked, returned)
+        {
+            return Err(crate::error::Error::Timeout(format!(
+                "notification {tag} from {from}: a notification query begun {:.3} s after its request was posted returned \
+                 {:.3} s after it, over --timeout {:.6} s",
+                (asked - d.start).as_secs_f64(),
+                (returned - d.start).as_secs_f64(),
+                d.limit_secs()
+            )));
+        }
+        for (peer, msg) in got {
             if peer == from {
                 tags.remove(&msg);
             }

@@ -286,3 +286,129 @@ fn a_frozen_mooncake_worker_is_a_timeout_with_a_report_and_nothing_left_running(
     assert_gone(master, "the Mooncake master");
     assert_gone(worker, "the Mooncake worker");
 }
+
+/// Waits until kvprobe's stderr (next to `report`) holds `marker`.
+fn wait_for_log(report: &std::path::Path, marker: &str) {
+    let log = report.with_file_name("stderr");
+    let t0 = Instant::now();
+    while !std::fs::read_to_string(&log).unwrap_or_default().contains(marker) {
+        assert!(t0.elapsed() < Duration::from_secs(120), "kvprobe did not print {marker:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn signal(sig: &str, pid: u32) {
+    // kvprobe may already have ended (a signal after its exit is not an error here).
+    let _ = Command::new("kill").args([sig, &pid.to_string()]).status();
+}
+
+#[test]
+fn a_second_signal_still_leaves_the_report_so_far() {
+    // The run is held up after the first SIGINT (a post call blocked for an hour, in kvprobe or
+    // in the decode agent process); a second SIGINT 1.2 s later ends it at once — still with
+    // the report published so far, marked interrupted.
+    let sweep = [SWEEP, &["--timeout", "600"]].concat();
+    let agent = [SWEEP, &["--decode-process", "--timeout", "600"]].concat();
+    let ab = ["ab", "--memory", "dram", "--requests", "50", "--timeout", "600"];
+    for (name, args, stall, marker) in [
+        ("second-sweep", &sweep[..], "KVPROBE_TEST_STALL_POST", "iteration 1: posting"),
+        ("second-agent", &agent[..], "KVPROBE_TEST_STALL_AGENT_POST", "iteration 1: posting"),
+        ("second-ab", &ab[..], "KVPROBE_TEST_STALL_POST", "connected"),
+    ] {
+        let (child, report, _) = spawn(name, args, &[(stall, "3600"), ("KVPROBE_TRACE", "1")], false);
+        wait_for_log(&report, marker);
+        std::thread::sleep(Duration::from_millis(300));
+        signal("-INT", child.id());
+        std::thread::sleep(Duration::from_millis(1200));
+        signal("-INT", child.id());
+        let (code, r, err) = finish(child, &report);
+        assert_eq!(code, 130, "{name}: {err}");
+        assert_eq!(r["outcome"]["status"], "interrupted", "{name}: {}", r["outcome"]);
+        assert_eq!(r["outcome"]["exit_code"], 130, "{name}: {}", r["outcome"]);
+        assert!(r["environment"]["nixl"]["library"].is_string(), "{name}: the report so far keeps the environment");
+    }
+}
+
+#[test]
+fn ctrl_c_kills_a_stopped_decode_agent_instead_of_waiting_for_it() {
+    // The decode agent process is stopped (SIGSTOP) mid-run, then kvprobe gets SIGINT: it
+    // stops the run, and at shutdown kills the agent after a short bound (1 s after a signal)
+    // instead of waiting for it to exit; far within --timeout 3600.
+    let args = ["run", "--memory", "dram", "--iterations", "100000", "--decode-process", "--timeout", "3600"];
+    let (child, report, agent) = spawn("stopped-agent", &args, &[("KVPROBE_TRACE", "1")], true);
+    let agent = agent.unwrap();
+    wait_for_log(&report, "iteration 2: posting");
+    signal("-STOP", agent);
+    let t0 = Instant::now();
+    signal("-INT", child.id());
+    let (code, r, err) = finish(child, &report);
+    assert_eq!(code, 130, "{err}");
+    assert!(t0.elapsed() < Duration::from_secs(60), "an interrupted run waited {:?} for a stopped agent", t0.elapsed());
+    assert_eq!(r["outcome"]["status"], "interrupted", "{}", r["outcome"]);
+    assert!(err.contains("decode agent process did not exit within 1 s"), "{err}");
+    assert_gone(agent, "the stopped decode agent");
+}
+
+#[test]
+fn a_poll_blocked_past_its_requests_deadline_is_a_timeout() {
+    // Each status or notification query blocks 5 s, past --timeout 2 from the request's post:
+    // the wait exceeded --timeout inside the call, even though the call then finds its request
+    // complete or its notification there.
+    let t2 = ["--timeout", "2"];
+    let sweep = [SWEEP, &t2].concat();
+    let cases: Vec<(&str, Vec<&str>, &str, &str)> = vec![
+        ("poll-notif-read", sweep.clone(), "KVPROBE_TEST_STALL_NOTIFICATIONS", "notification query"),
+        ("poll-notif-write", [&sweep[..], &["--op", "write"]].concat(), "KVPROBE_TEST_STALL_NOTIFICATIONS", "notification query"),
+        (
+            "poll-notif-stages",
+            [&sweep[..], &["--pipeline-stages", "4"]].concat(),
+            "KVPROBE_TEST_STALL_NOTIFICATIONS",
+            "notification query",
+        ),
+        ("poll-status", sweep.clone(), "KVPROBE_TEST_STALL_STATUS", "status query"),
+        // --decode-process: kvprobe takes READ notifications; the agent takes WRITE's and polls
+        // its READs (kvprobe bounds them: incomplete past the deadline, or measured late).
+        (
+            "poll-agent-read",
+            [&sweep[..], &["--decode-process"]].concat(),
+            "KVPROBE_TEST_STALL_NOTIFICATIONS",
+            "notification query",
+        ),
+        (
+            "poll-agent-write",
+            [&sweep[..], &["--decode-process", "--op", "write"]].concat(),
+            "KVPROBE_TEST_STALL_AGENT_NOTIFICATIONS",
+            "notification",
+        ),
+        (
+            "poll-agent-status",
+            [&sweep[..], &["--decode-process"]].concat(),
+            "KVPROBE_TEST_STALL_AGENT_STATUS",
+            "by the decode agent process",
+        ),
+        ("poll-scenario", [NIXL_ONLY, &t2].concat(), "KVPROBE_TEST_STALL_NOTIFICATIONS", "notification query"),
+        ("poll-lockstep", [NIXL_ONLY, &t2, &["--lockstep"]].concat(), "KVPROBE_TEST_STALL_NOTIFICATIONS", "notification query"),
+    ];
+    for (name, args, stall, says) in cases {
+        let (code, r, log) = run_env(name, &args, &[(stall, "5")]);
+        assert_timeout(code, &r, &format!("{name}: {log}"));
+        assert!(message(&r).contains(says), "{name}: {}", message(&r));
+    }
+}
+
+#[test]
+fn a_decode_agent_that_never_becomes_ready_is_a_timeout() {
+    // The agent's start-up blocks for an hour; the fixed start bound (120 s, here 2 s through
+    // the test-only KVPROBE_TEST_AGENT_START_SECS) passes: exit 4 with a report, agent gone.
+    let args = [SWEEP, &["--decode-process", "--timeout", "3600"]].concat();
+    let (child, report, agent) = spawn(
+        "agent-never-ready",
+        &args,
+        &[("KVPROBE_TEST_STALL_AGENT_START", "3600"), ("KVPROBE_TEST_AGENT_START_SECS", "2")],
+        true,
+    );
+    let (code, r, err) = finish(child, &report);
+    assert_timeout(code, &r, &err);
+    assert!(message(&r).contains("decode agent process was not ready within 2 s"), "{}", message(&r));
+    assert_gone(agent.unwrap(), "the decode agent that never became ready");
+}
