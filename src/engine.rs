@@ -28,11 +28,14 @@
 //! # Attribution
 //! Every write into a prefill block goes through this engine, so it keeps a shadow of what
 //! each block and tier entry holds ([`Content`]), stamped with the unfenced mechanism that
-//! allowed a write, if one did. A corrupt slice at decode is *explained* when the shadow
-//! predicted exactly that wrong content (or a tear, when the block was rewritten while its
-//! READ was in flight), and is attributed to the stamped mechanism. Corruption the shadow
-//! does not predict is a defect of the stack under test (exit 1), as is any corruption in
-//! a fenced run.
+//! allowed a write, if one did, and for each NIXL READ in flight every content written into
+//! its blocks until it completes. A corrupt slice at decode is *explained* only when every
+//! 4-byte element of it is what one of the contents its block held during the READ window
+//! put there ([`attribute`]), and is then attributed to the stamped mechanism. Anything
+//! else — poison, a flipped bit, garbage, an identity never written in the window — is a
+//! defect of the stack under test (exit 1), as is any corruption in a fenced run.
+//!
+//! Test-only: `KVPROBE_TEST_FAULT` plants damage no race can produce ([`TestFault`]).
 
 use crate::error::{Error, Result};
 use crate::fingerprint::{self, BlockIdentity, SKIP_GEN};
@@ -223,16 +226,15 @@ struct Op {
     cause: Option<Mechanism>,
 }
 
-/// Writes remembered per prefill block: a READ in flight may deliver any of them.
-const HISTORY: usize = 32;
-
 #[derive(Clone, Debug, Default)]
 struct PSlot {
-    /// The last [`HISTORY`] writes as (version after the write, content written).
-    history: VecDeque<(u64, Content)>,
+    /// One window per NIXL READ of this block still in flight: (request, every content
+    /// written into the block since the READ was posted, in order). A window lives only
+    /// while its READ does (bounded by `--timeout`), so nothing written during a READ is
+    /// ever forgotten and no bound on rewrites is needed.
+    reads: Vec<(u64, Vec<Content>)>,
     owner: Option<u64>,
     content: Content,
-    version: u64,
     pending_compute: u32,
     pending_load: u32,
     /// Requests whose NIXL READ of this block has not been notified.
@@ -247,21 +249,9 @@ struct PSlot {
 impl PSlot {
     fn record(&mut self, c: Content) {
         self.content = c;
-        self.version += 1;
-        if self.history.len() == HISTORY {
-            self.history.pop_front();
+        for (_, w) in self.reads.iter_mut() {
+            w.push(c);
         }
-        self.history.push_back((self.version, c));
-    }
-
-    /// Contents written after version `since`; `None` when more writes happened than are
-    /// remembered.
-    fn written_since(&self, since: u64) -> Option<Vec<Content>> {
-        let n = self.version.saturating_sub(since) as usize;
-        if n > self.history.len() {
-            return None;
-        }
-        Some(self.history.iter().filter(|(v, _)| *v > since).map(|(_, c)| *c).collect())
     }
 }
 
@@ -297,7 +287,11 @@ struct Req {
     early_listed: bool,
     dslots: Vec<u32>,
     xfer: Option<Posted>,
-    at_post: Vec<(Content, u64)>,
+    /// What each prefill block held when the READ was posted.
+    at_post: Vec<Content>,
+    /// What was written into each prefill block while the READ was in flight (filled when
+    /// it completes).
+    during: Vec<Vec<Content>>,
     /// Decode-side prediction per block (tier-only loads).
     delivered: Vec<Content>,
     dloads_left: u32,
@@ -384,6 +378,8 @@ struct Engine<'a> {
     mooncake: Option<MooncakeTier>,
     fill_secs: f64,
     poison_secs: f64,
+    /// Test-only fault (`KVPROBE_TEST_FAULT`) and how many are left to plant.
+    fault: Option<(TestFault, u64)>,
     /// Prefix of this run's NIXL notifications (unique per engine, so a late notification
     /// of an earlier scenario in the same process is never taken for this one's).
     tag: String,
@@ -513,8 +509,41 @@ fn ident(t: TableEntry, c: SliceCoord) -> BlockIdentity {
     t.identity(c)
 }
 
-fn matches(obs: &Option<BlockIdentity>, t: TableEntry) -> bool {
-    obs.is_some_and(|o| o.block == t.block && o.generation == t.generation)
+/// The attribution of a corrupt slice (README "Attribution"): `actual` is the slice at
+/// coordinate `c` as decode holds it, `want` its expected bytes, and `written` what the
+/// engine's shadow says its source held during the READ window, in order (first: the
+/// content when the READ was posted; then each write made before it completed; for a tier
+/// load, the entry loaded).
+///
+/// Returns the mechanism it is attributed to (`None`: unexplained) and the content the
+/// shadow predicts there. The slice is explained only when every 4-byte element of it is
+/// what one of `written` put at that offset ([`verify::explained_by`]); this iteration's
+/// poison, a flipped bit, garbage or an identity never written in the window make the whole
+/// slice unexplained, however often the block was rewritten. It is then attributed to the
+/// mechanism stamped on the content that supplies most of the wrong elements (the latest on
+/// a tie; when it carries none, the latest other supplier's, else the content at post's),
+/// and that content is the prediction.
+pub fn attribute(actual: &[u8], want: &[u8], seed: u64, c: SliceCoord, written: &[Content]) -> (Option<Mechanism>, TableEntry) {
+    let pre = written.first().copied().unwrap_or_default();
+    // One fingerprint per distinct identity (a window may hold the same one several times).
+    let mut ids: Vec<TableEntry> = Vec::new();
+    for w in written {
+        if !ids.contains(&w.id) {
+            ids.push(w.id);
+        }
+    }
+    let prints: Vec<Vec<u8>> = ids.iter().map(|&t| fingerprint::expected(actual.len(), seed, ident(t, c))).collect();
+    let Some(used) = verify::explained_by(actual, want, &prints) else {
+        return (None, pre.id);
+    };
+    let supplied = |w: &Content| ids.iter().position(|t| *t == w.id).map_or(0, |k| used[k]);
+    // The prediction: the content supplying most of the wrong data (`max_by_key` keeps the
+    // last of equals: the latest on a tie).
+    let Some(best) = written.iter().filter(|w| supplied(w) > 0).max_by_key(|w| supplied(w)) else {
+        return (None, pre.id);
+    };
+    let cause = best.cause.or_else(|| written.iter().rev().filter(|w| supplied(w) > 0).find_map(|w| w.cause)).or(pre.cause);
+    (cause, best.id)
 }
 
 impl<'a> Engine<'a> {
@@ -591,6 +620,7 @@ impl<'a> Engine<'a> {
             fill_secs: 0.0,
             poison_secs: 0.0,
             tag: format!("kvprobe:{:016x}:req=", rand::rng().random::<u64>()),
+            fault: TestFault::from_env()?,
         })
     }
 
@@ -762,9 +792,27 @@ impl<'a> Engine<'a> {
                 report.summary.bytes_transferred += done.bytes;
                 r.xfer = None;
                 r.stage = Stage::Verify;
+                self.read_done(id);
             }
         }
         Ok(())
+    }
+
+    /// A READ of request `id` completed: closes its windows on its prefill blocks (what was
+    /// written into them while it was in flight, see [`PSlot::reads`]).
+    fn read_done(&mut self, id: u64) {
+        let Some(r) = self.reqs.get_mut(&id) else { return };
+        r.during = r
+            .pslots
+            .iter()
+            .map(|&s| {
+                let reads = &mut self.pslots[s as usize].reads;
+                match reads.iter().position(|(q, _)| *q == id) {
+                    Some(k) => reads.swap_remove(k).1,
+                    None => Vec::new(),
+                }
+            })
+            .collect();
     }
 
     /// After a notification check begun at `asked`: a READ whose notification is still
@@ -908,6 +956,7 @@ impl<'a> Engine<'a> {
             }
             r.xfer = None;
             r.stage = Stage::Verify;
+            self.read_done(id);
         }
         while ids.iter().any(|id| self.reqs.get(id).is_some_and(|r| !r.read_notified)) {
             let asked = Instant::now();
@@ -1227,8 +1276,10 @@ impl<'a> Engine<'a> {
                         }
                     }
                 }
-                r.at_post =
-                    r.pslots.iter().map(|&s| (self.pslots[s as usize].content, self.pslots[s as usize].version)).collect();
+                r.at_post = r.pslots.iter().map(|&s| self.pslots[s as usize].content).collect();
+                for &s in &r.pslots {
+                    self.pslots[s as usize].reads.push((id, Vec::new()));
+                }
                 let x = self.decode.post_read(&pairs, &format!("{}{id}", self.tag), self.timeout)?;
                 r.read_deadline = Some(x.deadline());
                 r.xfer = Some(x);
@@ -1276,6 +1327,7 @@ impl<'a> Engine<'a> {
                 owner.insert(d, (id, i));
             }
         }
+        self.plant_faults(&ids)?;
         let t = Instant::now();
         let fails = self.decode.pool.verify(&table)?;
         let slices: u64 =
@@ -1294,35 +1346,15 @@ impl<'a> Engine<'a> {
             self.decode.pool.read_slice(c, &mut buf)?;
             let want = fingerprint::expected(sb, self.seed, expected);
             let v = verify::classify_against(&buf, &want, expected, self.seed, f.slice, r.poison_iter);
-            // What the engine's own operations predict this block holds: its content when
-            // the READ was posted, or, if the prefill block was rewritten while the READ was
-            // in flight, any of the contents written meanwhile (or a tear between them).
-            let (pre, during) = if sc.uses_nixl() {
-                let (pre, ver) = r.at_post[i];
-                let p = &self.pslots[r.pslots[i] as usize];
-                (pre, if p.version == ver { Some(Vec::new()) } else { p.written_since(ver) })
+            // What the source block held during the READ window: its content when the READ
+            // was posted, then every write before the READ completed (tier-only: the entry
+            // decode loaded).
+            let written: Vec<Content> = if sc.uses_nixl() {
+                std::iter::once(r.at_post[i]).chain(r.during.get(i).into_iter().flatten().copied()).collect()
             } else {
-                (r.delivered[i], Some(Vec::new()))
+                vec![r.delivered[i]]
             };
-            let changed = during.as_ref().is_none_or(|d| !d.is_empty());
-            let hit = during.as_ref().and_then(|d| d.iter().rev().find(|c| matches(&v.observed, c.id)).copied());
-            let cause = if pre.id != expected_t && matches(&v.observed, pre.id) && v.class != Class::Torn {
-                pre.cause
-            } else if let Some(c) = hit {
-                c.cause.or(pre.cause)
-            } else if changed && v.class == Class::Torn {
-                // A tear between contents written during the READ: the last writer's cause.
-                during.as_ref().and_then(|d| d.iter().rev().find_map(|c| c.cause)).or(pre.cause)
-            } else if during.is_none() {
-                // More rewrites than remembered: the latest one's cause.
-                self.pslots[r.pslots[i] as usize].content.cause.or(pre.cause)
-            } else {
-                None
-            };
-            let predicted = match hit {
-                Some(c) if !(pre.id != expected_t && matches(&v.observed, pre.id)) => c.id,
-                _ => pre.id,
-            };
+            let (cause, predicted) = attribute(&buf, &want, self.seed, c, &written);
             match cause {
                 Some(m) => *self.attributed.entry(m).or_default().entry(v.class).or_default() += 1,
                 None => self.unexplained += 1,
@@ -1357,6 +1389,48 @@ impl<'a> Engine<'a> {
                 iv.slices_checked += r.dslots.len() as u64 * g.num_layers as u64 * g.kv_parts() as u64;
             }
         }
+        Ok(())
+    }
+
+    /// Test-only (`KVPROBE_TEST_FAULT`, see [`TestFault`]): corrupts one decode slice (layer
+    /// 0, the first K/V part) in each of the next requests about to be verified, after
+    /// their READ or load completed, until the count is spent, and names each on stderr.
+    fn plant_faults(&mut self, ids: &[u64]) -> Result<()> {
+        let Some((kind, mut left)) = self.fault else { return Ok(()) };
+        let g = self.decode.pool.geometry().clone();
+        let sb = g.slice_bytes()? as usize;
+        for &id in ids {
+            if left == 0 {
+                break;
+            }
+            let r = &self.reqs[&id];
+            let i = match kind {
+                TestFault::Bitflip => 0,
+                // A block rewritten while its READ was in flight: the partial delivery a
+                // race-excusing attribution would take for a tear.
+                TestFault::Poison => match r.during.iter().position(|d| !d.is_empty()) {
+                    Some(i) => i,
+                    None => continue,
+                },
+            };
+            let c = SliceCoord { layer: 0, kv: g.parts()[0], block: r.dslots[i] };
+            let mut buf = vec![0u8; sb];
+            self.decode.pool.read_slice(c, &mut buf)?;
+            match kind {
+                // Bit 0 of sector 0's check word (a 32-bit hash of the identity).
+                TestFault::Bitflip => buf[12] ^= 1,
+                TestFault::Poison => {
+                    let from = sb / 2 / 16 * 16;
+                    let mut p = vec![0u8; sb];
+                    fingerprint::poison(&mut p, g.global_slice(c), r.poison_iter);
+                    buf[from..].copy_from_slice(&p[from..]);
+                }
+            }
+            self.decode.pool.write_slice(c, &buf)?;
+            eprintln!("test fault: {} planted in request {id} at layer 0 {} decode block {}", kind.name(), c.kv, c.block);
+            left -= 1;
+        }
+        self.fault = Some((kind, left));
         Ok(())
     }
 
@@ -1443,6 +1517,7 @@ impl<'a> Engine<'a> {
                     dslots: Vec::new(),
                     xfer: None,
                     at_post: Vec::new(),
+                    during: Vec::new(),
                     delivered: Vec::new(),
                     dloads_left: 0,
                     poison_iter: 0,
@@ -1631,6 +1706,45 @@ impl<'a> Engine<'a> {
             races,
             intervals: self.intervals.clone(),
         });
+    }
+}
+
+/// A test-only fault hook: `KVPROBE_TEST_FAULT=KIND:N` corrupts one decode slice in each of
+/// N verified requests of a scenario, after the READ (or tier load) delivered it and before
+/// decode verifies it — damage no race of the engine can produce, so each such slice must be
+/// reported unexplained (tests/scenario.rs proves it). Never set in normal use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TestFault {
+    /// `bitflip`: flips one bit of the slice's first check word.
+    Bitflip,
+    /// `poison`: overwrites the second half of a slice whose prefill block was rewritten
+    /// while its READ was in flight with this iteration's poison (a partial delivery).
+    Poison,
+}
+
+impl TestFault {
+    /// The environment variable.
+    pub const VAR: &'static str = "KVPROBE_TEST_FAULT";
+
+    /// The name in `KVPROBE_TEST_FAULT`.
+    pub fn name(self) -> &'static str {
+        match self {
+            TestFault::Bitflip => "bitflip",
+            TestFault::Poison => "poison",
+        }
+    }
+
+    /// Reads `KVPROBE_TEST_FAULT` (`bitflip:N` or `poison:N`); errors (exit 2) on another value.
+    pub fn from_env() -> Result<Option<(TestFault, u64)>> {
+        let Ok(v) = std::env::var(Self::VAR) else { return Ok(None) };
+        let bad = || Error::Usage(format!("{}={v:?}: expected bitflip:N or poison:N (test-only)", Self::VAR));
+        let (kind, n) = v.split_once(':').ok_or_else(bad)?;
+        let kind = match kind {
+            "bitflip" => TestFault::Bitflip,
+            "poison" => TestFault::Poison,
+            _ => return Err(bad()),
+        };
+        Ok(Some((kind, n.trim().parse().map_err(|_| bad())?)))
     }
 }
 

@@ -243,3 +243,38 @@ pub fn verdict(sources: &[Source], expected: BlockIdentity) -> Verdict {
         }
     }
 }
+
+/// Which written contents explain a corrupt slice (scenario attribution, README
+/// "Attribution"). `actual` is the slice as decode holds it, `want` its expected bytes and
+/// `written` the fingerprints of every content its source block held during the READ window
+/// (the content when the READ was posted, then each write made before it completed; for a
+/// tier load, the entry's content), all slice-sized.
+///
+/// Returns `None` when some 4-byte element of `actual` is not the element at that offset of
+/// any `written` content: this iteration's poison (a partial delivery), a flipped bit,
+/// garbage, or an identity never written in the window — nothing a race can produce. Else,
+/// per `written` content, how many of the elements that differ from `want` (the wrong data)
+/// it matches. Elements, not sectors, so that a tear inside a sector (a copy racing a write
+/// lands whole aligned elements of each) is still explained; a whole sector of one content
+/// is the common case. A tag element (block id, generation) is a small integer that two
+/// contents can share, so a fault confined to one such element that turns it into the same
+/// element of another content written in the window cannot be told from a tear; every
+/// other element is a 32-bit hash of the identity.
+pub fn explained_by(actual: &[u8], want: &[u8], written: &[Vec<u8>]) -> Option<Vec<usize>> {
+    let mut used = vec![0; written.len()];
+    for (e, got) in actual.chunks(4).enumerate() {
+        let at = e * 4..e * 4 + got.len();
+        let wrong = want.get(at.clone()) != Some(got);
+        let mut any = false;
+        for (j, w) in written.iter().enumerate() {
+            if w.get(at.clone()) == Some(got) {
+                any = true;
+                used[j] += wrong as usize;
+            }
+        }
+        if !any {
+            return None;
+        }
+    }
+    Some(used)
+}

@@ -402,3 +402,213 @@ fn race_help_explains_every_mechanism() {
     let (_, ab, _) = kvprobe(&["ab", "--help"]);
     assert!(ab.contains("6  an unfenced race mechanism was not detected (ab; run --race MECHANISM: not reproduced)"), "{ab}");
 }
+
+// ---- attribution (README "Attribution"): a slice is excused by a race only when every
+// 4-byte element of it is what a content written into its block during the READ window put
+// there. The slices below are built from the fingerprint and poison definitions directly.
+
+mod attribution {
+    use kvprobe::engine::attribute;
+    use kvprobe::fingerprint::{self, BlockIdentity};
+    use kvprobe::geometry::{KvPart, SliceCoord};
+    use kvprobe::pool::TableEntry;
+    use kvprobe::race::Mechanism;
+    use kvprobe::tier::Content;
+
+    const SEED: u64 = 7;
+    const SLICE: usize = 2048; // four sectors
+    const C: SliceCoord = SliceCoord { layer: 1, kv: KvPart::V, block: 3 };
+
+    fn id(t: TableEntry) -> BlockIdentity {
+        BlockIdentity { layer: C.layer, kv: C.kv, block: t.block, generation: t.generation }
+    }
+    fn print(t: TableEntry) -> Vec<u8> {
+        fingerprint::expected(SLICE, SEED, id(t))
+    }
+    fn poison() -> Vec<u8> {
+        let mut p = vec![0u8; SLICE];
+        fingerprint::poison(&mut p, 99, 1234);
+        p
+    }
+    /// `a` up to byte `at`, `b` after it.
+    fn tear(a: &[u8], b: &[u8], at: usize) -> Vec<u8> {
+        [&a[..at], &b[at..]].concat()
+    }
+    const E: TableEntry = TableEntry { block: 0x1111, generation: 5 };
+    const X: TableEntry = TableEntry { block: 0x2222, generation: 6 };
+    const Y: TableEntry = TableEntry { block: 0x3333, generation: 7 };
+    fn content(t: TableEntry, cause: Option<Mechanism>) -> Content {
+        Content { id: t, cause }
+    }
+    fn verdict(actual: &[u8], window: &[Content]) -> (Option<Mechanism>, TableEntry) {
+        attribute(actual, &print(E), SEED, C, window)
+    }
+
+    const LIR: Option<Mechanism> = Some(Mechanism::LoadIntoReading);
+    const SAF: Option<Mechanism> = Some(Mechanism::SaveAfterFree);
+
+    #[test]
+    fn attribution_explains_tears_between_contents_written_during_the_read() {
+        // The block held E when the READ was posted; X was loaded into it before it completed.
+        let window = [content(E, None), content(X, LIR)];
+        let (e, x) = (print(E), print(X));
+        assert_eq!(verdict(&x, &window), (LIR, X), "all of X");
+        assert_eq!(verdict(&tear(&x, &e, 1024), &window), (LIR, X), "a tear at a sector boundary");
+        assert_eq!(verdict(&tear(&e, &x, 1024 + 148), &window), (LIR, X), "a tear inside a sector (element 37)");
+        // The content at post was already wrong (a tier hit of a bad entry), no rewrite.
+        assert_eq!(verdict(&print(Y), &[content(Y, SAF)]), (SAF, Y));
+    }
+
+    #[test]
+    fn attribution_never_excuses_poison_in_a_rewritten_block() {
+        let window = [content(E, None), content(X, LIR)];
+        let (e, x, p) = (print(E), print(X), poison());
+        for (what, slice) in [
+            ("X then poison from a sector boundary", tear(&x, &p, 1024)),
+            ("expected then poison inside a sector", tear(&e, &p, 1024 + 256)),
+            ("X, one sector left poison", tear(&x, &p, 1536)),
+            ("all poison", p.clone()),
+        ] {
+            assert_eq!(verdict(&slice, &window).0, None, "{what} is a partial delivery, never a race");
+        }
+    }
+
+    #[test]
+    fn attribution_never_excuses_a_flipped_bit_garbage_or_an_identity_never_written() {
+        let window = [content(E, None), content(X, LIR)];
+        let mut flipped = print(X);
+        flipped[700] ^= 0x10; // a body element of sector 1
+        assert_eq!(verdict(&flipped, &window).0, None, "X with a flipped bit");
+        let mut check = tear(&print(X), &print(E), 1024);
+        check[1536 + 12] ^= 1; // sector 3's check word
+        assert_eq!(verdict(&check, &window).0, None, "a tear with a flipped bit");
+        assert_eq!(verdict(&print(Y), &window).0, None, "Y was never written in the window");
+        assert_eq!(verdict(&vec![0xA5; SLICE], &window).0, None, "garbage");
+        // No rewrite: the block held E throughout, so even another block's intact data is a defect.
+        assert_eq!(verdict(&print(X), &[content(E, LIR)]).0, None, "X was not in the block during the READ");
+        // A sector of the expected data when the expected block was never in the window.
+        assert_eq!(verdict(&tear(&print(E), &print(X), 512), &[content(Y, SAF), content(X, LIR)]).0, None);
+    }
+
+    #[test]
+    fn attribution_after_many_rewrites_still_checks_every_element() {
+        // 100 rewrites during one READ (the old rule attributed anything after 32).
+        let window: Vec<Content> = std::iter::once(content(E, None))
+            .chain((1..=100).map(|g| content(TableEntry { block: 0x4444, generation: g }, LIR)))
+            .collect();
+        let first = TableEntry { block: 0x4444, generation: 1 };
+        assert_eq!(verdict(&print(first), &window), (LIR, first), "the earliest rewrite is remembered");
+        for (what, slice) in [
+            ("poison", poison()),
+            ("garbage", vec![0x5A; SLICE]),
+            ("a never-written generation", print(TableEntry { block: 0x4444, generation: 101 })),
+            ("the expected data with a flipped bit", {
+                let mut b = print(E);
+                b[40] ^= 4;
+                b
+            }),
+        ] {
+            assert_eq!(verdict(&slice, &window).0, None, "{what} after 100 rewrites");
+        }
+    }
+}
+
+/// Lines `test fault: KIND planted in request R at layer 0 KV decode block D` as (R, D).
+fn planted(log: &str) -> Vec<(u64, u64)> {
+    log.lines()
+        .filter_map(|l| l.strip_prefix("test fault: "))
+        .map(|l| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            (w[4].parse().unwrap(), w[w.len() - 1].parse().unwrap())
+        })
+        .collect()
+}
+
+fn scenario_env(name: &str, args: &[&str], env: &[(&str, &str)]) -> (i32, Value, String) {
+    let d = tmpdir(name);
+    let p = d.join("report.json");
+    let mut a = vec!["run", "--memory", "dram", "--report", p.to_str().unwrap()];
+    a.extend_from_slice(args);
+    let (code, out, err) = crate::common::kvprobe_env(&a, env);
+    assert!(!err.contains("panicked"), "{err}");
+    (code, read_report(&p), format!("{out}{err}"))
+}
+
+/// Each planted fault is listed at its request and decode block as unexplained (unexplained
+/// slices have their own listing budget, so a flood of race damage never crowds them out).
+fn assert_planted_unexplained(r: &Value, planted: &[(u64, u64)], log: &str) {
+    for &(req, block) in planted {
+        let f = r["failures"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|f| f["request"] == req && f["block"] == block && f["layer"] == 0)
+            .unwrap_or_else(|| panic!("planted fault in request {req} block {block} not listed: {log}"));
+        assert!(f["attributed_to"].is_null(), "a planted fault was excused: {f}");
+    }
+}
+
+#[test]
+fn a_planted_partial_delivery_in_a_rewritten_block_is_unexplained() {
+    // load-into-reading rewrites blocks while their READ is in flight; the hook writes this
+    // iteration's poison over half of such a slice after the READ: no write can put poison
+    // there, so it must be unexplained (the old rule took it for the race's tear).
+    let args = ["--race", "load-into-reading", "--requests", "600", "--seed", "21"];
+    let (code, r, log) = scenario_env("fault-poison", &args, &[("KVPROBE_TEST_FAULT", "poison:5")]);
+    assert_eq!(code, 1, "{log}");
+    let p = planted(&log);
+    assert!(!p.is_empty() && p.len() <= 5, "the hook planted 1 to 5 faults: {log}");
+    assert_eq!(r["scenario"]["unexplained_corrupt"], p.len() as u64, "exactly the planted faults are unexplained: {log}");
+    assert_eq!(r["outcome"]["status"], "corrupt");
+    assert_planted_unexplained(&r, &p, &log);
+    // Control: the same run without the hook has nothing unexplained.
+    let (code, r, log) = scenario_report("fault-poison-control", &args);
+    assert_eq!(code, 1, "{log}");
+    assert_eq!(r["scenario"]["unexplained_corrupt"], 0, "{log}");
+    assert!(planted(&log).is_empty());
+}
+
+#[test]
+fn a_planted_bitflip_under_an_unfenced_race_is_unexplained() {
+    // --lockstep: the run replays exactly from the seed, so the control is the same run
+    // without the three flipped bits, slice for slice.
+    let args = ["--race", "save-after-free", "--lockstep", "--requests", "400", "--seed", "0x2a"];
+    let (code, r, log) = scenario_env("fault-bitflip", &args, &[("KVPROBE_TEST_FAULT", "bitflip:3")]);
+    let (c0, r0, log0) = scenario_report("fault-bitflip-control", &args);
+    assert_eq!(code, 1, "{log}");
+    assert_eq!(c0, 1, "{log0}");
+    let p = planted(&log);
+    assert_eq!(p.len(), 3, "{log}");
+    assert_eq!(r["scenario"]["unexplained_corrupt"], 3, "{log}");
+    assert_eq!(r0["scenario"]["unexplained_corrupt"], 0, "{log0}");
+    assert_planted_unexplained(&r, &p, &log);
+    // The control's corrupt slices among the planted ones were race damage, then attributed.
+    assert_eq!(r0["summary"]["failures_omitted"], 0);
+    let hit = |f: &Value| p.iter().any(|&(q, b)| f["request"] == q && f["block"] == b && f["layer"] == 0 && f["kv"] == "K");
+    let overlap = r0["failures"].as_array().unwrap().iter().filter(|f| hit(f)).count() as u64;
+    let attributed = |r: &Value| -> u64 {
+        r["scenario"]["races"].as_array().unwrap().iter().map(|o| o["corrupt_attributed"].as_u64().unwrap()).sum()
+    };
+    assert_eq!(total_corrupt(&r), total_corrupt(&r0) + 3 - overlap, "{log}");
+    assert_eq!(attributed(&r), attributed(&r0) - overlap, "{log}");
+}
+
+#[test]
+fn ab_exits_1_when_a_row_has_unexplained_corruption() {
+    let d = tmpdir("ab-fault");
+    let p = d.join("ab.json");
+    let (code, out, err) = crate::common::kvprobe_env(
+        &["ab", "--memory", "dram", "--requests", "200", "--report", p.to_str().unwrap()],
+        &[("KVPROBE_TEST_FAULT", "bitflip:1")],
+    );
+    assert_eq!(code, 1, "{out}{err}");
+    let r = read_report(&p);
+    assert_eq!(r["outcome"]["exit_code"], 1);
+    let rows = r["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 8);
+    for row in rows {
+        assert_eq!(row["unexplained"], 1, "one planted bit flip per row: {row}");
+        assert_eq!(row["pass"], false, "{row}");
+    }
+    assert!(out.contains("<- FAIL (1 unexplained)"), "the table names it: {out}");
+}
