@@ -373,12 +373,13 @@ fn an_open_file_limit_too_low_is_raised_or_refused_up_front() {
         let err = String::from_utf8_lossy(&o.stderr);
         assert_eq!(o.status.code(), Some(2), "ulimit -n {n}: {:?}: {err}", o.status);
         assert!(err.contains(&format!("the open-file limit (ulimit -n) is {n} and cannot be raised")), "{err}");
-        if n >= 6 {
-            // With 5 descriptors the report itself has none to be written with; it then goes to
-            // stderr (see the file-size tests).
-            let r: Value = serde_json::from_str(&std::fs::read_to_string(&p).expect("report written")).unwrap();
-            assert_eq!(r["outcome"]["exit_code"], 2);
-        }
+        // The report: in its file, or — when no descriptor is left to write it with (how many
+        // kvprobe has open by then depends on the host) — on stderr (see the file-size tests).
+        let r: Value = match std::fs::read_to_string(&p) {
+            Ok(text) => serde_json::from_str(&text).unwrap(),
+            Err(_) => fallback_report(&err),
+        };
+        assert_eq!(r["outcome"]["exit_code"], 2, "ulimit -n {n}");
         assert_eq!(entries(&tmp), Vec::<String>::new(), "ulimit -n {n}: left in TMPDIR");
     }
     // A soft limit of 10 under a higher hard one is raised, and the run is clean.

@@ -31,6 +31,8 @@ fn check(root: &Path, llvm_config: &Path, env: &[(&str, &str)]) -> (i32, Vec<Str
         .env("KVPROBE_DEPS_ROOT", root)
         .env("KVPROBE_HOME", &home)
         .env("LLVM_CONFIG_PATH", llvm_config)
+        .env_remove("KVPROBE_NIXL_DIR")
+        .env_remove("KVPROBE_MOONCAKE_VENV")
         .env_remove("LIBCLANG_PATH")
         .env_remove("LD_LIBRARY_PATH")
         .env_remove("LIBRARY_PATH");
@@ -130,9 +132,31 @@ fn the_check_installs_nothing_and_names_the_missing_installs() {
     assert!(m.iter().any(|s| s.starts_with("NIXL 1.5.1 in ")), "{m:?}");
     assert!(m.iter().any(|s| s.starts_with("mooncake-transfer-engine-")), "{m:?}");
     assert!(!root.join("kvprobe-home").exists(), "--check created the install directory");
-    let o = Command::new("bash").arg(repo().join("scripts/install-deps.sh")).arg("--bogus").output().unwrap();
+    for bad in [&["--bogus"][..], &["--check", "extra"], &["--check", "--check"]] {
+        let o = Command::new("bash").arg(repo().join("scripts/install-deps.sh")).args(bad).output().unwrap();
+        assert_eq!(o.status.code(), Some(2), "{bad:?}");
+        assert!(String::from_utf8_lossy(&o.stderr).contains("usage"), "{bad:?}");
+    }
+    // kvprobe loads NIXL from KVPROBE_NIXL_DIR alone when it is set, and uses the venv
+    // KVPROBE_MOONCAKE_VENV names: the check looks there.
+    let (_, m) = check(
+        &root,
+        Path::new("/nonexistent/llvm-config"),
+        &[("KVPROBE_NIXL_DIR", "/nonexistent/nixl"), ("KVPROBE_MOONCAKE_VENV", "/nonexistent/venv")],
+    );
+    assert!(m.contains(&"NIXL in KVPROBE_NIXL_DIR=/nonexistent/nixl".to_string()), "{m:?}");
+    assert!(m.contains(&"Mooncake venv KVPROBE_MOONCAKE_VENV=/nonexistent/venv".to_string()), "{m:?}");
+    // Neither KVPROBE_HOME, XDG_DATA_HOME nor HOME: nowhere to look, said, exit 2.
+    let o = Command::new("bash")
+        .arg(repo().join("scripts/install-deps.sh"))
+        .arg("--check")
+        .env_remove("HOME")
+        .env_remove("KVPROBE_HOME")
+        .env_remove("XDG_DATA_HOME")
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&o.stderr).contains("usage"));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("set KVPROBE_HOME"), "{}", String::from_utf8_lossy(&o.stderr));
 }
 
 fn missing_with_code(root: &Path) -> (i32, Vec<String>) {
