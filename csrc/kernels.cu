@@ -111,20 +111,16 @@ __device__ __forceinline__ void kvp_cmp(unsigned want, unsigned got, unsigned of
  * `fail_cap` records: a record past it is not written, but `fail_count` still counts it, so
  * the host sees the overflow (src/pool.rs treats `*fail_count > fail_cap` as a device error). *
  * What was compared is counted as it is compared, not derived from the geometry: each thread
- * counts the 16-byte chunks its fast-path loop compared, and a slice counts once when its
- * part 0 was compared; at the end each thread block adds its sums (one warp-reduced shared
- * atomic per warp, two global atomics per thread block) to `compared[2 * (b % KVP_CMP_SLOTS)]`
- * (slices) and `[... + 1]` (bytes). */
+ * block counts the 16-byte chunks of every part its loop compared (the loop's bounds), and a
+ * slice once when its part 0 was compared; at the end the block adds its sums (two global
+ * atomics) to `compared[2 * (b % KVP_CMP_SLOTS)]` (slices) and `[... + 1]` (bytes). */
 extern "C" __global__ void kvp_verify(const uint4 *region, unsigned slice_bytes, unsigned layout,
                                       unsigned num_blocks, unsigned layer, unsigned seed32,
                                       const uint2 *table, unsigned num_slices, unsigned slice_base,
                                       kvp_fail *fails, unsigned *fail_count, unsigned fail_cap,
                                       unsigned long long *compared) {
     __shared__ unsigned s_bad, s_first;
-    __shared__ unsigned long long s_chunks;
-    if (threadIdx.x == 0) s_chunks = 0ull;
-    __syncthreads();
-    unsigned long long my_chunks = 0ull, my_slices = 0ull; /* my_slices: thread 0 only */
+    unsigned long long my_chunks = 0ull, my_slices = 0ull; /* thread 0 only */
     const unsigned chunks = slice_bytes / 16u, parts = kvp_parts(chunks);
     const unsigned long long items = (unsigned long long)num_slices * parts;
     for (unsigned long long w = blockIdx.x; w < items; w += gridDim.x) {
@@ -137,15 +133,21 @@ extern "C" __global__ void kvp_verify(const uint4 *region, unsigned slice_bytes,
         const unsigned lkv = kvp_layer_kv(layer, kv);
         const unsigned key = kvp_slice_key(seed32, ent.x, lkv, ent.y);
         const uint4 *s = region + (size_t)q * chunks;
-        unsigned acc = 0u, n = 0u;
-        for (unsigned c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
+        unsigned acc = 0u;
+        const unsigned c_start = c0 + threadIdx.x;
+        for (unsigned c = c_start; c < c1; c += blockDim.x) {
             const uint4 got = s[c];
             const uint4 want = kvp_chunk(key, ent.x, lkv, ent.y, c);
             acc |= (got.x ^ want.x) | (got.y ^ want.y) | (got.z ^ want.z) | (got.w ^ want.w);
-            n++;
         }
-        my_chunks += n;
-        if (threadIdx.x == 0 && c0 == 0u) my_slices++;
+        /* The block's threads together made c1 - c0 iterations of the loop above (thread t:
+         * those from c0 + t in steps of blockDim.x); thread 0 keeps the block's count. (A
+         * counter inside the loop and a per-block reduction cost the kernel a third of its
+         * bandwidth on the H200: the grid has about one thread block per part.) */
+        if (threadIdx.x == 0) {
+            my_chunks += c1 - c0;
+            if (c0 == 0u) my_slices++;
+        }
         if (!__syncthreads_or(acc != 0u)) continue; /* the part is intact (uniform) */
         if (threadIdx.x == 0) { s_bad = 0u; s_first = 0xFFFFFFFFu; }
         __syncthreads();
@@ -172,12 +174,9 @@ extern "C" __global__ void kvp_verify(const uint4 *region, unsigned slice_bytes,
         }
         __syncthreads();
     }
-    for (int o = 16; o > 0; o >>= 1) my_chunks += __shfl_down_sync(0xFFFFFFFFu, my_chunks, o);
-    if ((threadIdx.x & 31u) == 0u && my_chunks) atomicAdd(&s_chunks, my_chunks);
-    __syncthreads();
     if (threadIdx.x == 0) {
         unsigned long long *slot = compared + 2u * (blockIdx.x % KVP_CMP_SLOTS);
         if (my_slices) atomicAdd(slot, my_slices);
-        if (s_chunks) atomicAdd(slot + 1, s_chunks * 16ull);
+        if (my_chunks) atomicAdd(slot + 1, my_chunks * 16ull);
     }
 }
