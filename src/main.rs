@@ -732,16 +732,7 @@ fn run(args: RunArgs, typed: &[&str]) -> Exit {
         out(&kvprobe::report::render(&report));
     }
     report_error(&report.outcome);
-    match (&args.pool.report, lost) {
-        (Some(path), None) => {
-            if !is_stdout(path) {
-                out(&format!("report:            {}\n", path.display()));
-            }
-            exit
-        }
-        (Some(path), Some(e)) => report_lost(&format!("--report {}", path.display()), &report, &e, exit),
-        (None, _) => exit,
-    }
+    report_outcome(&args.pool.report, lost, &report, exit, "report:            ")
 }
 
 /// Prints the error that ended a run, if any, on stderr.
@@ -755,6 +746,22 @@ fn report_error(o: &kvprobe::report::Outcome) {
 /// stdout, puts the report on stderr ([`kvprobe::report::print_fallback`]), and returns the
 /// exit code: the run's own, or 7 (report not written) in place of 0, so neither a clean
 /// verdict nor a missing file passes unnoticed.
+/// The end of `run` and `ab`: says where the `--report` went (`label` then the path; nothing
+/// for stdout), or, when writing it failed (`lost`), hands it to [`report_lost`]. Returns the
+/// exit code.
+fn report_outcome<T: serde::Serialize>(path: &Option<PathBuf>, lost: Option<Error>, doc: &T, exit: Exit, label: &str) -> Exit {
+    match (path, lost) {
+        (Some(path), None) => {
+            if !is_stdout(path) {
+                out(&format!("{label}{}\n", path.display()));
+            }
+            exit
+        }
+        (Some(path), Some(e)) => report_lost(&format!("--report {}", path.display()), doc, &e, exit),
+        (None, _) => exit,
+    }
+}
+
 fn report_lost<T: serde::Serialize>(what: &str, value: &T, why: &Error, exit: Exit) -> Exit {
     let exit = if exit == Exit::Clean { Exit::ReportNotWritten } else { exit };
     out(&format!("report:            NOT WRITTEN ({why}): the JSON report is on stderr; exit {}\n", exit as u8));
@@ -811,16 +818,7 @@ fn ab(args: AbArgs) -> Exit {
         out(&kvprobe::ab::render(&ab));
     }
     report_error(&ab.outcome);
-    match (&args.pool.report, lost) {
-        (Some(path), None) => {
-            if !is_stdout(path) {
-                out(&format!("report: {}\n", path.display()));
-            }
-            exit
-        }
-        (Some(path), Some(e)) => report_lost(&format!("--report {}", path.display()), &ab, &e, exit),
-        (None, _) => exit,
-    }
+    report_outcome(&args.pool.report, lost, &ab, exit, "report: ")
 }
 
 fn bench(a: BenchArgs) -> Exit {
