@@ -458,7 +458,8 @@ fn vram_scenarios_are_clean_and_races_are_detected() {
             400
         );
     }
-    let (code, r, log) = vram_report("vram-race", &["--race", "save-before-write", "--requests", "400"]);
+    // --lockstep: the verdict replays from the seed, whatever the timing.
+    let (code, r, log) = vram_report("vram-race", &["--race", "save-before-write", "--requests", "400", "--lockstep"]);
     assert_eq!(code, 1, "{log}");
     assert_eq!(r["scenario"]["unexplained_corrupt"], 0, "{log}");
     let o = r["scenario"]["races"].as_array().unwrap().iter().find(|o| o["mechanism"] == "save-before-write").unwrap().clone();
@@ -472,7 +473,8 @@ fn vram_ab_matrix_passes() {
     }
     let d = tmpdir("vram-ab");
     let p = d.join("ab.json");
-    let (code, out, err) = kvprobe(&["ab", "--memory", "vram", "--requests", "1000", "--report", p.to_str().unwrap()]);
+    let (code, out, err) =
+        kvprobe(&["ab", "--memory", "vram", "--requests", "1000", "--lockstep", "--report", p.to_str().unwrap()]);
     assert_eq!(code, 0, "{out}{err}");
     let r = read_report(&p);
     assert!(r["rows"].as_array().unwrap().iter().all(|x| x["pass"] == true), "{out}");
@@ -499,7 +501,19 @@ fn mooncake_tier_on_vram_pools_shared_by_cuda_ipc() {
     let (code, r, log) = crate::common::run_with_report(
         "mc-vram-race",
         "vram",
-        &["--preset", "llama3-8b", "--blocks", "256", "--race", "save-before-write", "--tier", "mooncake", "--requests", "400"],
+        &[
+            "--preset",
+            "llama3-8b",
+            "--blocks",
+            "256",
+            "--race",
+            "save-before-write",
+            "--tier",
+            "mooncake",
+            "--requests",
+            "400",
+            "--lockstep",
+        ],
     );
     assert_eq!(code, 1, "{log}");
     assert_eq!(r["scenario"]["unexplained_corrupt"], 0, "{log}");
