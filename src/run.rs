@@ -907,10 +907,12 @@ fn sweep(
                 }
             }
             if k + 2 < stages.len() {
-                // Stray-write check right before the post (later stages are in flight).
-                let t = Instant::now();
-                corrupt += poison_check(cfg, probe, &cur, stages[k + 2].clone(), &mut seen, report)?;
-                times.overlapped += t.elapsed().as_secs_f64();
+                if stray_checks {
+                    // Stray-write check right before the post (later stages are in flight).
+                    let t = Instant::now();
+                    corrupt += poison_check(cfg, probe, &cur, stages[k + 2].clone(), &mut seen, report)?;
+                    times.overlapped += t.elapsed().as_secs_f64();
+                }
                 post(probe, k + 2, &mut inflight)?;
             }
             let last = k + 1 == stages.len();
