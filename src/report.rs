@@ -683,6 +683,13 @@ pub fn render(r: &Report) -> String {
                 "pipeline:          {} stages; {:.3} s of probe work hidden inside the transfers\n",
                 s.pipeline_stages, s.overlapped_seconds
             );
+            out += &format!(
+                "stray writes:      {} found; {} block slices checked for their poison before their post, {} verified again at the end ({:.3} s outside the transfers)\n",
+                s.by_class.get(crate::verify::Class::Stray.name()).copied().unwrap_or(0),
+                s.stray_poison_checked_slices,
+                s.stray_reverified_slices,
+                s.stray_check_seconds
+            );
         }
         if let Some(b) = s.host_peak_bytes {
             out += &format!("host memory:       {:.1} MiB peak resident\n", b as f64 / (1u64 << 20) as f64);
