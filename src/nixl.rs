@@ -555,6 +555,14 @@ impl Agent {
         Ok(p.done.map(|elapsed| XferResult { bytes: p.bytes, elapsed }))
     }
 
+    /// Sends `msg` to agent `peer` as a NIXL notification without any transfer (genNotif);
+    /// test-only faults use it to deliver a transfer's notification before its data.
+    /// Errors: [`Error::Transport`] when NIXL refuses it.
+    pub fn notify(&self, peer: &str, msg: &[u8]) -> Result<()> {
+        let _w = crate::deadline::watch(|| "sending a NIXL notification".into());
+        self.agent.send_notification(peer, msg, Some(&self.backend)).map_err(|e| terr("send notification", e))
+    }
+
     /// Takes every notification that has arrived, as `(peer agent, message)` pairs. The
     /// callers check the query against the deadlines of the requests they wait for
     /// ([`crate::deadline::crossed`]).

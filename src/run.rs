@@ -772,6 +772,60 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>) -> Res
     sweep(cfg, &mut probe, report, hooks.line, started, ucx_mark)
 }
 
+/// A sweep stage's request.
+enum Staged {
+    /// The stage moves nothing (every pair dropped by an injection).
+    Empty,
+    /// Posted with the stage's notification.
+    Posted(crate::remote::Request),
+    /// Test-only ([`EARLY_NOTIFY_VAR`]): the stage's notification was sent alone; the transfer
+    /// is posted after decode verified the stage.
+    Deferred { pairs: Vec<Pair>, deadline: crate::deadline::Deadline },
+}
+
+/// Test-only fault hook: `KVPROBE_TEST_EARLY_NOTIFY=N` makes prefill deliver each stage's
+/// notification of sweep iteration N before the stage's data (a bare NIXL notification, the
+/// WRITE posted only after decode verified the stage), as a transport that notifies before
+/// the data has landed would. Decode verifies on the notification, so every slice of
+/// iteration N must be reported `unwritten` (exit 1). WRITE only.
+pub const EARLY_NOTIFY_VAR: &str = "KVPROBE_TEST_EARLY_NOTIFY";
+
+/// Reads [`EARLY_NOTIFY_VAR`]. Errors (usage, exit 2): not a positive iteration number, or
+/// set with `--op read` (READ completes at decode, its initiator).
+fn early_notify_fault(op: Op) -> Result<Option<u32>> {
+    let Some(v) = std::env::var_os(EARLY_NOTIFY_VAR) else { return Ok(None) };
+    let n = v
+        .to_str()
+        .and_then(|s| s.parse::<u32>().ok())
+        .filter(|n| *n >= 1)
+        .ok_or_else(|| Error::Usage(format!("{EARLY_NOTIFY_VAR} must be an iteration number (1 or more); got {v:?}")))?;
+    if op != Op::Write {
+        return Err(Error::Usage(format!("{EARLY_NOTIFY_VAR} needs --op write (a READ completes at decode)")));
+    }
+    eprintln!("test fault: iteration {n}'s notifications are sent before their data");
+    Ok(Some(n))
+}
+
+/// Spins on `check` until it yields a value (stage `k` of iteration `it` waiting for its
+/// `what`). A signal lets the wait go on for up to `interrupt::GRACE` after it (then the
+/// report says interrupted rather than waiting out --timeout on a stalled transfer); `check`
+/// ends the wait with a timeout past the request's deadline.
+fn wait<T>(it: u32, k: usize, what: &str, mut check: impl FnMut() -> Result<Option<T>>) -> Result<T> {
+    loop {
+        if let Some(v) = check()? {
+            return Ok(v);
+        }
+        if crate::interrupt::since_requested().is_some_and(|d| d > crate::interrupt::GRACE) {
+            return Err(Error::Interrupted(format!(
+                "in iteration {it} while stage {k}'s {what} was awaited (incomplete {} s after the signal; \
+                 this iteration is not verified)",
+                crate::interrupt::GRACE.as_secs()
+            )));
+        }
+        std::hint::spin_loop();
+    }
+}
+
 /// The whole-pool sweep, pipelined by layer stages ([`stages`]): while stage k+1 (and
 /// k+2) of iteration `it` are in flight, decode verifies stage k (failures classified at
 /// once, before the slices are reused), re-poisons it for `it + 1`, and prefill refills it
@@ -796,6 +850,7 @@ fn sweep(
     let all = 0..g.num_layers;
     let mut buf = vec![0u8; sb];
     let mut verify_all = 0.0;
+    let early_notify = early_notify_fault(cfg.op)?;
 
     // Setup: iteration 1's fill and faults, the copy ceiling, iteration 1's poison.
     crate::phase::announce(&format!(
@@ -850,21 +905,30 @@ fn sweep(
         let mut corrupt = 0u64;
         let mut bytes = 0u64;
         let tag = |k: usize| format!("kvprobe:iter={it}:stage={k}");
+        // READ: the notifications prefill must get (awaited after the last stage); WRITE:
+        // each stage is verified when decode has its notification ([`Staged`]).
         let mut tags = HashMap::new();
+        let early = early_notify == Some(it);
         let mut inflight = std::collections::VecDeque::new();
-        let mut post = |probe: &Probe, k: usize, inflight: &mut std::collections::VecDeque<_>| -> Result<()> {
+        let mut post = |probe: &Probe, k: usize, inflight: &mut std::collections::VecDeque<Staged>| -> Result<()> {
             let mut pairs = probe.stage_pairs(&cur, stages[k].clone())?;
             // --inject stray: after coalescing, so never merged with the stage's own pairs.
             pairs.extend(cur.strays.iter().filter(|(c, _)| *c == k).map(|(_, p)| *p));
-            let posted = if pairs.is_empty() {
-                None
+            let staged = if pairs.is_empty() {
+                Staged::Empty
+            } else if early {
+                // Test-only: the notification now, the transfer after decode verified.
+                let deadline = crate::deadline::Deadline::after(timeout);
+                probe.prefill.notify_peer(&tag(k))?;
+                Staged::Deferred { pairs, deadline }
             } else {
-                Some(transport::post(cfg.op, &probe.prefill, &probe.decode, &pairs, &tag(k), timeout)?)
+                let p = transport::post(cfg.op, &probe.prefill, &probe.decode, &pairs, &tag(k), timeout)?;
+                if cfg.op == Op::Read {
+                    tags.insert(tag(k), p.deadline());
+                }
+                Staged::Posted(p)
             };
-            if let Some(p) = &posted {
-                tags.insert(tag(k), p.deadline());
-            }
-            inflight.push_back(posted);
+            inflight.push_back(staged);
             Ok(())
         };
         // Stray-write check of the stages posted first, before the window (nothing in flight).
@@ -877,6 +941,7 @@ fn sweep(
         }
         // The transfer window: from building the first request's descriptors to the last
         // request's completion.
+        let mut inbox = transport::Inbox::default();
         let window_start = Instant::now();
         crate::trace!("iteration {it}: posting");
         for k in 0..stages.len().min(2) {
@@ -884,26 +949,37 @@ fn sweep(
         }
         let mut window_end = window_start;
         for (k, layers) in stages.iter().enumerate() {
-            // Wait for stage k.
-            let mut posted = inflight.pop_front().expect("one request per stage");
-            if let Some(p) = posted.as_mut() {
-                // A signal lets the requests in flight finish for up to `interrupt::GRACE` after
-                // it (then the report says interrupted rather than waiting out --timeout on a
-                // stalled transfer). `poll` ends the wait with a timeout past the request's
-                // deadline.
-                loop {
-                    if let Some(r) = transport::poll(cfg.op, &probe.prefill, &probe.decode, p)? {
-                        bytes += r.bytes;
-                        break;
-                    }
-                    if crate::interrupt::since_requested().is_some_and(|d| d > crate::interrupt::GRACE) {
-                        return Err(Error::Interrupted(format!(
-                            "in iteration {it} while stage {k}'s transfer was in flight (incomplete {} s after the signal; \
-                             this iteration is not verified)",
-                            crate::interrupt::GRACE.as_secs()
-                        )));
-                    }
-                    std::hint::spin_loop();
+            // Wait for stage k: READ, decode's own request complete (decode initiated it);
+            // WRITE, decode's notification of it, as decode knows nothing else of a push (the
+            // initiator's completion is waited for after the verify, before prefill refills
+            // the source) — so a notification that comes before the data is caught.
+            let mut staged = inflight.pop_front().expect("one request per stage");
+            let mut written = None;
+            match (&mut staged, cfg.op) {
+                (Staged::Empty, _) => {}
+                (Staged::Posted(p), Op::Read) => {
+                    let r = wait(it, k, "transfer", || transport::poll(cfg.op, &probe.prefill, &probe.decode, p))?;
+                    bytes += r.bytes;
+                }
+                (Staged::Posted(p), Op::Write) => {
+                    // Prefill's status queries drive its progress (UCX sends the data and then
+                    // the notification from the initiator's worker); its completion is kept
+                    // but is not what the verify waits for.
+                    let d = p.deadline();
+                    wait(it, k, "notification", || {
+                        if written.is_none() {
+                            written = transport::poll(cfg.op, &probe.prefill, &probe.decode, p)?;
+                        }
+                        Ok(transport::poll_notification(cfg.op, &probe.prefill, &probe.decode, &mut inbox, &tag(k), d)?
+                            .then_some(()))
+                    })?;
+                }
+                (Staged::Deferred { deadline, .. }, _) => {
+                    let d = *deadline;
+                    wait(it, k, "notification", || {
+                        Ok(transport::poll_notification(cfg.op, &probe.prefill, &probe.decode, &mut inbox, &tag(k), d)?
+                            .then_some(()))
+                    })?;
                 }
             }
             if k + 2 < stages.len() {
@@ -953,6 +1029,24 @@ fn sweep(
             }
             let verify_s = t.elapsed().as_secs_f64();
             verify_all += verify_s;
+            // WRITE: prefill's request must be complete before its source is refilled (and a
+            // deferred one, of the test-only fault, is posted now and waited for).
+            match staged {
+                Staged::Posted(mut p) if cfg.op == Op::Write => {
+                    let r = match written {
+                        Some(r) => r,
+                        None => wait(it, k, "transfer", || transport::poll(cfg.op, &probe.prefill, &probe.decode, &mut p))?,
+                    };
+                    bytes += r.bytes;
+                }
+                Staged::Deferred { pairs, .. } => {
+                    let late = format!("{}:late", tag(k));
+                    let mut p = transport::post(cfg.op, &probe.prefill, &probe.decode, &pairs, &late, timeout)?;
+                    let r = wait(it, k, "transfer", || transport::poll(cfg.op, &probe.prefill, &probe.decode, &mut p))?;
+                    bytes += r.bytes;
+                }
+                _ => {}
+            }
             let t = Instant::now();
             let mut fill_s = 0.0; // the last iteration refills nothing
             if let Some(n) = &next {

@@ -173,6 +173,14 @@ impl Endpoint {
         )
     }
 
+    /// Sends `tag` to the peer as a bare NIXL notification (no transfer): the test-only
+    /// early-notification fault of the sweep ([`crate::run`]). Errors: transport (exit 3);
+    /// usage for an agent in another process.
+    pub fn notify_peer(&self, tag: &str) -> Result<()> {
+        let peer = self.peer().agent.clone();
+        self.local()?.notify(&peer, tag.as_bytes())
+    }
+
     /// Notifications from any peer since the last call: (peer agent, message).
     pub fn raw_notifications(&self) -> Result<Vec<(String, String)>> {
         match &self.agent {
@@ -355,4 +363,63 @@ pub fn await_notifications(
         std::thread::sleep(Duration::from_micros(20));
     }
     Ok(())
+}
+
+/// The notifications the role that did not post `op`'s requests has received (decode for
+/// WRITE), kept until the sweep asks for them one tag at a time ([`poll_notification`]):
+/// a notification that arrives before its stage is waited for is not lost.
+#[derive(Debug, Default)]
+pub struct Inbox {
+    got: std::collections::HashSet<String>,
+    late_misses: u32,
+}
+
+/// Checks once whether the receiving role of `op` (decode for WRITE, prefill for READ) has
+/// the notification `tag` from the initiator; notifications of other tags are kept in
+/// `inbox`. `deadline` is the tag's request's ([`post`]): a tag still missing at two checks
+/// that began after it has timed out, and so has one whose notification query began before it
+/// and returned after it ([`crate::deadline::crossed`]). Returns true (and forgets the tag)
+/// once it has arrived. Errors: timeout (exit 4), transport (exit 3).
+pub fn poll_notification(
+    op: Op,
+    prefill: &Endpoint,
+    decode: &Endpoint,
+    inbox: &mut Inbox,
+    tag: &str,
+    deadline: Deadline,
+) -> Result<bool> {
+    let (init, other) = roles(op, prefill, decode);
+    let from = init.name();
+    if inbox.got.remove(tag) {
+        inbox.late_misses = 0;
+        return Ok(true);
+    }
+    let asked = Instant::now();
+    let got = other.raw_notifications()?;
+    let returned = Instant::now();
+    if crate::deadline::crossed(&deadline, asked, returned) {
+        return Err(crate::error::Error::Timeout(format!(
+            "notification {tag} from {from}: a notification query begun {:.3} s after its request was posted returned \
+             {:.3} s after it, over --timeout {:.6} s",
+            (asked - deadline.start).as_secs_f64(),
+            (returned - deadline.start).as_secs_f64(),
+            deadline.limit_secs()
+        )));
+    }
+    inbox.got.extend(got.into_iter().filter(|(peer, _)| *peer == from).map(|(_, m)| m));
+    if inbox.got.remove(tag) {
+        inbox.late_misses = 0;
+        return Ok(true);
+    }
+    if deadline.passed_at(asked) {
+        inbox.late_misses += 1;
+        if inbox.late_misses >= 2 {
+            return Err(crate::error::Error::Timeout(format!(
+                "no notification {tag} from {from} within --timeout {:.6} s ({:.3} s since its request was posted)",
+                deadline.limit_secs(),
+                deadline.elapsed_secs()
+            )));
+        }
+    }
+    Ok(false)
 }

@@ -392,6 +392,14 @@ fn vram_run_is_clean() {
 }
 
 #[test]
+fn vram_write_verifies_on_decode_notification() {
+    if !gpu_or_skip("vram_write_verifies_on_decode_notification") {
+        return;
+    }
+    crate::dram::early_notification_is_caught("vram");
+}
+
+#[test]
 fn vram_injections_are_classified_exactly() {
     if !gpu_or_skip("vram_injections_are_classified_exactly") {
         return;
