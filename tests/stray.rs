@@ -160,3 +160,26 @@ fn inject_stray_needs_three_pipeline_stages() {
     assert_eq!(code, 2, "{log}");
     assert!(log.contains("--inject stray needs 5 distinct block slices"), "{log}");
 }
+
+#[test]
+fn strays_combine_with_every_other_injection_and_a_decode_agent_process() {
+    // Every other kind in the same iterations (their slices distinct from the strays'), READ
+    // and WRITE, decode's agent in a second process: each fault comes back where and as the
+    // tests' own table predicts, nothing else.
+    for extra in [
+        &["--pipeline-stages", "4", "--seed", "21"][..],
+        &["--pipeline-stages", "3", "--layers", "6", "--op", "write", "--descriptor-blocks", "4"][..],
+        &["--pipeline-stages", "4", "--decode-process"][..],
+    ] {
+        let mut args = vec!["--iterations", "3", "--inject", "stray:2"];
+        args.extend(crate::common::EVERY_INJECTION);
+        args.extend_from_slice(extra);
+        let (code, r, log) = run_with_report("stray-combined", "dram", &args);
+        let ctx = format!("{extra:?}: {log}");
+        assert_eq!(code, 1, "{ctx}");
+        assert_found_exactly(&r, 3 * 7, &ctx);
+        assert_eq!(r["summary"]["by_class"]["stray"], 6, "{ctx}");
+        let (layers, per_layer) = layers_and_slices_per_layer(&r);
+        assert_eq!(r["summary"]["slices_compared"], 3 * layers * per_layer, "{ctx}");
+    }
+}
