@@ -96,6 +96,13 @@ pub fn decode_device_failures(raw: &[u8], n: u32, geom: &Geometry) -> Result<Vec
     Ok(merged)
 }
 
+/// The poison-check kernel's failure list (as long as the verify kernel's) and counters
+/// ([`crate::cuda::CHECK_COUNTERS_BYTES`]).
+struct CheckBuffers {
+    fails: DeviceBuffer,
+    counters: DeviceBuffer,
+}
+
 enum Backing {
     /// One mapping for the whole pool (one per layer would hit vm.max_map_count on deep
     /// geometries); layer l's region starts at l * region_bytes.
@@ -108,10 +115,8 @@ enum Backing {
         /// The verify kernel's failure count and compared-work counters
         /// ([`crate::cuda::VERIFY_COUNTERS_BYTES`]).
         counters: DeviceBuffer,
-        /// The poison-check kernel's failure list (as long as `fails`) and counters
-        /// ([`crate::cuda::CHECK_COUNTERS_BYTES`]).
-        check_fails: DeviceBuffer,
-        check_counters: DeviceBuffer,
+        /// The poison-check kernel's buffers (boxed: a pool's backing stays small).
+        check: Box<CheckBuffers>,
     },
 }
 
@@ -345,7 +350,14 @@ impl KvPool {
         Ok(KvPool {
             geom: geom.clone(),
             seed,
-            backing: Backing::Device { kernels, regions, table, fails, counters, check_fails, check_counters },
+            backing: Backing::Device {
+                kernels,
+                regions,
+                table,
+                fails,
+                counters,
+                check: Box::new(CheckBuffers { fails: check_fails, counters: check_counters }),
+            },
             last_kernel_secs: None,
             table: Vec::new(),
             timers: Vec::new(),
@@ -698,11 +710,11 @@ impl KvPool {
                 self.check.slices += n_slices.into_inner();
                 Ok(())
             }
-            Backing::Device { kernels, regions, check_fails, check_counters, .. } => {
+            Backing::Device { kernels, regions, check, .. } => {
                 let timer = GpuTimer::start(regions[0].device())?;
                 for layer in layers {
                     let args = Self::region_args_of(&self.geom, layer, regions[layer as usize].ptr());
-                    kernels.check_poison(args, iteration, check_fails, check_counters)?;
+                    kernels.check_poison(args, iteration, &check.fails, &check.counters)?;
                 }
                 self.timers.push((Pass::Check, timer.end()?));
                 Ok(())
@@ -722,7 +734,8 @@ impl KvPool {
                 let c = std::mem::take(&mut self.check);
                 (c.fails, c.slices)
             }
-            Backing::Device { check_fails, check_counters, .. } => {
+            Backing::Device { check, .. } => {
+                let (check_fails, check_counters) = (&check.fails, &check.counters);
                 let mut head = vec![0u8; crate::cuda::CHECK_COUNTERS_BYTES];
                 check_counters.read(0, &mut head)?;
                 check_counters.zero()?;
