@@ -334,6 +334,18 @@ fn poison_check_kernel_finds_the_first_and_last_byte_of_every_part() {
         assert_eq!(pool.take_poison_failures().unwrap(), (vec![], g.total_slices().unwrap()), "{g:?}: a re-poisoned pool");
         // The check is not a verify pass: item 4's counts never include it.
         assert_eq!(pool.take_compared(), Default::default(), "{g:?}");
+        // Checked against another iteration's poison every part fails; two passes before one
+        // take overflow the list: a device error, never a truncated list. The counters are
+        // reset either way, so the next check reports every slice once.
+        pool.check_poison_layers(0..g.num_layers, 10).unwrap();
+        pool.check_poison_layers(0..g.num_layers, 10).unwrap();
+        let e = pool.take_poison_failures().unwrap_err();
+        assert!(matches!(e, kvprobe::error::Error::Device(_)) && e.to_string().contains("failures were lost"), "{g:?}: {e}");
+        pool.check_poison_layers(0..g.num_layers, 10).unwrap();
+        let (fails, checked) = pool.take_poison_failures().unwrap();
+        let slices = g.total_slices().unwrap();
+        assert_eq!(checked, slices, "{g:?}");
+        assert_eq!(fails.iter().map(|f| f.slice as u64).collect::<Vec<_>>(), (0..slices).collect::<Vec<_>>(), "{g:?}");
     }
 }
 
