@@ -249,7 +249,8 @@ struct RunArgs {
     /// Sweep: run decode's NIXL agent in a second kvprobe process (as vLLM's engines run), so UCX sees two processes (cuda_ipc between them on VRAM). VRAM: the child allocates the decode pool and shares it back by CUDA IPC for verification; DRAM: it maps kvprobe's pool (memfd).
     #[arg(long)]
     decode_process: bool,
-    /// Sweep: plant a fault per iteration: bitflip, drop, misroute, stale or torn, optionally :COUNT. Repeatable.
+    /// Sweep: plant a fault per iteration: bitflip, drop, misroute, stale, torn or stray (a write into another
+    /// pipeline stage's slot; needs --pipeline-stages 3 or more), optionally :COUNT. Repeatable.
     #[arg(long, value_name = "CLASS[:N]")]
     inject: Vec<Spec>,
     /// Exit 5 when the transfer rate (GB/s = 1e9 B/s) is below this.

@@ -73,6 +73,12 @@ pub struct Failure {
     /// the engine did explains it (a defect of the stack under test).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub attributed_to: Option<crate::race::Mechanism>,
+    /// Class `stray` only: what the slot was compared against — `poison` (the poison of
+    /// (`poison_iteration`, `slot`), right before its stage was posted; `expected_digest` is
+    /// that poison's) or `reverify` (the fingerprint of `expected`, which the slot had
+    /// verified clean; checked after the last iteration).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stray_check: Option<crate::run::StrayCheck>,
 }
 
 impl Failure {
@@ -110,6 +116,7 @@ impl Failure {
             request: None,
             predicted: None,
             attributed_to: None,
+            stray_check: None,
         }
     }
 }
@@ -184,6 +191,17 @@ pub struct Summary {
     pub host_peak_bytes: Option<u64>,
     /// Pipeline stages of the sweep (consecutive layer ranges, one NIXL request each).
     pub pipeline_stages: u32,
+    /// Pipelined sweeps (more than one stage): block slices the stray-write checks compared
+    /// against their poison right before their stage was posted (every slice, every
+    /// iteration), counted by the check passes; not part of `slices_compared`.
+    pub stray_poison_checked_slices: u64,
+    /// Pipelined sweeps: block slices verified again after the last iteration (the layers of
+    /// every stage but the last), counted by the verify pass; not part of `slices_compared`.
+    pub stray_reverified_slices: u64,
+    /// Pipelined sweeps: wall seconds of the stray-write checks outside the transfer window
+    /// (the first two stages' poison checks, the final re-verify); the checks made while
+    /// transfers were in flight are in `overlapped_seconds`.
+    pub stray_check_seconds: f64,
     /// Pool bytes verified per second of verify passes (all stages, classification
     /// included) / 1e9 (GB/s).
     pub verify_gbps: f64,
@@ -664,6 +682,13 @@ pub fn render(r: &Report) -> String {
             out += &format!(
                 "pipeline:          {} stages; {:.3} s of probe work hidden inside the transfers\n",
                 s.pipeline_stages, s.overlapped_seconds
+            );
+            out += &format!(
+                "stray writes:      {} found; {} block slices checked for their poison before their post, {} verified again at the end ({:.3} s outside the transfers)\n",
+                s.by_class.get(crate::verify::Class::Stray.name()).copied().unwrap_or(0),
+                s.stray_poison_checked_slices,
+                s.stray_reverified_slices,
+                s.stray_check_seconds
             );
         }
         if let Some(b) = s.host_peak_bytes {

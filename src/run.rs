@@ -120,7 +120,7 @@ pub(crate) struct Probe {
 
 fn check_config(cfg: &RunConfig) -> Result<()> {
     cfg.geometry.validate()?;
-    inject::check(&cfg.inject, &cfg.geometry)?;
+    inject::check(&cfg.inject, &cfg.geometry, &sweep_stages(cfg))?;
     if cfg.memory == MemoryKind::Dram && (cfg.prefill_device != 0 || cfg.decode_device != 0) {
         return Err(Error::Usage("--prefill-device and --decode-device apply to --memory vram only".into()));
     }
@@ -370,7 +370,7 @@ impl Probe {
         let mut runs: Vec<u32> = (0..g.num_blocks / n).collect();
         runs.shuffle(&mut rng);
         let perm: Vec<u32> = (0..g.num_blocks).map(|b| runs[(b / n) as usize] * n + b % n).collect();
-        let actions = inject::plan(&self.cfg.inject, g, &mut rng);
+        let actions = inject::plan(&self.cfg.inject, g, &sweep_stages(&self.cfg), it == self.cfg.iterations, &mut rng);
         let src_table = self.source_table(it);
         let mut dst_table = vec![TableEntry::default(); g.num_blocks as usize];
         let mut src_of = vec![0u32; g.num_blocks as usize];
@@ -393,16 +393,23 @@ impl Probe {
                     special.insert(from, Some(Pair { src: from, dst: dst_of(to), len: sb }));
                     special.insert(to, None);
                 }
-                Action::Bitflip { .. } | Action::Stale { .. } => {}
+                Action::Bitflip { .. } | Action::Stale { .. } | Action::Stray { .. } => {}
             }
         }
+        let strays = actions
+            .iter()
+            .filter_map(|a| match *a {
+                Action::Stray { from, at, carrier } => Some((carrier as usize, Pair { src: from, dst: dst_of(at), len: sb })),
+                _ => None,
+            })
+            .collect();
         let mut predicted = HashMap::new();
         for a in &actions {
             for (src, class) in a.predicted() {
                 predicted.insert(dst_of(src), class);
             }
         }
-        Ok(Plan { it, perm, actions, src_table, dst_table, src_of, special, predicted })
+        Ok(Plan { it, perm, actions, src_table, dst_table, src_of, special, predicted, strays })
     }
 
     /// Applies the prefill-side faults of `plan` that fall in `layers`, after their fill.
@@ -471,6 +478,9 @@ struct Plan {
     special: HashMap<SliceCoord, Option<Pair>>,
     /// Decode slices where an injection must show, with its class.
     predicted: HashMap<SliceCoord, Class>,
+    /// Injected stray writes (`--inject stray`): extra pairs, by the stage whose request
+    /// carries them.
+    strays: Vec<(usize, Pair)>,
 }
 
 /// Merges full-slice pairs that are contiguous on both sides, within one layer and one run
@@ -525,6 +535,94 @@ pub fn stages(g: &Geometry, stages: Option<u32>, cross_gpu: bool) -> Vec<Range<u
     let s = stages.unwrap_or_else(auto).clamp(1, l);
     let at = |i: u32| (i as u64 * l as u64 / s as u64) as u32;
     (0..s).map(|i| at(i)..at(i + 1)).collect()
+}
+
+/// The pipeline stages of `cfg`'s sweep ([`stages`]: `--pipeline-stages`, or automatic).
+pub fn sweep_stages(cfg: &RunConfig) -> Vec<Range<u32>> {
+    stages(&cfg.geometry, cfg.stages, cfg.memory == MemoryKind::Vram && cfg.prefill_device != cfg.decode_device)
+}
+
+/// What a stray-write check compared a slot against.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StrayCheck {
+    /// The poison of (iteration, slot), right before the slot's stage was posted.
+    Poison,
+    /// The fingerprint the slot had verified clean against, after the last iteration.
+    Reverify,
+}
+
+/// Records the slices a stray-write check of iteration `plan.it` found changed (`fails`,
+/// from [`KvPool::take_poison_failures`] or a re-verify's [`KvPool::take_failures`]) as
+/// class `stray` failures: what the slot should have held (its poison, or `plan`'s expected
+/// fingerprint), the bad bytes and first bad offset the check counted, and the identity
+/// the slot holds when a sector's tag decodes (which block landed there). Re-verify
+/// failures of slices already corrupt in this iteration (in `seen`) are not recorded again.
+/// Returns how many were recorded.
+fn record_strays(
+    cfg: &RunConfig,
+    probe: &Probe,
+    plan: &Plan,
+    fails: &[crate::pool::RawFailure],
+    check: StrayCheck,
+    seen: &mut HashMap<SliceCoord, Class>,
+    report: &mut Report,
+) -> Result<u64> {
+    let g = &cfg.geometry;
+    let sb = g.slice_bytes()? as usize;
+    let mut buf = vec![0u8; sb];
+    let mut n = 0;
+    for f in fails {
+        let c = g.coord_of(f.slice);
+        if check == StrayCheck::Reverify && seen.contains_key(&c) {
+            continue;
+        }
+        let expected = plan.dst_table[c.block as usize].identity(c);
+        probe.decode.pool.read_slice(c, &mut buf)?;
+        let want = match check {
+            StrayCheck::Poison => {
+                let mut p = vec![0u8; sb];
+                fingerprint::poison(&mut p, f.slice, plan.it);
+                p
+            }
+            StrayCheck::Reverify => fingerprint::expected(sb, cfg.seed, expected),
+        };
+        let observed = fingerprint::observed_identity(&buf, cfg.seed, f.first_bad);
+        let v = verify::Verdict { class: Class::Stray, observed, bit_flips: None, sectors: None };
+        seen.insert(c, Class::Stray);
+        if plan.predicted.get(&c) != Some(&Class::Stray) {
+            report.summary.unexpected_failures += 1;
+        }
+        n += 1;
+        *report.summary.by_class.entry(Class::Stray.name().to_string()).or_default() += 1;
+        if report.failures.len() < cfg.max_failures {
+            let mut rec = Failure::new(plan.it, c, f, v, &want, &buf, expected, plan.src_of[c.block as usize]);
+            rec.stray_check = Some(check);
+            report.failures.push(rec);
+        } else {
+            report.summary.failures_omitted += 1;
+        }
+    }
+    Ok(n)
+}
+
+/// The stray-write check of a pipelined sweep before `layers` of iteration `plan.it` are
+/// posted: every slice must still hold the poison of (`plan.it`, slot); one that does not
+/// was written by something other than its own transfer since its re-poison (a stray write,
+/// [`record_strays`]). Waits for the check (VRAM: its kernel) to finish, so the post cannot
+/// overwrite what it reads. Returns the strays recorded.
+fn poison_check(
+    cfg: &RunConfig,
+    probe: &mut Probe,
+    plan: &Plan,
+    layers: Range<u32>,
+    seen: &mut HashMap<SliceCoord, Class>,
+    report: &mut Report,
+) -> Result<u64> {
+    probe.decode.pool.check_poison_layers(layers, plan.it)?;
+    let (fails, slices) = probe.decode.pool.take_poison_failures()?;
+    report.summary.stray_poison_checked_slices += slices;
+    record_strays(cfg, probe, plan, &fails, StrayCheck::Poison, seen, report)
 }
 
 /// The report of a run refused before it started (its outcome carries `e`).
@@ -746,7 +844,9 @@ fn sweep(
     let total = g.total_slices()?;
     let pool_bytes = g.pool_bytes()?;
     let timeout = Duration::from_secs_f64(cfg.timeout_secs);
-    let stages = stages(&g, cfg.stages, cfg.memory == MemoryKind::Vram && cfg.prefill_device != cfg.decode_device);
+    let stages = sweep_stages(cfg);
+    // With one stage nothing is in flight between a stage's re-poison and its next post.
+    let stray_checks = stages.len() > 1;
     let all = 0..g.num_layers;
     let mut buf = vec![0u8; sb];
     let mut verify_all = 0.0;
@@ -811,7 +911,9 @@ fn sweep(
         let early = early_notify == Some(it);
         let mut inflight = std::collections::VecDeque::new();
         let mut post = |probe: &Probe, k: usize, inflight: &mut std::collections::VecDeque<Staged>| -> Result<()> {
-            let pairs = probe.stage_pairs(&cur, stages[k].clone())?;
+            let mut pairs = probe.stage_pairs(&cur, stages[k].clone())?;
+            // --inject stray: after coalescing, so never merged with the stage's own pairs.
+            pairs.extend(cur.strays.iter().filter(|(c, _)| *c == k).map(|(_, p)| *p));
             let staged = if pairs.is_empty() {
                 Staged::Empty
             } else if early {
@@ -829,6 +931,14 @@ fn sweep(
             inflight.push_back(staged);
             Ok(())
         };
+        // Stray-write check of the stages posted first, before the window (nothing in flight).
+        if stray_checks {
+            let t = Instant::now();
+            for layers in stages.iter().take(2) {
+                corrupt += poison_check(cfg, probe, &cur, layers.clone(), &mut seen, report)?;
+            }
+            report.summary.stray_check_seconds += t.elapsed().as_secs_f64();
+        }
         // The transfer window: from building the first request's descriptors to the last
         // request's completion.
         let mut inbox = transport::Inbox::default();
@@ -873,6 +983,12 @@ fn sweep(
                 }
             }
             if k + 2 < stages.len() {
+                if stray_checks {
+                    // Stray-write check right before the post (later stages are in flight).
+                    let t = Instant::now();
+                    corrupt += poison_check(cfg, probe, &cur, stages[k + 2].clone(), &mut seen, report)?;
+                    times.overlapped += t.elapsed().as_secs_f64();
+                }
                 post(probe, k + 2, &mut inflight)?;
             }
             let last = k + 1 == stages.len();
@@ -966,6 +1082,17 @@ fn sweep(
         let compared = probe.decode.pool.take_compared();
         report.summary.slices_compared += compared.slices;
         report.summary.bytes_compared += compared.bytes;
+        if stray_checks && !more {
+            // Stages 0..n-2 were verified while later stages were in flight, and the last
+            // iteration re-poisons nothing: verify them again now that nothing is in flight. A
+            // slice that changed after it verified clean took a stray write.
+            let t = Instant::now();
+            probe.decode.pool.verify_layers(0..stages[stages.len() - 1].start)?;
+            let fails = probe.decode.pool.take_failures()?;
+            report.summary.stray_reverified_slices += probe.decode.pool.take_compared().slices;
+            corrupt += record_strays(cfg, probe, &cur, &fails, StrayCheck::Reverify, &mut seen, report)?;
+            report.summary.stray_check_seconds += t.elapsed().as_secs_f64();
+        }
         report.summary.blocks_corrupt += corrupt;
         if it == 1 {
             let init = if cfg.op == Op::Write { &probe.prefill } else { &probe.decode };

@@ -269,6 +269,113 @@ fn verify_failure_list_starts_empty_and_its_overflow_is_an_error() {
     assert!(fails.iter().all(|f| f.bad_bytes >= 1 && f.bad_bytes <= g.slice_bytes().unwrap()));
 }
 
+/// [`damage_every_part_edge`] for the stray-write check: poisons `pool` with iteration 9,
+/// damages the same part edges, and runs the poison check over every layer. Returns (what
+/// the check reported, what the damage alone predicts, the slices the check counted).
+#[allow(clippy::type_complexity)]
+fn poison_damage_every_part_edge(pool: &mut KvPool, g: &Geometry) -> (Vec<(u32, u64, u64)>, Vec<(u32, u64, u64)>, u64) {
+    pool.poison(9).unwrap();
+    let sb = g.slice_bytes().unwrap() as usize;
+    let parts = sb.div_ceil(PART_BYTES);
+    let mut cases: Vec<Vec<usize>> = Vec::new();
+    for p in 0..parts {
+        cases.push(vec![p * PART_BYTES]);
+        cases.push(vec![((p + 1) * PART_BYTES).min(sb) - 1]);
+    }
+    cases.push((0..parts).flat_map(|p| [p * PART_BYTES, ((p + 1) * PART_BYTES).min(sb) - 1]).collect());
+    let slices = g.total_slices().unwrap() as usize;
+    let mut hit: std::collections::BTreeMap<u32, std::collections::BTreeSet<usize>> = Default::default();
+    for (k, offs) in cases.iter().enumerate() {
+        let slice = if cases.len() <= slices { k * (slices - 1) / (cases.len() - 1).max(1) } else { k % slices };
+        hit.entry(slice as u32).or_default().extend(offs);
+    }
+    let mut buf = vec![0u8; sb];
+    for (&slice, offs) in &hit {
+        let c = g.coord_of(slice);
+        pool.read_slice(c, &mut buf).unwrap();
+        for &o in offs {
+            buf[o] ^= 0x41;
+        }
+        pool.write_slice(c, &buf).unwrap();
+    }
+    let want = hit.iter().map(|(&s, offs)| (s, offs.len() as u64, *offs.iter().next().unwrap() as u64)).collect();
+    pool.check_poison_layers(0..g.num_layers, 9).unwrap();
+    let (fails, checked) = pool.take_poison_failures().unwrap();
+    (fails.into_iter().map(|f| (f.slice, f.bad_bytes, f.first_bad)).collect(), want, checked)
+}
+
+/// The stray-write check on DRAM (the CPU pass): runs everywhere.
+#[test]
+fn cpu_poison_check_finds_the_first_and_last_byte_of_every_part() {
+    for g in detection_geometries() {
+        let mut pool = KvPool::host(&g, 77).unwrap();
+        let (got, want, checked) = poison_damage_every_part_edge(&mut pool, &g);
+        assert_eq!(got, want, "{g:?}");
+        assert_eq!(checked, g.total_slices().unwrap(), "{g:?}");
+    }
+}
+
+/// The `kvp_check_poison` kernel finds exactly what the damage predicts (and what the CPU
+/// pass finds), counts every slice it checked, and leaves its list empty once taken.
+#[test]
+fn poison_check_kernel_finds_the_first_and_last_byte_of_every_part() {
+    if !gpu_or_skip("poison_check_kernel_finds_the_first_and_last_byte_of_every_part") {
+        return;
+    }
+    let dev = Device::open(0).unwrap();
+    let k = Arc::new(Kernels::compile(&dev).unwrap());
+    for g in detection_geometries() {
+        let mut pool = KvPool::device(&dev, k.clone(), &g, 77).unwrap();
+        let (got, want, checked) = poison_damage_every_part_edge(&mut pool, &g);
+        assert_eq!(got, want, "{g:?}");
+        assert_eq!(checked, g.total_slices().unwrap(), "{g:?}");
+        pool.poison(9).unwrap();
+        pool.check_poison_layers(0..g.num_layers, 9).unwrap();
+        assert_eq!(pool.take_poison_failures().unwrap(), (vec![], g.total_slices().unwrap()), "{g:?}: a re-poisoned pool");
+        // The check is not a verify pass: item 4's counts never include it.
+        assert_eq!(pool.take_compared(), Default::default(), "{g:?}");
+        // Checked against another iteration's poison every part fails; two passes before one
+        // take overflow the list: a device error, never a truncated list. The counters are
+        // reset either way, so the next check reports every slice once.
+        pool.check_poison_layers(0..g.num_layers, 10).unwrap();
+        pool.check_poison_layers(0..g.num_layers, 10).unwrap();
+        let e = pool.take_poison_failures().unwrap_err();
+        assert!(matches!(e, kvprobe::error::Error::Device(_)) && e.to_string().contains("failures were lost"), "{g:?}: {e}");
+        pool.check_poison_layers(0..g.num_layers, 10).unwrap();
+        let (fails, checked) = pool.take_poison_failures().unwrap();
+        let slices = g.total_slices().unwrap();
+        assert_eq!(checked, slices, "{g:?}");
+        assert_eq!(fails.iter().map(|f| f.slice as u64).collect::<Vec<_>>(), (0..slices).collect::<Vec<_>>(), "{g:?}");
+    }
+}
+
+#[test]
+fn vram_stray_writes_are_found_as_stray() {
+    if !gpu_or_skip("vram_stray_writes_are_found_as_stray") {
+        return;
+    }
+    // 3 stages (poison checks only) and 8 (the last iteration's strays found by the re-verify),
+    // READ and WRITE, merged descriptors; then the same clean, with the checks counted.
+    for extra in [
+        vec!["--pipeline-stages", "3"],
+        vec!["--preset", "llama3-8b", "--blocks", "64", "--pipeline-stages", "8", "--descriptor-blocks", "16", "--op", "write"],
+    ] {
+        let mut args = vec!["--iterations", "3", "--inject", "stray:2"];
+        args.extend(extra.iter());
+        let (code, r, log) = vram_report("vram-stray", &args);
+        assert_eq!(code, 1, "{extra:?}: {log}");
+        crate::common::assert_found_exactly(&r, 6, &format!("{extra:?}: {log}"));
+        assert_eq!(r["summary"]["by_class"]["stray"], 6, "{extra:?}");
+        let geo = &r["config"]["geometry"];
+        let slices = geo["num_layers"].as_u64().unwrap() * 2 * geo["num_blocks"].as_u64().unwrap();
+        assert_eq!(r["summary"]["slices_compared"], 3 * slices, "{extra:?}");
+        let (code, r, log) = vram_report("vram-stray-clean", &[&extra[..], &["--iterations", "3"]].concat());
+        assert_eq!(code, 0, "{extra:?}: {log}");
+        assert_eq!(r["summary"]["blocks_corrupt"], 0, "{extra:?}");
+        assert_eq!(r["summary"]["stray_poison_checked_slices"], 3 * slices, "{extra:?}: counted by the kernel");
+    }
+}
+
 fn vram_report(name: &str, args: &[&str]) -> (i32, Value, String) {
     crate::common::run_with_report(name, "vram", args)
 }

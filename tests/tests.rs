@@ -15,5 +15,6 @@ mod limits;
 mod mooncake;
 mod scenario;
 mod setup;
+mod stray;
 mod timeout;
 mod units;
