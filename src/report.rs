@@ -235,8 +235,9 @@ pub struct Summary {
 /// Iterations listed in `summary.per_iteration` at most (the report stays small on long runs).
 pub const PER_ITERATION_MAX: usize = 1000;
 
-/// Wall seconds of one sweep iteration and its parts (every field but `index` is in seconds).
-#[derive(Clone, Copy, Debug, Default, Serialize)]
+/// Wall seconds of one sweep iteration and its parts (every field but `index`, `corrupt` and
+/// `by_class` is in seconds), and what it found corrupt.
+#[derive(Clone, Debug, Default, Serialize)]
 pub struct IterationTimes {
     /// Which iteration this is: 1-based, as in `failures[].iteration`.
     pub index: u32,
@@ -259,6 +260,10 @@ pub struct IterationTimes {
     pub overlapped: f64,
     /// VRAM: device seconds of the kernels alone.
     pub kernels: KernelSeconds,
+    /// Block slices found corrupt in this iteration (every class, strays included).
+    pub corrupt: u64,
+    /// Those slices per class (classes with none left out).
+    pub by_class: BTreeMap<String, u64>,
 }
 
 /// Device seconds of the probe's kernels (CUDA events around the launches).
@@ -446,10 +451,18 @@ fn sweep_stale_temps(dir: &Path) {
 /// first ([`STALE_TMP_AGE`]). Symlinks at `path` are followed to their target; special files
 /// are refused. Errors: [`Error::Io`] (exit 2).
 pub fn write_atomic<T: Serialize>(path: &Path, value: &T) -> Result<()> {
+    let mut body = serde_json::to_vec_pretty(value).map_err(|e| Error::Io(format!("report: serialise: {e}")))?;
+    body.push(b'\n');
+    write_bytes_atomic(path, &body, "--report")
+}
+
+/// Writes `body` to `path` atomically, exactly as [`write_atomic`] writes a report; `flag`
+/// names the option in errors ("--junit"). Errors: [`Error::Io`] (exit 2).
+pub fn write_bytes_atomic(path: &Path, body: &[u8], flag: &str) -> Result<()> {
     use std::os::unix::fs::MetadataExt;
-    let io = |what: &str, e: std::io::Error| Error::Io(format!("report: {what} {}: {e}", path.display()));
-    let (target, dir) = resolve_target(path, "--report")?;
-    let body = serde_json::to_vec_pretty(value).map_err(|e| Error::Io(format!("report: serialise: {e}")))?;
+    let label = flag.trim_start_matches('-');
+    let io = |what: &str, e: std::io::Error| Error::Io(format!("{label}: {what} {}: {e}", path.display()));
+    let (target, dir) = resolve_target(path, flag)?;
     sweep_stale_temps(&dir);
     let mut tmp = tempfile::Builder::new()
         .prefix(TMP_PREFIX)
@@ -469,8 +482,7 @@ pub fn write_atomic<T: Serialize>(path: &Path, value: &T) -> Result<()> {
             let _ = f.set_permissions(std::fs::Permissions::from_mode(0o644));
         }
     }
-    f.write_all(&body).map_err(|e| io("write", e))?;
-    f.write_all(b"\n").map_err(|e| io("write", e))?;
+    f.write_all(body).map_err(|e| io("write", e))?;
     f.sync_all().map_err(|e| io("sync", e))?;
     tmp.persist(&target).map_err(|e| io("rename into", e.error))?;
     if let Ok(d) = std::fs::File::open(&dir) {

@@ -898,6 +898,7 @@ fn sweep(
         }
         let iteration_start = Instant::now();
         let mut times = IterationTimes { index: it, ..Default::default() };
+        let classes_before = report.summary.by_class.clone();
         let more = it < cfg.iterations;
         probe.decode.pool.load_table(&cur.dst_table)?;
         let mut next: Option<Plan> = None;
@@ -1120,6 +1121,14 @@ fn sweep(
             report.injections.push(InjectionRecord { iteration: it, kind: a.kind(), predicted: hits, detected });
         }
         report.summary.iterations = it;
+        times.corrupt = corrupt;
+        times.by_class = report
+            .summary
+            .by_class
+            .iter()
+            .map(|(k, n)| (k.clone(), n - classes_before.get(k).copied().unwrap_or(0)))
+            .filter(|(_, n)| *n > 0)
+            .collect();
         times.iteration = iteration_start.elapsed().as_secs_f64();
         let s = &mut report.summary;
         s.fill_seconds += times.fill;
@@ -1133,7 +1142,7 @@ fn sweep(
         s.kernel_seconds.poison += times.kernels.poison;
         s.kernel_seconds.verify += times.kernels.verify;
         if s.per_iteration.len() < crate::report::PER_ITERATION_MAX {
-            s.per_iteration.push(times);
+            s.per_iteration.push(times.clone());
         }
         let s = &report.summary;
         report.summary.transfer_gbps =
