@@ -424,6 +424,17 @@ impl std::fmt::Debug for WeakLease {
 /// progress before the memory it moves is given up for good ([`Posted`]'s drop).
 pub const DRAIN_BOUND: Duration = Duration::from_secs(2);
 
+/// [`DRAIN_BOUND`] after SIGINT/SIGTERM: the request already had
+/// [`crate::interrupt::GRACE`] to complete, and a drain must end before the watchdog would
+/// take it for a call blocked past [`crate::deadline::INTERRUPT_GRACE`].
+pub const DRAIN_BOUND_INTERRUPTED: Duration = Duration::from_secs(1);
+const _: () = assert!(DRAIN_BOUND_INTERRUPTED.as_secs() < crate::deadline::INTERRUPT_GRACE.as_secs());
+
+/// The drain bound in force now ([`DRAIN_BOUND`], or [`DRAIN_BOUND_INTERRUPTED`] after a signal).
+fn drain_bound() -> Duration {
+    if crate::interrupt::requested() { DRAIN_BOUND_INTERRUPTED } else { DRAIN_BOUND }
+}
+
 /// Requests dropped in flight that NIXL confirmed finished within [`DRAIN_BOUND`].
 static DRAINED: AtomicUsize = AtomicUsize::new(0);
 /// Requests dropped in flight that could not be confirmed finished: they, their registrations
@@ -519,7 +530,7 @@ impl<T> Drop for Registered<T> {
             eprintln!(
                 "kvprobe: {} NIXL request(s) in flight when the run stopped could not be confirmed finished within {} s; the pools they move stay allocated and registered with NIXL until kvprobe exits",
                 UNCONFIRMED.load(Ordering::SeqCst).max(1),
-                DRAIN_BOUND.as_secs()
+                drain_bound().as_secs()
             );
         }
     }
@@ -750,7 +761,7 @@ impl Agent {
 /// A posted NIXL transfer request (see [`Agent::post`]). It holds the agent and a share of
 /// the registration of the memory it moves ([`Lease`]), so neither can be deregistered or
 /// freed under it. Dropped before it was seen complete (a run that stops on a timeout, an
-/// interrupt or an error), it is polled for up to [`DRAIN_BOUND`] until NIXL says it is no
+/// interrupt or an error), it is polled for up to [`DRAIN_BOUND`] (1 s after a signal) until NIXL says it is no
 /// longer in progress, then released; one that cannot be confirmed finished (still in
 /// progress, or a cuda_ipc copy already on a stream) is never released and keeps its shares,
 /// and so the memory, until the process exits.
@@ -786,7 +797,7 @@ impl Posted {
 
     /// Polls the request, without the test stall hooks, until NIXL says it is no longer in
     /// progress (complete or failed: either way it no longer touches the memory), for up to
-    /// [`DRAIN_BOUND`] — or only once when an earlier request could not be confirmed (then
+    /// [`drain_bound`] — or only once when an earlier request could not be confirmed (then
     /// NIXL is stuck, and a run with many requests in flight would otherwise wait for each).
     /// False when it could not be confirmed.
     fn settle(&self) -> bool {
@@ -794,7 +805,7 @@ impl Posted {
         if test_unrecallable() {
             return false;
         }
-        let bound = Deadline::after(DRAIN_BOUND);
+        let bound = Deadline::after(drain_bound());
         let _w = crate::deadline::watch_until(bound, || "a NIXL status query draining a request left in flight".into());
         loop {
             match self.agent.get_xfer_status(req) {
