@@ -487,6 +487,14 @@ impl<T> Registered<T> {
         Registered { memory: std::mem::ManuallyDrop::new(memory), lease: Lease::default() }
     }
 
+    /// `memory` with one registration of no regions (nothing is registered with NIXL): for
+    /// tests of the sharing rule without NIXL (`tests/units.rs`).
+    #[doc(hidden)]
+    pub fn with_empty_registration(memory: T) -> Registered<T> {
+        let lease = Lease(vec![Arc::new(Registration { _handles: Vec::new() })]);
+        Registered { memory: std::mem::ManuallyDrop::new(memory), lease }
+    }
+
     /// The shares of its registrations (for the requests that move it).
     pub fn lease(&self) -> &Lease {
         &self.lease
