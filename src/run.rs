@@ -114,8 +114,10 @@ pub fn logical_block(seed: u64, i: u32) -> u32 {
 /// Both roles, set up and connected.
 pub(crate) struct Probe {
     cfg: RunConfig,
-    pub(crate) prefill: Endpoint,
+    // Field order is drop order: decode first, so that a decode agent process has exited
+    // (its READs of the prefill pool over) before the prefill pool's guard is dropped.
     pub(crate) decode: Endpoint,
+    pub(crate) prefill: Endpoint,
 }
 
 fn check_config(cfg: &RunConfig) -> Result<()> {
@@ -999,7 +1001,8 @@ fn sweep(
             if k == 0 && more {
                 // Inside the window: the next iteration's plan.
                 let t = Instant::now();
-                probe.prefill.pool.load_table(&probe.source_table(it + 1))?;
+                let table = probe.source_table(it + 1);
+                probe.prefill.pool.load_table(&table)?;
                 next = Some(probe.plan(it + 1)?);
                 if !last {
                     times.overlapped += t.elapsed().as_secs_f64(); // else it is host work after the window

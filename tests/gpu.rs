@@ -725,3 +725,35 @@ fn decode_agent_process_on_vram_shares_its_pool_by_cuda_ipc() {
         assert_eq!(r["summary"]["blocks_corrupt"], 0);
     }
 }
+
+#[test]
+fn vram_requests_left_in_flight_by_a_timeout_are_drained_or_kept_never_freed_under_a_copy() {
+    if !gpu_or_skip("vram_requests_left_in_flight_by_a_timeout_are_drained_or_kept_never_freed_under_a_copy") {
+        return;
+    }
+    // Each status query blocks 5 s, past --timeout 2: the run ends with a READ (cuda_ipc,
+    // a copy on a stream) it never saw complete. kvprobe polls it until NIXL says it is done
+    // before freeing the pools; with the test-only KVPROBE_TEST_UNRECALLABLE=1 (a request NIXL
+    // cannot confirm) it keeps both pools until exit instead. Either way: exit 4 with the
+    // report, no crash.
+    for (name, extra, says) in [
+        ("vram-drain", None, "were drained (confirmed finished) before the pools were freed"),
+        (
+            "vram-keep",
+            Some(("KVPROBE_TEST_UNRECALLABLE", "1")),
+            "could not be confirmed finished within 2 s; the pools they move stay allocated",
+        ),
+    ] {
+        let p = tmpdir(name).join("r.json");
+        let mut env = vec![("KVPROBE_TEST_STALL_STATUS", "5")];
+        env.extend(extra);
+        let (code, out, err) = crate::common::kvprobe_env(
+            &["run", "--memory", "vram", "--iterations", "3", "--timeout", "2", "--report", p.to_str().unwrap()],
+            &env,
+        );
+        assert_eq!(code, 4, "{name}: {out}{err}");
+        let r = read_report(&p);
+        assert_eq!(r["outcome"]["status"], "timeout", "{name}: {}", r["outcome"]);
+        assert_eq!(err.matches(says).count(), 1, "{name}: {err}");
+    }
+}

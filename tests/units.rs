@@ -502,3 +502,32 @@ fn dram_pool_poison_check_reports_each_changed_slice_once_apart_from_verify() {
     assert_eq!(pool.take_poison_failures().unwrap(), (vec![], 0));
     assert_eq!(pool.take_compared(), kvprobe::pool::Compared::default());
 }
+
+/// Memory that records when it is freed.
+struct Tracked(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+#[test]
+fn registered_memory_is_freed_only_when_no_request_holds_a_share_of_it() {
+    use kvprobe::nixl::Registered;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    // No request: dropping the guard frees the memory.
+    let f = std::sync::Arc::new(AtomicBool::new(false));
+    let g = Registered::with_empty_registration(Tracked(f.clone()));
+    assert!(!f.load(Ordering::SeqCst));
+    drop(g);
+    assert!(f.load(Ordering::SeqCst), "the guard held the last share: memory freed");
+    // A request's share (as `Posted` holds one) outlives the guard: the memory is kept.
+    let kept = std::sync::Arc::new(AtomicBool::new(false));
+    let g = Registered::with_empty_registration(Tracked(kept.clone()));
+    let share = g.lease().clone();
+    drop(g);
+    assert!(!kept.load(Ordering::SeqCst), "a share is held: the memory must not be freed");
+    drop(share);
+    assert!(!kept.load(Ordering::SeqCst), "kept until exit, not freed when the share goes later");
+}
