@@ -20,7 +20,7 @@ use std::time::Duration;
 pub const AB_SCHEMA: &str = "kvprobe.ab/1";
 
 /// One row of the matrix.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct AbRow {
     /// Row name: the scenario, or `stacked+MECHANISM` for an unfenced mechanism.
     pub name: String,
@@ -49,10 +49,10 @@ pub struct AbRow {
 }
 
 /// The `kvprobe ab` report.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct AbReport {
     /// Always [`AB_SCHEMA`].
-    pub schema: &'static str,
+    pub schema: String,
     /// Unix time (seconds) the matrix started.
     pub started_unix: u64,
     /// Shared parameters (the load of every row).
@@ -119,7 +119,7 @@ pub fn matrix_exit(rows: &[AbRow]) -> Exit {
 /// An empty matrix of `cfg` (status "running").
 fn start(cfg: &RunConfig) -> AbReport {
     AbReport {
-        schema: AB_SCHEMA,
+        schema: AB_SCHEMA.to_string(),
         started_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
         config: serde_json::to_value(cfg).unwrap_or(serde_json::Value::Null),
         environment: None,

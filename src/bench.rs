@@ -44,7 +44,7 @@ pub const GOAL_PROBE_SHARE: f64 = 0.05;
 pub const OVERHEAD_APPLIES_GBPS: f64 = 50.0;
 
 /// What to measure.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct BenchConfig {
     /// Vram: the GPU figures, the DRAM figures and VRAM sweep breakdowns; Dram: the DRAM
     /// figures and a DRAM sweep breakdown.
@@ -66,7 +66,7 @@ pub struct BenchConfig {
     /// Bytes of each pool in the sweep breakdowns (llama3-8b geometry).
     pub sweep_bytes: u64,
     /// Fingerprint seed (written as `seed` and `seed_hex`, [`crate::run::serialize_seed`]).
-    #[serde(flatten, serialize_with = "crate::run::serialize_seed")]
+    #[serde(flatten, serialize_with = "crate::run::serialize_seed", deserialize_with = "crate::run::deserialize_seed")]
     pub seed: u64,
     /// Sweeps with the decode agent in a second process (`run --decode-process`).
     pub decode_process: bool,
@@ -77,7 +77,7 @@ pub struct BenchConfig {
 }
 
 /// One measured rate.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct Figure {
     /// Stable identifier, e.g. `gpu.fill`.
     pub name: String,
@@ -86,7 +86,7 @@ pub struct Figure {
     /// Bytes counted per pass.
     pub bytes: u64,
     /// How `bytes` counts: "read+written", "written" or "read".
-    pub counted: &'static str,
+    pub counted: String,
     /// Median seconds of the timed passes.
     pub seconds_median: f64,
     /// Fastest pass.
@@ -110,7 +110,7 @@ pub struct Figure {
 /// to refill for), the one with the median wall time ([`representative`]) — from the run
 /// report's `summary.per_iteration`, so the parts add up:
 /// `fill_s + poison_s + transfer_s + verify_s + host_s = iteration_s`.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct Breakdown {
     /// What the sweep moves, e.g. "llama3-8b, 32 KiB slices (vLLM-shaped)".
     pub label: String,
@@ -166,10 +166,10 @@ pub struct Breakdown {
 }
 
 /// The `kvprobe bench` result (`schema` = [`SCHEMA`]).
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct BenchReport {
     /// Always [`SCHEMA`].
-    pub schema: &'static str,
+    pub schema: String,
     /// Unix time the bench started.
     pub started_unix: u64,
     /// What was asked.
@@ -214,7 +214,7 @@ fn figure(name: &str, what: &str, bytes: u64, counted: &'static str, t: (f64, f6
         name: name.into(),
         what: what.into(),
         bytes,
-        counted,
+        counted: counted.to_string(),
         seconds_median: t.0,
         seconds_min: t.1,
         seconds_max: t.2,
@@ -545,7 +545,7 @@ pub fn start(cfg: &BenchConfig) -> BenchReport {
     crate::nixl::prepare_ucx_env(cfg.memory == MemoryKind::Vram);
     let _ = crate::nixl::load();
     BenchReport {
-        schema: SCHEMA,
+        schema: SCHEMA.to_string(),
         started_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
         config: cfg.clone(),
         environment: crate::envinfo::gather(crate::envinfo::nixl_info()),

@@ -72,7 +72,7 @@ pub fn nvrtc_version() -> Option<String> {
 }
 
 /// Static facts about one GPU.
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct GpuInfo {
     /// CUDA ordinal.
     pub ordinal: usize,
@@ -117,7 +117,7 @@ pub fn gpu_info(ordinal: usize) -> Result<GpuInfo> {
 }
 
 /// How two GPUs reach each other (CUDA's peer-to-peer attributes).
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct PeerLink {
     /// Source GPU ordinal.
     pub from: usize,

@@ -66,7 +66,7 @@ pub enum TierKind {
 }
 
 /// Parameters of a scenario run.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct ScenarioConfig {
     /// Which connectors move the blocks.
     pub scenario: Scenario,
@@ -113,7 +113,7 @@ impl ScenarioConfig {
 pub const RACE_CLASSES: [Class; 3] = [Class::Misplaced, Class::Stale, Class::Torn];
 
 /// One mechanism's outcome in a run.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct RaceOutcome {
     /// The mechanism.
     pub mechanism: Mechanism,
@@ -134,7 +134,7 @@ pub struct RaceOutcome {
 }
 
 /// Counts over one interval of the run (error rate over time).
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, serde::Deserialize)]
 pub struct Interval {
     /// Start, seconds since the run started.
     pub start_s: f64,
@@ -149,7 +149,7 @@ pub struct Interval {
 }
 
 /// The scenario part of a report.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct ScenarioReport {
     /// Scenario.
     pub scenario: Scenario,

@@ -7,7 +7,7 @@ use serde::Serialize;
 use std::path::PathBuf;
 
 /// NIXL as found on this machine.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct NixlInfo {
     /// Full path of the loaded libnixl_capi.so (absent when not found).
     pub library: Option<PathBuf>,
@@ -25,7 +25,7 @@ pub struct NixlInfo {
 }
 
 /// How one GPU reaches another.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct GpuLink {
     /// CUDA peer-to-peer attributes.
     #[serde(flatten)]
@@ -36,7 +36,7 @@ pub struct GpuLink {
 }
 
 /// The report's `environment` section.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct Environment {
     /// kvprobe version.
     pub kvprobe_version: String,
@@ -60,14 +60,14 @@ pub struct Environment {
     pub mooncake: MooncakeInfo,
     /// `kvprobe env` only: the paths UCX selected for small probe transfers
     /// ([`probe_paths`]); empty in run reports (they carry their own `transport_path`).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub transport_probes: Vec<PathProbe>,
 }
 
 /// One probe transfer of `kvprobe env`: a short sweep in a child `kvprobe run` (llama3-8b
 /// geometry, 16 blocks = 32 MiB per side, 32 KiB slices, 2 iterations), so each probe gets
 /// its own process, UCX configuration and defaults.
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct PathProbe {
     /// What moved, e.g. "READ VRAM GPU 0 -> GPU 1".
     pub what: String,
@@ -198,7 +198,7 @@ fn probe_one(mem: &str, op: &str, a: usize, b: usize, two: bool) -> crate::error
 }
 
 /// Mooncake availability.
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct MooncakeInfo {
     /// The installation, when found.
     pub install: Option<crate::mooncake::Install>,

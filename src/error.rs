@@ -13,7 +13,7 @@
 //! | 130 | interrupted by SIGINT/SIGTERM (the partial report is written) |
 
 /// Process exit codes, as documented in README.md and `kvprobe --help`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[repr(u8)]
 pub enum Exit {
     /// Every block slice verified.

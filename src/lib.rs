@@ -32,6 +32,7 @@ pub mod fingerprint;
 pub mod geometry;
 pub mod hostmem;
 pub mod inject;
+pub mod inspect;
 pub mod interrupt;
 pub mod junit;
 pub mod mooncake;

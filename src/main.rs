@@ -51,6 +51,9 @@ enum Command {
     Ab(AbArgs),
     /// Measure kvprobe's own speed: fill, poison and verify against a same-run copy ceiling, CPU passes against memcpy, and sweep iterations broken down (table, and JSON with --json). Driven by bench/run.sh.
     Bench(BenchArgs),
+    /// Read back what kvprobe wrote (run and ab reports, bench results): no GPU or NIXL needed.
+    #[command(subcommand)]
+    Report(ReportCommand),
     /// The decode agent process of `run --decode-process` (internal: speaks kvprobe's pipe protocol on stdin/stdout).
     #[command(hide = true)]
     Agent,
@@ -62,6 +65,26 @@ enum Command {
         /// Skip the probe transfers (DRAM READ; on a GPU, VRAM READ and WRITE; with two GPUs, READ across them), each a short `kvprobe run` in a child process.
         #[arg(long)]
         no_probe: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum ReportCommand {
+    /// Print the human summary of a run report, an ab report or a bench JSON, in the words the command printed.
+    #[command(after_help = "Exit codes: 0 shown; 2 unreadable, not JSON, or not a kvprobe document.")]
+    Show {
+        /// The file (`--report` of run or ab, `--json` of bench).
+        file: PathBuf,
+    },
+    /// Set two documents side by side, differences first: configuration, environment (driver, CUDA, NIXL, UCX, GPUs), the UCX path, the outcome and its counts.
+    #[command(
+        after_help = "Exit codes (as diff(1)): 0 no differences in the compared fields; 1 differences; 2 a file is unreadable or not a kvprobe document."
+    )]
+    Diff {
+        /// The first document (A: e.g. the clean node pair's report).
+        a: PathBuf,
+        /// The second document (B).
+        b: PathBuf,
     },
 }
 
@@ -993,6 +1016,38 @@ fn env(json: bool, probe: bool) -> Exit {
 }
 
 /// `--race`'s long help: each mechanism with what its unfenced variant does.
+/// `kvprobe report show|diff` ([`kvprobe::inspect`]).
+fn report_command(c: ReportCommand) -> Exit {
+    let load = |p: &Path| {
+        kvprobe::inspect::load(p).map_err(|e| {
+            err(&format!("kvprobe: {e}"));
+            e.exit()
+        })
+    };
+    match c {
+        ReportCommand::Show { file } => match load(&file).and_then(|d| {
+            kvprobe::inspect::show(&d).map_err(|e| {
+                err(&format!("kvprobe: {}: {e}", file.display()));
+                e.exit()
+            })
+        }) {
+            Ok(text) => {
+                out(&text);
+                Exit::Clean
+            }
+            Err(x) => x,
+        },
+        ReportCommand::Diff { a, b } => {
+            let (da, db) = match (load(&a), load(&b)) {
+                (Ok(x), Ok(y)) => (x, y),
+                (Err(x), _) | (_, Err(x)) => return x,
+            };
+            out(&kvprobe::inspect::render_diff(&a, &da, &b, &db));
+            if kvprobe::inspect::diff(&da, &db).0.is_empty() { Exit::Clean } else { Exit::Corrupt }
+        }
+    }
+}
+
 fn race_help() -> String {
     let mut h = String::from(
         "Leave a race mechanism unfenced (the bug) or keep it fenced (the correct protocol); implies --scenario stacked. Repeatable; MECHANISM alone means unfenced. Every mechanism not named is fenced.\n",
@@ -1033,6 +1088,7 @@ fn main() {
         Command::Bench(a) => bench(a),
         Command::Env { json, no_probe } => env(json, !no_probe),
         Command::Agent => kvprobe::remote::agent_main(),
+        Command::Report(c) => report_command(c),
     };
     // Not a plain return: see `exit_now` (library destructors can crash at exit).
     kvprobe::nixl::exit_now(exit as u8)

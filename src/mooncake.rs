@@ -25,7 +25,7 @@ pub const VENV_ENV: &str = "KVPROBE_MOONCAKE_VENV";
 pub const INSTALL_HINT: &str = "install it with `scripts/install-mooncake.sh` (run by scripts/install-deps.sh)";
 
 /// A Mooncake installation.
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct Install {
     /// The virtual environment.
     pub venv: PathBuf,
@@ -94,7 +94,7 @@ fn free_ports<const N: usize>() -> Result<[u16; N]> {
 
 /// An existing Mooncake deployment (`--mooncake-master`, `--mooncake-metadata`): kvprobe's
 /// worker joins it as one more store client instead of starting a master.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct External {
     /// The master's RPC address, `HOST:PORT` (mooncake_master's `--rpc_port`, default 50051).
     pub master: String,

@@ -45,7 +45,7 @@ pub fn default_lib_dir() -> PathBuf {
 }
 
 /// The NIXL library kvprobe loaded.
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct NixlLibrary {
     /// Full path of the loaded `libnixl_capi.so`.
     pub library: PathBuf,

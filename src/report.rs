@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 pub const SCHEMA: &str = "kvprobe.report/1";
 
 /// One corrupt block slice.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct Failure {
     /// Sweep iteration, counted from 1 (scenarios: the engine step of the verify, from 0).
     pub iteration: u32,
@@ -57,27 +57,27 @@ pub struct Failure {
     /// Prefill-side block id the slot was to receive from.
     pub prefill_block: u32,
     /// Flipped bits (bitflip only).
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bit_flips: Option<u64>,
     /// Source of each 512-byte sector (torn only).
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sectors: Option<Vec<SectorRun>>,
     /// Scenario runs: the request whose block this is (`iteration` is then the engine step).
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub request: Option<u64>,
     /// Scenario runs: what the engine's shadow of its own copies says the slot should hold
     /// at this point (differs from `expected` when an unfenced mechanism acted).
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub predicted: Option<BlockIdentity>,
     /// Scenario runs: the unfenced mechanism that explains this slice; absent when nothing
     /// the engine did explains it (a defect of the stack under test).
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attributed_to: Option<crate::race::Mechanism>,
     /// Class `stray` only: what the slot was compared against — `poison` (the poison of
     /// (`poison_iteration`, `slot`), right before its stage was posted; `expected_digest` is
     /// that poison's) or `reverify` (the fingerprint of `expected`, which the slot had
     /// verified clean; checked after the last iteration).
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stray_check: Option<crate::run::StrayCheck>,
 }
 
@@ -122,7 +122,7 @@ impl Failure {
 }
 
 /// One planted fault and whether it came back as predicted.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct InjectionRecord {
     /// Iteration.
     pub iteration: u32,
@@ -135,7 +135,7 @@ pub struct InjectionRecord {
 }
 
 /// One predicted outcome of an injection.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct PredictedHit {
     /// Layer.
     pub layer: u32,
@@ -148,7 +148,7 @@ pub struct PredictedHit {
 }
 
 /// Totals over the run.
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, serde::Deserialize)]
 pub struct Summary {
     /// Iterations completed.
     pub iterations: u32,
@@ -237,7 +237,7 @@ pub const PER_ITERATION_MAX: usize = 1000;
 
 /// Wall seconds of one sweep iteration and its parts (every field but `index`, `corrupt` and
 /// `by_class` is in seconds), and what it found corrupt.
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, serde::Deserialize)]
 pub struct IterationTimes {
     /// Which iteration this is: 1-based, as in `failures[].iteration`.
     pub index: u32,
@@ -267,7 +267,7 @@ pub struct IterationTimes {
 }
 
 /// Device seconds of the probe's kernels (CUDA events around the launches).
-#[derive(Clone, Copy, Debug, Default, Serialize)]
+#[derive(Clone, Copy, Debug, Default, Serialize, serde::Deserialize)]
 pub struct KernelSeconds {
     /// Fill kernels (prefill pool).
     pub fill: f64,
@@ -285,7 +285,7 @@ impl Summary {
 }
 
 /// The error that ended a run, if any.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct RunError {
     /// "usage", "environment", "transport", "device", "timeout" or "io".
     pub kind: String,
@@ -294,7 +294,7 @@ pub struct RunError {
 }
 
 /// How the run ended.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct Outcome {
     /// Process exit code (see README "Exit codes").
     pub exit_code: u8,
@@ -306,10 +306,10 @@ pub struct Outcome {
 }
 
 /// The whole report.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct Report {
     /// Always [`SCHEMA`].
-    pub schema: &'static str,
+    pub schema: String,
     /// Unix time (seconds) the run started.
     pub started_unix: u64,
     /// Run parameters as resolved (preset expanded).
@@ -323,7 +323,7 @@ pub struct Report {
     /// Planted faults.
     pub injections: Vec<InjectionRecord>,
     /// Scenario runs (`--scenario`): load, tier, race outcomes, error rate over time.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scenario: Option<crate::engine::ScenarioReport>,
     /// How it ended.
     pub outcome: Outcome,

@@ -30,7 +30,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Everything `kvprobe run` needs, resolved (preset expanded).
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct RunConfig {
     /// VRAM or DRAM pools.
     pub memory: MemoryKind,
@@ -49,7 +49,7 @@ pub struct RunConfig {
     pub iterations: u32,
     /// Fingerprint and scheduling seed; reports write it as `seed` (an integer) and
     /// `seed_hex` ([`serialize_seed`]).
-    #[serde(flatten, serialize_with = "serialize_seed")]
+    #[serde(flatten, serialize_with = "serialize_seed", deserialize_with = "deserialize_seed")]
     pub seed: u64,
     /// Faults to plant.
     pub inject: Vec<Spec>,
@@ -99,6 +99,16 @@ pub fn serialize_seed<S: serde::Serializer>(seed: &u64, s: S) -> std::result::Re
     m.serialize_entry("seed", seed)?;
     m.serialize_entry("seed_hex", &seed_hex(*seed))?;
     m.end()
+}
+
+/// Reads back what [`serialize_seed`] wrote: the `seed` integer (for
+/// `#[serde(flatten, deserialize_with = "deserialize_seed")]`; `seed_hex` is ignored).
+pub fn deserialize_seed<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<u64, D::Error> {
+    #[derive(serde::Deserialize)]
+    struct Seed {
+        seed: u64,
+    }
+    Ok(<Seed as serde::Deserialize>::deserialize(d)?.seed)
 }
 
 /// `seed` as `"0x"` followed by 16 lowercase hex digits (the report's `seed_hex`).
@@ -545,7 +555,7 @@ pub fn sweep_stages(cfg: &RunConfig) -> Vec<Range<u32>> {
 }
 
 /// What a stray-write check compared a slot against.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum StrayCheck {
     /// The poison of (iteration, slot), right before the slot's stage was posted.
@@ -637,7 +647,7 @@ pub fn failed_report(cfg: &RunConfig, e: &Error) -> Report {
 /// A report with no results yet (status "running").
 pub(crate) fn empty_report(cfg: &RunConfig) -> Report {
     Report {
-        schema: crate::report::SCHEMA,
+        schema: crate::report::SCHEMA.to_string(),
         started_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
         config: serde_json::to_value(cfg).unwrap_or(serde_json::Value::Null),
         environment: None,

@@ -13,7 +13,7 @@ use serde::Serialize;
 use std::collections::VecDeque;
 
 /// Shape of the load.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, serde::Deserialize)]
 pub struct WorkloadConfig {
     /// Fewest blocks in a prompt (≥ 1).
     pub min_blocks: u32,

@@ -74,6 +74,14 @@ fn bench_on_dram_writes_consistent_figures_and_breakdowns() {
         assert_eq!(case.1.is_none(), f["meets"] == true, "{case:?} {f}");
     }
     assert_eq!(cases.last().unwrap().0, "outcome: clean (exit 0)");
+    // `kvprobe report show` prints the table the bench printed, and its result.
+    let saved = j.with_file_name("bench.json");
+    std::fs::write(&saved, serde_json::to_vec(&r).unwrap()).unwrap();
+    let (code, shown, e) = kvprobe(&["report", "show", saved.to_str().unwrap()]);
+    assert_eq!(code, 0, "{e}");
+    let table: String =
+        out.lines().filter(|l| !l.starts_with("results:") && !l.starts_with("junit:")).map(|l| format!("{l}\n")).collect();
+    assert_eq!(shown, format!("{table}result: clean (exit 0)\n"));
     assert!(out.contains("CPU fill") && out.contains("sweep iteration"), "{out}");
     assert!(out.contains("the median by wall time of those after the first (a warm-up); its parts add up to it"), "{out}");
     assert_eq!(r["schema"], "kvprobe.bench/1");

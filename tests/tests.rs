@@ -10,6 +10,7 @@ mod dram;
 mod fingerprint;
 mod geometry;
 mod gpu;
+mod inspect;
 mod junit;
 mod lanes;
 mod limits;
