@@ -219,13 +219,18 @@ impl Master {
     /// the tail of its log) when it exits or does not answer in time.
     ///
     /// Another process can take a chosen port between kvprobe releasing it and the master
-    /// binding it; a master that exits at start-up with "Address already in use" is started
-    /// again on new ports (three attempts).
+    /// binding it; a master that exits during start-up is started again on new ports (three
+    /// attempts; the last one's error is returned). Not only on "Address already in use" in
+    /// its log: a master that lost a port race has been seen to exit with status 1 and an
+    /// empty log while many tests started masters at once.
     pub fn start(install: &Install, timeout: Duration) -> Result<Master> {
         let mut attempt = 1;
         loop {
             match Master::start_once(install, timeout) {
-                Err(Error::Transport(m)) if attempt < 3 && m.contains("Address already in use") => attempt += 1,
+                Err(Error::Transport(m)) if attempt < 3 && m.starts_with("mooncake_master exited") => {
+                    crate::trace!("mooncake_master attempt {attempt} failed: {m}");
+                    attempt += 1
+                }
                 r => return r,
             }
         }
