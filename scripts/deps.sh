@@ -105,6 +105,11 @@ have_ibverbs_providers() {
   return 1
 }
 
+# have_pip: python3 has pip (install-deps.sh downloads the NIXL wheel with `pip download`).
+have_pip() {
+  [ -n "$deps_py" ] && "$deps_py" -m pip --version
+}
+
 # have_python_venv: `python3 -m venv` can make an environment with pip (install-mooncake.sh).
 have_python_venv() {
   "$deps_py" -c 'import venv, ensurepip' 2>/dev/null
