@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what kvprobe needs on a fresh Debian/Ubuntu machine, idempotently:
-#  - libclang (Debian's libclang-dev), which bindgen loads in the nixl-sys build script;
+#  - libclang (Debian's libclang-dev), which bindgen loads in the nixl-sys build script, and
+#    a C++ compiler (g++) for that build script's stub library;
 #  - the NIXL libraries and plugins (bundling UCX) from the PyPI wheel nixl-cu13, unpacked
 #    under $KVPROBE_HOME/nixl (default ~/.local/share/kvprobe/nixl), where kvprobe looks for
 #    them (override with KVPROBE_NIXL_DIR), and the shared libraries they load (libnuma1);
@@ -13,7 +14,7 @@
 #   scripts/install-deps.sh           install what is missing
 #   scripts/install-deps.sh --check   print what is missing, one line each, install nothing:
 #                                     exit 0 when nothing is, 1 when something is
-#   --build     only what `cargo build` needs (libclang), e.g. a container's build stage
+#   --build     only what `cargo build` needs (libclang, g++), e.g. a container's build stage
 #   --runtime   only what `kvprobe` needs to run (NIXL, Mooncake, their libraries, pip to fetch
 #               them), e.g. a container's runtime stage; either combines with --check
 set -euo pipefail
@@ -41,11 +42,14 @@ home="$(deps_home)" || exit 2
 dest="$home/nixl"
 stamp="$dest/.installed-$NIXL_WHEEL-$NIXL_VERSION"
 
-# Debian packages: libclang-dev for bindgen (build); libnuma1 for the bundled UCX (libucs needs
+# Debian packages: libclang-dev for bindgen and g++ for nixl-sys's C++ stub (build); libnuma1 for the bundled UCX (libucs needs
 # libnuma.so.1) and python3-pip to fetch the wheel (run time; Debian's and Ubuntu's python3
 # come without pip). python3 unpacks the wheel (zipfile), so no unzip is needed.
 need=()
-[ "$build" = 0 ] || deps_need need find_libclang libclang-dev
+if [ "$build" = 1 ]; then
+  deps_need need find_libclang libclang-dev
+  deps_need need have_cxx g++
+fi
 if [ "$runtime" = 1 ]; then
   deps_need need "have_shlib libnuma.so.1" libnuma1
   deps_need need have_pip python3-pip

@@ -197,6 +197,13 @@ fn build_and_runtime_parts_check_only_their_own_dependencies() {
 
     let (code, m) = check_part(&root, "--build", &bin);
     assert_eq!((code, m), (1, vec!["libclang-dev".to_string()]), "--build: only what cargo build needs");
+    // The C++ compiler nixl-sys's build script runs (cc-rs: $CXX alone when set).
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
+    let nocxx = [("PATH", path.as_str()), ("CXX", "/nonexistent/g++")];
+    let (_, m) = check_with(&root, Path::new("/nonexistent/llvm-config"), &["--build"], &nocxx);
+    assert_eq!(m, ["libclang-dev", "g++"], "a missing C++ compiler not reported");
+    let (_, m) = check_with(&root, Path::new("/nonexistent/llvm-config"), &["--runtime"], &nocxx);
+    assert!(!m.contains(&"g++".to_string()), "--runtime asks for the build's compiler: {m:?}");
     let (code, m) = check_part(&root, "--runtime", &bin);
     assert_eq!(code, 1);
     assert!(!m.contains(&"libclang-dev".to_string()), "--runtime asks for the build's libclang: {m:?}");
