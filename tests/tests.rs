@@ -6,6 +6,7 @@ mod common;
 
 mod bench;
 mod cli;
+mod docker;
 mod dram;
 mod fingerprint;
 mod geometry;
