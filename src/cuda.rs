@@ -745,13 +745,13 @@ impl Drop for Kernels {
 /// device memory run as DMA at full PCIe/C2C rate. Unregistered before the buffer is freed.
 pub struct PinnedHost {
     dev: Arc<Device>,
-    buf: crate::hostmem::HostBuffer,
+    buf: crate::hostmem::PrivateBuffer,
 }
 
 impl PinnedHost {
     /// Page-locks `buf` for `dev`'s context. Errors: the driver refuses (e.g. the
     /// memlock limit).
-    pub fn new(dev: &Arc<Device>, buf: crate::hostmem::HostBuffer) -> Result<PinnedHost> {
+    pub fn new(dev: &Arc<Device>, buf: crate::hostmem::PrivateBuffer) -> Result<PinnedHost> {
         dev.bind()?;
         // SAFETY: `buf` is a live mapping of `buf.len()` bytes that this struct owns and
         // keeps until Drop unregisters it.
@@ -762,12 +762,12 @@ impl PinnedHost {
     }
 
     /// The buffer.
-    pub fn buffer(&self) -> &crate::hostmem::HostBuffer {
+    pub fn buffer(&self) -> &crate::hostmem::PrivateBuffer {
         &self.buf
     }
 
     /// The buffer, mutably.
-    pub fn buffer_mut(&mut self) -> &mut crate::hostmem::HostBuffer {
+    pub fn buffer_mut(&mut self) -> &mut crate::hostmem::PrivateBuffer {
         &mut self.buf
     }
 }

@@ -107,6 +107,33 @@ pub fn check(src: &[u8], seed: u64, id: BlockIdentity) -> (u64, u64) {
     (bad, first)
 }
 
+/// [`fill`] into a range of a DRAM pool (see [`crate::hostmem`]: no transfer may be in
+/// flight into it).
+pub fn fill_span(dst: &mut crate::hostmem::SpanMut<'_>, seed: u64, id: BlockIdentity) {
+    let len = dst.len() as u64;
+    // SAFETY: the C function writes exactly `len` bytes at the pointer; the span is valid
+    // for them and held exclusively (SpanMut), and no transfer touches them (its contract).
+    unsafe { ffi::kvp_cpu_fill(dst.as_mut_ptr(), len, seed, id.block, id.layer, id.kv.code(), id.generation) }
+}
+
+/// [`poison`] into a range of a DRAM pool (no transfer may be in flight into it).
+pub fn poison_span(dst: &mut crate::hostmem::SpanMut<'_>, slot: u32, iteration: u32) {
+    let len = dst.len() as u64;
+    // SAFETY: writes exactly `len` bytes of the exclusively held span (as fill_span).
+    unsafe { ffi::kvp_cpu_poison(dst.as_mut_ptr(), len, slot, iteration) }
+}
+
+/// [`check`] of a range of a DRAM pool (no transfer may be writing it).
+pub fn check_span(src: crate::hostmem::Span<'_>, seed: u64, id: BlockIdentity) -> (u64, u64) {
+    let mut first = 0u64;
+    // SAFETY: reads exactly `src.len()` bytes, valid for the span's borrow; no writer touches
+    // them (the span's contract); `first` is a valid out-pointer.
+    let bad = unsafe {
+        ffi::kvp_cpu_verify(src.as_ptr(), src.len() as u64, seed, id.block, id.layer, id.kv.code(), id.generation, &mut first)
+    };
+    (bad, first)
+}
+
 /// Decodes the tag at the head of `sector` of a slice; `None` when the tag is not a valid
 /// fingerprint tag for this seed and sector index.
 pub fn decode_tag(src: &[u8], seed: u64, sector: u32) -> Option<BlockIdentity> {

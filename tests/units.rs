@@ -416,3 +416,50 @@ fn impossible_failure_records_are_device_errors_not_panics() {
     // The largest valid record is accepted.
     assert_eq!(decode_device_failures(&failure_rec(11, 64, 63), 1, &failure_list_geom()).unwrap().len(), 1);
 }
+
+#[test]
+fn host_buffer_ranges_are_checked_not_panics() {
+    use kvprobe::hostmem::HostBuffer;
+    let mut b = HostBuffer::alloc(4096).unwrap();
+    b.write_at(4000, &[7u8; 96]).unwrap();
+    let mut got = [0u8; 96];
+    b.read_at(4000, &mut got).unwrap();
+    assert_eq!(got, [7u8; 96]);
+    let usage = |r: kvprobe::error::Result<()>| match r {
+        Err(e @ Error::Usage(_)) => assert!(e.to_string().contains("outside") || e.to_string().contains("copy of"), "{e}"),
+        r => panic!("expected a usage error, got {r:?}"),
+    };
+    usage(b.read_at(4000, &mut [0u8; 97]));
+    usage(b.read_at(usize::MAX, &mut [0u8; 2]));
+    usage(b.write_at(4096, &[1]));
+    usage(b.write_at(usize::MAX - 1, &[1, 2, 3]));
+    usage(b.span(4095, 2).map(|_| ()));
+    usage(b.span_mut(1, 4096).map(|_| ()));
+    // Nothing outside the range was touched by the refused writes.
+    b.read_at(4000, &mut got).unwrap();
+    assert_eq!(got, [7u8; 96]);
+    // Spans: sub-ranges are checked too; pieces cover the range once, in order.
+    let s = b.span(0, 4096).unwrap();
+    usage(s.sub(4000, 97).map(|_| ()));
+    usage(s.read_at(4095, &mut [0u8; 2]));
+    let lens: Vec<usize> = s.chunks(1000).map(|c| c.len()).collect();
+    assert_eq!(lens, [1000, 1000, 1000, 1000, 96]);
+    let mut m = b.span_mut(0, 4096).unwrap();
+    usage(m.write_at(4095, &[0, 0]));
+    usage(m.sub_mut(1, 4096).map(|_| ()));
+    for (i, mut c) in m.into_chunks(1024).enumerate() {
+        c.write_at(0, &[i as u8 + 1; 1024]).unwrap();
+    }
+    for i in 0..4 {
+        let mut one = [0u8; 1024];
+        b.read_at(i * 1024, &mut one).unwrap();
+        assert_eq!(one, [i as u8 + 1; 1024]);
+    }
+    let mut other = HostBuffer::alloc(4096).unwrap();
+    usage(other.span_mut(0, 4096).unwrap().copy_from(b.span(0, 4095).unwrap()));
+    other.span_mut(0, 4096).unwrap().copy_from(b.span(0, 4096).unwrap()).unwrap();
+    let (mut x, mut y) = (vec![0u8; 4096], vec![0u8; 4096]);
+    b.read_at(0, &mut x).unwrap();
+    other.read_at(0, &mut y).unwrap();
+    assert_eq!(x, y);
+}
