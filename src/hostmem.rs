@@ -28,8 +28,9 @@ use std::marker::PhantomData;
 
 /// A page-aligned shared mapping of `len` bytes, unmapped on drop, that a transfer engine
 /// may write (see the module documentation: no references into it). A buffer from
-/// [`HostBuffer::alloc_shareable`] is backed by a memfd that child processes inherit, so a
-/// helper process (the Mooncake worker) can map the same pages.
+/// [`HostBuffer::alloc_shareable`] is backed by a close-on-exec memfd that a chosen child
+/// process (the Mooncake worker, the decode agent process) maps through
+/// [`crate::child::keep_fd`].
 #[derive(Debug)]
 pub struct HostBuffer {
     ptr: *mut u8,
@@ -83,16 +84,17 @@ impl HostBuffer {
         Ok(HostBuffer { ptr: map_anonymous(len)?, len, fd: None })
     }
 
-    /// Maps `len` bytes backed by a memfd that is inherited by child processes (no
-    /// close-on-exec): a child maps the same pages through `/proc/self/fd/N`
-    /// ([`HostBuffer::shared_fd`]). Errors: memfd_create, ftruncate or mmap failed.
+    /// Maps `len` bytes backed by a memfd (`memfd:kvprobe-pool`, close-on-exec: no child
+    /// inherits it unless its spawn names it with [`crate::child::keep_fd`]); that child maps
+    /// the same pages through `/proc/self/fd/N` ([`HostBuffer::shared_fd`]). Errors:
+    /// memfd_create, ftruncate or mmap failed.
     pub fn alloc_shareable(len: usize) -> Result<HostBuffer> {
         use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
         let n = len.max(1);
         let err = |what: &str| Error::Environment(format!("{what} ({len} bytes): {}", std::io::Error::last_os_error()));
-        // SAFETY: the name is a valid NUL-terminated string; flags 0 (no MFD_CLOEXEC) so
-        // that children inherit the descriptor.
-        let raw = unsafe { libc::memfd_create(c"kvprobe-pool".as_ptr(), 0) };
+        // SAFETY: the name is a valid NUL-terminated string. MFD_CLOEXEC: children started
+        // with exec do not inherit the descriptor (crate::child::keep_fd opts one in).
+        let raw = unsafe { libc::memfd_create(c"kvprobe-pool".as_ptr(), libc::MFD_CLOEXEC) };
         if raw < 0 {
             return Err(err("memfd_create"));
         }
@@ -114,8 +116,9 @@ impl HostBuffer {
 
     /// Maps `len` bytes of a shareable buffer another kvprobe process created, through the
     /// descriptor `fd` this process inherited (the decode agent process of
-    /// `run --decode-process` on DRAM). The descriptor stays open and is not owned. Errors:
-    /// the mapping failed (environment).
+    /// `run --decode-process` on DRAM). The descriptor stays open and is not owned; it is made
+    /// close-on-exec again, so this process's own children do not inherit it. Errors: the
+    /// mapping failed (environment).
     pub fn map_inherited(fd: i32, len: usize) -> Result<HostBuffer> {
         // SAFETY: maps an existing shared memory object read-write; no existing memory of
         // this process is affected. A bad descriptor makes mmap fail, which is reported.
@@ -127,11 +130,13 @@ impl HostBuffer {
                 std::io::Error::last_os_error()
             )));
         }
+        // SAFETY: fcntl(2) on a descriptor mmap just accepted; it changes only its flags.
+        unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
         Ok(HostBuffer { ptr: p as *mut u8, len, fd: None })
     }
 
-    /// The inherited descriptor number of a shareable buffer (None otherwise): a child
-    /// process maps the buffer from `/proc/self/fd/N`.
+    /// The descriptor number of a shareable buffer's memfd (None otherwise): the child that
+    /// was given it ([`crate::child::keep_fd`]) maps the buffer from `/proc/self/fd/N`.
     pub fn shared_fd(&self) -> Option<i32> {
         use std::os::fd::AsRawFd;
         self.fd.as_ref().map(|f| f.as_raw_fd())
