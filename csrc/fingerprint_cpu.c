@@ -87,6 +87,34 @@ uint64_t kvp_cpu_verify(const uint8_t *src, uint64_t len, uint64_t seed, uint32_
     return bad;
 }
 
+/* Compares `src` with the poison of (slot, iteration) (kvp_poison_elem): returns the number of
+ * bytes that differ; *first_bad gets the offset of the first (len when none). As kvp_cpu_verify:
+ * a sector is first checked with an OR of the differences, and only a sector that differs is
+ * counted byte by byte. Used by the sweep's stray-write check (a stage must still hold its
+ * poison right before it is posted again). */
+KVP_HOT
+uint64_t kvp_cpu_check_poison(const uint8_t *src, uint64_t len, uint32_t slot, uint32_t iteration, uint64_t *first_bad) {
+    uint64_t n = len / 4, bad = 0, first = len;
+    for (uint64_t s0 = 0; s0 < n; s0 += KVP_SECTOR_ELEMS) {
+        uint64_t end = s0 + KVP_SECTOR_ELEMS < n ? s0 + KVP_SECTOR_ELEMS : n;
+        kvp_u32 acc = 0;
+        for (uint64_t e = s0; e < end; e++) acc |= kvp_poison_elem(slot, iteration, (kvp_u32)e) ^ load32(src + 4 * e);
+        if (!acc) continue;
+        for (uint64_t e = s0; e < end; e++) {
+            kvp_u32 want = kvp_poison_elem(slot, iteration, (kvp_u32)e), got = load32(src + 4 * e);
+            if (want != got) {
+                kvp_u32 x = want ^ got;
+                uint64_t b = 0;
+                while (((x >> (8 * b)) & 0xFFu) == 0u) b++;
+                if (4 * e + b < first) first = 4 * e + b;
+                bad += kvp_diff_bytes(want, got);
+            }
+        }
+    }
+    *first_bad = first;
+    return bad;
+}
+
 /* Checks the 16-byte tag at the head of `sector` in `src`; on success stores the
  * identity it names and returns 1. */
 int kvp_cpu_decode_tag(const uint8_t *src, uint64_t len, uint64_t seed, uint32_t sector,

@@ -1,5 +1,5 @@
 /*
- * kvprobe CUDA kernels: fill, poison and verify block slices of one layer's region.
+ * kvprobe CUDA kernels: fill, poison, verify and poison-check block slices of one layer's region.
  * Compiled at run time by NVRTC with fingerprint.h prepended (src/fingerprint.rs,
  * KERNEL_SOURCE), so the kernels and the CPU reference share one definition.
  *
@@ -181,4 +181,64 @@ extern "C" __global__ void kvp_verify(const uint4 *region, unsigned slice_bytes,
         if (my_slices) atomicAdd(slot, (unsigned long long)my_slices);
         if (my_chunks) atomicAdd(slot + 1, (unsigned long long)my_chunks * 16ull);
     }
+}
+
+/* Checks that every slice of a region still holds the poison of (slot, iteration)
+ * (kvp_poison_elem; slot = slice_base + q): the sweep's stray-write check, run on a stage
+ * right before it is posted again. Kept apart from kvp_verify so the hot verify kernel's
+ * registers and bandwidth are untouched. Failing parts are appended to `fails` exactly as
+ * kvp_verify appends them ({slice, bad bytes, first bad byte, 0}; past `fail_cap` counted in
+ * `*fail_count` but not written). Each thread block counts the slices whose part 0 it
+ * checked and adds the sum to `*checked` (one global atomic per block). */
+extern "C" __global__ void kvp_check_poison(const uint4 *region, unsigned slice_bytes, unsigned num_slices,
+                                            unsigned slice_base, unsigned iteration, kvp_fail *fails,
+                                            unsigned *fail_count, unsigned fail_cap,
+                                            unsigned long long *checked) {
+    __shared__ unsigned s_bad, s_first;
+    unsigned my_slices = 0u;
+    const unsigned chunks = slice_bytes / 16u, parts = kvp_parts(chunks);
+    const unsigned long long items = (unsigned long long)num_slices * parts;
+    for (unsigned long long w = blockIdx.x; w < items; w += gridDim.x) {
+        const unsigned q = (unsigned)(w / parts), c0 = (unsigned)(w % parts) * KVP_PART_CHUNKS;
+        const unsigned c1 = min(c0 + KVP_PART_CHUNKS, chunks);
+        const unsigned slot = slice_base + q;
+        /* Chunk c holds elements 4c (even) .. 4c + 3: even, odd, even, odd. */
+        uint4 want;
+        want.x = kvp_poison_elem(slot, iteration, 0u);
+        want.y = kvp_poison_elem(slot, iteration, 1u);
+        want.z = want.x;
+        want.w = want.y;
+        const uint4 *s = region + (size_t)q * chunks;
+        unsigned acc = 0u;
+        for (unsigned c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
+            const uint4 got = s[c];
+            acc |= (got.x ^ want.x) | (got.y ^ want.y) | (got.z ^ want.z) | (got.w ^ want.w);
+        }
+        if (threadIdx.x == 0 && c0 == 0u) my_slices++;
+        if (!__syncthreads_or(acc != 0u)) continue; /* the part still holds its poison (uniform) */
+        if (threadIdx.x == 0) { s_bad = 0u; s_first = 0xFFFFFFFFu; }
+        __syncthreads();
+        unsigned bad = 0u, first = 0xFFFFFFFFu;
+        for (unsigned c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
+            const uint4 got = s[c];
+            const unsigned off = c * 16u;
+            kvp_cmp(want.x, got.x, off, &bad, &first);
+            kvp_cmp(want.y, got.y, off + 4u, &bad, &first);
+            kvp_cmp(want.z, got.z, off + 8u, &bad, &first);
+            kvp_cmp(want.w, got.w, off + 12u, &bad, &first);
+        }
+        if (bad) { atomicAdd(&s_bad, bad); atomicMin(&s_first, first); }
+        __syncthreads();
+        if (threadIdx.x == 0 && s_bad) {
+            const unsigned i = atomicAdd(fail_count, 1u);
+            kvp_fail f;
+            f.slice = slot;
+            f.bad_bytes = s_bad;
+            f.first_bad = s_first;
+            f.pad = 0u;
+            if (i < fail_cap) fails[i] = f;
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0 && my_slices) atomicAdd(checked, (unsigned long long)my_slices);
 }

@@ -32,6 +32,10 @@ for k in bitflip drop misroute stale torn; do
   expect 1 "${PIPESTATUS[0]}" "inject $k:3"
 done
 
+step "inject stray:3 on llama3-8b VRAM, 8 pipeline stages (poison checks, and the re-verify in the last iteration)"
+"$kv" run --memory vram --preset llama3-8b --iterations 3 --pipeline-stages 8 --inject stray:3 2>&1 | grep -E "corrupt|injections|result" | tee -a "$log"
+expect 1 "${PIPESTATUS[0]}" "inject stray:3"
+
 step "llama3-8b READ with UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y, 20 iterations"
 UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y "$kv" run --memory vram --preset llama3-8b --iterations 20 \
   --report "$out/llama3-8b-zcopy.json" 2>&1 | grep -v "^iteration" | tee -a "$log"

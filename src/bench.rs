@@ -451,7 +451,8 @@ fn breakdown(
     let s = &report.summary;
     // The first iteration warms up (page faults, UCX connections and registration caches).
     // One representative iteration, not per-part medians (which need not add up).
-    let (index, rep) = representative(&s.per_iteration).map_or((0, Default::default()), |i| (i as u32 + 1, s.per_iteration[i]));
+    let (index, rep) =
+        representative(&s.per_iteration).map_or((0, Default::default()), |i| (i as u32 + 1, s.per_iteration[i].clone()));
     let (iteration, transfer) = (rep.iteration, rep.transfer);
     let (fill, poison, verify) = (rep.fill, rep.poison, rep.verify);
     let host = (iteration - fill - poison - transfer - verify).max(0.0);

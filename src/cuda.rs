@@ -584,6 +584,7 @@ pub struct Kernels {
     fill: sys::CUfunction,
     poison: sys::CUfunction,
     verify: sys::CUfunction,
+    check_poison: sys::CUfunction,
 }
 
 // SAFETY: module and function handles are context-bound, not thread-bound; every launch
@@ -689,7 +690,14 @@ impl Kernels {
             unsafe { result::module::get_function(module, CString::new(n).unwrap()) }
                 .map_err(|e| derr(&format!("cuModuleGetFunction({n})"), e))
         };
-        Ok(Kernels { dev: dev.clone(), module, fill: get("kvp_fill")?, poison: get("kvp_poison")?, verify: get("kvp_verify")? })
+        Ok(Kernels {
+            dev: dev.clone(),
+            module,
+            fill: get("kvp_fill")?,
+            poison: get("kvp_poison")?,
+            verify: get("kvp_verify")?,
+            check_poison: get("kvp_check_poison")?,
+        })
     }
 
     fn launch(&self, f: sys::CUfunction, r: &RegionArgs, params: &mut [*mut c_void]) -> Result<()> {
@@ -748,6 +756,34 @@ impl Kernels {
             cap = u32::try_from(fails.len() / 16).unwrap_or(u32::MAX), cmp = counters.ptr() + 16
         );
         self.launch(self.verify, &r, &mut params)
+    }
+}
+
+/// Bytes of the poison-check kernel's counter buffer: the failure count (a u32 at offset 0),
+/// then at offset 8 the slices it checked (a little-endian u64).
+pub const CHECK_COUNTERS_BYTES: usize = 16;
+
+impl Kernels {
+    /// Checks that every slice of a region still holds the poison of (slot, `iteration`)
+    /// (csrc/kernels.cu `kvp_check_poison`): each failing part of a slice appends one 16-byte
+    /// record {slice, bad bytes, first bad byte, 0} to `fails`, as [`Kernels::verify`] does,
+    /// counted in the u32 at offset 0 of `counters` ([`CHECK_COUNTERS_BYTES`], zeroed by the
+    /// caller); the slices checked are added to the u64 at offset 8. Errors: a counter buffer
+    /// too short (device). Asynchronous.
+    pub fn check_poison(&self, r: RegionArgs, iteration: u32, fails: &DeviceBuffer, counters: &DeviceBuffer) -> Result<()> {
+        if counters.len() < CHECK_COUNTERS_BYTES {
+            return Err(Error::Device(format!(
+                "a {}-byte poison-check counter buffer (needs {CHECK_COUNTERS_BYTES})",
+                counters.len()
+            )));
+        }
+        kernel_params!(
+            params;
+            p = r.region, sb = r.slice_bytes, n = r.num_slices, base = r.slice_base, it = iteration,
+            f = fails.ptr(), c = counters.ptr(), cap = u32::try_from(fails.len() / 16).unwrap_or(u32::MAX),
+            chk = counters.ptr() + 8
+        );
+        self.launch(self.check_poison, &r, &mut params)
     }
 }
 

@@ -70,6 +70,7 @@ mod ffi {
             kv: *mut u32,
             gen_: *mut u32,
         ) -> i32;
+        pub fn kvp_cpu_check_poison(src: *const u8, len: u64, slot: u32, iteration: u32, first_bad: *mut u64) -> u64;
         pub fn kvp_cpu_seed32(seed: u64) -> u32;
     }
 }
@@ -132,6 +133,36 @@ pub fn check_span(src: crate::hostmem::Span<'_>, seed: u64, id: BlockIdentity) -
         ffi::kvp_cpu_verify(src.as_ptr(), src.len() as u64, seed, id.block, id.layer, id.kv.code(), id.generation, &mut first)
     };
     (bad, first)
+}
+
+/// Compares `src` with the poison of (`slot`, `iteration`) ([`poison`]): returns
+/// `(bad_bytes, first_bad_offset)`, bytes counted one by one (a byte differs when it is not
+/// the poison's byte at that offset); `first_bad_offset == src.len()` when `src` still holds
+/// its poison. The sweep's stray-write check.
+pub fn check_poison(src: &[u8], slot: u32, iteration: u32) -> (u64, u64) {
+    let mut first = 0u64;
+    // SAFETY: reads exactly `src.len()` bytes of the borrowed buffer; `first` is a valid
+    // out-pointer for the duration of the call.
+    let bad = unsafe { ffi::kvp_cpu_check_poison(src.as_ptr(), src.len() as u64, slot, iteration, &mut first) };
+    (bad, first)
+}
+
+/// [`check_poison`] of a range of a DRAM pool (no transfer may be writing it).
+pub fn check_poison_span(src: crate::hostmem::Span<'_>, slot: u32, iteration: u32) -> (u64, u64) {
+    let mut first = 0u64;
+    // SAFETY: reads exactly `src.len()` bytes, valid for the span's borrow; no writer touches
+    // them (the span's contract); `first` is a valid out-pointer.
+    let bad = unsafe { ffi::kvp_cpu_check_poison(src.as_ptr(), src.len() as u64, slot, iteration, &mut first) };
+    (bad, first)
+}
+
+/// The identity a (possibly damaged) slice names in the first sector whose tag decodes
+/// ([`decode_tag`]), searching from the sector holding byte `from` onwards, then from the
+/// start; `None` when no sector's tag decodes.
+pub fn observed_identity(src: &[u8], seed: u64, from: u64) -> Option<BlockIdentity> {
+    let sectors = src.len().div_ceil(SECTOR_BYTES) as u32;
+    let start = ((from as usize) / SECTOR_BYTES).min(sectors as usize) as u32;
+    (start..sectors).chain(0..start).find_map(|s| decode_tag(src, seed, s))
 }
 
 /// Decodes the tag at the head of `sector` of a slice; `None` when the tag is not a valid

@@ -11,6 +11,7 @@
 //! | `misroute` | pair source slice a with b's destination slot (a's and b's own descriptors dropped) | `misplaced` at b's slot, `unwritten` at a's |
 //! | `stale`    | leave the source slice at the previous generation | `stale` |
 //! | `torn`     | transfer only a prefix of the slice (a multiple of 16 bytes) | `torn` |
+//! | `stray`    | one request carries an extra descriptor into another stage's decode slot (needs ≥ 3 pipeline stages): stage 0's, into a slot of stage ≥ 2 before that stage is posted; in the last iteration with ≥ 4 stages, the last stage's, into a slot of stage 0 after it verified | `stray` (found by the poison check before the post; by the re-verify after the last iteration) |
 
 use crate::error::{Error, Result};
 use crate::geometry::{Geometry, SliceCoord};
@@ -18,6 +19,7 @@ use crate::verify::Class;
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, HashSet};
+use std::ops::Range;
 
 /// An injection kind.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -33,6 +35,8 @@ pub enum Kind {
     Stale,
     /// Transfer part of a slice.
     Torn,
+    /// Write a slice into a decode slot of a later pipeline stage, outside its transfer.
+    Stray,
 }
 
 impl Kind {
@@ -44,6 +48,7 @@ impl Kind {
             Kind::Misroute => "misroute",
             Kind::Stale => "stale",
             Kind::Torn => "torn",
+            Kind::Stray => "stray",
         }
     }
 }
@@ -59,7 +64,7 @@ pub struct Spec {
 
 impl std::str::FromStr for Spec {
     type Err = String;
-    /// Parses `CLASS` or `CLASS:COUNT`, CLASS one of bitflip, drop, misroute, stale, torn.
+    /// Parses `CLASS` or `CLASS:COUNT`, CLASS one of bitflip, drop, misroute, stale, torn, stray.
     fn from_str(s: &str) -> std::result::Result<Spec, String> {
         let (name, count) = match s.split_once(':') {
             Some((n, c)) => {
@@ -77,8 +82,9 @@ impl std::str::FromStr for Spec {
             "misroute" => Kind::Misroute,
             "stale" => Kind::Stale,
             "torn" => Kind::Torn,
+            "stray" => Kind::Stray,
             _ => {
-                return Err(format!("unknown injection {name:?} (expected bitflip, drop, misroute, stale or torn)"));
+                return Err(format!("unknown injection {name:?} (expected bitflip, drop, misroute, stale, torn or stray)"));
             }
         };
         Ok(Spec { kind, count })
@@ -122,28 +128,69 @@ pub enum Action {
         /// Bytes sent.
         len: u64,
     },
+    /// The request of pipeline stage `carrier` also carries source slice `from` (a layer of
+    /// that stage) to the destination slot of source slice `at` (another stage's layer),
+    /// whose own descriptor travels as usual with its stage. `carrier` 0, `at` in stage 2 or
+    /// later: the slot's poison is overwritten after stage 0 completed and before the slot's
+    /// stage is posted (the poison check finds it). `carrier` the last of ≥ 4 stages in the
+    /// last iteration, `at` in stage 0: the slot is overwritten after stage 0 verified, and
+    /// nothing re-poisons it (the re-verify after the last iteration finds it).
+    Stray {
+        /// Source slice whose bytes land in the wrong slot.
+        from: SliceCoord,
+        /// Source slice whose destination slot is hit.
+        at: SliceCoord,
+        /// The pipeline stage whose request carries the stray descriptor.
+        carrier: u32,
+    },
 }
 
-/// Checks that the injections fit the geometry. Errors (exit 2): torn needs slices of at
-/// least 32 bytes; misroute pairs two slices of one (layer, K/V), so each needs a group
-/// with two free blocks; all injections need distinct slices.
-pub fn check(specs: &[Spec], g: &Geometry) -> Result<()> {
+/// Checks that the injections fit the geometry and the sweep's pipeline `stages` (the layer
+/// ranges of [`crate::run::stages`]). Errors (exit 2): torn needs slices of at least 32
+/// bytes; stray needs at least 3 stages (its slot must lie in a stage posted after stage 0
+/// completed) and at most as many as the slices of stages 2 and later (and, with 4 stages or
+/// more, of stage 0, where the last iteration's strays land); misroute pairs two
+/// slices of one (layer, K/V), so each needs a group with two free blocks (a stray takes
+/// one); all injections need distinct slices.
+pub fn check(specs: &[Spec], g: &Geometry, stages: &[Range<u32>]) -> Result<()> {
     let sb = g.slice_bytes()?;
-    let (mut pairs, mut singles): (u64, u64) = (0, 0);
+    let (mut pairs, mut singles, mut strays): (u64, u64, u64) = (0, 0, 0);
     for s in specs {
         if s.kind == Kind::Torn && sb < 32 {
             return Err(Error::Usage(format!("--inject torn needs block slices of at least 32 bytes (they are {sb})")));
         }
         match s.kind {
             Kind::Misroute => pairs += s.count as u64,
+            Kind::Stray => strays += s.count as u64,
             _ => singles += s.count as u64,
         }
+    }
+    if strays > 0 {
+        if stages.len() < 3 {
+            return Err(Error::Usage(format!(
+                "--inject stray needs at least 3 pipeline stages (this sweep has {}; --pipeline-stages 3 or more, with at \
+                 least 3 layers): the stray write travels with stage 0 and must land in a stage posted after stage 0 \
+                 completed, whose poison is checked right before that post",
+                stages.len()
+            )));
+        }
+        let mut room = (g.num_layers - stages[2].start) as u64 * g.slices_per_layer();
+        if stages.len() >= 4 {
+            room = room.min(stages[0].len() as u64 * g.slices_per_layer());
+        }
+        if strays > room {
+            return Err(Error::Usage(format!(
+                "--inject stray needs {strays} distinct block slices per iteration in pipeline stages 2 and later (and in stage 0 \
+                 with 4 stages or more); there are {room}"
+            )));
+        }
+        singles += strays;
     }
     if pairs > 0 && g.num_blocks < 2 {
         return Err(Error::Usage("--inject misroute needs at least 2 blocks".into()));
     }
     let groups = g.num_layers as u64 * g.kv_parts() as u64;
-    let max_pairs = groups * (g.num_blocks as u64 / 2);
+    let max_pairs = (groups * (g.num_blocks as u64 / 2)).saturating_sub(strays);
     if pairs > max_pairs {
         return Err(Error::Usage(format!(
             "--inject misroute needs {pairs} pairs of blocks in one layer and K/V per iteration; the pool has room for {max_pairs}"
@@ -196,13 +243,45 @@ impl Picker<'_> {
     }
 }
 
-/// Plans one iteration's injections at distinct random source slices (misroute pairs first,
-/// so [`check`]'s capacity bound holds). Call [`check`] first.
-pub fn plan(specs: &[Spec], g: &Geometry, rng: &mut impl Rng) -> Vec<Action> {
+/// Plans one iteration's injections at distinct random source slices (strays first, then
+/// misroute pairs, so [`check`]'s capacity bounds hold; a run without strays draws exactly as
+/// before they existed). `stages` are the sweep's pipeline stages; `last` says this is its
+/// last iteration (strays then land after their slot verified, when there are ≥ 4 stages:
+/// see [`Action::Stray`]). Call [`check`] first.
+pub fn plan(specs: &[Spec], g: &Geometry, stages: &[Range<u32>], last: bool, rng: &mut impl Rng) -> Vec<Action> {
     let sb = g.slice_bytes().unwrap_or(0);
     let mut p = Picker { g, used: HashSet::new(), used_in: HashMap::new() };
     let mut out = Vec::new();
-    let (pairs, singles): (Vec<&Spec>, Vec<&Spec>) = specs.iter().partition(|s| s.kind == Kind::Misroute);
+    let (strays, rest): (Vec<&Spec>, Vec<&Spec>) = specs.iter().partition(|s| s.kind == Kind::Stray);
+    if stages.len() >= 3 && !strays.is_empty() {
+        let parts = g.parts().len() as u64;
+        let n = stages.len();
+        // (the stage carrying the stray, its layers, the layers of the slots it hits)
+        let (carrier, from_layers, at_layers) = if last && n >= 4 {
+            (n - 1, stages[n - 1].clone(), stages[0].clone())
+        } else {
+            (0, stages[0].clone(), stages[2].start..g.num_layers)
+        };
+        let groups = (at_layers.start as u64 * parts)..(at_layers.end as u64 * parts);
+        for s in strays {
+            for _ in 0..s.count {
+                let count = groups.end - groups.start;
+                let start = rng.random_range(0..count);
+                let gi = (0..count)
+                    .map(|k| groups.start + (start + k) % count)
+                    .find(|&gi| p.free_in(gi) >= 1)
+                    .expect("check() bounds the strays");
+                let at = p.take(gi, rng);
+                let from = SliceCoord {
+                    layer: rng.random_range(from_layers.clone()),
+                    kv: g.parts()[rng.random_range(0..g.parts().len())],
+                    block: rng.random_range(0..g.num_blocks),
+                };
+                out.push(Action::Stray { from, at, carrier: carrier as u32 });
+            }
+        }
+    }
+    let (pairs, singles): (Vec<&Spec>, Vec<&Spec>) = rest.into_iter().partition(|s| s.kind == Kind::Misroute);
     for s in pairs {
         for _ in 0..s.count {
             let gi = p.group_with(2, rng);
@@ -220,7 +299,7 @@ pub fn plan(specs: &[Spec], g: &Geometry, rng: &mut impl Rng) -> Vec<Action> {
                 Kind::Drop => Action::Drop { at: a },
                 Kind::Stale => Action::Stale { at: a },
                 Kind::Torn => Action::Torn { at: a, len: 16 * rng.random_range(1..sb / 16) },
-                Kind::Misroute => unreachable!("partitioned above"),
+                Kind::Misroute | Kind::Stray => unreachable!("partitioned above"),
             });
         }
     }
@@ -236,6 +315,7 @@ impl Action {
             Action::Misroute { .. } => Kind::Misroute,
             Action::Stale { .. } => Kind::Stale,
             Action::Torn { .. } => Kind::Torn,
+            Action::Stray { .. } => Kind::Stray,
         }
     }
 
@@ -247,6 +327,7 @@ impl Action {
             Action::Misroute { from, to } => vec![(to, Class::Misplaced), (from, Class::Unwritten)],
             Action::Stale { at } => vec![(at, Class::Stale)],
             Action::Torn { at, .. } => vec![(at, Class::Torn)],
+            Action::Stray { at, .. } => vec![(at, Class::Stray)],
         }
     }
 }

@@ -33,6 +33,7 @@ pub mod geometry;
 pub mod hostmem;
 pub mod inject;
 pub mod interrupt;
+pub mod junit;
 pub mod mooncake;
 pub mod nixl;
 pub mod par;

@@ -26,9 +26,9 @@ const EXIT_CODES: &str = "Exit codes:
   4  a transfer did not complete within --timeout, or another wait exceeded its bound
   5  transfer rate below --min-gbps (only when given)
   6  an unfenced race mechanism was not detected (ab; run --race MECHANISM: not reproduced)
-  7  the run was clean but --report (bench: --json) could not be written (disk full, ulimit -f):
-     the report is on stderr between -----BEGIN/END KVPROBE REPORT----- lines; other outcomes
-     keep their code
+  7  the run was clean but --report (bench: --json) or --junit could not be written (disk full,
+     ulimit -f): the report is on stderr between -----BEGIN/END KVPROBE REPORT----- lines; other
+     outcomes keep their code
   130  interrupted by SIGINT/SIGTERM (partial report written, marked interrupted; a transfer
      in flight gets up to 1 s after the signal to complete)";
 
@@ -106,6 +106,9 @@ struct BenchArgs {
     /// Write the results as JSON (schema kvprobe.bench/1), atomically; `-` writes it to stdout (the table then goes to stderr).
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Write JUnit XML here for CI (atomically): one case per goal (met or missed), plus the outcome.
+    #[arg(long)]
+    junit: Option<PathBuf>,
 }
 
 /// Parses a byte count: a plain number, or with a KiB/MiB/GiB/TiB (or KB/MB/GB/TB, powers of 1000) suffix, any case.
@@ -175,6 +178,9 @@ struct PoolArgs {
     /// Write the JSON report here (atomically; also when the run fails). `-` writes it to stdout at the end (no checkpoints), and the human summary goes to stderr.
     #[arg(long)]
     report: Option<PathBuf>,
+    /// Write JUnit XML here for CI (atomically; also when the run fails, as an error case): run: one case per sweep iteration (scenario: per interval and race mechanism) and per injection; ab: one per row; plus the outcome.
+    #[arg(long)]
+    junit: Option<PathBuf>,
     /// NIXL backend plugin.
     #[arg(long, default_value = "UCX")]
     backend: String,
@@ -249,7 +255,8 @@ struct RunArgs {
     /// Sweep: run decode's NIXL agent in a second kvprobe process (as vLLM's engines run), so UCX sees two processes (cuda_ipc between them on VRAM). VRAM: the child allocates the decode pool and shares it back by CUDA IPC for verification; DRAM: it maps kvprobe's pool (memfd).
     #[arg(long)]
     decode_process: bool,
-    /// Sweep: plant a fault per iteration: bitflip, drop, misroute, stale or torn, optionally :COUNT. Repeatable.
+    /// Sweep: plant a fault per iteration: bitflip, drop, misroute, stale, torn or stray (a write into another
+    /// pipeline stage's slot; needs --pipeline-stages 3 or more), optionally :COUNT. Repeatable.
     #[arg(long, value_name = "CLASS[:N]")]
     inject: Vec<Spec>,
     /// Exit 5 when the transfer rate (GB/s = 1e9 B/s) is below this.
@@ -620,6 +627,45 @@ fn check_report_path(path: &Option<PathBuf>) -> Result<(), Exit> {
     })
 }
 
+/// Checks a `--junit` path before the run: a file (not `-`) that can be written.
+fn check_junit_path(path: &Option<PathBuf>) -> Result<(), Exit> {
+    let checked = match path {
+        Some(p) if is_stdout(p) => Err(Error::Usage("--junit needs a file path (`-` is not supported)".into())),
+        Some(p) => kvprobe::report::check_writable_for(p, "--junit"),
+        None => Ok(()),
+    };
+    checked.map_err(|e| {
+        err(&format!("kvprobe: {e}"));
+        e.exit()
+    })
+}
+
+/// Which JUnit document a command's JSON gives ([`kvprobe::junit`]).
+type JunitOf = fn(&serde_json::Value) -> quick_junit::Report;
+
+/// Writes the JUnit XML of `doc` to `path` (`--junit`), when given, and says where it went.
+/// Returns `exit`, or 7 in place of 0 when it could not be written (the error on stderr): a
+/// missing file must not pass for a clean run.
+fn write_junit<T: serde::Serialize>(path: &Option<PathBuf>, of: JunitOf, doc: &T, exit: Exit) -> Exit {
+    let Some(p) = path else { return exit };
+    let written =
+        serde_json::to_value(doc).map_err(|e| Error::Io(format!("--junit: {e}"))).and_then(|v| kvprobe::junit::write(p, &of(&v)));
+    match written {
+        Ok(()) => {
+            out(&format!(
+                "junit:             {}
+",
+                p.display()
+            ));
+            exit
+        }
+        Err(e) => {
+            err(&format!("kvprobe: --junit {} was not written: {e}", p.display()));
+            if exit == Exit::Clean { Exit::ReportNotWritten } else { exit }
+        }
+    }
+}
+
 /// Refuses `FLAG -` when stdout is /dev/null, as `FLAG /dev/null` is refused: the JSON would
 /// be lost. That includes a closed stdout (`>&-`), which the Rust runtime reopens on /dev/null
 /// at start-up. Errors: usage (exit 2).
@@ -642,8 +688,13 @@ fn stdout_takes_json(flag: &str) -> Result<(), Error> {
 /// (the document, its exit code, the text for the human output); this clears the status
 /// lines, writes `path` as the normal end does ([`write_json`], [`report_lost`]), prints, and
 /// exits with the code. Helper processes die with kvprobe.
-fn on_stall<T, F>(bar: Option<indicatif::ProgressBar>, path: Option<PathBuf>, label: &'static str, finish: F)
-where
+fn on_stall<T, F>(
+    bar: Option<indicatif::ProgressBar>,
+    path: Option<PathBuf>,
+    junit: (Option<PathBuf>, JunitOf),
+    label: &'static str,
+    finish: F,
+) where
     T: serde::Serialize,
     F: Fn(&Error) -> (T, Exit, String) + Send + Sync + 'static,
 {
@@ -671,13 +722,16 @@ where
             (Some(p), Some(we)) => report_lost(&format!("--report {}", p.display()), &doc, &we, exit),
             (None, _) => exit,
         };
+        let exit = write_junit(&junit.0, junit.1, &doc, exit);
         kvprobe::nixl::exit_now(exit as u8)
     }));
 }
 
 fn run(args: RunArgs, typed: &[&str]) -> Exit {
     claim_stdout(&args.pool.report);
-    if let Err(x) = check_report_path(&args.pool.report).and_then(|_| install_signals()) {
+    if let Err(x) =
+        check_report_path(&args.pool.report).and_then(|_| check_junit_path(&args.pool.junit)).and_then(|_| install_signals())
+    {
         return x;
     }
     let cfg = match args.config(typed) {
@@ -685,22 +739,28 @@ fn run(args: RunArgs, typed: &[&str]) -> Exit {
         Err(e) => {
             // Still leave a report saying why, as every other usage error does.
             err(&format!("kvprobe: {e}"));
-            if let Some(path) = &args.pool.report {
-                let r = kvprobe::run::failed_report(&args.pool.config(), &e);
-                if let Err(w) = write_json(path, &r) {
-                    kvprobe::report::print_fallback(&format!("--report {}", path.display()), &r, &w);
-                }
+            let r = kvprobe::run::failed_report(&args.pool.config(), &e);
+            if let Some(path) = &args.pool.report
+                && let Err(w) = write_json(path, &r)
+            {
+                kvprobe::report::print_fallback(&format!("--report {}", path.display()), &r, &w);
             }
-            return e.exit();
+            return write_junit(&args.pool.junit, kvprobe::junit::from_run, &r, e.exit());
         }
     };
     let mut display = Display::new();
     let stall_cfg = cfg.clone();
-    on_stall(display.bar.clone(), args.pool.report.clone(), "report:            ", move |e| {
-        let (r, exit) = kvprobe::run::expired_report(&stall_cfg, e);
-        let text = if r.summary.iterations > 0 || r.scenario.is_some() { kvprobe::report::render(&r) } else { String::new() };
-        (r, exit, text)
-    });
+    on_stall(
+        display.bar.clone(),
+        args.pool.report.clone(),
+        (args.pool.junit.clone(), kvprobe::junit::from_run),
+        "report:            ",
+        move |e| {
+            let (r, exit) = kvprobe::run::expired_report(&stall_cfg, e);
+            let text = if r.summary.iterations > 0 || r.scenario.is_some() { kvprobe::report::render(&r) } else { String::new() };
+            (r, exit, text)
+        },
+    );
     let mut ckpt_failed = false;
     let path = checkpoints_to(&args.pool.report);
     show_phases(true);
@@ -732,7 +792,8 @@ fn run(args: RunArgs, typed: &[&str]) -> Exit {
         out(&kvprobe::report::render(&report));
     }
     report_error(&report.outcome);
-    report_outcome(&args.pool.report, lost, &report, exit, "report:            ")
+    let exit = report_outcome(&args.pool.report, lost, &report, exit, "report:            ");
+    write_junit(&args.pool.junit, kvprobe::junit::from_run, &report, exit)
 }
 
 /// Prints the error that ended a run, if any, on stderr.
@@ -779,18 +840,26 @@ fn ab(args: AbArgs) -> Exit {
         return Exit::Usage;
     }
     claim_stdout(&args.pool.report);
-    if let Err(x) = check_report_path(&args.pool.report).and_then(|_| install_signals()) {
+    if let Err(x) =
+        check_report_path(&args.pool.report).and_then(|_| check_junit_path(&args.pool.junit)).and_then(|_| install_signals())
+    {
         return x;
     }
     let mut cfg = args.pool.config();
     cfg.scenario = Some(args.load.config(Scenario::Stacked, Vec::new(), &cfg.geometry));
     let mut display = Display::new();
     let stall_cfg = cfg.clone();
-    on_stall(display.bar.clone(), args.pool.report.clone(), "report: ", move |e| {
-        let (ab, exit) = kvprobe::ab::expired_report(&stall_cfg, e);
-        let text = if ab.rows.is_empty() { String::new() } else { kvprobe::ab::render(&ab) };
-        (ab, exit, text)
-    });
+    on_stall(
+        display.bar.clone(),
+        args.pool.report.clone(),
+        (args.pool.junit.clone(), kvprobe::junit::from_ab),
+        "report: ",
+        move |e| {
+            let (ab, exit) = kvprobe::ab::expired_report(&stall_cfg, e);
+            let text = if ab.rows.is_empty() { String::new() } else { kvprobe::ab::render(&ab) };
+            (ab, exit, text)
+        },
+    );
     let path = checkpoints_to(&args.pool.report);
     let mut ckpt_failed = false;
     let mut shown = 0;
@@ -818,7 +887,8 @@ fn ab(args: AbArgs) -> Exit {
         out(&kvprobe::ab::render(&ab));
     }
     report_error(&ab.outcome);
-    report_outcome(&args.pool.report, lost, &ab, exit, "report: ")
+    let exit = report_outcome(&args.pool.report, lost, &ab, exit, "report: ");
+    write_junit(&args.pool.junit, kvprobe::junit::from_ab, &ab, exit)
 }
 
 fn bench(a: BenchArgs) -> Exit {
@@ -850,6 +920,9 @@ fn bench(a: BenchArgs) -> Exit {
         err(&format!("kvprobe: {e}"));
         return e.exit();
     }
+    if let Err(code) = check_junit_path(&a.junit) {
+        return code;
+    }
     if let Err(e) = kvprobe::bench::check(&cfg) {
         err(&format!("kvprobe: {e}"));
         return e.exit();
@@ -872,15 +945,19 @@ fn bench(a: BenchArgs) -> Exit {
     if let Err(e) = &result {
         err(&format!("kvprobe: {e}"));
     }
-    if let Some(p) = &a.json {
-        if let Err(e) = write_json(p, &r) {
-            return report_lost(&format!("--json {}", p.display()), &r, &e, exit);
-        }
-        if !is_stdout(p) {
-            out(&format!("results: {}\n", p.display()));
-        }
-    }
-    exit
+    let exit = match &a.json {
+        Some(p) => match write_json(p, &r) {
+            Err(e) => report_lost(&format!("--json {}", p.display()), &r, &e, exit),
+            Ok(()) => {
+                if !is_stdout(p) {
+                    out(&format!("results: {}\n", p.display()));
+                }
+                exit
+            }
+        },
+        None => exit,
+    };
+    write_junit(&a.junit, kvprobe::junit::from_bench, &r, exit)
 }
 
 fn env(json: bool, probe: bool) -> Exit {

@@ -13,7 +13,8 @@ use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use nixl_sys::{MemType, MemoryRegion, NixlDescriptor, XferDescList, XferOp};
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 /// Environment variable naming the directory that holds `libnixl_capi.so`.
@@ -364,12 +365,191 @@ fn terr(what: &str, e: nixl_sys::NixlError) -> Error {
     Error::Transport(format!("{what}: {e}"))
 }
 
+/// Memory registered with one NIXL agent by one [`Agent::register`] call: NIXL deregisters it
+/// when the last share ([`Lease`]) drops. The agent holds one share, every request that may
+/// touch the memory ([`Posted`], a decode agent process's READ) holds one, and so does the
+/// [`Registered`] guard that owns the memory: memory is never deregistered, nor freed, under
+/// a request.
+pub struct Registration {
+    _handles: Vec<nixl_sys::RegistrationHandle>,
+}
+
+/// Shares of registrations ([`Registration`]): what a request holds of the memory it moves
+/// (both sides when both agents live in this process).
+#[derive(Clone, Default)]
+pub struct Lease(Vec<Arc<Registration>>);
+
+impl Lease {
+    /// Adds `other`'s shares.
+    pub fn join(&mut self, other: &Lease) {
+        self.0.extend(other.0.iter().cloned());
+    }
+
+    /// A reference that keeps nothing alive, for a peer's [`crate::transport::PeerInfo`].
+    pub fn downgrade(&self) -> WeakLease {
+        WeakLease(self.0.iter().map(Arc::downgrade).collect())
+    }
+
+    /// True when this is the only share of each of its registrations left.
+    fn sole(&self) -> bool {
+        self.0.iter().all(|r| Arc::strong_count(r) == 1)
+    }
+}
+
+/// A [`Lease`] that keeps nothing alive: what a role knows of the peer's registrations.
+#[derive(Clone, Default)]
+pub struct WeakLease(Vec<Weak<Registration>>);
+
+impl WeakLease {
+    /// The shares, if every registration still exists. Errors: transport (exit 3) when the
+    /// peer's memory was deregistered.
+    pub fn upgrade(&self) -> Result<Lease> {
+        self.0
+            .iter()
+            .map(Weak::upgrade)
+            .collect::<Option<Vec<_>>>()
+            .map(Lease)
+            .ok_or_else(|| Error::Transport("the peer's memory is no longer registered with NIXL".into()))
+    }
+}
+
+impl std::fmt::Debug for WeakLease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "WeakLease({} registrations)", self.0.len())
+    }
+}
+
+/// How long a request dropped before it completed (a run that ends on a timeout, an interrupt
+/// or an error with requests in flight) is polled for NIXL to say it is no longer in
+/// progress before the memory it moves is given up for good ([`Posted`]'s drop).
+pub const DRAIN_BOUND: Duration = Duration::from_secs(2);
+
+/// [`DRAIN_BOUND`] after SIGINT/SIGTERM: the request already had
+/// [`crate::interrupt::GRACE`] to complete, and a drain must end before the watchdog would
+/// take it for a call blocked past [`crate::deadline::INTERRUPT_GRACE`].
+pub const DRAIN_BOUND_INTERRUPTED: Duration = Duration::from_secs(1);
+const _: () = assert!(DRAIN_BOUND_INTERRUPTED.as_secs() < crate::deadline::INTERRUPT_GRACE.as_secs());
+
+/// The drain bound in force now ([`DRAIN_BOUND`], or [`DRAIN_BOUND_INTERRUPTED`] after a signal).
+fn drain_bound() -> Duration {
+    if crate::interrupt::requested() { DRAIN_BOUND_INTERRUPTED } else { DRAIN_BOUND }
+}
+
+/// Requests dropped in flight that NIXL confirmed finished within [`DRAIN_BOUND`].
+static DRAINED: AtomicUsize = AtomicUsize::new(0);
+/// Requests dropped in flight that could not be confirmed finished: they, their registrations
+/// and the memory they move are kept until the process exits.
+static UNCONFIRMED: AtomicUsize = AtomicUsize::new(0);
+/// Requests of this process dropped in flight that could not be confirmed finished (kept,
+/// with the memory they move, until exit).
+pub fn unconfirmed() -> usize {
+    UNCONFIRMED.load(Ordering::SeqCst)
+}
+
+static KEPT_SAID: AtomicBool = AtomicBool::new(false);
+static DRAINED_SAID: AtomicBool = AtomicBool::new(false);
+
+/// Test-only: `KVPROBE_TEST_UNRECALLABLE=1` makes every request dropped in flight count as
+/// one NIXL cannot confirm finished (as a cuda_ipc copy already on a stream, or a backend
+/// whose cancel does not complete), so tests can show what kvprobe then keeps. Never set in
+/// normal use.
+fn test_unrecallable() -> bool {
+    static V: OnceLock<bool> = OnceLock::new();
+    *V.get_or_init(|| std::env::var("KVPROBE_TEST_UNRECALLABLE").is_ok_and(|v| v == "1"))
+}
+
+/// Memory `T` (a KV pool) registered with NIXL: the guard owns it, with a share of its
+/// registrations ([`Lease`]). Dropped, it frees the memory only when it holds the last share
+/// (the agent dropped, no request left): otherwise a request that could not be confirmed
+/// finished still holds one, and the memory is kept, registered, until the process exits
+/// (one stderr line says so). Derefs to `T`.
+pub struct Registered<T> {
+    memory: std::mem::ManuallyDrop<T>,
+    lease: Lease,
+}
+
+impl<T> Registered<T> {
+    /// Registers `regions` (which must lie in `memory`) with `agent`, and takes ownership of
+    /// `memory` so that it outlives every use NIXL makes of them. Errors: transport (exit 3),
+    /// timeout (exit 4).
+    pub fn new(agent: &mut Agent, memory: T, regions: &[Region]) -> Result<Registered<T>> {
+        // SAFETY: the regions lie in `memory`, which the returned guard owns and frees only
+        // after its registration (every share: the agent's, each request's, its own) is gone
+        // (`Drop for Registered`); on an error here `memory` is dropped after the handles
+        // registered so far, which `register` dropped (deregistered) before returning.
+        let lease = unsafe { agent.register(regions)? };
+        Ok(Registered { memory: std::mem::ManuallyDrop::new(memory), lease })
+    }
+
+    /// `memory` not registered in this process (a pool whose agent lives in the decode agent
+    /// process): dropped as usual.
+    pub fn unregistered(memory: T) -> Registered<T> {
+        Registered { memory: std::mem::ManuallyDrop::new(memory), lease: Lease::default() }
+    }
+
+    /// `memory` with one registration of no regions (nothing is registered with NIXL): for
+    /// tests of the sharing rule without NIXL (`tests/units.rs`).
+    #[doc(hidden)]
+    pub fn with_empty_registration(memory: T) -> Registered<T> {
+        let lease = Lease(vec![Arc::new(Registration { _handles: Vec::new() })]);
+        Registered { memory: std::mem::ManuallyDrop::new(memory), lease }
+    }
+
+    /// The shares of its registrations (for the requests that move it).
+    pub fn lease(&self) -> &Lease {
+        &self.lease
+    }
+}
+
+impl<T> std::ops::Deref for Registered<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.memory
+    }
+}
+
+impl<T> std::ops::DerefMut for Registered<T> {
+    fn deref_mut(&mut self) -> &mut T {
+        &mut self.memory
+    }
+}
+
+impl<T> Drop for Registered<T> {
+    fn drop(&mut self) {
+        if self.lease.sole() {
+            let drained = DRAINED.load(Ordering::SeqCst);
+            if drained > 0 && !self.lease.0.is_empty() && !DRAINED_SAID.swap(true, Ordering::SeqCst) {
+                eprintln!(
+                    "kvprobe: {drained} NIXL request(s) in flight when the run stopped were drained (confirmed finished) before the pools were freed"
+                );
+            }
+            drop(std::mem::take(&mut self.lease)); // deregisters (the last share)
+            // SAFETY: `memory` is dropped once, here, and never used after; NIXL no longer
+            // has it registered and no request holds a share of it (`sole` above: shares are
+            // only cloned from a live one, and this was the last).
+            unsafe { std::mem::ManuallyDrop::drop(&mut self.memory) };
+            return;
+        }
+        // A request that could not be confirmed finished still holds the registration: the
+        // memory stays mapped and registered until the process exits (`memory` and the lease
+        // are never dropped).
+        std::mem::forget(std::mem::take(&mut self.lease));
+        if !KEPT_SAID.swap(true, Ordering::SeqCst) {
+            eprintln!(
+                "kvprobe: {} NIXL request(s) in flight when the run stopped could not be confirmed finished within {} s; the pools they move stay allocated and registered with NIXL until kvprobe exits",
+                UNCONFIRMED.load(Ordering::SeqCst).max(1),
+                drain_bound().as_secs()
+            );
+        }
+    }
+}
+
 /// A NIXL agent with one backend and its registered regions.
 pub struct Agent {
     agent: nixl_sys::Agent,
     backend: nixl_sys::Backend,
     backend_name: String,
-    _regs: Vec<nixl_sys::RegistrationHandle>,
+    regs: Lease,
 }
 
 /// Outcome of one posted transfer.
@@ -404,7 +584,7 @@ impl Agent {
             .create_backend(backend, &params)
             .map_err(|e| Error::Environment(format!("NIXL backend {backend} failed to start: {e}{}", file_size_limit_hint())))?;
         w.check()?;
-        Ok(Agent { agent, backend: b, backend_name: backend.to_string(), _regs: Vec::new() })
+        Ok(Agent { agent, backend: b, backend_name: backend.to_string(), regs: Lease::default() })
     }
 
     /// The agent's name.
@@ -417,19 +597,28 @@ impl Agent {
         &self.backend_name
     }
 
-    /// Registers regions (kept registered until the agent drops).
+    /// Registers `regions` with this agent's backend; returns a share of the registration
+    /// ([`Lease`]; the agent keeps another). NIXL deregisters them when the last share drops.
+    /// Prefer [`Registered::new`], which owns the memory and upholds the contract below.
     ///
-    /// # Safety contract (upheld by callers in this crate)
-    /// The regions must stay allocated while this agent lives.
-    pub fn register(&mut self, regions: &[Region]) -> Result<()> {
+    /// # Safety
+    /// Every region must stay mapped (and, for VRAM, allocated) until the registration is
+    /// gone — until the agent, the returned lease and every request holding a share of it
+    /// ([`Posted`]) have dropped — and must not be freed before then even when that is never
+    /// (a request that could not be confirmed finished keeps its share until exit).
+    /// Errors: transport (exit 3), timeout (exit 4).
+    pub unsafe fn register(&mut self, regions: &[Region]) -> Result<Lease> {
         let w = crate::deadline::watch_setup(|| format!("registering {} regions with NIXL", regions.len()).into());
         let mut opt = nixl_sys::OptArgs::new().map_err(|e| terr("opt args", e))?;
         opt.add_backend(&self.backend).map_err(|e| terr("opt args", e))?;
+        let mut handles = Vec::with_capacity(regions.len());
         for r in regions {
-            let h = self.agent.register_memory(r, Some(&opt)).map_err(|e| terr("register memory", e))?;
-            self._regs.push(h);
+            handles.push(self.agent.register_memory(r, Some(&opt)).map_err(|e| terr("register memory", e))?);
         }
-        w.check()
+        let lease = Lease(vec![Arc::new(Registration { _handles: handles })]);
+        w.check()?; // on a timeout the lease drops here, the only share: deregistered
+        self.regs.join(&lease);
+        Ok(lease)
     }
 
     /// This agent's metadata blob, for the peer's [`Agent::load_remote`].
@@ -462,8 +651,11 @@ impl Agent {
     ///
     /// `deadline` started just before the caller built the request: a post call that returns
     /// after it is a timeout, whether or not the request completed inside the call (the
-    /// request is released). Errors: [`Error::Transport`] when NIXL refuses the request,
-    /// [`Error::Timeout`] (exit 4) past the deadline.
+    /// request is released). `keep` is the shares of the memory the request moves ([`Lease`]:
+    /// the local pool's and, when the peer lives in this process, the peer's); the request
+    /// holds them until it is confirmed finished. Errors: [`Error::Transport`] when NIXL
+    /// refuses the request, [`Error::Timeout`] (exit 4) past the deadline.
+    #[allow(clippy::too_many_arguments)]
     pub fn post(
         &self,
         op: XferOp,
@@ -472,6 +664,7 @@ impl Agent {
         peer: &str,
         notif: &[u8],
         deadline: Deadline,
+        keep: Lease,
     ) -> Result<Posted> {
         let bytes: u64 = local.0.iter().map(|d| d.1).sum();
         let what = || format!("posting a NIXL {op:?} of {bytes} bytes ({} descriptors) with {peer}", local.0.len()).into();
@@ -496,7 +689,9 @@ impl Agent {
         }
         let returned = Instant::now();
         let p = Posted {
-            req,
+            req: Some(req),
+            lease: keep,
+            agent: self.agent.clone(),
             op,
             bytes,
             peer: peer.to_string(),
@@ -527,7 +722,8 @@ impl Agent {
                 // A static name: this runs in the wait's spin loop.
                 let _w = crate::deadline::watch_until(p.deadline, || "a NIXL transfer status query".into());
                 crate::deadline::Stall::Status.here();
-                self.agent.get_xfer_status(&p.req).map_err(|e| terr("transfer failed", e))?
+                let Some(req) = &p.req else { return Ok(None) };
+                self.agent.get_xfer_status(req).map_err(|e| terr("transfer failed", e))?
             };
             // A query that was still blocked when the deadline passed: the wait exceeded
             // --timeout, whatever the query found.
@@ -555,6 +751,14 @@ impl Agent {
         Ok(p.done.map(|elapsed| XferResult { bytes: p.bytes, elapsed }))
     }
 
+    /// Sends `msg` to agent `peer` as a NIXL notification without any transfer (genNotif);
+    /// test-only faults use it to deliver a transfer's notification before its data.
+    /// Errors: [`Error::Transport`] when NIXL refuses it.
+    pub fn notify(&self, peer: &str, msg: &[u8]) -> Result<()> {
+        let _w = crate::deadline::watch(|| "sending a NIXL notification".into());
+        self.agent.send_notification(peer, msg, Some(&self.backend)).map_err(|e| terr("send notification", e))
+    }
+
     /// Takes every notification that has arrived, as `(peer agent, message)` pairs. The
     /// callers check the query against the deadlines of the requests they wait for
     /// ([`crate::deadline::crossed`]).
@@ -570,9 +774,18 @@ impl Agent {
     }
 }
 
-/// A posted NIXL transfer request (see [`Agent::post`]); released when dropped.
+/// A posted NIXL transfer request (see [`Agent::post`]). It holds the agent and a share of
+/// the registration of the memory it moves ([`Lease`]), so neither can be deregistered or
+/// freed under it. Dropped before it was seen complete (a run that stops on a timeout, an
+/// interrupt or an error), it is polled for up to [`DRAIN_BOUND`] (1 s after a signal) until NIXL says it is no
+/// longer in progress, then released; one that cannot be confirmed finished (still in
+/// progress, or a cuda_ipc copy already on a stream) is never released and keeps its shares,
+/// and so the memory, until the process exits.
 pub struct Posted {
-    req: nixl_sys::XferRequest,
+    // Field order is drop order: the request is released before its shares drop.
+    req: Option<nixl_sys::XferRequest>,
+    lease: Lease,
+    agent: nixl_sys::Agent,
     op: XferOp,
     bytes: u64,
     peer: String,
@@ -598,6 +811,31 @@ impl Posted {
         self.deadline
     }
 
+    /// Polls the request, without the test stall hooks, until NIXL says it is no longer in
+    /// progress (complete or failed: either way it no longer touches the memory), for up to
+    /// [`drain_bound`] — or only once when an earlier request could not be confirmed (then
+    /// NIXL is stuck, and a run with many requests in flight would otherwise wait for each).
+    /// False when it could not be confirmed.
+    fn settle(&self) -> bool {
+        let Some(req) = &self.req else { return true };
+        if test_unrecallable() {
+            return false;
+        }
+        let bound = Deadline::after(drain_bound());
+        let _w = crate::deadline::watch_until(bound, || "a NIXL status query draining a request left in flight".into());
+        loop {
+            match self.agent.get_xfer_status(req) {
+                Ok(nixl_sys::XferStatus::InProgress)
+                    if UNCONFIRMED.load(Ordering::SeqCst) == 0 && !bound.passed_at(Instant::now()) =>
+                {
+                    std::thread::sleep(Duration::from_micros(50))
+                }
+                Ok(nixl_sys::XferStatus::InProgress) => return false,
+                Ok(nixl_sys::XferStatus::Success) | Err(_) => return true,
+            }
+        }
+    }
+
     fn timeout(&self, why: &str) -> Error {
         Error::Timeout(format!(
             "{:?} of {} bytes {} {}: {why}, over --timeout {:.6} s ({:.3} s since it was posted)",
@@ -608,5 +846,23 @@ impl Posted {
             self.deadline.limit_secs(),
             self.deadline.elapsed_secs()
         ))
+    }
+}
+
+impl Drop for Posted {
+    fn drop(&mut self) {
+        if self.done.is_some() {
+            return; // complete: released, then its shares dropped
+        }
+        if self.settle() {
+            DRAINED.fetch_add(1, Ordering::SeqCst);
+            return;
+        }
+        // Not confirmed finished: releasing it would only cancel it best-effort. Never release
+        // it, and keep its shares of the registrations until exit: the memory it moves cannot
+        // be deregistered or freed ([`Registered`]).
+        std::mem::forget(self.req.take());
+        std::mem::forget(std::mem::take(&mut self.lease));
+        UNCONFIRMED.fetch_add(1, Ordering::SeqCst);
     }
 }

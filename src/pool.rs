@@ -96,6 +96,13 @@ pub fn decode_device_failures(raw: &[u8], n: u32, geom: &Geometry) -> Result<Vec
     Ok(merged)
 }
 
+/// The poison-check kernel's failure list (as long as the verify kernel's) and counters
+/// ([`crate::cuda::CHECK_COUNTERS_BYTES`]).
+struct CheckBuffers {
+    fails: DeviceBuffer,
+    counters: DeviceBuffer,
+}
+
 enum Backing {
     /// One mapping for the whole pool (one per layer would hit vm.max_map_count on deep
     /// geometries); layer l's region starts at l * region_bytes.
@@ -108,6 +115,8 @@ enum Backing {
         /// The verify kernel's failure count and compared-work counters
         /// ([`crate::cuda::VERIFY_COUNTERS_BYTES`]).
         counters: DeviceBuffer,
+        /// The poison-check kernel's buffers (boxed: a pool's backing stays small).
+        check: Box<CheckBuffers>,
     },
 }
 
@@ -142,6 +151,17 @@ pub struct KvPool {
     compared_acc: Compared,
     /// DRAM: work compared since the last [`KvPool::take_failures`].
     host_compared: Compared,
+    /// Poison checks ([`KvPool::check_poison_layers`]): DRAM failures and slices checked
+    /// since the last [`KvPool::take_poison_failures`].
+    check: CheckState,
+}
+
+/// DRAM poison checks' findings until [`KvPool::take_poison_failures`] (kept apart from the
+/// verify passes' failures and [`Compared`] counts).
+#[derive(Default)]
+struct CheckState {
+    fails: Vec<RawFailure>,
+    slices: u64,
 }
 
 /// Kinds of pass, for the kernel seconds [`KvPool::finish`] returns.
@@ -150,6 +170,8 @@ enum Pass {
     Fill,
     Poison,
     Verify,
+    /// Poison checks: waited for, not counted in [`KernelSeconds`].
+    Check,
 }
 
 fn table_bytes(table: &[TableEntry]) -> Vec<u8> {
@@ -176,6 +198,7 @@ impl KvPool {
             kernel_acc: KernelSeconds::default(),
             compared_acc: Compared::default(),
             host_compared: Compared::default(),
+            check: CheckState::default(),
         })
     }
 
@@ -210,6 +233,7 @@ impl KvPool {
             kernel_acc: KernelSeconds::default(),
             compared_acc: Compared::default(),
             host_compared: Compared::default(),
+            check: CheckState::default(),
         })
     }
 
@@ -232,6 +256,7 @@ impl KvPool {
             kernel_acc: KernelSeconds::default(),
             compared_acc: Compared::default(),
             host_compared: Compared::default(),
+            check: CheckState::default(),
         })
     }
 
@@ -265,7 +290,8 @@ impl KvPool {
             .checked_mul(crate::cuda::parts_per_slice(geom.slice_bytes()?))
             .and_then(|n| n.checked_mul(16))
             .ok_or(Error::Usage("slice count overflows".into()))?;
-        let need = pool + fails_len + 8 * geom.num_blocks as u64 + (64 << 20);
+        // Two lists: the verify kernel's and the poison check's.
+        let need = pool + 2 * fails_len + 8 * geom.num_blocks as u64 + (64 << 20);
         let (free, _) = dev.mem_info()?;
         if need > free {
             return Err(Error::Usage(format!(
@@ -317,10 +343,21 @@ impl KvPool {
         // would report phantom failures. The list is zeroed too, so nothing stale is ever read.
         counters.zero()?;
         fails.zero()?;
+        let check_fails = DeviceBuffer::alloc(dev, fails_len as usize)?;
+        let check_counters = DeviceBuffer::alloc(dev, crate::cuda::CHECK_COUNTERS_BYTES)?;
+        check_counters.zero()?;
+        check_fails.zero()?;
         Ok(KvPool {
             geom: geom.clone(),
             seed,
-            backing: Backing::Device { kernels, regions, table, fails, counters },
+            backing: Backing::Device {
+                kernels,
+                regions,
+                table,
+                fails,
+                counters,
+                check: Box::new(CheckBuffers { fails: check_fails, counters: check_counters }),
+            },
             last_kernel_secs: None,
             table: Vec::new(),
             timers: Vec::new(),
@@ -328,6 +365,7 @@ impl KvPool {
             kernel_acc: KernelSeconds::default(),
             compared_acc: Compared::default(),
             host_compared: Compared::default(),
+            check: CheckState::default(),
         })
     }
 
@@ -562,7 +600,7 @@ impl KvPool {
                 self.host_compared.bytes += n_bytes.into_inner();
                 Ok(())
             }
-            Backing::Device { kernels, regions, table: t, fails, counters } => {
+            Backing::Device { kernels, regions, table: t, fails, counters, .. } => {
                 let s32 = fingerprint::seed32(seed);
                 let timer = GpuTimer::start(regions[0].device())?;
                 for layer in layers {
@@ -589,6 +627,7 @@ impl KvPool {
                 Pass::Fill => k.fill += s,
                 Pass::Poison => k.poison += s,
                 Pass::Verify => k.verify += s,
+                Pass::Check => {}
             }
         }
         self.last_kernel_secs = match self.backing {
@@ -640,6 +679,79 @@ impl KvPool {
         };
         out.sort_by_key(|f| f.slice);
         Ok(out)
+    }
+
+    /// Checks that every slice of `layers` still holds the poison of (slot, `iteration`)
+    /// ([`fingerprint::poison`]; all slices, whatever the table says): the sweep's stray-write
+    /// check, run on a stage right before it is posted again. Failures (bytes that differ from
+    /// the poison, as verify's records) and the slices checked are kept until
+    /// [`KvPool::take_poison_failures`], apart from the verify passes' failures and
+    /// [`Compared`] counts. DRAM: synchronous, all threads; VRAM: queued (the
+    /// `kvp_check_poison` kernel) — take its failures before anything may write the slices.
+    pub fn check_poison_layers(&mut self, layers: Range<u32>, iteration: u32) -> Result<()> {
+        self.check_layers(&layers)?;
+        match &mut self.backing {
+            Backing::Host(buf) => {
+                let found = std::sync::Mutex::new(Vec::new());
+                let n_slices = AtomicU64::new(0);
+                let g = &self.geom;
+                Self::host_each(g, buf, layers, None, |c, s| {
+                    let slot = g.global_slice(c);
+                    let (bad, first) = fingerprint::check_poison_span(s.as_span(), slot, iteration);
+                    n_slices.fetch_add(1, Ordering::Relaxed);
+                    if bad > 0 {
+                        found.lock().unwrap_or_else(|p| p.into_inner()).push(RawFailure {
+                            slice: slot,
+                            bad_bytes: bad,
+                            first_bad: first,
+                        });
+                    }
+                })?;
+                self.check.fails.append(&mut found.into_inner().unwrap_or_else(|p| p.into_inner()));
+                self.check.slices += n_slices.into_inner();
+                Ok(())
+            }
+            Backing::Device { kernels, regions, check, .. } => {
+                let timer = GpuTimer::start(regions[0].device())?;
+                for layer in layers {
+                    let args = Self::region_args_of(&self.geom, layer, regions[layer as usize].ptr());
+                    kernels.check_poison(args, iteration, &check.fails, &check.counters)?;
+                }
+                self.timers.push((Pass::Check, timer.end()?));
+                Ok(())
+            }
+        }
+    }
+
+    /// Waits for every queued pass ([`KvPool::finish`]) and returns the slices the poison
+    /// checks since the last call found not holding their poison (sorted by global index, a
+    /// slice's parts merged) and the number of slices those checks compared, counted by the
+    /// passes (the kernel on VRAM). Errors (device, exit 3): a kernel failed, the list
+    /// overflowed or holds an impossible record; the device counters are reset either way.
+    pub fn take_poison_failures(&mut self) -> Result<(Vec<RawFailure>, u64)> {
+        self.finish()?;
+        let (mut out, slices) = match &mut self.backing {
+            Backing::Host(_) => {
+                let c = std::mem::take(&mut self.check);
+                (c.fails, c.slices)
+            }
+            Backing::Device { check, .. } => {
+                let (check_fails, check_counters) = (&check.fails, &check.counters);
+                let mut head = vec![0u8; crate::cuda::CHECK_COUNTERS_BYTES];
+                check_counters.read(0, &mut head)?;
+                check_counters.zero()?;
+                let n = u32::from_le_bytes([head[0], head[1], head[2], head[3]]);
+                let slices = u64::from_le_bytes(head[8..16].try_into().unwrap_or([0; 8]));
+                let cap = check_fails.len() / 16;
+                let mut raw = vec![0u8; (n as usize).min(cap) * 16];
+                check_fails.read(0, &mut raw)?;
+                let fails = decode_device_failures(&raw, n, &self.geom)
+                    .map_err(|e| Error::Device(format!("poison check: {}", e.to_string().replace("verify kernel", "kernel"))))?;
+                (fails, slices)
+            }
+        };
+        out.sort_by_key(|f| f.slice);
+        Ok((out, slices))
     }
 
     /// The slices and bytes the verify passes compared, counted by the passes themselves

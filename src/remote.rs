@@ -78,6 +78,10 @@ pub struct Ready {
 struct ChildGuard {
     child: Mutex<Child>,
     to_child: Mutex<Option<Sender<Vec<u8>>>>,
+    /// Shares of this process's registrations ([`crate::nixl::Lease`]) held by READs the
+    /// child may still be running (dropped before they were seen complete): released once the
+    /// child has exited, when nothing of it can touch them any more.
+    held: Mutex<Vec<crate::nixl::Lease>>,
 }
 
 /// Writes what it receives to the child's stdin until the channel closes (then ends the
@@ -116,24 +120,70 @@ fn start_bound() -> Duration {
 
 impl Drop for ChildGuard {
     fn drop(&mut self) {
+        if crate::nixl::unconfirmed() > 0 {
+            // A WRITE of this process into the child's pool may still be in progress: told to
+            // quit, the child would free that pool under it. Killed, its memory is released
+            // only once nothing holds its pages.
+            if let Ok(mut c) = self.child.lock() {
+                let _ = c.kill();
+                let _ = c.wait();
+            } else if let Ok(mut h) = self.held.lock() {
+                std::mem::forget(std::mem::take(&mut *h)); // not known to have exited
+            }
+            return; // else `held` drops with the guard: the child has exited
+        }
         if let Ok(mut s) = self.to_child.lock() {
             *s = None; // the writer sends Q and closes the child's input
         }
-        if let Ok(mut c) = self.child.lock() {
-            let t0 = Instant::now();
-            // After SIGINT/SIGTERM a stuck (or stopped) child must not hold up the exit.
-            while t0.elapsed() < if crate::interrupt::requested() { EXIT_GRACE_INTERRUPTED } else { EXIT_GRACE } {
-                if let Ok(Some(_)) = c.try_wait() {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(5));
+        let Ok(mut c) = self.child.lock() else {
+            // Not known to have exited: the READs it may run keep their shares until exit.
+            if let Ok(mut h) = self.held.lock() {
+                std::mem::forget(std::mem::take(&mut *h));
             }
-            let _ = c.kill();
-            let _ = c.wait();
-            eprintln!(
-                "kvprobe: the decode agent process did not exit within {} s of being told to; kvprobe killed it",
-                t0.elapsed().as_secs()
-            );
+            return;
+        };
+        let t0 = Instant::now();
+        // After SIGINT/SIGTERM a stuck (or stopped) child must not hold up the exit.
+        while t0.elapsed() < if crate::interrupt::requested() { EXIT_GRACE_INTERRUPTED } else { EXIT_GRACE } {
+            if let Ok(Some(_)) = c.try_wait() {
+                return; // exited: `held` drops with the guard
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let _ = c.kill();
+        let _ = c.wait();
+        eprintln!(
+            "kvprobe: the decode agent process did not exit within {} s of being told to; kvprobe killed it",
+            t0.elapsed().as_secs()
+        );
+    }
+}
+
+/// What a READ of the decode agent process holds of this process's memory: shares of the
+/// prefill pool's registration ([`crate::nixl::Lease`]). Dropped before the READ was seen
+/// complete, they pass to the child's guard until the child has exited.
+pub struct RemoteHold {
+    lease: crate::nixl::Lease,
+    guard: std::sync::Weak<ChildGuard>,
+    done: bool,
+}
+
+impl RemoteHold {
+    /// Marks the READ complete (its shares may drop with it).
+    pub fn complete(&mut self) {
+        self.done = true;
+    }
+}
+
+impl Drop for RemoteHold {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        if let Some(g) = self.guard.upgrade()
+            && let Ok(mut h) = g.held.lock()
+        {
+            h.push(std::mem::take(&mut self.lease));
         }
     }
 }
@@ -203,7 +253,8 @@ impl RemoteAgent {
         let stdout = child.stdout.take().expect("piped");
         let (wtx, wrx) = channel::<Vec<u8>>();
         std::thread::spawn(move || writer(stdin, wrx));
-        let guard = Arc::new(ChildGuard { child: Mutex::new(child), to_child: Mutex::new(Some(wtx)) });
+        let guard =
+            Arc::new(ChildGuard { child: Mutex::new(child), to_child: Mutex::new(Some(wtx)), held: Mutex::new(Vec::new()) });
         let (tx, rx) = channel();
         std::thread::spawn(move || {
             let mut r = BufReader::new(stdout);
@@ -299,9 +350,11 @@ impl RemoteAgent {
         &self.info
     }
 
-    /// Has the child post one READ of `pairs` from the prefill agent with notification `tag`.
+    /// Has the child post one READ of `pairs` from the prefill agent with notification `tag`;
+    /// `keep` is the shares of this process's memory it reads, held by the returned
+    /// [`RemoteHold`] until the READ is seen complete or the child has exited.
     /// Errors: the child is gone (transport).
-    pub fn post_read(&self, pairs: &[Pair], tag: &str) -> Result<()> {
+    pub fn post_read(&self, pairs: &[Pair], tag: &str, keep: crate::nixl::Lease) -> Result<RemoteHold> {
         debug_assert!(!tag.contains(char::is_whitespace));
         let mut body = Vec::with_capacity(pairs.len() * 32);
         for p in pairs {
@@ -310,7 +363,9 @@ impl RemoteAgent {
             }
             body.extend_from_slice(&p.len.to_le_bytes());
         }
-        self.send(format!("X {tag} {}\n", pairs.len()).as_bytes(), &body)
+        let hold = RemoteHold { lease: keep, guard: Arc::downgrade(&self.guard), done: false };
+        self.send(format!("X {tag} {}\n", pairs.len()).as_bytes(), &body)?;
+        Ok(hold)
     }
 
     fn pump(&self) -> Result<()> {
@@ -389,6 +444,8 @@ pub enum Request {
         deadline: crate::deadline::Deadline,
         /// Checks begun after the deadline that found it incomplete.
         late_misses: u8,
+        /// The shares of this process's memory the READ holds.
+        hold: RemoteHold,
     },
 }
 

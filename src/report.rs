@@ -73,6 +73,12 @@ pub struct Failure {
     /// the engine did explains it (a defect of the stack under test).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub attributed_to: Option<crate::race::Mechanism>,
+    /// Class `stray` only: what the slot was compared against — `poison` (the poison of
+    /// (`poison_iteration`, `slot`), right before its stage was posted; `expected_digest` is
+    /// that poison's) or `reverify` (the fingerprint of `expected`, which the slot had
+    /// verified clean; checked after the last iteration).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stray_check: Option<crate::run::StrayCheck>,
 }
 
 impl Failure {
@@ -110,6 +116,7 @@ impl Failure {
             request: None,
             predicted: None,
             attributed_to: None,
+            stray_check: None,
         }
     }
 }
@@ -184,6 +191,17 @@ pub struct Summary {
     pub host_peak_bytes: Option<u64>,
     /// Pipeline stages of the sweep (consecutive layer ranges, one NIXL request each).
     pub pipeline_stages: u32,
+    /// Pipelined sweeps (more than one stage): block slices the stray-write checks compared
+    /// against their poison right before their stage was posted (every slice, every
+    /// iteration), counted by the check passes; not part of `slices_compared`.
+    pub stray_poison_checked_slices: u64,
+    /// Pipelined sweeps: block slices verified again after the last iteration (the layers of
+    /// every stage but the last), counted by the verify pass; not part of `slices_compared`.
+    pub stray_reverified_slices: u64,
+    /// Pipelined sweeps: wall seconds of the stray-write checks outside the transfer window
+    /// (the first two stages' poison checks, the final re-verify); the checks made while
+    /// transfers were in flight are in `overlapped_seconds`.
+    pub stray_check_seconds: f64,
     /// Pool bytes verified per second of verify passes (all stages, classification
     /// included) / 1e9 (GB/s).
     pub verify_gbps: f64,
@@ -217,8 +235,9 @@ pub struct Summary {
 /// Iterations listed in `summary.per_iteration` at most (the report stays small on long runs).
 pub const PER_ITERATION_MAX: usize = 1000;
 
-/// Wall seconds of one sweep iteration and its parts (every field but `index` is in seconds).
-#[derive(Clone, Copy, Debug, Default, Serialize)]
+/// Wall seconds of one sweep iteration and its parts (every field but `index`, `corrupt` and
+/// `by_class` is in seconds), and what it found corrupt.
+#[derive(Clone, Debug, Default, Serialize)]
 pub struct IterationTimes {
     /// Which iteration this is: 1-based, as in `failures[].iteration`.
     pub index: u32,
@@ -241,6 +260,10 @@ pub struct IterationTimes {
     pub overlapped: f64,
     /// VRAM: device seconds of the kernels alone.
     pub kernels: KernelSeconds,
+    /// Block slices found corrupt in this iteration (every class, strays included).
+    pub corrupt: u64,
+    /// Those slices per class (classes with none left out).
+    pub by_class: BTreeMap<String, u64>,
 }
 
 /// Device seconds of the probe's kernels (CUDA events around the launches).
@@ -428,10 +451,18 @@ fn sweep_stale_temps(dir: &Path) {
 /// first ([`STALE_TMP_AGE`]). Symlinks at `path` are followed to their target; special files
 /// are refused. Errors: [`Error::Io`] (exit 2).
 pub fn write_atomic<T: Serialize>(path: &Path, value: &T) -> Result<()> {
+    let mut body = serde_json::to_vec_pretty(value).map_err(|e| Error::Io(format!("report: serialise: {e}")))?;
+    body.push(b'\n');
+    write_bytes_atomic(path, &body, "--report")
+}
+
+/// Writes `body` to `path` atomically, exactly as [`write_atomic`] writes a report; `flag`
+/// names the option in errors ("--junit"). Errors: [`Error::Io`] (exit 2).
+pub fn write_bytes_atomic(path: &Path, body: &[u8], flag: &str) -> Result<()> {
     use std::os::unix::fs::MetadataExt;
-    let io = |what: &str, e: std::io::Error| Error::Io(format!("report: {what} {}: {e}", path.display()));
-    let (target, dir) = resolve_target(path, "--report")?;
-    let body = serde_json::to_vec_pretty(value).map_err(|e| Error::Io(format!("report: serialise: {e}")))?;
+    let label = flag.trim_start_matches('-');
+    let io = |what: &str, e: std::io::Error| Error::Io(format!("{label}: {what} {}: {e}", path.display()));
+    let (target, dir) = resolve_target(path, flag)?;
     sweep_stale_temps(&dir);
     let mut tmp = tempfile::Builder::new()
         .prefix(TMP_PREFIX)
@@ -451,8 +482,7 @@ pub fn write_atomic<T: Serialize>(path: &Path, value: &T) -> Result<()> {
             let _ = f.set_permissions(std::fs::Permissions::from_mode(0o644));
         }
     }
-    f.write_all(&body).map_err(|e| io("write", e))?;
-    f.write_all(b"\n").map_err(|e| io("write", e))?;
+    f.write_all(body).map_err(|e| io("write", e))?;
     f.sync_all().map_err(|e| io("sync", e))?;
     tmp.persist(&target).map_err(|e| io("rename into", e.error))?;
     if let Ok(d) = std::fs::File::open(&dir) {
@@ -664,6 +694,13 @@ pub fn render(r: &Report) -> String {
             out += &format!(
                 "pipeline:          {} stages; {:.3} s of probe work hidden inside the transfers\n",
                 s.pipeline_stages, s.overlapped_seconds
+            );
+            out += &format!(
+                "stray writes:      {} found; {} block slices checked for their poison before their post, {} verified again at the end ({:.3} s outside the transfers)\n",
+                s.by_class.get(crate::verify::Class::Stray.name()).copied().unwrap_or(0),
+                s.stray_poison_checked_slices,
+                s.stray_reverified_slices,
+                s.stray_check_seconds
             );
         }
         if let Some(b) = s.host_peak_bytes {

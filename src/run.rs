@@ -114,13 +114,15 @@ pub fn logical_block(seed: u64, i: u32) -> u32 {
 /// Both roles, set up and connected.
 pub(crate) struct Probe {
     cfg: RunConfig,
-    pub(crate) prefill: Endpoint,
+    // Field order is drop order: decode first, so that a decode agent process has exited
+    // (its READs of the prefill pool over) before the prefill pool's guard is dropped.
     pub(crate) decode: Endpoint,
+    pub(crate) prefill: Endpoint,
 }
 
 fn check_config(cfg: &RunConfig) -> Result<()> {
     cfg.geometry.validate()?;
-    inject::check(&cfg.inject, &cfg.geometry)?;
+    inject::check(&cfg.inject, &cfg.geometry, &sweep_stages(cfg))?;
     if cfg.memory == MemoryKind::Dram && (cfg.prefill_device != 0 || cfg.decode_device != 0) {
         return Err(Error::Usage("--prefill-device and --decode-device apply to --memory vram only".into()));
     }
@@ -370,7 +372,7 @@ impl Probe {
         let mut runs: Vec<u32> = (0..g.num_blocks / n).collect();
         runs.shuffle(&mut rng);
         let perm: Vec<u32> = (0..g.num_blocks).map(|b| runs[(b / n) as usize] * n + b % n).collect();
-        let actions = inject::plan(&self.cfg.inject, g, &mut rng);
+        let actions = inject::plan(&self.cfg.inject, g, &sweep_stages(&self.cfg), it == self.cfg.iterations, &mut rng);
         let src_table = self.source_table(it);
         let mut dst_table = vec![TableEntry::default(); g.num_blocks as usize];
         let mut src_of = vec![0u32; g.num_blocks as usize];
@@ -393,16 +395,23 @@ impl Probe {
                     special.insert(from, Some(Pair { src: from, dst: dst_of(to), len: sb }));
                     special.insert(to, None);
                 }
-                Action::Bitflip { .. } | Action::Stale { .. } => {}
+                Action::Bitflip { .. } | Action::Stale { .. } | Action::Stray { .. } => {}
             }
         }
+        let strays = actions
+            .iter()
+            .filter_map(|a| match *a {
+                Action::Stray { from, at, carrier } => Some((carrier as usize, Pair { src: from, dst: dst_of(at), len: sb })),
+                _ => None,
+            })
+            .collect();
         let mut predicted = HashMap::new();
         for a in &actions {
             for (src, class) in a.predicted() {
                 predicted.insert(dst_of(src), class);
             }
         }
-        Ok(Plan { it, perm, actions, src_table, dst_table, src_of, special, predicted })
+        Ok(Plan { it, perm, actions, src_table, dst_table, src_of, special, predicted, strays })
     }
 
     /// Applies the prefill-side faults of `plan` that fall in `layers`, after their fill.
@@ -471,6 +480,9 @@ struct Plan {
     special: HashMap<SliceCoord, Option<Pair>>,
     /// Decode slices where an injection must show, with its class.
     predicted: HashMap<SliceCoord, Class>,
+    /// Injected stray writes (`--inject stray`): extra pairs, by the stage whose request
+    /// carries them.
+    strays: Vec<(usize, Pair)>,
 }
 
 /// Merges full-slice pairs that are contiguous on both sides, within one layer and one run
@@ -525,6 +537,94 @@ pub fn stages(g: &Geometry, stages: Option<u32>, cross_gpu: bool) -> Vec<Range<u
     let s = stages.unwrap_or_else(auto).clamp(1, l);
     let at = |i: u32| (i as u64 * l as u64 / s as u64) as u32;
     (0..s).map(|i| at(i)..at(i + 1)).collect()
+}
+
+/// The pipeline stages of `cfg`'s sweep ([`stages`]: `--pipeline-stages`, or automatic).
+pub fn sweep_stages(cfg: &RunConfig) -> Vec<Range<u32>> {
+    stages(&cfg.geometry, cfg.stages, cfg.memory == MemoryKind::Vram && cfg.prefill_device != cfg.decode_device)
+}
+
+/// What a stray-write check compared a slot against.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StrayCheck {
+    /// The poison of (iteration, slot), right before the slot's stage was posted.
+    Poison,
+    /// The fingerprint the slot had verified clean against, after the last iteration.
+    Reverify,
+}
+
+/// Records the slices a stray-write check of iteration `plan.it` found changed (`fails`,
+/// from [`KvPool::take_poison_failures`] or a re-verify's [`KvPool::take_failures`]) as
+/// class `stray` failures: what the slot should have held (its poison, or `plan`'s expected
+/// fingerprint), the bad bytes and first bad offset the check counted, and the identity
+/// the slot holds when a sector's tag decodes (which block landed there). Re-verify
+/// failures of slices already corrupt in this iteration (in `seen`) are not recorded again.
+/// Returns how many were recorded.
+fn record_strays(
+    cfg: &RunConfig,
+    probe: &Probe,
+    plan: &Plan,
+    fails: &[crate::pool::RawFailure],
+    check: StrayCheck,
+    seen: &mut HashMap<SliceCoord, Class>,
+    report: &mut Report,
+) -> Result<u64> {
+    let g = &cfg.geometry;
+    let sb = g.slice_bytes()? as usize;
+    let mut buf = vec![0u8; sb];
+    let mut n = 0;
+    for f in fails {
+        let c = g.coord_of(f.slice);
+        if check == StrayCheck::Reverify && seen.contains_key(&c) {
+            continue;
+        }
+        let expected = plan.dst_table[c.block as usize].identity(c);
+        probe.decode.pool.read_slice(c, &mut buf)?;
+        let want = match check {
+            StrayCheck::Poison => {
+                let mut p = vec![0u8; sb];
+                fingerprint::poison(&mut p, f.slice, plan.it);
+                p
+            }
+            StrayCheck::Reverify => fingerprint::expected(sb, cfg.seed, expected),
+        };
+        let observed = fingerprint::observed_identity(&buf, cfg.seed, f.first_bad);
+        let v = verify::Verdict { class: Class::Stray, observed, bit_flips: None, sectors: None };
+        seen.insert(c, Class::Stray);
+        if plan.predicted.get(&c) != Some(&Class::Stray) {
+            report.summary.unexpected_failures += 1;
+        }
+        n += 1;
+        *report.summary.by_class.entry(Class::Stray.name().to_string()).or_default() += 1;
+        if report.failures.len() < cfg.max_failures {
+            let mut rec = Failure::new(plan.it, c, f, v, &want, &buf, expected, plan.src_of[c.block as usize]);
+            rec.stray_check = Some(check);
+            report.failures.push(rec);
+        } else {
+            report.summary.failures_omitted += 1;
+        }
+    }
+    Ok(n)
+}
+
+/// The stray-write check of a pipelined sweep before `layers` of iteration `plan.it` are
+/// posted: every slice must still hold the poison of (`plan.it`, slot); one that does not
+/// was written by something other than its own transfer since its re-poison (a stray write,
+/// [`record_strays`]). Waits for the check (VRAM: its kernel) to finish, so the post cannot
+/// overwrite what it reads. Returns the strays recorded.
+fn poison_check(
+    cfg: &RunConfig,
+    probe: &mut Probe,
+    plan: &Plan,
+    layers: Range<u32>,
+    seen: &mut HashMap<SliceCoord, Class>,
+    report: &mut Report,
+) -> Result<u64> {
+    probe.decode.pool.check_poison_layers(layers, plan.it)?;
+    let (fails, slices) = probe.decode.pool.take_poison_failures()?;
+    report.summary.stray_poison_checked_slices += slices;
+    record_strays(cfg, probe, plan, &fails, StrayCheck::Poison, seen, report)
 }
 
 /// The report of a run refused before it started (its outcome carries `e`).
@@ -674,6 +774,60 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>) -> Res
     sweep(cfg, &mut probe, report, hooks.line, started, ucx_mark)
 }
 
+/// A sweep stage's request.
+enum Staged {
+    /// The stage moves nothing (every pair dropped by an injection).
+    Empty,
+    /// Posted with the stage's notification.
+    Posted(crate::remote::Request),
+    /// Test-only ([`EARLY_NOTIFY_VAR`]): the stage's notification was sent alone; the transfer
+    /// is posted after decode verified the stage.
+    Deferred { pairs: Vec<Pair>, deadline: crate::deadline::Deadline },
+}
+
+/// Test-only fault hook: `KVPROBE_TEST_EARLY_NOTIFY=N` makes prefill deliver each stage's
+/// notification of sweep iteration N before the stage's data (a bare NIXL notification, the
+/// WRITE posted only after decode verified the stage), as a transport that notifies before
+/// the data has landed would. Decode verifies on the notification, so every slice of
+/// iteration N must be reported `unwritten` (exit 1). WRITE only.
+pub const EARLY_NOTIFY_VAR: &str = "KVPROBE_TEST_EARLY_NOTIFY";
+
+/// Reads [`EARLY_NOTIFY_VAR`]. Errors (usage, exit 2): not a positive iteration number, or
+/// set with `--op read` (READ completes at decode, its initiator).
+fn early_notify_fault(op: Op) -> Result<Option<u32>> {
+    let Some(v) = std::env::var_os(EARLY_NOTIFY_VAR) else { return Ok(None) };
+    let n = v
+        .to_str()
+        .and_then(|s| s.parse::<u32>().ok())
+        .filter(|n| *n >= 1)
+        .ok_or_else(|| Error::Usage(format!("{EARLY_NOTIFY_VAR} must be an iteration number (1 or more); got {v:?}")))?;
+    if op != Op::Write {
+        return Err(Error::Usage(format!("{EARLY_NOTIFY_VAR} needs --op write (a READ completes at decode)")));
+    }
+    eprintln!("test fault: iteration {n}'s notifications are sent before their data");
+    Ok(Some(n))
+}
+
+/// Spins on `check` until it yields a value (stage `k` of iteration `it` waiting for its
+/// `what`). A signal lets the wait go on for up to `interrupt::GRACE` after it (then the
+/// report says interrupted rather than waiting out --timeout on a stalled transfer); `check`
+/// ends the wait with a timeout past the request's deadline.
+fn wait<T>(it: u32, k: usize, what: &str, mut check: impl FnMut() -> Result<Option<T>>) -> Result<T> {
+    loop {
+        if let Some(v) = check()? {
+            return Ok(v);
+        }
+        if crate::interrupt::since_requested().is_some_and(|d| d > crate::interrupt::GRACE) {
+            return Err(Error::Interrupted(format!(
+                "in iteration {it} while stage {k}'s {what} was awaited (incomplete {} s after the signal; \
+                 this iteration is not verified)",
+                crate::interrupt::GRACE.as_secs()
+            )));
+        }
+        std::hint::spin_loop();
+    }
+}
+
 /// The whole-pool sweep, pipelined by layer stages ([`stages`]): while stage k+1 (and
 /// k+2) of iteration `it` are in flight, decode verifies stage k (failures classified at
 /// once, before the slices are reused), re-poisons it for `it + 1`, and prefill refills it
@@ -692,10 +846,13 @@ fn sweep(
     let total = g.total_slices()?;
     let pool_bytes = g.pool_bytes()?;
     let timeout = Duration::from_secs_f64(cfg.timeout_secs);
-    let stages = stages(&g, cfg.stages, cfg.memory == MemoryKind::Vram && cfg.prefill_device != cfg.decode_device);
+    let stages = sweep_stages(cfg);
+    // With one stage nothing is in flight between a stage's re-poison and its next post.
+    let stray_checks = stages.len() > 1;
     let all = 0..g.num_layers;
     let mut buf = vec![0u8; sb];
     let mut verify_all = 0.0;
+    let early_notify = early_notify_fault(cfg.op)?;
 
     // Setup: iteration 1's fill and faults, the copy ceiling, iteration 1's poison.
     crate::phase::announce(&format!(
@@ -743,6 +900,7 @@ fn sweep(
         }
         let iteration_start = Instant::now();
         let mut times = IterationTimes { index: it, ..Default::default() };
+        let classes_before = report.summary.by_class.clone();
         let more = it < cfg.iterations;
         probe.decode.pool.load_table(&cur.dst_table)?;
         let mut next: Option<Plan> = None;
@@ -750,23 +908,43 @@ fn sweep(
         let mut corrupt = 0u64;
         let mut bytes = 0u64;
         let tag = |k: usize| format!("kvprobe:iter={it}:stage={k}");
+        // READ: the notifications prefill must get (awaited after the last stage); WRITE:
+        // each stage is verified when decode has its notification ([`Staged`]).
         let mut tags = HashMap::new();
+        let early = early_notify == Some(it);
         let mut inflight = std::collections::VecDeque::new();
-        let mut post = |probe: &Probe, k: usize, inflight: &mut std::collections::VecDeque<_>| -> Result<()> {
-            let pairs = probe.stage_pairs(&cur, stages[k].clone())?;
-            let posted = if pairs.is_empty() {
-                None
+        let mut post = |probe: &Probe, k: usize, inflight: &mut std::collections::VecDeque<Staged>| -> Result<()> {
+            let mut pairs = probe.stage_pairs(&cur, stages[k].clone())?;
+            // --inject stray: after coalescing, so never merged with the stage's own pairs.
+            pairs.extend(cur.strays.iter().filter(|(c, _)| *c == k).map(|(_, p)| *p));
+            let staged = if pairs.is_empty() {
+                Staged::Empty
+            } else if early {
+                // Test-only: the notification now, the transfer after decode verified.
+                let deadline = crate::deadline::Deadline::after(timeout);
+                probe.prefill.notify_peer(&tag(k))?;
+                Staged::Deferred { pairs, deadline }
             } else {
-                Some(transport::post(cfg.op, &probe.prefill, &probe.decode, &pairs, &tag(k), timeout)?)
+                let p = transport::post(cfg.op, &probe.prefill, &probe.decode, &pairs, &tag(k), timeout)?;
+                if cfg.op == Op::Read {
+                    tags.insert(tag(k), p.deadline());
+                }
+                Staged::Posted(p)
             };
-            if let Some(p) = &posted {
-                tags.insert(tag(k), p.deadline());
-            }
-            inflight.push_back(posted);
+            inflight.push_back(staged);
             Ok(())
         };
+        // Stray-write check of the stages posted first, before the window (nothing in flight).
+        if stray_checks {
+            let t = Instant::now();
+            for layers in stages.iter().take(2) {
+                corrupt += poison_check(cfg, probe, &cur, layers.clone(), &mut seen, report)?;
+            }
+            report.summary.stray_check_seconds += t.elapsed().as_secs_f64();
+        }
         // The transfer window: from building the first request's descriptors to the last
         // request's completion.
+        let mut inbox = transport::Inbox::default();
         let window_start = Instant::now();
         crate::trace!("iteration {it}: posting");
         for k in 0..stages.len().min(2) {
@@ -774,29 +952,46 @@ fn sweep(
         }
         let mut window_end = window_start;
         for (k, layers) in stages.iter().enumerate() {
-            // Wait for stage k.
-            let mut posted = inflight.pop_front().expect("one request per stage");
-            if let Some(p) = posted.as_mut() {
-                // A signal lets the requests in flight finish for up to `interrupt::GRACE` after
-                // it (then the report says interrupted rather than waiting out --timeout on a
-                // stalled transfer). `poll` ends the wait with a timeout past the request's
-                // deadline.
-                loop {
-                    if let Some(r) = transport::poll(cfg.op, &probe.prefill, &probe.decode, p)? {
-                        bytes += r.bytes;
-                        break;
-                    }
-                    if crate::interrupt::since_requested().is_some_and(|d| d > crate::interrupt::GRACE) {
-                        return Err(Error::Interrupted(format!(
-                            "in iteration {it} while stage {k}'s transfer was in flight (incomplete {} s after the signal; \
-                             this iteration is not verified)",
-                            crate::interrupt::GRACE.as_secs()
-                        )));
-                    }
-                    std::hint::spin_loop();
+            // Wait for stage k: READ, decode's own request complete (decode initiated it);
+            // WRITE, decode's notification of it, as decode knows nothing else of a push (the
+            // initiator's completion is waited for after the verify, before prefill refills
+            // the source) — so a notification that comes before the data is caught.
+            let mut staged = inflight.pop_front().expect("one request per stage");
+            let mut written = None;
+            match (&mut staged, cfg.op) {
+                (Staged::Empty, _) => {}
+                (Staged::Posted(p), Op::Read) => {
+                    let r = wait(it, k, "transfer", || transport::poll(cfg.op, &probe.prefill, &probe.decode, p))?;
+                    bytes += r.bytes;
+                }
+                (Staged::Posted(p), Op::Write) => {
+                    // Prefill's status queries drive its progress (UCX sends the data and then
+                    // the notification from the initiator's worker); its completion is kept
+                    // but is not what the verify waits for.
+                    let d = p.deadline();
+                    wait(it, k, "notification", || {
+                        if written.is_none() {
+                            written = transport::poll(cfg.op, &probe.prefill, &probe.decode, p)?;
+                        }
+                        Ok(transport::poll_notification(cfg.op, &probe.prefill, &probe.decode, &mut inbox, &tag(k), d)?
+                            .then_some(()))
+                    })?;
+                }
+                (Staged::Deferred { deadline, .. }, _) => {
+                    let d = *deadline;
+                    wait(it, k, "notification", || {
+                        Ok(transport::poll_notification(cfg.op, &probe.prefill, &probe.decode, &mut inbox, &tag(k), d)?
+                            .then_some(()))
+                    })?;
                 }
             }
             if k + 2 < stages.len() {
+                if stray_checks {
+                    // Stray-write check right before the post (later stages are in flight).
+                    let t = Instant::now();
+                    corrupt += poison_check(cfg, probe, &cur, stages[k + 2].clone(), &mut seen, report)?;
+                    times.overlapped += t.elapsed().as_secs_f64();
+                }
                 post(probe, k + 2, &mut inflight)?;
             }
             let last = k + 1 == stages.len();
@@ -806,7 +1001,8 @@ fn sweep(
             if k == 0 && more {
                 // Inside the window: the next iteration's plan.
                 let t = Instant::now();
-                probe.prefill.pool.load_table(&probe.source_table(it + 1))?;
+                let table = probe.source_table(it + 1);
+                probe.prefill.pool.load_table(&table)?;
                 next = Some(probe.plan(it + 1)?);
                 if !last {
                     times.overlapped += t.elapsed().as_secs_f64(); // else it is host work after the window
@@ -837,6 +1033,24 @@ fn sweep(
             }
             let verify_s = t.elapsed().as_secs_f64();
             verify_all += verify_s;
+            // WRITE: prefill's request must be complete before its source is refilled (and a
+            // deferred one, of the test-only fault, is posted now and waited for).
+            match staged {
+                Staged::Posted(mut p) if cfg.op == Op::Write => {
+                    let r = match written {
+                        Some(r) => r,
+                        None => wait(it, k, "transfer", || transport::poll(cfg.op, &probe.prefill, &probe.decode, &mut p))?,
+                    };
+                    bytes += r.bytes;
+                }
+                Staged::Deferred { pairs, .. } => {
+                    let late = format!("{}:late", tag(k));
+                    let mut p = transport::post(cfg.op, &probe.prefill, &probe.decode, &pairs, &late, timeout)?;
+                    let r = wait(it, k, "transfer", || transport::poll(cfg.op, &probe.prefill, &probe.decode, &mut p))?;
+                    bytes += r.bytes;
+                }
+                _ => {}
+            }
             let t = Instant::now();
             let mut fill_s = 0.0; // the last iteration refills nothing
             if let Some(n) = &next {
@@ -872,6 +1086,17 @@ fn sweep(
         let compared = probe.decode.pool.take_compared();
         report.summary.slices_compared += compared.slices;
         report.summary.bytes_compared += compared.bytes;
+        if stray_checks && !more {
+            // Stages 0..n-2 were verified while later stages were in flight, and the last
+            // iteration re-poisons nothing: verify them again now that nothing is in flight. A
+            // slice that changed after it verified clean took a stray write.
+            let t = Instant::now();
+            probe.decode.pool.verify_layers(0..stages[stages.len() - 1].start)?;
+            let fails = probe.decode.pool.take_failures()?;
+            report.summary.stray_reverified_slices += probe.decode.pool.take_compared().slices;
+            corrupt += record_strays(cfg, probe, &cur, &fails, StrayCheck::Reverify, &mut seen, report)?;
+            report.summary.stray_check_seconds += t.elapsed().as_secs_f64();
+        }
         report.summary.blocks_corrupt += corrupt;
         if it == 1 {
             let init = if cfg.op == Op::Write { &probe.prefill } else { &probe.decode };
@@ -899,6 +1124,14 @@ fn sweep(
             report.injections.push(InjectionRecord { iteration: it, kind: a.kind(), predicted: hits, detected });
         }
         report.summary.iterations = it;
+        times.corrupt = corrupt;
+        times.by_class = report
+            .summary
+            .by_class
+            .iter()
+            .map(|(k, n)| (k.clone(), n - classes_before.get(k).copied().unwrap_or(0)))
+            .filter(|(_, n)| *n > 0)
+            .collect();
         times.iteration = iteration_start.elapsed().as_secs_f64();
         let s = &mut report.summary;
         s.fill_seconds += times.fill;
@@ -912,7 +1145,7 @@ fn sweep(
         s.kernel_seconds.poison += times.kernels.poison;
         s.kernel_seconds.verify += times.kernels.verify;
         if s.per_iteration.len() < crate::report::PER_ITERATION_MAX {
-            s.per_iteration.push(times);
+            s.per_iteration.push(times.clone());
         }
         let s = &report.summary;
         report.summary.transfer_gbps =

@@ -13,7 +13,7 @@
 use crate::deadline::Deadline;
 use crate::error::Result;
 use crate::geometry::SliceCoord;
-use crate::nixl::{Agent, Posted, Region, XferResult};
+use crate::nixl::{Agent, Lease, Posted, Region, Registered, WeakLease, XferResult};
 use crate::pool::{KvPool, MemoryKind};
 use crate::remote::Request;
 use nixl_sys::{MemType, XferOp};
@@ -43,6 +43,10 @@ pub struct PeerInfo {
     pub memory: MemoryKind,
     /// GPU ordinal (0 for DRAM).
     pub device_id: u64,
+    /// The role's registrations when it lives in this process (empty once serialized): a
+    /// request takes shares of them ([`Lease`]) so the peer's pool outlives it too.
+    #[serde(skip)]
+    pub lease: WeakLease,
 }
 
 /// One block slice to move: prefill `src` to decode `dst`, `len` bytes from the slice start.
@@ -73,13 +77,15 @@ enum Role {
 
 /// A role: a NIXL agent with its pool registered.
 pub struct Endpoint {
-    // Field order is drop order: the agent deregisters its regions before the pool frees them
-    // (a remote agent's process lives until the imported pool's regions are closed too).
+    // Field order is drop order: the agent gives up its share of the registration before the
+    // pool's guard decides whether it holds the last one (a remote agent's process lives
+    // until the imported pool's regions are closed too).
     agent: Role,
     backend: String,
     peer: Option<PeerInfo>,
-    /// The role's KV pool.
-    pub pool: KvPool,
+    /// The role's KV pool, owned by its NIXL registration ([`Registered`]): freed only when no
+    /// request may still move it (else kept until exit).
+    pub pool: Registered<KvPool>,
 }
 
 impl Endpoint {
@@ -92,13 +98,14 @@ impl Endpoint {
             .into_iter()
             .map(|addr| Region { addr, len, mem: mem_type(pool.memory()), dev_id: pool.device_id() })
             .collect();
-        agent.register(&regions)?;
+        let pool = Registered::new(&mut agent, pool, &regions)?;
         Ok(Endpoint { agent: Role::Local(agent), backend: backend.to_string(), peer: None, pool })
     }
 
     /// The decode role with its agent in the decode agent process and `pool` imported from
     /// there ([`crate::remote`]); the child has already loaded `peer` (the prefill role).
     pub fn remote(agent: crate::remote::RemoteAgent, backend: &str, pool: KvPool, peer: PeerInfo) -> Endpoint {
+        let pool = Registered::unregistered(pool);
         Endpoint { agent: Role::Remote(Box::new(agent)), backend: backend.to_string(), peer: Some(peer), pool }
     }
 
@@ -120,6 +127,7 @@ impl Endpoint {
                 region_bases: self.pool.region_addrs(),
                 memory: self.pool.memory(),
                 device_id: self.pool.device_id(),
+                lease: self.pool.lease().downgrade(),
             }),
             Role::Remote(r) => Ok(r.info().clone()),
         }
@@ -156,6 +164,7 @@ impl Endpoint {
     /// Errors: transport (exit 3); timeout (exit 4); usage for an agent in another process.
     pub fn post_as_initiator(&self, op: Op, pairs: &[Pair], tag: &str, deadline: Deadline) -> Result<Posted> {
         let agent = self.local()?;
+        let keep = self.keep()?;
         let side = |p: &Pair| {
             if op == Op::Write { (p.src, p.dst) } else { (p.dst, p.src) }
         };
@@ -170,7 +179,16 @@ impl Endpoint {
             &peer.agent,
             tag.as_bytes(),
             deadline,
+            keep,
         )
+    }
+
+    /// Sends `tag` to the peer as a bare NIXL notification (no transfer): the test-only
+    /// early-notification fault of the sweep ([`crate::run`]). Errors: transport (exit 3);
+    /// usage for an agent in another process.
+    pub fn notify_peer(&self, tag: &str) -> Result<()> {
+        let peer = self.peer().agent.clone();
+        self.local()?.notify(&peer, tag.as_bytes())
     }
 
     /// Notifications from any peer since the last call: (peer agent, message).
@@ -205,6 +223,7 @@ impl Endpoint {
         let local = self.descs(&self.pool.region_addrs(), pairs.iter().map(|p| (p.dst, p.len)));
         let remote = self.descs(&peer.region_bases, pairs.iter().map(|p| (p.src, p.len)));
         self.pool.bind()?;
+        let keep = self.keep()?;
         self.local()?.post(
             XferOp::Read,
             (&local, mem_type(self.pool.memory()), self.pool.device_id()),
@@ -212,7 +231,19 @@ impl Endpoint {
             &peer.agent,
             tag.as_bytes(),
             deadline,
+            keep,
         )
+    }
+
+    /// The shares a request from this role holds: of its own pool's registration and, when
+    /// the peer lives in this process, of the peer's. Errors: transport (exit 3) when the
+    /// peer's pool was already given up.
+    fn keep(&self) -> Result<Lease> {
+        let mut keep = self.pool.lease().clone();
+        if let Some(p) = &self.peer {
+            keep.join(&p.lease.upgrade()?);
+        }
+        Ok(keep)
     }
 
     /// Checks a posted transfer once: `Some` when complete. Errors: transport (exit 3),
@@ -258,8 +289,8 @@ pub fn post(op: Op, prefill: &Endpoint, decode: &Endpoint, pairs: &[Pair], tag: 
     match &init.agent {
         Role::Local(_) => Ok(Request::Local(init.post_as_initiator(op, pairs, tag, deadline)?)),
         Role::Remote(r) => {
-            r.post_read(pairs, tag)?;
-            Ok(Request::Remote { tag: tag.to_string(), bytes: pairs.iter().map(|p| p.len).sum(), deadline, late_misses: 0 })
+            let hold = r.post_read(pairs, tag, init.keep()?)?;
+            Ok(Request::Remote { tag: tag.to_string(), bytes: pairs.iter().map(|p| p.len).sum(), deadline, late_misses: 0, hold })
         }
     }
 }
@@ -272,7 +303,7 @@ pub fn poll(op: Op, prefill: &Endpoint, decode: &Endpoint, p: &mut Request) -> R
     let (init, _) = roles(op, prefill, decode);
     match (p, &init.agent) {
         (Request::Local(p), _) => init.poll(p),
-        (Request::Remote { tag, bytes, deadline, late_misses }, Role::Remote(r)) => {
+        (Request::Remote { tag, bytes, deadline, late_misses, hold }, Role::Remote(r)) => {
             let asked = Instant::now();
             let timeout = |why: String| {
                 crate::error::Error::Timeout(format!(
@@ -281,7 +312,11 @@ pub fn poll(op: Op, prefill: &Endpoint, decode: &Endpoint, p: &mut Request) -> R
                     deadline.elapsed_secs()
                 ))
             };
-            match r.poll(tag)? {
+            let got = r.poll(tag)?;
+            if got.is_some() {
+                hold.complete();
+            }
+            match got {
                 Some(done) if done.elapsed > deadline.limit => {
                     Err(timeout(format!("it took {:.3} s from post to completion", done.elapsed.as_secs_f64())))
                 }
@@ -355,4 +390,63 @@ pub fn await_notifications(
         std::thread::sleep(Duration::from_micros(20));
     }
     Ok(())
+}
+
+/// The notifications the role that did not post `op`'s requests has received (decode for
+/// WRITE), kept until the sweep asks for them one tag at a time ([`poll_notification`]):
+/// a notification that arrives before its stage is waited for is not lost.
+#[derive(Debug, Default)]
+pub struct Inbox {
+    got: std::collections::HashSet<String>,
+    late_misses: u32,
+}
+
+/// Checks once whether the receiving role of `op` (decode for WRITE, prefill for READ) has
+/// the notification `tag` from the initiator; notifications of other tags are kept in
+/// `inbox`. `deadline` is the tag's request's ([`post`]): a tag still missing at two checks
+/// that began after it has timed out, and so has one whose notification query began before it
+/// and returned after it ([`crate::deadline::crossed`]). Returns true (and forgets the tag)
+/// once it has arrived. Errors: timeout (exit 4), transport (exit 3).
+pub fn poll_notification(
+    op: Op,
+    prefill: &Endpoint,
+    decode: &Endpoint,
+    inbox: &mut Inbox,
+    tag: &str,
+    deadline: Deadline,
+) -> Result<bool> {
+    let (init, other) = roles(op, prefill, decode);
+    let from = init.name();
+    if inbox.got.remove(tag) {
+        inbox.late_misses = 0;
+        return Ok(true);
+    }
+    let asked = Instant::now();
+    let got = other.raw_notifications()?;
+    let returned = Instant::now();
+    if crate::deadline::crossed(&deadline, asked, returned) {
+        return Err(crate::error::Error::Timeout(format!(
+            "notification {tag} from {from}: a notification query begun {:.3} s after its request was posted returned \
+             {:.3} s after it, over --timeout {:.6} s",
+            (asked - deadline.start).as_secs_f64(),
+            (returned - deadline.start).as_secs_f64(),
+            deadline.limit_secs()
+        )));
+    }
+    inbox.got.extend(got.into_iter().filter(|(peer, _)| *peer == from).map(|(_, m)| m));
+    if inbox.got.remove(tag) {
+        inbox.late_misses = 0;
+        return Ok(true);
+    }
+    if deadline.passed_at(asked) {
+        inbox.late_misses += 1;
+        if inbox.late_misses >= 2 {
+            return Err(crate::error::Error::Timeout(format!(
+                "no notification {tag} from {from} within --timeout {:.6} s ({:.3} s since its request was posted)",
+                deadline.limit_secs(),
+                deadline.elapsed_secs()
+            )));
+        }
+    }
+    Ok(false)
 }

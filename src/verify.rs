@@ -52,11 +52,17 @@ pub enum Class {
     Bitflip,
     /// None of the above.
     Garbage,
+    /// A write into a decode slot outside its own transfer, found by the pipelined sweep's
+    /// stray-write checks (never by the classification below): the slot no longer held its
+    /// poison right before its stage was posted again, or no longer held the fingerprint it
+    /// had verified clean while later stages were still in flight.
+    Stray,
 }
 
 impl Class {
     /// All classes, in report order.
-    pub const ALL: [Class; 6] = [Class::Unwritten, Class::Stale, Class::Misplaced, Class::Torn, Class::Bitflip, Class::Garbage];
+    pub const ALL: [Class; 7] =
+        [Class::Unwritten, Class::Stale, Class::Misplaced, Class::Torn, Class::Bitflip, Class::Garbage, Class::Stray];
 
     /// The class's name as used in reports and `--inject`.
     pub fn name(self) -> &'static str {
@@ -67,6 +73,7 @@ impl Class {
             Class::Torn => "torn",
             Class::Bitflip => "bitflip",
             Class::Garbage => "garbage",
+            Class::Stray => "stray",
         }
     }
 }

@@ -43,11 +43,37 @@ fn bench_json(name: &str, args: &[&str]) -> (i32, String, String, Value) {
 
 #[test]
 fn bench_on_dram_writes_consistent_figures_and_breakdowns() {
+    let j = tmpdir("bench-junit").join("j.xml");
     let (code, out, err, r) = bench_json(
         "bench-dram",
-        &["--memory", "dram", "--host-bytes", "16MiB", "--sweep-bytes", "64MiB", "--repeats", "3", "--iterations", "3"],
+        &[
+            "--memory",
+            "dram",
+            "--host-bytes",
+            "16MiB",
+            "--sweep-bytes",
+            "64MiB",
+            "--repeats",
+            "3",
+            "--iterations",
+            "3",
+            "--junit",
+            j.to_str().unwrap(),
+        ],
     );
     assert_eq!(code, 0, "{out}{err}");
+    // --junit: one case per goal, met or missed as the JSON says, then the outcome.
+    let cases = crate::junit::cases(&j);
+    let goals: Vec<&Value> = r["figures"].as_array().unwrap().iter().filter(|f| !f["goal"].is_null()).collect();
+    let shares: Vec<&Value> = r["breakdowns"].as_array().unwrap().iter().filter(|b| !b["meets"].is_null()).collect();
+    assert_eq!(cases.len(), goals.len() + shares.len() + 1, "{cases:?}");
+    assert!(goals.len() >= 2, "CPU fill and verify have goals: {r}");
+    for f in goals {
+        let name = f["name"].as_str().unwrap();
+        let case = cases.iter().find(|c| c.0.starts_with(&format!("{name} >= "))).unwrap_or_else(|| panic!("{name}: {cases:?}"));
+        assert_eq!(case.1.is_none(), f["meets"] == true, "{case:?} {f}");
+    }
+    assert_eq!(cases.last().unwrap().0, "outcome: clean (exit 0)");
     assert!(out.contains("CPU fill") && out.contains("sweep iteration"), "{out}");
     assert!(out.contains("the median by wall time of those after the first (a warm-up); its parts add up to it"), "{out}");
     assert_eq!(r["schema"], "kvprobe.bench/1");

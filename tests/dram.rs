@@ -568,3 +568,61 @@ fn every_injection_is_classified_exactly_on_the_smallest_slices() {
         }
     }
 }
+
+#[test]
+fn write_mode_verifies_on_decode_notification_not_on_the_initiator_completion() {
+    early_notification_is_caught("dram");
+}
+
+/// `run --memory MEMORY --op write` with the early-notification test fault in iteration 2:
+/// exactly the slices of iteration 2 fail, all `unwritten`. Also run on VRAM (tests/gpu.rs).
+pub fn early_notification_is_caught(memory: &str) {
+    // Test-only fault: in iteration 2 prefill sends each stage's notification alone and
+    // posts the WRITE only after decode has verified the stage. Decode verifies what it has
+    // when the notification arrives, so every slice of iteration 2 still holds its poison
+    // (unwritten) and the other iterations are clean. Verifying on the initiator's completion
+    // instead would see the data (posted and complete by then) and report nothing.
+    for (extra, slices) in [
+        // layers × parts × blocks, computed here from the flags.
+        (&["--layers", "3", "--blocks", "10"][..], 3 * 2 * 10u64),
+        (&["--layers", "5", "--blocks", "7", "--pipeline-stages", "3", "--layout", "hnd"][..], 5 * 2 * 7),
+        (
+            &["--mla", "--head-size", "576", "--block-size", "4", "--layers", "4", "--blocks", "9", "--pipeline-stages", "4"][..],
+            4 * 9,
+        ),
+    ] {
+        let mut args = vec!["--op", "write", "--iterations", "3", "--max-failures", "1000"];
+        args.extend(extra);
+        let d = crate::common::tmpdir("early-notify");
+        let p = d.join("report.json");
+        let mut a = vec!["run", "--memory", memory, "--report", p.to_str().unwrap()];
+        a.extend(&args);
+        let (code, out, err) = crate::common::kvprobe_env(&a, &[("KVPROBE_TEST_EARLY_NOTIFY", "2")]);
+        assert_eq!(code, 1, "{extra:?}: {out}{err}");
+        assert!(err.contains("test fault: iteration 2's notifications are sent before their data"), "{err}");
+        let r = read_report(&p);
+        let s = &r["summary"];
+        assert_eq!(s["iterations"], 3, "{extra:?}");
+        assert_eq!(s["blocks_corrupt"], slices, "{extra:?}");
+        assert_eq!(s["by_class"]["unwritten"], slices, "{extra:?}");
+        assert_eq!(s["unexpected_failures"], slices, "{extra:?}");
+        let f = r["failures"].as_array().unwrap();
+        assert_eq!(f.len() as u64, slices, "{extra:?}");
+        assert!(f.iter().all(|f| f["iteration"] == 2 && f["class"] == "unwritten" && f["poison_iteration"] == 2), "{extra:?}");
+        // The late WRITE still moved every byte: the transfer count is the pool, 3 times.
+        let pool = slices * r["config"]["geometry"]["slice_bytes"].as_u64().unwrap();
+        assert_eq!(s["bytes_transferred"].as_u64().unwrap(), 3 * pool, "{extra:?}");
+    }
+}
+
+#[test]
+fn the_early_notification_fault_is_refused_where_it_cannot_apply() {
+    for (op, value, needle) in
+        [("read", "1", "needs --op write"), ("write", "0", "iteration number"), ("write", "x", "iteration number")]
+    {
+        let (code, out, err) =
+            crate::common::kvprobe_env(&["run", "--memory", "dram", "--op", op], &[("KVPROBE_TEST_EARLY_NOTIFY", value)]);
+        assert_eq!(code, 2, "{op} {value}: {out}{err}");
+        assert!(err.contains("KVPROBE_TEST_EARLY_NOTIFY") && err.contains(needle), "{err}");
+    }
+}

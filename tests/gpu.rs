@@ -269,6 +269,113 @@ fn verify_failure_list_starts_empty_and_its_overflow_is_an_error() {
     assert!(fails.iter().all(|f| f.bad_bytes >= 1 && f.bad_bytes <= g.slice_bytes().unwrap()));
 }
 
+/// [`damage_every_part_edge`] for the stray-write check: poisons `pool` with iteration 9,
+/// damages the same part edges, and runs the poison check over every layer. Returns (what
+/// the check reported, what the damage alone predicts, the slices the check counted).
+#[allow(clippy::type_complexity)]
+fn poison_damage_every_part_edge(pool: &mut KvPool, g: &Geometry) -> (Vec<(u32, u64, u64)>, Vec<(u32, u64, u64)>, u64) {
+    pool.poison(9).unwrap();
+    let sb = g.slice_bytes().unwrap() as usize;
+    let parts = sb.div_ceil(PART_BYTES);
+    let mut cases: Vec<Vec<usize>> = Vec::new();
+    for p in 0..parts {
+        cases.push(vec![p * PART_BYTES]);
+        cases.push(vec![((p + 1) * PART_BYTES).min(sb) - 1]);
+    }
+    cases.push((0..parts).flat_map(|p| [p * PART_BYTES, ((p + 1) * PART_BYTES).min(sb) - 1]).collect());
+    let slices = g.total_slices().unwrap() as usize;
+    let mut hit: std::collections::BTreeMap<u32, std::collections::BTreeSet<usize>> = Default::default();
+    for (k, offs) in cases.iter().enumerate() {
+        let slice = if cases.len() <= slices { k * (slices - 1) / (cases.len() - 1).max(1) } else { k % slices };
+        hit.entry(slice as u32).or_default().extend(offs);
+    }
+    let mut buf = vec![0u8; sb];
+    for (&slice, offs) in &hit {
+        let c = g.coord_of(slice);
+        pool.read_slice(c, &mut buf).unwrap();
+        for &o in offs {
+            buf[o] ^= 0x41;
+        }
+        pool.write_slice(c, &buf).unwrap();
+    }
+    let want = hit.iter().map(|(&s, offs)| (s, offs.len() as u64, *offs.iter().next().unwrap() as u64)).collect();
+    pool.check_poison_layers(0..g.num_layers, 9).unwrap();
+    let (fails, checked) = pool.take_poison_failures().unwrap();
+    (fails.into_iter().map(|f| (f.slice, f.bad_bytes, f.first_bad)).collect(), want, checked)
+}
+
+/// The stray-write check on DRAM (the CPU pass): runs everywhere.
+#[test]
+fn cpu_poison_check_finds_the_first_and_last_byte_of_every_part() {
+    for g in detection_geometries() {
+        let mut pool = KvPool::host(&g, 77).unwrap();
+        let (got, want, checked) = poison_damage_every_part_edge(&mut pool, &g);
+        assert_eq!(got, want, "{g:?}");
+        assert_eq!(checked, g.total_slices().unwrap(), "{g:?}");
+    }
+}
+
+/// The `kvp_check_poison` kernel finds exactly what the damage predicts (and what the CPU
+/// pass finds), counts every slice it checked, and leaves its list empty once taken.
+#[test]
+fn poison_check_kernel_finds_the_first_and_last_byte_of_every_part() {
+    if !gpu_or_skip("poison_check_kernel_finds_the_first_and_last_byte_of_every_part") {
+        return;
+    }
+    let dev = Device::open(0).unwrap();
+    let k = Arc::new(Kernels::compile(&dev).unwrap());
+    for g in detection_geometries() {
+        let mut pool = KvPool::device(&dev, k.clone(), &g, 77).unwrap();
+        let (got, want, checked) = poison_damage_every_part_edge(&mut pool, &g);
+        assert_eq!(got, want, "{g:?}");
+        assert_eq!(checked, g.total_slices().unwrap(), "{g:?}");
+        pool.poison(9).unwrap();
+        pool.check_poison_layers(0..g.num_layers, 9).unwrap();
+        assert_eq!(pool.take_poison_failures().unwrap(), (vec![], g.total_slices().unwrap()), "{g:?}: a re-poisoned pool");
+        // The check is not a verify pass: item 4's counts never include it.
+        assert_eq!(pool.take_compared(), Default::default(), "{g:?}");
+        // Checked against another iteration's poison every part fails; two passes before one
+        // take overflow the list: a device error, never a truncated list. The counters are
+        // reset either way, so the next check reports every slice once.
+        pool.check_poison_layers(0..g.num_layers, 10).unwrap();
+        pool.check_poison_layers(0..g.num_layers, 10).unwrap();
+        let e = pool.take_poison_failures().unwrap_err();
+        assert!(matches!(e, kvprobe::error::Error::Device(_)) && e.to_string().contains("failures were lost"), "{g:?}: {e}");
+        pool.check_poison_layers(0..g.num_layers, 10).unwrap();
+        let (fails, checked) = pool.take_poison_failures().unwrap();
+        let slices = g.total_slices().unwrap();
+        assert_eq!(checked, slices, "{g:?}");
+        assert_eq!(fails.iter().map(|f| f.slice as u64).collect::<Vec<_>>(), (0..slices).collect::<Vec<_>>(), "{g:?}");
+    }
+}
+
+#[test]
+fn vram_stray_writes_are_found_as_stray() {
+    if !gpu_or_skip("vram_stray_writes_are_found_as_stray") {
+        return;
+    }
+    // 3 stages (poison checks only) and 8 (the last iteration's strays found by the re-verify),
+    // READ and WRITE, merged descriptors; then the same clean, with the checks counted.
+    for extra in [
+        vec!["--pipeline-stages", "3"],
+        vec!["--preset", "llama3-8b", "--blocks", "64", "--pipeline-stages", "8", "--descriptor-blocks", "16", "--op", "write"],
+    ] {
+        let mut args = vec!["--iterations", "3", "--inject", "stray:2"];
+        args.extend(extra.iter());
+        let (code, r, log) = vram_report("vram-stray", &args);
+        assert_eq!(code, 1, "{extra:?}: {log}");
+        crate::common::assert_found_exactly(&r, 6, &format!("{extra:?}: {log}"));
+        assert_eq!(r["summary"]["by_class"]["stray"], 6, "{extra:?}");
+        let geo = &r["config"]["geometry"];
+        let slices = geo["num_layers"].as_u64().unwrap() * 2 * geo["num_blocks"].as_u64().unwrap();
+        assert_eq!(r["summary"]["slices_compared"], 3 * slices, "{extra:?}");
+        let (code, r, log) = vram_report("vram-stray-clean", &[&extra[..], &["--iterations", "3"]].concat());
+        assert_eq!(code, 0, "{extra:?}: {log}");
+        assert_eq!(r["summary"]["blocks_corrupt"], 0, "{extra:?}");
+        assert_eq!(r["summary"]["stray_poison_checked_slices"], 3 * slices, "{extra:?}: counted by the kernel");
+    }
+}
+
 fn vram_report(name: &str, args: &[&str]) -> (i32, Value, String) {
     crate::common::run_with_report(name, "vram", args)
 }
@@ -294,6 +401,14 @@ fn vram_run_is_clean() {
         assert!(!r["environment"]["gpus"].as_array().unwrap().is_empty());
         assert!(r["environment"]["gpus"][0]["uuid"].as_str().unwrap().starts_with("GPU-"));
     }
+}
+
+#[test]
+fn vram_write_verifies_on_decode_notification() {
+    if !gpu_or_skip("vram_write_verifies_on_decode_notification") {
+        return;
+    }
+    crate::dram::early_notification_is_caught("vram");
 }
 
 #[test]
@@ -450,7 +565,8 @@ fn vram_scenarios_are_clean_and_races_are_detected() {
             400
         );
     }
-    let (code, r, log) = vram_report("vram-race", &["--race", "save-before-write", "--requests", "400"]);
+    // --lockstep: the verdict replays from the seed, whatever the timing.
+    let (code, r, log) = vram_report("vram-race", &["--race", "save-before-write", "--requests", "400", "--lockstep"]);
     assert_eq!(code, 1, "{log}");
     assert_eq!(r["scenario"]["unexplained_corrupt"], 0, "{log}");
     let o = r["scenario"]["races"].as_array().unwrap().iter().find(|o| o["mechanism"] == "save-before-write").unwrap().clone();
@@ -464,7 +580,8 @@ fn vram_ab_matrix_passes() {
     }
     let d = tmpdir("vram-ab");
     let p = d.join("ab.json");
-    let (code, out, err) = kvprobe(&["ab", "--memory", "vram", "--requests", "1000", "--report", p.to_str().unwrap()]);
+    let (code, out, err) =
+        kvprobe(&["ab", "--memory", "vram", "--requests", "1000", "--lockstep", "--report", p.to_str().unwrap()]);
     assert_eq!(code, 0, "{out}{err}");
     let r = read_report(&p);
     assert!(r["rows"].as_array().unwrap().iter().all(|x| x["pass"] == true), "{out}");
@@ -491,7 +608,19 @@ fn mooncake_tier_on_vram_pools_shared_by_cuda_ipc() {
     let (code, r, log) = crate::common::run_with_report(
         "mc-vram-race",
         "vram",
-        &["--preset", "llama3-8b", "--blocks", "256", "--race", "save-before-write", "--tier", "mooncake", "--requests", "400"],
+        &[
+            "--preset",
+            "llama3-8b",
+            "--blocks",
+            "256",
+            "--race",
+            "save-before-write",
+            "--tier",
+            "mooncake",
+            "--requests",
+            "400",
+            "--lockstep",
+        ],
     );
     assert_eq!(code, 1, "{log}");
     assert_eq!(r["scenario"]["unexplained_corrupt"], 0, "{log}");
@@ -655,4 +784,36 @@ fn ipc_import_refuses_a_length_beyond_the_allocation() {
     drop(kvprobe::cuda::DeviceBuffer::import(&dev, &handle, LEN, keep).unwrap());
     drop(exporter.stdin.take());
     assert!(exporter.wait().unwrap().success());
+}
+
+#[test]
+fn vram_requests_left_in_flight_by_a_timeout_are_drained_or_kept_never_freed_under_a_copy() {
+    if !gpu_or_skip("vram_requests_left_in_flight_by_a_timeout_are_drained_or_kept_never_freed_under_a_copy") {
+        return;
+    }
+    // Each status query blocks 5 s, past --timeout 2: the run ends with a READ (cuda_ipc,
+    // a copy on a stream) it never saw complete. kvprobe polls it until NIXL says it is done
+    // before freeing the pools; with the test-only KVPROBE_TEST_UNRECALLABLE=1 (a request NIXL
+    // cannot confirm) it keeps both pools until exit instead. Either way: exit 4 with the
+    // report, no crash.
+    for (name, extra, says) in [
+        ("vram-drain", None, "were drained (confirmed finished) before the pools were freed"),
+        (
+            "vram-keep",
+            Some(("KVPROBE_TEST_UNRECALLABLE", "1")),
+            "could not be confirmed finished within 2 s; the pools they move stay allocated",
+        ),
+    ] {
+        let p = tmpdir(name).join("r.json");
+        let mut env = vec![("KVPROBE_TEST_STALL_STATUS", "5")];
+        env.extend(extra);
+        let (code, out, err) = crate::common::kvprobe_env(
+            &["run", "--memory", "vram", "--iterations", "3", "--timeout", "2", "--report", p.to_str().unwrap()],
+            &env,
+        );
+        assert_eq!(code, 4, "{name}: {out}{err}");
+        let r = read_report(&p);
+        assert_eq!(r["outcome"]["status"], "timeout", "{name}: {}", r["outcome"]);
+        assert_eq!(err.matches(says).count(), 1, "{name}: {err}");
+    }
 }

@@ -218,7 +218,7 @@ fn scenarios_run_on_the_real_mooncake_store() {
     let (code, r, log) = crate::common::run_with_report(
         "mc-race",
         "dram",
-        &["--race", "save-before-write", "--tier", "mooncake", "--requests", "400"],
+        &["--race", "save-before-write", "--tier", "mooncake", "--requests", "400", "--lockstep"],
     );
     assert_eq!(code, 1, "{log}");
     assert_eq!(r["scenario"]["unexplained_corrupt"], 0, "{log}");
@@ -316,8 +316,10 @@ fn ab_on_the_real_mooncake_store_passes() {
     }
     let d = crate::common::tmpdir("mc-ab");
     let p = d.join("ab.json");
-    let (code, out, err) =
-        kvprobe_env(&["ab", "--memory", "dram", "--tier", "mooncake", "--requests", "400", "--report", p.to_str().unwrap()], &[]);
+    let (code, out, err) = kvprobe_env(
+        &["ab", "--memory", "dram", "--tier", "mooncake", "--requests", "400", "--lockstep", "--report", p.to_str().unwrap()],
+        &[],
+    );
     assert_eq!(code, 0, "{out}{err}");
     let r = crate::common::read_report(&p);
     let rows = r["rows"].as_array().unwrap();

@@ -412,3 +412,77 @@ fn a_decode_agent_that_never_becomes_ready_is_a_timeout() {
     assert!(message(&r).contains("decode agent process was not ready within 2 s"), "{}", message(&r));
     assert_gone(agent.unwrap(), "the decode agent that never became ready");
 }
+
+/// What kvprobe says when requests it dropped in flight were confirmed finished before their
+/// pools were freed (src/nixl.rs, `Registered`).
+const DRAINED: &str = "in flight when the run stopped were drained (confirmed finished) before the pools were freed";
+/// What kvprobe says when a request could not be confirmed finished: its pools are kept.
+const KEPT: &str =
+    "could not be confirmed finished within 2 s; the pools they move stay allocated and registered with NIXL until kvprobe exits";
+
+/// Runs kvprobe with `args` and `env` in its own TMPDIR (with `agent`, waits for its decode
+/// agent process); returns (exit code, report, stderr) once it ended, after checking that it
+/// left nothing behind: no decode agent process, nothing in its TMPDIR, no /dev/shm directory.
+fn run_leaving_nothing(name: &str, args: &[&str], env: &[(&str, &str)], agent: bool) -> (i32, Value, String) {
+    let tmp = tmpdir(&format!("{name}-tmp"));
+    let t = tmp.to_str().unwrap().to_string();
+    let env = [env, &[("TMPDIR", t.as_str())]].concat();
+    let (child, report, agent_pid) = spawn(name, args, &env, agent);
+    let pid = child.id();
+    let (code, r, err) = finish(child, &report);
+    if let Some(a) = agent_pid {
+        assert_gone(a, &format!("{name}: the decode agent"));
+    }
+    let left: Vec<_> = std::fs::read_dir(&tmp).unwrap().flatten().map(|e| e.file_name()).collect();
+    assert!(left.is_empty(), "{name}: left in TMPDIR: {left:?}");
+    let shm: Vec<String> = std::fs::read_dir("/dev/shm")
+        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default();
+    let mine: Vec<_> = [Some(pid), agent_pid].into_iter().flatten().map(|p| format!("kvprobe-{p}.")).collect();
+    assert!(!shm.iter().any(|n| mine.iter().any(|m| n.starts_with(m))), "{name}: left in /dev/shm: {shm:?}");
+    (code, r, err)
+}
+
+#[test]
+fn requests_left_in_flight_by_a_timeout_are_drained_before_their_pools_are_freed() {
+    // Each status query blocks 5 s, past --timeout 2: the run ends on a request it never saw
+    // complete (and others posted after it). Dropping them, kvprobe polls them until NIXL says
+    // they are done, then frees the pools — and says so; a clean run says nothing of the kind.
+    let t2 = ["--timeout", "2"];
+    for (name, args) in [
+        ("drain-read", [SWEEP, &t2].concat()),
+        ("drain-write", [SWEEP, &t2, &["--op", "write"]].concat()),
+        ("drain-scenario", [NIXL_ONLY, &t2].concat()),
+    ] {
+        let (code, r, err) = run_leaving_nothing(name, &args, &[("KVPROBE_TEST_STALL_STATUS", "5")], false);
+        assert_timeout(code, &r, &format!("{name}: {err}"));
+        assert!(message(&r).contains("status query"), "{name}: {}", message(&r));
+        assert_eq!(err.matches(DRAINED).count(), 1, "{name}: {err}");
+        assert!(!err.contains(KEPT), "{name}: {err}");
+    }
+    let (code, r, err) = run_leaving_nothing("drain-none", SWEEP, &[], false);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(r["outcome"]["status"], "clean");
+    assert!(!err.contains(DRAINED) && !err.contains(KEPT), "a clean run left no request in flight: {err}");
+}
+
+#[test]
+fn a_request_that_cannot_be_confirmed_finished_keeps_its_pools_until_exit() {
+    // The test-only KVPROBE_TEST_UNRECALLABLE=1 makes every request dropped in flight one that
+    // NIXL cannot confirm finished (as a cuda_ipc copy already on a stream): its pools and
+    // registrations are never freed before exit, which one line says; the run still ends with
+    // exit 4 and its report, and leaves nothing behind.
+    let t2 = ["--timeout", "2"];
+    let unrecallable = ("KVPROBE_TEST_UNRECALLABLE", "1");
+    for (name, args) in [("keep-read", [SWEEP, &t2].concat()), ("keep-scenario", [NIXL_ONLY, &t2].concat())] {
+        let (code, r, err) = run_leaving_nothing(name, &args, &[("KVPROBE_TEST_STALL_STATUS", "5"), unrecallable], false);
+        assert_timeout(code, &r, &format!("{name}: {err}"));
+        assert!(r["environment"]["nixl"]["library"].is_string(), "{name}: the report is whole");
+        assert_eq!(err.matches(KEPT).count(), 1, "{name}: {err}");
+        assert!(!err.contains(DRAINED), "{name}: {err}");
+    }
+    // The hook with nothing left in flight: nothing kept, nothing said.
+    let (code, _, err) = run_leaving_nothing("keep-none", SWEEP, &[unrecallable], false);
+    assert_eq!(code, 0, "{err}");
+    assert!(!err.contains(KEPT) && !err.contains(DRAINED), "{err}");
+}

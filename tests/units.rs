@@ -537,3 +537,118 @@ fn every_child_process_in_src_is_started_by_the_spawner() {
     // The master, the worker, the decode agent, env's probe runs and nvidia-smi.
     assert!(seen >= 5, "{seen} spawns through kvprobe::child");
 }
+
+/// The README's poison of (slot, iteration): little-endian u32 elements, `slot` at even
+/// element indices and 0x5A000000 | (iteration & 0xFFFFFF) at odd ones (written here from
+/// the definition, not with the code under test).
+fn readme_poison(len: usize, slot: u32, iteration: u32) -> Vec<u8> {
+    (0..len / 4).flat_map(|e| if e % 2 == 0 { slot } else { 0x5A00_0000 | (iteration & 0xFF_FFFF) }.to_le_bytes()).collect()
+}
+
+/// Plants `(offset, byte)` writes into `s`; returns the bad bytes and first bad offset the
+/// test expects (a planted byte equal to the poison's is no difference; none: the length).
+fn plant(s: &mut [u8], writes: &[(usize, u8)]) -> (u64, u64) {
+    let orig = s.to_vec();
+    for &(at, b) in writes {
+        s[at] = b;
+    }
+    let bad: Vec<usize> = (0..s.len()).filter(|&i| s[i] != orig[i]).collect();
+    (bad.len() as u64, bad.first().map_or(s.len() as u64, |&i| i as u64))
+}
+
+#[test]
+fn cpu_poison_check_counts_exactly_the_planted_bytes() {
+    use kvprobe::fingerprint::{check_poison, poison};
+    for (len, slot, iteration) in
+        [(16usize, 0u32, 1u32), (48, 7, 0xFF_FFFE), (512, 12345, 3), (528, 9, 2), (4096, 0xFFFF_FFFE, 77)]
+    {
+        let mut s = readme_poison(len, slot, iteration);
+        let mut mine = vec![0u8; len];
+        poison(&mut mine, slot, iteration);
+        assert_eq!(mine, s, "the code's poison is the README's");
+        assert_eq!(check_poison(&s, slot, iteration), (0, len as u64), "intact {len}");
+        // Another iteration's or slot's poison differs in their bytes only.
+        let other_it = readme_poison(len, slot, iteration ^ 1);
+        assert_eq!(check_poison(&other_it, slot, iteration), ((len / 8) as u64, 4), "{len}");
+        let writes: Vec<(usize, u8)> =
+            [(len - 1, 0xEE), (len / 2 + 3, 0x00), (len / 3, s[len / 3]), (5, 0x5A ^ 0xFF), (len - 16, 1)].into_iter().collect();
+        let want = plant(&mut s, &writes);
+        assert!(want.0 >= 3, "{len}: the planted bytes differ");
+        assert_eq!(check_poison(&s, slot, iteration), want, "{len}: planted {writes:?}");
+        // Only the last byte.
+        let mut t = readme_poison(len, slot, iteration);
+        let flipped = !t[len - 1];
+        let want = plant(&mut t, &[(len - 1, flipped)]);
+        assert_eq!(check_poison(&t, slot, iteration), want);
+        assert_eq!(want, (1, len as u64 - 1));
+    }
+}
+
+#[test]
+fn dram_pool_poison_check_reports_each_changed_slice_once_apart_from_verify() {
+    use kvprobe::geometry::Dtype;
+    let g = Geometry {
+        num_layers: 3,
+        num_kv_heads: 2,
+        head_size: 64,
+        block_size: 16,
+        num_blocks: 5,
+        dtype: Dtype::Bf16,
+        layout: Layout::Hnd,
+        mla: false,
+    };
+    let sb = g.slice_bytes().unwrap() as usize;
+    let mut pool = kvprobe::pool::KvPool::host(&g, 3).unwrap();
+    pool.poison(4).unwrap();
+    pool.check_poison_layers(0..3, 4).unwrap();
+    assert_eq!(pool.take_poison_failures().unwrap(), (vec![], 30), "an intact pool: every slice checked, none failing");
+    // Damage two slices of layers 1 and 2; check layers 1..3.
+    let mut expect = Vec::new();
+    for (c, writes) in [
+        (SliceCoord { layer: 2, kv: KvPart::V, block: 4 }, vec![(100usize, 0x11u8), (sb - 1, 0x22)]),
+        (SliceCoord { layer: 1, kv: KvPart::K, block: 0 }, vec![(0, 0xAB)]),
+    ] {
+        let slot = g.global_slice(c);
+        let mut s = readme_poison(sb, slot, 4);
+        let (bad, first) = plant(&mut s, &writes);
+        pool.write_slice(c, &s).unwrap();
+        expect.push((slot, bad, first));
+    }
+    expect.sort();
+    pool.check_poison_layers(1..3, 4).unwrap();
+    let (fails, checked) = pool.take_poison_failures().unwrap();
+    assert_eq!(checked, 20);
+    assert_eq!(fails.iter().map(|f| (f.slice, f.bad_bytes, f.first_bad)).collect::<Vec<_>>(), expect);
+    // Taken: the next take is empty, and the verify passes' counts never saw the checks.
+    assert_eq!(pool.take_poison_failures().unwrap(), (vec![], 0));
+    assert_eq!(pool.take_compared(), kvprobe::pool::Compared::default());
+}
+
+/// Memory that records when it is freed.
+struct Tracked(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+#[test]
+fn registered_memory_is_freed_only_when_no_request_holds_a_share_of_it() {
+    use kvprobe::nixl::Registered;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    // No request: dropping the guard frees the memory.
+    let f = std::sync::Arc::new(AtomicBool::new(false));
+    let g = Registered::with_empty_registration(Tracked(f.clone()));
+    assert!(!f.load(Ordering::SeqCst));
+    drop(g);
+    assert!(f.load(Ordering::SeqCst), "the guard held the last share: memory freed");
+    // A request's share (as `Posted` holds one) outlives the guard: the memory is kept.
+    let kept = std::sync::Arc::new(AtomicBool::new(false));
+    let g = Registered::with_empty_registration(Tracked(kept.clone()));
+    let share = g.lease().clone();
+    drop(g);
+    assert!(!kept.load(Ordering::SeqCst), "a share is held: the memory must not be freed");
+    drop(share);
+    assert!(!kept.load(Ordering::SeqCst), "kept until exit, not freed when the share goes later");
+}

@@ -165,16 +165,18 @@ pub fn predicted_set(r: &serde_json::Value) -> std::collections::BTreeSet<(u64, 
 /// The tests' own table of what ONE planted fault of each `--inject` kind must cause at the
 /// decode side, by failure class (README "Fault injection"), written here independently of
 /// `src/inject.rs` so that a wrong prediction there cannot pass by agreeing with itself.
-pub const CLASSES_PER_FAULT: [(&str, &[(&str, u64)]); 5] = [
+pub const CLASSES_PER_FAULT: [(&str, &[(&str, u64)]); 6] = [
     ("bitflip", &[("bitflip", 1)]),
     ("drop", &[("unwritten", 1)]),
     ("misroute", &[("misplaced", 1), ("unwritten", 1)]),
     ("stale", &[("stale", 1)]),
     ("torn", &[("torn", 1)]),
+    // A write into another stage's decode slot outside its transfer (README "Fault injection").
+    ("stray", &[("stray", 1)]),
 ];
 
 /// Every failure class a report's `summary.by_class` carries.
-pub const ALL_CLASSES: [&str; 6] = ["bitflip", "garbage", "misplaced", "stale", "torn", "unwritten"];
+pub const ALL_CLASSES: [&str; 7] = ["bitflip", "garbage", "misplaced", "stale", "stray", "torn", "unwritten"];
 
 /// The table's classes for one fault of `kind` (panics on a kind the table does not know).
 pub fn classes_of(kind: &str) -> &'static [(&'static str, u64)] {

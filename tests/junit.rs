@@ -1,0 +1,156 @@
+//! `--junit PATH` on run, ab and bench: valid JUnit (read back with quick-junit's own parser)
+//! whose cases match the JSON report written beside it, and an error case, not a missing file,
+//! when the run fails.
+
+use crate::common::{kvprobe, read_report, tmpdir};
+use quick_junit::{NonSuccessKind, TestCaseStatus};
+use serde_json::Value;
+
+/// A JUnit case as (name, status kind: None for success, message).
+pub type Case = (String, Option<NonSuccessKind>, String);
+
+/// Reads a JUnit file with quick-junit's parser (so the XML is well-formed JUnit) and returns
+/// its single suite's cases as (name, status kind, message).
+pub fn cases(p: &std::path::Path) -> Vec<Case> {
+    let xml = std::fs::read_to_string(p).expect("junit written");
+    let r = quick_junit::Report::deserialize_from_str(&xml).unwrap_or_else(|e| panic!("not JUnit: {e}\n{xml}"));
+    assert_eq!(r.test_suites.len(), 1, "{xml}");
+    r.test_suites[0]
+        .test_cases
+        .iter()
+        .map(|c| match &c.status {
+            TestCaseStatus::Success { .. } => (c.name.to_string(), None, String::new()),
+            TestCaseStatus::NonSuccess { kind, message, .. } => {
+                (c.name.to_string(), Some(*kind), message.as_ref().map(|m| m.to_string()).unwrap_or_default())
+            }
+            TestCaseStatus::Skipped { .. } => panic!("kvprobe writes no skipped case: {xml}"),
+        })
+        .collect()
+}
+
+fn run_with_junit(name: &str, cmd: &str, args: &[&str]) -> (i32, Value, Vec<Case>, String) {
+    let d = tmpdir(name);
+    let (r, j) = (d.join("r.json"), d.join("j.xml"));
+    let mut a = vec![cmd, "--memory", "dram", "--report", r.to_str().unwrap(), "--junit", j.to_str().unwrap()];
+    a.extend_from_slice(args);
+    let (code, out, err) = kvprobe(&a);
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(out.contains(&format!("junit:             {}", j.display())), "{out}");
+    (code, read_report(&r), cases(&j), format!("{out}{err}"))
+}
+
+#[test]
+fn a_sweep_with_injections_gives_a_case_per_iteration_and_per_injection() {
+    let (code, r, c, log) = run_with_junit(
+        "junit-run",
+        "run",
+        &["--inject", "torn:2", "--inject", "bitflip:2", "--inject", "misroute:1", "--iterations", "3", "--seed", "7"],
+    );
+    assert_eq!(code, 1, "{log}");
+    // 3 iterations + 5 injections × 3 iterations + the outcome.
+    assert_eq!(c.len(), 3 + 15 + 1, "{c:?}");
+    let failures = r["failures"].as_array().unwrap();
+    for it in 1..=3u64 {
+        let (_, kind, msg) = c.iter().find(|x| x.0 == format!("iteration {it}")).unwrap_or_else(|| panic!("{c:?}"));
+        assert_eq!(*kind, Some(NonSuccessKind::Failure), "{msg}");
+        // torn 2 + bitflip 2 + misroute (misplaced + unwritten) = 6 slices, by class.
+        assert!(msg.starts_with("6 corrupt block slices ("), "{msg}");
+        for part in ["bitflip 2", "torn 2", "misplaced 1", "unwritten 1"] {
+            assert!(msg.contains(part), "{part} in {msg}");
+        }
+        // The first listed failure of that iteration, by its coordinates.
+        let f = failures.iter().find(|f| f["iteration"] == it).unwrap();
+        let at = format!(
+            "first: layer {} {} block {} (slot {}): {}",
+            f["layer"],
+            f["kv"].as_str().unwrap(),
+            f["block"],
+            f["slot"],
+            f["class"].as_str().unwrap()
+        );
+        assert!(msg.contains(&at), "{at} in {msg}");
+    }
+    let inj: Vec<_> = c.iter().filter(|x| x.0.starts_with("inject ")).collect();
+    assert_eq!(inj.len(), 15);
+    assert!(inj.iter().all(|x| x.1.is_none()), "every injection detected: {inj:?}");
+    assert_eq!(inj.iter().filter(|x| x.0.starts_with("inject torn")).count(), 6);
+    let (name, kind, _) = c.last().unwrap();
+    assert_eq!((name.as_str(), *kind), ("outcome: corrupt (exit 1)", Some(NonSuccessKind::Failure)));
+}
+
+#[test]
+fn a_clean_sweep_passes_every_case() {
+    let (code, _, c, log) = run_with_junit("junit-clean", "run", &["--iterations", "2", "--layout", "hnd"]);
+    assert_eq!(code, 0, "{log}");
+    let names: Vec<&str> = c.iter().map(|x| x.0.as_str()).collect();
+    assert_eq!(names, ["iteration 1", "iteration 2", "outcome: clean (exit 0)"]);
+    assert!(c.iter().all(|x| x.1.is_none()), "{c:?}");
+}
+
+#[test]
+fn a_failed_run_is_an_error_case_not_a_missing_file() {
+    // A timeout (exit 4) and a geometry refused after parsing (exit 2): both leave the XML.
+    for (args, code, status) in [(&["--timeout", "0.000001"][..], 4, "timeout"), (&["--layers", "70000"][..], 2, "error")] {
+        let (got, r, c, log) = run_with_junit("junit-err", "run", args);
+        assert_eq!(got, code, "{args:?}: {log}");
+        let (name, kind, msg) = c.last().unwrap();
+        assert_eq!(name, &format!("outcome: {status} (exit {code})"), "{c:?}");
+        assert_eq!(*kind, Some(NonSuccessKind::Error), "{c:?}");
+        assert_eq!(msg, r["outcome"]["error"]["message"].as_str().unwrap(), "{args:?}");
+    }
+}
+
+#[test]
+fn ab_gives_a_case_per_row() {
+    let (code, r, c, log) = run_with_junit("junit-ab", "ab", &["--requests", "200", "--lockstep"]);
+    let rows = r["rows"].as_array().unwrap();
+    assert_eq!(c.len(), rows.len() + 1, "{log}");
+    for (row, case) in rows.iter().zip(&c) {
+        assert_eq!(case.0, row["name"].as_str().unwrap());
+        assert_eq!(case.1.is_none(), row["pass"] == true, "{case:?} {row}");
+    }
+    assert_eq!(c.last().unwrap().0, format!("outcome: {} (exit {code})", r["outcome"]["status"].as_str().unwrap()));
+}
+
+#[test]
+fn an_ab_row_that_fails_names_why() {
+    // Without aborts unfenced-load's window never opens: that row fails, named with the reason.
+    let (code, _, c, log) = run_with_junit("junit-ab6", "ab", &["--requests", "100", "--abort-rate", "0", "--lockstep"]);
+    assert_eq!(code, 6, "{log}");
+    let (_, kind, msg) = c.iter().find(|x| x.0 == "stacked+unfenced-load").unwrap();
+    assert_eq!(*kind, Some(NonSuccessKind::Failure));
+    assert!(msg.starts_with("not reproduced (expected detected)") && msg.contains("never opened"), "{msg}");
+}
+
+#[test]
+fn a_scenario_gives_a_case_per_interval_and_race() {
+    let (code, r, c, log) = run_with_junit(
+        "junit-sc",
+        "run",
+        &["--race", "save-before-write", "--lockstep", "--requests", "300", "--interval", "1s"],
+    );
+    assert_eq!(code, 1, "{log}");
+    let intervals = r["scenario"]["intervals"].as_array().unwrap();
+    let iv: Vec<_> = c.iter().filter(|x| x.0.starts_with("interval ")).collect();
+    assert_eq!(iv.len(), intervals.len(), "{c:?}");
+    for (case, i) in iv.iter().zip(intervals) {
+        assert_eq!(case.1.is_some(), i["corrupt"].as_u64().unwrap() > 0, "{case:?} {i}");
+    }
+    let races = r["scenario"]["races"].as_array().unwrap();
+    for o in races {
+        let name = format!("race {} ({})", o["mechanism"].as_str().unwrap(), o["fencing"].as_str().unwrap());
+        let case = c.iter().find(|x| x.0 == name).unwrap_or_else(|| panic!("{name}: {c:?}"));
+        // The unfenced mechanism detected, the fenced ones clean: every race case passes.
+        assert!(case.1.is_none(), "{case:?}");
+    }
+}
+
+#[test]
+fn junit_paths_are_checked_before_the_run() {
+    for (path, needle) in [("-", "--junit needs a file path"), ("/nonexistent-dir/j.xml", "--junit")] {
+        let (code, out, err) = kvprobe(&["run", "--memory", "dram", "--junit", path]);
+        assert_eq!(code, 2, "{out}{err}");
+        assert!(err.contains(needle), "{err}");
+        assert!(!out.contains("iteration"), "nothing ran: {out}");
+    }
+}

@@ -1,0 +1,185 @@
+//! Stray writes in pipelined sweeps (issue 13 item 5): a write into a decode slot outside its
+//! own transfer — into a stage re-poisoned while later stages are in flight, or into a stage
+//! already verified — is reported as class `stray`. DRAM with the real NIXL library.
+//!
+//! The expectations are computed here from the README's definitions (the stage split, the
+//! pool's slice count), not with the code's own functions.
+
+use crate::common::{assert_found_exactly, run_with_report};
+use serde_json::Value;
+
+/// The geometry of a report's `config.geometry`: (layers, slices per layer).
+fn layers_and_slices_per_layer(r: &Value) -> (u64, u64) {
+    let g = &r["config"]["geometry"];
+    let parts = if g["mla"].as_bool().unwrap() { 1 } else { 2 };
+    (g["num_layers"].as_u64().unwrap(), parts * g["num_blocks"].as_u64().unwrap())
+}
+
+/// README "pipeline stages": stage i of S over L layers is layers [floor(i·L/S), floor((i+1)·L/S)).
+fn stage_ranges(layers: u64, stages: u64) -> Vec<std::ops::Range<u64>> {
+    (0..stages).map(|i| i * layers / stages..(i + 1) * layers / stages).collect()
+}
+
+/// The README's poison of (slot, iteration): little-endian u32 elements, `slot` at even
+/// indices and 0x5A000000 | iteration at odd ones.
+fn readme_poison(len: usize, slot: u32, iteration: u32) -> Vec<u8> {
+    (0..len / 4).flat_map(|e| if e % 2 == 0 { slot } else { 0x5A00_0000 | iteration }.to_le_bytes()).collect()
+}
+
+fn sha256_hex(b: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(b).iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Geometries × stage counts: NHD, HND, MLA, other block sizes and layer counts, seeds, READ
+/// and WRITE, merged descriptors; 3 stages, 4, and one per layer (the most).
+const CASES: [&[&str]; 6] = [
+    &["--pipeline-stages", "3", "--seed", "3"],
+    &["--pipeline-stages", "4", "--layout", "hnd", "--block-size", "8", "--seed", "0x77"],
+    &["--layers", "7", "--pipeline-stages", "7", "--op", "write", "--seed", "12345"],
+    &["--mla", "--head-size", "576", "--block-size", "4", "--layers", "5", "--blocks", "9", "--pipeline-stages", "5"],
+    &[
+        "--layers",
+        "6",
+        "--kv-heads",
+        "5",
+        "--head-size",
+        "72",
+        "--block-size",
+        "3",
+        "--blocks",
+        "7",
+        "--dtype",
+        "fp16",
+        "--pipeline-stages",
+        "3",
+    ],
+    &["--layers", "8", "--pipeline-stages", "4", "--descriptor-blocks", "16", "--seed", "9"],
+];
+
+#[test]
+fn injected_stray_writes_are_found_as_stray_in_every_geometry_and_stage_count() {
+    const ITERATIONS: u64 = 3;
+    for extra in CASES {
+        let mut args = vec!["--iterations", "3", "--inject", "stray:2"];
+        args.extend_from_slice(extra);
+        let (code, r, log) = run_with_report("stray", "dram", &args);
+        let ctx = format!("{extra:?}: {log}");
+        assert_eq!(code, 1, "{ctx}");
+        assert_eq!(r["outcome"]["status"], "corrupt", "{ctx}");
+        let s = &r["summary"];
+        // Two per iteration, each found where and as predicted, by the tests' own table.
+        assert_eq!(s["injections_planted"], 2 * ITERATIONS, "{ctx}");
+        assert_found_exactly(&r, 2 * ITERATIONS, &ctx);
+        assert_eq!(s["by_class"]["stray"], 2 * ITERATIONS, "{ctx}");
+        // Item 4's invariant holds: fingerprint comparisons are every slice once per iteration.
+        let (layers, per_layer) = layers_and_slices_per_layer(&r);
+        assert_eq!(s["slices_compared"], layers * per_layer * ITERATIONS, "{ctx}");
+        assert_eq!(s["blocks_checked"], layers * per_layer * ITERATIONS, "{ctx}");
+        let n = s["pipeline_stages"].as_u64().unwrap();
+        let st = stage_ranges(layers, n);
+        let stage_of = |layer: u64| st.iter().position(|r| r.contains(&layer)).unwrap();
+        for f in r["failures"].as_array().unwrap() {
+            let it = f["iteration"].as_u64().unwrap();
+            let (layer, observed) = (f["layer"].as_u64().unwrap(), &f["observed"]);
+            assert_eq!(f["class"], "stray", "{f}");
+            assert!(f["bad_bytes"].as_u64().unwrap() > 0, "{f}");
+            // The record names the block that landed there: a fingerprint of this iteration
+            // from another stage's layer.
+            assert_eq!(observed["generation"], it, "{f}");
+            let from = observed["layer"].as_u64().unwrap();
+            if it == ITERATIONS && n >= 4 {
+                // The last iteration's stray lands in stage 0 after it verified (the last
+                // stage's request carries it): found by the re-verify, against the fingerprint.
+                assert_eq!(f["stray_check"], "reverify", "{f}");
+                assert_eq!((stage_of(layer), stage_of(from)), (0, n as usize - 1), "{f}");
+            } else {
+                // Before its stage was posted: the slot no longer held its poison.
+                assert_eq!(f["stray_check"], "poison", "{f}");
+                assert!(stage_of(layer) >= 2 && stage_of(from) == 0, "{f}");
+                assert_eq!(f["poison_iteration"], it, "{f}");
+                let sb = r["config"]["geometry"]["slice_bytes"].as_u64().unwrap() as usize;
+                let poison = readme_poison(sb, f["slot"].as_u64().unwrap() as u32, it as u32);
+                assert_eq!(f["expected_digest"], sha256_hex(&poison), "what the slot should have held: {f}");
+            }
+        }
+    }
+}
+
+#[test]
+fn clean_pipelined_sweeps_report_no_stray_and_count_their_checks() {
+    for (extra, iterations) in [
+        (&["--pipeline-stages", "2"][..], 3u64),
+        (&["--pipeline-stages", "3", "--layers", "7"][..], 2),
+        (&["--pipeline-stages", "4", "--mla"][..], 3),
+        (&["--pipeline-stages", "5", "--layers", "5", "--layout", "hnd", "--op", "write"][..], 1),
+        (&["--pipeline-stages", "1"][..], 3),
+    ] {
+        let its = iterations.to_string();
+        let mut args = vec!["--iterations", its.as_str()];
+        args.extend_from_slice(extra);
+        let (code, r, log) = run_with_report("stray-clean", "dram", &args);
+        let ctx = format!("{extra:?}: {log}");
+        assert_eq!(code, 0, "{ctx}");
+        let s = &r["summary"];
+        assert_eq!(s["by_class"]["stray"], 0, "{ctx}");
+        assert_eq!(s["blocks_corrupt"], 0, "{ctx}");
+        let (layers, per_layer) = layers_and_slices_per_layer(&r);
+        let n = s["pipeline_stages"].as_u64().unwrap();
+        assert_eq!(s["slices_compared"], layers * per_layer * iterations, "{ctx}");
+        if n == 1 {
+            // Nothing is in flight between a stage's re-poison and its post: no checks.
+            assert_eq!((s["stray_poison_checked_slices"].as_u64(), s["stray_reverified_slices"].as_u64()), (Some(0), Some(0)));
+            continue;
+        }
+        // Every slice is poison-checked before every post; after the last iteration every
+        // stage but the last is verified again.
+        let last = stage_ranges(layers, n).pop().unwrap();
+        assert_eq!(s["stray_poison_checked_slices"], layers * per_layer * iterations, "{ctx}");
+        assert_eq!(s["stray_reverified_slices"], last.start * per_layer, "{ctx}");
+    }
+}
+
+#[test]
+fn inject_stray_needs_three_pipeline_stages() {
+    for extra in [&[][..], &["--pipeline-stages", "2"][..], &["--layers", "2", "--pipeline-stages", "2"][..]] {
+        let mut args = vec!["--iterations", "1", "--inject", "stray"];
+        args.extend_from_slice(extra);
+        let (code, r, log) = run_with_report("stray-refused", "dram", &args);
+        assert_eq!(code, 2, "{extra:?}: {log}");
+        assert!(log.contains("--inject stray needs at least 3 pipeline stages"), "{extra:?}: {log}");
+        assert_eq!(r["outcome"]["exit_code"], 2, "{extra:?}");
+    }
+    // More strays than the slices of stages 2 and later (3 layers, 3 stages: one layer of
+    // 2 × 2 slices) is refused too.
+    let (code, _, log) = run_with_report(
+        "stray-room",
+        "dram",
+        &["--layers", "3", "--blocks", "2", "--pipeline-stages", "3", "--inject", "stray:5", "--iterations", "1"],
+    );
+    assert_eq!(code, 2, "{log}");
+    assert!(log.contains("--inject stray needs 5 distinct block slices"), "{log}");
+}
+
+#[test]
+fn strays_combine_with_every_other_injection_and_a_decode_agent_process() {
+    // Every other kind in the same iterations (their slices distinct from the strays'), READ
+    // and WRITE, decode's agent in a second process: each fault comes back where and as the
+    // tests' own table predicts, nothing else.
+    for extra in [
+        &["--pipeline-stages", "4", "--seed", "21"][..],
+        &["--pipeline-stages", "3", "--layers", "6", "--op", "write", "--descriptor-blocks", "4"][..],
+        &["--pipeline-stages", "4", "--decode-process"][..],
+    ] {
+        let mut args = vec!["--iterations", "3", "--inject", "stray:2"];
+        args.extend(crate::common::EVERY_INJECTION);
+        args.extend_from_slice(extra);
+        let (code, r, log) = run_with_report("stray-combined", "dram", &args);
+        let ctx = format!("{extra:?}: {log}");
+        assert_eq!(code, 1, "{ctx}");
+        assert_found_exactly(&r, 3 * 7, &ctx);
+        assert_eq!(r["summary"]["by_class"]["stray"], 6, "{ctx}");
+        let (layers, per_layer) = layers_and_slices_per_layer(&r);
+        assert_eq!(r["summary"]["slices_compared"], 3 * layers * per_layer, "{ctx}");
+    }
+}
