@@ -22,6 +22,7 @@
 
 pub mod ab;
 pub mod bench;
+pub mod capture;
 pub mod child;
 pub mod cuda;
 pub mod deadline;

@@ -5,6 +5,7 @@
 mod common;
 
 mod bench;
+mod capture;
 mod cli;
 mod dram;
 mod fingerprint;
