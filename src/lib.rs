@@ -42,6 +42,7 @@ pub mod par;
 pub mod phase;
 pub mod pool;
 pub mod race;
+pub mod redact;
 pub mod remote;
 pub mod report;
 pub mod run;

@@ -16,6 +16,7 @@ mod junit;
 mod lanes;
 mod limits;
 mod mooncake;
+mod redact;
 mod scenario;
 mod setup;
 mod stray;
