@@ -15,6 +15,7 @@
 //! speed against same-run ceilings. [`deadline`] bounds every wait of a run (`--timeout`) and
 //! ends a run whose call never returns. [`scratch`] keeps the files kvprobe needs while it
 //! runs in private directories that never outlive it.
+//! [`capture`] writes a bundle's environment capture and [`redact`] its `--redact` replacements.
 //!
 //! `unsafe` lives only in the fenced FFI modules [`cuda`], [`hostmem`], [`nixl`], [`child`],
 //! [`interrupt`] (the signal handler) and the C bridge inside [`fingerprint`].
