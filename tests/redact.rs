@@ -189,3 +189,37 @@ fn redacted_capture_of_this_machine_holds_none_of_its_names() {
         assert!(!has_word(&all, &user), "user {user:?} left in the redacted capture");
     }
 }
+
+/// An nvidia-smi -q / ibv_devinfo / UCX log excerpt as those tools print it: only the
+/// serial, the UUID, the GUIDs, the address and the host name change; every version, bus id,
+/// part number and timestamp stays.
+#[test]
+fn redact_tool_output_changes_only_identifiers() {
+    let mut r = Redactor::new();
+    r.add_host("h200-node-3");
+    let text = "Timestamp                                 : Tue Dec  1 03:00:00 2026\n\
+                Driver Version                            : 570.133.20\n\
+                CUDA Version                              : 12.8\n\
+                Product Name                          : NVIDIA H200\n\
+                Serial Number                         : 1654123456789\n\
+                GPU UUID                              : GPU-5e2f0c1a-9b7d-4c3e-8f21-0a1b2c3d4e5f\n\
+                VBIOS Version                         : 96.00.A5.00.01\n\
+                Board Part Number                     : 692-2G520-0280-000\n\
+                Inforom Image Version                 : G520.0200.00.05\n\
+                Bus Id                                : 00000000:18:00.0\n\
+                \tfw_ver:\t\t\t\t28.39.1002\n\
+                \tnode_guid:\t\t\t0c42:a103:00de:ad01\n\
+                \tsys_image_guid:\t\t\t0c42:a103:00de:ad00\n\
+                [1764558000.123456] [h200-node-3:4242:0]  tcp_iface.c:911 UCX  DEBUG tcp/eth0 10.20.30.40:35000\n";
+    let s = r.text(text);
+    let want = text
+        .replace("1654123456789", "serial-1")
+        .replace("GPU-5e2f0c1a-9b7d-4c3e-8f21-0a1b2c3d4e5f", "gpu-uuid-1")
+        .replace("0c42:a103:00de:ad01", "guid-1")
+        .replace("0c42:a103:00de:ad00", "guid-2")
+        .replace("h200-node-3", "host-1")
+        .replace("10.20.30.40", "ip-1");
+    let host_token = tokens(&s, "host");
+    assert_eq!(host_token.len(), 1, "{s}");
+    assert_eq!(s, want.replace("host-1", &host_token[0]));
+}
