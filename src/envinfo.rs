@@ -349,7 +349,7 @@ pub fn render(e: &Environment) -> String {
                 "NIXL: {} (via {}, stub: {})\n",
                 p.display(),
                 e.nixl.found_via.as_deref().unwrap_or("?"),
-                e.nixl.stub.unwrap_or(true)
+                e.nixl.stub.map_or("unknown (not loaded)".to_string(), |b| b.to_string())
             );
             s += &format!(
                 "NIXL plugins ({}): {}\n",

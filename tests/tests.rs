@@ -8,6 +8,7 @@
 mod common;
 
 mod bench;
+mod capture;
 mod cli;
 mod docker;
 mod dram;
@@ -19,6 +20,7 @@ mod junit;
 mod lanes;
 mod limits;
 mod mooncake;
+mod redact;
 mod scenario;
 mod setup;
 mod stray;
