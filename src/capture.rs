@@ -266,12 +266,10 @@ fn command_line(prog: &str, args: &[&str]) -> String {
     std::iter::once(prog).chain(args.iter().copied()).collect::<Vec<_>>().join(" ")
 }
 
-/// Starts `cmd` so that it dies with kvprobe (`PR_SET_PDEATHSIG`, [`crate::child`]). Its
+/// Starts `cmd` through kvprobe's spawner thread ([`crate::child::spawn`]: it dies with kvprobe). Its
 /// stdout and stderr are anonymous files opened close-on-exec, stdin is /dev/null.
-// When the memsafe branch's `crate::child::spawn` is merged, this becomes that call.
-fn spawn(mut cmd: Command) -> std::io::Result<std::process::Child> {
-    crate::child::die_with_parent(&mut cmd);
-    cmd.spawn()
+fn spawn(cmd: Command) -> std::io::Result<std::process::Child> {
+    crate::child::spawn(cmd)
 }
 
 /// Runs `prog args` (found on `PATH`) with `LC_ALL=C`, killed after `bound`.
