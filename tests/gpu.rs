@@ -581,7 +581,7 @@ fn vram_ab_matrix_passes() {
     let d = tmpdir("vram-ab");
     let p = d.join("ab.json");
     let (code, out, err) =
-        kvprobe(&["ab", "--memory", "vram", "--requests", "1000", "--lockstep", "--report", p.to_str().unwrap()]);
+        kvprobe(&["ab", "--memory", "vram", "--requests", "400", "--lockstep", "--report", p.to_str().unwrap()]);
     assert_eq!(code, 0, "{out}{err}");
     let r = read_report(&p);
     assert!(r["rows"].as_array().unwrap().iter().all(|x| x["pass"] == true), "{out}");
@@ -736,10 +736,15 @@ fn ipc_export_helper() {
     let Some(n) = std::env::var("KVPROBE_TEST_IPC_EXPORT").ok().and_then(|v| v.parse::<usize>().ok()) else {
         return;
     };
+    eprintln!("exporter: opening GPU 0");
     let dev = Device::open(0).unwrap();
+    eprintln!("exporter: allocating {n} bytes");
     let buf = kvprobe::cuda::DeviceBuffer::alloc(&dev, n).unwrap();
+    eprintln!("exporter: exporting");
     let h = buf.ipc_handle().unwrap();
     println!("HANDLE {}", h.iter().map(|b| format!("{b:02x}")).collect::<String>());
+    std::io::Write::flush(&mut std::io::stdout()).unwrap();
+    eprintln!("exporter: handle printed");
     let _ = std::io::stdin().read_to_end(&mut Vec::new());
     drop(buf);
 }
@@ -760,28 +765,47 @@ fn ipc_import_refuses_a_length_beyond_the_allocation() {
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let mut lines = std::io::BufReader::new(exporter.stdout.take().unwrap()).lines();
-    let hex = lines
-        .by_ref()
-        .map_while(|l| l.ok())
-        .find_map(|l| l.strip_prefix("HANDLE ").map(str::to_string))
-        .expect("the exporter printed its handle");
+    eprintln!("ipc test: exporter started");
+    // Read on a thread, waited for with a bound: an exporter that never prints its handle
+    // fails the test (its own stderr lines say how far it got) instead of hanging the lane.
+    let stdout = exporter.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let found = std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(|l| l.ok())
+            .find_map(|l| l.strip_prefix("HANDLE ").map(str::to_string));
+        let _ = tx.send(found);
+    });
+    let hex = match rx.recv_timeout(std::time::Duration::from_secs(120)) {
+        Ok(Some(h)) => h,
+        Ok(None) => panic!("the exporter ended without printing its handle: {:?}", exporter.wait()),
+        Err(_) => {
+            let _ = exporter.kill();
+            panic!("the exporter printed no handle within 120 s (its stderr above says how far it got)")
+        }
+    };
     let mut handle = [0u8; 64];
     for (i, b) in handle.iter_mut().enumerate() {
         *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
     }
+    eprintln!("ipc test: handle read");
     let dev = Device::open(0).unwrap();
     let keep: Arc<dyn std::any::Any + Send + Sync> = Arc::new(());
     // The true length (and a shorter one) opens.
     drop(kvprobe::cuda::DeviceBuffer::import(&dev, &handle, LEN, keep.clone()).unwrap());
+    eprintln!("ipc test: opened with its own length");
     drop(kvprobe::cuda::DeviceBuffer::import(&dev, &handle, LEN / 2, keep.clone()).unwrap());
+    eprintln!("ipc test: opened with half its length");
     // A longer claim is a device error naming both lengths, and the handle was closed again
     // (it opens once more afterwards).
     let e = kvprobe::cuda::DeviceBuffer::import(&dev, &handle, 2 * LEN, keep.clone()).unwrap_err();
     assert!(matches!(e, kvprobe::error::Error::Device(_)), "{e:?}");
     let m = e.to_string();
     assert!(m.contains(&(2 * LEN).to_string()) && m.contains(&LEN.to_string()), "{m}");
+    eprintln!("ipc test: a longer claim refused");
     drop(kvprobe::cuda::DeviceBuffer::import(&dev, &handle, LEN, keep).unwrap());
+    eprintln!("ipc test: opened again");
     drop(exporter.stdin.take());
     assert!(exporter.wait().unwrap().success());
 }
