@@ -105,6 +105,27 @@ __device__ __forceinline__ void kvp_cmp(unsigned want, unsigned got, unsigned of
     }
 }
 
+/* kvp_cmp over the four elements of chunk `got` at byte offset `off`. */
+__device__ __forceinline__ void kvp_cmp4(uint4 want, uint4 got, unsigned off, unsigned *bad, unsigned *first) {
+    kvp_cmp(want.x, got.x, off, bad, first);
+    kvp_cmp(want.y, got.y, off + 4u, bad, first);
+    kvp_cmp(want.z, got.z, off + 8u, bad, first);
+    kvp_cmp(want.w, got.w, off + 12u, bad, first);
+}
+
+/* Appends one failure record (a failing part of `slice`): counted always, written only below
+ * `cap` (the host treats a count above it as an error). */
+__device__ __forceinline__ void kvp_append_fail(kvp_fail *fails, unsigned *count, unsigned cap, unsigned slice,
+                                                unsigned bad, unsigned first) {
+    const unsigned i = atomicAdd(count, 1u);
+    kvp_fail f;
+    f.slice = slice;
+    f.bad_bytes = bad;
+    f.first_bad = first;
+    f.pad = 0u;
+    if (i < cap) fails[i] = f;
+}
+
 /* Verifies every part; a failing part appends one kvp_fail (its slice, its bad bytes, its
  * first bad byte within the slice) — the host merges the parts of a slice. The fast path
  * only ORs the differences; a part that differs is counted again byte by byte. `fails` holds
@@ -158,22 +179,11 @@ extern "C" __global__ void kvp_verify(const uint4 *region, unsigned slice_bytes,
             const uint4 got = s[c];
             const uint4 want = kvp_chunk(key, ent.x, lkv, ent.y, c);
             const unsigned off = c * 16u;
-            kvp_cmp(want.x, got.x, off, &bad, &first);
-            kvp_cmp(want.y, got.y, off + 4u, &bad, &first);
-            kvp_cmp(want.z, got.z, off + 8u, &bad, &first);
-            kvp_cmp(want.w, got.w, off + 12u, &bad, &first);
+            kvp_cmp4(want, got, off, &bad, &first);
         }
         if (bad) { atomicAdd(&s_bad, bad); atomicMin(&s_first, first); }
         __syncthreads();
-        if (threadIdx.x == 0 && s_bad) {
-            const unsigned i = atomicAdd(fail_count, 1u);
-            kvp_fail f;
-            f.slice = slice_base + q;
-            f.bad_bytes = s_bad;
-            f.first_bad = s_first;
-            f.pad = 0u;
-            if (i < fail_cap) fails[i] = f;
-        }
+        if (threadIdx.x == 0 && s_bad) kvp_append_fail(fails, fail_count, fail_cap, slice_base + q, s_bad, s_first);
         __syncthreads();
     }
     if (threadIdx.x == 0) {
@@ -222,22 +232,11 @@ extern "C" __global__ void kvp_check_poison(const uint4 *region, unsigned slice_
         for (unsigned c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
             const uint4 got = s[c];
             const unsigned off = c * 16u;
-            kvp_cmp(want.x, got.x, off, &bad, &first);
-            kvp_cmp(want.y, got.y, off + 4u, &bad, &first);
-            kvp_cmp(want.z, got.z, off + 8u, &bad, &first);
-            kvp_cmp(want.w, got.w, off + 12u, &bad, &first);
+            kvp_cmp4(want, got, off, &bad, &first);
         }
         if (bad) { atomicAdd(&s_bad, bad); atomicMin(&s_first, first); }
         __syncthreads();
-        if (threadIdx.x == 0 && s_bad) {
-            const unsigned i = atomicAdd(fail_count, 1u);
-            kvp_fail f;
-            f.slice = slot;
-            f.bad_bytes = s_bad;
-            f.first_bad = s_first;
-            f.pad = 0u;
-            if (i < fail_cap) fails[i] = f;
-        }
+        if (threadIdx.x == 0 && s_bad) kvp_append_fail(fails, fail_count, fail_cap, slot, s_bad, s_first);
         __syncthreads();
     }
     if (threadIdx.x == 0 && my_slices) atomicAdd(checked, (unsigned long long)my_slices);

@@ -89,6 +89,14 @@ fn outcome_case(outcome: &Value, classname: &str) -> TestCase {
     case(format!("outcome: {status} (exit {code})"), classname, st, None)
 }
 
+/// The document: `suite` with the `outcome` case added last.
+fn finish(mut suite: TestSuite, doc: &Value, classname: &str) -> Report {
+    suite.add_test_case(outcome_case(&doc["outcome"], classname));
+    let mut r = Report::new("kvprobe");
+    r.add_test_suite(suite);
+    r
+}
+
 fn suite(name: &str, doc: &Value) -> TestSuite {
     let mut s = TestSuite::new(name.to_string());
     let mut props = vec![Property::new("schema", text(&doc["schema"]))];
@@ -232,10 +240,7 @@ pub fn from_run(doc: &Value) -> Report {
             None,
         ));
     }
-    suite.add_test_case(outcome_case(&doc["outcome"], cls));
-    let mut r = Report::new("kvprobe");
-    r.add_test_suite(suite);
-    r
+    finish(suite, doc, cls)
 }
 
 /// The JUnit document of a `kvprobe ab` report: one case per row.
@@ -264,10 +269,12 @@ pub fn from_ab(doc: &Value) -> Report {
         };
         suite.add_test_case(case(name, cls, st, None));
     }
-    suite.add_test_case(outcome_case(&doc["outcome"], cls));
-    let mut r = Report::new("kvprobe");
-    r.add_test_suite(suite);
-    r
+    finish(suite, doc, cls)
+}
+
+/// A bench goal's status: success when `met`, else a `goal-missed` failure saying `why`.
+fn goal_case(met: bool, why: impl FnOnce() -> String) -> TestCaseStatus {
+    if met { TestCaseStatus::success() } else { failure(NonSuccessKind::Failure, "goal-missed", why()) }
 }
 
 /// The JUnit document of a `kvprobe bench` result: one case per goal, and the outcome.
@@ -277,42 +284,27 @@ pub fn from_bench(doc: &Value) -> Report {
     for f in doc["figures"].as_array().into_iter().flatten() {
         let Some(goal) = f["goal"].as_f64() else { continue };
         let ratio = f["ratio"].as_f64();
-        let st = if f["meets"].as_bool() == Some(true) {
-            TestCaseStatus::success()
-        } else {
-            failure(
-                NonSuccessKind::Failure,
-                "goal-missed",
-                format!(
-                    "ratio {} below the goal {goal:.2} ({} GB/s)",
-                    ratio.map_or("unknown".into(), |r| format!("{r:.3}")),
-                    f["gbps"].as_f64().map_or("?".into(), |g| format!("{g:.1}"))
-                ),
+        let st = goal_case(f["meets"].as_bool() == Some(true), || {
+            format!(
+                "ratio {} below the goal {goal:.2} ({} GB/s)",
+                ratio.map_or("unknown".into(), |r| format!("{r:.3}")),
+                f["gbps"].as_f64().map_or("?".into(), |g| format!("{g:.1}"))
             )
-        };
+        });
         let to = f["ratio_to"].as_str().map(|t| format!(" of {t}")).unwrap_or_default();
         suite.add_test_case(case(format!("{} >= {goal:.2}{to}", text(&f["name"])), cls, st, secs(&f["seconds_median"])));
     }
     for b in doc["breakdowns"].as_array().into_iter().flatten() {
         let Some(meets) = b["meets"].as_bool() else { continue };
-        let st = if meets {
-            TestCaseStatus::success()
-        } else {
-            failure(
-                NonSuccessKind::Failure,
-                "goal-missed",
-                format!(
-                    "probe share {} above the goal",
-                    b["probe_share"].as_f64().map_or("?".into(), |s| format!("{:.1} %", 100.0 * s))
-                ),
+        let st = goal_case(meets, || {
+            format!(
+                "probe share {} above the goal",
+                b["probe_share"].as_f64().map_or("?".into(), |s| format!("{:.1} %", 100.0 * s))
             )
-        };
+        });
         suite.add_test_case(case(format!("{}: probe share", text(&b["label"])), cls, st, None));
     }
-    suite.add_test_case(outcome_case(&doc["outcome"], cls));
-    let mut r = Report::new("kvprobe");
-    r.add_test_suite(suite);
-    r
+    finish(suite, doc, cls)
 }
 
 /// Writes `doc` (a JUnit document) to `path` atomically, as reports are

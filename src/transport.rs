@@ -334,6 +334,18 @@ pub fn poll(op: Op, prefill: &Endpoint, decode: &Endpoint, p: &mut Request) -> R
     }
 }
 
+/// The timeout of a notification query for `tag` (from agent `from`) that began at `asked`,
+/// before the deadline `d` of its request, and returned at `returned`, after it.
+fn query_crossed(tag: &str, from: &str, d: &Deadline, asked: Instant, returned: Instant) -> crate::error::Error {
+    crate::error::Error::Timeout(format!(
+        "notification {tag} from {from}: a notification query begun {:.3} s after its request was posted returned \
+         {:.3} s after it, over --timeout {:.6} s",
+        (asked - d.start).as_secs_f64(),
+        (returned - d.start).as_secs_f64(),
+        d.limit_secs()
+    ))
+}
+
 /// Waits until the role that did not post `op`'s requests has received the notification of
 /// every tag in `tags` (removed as they arrive; others are dropped). Each tag carries its
 /// request's deadline ([`post`]): a tag still missing at two checks that began after its
@@ -359,13 +371,7 @@ pub fn await_notifications(
         if let Some((tag, d)) = next
             && crate::deadline::crossed(&d, asked, returned)
         {
-            return Err(crate::error::Error::Timeout(format!(
-                "notification {tag} from {from}: a notification query begun {:.3} s after its request was posted returned \
-                 {:.3} s after it, over --timeout {:.6} s",
-                (asked - d.start).as_secs_f64(),
-                (returned - d.start).as_secs_f64(),
-                d.limit_secs()
-            )));
+            return Err(query_crossed(&tag, &from, &d, asked, returned));
         }
         for (peer, msg) in got {
             if peer == from {
@@ -425,13 +431,7 @@ pub fn poll_notification(
     let got = other.raw_notifications()?;
     let returned = Instant::now();
     if crate::deadline::crossed(&deadline, asked, returned) {
-        return Err(crate::error::Error::Timeout(format!(
-            "notification {tag} from {from}: a notification query begun {:.3} s after its request was posted returned \
-             {:.3} s after it, over --timeout {:.6} s",
-            (asked - deadline.start).as_secs_f64(),
-            (returned - deadline.start).as_secs_f64(),
-            deadline.limit_secs()
-        )));
+        return Err(query_crossed(tag, &from, &deadline, asked, returned));
     }
     inbox.got.extend(got.into_iter().filter(|(peer, _)| *peer == from).map(|(_, m)| m));
     if inbox.got.remove(tag) {

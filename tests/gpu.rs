@@ -124,18 +124,12 @@ fn detection_geometries() -> Vec<Geometry> {
 /// out here rather than taken from the code under test.
 const PART_BYTES: usize = 16384;
 
-/// Fills `pool` (of `g`), then damages, each in its own slice where the pool has enough
-/// (spread from the first global slice to the last), the first byte of every 16 KiB part,
-/// the last byte of every part (the slice's last byte for the last, possibly partial,
-/// part), and in one more slice the first and last byte of every part together; then
-/// verifies. The expected failures come from the damage alone — a slice with k distinct
-/// flipped bytes has k bad bytes, the first at its lowest offset — not from the code under
-/// test. Returns (what the pool's verify reported, what was expected), both as (global
-/// slice, bad bytes, first bad byte) sorted by slice.
-#[allow(clippy::type_complexity)]
-fn damage_every_part_edge(pool: &mut KvPool, g: &Geometry) -> (Vec<(u32, u64, u64)>, Vec<(u32, u64, u64)>) {
-    let t = table(g, 3);
-    pool.fill(&t).unwrap();
+/// Flips (XOR 0x41) the first byte of every 16 KiB part and the last byte of every part of
+/// `pool`'s slices, each edge in its own slice where the pool has enough (spread from the
+/// first global slice to the last), and in one more slice every edge together. Returns what
+/// the damage alone predicts, as (global slice, bad bytes, first bad byte) sorted by slice —
+/// a slice with k distinct flipped bytes has k bad bytes, the first at its lowest offset.
+fn damage_part_edges(pool: &mut KvPool, g: &Geometry) -> Vec<(u32, u64, u64)> {
     let sb = g.slice_bytes().unwrap() as usize;
     let parts = sb.div_ceil(PART_BYTES);
     let first = |p: usize| p * PART_BYTES;
@@ -162,8 +156,22 @@ fn damage_every_part_edge(pool: &mut KvPool, g: &Geometry) -> (Vec<(u32, u64, u6
         }
         pool.write_slice(c, &buf).unwrap();
     }
-    let want: Vec<(u32, u64, u64)> =
-        hit.iter().map(|(&s, offs)| (s, offs.len() as u64, *offs.iter().next().unwrap() as u64)).collect();
+    hit.iter().map(|(&s, offs)| (s, offs.len() as u64, *offs.iter().next().unwrap() as u64)).collect()
+}
+
+/// Fills `pool` (of `g`), then damages, each in its own slice where the pool has enough
+/// (spread from the first global slice to the last), the first byte of every 16 KiB part,
+/// the last byte of every part (the slice's last byte for the last, possibly partial,
+/// part), and in one more slice the first and last byte of every part together; then
+/// verifies. The expected failures come from the damage alone — a slice with k distinct
+/// flipped bytes has k bad bytes, the first at its lowest offset — not from the code under
+/// test. Returns (what the pool's verify reported, what was expected), both as (global
+/// slice, bad bytes, first bad byte) sorted by slice.
+#[allow(clippy::type_complexity)]
+fn damage_every_part_edge(pool: &mut KvPool, g: &Geometry) -> (Vec<(u32, u64, u64)>, Vec<(u32, u64, u64)>) {
+    let t = table(g, 3);
+    pool.fill(&t).unwrap();
+    let want = damage_part_edges(pool, g);
     let got = pool.verify(&t).unwrap().into_iter().map(|f| (f.slice, f.bad_bytes, f.first_bad)).collect();
     (got, want)
 }
@@ -275,30 +283,7 @@ fn verify_failure_list_starts_empty_and_its_overflow_is_an_error() {
 #[allow(clippy::type_complexity)]
 fn poison_damage_every_part_edge(pool: &mut KvPool, g: &Geometry) -> (Vec<(u32, u64, u64)>, Vec<(u32, u64, u64)>, u64) {
     pool.poison(9).unwrap();
-    let sb = g.slice_bytes().unwrap() as usize;
-    let parts = sb.div_ceil(PART_BYTES);
-    let mut cases: Vec<Vec<usize>> = Vec::new();
-    for p in 0..parts {
-        cases.push(vec![p * PART_BYTES]);
-        cases.push(vec![((p + 1) * PART_BYTES).min(sb) - 1]);
-    }
-    cases.push((0..parts).flat_map(|p| [p * PART_BYTES, ((p + 1) * PART_BYTES).min(sb) - 1]).collect());
-    let slices = g.total_slices().unwrap() as usize;
-    let mut hit: std::collections::BTreeMap<u32, std::collections::BTreeSet<usize>> = Default::default();
-    for (k, offs) in cases.iter().enumerate() {
-        let slice = if cases.len() <= slices { k * (slices - 1) / (cases.len() - 1).max(1) } else { k % slices };
-        hit.entry(slice as u32).or_default().extend(offs);
-    }
-    let mut buf = vec![0u8; sb];
-    for (&slice, offs) in &hit {
-        let c = g.coord_of(slice);
-        pool.read_slice(c, &mut buf).unwrap();
-        for &o in offs {
-            buf[o] ^= 0x41;
-        }
-        pool.write_slice(c, &buf).unwrap();
-    }
-    let want = hit.iter().map(|(&s, offs)| (s, offs.len() as u64, *offs.iter().next().unwrap() as u64)).collect();
+    let want = damage_part_edges(pool, g);
     pool.check_poison_layers(0..g.num_layers, 9).unwrap();
     let (fails, checked) = pool.take_poison_failures().unwrap();
     (fails.into_iter().map(|f| (f.slice, f.bad_bytes, f.first_bad)).collect(), want, checked)
