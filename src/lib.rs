@@ -25,6 +25,7 @@ pub mod bench;
 pub mod child;
 pub mod cuda;
 pub mod deadline;
+pub mod dump;
 pub mod engine;
 pub mod envinfo;
 pub mod error;

@@ -213,6 +213,18 @@ struct PoolArgs {
     /// At most this many failures listed in the report, up to 1000000 (counts stay complete; scenarios list up to N explained and N unexplained).
     #[arg(long, default_value_t = 1000)]
     max_failures: usize,
+    /// Write every failing block slice exactly as it arrived into DIR (new or empty; ab: DIR/<row>/), with index.json (coordinates, expected identity, digests, the command that regenerates the expected bytes), up to --dump-max-bytes.
+    #[arg(long, value_name = "DIR")]
+    dump: Option<PathBuf>,
+    /// Cap of the slice bytes --dump writes (e.g. 64MiB); counts in the report and index.json stay complete, and the first failures of each class are kept before more of one.
+    #[arg(long, default_value = "256MiB", value_parser = parse_bytes, value_name = "BYTES")]
+    dump_max_bytes: u64,
+    /// At the end of the run, write one .tar.gz holding the report, the dump (a scratch one without --dump), a manifest and an environment capture (for a vendor: `kvprobe report check FILE`).
+    #[arg(long, value_name = "FILE")]
+    bundle: Option<PathBuf>,
+    /// With --bundle: replace host names, IP addresses and user names in the bundle's text files by stable tokens.
+    #[arg(long, requires = "bundle")]
+    redact: bool,
 }
 
 #[derive(Args)]
@@ -801,13 +813,24 @@ fn run(args: RunArgs, typed: &[&str]) -> Exit {
             err(&format!("kvprobe: checkpoint: {e}"));
         }
     };
+    let mut dumper = match start_dump(&args.pool, &cfg, None) {
+        Ok(d) => d,
+        Err(e) => {
+            err(&format!("kvprobe: {e}"));
+            return e.exit();
+        }
+    };
     let mut hooks = Hooks {
         line: &mut line,
         progress: &mut progress,
         checkpoint_secs: if cfg.scenario.is_some() { args.load.checkpoint } else { 0.0 },
         checkpoint: &mut checkpoint,
+        dump: dumper.as_mut(),
     };
-    let (report, exit) = kvprobe::run::run(&cfg, &mut hooks);
+    let (mut report, exit) = kvprobe::run::run(&cfg, &mut hooks);
+    if let Some(d) = dumper.as_mut() {
+        report.dump = Some(d.finish());
+    }
     end_phases();
     display.finish();
     let lost = args.pool.report.as_ref().and_then(|p| write_json(p, &report).err());
@@ -817,6 +840,34 @@ fn run(args: RunArgs, typed: &[&str]) -> Exit {
     report_error(&report.outcome);
     let exit = report_outcome(&args.pool.report, lost, &report, exit, "report:            ");
     write_junit(&args.pool.junit, kvprobe::junit::from_run, &report, exit)
+}
+
+/// The dump directory of a run (`--dump`, or with `--bundle` alone a scratch one).
+fn dump_dir(pool: &PoolArgs) -> Result<Option<PathBuf>, Error> {
+    match (&pool.dump, &pool.bundle) {
+        (Some(d), _) => Ok(Some(d.clone())),
+        (None, Some(_)) => Ok(Some(kvprobe::scratch::dir()?.join("dump"))),
+        (None, None) => Ok(None),
+    }
+}
+
+/// Checks `--dump`/`--bundle` before the run (exit 2: a non-empty dump directory, an
+/// unwritable bundle path) and, for `run` (`row` None), starts the dump.
+fn start_dump(pool: &PoolArgs, cfg: &RunConfig, row: Option<&str>) -> Result<Option<kvprobe::dump::Dumper>, Error> {
+    if let Some(b) = &pool.bundle {
+        if is_stdout(b) {
+            return Err(Error::Usage("--bundle needs a file path (`-` is not supported)".into()));
+        }
+        kvprobe::report::check_writable_for(b, "--bundle")?;
+    }
+    let Some(dir) = dump_dir(pool)? else { return Ok(None) };
+    kvprobe::dump::check_dir(&dir)?;
+    if row.is_some() {
+        return Ok(None);
+    }
+    let geometry = serde_json::to_value(cfg).ok().and_then(|v| v.get("geometry").cloned()).unwrap_or_default();
+    let sb = cfg.geometry.slice_bytes()?;
+    kvprobe::dump::Dumper::new(&dir, pool.dump_max_bytes, cfg.seed, geometry, sb).map(Some)
 }
 
 /// Prints the error that ended a run, if any, on stderr.
@@ -870,6 +921,13 @@ fn ab(args: AbArgs) -> Exit {
     }
     let mut cfg = args.pool.config();
     cfg.scenario = Some(args.load.config(Scenario::Stacked, Vec::new(), &cfg.geometry));
+    let dir = match start_dump(&args.pool, &cfg, Some("ab")).and_then(|_| dump_dir(&args.pool)) {
+        Ok(d) => d,
+        Err(e) => {
+            err(&format!("kvprobe: {e}"));
+            return e.exit();
+        }
+    };
     let mut display = Display::new();
     let stall_cfg = cfg.clone();
     on_stall(
@@ -902,7 +960,8 @@ fn ab(args: AbArgs) -> Exit {
             err(&format!("kvprobe: checkpoint: {e}"));
         }
     };
-    let (ab, exit) = kvprobe::ab::run_ab(&cfg, &mut progress, &mut after_row);
+    let (ab, exit) =
+        kvprobe::ab::run_ab(&cfg, &mut progress, &mut after_row, dir.as_deref().map(|d| (d, args.pool.dump_max_bytes)));
     end_phases();
     display.finish();
     let lost = args.pool.report.as_ref().and_then(|p| write_json(p, &ab).err());

@@ -325,6 +325,9 @@ pub struct Report {
     /// Scenario runs (`--scenario`): load, tier, race outcomes, error rate over time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scenario: Option<crate::engine::ScenarioReport>,
+    /// `--dump DIR`: what was dumped (README "Dumps").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dump: Option<crate::dump::DumpSummary>,
     /// How it ended.
     pub outcome: Outcome,
 }

@@ -7,6 +7,7 @@ mod common;
 mod bench;
 mod cli;
 mod dram;
+mod dump;
 mod fingerprint;
 mod geometry;
 mod gpu;
