@@ -22,6 +22,8 @@
 
 pub mod ab;
 pub mod bench;
+pub mod bundle;
+pub mod check;
 pub mod child;
 pub mod cuda;
 pub mod deadline;

@@ -244,6 +244,12 @@ pub fn describe(p: &TransportPath) -> String {
     format!("{} {}", p.backend, seen.join("; "))
 }
 
+/// Everything in kvprobe's UCX log so far (protocol tables and messages), for a bundle's
+/// environment capture; `None` when the capture is off or the log cannot be read.
+pub fn log_text() -> Option<String> {
+    read_since(0)
+}
+
 /// UCX's messages in kvprobe's log other than the protocol tables (warnings, errors, and what
 /// `UCX_LOG_LEVEL` asked for), in order: printed at exit so the capture hides nothing.
 pub fn messages() -> Vec<String> {

@@ -1,0 +1,394 @@
+//! Bundles: one `.tar.gz` a vendor can receive (`--bundle FILE` on run and ab, `kvprobe
+//! bundle`), read back by `kvprobe report check` ([`crate::check`]) and `kvprobe report show`.
+//!
+//! Layout (README "Dumps, bundles and `report check`"), all under the top folder [`TOP`]:
+//! `manifest.json` ([`Manifest`], schema [`MANIFEST_SCHEMA`]: every other file with its size
+//! and SHA-256), `report.json` (a run report) or `ab.json` (an ab report), `dump/…` (the
+//! `--dump` directory as written: `index.json`, `slices/`, `scripts/`; ab: one folder per
+//! row), and `env/…` (the environment capture). Written with the tar and flate2 crates, to a
+//! temporary file beside the target renamed over it ([`crate::report::write_atomic_with`]).
+
+use crate::error::{Error, Result};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+
+/// Schema of `manifest.json`.
+pub const MANIFEST_SCHEMA: &str = "kvprobe.manifest/1";
+
+/// The folder every bundle entry lies in.
+pub const TOP: &str = "kvprobe-bundle";
+
+/// One file of the bundle.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ManifestFile {
+    /// Path under [`TOP`] (e.g. `dump/slices/1-0-K-3.bin`).
+    pub path: String,
+    /// Size in bytes.
+    pub bytes: u64,
+    /// SHA-256 of the file, lowercase hex.
+    pub sha256: String,
+}
+
+/// `manifest.json`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Manifest {
+    /// Always [`MANIFEST_SCHEMA`].
+    pub schema: String,
+    /// Version of the kvprobe that wrote the bundle.
+    pub kvprobe_version: String,
+    /// When the bundle was written (Unix seconds).
+    pub created_unix: u64,
+    /// True when host names, IP addresses and user names were replaced (`--redact`).
+    pub redacted: bool,
+    /// When the environment capture (`env/`) was made: `run` (at the end of the run that
+    /// wrote the report, `--bundle`) or `bundle` (later, by `kvprobe bundle`: it describes the
+    /// machine then, not necessarily the run's).
+    pub capture_made: String,
+    /// The report's path in the bundle: `report.json` or `ab.json`.
+    pub report: String,
+    /// Every other file of the bundle.
+    pub files: Vec<ManifestFile>,
+}
+
+/// What goes into a bundle.
+pub struct Contents<'a> {
+    /// The report's JSON exactly as written.
+    pub report: Vec<u8>,
+    /// `report.json` or `ab.json`.
+    pub report_name: &'static str,
+    /// The dump directory, if any.
+    pub dump: Option<&'a Path>,
+    /// `run` or `bundle` ([`Manifest::capture_made`]).
+    pub capture_made: &'static str,
+    /// The UCX log of the run, when one was kept (run-time bundles).
+    pub ucx_log: Option<&'a Path>,
+    /// Replace host names, IP addresses and user names in text files.
+    pub redact: bool,
+}
+
+/// The environment capture into `dir`; returns the files written.
+///
+/// Replaced by `crate::capture::capture(out: &Path, ucx_log: Option<&Path>) ->
+/// Result<Vec<PathBuf>>` at merge: this stand-in writes only `uname.txt` (`uname -a`),
+/// `transport-env.txt` (the UCX_*/NIXL_* variables in effect), the UCX log when given, and
+/// `capture.json` listing the tools that were missing (a missing tool is recorded, never an
+/// error).
+fn environment_capture(dir: &Path, ucx_log: Option<&Path>) -> Result<Vec<PathBuf>> {
+    let io = |what: &str, e: std::io::Error| Error::Io(format!("environment capture: {what}: {e}"));
+    let mut written = Vec::new();
+    let mut missing = Vec::new();
+    let mut put = |name: &str, body: &[u8]| -> Result<()> {
+        let p = dir.join(name);
+        std::fs::write(&p, body).map_err(|e| io(name, e))?;
+        written.push(p);
+        Ok(())
+    };
+    match std::process::Command::new("uname").arg("-a").output() {
+        Ok(o) => put("uname.txt", &o.stdout)?,
+        Err(e) => missing.push(serde_json::json!({"tool": "uname", "error": e.to_string()})),
+    }
+    let mut vars: Vec<(String, String)> =
+        std::env::vars().filter(|(k, _)| k.starts_with("UCX_") || k.starts_with("NIXL_")).collect();
+    vars.sort();
+    put("transport-env.txt", vars.iter().map(|(k, v)| format!("{k}={v}\n")).collect::<String>().as_bytes())?;
+    if let Some(l) = ucx_log {
+        match std::fs::read(l) {
+            Ok(b) => put("ucx.log", &b)?,
+            Err(e) => missing.push(serde_json::json!({"tool": "ucx log", "error": e.to_string()})),
+        }
+    }
+    let j = serde_json::json!({ "missing": missing });
+    put("capture.json", serde_json::to_string_pretty(&j).unwrap_or_default().as_bytes())?;
+    Ok(written)
+}
+
+/// Replaces host names, IPv4 addresses and user names in `s` by stable tokens (the same input
+/// always gives the same token: `host-`, `ip-`, `user-` and 8 hex digits of its SHA-256).
+///
+/// Replaced by `crate::redact::Redactor` (`Redactor::new()`, `text(&mut self, s: &str) ->
+/// String`, one for the whole bundle) at merge: this stand-in knows only this machine's host
+/// name (`/proc/sys/kernel/hostname`), the user name (`$USER`, else the password entry of the
+/// real uid) and dotted-quad IPv4 addresses.
+fn redact_text(s: &str) -> String {
+    let token = |kind: &str, v: &str| {
+        let d = Sha256::digest(v.as_bytes());
+        format!("{kind}-{:02x}{:02x}{:02x}{:02x}", d[0], d[1], d[2], d[3])
+    };
+    let mut out = redact_ipv4(s, &|ip| token("ip", ip));
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default();
+    let user = std::env::var("USER").ok().filter(|u| !u.is_empty()).or_else(user_name).unwrap_or_default();
+    for (kind, name) in [("host", host), ("user", user)] {
+        if name.len() >= 2 && name != "localhost" {
+            out = replace_word(&out, &name, &token(kind, &name));
+        }
+    }
+    out
+}
+
+/// The user name of the real uid (password database).
+fn user_name() -> Option<String> {
+    let uid = crate::scratch::own_uid()?;
+    let passwd = std::fs::read_to_string("/etc/passwd").ok()?;
+    passwd.lines().find_map(|l| {
+        let f: Vec<&str> = l.split(':').collect();
+        (f.len() > 2 && f[2].parse::<u32>().ok() == Some(uid)).then(|| f[0].to_string())
+    })
+}
+
+fn word_char(c: char) -> bool {
+    c.is_ascii_alphanumeric() || c == '_' || c == '.' || c == '-'
+}
+
+/// Replaces whole-word occurrences of `word` (not inside a longer name).
+fn replace_word(s: &str, word: &str, by: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s;
+    while let Some(i) = rest.find(word) {
+        let before = if i > 0 { rest[..i].chars().last() } else { out.chars().last() };
+        let after = rest[i + word.len()..].chars().next();
+        let bounded = !before.is_some_and(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+            && !after.is_some_and(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+        out.push_str(&rest[..i]);
+        out.push_str(if bounded { by } else { word });
+        rest = &rest[i + word.len()..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Replaces dotted-quad IPv4 addresses (four numbers 0–255, not part of a longer dotted
+/// number).
+fn redact_ipv4(s: &str, token: &dyn Fn(&str) -> String) -> String {
+    let b = s.as_bytes();
+    let mut out = String::with_capacity(s.len());
+    let mut i = 0;
+    let mut last = 0;
+    while i < b.len() {
+        let starts = b[i].is_ascii_digit() && (i == 0 || !(word_char(b[i - 1] as char)));
+        if starts {
+            let mut j = i;
+            let mut parts = 0;
+            let mut ok = true;
+            loop {
+                let k = j;
+                while j < b.len() && b[j].is_ascii_digit() {
+                    j += 1;
+                }
+                if j == k || j - k > 3 || s[k..j].parse::<u32>().map_or(true, |v| v > 255) {
+                    ok = false;
+                    break;
+                }
+                parts += 1;
+                if parts == 4 || j >= b.len() || b[j] != b'.' {
+                    break;
+                }
+                j += 1;
+            }
+            let ends =
+                j >= b.len() || !(b[j].is_ascii_alphanumeric() || (b[j] == b'.' && b.get(j + 1).is_some_and(u8::is_ascii_digit)));
+            if ok && parts == 4 && ends {
+                out.push_str(&s[last..i]);
+                out.push_str(&token(&s[i..j]));
+                last = j;
+                i = j;
+                continue;
+            }
+        }
+        i += 1;
+    }
+    out.push_str(&s[last..]);
+    out
+}
+
+/// SHA-256 of `bytes`, lowercase hex.
+fn sha_hex(d: &[u8]) -> String {
+    d.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A file to archive: in memory or on disk.
+enum Source {
+    Bytes(Vec<u8>),
+    File(PathBuf),
+}
+
+/// Every regular file under `dir`, sorted, as (path relative to `dir` with `/`, full path).
+fn walk(dir: &Path) -> Result<Vec<(String, PathBuf)>> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let rd = std::fs::read_dir(&d).map_err(|e| Error::Io(format!("bundle: read {}: {e}", d.display())))?;
+        for e in rd.flatten() {
+            let p = e.path();
+            let Ok(t) = e.file_type() else { continue };
+            if t.is_dir() {
+                stack.push(p);
+            } else if t.is_file() {
+                let rel = p.strip_prefix(dir).unwrap_or(&p).to_string_lossy().replace('\\', "/");
+                out.push((rel, p));
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// Writes the bundle `out` (atomically) holding `c`, with the environment captured now into
+/// a scratch directory. Returns its manifest. Errors: [`Error::Io`] (the dump or capture
+/// cannot be read, the bundle cannot be written).
+pub fn write(out: &Path, c: &Contents<'_>) -> Result<Manifest> {
+    let red = |b: Vec<u8>| -> Vec<u8> {
+        if !c.redact {
+            return b;
+        }
+        match String::from_utf8(b) {
+            Ok(s) => redact_text(&s).into_bytes(),
+            Err(e) => e.into_bytes(), // binary: kept as is
+        }
+    };
+    let mut entries: Vec<(String, Source)> = vec![(c.report_name.to_string(), Source::Bytes(red(c.report.clone())))];
+    if let Some(d) = c.dump {
+        // The dump's bytes stay exact (slices, index, script): nothing in them names the host.
+        for (rel, p) in walk(d)? {
+            entries.push((format!("dump/{rel}"), Source::File(p)));
+        }
+    }
+    let scratch = tempfile::Builder::new()
+        .prefix("bundle-env.")
+        .tempdir_in(crate::scratch::dir()?)
+        .map_err(|e| Error::Io(format!("bundle: scratch directory: {e}")))?;
+    environment_capture(scratch.path(), c.ucx_log)?;
+    for (rel, p) in walk(scratch.path())? {
+        let body = std::fs::read(&p).map_err(|e| Error::Io(format!("bundle: read {}: {e}", p.display())))?;
+        entries.push((format!("env/{rel}"), Source::Bytes(red(body))));
+    }
+    let mut files = Vec::new();
+    for (path, src) in &entries {
+        let (bytes, sha256) = match src {
+            Source::Bytes(b) => (b.len() as u64, sha_hex(&Sha256::digest(b))),
+            Source::File(p) => {
+                let mut f = std::fs::File::open(p).map_err(|e| Error::Io(format!("bundle: read {}: {e}", p.display())))?;
+                let mut h = Sha256::new();
+                let mut buf = vec![0u8; 1 << 16];
+                let mut n = 0u64;
+                loop {
+                    let k = f.read(&mut buf).map_err(|e| Error::Io(format!("bundle: read {}: {e}", p.display())))?;
+                    if k == 0 {
+                        break;
+                    }
+                    h.update(&buf[..k]);
+                    n += k as u64;
+                }
+                (n, sha_hex(&h.finalize()))
+            }
+        };
+        files.push(ManifestFile { path: path.clone(), bytes, sha256 });
+    }
+    let created_unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let manifest = Manifest {
+        schema: MANIFEST_SCHEMA.into(),
+        kvprobe_version: env!("CARGO_PKG_VERSION").into(),
+        created_unix,
+        redacted: c.redact,
+        capture_made: c.capture_made.into(),
+        report: c.report_name.into(),
+        files,
+    };
+    let mut mbody = serde_json::to_vec_pretty(&manifest).map_err(|e| Error::Io(format!("bundle: manifest: {e}")))?;
+    mbody.push(b'\n');
+    crate::report::write_atomic_with(out, "--bundle", |f| {
+        let gz = flate2::write::GzEncoder::new(f, flate2::Compression::default());
+        let mut tar = tar::Builder::new(gz);
+        let mut add = |path: &str, size: u64, r: &mut dyn Read| -> std::io::Result<()> {
+            let mut h = tar::Header::new_gnu();
+            h.set_size(size);
+            h.set_mode(0o644);
+            h.set_mtime(created_unix);
+            h.set_entry_type(tar::EntryType::Regular);
+            tar.append_data(&mut h, format!("{TOP}/{path}"), r)
+        };
+        add("manifest.json", mbody.len() as u64, &mut mbody.as_slice())?;
+        for ((path, src), m) in entries.iter().zip(&manifest.files) {
+            match src {
+                Source::Bytes(b) => add(path, b.len() as u64, &mut b.as_slice())?,
+                // The size the manifest gives: a file that changed since would fail the check.
+                Source::File(p) => add(path, m.bytes, &mut std::fs::File::open(p)?.take(m.bytes))?,
+            }
+        }
+        let gz = tar.into_inner()?;
+        gz.finish()?.flush()
+    })?;
+    Ok(manifest)
+}
+
+/// A bundle read back: every file under [`TOP`] by its path below it.
+pub struct Bundle {
+    /// Files by path below [`TOP`] (`manifest.json` included).
+    pub files: BTreeMap<String, Vec<u8>>,
+}
+
+/// Reads the bundle at `path`. Errors (usage, exit 2: a malformed bundle): unreadable, not
+/// gzip or not tar, an entry that is not a regular file or directory under [`TOP`], a path
+/// given twice.
+pub fn read(path: &Path) -> Result<Bundle> {
+    let bad = |why: String| Error::Usage(format!("{}: not a kvprobe bundle: {why}", path.display()));
+    let f = std::fs::File::open(path).map_err(|e| Error::Usage(format!("{}: cannot read it: {e}", path.display())))?;
+    let mut magic = [0u8; 2];
+    let _ = (&f).read(&mut magic);
+    if magic != [0x1f, 0x8b] {
+        return Err(bad("not a gzip file".into()));
+    }
+    let f = std::fs::File::open(path).map_err(|e| bad(format!("cannot read it: {e}")))?;
+    let mut ar = tar::Archive::new(flate2::read::GzDecoder::new(std::io::BufReader::new(f)));
+    let mut files = BTreeMap::new();
+    let entries = ar.entries().map_err(|e| bad(format!("not a tar archive: {e}")))?;
+    for e in entries {
+        let mut e = e.map_err(|e| bad(format!("not a tar archive: {e}")))?;
+        let name = e.path().map_err(|e| bad(format!("an entry's name: {e}")))?.to_string_lossy().into_owned();
+        let t = e.header().entry_type();
+        if t.is_dir() {
+            continue;
+        }
+        if !(t.is_file()) {
+            return Err(bad(format!("{name} is not a regular file")));
+        }
+        let Some(rel) = name.strip_prefix(&format!("{TOP}/")) else {
+            return Err(bad(format!("{name} is outside {TOP}/")));
+        };
+        if rel.split('/').any(|c| c == ".." || c.is_empty()) {
+            return Err(bad(format!("{name}: not a plain relative path")));
+        }
+        let mut body = Vec::new();
+        e.read_to_end(&mut body).map_err(|e| bad(format!("reading {name}: {e}")))?;
+        if files.insert(rel.to_string(), body).is_some() {
+            return Err(bad(format!("{name} appears twice")));
+        }
+    }
+    if files.is_empty() {
+        return Err(bad("no files".into()));
+    }
+    Ok(Bundle { files })
+}
+
+/// The manifest of a bundle. Errors (usage, exit 2): missing or not a manifest.
+pub fn manifest(b: &Bundle) -> Result<Manifest> {
+    let m = b.files.get("manifest.json").ok_or_else(|| Error::Usage(format!("no {TOP}/manifest.json")))?;
+    let m: Manifest =
+        serde_json::from_slice(m).map_err(|e| Error::Usage(format!("{TOP}/manifest.json is not a manifest: {e}")))?;
+    if m.schema != MANIFEST_SCHEMA {
+        return Err(Error::Usage(format!("manifest schema {:?} is not {MANIFEST_SCHEMA}", m.schema)));
+    }
+    Ok(m)
+}
+
+/// The report a bundle holds (`report.json` or `ab.json`), for `kvprobe report show`.
+pub fn report_bytes(b: &Bundle) -> Result<(&'static str, &[u8])> {
+    for name in ["report.json", "ab.json"] {
+        if let Some(body) = b.files.get(name) {
+            return Ok((name, body));
+        }
+    }
+    Err(Error::Usage(format!("no {TOP}/report.json or {TOP}/ab.json")))
+}
