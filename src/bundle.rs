@@ -343,9 +343,9 @@ pub fn read(path: &Path) -> Result<Bundle> {
     let f = std::fs::File::open(path).map_err(|e| bad(format!("cannot read it: {e}")))?;
     let mut ar = tar::Archive::new(flate2::read::GzDecoder::new(std::io::BufReader::new(f)));
     let mut files = BTreeMap::new();
-    let entries = ar.entries().map_err(|e| bad(format!("not a tar archive: {e}")))?;
+    let entries = ar.entries().map_err(|e| bad(format!("not a gzip-compressed tar archive: {e}")))?;
     for e in entries {
-        let mut e = e.map_err(|e| bad(format!("not a tar archive: {e}")))?;
+        let mut e = e.map_err(|e| bad(format!("not a gzip-compressed tar archive: {e}")))?;
         let name = e.path().map_err(|e| bad(format!("an entry's name: {e}")))?.to_string_lossy().into_owned();
         let t = e.header().entry_type();
         if t.is_dir() {

@@ -573,6 +573,7 @@ pub enum StrayCheck {
 /// the slot holds when a sector's tag decodes (which block landed there). Re-verify
 /// failures of slices already corrupt in this iteration (in `seen`) are not recorded again.
 /// Returns how many were recorded.
+#[allow(clippy::too_many_arguments)]
 fn record_strays(
     cfg: &RunConfig,
     probe: &Probe,

@@ -346,7 +346,8 @@ fn manifest_tampering_fails_check_naming_the_file() {
         fs[0].1 = serde_json::to_vec(&mv).unwrap();
         fs
     };
-    let cases: Vec<(&str, Vec<(String, Vec<u8>)>, String)> = vec![
+    type Case = (&'static str, Vec<(String, Vec<u8>)>, String);
+    let cases: Vec<Case> = vec![
         ("size", with_manifest(&|mv| mv["files"][1]["bytes"] = 1.into()), format!("{victim}: bytes: manifest 1")),
         ("sha", with_manifest(&|mv| mv["files"][1]["sha256"] = "00".into()), format!("{victim}: sha256: manifest 00")),
         (
