@@ -26,7 +26,7 @@ const EXIT_CODES: &str = "Exit codes:
   4  a transfer did not complete within --timeout, or another wait exceeded its bound
   5  transfer rate below --min-gbps (only when given)
   6  an unfenced race mechanism was not detected (ab; run --race MECHANISM: not reproduced)
-  7  the run was clean but --report (bench: --json) or --junit could not be written (disk full,
+  7  the run was clean but --report (bench: --json), --junit or --bundle could not be written (disk full,
      ulimit -f): the report is on stderr between -----BEGIN/END KVPROBE REPORT----- lines; other
      outcomes keep their code
   130  interrupted by SIGINT/SIGTERM (partial report written, marked interrupted; a transfer
