@@ -120,6 +120,15 @@ pub struct DumpSummary {
     pub dump_truncated: Option<String>,
 }
 
+/// Test-only fault hook: `KVPROBE_TEST_DUMP_FULL_AFTER=N` makes every slice write after the
+/// first N fail with ENOSPC (a full disk), to show that the dump stops and the run does not.
+pub const FULL_AFTER_VAR: &str = "KVPROBE_TEST_DUMP_FULL_AFTER";
+
+fn full_after() -> Option<u64> {
+    static N: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    *N.get_or_init(|| std::env::var(FULL_AFTER_VAR).ok().and_then(|v| v.parse().ok()))
+}
+
 /// Checks, before a run, that `dir` can take a dump: absent (it is created) or an empty
 /// directory. Errors: [`Error::Usage`] (exit 2) for a non-empty directory or a non-directory,
 /// [`Error::Io`] when it cannot be created.
@@ -236,7 +245,11 @@ impl Dumper {
         }
         let rel = format!("slices/{name}");
         let path = self.dir.join(&rel);
-        let written = std::fs::File::create_new(&path).and_then(|mut file| file.write_all(actual).and_then(|_| file.flush()));
+        let written = if full_after().is_some_and(|n| self.index.slices.len() as u64 >= n) {
+            Err(std::io::Error::from_raw_os_error(libc::ENOSPC))
+        } else {
+            std::fs::File::create_new(&path).and_then(|mut file| file.write_all(actual).and_then(|_| file.flush()))
+        };
         if let Err(e) = written {
             let _ = std::fs::remove_file(&path);
             self.index.truncated = Some(format!("writing {rel}: {e}; later slices were not written"));

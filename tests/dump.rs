@@ -441,3 +441,45 @@ fn kvprobe_bundle_packs_an_existing_report_and_dump_redacted() {
     ]);
     assert_eq!(code, 2, "{err}");
 }
+
+#[test]
+fn a_full_disk_stops_the_dump_and_never_the_run() {
+    // KVPROBE_TEST_DUMP_FULL_AFTER: slice writes after the first 3 fail with ENOSPC.
+    let d = tmpdir("dump-full");
+    let (dump, r, b) = (d.join("D"), d.join("r.json"), d.join("b.tgz"));
+    let (code, out, err) = crate::common::kvprobe_env(
+        &[
+            "run",
+            "--memory",
+            "dram",
+            "--iterations",
+            "2",
+            "--inject",
+            "torn:2",
+            "--inject",
+            "bitflip:2",
+            "--dump",
+            dump.to_str().unwrap(),
+            "--report",
+            r.to_str().unwrap(),
+            "--bundle",
+            b.to_str().unwrap(),
+        ],
+        &[("KVPROBE_TEST_DUMP_FULL_AFTER", "3")],
+    );
+    assert_eq!(code, 1, "the run's own outcome: {out}{err}");
+    let rep = read_report(&r);
+    assert_eq!(rep["summary"]["blocks_corrupt"], 8, "{out}");
+    assert_eq!(rep["failures"].as_array().unwrap().len(), 8, "every failure still listed");
+    let why = rep["dump"]["dump_truncated"].as_str().expect("dump_truncated");
+    assert!(why.contains("No space left on device"), "{why}");
+    assert_eq!(rep["dump"]["slices_written"], 3);
+    assert_eq!(rep["dump"]["slices_omitted"], 5);
+    let index: Value = serde_json::from_str(&std::fs::read_to_string(dump.join("index.json")).unwrap()).unwrap();
+    assert_eq!(index["slices"].as_array().unwrap().len(), 3);
+    assert!(index["truncated"].as_str().unwrap().contains("No space left on device"));
+    assert_eq!(std::fs::read_dir(dump.join("slices")).unwrap().count(), 3, "no partial file left");
+    // What was dumped still checks out.
+    let (code, out, err) = check(&b);
+    assert_eq!(code, 0, "{out}{err}");
+}
