@@ -62,7 +62,7 @@ enum Command {
         /// The report (`--report` of run or ab).
         #[arg(long)]
         report: PathBuf,
-        /// Its dump directory (`--dump`).
+        /// Its dump directory (`--dump`). Default: the directory the report names (`dump.dir`), when it is still there.
         #[arg(long)]
         dump: Option<PathBuf>,
         /// Replace host names, IP addresses and user names in the bundle's text files by stable tokens.
@@ -956,6 +956,15 @@ fn bundle_command(report: &Path, dump: Option<&Path>, redact: bool, output: &Pat
         {
             return Err(Error::Usage(format!("--dump {}: not a directory", d.display())));
         }
+        // Without --dump: the directory the report says it dumped into, when it is still there
+        // (ab: the parent of the rows' folders).
+        let recorded = match name {
+            "report.json" => v["dump"]["dir"].as_str().map(PathBuf::from),
+            _ => v["sections"][0]["dump"]["dir"].as_str().and_then(|d| Path::new(d).parent().map(Path::to_path_buf)),
+        };
+        let recorded =
+            recorded.filter(|d| dump.is_none() && if name == "ab.json" { d.is_dir() } else { d.join("index.json").is_file() });
+        let dump = dump.or(recorded.as_deref());
         if is_stdout(output) {
             return Err(Error::Usage("-o needs a file path (`-` is not supported)".into()));
         }

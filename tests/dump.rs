@@ -427,6 +427,12 @@ fn kvprobe_bundle_packs_an_existing_report_and_dump_redacted() {
     let r: Value = serde_json::from_str(&report).expect("still JSON");
     assert_ne!(r["environment"]["hostname"].as_str().unwrap(), host);
     assert!(r["environment"]["hostname"].as_str().unwrap().starts_with("host-"));
+    // Without --dump: the directory the report names.
+    let b2 = d.join("b2.tgz");
+    let (code, out, err) = kvprobe(&["bundle", "--report", d.join("r.json").to_str().unwrap(), "-o", b2.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(untar(&b2).iter().any(|f| f.0 == "kvprobe-bundle/dump/index.json"));
+    assert_eq!(check(&b2).0, 0);
     // Not a run or ab report, a missing dump directory: exit 2.
     let (code, _, err) = kvprobe(&["bundle", "--report", d.join("j.xml").to_str().unwrap(), "-o", b.to_str().unwrap()]);
     assert_eq!(code, 2, "{err}");
