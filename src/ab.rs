@@ -131,8 +131,9 @@ fn start(cfg: &RunConfig) -> AbReport {
 
 /// Runs the matrix. `cfg.scenario` carries the load (its scenario and unfenced set are
 /// replaced row by row). `after_row` is called with the report so far after each row
-/// (for checkpoints and the table). `dump`: `--dump DIR` and its cap — each row's failing
-/// slices go to `DIR/<row name>/` ([`crate::dump`]). Never panics on bad input.
+/// (for checkpoints and the table). `dump`: `--dump DIR` and its cap (bytes) — each row's
+/// failing slices go to `DIR/<row name>/` ([`crate::dump`]), each row capped at an equal share
+/// of it. Never panics on bad input.
 pub fn run_ab(
     cfg: &RunConfig,
     progress: &mut dyn FnMut(&str, &Progress),
@@ -250,7 +251,9 @@ fn run_rows(
         let mut dumper = match dump {
             Some((dir, cap)) => {
                 let geometry = rep.config.get("geometry").cloned().unwrap_or_default();
-                Some(crate::dump::Dumper::new(&dir.join(&name), cap, cfg.seed, geometry, cfg.geometry.slice_bytes()?)?)
+                // The cap holds for the whole matrix: each row gets an equal share.
+                let share = cap / cases().len() as u64;
+                Some(crate::dump::Dumper::new(&dir.join(&name), share, cfg.seed, geometry, cfg.geometry.slice_bytes()?)?)
             }
             None => None,
         };
