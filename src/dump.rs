@@ -12,7 +12,7 @@
 //! counts stay complete ([`ClassCount`]). The cap keeps variety ([`Dumper::wants`]): half of
 //! it is reserved room split evenly between the classes, so the first failures of every
 //! class are taken before more of any one class fill the other half. A write that fails
-//! (disk full) stops the dump (`truncated`, with the reason) and never the run.
+//! (disk full) stops the dump (`dump_truncated`, with the reason) and never the run.
 
 use crate::error::{Error, Result};
 use crate::report::Failure;
@@ -46,7 +46,7 @@ while the bytes written beyond every class's reserve fit in it";
 pub struct ClassCount {
     /// Slices written to `slices/`.
     pub written: u64,
-    /// Slices not written (the cap, or the dump stopped: `truncated`).
+    /// Slices not written (the cap, or the dump stopped: `dump_truncated`).
     pub omitted: u64,
 }
 
@@ -98,7 +98,7 @@ pub struct DumpIndex {
     /// Per class (every class, zeros included): slices written and omitted.
     pub by_class: BTreeMap<String, ClassCount>,
     /// Why the dump stopped before the run ended (a write failed), if it did.
-    pub truncated: Option<String>,
+    pub dump_truncated: Option<String>,
     /// The dumped slices, in the order they were found.
     pub slices: Vec<DumpEntry>,
 }
@@ -183,7 +183,7 @@ impl Dumper {
                 rule: RULE.into(),
                 bytes_written: 0,
                 by_class: Class::ALL.iter().map(|c| (c.name().to_string(), ClassCount::default())).collect(),
-                truncated: None,
+                dump_truncated: None,
                 slices: Vec::new(),
             },
             class_bytes: BTreeMap::new(),
@@ -194,7 +194,7 @@ impl Dumper {
     /// Whether a failing slice of `class` and `len` bytes would be written now ([`RULE`]).
     pub fn wants(&self, class: Class, len: u64) -> bool {
         let x = &self.index;
-        if x.truncated.is_some() || x.bytes_written + len > x.max_bytes {
+        if x.dump_truncated.is_some() || x.bytes_written + len > x.max_bytes {
             return false;
         }
         let reserve = x.reserve_per_class_bytes;
@@ -228,7 +228,7 @@ impl Dumper {
 
     /// Writes `actual` (the slice as it arrived) with its record `f` when the cap allows
     /// ([`Dumper::wants`]), else counts it as omitted. `report_index`: where `f` is listed in
-    /// the report's failures, if it is. A write that fails stops the dump (`truncated`).
+    /// the report's failures, if it is. A write that fails stops the dump (`dump_truncated`).
     pub fn offer(&mut self, f: &Failure, actual: &[u8], report_index: Option<usize>) {
         let len = actual.len() as u64;
         if !self.wants(f.class, len) {
@@ -252,7 +252,7 @@ impl Dumper {
         };
         if let Err(e) = written {
             let _ = std::fs::remove_file(&path);
-            self.index.truncated = Some(format!("writing {rel}: {e}; later slices were not written"));
+            self.index.dump_truncated = Some(format!("writing {rel}: {e}; later slices were not written"));
             return self.omit(f.class);
         }
         self.names.insert(name.clone());
@@ -272,7 +272,7 @@ impl Dumper {
     /// is recorded in `dump_truncated` (the slices stay; the run's outcome is unchanged).
     pub fn finish(&mut self) -> DumpSummary {
         let index = self.dir.join("index.json");
-        let mut truncated = self.index.truncated.clone();
+        let mut truncated = self.index.dump_truncated.clone();
         let body = serde_json::to_vec_pretty(&self.index).map_err(|e| Error::Io(format!("dump: serialise: {e}")));
         if let Err(e) = body.and_then(|mut b| {
             b.push(b'\n');

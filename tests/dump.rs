@@ -485,7 +485,7 @@ fn a_full_disk_stops_the_dump_and_never_the_run() {
     assert_eq!(rep["dump"]["slices_omitted"], 5);
     let index: Value = serde_json::from_str(&std::fs::read_to_string(dump.join("index.json")).unwrap()).unwrap();
     assert_eq!(index["slices"].as_array().unwrap().len(), 3);
-    assert!(index["truncated"].as_str().unwrap().contains("No space left on device"));
+    assert!(index["dump_truncated"].as_str().unwrap().contains("No space left on device"));
     assert_eq!(std::fs::read_dir(dump.join("slices")).unwrap().count(), 3, "no partial file left");
     // What was dumped still checks out.
     let (code, out, err) = check(&b);
