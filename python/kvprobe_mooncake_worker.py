@@ -145,7 +145,7 @@ class Worker:
         except OSError:
             target = "nothing"
         if not target.startswith("/memfd:kvprobe-pool"):
-            raise ValueError(f"fd {fd} is {target}, not kvprobe's pool: allocate the pool before starting the worker")
+            raise ValueError(f"fd {fd} is {target}, not kvprobe's pool: the worker inherits only the pools passed to Worker::start")
         f = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
         try:
             m = mmap.mmap(f, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)

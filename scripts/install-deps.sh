@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what kvprobe needs on a fresh Debian/Ubuntu machine, idempotently:
-#  - libclang (Debian's libclang-dev), which bindgen loads in the nixl-sys build script;
+#  - libclang (Debian's libclang-dev), which bindgen loads in the nixl-sys build script, and
+#    a C++ compiler (g++) for that build script's stub library;
 #  - the NIXL libraries and plugins (bundling UCX) from the PyPI wheel nixl-cu13, unpacked
 #    under $KVPROBE_HOME/nixl (default ~/.local/share/kvprobe/nixl), where kvprobe looks for
 #    them (override with KVPROBE_NIXL_DIR), and the shared libraries they load (libnuma1);
@@ -13,16 +14,27 @@
 #   scripts/install-deps.sh           install what is missing
 #   scripts/install-deps.sh --check   print what is missing, one line each, install nothing:
 #                                     exit 0 when nothing is, 1 when something is
+#   --build     only what `cargo build` needs (libclang, g++), e.g. a container's build stage
+#   --runtime   only what `kvprobe` needs to run (NIXL, Mooncake, their libraries, pip to fetch
+#               them), e.g. a container's runtime stage; either combines with --check
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 # shellcheck source=scripts/deps.sh
 . "$here/deps.sh"
 
-case "$#:${1:-}" in
-  1:--check) check=1 ;;
-  0:) check=0 ;;
-  *) echo "usage: scripts/install-deps.sh [--check]" >&2; exit 2 ;;
-esac
+usage() { echo "usage: scripts/install-deps.sh [--check] [--build | --runtime]" >&2; exit 2; }
+check=0
+part=all
+for a in "$@"; do
+  case "$a" in
+    --check) [ "$check" = 0 ] || usage; check=1 ;;
+    --build | --runtime) [ "$part" = all ] || usage; part="${a#--}" ;;
+    *) usage ;;
+  esac
+done
+build=0 runtime=0
+[ "$part" = runtime ] || build=1
+[ "$part" = build ] || runtime=1
 
 NIXL_WHEEL="nixl-cu13"
 NIXL_VERSION="1.5.1"
@@ -30,15 +42,23 @@ home="$(deps_home)" || exit 2
 dest="$home/nixl"
 stamp="$dest/.installed-$NIXL_WHEEL-$NIXL_VERSION"
 
-# Debian packages: libclang-dev for bindgen; libnuma1 for the bundled UCX (libucs needs
-# libnuma.so.1). python3 unpacks the wheel (zipfile), so no unzip is needed.
+# Debian packages: libclang-dev for bindgen and g++ for nixl-sys's C++ stub (build); libnuma1 for the bundled UCX (libucs needs
+# libnuma.so.1) and python3-pip to fetch the wheel (run time; Debian's and Ubuntu's python3
+# come without pip). python3 unpacks the wheel (zipfile), so no unzip is needed.
 need=()
-deps_need need find_libclang libclang-dev
-deps_need need "have_shlib libnuma.so.1" libnuma1
+if [ "$build" = 1 ]; then
+  deps_need need find_libclang libclang-dev
+  deps_need need have_cxx g++
+fi
+if [ "$runtime" = 1 ]; then
+  deps_need need "have_shlib libnuma.so.1" libnuma1
+  deps_need need have_pip python3-pip
+fi
 
 if [ "$check" = 1 ]; then
   status=0
   for p in "${need[@]}"; do echo "missing: $p"; status=1; done
+  [ "$runtime" = 1 ] || exit "$status"
   if [ -n "${KVPROBE_NIXL_DIR:-}" ]; then
     # kvprobe then loads NIXL from there and only there.
     [ -f "$KVPROBE_NIXL_DIR/libnixl_capi.so" ] || { echo "missing: NIXL in KVPROBE_NIXL_DIR=$KVPROBE_NIXL_DIR"; status=1; }
@@ -50,11 +70,16 @@ if [ "$check" = 1 ]; then
 fi
 
 apt_install install-deps "${need[@]}"
-if ! lib="$(find_libclang)"; then
-  echo "install-deps: libclang-dev is installed but no libclang shared library is where bindgen looks (set LIBCLANG_PATH)" >&2
-  exit 1
+if [ "$build" = 1 ]; then
+  if ! lib="$(find_libclang)"; then
+    echo "install-deps: libclang-dev is installed but no libclang shared library is where bindgen looks (set LIBCLANG_PATH)" >&2
+    exit 1
+  fi
+  echo "install-deps: libclang for bindgen: $lib"
 fi
-echo "install-deps: libclang for bindgen: $lib"
+[ "$runtime" = 1 ] || exit 0
+# python3 may have come with python3-pip just now.
+deps_py="$(command -v python3 || command -v python || true)"
 
 # Mooncake Store (--tier mooncake): its own venv under $home/mooncake.
 "$here/install-mooncake.sh"

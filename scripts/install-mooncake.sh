@@ -51,6 +51,8 @@ case "$#:${1:-}" in
 esac
 
 apt_install install-mooncake "${need[@]}"
+# python3 may have come with python3-venv just now.
+deps_py="$(command -v python3 || command -v python || true)"
 
 if [ -f "$stamp" ] && [ -x "$dest/venv/bin/mooncake_master" ]; then
   echo "install-mooncake: $wheel already in $dest"

@@ -335,8 +335,8 @@ fn identity(i: usize) -> BlockIdentity {
 fn host_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
     const SB: usize = 32 << 10; // one llama3-8b block slice
     let n = (cfg.host_bytes as usize / SB).max(1) * SB;
-    let mut src = crate::hostmem::HostBuffer::alloc(n)?;
-    let mut dst = crate::hostmem::HostBuffer::alloc(n)?;
+    let mut src = crate::hostmem::PrivateBuffer::alloc(n)?;
+    let mut dst = crate::hostmem::PrivateBuffer::alloc(n)?;
     let all = std::thread::available_parallelism().map(|x| x.get()).unwrap_or(1);
     let seed = cfg.seed;
     let fill_pass = |buf: &mut [u8], threads: usize| {

@@ -63,144 +63,12 @@ pub struct Contents<'a> {
     pub dump: Option<&'a Path>,
     /// `run` or `bundle` ([`Manifest::capture_made`]).
     pub capture_made: &'static str,
-    /// The UCX log of the run, when one was kept (run-time bundles).
+    /// The run's UCX log for the capture ([`crate::capture::capture`]); `None`: this
+    /// process's own (a run-time bundle), recorded missing when there is none (`kvprobe
+    /// bundle`).
     pub ucx_log: Option<&'a Path>,
     /// Replace host names, IP addresses and user names in text files.
     pub redact: bool,
-}
-
-/// The environment capture into `dir`; returns the files written.
-///
-/// Replaced by `crate::capture::capture(out: &Path, ucx_log: Option<&Path>) ->
-/// Result<Vec<PathBuf>>` at merge: this stand-in writes only `uname.txt` (`uname -a`),
-/// `transport-env.txt` (the UCX_*/NIXL_* variables in effect), the UCX log when given, and
-/// `capture.json` listing the tools that were missing (a missing tool is recorded, never an
-/// error).
-fn environment_capture(dir: &Path, ucx_log: Option<&Path>) -> Result<Vec<PathBuf>> {
-    let io = |what: &str, e: std::io::Error| Error::Io(format!("environment capture: {what}: {e}"));
-    let mut written = Vec::new();
-    let mut missing = Vec::new();
-    let mut put = |name: &str, body: &[u8]| -> Result<()> {
-        let p = dir.join(name);
-        std::fs::write(&p, body).map_err(|e| io(name, e))?;
-        written.push(p);
-        Ok(())
-    };
-    match std::process::Command::new("uname").arg("-a").output() {
-        Ok(o) => put("uname.txt", &o.stdout)?,
-        Err(e) => missing.push(serde_json::json!({"tool": "uname", "error": e.to_string()})),
-    }
-    let mut vars: Vec<(String, String)> =
-        std::env::vars().filter(|(k, _)| k.starts_with("UCX_") || k.starts_with("NIXL_")).collect();
-    vars.sort();
-    put("transport-env.txt", vars.iter().map(|(k, v)| format!("{k}={v}\n")).collect::<String>().as_bytes())?;
-    if let Some(l) = ucx_log {
-        match std::fs::read(l) {
-            Ok(b) => put("ucx.log", &b)?,
-            Err(e) => missing.push(serde_json::json!({"tool": "ucx log", "error": e.to_string()})),
-        }
-    }
-    let j = serde_json::json!({ "missing": missing });
-    put("capture.json", serde_json::to_string_pretty(&j).unwrap_or_default().as_bytes())?;
-    Ok(written)
-}
-
-/// Replaces host names, IPv4 addresses and user names in `s` by stable tokens (the same input
-/// always gives the same token: `host-`, `ip-`, `user-` and 8 hex digits of its SHA-256).
-///
-/// Replaced by `crate::redact::Redactor` (`Redactor::new()`, `text(&mut self, s: &str) ->
-/// String`, one for the whole bundle) at merge: this stand-in knows only this machine's host
-/// name (`/proc/sys/kernel/hostname`), the user name (`$USER`, else the password entry of the
-/// real uid) and dotted-quad IPv4 addresses.
-fn redact_text(s: &str) -> String {
-    let token = |kind: &str, v: &str| {
-        let d = Sha256::digest(v.as_bytes());
-        format!("{kind}-{:02x}{:02x}{:02x}{:02x}", d[0], d[1], d[2], d[3])
-    };
-    let mut out = redact_ipv4(s, &|ip| token("ip", ip));
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default();
-    let user = std::env::var("USER").ok().filter(|u| !u.is_empty()).or_else(user_name).unwrap_or_default();
-    for (kind, name) in [("host", host), ("user", user)] {
-        if name.len() >= 2 && name != "localhost" {
-            out = replace_word(&out, &name, &token(kind, &name));
-        }
-    }
-    out
-}
-
-/// The user name of the real uid (password database).
-fn user_name() -> Option<String> {
-    let uid = crate::scratch::own_uid()?;
-    let passwd = std::fs::read_to_string("/etc/passwd").ok()?;
-    passwd.lines().find_map(|l| {
-        let f: Vec<&str> = l.split(':').collect();
-        (f.len() > 2 && f[2].parse::<u32>().ok() == Some(uid)).then(|| f[0].to_string())
-    })
-}
-
-fn word_char(c: char) -> bool {
-    c.is_ascii_alphanumeric() || c == '_' || c == '.' || c == '-'
-}
-
-/// Replaces whole-word occurrences of `word` (not inside a longer name).
-fn replace_word(s: &str, word: &str, by: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    let mut rest = s;
-    while let Some(i) = rest.find(word) {
-        let before = if i > 0 { rest[..i].chars().last() } else { out.chars().last() };
-        let after = rest[i + word.len()..].chars().next();
-        let bounded = !before.is_some_and(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
-            && !after.is_some_and(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
-        out.push_str(&rest[..i]);
-        out.push_str(if bounded { by } else { word });
-        rest = &rest[i + word.len()..];
-    }
-    out.push_str(rest);
-    out
-}
-
-/// Replaces dotted-quad IPv4 addresses (four numbers 0–255, not part of a longer dotted
-/// number).
-fn redact_ipv4(s: &str, token: &dyn Fn(&str) -> String) -> String {
-    let b = s.as_bytes();
-    let mut out = String::with_capacity(s.len());
-    let mut i = 0;
-    let mut last = 0;
-    while i < b.len() {
-        let starts = b[i].is_ascii_digit() && (i == 0 || !(word_char(b[i - 1] as char)));
-        if starts {
-            let mut j = i;
-            let mut parts = 0;
-            let mut ok = true;
-            loop {
-                let k = j;
-                while j < b.len() && b[j].is_ascii_digit() {
-                    j += 1;
-                }
-                if j == k || j - k > 3 || s[k..j].parse::<u32>().map_or(true, |v| v > 255) {
-                    ok = false;
-                    break;
-                }
-                parts += 1;
-                if parts == 4 || j >= b.len() || b[j] != b'.' {
-                    break;
-                }
-                j += 1;
-            }
-            let ends =
-                j >= b.len() || !(b[j].is_ascii_alphanumeric() || (b[j] == b'.' && b.get(j + 1).is_some_and(u8::is_ascii_digit)));
-            if ok && parts == 4 && ends {
-                out.push_str(&s[last..i]);
-                out.push_str(&token(&s[i..j]));
-                last = j;
-                i = j;
-                continue;
-            }
-        }
-        i += 1;
-    }
-    out.push_str(&s[last..]);
-    out
 }
 
 /// SHA-256 of `bytes`, lowercase hex.
@@ -235,16 +103,17 @@ fn walk(dir: &Path) -> Result<Vec<(String, PathBuf)>> {
     Ok(out)
 }
 
-/// Writes the bundle `out` (atomically) holding `c`, with the environment captured now into
-/// a scratch directory. Returns its manifest. Errors: [`Error::Io`] (the dump or capture
+/// Writes the bundle `out` (atomically) holding `c`, with the environment captured now
+/// ([`crate::capture::capture`]) into a scratch directory; with `c.redact`, the report and the
+/// capture pass through one [`crate::redact::Redactor`]. Returns its manifest. Errors: [`Error::Io`] (the dump or capture
 /// cannot be read, the bundle cannot be written).
 pub fn write(out: &Path, c: &Contents<'_>) -> Result<Manifest> {
-    let red = |b: Vec<u8>| -> Vec<u8> {
-        if !c.redact {
-            return b;
-        }
+    // One redactor for the whole bundle: the same name gets the same token in every file.
+    let mut redactor = c.redact.then(crate::redact::Redactor::new);
+    let mut red = |b: Vec<u8>| -> Vec<u8> {
+        let Some(r) = redactor.as_mut() else { return b };
         match String::from_utf8(b) {
-            Ok(s) => redact_text(&s).into_bytes(),
+            Ok(s) => r.text(&s).into_bytes(),
             Err(e) => e.into_bytes(), // binary: kept as is
         }
     };
@@ -259,7 +128,7 @@ pub fn write(out: &Path, c: &Contents<'_>) -> Result<Manifest> {
         .prefix("bundle-env.")
         .tempdir_in(crate::scratch::dir()?)
         .map_err(|e| Error::Io(format!("bundle: scratch directory: {e}")))?;
-    environment_capture(scratch.path(), c.ucx_log)?;
+    crate::capture::capture(scratch.path(), c.ucx_log)?;
     for (rel, p) in walk(scratch.path())? {
         let body = std::fs::read(&p).map_err(|e| Error::Io(format!("bundle: read {}: {e}", p.display())))?;
         entries.push((format!("env/{rel}"), Source::Bytes(red(body))));

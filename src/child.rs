@@ -1,15 +1,92 @@
-//! Child processes that never outlive kvprobe: the only module with process `unsafe`.
+//! Child processes that never outlive kvprobe and inherit nothing by accident: the only
+//! module with process `unsafe`.
 //!
-//! kvprobe's helpers (the Mooncake master and store worker) are killed and reaped when their
-//! handles drop, on every normal path out of a run. For the abnormal ones — a second Ctrl-C
-//! (which exits at once), SIGKILL, a crash — the kernel kills them too: they are started with
-//! `PR_SET_PDEATHSIG = SIGKILL` (Linux), so they die when kvprobe's thread that spawned them does.
+//! Every child kvprobe starts (the Mooncake master and store worker, the decode agent
+//! process, `env`'s probe runs, `nvidia-smi`) goes through [`spawn`] or [`output`]. They
+//! are killed and reaped when their handles drop, on every normal path out of a run. For the
+//! abnormal ones — a second Ctrl-C (which exits at once), SIGKILL, a crash — the kernel kills
+//! them too: they are started with `PR_SET_PDEATHSIG = SIGKILL` (Linux).
+//!
+//! The death signal fires when the *thread* that forked the child exits, not the process
+//! (prctl(2)). A child forked from a short-lived thread (a test's thread, a helper thread of
+//! a run) would be killed when that thread ends, while kvprobe still uses it. So every child
+//! is forked by one dedicated spawner thread that is started on the first spawn and never
+//! exits: it ends only with the process, which is exactly when its children must die.
+//! [`spawn`] hands the [`Command`] to that thread and waits for the [`Child`]; the child's
+//! pipes and handle work from any thread as usual.
+//!
+//! Descriptors: kvprobe opens everything close-on-exec (Rust's std does; the memfd of a
+//! shareable pool is created with `MFD_CLOEXEC`), so a child inherits only stdin, stdout,
+//! stderr and the descriptors named with [`keep_fd`] — cleared of close-on-exec in that
+//! child alone, after the fork, so no other child (spawned at the same time or later) can
+//! see them.
 
 use std::os::unix::process::CommandExt;
-use std::process::Command;
+use std::process::{Child, Command, Output};
+use std::sync::Mutex;
+use std::sync::mpsc::{Sender, channel};
 
-/// Makes the process `cmd` starts receive SIGKILL when the spawning thread of kvprobe exits.
-pub fn die_with_parent(cmd: &mut Command) -> &mut Command {
+type Request = (Command, Sender<std::io::Result<Child>>);
+
+/// The spawner thread's queue; the thread (and so the sender) lives until the process exits.
+static SPAWNER: Mutex<Option<Sender<Request>>> = Mutex::new(None);
+
+fn spawner() -> std::io::Result<Sender<Request>> {
+    let mut s = SPAWNER.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(tx) = s.as_ref() {
+        return Ok(tx.clone());
+    }
+    let (tx, rx) = channel::<Request>();
+    std::thread::Builder::new().name("kvprobe-spawner".into()).spawn(move || {
+        // The sender stays in SPAWNER, so `recv` never fails: this thread never exits.
+        while let Ok((mut cmd, reply)) = rx.recv() {
+            #[allow(clippy::disallowed_methods)] // the one place children are forked
+            let _ = reply.send(cmd.spawn());
+        }
+    })?;
+    *s = Some(tx.clone());
+    Ok(tx)
+}
+
+/// Starts `cmd` from kvprobe's spawner thread (see the module documentation) with
+/// `PR_SET_PDEATHSIG = SIGKILL`: the child is killed when kvprobe exits, however it exits.
+/// Errors: the spawner thread cannot start, or the spawn failed (`Command::spawn`'s error).
+pub fn spawn(mut cmd: Command) -> std::io::Result<Child> {
+    die_with_parent(&mut cmd);
+    let (tx, rx) = channel();
+    spawner()?.send((cmd, tx)).map_err(|_| std::io::Error::other("the spawner thread is gone"))?;
+    rx.recv().map_err(|_| std::io::Error::other("the spawner thread is gone"))?
+}
+
+/// Runs `cmd` to completion like `Command::output` (stdin null, stdout and stderr
+/// captured), started through [`spawn`]. Errors as [`spawn`], or reading its output failed.
+pub fn output(mut cmd: Command) -> std::io::Result<Output> {
+    use std::process::Stdio;
+    cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    spawn(cmd)?.wait_with_output()
+}
+
+/// Makes the child `cmd` starts inherit descriptor `fd` (same number), which kvprobe holds
+/// close-on-exec: the flag is cleared in the forked child only, so no other child sees it.
+/// The caller keeps `fd` open until the spawn returned.
+pub fn keep_fd(cmd: &mut Command, fd: i32) -> &mut Command {
+    // SAFETY: the closure runs in the forked child before exec and calls only fcntl(2),
+    // which is async-signal-safe; it allocates nothing and touches no locks. It changes the
+    // child's copy of the descriptor table only.
+    unsafe {
+        cmd.pre_exec(move || {
+            let flags = libc::fcntl(fd, libc::F_GETFD);
+            if flags < 0 || libc::fcntl(fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        })
+    }
+}
+
+/// Makes the process `cmd` starts receive SIGKILL when the thread that forks it exits (the
+/// spawner thread, which lives as long as kvprobe: only [`spawn`] calls this).
+fn die_with_parent(cmd: &mut Command) -> &mut Command {
     // SAFETY: the closure runs in the forked child before exec and calls only prctl(2),
     // getppid(2) and _exit(2), which are async-signal-safe; it allocates nothing and touches
     // no locks. If kvprobe already died between fork and prctl, the child exits at once
@@ -30,7 +107,7 @@ pub fn die_with_parent(cmd: &mut Command) -> &mut Command {
 
 /// Makes this process ignore SIGINT and SIGTERM (the decode agent process: a Ctrl-C in the
 /// terminal reaches the whole process group, and kvprobe, not the child, decides how to stop;
-/// it ends the child by closing its input, or by dying — see [`die_with_parent`]).
+/// it ends the child by closing its input, or by dying — see [`spawn`]).
 pub fn ignore_interrupts() {
     // SAFETY: signal(2) with SIG_IGN installs no handler code; called at the child's start.
     unsafe {

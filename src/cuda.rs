@@ -355,7 +355,11 @@ impl DeviceBuffer {
     /// Opens another process's allocation of `len` bytes by its CUDA IPC `handle`
     /// (`cuIpcOpenMemHandle`, peer access enabled lazily) in `dev`'s context. `exporter` is
     /// kept until the mapping is closed (on drop), so the exporting process outlives it.
-    /// Errors: the driver refuses the handle (device, exit 3).
+    /// `len` is what the peer claims; it is checked against the allocation the handle opens
+    /// (`cuMemGetAddressRange`: the bytes from the returned address to the allocation's end),
+    /// so no copy or kernel can run past the peer's memory on a wrong or hostile length.
+    /// Errors (device, exit 3): the driver refuses the handle, or the allocation is shorter
+    /// than `len` (the message names both lengths; the handle is closed again).
     pub fn import(
         dev: &Arc<Device>,
         handle: &[u8; 64],
@@ -373,7 +377,22 @@ impl DeviceBuffer {
         unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, h, 1) }
             .result()
             .map_err(|e| derr("cuIpcOpenMemHandle (the decode agent's pool)", e))?;
-        Ok(DeviceBuffer { dev: dev.clone(), ptr, len, exporter: Some(exporter) })
+        // From here on, dropping `buf` closes the handle (Drop), on every error path below.
+        let buf = DeviceBuffer { dev: dev.clone(), ptr, len, exporter: Some(exporter) };
+        let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+        // SAFETY: `base` and `size` are valid out-pointers; `ptr` is the address the driver
+        // just returned, in the context bound above.
+        unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }
+            .result()
+            .map_err(|e| derr("cuMemGetAddressRange (the imported allocation)", e))?;
+        let available = base.saturating_add(size as u64).saturating_sub(ptr);
+        if available < len as u64 {
+            return Err(Error::Device(format!(
+                "the CUDA IPC handle opens an allocation of {available} bytes, but the peer claimed {len}: refusing to \
+                 use it (a wrong geometry or a corrupt handle)"
+            )));
+        }
+        Ok(buf)
     }
 
     /// Device address.
@@ -781,13 +800,13 @@ impl Drop for Kernels {
 /// device memory run as DMA at full PCIe/C2C rate. Unregistered before the buffer is freed.
 pub struct PinnedHost {
     dev: Arc<Device>,
-    buf: crate::hostmem::HostBuffer,
+    buf: crate::hostmem::PrivateBuffer,
 }
 
 impl PinnedHost {
     /// Page-locks `buf` for `dev`'s context. Errors: the driver refuses (e.g. the
     /// memlock limit).
-    pub fn new(dev: &Arc<Device>, buf: crate::hostmem::HostBuffer) -> Result<PinnedHost> {
+    pub fn new(dev: &Arc<Device>, buf: crate::hostmem::PrivateBuffer) -> Result<PinnedHost> {
         dev.bind()?;
         // SAFETY: `buf` is a live mapping of `buf.len()` bytes that this struct owns and
         // keeps until Drop unregisters it.
@@ -798,12 +817,12 @@ impl PinnedHost {
     }
 
     /// The buffer.
-    pub fn buffer(&self) -> &crate::hostmem::HostBuffer {
+    pub fn buffer(&self) -> &crate::hostmem::PrivateBuffer {
         &self.buf
     }
 
     /// The buffer, mutably.
-    pub fn buffer_mut(&mut self) -> &mut crate::hostmem::HostBuffer {
+    pub fn buffer_mut(&mut self) -> &mut crate::hostmem::PrivateBuffer {
         &mut self.buf
     }
 }

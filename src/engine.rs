@@ -409,7 +409,9 @@ impl MooncakeTier {
         // set-up error (exit 2) before anything else starts.
         // Set-up calls (hello, setup, mapping the pools) get at least the set-up floor; the
         // run's calls then --timeout (crate::deadline).
-        let mut worker = Worker::start(&install, timeout.max(crate::deadline::SETUP_FLOOR))?;
+        let shared: Vec<&crate::hostmem::HostBuffer> =
+            [&prefill.pool, &decode.pool].into_iter().filter_map(|p| p.host_buffer()).collect();
+        let mut worker = Worker::start(&install, timeout.max(crate::deadline::SETUP_FLOOR), &shared)?;
         let mut master = match &cfg.mooncake {
             Some(ext) => {
                 ext.reachable(Duration::from_secs(5))?;

@@ -143,8 +143,7 @@ fn probe_one(mem: &str, op: &str, a: usize, b: usize, two: bool) -> crate::error
     }
     cmd.arg("--report").arg(&report);
     cmd.stdin(std::process::Stdio::null()).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped());
-    crate::child::die_with_parent(&mut cmd);
-    let mut child = cmd.spawn().map_err(|e| Error::Environment(format!("cannot start a probe run: {e}")))?;
+    let mut child = crate::child::spawn(cmd).map_err(|e| Error::Environment(format!("cannot start a probe run: {e}")))?;
     let mut stderr = child.stderr.take();
     let reader = std::thread::spawn(move || {
         let mut s = String::new();
@@ -219,7 +218,9 @@ fn kernel_driver() -> Option<String> {
 
 /// `nvidia-smi topo -m`'s matrix as rows of cells, keyed by GPU ordinal.
 fn topology_matrix() -> Option<Vec<Vec<String>>> {
-    let out = std::process::Command::new("nvidia-smi").args(["topo", "-m"]).output().ok()?;
+    let mut cmd = std::process::Command::new("nvidia-smi");
+    cmd.args(["topo", "-m"]);
+    let out = crate::child::output(cmd).ok()?;
     if !out.status.success() {
         return None;
     }
@@ -348,7 +349,7 @@ pub fn render(e: &Environment) -> String {
                 "NIXL: {} (via {}, stub: {})\n",
                 p.display(),
                 e.nixl.found_via.as_deref().unwrap_or("?"),
-                e.nixl.stub.unwrap_or(true)
+                e.nixl.stub.map_or("unknown (not loaded)".to_string(), |b| b.to_string())
             );
             s += &format!(
                 "NIXL plugins ({}): {}\n",

@@ -108,6 +108,33 @@ pub fn check(src: &[u8], seed: u64, id: BlockIdentity) -> (u64, u64) {
     (bad, first)
 }
 
+/// [`fill`] into a range of a DRAM pool (see [`crate::hostmem`]: no transfer may be in
+/// flight into it).
+pub fn fill_span(dst: &mut crate::hostmem::SpanMut<'_>, seed: u64, id: BlockIdentity) {
+    let len = dst.len() as u64;
+    // SAFETY: the C function writes exactly `len` bytes at the pointer; the span is valid
+    // for them and held exclusively (SpanMut), and no transfer touches them (its contract).
+    unsafe { ffi::kvp_cpu_fill(dst.as_mut_ptr(), len, seed, id.block, id.layer, id.kv.code(), id.generation) }
+}
+
+/// [`poison`] into a range of a DRAM pool (no transfer may be in flight into it).
+pub fn poison_span(dst: &mut crate::hostmem::SpanMut<'_>, slot: u32, iteration: u32) {
+    let len = dst.len() as u64;
+    // SAFETY: writes exactly `len` bytes of the exclusively held span (as fill_span).
+    unsafe { ffi::kvp_cpu_poison(dst.as_mut_ptr(), len, slot, iteration) }
+}
+
+/// [`check`] of a range of a DRAM pool (no transfer may be writing it).
+pub fn check_span(src: crate::hostmem::Span<'_>, seed: u64, id: BlockIdentity) -> (u64, u64) {
+    let mut first = 0u64;
+    // SAFETY: reads exactly `src.len()` bytes, valid for the span's borrow; no writer touches
+    // them (the span's contract); `first` is a valid out-pointer.
+    let bad = unsafe {
+        ffi::kvp_cpu_verify(src.as_ptr(), src.len() as u64, seed, id.block, id.layer, id.kv.code(), id.generation, &mut first)
+    };
+    (bad, first)
+}
+
 /// Compares `src` with the poison of (`slot`, `iteration`) ([`poison`]): returns
 /// `(bad_bytes, first_bad_offset)`, bytes counted one by one (a byte differs when it is not
 /// the poison's byte at that offset); `first_bad_offset == src.len()` when `src` still holds
@@ -116,6 +143,15 @@ pub fn check_poison(src: &[u8], slot: u32, iteration: u32) -> (u64, u64) {
     let mut first = 0u64;
     // SAFETY: reads exactly `src.len()` bytes of the borrowed buffer; `first` is a valid
     // out-pointer for the duration of the call.
+    let bad = unsafe { ffi::kvp_cpu_check_poison(src.as_ptr(), src.len() as u64, slot, iteration, &mut first) };
+    (bad, first)
+}
+
+/// [`check_poison`] of a range of a DRAM pool (no transfer may be writing it).
+pub fn check_poison_span(src: crate::hostmem::Span<'_>, slot: u32, iteration: u32) -> (u64, u64) {
+    let mut first = 0u64;
+    // SAFETY: reads exactly `src.len()` bytes, valid for the span's borrow; no writer touches
+    // them (the span's contract); `first` is a valid out-pointer.
     let bad = unsafe { ffi::kvp_cpu_check_poison(src.as_ptr(), src.len() as u64, slot, iteration, &mut first) };
     (bad, first)
 }

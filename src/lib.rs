@@ -15,6 +15,7 @@
 //! speed against same-run ceilings. [`deadline`] bounds every wait of a run (`--timeout`) and
 //! ends a run whose call never returns. [`scratch`] keeps the files kvprobe needs while it
 //! runs in private directories that never outlive it.
+//! [`capture`] writes a bundle's environment capture and [`redact`] its `--redact` replacements.
 //!
 //! `unsafe` lives only in the fenced FFI modules [`cuda`], [`hostmem`], [`nixl`], [`child`],
 //! [`interrupt`] (the signal handler) and the C bridge inside [`fingerprint`].
@@ -23,6 +24,7 @@
 pub mod ab;
 pub mod bench;
 pub mod bundle;
+pub mod capture;
 pub mod check;
 pub mod child;
 pub mod cuda;
@@ -44,6 +46,7 @@ pub mod par;
 pub mod phase;
 pub mod pool;
 pub mod race;
+pub mod redact;
 pub mod remote;
 pub mod report;
 pub mod run;

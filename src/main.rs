@@ -905,17 +905,12 @@ fn finish_bundle<T: serde::Serialize>(pool: &PoolArgs, doc: &T, name: &'static s
     let result = serde_json::to_vec_pretty(doc).map_err(|e| Error::Io(format!("--bundle: {e}"))).and_then(|mut body| {
         body.push(b'\n');
         let dir = dump_dir(pool)?;
-        let ucx = kvprobe::ucx::log_text().and_then(|t| {
-            let p = kvprobe::scratch::dir().ok()?.join("ucx-of-run.log");
-            std::fs::write(&p, t).ok()?;
-            Some(p)
-        });
         let c = kvprobe::bundle::Contents {
             report: body,
             report_name: name,
             dump: dir.as_deref().filter(|d| d.is_dir()),
             capture_made: "run",
-            ucx_log: ucx.as_deref(),
+            ucx_log: None, // the capture reads this process's own UCX log
             redact: pool.redact,
         };
         kvprobe::bundle::write(path, &c)

@@ -219,13 +219,18 @@ impl Master {
     /// the tail of its log) when it exits or does not answer in time.
     ///
     /// Another process can take a chosen port between kvprobe releasing it and the master
-    /// binding it; a master that exits at start-up with "Address already in use" is started
-    /// again on new ports (three attempts).
+    /// binding it; a master that exits during start-up is started again on new ports (three
+    /// attempts; the last one's error is returned). Not only on "Address already in use" in
+    /// its log: a master that lost a port race has been seen to exit with status 1 and an
+    /// empty log while many tests started masters at once.
     pub fn start(install: &Install, timeout: Duration) -> Result<Master> {
         let mut attempt = 1;
         loop {
             match Master::start_once(install, timeout) {
-                Err(Error::Transport(m)) if attempt < 3 && m.contains("Address already in use") => attempt += 1,
+                Err(Error::Transport(m)) if attempt < 3 && m.starts_with("mooncake_master exited") => {
+                    crate::trace!("mooncake_master attempt {attempt} failed: {m}");
+                    attempt += 1
+                }
                 r => return r,
             }
         }
@@ -237,9 +242,7 @@ impl Master {
         let out = log.try_clone().map_err(|e| Error::Environment(format!("master log file: {e}")))?;
         let err = log.try_clone().map_err(|e| Error::Environment(format!("master log file: {e}")))?;
         let mut cmd = Command::new(&install.master);
-        crate::child::die_with_parent(&mut cmd);
-        let child = cmd
-            .arg(format!("--rpc_port={rpc_port}"))
+        cmd.arg(format!("--rpc_port={rpc_port}"))
             .arg("--rpc_address=127.0.0.1")
             .arg("--enable_http_metadata_server=true")
             .arg("--http_metadata_server_host=127.0.0.1")
@@ -254,8 +257,8 @@ impl Master {
             .stdout(out)
             .stderr(err)
             // Its own process group: a terminal's Ctrl-C reaches kvprobe, which stops it.
-            .process_group(0)
-            .spawn()
+            .process_group(0);
+        let child = crate::child::spawn(cmd)
             .map_err(|e| Error::Environment(format!("cannot start {}: {e}", install.master.display())))?;
         let rpc: SocketAddr = ([127, 0, 0, 1], rpc_port).into();
         let mut m = Master { child, rpc, metadata_url: format!("http://127.0.0.1:{http_port}/metadata"), log };
@@ -341,15 +344,19 @@ pub struct Worker {
     log: std::fs::File,
     /// The worker's script, in kvprobe's private directory ([`crate::scratch::dir`]).
     _script: tempfile::NamedTempFile,
+    /// The descriptors it inherited ([`Worker::start`]'s shareable buffers).
+    inherited: Vec<i32>,
 }
 
 impl Worker {
     /// Starts the worker with `install`'s Python and checks its protocol (`hello`). Each
-    /// later call waits at most `timeout` for its reply.
+    /// later call waits at most `timeout` for its reply. The worker inherits the memfds of
+    /// `shared` (shareable host buffers it may map later with [`Worker::map_shared`]) and no
+    /// other descriptor of kvprobe's.
     ///
     /// Errors: [`Error::Environment`] when it cannot start, [`Error::Transport`] when it
     /// dies, answers out of protocol, or not in time.
-    pub fn start(install: &Install, timeout: Duration) -> Result<Worker> {
+    pub fn start(install: &Install, timeout: Duration, shared: &[&crate::hostmem::HostBuffer]) -> Result<Worker> {
         use std::io::{BufRead, Write};
         let env_err = |w: &str, e: std::io::Error| Error::Environment(format!("Mooncake worker: {w}: {e}"));
         let dir = crate::scratch::dir()?;
@@ -361,16 +368,18 @@ impl Worker {
         script.write_all(WORKER_SOURCE.as_bytes()).map_err(|e| env_err("script", e))?;
         let log = crate::scratch::anonymous_file().map_err(|e| env_err("log", e))?;
         let mut cmd = Command::new(&install.python);
-        crate::child::die_with_parent(&mut cmd);
-        let mut child = cmd
-            .arg("-u")
+        let inherited: Vec<i32> = shared.iter().filter_map(|b| b.shared_fd()).collect();
+        for &fd in &inherited {
+            crate::child::keep_fd(&mut cmd, fd);
+        }
+        cmd.arg("-u")
             .arg(script.path())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(log.try_clone().map_err(|e| env_err("log", e))?)
-            .process_group(0)
-            .spawn()
-            .map_err(|e| env_err(&format!("cannot start {}", install.python.display()), e))?;
+            .process_group(0);
+        let mut child =
+            crate::child::spawn(cmd).map_err(|e| env_err(&format!("cannot start {}", install.python.display()), e))?;
         let stdin = child.stdin.take().expect("piped");
         let stdout = child.stdout.take().expect("piped");
         let (tx, rx) = std::sync::mpsc::channel();
@@ -382,7 +391,7 @@ impl Worker {
                 }
             }
         });
-        let mut w = Worker { child, stdin, replies: rx, next_id: 1, timeout, log, _script: script };
+        let mut w = Worker { child, stdin, replies: rx, next_id: 1, timeout, log, _script: script, inherited };
         // hello imports the store client: a broken install fails here, as a set-up problem.
         let hello = w.call("hello", serde_json::json!({})).map_err(|e| match e {
             Error::Transport(m) => Error::Environment(format!("{m}; {INSTALL_HINT}")),
@@ -482,10 +491,17 @@ impl Worker {
 
     /// Maps a shareable host buffer ([`crate::hostmem::HostBuffer::alloc_shareable`]) in the
     /// worker and registers it with the store; later ranges are offsets into it. The buffer
-    /// must have been allocated before [`Worker::start`] (the worker inherits its memfd);
-    /// otherwise the worker refuses it.
+    /// must have been passed to [`Worker::start`] (the worker inherits its memfd then, and
+    /// only then). Errors: usage when it was not, or is not shareable; transport when the
+    /// worker cannot map it.
     pub fn map_shared(&mut self, buf: &crate::hostmem::HostBuffer) -> Result<()> {
         let fd = buf.shared_fd().ok_or_else(|| Error::Usage("the pool is not shareable with the Mooncake worker".into()))?;
+        if !self.inherited.contains(&fd) {
+            return Err(Error::Usage(format!(
+                "the shared pool (descriptor {fd}) was not passed to the Mooncake worker when it started: pass it to \
+                 Worker::start"
+            )));
+        }
         self.call("map_fd", serde_json::json!({ "fd": fd, "len": buf.len() }))?;
         Ok(())
     }

@@ -82,6 +82,12 @@ pub fn load() -> Result<NixlLibrary> {
     LOADED.get_or_init(load_once).clone().map_err(Error::Environment)
 }
 
+/// The NIXL library this process already loaded, if [`load`] succeeded; never loads it
+/// (loading sets environment variables, which is only safe before kvprobe starts threads).
+pub fn loaded() -> Option<NixlLibrary> {
+    LOADED.get().and_then(|r| r.as_ref().ok()).cloned()
+}
+
 /// Chooses UCX's CUDA IPC mode for two agents in this process, before NIXL starts: when both
 /// pools are on the same GPU, `UCX_CUDA_IPC_ENABLE_SAME_PROCESS=y` (without it UCX will not
 /// use CUDA IPC within one process); across GPUs it is left unset, because with it UCX opens

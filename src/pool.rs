@@ -10,7 +10,7 @@ use crate::cuda::{Device, DeviceBuffer, GpuTimer, Kernels, PendingTime, RegionAr
 use crate::error::{Error, Result};
 use crate::fingerprint::{self, BlockIdentity, SKIP_GEN};
 use crate::geometry::{Geometry, SliceCoord};
-use crate::hostmem::HostBuffer;
+use crate::hostmem::{HostBuffer, SpanMut};
 use crate::report::KernelSeconds;
 use std::ops::Range;
 use std::sync::Arc;
@@ -438,13 +438,17 @@ impl KvPool {
         Ok(())
     }
 
-    /// Runs `f(coord, slice bytes)` over the slices of layers `layers` of a DRAM pool: all
+    /// Runs `f(coord, slice span)` over the slices of layers `layers` of a DRAM pool: all
     /// of them, or only those of blocks whose `table` entry is not [`SKIP_GEN`]. Work above
     /// 8 MiB is split over all threads (contiguous runs of global slice indices; the pool is
     /// slices in global-index order, layer-major); smaller work runs on the calling thread.
-    fn host_each<F>(geom: &Geometry, buf: &mut HostBuffer, layers: Range<u32>, table: Option<&[TableEntry]>, f: F)
+    /// `f` gets one slice's [`SpanMut`] (raw pointer and length, never a reference into the
+    /// pool: transfers may be writing other slices meanwhile) and must touch only it; the
+    /// caller guarantees no transfer is in flight into the slices `f` is run on (see
+    /// [`crate::hostmem`]). Errors (usage): the layers lie outside the mapping.
+    fn host_each<F>(geom: &Geometry, buf: &mut HostBuffer, layers: Range<u32>, table: Option<&[TableEntry]>, f: F) -> Result<()>
     where
-        F: Fn(SliceCoord, &mut [u8]) + Sync,
+        F: Fn(SliceCoord, &mut SpanMut<'_>) + Sync,
     {
         let sb = geom.slice_bytes().unwrap_or(0) as usize;
         let per_layer = geom.slices_per_layer() as usize;
@@ -456,7 +460,7 @@ impl KvPool {
             None => slices,
         };
         let keep = |c: SliceCoord| selected.as_ref().is_none_or(|s| s[c.block as usize]);
-        let bytes = &mut buf.as_mut_slice()[first * sb..(first + slices) * sb];
+        let mut bytes = buf.span_mut(first * sb, slices * sb)?;
         if wanted.saturating_mul(sb) < 8 << 20
             && let Some(sel) = &selected
         {
@@ -466,21 +470,22 @@ impl KvPool {
                     for &kv in geom.parts() {
                         let c = SliceCoord { layer, kv, block: block as u32 };
                         let at = geom.global_slice(c) as usize * sb - first * sb;
-                        f(c, &mut bytes[at..at + sb]);
+                        f(c, &mut bytes.sub_mut(at, sb)?);
                     }
                 }
             }
-            return;
+            return Ok(());
         }
         let per = slices.div_ceil(threads()).max(1);
-        crate::par::for_each(bytes.chunks_mut(per * sb).enumerate(), threads(), |(t, part)| {
-            for (i, s) in part.chunks_exact_mut(sb).enumerate() {
+        crate::par::for_each(bytes.into_chunks(per * sb).enumerate(), threads(), |(t, part)| {
+            for (i, mut s) in part.into_chunks(sb).enumerate() {
                 let c = geom.coord_of((first + t * per + i) as u32);
                 if keep(c) {
-                    f(c, s);
+                    f(c, &mut s);
                 }
             }
         });
+        Ok(())
     }
 
     /// Every layer of the pool.
@@ -516,15 +521,12 @@ impl KvPool {
         let seed = self.seed;
         let table = &self.table;
         match &mut self.backing {
-            Backing::Host(buf) => {
-                Self::host_each(&self.geom, buf, layers, Some(table), |c, s| {
-                    let e = table[c.block as usize];
-                    if e.generation != SKIP_GEN {
-                        fingerprint::fill(s, seed, e.identity(c));
-                    }
-                });
-                Ok(())
-            }
+            Backing::Host(buf) => Self::host_each(&self.geom, buf, layers, Some(table), |c, s| {
+                let e = table[c.block as usize];
+                if e.generation != SKIP_GEN {
+                    fingerprint::fill_span(s, seed, e.identity(c));
+                }
+            }),
             Backing::Device { kernels, regions, table: t, .. } => {
                 let s32 = fingerprint::seed32(seed);
                 let timer = GpuTimer::start(regions[0].device())?;
@@ -550,10 +552,9 @@ impl KvPool {
                 let g = &self.geom;
                 Self::host_each(g, buf, layers, table, |c, s| {
                     if !keep(c.block) {
-                        fingerprint::poison(s, g.global_slice(c), iteration)
+                        fingerprint::poison_span(s, g.global_slice(c), iteration)
                     }
-                });
-                Ok(())
+                })
             }
             Backing::Device { kernels, regions, table: t, .. } => {
                 let timer = GpuTimer::start(regions[0].device())?;
@@ -587,13 +588,13 @@ impl KvPool {
                     if e.generation == SKIP_GEN {
                         return;
                     }
-                    let (bad, first) = fingerprint::check(s, seed, e.identity(c));
+                    let (bad, first) = fingerprint::check_span(s.as_span(), seed, e.identity(c));
                     n_slices.fetch_add(1, Ordering::Relaxed);
                     n_bytes.fetch_add(s.len() as u64, Ordering::Relaxed);
                     if bad > 0 {
                         found.lock().unwrap().push(RawFailure { slice: g.global_slice(c), bad_bytes: bad, first_bad: first });
                     }
-                });
+                })?;
                 self.host_fails.append(&mut found.into_inner().unwrap());
                 self.host_compared.slices += n_slices.into_inner();
                 self.host_compared.bytes += n_bytes.into_inner();
@@ -696,7 +697,7 @@ impl KvPool {
                 let g = &self.geom;
                 Self::host_each(g, buf, layers, None, |c, s| {
                     let slot = g.global_slice(c);
-                    let (bad, first) = fingerprint::check_poison(s, slot, iteration);
+                    let (bad, first) = fingerprint::check_poison_span(s.as_span(), slot, iteration);
                     n_slices.fetch_add(1, Ordering::Relaxed);
                     if bad > 0 {
                         found.lock().unwrap_or_else(|p| p.into_inner()).push(RawFailure {
@@ -705,7 +706,7 @@ impl KvPool {
                             first_bad: first,
                         });
                     }
-                });
+                })?;
                 self.check.fails.append(&mut found.into_inner().unwrap_or_else(|p| p.into_inner()));
                 self.check.slices += n_slices.into_inner();
                 Ok(())
@@ -813,12 +814,21 @@ impl KvPool {
                 timer.stop()
             }
             (Backing::Host(d), Backing::Host(s)) => {
+                // Raw spans, never slices: see crate::hostmem (no transfer may be in flight
+                // into either pool meanwhile; run and bench copy before any transfer).
                 let t = std::time::Instant::now();
                 let per = d.len().div_ceil(threads()).max(1);
-                crate::par::for_each(d.as_mut_slice().chunks_mut(per).zip(s.as_slice().chunks(per)), threads(), |(d, s)| {
-                    d.copy_from_slice(s)
+                let (dst, src) = (d.span_mut(0, d.len())?, s.span(0, s.len())?);
+                let failed = std::sync::Mutex::new(None);
+                crate::par::for_each(dst.into_chunks(per).zip(src.chunks(per)), threads(), |(mut d, s)| {
+                    if let Err(e) = d.copy_from(s) {
+                        *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                    }
                 });
-                Ok(t.elapsed().as_secs_f64())
+                match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+                    Some(e) => Err(e),
+                    None => Ok(t.elapsed().as_secs_f64()),
+                }
             }
             _ => Err(Error::Usage("copy_pool_from needs two pools of the same memory kind".into())),
         }
@@ -905,8 +915,7 @@ impl KvPool {
         match &self.backing {
             Backing::Host(b) => {
                 let at = layer * self.geom.region_bytes().unwrap_or(0) as usize + off;
-                buf.copy_from_slice(&b.as_slice()[at..at + sb]);
-                Ok(())
+                b.read_at(at, buf)
             }
             Backing::Device { regions, .. } => regions[layer].read(off, buf),
         }
@@ -921,8 +930,7 @@ impl KvPool {
         match &mut self.backing {
             Backing::Host(b) => {
                 let at = layer * self.geom.region_bytes().unwrap_or(0) as usize + off;
-                b.as_mut_slice()[at..at + sb].copy_from_slice(bytes);
-                Ok(())
+                b.write_at(at, bytes)
             }
             Backing::Device { regions, .. } => regions[layer].write(off, bytes),
         }

@@ -243,8 +243,12 @@ impl RemoteAgent {
         {
             cmd.env_remove("UCX_LOG_FILE").env_remove("UCX_PROTO_INFO");
         }
-        crate::child::die_with_parent(&mut cmd);
-        let mut child = cmd.spawn().map_err(|e| Error::Environment(format!("cannot start the decode agent process: {e}")))?;
+        // The DRAM pool's memfd (close-on-exec in kvprobe) is inherited by this child alone.
+        if let Some(fd) = init.dram_fd {
+            crate::child::keep_fd(&mut cmd, fd);
+        }
+        let mut child =
+            crate::child::spawn(cmd).map_err(|e| Error::Environment(format!("cannot start the decode agent process: {e}")))?;
         let stdin = child.stdin.take().expect("piped");
         let stdout = child.stdout.take().expect("piped");
         let (wtx, wrx) = channel::<Vec<u8>>();

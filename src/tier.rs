@@ -13,7 +13,7 @@
 //! save that copied the wrong block is attributable when a later load delivers it.
 
 use crate::error::{Error, Result};
-use crate::hostmem::HostBuffer;
+use crate::hostmem::PrivateBuffer;
 use crate::pool::TableEntry;
 use crate::race::Mechanism;
 use std::collections::HashMap;
@@ -41,7 +41,7 @@ struct Entry {
 }
 
 enum Arena {
-    Host(HostBuffer),
+    Host(PrivateBuffer),
     Pinned(crate::cuda::PinnedHost),
     /// The bytes live elsewhere (Mooncake Store); this store keeps only the metadata.
     Elsewhere,
@@ -81,7 +81,7 @@ impl Store {
                 crate::report::bytes_exact(avail)
             )));
         }
-        let buf = HostBuffer::alloc(bytes as usize)?;
+        let buf = PrivateBuffer::alloc(bytes as usize)?;
         let arena = match device {
             Some(d) => Arena::Pinned(crate::cuda::PinnedHost::new(d, buf)?),
             None => Arena::Host(buf),

@@ -132,6 +132,14 @@ fn read_since(from: u64) -> Option<String> {
     }
 }
 
+/// The whole UCX log of this process (protocol tables and UCX's messages) when the capture
+/// is on ([`log_path`]), read through the descriptor kvprobe keeps once the file is unlinked;
+/// `None` when it is off or unreadable. Used by the bundle's environment capture
+/// ([`crate::capture`]).
+pub fn log_text() -> Option<String> {
+    read_since(0)
+}
+
 /// The cell text of a table line `[time] [host:pid:thread]   | a | b | c |`.
 fn cells(line: &str) -> Option<Vec<String>> {
     let body = &line[line.find('|')?..];
@@ -242,12 +250,6 @@ pub fn describe(p: &TransportPath) -> String {
         }
     }
     format!("{} {}", p.backend, seen.join("; "))
-}
-
-/// Everything in kvprobe's UCX log so far (protocol tables and messages), for a bundle's
-/// environment capture; `None` when the capture is off or the log cannot be read.
-pub fn log_text() -> Option<String> {
-    read_since(0)
 }
 
 /// UCX's messages in kvprobe's log other than the protocol tables (warnings, errors, and what

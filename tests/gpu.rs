@@ -726,6 +726,66 @@ fn decode_agent_process_on_vram_shares_its_pool_by_cuda_ipc() {
     }
 }
 
+/// Not a check by itself: with `KVPROBE_TEST_IPC_EXPORT=<bytes>` set, the exporting process
+/// of [`ipc_import_refuses_a_length_beyond_the_allocation`] — allocates that many bytes on GPU
+/// 0, prints `HANDLE <hex>` and holds the allocation until its stdin closes. Without the
+/// variable it does nothing.
+#[test]
+fn ipc_export_helper() {
+    use std::io::Read;
+    let Some(n) = std::env::var("KVPROBE_TEST_IPC_EXPORT").ok().and_then(|v| v.parse::<usize>().ok()) else {
+        return;
+    };
+    let dev = Device::open(0).unwrap();
+    let buf = kvprobe::cuda::DeviceBuffer::alloc(&dev, n).unwrap();
+    let h = buf.ipc_handle().unwrap();
+    println!("HANDLE {}", h.iter().map(|b| format!("{b:02x}")).collect::<String>());
+    let _ = std::io::stdin().read_to_end(&mut Vec::new());
+    drop(buf);
+}
+
+#[test]
+fn ipc_import_refuses_a_length_beyond_the_allocation() {
+    if !gpu_or_skip("ipc_import_refuses_a_length_beyond_the_allocation") {
+        return;
+    }
+    use std::io::BufRead;
+    // A CUDA IPC handle cannot be opened in the process that made it: this test binary,
+    // started again, exports a 2 MiB allocation.
+    const LEN: usize = 2 << 20;
+    let mut exporter = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "gpu::ipc_export_helper", "--nocapture", "--test-threads=1"])
+        .env("KVPROBE_TEST_IPC_EXPORT", LEN.to_string())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(exporter.stdout.take().unwrap()).lines();
+    let hex = lines
+        .by_ref()
+        .map_while(|l| l.ok())
+        .find_map(|l| l.strip_prefix("HANDLE ").map(str::to_string))
+        .expect("the exporter printed its handle");
+    let mut handle = [0u8; 64];
+    for (i, b) in handle.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
+    }
+    let dev = Device::open(0).unwrap();
+    let keep: Arc<dyn std::any::Any + Send + Sync> = Arc::new(());
+    // The true length (and a shorter one) opens.
+    drop(kvprobe::cuda::DeviceBuffer::import(&dev, &handle, LEN, keep.clone()).unwrap());
+    drop(kvprobe::cuda::DeviceBuffer::import(&dev, &handle, LEN / 2, keep.clone()).unwrap());
+    // A longer claim is a device error naming both lengths, and the handle was closed again
+    // (it opens once more afterwards).
+    let e = kvprobe::cuda::DeviceBuffer::import(&dev, &handle, 2 * LEN, keep.clone()).unwrap_err();
+    assert!(matches!(e, kvprobe::error::Error::Device(_)), "{e:?}");
+    let m = e.to_string();
+    assert!(m.contains(&(2 * LEN).to_string()) && m.contains(&LEN.to_string()), "{m}");
+    drop(kvprobe::cuda::DeviceBuffer::import(&dev, &handle, LEN, keep).unwrap());
+    drop(exporter.stdin.take());
+    assert!(exporter.wait().unwrap().success());
+}
+
 #[test]
 fn vram_requests_left_in_flight_by_a_timeout_are_drained_or_kept_never_freed_under_a_copy() {
     if !gpu_or_skip("vram_requests_left_in_flight_by_a_timeout_are_drained_or_kept_never_freed_under_a_copy") {

@@ -11,6 +11,15 @@ fn running(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| s.split_whitespace().nth(2).is_none_or(|st| st != "Z"))
 }
 
+/// How many descriptors process `pid` holds on kvprobe's shareable pools (`memfd:kvprobe-pool`).
+fn pool_memfds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|t| t.to_string_lossy().starts_with("/memfd:kvprobe-pool"))
+        .count()
+}
+
 #[test]
 fn env_reports_the_mooncake_install() {
     if !mooncake_or_skip("env_reports_the_mooncake_install") {
@@ -45,9 +54,13 @@ fn master_starts_answers_and_is_always_stopped() {
         return;
     }
     let install = mooncake::find().expect("Mooncake installed by scripts/install-deps.sh");
+    // A shareable pool alive when the master starts: the master does not inherit its memfd.
+    let pool = kvprobe::hostmem::HostBuffer::alloc_shareable(1 << 16).unwrap();
     let mut m = Master::start(&install, Duration::from_secs(300)).unwrap();
     let pid = m.pid();
     assert!(running(pid));
+    assert_eq!(pool_memfds(pid), 0, "mooncake_master inherited a pool's memfd");
+    drop(pool);
     m.alive().unwrap();
     assert!(std::net::TcpStream::connect(m.rpc).is_ok());
     assert!(m.metadata_url.starts_with("http://127.0.0.1:") && m.metadata_url.ends_with("/metadata"));
@@ -91,22 +104,21 @@ fn worker_moves_blocks_between_a_shared_pool_and_the_store() {
     use kvprobe::geometry::KvPart;
     let install = mooncake::find().expect("Mooncake installed by scripts/install-deps.sh");
     let master = mooncake::Deployment::Started(Master::start(&install, Duration::from_secs(300)).unwrap());
-    // The pool first: the worker inherits its memfd.
+    // The worker inherits the memfd of the pool passed to it, and of no other buffer (the
+    // memfds are close-on-exec: `other`, alive when the worker starts, is not inherited).
     let mut pool = kvprobe::hostmem::HostBuffer::alloc_shareable(1 << 20).unwrap();
-    let late = |w: &mut mooncake::Worker| {
-        let other = kvprobe::hostmem::HostBuffer::alloc_shareable(4096).unwrap();
-        let e = w.map_shared(&other).unwrap_err();
-        assert!(e.to_string().contains("before starting the worker"), "{e}");
-    };
-    let mut w = mooncake::Worker::start(&install, Duration::from_secs(300)).unwrap();
+    let other = kvprobe::hostmem::HostBuffer::alloc_shareable(4096).unwrap();
+    let mut w = mooncake::Worker::start(&install, Duration::from_secs(300), &[&pool]).unwrap();
+    assert_eq!(pool_memfds(w.pid()), 1, "the worker holds exactly the pool's memfd");
     w.setup(&master, "tcp", 64 << 20).unwrap();
-    late(&mut w);
+    let e = w.map_shared(&other).unwrap_err();
+    assert!(e.to_string().contains("not passed to the Mooncake worker"), "{e}");
     w.map_shared(&pool).unwrap();
     // A "block" of two slices that are not adjacent in the pool, as a block's K and V are.
     let sb = 4096usize;
     let id = |kv| BlockIdentity { layer: 0, kv, block: 77, generation: 3 };
-    fingerprint::fill(&mut pool.as_mut_slice()[0..sb], 9, id(KvPart::K));
-    fingerprint::fill(&mut pool.as_mut_slice()[65536..65536 + sb], 9, id(KvPart::V));
+    fingerprint::fill_span(&mut pool.span_mut(0, sb).unwrap(), 9, id(KvPart::K));
+    fingerprint::fill_span(&mut pool.span_mut(65536, sb).unwrap(), 9, id(KvPart::V));
     let key = mooncake::block_key("test", 77, 3);
     assert_eq!(key, "kvprobe/test/0000004d/3");
     assert_eq!(w.exists(std::slice::from_ref(&key)).unwrap(), vec![0]);
@@ -117,8 +129,8 @@ fn worker_moves_blocks_between_a_shared_pool_and_the_store() {
     let dst = vec![(131072u64, sb as u64), (262144, sb as u64)];
     let got = w.get(0, std::slice::from_ref(&key), std::slice::from_ref(&dst)).unwrap();
     assert_eq!(got, vec![2 * sb as i64], "bytes read");
-    assert_eq!(fingerprint::check(&pool.as_slice()[131072..131072 + sb], 9, id(KvPart::K)).0, 0);
-    assert_eq!(fingerprint::check(&pool.as_slice()[262144..262144 + sb], 9, id(KvPart::V)).0, 0);
+    assert_eq!(fingerprint::check_span(pool.span(131072, sb).unwrap(), 9, id(KvPart::K)).0, 0);
+    assert_eq!(fingerprint::check_span(pool.span(262144, sb).unwrap(), 9, id(KvPart::V)).0, 0);
     // A missing key is an error code, not bytes.
     let missing = mooncake::block_key("test", 78, 1);
     assert!(w.get(0, std::slice::from_ref(&missing), std::slice::from_ref(&dst)).unwrap()[0] < 0);
@@ -137,7 +149,7 @@ fn a_killed_worker_is_a_transport_error() {
         return;
     }
     let install = mooncake::find().expect("Mooncake installed by scripts/install-deps.sh");
-    let mut w = mooncake::Worker::start(&install, Duration::from_secs(300)).unwrap();
+    let mut w = mooncake::Worker::start(&install, Duration::from_secs(300), &[]).unwrap();
     let pid = w.pid();
     assert!(std::process::Command::new("kill").args(["-KILL", &pid.to_string()]).status().unwrap().success());
     while running(pid) {
@@ -226,6 +238,10 @@ fn a_master_killed_mid_run_is_exit_3_and_nothing_is_left_running() {
     while !p.exists() {
         std::thread::sleep(Duration::from_millis(20));
     }
+    // Both run now; the pools were allocated before either started: only the worker, which
+    // maps them, holds their memfds.
+    assert_eq!(pool_memfds(master), 0, "mooncake_master inherited a pool's memfd");
+    assert!(pool_memfds(worker) >= 2, "the worker holds both pools' memfds: {}", pool_memfds(worker));
     assert!(std::process::Command::new("kill").args(["-KILL", &master.to_string()]).status().unwrap().success());
     let out = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);

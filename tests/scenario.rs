@@ -591,8 +591,9 @@ fn a_planted_partial_delivery_in_a_rewritten_block_is_unexplained() {
     // load-into-reading rewrites blocks while their READ is in flight; the hook writes this
     // iteration's poison over half of such a slice after the READ: no write can put poison
     // there, so it must be unexplained (the old rule took it for the race's tear).
-    // --lockstep: the control's race damage (exit 1) replays from the seed, whatever the timing.
-    let args = ["--race", "load-into-reading", "--requests", "600", "--seed", "21", "--lockstep"];
+    // Not --lockstep: there each READ completes within its step, and the hook finds no slice
+    // whose block was rewritten while its READ was in flight.
+    let args = ["--race", "load-into-reading", "--requests", "600", "--seed", "21"];
     let (code, r, log) = scenario_env("fault-poison", &args, &[("KVPROBE_TEST_FAULT", "poison:5")]);
     assert_eq!(code, 1, "{log}");
     let p = planted(&log);
@@ -600,9 +601,10 @@ fn a_planted_partial_delivery_in_a_rewritten_block_is_unexplained() {
     assert_eq!(r["scenario"]["unexplained_corrupt"], p.len() as u64, "exactly the planted faults are unexplained: {log}");
     assert_eq!(r["outcome"]["status"], "corrupt");
     assert_planted_unexplained(&r, &p, &log);
-    // Control: the same run without the hook has nothing unexplained.
+    // Control: the same run without the hook has nothing unexplained (whether its race damage
+    // reaches a verified READ depends on timing without --lockstep: exit 1, or 6 if not).
     let (code, r, log) = scenario_report("fault-poison-control", &args);
-    assert_eq!(code, 1, "{log}");
+    assert!(code == 1 || code == 6, "{log}");
     assert_eq!(r["scenario"]["unexplained_corrupt"], 0, "{log}");
     assert!(planted(&log).is_empty());
 }

@@ -24,10 +24,16 @@ fn elf(path: &Path, class64: bool) {
 /// (exit code, the missing items). The environment that steers clang-sys's search is
 /// cleared (LIBCLANG_PATH, LD_LIBRARY_PATH, LIBRARY_PATH) and llvm-config is `llvm_config`.
 fn check(root: &Path, llvm_config: &Path, env: &[(&str, &str)]) -> (i32, Vec<String>) {
+    check_with(root, llvm_config, &[], env)
+}
+
+/// As `check`, with `args` (`--build`, `--runtime`) after `--check`.
+fn check_with(root: &Path, llvm_config: &Path, args: &[&str], env: &[(&str, &str)]) -> (i32, Vec<String>) {
     let home = root.join("kvprobe-home");
     let mut c = Command::new("bash");
     c.arg(repo().join("scripts/install-deps.sh"))
         .arg("--check")
+        .args(args)
         .env("KVPROBE_DEPS_ROOT", root)
         .env("KVPROBE_HOME", &home)
         .env("LLVM_CONFIG_PATH", llvm_config)
@@ -161,4 +167,58 @@ fn the_check_installs_nothing_and_names_the_missing_installs() {
 
 fn missing_with_code(root: &Path) -> (i32, Vec<String>) {
     check(root, Path::new("/nonexistent/llvm-config"), &[])
+}
+
+/// `install-deps.sh --check PART` against `root` with `bin` first on PATH: (exit code, missing).
+fn check_part(root: &Path, part: &str, bin: &Path) -> (i32, Vec<String>) {
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
+    let args: Vec<&str> = [part].into_iter().filter(|p| !p.is_empty()).collect();
+    check_with(root, Path::new("/nonexistent/llvm-config"), &args, &[("PATH", &path)])
+}
+
+#[test]
+fn build_and_runtime_parts_check_only_their_own_dependencies() {
+    // A machine with nothing: no libclang, no libnuma, and a python3 without pip (Debian's and
+    // Ubuntu's python3 package, as in the CUDA runtime image the container builds on).
+    let root = tmpdir("deps-parts");
+    let bin = root.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let real = String::from_utf8(Command::new("bash").args(["-c", "command -v python3"]).output().unwrap().stdout).unwrap();
+    let fake = bin.join("python3");
+    std::fs::write(
+        &fake,
+        format!(
+            "#!/bin/sh\n[ \"$1 $2\" = \"-m pip\" ] && {{ echo 'No module named pip' >&2; exit 1; }}\nexec {} \"$@\"\n",
+            real.trim()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+
+    let (code, m) = check_part(&root, "--build", &bin);
+    assert_eq!((code, m), (1, vec!["libclang-dev".to_string()]), "--build: only what cargo build needs");
+    // The C++ compiler nixl-sys's build script runs (cc-rs: $CXX alone when set).
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
+    let nocxx = [("PATH", path.as_str()), ("CXX", "/nonexistent/g++")];
+    let (_, m) = check_with(&root, Path::new("/nonexistent/llvm-config"), &["--build"], &nocxx);
+    assert_eq!(m, ["libclang-dev", "g++"], "a missing C++ compiler not reported");
+    let (_, m) = check_with(&root, Path::new("/nonexistent/llvm-config"), &["--runtime"], &nocxx);
+    assert!(!m.contains(&"g++".to_string()), "--runtime asks for the build's compiler: {m:?}");
+    let (code, m) = check_part(&root, "--runtime", &bin);
+    assert_eq!(code, 1);
+    assert!(!m.contains(&"libclang-dev".to_string()), "--runtime asks for the build's libclang: {m:?}");
+    for p in ["libnuma1", "python3-pip"] {
+        assert!(m.contains(&p.to_string()), "--runtime does not ask for {p}: {m:?}");
+    }
+    assert!(m.iter().any(|s| s.starts_with("NIXL 1.5.1 in ")), "{m:?}");
+    assert!(m.iter().any(|s| s.starts_with("mooncake-transfer-engine-")), "{m:?}");
+    // Without a part, both; with the real python3 (pip present), pip is not asked for.
+    let (_, all) = check_part(&root, "", &bin);
+    assert!(all.contains(&"libclang-dev".to_string()) && all.contains(&"python3-pip".to_string()), "{all:?}");
+    assert!(!missing(&root, &[]).contains(&"python3-pip".to_string()), "python3-pip reported missing although pip is there");
+    for bad in [&["--build", "--runtime"][..], &["--runtime", "--runtime"], &["--check", "--build", "--build"]] {
+        let o = Command::new("bash").arg(repo().join("scripts/install-deps.sh")).args(bad).output().unwrap();
+        assert_eq!(o.status.code(), Some(2), "{bad:?}");
+        assert!(String::from_utf8_lossy(&o.stderr).contains("usage"), "{bad:?}");
+    }
 }

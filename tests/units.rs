@@ -417,6 +417,127 @@ fn impossible_failure_records_are_device_errors_not_panics() {
     assert_eq!(decode_device_failures(&failure_rec(11, 64, 63), 1, &failure_list_geom()).unwrap().len(), 1);
 }
 
+/// The `ls -l /proc/self/fd` of a child started through kvprobe's spawner, given `keep` (a
+/// descriptor to inherit).
+fn child_fds(keep: Option<i32>) -> String {
+    let mut cmd = std::process::Command::new("sh");
+    cmd.args(["-c", "ls -l /proc/self/fd"]);
+    if let Some(fd) = keep {
+        kvprobe::child::keep_fd(&mut cmd, fd);
+    }
+    let out = kvprobe::child::output(cmd).unwrap();
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[test]
+fn a_shareable_pools_memfd_reaches_only_the_child_it_is_given_to() {
+    let buf = kvprobe::hostmem::HostBuffer::alloc_shareable(1 << 16).unwrap();
+    let fd = buf.shared_fd().unwrap();
+    // An ordinary child (as mooncake_master, env's probes, nvidia-smi are started) does not
+    // inherit it, through kvprobe's spawner or a plain std spawn alike.
+    let plain = child_fds(None);
+    assert!(!plain.contains("memfd:kvprobe-pool"), "{plain}");
+    let out = std::process::Command::new("sh").args(["-c", "ls -l /proc/self/fd"]).output().unwrap();
+    let std_spawn = String::from_utf8(out.stdout).unwrap();
+    assert!(!std_spawn.contains("memfd:kvprobe-pool"), "{std_spawn}");
+    // The child it is given to (as the Mooncake worker and the decode agent process are
+    // started) holds it under the same number.
+    let kept = child_fds(Some(fd));
+    assert!(kept.lines().any(|l| l.contains(&format!(" {fd} -> /memfd:kvprobe-pool"))), "fd {fd}: {kept}");
+    assert_eq!(kept.matches("memfd:kvprobe-pool").count(), 1, "{kept}");
+    // Giving it to one child leaks it to no later one.
+    let after = child_fds(None);
+    assert!(!after.contains("memfd:kvprobe-pool"), "{after}");
+}
+
+#[test]
+fn a_child_outlives_the_thread_that_asked_for_it() {
+    // PR_SET_PDEATHSIG fires when the forking *thread* exits: children are forked by
+    // kvprobe's long-lived spawner thread, so one requested from a thread that has ended is
+    // not killed. It exits by itself with 7; killed, it would report SIGKILL.
+    let mut child = std::thread::spawn(|| {
+        let mut cmd = std::process::Command::new("sh");
+        cmd.args(["-c", "sleep 1; exit 7"]);
+        kvprobe::child::spawn(cmd).unwrap()
+    })
+    .join()
+    .unwrap();
+    let st = child.wait().unwrap();
+    assert_eq!(st.code(), Some(7), "{st:?}");
+}
+
+#[test]
+fn host_buffer_ranges_are_checked_not_panics() {
+    use kvprobe::hostmem::HostBuffer;
+    let mut b = HostBuffer::alloc(4096).unwrap();
+    b.write_at(4000, &[7u8; 96]).unwrap();
+    let mut got = [0u8; 96];
+    b.read_at(4000, &mut got).unwrap();
+    assert_eq!(got, [7u8; 96]);
+    let usage = |r: kvprobe::error::Result<()>| match r {
+        Err(e @ Error::Usage(_)) => assert!(e.to_string().contains("outside") || e.to_string().contains("copy of"), "{e}"),
+        r => panic!("expected a usage error, got {r:?}"),
+    };
+    usage(b.read_at(4000, &mut [0u8; 97]));
+    usage(b.read_at(usize::MAX, &mut [0u8; 2]));
+    usage(b.write_at(4096, &[1]));
+    usage(b.write_at(usize::MAX - 1, &[1, 2, 3]));
+    usage(b.span(4095, 2).map(|_| ()));
+    usage(b.span_mut(1, 4096).map(|_| ()));
+    // Nothing outside the range was touched by the refused writes.
+    b.read_at(4000, &mut got).unwrap();
+    assert_eq!(got, [7u8; 96]);
+    // Spans: sub-ranges are checked too; pieces cover the range once, in order.
+    let s = b.span(0, 4096).unwrap();
+    usage(s.sub(4000, 97).map(|_| ()));
+    usage(s.read_at(4095, &mut [0u8; 2]));
+    let lens: Vec<usize> = s.chunks(1000).map(|c| c.len()).collect();
+    assert_eq!(lens, [1000, 1000, 1000, 1000, 96]);
+    let mut m = b.span_mut(0, 4096).unwrap();
+    usage(m.write_at(4095, &[0, 0]));
+    usage(m.sub_mut(1, 4096).map(|_| ()));
+    for (i, mut c) in m.into_chunks(1024).enumerate() {
+        c.write_at(0, &[i as u8 + 1; 1024]).unwrap();
+    }
+    for i in 0..4 {
+        let mut one = [0u8; 1024];
+        b.read_at(i * 1024, &mut one).unwrap();
+        assert_eq!(one, [i as u8 + 1; 1024]);
+    }
+    let mut other = HostBuffer::alloc(4096).unwrap();
+    usage(other.span_mut(0, 4096).unwrap().copy_from(b.span(0, 4095).unwrap()));
+    other.span_mut(0, 4096).unwrap().copy_from(b.span(0, 4096).unwrap()).unwrap();
+    let (mut x, mut y) = (vec![0u8; 4096], vec![0u8; 4096]);
+    b.read_at(0, &mut x).unwrap();
+    other.read_at(0, &mut y).unwrap();
+    assert_eq!(x, y);
+}
+
+#[test]
+fn every_child_process_in_src_is_started_by_the_spawner() {
+    // PR_SET_PDEATHSIG and descriptor inheritance are only right for children forked by
+    // kvprobe::child's spawner thread: no other module of src/ may spawn one itself (clippy.toml
+    // says the same to `cargo clippy`).
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/src");
+    let mut seen = 0;
+    for e in std::fs::read_dir(dir).unwrap() {
+        let path = e.unwrap().path();
+        if path.extension().is_none_or(|x| x != "rs") || path.ends_with("child.rs") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).unwrap();
+        for (i, line) in text.lines().enumerate() {
+            for call in [".spawn()", ".output()", ".status()", "pre_exec(", "libc::fork"] {
+                assert!(!line.contains(call), "{}:{}: {call} outside src/child.rs: {line}", path.display(), i + 1);
+            }
+        }
+        seen += text.matches("crate::child::spawn(").count() + text.matches("crate::child::output(").count();
+    }
+    // The master, the worker, the decode agent, env's probe runs and nvidia-smi.
+    assert!(seen >= 5, "{seen} spawns through kvprobe::child");
+}
+
 /// The README's poison of (slot, iteration): little-endian u32 elements, `slot` at even
 /// element indices and 0x5A000000 | (iteration & 0xFFFFFF) at odd ones (written here from
 /// the definition, not with the code under test).
