@@ -21,6 +21,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 /// Schema of `index.json`.
 pub const SCHEMA: &str = "kvprobe.dump/1";
@@ -150,12 +151,31 @@ pub fn check_dir(dir: &Path) -> Result<()> {
     }
 }
 
-/// Writes failing slices into a dump directory (see the module docs).
+/// Writes failing slices into a dump directory (see the module docs). The state is shared
+/// with the watchdog ([`finish_active`]), so a run it ends still leaves `index.json`.
 pub struct Dumper {
+    state: Arc<Mutex<State>>,
+}
+
+/// The dump being written (at most one at a time: a run, or the ab row in progress), for the
+/// watchdog.
+static ACTIVE: Mutex<Option<Arc<Mutex<State>>>> = Mutex::new(None);
+
+fn lock(m: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+struct State {
     dir: PathBuf,
     index: DumpIndex,
     class_bytes: BTreeMap<Class, u64>,
     names: HashSet<String>,
+    /// The class of every failing slice offered or omitted, in the order found.
+    found: Vec<Class>,
+    /// For each entry of `index.slices`, its position in `found`.
+    entry_at: Vec<usize>,
+    /// Set once `index.json` was written.
+    finished: Option<DumpSummary>,
 }
 
 impl Dumper {
@@ -169,7 +189,7 @@ impl Dumper {
         std::fs::create_dir_all(dir.join("scripts")).map_err(|e| io("create scripts/", e))?;
         std::fs::write(dir.join("scripts/fingerprint_ref.py"), REF_SCRIPT)
             .map_err(|e| io("write scripts/fingerprint_ref.py", e))?;
-        Ok(Dumper {
+        let state = Arc::new(Mutex::new(State {
             dir: dir.to_path_buf(),
             index: DumpIndex {
                 schema: SCHEMA.into(),
@@ -188,11 +208,67 @@ impl Dumper {
             },
             class_bytes: BTreeMap::new(),
             names: HashSet::new(),
-        })
+            found: Vec::new(),
+            entry_at: Vec::new(),
+            finished: None,
+        }));
+        *ACTIVE.lock().unwrap_or_else(|p| p.into_inner()) = Some(state.clone());
+        Ok(Dumper { state })
     }
 
     /// Whether a failing slice of `class` and `len` bytes would be written now ([`RULE`]).
     pub fn wants(&self, class: Class, len: u64) -> bool {
+        lock(&self.state).wants(class, len)
+    }
+
+    /// Counts a failing slice of `class` that is not offered (the caller saw [`Dumper::wants`]
+    /// say no).
+    pub fn omit(&mut self, class: Class) {
+        lock(&self.state).omit(class)
+    }
+
+    /// Writes `actual` (the slice as it arrived) with its record `f` when the cap allows
+    /// ([`Dumper::wants`]), else counts it as omitted. `report_index`: where `f` is listed in
+    /// the report's failures, if it is. A write that fails stops the dump (`dump_truncated`).
+    pub fn offer(&mut self, f: &Failure, actual: &[u8], report_index: Option<usize>) {
+        lock(&self.state).offer(f, actual, report_index)
+    }
+
+    /// Writes `index.json` (atomically) and returns what the report records. A failed write
+    /// is recorded in `dump_truncated` (the slices stay; the run's outcome is unchanged).
+    pub fn finish(&mut self) -> DumpSummary {
+        let mut active = ACTIVE.lock().unwrap_or_else(|p| p.into_inner());
+        if active.as_ref().is_some_and(|a| Arc::ptr_eq(a, &self.state)) {
+            *active = None;
+        }
+        drop(active);
+        lock(&self.state).finish(None)
+    }
+}
+
+/// The watchdog's end of a dump ([`crate::run::expired_report`]): the run is ended without
+/// returning, so the dump in progress, if any, is finished here against the report that will
+/// be written — the one last published, which counts the first `published` failing slices
+/// found. Slices found after it are removed from the dump (their files too), so the dump and
+/// the report agree, and `dump_truncated` says so. Waits up to 1 s for the run's thread to
+/// finish a slice it is writing.
+pub fn finish_active(published: u64) -> Option<DumpSummary> {
+    let state = ACTIVE.lock().unwrap_or_else(|p| p.into_inner()).take()?;
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(1);
+    loop {
+        match state.try_lock() {
+            Ok(mut g) => return Some(g.finish(Some(published as usize))),
+            Err(std::sync::TryLockError::Poisoned(p)) => return Some(p.into_inner().finish(Some(published as usize))),
+            Err(std::sync::TryLockError::WouldBlock) if std::time::Instant::now() < until => {
+                std::thread::sleep(std::time::Duration::from_millis(10))
+            }
+            Err(_) => return None,
+        }
+    }
+}
+
+impl State {
+    fn wants(&self, class: Class, len: u64) -> bool {
         let x = &self.index;
         if x.dump_truncated.is_some() || x.bytes_written + len > x.max_bytes {
             return false;
@@ -220,16 +296,15 @@ impl Dumper {
         }
     }
 
-    /// Counts a failing slice of `class` that is not offered (the caller saw [`Dumper::wants`]
-    /// say no).
-    pub fn omit(&mut self, class: Class) {
+    fn omit(&mut self, class: Class) {
+        self.found.push(class);
         self.count(class, false);
     }
 
-    /// Writes `actual` (the slice as it arrived) with its record `f` when the cap allows
-    /// ([`Dumper::wants`]), else counts it as omitted. `report_index`: where `f` is listed in
-    /// the report's failures, if it is. A write that fails stops the dump (`dump_truncated`).
-    pub fn offer(&mut self, f: &Failure, actual: &[u8], report_index: Option<usize>) {
+    fn offer(&mut self, f: &Failure, actual: &[u8], report_index: Option<usize>) {
+        if self.finished.is_some() {
+            return; // the watchdog ended the dump
+        }
         let len = actual.len() as u64;
         if !self.wants(f.class, len) {
             return self.omit(f.class);
@@ -256,6 +331,8 @@ impl Dumper {
             return self.omit(f.class);
         }
         self.names.insert(name.clone());
+        self.entry_at.push(self.found.len());
+        self.found.push(f.class);
         self.index.bytes_written += len;
         *self.class_bytes.entry(f.class).or_default() += len;
         self.count(f.class, true);
@@ -268,9 +345,54 @@ impl Dumper {
         });
     }
 
-    /// Writes `index.json` (atomically) and returns what the report records. A failed write
-    /// is recorded in `dump_truncated` (the slices stay; the run's outcome is unchanged).
-    pub fn finish(&mut self) -> DumpSummary {
+    /// Keeps only the first `n` failing slices found (the watchdog's report counts those).
+    fn keep_found(&mut self, n: usize) {
+        if n >= self.found.len() {
+            return;
+        }
+        let mut dropped = 0;
+        let mut kept = Vec::new();
+        for (e, at) in std::mem::take(&mut self.index.slices).into_iter().zip(std::mem::take(&mut self.entry_at)) {
+            if at < n {
+                kept.push(e);
+                self.entry_at.push(at);
+            } else {
+                let _ = std::fs::remove_file(self.dir.join(&e.file));
+                dropped += 1;
+            }
+        }
+        self.index.slices = kept;
+        self.found.truncate(n);
+        self.index.bytes_written = self.index.slices.iter().map(|e| e.bytes).sum();
+        for c in self.index.by_class.values_mut() {
+            *c = ClassCount::default();
+        }
+        for c in &self.found {
+            self.index.by_class.entry(c.name().to_string()).or_default().omitted += 1;
+        }
+        for e in &self.index.slices {
+            let c = self.index.by_class.entry(e.failure.class.name().to_string()).or_default();
+            c.omitted -= 1;
+            c.written += 1;
+        }
+        let why = format!(
+            "the run was ended by the watchdog (a call past its deadline): the report is the one last published, \
+             so the {dropped} slice(s) dumped after it were removed"
+        );
+        self.index.dump_truncated = Some(match self.index.dump_truncated.take() {
+            Some(t) => format!("{t}; {why}"),
+            None => why,
+        });
+    }
+
+    /// Writes `index.json` once (`published`: the watchdog's count, [`finish_active`]).
+    fn finish(&mut self, published: Option<usize>) -> DumpSummary {
+        if let Some(s) = &self.finished {
+            return s.clone();
+        }
+        if let Some(n) = published {
+            self.keep_found(n);
+        }
         let index = self.dir.join("index.json");
         let mut truncated = self.index.dump_truncated.clone();
         let body = serde_json::to_vec_pretty(&self.index).map_err(|e| Error::Io(format!("dump: serialise: {e}")));
@@ -285,19 +407,16 @@ impl Dumper {
             });
         }
         let omitted = self.index.by_class.values().map(|c| c.omitted).sum();
-        DumpSummary {
+        let summary = DumpSummary {
             dir: self.dir.display().to_string(),
             slices_written: self.index.slices.len() as u64,
             slices_omitted: omitted,
             bytes_written: self.index.bytes_written,
             max_bytes: self.index.max_bytes,
             dump_truncated: truncated,
-        }
-    }
-
-    /// The index so far.
-    pub fn index(&self) -> &DumpIndex {
-        &self.index
+        };
+        self.finished = Some(summary.clone());
+        summary
     }
 }
 

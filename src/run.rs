@@ -697,13 +697,16 @@ pub(crate) fn publish(r: &Report) {
 
 /// The report to write when a call blocked past its deadline (`e`, a timeout) and the run
 /// cannot end normally: the last published report of `cfg`'s run (or an empty one), its
-/// outcome `e` — exit 4, or 1 when corruption was already found.
+/// outcome `e` — exit 4, or 1 when corruption was already found. A dump in progress (`--dump`)
+/// is finished against it ([`crate::dump::finish_active`]).
 pub fn expired_report(cfg: &RunConfig, e: &Error) -> (Report, Exit) {
     let mut r = empty_report(cfg);
     let shadow = SHADOW.lock().unwrap_or_else(|p| p.into_inner()).clone();
     if let Some(s) = shadow.filter(|s| s.config == r.config) {
         r = s;
     }
+    // The dump in progress (--dump) ends with this report: the slices it counts.
+    r.dump = crate::dump::finish_active(r.summary.by_class.values().sum());
     r.summary.host_peak_bytes = crate::hostmem::peak_resident_bytes();
     let exit = if r.summary.blocks_corrupt > 0 { Exit::Corrupt } else { e.exit() };
     r.finish(exit, Some(e));

@@ -491,3 +491,38 @@ fn a_full_disk_stops_the_dump_and_never_the_run() {
     let (code, out, err) = check(&b);
     assert_eq!(code, 0, "{out}{err}");
 }
+
+#[test]
+fn a_run_the_watchdog_ends_still_leaves_a_dump_that_agrees_with_its_report() {
+    // The notification query after iteration 1's verify never returns: the watchdog writes the
+    // report last published (before the slices found in iteration 1 were counted) and exits 4.
+    let d = tmpdir("dump-watchdog");
+    let (dump, r) = (d.join("D"), d.join("r.json"));
+    let (code, out, err) = crate::common::kvprobe_env(
+        &[
+            "run",
+            "--memory",
+            "dram",
+            "--inject",
+            "torn:2",
+            "--iterations",
+            "3",
+            "--timeout",
+            "1",
+            "--dump",
+            dump.to_str().unwrap(),
+            "--report",
+            r.to_str().unwrap(),
+        ],
+        &[("KVPROBE_TEST_STALL_NOTIFICATIONS", "3600")],
+    );
+    assert_eq!(code, 4, "{out}{err}");
+    let rep = read_report(&r);
+    let why = rep["dump"]["dump_truncated"].as_str().expect("the dump is recorded");
+    assert!(why.contains("ended by the watchdog"), "{why}");
+    let index: Value = serde_json::from_str(&std::fs::read_to_string(dump.join("index.json")).expect("index.json")).unwrap();
+    assert_eq!(index["dump_truncated"].as_str(), Some(why));
+    let n = assert_dump_matches_capped(&dump, &rep, "watchdog");
+    assert_eq!(n, rep["failures"].as_array().unwrap().len());
+    assert_eq!(std::fs::read_dir(dump.join("slices")).unwrap().count(), n, "no file the index does not list");
+}
