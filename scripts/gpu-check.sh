@@ -40,3 +40,12 @@ step "llama3-8b READ with UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y, 20 iterations"
 UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y "$kv" run --memory vram --preset llama3-8b --iterations 20 \
   --report "$out/llama3-8b-zcopy.json" 2>&1 | grep -v "^iteration" | tee -a "$log"
 expect 0 "${PIPESTATUS[0]}" main job with GET_ZCOPY
+
+step "--dump and --bundle on VRAM (issue 14): torn, bitflip, misroute; then report check of the bundle"
+rm -rf "$out/dump-vram" "$out/dump-vram.tar.gz"
+"$kv" run --memory vram --preset llama3-8b --iterations 3 --inject torn:2 --inject bitflip:2 --inject misroute:1 \
+  --dump "$out/dump-vram" --junit "$out/dump-vram.xml" --report "$out/dump-vram.json" --bundle "$out/dump-vram.tar.gz" \
+  2>&1 | grep -E "corrupt|result|bundle" | tee -a "$log"
+expect 1 "${PIPESTATUS[0]}" "run --dump --bundle on VRAM"
+"$kv" report check "$out/dump-vram.tar.gz" 2>&1 | tail -5 | tee -a "$log"
+expect 0 "${PIPESTATUS[0]}" "report check of the VRAM bundle"

@@ -131,14 +131,17 @@ fn start(cfg: &RunConfig) -> AbReport {
 
 /// Runs the matrix. `cfg.scenario` carries the load (its scenario and unfenced set are
 /// replaced row by row). `after_row` is called with the report so far after each row
-/// (for checkpoints and the table). Never panics on bad input.
+/// (for checkpoints and the table). `dump`: `--dump DIR` and its cap (bytes) — each row's
+/// failing slices go to `DIR/<row name>/` ([`crate::dump`]), each row capped at an equal share
+/// of it. Never panics on bad input.
 pub fn run_ab(
     cfg: &RunConfig,
     progress: &mut dyn FnMut(&str, &Progress),
     after_row: &mut dyn FnMut(&AbReport),
+    dump: Option<(&std::path::Path, u64)>,
 ) -> (AbReport, Exit) {
     let mut ab = start(cfg);
-    let result = run_rows(cfg, &mut ab, progress, after_row);
+    let result = run_rows(cfg, &mut ab, progress, after_row, dump);
     let exit = conclude(&mut ab, result.err().as_ref());
     (ab, exit)
 }
@@ -221,6 +224,7 @@ fn run_rows(
     ab: &mut AbReport,
     progress: &mut dyn FnMut(&str, &Progress),
     after_row: &mut dyn FnMut(&AbReport),
+    dump: Option<(&std::path::Path, u64)>,
 ) -> Result<()> {
     let template = cfg.scenario.clone().ok_or_else(|| Error::Usage("kvprobe ab needs a load (scenario config)".into()))?;
     let mut head = crate::run::empty_report(cfg);
@@ -244,6 +248,15 @@ fn run_rows(
         publish(ab, Some((name.clone(), scenario, unfenced)));
         let mut p = |x: &Progress| progress(&name, x);
         let mut none = |_: &Report| {};
+        let mut dumper = match dump {
+            Some((dir, cap)) => {
+                let geometry = rep.config.get("geometry").cloned().unwrap_or_default();
+                // The cap holds for the whole matrix: each row gets an equal share.
+                let share = cap / cases().len() as u64;
+                Some(crate::dump::Dumper::new(&dir.join(&name), share, cfg.seed, geometry, cfg.geometry.slice_bytes()?)?)
+            }
+            None => None,
+        };
         let r = crate::engine::run_scenario(
             &sc,
             cfg.seed,
@@ -254,7 +267,11 @@ fn run_rows(
             &mut rep,
             &mut p,
             (0.0, &mut none),
+            dumper.as_mut(),
         );
+        if let Some(d) = dumper.as_mut() {
+            rep.dump = Some(d.finish());
+        }
         let exit = match (&r, rep.summary.blocks_corrupt > 0) {
             (_, true) => Exit::Corrupt,
             (Err(e), false) => e.exit(),

@@ -446,7 +446,7 @@ fn breakdown(
         scenario: None,
     };
     let (mut line, mut progress, mut ckpt) = (|_: &str| {}, |_: &crate::engine::Progress| {}, |_: &crate::report::Report| {});
-    let mut hooks = Hooks { line: &mut line, progress: &mut progress, checkpoint_secs: 0.0, checkpoint: &mut ckpt };
+    let mut hooks = Hooks { line: &mut line, progress: &mut progress, checkpoint_secs: 0.0, checkpoint: &mut ckpt, dump: None };
     let (report, exit) = crate::run::run(&rc, &mut hooks);
     let s = &report.summary;
     // The first iteration warms up (page faults, UCX connections and registration caches).

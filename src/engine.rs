@@ -315,8 +315,10 @@ pub fn run_scenario(
     report: &mut Report,
     progress: &mut dyn FnMut(&Progress),
     checkpoint: (f64, &mut dyn FnMut(&Report)),
+    dump: Option<&mut crate::dump::Dumper>,
 ) -> Result<()> {
     let mut e = Engine::new(cfg, seed, prefill, decode, timeout, max_failures)?;
+    e.dump = dump;
     let mut r = e.run(report, progress, checkpoint);
     e.finish(report);
     let compared = e.decode.pool.take_compared();
@@ -343,6 +345,8 @@ struct Engine<'a> {
     decode: &'a mut Endpoint,
     timeout: Duration,
     max_failures: usize,
+    /// `--dump`: where failing slices go ([`crate::dump`]).
+    dump: Option<&'a mut crate::dump::Dumper>,
     store: Option<Store>,
     workload: Workload,
     rng: ChaCha8Rng,
@@ -587,6 +591,7 @@ impl<'a> Engine<'a> {
             decode,
             timeout,
             max_failures,
+            dump: None,
             store,
             workload: Workload::new(cfg.workload, seed),
             rng: ChaCha8Rng::seed_from_u64(seed ^ 0x656E_6769_6E65),
@@ -1369,17 +1374,22 @@ impl<'a> Engine<'a> {
             // Unexplained slices (defects of the stack under test) have their own budget, so
             // a flood of explained race corruption never hides them.
             let listed = if cause.is_some() { &mut self.listed_explained } else { &mut self.listed_unexplained };
-            if *listed < self.max_failures as u64 {
+            let list = *listed < self.max_failures as u64;
+            if list {
                 *listed += 1;
-                let mut failure = Failure::new(self.now.min(u32::MAX as u64) as u32, c, f, v, &want, &buf, expected, r.pslots[i]);
+            } else {
+                report.summary.failures_omitted += 1;
+            }
+            let step = self.now.min(u32::MAX as u64) as u32;
+            let class = v.class;
+            crate::dump::keep(self.dump.as_deref_mut(), list.then_some(&mut report.failures), &buf, class, || {
+                let mut failure = Failure::new(step, c, f, v, &want, &buf, expected, r.pslots[i]);
                 failure.request = Some(id);
                 failure.poison_iteration = r.poison_iter;
                 failure.predicted = Some(ident(predicted, c));
                 failure.attributed_to = cause;
-                report.failures.push(failure);
-            } else {
-                report.summary.failures_omitted += 1;
-            }
+                failure
+            });
         }
         report.summary.verify_seconds += t.elapsed().as_secs_f64();
         for id in ids {

@@ -37,9 +37,11 @@ pub struct Document {
 /// JSON (the parser's line and column), or a schema this version does not know (named).
 pub fn load(path: &Path) -> Result<Document> {
     let bad = |why: String| Error::Usage(format!("{}: {why}", path.display()));
-    let bytes = std::fs::read(path).map_err(|e| bad(format!("cannot read it: {e}")))?;
+    let mut bytes = std::fs::read(path).map_err(|e| bad(format!("cannot read it: {e}")))?;
     if bytes.starts_with(&[0x1f, 0x8b]) {
-        return Err(bad("a gzip file: bundles are not readable by this version (it reads run, ab and bench JSON)".into()));
+        // A bundle (`--bundle`, `kvprobe bundle`): its report.
+        let b = crate::bundle::read(path)?;
+        bytes = crate::bundle::report_bytes(&b).map_err(|e| bad(e.to_string()))?.1.to_vec();
     }
     let json: Value = serde_json::from_slice(&bytes).map_err(|e| bad(format!("not a kvprobe JSON document: {e}")))?;
     let schema = json.get("schema").and_then(Value::as_str).unwrap_or("");

@@ -23,10 +23,13 @@
 
 pub mod ab;
 pub mod bench;
+pub mod bundle;
 pub mod capture;
+pub mod check;
 pub mod child;
 pub mod cuda;
 pub mod deadline;
+pub mod dump;
 pub mod engine;
 pub mod envinfo;
 pub mod error;

@@ -26,7 +26,7 @@ const EXIT_CODES: &str = "Exit codes:
   4  a transfer did not complete within --timeout, or another wait exceeded its bound
   5  transfer rate below --min-gbps (only when given)
   6  an unfenced race mechanism was not detected (ab; run --race MECHANISM: not reproduced)
-  7  the run was clean but --report (bench: --json) or --junit could not be written (disk full,
+  7  the run was clean but --report (bench: --json), --junit or --bundle could not be written (disk full,
      ulimit -f): the report is on stderr between -----BEGIN/END KVPROBE REPORT----- lines; other
      outcomes keep their code
   130  interrupted by SIGINT/SIGTERM (partial report written, marked interrupted; a transfer
@@ -54,6 +54,24 @@ enum Command {
     /// Read back what kvprobe wrote (run and ab reports, bench results): no GPU or NIXL needed.
     #[command(subcommand)]
     Report(ReportCommand),
+    /// Bundle an existing report (and its dump) into one .tar.gz for a vendor, with a manifest and an environment capture made now (the manifest says so).
+    #[command(
+        after_help = "Exit codes: 0 written; 2 bad input (unreadable report, not a run or ab report, no such dump directory) or the bundle could not be written."
+    )]
+    Bundle {
+        /// The report (`--report` of run or ab).
+        #[arg(long)]
+        report: PathBuf,
+        /// Its dump directory (`--dump`). Default: the directory the report names (`dump.dir`), when it is still there.
+        #[arg(long)]
+        dump: Option<PathBuf>,
+        /// Replace host names, IP addresses and user names in the bundle's text files by stable tokens.
+        #[arg(long)]
+        redact: bool,
+        /// The bundle to write (.tar.gz).
+        #[arg(short = 'o', long = "output", value_name = "FILE")]
+        output: PathBuf,
+    },
     /// The decode agent process of `run --decode-process` (internal: speaks kvprobe's pipe protocol on stdin/stdout).
     #[command(hide = true)]
     Agent,
@@ -75,6 +93,14 @@ enum ReportCommand {
     Show {
         /// The file (`--report` of run or ab, `--json` of bench).
         file: PathBuf,
+    },
+    /// Verify a bundle as its receiver (no GPU, no NIXL): the manifest (every file's size and SHA-256), then every dumped slice: the expected bytes regenerated from the fingerprint, the class, first bad offset, bad bytes, sector map, observed identity and digests re-derived from the dumped bytes and compared with the report and index.json.
+    #[command(
+        after_help = "Exit codes: 0 everything agrees; 1 something disagrees (each disagreement on stdout, naming the slice or file and the field); 2 a malformed bundle (not gzip/tar, no manifest, bad JSON)."
+    )]
+    Check {
+        /// The bundle (`--bundle` of run or ab, or `kvprobe bundle -o`).
+        bundle: PathBuf,
     },
     /// Set two documents side by side, differences first: configuration, environment (driver, CUDA, NIXL, UCX, GPUs), the UCX path, the outcome and its counts.
     #[command(
@@ -213,6 +239,18 @@ struct PoolArgs {
     /// At most this many failures listed in the report, up to 1000000 (counts stay complete; scenarios list up to N explained and N unexplained).
     #[arg(long, default_value_t = 1000)]
     max_failures: usize,
+    /// Write every failing block slice exactly as it arrived into DIR (new or empty; ab: DIR/<row>/), with index.json (coordinates, expected identity, digests, the command that regenerates the expected bytes), up to --dump-max-bytes.
+    #[arg(long, value_name = "DIR")]
+    dump: Option<PathBuf>,
+    /// Cap of the slice bytes --dump writes (e.g. 64MiB); counts in the report and index.json stay complete, and the first failures of each class are kept before more of one.
+    #[arg(long, default_value = "256MiB", value_parser = parse_bytes, value_name = "BYTES")]
+    dump_max_bytes: u64,
+    /// At the end of the run, write one .tar.gz holding the report, the dump (a scratch one without --dump), a manifest and an environment capture (for a vendor: `kvprobe report check FILE`).
+    #[arg(long, value_name = "FILE")]
+    bundle: Option<PathBuf>,
+    /// With --bundle: replace host names, IP addresses and user names in the bundle's text files by stable tokens.
+    #[arg(long, requires = "bundle")]
+    redact: bool,
 }
 
 #[derive(Args)]
@@ -801,13 +839,24 @@ fn run(args: RunArgs, typed: &[&str]) -> Exit {
             err(&format!("kvprobe: checkpoint: {e}"));
         }
     };
+    let mut dumper = match start_dump(&args.pool, &cfg, None) {
+        Ok(d) => d,
+        Err(e) => {
+            err(&format!("kvprobe: {e}"));
+            return e.exit();
+        }
+    };
     let mut hooks = Hooks {
         line: &mut line,
         progress: &mut progress,
         checkpoint_secs: if cfg.scenario.is_some() { args.load.checkpoint } else { 0.0 },
         checkpoint: &mut checkpoint,
+        dump: dumper.as_mut(),
     };
-    let (report, exit) = kvprobe::run::run(&cfg, &mut hooks);
+    let (mut report, exit) = kvprobe::run::run(&cfg, &mut hooks);
+    if let Some(d) = dumper.as_mut() {
+        report.dump = Some(d.finish());
+    }
     end_phases();
     display.finish();
     let lost = args.pool.report.as_ref().and_then(|p| write_json(p, &report).err());
@@ -816,7 +865,120 @@ fn run(args: RunArgs, typed: &[&str]) -> Exit {
     }
     report_error(&report.outcome);
     let exit = report_outcome(&args.pool.report, lost, &report, exit, "report:            ");
+    let exit = finish_bundle(&args.pool, &report, "report.json", exit);
     write_junit(&args.pool.junit, kvprobe::junit::from_run, &report, exit)
+}
+
+/// The dump directory of a run (`--dump`, or with `--bundle` alone a scratch one).
+fn dump_dir(pool: &PoolArgs) -> Result<Option<PathBuf>, Error> {
+    match (&pool.dump, &pool.bundle) {
+        (Some(d), _) => Ok(Some(d.clone())),
+        (None, Some(_)) => Ok(Some(kvprobe::scratch::dir()?.join("dump"))),
+        (None, None) => Ok(None),
+    }
+}
+
+/// Checks `--dump`/`--bundle` before the run (exit 2: a non-empty dump directory, an
+/// unwritable bundle path) and, for `run` (`row` None), starts the dump.
+fn start_dump(pool: &PoolArgs, cfg: &RunConfig, row: Option<&str>) -> Result<Option<kvprobe::dump::Dumper>, Error> {
+    if let Some(b) = &pool.bundle {
+        if is_stdout(b) {
+            return Err(Error::Usage("--bundle needs a file path (`-` is not supported)".into()));
+        }
+        kvprobe::report::check_writable_for(b, "--bundle")?;
+    }
+    let Some(dir) = dump_dir(pool)? else { return Ok(None) };
+    kvprobe::dump::check_dir(&dir)?;
+    if row.is_some() {
+        return Ok(None);
+    }
+    let geometry = serde_json::to_value(cfg).ok().and_then(|v| v.get("geometry").cloned()).unwrap_or_default();
+    let sb = cfg.geometry.slice_bytes()?;
+    kvprobe::dump::Dumper::new(&dir, pool.dump_max_bytes, cfg.seed, geometry, sb).map(Some)
+}
+
+/// `--bundle` at the end of run and ab: the report `doc` (as `name`), the dump, and the
+/// environment captured now with the run's UCX log. A bundle that cannot be written is said on
+/// stderr and turns a clean exit into 7 (as a report that cannot be written does).
+fn finish_bundle<T: serde::Serialize>(pool: &PoolArgs, doc: &T, name: &'static str, exit: Exit) -> Exit {
+    let Some(path) = &pool.bundle else { return exit };
+    let result = serde_json::to_vec_pretty(doc).map_err(|e| Error::Io(format!("--bundle: {e}"))).and_then(|mut body| {
+        body.push(b'\n');
+        let dir = dump_dir(pool)?;
+        let c = kvprobe::bundle::Contents {
+            report: body,
+            report_name: name,
+            dump: dir.as_deref().filter(|d| d.is_dir()),
+            capture_made: "run",
+            ucx_log: None, // the capture reads this process's own UCX log
+            redact: pool.redact,
+        };
+        kvprobe::bundle::write(path, &c)
+    });
+    match result {
+        Ok(_) => {
+            out(&format!("bundle:            {}\n", path.display()));
+            exit
+        }
+        Err(e) => {
+            err(&format!("kvprobe: --bundle {} was not written: {e}", path.display()));
+            if exit == Exit::Clean { Exit::ReportNotWritten } else { exit }
+        }
+    }
+}
+
+/// `kvprobe bundle`: an existing report and dump into a bundle, the environment captured now.
+fn bundle_command(report: &Path, dump: Option<&Path>, redact: bool, output: &Path) -> Exit {
+    let made = (|| -> Result<PathBuf, Error> {
+        let body =
+            std::fs::read(report).map_err(|e| Error::Usage(format!("--report {}: cannot read it: {e}", report.display())))?;
+        let v: serde_json::Value = serde_json::from_slice(&body)
+            .map_err(|e| Error::Usage(format!("--report {}: not a kvprobe report: {e}", report.display())))?;
+        let name = match v.get("schema").and_then(|s| s.as_str()) {
+            Some(s) if s == kvprobe::report::SCHEMA => "report.json",
+            Some(s) if s == kvprobe::ab::AB_SCHEMA => "ab.json",
+            other => {
+                return Err(Error::Usage(format!(
+                    "--report {}: schema {other:?} is not a run or ab report ({} or {})",
+                    report.display(),
+                    kvprobe::report::SCHEMA,
+                    kvprobe::ab::AB_SCHEMA
+                )));
+            }
+        };
+        if let Some(d) = dump
+            && !d.is_dir()
+        {
+            return Err(Error::Usage(format!("--dump {}: not a directory", d.display())));
+        }
+        // Without --dump: the directory the report says it dumped into, when it is still there
+        // (ab: the parent of the rows' folders).
+        let recorded = match name {
+            "report.json" => v["dump"]["dir"].as_str().map(PathBuf::from),
+            _ => v["sections"][0]["dump"]["dir"].as_str().and_then(|d| Path::new(d).parent().map(Path::to_path_buf)),
+        };
+        let recorded =
+            recorded.filter(|d| dump.is_none() && if name == "ab.json" { d.is_dir() } else { d.join("index.json").is_file() });
+        let dump = dump.or(recorded.as_deref());
+        if is_stdout(output) {
+            return Err(Error::Usage("-o needs a file path (`-` is not supported)".into()));
+        }
+        kvprobe::report::check_writable_for(output, "--bundle")?;
+        let c =
+            kvprobe::bundle::Contents { report: body, report_name: name, dump, capture_made: "bundle", ucx_log: None, redact };
+        kvprobe::bundle::write(output, &c)?;
+        Ok(output.to_path_buf())
+    })();
+    match made {
+        Ok(p) => {
+            out(&format!("bundle: {}\n", p.display()));
+            Exit::Clean
+        }
+        Err(e) => {
+            err(&format!("kvprobe: {e}"));
+            Exit::Usage
+        }
+    }
 }
 
 /// Prints the error that ended a run, if any, on stderr.
@@ -870,6 +1032,13 @@ fn ab(args: AbArgs) -> Exit {
     }
     let mut cfg = args.pool.config();
     cfg.scenario = Some(args.load.config(Scenario::Stacked, Vec::new(), &cfg.geometry));
+    let dir = match start_dump(&args.pool, &cfg, Some("ab")).and_then(|_| dump_dir(&args.pool)) {
+        Ok(d) => d,
+        Err(e) => {
+            err(&format!("kvprobe: {e}"));
+            return e.exit();
+        }
+    };
     let mut display = Display::new();
     let stall_cfg = cfg.clone();
     on_stall(
@@ -902,7 +1071,8 @@ fn ab(args: AbArgs) -> Exit {
             err(&format!("kvprobe: checkpoint: {e}"));
         }
     };
-    let (ab, exit) = kvprobe::ab::run_ab(&cfg, &mut progress, &mut after_row);
+    let (ab, exit) =
+        kvprobe::ab::run_ab(&cfg, &mut progress, &mut after_row, dir.as_deref().map(|d| (d, args.pool.dump_max_bytes)));
     end_phases();
     display.finish();
     let lost = args.pool.report.as_ref().and_then(|p| write_json(p, &ab).err());
@@ -911,6 +1081,7 @@ fn ab(args: AbArgs) -> Exit {
     }
     report_error(&ab.outcome);
     let exit = report_outcome(&args.pool.report, lost, &ab, exit, "report: ");
+    let exit = finish_bundle(&args.pool, &ab, "ab.json", exit);
     write_junit(&args.pool.junit, kvprobe::junit::from_ab, &ab, exit)
 }
 
@@ -1037,6 +1208,21 @@ fn report_command(c: ReportCommand) -> Exit {
             }
             Err(x) => x,
         },
+        ReportCommand::Check { bundle } => match kvprobe::check::check(&bundle) {
+            Ok(problems) if problems.is_empty() => {
+                out(&format!("{}: everything agrees\n", bundle.display()));
+                Exit::Clean
+            }
+            Ok(problems) => {
+                out(&problems.iter().map(|p| format!("{p}\n")).collect::<String>());
+                out(&format!("{}: {} disagreement(s)\n", bundle.display(), problems.len()));
+                Exit::Corrupt
+            }
+            Err(e) => {
+                err(&format!("kvprobe: {e}"));
+                Exit::Usage
+            }
+        },
         ReportCommand::Diff { a, b } => {
             let (da, db) = match (load(&a), load(&b)) {
                 (Ok(x), Ok(y)) => (x, y),
@@ -1089,6 +1275,7 @@ fn main() {
         Command::Env { json, no_probe } => env(json, !no_probe),
         Command::Agent => kvprobe::remote::agent_main(),
         Command::Report(c) => report_command(c),
+        Command::Bundle { report, dump, redact, output } => bundle_command(&report, dump.as_deref(), redact, &output),
     };
     // Not a plain return: see `exit_now` (library destructors can crash at exit).
     kvprobe::nixl::exit_now(exit as u8)

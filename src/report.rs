@@ -325,6 +325,9 @@ pub struct Report {
     /// Scenario runs (`--scenario`): load, tier, race outcomes, error rate over time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scenario: Option<crate::engine::ScenarioReport>,
+    /// `--dump DIR`: what was dumped (README "Dumps").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dump: Option<crate::dump::DumpSummary>,
     /// How it ended.
     pub outcome: Outcome,
 }
@@ -459,6 +462,13 @@ pub fn write_atomic<T: Serialize>(path: &Path, value: &T) -> Result<()> {
 /// Writes `body` to `path` atomically, exactly as [`write_atomic`] writes a report; `flag`
 /// names the option in errors ("--junit"). Errors: [`Error::Io`] (exit 2).
 pub fn write_bytes_atomic(path: &Path, body: &[u8], flag: &str) -> Result<()> {
+    write_atomic_with(path, flag, |f| f.write_all(body))
+}
+
+/// [`write_bytes_atomic`] streaming: `fill` writes the body into the temporary file (a
+/// bundle's archive), which is then synced and renamed over `path`; removed when any step
+/// fails. Errors: [`Error::Io`] (exit 2).
+pub fn write_atomic_with(path: &Path, flag: &str, fill: impl FnOnce(&mut std::fs::File) -> std::io::Result<()>) -> Result<()> {
     use std::os::unix::fs::MetadataExt;
     let label = flag.trim_start_matches('-');
     let io = |what: &str, e: std::io::Error| Error::Io(format!("{label}: {what} {}: {e}", path.display()));
@@ -482,7 +492,7 @@ pub fn write_bytes_atomic(path: &Path, body: &[u8], flag: &str) -> Result<()> {
             let _ = f.set_permissions(std::fs::Permissions::from_mode(0o644));
         }
     }
-    f.write_all(body).map_err(|e| io("write", e))?;
+    fill(f).map_err(|e| io("write", e))?;
     f.sync_all().map_err(|e| io("sync", e))?;
     tmp.persist(&target).map_err(|e| io("rename into", e.error))?;
     if let Ok(d) = std::fs::File::open(&dir) {

@@ -87,6 +87,8 @@ pub struct Hooks<'a> {
     pub checkpoint_secs: f64,
     /// Scenario runs: called with the report so far at each checkpoint.
     pub checkpoint: &'a mut dyn FnMut(&Report),
+    /// `--dump DIR`: where failing slices go as they are classified ([`crate::dump`]).
+    pub dump: Option<&'a mut crate::dump::Dumper>,
 }
 
 /// The seed as `seed` (a JSON integer, as before) and `seed_hex` (`"0x"` and 16 lowercase
@@ -571,6 +573,7 @@ pub enum StrayCheck {
 /// the slot holds when a sector's tag decodes (which block landed there). Re-verify
 /// failures of slices already corrupt in this iteration (in `seen`) are not recorded again.
 /// Returns how many were recorded.
+#[allow(clippy::too_many_arguments)]
 fn record_strays(
     cfg: &RunConfig,
     probe: &Probe,
@@ -579,6 +582,7 @@ fn record_strays(
     check: StrayCheck,
     seen: &mut HashMap<SliceCoord, Class>,
     report: &mut Report,
+    dump: &mut Option<&mut crate::dump::Dumper>,
 ) -> Result<u64> {
     let g = &cfg.geometry;
     let sb = g.slice_bytes()? as usize;
@@ -607,13 +611,15 @@ fn record_strays(
         }
         n += 1;
         *report.summary.by_class.entry(Class::Stray.name().to_string()).or_default() += 1;
-        if report.failures.len() < cfg.max_failures {
-            let mut rec = Failure::new(plan.it, c, f, v, &want, &buf, expected, plan.src_of[c.block as usize]);
-            rec.stray_check = Some(check);
-            report.failures.push(rec);
-        } else {
+        let listed = report.failures.len() < cfg.max_failures;
+        if !listed {
             report.summary.failures_omitted += 1;
         }
+        crate::dump::keep(dump.as_deref_mut(), listed.then_some(&mut report.failures), &buf, Class::Stray, || {
+            let mut rec = Failure::new(plan.it, c, f, v, &want, &buf, expected, plan.src_of[c.block as usize]);
+            rec.stray_check = Some(check);
+            rec
+        });
     }
     Ok(n)
 }
@@ -630,11 +636,12 @@ fn poison_check(
     layers: Range<u32>,
     seen: &mut HashMap<SliceCoord, Class>,
     report: &mut Report,
+    dump: &mut Option<&mut crate::dump::Dumper>,
 ) -> Result<u64> {
     probe.decode.pool.check_poison_layers(layers, plan.it)?;
     let (fails, slices) = probe.decode.pool.take_poison_failures()?;
     report.summary.stray_poison_checked_slices += slices;
-    record_strays(cfg, probe, plan, &fails, StrayCheck::Poison, seen, report)
+    record_strays(cfg, probe, plan, &fails, StrayCheck::Poison, seen, report, dump)
 }
 
 /// The report of a run refused before it started (its outcome carries `e`).
@@ -655,6 +662,7 @@ pub(crate) fn empty_report(cfg: &RunConfig) -> Report {
         failures: Vec::new(),
         injections: Vec::new(),
         scenario: None,
+        dump: None,
         outcome: Outcome { exit_code: 0, status: "running".into(), error: None },
     }
 }
@@ -689,13 +697,16 @@ pub(crate) fn publish(r: &Report) {
 
 /// The report to write when a call blocked past its deadline (`e`, a timeout) and the run
 /// cannot end normally: the last published report of `cfg`'s run (or an empty one), its
-/// outcome `e` — exit 4, or 1 when corruption was already found.
+/// outcome `e` — exit 4, or 1 when corruption was already found. A dump in progress (`--dump`)
+/// is finished against it ([`crate::dump::finish_active`]).
 pub fn expired_report(cfg: &RunConfig, e: &Error) -> (Report, Exit) {
     let mut r = empty_report(cfg);
     let shadow = SHADOW.lock().unwrap_or_else(|p| p.into_inner()).clone();
     if let Some(s) = shadow.filter(|s| s.config == r.config) {
         r = s;
     }
+    // The dump in progress (--dump) ends with this report: the slices it counts.
+    r.dump = crate::dump::finish_active(r.summary.by_class.values().sum());
     r.summary.host_peak_bytes = crate::hostmem::peak_resident_bytes();
     let exit = if r.summary.blocks_corrupt > 0 { Exit::Corrupt } else { e.exit() };
     r.finish(exit, Some(e));
@@ -779,9 +790,10 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>) -> Res
             report,
             hooks.progress,
             (hooks.checkpoint_secs, hooks.checkpoint),
+            hooks.dump.as_deref_mut(),
         );
     }
-    sweep(cfg, &mut probe, report, hooks.line, started, ucx_mark)
+    sweep(cfg, &mut probe, report, hooks.line, hooks.dump.as_deref_mut(), started, ucx_mark)
 }
 
 /// A sweep stage's request.
@@ -848,6 +860,7 @@ fn sweep(
     probe: &mut Probe,
     report: &mut Report,
     progress: &mut dyn FnMut(&str),
+    mut dump: Option<&mut crate::dump::Dumper>,
     started: Instant,
     ucx_mark: u64,
 ) -> Result<()> {
@@ -948,7 +961,7 @@ fn sweep(
         if stray_checks {
             let t = Instant::now();
             for layers in stages.iter().take(2) {
-                corrupt += poison_check(cfg, probe, &cur, layers.clone(), &mut seen, report)?;
+                corrupt += poison_check(cfg, probe, &cur, layers.clone(), &mut seen, report, &mut dump)?;
             }
             report.summary.stray_check_seconds += t.elapsed().as_secs_f64();
         }
@@ -999,7 +1012,7 @@ fn sweep(
                 if stray_checks {
                     // Stray-write check right before the post (later stages are in flight).
                     let t = Instant::now();
-                    corrupt += poison_check(cfg, probe, &cur, stages[k + 2].clone(), &mut seen, report)?;
+                    corrupt += poison_check(cfg, probe, &cur, stages[k + 2].clone(), &mut seen, report, &mut dump)?;
                     times.overlapped += t.elapsed().as_secs_f64();
                 }
                 post(probe, k + 2, &mut inflight)?;
@@ -1035,11 +1048,14 @@ fn sweep(
                 }
                 corrupt += 1;
                 *report.summary.by_class.entry(v.class.name().to_string()).or_default() += 1;
-                if report.failures.len() < cfg.max_failures {
-                    report.failures.push(Failure::new(it, c, f, v, &want, &buf, expected, cur.src_of[c.block as usize]));
-                } else {
+                let listed = report.failures.len() < cfg.max_failures;
+                if !listed {
                     report.summary.failures_omitted += 1;
                 }
+                let class = v.class;
+                crate::dump::keep(dump.as_deref_mut(), listed.then_some(&mut report.failures), &buf, class, || {
+                    Failure::new(it, c, f, v, &want, &buf, expected, cur.src_of[c.block as usize])
+                });
             }
             let verify_s = t.elapsed().as_secs_f64();
             verify_all += verify_s;
@@ -1104,7 +1120,7 @@ fn sweep(
             probe.decode.pool.verify_layers(0..stages[stages.len() - 1].start)?;
             let fails = probe.decode.pool.take_failures()?;
             report.summary.stray_reverified_slices += probe.decode.pool.take_compared().slices;
-            corrupt += record_strays(cfg, probe, &cur, &fails, StrayCheck::Reverify, &mut seen, report)?;
+            corrupt += record_strays(cfg, probe, &cur, &fails, StrayCheck::Reverify, &mut seen, report, &mut dump)?;
             report.summary.stray_check_seconds += t.elapsed().as_secs_f64();
         }
         report.summary.blocks_corrupt += corrupt;

@@ -826,3 +826,47 @@ fn vram_requests_left_in_flight_by_a_timeout_are_drained_or_kept_never_freed_und
         assert_eq!(err.matches(says).count(), 1, "{name}: {err}");
     }
 }
+
+/// `--dump` on VRAM: only failing slices cross to the host, so the host's peak memory does not
+/// grow with the number of failing slices beyond the dump's cap (issue 14 item 1): 10 against
+/// 10 000 failing slices, each dumped up to a 1 MiB cap. Every dumped file is its slice's
+/// `actual_digest`.
+#[test]
+fn vram_dump_host_memory_is_bounded_by_the_cap() {
+    if !gpu_or_skip("vram_dump_host_memory_is_bounded_by_the_cap") {
+        return;
+    }
+    let peak = |name: &str, per_iteration: u32| -> (u64, Value) {
+        let d = tmpdir(name);
+        let (r, dump) = (d.join("r.json"), d.join("D"));
+        let inject = format!("bitflip:{per_iteration}");
+        let (code, out, err) = kvprobe(&[
+            "run",
+            "--memory",
+            "vram",
+            "--preset",
+            "llama3-8b",
+            "--iterations",
+            "2",
+            "--inject",
+            &inject,
+            "--dump",
+            dump.to_str().unwrap(),
+            "--dump-max-bytes",
+            "1MiB",
+            "--report",
+            r.to_str().unwrap(),
+        ]);
+        assert_eq!(code, 1, "{out}{err}");
+        let rep = read_report(&r);
+        assert_eq!(rep["summary"]["blocks_corrupt"].as_u64().unwrap(), 2 * per_iteration as u64, "{out}");
+        let n = crate::dump::assert_dump_matches_capped(&dump, &rep, name);
+        assert!(n > 0 && rep["dump"]["bytes_written"].as_u64().unwrap() <= 1 << 20);
+        (rep["summary"]["host_peak_bytes"].as_u64().unwrap(), rep)
+    };
+    let (small, _) = peak("vram-dump-10", 5);
+    let (big, _) = peak("vram-dump-10000", 5000);
+    // The cap (1 MiB) plus the report's own list (--max-failures 1000 records) and slack for
+    // allocator noise: not 10 000 slices (320 MiB at 32 KiB).
+    assert!(big <= small + (1 << 20) + (48 << 20), "host_peak_bytes {small} with 10 failing slices, {big} with 10 000");
+}

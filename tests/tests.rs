@@ -12,6 +12,7 @@ mod capture;
 mod cli;
 mod docker;
 mod dram;
+mod dump;
 mod fingerprint;
 mod geometry;
 mod gpu;

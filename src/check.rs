@@ -1,0 +1,278 @@
+//! `kvprobe report check BUNDLE`: the receiver's side of a bundle ([`crate::bundle`]), with
+//! no GPU and no NIXL.
+//!
+//! 1. The manifest: every file it lists is in the bundle with its size and SHA-256, and no
+//!    other file is (besides `manifest.json`).
+//! 2. Every dumped slice (`dump/index.json`; ab: `dump/<row>/index.json`): the expected bytes
+//!    are regenerated from the fingerprint definition ([`crate::fingerprint::expected`], or the
+//!    poison for a `stray` slice found by the poison check) and their digest compared with
+//!    `expected_digest`; the `regenerate` command must be the one kvprobe writes for that
+//!    record; from the dumped bytes, the class ([`crate::verify::classify_against`]),
+//!    `first_bad_offset` and `bad_bytes` (byte by byte against the expected bytes), the sector
+//!    map, `bit_flips`, the observed identity and `actual_digest` are derived again and
+//!    compared with the slice's record in `index.json` and in the report; coordinates,
+//!    expected identity and slot agree between the two; the dump's per-class counts add up to
+//!    the report's.
+//!
+//! Every disagreement is one line naming the slice (`iteration 2 layer 1 K block 17`, with
+//! `row NAME:` before it in an ab bundle) or the file, the field, and both values.
+
+use crate::dump::{DumpEntry, DumpIndex};
+use crate::error::{Error, Result};
+use crate::fingerprint::{self, BlockIdentity};
+use crate::geometry::{Geometry, SliceCoord};
+use serde_json::{Value, json};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+/// Checks the bundle at `path`. Returns the disagreements (empty: everything agrees).
+/// Errors (usage, exit 2): a malformed bundle — unreadable, not gzip or tar, no manifest, a
+/// manifest, report or index that is not valid JSON of its schema.
+pub fn check(path: &Path) -> Result<Vec<String>> {
+    let b = crate::bundle::read(path)?;
+    let m = crate::bundle::manifest(&b)?;
+    let mut problems = Vec::new();
+    let mut listed = BTreeSet::new();
+    for f in &m.files {
+        if !listed.insert(f.path.clone()) {
+            problems.push(format!("{}: listed twice in the manifest", f.path));
+            continue;
+        }
+        match b.files.get(&f.path) {
+            None => problems.push(format!("{}: in the manifest but not in the bundle", f.path)),
+            Some(body) => {
+                if body.len() as u64 != f.bytes {
+                    problems.push(format!("{}: bytes: manifest {}, file {}", f.path, f.bytes, body.len()));
+                }
+                let d = fingerprint::digest(body);
+                if d != f.sha256 {
+                    problems.push(format!("{}: sha256: manifest {}, file {d}", f.path, f.sha256));
+                }
+            }
+        }
+    }
+    for p in b.files.keys() {
+        if p != "manifest.json" && !listed.contains(p) {
+            problems.push(format!("{p}: in the bundle but not in the manifest"));
+        }
+    }
+    let body = b
+        .files
+        .get(&m.report)
+        .ok_or_else(|| Error::Usage(format!("{}: the manifest's report {} is not in the bundle", path.display(), m.report)))?;
+    let report: Value =
+        serde_json::from_slice(body).map_err(|e| Error::Usage(format!("{}: {} is not JSON: {e}", path.display(), m.report)))?;
+    let schema = report.get("schema").and_then(Value::as_str).unwrap_or("");
+    // (label prefix, dump folder in the bundle, report section)
+    let sections: Vec<(String, String, &Value)> = if schema == crate::report::SCHEMA {
+        vec![(String::new(), "dump/".into(), &report)]
+    } else if schema == crate::ab::AB_SCHEMA {
+        let rows = report.get("rows").and_then(Value::as_array).cloned().unwrap_or_default();
+        let secs = report.get("sections").and_then(Value::as_array);
+        rows.iter()
+            .enumerate()
+            .filter_map(|(i, r)| {
+                let name = r.get("name")?.as_str()?.to_string();
+                Some((format!("row {name}: "), format!("dump/{name}/"), secs?.get(i)?))
+            })
+            .collect()
+    } else {
+        return Err(Error::Usage(format!("{}: {} has schema {schema:?}, not a run or ab report", path.display(), m.report)));
+    };
+    let mut indexed = BTreeSet::new();
+    for (label, dir, sec) in sections {
+        let index_path = format!("{dir}index.json");
+        let Some(ib) = b.files.get(&index_path) else {
+            if sec.get("dump").is_some_and(|d| d["slices_written"].as_u64() > Some(0)) {
+                problems.push(format!("{index_path}: missing, but the report says slices were dumped"));
+            }
+            continue;
+        };
+        let index: DumpIndex = serde_json::from_slice(ib)
+            .map_err(|e| Error::Usage(format!("{}: {index_path} is not a dump index: {e}", path.display())))?;
+        check_section(&label, &dir, &index, sec, &b.files, &mut indexed, &mut problems);
+    }
+    for p in b.files.keys() {
+        if p.starts_with("dump/") && p.contains("slices/") && !indexed.contains(p) {
+            problems.push(format!("{p}: a slice file no index.json lists"));
+        }
+    }
+    Ok(problems)
+}
+
+/// The slice's name in messages: `iteration 2 layer 1 K block 17`.
+fn slice_name(e: &DumpEntry) -> String {
+    let f = &e.failure;
+    format!("iteration {} layer {} {} block {}", f.iteration, f.layer, f.kv, f.block)
+}
+
+/// What the dumped bytes say, field by field (as the report writes them).
+fn derive(e: &DumpEntry, seed: u64, actual: &[u8]) -> BTreeMap<&'static str, Value> {
+    let f = &e.failure;
+    let len = actual.len();
+    let poison_check = f.stray_check == Some(crate::run::StrayCheck::Poison);
+    let want = if poison_check {
+        let mut p = vec![0u8; len];
+        fingerprint::poison(&mut p, f.slot, f.poison_iteration);
+        p
+    } else {
+        fingerprint::expected(len, seed, f.expected)
+    };
+    let bad = actual.iter().zip(&want).filter(|(a, b)| a != b).count() as u64;
+    let first = actual.iter().zip(&want).position(|(a, b)| a != b).unwrap_or(len) as u64;
+    let mut d = BTreeMap::new();
+    d.insert("expected_digest", json!(fingerprint::digest(&want)));
+    d.insert("actual_digest", json!(fingerprint::digest(actual)));
+    d.insert("first_bad_offset", json!(first));
+    d.insert("bad_bytes", json!(bad));
+    if f.class == crate::verify::Class::Stray {
+        // The stray-write checks name no class beyond `stray`: what landed is the first tag
+        // that decodes from the first bad byte on.
+        d.insert("class", json!("stray"));
+        d.insert("observed", json!(fingerprint::observed_identity(actual, seed, first)));
+        d.insert("bit_flips", Value::Null);
+        d.insert("sectors", Value::Null);
+    } else {
+        let v = crate::verify::classify_against(actual, &want, f.expected, seed, f.slot, f.poison_iteration);
+        d.insert("class", json!(v.class));
+        d.insert("observed", json!(v.observed));
+        d.insert("bit_flips", json!(v.bit_flips));
+        d.insert("sectors", json!(v.sectors));
+    }
+    d
+}
+
+/// Fields that must agree between the index's record and the report's.
+const RECORD_FIELDS: [&str; 16] = [
+    "iteration",
+    "layer",
+    "kv",
+    "block",
+    "class",
+    "slot",
+    "poison_iteration",
+    "first_bad_offset",
+    "bad_bytes",
+    "expected_digest",
+    "actual_digest",
+    "observed",
+    "expected",
+    "bit_flips",
+    "sectors",
+    "stray_check",
+];
+
+fn show(v: &Value) -> String {
+    match v {
+        Value::Null => "none".into(),
+        Value::String(s) => s.clone(),
+        v => v.to_string(),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn check_section(
+    label: &str,
+    dir: &str,
+    index: &DumpIndex,
+    sec: &Value,
+    files: &BTreeMap<String, Vec<u8>>,
+    indexed: &mut BTreeSet<String>,
+    problems: &mut Vec<String>,
+) {
+    let mut say = |s: String| problems.push(format!("{label}{s}"));
+    let config = &sec["config"];
+    if config["seed"].as_u64() != Some(index.seed) {
+        say(format!("{dir}index.json: seed: report {}, index {}", show(&config["seed"]), index.seed));
+    }
+    let slice_bytes = config["geometry"]["slice_bytes"].as_u64();
+    if slice_bytes != Some(index.slice_bytes) {
+        say(format!(
+            "{dir}index.json: slice_bytes: report {}, index {}",
+            show(&config["geometry"]["slice_bytes"]),
+            index.slice_bytes
+        ));
+    }
+    let geometry: Option<Geometry> = serde_json::from_value(config["geometry"].clone()).ok();
+    let failures = sec["failures"].as_array().cloned().unwrap_or_default();
+    let (mut bytes_total, mut per_class) = (0u64, BTreeMap::<String, u64>::new());
+    for e in &index.slices {
+        let name = slice_name(e);
+        let file = format!("{dir}{}", e.file);
+        indexed.insert(file.clone());
+        let ev = serde_json::to_value(&e.failure).unwrap_or(Value::Null);
+        let Some(actual) = files.get(&file) else {
+            say(format!("{name}: {file} is not in the bundle"));
+            continue;
+        };
+        bytes_total += actual.len() as u64;
+        *per_class.entry(e.failure.class.name().to_string()).or_default() += 1;
+        if actual.len() as u64 != index.slice_bytes || e.bytes != index.slice_bytes {
+            say(format!("{name}: bytes: index {} (slice_bytes {}), file {}", e.bytes, index.slice_bytes, actual.len()));
+            continue;
+        }
+        let fname = e.file.rsplit('/').next().unwrap_or(&e.file);
+        let want_cmd = crate::dump::regenerate_command(&e.failure, index.seed, e.bytes, fname);
+        if e.regenerate != want_cmd {
+            say(format!("{name}: regenerate: index {:?}, expected {want_cmd:?}", e.regenerate));
+        }
+        if let Some(g) = &geometry {
+            let c = SliceCoord { layer: e.failure.layer, kv: e.failure.kv, block: e.failure.block };
+            let in_pool = c.layer < g.num_layers && c.block < g.num_blocks && g.parts().contains(&c.kv);
+            if !in_pool || g.global_slice(c) != e.failure.slot {
+                say(format!(
+                    "{name}: slot: index {}, geometry {}",
+                    e.failure.slot,
+                    if in_pool { g.global_slice(c).to_string() } else { "no such slice".into() }
+                ));
+            }
+        }
+        let expected_ok = {
+            let x: &BlockIdentity = &e.failure.expected;
+            x.layer == e.failure.layer && x.kv == e.failure.kv
+        };
+        if !expected_ok {
+            say(format!(
+                "{name}: expected: identity {} {} is not the slot's layer and K/V",
+                e.failure.expected.layer, e.failure.expected.kv
+            ));
+        }
+        let derived = derive(e, index.seed, actual);
+        for (k, v) in &derived {
+            let got = ev.get(*k).cloned().unwrap_or(Value::Null);
+            if &got != v {
+                say(format!("{name}: {k}: index {}, bytes {}", show(&got), show(v)));
+            }
+        }
+        let Some(i) = e.report_index else { continue };
+        let Some(rec) = failures.get(i) else {
+            say(format!("{name}: report_index {i}: the report lists {} failures", failures.len()));
+            continue;
+        };
+        for k in RECORD_FIELDS {
+            let (r, x) = (rec.get(k).cloned().unwrap_or(Value::Null), ev.get(k).cloned().unwrap_or(Value::Null));
+            if r != x {
+                say(format!("{name}: {k}: report {}, index {}", show(&r), show(&x)));
+            }
+            if let Some(v) = derived.get(k)
+                && &r != v
+            {
+                say(format!("{name}: {k}: report {}, bytes {}", show(&r), show(v)));
+            }
+        }
+    }
+    if bytes_total != index.bytes_written {
+        say(format!("{dir}index.json: bytes_written: index {}, slice files {bytes_total}", index.bytes_written));
+    }
+    let by_class = &sec["summary"]["by_class"];
+    for (class, c) in &index.by_class {
+        let n = per_class.get(class).copied().unwrap_or(0);
+        if c.written != n {
+            say(format!("{dir}index.json: by_class.{class}.written: index {}, slices listed {n}", c.written));
+        }
+        let r = by_class[class].as_u64().unwrap_or(0);
+        if c.written + c.omitted != r {
+            say(format!("{dir}index.json: by_class.{class}: report {r}, index written {} + omitted {}", c.written, c.omitted));
+        }
+    }
+}

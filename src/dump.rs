@@ -1,0 +1,467 @@
+//! `--dump DIR`: the failing block slices exactly as they arrived, for a vendor to check
+//! without kvprobe's GPU or NIXL (`kvprobe report check`, [`crate::check`]).
+//!
+//! Layout (README "Dumps"): `DIR/index.json` ([`DumpIndex`], schema [`SCHEMA`]),
+//! `DIR/slices/<iteration>-<layer>-<K|V|latent>-<block>.bin` (one per dumped slice, the bytes
+//! the verify pass read back from the decode slot: on VRAM only that failing slice crosses to
+//! the host, the buffer the classification already reads), and `DIR/scripts/fingerprint_ref.py`
+//! (kvprobe's independent Python reference of the fingerprint, so each slice's `regenerate`
+//! command runs from `DIR` as written).
+//!
+//! Slices are written as failures are classified, up to a cap of bytes (`--dump-max-bytes`);
+//! counts stay complete ([`ClassCount`]). The cap keeps variety ([`Dumper::wants`]): half of
+//! it is reserved room split evenly between the classes, so the first failures of every
+//! class are taken before more of any one class fill the other half. A write that fails
+//! (disk full) stops the dump (`dump_truncated`, with the reason) and never the run.
+
+use crate::error::{Error, Result};
+use crate::report::Failure;
+use crate::verify::Class;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashSet};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+/// Schema of `index.json`.
+pub const SCHEMA: &str = "kvprobe.dump/1";
+
+/// Default cap of slice bytes written (`--dump-max-bytes`): 256 MiB.
+pub const DEFAULT_MAX_BYTES: u64 = 256 << 20;
+
+/// Which fingerprint definition the expected bytes follow (README "Fingerprint format",
+/// `csrc/fingerprint.h`, `scripts/fingerprint_ref.py`).
+pub const FINGERPRINT: &str = "kvprobe.fingerprint/1";
+
+/// The fingerprint's Python reference, copied into every dump as `scripts/fingerprint_ref.py`.
+pub const REF_SCRIPT: &str = include_str!("../scripts/fingerprint_ref.py");
+
+/// The cap's rule, as written into `index.json`.
+pub const RULE: &str = "a slice is written while bytes_written + its size <= max_bytes, and then: into its class's \
+reserved room (reserve_per_class_bytes = max_bytes / (2 x 7 classes)) while the class has written no more than that; \
+else always when its class has no slice written yet; else into the shared room (max_bytes - 7 x reserve_per_class_bytes) \
+while the bytes written beyond every class's reserve fit in it";
+
+/// Slices of one class written and left out (cap or a failed write).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClassCount {
+    /// Slices written to `slices/`.
+    pub written: u64,
+    /// Slices not written (the cap, or the dump stopped: `dump_truncated`).
+    pub omitted: u64,
+}
+
+/// One dumped slice: its failure record (the report's fields: coordinates, class, expected
+/// identity, `poison_iteration`, digests, `first_bad_offset`, `bad_bytes`, sector map,
+/// observed identity), the file holding its bytes and how to regenerate the expected bytes.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct DumpEntry {
+    /// The slice's bytes exactly as they arrived, relative to the dump directory.
+    pub file: String,
+    /// Size of `file` (bytes; the geometry's `slice_bytes`).
+    pub bytes: u64,
+    /// Index of this slice's record in the report's `failures` (null: not listed there,
+    /// `--max-failures`).
+    pub report_index: Option<usize>,
+    /// A shell command, run from the dump directory, that writes the expected bytes to
+    /// `expected/<file name>` and prints their SHA-256 (`expected_digest`): the fingerprint of
+    /// `expected`, or for a `stray` slice found by the poison check, the poison of (`slot`,
+    /// `poison_iteration`).
+    pub regenerate: String,
+    /// The failure record, as in the report.
+    #[serde(flatten)]
+    pub failure: Failure,
+}
+
+/// `index.json`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct DumpIndex {
+    /// Always [`SCHEMA`].
+    pub schema: String,
+    /// The run's seed (an integer).
+    pub seed: u64,
+    /// The same seed as `"0x"` + 16 hex digits.
+    pub seed_hex: String,
+    /// The run's geometry, as `config.geometry` of the report.
+    pub geometry: serde_json::Value,
+    /// Bytes per slice file.
+    pub slice_bytes: u64,
+    /// [`FINGERPRINT`].
+    pub fingerprint: String,
+    /// The cap (`--dump-max-bytes`, bytes).
+    pub max_bytes: u64,
+    /// Reserved room per class (bytes).
+    pub reserve_per_class_bytes: u64,
+    /// [`RULE`].
+    pub rule: String,
+    /// Bytes of slice files written.
+    pub bytes_written: u64,
+    /// Per class (every class, zeros included): slices written and omitted.
+    pub by_class: BTreeMap<String, ClassCount>,
+    /// Why the dump stopped before the run ended (a write failed), if it did.
+    pub dump_truncated: Option<String>,
+    /// The dumped slices, in the order they were found.
+    pub slices: Vec<DumpEntry>,
+}
+
+/// What the report says about its dump (`dump` in the report).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct DumpSummary {
+    /// The dump directory as given.
+    pub dir: String,
+    /// Slices written.
+    pub slices_written: u64,
+    /// Slices left out (cap or truncation).
+    pub slices_omitted: u64,
+    /// Bytes of slice files written.
+    pub bytes_written: u64,
+    /// The cap (bytes).
+    pub max_bytes: u64,
+    /// Why the dump stopped early, or why `index.json` could not be written (`dump_truncated`).
+    pub dump_truncated: Option<String>,
+}
+
+/// Test-only fault hook: `KVPROBE_TEST_DUMP_FULL_AFTER=N` makes every slice write after the
+/// first N fail with ENOSPC (a full disk), to show that the dump stops and the run does not.
+pub const FULL_AFTER_VAR: &str = "KVPROBE_TEST_DUMP_FULL_AFTER";
+
+fn full_after() -> Option<u64> {
+    static N: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    *N.get_or_init(|| std::env::var(FULL_AFTER_VAR).ok().and_then(|v| v.parse().ok()))
+}
+
+/// Checks, before a run, that `dir` can take a dump: absent (it is created) or an empty
+/// directory. Errors: [`Error::Usage`] (exit 2) for a non-empty directory or a non-directory,
+/// [`Error::Io`] when it cannot be created.
+pub fn check_dir(dir: &Path) -> Result<()> {
+    match std::fs::read_dir(dir) {
+        Ok(mut it) => {
+            if it.next().is_some() {
+                return Err(Error::Usage(format!(
+                    "--dump {}: the directory is not empty (give a new or empty directory: a dump never mixes runs)",
+                    dir.display()
+                )));
+            }
+            Ok(())
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => std::fs::create_dir_all(dir)
+            .map_err(|e| Error::Io(format!("--dump {}: cannot create the directory: {e}", dir.display()))),
+        Err(_) if dir.exists() => Err(Error::Usage(format!("--dump {}: not a readable directory", dir.display()))),
+        Err(e) => Err(Error::Io(format!("--dump {}: {e}", dir.display()))),
+    }
+}
+
+/// Writes failing slices into a dump directory (see the module docs). The state is shared
+/// with the watchdog ([`finish_active`]), so a run it ends still leaves `index.json`.
+pub struct Dumper {
+    state: Arc<Mutex<State>>,
+}
+
+/// The dump being written (at most one at a time: a run, or the ab row in progress), for the
+/// watchdog.
+static ACTIVE: Mutex<Option<Arc<Mutex<State>>>> = Mutex::new(None);
+
+fn lock(m: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+struct State {
+    dir: PathBuf,
+    index: DumpIndex,
+    class_bytes: BTreeMap<Class, u64>,
+    names: HashSet<String>,
+    /// The class of every failing slice offered or omitted, in the order found.
+    found: Vec<Class>,
+    /// For each entry of `index.slices`, its position in `found`.
+    entry_at: Vec<usize>,
+    /// Set once `index.json` was written.
+    finished: Option<DumpSummary>,
+}
+
+impl Dumper {
+    /// A dump into `dir` (checked by [`check_dir`]; created when absent) of slices of
+    /// `slice_bytes` bytes, capped at `max_bytes`; `geometry` is the report's
+    /// `config.geometry`. Writes `scripts/fingerprint_ref.py` and creates `slices/`.
+    pub fn new(dir: &Path, max_bytes: u64, seed: u64, geometry: serde_json::Value, slice_bytes: u64) -> Result<Dumper> {
+        check_dir(dir)?;
+        let io = |what: &str, e: std::io::Error| Error::Io(format!("--dump {}: {what}: {e}", dir.display()));
+        std::fs::create_dir_all(dir.join("slices")).map_err(|e| io("create slices/", e))?;
+        std::fs::create_dir_all(dir.join("scripts")).map_err(|e| io("create scripts/", e))?;
+        std::fs::write(dir.join("scripts/fingerprint_ref.py"), REF_SCRIPT)
+            .map_err(|e| io("write scripts/fingerprint_ref.py", e))?;
+        let state = Arc::new(Mutex::new(State {
+            dir: dir.to_path_buf(),
+            index: DumpIndex {
+                schema: SCHEMA.into(),
+                seed,
+                seed_hex: crate::run::seed_hex(seed),
+                geometry,
+                slice_bytes,
+                fingerprint: FINGERPRINT.into(),
+                max_bytes,
+                reserve_per_class_bytes: max_bytes / (2 * Class::ALL.len() as u64),
+                rule: RULE.into(),
+                bytes_written: 0,
+                by_class: Class::ALL.iter().map(|c| (c.name().to_string(), ClassCount::default())).collect(),
+                dump_truncated: None,
+                slices: Vec::new(),
+            },
+            class_bytes: BTreeMap::new(),
+            names: HashSet::new(),
+            found: Vec::new(),
+            entry_at: Vec::new(),
+            finished: None,
+        }));
+        *ACTIVE.lock().unwrap_or_else(|p| p.into_inner()) = Some(state.clone());
+        Ok(Dumper { state })
+    }
+
+    /// Whether a failing slice of `class` and `len` bytes would be written now ([`RULE`]).
+    pub fn wants(&self, class: Class, len: u64) -> bool {
+        lock(&self.state).wants(class, len)
+    }
+
+    /// Counts a failing slice of `class` that is not offered (the caller saw [`Dumper::wants`]
+    /// say no).
+    pub fn omit(&mut self, class: Class) {
+        lock(&self.state).omit(class)
+    }
+
+    /// Writes `actual` (the slice as it arrived) with its record `f` when the cap allows
+    /// ([`Dumper::wants`]), else counts it as omitted. `report_index`: where `f` is listed in
+    /// the report's failures, if it is. A write that fails stops the dump (`dump_truncated`).
+    pub fn offer(&mut self, f: &Failure, actual: &[u8], report_index: Option<usize>) {
+        lock(&self.state).offer(f, actual, report_index)
+    }
+
+    /// Writes `index.json` (atomically) and returns what the report records. A failed write
+    /// is recorded in `dump_truncated` (the slices stay; the run's outcome is unchanged).
+    pub fn finish(&mut self) -> DumpSummary {
+        let mut active = ACTIVE.lock().unwrap_or_else(|p| p.into_inner());
+        if active.as_ref().is_some_and(|a| Arc::ptr_eq(a, &self.state)) {
+            *active = None;
+        }
+        drop(active);
+        lock(&self.state).finish(None)
+    }
+}
+
+/// The watchdog's end of a dump ([`crate::run::expired_report`]): the run is ended without
+/// returning, so the dump in progress, if any, is finished here against the report that will
+/// be written — the one last published, which counts the first `published` failing slices
+/// found. Slices found after it are removed from the dump (their files too), so the dump and
+/// the report agree, and `dump_truncated` says so. Waits up to 1 s for the run's thread to
+/// finish a slice it is writing.
+pub fn finish_active(published: u64) -> Option<DumpSummary> {
+    let state = ACTIVE.lock().unwrap_or_else(|p| p.into_inner()).take()?;
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(1);
+    loop {
+        match state.try_lock() {
+            Ok(mut g) => return Some(g.finish(Some(published as usize))),
+            Err(std::sync::TryLockError::Poisoned(p)) => return Some(p.into_inner().finish(Some(published as usize))),
+            Err(std::sync::TryLockError::WouldBlock) if std::time::Instant::now() < until => {
+                std::thread::sleep(std::time::Duration::from_millis(10))
+            }
+            Err(_) => return None,
+        }
+    }
+}
+
+impl State {
+    fn wants(&self, class: Class, len: u64) -> bool {
+        let x = &self.index;
+        if x.dump_truncated.is_some() || x.bytes_written + len > x.max_bytes {
+            return false;
+        }
+        let reserve = x.reserve_per_class_bytes;
+        let mine = self.class_bytes.get(&class).copied().unwrap_or(0);
+        if mine + len <= reserve || mine == 0 {
+            return true;
+        }
+        // Bytes beyond each class's reserve, with this slice added.
+        let beyond: u64 = Class::ALL
+            .iter()
+            .map(|c| self.class_bytes.get(c).copied().unwrap_or(0) + if *c == class { len } else { 0 })
+            .map(|b| b.saturating_sub(reserve))
+            .sum();
+        beyond <= x.max_bytes - reserve * Class::ALL.len() as u64
+    }
+
+    fn count(&mut self, class: Class, written: bool) {
+        let c = self.index.by_class.entry(class.name().to_string()).or_default();
+        if written {
+            c.written += 1;
+        } else {
+            c.omitted += 1;
+        }
+    }
+
+    fn omit(&mut self, class: Class) {
+        self.found.push(class);
+        self.count(class, false);
+    }
+
+    fn offer(&mut self, f: &Failure, actual: &[u8], report_index: Option<usize>) {
+        if self.finished.is_some() {
+            return; // the watchdog ended the dump
+        }
+        let len = actual.len() as u64;
+        if !self.wants(f.class, len) {
+            return self.omit(f.class);
+        }
+        let base = format!("{}-{}-{}-{}", f.iteration, f.layer, f.kv, f.block);
+        let mut name = format!("{base}.bin");
+        let mut n = 2;
+        while self.names.contains(&name) {
+            // The same slot failing twice in one step (a stray found by the poison check, then
+            // its verify): keep both.
+            name = format!("{base}-{}-{n}.bin", f.class);
+            n += 1;
+        }
+        let rel = format!("slices/{name}");
+        let path = self.dir.join(&rel);
+        let written = if full_after().is_some_and(|n| self.index.slices.len() as u64 >= n) {
+            Err(std::io::Error::from_raw_os_error(libc::ENOSPC))
+        } else {
+            std::fs::File::create_new(&path).and_then(|mut file| file.write_all(actual).and_then(|_| file.flush()))
+        };
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&path);
+            self.index.dump_truncated = Some(format!("writing {rel}: {e}; later slices were not written"));
+            return self.omit(f.class);
+        }
+        self.names.insert(name.clone());
+        self.entry_at.push(self.found.len());
+        self.found.push(f.class);
+        self.index.bytes_written += len;
+        *self.class_bytes.entry(f.class).or_default() += len;
+        self.count(f.class, true);
+        self.index.slices.push(DumpEntry {
+            file: rel,
+            bytes: len,
+            report_index,
+            regenerate: regenerate_command(f, self.index.seed, len, &name),
+            failure: f.clone(),
+        });
+    }
+
+    /// Keeps only the first `n` failing slices found (the watchdog's report counts those).
+    fn keep_found(&mut self, n: usize) {
+        if n >= self.found.len() {
+            return;
+        }
+        let mut dropped = 0;
+        let mut kept = Vec::new();
+        for (e, at) in std::mem::take(&mut self.index.slices).into_iter().zip(std::mem::take(&mut self.entry_at)) {
+            if at < n {
+                kept.push(e);
+                self.entry_at.push(at);
+            } else {
+                let _ = std::fs::remove_file(self.dir.join(&e.file));
+                dropped += 1;
+            }
+        }
+        self.index.slices = kept;
+        self.found.truncate(n);
+        self.index.bytes_written = self.index.slices.iter().map(|e| e.bytes).sum();
+        for c in self.index.by_class.values_mut() {
+            *c = ClassCount::default();
+        }
+        for c in &self.found {
+            self.index.by_class.entry(c.name().to_string()).or_default().omitted += 1;
+        }
+        for e in &self.index.slices {
+            let c = self.index.by_class.entry(e.failure.class.name().to_string()).or_default();
+            c.omitted -= 1;
+            c.written += 1;
+        }
+        let why = format!(
+            "the run was ended by the watchdog (a call past its deadline): the report is the one last published, \
+             so the {dropped} slice(s) dumped after it were removed"
+        );
+        self.index.dump_truncated = Some(match self.index.dump_truncated.take() {
+            Some(t) => format!("{t}; {why}"),
+            None => why,
+        });
+    }
+
+    /// Writes `index.json` once (`published`: the watchdog's count, [`finish_active`]).
+    fn finish(&mut self, published: Option<usize>) -> DumpSummary {
+        if let Some(s) = &self.finished {
+            return s.clone();
+        }
+        if let Some(n) = published {
+            self.keep_found(n);
+        }
+        let index = self.dir.join("index.json");
+        let mut truncated = self.index.dump_truncated.clone();
+        let body = serde_json::to_vec_pretty(&self.index).map_err(|e| Error::Io(format!("dump: serialise: {e}")));
+        if let Err(e) = body.and_then(|mut b| {
+            b.push(b'\n');
+            crate::report::write_bytes_atomic(&index, &b, "--dump")
+        }) {
+            let why = format!("index.json not written: {e}");
+            truncated = Some(match truncated {
+                Some(t) => format!("{t}; {why}"),
+                None => why,
+            });
+        }
+        let omitted = self.index.by_class.values().map(|c| c.omitted).sum();
+        let summary = DumpSummary {
+            dir: self.dir.display().to_string(),
+            slices_written: self.index.slices.len() as u64,
+            slices_omitted: omitted,
+            bytes_written: self.index.bytes_written,
+            max_bytes: self.index.max_bytes,
+            dump_truncated: truncated,
+        };
+        self.finished = Some(summary.clone());
+        summary
+    }
+}
+
+/// The command that writes the expected bytes of `f` (slices of `len` bytes) to
+/// `expected/<name>` from the dump directory, with kvprobe's Python reference.
+pub fn regenerate_command(f: &Failure, seed: u64, len: u64, name: &str) -> String {
+    let out = format!("expected/{name}");
+    if f.stray_check == Some(crate::run::StrayCheck::Poison) {
+        format!("mkdir -p expected && python3 scripts/fingerprint_ref.py poison {} {} {len} {out}", f.slot, f.poison_iteration)
+    } else {
+        let e = &f.expected;
+        format!(
+            "mkdir -p expected && python3 scripts/fingerprint_ref.py {} {} {} {} {} {len} {out}",
+            crate::run::seed_hex(seed),
+            e.layer,
+            e.kv,
+            e.block,
+            e.generation
+        )
+    }
+}
+
+/// Lists and dumps one failing slice: builds its record with `make` only when it is listed
+/// (`list` is the report's failure list when it has room, else `None`) or dumped, then
+/// appends it to `list` and offers it with `actual` to `dump`.
+pub fn keep(
+    dump: Option<&mut Dumper>,
+    list: Option<&mut Vec<Failure>>,
+    actual: &[u8],
+    class: Class,
+    make: impl FnOnce() -> Failure,
+) {
+    let dumping = dump.as_ref().is_some_and(|d| d.wants(class, actual.len() as u64));
+    match (list, dump) {
+        (None, Some(d)) if !dumping => d.omit(class),
+        (None, None) => {}
+        (list, dump) => {
+            let rec = make();
+            let at = list.as_ref().map(|l| l.len());
+            if let Some(d) = dump {
+                d.offer(&rec, actual, at);
+            }
+            if let Some(l) = list {
+                l.push(rec);
+            }
+        }
+    }
+}

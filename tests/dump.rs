@@ -1,0 +1,528 @@
+//! `--dump DIR` (run and ab), `--bundle`/`kvprobe bundle` and `kvprobe report check`
+//! (issue 14 items 1–3), on DRAM.
+
+use crate::common::{kvprobe, read_report, tmpdir};
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+use std::path::{Path, PathBuf};
+
+pub fn sha256_hex(b: &[u8]) -> String {
+    Sha256::digest(b).iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Checks a dump directory against the report section that wrote it: every slice file's
+/// SHA-256 is its `actual_digest` (index and, when listed, report), every listed report
+/// failure is dumped (the cap was not reached), and the per-class counts are complete.
+pub fn assert_dump_matches(dir: &Path, r: &Value, ctx: &str) -> usize {
+    let index: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("index.json")).expect("index.json")).unwrap();
+    assert_eq!(index["schema"], "kvprobe.dump/1", "{ctx}");
+    assert_eq!(index["seed"], r["config"]["seed"], "{ctx}");
+    let slices = index["slices"].as_array().unwrap();
+    let failures = r["failures"].as_array().unwrap();
+    for s in slices {
+        let bytes = std::fs::read(dir.join(s["file"].as_str().unwrap())).unwrap();
+        assert_eq!(bytes.len() as u64, r["config"]["geometry"]["slice_bytes"].as_u64().unwrap(), "{ctx}");
+        assert_eq!(sha256_hex(&bytes), s["actual_digest"].as_str().unwrap(), "{ctx}: {}", s["file"]);
+        // Not listed: beyond --max-failures (the dump's cap is not reached in these runs).
+        let Some(i) = s["report_index"].as_u64() else { continue };
+        let f = &failures[i as usize];
+        for k in ["iteration", "layer", "kv", "block", "class", "actual_digest", "expected_digest", "bad_bytes"] {
+            assert_eq!(s[k], f[k], "{ctx}: {k} of {}", s["file"]);
+        }
+    }
+    let listed = slices.iter().filter(|s| s["report_index"].is_u64()).count();
+    assert_eq!(listed, failures.len(), "{ctx}: every listed failure dumped");
+    for (class, n) in r["summary"]["by_class"].as_object().unwrap() {
+        let c = &index["by_class"][class];
+        assert_eq!(c["written"].as_u64().unwrap() + c["omitted"].as_u64().unwrap(), n.as_u64().unwrap(), "{ctx}: {class}");
+    }
+    assert_eq!(r["dump"]["slices_written"].as_u64().unwrap() as usize, slices.len(), "{ctx}");
+    slices.len()
+}
+
+/// The issue's run command with `--dump`: (dir, exit code, report, stdout + stderr).
+pub fn run_dump(name: &str, extra: &[&str]) -> (PathBuf, i32, Value, String) {
+    let d = tmpdir(name);
+    let (dump, r, j) = (d.join("D"), d.join("r.json"), d.join("j.xml"));
+    let mut a = vec![
+        "run",
+        "--memory",
+        "dram",
+        "--inject",
+        "torn:2",
+        "--inject",
+        "bitflip:2",
+        "--inject",
+        "misroute:1",
+        "--dump",
+        dump.to_str().unwrap(),
+        "--junit",
+        j.to_str().unwrap(),
+        "--report",
+        r.to_str().unwrap(),
+    ];
+    a.extend_from_slice(extra);
+    let (code, out, err) = kvprobe(&a);
+    assert!(!err.contains("panicked"), "{err}");
+    (d, code, read_report(&r), format!("{out}{err}"))
+}
+
+#[test]
+fn run_dump_holds_every_failing_slice_as_it_arrived() {
+    let (d, code, r, log) = run_dump("dump-run", &[]);
+    assert_eq!(code, 1, "{log}");
+    assert!(d.join("j.xml").exists());
+    let n = assert_dump_matches(&d.join("D"), &r, "run");
+    // 5 iterations × (torn 2 + bitflip 2 + misroute: misplaced 1 + unwritten 1).
+    assert_eq!(n, 30, "{log}");
+    // The regenerate command writes the expected bytes (its digest is expected_digest).
+    let index: Value = serde_json::from_str(&std::fs::read_to_string(d.join("D/index.json")).unwrap()).unwrap();
+    let s = &index["slices"][0];
+    let o = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(s["regenerate"].as_str().unwrap())
+        .current_dir(d.join("D"))
+        .output()
+        .expect("sh");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), s["expected_digest"].as_str().unwrap());
+    let file = Path::new(s["file"].as_str().unwrap()).file_name().unwrap().to_owned();
+    let exp = std::fs::read(d.join("D/expected").join(file)).unwrap();
+    assert_eq!(sha256_hex(&exp), s["expected_digest"].as_str().unwrap());
+}
+
+#[test]
+fn ab_dump_has_a_directory_per_row() {
+    let d = tmpdir("dump-ab");
+    let (dump, r, j, b) = (d.join("D"), d.join("ab.json"), d.join("j.xml"), d.join("ab.tar.gz"));
+    let (code, out, err) = kvprobe(&[
+        "ab",
+        "--bundle",
+        b.to_str().unwrap(),
+        "--memory",
+        "dram",
+        "--requests",
+        "200",
+        "--lockstep",
+        "--dump",
+        dump.to_str().unwrap(),
+        "--junit",
+        j.to_str().unwrap(),
+        "--report",
+        r.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+    let ab = read_report(&r);
+    let mut dumped = 0;
+    for (row, sec) in ab["rows"].as_array().unwrap().iter().zip(ab["sections"].as_array().unwrap()) {
+        let name = row["name"].as_str().unwrap();
+        dumped += assert_dump_matches(&dump.join(name), sec, name);
+        // The cap holds for the matrix: an eighth per row.
+        assert_eq!(sec["dump"]["max_bytes"].as_u64(), Some((256 << 20) / 8), "{name}");
+    }
+    assert!(dumped > 0, "the unfenced rows corrupt slices: {out}");
+    // The bundle passes check; one byte of a row's slice changed fails it, naming the row and
+    // the slice.
+    let (code, out, err) = check(&b);
+    assert_eq!(code, 0, "{out}{err}");
+    let row = ab["rows"].as_array().unwrap().iter().find(|r| r["corrupt"].as_u64() > Some(0)).unwrap();
+    let name = row["name"].as_str().unwrap();
+    let t = d.join("tampered.tar.gz");
+    let slice = flip_one_byte(&b, &t, &format!("dump/{name}/"), true);
+    let (code, out, err) = check(&t);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(out.contains(&format!("row {name}: {slice}: actual_digest: ")), "{out}");
+}
+
+#[test]
+fn the_cap_keeps_every_class_and_the_counts_stay_complete() {
+    // 4 KiB slices; room for 10 of the 200 failures (100 bitflip, 100 torn per iteration × 2).
+    let (d, code, r, log) = run_dump(
+        "dump-cap",
+        &["--inject", "bitflip:50", "--inject", "torn:50", "--iterations", "2", "--dump-max-bytes", "40KiB"],
+    );
+    assert_eq!(code, 1, "{log}");
+    let index: Value = serde_json::from_str(&std::fs::read_to_string(d.join("D/index.json")).unwrap()).unwrap();
+    let slices = index["slices"].as_array().unwrap();
+    assert!(index["bytes_written"].as_u64().unwrap() <= 40 * 1024);
+    assert_eq!(slices.len() as u64 * 4096, index["bytes_written"].as_u64().unwrap());
+    let files = std::fs::read_dir(d.join("D/slices")).unwrap().count();
+    assert_eq!(files, slices.len());
+    for class in ["bitflip", "torn", "misplaced", "unwritten"] {
+        assert!(slices.iter().any(|s| s["class"] == class), "{class} dumped: {index}");
+        let c = &index["by_class"][class];
+        assert_eq!(
+            c["written"].as_u64().unwrap() + c["omitted"].as_u64().unwrap(),
+            r["summary"]["by_class"][class].as_u64().unwrap(),
+            "{class}"
+        );
+    }
+    assert!(r["dump"]["slices_omitted"].as_u64().unwrap() > 0);
+    // A failure beyond the cap is still in the report, not dumped.
+    for s in slices {
+        let f = &r["failures"][s["report_index"].as_u64().unwrap() as usize];
+        assert_eq!(f["actual_digest"], s["actual_digest"]);
+    }
+}
+
+#[test]
+fn a_non_empty_dump_directory_is_refused_before_the_run() {
+    let d = tmpdir("dump-nonempty");
+    std::fs::create_dir_all(d.join("D")).unwrap();
+    std::fs::write(d.join("D/keep.txt"), "mine").unwrap();
+    let r = d.join("r.json");
+    let (code, out, err) =
+        kvprobe(&["run", "--memory", "dram", "--dump", d.join("D").to_str().unwrap(), "--report", r.to_str().unwrap()]);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(err.contains("is not empty"), "{err}");
+    assert!(!err.contains("setup:") && !out.contains("iteration"), "refused before the run: {out}{err}");
+    assert_eq!(std::fs::read_dir(d.join("D")).unwrap().count(), 1);
+    assert_eq!(std::fs::read_to_string(d.join("D/keep.txt")).unwrap(), "mine");
+}
+
+/// [`assert_dump_matches`] for a dump that reached its cap: every file is its
+/// `actual_digest` and matches its listed record; counts complete.
+pub fn assert_dump_matches_capped(dir: &Path, r: &Value, ctx: &str) -> usize {
+    let index: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("index.json")).expect("index.json")).unwrap();
+    let slices = index["slices"].as_array().unwrap();
+    for s in slices {
+        let bytes = std::fs::read(dir.join(s["file"].as_str().unwrap())).unwrap();
+        assert_eq!(sha256_hex(&bytes), s["actual_digest"].as_str().unwrap(), "{ctx}: {}", s["file"]);
+        if let Some(i) = s["report_index"].as_u64() {
+            assert_eq!(r["failures"][i as usize]["actual_digest"], s["actual_digest"], "{ctx}");
+        }
+    }
+    for (class, n) in r["summary"]["by_class"].as_object().unwrap() {
+        let c = &index["by_class"][class];
+        assert_eq!(c["written"].as_u64().unwrap() + c["omitted"].as_u64().unwrap(), n.as_u64().unwrap(), "{ctx}: {class}");
+    }
+    slices.len()
+}
+
+/// The files of a bundle, in order, as (path, bytes).
+pub fn untar(p: &Path) -> Vec<(String, Vec<u8>)> {
+    use std::io::Read;
+    let mut a = tar::Archive::new(flate2::read::GzDecoder::new(std::fs::File::open(p).unwrap()));
+    a.entries()
+        .unwrap()
+        .map(|e| {
+            let mut e = e.unwrap();
+            let name = e.path().unwrap().to_string_lossy().into_owned();
+            let mut b = Vec::new();
+            e.read_to_end(&mut b).unwrap();
+            (name, b)
+        })
+        .collect()
+}
+
+/// Writes `files` as a .tar.gz at `p`.
+pub fn retar(p: &Path, files: &[(String, Vec<u8>)]) {
+    let gz = flate2::write::GzEncoder::new(std::fs::File::create(p).unwrap(), flate2::Compression::fast());
+    let mut t = tar::Builder::new(gz);
+    for (name, body) in files {
+        let mut h = tar::Header::new_gnu();
+        h.set_size(body.len() as u64);
+        h.set_mode(0o644);
+        h.set_entry_type(tar::EntryType::Regular);
+        t.append_data(&mut h, name, body.as_slice()).unwrap();
+    }
+    t.into_inner().unwrap().finish().unwrap();
+}
+
+/// `kvprobe report check FILE`: (exit code, stdout, stderr).
+pub fn check(p: &Path) -> (i32, String, String) {
+    let (code, out, err) = kvprobe(&["report", "check", p.to_str().unwrap()]);
+    assert!(!err.contains("panicked"), "{err}");
+    (code, out, err)
+}
+
+/// The bundle `b` with one byte of its first dumped slice (under `dump_prefix`) flipped,
+/// written to `out`; with `fix_manifest` the manifest is updated to the new bytes (so only
+/// the re-derivation from the bytes can see it). Returns the slice's name in check's words.
+pub fn flip_one_byte(b: &Path, out: &Path, dump_prefix: &str, fix_manifest: bool) -> String {
+    let mut files = untar(b);
+    let index_name = format!("kvprobe-bundle/{dump_prefix}index.json");
+    let index: Value = serde_json::from_slice(&files.iter().find(|f| f.0 == index_name).expect("index in bundle").1).unwrap();
+    let s = &index["slices"][0];
+    let target = format!("kvprobe-bundle/{dump_prefix}{}", s["file"].as_str().unwrap());
+    let f = files.iter_mut().find(|f| f.0 == target).expect("slice in bundle");
+    f.1[100] ^= 0x40;
+    let (sha, len) = (sha256_hex(&f.1), f.1.len());
+    if fix_manifest {
+        let m = files.iter_mut().find(|f| f.0 == "kvprobe-bundle/manifest.json").unwrap();
+        let mut mv: Value = serde_json::from_slice(&m.1).unwrap();
+        let rel = target.strip_prefix("kvprobe-bundle/").unwrap();
+        for e in mv["files"].as_array_mut().unwrap() {
+            if e["path"] == rel {
+                e["sha256"] = sha.clone().into();
+                e["bytes"] = len.into();
+            }
+        }
+        m.1 = serde_json::to_vec(&mv).unwrap();
+    }
+    retar(out, &files);
+    format!("iteration {} layer {} {} block {}", s["iteration"], s["layer"], s["kv"].as_str().unwrap(), s["block"])
+}
+
+#[test]
+fn a_run_bundle_passes_check_and_one_changed_byte_fails_it() {
+    let d = tmpdir("bundle-run");
+    let b = d.join("b.tar.gz");
+    let (code, out, err) = kvprobe(&[
+        "run",
+        "--memory",
+        "dram",
+        "--inject",
+        "torn:2",
+        "--inject",
+        "bitflip:2",
+        "--inject",
+        "misroute:1",
+        "--dump",
+        d.join("D").to_str().unwrap(),
+        "--junit",
+        d.join("j.xml").to_str().unwrap(),
+        "--report",
+        d.join("r.json").to_str().unwrap(),
+        "--bundle",
+        b.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(out.contains(&format!("bundle:            {}", b.display())), "{out}");
+    let (code, out, err) = check(&b);
+    assert_eq!(code, 0, "{out}{err}");
+    // The bundle holds the report exactly as written, the dump, the manifest and env/.
+    let files = untar(&b);
+    assert_eq!(files[0].0, "kvprobe-bundle/manifest.json");
+    let report = &files.iter().find(|f| f.0 == "kvprobe-bundle/report.json").unwrap().1;
+    assert_eq!(report, &std::fs::read(d.join("r.json")).unwrap());
+    assert!(files.iter().any(|f| f.0.starts_with("kvprobe-bundle/env/")));
+    let m: Value = serde_json::from_slice(&files[0].1).unwrap();
+    assert_eq!(m["schema"], "kvprobe.manifest/1");
+    assert_eq!(m["capture_made"], "run");
+    assert_eq!(m["files"].as_array().unwrap().len(), files.len() - 1);
+    // `report show` reads the bundle's report.
+    let (c1, shown, _) = kvprobe(&["report", "show", b.to_str().unwrap()]);
+    let (c2, direct, _) = kvprobe(&["report", "show", d.join("r.json").to_str().unwrap()]);
+    assert_eq!((c1, c2), (0, 0));
+    assert_eq!(shown, direct);
+    // One byte changed: the manifest sees it, and so does the re-derivation from the bytes
+    // when the manifest is made to agree.
+    for fix in [false, true] {
+        let t = d.join(format!("tampered-{fix}.tar.gz"));
+        let name = flip_one_byte(&b, &t, "dump/", fix);
+        let (code, out, err) = check(&t);
+        assert_eq!(code, 1, "{out}{err}");
+        assert!(out.contains(&format!("{name}: actual_digest: ")), "{name} named: {out}");
+        assert!(out.contains(&format!("{name}: bad_bytes: ")), "{out}");
+        assert_eq!(out.contains("sha256: manifest"), !fix, "{out}");
+    }
+}
+
+#[test]
+fn manifest_tampering_fails_check_naming_the_file() {
+    let d = tmpdir("bundle-manifest");
+    let (b, r) = (d.join("b.tar.gz"), d.join("r.json"));
+    let (code, out, err) = kvprobe(&[
+        "run",
+        "--memory",
+        "dram",
+        "--iterations",
+        "2",
+        "--inject",
+        "torn:1",
+        "--report",
+        r.to_str().unwrap(),
+        "--bundle",
+        b.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert_eq!(check(&b).0, 0);
+    let files = untar(&b);
+    let m: Value = serde_json::from_slice(&files[0].1).unwrap();
+    let victim = m["files"][1]["path"].as_str().unwrap().to_string();
+    let with_manifest = |f: &dyn Fn(&mut Value)| {
+        let mut mv = m.clone();
+        f(&mut mv);
+        let mut fs = files.clone();
+        fs[0].1 = serde_json::to_vec(&mv).unwrap();
+        fs
+    };
+    type Case = (&'static str, Vec<(String, Vec<u8>)>, String);
+    let cases: Vec<Case> = vec![
+        ("size", with_manifest(&|mv| mv["files"][1]["bytes"] = 1.into()), format!("{victim}: bytes: manifest 1")),
+        ("sha", with_manifest(&|mv| mv["files"][1]["sha256"] = "00".into()), format!("{victim}: sha256: manifest 00")),
+        (
+            "extra",
+            {
+                let mut fs = files.clone();
+                fs.push(("kvprobe-bundle/env/extra.txt".into(), b"x".to_vec()));
+                fs
+            },
+            "env/extra.txt: in the bundle but not in the manifest".into(),
+        ),
+        (
+            "missing",
+            files.iter().filter(|f| f.0 != format!("kvprobe-bundle/{victim}")).cloned().collect(),
+            format!("{victim}: in the manifest but not in the bundle"),
+        ),
+    ];
+    for (what, fs, line) in cases {
+        let t = d.join(format!("{what}.tar.gz"));
+        retar(&t, &fs);
+        let (code, out, err) = check(&t);
+        assert_eq!(code, 1, "{what}: {out}{err}");
+        assert!(out.contains(&line), "{what}: {line:?} in {out}");
+    }
+}
+
+#[test]
+fn a_malformed_bundle_is_exit_2() {
+    let d = tmpdir("bundle-malformed");
+    let text = d.join("text.tar.gz");
+    std::fs::write(&text, "not a bundle").unwrap();
+    let gz_not_tar = d.join("gz.tar.gz");
+    {
+        use std::io::Write;
+        let mut g = flate2::write::GzEncoder::new(std::fs::File::create(&gz_not_tar).unwrap(), flate2::Compression::fast());
+        g.write_all(&[7u8; 3000]).unwrap();
+        g.finish().unwrap();
+    }
+    let no_manifest = d.join("nomanifest.tar.gz");
+    retar(&no_manifest, &[("kvprobe-bundle/report.json".into(), b"{}".to_vec())]);
+    let bad_json = d.join("badjson.tar.gz");
+    retar(&bad_json, &[("kvprobe-bundle/manifest.json".into(), b"{ not json".to_vec())]);
+    let outside = d.join("outside.tar.gz");
+    retar(&outside, &[("elsewhere/manifest.json".into(), b"{}".to_vec())]);
+    let truncated = d.join("truncated.tar.gz");
+    std::fs::write(&truncated, &std::fs::read(&no_manifest).unwrap()[..20]).unwrap();
+    for p in [&text, &gz_not_tar, &no_manifest, &bad_json, &outside, &truncated, &d.join("absent.tar.gz")] {
+        let (code, out, err) = check(p);
+        assert_eq!(code, 2, "{}: {out}{err}", p.display());
+        assert!(err.contains("kvprobe: "), "{err}");
+    }
+}
+
+#[test]
+fn kvprobe_bundle_packs_an_existing_report_and_dump_redacted() {
+    let (d, code, _, log) = run_dump("bundle-cmd", &["--iterations", "2"]);
+    assert_eq!(code, 1, "{log}");
+    let b = d.join("b.tgz");
+    let (code, out, err) = kvprobe(&[
+        "bundle",
+        "--report",
+        d.join("r.json").to_str().unwrap(),
+        "--dump",
+        d.join("D").to_str().unwrap(),
+        "--redact",
+        "-o",
+        b.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+    let (code, out, err) = check(&b);
+    assert_eq!(code, 0, "{out}{err}");
+    let files = untar(&b);
+    let m: Value = serde_json::from_slice(&files[0].1).unwrap();
+    assert_eq!((m["capture_made"].as_str(), m["redacted"].as_bool()), (Some("bundle"), Some(true)));
+    let report = String::from_utf8(files.iter().find(|f| f.0 == "kvprobe-bundle/report.json").unwrap().1.clone()).unwrap();
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap().trim().to_string();
+    let r: Value = serde_json::from_str(&report).expect("still JSON");
+    assert_ne!(r["environment"]["hostname"].as_str().unwrap(), host);
+    assert!(r["environment"]["hostname"].as_str().unwrap().starts_with("host-"));
+    // Without --dump: the directory the report names.
+    let b2 = d.join("b2.tgz");
+    let (code, out, err) = kvprobe(&["bundle", "--report", d.join("r.json").to_str().unwrap(), "-o", b2.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(untar(&b2).iter().any(|f| f.0 == "kvprobe-bundle/dump/index.json"));
+    assert_eq!(check(&b2).0, 0);
+    // Not a run or ab report, a missing dump directory: exit 2.
+    let (code, _, err) = kvprobe(&["bundle", "--report", d.join("j.xml").to_str().unwrap(), "-o", b.to_str().unwrap()]);
+    assert_eq!(code, 2, "{err}");
+    let (code, _, err) = kvprobe(&[
+        "bundle",
+        "--report",
+        d.join("r.json").to_str().unwrap(),
+        "--dump",
+        d.join("nope").to_str().unwrap(),
+        "-o",
+        b.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{err}");
+}
+
+#[test]
+fn a_full_disk_stops_the_dump_and_never_the_run() {
+    // KVPROBE_TEST_DUMP_FULL_AFTER: slice writes after the first 3 fail with ENOSPC.
+    let d = tmpdir("dump-full");
+    let (dump, r, b) = (d.join("D"), d.join("r.json"), d.join("b.tgz"));
+    let (code, out, err) = crate::common::kvprobe_env(
+        &[
+            "run",
+            "--memory",
+            "dram",
+            "--iterations",
+            "2",
+            "--inject",
+            "torn:2",
+            "--inject",
+            "bitflip:2",
+            "--dump",
+            dump.to_str().unwrap(),
+            "--report",
+            r.to_str().unwrap(),
+            "--bundle",
+            b.to_str().unwrap(),
+        ],
+        &[("KVPROBE_TEST_DUMP_FULL_AFTER", "3")],
+    );
+    assert_eq!(code, 1, "the run's own outcome: {out}{err}");
+    let rep = read_report(&r);
+    assert_eq!(rep["summary"]["blocks_corrupt"], 8, "{out}");
+    assert_eq!(rep["failures"].as_array().unwrap().len(), 8, "every failure still listed");
+    let why = rep["dump"]["dump_truncated"].as_str().expect("dump_truncated");
+    assert!(why.contains("No space left on device"), "{why}");
+    assert_eq!(rep["dump"]["slices_written"], 3);
+    assert_eq!(rep["dump"]["slices_omitted"], 5);
+    let index: Value = serde_json::from_str(&std::fs::read_to_string(dump.join("index.json")).unwrap()).unwrap();
+    assert_eq!(index["slices"].as_array().unwrap().len(), 3);
+    assert!(index["dump_truncated"].as_str().unwrap().contains("No space left on device"));
+    assert_eq!(std::fs::read_dir(dump.join("slices")).unwrap().count(), 3, "no partial file left");
+    // What was dumped still checks out.
+    let (code, out, err) = check(&b);
+    assert_eq!(code, 0, "{out}{err}");
+}
+
+#[test]
+fn a_run_the_watchdog_ends_still_leaves_a_dump_that_agrees_with_its_report() {
+    // The notification query after iteration 1's verify never returns: the watchdog writes the
+    // report last published (before the slices found in iteration 1 were counted) and exits 4.
+    let d = tmpdir("dump-watchdog");
+    let (dump, r) = (d.join("D"), d.join("r.json"));
+    let (code, out, err) = crate::common::kvprobe_env(
+        &[
+            "run",
+            "--memory",
+            "dram",
+            "--inject",
+            "torn:2",
+            "--iterations",
+            "3",
+            "--timeout",
+            "1",
+            "--dump",
+            dump.to_str().unwrap(),
+            "--report",
+            r.to_str().unwrap(),
+        ],
+        &[("KVPROBE_TEST_STALL_NOTIFICATIONS", "3600")],
+    );
+    assert_eq!(code, 4, "{out}{err}");
+    let rep = read_report(&r);
+    let why = rep["dump"]["dump_truncated"].as_str().expect("the dump is recorded");
+    assert!(why.contains("ended by the watchdog"), "{why}");
+    let index: Value = serde_json::from_str(&std::fs::read_to_string(dump.join("index.json")).expect("index.json")).unwrap();
+    assert_eq!(index["dump_truncated"].as_str(), Some(why));
+    let n = assert_dump_matches_capped(&dump, &rep, "watchdog");
+    assert_eq!(n, rep["failures"].as_array().unwrap().len());
+    assert_eq!(std::fs::read_dir(dump.join("slices")).unwrap().count(), n, "no file the index does not list");
+}
