@@ -25,10 +25,21 @@ use serde_json::{Value, json};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
-/// Checks the bundle at `path`. Returns the disagreements (empty: everything agrees).
+/// What [`check`] found.
+#[derive(Clone, Debug, Default)]
+pub struct Checked {
+    /// The disagreements, one line each (empty: everything agrees).
+    pub problems: Vec<String>,
+    /// Files the manifest lists (each checked for size and SHA-256).
+    pub files: usize,
+    /// Dumped slices whose bytes were re-derived and compared.
+    pub slices: usize,
+}
+
+/// Checks the bundle at `path`. Returns the disagreements and what was checked.
 /// Errors (usage, exit 2): a malformed bundle — unreadable, not gzip or tar, no manifest, a
 /// manifest, report or index that is not valid JSON of its schema.
-pub fn check(path: &Path) -> Result<Vec<String>> {
+pub fn check(path: &Path) -> Result<Checked> {
     let b = crate::bundle::read(path)?;
     let m = crate::bundle::manifest(&b)?;
     let mut problems = Vec::new();
@@ -97,7 +108,7 @@ pub fn check(path: &Path) -> Result<Vec<String>> {
             problems.push(format!("{p}: a slice file no index.json lists"));
         }
     }
-    Ok(problems)
+    Ok(Checked { problems, files: m.files.len(), slices: indexed.len() })
 }
 
 /// The slice's name in messages: `iteration 2 layer 1 K block 17`.

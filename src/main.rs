@@ -1209,13 +1209,18 @@ fn report_command(c: ReportCommand) -> Exit {
             Err(x) => x,
         },
         ReportCommand::Check { bundle } => match kvprobe::check::check(&bundle) {
-            Ok(problems) if problems.is_empty() => {
-                out(&format!("{}: everything agrees\n", bundle.display()));
+            Ok(c) if c.problems.is_empty() => {
+                out(&format!(
+                    "{}: everything agrees ({} files match the manifest; {} dumped slices re-derived, as the report says)\n",
+                    bundle.display(),
+                    c.files,
+                    c.slices
+                ));
                 Exit::Clean
             }
-            Ok(problems) => {
-                out(&problems.iter().map(|p| format!("{p}\n")).collect::<String>());
-                out(&format!("{}: {} disagreement(s)\n", bundle.display(), problems.len()));
+            Ok(c) => {
+                out(&c.problems.iter().map(|p| format!("{p}\n")).collect::<String>());
+                out(&format!("{}: {} disagreement(s)\n", bundle.display(), c.problems.len()));
                 Exit::Corrupt
             }
             Err(e) => {
