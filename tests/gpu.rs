@@ -756,11 +756,19 @@ fn ipc_import_refuses_a_length_beyond_the_allocation() {
     let stdout = exporter.stdout.take().unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        let found = std::io::BufReader::new(stdout)
-            .lines()
-            .map_while(|l| l.ok())
-            .find_map(|l| l.strip_prefix("HANDLE ").map(str::to_string));
-        let _ = tx.send(found);
+        // Reads to the end: the exporter's test harness prints after the handle, and a closed
+        // pipe would fail it (EPIPE).
+        let mut sent = false;
+        for l in std::io::BufReader::new(stdout).lines().map_while(|l| l.ok()) {
+            // Anywhere in the line: with one test thread libtest prints `test NAME ... ` first.
+            if let Some(i) = l.find("HANDLE ").filter(|_| !sent) {
+                let _ = tx.send(Some(l[i + 7..].chars().take(128).collect::<String>()));
+                sent = true;
+            }
+        }
+        if !sent {
+            let _ = tx.send(None);
+        }
     });
     let hex = match rx.recv_timeout(std::time::Duration::from_secs(120)) {
         Ok(Some(h)) => h,
