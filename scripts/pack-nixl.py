@@ -36,6 +36,8 @@ def main():
         for n in needed(os.path.join(root, rel)):
             if n in index:
                 todo.append(index[n])
+    # install-deps.sh's stamp names the wheel and version (kvprobe env and bundles report it).
+    seen |= {f for f in os.listdir(root) if f.startswith(".installed-")}
     with tarfile.open(out, "w:xz") as t:
         for rel in sorted(seen):
             t.add(os.path.join(root, rel), arcname=rel)

@@ -721,6 +721,8 @@ fn nixl_unloaded() -> crate::envinfo::NixlInfo {
                 plugins,
                 stub: None,
                 error: Some("not loaded by this process: the plugins are the files in the plugin directory".into()),
+                version: crate::nixl::installed_version(&dir),
+                ucx_version: crate::nixl::loaded_ucx_version(),
             }
         }
         None => crate::envinfo::NixlInfo {
@@ -730,6 +732,8 @@ fn nixl_unloaded() -> crate::envinfo::NixlInfo {
             plugins: Vec::new(),
             stub: None,
             error: Some(format!("libnixl_capi.so not found; {}", crate::nixl::INSTALL_HINT)),
+            version: None,
+            ucx_version: None,
         },
     }
 }

@@ -22,6 +22,15 @@ pub struct NixlInfo {
     pub stub: Option<bool>,
     /// Why NIXL is unusable, when it is.
     pub error: Option<String>,
+    /// The NIXL wheel and version installed (`nixl-cu13 1.5.1`; [`crate::nixl::installed_version`]),
+    /// when known.
+    #[serde(default)]
+    pub version: Option<String>,
+    /// The version of the UCX library loaded with NIXL's UCX plugin
+    /// ([`crate::nixl::loaded_ucx_version`]); null when UCX was not loaded in this process
+    /// (e.g. `kvprobe env --no-probe` before any agent starts).
+    #[serde(default)]
+    pub ucx_version: Option<String>,
 }
 
 /// How one GPU reaches another.
@@ -264,6 +273,7 @@ pub fn nixl_info() -> NixlInfo {
                 Ok(p) => (p, None),
                 Err(e) => (Vec::new(), Some(e.to_string())),
             };
+            let version = lib.library.parent().and_then(crate::nixl::installed_version);
             NixlInfo {
                 library: Some(lib.library),
                 found_via: Some(lib.found_via),
@@ -271,6 +281,8 @@ pub fn nixl_info() -> NixlInfo {
                 plugins,
                 stub: Some(lib.stub),
                 error,
+                version,
+                ucx_version: crate::nixl::loaded_ucx_version(),
             }
         }
         Err(e) => NixlInfo {
@@ -280,6 +292,8 @@ pub fn nixl_info() -> NixlInfo {
             plugins: Vec::new(),
             stub: None,
             error: Some(e.to_string()),
+            version: None,
+            ucx_version: None,
         },
     }
 }
@@ -351,6 +365,12 @@ pub fn render(e: &Environment) -> String {
                 e.nixl.found_via.as_deref().unwrap_or("?"),
                 e.nixl.stub.map_or("unknown (not loaded)".to_string(), |b| b.to_string())
             );
+            if let Some(v) = &e.nixl.version {
+                s += &format!("NIXL version: {v}\n");
+            }
+            if let Some(v) = &e.nixl.ucx_version {
+                s += &format!("UCX version: {v} (loaded by NIXL's UCX plugin)\n");
+            }
             s += &format!(
                 "NIXL plugins ({}): {}\n",
                 e.nixl.plugin_dir.as_ref().map(|p| p.display().to_string()).unwrap_or_default(),

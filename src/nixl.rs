@@ -277,6 +277,51 @@ fn load_once() -> std::result::Result<NixlLibrary, String> {
     Ok(NixlLibrary { library: lib, plugin_dir, found_via: via.to_string(), stub })
 }
 
+/// The NIXL wheel and version installed in `lib_dir`'s parent, from the stamp install-deps.sh
+/// leaves there (`.installed-<wheel>-<version>`, e.g. "nixl-cu13 1.5.1"); `None` when there is
+/// no stamp (a NIXL installed by other means, e.g. `KVPROBE_NIXL_DIR`).
+pub fn installed_version(lib_dir: &Path) -> Option<String> {
+    let root = lib_dir.parent()?;
+    std::fs::read_dir(root).ok()?.flatten().find_map(|e| {
+        let name = e.file_name().into_string().ok()?;
+        let rest = name.strip_prefix(".installed-")?;
+        let (wheel, version) = rest.rsplit_once('-')?;
+        Some(format!("{wheel} {version}"))
+    })
+}
+
+/// The version of the UCX library NIXL's UCX plugin loaded into this process
+/// (`ucp_get_version_string()` of the libucp mapped here, e.g. "1.20.0"); `None` when no
+/// libucp is loaded (NIXL not started, or another backend) or it lacks the symbol. Loads
+/// nothing: the library is looked up with `RTLD_NOLOAD`.
+pub fn loaded_ucx_version() -> Option<String> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    let path = maps.lines().filter_map(|l| l.split_whitespace().nth(5)).find(|p| {
+        Path::new(p).file_name().and_then(|f| f.to_str()).is_some_and(|f| f.starts_with("libucp") && f.contains(".so"))
+    })?;
+    let c = std::ffi::CString::new(path).ok()?;
+    // SAFETY: RTLD_NOLOAD only returns a handle to a library already loaded (it loads and
+    // initialises nothing); the handle's reference is intentionally kept.
+    let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+    if h.is_null() {
+        return None;
+    }
+    // SAFETY: a NUL-terminated symbol name on a valid handle.
+    let sym = unsafe { libc::dlsym(h, c"ucp_get_version_string".as_ptr()) };
+    if sym.is_null() {
+        return None;
+    }
+    // SAFETY: `ucp_get_version_string` is `const char *ucp_get_version_string(void)` (UCX's
+    // ucp.h): no arguments, returns a static NUL-terminated string.
+    let f: extern "C" fn() -> *const libc::c_char = unsafe { std::mem::transmute(sym) };
+    let s = f();
+    if s.is_null() {
+        return None;
+    }
+    // SAFETY: a static NUL-terminated string owned by libucp, which stays loaded.
+    Some(unsafe { std::ffi::CStr::from_ptr(s) }.to_string_lossy().into_owned())
+}
+
 /// Ends the process with `code` without running library destructors, after flushing stdout
 /// and stderr. With NIXL loaded, the normal exit path can crash: the wheel's UCX bundles its
 /// own libnl-route, and when a second libnl comes in with the system's libibverbs (installed

@@ -778,6 +778,10 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>) -> Res
     let ucx_mark = crate::ucx::mark();
     let mut probe = Probe::setup(cfg)?;
     crate::ucx::adopt();
+    // The agents have started their UCX backends: the UCX library is loaded now.
+    if let Some(e) = report.environment.as_mut() {
+        e.nixl.ucx_version = crate::nixl::loaded_ucx_version();
+    }
     if let Some(sc) = &cfg.scenario {
         let timeout = Duration::from_secs_f64(cfg.timeout_secs);
         return crate::engine::run_scenario(

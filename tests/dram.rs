@@ -43,6 +43,14 @@ fn clean_run_reports_zero_with_the_real_nixl_library() {
     assert_eq!(nixl["stub"], false);
     assert!(nixl["library"].as_str().unwrap().ends_with("libnixl_capi.so"));
     assert!(nixl["plugins"].as_array().unwrap().iter().any(|p| p == "UCX"));
+    // The wheel and version install-deps.sh pins (read from the script, not repeated here),
+    // and the UCX library the agents loaded: "MAJOR.MINOR.PATCH".
+    let script = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/install-deps.sh")).unwrap();
+    let pin =
+        |k: &str| script.lines().find_map(|l| l.strip_prefix(&format!("{k}=\""))).unwrap().trim_end_matches('"').to_string();
+    assert_eq!(nixl["version"], format!("{} {}", pin("NIXL_WHEEL"), pin("NIXL_VERSION")));
+    let ucx = nixl["ucx_version"].as_str().unwrap();
+    assert!(ucx.split('.').count() == 3 && ucx.split('.').all(|p| p.parse::<u32>().is_ok()), "{ucx}");
     assert_eq!(r["outcome"]["status"], "clean");
     assert!(r["failures"].as_array().unwrap().is_empty());
 }
