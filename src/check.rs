@@ -121,7 +121,7 @@ fn slice_name(e: &DumpEntry) -> String {
 fn derive(e: &DumpEntry, seed: u64, actual: &[u8]) -> BTreeMap<&'static str, Value> {
     let f = &e.failure;
     let len = actual.len();
-    let poison_check = f.stray_check == Some(crate::run::StrayCheck::Poison);
+    let poison_check = f.stray_check == Some(crate::report::StrayCheck::Poison);
     let want = if poison_check {
         let mut p = vec![0u8; len];
         fingerprint::poison(&mut p, f.slot, f.poison_iteration);

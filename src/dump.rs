@@ -15,6 +15,7 @@
 //! (disk full) stops the dump (`dump_truncated`, with the reason) and never the run.
 
 use crate::error::{Error, Result};
+pub use crate::report::DumpSummary;
 use crate::report::Failure;
 use crate::verify::Class;
 use serde::{Deserialize, Serialize};
@@ -104,23 +105,6 @@ pub struct DumpIndex {
     pub slices: Vec<DumpEntry>,
 }
 
-/// What the report says about its dump (`dump` in the report).
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct DumpSummary {
-    /// The dump directory as given.
-    pub dir: String,
-    /// Slices written.
-    pub slices_written: u64,
-    /// Slices left out (cap or truncation).
-    pub slices_omitted: u64,
-    /// Bytes of slice files written.
-    pub bytes_written: u64,
-    /// The cap (bytes).
-    pub max_bytes: u64,
-    /// Why the dump stopped early, or why `index.json` could not be written (`dump_truncated`).
-    pub dump_truncated: Option<String>,
-}
-
 /// Test-only fault hook: `KVPROBE_TEST_DUMP_FULL_AFTER=N` makes every slice write after the
 /// first N fail with ENOSPC (a full disk), to show that the dump stops and the run does not.
 pub const FULL_AFTER_VAR: &str = "KVPROBE_TEST_DUMP_FULL_AFTER";
@@ -194,7 +178,7 @@ impl Dumper {
             index: DumpIndex {
                 schema: SCHEMA.into(),
                 seed,
-                seed_hex: crate::run::seed_hex(seed),
+                seed_hex: crate::fingerprint::seed_hex(seed),
                 geometry,
                 slice_bytes,
                 fingerprint: FINGERPRINT.into(),
@@ -424,13 +408,13 @@ impl State {
 /// `expected/<name>` from the dump directory, with kvprobe's Python reference.
 pub fn regenerate_command(f: &Failure, seed: u64, len: u64, name: &str) -> String {
     let out = format!("expected/{name}");
-    if f.stray_check == Some(crate::run::StrayCheck::Poison) {
+    if f.stray_check == Some(crate::report::StrayCheck::Poison) {
         format!("mkdir -p expected && python3 scripts/fingerprint_ref.py poison {} {} {len} {out}", f.slot, f.poison_iteration)
     } else {
         let e = &f.expected;
         format!(
             "mkdir -p expected && python3 scripts/fingerprint_ref.py {} {} {} {} {} {len} {out}",
-            crate::run::seed_hex(seed),
+            crate::fingerprint::seed_hex(seed),
             e.layer,
             e.kv,
             e.block,

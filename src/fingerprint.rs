@@ -28,6 +28,11 @@ pub fn next_generation(g: u32) -> u32 {
     if g >= SKIP_GEN - 1 { 1 } else { g + 1 }
 }
 
+/// `seed` as `"0x"` followed by 16 lowercase hex digits (the report's `seed_hex`).
+pub fn seed_hex(seed: u64) -> String {
+    format!("{seed:#018x}")
+}
+
 /// CUDA source of the fill, poison and verify kernels: `fingerprint.h` followed by
 /// `kernels.cu`, compiled by NVRTC at run time.
 pub const KERNEL_SOURCE: &str =

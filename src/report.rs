@@ -20,6 +20,16 @@ use std::path::{Path, PathBuf};
 /// Report schema identifier; bumped on incompatible changes.
 pub const SCHEMA: &str = "kvprobe.report/1";
 
+/// What a stray-write check compared a slot against.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StrayCheck {
+    /// The poison of (iteration, slot), right before the slot's stage was posted.
+    Poison,
+    /// The fingerprint the slot had verified clean against, after the last iteration.
+    Reverify,
+}
+
 /// One corrupt block slice.
 #[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct Failure {
@@ -78,7 +88,7 @@ pub struct Failure {
     /// that poison's) or `reverify` (the fingerprint of `expected`, which the slot had
     /// verified clean; checked after the last iteration).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub stray_check: Option<crate::run::StrayCheck>,
+    pub stray_check: Option<StrayCheck>,
 }
 
 impl Failure {
@@ -305,6 +315,23 @@ pub struct Outcome {
     pub error: Option<RunError>,
 }
 
+/// What the report says about its dump (`dump` in the report; written by [`crate::dump`]).
+#[derive(Clone, Debug, Serialize, serde::Deserialize, PartialEq)]
+pub struct DumpSummary {
+    /// The dump directory as given.
+    pub dir: String,
+    /// Slices written.
+    pub slices_written: u64,
+    /// Slices left out (cap or truncation).
+    pub slices_omitted: u64,
+    /// Bytes of slice files written.
+    pub bytes_written: u64,
+    /// The cap (bytes).
+    pub max_bytes: u64,
+    /// Why the dump stopped early, or why `index.json` could not be written (`dump_truncated`).
+    pub dump_truncated: Option<String>,
+}
+
 /// The whole report.
 #[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct Report {
@@ -327,7 +354,7 @@ pub struct Report {
     pub scenario: Option<crate::engine::ScenarioReport>,
     /// `--dump DIR`: what was dumped (README "Dumps").
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub dump: Option<crate::dump::DumpSummary>,
+    pub dump: Option<DumpSummary>,
     /// How it ended.
     pub outcome: Outcome,
 }

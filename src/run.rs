@@ -113,10 +113,7 @@ pub fn deserialize_seed<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::
     Ok(<Seed as serde::Deserialize>::deserialize(d)?.seed)
 }
 
-/// `seed` as `"0x"` followed by 16 lowercase hex digits (the report's `seed_hex`).
-pub fn seed_hex(seed: u64) -> String {
-    format!("{seed:#018x}")
-}
+pub use crate::fingerprint::seed_hex;
 
 /// Logical block id of prefill slot `i`: a seeded bijection of u32 (so logical ≠ physical).
 pub fn logical_block(seed: u64, i: u32) -> u32 {
@@ -556,15 +553,7 @@ pub fn sweep_stages(cfg: &RunConfig) -> Vec<Range<u32>> {
     stages(&cfg.geometry, cfg.stages, cfg.memory == MemoryKind::Vram && cfg.prefill_device != cfg.decode_device)
 }
 
-/// What a stray-write check compared a slot against.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum StrayCheck {
-    /// The poison of (iteration, slot), right before the slot's stage was posted.
-    Poison,
-    /// The fingerprint the slot had verified clean against, after the last iteration.
-    Reverify,
-}
+pub use crate::report::StrayCheck;
 
 /// Records the slices a stray-write check of iteration `plan.it` found changed (`fails`,
 /// from [`KvPool::take_poison_failures`] or a re-verify's [`KvPool::take_failures`]) as
