@@ -173,6 +173,12 @@ impl Dumper {
         std::fs::create_dir_all(dir.join("scripts")).map_err(|e| io("create scripts/", e))?;
         std::fs::write(dir.join("scripts/fingerprint_ref.py"), REF_SCRIPT)
             .map_err(|e| io("write scripts/fingerprint_ref.py", e))?;
+        {
+            use std::os::unix::fs::PermissionsExt;
+            // Executable, as in the repository (`scripts/fingerprint_ref.py …` runs it).
+            std::fs::set_permissions(dir.join("scripts/fingerprint_ref.py"), std::fs::Permissions::from_mode(0o755))
+                .map_err(|e| io("chmod scripts/fingerprint_ref.py", e))?;
+        }
         let state = Arc::new(Mutex::new(State {
             dir: dir.to_path_buf(),
             index: DumpIndex {

@@ -83,16 +83,14 @@ pub fn show(doc: &Document) -> Result<String> {
     })
 }
 
-/// The fields [`diff`] compares, as (dotted path, value) in document order: `config`,
-/// `environment`, `outcome`, and by kind — run: `summary.transport_path` and the summary's
-/// counts and rates; ab: each row's verdict and counts; bench: each figure's rate and goal.
-/// Timings that change on every run are left out.
+/// The fields [`diff`] compares, as (dotted path, value), in the order a reader wants them:
+/// `outcome`; by kind — run: the summary's counts and `summary.transport_path` (the UCX path),
+/// scenario verdicts; ab: each row's verdict and counts; bench: each figure's ratio and goal —
+/// then `environment`, `config` and `schema`. Rates and timings, which differ on every run,
+/// are left out (see [`rates`]).
 pub fn fields(doc: &Document) -> Vec<(String, String)> {
     let mut out = Vec::new();
     let j = &doc.json;
-    flatten("schema", &j["schema"], &mut out);
-    flatten("config", &j["config"], &mut out);
-    flatten("environment", &j["environment"], &mut out);
     flatten("outcome", &j["outcome"], &mut out);
     match doc.kind {
         Kind::Run => {
@@ -107,7 +105,6 @@ pub fn fields(doc: &Document) -> Vec<(String, String)> {
                 "injections_planted",
                 "injections_detected",
                 "pipeline_stages",
-                "transfer_gbps",
                 "transport_path",
             ] {
                 flatten(&format!("summary.{k}"), &s[k], &mut out);
@@ -135,15 +132,44 @@ pub fn fields(doc: &Document) -> Vec<(String, String)> {
         Kind::Bench => {
             for f in j["figures"].as_array().into_iter().flatten() {
                 let n = f["name"].as_str().unwrap_or("?");
-                for k in ["gbps", "ratio", "goal", "meets"] {
+                for k in ["goal", "meets"] {
                     flatten(&format!("figures.{n}.{k}"), &f[k], &mut out);
                 }
             }
             for b in j["breakdowns"].as_array().into_iter().flatten() {
                 let n = b["label"].as_str().unwrap_or("?");
-                for k in ["transfer_gbps", "probe_share", "meets", "exit_code"] {
+                for k in ["meets", "exit_code"] {
                     flatten(&format!("breakdowns.{n}.{k}"), &b[k], &mut out);
                 }
+            }
+        }
+    }
+    flatten("environment", &j["environment"], &mut out);
+    flatten("config", &j["config"], &mut out);
+    flatten("schema", &j["schema"], &mut out);
+    out
+}
+
+/// The rates of `doc` that [`render_diff`] shows beside each other but does not compare (they
+/// differ on every run): run: `summary.transfer_gbps`; bench: each figure's GB/s and ratio and
+/// each breakdown's transfer rate and probe share. (path, value rounded to 3 decimals).
+pub fn rates(doc: &Document) -> Vec<(String, String)> {
+    let j = &doc.json;
+    let r = |v: &Value| v.as_f64().map_or("-".to_string(), |x| format!("{x:.3}"));
+    let mut out = Vec::new();
+    match doc.kind {
+        Kind::Run => out.push(("summary.transfer_gbps".to_string(), r(&j["summary"]["transfer_gbps"]))),
+        Kind::Ab => {}
+        Kind::Bench => {
+            for f in j["figures"].as_array().into_iter().flatten() {
+                let n = f["name"].as_str().unwrap_or("?");
+                out.push((format!("figures.{n}.gbps"), r(&f["gbps"])));
+                out.push((format!("figures.{n}.ratio"), r(&f["ratio"])));
+            }
+            for b in j["breakdowns"].as_array().into_iter().flatten() {
+                let n = b["label"].as_str().unwrap_or("?");
+                out.push((format!("breakdowns.{n}.transfer_gbps"), r(&b["transfer_gbps"])));
+                out.push((format!("breakdowns.{n}.probe_share"), r(&b["probe_share"])));
             }
         }
     }
@@ -187,11 +213,14 @@ fn flatten(path: &str, v: &Value, out: &mut Vec<(String, String)>) {
                 flatten(&format!("{path}.{k}"), x, out);
             }
         }
-        Value::Array(a) if !a.is_empty() => {
+        // A short array is one value (`config.inject`: `[{"count":2,"kind":"torn"}]` against
+        // `[]`); a long one (the GPUs) is compared element by element.
+        Value::Array(a) if !a.is_empty() && v.to_string().len() > 120 => {
             for (i, x) in a.iter().enumerate() {
                 flatten(&format!("{path}[{i}]"), x, out);
             }
         }
+        Value::Array(_) => out.push((path.to_string(), unscratch(&v.to_string()))),
         Value::String(s) => out.push((path.to_string(), unscratch(s))),
         Value::Null => out.push((path.to_string(), "-".into())),
         other => out.push((path.to_string(), other.to_string())),
@@ -261,6 +290,14 @@ pub fn render_diff(pa: &Path, a: &Document, pb: &Path, b: &Document) -> String {
         s += &format!("  {:<w$}  {:<wa$}  {}\n", "field", "A", "B");
         for r in &differ {
             s += &format!("  {:<w$}  {:<wa$}  {}\n", r.path, cut(&r.a), cut(&r.b));
+        }
+    }
+    let (ra, rb) = (rates(a), rates(b));
+    if !ra.is_empty() || !rb.is_empty() {
+        let mb: std::collections::HashMap<&str, &str> = rb.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        s += "\nrates (shown, not compared: they differ on every run):\n";
+        for (k, v) in &ra {
+            s += &format!("  {:<w$}  {:<12}  {}\n", k, v, mb.get(k.as_str()).unwrap_or(&"(absent)"));
         }
     }
     s += &format!("\nsame ({}):\n", same.len());

@@ -36,9 +36,11 @@ fn text(v: &Value) -> String {
     }
 }
 
+/// A failure or error with `message` both as the `message` attribute and as the element's
+/// text (GitLab shows the text, Jenkins and most others the attribute).
 fn failure(kind: NonSuccessKind, ty: &str, message: String) -> TestCaseStatus {
     let mut s = TestCaseStatus::non_success(kind);
-    s.set_type(ty.to_string()).set_message(message);
+    s.set_type(ty.to_string()).set_description(message.clone()).set_message(message);
     s
 }
 

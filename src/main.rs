@@ -88,10 +88,10 @@ enum Command {
 
 #[derive(Subcommand)]
 enum ReportCommand {
-    /// Print the human summary of a run report, an ab report or a bench JSON, in the words the command printed.
+    /// Print the human summary of a run report, an ab report, a bench JSON or a bundle (its report), in the words the command printed.
     #[command(after_help = "Exit codes: 0 shown; 2 unreadable, not JSON, or not a kvprobe document.")]
     Show {
-        /// The file (`--report` of run or ab, `--json` of bench).
+        /// The file (`--report` of run or ab, `--json` of bench, or a bundle `.tar.gz`).
         file: PathBuf,
     },
     /// Verify a bundle as its receiver (no GPU, no NIXL): the manifest (every file's size and SHA-256), then every dumped slice: the expected bytes regenerated from the fingerprint, the class, first bad offset, bad bytes, sector map, observed identity and digests re-derived from the dumped bytes and compared with the report and index.json.
@@ -798,15 +798,7 @@ fn run(args: RunArgs, typed: &[&str]) -> Exit {
     let cfg = match args.config(typed) {
         Ok(c) => c,
         Err(e) => {
-            // Still leave a report saying why, as every other usage error does.
-            err(&format!("kvprobe: {e}"));
-            let r = kvprobe::run::failed_report(&args.pool.config(), &e);
-            if let Some(path) = &args.pool.report
-                && let Err(w) = write_json(path, &r)
-            {
-                kvprobe::report::print_fallback(&format!("--report {}", path.display()), &r, &w);
-            }
-            return write_junit(&args.pool.junit, kvprobe::junit::from_run, &r, e.exit());
+            return refused(&args.pool, &kvprobe::run::failed_report(&args.pool.config(), &e), kvprobe::junit::from_run, &e);
         }
     };
     let mut display = Display::new();
@@ -841,10 +833,7 @@ fn run(args: RunArgs, typed: &[&str]) -> Exit {
     };
     let mut dumper = match start_dump(&args.pool, &cfg, None) {
         Ok(d) => d,
-        Err(e) => {
-            err(&format!("kvprobe: {e}"));
-            return e.exit();
-        }
+        Err(e) => return refused(&args.pool, &kvprobe::run::failed_report(&cfg, &e), kvprobe::junit::from_run, &e),
     };
     let mut hooks = Hooks {
         line: &mut line,
@@ -865,8 +854,28 @@ fn run(args: RunArgs, typed: &[&str]) -> Exit {
     }
     report_error(&report.outcome);
     let exit = report_outcome(&args.pool.report, lost, &report, exit, "report:            ");
+    if let (Some(d), Some(_)) = (&report.dump, &args.pool.dump) {
+        out(&format!(
+            "dump:              {} ({} slices written, {} left out by --dump-max-bytes or a failed write)\n",
+            d.dir, d.slices_written, d.slices_omitted
+        ));
+    }
     let exit = finish_bundle(&args.pool, &report, "report.json", exit);
     write_junit(&args.pool.junit, kvprobe::junit::from_run, &report, exit)
+}
+
+/// A run or ab refused before it started (`e`: bad flags, a dump directory that is not empty,
+/// an unwritable bundle path): says why, and still leaves `doc` (a report saying why) at
+/// `--report` (or on stderr when it cannot be written) and its `--junit` error case, as every
+/// other error does. Returns the error's exit code.
+fn refused<T: serde::Serialize>(pool: &PoolArgs, doc: &T, of: JunitOf, e: &Error) -> Exit {
+    err(&format!("kvprobe: {e}"));
+    if let Some(path) = &pool.report
+        && let Err(w) = write_json(path, doc)
+    {
+        kvprobe::report::print_fallback(&format!("--report {}", path.display()), doc, &w);
+    }
+    write_junit(&pool.junit, of, doc, e.exit())
 }
 
 /// The dump directory of a run (`--dump`, or with `--bundle` alone a scratch one).
@@ -953,12 +962,36 @@ fn bundle_command(report: &Path, dump: Option<&Path>, redact: bool, output: &Pat
         }
         // Without --dump: the directory the report says it dumped into, when it is still there
         // (ab: the parent of the rows' folders).
+        // A relative `dump.dir` was relative to where the run was started: the report's folder is
+        // the best guess here, then the current directory.
         let recorded = match name {
             "report.json" => v["dump"]["dir"].as_str().map(PathBuf::from),
             _ => v["sections"][0]["dump"]["dir"].as_str().and_then(|d| Path::new(d).parent().map(Path::to_path_buf)),
         };
-        let recorded =
-            recorded.filter(|d| dump.is_none() && if name == "ab.json" { d.is_dir() } else { d.join("index.json").is_file() });
+        let dumped: u64 = match name {
+            "report.json" => v["dump"]["slices_written"].as_u64().unwrap_or(0),
+            _ => v["sections"].as_array().into_iter().flatten().filter_map(|s| s["dump"]["slices_written"].as_u64()).sum(),
+        };
+        let found = |d: &Path| if name == "ab.json" { d.is_dir() } else { d.join("index.json").is_file() };
+        let recorded = match recorded.filter(|_| dump.is_none()) {
+            Some(d) if d.is_relative() => {
+                let beside = report.parent().unwrap_or(Path::new(".")).join(&d);
+                if found(&beside) { Some(beside) } else { Some(d).filter(|d| found(d)) }
+            }
+            Some(d) => Some(d).filter(|d| found(d)),
+            None => None,
+        };
+        if dump.is_none() && recorded.is_none() && dumped > 0 {
+            return Err(Error::Usage(format!(
+                "--report {}: it says {dumped} slices were dumped into {}, which is not there (looked beside the report and \
+                 in the current directory): give --dump DIR",
+                report.display(),
+                match name {
+                    "report.json" => v["dump"]["dir"].as_str().unwrap_or("?").to_string(),
+                    _ => v["sections"][0]["dump"]["dir"].as_str().unwrap_or("?").to_string(),
+                }
+            )));
+        }
         let dump = dump.or(recorded.as_deref());
         if is_stdout(output) {
             return Err(Error::Usage("-o needs a file path (`-` is not supported)".into()));
@@ -1034,10 +1067,8 @@ fn ab(args: AbArgs) -> Exit {
     cfg.scenario = Some(args.load.config(Scenario::Stacked, Vec::new(), &cfg.geometry));
     let dir = match start_dump(&args.pool, &cfg, Some("ab")).and_then(|_| dump_dir(&args.pool)) {
         Ok(d) => d,
-        Err(e) => {
-            err(&format!("kvprobe: {e}"));
-            return e.exit();
-        }
+        // expired_report makes the matrix's report of an error before any row (no row started).
+        Err(e) => return refused(&args.pool, &kvprobe::ab::expired_report(&cfg, &e).0, kvprobe::junit::from_ab, &e),
     };
     let mut display = Display::new();
     let stall_cfg = cfg.clone();

@@ -764,7 +764,10 @@ pub fn render(r: &Report) -> String {
             f.first_bad_offset,
             f.bad_bytes,
             if f.bad_bytes == 1 { "" } else { "s" },
+            // The identity its tags name, when it is another one than it should hold (a bit flip
+            // still names its own).
             f.observed
+                .filter(|o| *o != f.expected)
                 .map(|o| format!(", holds layer {} {} block {} gen {}", o.layer, o.kv, o.block, o.generation))
                 .unwrap_or_default(),
             match (f.request, f.attributed_to) {

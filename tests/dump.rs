@@ -526,3 +526,34 @@ fn a_run_the_watchdog_ends_still_leaves_a_dump_that_agrees_with_its_report() {
     assert_eq!(n, rep["failures"].as_array().unwrap().len());
     assert_eq!(std::fs::read_dir(dump.join("slices")).unwrap().count(), n, "no file the index does not list");
 }
+
+#[test]
+fn kvprobe_bundle_finds_a_relative_dump_beside_its_report_or_says_it_is_gone() {
+    // The run is started in its own folder with a relative --dump, then bundled from another
+    // directory: the dump is found beside the report; once it is gone, exit 2 naming it.
+    let d = crate::common::tmpdir("bundle-rel");
+    let run = std::process::Command::new(crate::common::bin())
+        .current_dir(&d)
+        .args(["run", "--memory", "dram", "--iterations", "1", "--inject", "torn:2", "--dump", "D", "--report", "r.json"])
+        .output()
+        .unwrap();
+    assert_eq!(run.status.code(), Some(1), "{}", String::from_utf8_lossy(&run.stderr));
+    let (r, b) = (d.join("r.json"), d.join("b.tar.gz"));
+    let bundle = |cwd: &str| {
+        std::process::Command::new(crate::common::bin())
+            .current_dir(cwd)
+            .args(["bundle", "--report", r.to_str().unwrap(), "-o", b.to_str().unwrap()])
+            .output()
+            .unwrap()
+    };
+    let o = bundle("/");
+    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
+    let (code, out, err) = crate::common::kvprobe(&["report", "check", b.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("2 dumped slices re-derived"), "{out}");
+    std::fs::remove_dir_all(d.join("D")).unwrap();
+    let o = bundle("/");
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("2 slices were dumped into D") && err.contains("give --dump DIR"), "{err}");
+}

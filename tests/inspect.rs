@@ -91,6 +91,13 @@ fn diff_lists_what_changed_first_and_exits_1() {
     assert_eq!(row(same, "config.seed"), ["1"]);
     // kvprobe's private scratch names differ on every run and are not a difference.
     assert!(!differ.contains("UCX_POSIX_DIR") && same.contains("UCX_POSIX_DIR"), "{out}");
+    // Two clean runs of the same command: rates differ on every run and are shown apart, not
+    // compared, so nothing differs (exit 0); the inject list is one value.
+    let (_, _, clean2) = with_report(&d, "clean2", &["run", "--memory", "dram", "--iterations", "2"]);
+    let (code, out2, _) = kvprobe(&["report", "diff", clean.to_str().unwrap(), clean2.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out2}");
+    assert!(out2.contains("differences (0):") && out2.contains("rates (shown, not compared"), "{out2}");
+    assert!(row(differ, "config.inject")[0] == "[]", "{differ}");
     // A document against itself: nothing differs, exit 0.
     let (code, out, _) = kvprobe(&["report", "diff", bad.to_str().unwrap(), bad.to_str().unwrap()]);
     assert_eq!(code, 0, "{out}");

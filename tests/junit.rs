@@ -20,8 +20,11 @@ pub fn cases(p: &std::path::Path) -> Vec<Case> {
         .iter()
         .map(|c| match &c.status {
             TestCaseStatus::Success { .. } => (c.name.to_string(), None, String::new()),
-            TestCaseStatus::NonSuccess { kind, message, .. } => {
-                (c.name.to_string(), Some(*kind), message.as_ref().map(|m| m.to_string()).unwrap_or_default())
+            TestCaseStatus::NonSuccess { kind, message, description, .. } => {
+                let m = message.as_ref().map(|m| m.to_string()).unwrap_or_default();
+                // The text too (GitLab shows the element's text, not the attribute).
+                assert_eq!(description.as_ref().map(|d| d.to_string()).unwrap_or_default(), m, "{xml}");
+                (c.name.to_string(), Some(*kind), m)
             }
             TestCaseStatus::Skipped { .. } => panic!("kvprobe writes no skipped case: {xml}"),
         })
@@ -152,5 +155,38 @@ fn junit_paths_are_checked_before_the_run() {
         assert_eq!(code, 2, "{out}{err}");
         assert!(err.contains(needle), "{err}");
         assert!(!out.contains("iteration"), "nothing ran: {out}");
+    }
+}
+
+#[test]
+fn a_run_refused_before_it_starts_still_leaves_its_junit_and_report() {
+    // A dump directory that is not empty is refused before the run (exit 2): the report and
+    // the JUnit error case say why, for run and for ab.
+    for cmd in ["run", "ab"] {
+        let d = tmpdir("junit-refused");
+        let dump = d.join("dump");
+        std::fs::create_dir_all(&dump).unwrap();
+        std::fs::write(dump.join("old.bin"), b"x").unwrap();
+        let (r, j) = (d.join("r.json"), d.join("j.xml"));
+        let (code, out, err) = kvprobe(&[
+            cmd,
+            "--memory",
+            "dram",
+            "--dump",
+            dump.to_str().unwrap(),
+            "--report",
+            r.to_str().unwrap(),
+            "--junit",
+            j.to_str().unwrap(),
+        ]);
+        assert_eq!(code, 2, "{cmd}: {out}{err}");
+        let rep = read_report(&r);
+        assert_eq!(rep["outcome"]["exit_code"], 2, "{cmd}");
+        let why = rep["outcome"]["error"]["message"].as_str().unwrap().to_string();
+        assert!(why.contains("--dump") && err.contains(&why), "{cmd}: {why} / {err}");
+        let c = cases(&j);
+        let (name, kind, msg) = c.last().unwrap();
+        assert_eq!((name.as_str(), *kind), ("outcome: error (exit 2)", Some(NonSuccessKind::Error)), "{cmd}: {c:?}");
+        assert_eq!(msg, &why);
     }
 }
