@@ -37,14 +37,18 @@ pub struct Document {
 /// JSON (the parser's line and column), or a schema this version does not know (named).
 pub fn load(path: &Path) -> Result<Document> {
     let bad = |why: String| Error::Usage(format!("{}: {why}", path.display()));
-    let mut bytes = std::fs::read(path).map_err(|e| bad(format!("cannot read it: {e}")))?;
+    let mut bytes = read_bounded(path).map_err(bad)?;
     if bytes.starts_with(&[0x1f, 0x8b]) {
         // A bundle (`--bundle`, `kvprobe bundle`): its report.
         let b = crate::bundle::read(path)?;
         bytes = crate::bundle::report_bytes(&b).map_err(|e| bad(e.to_string()))?.1.to_vec();
     }
     let json: Value = serde_json::from_slice(&bytes).map_err(|e| bad(format!("not a kvprobe JSON document: {e}")))?;
-    let schema = json.get("schema").and_then(Value::as_str).unwrap_or("");
+    let schema = match json.get("schema") {
+        None => "",
+        Some(Value::String(s)) => s.as_str(),
+        Some(other) => return Err(bad(format!("its \"schema\" is {other}, not a string: not a kvprobe document"))),
+    };
     let kind = match schema {
         s if s == crate::report::SCHEMA => Kind::Run,
         s if s == crate::ab::AB_SCHEMA => Kind::Ab,
@@ -60,6 +64,30 @@ pub fn load(path: &Path) -> Result<Document> {
         }
     };
     Ok(Document { kind, json })
+}
+
+/// Documents larger than this are refused ([`load`]; a regular file unread): kvprobe's reports are kilobytes
+/// to tens of megabytes (an ab report with 8 full sections); a file of gigabytes (or
+/// `/dev/zero`) would only exhaust memory.
+pub const MAX_DOCUMENT_BYTES: u64 = 256 << 20;
+
+/// The file at `path`, at most [`MAX_DOCUMENT_BYTES`] (read through a bound, so a device or a
+/// file that grows is never read whole). Errors: unreadable, or larger than the bound.
+fn read_bounded(path: &Path) -> std::result::Result<Vec<u8>, String> {
+    use std::io::Read;
+    let f = std::fs::File::open(path).map_err(|e| format!("cannot read it: {e}"))?;
+    let too_large = || format!("larger than {} MiB: not a kvprobe report, ab report or bench result", MAX_DOCUMENT_BYTES >> 20);
+    // A regular file says its size: refused unread. Anything else (a device, a pipe) is read up
+    // to the bound.
+    if f.metadata().is_ok_and(|m| m.is_file() && m.len() > MAX_DOCUMENT_BYTES) {
+        return Err(too_large());
+    }
+    let mut bytes = Vec::new();
+    f.take(MAX_DOCUMENT_BYTES + 1).read_to_end(&mut bytes).map_err(|e| format!("cannot read it: {e}"))?;
+    if bytes.len() as u64 > MAX_DOCUMENT_BYTES {
+        return Err(too_large());
+    }
+    Ok(bytes)
 }
 
 /// The human summary of `doc`, in the words its command printed. Errors (usage, exit 2): a

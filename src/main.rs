@@ -688,6 +688,99 @@ fn check_report_path(path: &Option<PathBuf>) -> Result<(), Exit> {
     })
 }
 
+/// Where a path leads, for comparing output paths: the file's device and inode when it exists
+/// (so a symlink or another spelling of the same file compares equal), else its parent directory
+/// resolved (symlinks, `..`) joined with its name.
+#[derive(PartialEq, Eq)]
+enum Place {
+    File(u64, u64),
+    Path(PathBuf),
+}
+
+fn place(p: &Path) -> Place {
+    place_at(p, 0)
+}
+
+fn place_at(p: &Path, depth: u32) -> Place {
+    use std::os::unix::fs::MetadataExt;
+    if let Ok(m) = std::fs::metadata(p) {
+        return Place::File(m.dev(), m.ino());
+    }
+    let parent = p.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    // A dangling symlink: where it points (the file it would create).
+    if depth < 8
+        && let Ok(t) = std::fs::read_link(p)
+    {
+        return place_at(&parent.join(t), depth + 1);
+    }
+    Place::Path(absolute(parent).join(p.file_name().unwrap_or_default()))
+}
+
+/// `p` resolved: its longest existing ancestor canonicalised (symlinks, `..`), the rest joined
+/// lexically (`.` dropped, `..` taking off a part).
+fn absolute(p: &Path) -> PathBuf {
+    use std::path::Component;
+    let p = std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
+    let parts: Vec<Component> = p.components().collect();
+    let mut k = parts.len();
+    let mut out = loop {
+        let prefix: PathBuf = parts[..k].iter().collect();
+        if let Ok(c) = std::fs::canonicalize(&prefix) {
+            break c;
+        }
+        if k == 0 {
+            break PathBuf::from("/");
+        }
+        k -= 1;
+    };
+    for c in &parts[k..] {
+        match c {
+            Component::ParentDir => {
+                out.pop();
+            }
+            Component::Normal(x) => out.push(x),
+            _ => {}
+        }
+    }
+    out
+}
+
+/// Refuses (exit 2, before anything runs) output flags that lead to the same file — one output
+/// would silently replace another (`--report r.json --junit r.json`, also through a symlink or
+/// another spelling) — or an output file inside the `--dump` directory (the dump holds only
+/// its own files, and a bundle would carry that file as dump content). `-` (stdout) is not a
+/// file and is left out.
+fn check_distinct_outputs(files: &[(&str, &Option<PathBuf>)], dump: Option<&Path>) -> Result<(), Exit> {
+    let given: Vec<(&str, &Path)> =
+        files.iter().filter_map(|(f, p)| p.as_deref().filter(|p| !is_stdout(p)).map(|p| (*f, p))).collect();
+    let refuse = |why: String| {
+        err(&format!("kvprobe: {why}"));
+        Err(Exit::Usage)
+    };
+    for (i, (fa, a)) in given.iter().enumerate() {
+        for (fb, b) in &given[i + 1..] {
+            if place(a) == place(b) {
+                return refuse(format!(
+                    "{fa} {} and {fb} {} are the same file: one would replace the other (give each its own path)",
+                    a.display(),
+                    b.display()
+                ));
+            }
+        }
+        if let Some(d) = dump {
+            let (dd, pa) = (absolute(d), absolute(a));
+            if pa.starts_with(&dd) {
+                return refuse(format!(
+                    "{fa} {} is inside --dump {}: the dump directory holds only the dump (put {fa} elsewhere)",
+                    a.display(),
+                    d.display()
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Checks a `--junit` path before the run: a file (not `-`) that can be written.
 fn check_junit_path(path: &Option<PathBuf>) -> Result<(), Exit> {
     let checked = match path {
@@ -790,8 +883,13 @@ fn on_stall<T, F>(
 
 fn run(args: RunArgs, typed: &[&str]) -> Exit {
     claim_stdout(&args.pool.report);
-    if let Err(x) =
-        check_report_path(&args.pool.report).and_then(|_| check_junit_path(&args.pool.junit)).and_then(|_| install_signals())
+    if let Err(x) = check_distinct_outputs(
+        &[("--report", &args.pool.report), ("--junit", &args.pool.junit), ("--bundle", &args.pool.bundle)],
+        args.pool.dump.as_deref(),
+    )
+    .and_then(|_| check_report_path(&args.pool.report))
+    .and_then(|_| check_junit_path(&args.pool.junit))
+    .and_then(|_| install_signals())
     {
         return x;
     }
@@ -1058,8 +1156,13 @@ fn ab(args: AbArgs) -> Exit {
         return Exit::Usage;
     }
     claim_stdout(&args.pool.report);
-    if let Err(x) =
-        check_report_path(&args.pool.report).and_then(|_| check_junit_path(&args.pool.junit)).and_then(|_| install_signals())
+    if let Err(x) = check_distinct_outputs(
+        &[("--report", &args.pool.report), ("--junit", &args.pool.junit), ("--bundle", &args.pool.bundle)],
+        args.pool.dump.as_deref(),
+    )
+    .and_then(|_| check_report_path(&args.pool.report))
+    .and_then(|_| check_junit_path(&args.pool.junit))
+    .and_then(|_| install_signals())
     {
         return x;
     }
@@ -1145,7 +1248,9 @@ fn bench(a: BenchArgs) -> Exit {
         err(&format!("kvprobe: {e}"));
         return e.exit();
     }
-    if let Err(code) = check_junit_path(&a.junit) {
+    if let Err(code) =
+        check_distinct_outputs(&[("--json", &a.json), ("--junit", &a.junit)], None).and_then(|_| check_junit_path(&a.junit))
+    {
         return code;
     }
     if let Err(e) = kvprobe::bench::check(&cfg) {

@@ -45,11 +45,17 @@ fn show_and_diff_refuse_what_is_not_a_kvprobe_document() {
         ("other.json", Some(&b"{\"schema\": \"kvprobe.report/9\"}"[..]), "\"kvprobe.report/9\" is not one this version reads"),
         ("bundle.tar.gz", Some(&[0x1f, 0x8b, 8, 0][..]), "gzip"),
         ("truncated.json", Some(&b"{\"schema\": \"kvprobe.report/1\", \"config\": {}}"[..]), "does not fit its schema"),
+        ("number.json", Some(&b"{\"schema\": 5}"[..]), "\"schema\" is 5, not a string"),
+        // Made below: a sparse 300 MiB file, refused by its size without being read.
+        ("huge.json", None, "larger than 256 MiB"),
     ];
     for (name, body, needle) in files {
         let p = d.join(name);
         if let Some(b) = body {
             std::fs::write(&p, b).unwrap();
+        }
+        if name == "huge.json" {
+            std::fs::File::create(&p).unwrap().set_len(300 << 20).unwrap();
         }
         let (code, out, err) = kvprobe(&["report", "show", p.to_str().unwrap()]);
         assert_eq!(code, 2, "{name}: {out}{err}");

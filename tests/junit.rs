@@ -190,3 +190,32 @@ fn a_run_refused_before_it_starts_still_leaves_its_junit_and_report() {
         assert_eq!(msg, &why);
     }
 }
+
+#[test]
+fn outputs_that_lead_to_the_same_file_are_refused_before_the_run() {
+    let d = tmpdir("same-file");
+    let p = |n: &str| d.join(n).to_str().unwrap().to_string();
+    std::fs::create_dir_all(d.join("sub")).unwrap();
+    std::os::unix::fs::symlink(d.join("r3.json"), d.join("link.tgz")).unwrap();
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (vec!["run".into(), "--report".into(), p("r1.json"), "--junit".into(), p("r1.json")], "are the same file"),
+        (vec!["ab".into(), "--report".into(), p("r2.json"), "--bundle".into(), p("sub/../r2.json")], "are the same file"),
+        // A dangling symlink to the report: writing the bundle would replace it.
+        (vec!["run".into(), "--report".into(), p("r3.json"), "--bundle".into(), p("link.tgz")], "are the same file"),
+        (vec!["run".into(), "--dump".into(), p("D"), "--report".into(), p("D/r.json")], "is inside --dump"),
+        (vec!["run".into(), "--dump".into(), p("D"), "--junit".into(), p("D/x/j.xml")], "is inside --dump"),
+        (vec!["bench".into(), "--json".into(), p("b.json"), "--junit".into(), p("b.json")], "are the same file"),
+    ];
+    for (args, needle) in cases {
+        let mut a: Vec<&str> = args.iter().map(String::as_str).collect();
+        a.extend(["--memory", "dram"]);
+        let (code, out, err) = kvprobe(&a);
+        assert_eq!(code, 2, "{a:?}: {out}{err}");
+        assert!(err.contains(needle), "{a:?}: {err}");
+        assert!(out.is_empty(), "nothing ran: {out}");
+    }
+    // Nothing was written: no report, no XML, no dump directory.
+    for f in ["r1.json", "r2.json", "r3.json", "D", "b.json"] {
+        assert!(!d.join(f).exists(), "{f} was written");
+    }
+}
