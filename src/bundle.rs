@@ -146,15 +146,21 @@ fn kept(key: &str) -> bool {
 /// ([`crate::redact::Redactor::text`]), except those of [`KEPT_FIELDS`]; object keys are
 /// never changed.
 pub fn redact_json(r: &mut crate::redact::Redactor, v: &mut serde_json::Value) {
-    fn walk(r: &mut crate::redact::Redactor, v: &mut serde_json::Value, keep: bool) {
+    redact_json_keeping(r, v, kept)
+}
+
+/// Redacts JSON in place: every string value (in arrays too) passes through `r`, except the
+/// values of fields for which `keep(key)` is true; object keys are never changed.
+fn redact_json_keeping(r: &mut crate::redact::Redactor, v: &mut serde_json::Value, keep: fn(&str) -> bool) {
+    fn walk(r: &mut crate::redact::Redactor, v: &mut serde_json::Value, kept: bool, keep: fn(&str) -> bool) {
         match v {
-            serde_json::Value::String(s) if !keep => *s = r.text(s),
-            serde_json::Value::Array(a) => a.iter_mut().for_each(|x| walk(r, x, keep)),
-            serde_json::Value::Object(o) => o.iter_mut().for_each(|(k, x)| walk(r, x, kept(k))),
+            serde_json::Value::String(s) if !kept => *s = r.text(s),
+            serde_json::Value::Array(a) => a.iter_mut().for_each(|x| walk(r, x, kept, keep)),
+            serde_json::Value::Object(o) => o.iter_mut().for_each(|(k, x)| walk(r, x, keep(k), keep)),
             _ => {}
         }
     }
-    walk(r, v, false)
+    walk(r, v, false, keep)
 }
 
 /// The files of the dump `dir` that belong in a bundle of `report` (a run or ab report, as
@@ -175,6 +181,18 @@ pub fn dump_files(dir: &Path, report: &serde_json::Value) -> Result<Vec<(String,
     let schema = report.get("schema").and_then(|s| s.as_str()).unwrap_or("");
     if !dir.is_dir() {
         return Err(usage("not a directory".into()));
+    }
+    // An empty directory (a run refused before it dumped: `--dump` was created, nothing
+    // written) gives no files, unless the report says slices were dumped.
+    let empty = std::fs::read_dir(dir).is_ok_and(|mut it| it.next().is_none());
+    let said = |sec: &serde_json::Value| sec["dump"]["slices_written"].as_u64().unwrap_or(0);
+    let dumped = if schema == crate::ab::AB_SCHEMA {
+        report["sections"].as_array().into_iter().flatten().map(said).sum()
+    } else {
+        said(report)
+    };
+    if empty && dumped == 0 {
+        return Ok(Vec::new());
     }
     if schema == crate::ab::AB_SCHEMA {
         if has_index(dir) {
@@ -363,13 +381,6 @@ pub fn write(out: &Path, c: &Contents<'_>) -> Result<Manifest> {
         }
         _ => c.report.clone(),
     };
-    let mut red = |b: Vec<u8>| -> Vec<u8> {
-        let Some(r) = redactor.as_mut() else { return b };
-        match String::from_utf8(b) {
-            Ok(s) => r.text(&s).into_bytes(),
-            Err(e) => e.into_bytes(), // binary: kept as is
-        }
-    };
     let mut entries: Vec<(String, Source)> = vec![(c.report_name.to_string(), Source::Bytes(report_body))];
     // The dump's bytes stay exact (slices, index, script): nothing in them names the host.
     for (rel, p) in dump_files {
@@ -382,7 +393,23 @@ pub fn write(out: &Path, c: &Contents<'_>) -> Result<Manifest> {
     crate::capture::capture(scratch.path(), c.ucx_log)?;
     for (rel, p) in walk(scratch.path())? {
         let body = std::fs::read(&p).map_err(|e| Error::Io(format!("bundle: read {}: {e}", p.display())))?;
-        entries.push((format!("env/{rel}"), Source::Bytes(red(body))));
+        // JSON files (`capture.json`) are redacted value by value, never their keys; only
+        // `schema` and `status` (ok, timed-out, ...) are kept (its `source` names paths).
+        let json = rel.ends_with(".json").then(|| serde_json::from_slice::<serde_json::Value>(&body).ok()).flatten();
+        let body = match (json, redactor.as_mut()) {
+            (_, None) => body,
+            (Some(mut v), Some(r)) => {
+                redact_json_keeping(r, &mut v, |k| k == "schema" || k == "status");
+                let mut b = serde_json::to_vec_pretty(&v).map_err(|e| Error::Io(format!("bundle: {rel}: {e}")))?;
+                b.push(b'\n');
+                b
+            }
+            (None, Some(r)) => match String::from_utf8(body) {
+                Ok(s) => r.text(&s).into_bytes(),
+                Err(e) => e.into_bytes(), // binary: kept as is
+            },
+        };
+        entries.push((format!("env/{rel}"), Source::Bytes(body)));
     }
     let mut files = Vec::new();
     for (path, src) in &entries {

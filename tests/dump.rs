@@ -838,6 +838,9 @@ fn a_redacted_bundle_passes_check_and_show_when_the_user_is_named_like_a_report_
         assert!(classes.contains(&"torn") && classes.contains(&"bitflip"), "{user}: {classes:?}");
         assert!(rep["failures"][0]["expected"].is_object(), "{user}: the key `expected` kept");
         assert!(rep["environment"]["hostname"].as_str().unwrap().starts_with("host-"), "{user}: still redacted");
+        let cap: Value =
+            serde_json::from_slice(&files.iter().find(|f| f.0 == "kvprobe-bundle/env/capture.json").unwrap().1).unwrap();
+        assert!(cap["sources"].is_array(), "{user}: capture.json keeps its keys");
         assert!(!String::from_utf8_lossy(&files.iter().find(|f| f.0 == "kvprobe-bundle/report.json").unwrap().1).contains(&host));
     }
 }
