@@ -4,8 +4,9 @@
 //! Layout (README "Dumps, bundles and `report check`"), all under the top folder [`TOP`]:
 //! `manifest.json` ([`Manifest`], schema [`MANIFEST_SCHEMA`]: every other file with its size
 //! and SHA-256), `report.json` (a run report) or `ab.json` (an ab report), `dump/…` (the
-//! `--dump` directory as written: `index.json`, `slices/`, `scripts/`; ab: one folder per
-//! row), and `env/…` (the environment capture). Written with the tar and flate2 crates, to a
+//! dump's own files only, checked against the report ([`dump_files`]): `index.json`, the
+//! slice files it lists and `scripts/fingerprint_ref.py`; ab: the same in one folder per row),
+//! and `env/…` (the environment capture). Written with the tar and flate2 crates, to a
 //! temporary file beside the target renamed over it ([`crate::report::write_atomic_with`]).
 
 use crate::error::{Error, Result};
@@ -103,6 +104,257 @@ fn walk(dir: &Path) -> Result<Vec<(String, PathBuf)>> {
     Ok(out)
 }
 
+/// Report fields whose string values `--redact` never changes: fixed vocabularies (the
+/// values of enums in `src/report.rs`, `src/ab.rs`, `src/verify.rs`, `src/race.rs`,
+/// `src/geometry.rs`, `src/run.rs`, `src/engine.rs`, `src/inject.rs`) and hashes. A user or
+/// host name equal to one of their values (`USER=torn`) must not rename them: the redacted
+/// report would no longer be a report. Any key ending in `_digest` is kept too.
+pub const KEPT_FIELDS: &[&str] = &[
+    "schema",
+    "class",
+    "kv",
+    "status",
+    "verdict",
+    "expect",
+    "mechanism",
+    "fencing",
+    "scenario",
+    "unfenced",
+    "attributed_to",
+    "cause",
+    "kind",
+    "op",
+    "memory",
+    "layout",
+    "dtype",
+    "preset",
+    "stray_check",
+    "tier",
+    "backend",
+    "source",
+    "fingerprint",
+    "seed_hex",
+    "sha256",
+];
+
+/// Whether `--redact` keeps the string value(s) of the field `key` ([`KEPT_FIELDS`]).
+fn kept(key: &str) -> bool {
+    KEPT_FIELDS.contains(&key) || key.ends_with("_digest")
+}
+
+/// Redacts a report in place: every string value (in arrays too) passes through `r`
+/// ([`crate::redact::Redactor::text`]), except those of [`KEPT_FIELDS`]; object keys are
+/// never changed.
+pub fn redact_json(r: &mut crate::redact::Redactor, v: &mut serde_json::Value) {
+    redact_json_keeping(r, v, kept)
+}
+
+/// Redacts JSON in place: every string value (in arrays too) passes through `r`, except the
+/// values of fields for which `keep(key)` is true; object keys are never changed.
+fn redact_json_keeping(r: &mut crate::redact::Redactor, v: &mut serde_json::Value, keep: fn(&str) -> bool) {
+    fn walk(r: &mut crate::redact::Redactor, v: &mut serde_json::Value, kept: bool, keep: fn(&str) -> bool) {
+        match v {
+            serde_json::Value::String(s) if !kept => *s = r.text(s),
+            serde_json::Value::Array(a) => a.iter_mut().for_each(|x| walk(r, x, kept, keep)),
+            serde_json::Value::Object(o) => o.iter_mut().for_each(|(k, x)| walk(r, x, keep(k), keep)),
+            _ => {}
+        }
+    }
+    walk(r, v, false, keep)
+}
+
+/// The files of the dump `dir` that belong in a bundle of `report` (a run or ab report, as
+/// JSON), as (path below `dump/`, path on disk): `index.json`, the slice files it lists and
+/// `scripts/fingerprint_ref.py`; ab: the same under each row's folder (`rows[i].name`, for
+/// `sections[i]`). Nothing else found in the directory is ever packed.
+///
+/// Errors ([`Error::Usage`], exit 2), each naming what differs: `dir` is not a kvprobe dump
+/// (no `index.json` of schema [`crate::dump::SCHEMA`]; ab: no row folder holding one), or a
+/// dump of the other kind (a run's dump for an ab report, or the reverse); the index's seed or
+/// geometry is not the report's `config`; a listed slice file is absolute, has `..`, leaves
+/// `dir` through a symbolic link, or is not a regular file; the report records no dump or
+/// another number of dumped slices than the index lists; an indexed slice's record
+/// (iteration, layer, kv, block, actual_digest) is not the report's `failures[report_index]`.
+pub fn dump_files(dir: &Path, report: &serde_json::Value) -> Result<Vec<(String, PathBuf)>> {
+    let usage = |why: String| Error::Usage(format!("--dump {}: {why}", dir.display()));
+    let has_index = |d: &Path| std::fs::symlink_metadata(d.join("index.json")).is_ok_and(|m| m.is_file());
+    let schema = report.get("schema").and_then(|s| s.as_str()).unwrap_or("");
+    if !dir.is_dir() {
+        return Err(usage("not a directory".into()));
+    }
+    // An empty directory (a run refused before it dumped: `--dump` was created, nothing
+    // written) gives no files, unless the report says slices were dumped.
+    let empty = std::fs::read_dir(dir).is_ok_and(|mut it| it.next().is_none());
+    let said = |sec: &serde_json::Value| sec["dump"]["slices_written"].as_u64().unwrap_or(0);
+    let dumped = if schema == crate::ab::AB_SCHEMA {
+        report["sections"].as_array().into_iter().flatten().map(said).sum()
+    } else {
+        said(report)
+    };
+    if empty && dumped == 0 {
+        return Ok(Vec::new());
+    }
+    if schema == crate::ab::AB_SCHEMA {
+        if has_index(dir) {
+            return Err(usage("a run's dump (index.json at its top), but the report is an ab report".into()));
+        }
+        let rows = report["rows"].as_array().cloned().unwrap_or_default();
+        let mut out = Vec::new();
+        let mut found = 0;
+        for (i, row) in rows.iter().enumerate() {
+            let Some(name) = row["name"].as_str() else { continue };
+            if name.is_empty() || name == "." || name == ".." || name.contains('/') {
+                return Err(usage(format!("row name {name:?} is not a folder name")));
+            }
+            let sec = &report["sections"][i];
+            let folder = dir.join(name);
+            if !has_index(&folder) {
+                let n = sec["dump"]["slices_written"].as_u64().unwrap_or(0);
+                if n > 0 {
+                    return Err(usage(format!(
+                        "row {name}: the report says {n} slices were dumped, but {name}/index.json is missing"
+                    )));
+                }
+                continue;
+            }
+            found += 1;
+            for (rel, p) in section_files(&folder, sec, &format!("row {name}: {name}/"))? {
+                out.push((format!("{name}/{rel}"), p));
+            }
+        }
+        if found == 0 {
+            return Err(usage("not a kvprobe ab dump: no row folder of the report holds an index.json".into()));
+        }
+        Ok(out)
+    } else if schema == crate::report::SCHEMA {
+        if !has_index(dir) {
+            let ab = std::fs::read_dir(dir).into_iter().flatten().flatten().any(|e| has_index(&e.path()));
+            return Err(usage(if ab {
+                "an ab dump (row folders), but the report is a run report".into()
+            } else {
+                format!("not a kvprobe dump: no index.json (schema {})", crate::dump::SCHEMA)
+            }));
+        }
+        section_files(dir, report, "")
+    } else {
+        Err(usage(format!("schema {schema:?} is not a run or ab report")))
+    }
+}
+
+/// One dump folder (`dir`, holding `index.json`) checked against its report section `sec`
+/// (`label`: where it is, for messages); its files as in [`dump_files`].
+fn section_files(dir: &Path, sec: &serde_json::Value, label: &str) -> Result<Vec<(String, PathBuf)>> {
+    let usage = |why: String| Error::Usage(format!("--dump {}: {label}{why}", dir.display()));
+    let body = std::fs::read(dir.join("index.json")).map_err(|e| usage(format!("index.json: cannot read it: {e}")))?;
+    let v: serde_json::Value =
+        serde_json::from_slice(&body).map_err(|e| usage(format!("index.json is not JSON, not a kvprobe dump: {e}")))?;
+    if v["schema"].as_str() != Some(crate::dump::SCHEMA) {
+        return Err(usage(format!("index.json has schema {}, not {}: not a kvprobe dump", v["schema"], crate::dump::SCHEMA)));
+    }
+    let index: crate::dump::DumpIndex =
+        serde_json::from_value(v).map_err(|e| usage(format!("index.json is not a dump index: {e}")))?;
+    let config = &sec["config"];
+    if config["seed"].as_u64() != Some(index.seed) {
+        return Err(usage(format!(
+            "another run's dump: seed: report {}, dump {} (give the dump this report's run wrote)",
+            config["seed"], index.seed
+        )));
+    }
+    if config["geometry"] != index.geometry {
+        return Err(usage(format!("another run's dump: geometry: report {}, dump {}", config["geometry"], index.geometry)));
+    }
+    match sec["dump"]["slices_written"].as_u64() {
+        None => return Err(usage("another run's dump: the report records no dump".into())),
+        Some(n) if n != index.slices.len() as u64 => {
+            return Err(usage(format!(
+                "another run's dump: slices: the report says {n} were dumped, index.json lists {}",
+                index.slices.len()
+            )));
+        }
+        Some(_) => {}
+    }
+    let canon = dir.canonicalize().map_err(|e| usage(format!("cannot resolve it: {e}")))?;
+    let failures = sec["failures"].as_array().map(Vec::as_slice).unwrap_or(&[]);
+    let mut out = vec![("index.json".to_string(), dir.join("index.json"))];
+    for e in &index.slices {
+        let rel = Path::new(&e.file);
+        if rel.as_os_str().is_empty() || !rel.components().all(|c| matches!(c, std::path::Component::Normal(_))) {
+            return Err(usage(format!("index.json lists {:?}: not a plain path inside the dump", e.file)));
+        }
+        let p = dir.join(rel);
+        match p.canonicalize() {
+            Ok(c) if c.starts_with(&canon) && c.is_file() => {}
+            Ok(c) if !c.starts_with(&canon) => {
+                return Err(usage(format!("index.json lists {}: it leads outside the dump (to {})", e.file, c.display())));
+            }
+            Ok(_) => return Err(usage(format!("index.json lists {}: not a regular file", e.file))),
+            Err(err) => return Err(usage(format!("index.json lists {}: {err}", e.file))),
+        }
+        let f = &e.failure;
+        if let Some(i) = e.report_index {
+            let ours = serde_json::to_value(f).unwrap_or_default();
+            let Some(rec) = failures.get(i) else {
+                return Err(usage(format!(
+                    "another run's dump: {} has report_index {i}, the report lists {} failures",
+                    e.file,
+                    failures.len()
+                )));
+            };
+            for k in ["iteration", "layer", "kv", "block", "actual_digest"] {
+                if rec[k] != ours[k] {
+                    return Err(usage(format!(
+                        "another run's dump: {}: {k}: report failures[{i}] {}, dump {}",
+                        e.file, rec[k], ours[k]
+                    )));
+                }
+            }
+        }
+        let r = rel.to_string_lossy().into_owned();
+        if !out.iter().any(|(x, _)| *x == r) {
+            out.push((r, p));
+        }
+    }
+    let script = dir.join("scripts/fingerprint_ref.py");
+    let inside = script.canonicalize().is_ok_and(|c| c.starts_with(&canon));
+    if inside && std::fs::symlink_metadata(&script).is_ok_and(|m| m.is_file()) {
+        out.push(("scripts/fingerprint_ref.py".into(), script));
+    }
+    Ok(out)
+}
+
+/// Refuses ([`Error::Usage`], exit 2) a bundle path `out` that would overwrite its own
+/// input: the report `report` (the same file: the same device and inode when `out` exists, or
+/// the same resolved path), or a path inside the dump directory `dump`. Paths are compared
+/// resolved: an existing `out` canonicalized, else its parent canonicalized with its name.
+pub fn check_output(out: &Path, report: &Path, dump: Option<&Path>) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let resolved = out.canonicalize().ok().or_else(|| {
+        let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        Some(parent.canonicalize().ok()?.join(out.file_name()?))
+    });
+    let same_file = match (std::fs::metadata(out), std::fs::metadata(report)) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
+    };
+    if same_file || (resolved.is_some() && resolved == report.canonicalize().ok()) {
+        return Err(Error::Usage(format!(
+            "-o {}: that is the report being bundled (--report {}): give another path",
+            out.display(),
+            report.display()
+        )));
+    }
+    if let (Some(r), Some(d)) = (&resolved, dump.and_then(|d| d.canonicalize().ok()))
+        && r.starts_with(&d)
+    {
+        return Err(Error::Usage(format!(
+            "-o {}: it is inside the dump directory being bundled ({}): give a path outside it",
+            out.display(),
+            d.display()
+        )));
+    }
+    Ok(())
+}
+
 /// Writes the bundle `out` (atomically) holding `c`, with the environment captured now
 /// ([`crate::capture::capture`]) into a scratch directory; with `c.redact`, the report and the
 /// capture pass through one [`crate::redact::Redactor`]. Returns its manifest. Errors: [`Error::Io`] (the dump or capture
@@ -110,19 +362,29 @@ fn walk(dir: &Path) -> Result<Vec<(String, PathBuf)>> {
 pub fn write(out: &Path, c: &Contents<'_>) -> Result<Manifest> {
     // One redactor for the whole bundle: the same name gets the same token in every file.
     let mut redactor = c.redact.then(crate::redact::Redactor::new);
-    let mut red = |b: Vec<u8>| -> Vec<u8> {
-        let Some(r) = redactor.as_mut() else { return b };
-        match String::from_utf8(b) {
-            Ok(s) => r.text(&s).into_bytes(),
-            Err(e) => e.into_bytes(), // binary: kept as is
-        }
+    let report: Option<serde_json::Value> = serde_json::from_slice(&c.report).ok();
+    // The dump is checked against the report before anything is written, and only its own
+    // files are packed (never anything else found in the directory).
+    let dump_files = match (c.dump, &report) {
+        (Some(d), Some(r)) => dump_files(d, r)?,
+        (Some(d), None) => return Err(Error::Usage(format!("--dump {}: the report is not JSON", d.display()))),
+        (None, _) => Vec::new(),
     };
-    let mut entries: Vec<(String, Source)> = vec![(c.report_name.to_string(), Source::Bytes(red(c.report.clone())))];
-    if let Some(d) = c.dump {
-        // The dump's bytes stay exact (slices, index, script): nothing in them names the host.
-        for (rel, p) in walk(d)? {
-            entries.push((format!("dump/{rel}"), Source::File(p)));
+    let report_body = match (redactor.as_mut(), report) {
+        // A JSON report is redacted value by value ([`redact_json`]): never its keys or its
+        // fixed vocabularies, so the redacted report still reads as a report.
+        (Some(r), Some(mut v)) => {
+            redact_json(r, &mut v);
+            let mut b = serde_json::to_vec_pretty(&v).map_err(|e| Error::Io(format!("bundle: report: {e}")))?;
+            b.push(b'\n');
+            b
         }
+        _ => c.report.clone(),
+    };
+    let mut entries: Vec<(String, Source)> = vec![(c.report_name.to_string(), Source::Bytes(report_body))];
+    // The dump's bytes stay exact (slices, index, script): nothing in them names the host.
+    for (rel, p) in dump_files {
+        entries.push((format!("dump/{rel}"), Source::File(p)));
     }
     let scratch = tempfile::Builder::new()
         .prefix("bundle-env.")
@@ -131,7 +393,23 @@ pub fn write(out: &Path, c: &Contents<'_>) -> Result<Manifest> {
     crate::capture::capture(scratch.path(), c.ucx_log)?;
     for (rel, p) in walk(scratch.path())? {
         let body = std::fs::read(&p).map_err(|e| Error::Io(format!("bundle: read {}: {e}", p.display())))?;
-        entries.push((format!("env/{rel}"), Source::Bytes(red(body))));
+        // JSON files (`capture.json`) are redacted value by value, never their keys; only
+        // `schema` and `status` (ok, timed-out, ...) are kept (its `source` names paths).
+        let json = rel.ends_with(".json").then(|| serde_json::from_slice::<serde_json::Value>(&body).ok()).flatten();
+        let body = match (json, redactor.as_mut()) {
+            (_, None) => body,
+            (Some(mut v), Some(r)) => {
+                redact_json_keeping(r, &mut v, |k| k == "schema" || k == "status");
+                let mut b = serde_json::to_vec_pretty(&v).map_err(|e| Error::Io(format!("bundle: {rel}: {e}")))?;
+                b.push(b'\n');
+                b
+            }
+            (None, Some(r)) => match String::from_utf8(body) {
+                Ok(s) => r.text(&s).into_bytes(),
+                Err(e) => e.into_bytes(), // binary: kept as is
+            },
+        };
+        entries.push((format!("env/{rel}"), Source::Bytes(body)));
     }
     let mut files = Vec::new();
     for (path, src) in &entries {

@@ -1090,14 +1090,22 @@ fn bundle_command(report: &Path, dump: Option<&Path>, redact: bool, output: &Pat
                 }
             )));
         }
+        let dump_given = dump;
         let dump = dump.or(recorded.as_deref());
         if is_stdout(output) {
             return Err(Error::Usage("-o needs a file path (`-` is not supported)".into()));
         }
+        kvprobe::bundle::check_output(output, report, dump)?;
         kvprobe::report::check_writable_for(output, "--bundle")?;
         let c =
             kvprobe::bundle::Contents { report: body, report_name: name, dump, capture_made: "bundle", ucx_log: None, redact };
-        kvprobe::bundle::write(output, &c)?;
+        kvprobe::bundle::write(output, &c).map_err(|e| match (e, &recorded) {
+            // The dump was found from the report's `dump.dir`, not given: say so.
+            (Error::Usage(m), Some(_)) if dump_given.is_none() => {
+                Error::Usage(format!("{m} (the dump the report names, found without --dump: give --dump DIR)"))
+            }
+            (e, _) => e,
+        })?;
         Ok(output.to_path_buf())
     })();
     match made {

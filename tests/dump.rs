@@ -557,3 +557,316 @@ fn kvprobe_bundle_finds_a_relative_dump_beside_its_report_or_says_it_is_gone() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("2 slices were dumped into D") && err.contains("give --dump DIR"), "{err}");
 }
+
+/// `kvprobe bundle ARGS`: (exit code, stdout + stderr), never a panic.
+fn bundle_cmd(args: &[&str]) -> (i32, String) {
+    let mut a = vec!["bundle"];
+    a.extend_from_slice(args);
+    let (code, out, err) = kvprobe(&a);
+    assert!(!err.contains("panicked"), "{err}");
+    (code, format!("{out}{err}"))
+}
+
+/// The paths below `kvprobe-bundle/dump/` in the bundle `b`, sorted.
+fn dump_paths(b: &Path) -> Vec<String> {
+    let mut v: Vec<String> =
+        untar(b).into_iter().filter_map(|(n, _)| n.strip_prefix("kvprobe-bundle/dump/").map(str::to_string)).collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn kvprobe_bundle_takes_only_a_kvprobe_dump_and_only_its_own_files() {
+    // D3: a directory that is not a dump is refused (exit 2, nothing written); a real dump
+    // with other files in it (a note naming the host, the report itself, an unlisted file in
+    // slices/) gives only index.json, the listed slices and the script.
+    let (d, code, r, log) = run_dump("bundle-only-dump", &["--iterations", "1"]);
+    assert_eq!(code, 1, "{log}");
+    let dump = d.join("D");
+    let b = d.join("b.tgz");
+    for not_a_dump in [Path::new("/etc"), &d.join("D/scripts")] {
+        let (code, log) = bundle_cmd(&[
+            "--report",
+            d.join("r.json").to_str().unwrap(),
+            "--dump",
+            not_a_dump.to_str().unwrap(),
+            "-o",
+            b.to_str().unwrap(),
+        ]);
+        assert_eq!(code, 2, "{}: {log}", not_a_dump.display());
+        assert!(log.contains("not a kvprobe dump"), "{log}");
+        assert!(!b.exists(), "nothing written");
+    }
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap().trim().to_string();
+    std::fs::write(dump.join("notes.txt"), format!("pair on {host}\n")).unwrap();
+    std::fs::write(dump.join("slices/extra.bin"), b"not listed").unwrap();
+    std::os::unix::fs::symlink("/etc/passwd", dump.join("passwd")).unwrap();
+    // D2: the report copied into the dump and bundled from there, redacted.
+    std::fs::copy(d.join("r.json"), dump.join("r.json")).unwrap();
+    let (code, log) = bundle_cmd(&[
+        "--report",
+        dump.join("r.json").to_str().unwrap(),
+        "--dump",
+        dump.to_str().unwrap(),
+        "--redact",
+        "-o",
+        b.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{log}");
+    let index: Value = serde_json::from_str(&std::fs::read_to_string(dump.join("index.json")).unwrap()).unwrap();
+    let mut want: Vec<String> =
+        index["slices"].as_array().unwrap().iter().map(|s| s["file"].as_str().unwrap().to_string()).collect();
+    want.push("index.json".into());
+    want.push("scripts/fingerprint_ref.py".into());
+    want.sort();
+    assert_eq!(want.len(), r["dump"]["slices_written"].as_u64().unwrap() as usize + 2);
+    assert_eq!(dump_paths(&b), want, "only the dump's own files");
+    for (name, body) in untar(&b) {
+        if !name.ends_with(".bin") {
+            assert!(!String::from_utf8_lossy(&body).contains(&host), "{name} names the host");
+        }
+    }
+    assert_eq!(check(&b).0, 0);
+    // A listed slice that leaves the dump: `..`, an absolute path, a symbolic link out.
+    let first = index["slices"][0]["file"].as_str().unwrap().to_string();
+    let bad_index = |file: &str| {
+        let mut ix = index.clone();
+        ix["slices"][0]["file"] = file.into();
+        std::fs::write(dump.join("index.json"), serde_json::to_vec_pretty(&ix).unwrap()).unwrap();
+    };
+    for file in ["../r.json", "/etc/passwd", "passwd"] {
+        bad_index(file);
+        let (code, log) = bundle_cmd(&[
+            "--report",
+            d.join("r.json").to_str().unwrap(),
+            "--dump",
+            dump.to_str().unwrap(),
+            "-o",
+            d.join("x.tgz").to_str().unwrap(),
+        ]);
+        assert_eq!(code, 2, "{file}: {log}");
+        assert!(log.contains(file), "{log}");
+        assert!(!d.join("x.tgz").exists());
+    }
+    bad_index(&first);
+    let slice = dump.join(&first);
+    std::fs::remove_file(&slice).unwrap();
+    std::os::unix::fs::symlink("/etc/passwd", &slice).unwrap();
+    let (code, log) = bundle_cmd(&[
+        "--report",
+        d.join("r.json").to_str().unwrap(),
+        "--dump",
+        dump.to_str().unwrap(),
+        "-o",
+        d.join("x.tgz").to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{log}");
+    assert!(log.contains("leads outside the dump"), "{log}");
+}
+
+#[test]
+fn kvprobe_bundle_refuses_another_runs_dump() {
+    // D4: a dump of another seed, geometry or failures, or of the other kind (ab for run and
+    // the reverse), is refused naming what differs; an unrelated `D` found from the report's
+    // relative dump.dir too.
+    let (a, code, _, log) = run_dump("bundle-other-a", &["--iterations", "1"]);
+    assert_eq!(code, 1, "{log}");
+    let (seed, code, _, log) = run_dump("bundle-other-seed", &["--iterations", "1", "--seed", "7"]);
+    assert_eq!(code, 1, "{log}");
+    let (geo, code, _, log) = run_dump("bundle-other-geo", &["--iterations", "1", "--blocks", "32"]);
+    assert_eq!(code, 1, "{log}");
+    let (fail, code, _, log) = run_dump("bundle-other-fail", &["--iterations", "2"]);
+    assert_eq!(code, 1, "{log}");
+    let report = a.join("r.json");
+    let b = a.join("b.tgz");
+    for (dir, says) in [(&seed, "seed: report 1, dump 7"), (&geo, "geometry: report"), (&fail, "")] {
+        let (code, log) = bundle_cmd(&[
+            "--report",
+            report.to_str().unwrap(),
+            "--dump",
+            dir.join("D").to_str().unwrap(),
+            "-o",
+            b.to_str().unwrap(),
+        ]);
+        assert_eq!(code, 2, "{}: {log}", dir.display());
+        assert!(log.contains("another run's dump") && log.contains(says), "{log}");
+        assert!(!b.exists());
+    }
+    // Same seed and geometry, more iterations: the dump's slices are not a's failures.
+    let (code, log) = bundle_cmd(&[
+        "--report",
+        fail.join("r.json").to_str().unwrap(),
+        "--dump",
+        a.join("D").to_str().unwrap(),
+        "-o",
+        b.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{log}");
+    assert!(log.contains("another run's dump") && log.contains("slices: the report says"), "{log}");
+    // Same seed, geometry and count, but a slice's record is not the report's failure.
+    let ix_path = a.join("D/index.json");
+    let mut ix: Value = serde_json::from_str(&std::fs::read_to_string(&ix_path).unwrap()).unwrap();
+    let i = ix["slices"][0]["report_index"].as_u64().unwrap();
+    let block = ix["slices"][0]["block"].as_u64().unwrap();
+    ix["slices"][0]["block"] = (block + 1).into();
+    std::fs::write(&ix_path, serde_json::to_vec_pretty(&ix).unwrap()).unwrap();
+    let (code, log) =
+        bundle_cmd(&["--report", report.to_str().unwrap(), "--dump", a.join("D").to_str().unwrap(), "-o", b.to_str().unwrap()]);
+    assert_eq!(code, 2, "{log}");
+    assert!(log.contains(&format!("block: report failures[{i}] {block}, dump {}", block + 1)), "{log}");
+    ix["slices"][0]["block"] = block.into();
+    std::fs::write(&ix_path, serde_json::to_vec_pretty(&ix).unwrap()).unwrap();
+    // An ab dump and report.
+    let ab = tmpdir("bundle-other-ab");
+    let (code, out, err) = kvprobe(&[
+        "ab",
+        "--memory",
+        "dram",
+        "--requests",
+        "200",
+        "--lockstep",
+        "--dump",
+        ab.join("D").to_str().unwrap(),
+        "--report",
+        ab.join("ab.json").to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+    let (code, log) =
+        bundle_cmd(&["--report", report.to_str().unwrap(), "--dump", ab.join("D").to_str().unwrap(), "-o", b.to_str().unwrap()]);
+    assert_eq!(code, 2, "{log}");
+    assert!(log.contains("an ab dump"), "{log}");
+    let (code, log) = bundle_cmd(&[
+        "--report",
+        ab.join("ab.json").to_str().unwrap(),
+        "--dump",
+        a.join("D").to_str().unwrap(),
+        "-o",
+        b.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{log}");
+    assert!(log.contains("a run's dump"), "{log}");
+    // ab rows matched by name: a corrupt row's folder swapped with a clean row's is refused.
+    let abr = read_report(&ab.join("ab.json"));
+    let rows = abr["rows"].as_array().unwrap();
+    let bad = rows.iter().find(|r| r["corrupt"].as_u64() > Some(0)).unwrap()["name"].as_str().unwrap();
+    let good = rows.iter().find(|r| r["corrupt"].as_u64() == Some(0)).unwrap()["name"].as_str().unwrap();
+    let (code, log) = bundle_cmd(&[
+        "--report",
+        ab.join("ab.json").to_str().unwrap(),
+        "--dump",
+        ab.join("D").to_str().unwrap(),
+        "-o",
+        b.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "the ab dump as written: {log}");
+    std::fs::remove_file(&b).unwrap();
+    let dd = ab.join("D");
+    std::fs::rename(dd.join(bad), dd.join("tmp")).unwrap();
+    std::fs::rename(dd.join(good), dd.join(bad)).unwrap();
+    std::fs::rename(dd.join("tmp"), dd.join(good)).unwrap();
+    let (code, log) = bundle_cmd(&[
+        "--report",
+        ab.join("ab.json").to_str().unwrap(),
+        "--dump",
+        dd.to_str().unwrap(),
+        "-o",
+        b.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{log}");
+    assert!(log.contains("another run's dump"), "{log}");
+    // The implicit fallback: a relative dump.dir `D`, gone beside the report, and an unrelated
+    // `D` in the current directory.
+    let rel = tmpdir("bundle-other-rel");
+    let o = std::process::Command::new(crate::common::bin())
+        .current_dir(&rel)
+        .args(["run", "--memory", "dram", "--iterations", "1", "--inject", "torn:2", "--dump", "D", "--report", "r.json"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", String::from_utf8_lossy(&o.stderr));
+    std::fs::remove_dir_all(rel.join("D")).unwrap();
+    let o = std::process::Command::new(crate::common::bin())
+        .current_dir(&seed)
+        .args(["bundle", "--report", rel.join("r.json").to_str().unwrap(), "-o", b.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let log = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{log}");
+    assert!(log.contains("another run's dump") && log.contains("give --dump DIR"), "{log}");
+    assert!(!b.exists());
+}
+
+#[test]
+fn a_redacted_bundle_passes_check_and_show_when_the_user_is_named_like_a_report_word() {
+    // D6: USER equal to a class (`torn`) or a report key (`expected`) renames neither.
+    let data = std::env::var("KVPROBE_HOME").unwrap_or_else(|_| {
+        std::env::var("XDG_DATA_HOME")
+            .map(|x| format!("{x}/kvprobe"))
+            .unwrap_or_else(|_| format!("{}/.local/share/kvprobe", std::env::var("HOME").unwrap()))
+    });
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap().trim().to_string();
+    for user in ["torn", "expected"] {
+        let d = tmpdir(&format!("bundle-user-{user}"));
+        let (r, b) = (d.join("r.json"), d.join("b.tgz"));
+        let home = format!("/home/{user}");
+        let (code, out, err) = crate::common::kvprobe_env(
+            &[
+                "run",
+                "--memory",
+                "dram",
+                "--iterations",
+                "1",
+                "--inject",
+                "torn",
+                "--inject",
+                "bitflip",
+                "--report",
+                r.to_str().unwrap(),
+                "--bundle",
+                b.to_str().unwrap(),
+                "--redact",
+            ],
+            &[("USER", user), ("LOGNAME", user), ("HOME", &home), ("KVPROBE_HOME", &data)],
+        );
+        assert_eq!(code, 1, "{user}: {out}{err}");
+        let (code, out, err) = check(&b);
+        assert_eq!(code, 0, "{user}: {out}{err}");
+        let (code, out, err) = kvprobe(&["report", "show", b.to_str().unwrap()]);
+        assert_eq!(code, 0, "{user}: {out}{err}");
+        let files = untar(&b);
+        let rep: Value = serde_json::from_slice(&files.iter().find(|f| f.0 == "kvprobe-bundle/report.json").unwrap().1).unwrap();
+        let classes: Vec<&str> = rep["failures"].as_array().unwrap().iter().map(|f| f["class"].as_str().unwrap()).collect();
+        assert!(classes.contains(&"torn") && classes.contains(&"bitflip"), "{user}: {classes:?}");
+        assert!(rep["failures"][0]["expected"].is_object(), "{user}: the key `expected` kept");
+        assert!(rep["environment"]["hostname"].as_str().unwrap().starts_with("host-"), "{user}: still redacted");
+        let cap: Value =
+            serde_json::from_slice(&files.iter().find(|f| f.0 == "kvprobe-bundle/env/capture.json").unwrap().1).unwrap();
+        assert!(cap["sources"].is_array(), "{user}: capture.json keeps its keys");
+        assert!(!String::from_utf8_lossy(&files.iter().find(|f| f.0 == "kvprobe-bundle/report.json").unwrap().1).contains(&host));
+    }
+}
+
+#[test]
+fn kvprobe_bundle_refuses_to_write_over_its_report_or_into_its_dump() {
+    // D5: -o is the report (by another spelling, or a hard link to it) or inside the dump.
+    let (d, code, _, log) = run_dump("bundle-self", &["--iterations", "1"]);
+    assert_eq!(code, 1, "{log}");
+    let report = d.join("r.json");
+    let before = std::fs::read(&report).unwrap();
+    std::fs::hard_link(&report, d.join("link.json")).unwrap();
+    let dump = d.join("D");
+    let spelled = format!("{}/D/../r.json", d.display());
+    let link = d.join("link.json");
+    let inside = dump.join("b.tgz");
+    let deeper = format!("{}/./D/slices/b.tgz", d.display());
+    for o in [report.to_str().unwrap(), spelled.as_str(), link.to_str().unwrap(), inside.to_str().unwrap(), deeper.as_str()] {
+        let (code, log) = bundle_cmd(&["--report", report.to_str().unwrap(), "--dump", dump.to_str().unwrap(), "-o", o]);
+        assert_eq!(code, 2, "{o}: {log}");
+        assert!(log.contains("-o "), "{log}");
+    }
+    assert_eq!(std::fs::read(&report).unwrap(), before, "the report is untouched");
+    assert!(!inside.exists() && !dump.join("slices/b.tgz").exists());
+    // Without --dump, the dump the report names counts as well.
+    let (code, log) = bundle_cmd(&["--report", report.to_str().unwrap(), "-o", inside.to_str().unwrap()]);
+    assert_eq!(code, 2, "{log}");
+    assert!(!inside.exists());
+}
