@@ -557,3 +557,140 @@ fn kvprobe_bundle_finds_a_relative_dump_beside_its_report_or_says_it_is_gone() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("2 slices were dumped into D") && err.contains("give --dump DIR"), "{err}");
 }
+
+/// `files` with the JSON entry `name` (under `kvprobe-bundle/`) changed by `f` and the
+/// manifest updated to its new size and SHA-256 (so only the consistency checks can see it).
+pub fn edit_json(files: &[(String, Vec<u8>)], name: &str, f: &dyn Fn(&mut Value)) -> Vec<(String, Vec<u8>)> {
+    let mut fs = files.to_vec();
+    let full = format!("kvprobe-bundle/{name}");
+    let e = fs.iter_mut().find(|x| x.0 == full).unwrap_or_else(|| panic!("{name} in bundle"));
+    let mut v: Value = serde_json::from_slice(&e.1).unwrap();
+    f(&mut v);
+    e.1 = serde_json::to_vec_pretty(&v).unwrap();
+    let (sha, len) = (sha256_hex(&e.1), e.1.len());
+    let m = fs.iter_mut().find(|x| x.0 == "kvprobe-bundle/manifest.json").unwrap();
+    let mut mv: Value = serde_json::from_slice(&m.1).unwrap();
+    for x in mv["files"].as_array_mut().unwrap() {
+        if x["path"] == name {
+            x["sha256"] = sha.clone().into();
+            x["bytes"] = len.into();
+        }
+    }
+    m.1 = serde_json::to_vec(&mv).unwrap();
+    fs
+}
+
+#[test]
+fn check_finds_report_and_index_that_disagree_on_seed_geometry_dump_and_outcome() {
+    let d = tmpdir("bundle-consistency");
+    let b = d.join("b.tar.gz");
+    let (code, out, err) = kvprobe(&[
+        "run",
+        "--memory",
+        "dram",
+        "--iterations",
+        "2",
+        "--inject",
+        "torn:1",
+        "--dump",
+        d.join("D").to_str().unwrap(),
+        "--report",
+        d.join("r.json").to_str().unwrap(),
+        "--bundle",
+        b.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert_eq!(check(&b).0, 0);
+    let files = untar(&b);
+    type Edit = Box<dyn Fn(&mut Value)>;
+    // (case, file edited, edit, exit code, line expected)
+    let cases: Vec<(&str, &str, Edit, i32, &str)> = vec![
+        ("index-schema", "dump/index.json", Box::new(|v| v["schema"] = "kvprobe.dump/9".into()), 2, "is not kvprobe.dump/1"),
+        (
+            "report-seed-hex",
+            "report.json",
+            Box::new(|v| v["config"]["seed_hex"] = "0x1".into()),
+            1,
+            "config.seed_hex: report 0x1",
+        ),
+        ("index-seed-hex", "dump/index.json", Box::new(|v| v["seed_hex"] = "0x2".into()), 1, "seed_hex: index 0x2"),
+        (
+            "index-geometry",
+            "dump/index.json",
+            Box::new(|v| v["geometry"]["num_blocks"] = 7.into()),
+            1,
+            "dump/index.json: geometry: report",
+        ),
+        (
+            "geometry-slice-bytes",
+            "report.json",
+            Box::new(|v| {
+                let n = v["config"]["geometry"]["head_size"].as_u64().unwrap();
+                v["config"]["geometry"]["head_size"] = (n * 2).into();
+            }),
+            1,
+            "dump/index.json: slice_bytes: index",
+        ),
+        ("geometry-invalid", "report.json", Box::new(|v| v["config"]["geometry"]["num_blocks"] = 0.into()), 2, "config.geometry"),
+        (
+            "dump-block-missing",
+            "report.json",
+            Box::new(|v| v.as_object_mut().unwrap().remove("dump").map(|_| ()).unwrap()),
+            1,
+            "report: dump: none",
+        ),
+        (
+            "dump-slices",
+            "report.json",
+            Box::new(|v| v["dump"]["slices_written"] = 99.into()),
+            1,
+            "report: dump.slices_written: report 99",
+        ),
+        (
+            "dump-bytes",
+            "report.json",
+            Box::new(|v| v["dump"]["bytes_written"] = 5.into()),
+            1,
+            "report: dump.bytes_written: report 5",
+        ),
+        ("dump-cap", "report.json", Box::new(|v| v["dump"]["max_bytes"] = 5.into()), 1, "report: dump.max_bytes: report 5"),
+        (
+            "dump-truncated",
+            "report.json",
+            Box::new(|v| v["dump"]["dump_truncated"] = "disk full".into()),
+            1,
+            "report: dump.dump_truncated",
+        ),
+        (
+            "outcome-clean",
+            "report.json",
+            Box::new(|v| {
+                v["outcome"]["status"] = "clean".into();
+                v["outcome"]["exit_code"] = 0.into();
+            }),
+            1,
+            "report: outcome: status \"clean\"",
+        ),
+        (
+            "corrupt-count",
+            "report.json",
+            Box::new(|v| v["summary"]["blocks_corrupt"] = 0.into()),
+            1,
+            "report: summary.blocks_corrupt: 0",
+        ),
+        (
+            "iteration-0",
+            "report.json",
+            Box::new(|v| v["failures"][0]["iteration"] = 0.into()),
+            1,
+            "report: failures[0].iteration: 0",
+        ),
+    ];
+    for (what, file, f, want, line) in cases {
+        let t = d.join(format!("{what}.tar.gz"));
+        retar(&t, &edit_json(&files, file, &*f));
+        let (code, out, err) = check(&t);
+        assert_eq!(code, want, "{what}: {out}{err}");
+        assert!(out.contains(line) || err.contains(line), "{what}: {line:?} in {out}{err}");
+    }
+}
