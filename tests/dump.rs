@@ -694,3 +694,144 @@ fn check_finds_report_and_index_that_disagree_on_seed_geometry_dump_and_outcome(
         assert!(out.contains(line) || err.contains(line), "{what}: {line:?} in {out}{err}");
     }
 }
+
+/// Writes at `p` a bundle of `files` (the first entries, as `retar` would) followed by the
+/// entry `big` of `size` zero bytes, without holding them: the zeros are 1 MiB gzip members
+/// repeated (a gzip stream may have several). `size` is a multiple of 1 MiB.
+pub fn retar_with_zeros(p: &Path, files: &[(String, Vec<u8>)], big: &str, size: u64) {
+    use std::io::Write;
+    let mut t = tar::Builder::new(Vec::new());
+    for (name, body) in files {
+        let mut h = tar::Header::new_gnu();
+        h.set_size(body.len() as u64);
+        h.set_mode(0o644);
+        h.set_entry_type(tar::EntryType::Regular);
+        t.append_data(&mut h, name, body.as_slice()).unwrap();
+    }
+    let mut head = t.into_inner().unwrap();
+    head.truncate(head.len() - 1024); // the end-of-archive blocks come after the zeros
+    let mut h = tar::Header::new_gnu();
+    h.set_path(big).unwrap();
+    h.set_size(size);
+    h.set_mode(0o644);
+    h.set_entry_type(tar::EntryType::Regular);
+    h.set_cksum();
+    head.extend_from_slice(h.as_bytes());
+    let gz = |b: &[u8]| {
+        let mut g = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+        g.write_all(b).unwrap();
+        g.finish().unwrap()
+    };
+    let mut out = std::fs::File::create(p).unwrap();
+    out.write_all(&gz(&head)).unwrap();
+    let mib = gz(&vec![0u8; 1 << 20]);
+    // The body, then the end-of-archive blocks (zeros too).
+    for _ in 0..size / (1 << 20) + 1 {
+        out.write_all(&mib).unwrap();
+    }
+}
+
+/// `kvprobe ARGS` with its address space limited to `mib` MiB: (exit code, stdout, stderr).
+pub fn kvprobe_limited(mib: u64, args: &[&str]) -> (i32, String, String) {
+    let o = std::process::Command::new("prlimit")
+        .arg(format!("--as={}", mib << 20))
+        .arg(crate::common::bin())
+        .args(args)
+        .output()
+        .expect("prlimit");
+    (o.status.code().unwrap_or(-1), String::from_utf8_lossy(&o.stdout).into(), String::from_utf8_lossy(&o.stderr).into())
+}
+
+#[test]
+fn check_and_show_read_a_bundle_boundedly() {
+    let d = tmpdir("bundle-bounds");
+    let (b, r) = (d.join("b.tar.gz"), d.join("r.json"));
+    let (code, out, err) = kvprobe(&[
+        "run",
+        "--memory",
+        "dram",
+        "--iterations",
+        "2",
+        "--inject",
+        "torn:1",
+        "--report",
+        r.to_str().unwrap(),
+        "--bundle",
+        b.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 1, "{out}{err}");
+    let files = untar(&b);
+    let limit = 512; // MiB of address space; the 1 GiB entries below cannot be held
+    const GIB: u64 = 1 << 30;
+    // An unlisted 1 GiB entry (a gzip bomb of ~1 MB): named, never read.
+    let bomb = d.join("bomb.tar.gz");
+    retar_with_zeros(&bomb, &files, "kvprobe-bundle/env/huge.bin", GIB);
+    let (code, out, err) = kvprobe_limited(limit, &["report", "check", bomb.to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(out.contains("env/huge.bin: in the bundle but not in the manifest"), "{out}");
+    // `report show` reads the manifest and the report only.
+    let (code, out, err) = kvprobe_limited(limit, &["report", "show", bomb.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}{err}");
+    // A listed entry longer than listed: a size disagreement, read only to its size + 1.
+    let mut fs = files.clone();
+    let mut mv: Value = serde_json::from_slice(&fs[0].1).unwrap();
+    mv["files"].as_array_mut().unwrap().push(serde_json::json!({"path": "env/huge.bin", "bytes": 10, "sha256": "00"}));
+    fs[0].1 = serde_json::to_vec(&mv).unwrap();
+    let long = d.join("long.tar.gz");
+    retar_with_zeros(&long, &fs, "kvprobe-bundle/env/huge.bin", GIB);
+    let (code, out, err) = kvprobe_limited(limit, &["report", "check", long.to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(out.contains("env/huge.bin: bytes: manifest 10, file more than 10"), "{out}");
+    // Listed at its true 1 GiB under a 512 MiB limit: "out of memory", exit 2.
+    mv["files"].as_array_mut().unwrap().last_mut().unwrap()["bytes"] = GIB.into();
+    fs[0].1 = serde_json::to_vec(&mv).unwrap();
+    let oom = d.join("oom.tar.gz");
+    retar_with_zeros(&oom, &fs, "kvprobe-bundle/env/huge.bin", GIB);
+    let (code, out, err) = kvprobe_limited(limit, &["report", "check", oom.to_str().unwrap()]);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(err.contains(&format!("{}: out of memory reading kvprobe-bundle/env/huge.bin", oom.display())), "{err}");
+    // Listed sizes over the 16 GiB cap: too large, before any body is read.
+    mv["files"].as_array_mut().unwrap().last_mut().unwrap()["bytes"] = (17 * GIB).into();
+    fs[0].1 = serde_json::to_vec(&mv).unwrap();
+    let big = d.join("big.tar.gz");
+    retar(&big, &fs);
+    let (code, out, err) = check(&big);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(err.contains(&format!("{}: too large", big.display())), "{err}");
+}
+
+#[test]
+fn a_bundle_with_a_directory_a_late_manifest_or_none_is_malformed_naming_it() {
+    let d = tmpdir("bundle-shape");
+    let files = [
+        ("kvprobe-bundle/manifest.json".to_string(), b"{}".to_vec()),
+        ("kvprobe-bundle/report.json".to_string(), b"{}".to_vec()),
+    ];
+    // A directory entry (the README: "not a regular file").
+    let dir = d.join("dir.tar.gz");
+    {
+        let gz = flate2::write::GzEncoder::new(std::fs::File::create(&dir).unwrap(), flate2::Compression::fast());
+        let mut t = tar::Builder::new(gz);
+        let mut h = tar::Header::new_gnu();
+        h.set_size(0);
+        h.set_mode(0o755);
+        h.set_entry_type(tar::EntryType::Directory);
+        t.append_data(&mut h, "kvprobe-bundle/", std::io::empty()).unwrap();
+        t.into_inner().unwrap().finish().unwrap();
+    }
+    let late = d.join("late.tar.gz");
+    retar(&late, &[files[1].clone(), files[0].clone()]);
+    let empty = d.join("empty.tar.gz");
+    retar(&empty, &[]);
+    for (p, line) in [
+        (&dir, "kvprobe-bundle/ is a directory".to_string()),
+        (&late, "the first entry is kvprobe-bundle/report.json, not kvprobe-bundle/manifest.json".into()),
+        (&empty, format!("{}: no kvprobe-bundle/manifest.json", empty.display())),
+    ] {
+        for cmd in ["check", "show"] {
+            let (code, out, err) = kvprobe(&["report", cmd, p.to_str().unwrap()]);
+            assert_eq!(code, 2, "{cmd} {}: {out}{err}", p.display());
+            assert!(err.contains(&line) && err.contains(&p.display().to_string()), "{cmd}: {line:?} in {err}");
+        }
+    }
+}
