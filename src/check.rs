@@ -98,15 +98,33 @@ pub fn check(path: &Path) -> Result<Checked> {
     let sections: Vec<(String, String, &Value)> = if schema == crate::report::SCHEMA {
         vec![(String::new(), "dump/".into(), &report)]
     } else if schema == crate::ab::AB_SCHEMA {
-        let rows = report.get("rows").and_then(Value::as_array).cloned().unwrap_or_default();
-        let secs = report.get("sections").and_then(Value::as_array);
-        rows.iter()
-            .enumerate()
-            .filter_map(|(i, r)| {
-                let name = r.get("name")?.as_str()?.to_string();
-                Some((format!("row {name}: "), format!("dump/{name}/"), secs?.get(i)?))
-            })
-            .collect()
+        let ab: crate::ab::AbReport = serde_json::from_value(report.clone())
+            .map_err(|e| Error::Usage(format!("{}: {} is not an ab report: {e}", path.display(), m.report)))?;
+        let secs = report["sections"].as_array().map(Vec::as_slice).unwrap_or_default();
+        if ab.sections.len() != ab.rows.len() {
+            problems.push(format!("{}: {} rows, {} sections", m.report, ab.rows.len(), ab.sections.len()));
+        }
+        let mut names = BTreeSet::new();
+        let mut v = Vec::new();
+        // rows[i] is re-derived from sections[i]; dump folders are paired with rows by name.
+        for (i, row) in ab.rows.iter().enumerate() {
+            let label = format!("row {}: ", row.name);
+            if !names.insert(row.name.clone()) {
+                problems.push(format!("{label}the name is given to two rows"));
+                continue;
+            }
+            let (Some(sec), Some(sv)) = (ab.sections.get(i), secs.get(i)) else { continue };
+            problems.extend(crate::ab::row_disagreements(row, sec).into_iter().map(|l| format!("{label}{l}")));
+            v.push((label, format!("dump/{}/", row.name), sv));
+        }
+        for p in b.files.keys() {
+            if let Some(dir) = p.strip_prefix("dump/").and_then(|q| q.strip_suffix("/index.json"))
+                && !names.contains(dir)
+            {
+                problems.push(format!("{p}: a dump folder no row is named ({dir})"));
+            }
+        }
+        v
     } else {
         return Err(Error::Usage(format!("{}: {} has schema {schema:?}, not a run or ab report", path.display(), m.report)));
     };

@@ -132,6 +132,52 @@ fn ab_dump_has_a_directory_per_row() {
     let (code, out, err) = check(&t);
     assert_eq!(code, 1, "{out}{err}");
     assert!(out.contains(&format!("row {name}: {slice}: actual_digest: ")), "{out}");
+    // Each row is re-derived from its section; rows and dump folders pair by name.
+    let files = untar(&b);
+    let (first, second) =
+        (ab["rows"][0]["name"].as_str().unwrap().to_string(), ab["rows"][1]["name"].as_str().unwrap().to_string());
+    let n = name.to_string();
+    type Edit = Box<dyn Fn(&mut Value)>;
+    let cases: Vec<(&str, Edit, String)> = vec![
+        (
+            "swap",
+            Box::new(|v| v["rows"].as_array_mut().unwrap().swap(0, 1)),
+            format!("row {second}: name: row {second}, section {first}"),
+        ),
+        (
+            "corrupt",
+            Box::new(move |v| {
+                let r = v["rows"].as_array_mut().unwrap().iter_mut().find(|r| r["name"] == n.as_str()).unwrap();
+                r["corrupt"] = 999.into();
+            }),
+            format!("row {name}: corrupt: row 999"),
+        ),
+        ("classes", Box::new(|v| v["rows"][0]["classes"]["torn"] = 5.into()), format!("row {first}: classes: row")),
+        ("verdict", Box::new(|v| v["rows"][0]["verdict"] = "detected".into()), format!("row {first}: verdict: row \"detected\"")),
+        ("pass", Box::new(|v| v["rows"][0]["pass"] = false.into()), format!("row {first}: pass: row false")),
+    ];
+    for (what, f, line) in cases {
+        let t = d.join(format!("{what}.tar.gz"));
+        retar(&t, &edit_json(&files, "ab.json", &*f));
+        let (code, out, err) = check(&t);
+        assert_eq!(code, 1, "{what}: {out}{err}");
+        assert!(out.contains(&line), "{what}: {line:?} in {out}");
+    }
+    // A dump folder no row is named.
+    let mut fs = files.clone();
+    let index = fs.iter().find(|f| f.0 == format!("kvprobe-bundle/dump/{first}/index.json")).unwrap().1.clone();
+    fs.push(("kvprobe-bundle/dump/ghost/index.json".into(), index.clone()));
+    let mut mv: Value = serde_json::from_slice(&fs[0].1).unwrap();
+    mv["files"]
+        .as_array_mut()
+        .unwrap()
+        .push(serde_json::json!({"path": "dump/ghost/index.json", "bytes": index.len(), "sha256": sha256_hex(&index)}));
+    fs[0].1 = serde_json::to_vec(&mv).unwrap();
+    let t = d.join("ghost.tar.gz");
+    retar(&t, &fs);
+    let (code, out, err) = check(&t);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(out.contains("dump/ghost/index.json: a dump folder no row is named (ghost)"), "{out}");
 }
 
 #[test]
