@@ -678,6 +678,14 @@ fn check_finds_report_and_index_that_disagree_on_seed_geometry_dump_and_outcome(
             "dump/index.json: slice_bytes: index",
         ),
         ("geometry-invalid", "report.json", Box::new(|v| v["config"]["geometry"]["num_blocks"] = 0.into()), 2, "config.geometry"),
+        // 2^31 blocks: more slices than the 32-bit slot holds (a reviewer saw the slot wrap).
+        (
+            "geometry-2^31-blocks",
+            "report.json",
+            Box::new(|v| v["config"]["geometry"]["num_blocks"] = (1u64 << 31).into()),
+            2,
+            "report: config.geometry: ",
+        ),
         (
             "dump-block-missing",
             "report.json",
