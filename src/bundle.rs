@@ -200,6 +200,10 @@ pub const MAX_TOTAL_BYTES: u64 = 16 << 30;
 /// Largest `manifest.json` read (64 MiB): the manifest lists paths, sizes and digests only.
 pub const MAX_MANIFEST_BYTES: u64 = 64 << 20;
 
+/// Most entries a bundle may hold that its manifest does not list (each is named, unread);
+/// one more is malformed (exit 2), so a stream of tiny entries cannot grow the list unbounded.
+pub const MAX_UNLISTED: usize = 1000;
+
 /// A bundle read back, boundedly: the manifest (the first entry), the bodies of the entries it
 /// lists (each read up to its listed size + 1 byte, so a longer entry shows as a size
 /// disagreement without being read whole), and the names of the entries it does not list
@@ -225,7 +229,8 @@ enum Only<'a> {
 /// entry `only` and the manifest). Errors (usage, exit 2: a malformed bundle, each naming
 /// `path`): unreadable, not gzip or not tar, the first entry not `manifest.json` (or no
 /// entry), a manifest that is not one of [`MANIFEST_SCHEMA`] or larger than
-/// [`MAX_MANIFEST_BYTES`], listed sizes totalling over [`MAX_TOTAL_BYTES`] ("too large"), an
+/// [`MAX_MANIFEST_BYTES`], listed sizes totalling over [`MAX_TOTAL_BYTES`] ("too large"), more
+/// than [`MAX_UNLISTED`] unlisted entries, an
 /// entry that is not a regular file (a directory included) or lies outside [`TOP`], a path
 /// given twice, or memory running out while reading ("out of memory").
 fn read_bounded(path: &Path, only: Only<'_>) -> Result<Bundle> {
@@ -241,6 +246,8 @@ fn read_bounded(path: &Path, only: Only<'_>) -> Result<Bundle> {
     let mut ar = tar::Archive::new(flate2::read::MultiGzDecoder::new(std::io::BufReader::new(f)));
     let mut files = BTreeMap::new();
     let mut unlisted = Vec::new();
+    // Every name seen, for "appears twice": at most the listed ones and MAX_UNLISTED more.
+    let mut seen = std::collections::BTreeSet::new();
     let mut manifest: Option<Manifest> = None;
     let mut listed = BTreeMap::<String, u64>::new();
     let entries = ar.entries().map_err(|e| bad(format!("not a gzip-compressed tar archive: {e}")))?;
@@ -259,7 +266,7 @@ fn read_bounded(path: &Path, only: Only<'_>) -> Result<Bundle> {
             return Err(bad(format!("{name}: not a plain relative path")));
         }
         let rel = rel.to_string();
-        if files.contains_key(&rel) || unlisted.contains(&rel) {
+        if files.contains_key(&rel) || !seen.insert(rel.clone()) {
             return Err(bad(format!("{name} appears twice")));
         }
         if manifest.is_none() {
@@ -291,6 +298,9 @@ fn read_bounded(path: &Path, only: Only<'_>) -> Result<Bundle> {
             continue;
         }
         let Some(&n) = listed.get(&rel) else {
+            if unlisted.len() >= MAX_UNLISTED {
+                return Err(bad(format!("more than {MAX_UNLISTED} entries the manifest does not list")));
+            }
             unlisted.push(rel);
             continue;
         };

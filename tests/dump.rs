@@ -877,7 +877,14 @@ fn a_bundle_with_a_directory_a_late_manifest_or_none_is_malformed_naming_it() {
     retar(&late, &[files[1].clone(), files[0].clone()]);
     let empty = d.join("empty.tar.gz");
     retar(&empty, &[]);
+    // A valid manifest followed by more unlisted entries than are named one by one.
+    let many = d.join("many.tar.gz");
+    let manifest = br#"{"schema":"kvprobe.manifest/1","kvprobe_version":"0","created_unix":0,"redacted":false,"capture_made":"run","report":"report.json","files":[]}"#;
+    let mut fs = vec![("kvprobe-bundle/manifest.json".to_string(), manifest.to_vec())];
+    fs.extend((0..1001).map(|i| (format!("kvprobe-bundle/env/x{i}"), Vec::new())));
+    retar(&many, &fs);
     for (p, line) in [
+        (&many, "more than 1000 entries the manifest does not list".to_string()),
         (&dir, "kvprobe-bundle/ is a directory".to_string()),
         (&late, "the first entry is kvprobe-bundle/report.json, not kvprobe-bundle/manifest.json".into()),
         (&empty, format!("{}: no kvprobe-bundle/manifest.json", empty.display())),
