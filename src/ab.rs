@@ -104,6 +104,53 @@ fn row_of(name: String, scenario: Scenario, unfenced: Option<Mechanism>, r: &Rep
     }
 }
 
+/// The row name of `(scenario, unfenced)`: the scenario, or `SCENARIO+MECHANISM`.
+pub fn row_name(scenario: Scenario, unfenced: Option<Mechanism>) -> String {
+    match unfenced {
+        None => scenario.name().to_string(),
+        Some(m) => format!("{}+{}", scenario.name(), m.name()),
+    }
+}
+
+/// Where `row` disagrees with its section `sec` (for `kvprobe report check`), one line per
+/// field: the name must be the one of the section's scenario and unfenced mechanism
+/// ([`row_name`]), and every other field what [`row_of`] derives from the section (a row cut
+/// short by an error: verdict the section's outcome status, pass false).
+pub fn row_disagreements(row: &AbRow, sec: &Report) -> Vec<String> {
+    let mut out = Vec::new();
+    let sc = sec.config.get("scenario").cloned().unwrap_or_default();
+    let scenario: Option<Scenario> = serde_json::from_value(sc["scenario"].clone()).ok();
+    let unfenced: Option<Vec<Mechanism>> = serde_json::from_value(sc["unfenced"].clone()).ok();
+    let (Some(scenario), Some(unfenced)) = (scenario, unfenced) else {
+        out.push("section: config.scenario: no scenario and unfenced list".to_string());
+        return out;
+    };
+    if unfenced.len() > 1 {
+        out.push(format!("section: config.scenario.unfenced: {} mechanisms, a row leaves one", unfenced.len()));
+    }
+    let unfenced = unfenced.first().copied();
+    let name = row_name(scenario, unfenced);
+    if row.name != name {
+        out.push(format!("name: row {}, section {name}", row.name));
+    }
+    let mut want = row_of(name, scenario, unfenced, sec);
+    if sec.outcome.error.is_some() {
+        want.verdict = sec.outcome.status.clone();
+        want.pass = false;
+        want.why = row.why.clone();
+    }
+    let (got, want) = (serde_json::to_value(row).unwrap_or_default(), serde_json::to_value(&want).unwrap_or_default());
+    if let (Some(g), Some(w)) = (got.as_object(), want.as_object()) {
+        for (k, w) in w {
+            let g = g.get(k).cloned().unwrap_or_default();
+            if k != "name" && &g != w {
+                out.push(format!("{k}: row {g}, section {w}"));
+            }
+        }
+    }
+    out
+}
+
 /// Exit code of a finished matrix: 1 when a fenced row is corrupt or any corruption is
 /// unexplained, else 6 when an unfenced row was not detected, else 0.
 pub fn matrix_exit(rows: &[AbRow]) -> Exit {
@@ -236,10 +283,7 @@ fn run_rows(
     publish(ab, None);
     let mut probe = Probe::setup(cfg)?;
     for (scenario, unfenced) in cases() {
-        let name = match unfenced {
-            None => scenario.name().to_string(),
-            Some(m) => format!("{}+{}", scenario.name(), m.name()),
-        };
+        let name = row_name(scenario, unfenced);
         let sc = ScenarioConfig { scenario, unfenced: unfenced.into_iter().collect(), ..template.clone() };
         let row_cfg = RunConfig { scenario: Some(sc.clone()), ..cfg.clone() };
         let mut rep = crate::run::empty_report(&row_cfg);

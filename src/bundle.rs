@@ -471,17 +471,49 @@ pub fn write(out: &Path, c: &Contents<'_>) -> Result<Manifest> {
     Ok(manifest)
 }
 
-/// A bundle read back: every file under [`TOP`] by its path below it.
+/// Largest total of the sizes a manifest may list (16 GiB): a bundle listing more is refused
+/// as too large (exit 2) before any body is read.
+pub const MAX_TOTAL_BYTES: u64 = 16 << 30;
+
+/// Largest `manifest.json` read (64 MiB): the manifest lists paths, sizes and digests only.
+pub const MAX_MANIFEST_BYTES: u64 = 64 << 20;
+
+/// Most entries a bundle may hold that its manifest does not list (each is named, unread);
+/// one more is malformed (exit 2), so a stream of tiny entries cannot grow the list unbounded.
+pub const MAX_UNLISTED: usize = 1000;
+
+/// A bundle read back, boundedly: the manifest (the first entry), the bodies of the entries it
+/// lists (each read up to its listed size + 1 byte, so a longer entry shows as a size
+/// disagreement without being read whole), and the names of the entries it does not list
+/// (their bodies are skipped, never held).
 pub struct Bundle {
-    /// Files by path below [`TOP`] (`manifest.json` included).
+    /// Listed files read, by path below [`TOP`] (`manifest.json` included).
     pub files: BTreeMap<String, Vec<u8>>,
+    /// The manifest ([`manifest`]).
+    pub manifest: Manifest,
+    /// Entries the manifest does not list (paths below [`TOP`]), in archive order; not read.
+    pub unlisted: Vec<String>,
 }
 
-/// Reads the bundle at `path`. Errors (usage, exit 2: a malformed bundle): unreadable, not
-/// gzip or not tar, an entry that is not a regular file or directory under [`TOP`], a path
-/// given twice.
-pub fn read(path: &Path) -> Result<Bundle> {
+/// Which listed entries [`read_bounded`] reads besides the manifest.
+#[derive(Clone, Copy)]
+enum Only<'a> {
+    All,
+    Entry(&'a str),
+    Report,
+}
+
+/// Reads the bundle at `path`, reading only what the manifest lists (all of it, or only the
+/// entry `only` and the manifest). Errors (usage, exit 2: a malformed bundle, each naming
+/// `path`): unreadable, not gzip or not tar, the first entry not `manifest.json` (or no
+/// entry), a manifest that is not one of [`MANIFEST_SCHEMA`] or larger than
+/// [`MAX_MANIFEST_BYTES`], listed sizes totalling over [`MAX_TOTAL_BYTES`] ("too large"), more
+/// than [`MAX_UNLISTED`] unlisted entries, an
+/// entry that is not a regular file (a directory included) or lies outside [`TOP`], a path
+/// given twice, or memory running out while reading ("out of memory").
+fn read_bounded(path: &Path, only: Only<'_>) -> Result<Bundle> {
     let bad = |why: String| Error::Usage(format!("{}: not a kvprobe bundle: {why}", path.display()));
+    let oom = |name: &str, n: u64| Error::Usage(format!("{}: out of memory reading {name} ({n} bytes)", path.display()));
     let f = std::fs::File::open(path).map_err(|e| Error::Usage(format!("{}: cannot read it: {e}", path.display())))?;
     let mut magic = [0u8; 2];
     let _ = (&f).read(&mut magic);
@@ -489,18 +521,21 @@ pub fn read(path: &Path) -> Result<Bundle> {
         return Err(bad("not a gzip file".into()));
     }
     let f = std::fs::File::open(path).map_err(|e| bad(format!("cannot read it: {e}")))?;
-    let mut ar = tar::Archive::new(flate2::read::GzDecoder::new(std::io::BufReader::new(f)));
+    let mut ar = tar::Archive::new(flate2::read::MultiGzDecoder::new(std::io::BufReader::new(f)));
     let mut files = BTreeMap::new();
+    let mut unlisted = Vec::new();
+    // Every name seen, for "appears twice": at most the listed ones and MAX_UNLISTED more.
+    let mut seen = std::collections::BTreeSet::new();
+    let mut manifest: Option<Manifest> = None;
+    let mut listed = BTreeMap::<String, u64>::new();
     let entries = ar.entries().map_err(|e| bad(format!("not a gzip-compressed tar archive: {e}")))?;
     for e in entries {
         let mut e = e.map_err(|e| bad(format!("not a gzip-compressed tar archive: {e}")))?;
         let name = e.path().map_err(|e| bad(format!("an entry's name: {e}")))?.to_string_lossy().into_owned();
         let t = e.header().entry_type();
-        if t.is_dir() {
-            continue;
-        }
-        if !(t.is_file()) {
-            return Err(bad(format!("{name} is not a regular file")));
+        if !t.is_file() {
+            let what = if t.is_dir() { "a directory" } else { "not a regular file" };
+            return Err(bad(format!("{name} is {what}")));
         }
         let Some(rel) = name.strip_prefix(&format!("{TOP}/")) else {
             return Err(bad(format!("{name} is outside {TOP}/")));
@@ -508,27 +543,114 @@ pub fn read(path: &Path) -> Result<Bundle> {
         if rel.split('/').any(|c| c == ".." || c.is_empty()) {
             return Err(bad(format!("{name}: not a plain relative path")));
         }
-        let mut body = Vec::new();
-        e.read_to_end(&mut body).map_err(|e| bad(format!("reading {name}: {e}")))?;
-        if files.insert(rel.to_string(), body).is_some() {
+        let rel = rel.to_string();
+        if files.contains_key(&rel) || !seen.insert(rel.clone()) {
             return Err(bad(format!("{name} appears twice")));
         }
+        if manifest.is_none() {
+            if rel != "manifest.json" {
+                return Err(bad(format!("the first entry is {name}, not {TOP}/manifest.json")));
+            }
+            let body = read_capped(&mut e, MAX_MANIFEST_BYTES + 1).map_err(|n| oom(&name, n))?;
+            let body = body.map_err(|e| bad(format!("reading {name}: {e}")))?;
+            if body.len() as u64 > MAX_MANIFEST_BYTES {
+                return Err(bad(format!("{name} is larger than {MAX_MANIFEST_BYTES} bytes")));
+            }
+            let m: Manifest = serde_json::from_slice(&body)
+                .map_err(|e| Error::Usage(format!("{}: {TOP}/manifest.json is not a manifest: {e}", path.display())))?;
+            if m.schema != MANIFEST_SCHEMA {
+                return Err(Error::Usage(format!("{}: manifest schema {:?} is not {MANIFEST_SCHEMA}", path.display(), m.schema)));
+            }
+            let total = m.files.iter().fold(0u64, |a, f| a.saturating_add(f.bytes));
+            if total > MAX_TOTAL_BYTES {
+                return Err(Error::Usage(format!(
+                    "{}: too large: the manifest lists {total} bytes, over the {MAX_TOTAL_BYTES} bytes (16 GiB) report check reads",
+                    path.display()
+                )));
+            }
+            for f in &m.files {
+                listed.entry(f.path.clone()).or_insert(f.bytes);
+            }
+            files.insert(rel, body);
+            manifest = Some(m);
+            continue;
+        }
+        let Some(&n) = listed.get(&rel) else {
+            if unlisted.len() >= MAX_UNLISTED {
+                return Err(bad(format!("more than {MAX_UNLISTED} entries the manifest does not list")));
+            }
+            unlisted.push(rel);
+            continue;
+        };
+        let wanted = match only {
+            Only::All => true,
+            Only::Entry(o) => o == rel,
+            Only::Report => manifest.as_ref().is_some_and(|m| m.report == rel),
+        };
+        if !wanted {
+            continue;
+        }
+        let body = read_capped(&mut e, n.saturating_add(1)).map_err(|n| oom(&name, n))?;
+        files.insert(rel, body.map_err(|e| bad(format!("reading {name}: {e}")))?);
     }
-    if files.is_empty() {
-        return Err(bad("no files".into()));
-    }
-    Ok(Bundle { files })
+    let Some(manifest) = manifest else {
+        return Err(Error::Usage(format!("{}: no {TOP}/manifest.json", path.display())));
+    };
+    Ok(Bundle { files, manifest, unlisted })
 }
 
-/// The manifest of a bundle. Errors (usage, exit 2): missing or not a manifest.
-pub fn manifest(b: &Bundle) -> Result<Manifest> {
-    let m = b.files.get("manifest.json").ok_or_else(|| Error::Usage(format!("no {TOP}/manifest.json")))?;
-    let m: Manifest =
-        serde_json::from_slice(m).map_err(|e| Error::Usage(format!("{TOP}/manifest.json is not a manifest: {e}")))?;
-    if m.schema != MANIFEST_SCHEMA {
-        return Err(Error::Usage(format!("manifest schema {:?} is not {MANIFEST_SCHEMA}", m.schema)));
+/// Up to `cap` bytes of `r`, the room reserved first: `Err(bytes)` when memory for them
+/// cannot be had (reported as "out of memory", not as a malformed bundle).
+fn read_capped(r: &mut impl Read, cap: u64) -> std::result::Result<std::io::Result<Vec<u8>>, u64> {
+    let mut body = Vec::new();
+    // Reserve at most 1 MiB ahead; the rest grows as the bytes arrive (a listed size is a
+    // claim, not a promise), each growth checked the same way.
+    let mut r = r.take(cap);
+    let mut buf = [0u8; 1 << 16];
+    loop {
+        let k = match r.read(&mut buf) {
+            Ok(0) => return Ok(Ok(body)),
+            Ok(k) => k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Ok(Err(e)),
+        };
+        if body.capacity() - body.len() < k {
+            let want = (body.len() as u64).max(k as u64).min(cap - body.len() as u64).max(k as u64);
+            body.try_reserve(want as usize).map_err(|_| body.len() as u64 + want)?;
+        }
+        body.extend_from_slice(&buf[..k]);
     }
-    Ok(m)
+}
+
+/// Reads the bundle at `path`: the manifest and every entry it lists (see [`Bundle`]).
+/// Errors: as [`read_bounded`] describes (usage, exit 2, naming `path`).
+pub fn read(path: &Path) -> Result<Bundle> {
+    read_bounded(path, Only::All)
+}
+
+/// Reads one listed entry of the bundle at `path` (e.g. its report for `kvprobe report
+/// show`), and the manifest, nothing else. Errors (usage, exit 2, naming `path`): as [`read`],
+/// or `name` not listed or not in the bundle.
+pub fn read_entry(path: &Path, name: &str) -> Result<Vec<u8>> {
+    let mut b = read_bounded(path, Only::Entry(name))?;
+    b.files
+        .remove(name)
+        .ok_or_else(|| Error::Usage(format!("{}: {TOP}/{name} is not in the bundle or not in its manifest", path.display())))
+}
+
+/// The report a bundle at `path` holds (the manifest's `report`: `report.json` or
+/// `ab.json`), reading only the manifest and that entry, for `kvprobe report show`.
+pub fn read_report(path: &Path) -> Result<Vec<u8>> {
+    let mut b = read_bounded(path, Only::Report)?;
+    let name = b.manifest.report.clone();
+    b.files
+        .remove(&name)
+        .ok_or_else(|| Error::Usage(format!("{}: the manifest's report {TOP}/{name} is not in the bundle", path.display())))
+}
+
+/// The manifest of a bundle read by [`read`].
+pub fn manifest(b: &Bundle) -> Result<Manifest> {
+    Ok(b.manifest.clone())
 }
 
 /// The report a bundle holds (`report.json` or `ab.json`), for `kvprobe report show`.

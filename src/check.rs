@@ -40,7 +40,7 @@ pub struct Checked {
 /// Errors (usage, exit 2): a malformed bundle — unreadable, not gzip or tar, no manifest, a
 /// manifest, report or index that is not valid JSON of its schema.
 pub fn check(path: &Path) -> Result<Checked> {
-    let b = crate::bundle::read(path)?;
+    let mut b = crate::bundle::read(path)?;
     let m = crate::bundle::manifest(&b)?;
     let mut problems = Vec::new();
     let mut listed = BTreeSet::new();
@@ -52,8 +52,15 @@ pub fn check(path: &Path) -> Result<Checked> {
         match b.files.get(&f.path) {
             None => problems.push(format!("{}: in the manifest but not in the bundle", f.path)),
             Some(body) => {
+                // Read up to the listed size + 1 byte: "more" means the entry is longer.
                 if body.len() as u64 != f.bytes {
-                    problems.push(format!("{}: bytes: manifest {}, file {}", f.path, f.bytes, body.len()));
+                    let more = if body.len() as u64 > f.bytes { "more than " } else { "" };
+                    problems.push(format!(
+                        "{}: bytes: manifest {}, file {more}{}",
+                        f.path,
+                        f.bytes,
+                        body.len().min(f.bytes as usize)
+                    ));
                 }
                 let d = fingerprint::digest(body);
                 if d != f.sha256 {
@@ -62,10 +69,23 @@ pub fn check(path: &Path) -> Result<Checked> {
             }
         }
     }
-    for p in b.files.keys() {
-        if p != "manifest.json" && !listed.contains(p) {
-            problems.push(format!("{p}: in the bundle but not in the manifest"));
-        }
+    // An entry of the wrong size was read only to its listed size + 1: its bytes are not the
+    // file's, so nothing else is derived from them (it counts as absent below).
+    let wrong_size: Vec<String> = m
+        .files
+        .iter()
+        .filter(|f| b.files.get(&f.path).is_some_and(|body| body.len() as u64 != f.bytes))
+        .map(|f| f.path.clone())
+        .collect();
+    for p in &wrong_size {
+        b.files.remove(p);
+    }
+    for p in &b.unlisted {
+        problems.push(format!("{p}: in the bundle but not in the manifest (not read)"));
+    }
+    if wrong_size.contains(&m.report) {
+        // Its size disagrees (said above): nothing more can be compared with it.
+        return Ok(Checked { problems, files: m.files.len(), slices: 0 });
     }
     let body = b
         .files
@@ -78,15 +98,33 @@ pub fn check(path: &Path) -> Result<Checked> {
     let sections: Vec<(String, String, &Value)> = if schema == crate::report::SCHEMA {
         vec![(String::new(), "dump/".into(), &report)]
     } else if schema == crate::ab::AB_SCHEMA {
-        let rows = report.get("rows").and_then(Value::as_array).cloned().unwrap_or_default();
-        let secs = report.get("sections").and_then(Value::as_array);
-        rows.iter()
-            .enumerate()
-            .filter_map(|(i, r)| {
-                let name = r.get("name")?.as_str()?.to_string();
-                Some((format!("row {name}: "), format!("dump/{name}/"), secs?.get(i)?))
-            })
-            .collect()
+        let ab: crate::ab::AbReport = serde_json::from_value(report.clone())
+            .map_err(|e| Error::Usage(format!("{}: {} is not an ab report: {e}", path.display(), m.report)))?;
+        let secs = report["sections"].as_array().map(Vec::as_slice).unwrap_or_default();
+        if ab.sections.len() != ab.rows.len() {
+            problems.push(format!("{}: {} rows, {} sections", m.report, ab.rows.len(), ab.sections.len()));
+        }
+        let mut names = BTreeSet::new();
+        let mut v = Vec::new();
+        // rows[i] is re-derived from sections[i]; dump folders are paired with rows by name.
+        for (i, row) in ab.rows.iter().enumerate() {
+            let label = format!("row {}: ", row.name);
+            if !names.insert(row.name.clone()) {
+                problems.push(format!("{label}the name is given to two rows"));
+                continue;
+            }
+            let (Some(sec), Some(sv)) = (ab.sections.get(i), secs.get(i)) else { continue };
+            problems.extend(crate::ab::row_disagreements(row, sec).into_iter().map(|l| format!("{label}{l}")));
+            v.push((label, format!("dump/{}/", row.name), sv));
+        }
+        for p in b.files.keys() {
+            if let Some(dir) = p.strip_prefix("dump/").and_then(|q| q.strip_suffix("/index.json"))
+                && !names.contains(dir)
+            {
+                problems.push(format!("{p}: a dump folder no row is named ({dir})"));
+            }
+        }
+        v
     } else {
         return Err(Error::Usage(format!("{}: {} has schema {schema:?}, not a run or ab report", path.display(), m.report)));
     };
@@ -101,7 +139,15 @@ pub fn check(path: &Path) -> Result<Checked> {
         };
         let index: DumpIndex = serde_json::from_slice(ib)
             .map_err(|e| Error::Usage(format!("{}: {index_path} is not a dump index: {e}", path.display())))?;
-        check_section(&label, &dir, &index, sec, &b.files, &mut indexed, &mut problems);
+        if index.schema != crate::dump::SCHEMA {
+            return Err(Error::Usage(format!(
+                "{}: {index_path}: schema {:?} is not {}",
+                path.display(),
+                index.schema,
+                crate::dump::SCHEMA
+            )));
+        }
+        check_section(&label, &dir, &index, sec, &b.files, &mut indexed, &mut problems, path)?;
     }
     for p in b.files.keys() {
         if p.starts_with("dump/") && p.contains("slices/") && !indexed.contains(p) {
@@ -109,6 +155,39 @@ pub fn check(path: &Path) -> Result<Checked> {
         }
     }
     Ok(Checked { problems, files: m.files.len(), slices: indexed.len() })
+}
+
+/// The report's geometry, validated ([`Geometry::validate`]).
+fn geometry_of(v: &Value) -> std::result::Result<Geometry, String> {
+    let g: Geometry = serde_json::from_value(v.clone()).map_err(|e| format!("not a geometry: {e}"))?;
+    g.validate().map_err(|e| e.to_string())?;
+    Ok(g)
+}
+
+/// Outcome coherence of one report (or ab section): failures listed (or slices dumped) mean
+/// the run was not clean and `summary.blocks_corrupt` counts at least that many; sweep
+/// failures carry `iteration` >= 1 (scenario failures, with `request`, count engine steps from 0).
+fn coherence(sec: &Value, failures: &[Value], dumped: usize, say: &mut dyn FnMut(String)) {
+    let outcome = &sec["outcome"];
+    if (!failures.is_empty() || dumped > 0) && !outcome.is_null() {
+        let status = outcome["status"].as_str().unwrap_or("");
+        if status == "clean" || outcome["exit_code"].as_u64() == Some(0) {
+            say(format!(
+                "report: outcome: status {status:?} exit {}, but {} failures listed and {dumped} slices dumped",
+                show(&outcome["exit_code"]),
+                failures.len()
+            ));
+        }
+    }
+    let corrupt = sec["summary"]["blocks_corrupt"].as_u64().unwrap_or(0);
+    if corrupt < failures.len() as u64 {
+        say(format!("report: summary.blocks_corrupt: {corrupt}, but {} failures listed", failures.len()));
+    }
+    for (i, f) in failures.iter().enumerate() {
+        if f.get("request").is_none_or(Value::is_null) && f["iteration"].as_u64().is_some_and(|n| n < 1) {
+            say(format!("report: failures[{i}].iteration: {}, sweeps count from 1", show(&f["iteration"])));
+        }
+    }
 }
 
 /// The slice's name in messages: `iteration 2 layer 1 K block 17`.
@@ -190,11 +269,49 @@ fn check_section(
     files: &BTreeMap<String, Vec<u8>>,
     indexed: &mut BTreeSet<String>,
     problems: &mut Vec<String>,
-) {
+    bundle: &Path,
+) -> Result<()> {
+    let bundle = bundle.display();
     let mut say = |s: String| problems.push(format!("{label}{s}"));
     let config = &sec["config"];
     if config["seed"].as_u64() != Some(index.seed) {
         say(format!("{dir}index.json: seed: report {}, index {}", show(&config["seed"]), index.seed));
+    }
+    // seed_hex is the seed again, "0x" + 16 hex digits, in the report and in the index.
+    if let Some(seed) = config["seed"].as_u64() {
+        let want = fingerprint::seed_hex(seed);
+        if config["seed_hex"].as_str() != Some(want.as_str()) {
+            say(format!("report: config.seed_hex: report {}, seed {seed} is {want}", show(&config["seed_hex"])));
+        }
+    }
+    let want = fingerprint::seed_hex(index.seed);
+    if index.seed_hex != want {
+        say(format!("{dir}index.json: seed_hex: index {}, seed {} is {want}", index.seed_hex, index.seed));
+    }
+    if index.geometry != config["geometry"] {
+        say(format!("{dir}index.json: geometry: report {}, index {}", show(&config["geometry"]), show(&index.geometry)));
+    }
+    // The report's dump block and the index say the same.
+    match sec.get("dump").filter(|d| !d.is_null()) {
+        None if !index.slices.is_empty() => {
+            say(format!("report: dump: none, but {dir}index.json lists {} slices", index.slices.len()))
+        }
+        None => {}
+        Some(d) => {
+            let sum: u64 = index.slices.iter().map(|e| e.bytes).sum();
+            let truncated = index.dump_truncated.as_ref().map_or(Value::Null, |t| json!(t));
+            for (k, want) in [
+                ("slices_written", json!(index.slices.len() as u64)),
+                ("bytes_written", json!(sum)),
+                ("max_bytes", json!(index.max_bytes)),
+                ("dump_truncated", truncated),
+            ] {
+                let got = d.get(k).cloned().unwrap_or(Value::Null);
+                if got != want {
+                    say(format!("report: dump.{k}: report {}, {dir}index.json {}", show(&got), show(&want)));
+                }
+            }
+        }
     }
     let slice_bytes = config["geometry"]["slice_bytes"].as_u64();
     if slice_bytes != Some(index.slice_bytes) {
@@ -204,8 +321,24 @@ fn check_section(
             index.slice_bytes
         ));
     }
-    let geometry: Option<Geometry> = serde_json::from_value(config["geometry"].clone()).ok();
+    let geometry = Some(
+        geometry_of(&config["geometry"]).map_err(|e| Error::Usage(format!("{bundle}: {label}report: config.geometry: {e}")))?,
+    );
+    if let Some(g) = &geometry
+        && let Ok(n) = g.slice_bytes()
+    {
+        if slice_bytes != Some(n) {
+            say(format!(
+                "report: config.geometry.slice_bytes: report {}, geometry {n}",
+                show(&config["geometry"]["slice_bytes"])
+            ));
+        }
+        if index.slice_bytes != n {
+            say(format!("{dir}index.json: slice_bytes: index {}, geometry {n}", index.slice_bytes));
+        }
+    }
     let failures = sec["failures"].as_array().cloned().unwrap_or_default();
+    coherence(sec, &failures, index.slices.len(), &mut say);
     let (mut bytes_total, mut per_class) = (0u64, BTreeMap::<String, u64>::new());
     for e in &index.slices {
         let name = slice_name(e);
@@ -230,11 +363,13 @@ fn check_section(
         if let Some(g) = &geometry {
             let c = SliceCoord { layer: e.failure.layer, kv: e.failure.kv, block: e.failure.block };
             let in_pool = c.layer < g.num_layers && c.block < g.num_blocks && g.parts().contains(&c.kv);
-            if !in_pool || g.global_slice(c) != e.failure.slot {
+            // u64: a pool of 2^31 blocks has global slices past u32.
+            let slot = c.layer as u64 * g.slices_per_layer() + g.slice_index_in_layer(c.kv, c.block);
+            if !in_pool || slot != e.failure.slot as u64 {
                 say(format!(
                     "{name}: slot: index {}, geometry {}",
                     e.failure.slot,
-                    if in_pool { g.global_slice(c).to_string() } else { "no such slice".into() }
+                    if in_pool { slot.to_string() } else { "no such slice".into() }
                 ));
             }
         }
@@ -286,4 +421,5 @@ fn check_section(
             say(format!("{dir}index.json: by_class.{class}: report {r}, index written {} + omitted {}", c.written, c.omitted));
         }
     }
+    Ok(())
 }

@@ -40,8 +40,8 @@ pub fn load(path: &Path) -> Result<Document> {
     let mut bytes = read_bounded(path).map_err(bad)?;
     if bytes.starts_with(&[0x1f, 0x8b]) {
         // A bundle (`--bundle`, `kvprobe bundle`): its report.
-        let b = crate::bundle::read(path)?;
-        bytes = crate::bundle::report_bytes(&b).map_err(|e| bad(e.to_string()))?.1.to_vec();
+        // Only the manifest and the report entry are read (bounded; see [`crate::bundle`]).
+        bytes = crate::bundle::read_report(path)?;
     }
     let json: Value = serde_json::from_slice(&bytes).map_err(|e| bad(format!("not a kvprobe JSON document: {e}")))?;
     let schema = match json.get("schema") {

@@ -132,6 +132,52 @@ fn ab_dump_has_a_directory_per_row() {
     let (code, out, err) = check(&t);
     assert_eq!(code, 1, "{out}{err}");
     assert!(out.contains(&format!("row {name}: {slice}: actual_digest: ")), "{out}");
+    // Each row is re-derived from its section; rows and dump folders pair by name.
+    let files = untar(&b);
+    let (first, second) =
+        (ab["rows"][0]["name"].as_str().unwrap().to_string(), ab["rows"][1]["name"].as_str().unwrap().to_string());
+    let n = name.to_string();
+    type Edit = Box<dyn Fn(&mut Value)>;
+    let cases: Vec<(&str, Edit, String)> = vec![
+        (
+            "swap",
+            Box::new(|v| v["rows"].as_array_mut().unwrap().swap(0, 1)),
+            format!("row {second}: name: row {second}, section {first}"),
+        ),
+        (
+            "corrupt",
+            Box::new(move |v| {
+                let r = v["rows"].as_array_mut().unwrap().iter_mut().find(|r| r["name"] == n.as_str()).unwrap();
+                r["corrupt"] = 999.into();
+            }),
+            format!("row {name}: corrupt: row 999"),
+        ),
+        ("classes", Box::new(|v| v["rows"][0]["classes"]["torn"] = 5.into()), format!("row {first}: classes: row")),
+        ("verdict", Box::new(|v| v["rows"][0]["verdict"] = "detected".into()), format!("row {first}: verdict: row \"detected\"")),
+        ("pass", Box::new(|v| v["rows"][0]["pass"] = false.into()), format!("row {first}: pass: row false")),
+    ];
+    for (what, f, line) in cases {
+        let t = d.join(format!("{what}.tar.gz"));
+        retar(&t, &edit_json(&files, "ab.json", &*f));
+        let (code, out, err) = check(&t);
+        assert_eq!(code, 1, "{what}: {out}{err}");
+        assert!(out.contains(&line), "{what}: {line:?} in {out}");
+    }
+    // A dump folder no row is named.
+    let mut fs = files.clone();
+    let index = fs.iter().find(|f| f.0 == format!("kvprobe-bundle/dump/{first}/index.json")).unwrap().1.clone();
+    fs.push(("kvprobe-bundle/dump/ghost/index.json".into(), index.clone()));
+    let mut mv: Value = serde_json::from_slice(&fs[0].1).unwrap();
+    mv["files"]
+        .as_array_mut()
+        .unwrap()
+        .push(serde_json::json!({"path": "dump/ghost/index.json", "bytes": index.len(), "sha256": sha256_hex(&index)}));
+    fs[0].1 = serde_json::to_vec(&mv).unwrap();
+    let t = d.join("ghost.tar.gz");
+    retar(&t, &fs);
+    let (code, out, err) = check(&t);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(out.contains("dump/ghost/index.json: a dump folder no row is named (ghost)"), "{out}");
 }
 
 #[test]
@@ -869,4 +915,297 @@ fn kvprobe_bundle_refuses_to_write_over_its_report_or_into_its_dump() {
     let (code, log) = bundle_cmd(&["--report", report.to_str().unwrap(), "-o", inside.to_str().unwrap()]);
     assert_eq!(code, 2, "{log}");
     assert!(!inside.exists());
+}
+
+/// `files` with the JSON entry `name` (under `kvprobe-bundle/`) changed by `f` and the
+/// manifest updated to its new size and SHA-256 (so only the consistency checks can see it).
+pub fn edit_json(files: &[(String, Vec<u8>)], name: &str, f: &dyn Fn(&mut Value)) -> Vec<(String, Vec<u8>)> {
+    let mut fs = files.to_vec();
+    let full = format!("kvprobe-bundle/{name}");
+    let e = fs.iter_mut().find(|x| x.0 == full).unwrap_or_else(|| panic!("{name} in bundle"));
+    let mut v: Value = serde_json::from_slice(&e.1).unwrap();
+    f(&mut v);
+    e.1 = serde_json::to_vec_pretty(&v).unwrap();
+    let (sha, len) = (sha256_hex(&e.1), e.1.len());
+    let m = fs.iter_mut().find(|x| x.0 == "kvprobe-bundle/manifest.json").unwrap();
+    let mut mv: Value = serde_json::from_slice(&m.1).unwrap();
+    for x in mv["files"].as_array_mut().unwrap() {
+        if x["path"] == name {
+            x["sha256"] = sha.clone().into();
+            x["bytes"] = len.into();
+        }
+    }
+    m.1 = serde_json::to_vec(&mv).unwrap();
+    fs
+}
+
+#[test]
+fn check_finds_report_and_index_that_disagree_on_seed_geometry_dump_and_outcome() {
+    let d = tmpdir("bundle-consistency");
+    let b = d.join("b.tar.gz");
+    let (code, out, err) = kvprobe(&[
+        "run",
+        "--memory",
+        "dram",
+        "--iterations",
+        "2",
+        "--inject",
+        "torn:1",
+        "--dump",
+        d.join("D").to_str().unwrap(),
+        "--report",
+        d.join("r.json").to_str().unwrap(),
+        "--bundle",
+        b.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert_eq!(check(&b).0, 0);
+    let files = untar(&b);
+    type Edit = Box<dyn Fn(&mut Value)>;
+    // (case, file edited, edit, exit code, line expected)
+    let cases: Vec<(&str, &str, Edit, i32, &str)> = vec![
+        ("index-schema", "dump/index.json", Box::new(|v| v["schema"] = "kvprobe.dump/9".into()), 2, "is not kvprobe.dump/1"),
+        (
+            "report-seed-hex",
+            "report.json",
+            Box::new(|v| v["config"]["seed_hex"] = "0x1".into()),
+            1,
+            "config.seed_hex: report 0x1",
+        ),
+        ("index-seed-hex", "dump/index.json", Box::new(|v| v["seed_hex"] = "0x2".into()), 1, "seed_hex: index 0x2"),
+        (
+            "index-geometry",
+            "dump/index.json",
+            Box::new(|v| v["geometry"]["num_blocks"] = 7.into()),
+            1,
+            "dump/index.json: geometry: report",
+        ),
+        (
+            "geometry-slice-bytes",
+            "report.json",
+            Box::new(|v| {
+                let n = v["config"]["geometry"]["head_size"].as_u64().unwrap();
+                v["config"]["geometry"]["head_size"] = (n * 2).into();
+            }),
+            1,
+            "dump/index.json: slice_bytes: index",
+        ),
+        ("geometry-invalid", "report.json", Box::new(|v| v["config"]["geometry"]["num_blocks"] = 0.into()), 2, "config.geometry"),
+        // 2^31 blocks: more slices than the 32-bit slot holds (a reviewer saw the slot wrap).
+        (
+            "geometry-2^31-blocks",
+            "report.json",
+            Box::new(|v| v["config"]["geometry"]["num_blocks"] = (1u64 << 31).into()),
+            2,
+            "report: config.geometry: ",
+        ),
+        (
+            "dump-block-missing",
+            "report.json",
+            Box::new(|v| v.as_object_mut().unwrap().remove("dump").map(|_| ()).unwrap()),
+            1,
+            "report: dump: none",
+        ),
+        (
+            "dump-slices",
+            "report.json",
+            Box::new(|v| v["dump"]["slices_written"] = 99.into()),
+            1,
+            "report: dump.slices_written: report 99",
+        ),
+        (
+            "dump-bytes",
+            "report.json",
+            Box::new(|v| v["dump"]["bytes_written"] = 5.into()),
+            1,
+            "report: dump.bytes_written: report 5",
+        ),
+        ("dump-cap", "report.json", Box::new(|v| v["dump"]["max_bytes"] = 5.into()), 1, "report: dump.max_bytes: report 5"),
+        (
+            "dump-truncated",
+            "report.json",
+            Box::new(|v| v["dump"]["dump_truncated"] = "disk full".into()),
+            1,
+            "report: dump.dump_truncated",
+        ),
+        (
+            "outcome-clean",
+            "report.json",
+            Box::new(|v| {
+                v["outcome"]["status"] = "clean".into();
+                v["outcome"]["exit_code"] = 0.into();
+            }),
+            1,
+            "report: outcome: status \"clean\"",
+        ),
+        (
+            "corrupt-count",
+            "report.json",
+            Box::new(|v| v["summary"]["blocks_corrupt"] = 0.into()),
+            1,
+            "report: summary.blocks_corrupt: 0",
+        ),
+        (
+            "iteration-0",
+            "report.json",
+            Box::new(|v| v["failures"][0]["iteration"] = 0.into()),
+            1,
+            "report: failures[0].iteration: 0",
+        ),
+    ];
+    for (what, file, f, want, line) in cases {
+        let t = d.join(format!("{what}.tar.gz"));
+        retar(&t, &edit_json(&files, file, &*f));
+        let (code, out, err) = check(&t);
+        assert_eq!(code, want, "{what}: {out}{err}");
+        assert!(out.contains(line) || err.contains(line), "{what}: {line:?} in {out}{err}");
+    }
+}
+
+/// Writes at `p` a bundle of `files` (the first entries, as `retar` would) followed by the
+/// entry `big` of `size` zero bytes, without holding them: the zeros are 1 MiB gzip members
+/// repeated (a gzip stream may have several). `size` is a multiple of 1 MiB.
+pub fn retar_with_zeros(p: &Path, files: &[(String, Vec<u8>)], big: &str, size: u64) {
+    use std::io::Write;
+    let mut t = tar::Builder::new(Vec::new());
+    for (name, body) in files {
+        let mut h = tar::Header::new_gnu();
+        h.set_size(body.len() as u64);
+        h.set_mode(0o644);
+        h.set_entry_type(tar::EntryType::Regular);
+        t.append_data(&mut h, name, body.as_slice()).unwrap();
+    }
+    let mut head = t.into_inner().unwrap();
+    head.truncate(head.len() - 1024); // the end-of-archive blocks come after the zeros
+    let mut h = tar::Header::new_gnu();
+    h.set_path(big).unwrap();
+    h.set_size(size);
+    h.set_mode(0o644);
+    h.set_entry_type(tar::EntryType::Regular);
+    h.set_cksum();
+    head.extend_from_slice(h.as_bytes());
+    let gz = |b: &[u8]| {
+        let mut g = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+        g.write_all(b).unwrap();
+        g.finish().unwrap()
+    };
+    let mut out = std::fs::File::create(p).unwrap();
+    out.write_all(&gz(&head)).unwrap();
+    let mib = gz(&vec![0u8; 1 << 20]);
+    // The body, then the end-of-archive blocks (zeros too).
+    for _ in 0..size / (1 << 20) + 1 {
+        out.write_all(&mib).unwrap();
+    }
+}
+
+/// `kvprobe ARGS` with its address space limited to `mib` MiB: (exit code, stdout, stderr).
+pub fn kvprobe_limited(mib: u64, args: &[&str]) -> (i32, String, String) {
+    let o = std::process::Command::new("prlimit")
+        .arg(format!("--as={}", mib << 20))
+        .arg(crate::common::bin())
+        .args(args)
+        .output()
+        .expect("prlimit");
+    (o.status.code().unwrap_or(-1), String::from_utf8_lossy(&o.stdout).into(), String::from_utf8_lossy(&o.stderr).into())
+}
+
+#[test]
+fn check_and_show_read_a_bundle_boundedly() {
+    let d = tmpdir("bundle-bounds");
+    let (b, r) = (d.join("b.tar.gz"), d.join("r.json"));
+    let (code, out, err) = kvprobe(&[
+        "run",
+        "--memory",
+        "dram",
+        "--iterations",
+        "2",
+        "--inject",
+        "torn:1",
+        "--report",
+        r.to_str().unwrap(),
+        "--bundle",
+        b.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 1, "{out}{err}");
+    let files = untar(&b);
+    let limit = 512; // MiB of address space; the 1 GiB entries below cannot be held
+    const GIB: u64 = 1 << 30;
+    // An unlisted 1 GiB entry (a gzip bomb of ~1 MB): named, never read.
+    let bomb = d.join("bomb.tar.gz");
+    retar_with_zeros(&bomb, &files, "kvprobe-bundle/env/huge.bin", GIB);
+    let (code, out, err) = kvprobe_limited(limit, &["report", "check", bomb.to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(out.contains("env/huge.bin: in the bundle but not in the manifest"), "{out}");
+    // `report show` reads the manifest and the report only.
+    let (code, out, err) = kvprobe_limited(limit, &["report", "show", bomb.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}{err}");
+    // A listed entry longer than listed: a size disagreement, read only to its size + 1.
+    let mut fs = files.clone();
+    let mut mv: Value = serde_json::from_slice(&fs[0].1).unwrap();
+    mv["files"].as_array_mut().unwrap().push(serde_json::json!({"path": "env/huge.bin", "bytes": 10, "sha256": "00"}));
+    fs[0].1 = serde_json::to_vec(&mv).unwrap();
+    let long = d.join("long.tar.gz");
+    retar_with_zeros(&long, &fs, "kvprobe-bundle/env/huge.bin", GIB);
+    let (code, out, err) = kvprobe_limited(limit, &["report", "check", long.to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(out.contains("env/huge.bin: bytes: manifest 10, file more than 10"), "{out}");
+    // Listed at its true 1 GiB under a 512 MiB limit: "out of memory", exit 2.
+    mv["files"].as_array_mut().unwrap().last_mut().unwrap()["bytes"] = GIB.into();
+    fs[0].1 = serde_json::to_vec(&mv).unwrap();
+    let oom = d.join("oom.tar.gz");
+    retar_with_zeros(&oom, &fs, "kvprobe-bundle/env/huge.bin", GIB);
+    let (code, out, err) = kvprobe_limited(limit, &["report", "check", oom.to_str().unwrap()]);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(err.contains(&format!("{}: out of memory reading kvprobe-bundle/env/huge.bin", oom.display())), "{err}");
+    // Listed sizes over the 16 GiB cap: too large, before any body is read.
+    mv["files"].as_array_mut().unwrap().last_mut().unwrap()["bytes"] = (17 * GIB).into();
+    fs[0].1 = serde_json::to_vec(&mv).unwrap();
+    let big = d.join("big.tar.gz");
+    retar(&big, &fs);
+    let (code, out, err) = check(&big);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(err.contains(&format!("{}: too large", big.display())), "{err}");
+}
+
+#[test]
+fn a_bundle_with_a_directory_a_late_manifest_or_none_is_malformed_naming_it() {
+    let d = tmpdir("bundle-shape");
+    let files = [
+        ("kvprobe-bundle/manifest.json".to_string(), b"{}".to_vec()),
+        ("kvprobe-bundle/report.json".to_string(), b"{}".to_vec()),
+    ];
+    // A directory entry (the README: "not a regular file").
+    let dir = d.join("dir.tar.gz");
+    {
+        let gz = flate2::write::GzEncoder::new(std::fs::File::create(&dir).unwrap(), flate2::Compression::fast());
+        let mut t = tar::Builder::new(gz);
+        let mut h = tar::Header::new_gnu();
+        h.set_size(0);
+        h.set_mode(0o755);
+        h.set_entry_type(tar::EntryType::Directory);
+        t.append_data(&mut h, "kvprobe-bundle/", std::io::empty()).unwrap();
+        t.into_inner().unwrap().finish().unwrap();
+    }
+    let late = d.join("late.tar.gz");
+    retar(&late, &[files[1].clone(), files[0].clone()]);
+    let empty = d.join("empty.tar.gz");
+    retar(&empty, &[]);
+    // A valid manifest followed by more unlisted entries than are named one by one.
+    let many = d.join("many.tar.gz");
+    let manifest = br#"{"schema":"kvprobe.manifest/1","kvprobe_version":"0","created_unix":0,"redacted":false,"capture_made":"run","report":"report.json","files":[]}"#;
+    let mut fs = vec![("kvprobe-bundle/manifest.json".to_string(), manifest.to_vec())];
+    fs.extend((0..1001).map(|i| (format!("kvprobe-bundle/env/x{i}"), Vec::new())));
+    retar(&many, &fs);
+    for (p, line) in [
+        (&many, "more than 1000 entries the manifest does not list".to_string()),
+        (&dir, "kvprobe-bundle/ is a directory".to_string()),
+        (&late, "the first entry is kvprobe-bundle/report.json, not kvprobe-bundle/manifest.json".into()),
+        (&empty, format!("{}: no kvprobe-bundle/manifest.json", empty.display())),
+    ] {
+        for cmd in ["check", "show"] {
+            let (code, out, err) = kvprobe(&["report", cmd, p.to_str().unwrap()]);
+            assert_eq!(code, 2, "{cmd} {}: {out}{err}", p.display());
+            assert!(err.contains(&line) && err.contains(&p.display().to_string()), "{cmd}: {line:?} in {err}");
+        }
+    }
 }
