@@ -781,6 +781,17 @@ fn check_distinct_outputs(files: &[(&str, &Option<PathBuf>)], dump: Option<&Path
     Ok(())
 }
 
+/// The output checks of `run` and `ab` before anything runs: distinct output files, none inside
+/// `--dump` ([`check_distinct_outputs`]), a writable `--report` and `--junit`.
+fn check_outputs(pool: &PoolArgs) -> Result<(), Exit> {
+    check_distinct_outputs(
+        &[("--report", &pool.report), ("--junit", &pool.junit), ("--bundle", &pool.bundle)],
+        pool.dump.as_deref(),
+    )
+    .and_then(|_| check_report_path(&pool.report))
+    .and_then(|_| check_junit_path(&pool.junit))
+}
+
 /// Checks a `--junit` path before the run: a file (not `-`) that can be written.
 fn check_junit_path(path: &Option<PathBuf>) -> Result<(), Exit> {
     let checked = match path {
@@ -883,14 +894,7 @@ fn on_stall<T, F>(
 
 fn run(args: RunArgs, typed: &[&str]) -> Exit {
     claim_stdout(&args.pool.report);
-    if let Err(x) = check_distinct_outputs(
-        &[("--report", &args.pool.report), ("--junit", &args.pool.junit), ("--bundle", &args.pool.bundle)],
-        args.pool.dump.as_deref(),
-    )
-    .and_then(|_| check_report_path(&args.pool.report))
-    .and_then(|_| check_junit_path(&args.pool.junit))
-    .and_then(|_| install_signals())
-    {
+    if let Err(x) = check_outputs(&args.pool).and_then(|_| install_signals()) {
         return x;
     }
     let cfg = match args.config(typed) {
@@ -1164,14 +1168,7 @@ fn ab(args: AbArgs) -> Exit {
         return Exit::Usage;
     }
     claim_stdout(&args.pool.report);
-    if let Err(x) = check_distinct_outputs(
-        &[("--report", &args.pool.report), ("--junit", &args.pool.junit), ("--bundle", &args.pool.bundle)],
-        args.pool.dump.as_deref(),
-    )
-    .and_then(|_| check_report_path(&args.pool.report))
-    .and_then(|_| check_junit_path(&args.pool.junit))
-    .and_then(|_| install_signals())
-    {
+    if let Err(x) = check_outputs(&args.pool).and_then(|_| install_signals()) {
         return x;
     }
     let mut cfg = args.pool.config();
