@@ -1050,8 +1050,9 @@ fn bundle_command(report: &Path, dump: Option<&Path>, redact: bool, output: &Pat
             Some(s) if s == kvprobe::ab::AB_SCHEMA => "ab.json",
             other => {
                 return Err(Error::Usage(format!(
-                    "--report {}: schema {other:?} is not a run or ab report ({} or {})",
+                    "--report {}: {} is not a run or ab report ({} or {})",
                     report.display(),
+                    other.map_or("no \"schema\" string".to_string(), |s| format!("schema {s:?}")),
                     kvprobe::report::SCHEMA,
                     kvprobe::ab::AB_SCHEMA
                 )));
