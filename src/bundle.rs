@@ -652,13 +652,3 @@ pub fn read_report(path: &Path) -> Result<Vec<u8>> {
 pub fn manifest(b: &Bundle) -> Result<Manifest> {
     Ok(b.manifest.clone())
 }
-
-/// The report a bundle holds (`report.json` or `ab.json`), for `kvprobe report show`.
-pub fn report_bytes(b: &Bundle) -> Result<(&'static str, &[u8])> {
-    for name in ["report.json", "ab.json"] {
-        if let Some(body) = b.files.get(name) {
-            return Ok((name, body));
-        }
-    }
-    Err(Error::Usage(format!("no {TOP}/report.json or {TOP}/ab.json")))
-}

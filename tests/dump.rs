@@ -365,24 +365,25 @@ fn a_run_bundle_passes_check_and_one_changed_byte_fails_it() {
     }
 }
 
+/// `kvprobe run --memory dram --iterations 2 --inject torn:1 --report DIR/r.json --bundle
+/// DIR/b.tar.gz` (with `dump`: also `--dump DIR/D`), in a fresh directory `name`; asserts
+/// exit 1 (the torn slices). Returns (the directory, the bundle).
+fn torn_bundle(name: &str, dump: bool) -> (std::path::PathBuf, std::path::PathBuf) {
+    let d = tmpdir(name);
+    let (b, r, dd) = (d.join("b.tar.gz"), d.join("r.json"), d.join("D"));
+    let mut a = vec!["run", "--memory", "dram", "--iterations", "2", "--inject", "torn:1"];
+    if dump {
+        a.extend(["--dump", dd.to_str().unwrap()]);
+    }
+    a.extend(["--report", r.to_str().unwrap(), "--bundle", b.to_str().unwrap()]);
+    let (code, out, err) = kvprobe(&a);
+    assert_eq!(code, 1, "{out}{err}");
+    (d, b)
+}
+
 #[test]
 fn manifest_tampering_fails_check_naming_the_file() {
-    let d = tmpdir("bundle-manifest");
-    let (b, r) = (d.join("b.tar.gz"), d.join("r.json"));
-    let (code, out, err) = kvprobe(&[
-        "run",
-        "--memory",
-        "dram",
-        "--iterations",
-        "2",
-        "--inject",
-        "torn:1",
-        "--report",
-        r.to_str().unwrap(),
-        "--bundle",
-        b.to_str().unwrap(),
-    ]);
-    assert_eq!(code, 1, "{out}{err}");
+    let (d, b) = torn_bundle("bundle-manifest", false);
     assert_eq!(check(&b).0, 0);
     let files = untar(&b);
     let m: Value = serde_json::from_slice(&files[0].1).unwrap();
@@ -941,24 +942,7 @@ pub fn edit_json(files: &[(String, Vec<u8>)], name: &str, f: &dyn Fn(&mut Value)
 
 #[test]
 fn check_finds_report_and_index_that_disagree_on_seed_geometry_dump_and_outcome() {
-    let d = tmpdir("bundle-consistency");
-    let b = d.join("b.tar.gz");
-    let (code, out, err) = kvprobe(&[
-        "run",
-        "--memory",
-        "dram",
-        "--iterations",
-        "2",
-        "--inject",
-        "torn:1",
-        "--dump",
-        d.join("D").to_str().unwrap(),
-        "--report",
-        d.join("r.json").to_str().unwrap(),
-        "--bundle",
-        b.to_str().unwrap(),
-    ]);
-    assert_eq!(code, 1, "{out}{err}");
+    let (d, b) = torn_bundle("bundle-consistency", true);
     assert_eq!(check(&b).0, 0);
     let files = untar(&b);
     type Edit = Box<dyn Fn(&mut Value)>;
@@ -1111,22 +1095,7 @@ pub fn kvprobe_limited(mib: u64, args: &[&str]) -> (i32, String, String) {
 
 #[test]
 fn check_and_show_read_a_bundle_boundedly() {
-    let d = tmpdir("bundle-bounds");
-    let (b, r) = (d.join("b.tar.gz"), d.join("r.json"));
-    let (code, out, err) = kvprobe(&[
-        "run",
-        "--memory",
-        "dram",
-        "--iterations",
-        "2",
-        "--inject",
-        "torn:1",
-        "--report",
-        r.to_str().unwrap(),
-        "--bundle",
-        b.to_str().unwrap(),
-    ]);
-    assert_eq!(code, 1, "{out}{err}");
+    let (d, b) = torn_bundle("bundle-bounds", false);
     let files = untar(&b);
     let limit = 512; // MiB of address space; the 1 GiB entries below cannot be held
     const GIB: u64 = 1 << 30;
