@@ -61,6 +61,10 @@ pub struct Init {
     pub seed: u64,
     /// The prefill role's metadata and region bases.
     pub peer: PeerInfo,
+    /// How the child's agent is created and makes its READs (`--backend-param`,
+    /// `--xfer-req`).
+    #[serde(default)]
+    pub transport: crate::transport::TransportOptions,
 }
 
 /// The child's answer to [`Init`].
@@ -601,7 +605,7 @@ fn serve(say: &dyn Fn(String)) -> Result<()> {
     };
     let handles = pool.ipc_handles()?.map(|(_, h)| h).unwrap_or_default();
     crate::trace!("decode agent process: NIXL agent");
-    let mut ep = Endpoint::new(&init.name, &init.backend, pool)?;
+    let mut ep = Endpoint::with_options(&init.name, &init.backend, pool, &init.transport)?;
     crate::trace!("decode agent process: loads prefill's metadata");
     ep.connect(init.peer.clone())?;
     crate::ucx::adopt();

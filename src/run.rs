@@ -55,6 +55,16 @@ pub struct RunConfig {
     pub inject: Vec<Spec>,
     /// NIXL backend plugin.
     pub backend: String,
+    /// Parameters set over the backend plugin's defaults when it is created
+    /// (`--backend-param KEY=VALUE`; empty: the defaults). Absent in older reports.
+    #[serde(default)]
+    pub backend_params: std::collections::BTreeMap<String, String>,
+    /// How each NIXL request is made (`--xfer-req`): `prepared` (descriptor lists prepared
+    /// once per side, requests from slice indices, as vLLM's NixlConnector) or `create` (a
+    /// descriptor list built per request). Absent in reports of kvprobes before the flag,
+    /// which built every request with `createXferReq`: read as create.
+    #[serde(default = "crate::transport::XferReq::before_the_flag")]
+    pub xfer_req: crate::transport::XferReq,
     /// Bound of every wait, in seconds (`--timeout`): each transfer from just before it is
     /// posted to its completion and notification, each other blocking call ([`crate::deadline`]).
     pub timeout_secs: f64,
@@ -140,6 +150,14 @@ fn check_config(cfg: &RunConfig) -> Result<()> {
     }
     if cfg.iterations == 0 {
         return Err(Error::Usage("--iterations must be at least 1".into()));
+    }
+    if cfg.xfer_req == crate::transport::XferReq::Prepared && cfg.geometry.total_slices()? > crate::transport::MAX_PREPARED_SLICES
+    {
+        return Err(Error::Usage(format!(
+            "--xfer-req prepared: the pool has {} block slices, and NIXL's makeXferReq indexes at most {}; use --xfer-req create",
+            cfg.geometry.total_slices()?,
+            crate::transport::MAX_PREPARED_SLICES
+        )));
     }
     let n = cfg.descriptor_blocks;
     if n == 0 || !cfg.geometry.num_blocks.is_multiple_of(n) {
@@ -314,12 +332,13 @@ impl Probe {
             if cfg.decode_process { ", decode agent in a second process" } else { "" }
         ));
         crate::trace!("prefill NIXL agent");
-        let mut prefill = Endpoint::new("kvprobe-prefill", &cfg.backend, p)?;
+        let opts = crate::transport::TransportOptions { xfer_req: cfg.xfer_req, backend_params: cfg.backend_params.clone() };
+        let mut prefill = Endpoint::with_options("kvprobe-prefill", &cfg.backend, p, &opts)?;
         let pi = prefill.info()?;
         let decode = match d {
             Some(d) if !cfg.decode_process => {
                 crate::trace!("decode NIXL agent");
-                let mut decode = Endpoint::new("kvprobe-decode", &cfg.backend, d)?;
+                let mut decode = Endpoint::with_options("kvprobe-decode", &cfg.backend, d, &opts)?;
                 decode.connect(pi)?;
                 decode
             }
@@ -345,6 +364,7 @@ impl Probe {
             geometry: cfg.geometry.clone(),
             seed: cfg.seed,
             peer: prefill.clone(),
+            transport: crate::transport::TransportOptions { xfer_req: cfg.xfer_req, backend_params: cfg.backend_params.clone() },
         };
         crate::trace!("starting the decode agent process");
         let (agent, ready, keep) = crate::remote::RemoteAgent::spawn(&init)?;
