@@ -200,6 +200,7 @@ impl Endpoint {
         let pool = Registered::unregistered(pool);
         Endpoint {
             prepared: None,
+            // Unused: the decode agent process makes its READs as its own Init says.
             xfer_req: XferReq::Create,
             agent: Role::Remote(Box::new(agent)),
             backend: backend.to_string(),
@@ -289,11 +290,6 @@ impl Endpoint {
         }
         self.peer = Some(peer);
         Ok(())
-    }
-
-    /// How this role makes its requests.
-    pub fn xfer_req(&self) -> XferReq {
-        self.xfer_req
     }
 
     /// NIXL backend in use.

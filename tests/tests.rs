@@ -27,3 +27,4 @@ mod setup;
 mod stray;
 mod timeout;
 mod units;
+mod xfer;
