@@ -48,6 +48,7 @@ fn sweeps_and_scenarios_are_clean_with_prepared_and_created_requests() {
             let (code, r, log) = run("xfer-clean", &args, TRACE);
             assert_eq!(code, 0, "{mode} {extra:?}: {log}");
             assert_eq!(r["config"]["xfer_req"], mode, "{mode} {extra:?}");
+            assert!(log.contains(&format!("(backend UCX, {mode} requests)\n")), "{mode} {extra:?}: {log}");
             assert_eq!(r["summary"]["blocks_corrupt"], 0, "{mode} {extra:?}");
             assert!(r["summary"]["blocks_checked"].as_u64().unwrap() > 0, "{mode} {extra:?}");
             // Prepared: both roles (the decode one in its own process with --decode-process)
@@ -110,6 +111,7 @@ fn a_valid_backend_param_runs_clean_and_is_recorded() {
     assert_eq!(code, 0, "{log}");
     assert_eq!(r["config"]["backend_params"], serde_json::json!({"num_threads": "2"}));
     assert_eq!(r["summary"]["blocks_corrupt"], 0);
+    assert!(log.contains("(backend UCX, prepared requests, num_threads=2)\n"), "{log}");
     // Without the flag: the plugin's defaults, recorded as none.
     let (code, r, log) = run("xfer-bp-none", &["--iterations", "1"], &[]);
     assert_eq!(code, 0, "{log}");
