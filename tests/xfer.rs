@@ -235,3 +235,20 @@ fn prepared_indices_are_global_slice_indices_and_runs_expand() {
         }
     }
 }
+
+#[test]
+fn a_pool_beyond_32_bit_indices_needs_create_requests() {
+    // 40000 layers x K/V x 32768 blocks = 2 621 440 000 slices of 16 bytes: more than
+    // makeXferReq's int indices reach. Refused before anything is allocated, naming the way
+    // out; with --xfer-req create this check passes (the run then stops on host memory).
+    let geo = ["--layers", "40000", "--blocks", "32768", "--kv-heads", "1", "--head-size", "8", "--block-size", "1"];
+    let mut args = vec!["run", "--memory", "dram", "--iterations", "1"];
+    args.extend(geo);
+    let (code, _, err) = kvprobe(&args);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--xfer-req prepared: the pool has 2621440000 block slices, and NIXL's makeXferReq indexes at most 2147483647; use --xfer-req create"), "{err}");
+    args.extend(["--xfer-req", "create"]);
+    let (code, _, err) = kvprobe(&args);
+    assert_eq!(code, 2, "{err}");
+    assert!(!err.contains("makeXferReq"), "{err}");
+}
