@@ -87,11 +87,19 @@ fn every_injection_is_found_as_predicted_with_prepared_requests() {
 fn merged_descriptor_runs_with_prepared_requests() {
     // Runs of 4 blocks expand to 4 consecutive indices per pair (NHD: one run per layer and
     // K/V; HND: K and V of the run together, 8 slices; MLA: one latent run).
-    for extra in [vec![], vec!["--layout", "hnd"], vec!["--mla", "--kv-heads", "1"]] {
+    // NIXL (nixl-cu13 1.5.1, its debug log) merges each run's consecutive indices back into
+    // one descriptor: as many descriptors as createXferReq would get (NHD: 4 layers x K/V x
+    // 16 runs; HND: 4 x 16 runs of K and V; MLA: 4 x 16 runs of 256 latent slices).
+    for (extra, merged) in [
+        (vec![], "merged 512 indices into 128 descriptors"),
+        (vec!["--layout", "hnd"], "merged 512 indices into 64 descriptors"),
+        (vec!["--mla", "--kv-heads", "1"], "merged 256 indices into 64 descriptors"),
+    ] {
         let mut args = vec!["--xfer-req", "prepared", "--descriptor-blocks", "4", "--iterations", "2"];
         args.extend(extra.iter());
-        let (code, r, log) = run("xfer-merged", &args, TRACE);
+        let (code, r, log) = run("xfer-merged", &args, &[("KVPROBE_TRACE", "1"), ("NIXL_LOG_LEVEL", "DEBUG")]);
         assert_eq!(code, 0, "{extra:?}: {log}");
+        assert_eq!(log.matches(merged).count(), 2, "{extra:?}: one request per iteration: {log}");
         assert_eq!(r["config"]["descriptor_blocks"], 4);
         assert_eq!(r["summary"]["blocks_corrupt"], 0);
         assert_eq!(fallbacks(&log), 0, "{extra:?}: {log}");
