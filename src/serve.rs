@@ -226,6 +226,29 @@ fn session(cfg: &ServeConfig, link: Link, run_id: &str, from: &str, say: &mut dy
     SessionEnd { report, exit }
 }
 
+/// The error to report for a NIXL failure `e` on prefill's side: when the link shows within
+/// [`crate::peer::client::CAUSE_WAIT`] that decode is gone, silent, interrupted or ended the
+/// run, that (the decode side explains the failed transfer), else `e`.
+fn attribute(link: &Link, e: Error) -> Error {
+    if !matches!(e, Error::Transport(_)) {
+        return e;
+    }
+    let t0 = Instant::now();
+    while t0.elapsed() < crate::peer::client::CAUSE_WAIT {
+        match link.recv(Duration::from_millis(10)) {
+            Err(le) => return le,
+            Ok(Some(Msg::Done { exit: 130, error, .. })) => {
+                return Error::Interrupted(format!("the decode side was interrupted: {}", error.unwrap_or_default()));
+            }
+            Ok(Some(Msg::Done { error, .. })) => {
+                return Error::Transport(format!("the decode side ended the run: {}", error.unwrap_or_default()));
+            }
+            Ok(_) => {}
+        }
+    }
+    e
+}
+
 /// Makes sure `plans` holds iteration `it`'s plan (a function of the configuration:
 /// [`run::plan`]), keeping the two newest.
 fn plan_for(rc: &RunConfig, plans: &mut BTreeMap<u32, run::Plan>, it: u32) -> Result<()> {
@@ -363,7 +386,8 @@ fn session_inner(
                     link.send(&Msg::Written { tag, bytes: 0, nanos: 0 })?;
                 } else {
                     let d = crate::deadline::Deadline::after(timeout);
-                    inflight.push((tag.clone(), ep.post_as_initiator(Op::Write, &pairs, &tag, d)?));
+                    inflight
+                        .push((tag.clone(), ep.post_as_initiator(Op::Write, &pairs, &tag, d).map_err(|e| attribute(link, e))?));
                     me.writes += 1;
                 }
             }
@@ -375,7 +399,7 @@ fn session_inner(
         }
         let mut i = 0;
         while i < inflight.len() {
-            if let Some(r) = ep.poll(&mut inflight[i].1)? {
+            if let Some(r) = ep.poll(&mut inflight[i].1).map_err(|e| attribute(link, e))? {
                 let (tag, _) = inflight.swap_remove(i);
                 me.bytes_written += r.bytes;
                 link.send(&Msg::Written { tag, bytes: r.bytes, nanos: r.elapsed.as_nanos() as u64 })?;

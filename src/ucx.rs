@@ -57,6 +57,11 @@ pub struct ProtoRow {
 pub struct Selection {
     /// UCX's heading, e.g. "remote memory read by ucp_get*(multi) into cuda/dev[0] from cuda/dev[0]".
     pub operation: String,
+    /// The endpoint the table belongs to, as UCX names it above the heading: the worker's
+    /// name and the endpoint's reach (`self`, `intra-node`, `inter-node`) and configuration,
+    /// e.g. "kvprobe-prefill inter-node cfg#1". `None` when UCX printed no such line.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint: Option<String>,
     /// The rows, smallest messages first.
     pub rows: Vec<ProtoRow>,
 }
@@ -147,10 +152,17 @@ fn cells(line: &str) -> Option<Vec<String>> {
     Some(body.split('|').map(|c| c.trim().to_string()).collect())
 }
 
+/// True for UCX's endpoint line above a table heading: "WORKER self|intra-node|inter-node cfg#N".
+fn is_endpoint_line(c: &str) -> bool {
+    let f: Vec<&str> = c.split_whitespace().collect();
+    matches!(f.as_slice(), [_, reach, cfg] if ["self", "intra-node", "inter-node"].contains(reach) && cfg.starts_with("cfg#"))
+}
+
 /// Parses UCX_PROTO_INFO tables out of log text.
 pub fn parse(text: &str) -> Vec<Selection> {
     let mut out: Vec<Selection> = Vec::new();
     let mut current: Option<Selection> = None;
+    let mut endpoint: Option<String> = None;
     for line in text.lines() {
         let Some(c) = cells(line) else {
             if line.contains("+-") {
@@ -166,8 +178,9 @@ pub fn parse(text: &str) -> Vec<Selection> {
                 if let Some(s) = current.take() {
                     out.push(s);
                 }
-                current = Some(Selection { operation: c[0].clone(), rows: Vec::new() });
+                current = Some(Selection { operation: c[0].clone(), endpoint: endpoint.take(), rows: Vec::new() });
             }
+            1 if is_endpoint_line(&c[0]) => endpoint = Some(c[0].clone()),
             3 if c[0] == "Range" => {}
             3 => {
                 if let Some(s) = current.as_mut() {
@@ -214,7 +227,13 @@ pub fn classify(text: &str, mut p: TransportPath, op: &str, vram: bool) -> Trans
     // UCX prints a table per endpoint configuration; identical ones (e.g. one per worker
     // connection of a WRITE) are listed once.
     p.selections = Vec::new();
-    for s in parse(text).into_iter().filter(|s| s.operation.starts_with(want_op) && s.operation.matches(mem).count() >= 2) {
+    // An agent's endpoint to itself (`self`, NIXL's loopback connection) never carries a
+    // transfer between the two roles.
+    let to_peer = |s: &Selection| !s.endpoint.as_deref().is_some_and(|e| e.split_whitespace().nth(1) == Some("self"));
+    for s in parse(text)
+        .into_iter()
+        .filter(|s| s.operation.starts_with(want_op) && s.operation.matches(mem).count() >= 2 && to_peer(s))
+    {
         if !p.selections.contains(&s) {
             p.selections.push(s);
         }

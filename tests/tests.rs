@@ -21,6 +21,7 @@ mod junit;
 mod lanes;
 mod limits;
 mod mooncake;
+mod pair;
 mod redact;
 mod scenario;
 mod setup;

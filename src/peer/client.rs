@@ -252,7 +252,10 @@ impl PrefillPeer {
         self.link.close();
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
         match s.bye.take() {
-            Some(b) => b,
+            Some(mut b) => {
+                b.address = self.section.address.clone(); // the address this side dialled
+                b
+            }
             None => {
                 let mut sec = self.section.clone();
                 sec.bye_missing = true;
@@ -271,7 +274,7 @@ impl PrefillPeer {
         let t0 = Instant::now();
         while t0.elapsed() < CAUSE_WAIT {
             if let Err(link) = self.pump(Duration::from_millis(10)) {
-                return Error::Transport(format!("{} ({})", link.detail(), e.detail()));
+                return link; // its kind: gone (3), silent (4), interrupted (130)
             }
         }
         e
