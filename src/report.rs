@@ -655,6 +655,24 @@ pub fn render(r: &Report) -> String {
             if r.config["decode_process"] == true { "; decode agent in a second process" } else { "" }
         );
     }
+    if let Some(p) = &r.peer {
+        let mem = match p.memory {
+            Some(crate::pool::MemoryKind::Vram) => format!("VRAM on GPU {}", p.device),
+            Some(crate::pool::MemoryKind::Dram) => "DRAM".into(),
+            None => "?".into(),
+        };
+        out += &format!(
+            "pair:              {} on {} ({}, {mem}), run {}{}\n",
+            p.role,
+            if p.host.is_empty() { "?" } else { &p.host },
+            p.address,
+            p.run_id,
+            if p.bye_missing { "; it sent no report at the end" } else { "" }
+        );
+        if let Some(t) = &p.transport_path {
+            out += &format!("                   its UCX path: {}\n", crate::ucx::describe(t));
+        }
+    }
     match &r.scenario {
         None => out += &format!("iterations:        {}\n", s.iterations),
         Some(sc) => {

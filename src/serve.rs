@@ -414,6 +414,7 @@ fn session_inner(
     };
     // Decode's totals become serve's summary (one outcome for the pair), with serve's own path.
     if let Some(s) = summary.and_then(|v| serde_json::from_value::<crate::report::Summary>(v).ok()) {
+        acc.side.transport_path = s.transport_path.clone(); // decode's UCX tables
         acc.report.summary = s;
     }
     let op = if rc.op == Op::Write { "WRITE" } else { "READ" };

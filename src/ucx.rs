@@ -229,7 +229,7 @@ pub fn classify(text: &str, mut p: TransportPath, op: &str, vram: bool) -> Trans
     p.selections = Vec::new();
     // An agent's endpoint to itself (`self`, NIXL's loopback connection) never carries a
     // transfer between the two roles.
-    let to_peer = |s: &Selection| !s.endpoint.as_deref().is_some_and(|e| e.split_whitespace().nth(1) == Some("self"));
+    let to_peer = |s: &Selection| s.endpoint.as_deref().is_none_or(|e| e.split_whitespace().nth(1) != Some("self"));
     for s in parse(text)
         .into_iter()
         .filter(|s| s.operation.starts_with(want_op) && s.operation.matches(mem).count() >= 2 && to_peer(s))
