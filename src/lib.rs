@@ -46,6 +46,7 @@ pub mod par;
 pub mod phase;
 pub mod pool;
 pub mod race;
+pub mod rdma;
 pub mod redact;
 pub mod remote;
 pub mod report;

@@ -21,6 +21,7 @@ mod junit;
 mod lanes;
 mod limits;
 mod mooncake;
+mod rdma;
 mod redact;
 mod scenario;
 mod setup;
