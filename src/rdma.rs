@@ -453,6 +453,14 @@ fn gpu_label(g: &GpuNic) -> String {
     }
 }
 
+/// "GPU0 (0000:03:00.0)", or "GPU 0000:03:00.0" for a GPU known only by its address.
+fn gpu_full_label(g: &GpuNic) -> String {
+    match g.gpu {
+        Some(o) => format!("GPU{o} ({})", g.pci_address),
+        None => format!("GPU {}", g.pci_address),
+    }
+}
+
 /// The RDMA part of `kvprobe env`'s text: devices and ports, the GPU↔NIC distance table,
 /// the nearest NIC and UCX settings per GPU, GPUDirect RDMA.
 pub fn render(f: &RdmaFacts) -> String {
@@ -496,10 +504,8 @@ pub fn render(f: &RdmaFacts) -> String {
         s += "nearest NIC per GPU, and the UCX settings that pin it:\n";
         for g in &f.gpus {
             match (&g.nearest, g.nearest_distance) {
-                (Some(n), Some(d)) => {
-                    s += &format!("  {} ({}): {n} ({d}): {}\n", gpu_label(g), g.pci_address, g.ucx_settings.join(" "))
-                }
-                _ => s += &format!("  {} ({}): unknown (no PCI path to compare)\n", gpu_label(g), g.pci_address),
+                (Some(n), Some(d)) => s += &format!("  {}: {n} ({d}): {}\n", gpu_full_label(g), g.ucx_settings.join(" ")),
+                _ => s += &format!("  {}: unknown (no PCI path to compare)\n", gpu_full_label(g)),
             }
         }
     }
