@@ -390,3 +390,36 @@ fn rdma_env_lists_devices_topology_and_settings() {
     assert_eq!(r["gpus"][1]["ucx_settings"][0], "UCX_NET_DEVICES=mlx5_1:1");
     assert_eq!(r["gpudirect"]["peermem_module"], "nvidia_peermem");
 }
+
+#[test]
+fn rdma_pins_the_active_port_of_a_dual_port_nic() {
+    let f = FakeSys::new();
+    f.gpu(GPU0, 0);
+    f.nic("mlx5_0", NIC0, 0, "ib0", &[IB_DOWN, (2, "4: ACTIVE", "5: LinkUp", "InfiniBand", "200 Gb/sec (4X HDR)")]);
+    let facts = gather_from(&f.root(), &[GpuPci { ordinal: Some(0), pci_address: "0000:03:00.0".into(), dma_buf: None }]);
+    let ports: Vec<(u32, &str)> = facts.devices[0].ports.iter().map(|p| (p.port, p.state.as_str())).collect();
+    assert_eq!(ports, vec![(1, "DOWN"), (2, "ACTIVE")]);
+    assert_eq!(facts.active_ports(), vec!["mlx5_0:2".to_string()]);
+    assert_eq!(facts.gpu(0).unwrap().ucx_settings[0], "UCX_NET_DEVICES=mlx5_0:2");
+}
+
+#[test]
+fn rdma_device_without_pci_has_no_distance() {
+    // A soft RoCE device (rxe) has no PCI function: listed, but never anyone's nearest.
+    let f = FakeSys::new();
+    f.gpu(GPU0, 0);
+    let p = f.root().join("devices/virtual/infiniband/rxe0/ports/1");
+    for (file, v) in
+        [("state", "4: ACTIVE"), ("phys_state", "5: LinkUp"), ("link_layer", "Ethernet"), ("rate", "10 Gb/sec (1X QDR)")]
+    {
+        write(&p.join(file), v);
+    }
+    std::fs::create_dir_all(f.root().join("class/infiniband")).unwrap();
+    std::os::unix::fs::symlink("../../devices/virtual/infiniband/rxe0", f.root().join("class/infiniband/rxe0")).unwrap();
+    let facts = gather_from(&f.root(), &[GpuPci { ordinal: Some(0), pci_address: "0000:03:00.0".into(), dma_buf: None }]);
+    assert_eq!(facts.devices.len(), 1);
+    assert_eq!((facts.devices[0].pci_address.as_deref(), facts.devices[0].numa_node), (None, None));
+    let g = facts.gpu(0).unwrap();
+    assert_eq!((g.nics[0].distance, g.nearest.as_deref()), (None, None));
+    assert!(kvprobe::rdma::render(&facts).contains("GPU0 (0000:03:00.0): unknown (no PCI path to compare)"));
+}
