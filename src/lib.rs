@@ -47,6 +47,7 @@ pub mod peer;
 pub mod phase;
 pub mod pool;
 pub mod race;
+pub mod rdma;
 pub mod redact;
 pub mod remote;
 pub mod report;

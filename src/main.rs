@@ -78,7 +78,7 @@ enum Command {
     /// The decode agent process of `run --decode-process` (internal: speaks kvprobe's pipe protocol on stdin/stdout).
     #[command(hide = true)]
     Agent,
-    /// Print what was found: GPUs and their links, driver, CUDA, NVRTC, NIXL library and plugins, and the path UCX selects for small probe transfers (exit 2 when NIXL is unusable).
+    /// Print what was found: GPUs and their links, driver, CUDA, NVRTC, NIXL library and plugins, RDMA NICs (ports, distance to each GPU, the UCX settings that pin the nearest, GPUDirect RDMA), and the path UCX selects for small probe transfers (exit 2 when NIXL is unusable).
     Env {
         /// Print JSON instead of text.
         #[arg(long)]
@@ -1394,7 +1394,7 @@ fn env(json: bool, probe: bool) -> Exit {
         if let Err(code) = install_signals() {
             return code;
         }
-        e.transport_probes = kvprobe::envinfo::probe_paths(e.gpus.len());
+        e.transport_probes = kvprobe::envinfo::probe_paths(e.gpus.len(), &e.rdma);
     }
     let interrupted = kvprobe::interrupt::requested();
     if json {

@@ -1410,6 +1410,13 @@ fn sweep(
                         .into(),
                 );
             }
+            // Flag a TCP path where an RDMA NIC exists, no GPUDirect RDMA, a NIC that is not
+            // the GPU's nearest (this host's facts; a peer flags its own path).
+            if let Some(env) = report.environment.as_ref() {
+                let dev = if cfg.op == Op::Write && cfg.peer.is_none() { cfg.prefill_device } else { cfg.decode_device };
+                let gpu = (cfg.memory == MemoryKind::Vram).then_some(dev);
+                crate::ucx::flag_path(&mut p, &env.rdma, gpu);
+            }
             report.summary.transport_path = Some(p);
         }
         for a in &cur.actions {

@@ -418,7 +418,10 @@ fn session_inner(
         acc.report.summary = s;
     }
     let op = if rc.op == Op::Write { "WRITE" } else { "READ" };
-    let path = crate::ucx::path_since(mark, &rc.backend, op, vram);
+    let mut path = crate::ucx::path_since(mark, &rc.backend, op, vram);
+    if let Some(env) = acc.report.environment.as_ref() {
+        crate::ucx::flag_path(&mut path, &env.rdma, vram.then_some(cfg.device));
+    }
     acc.report.summary.transport_path = Some(path.clone());
     me.role = "prefill".into();
     me.host = peer::host_name();

@@ -89,6 +89,23 @@ pub struct TransportPath {
     pub warning: Option<String>,
     /// UCX's warnings and errors from this run (they go to kvprobe's UCX log while the capture is on).
     pub ucx_messages: Vec<String>,
+    /// What is wrong with the path given the host's RDMA facts ([`flag_path`]): TCP while an
+    /// RDMA port is up, VRAM over RDMA without GPUDirect RDMA, a NIC farther from the GPU than
+    /// another. Absent when empty (and in reports written before it existed).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub flags: Vec<PathFlag>,
+}
+
+/// One problem with the path UCX selected, judged against the host's RDMA facts.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct PathFlag {
+    /// Stable short code: `tcp-with-rdma-present`, `rdma-port-down`, `no-gpudirect-rdma`,
+    /// `staged-through-host`, `nic-not-nearest` (README, "Which NIC carried the bytes").
+    pub code: String,
+    /// One sentence saying what UCX did and why it matters.
+    pub message: String,
+    /// The setting (or command) that fixes it, when there is one.
+    pub fix: Option<String>,
 }
 
 static ADOPTED: OnceLock<std::sync::Mutex<std::fs::File>> = OnceLock::new();
@@ -289,5 +306,153 @@ pub fn messages() -> Vec<String> {
 pub fn remove_log() {
     if let Some(p) = log_path() {
         let _ = std::fs::remove_file(p);
+    }
+}
+
+/// One transport lane of a selection row: `(transport, device)` from a config cell such as
+/// "rc_mlx5/mlx5_0:1", "cuda_copy/cuda" or "50% on rc_mlx5/mlx5_0:1 and 50% on rc_mlx5/mlx5_3:1".
+fn lanes(config: &str) -> Vec<(String, String)> {
+    config
+        .split(|c: char| c.is_whitespace() || c == ',' || c == ';')
+        .filter_map(|t| {
+            let (tl, dev) = t.split_once('/')?;
+            let ok = !tl.is_empty() && tl.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+            (ok && !dev.is_empty()).then(|| (tl.to_string(), dev.to_string()))
+        })
+        .collect()
+}
+
+/// True for UCX's RDMA transports (rc_mlx5, rc_verbs, dc_mlx5, ud_mlx5, ud_verbs).
+fn is_rdma_transport(tl: &str) -> bool {
+    ["rc", "dc", "ud"].iter().any(|p| tl == *p || tl.starts_with(&format!("{p}_")))
+}
+
+/// The device name of an RDMA lane's device ("mlx5_0:1" → "mlx5_0").
+fn device_name(dev: &str) -> &str {
+    dev.split_once(':').map_or(dev, |(d, _)| d)
+}
+
+const CONTAINER_HINT: &str = "in a container also --device /dev/infiniband --cap-add IPC_LOCK --ulimit memlock=-1";
+
+/// The flags of path `p` given the host's RDMA facts, for transfers of GPU `gpu` (CUDA
+/// ordinal; `None` for DRAM or unknown, which skips `nic-not-nearest`). Pure: reads only its
+/// arguments.
+///
+/// - `tcp-with-rdma-present`: a row goes over tcp (not the loopback `lo`, which only carries
+///   transfers within the host) while some RDMA port is ACTIVE;
+/// - `rdma-port-down`: tcp (not `lo`) while RDMA devices exist but none has an ACTIVE port;
+/// - `no-gpudirect-rdma`: a selection between cuda memory goes over rc/dc/ud while neither
+///   nvidia_peermem nor dma-buf is available, so UCX stages VRAM through host memory;
+/// - `staged-through-host`: a row of a cuda selection uses cuda_copy together with a network
+///   transport (rc/dc/ud/tcp): the bytes are copied to host memory and sent from there;
+/// - `nic-not-nearest`: rc/dc/ud over a device farther (PCIe distance) from `gpu` than its
+///   nearest device with an ACTIVE port.
+pub fn path_flags(p: &TransportPath, facts: &crate::rdma::RdmaFacts, gpu: Option<usize>) -> Vec<PathFlag> {
+    let mut flags: Vec<PathFlag> = Vec::new();
+    let mut add = |f: PathFlag| {
+        if !flags.iter().any(|x| x.code == f.code && x.message == f.message) {
+            flags.push(f);
+        }
+    };
+    let gpu_entry = gpu.and_then(|g| facts.gpu(g));
+    // The device to pin: the GPU's nearest, else the first ACTIVE port.
+    let pin = gpu_entry
+        .and_then(|g| g.nearest.as_deref())
+        .and_then(|n| facts.net_device(n))
+        .or_else(|| facts.active_ports().into_iter().next());
+    let pin_fix = |extra: &str| pin.as_ref().map(|d| format!("UCX_NET_DEVICES={d} UCX_TLS={}{extra}", crate::rdma::UCX_TLS_HINT));
+    for s in &p.selections {
+        let cuda = s.operation.contains("cuda");
+        for r in &s.rows {
+            let l = lanes(&r.config);
+            let net = |tl: &str| tl == "tcp" || is_rdma_transport(tl);
+            for (tl, dev) in &l {
+                if tl == "tcp" && dev != "lo" {
+                    if facts.any_active() {
+                        add(PathFlag {
+                            code: "tcp-with-rdma-present".into(),
+                            message: format!(
+                                "UCX moved these transfers over TCP ({dev}) although RDMA port(s) {} are ACTIVE",
+                                facts.active_ports().join(", ")
+                            ),
+                            fix: pin_fix(&format!("; {CONTAINER_HINT}")),
+                        });
+                    } else if !facts.devices.is_empty() {
+                        let names: Vec<&str> = facts.devices.iter().map(|d| d.name.as_str()).collect();
+                        add(PathFlag {
+                            code: "rdma-port-down".into(),
+                            message: format!(
+                                "UCX moved these transfers over TCP ({dev}): RDMA device(s) {} have no ACTIVE port",
+                                names.join(", ")
+                            ),
+                            fix: Some("bring the port up (ibstat; for RoCE, the netdev's link: ip link)".into()),
+                        });
+                    }
+                }
+                if is_rdma_transport(tl) && cuda && !facts.gpudirect.available {
+                    add(PathFlag {
+                        code: "no-gpudirect-rdma".into(),
+                        message: format!(
+                            "VRAM goes over {tl}/{dev} without GPUDirect RDMA (nvidia_peermem not loaded, no dma-buf): \
+                             UCX stages it through host memory"
+                        ),
+                        fix: Some("modprobe nvidia_peermem (or a kernel 5.12+ and driver with dma-buf support)".into()),
+                    });
+                }
+                if is_rdma_transport(tl)
+                    && let Some(g) = gpu_entry
+                    && let (Some(near), Some(near_d)) = (g.nearest.as_deref(), g.nearest_distance)
+                    && device_name(dev) != near
+                    && let Some(used_d) = g.nics.iter().find(|n| n.nic == device_name(dev)).and_then(|n| n.distance)
+                    && used_d > near_d
+                {
+                    add(PathFlag {
+                        code: "nic-not-nearest".into(),
+                        message: format!(
+                            "GPU {} sends over {} ({used_d} from it) while {near} is nearer ({near_d})",
+                            gpu.unwrap_or_default(),
+                            device_name(dev)
+                        ),
+                        fix: facts.net_device(near).map(|d| format!("UCX_NET_DEVICES={d}")),
+                    });
+                }
+            }
+            if cuda && l.iter().any(|(tl, _)| tl == "cuda_copy") && l.iter().any(|(tl, _)| net(tl)) {
+                add(PathFlag {
+                    code: "staged-through-host".into(),
+                    message: format!("VRAM is copied to host memory and sent from there ({})", r.config),
+                    fix: if facts.gpudirect.available {
+                        pin_fix("")
+                    } else {
+                        Some("load nvidia_peermem (GPUDirect RDMA), then UCX can send VRAM directly".into())
+                    },
+                });
+            }
+        }
+    }
+    flags
+}
+
+/// Sets `p.flags` from the host's RDMA facts for transfers of GPU `gpu` (CUDA ordinal, `None`
+/// for DRAM): see [`path_flags`]. Replaces earlier flags, so calling it twice is harmless.
+pub fn flag_path(p: &mut TransportPath, facts: &crate::rdma::RdmaFacts, gpu: Option<usize>) {
+    p.flags = path_flags(p, facts, gpu);
+}
+
+#[cfg(test)]
+mod flag_tests {
+    use super::*;
+
+    #[test]
+    fn lanes_split_configs() {
+        assert_eq!(lanes("rc_mlx5/mlx5_0:1"), vec![("rc_mlx5".to_string(), "mlx5_0:1".to_string())]);
+        assert_eq!(lanes("cuda_ipc/cuda"), vec![("cuda_ipc".to_string(), "cuda".to_string())]);
+        assert_eq!(
+            lanes("50% on rc_mlx5/mlx5_0:1 and 50% on rc_mlx5/mlx5_3:1"),
+            vec![("rc_mlx5".to_string(), "mlx5_0:1".to_string()), ("rc_mlx5".to_string(), "mlx5_3:1".to_string())]
+        );
+        assert!(lanes("zero-copy").is_empty());
+        assert!(is_rdma_transport("rc_mlx5") && is_rdma_transport("dc_mlx5") && is_rdma_transport("ud_verbs"));
+        assert!(!is_rdma_transport("cuda_copy") && !is_rdma_transport("tcp") && !is_rdma_transport("rcx"));
     }
 }

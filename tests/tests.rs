@@ -22,6 +22,7 @@ mod lanes;
 mod limits;
 mod mooncake;
 mod pair;
+mod rdma;
 mod redact;
 mod scenario;
 mod setup;
