@@ -21,16 +21,24 @@ impl Serve {
     /// Starts `kvprobe serve --listen HOST:0 --memory dram --token TOKEN --report R EXTRA`,
     /// prefixed by `wrap` (e.g. `ip netns exec NS`), and waits for its "listening on" line.
     fn start_in(wrap: &[&str], host: &str, extra: &[&str]) -> Serve {
+        Serve::start_with(wrap, host, &["--memory", "dram"], &[], extra)
+    }
+
+    /// As [`Serve::start_in`] with serve's `memory` flags (e.g. `--memory vram --device 0`) and
+    /// extra environment variables.
+    fn start_with(wrap: &[&str], host: &str, memory: &[&str], env: &[(&str, &str)], extra: &[&str]) -> Serve {
         let d = tmpdir("serve");
         let report = d.join("serve.json");
         let bin = bin();
         let listen = format!("{host}:0");
         let mut args: Vec<&str> = wrap.to_vec();
-        args.extend_from_slice(&[bin.to_str().unwrap(), "serve", "--listen", &listen, "--memory", "dram"]);
+        args.extend_from_slice(&[bin.to_str().unwrap(), "serve", "--listen", &listen]);
+        args.extend_from_slice(memory);
         args.extend_from_slice(&["--token", TOKEN, "--report", report.to_str().unwrap()]);
         args.extend_from_slice(extra);
         let mut child = Command::new(args[0])
             .args(&args[1..])
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -93,14 +101,27 @@ impl Drop for Serve {
 /// `kvprobe run --peer ADDR --token TOKEN --memory dram --report R ARGS` (prefixed by `wrap`):
 /// (exit code, report, output).
 fn run_peer_in(wrap: &[&str], addr: &str, token: &str, args: &[&str]) -> (i32, serde_json::Value, String) {
+    run_peer_with(wrap, addr, token, &["--memory", "dram"], &[], args)
+}
+
+/// As [`run_peer_in`] with run's `memory` flags and extra environment variables.
+fn run_peer_with(
+    wrap: &[&str],
+    addr: &str,
+    token: &str,
+    memory: &[&str],
+    env: &[(&str, &str)],
+    args: &[&str],
+) -> (i32, serde_json::Value, String) {
     let d = tmpdir("run-peer");
     let p = d.join("report.json");
     let bin = bin();
     let mut a: Vec<&str> = wrap.to_vec();
-    a.extend_from_slice(&[bin.to_str().unwrap(), "run", "--peer", addr, "--token", token, "--memory", "dram"]);
+    a.extend_from_slice(&[bin.to_str().unwrap(), "run", "--peer", addr, "--token", token]);
+    a.extend_from_slice(memory);
     a.extend_from_slice(&["--report", p.to_str().unwrap()]);
     a.extend_from_slice(args);
-    let o = Command::new(a[0]).args(&a[1..]).output().expect("spawn kvprobe run");
+    let o = Command::new(a[0]).args(&a[1..]).envs(env.iter().copied()).output().expect("spawn kvprobe run");
     let out = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
     assert!(!out.contains("panicked"), "{out}");
     (o.status.code().unwrap_or(-1), read_report(&p), out)
@@ -459,5 +480,77 @@ fn pair_across_two_network_namespaces_moves_the_bytes_over_the_veth() {
         for shm in ["cma/", "posix/", "sysv/", "xpmem/"] {
             assert!(!path.contains(shm), "{op}: UCX reached the other side by {shm}: {path}");
         }
+    }
+}
+
+/// GPUs of the two sides on a GPU host: serve on GPU 0, run on GPU 1 where there are two,
+/// else both on GPU 0 (two processes sharing nothing but TCP and what UCX finds).
+fn vram_sides() -> (String, String) {
+    let n = kvprobe::cuda::device_count();
+    ("0".into(), if n >= 2 { "1".into() } else { "0".into() })
+}
+
+#[test]
+fn gpu_pair_llama3_read_and_write_are_clean_and_find_every_injection() {
+    if !gpu_or_skip("gpu_pair_llama3_read_and_write_are_clean_and_find_every_injection") {
+        return;
+    }
+    let (p, d) = vram_sides();
+    let serve_mem = ["--memory", "vram", "--device", p.as_str()];
+    let run_mem = ["--memory", "vram", "--decode-device", d.as_str()];
+    for op in ["read", "write"] {
+        let s = Serve::start_with(&[], "127.0.0.1", &serve_mem, &[], &[]);
+        let (code, r, out) =
+            run_peer_with(&[], &s.addr, TOKEN, &run_mem, &[], &["--op", op, "--preset", "llama3-8b", "--iterations", "20"]);
+        assert_eq!(code, 0, "{op}: {out}");
+        let (sc, sout, sr) = s.wait();
+        assert_eq!(sc, 0, "{op}: {sout}");
+        assert_one_run(&r, &sr.unwrap(), 0);
+        assert_eq!(r["summary"]["iterations"], 20);
+        assert_eq!(r["peer"]["memory"], "vram");
+        eprintln!(
+            "pair VRAM {op} GPU {p} -> GPU {d}: {} GB/s, path {}",
+            r["summary"]["transfer_gbps"], r["summary"]["transport_path"]["selections"]
+        );
+        let s = Serve::start_with(&[], "127.0.0.1", &serve_mem, &[], &[]);
+        let mut args = vec!["--op", op, "--preset", "llama3-8b", "--blocks", "64", "--iterations", "3", "--pipeline-stages", "4"];
+        for k in ["bitflip", "drop", "misroute", "stale", "torn", "stray"] {
+            args.extend_from_slice(&["--inject", k]);
+        }
+        let (code, r, out) = run_peer_with(&[], &s.addr, TOKEN, &run_mem, &[], &args);
+        assert_eq!(code, 1, "{op}: {out}");
+        assert_found_exactly(&r, 6 * 3, &format!("VRAM pair {op}"));
+        let (sc, sout, _) = s.wait();
+        assert_eq!(sc, 1, "{op}: {sout}");
+    }
+}
+
+#[test]
+fn gpu_pair_without_cuda_ipc_takes_the_path_of_a_pair_without_nvlink() {
+    if !gpu_or_skip("gpu_pair_without_cuda_ipc_takes_the_path_of_a_pair_without_nvlink") {
+        return;
+    }
+    let (p, d) = vram_sides();
+    let env = [("UCX_TLS", "^cuda_ipc")];
+    for op in ["read", "write"] {
+        let s = Serve::start_with(&[], "127.0.0.1", &["--memory", "vram", "--device", p.as_str()], &env, &[]);
+        let (code, r, out) = run_peer_with(
+            &[],
+            &s.addr,
+            TOKEN,
+            &["--memory", "vram", "--decode-device", d.as_str()],
+            &env,
+            &["--op", op, "--preset", "llama3-8b", "--iterations", "5"],
+        );
+        assert_eq!(code, 0, "{op}: {out}");
+        let (sc, sout, _) = s.wait();
+        assert_eq!(sc, 0, "{op}: {sout}");
+        let path = r["summary"]["transport_path"].to_string();
+        assert!(
+            r["summary"]["transport_path"]["selections"].as_array().is_some_and(|a| !a.is_empty()),
+            "{op}: no UCX table: {path}"
+        );
+        assert!(!path.contains("cuda_ipc"), "{op}: cuda_ipc was excluded but shows in the path: {path}");
+        eprintln!("pair VRAM {op} without cuda_ipc: {} GB/s, path {path}", r["summary"]["transfer_gbps"]);
     }
 }

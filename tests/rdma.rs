@@ -242,6 +242,7 @@ fn path(operation: &str, config: &str) -> TransportPath {
         backend: "UCX".into(),
         selections: vec![Selection {
             operation: operation.into(),
+            endpoint: Some("kvprobe-decode inter-node cfg#1".into()),
             rows: vec![ProtoRow { range: "0..inf".into(), description: "zero-copy".into(), config: config.into() }],
         }],
         ..Default::default()
