@@ -304,7 +304,7 @@ fn run_rows(
         let r = crate::engine::run_scenario(
             &sc,
             cfg.seed,
-            &mut probe.prefill,
+            probe.prefill.local_mut()?,
             &mut probe.decode,
             timeout,
             cfg.max_failures,

@@ -517,6 +517,8 @@ fn breakdown(
         stages,
         decode_process: cfg.decode_process,
         scenario: None,
+        peer: None,
+        peer_token: None,
     };
     let (mut line, mut progress, mut ckpt) = (|_: &str| {}, |_: &crate::engine::Progress| {}, |_: &crate::report::Report| {});
     let mut hooks = Hooks { line: &mut line, progress: &mut progress, checkpoint_secs: 0.0, checkpoint: &mut ckpt, dump: None };

@@ -116,6 +116,19 @@ pub fn gpu_info(ordinal: usize) -> Result<GpuInfo> {
     Ok(GpuInfo { ordinal, name, uuid, pci_bus_id, total_bytes, compute_capability: (major, minor) })
 }
 
+/// GPUDirect RDMA support of GPU `ordinal` as the driver reports it:
+/// `(CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED, CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED)`.
+/// The first says the device can do GPUDirect RDMA at all (a NIC still needs nvidia_peermem or
+/// dma-buf to reach it); the second that its memory can be exported as a dma-buf, which
+/// ib_core (Linux 5.12+) registers without nvidia_peermem. Errors: no driver or no such device.
+pub fn gpudirect_attrs(ordinal: usize) -> Result<(bool, bool)> {
+    init()?;
+    let dev = result::device::get(ordinal as i32).map_err(|e| derr("cuDeviceGet", e))?;
+    let gdr = attr(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED)?;
+    let dmabuf = attr(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED)?;
+    Ok((gdr != 0, dmabuf != 0))
+}
+
 /// How two GPUs reach each other (CUDA's peer-to-peer attributes).
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct PeerLink {

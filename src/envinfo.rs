@@ -1,4 +1,5 @@
-//! What the machine offers: GPUs, driver, CUDA, NVRTC, NIXL library and plugins.
+//! What the machine offers: GPUs, driver, CUDA, NVRTC, NIXL library and plugins, RDMA NICs
+//! and their distance to the GPUs ([`crate::rdma`]).
 //!
 //! Printed by `kvprobe env` and embedded in every report's `environment`.
 
@@ -71,6 +72,10 @@ pub struct Environment {
     /// ([`probe_paths`]); empty in run reports (they carry their own `transport_path`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub transport_probes: Vec<PathProbe>,
+    /// RDMA devices and ports, each GPU's PCIe distance to each device and its nearest one
+    /// with the UCX settings that pin it, GPUDirect RDMA status ([`crate::rdma`]).
+    #[serde(default)]
+    pub rdma: crate::rdma::RdmaFacts,
 }
 
 /// One probe transfer of `kvprobe env`: a short sweep in a child `kvprobe run` (llama3-8b
@@ -97,7 +102,9 @@ const PROBE_SECS: u64 = 90;
 /// WRITE on GPU 0; with two, READ from GPU 0 to GPU 1 in one process and with decode's agent
 /// in a second process (`run --decode-process`). Each is `kvprobe run` in a child
 /// process (killed after 90 s or when kvprobe dies); failures are recorded, not raised.
-pub fn probe_paths(gpus: usize) -> Vec<PathProbe> {
+/// Each path is flagged against `rdma` ([`crate::ucx::flag_path`]; VRAM probes for the
+/// prefill GPU).
+pub fn probe_paths(gpus: usize, rdma: &crate::rdma::RdmaFacts) -> Vec<PathProbe> {
     let mut plan = vec![("dram", "read", 0, 0, false)];
     if gpus > 0 {
         plan.push(("vram", "read", 0, 0, false));
@@ -126,6 +133,7 @@ pub fn probe_paths(gpus: usize) -> Vec<PathProbe> {
                     error: Some(e.to_string()),
                 })
                 .named(what)
+                .flagged(rdma, (mem == "vram").then_some(a))
         })
         .collect()
 }
@@ -133,6 +141,13 @@ pub fn probe_paths(gpus: usize) -> Vec<PathProbe> {
 impl PathProbe {
     fn named(mut self, what: String) -> PathProbe {
         self.what = what;
+        self
+    }
+
+    fn flagged(mut self, rdma: &crate::rdma::RdmaFacts, gpu: Option<usize>) -> PathProbe {
+        if let Some(p) = self.path.as_mut() {
+            crate::ucx::flag_path(p, rdma, gpu);
+        }
         self
     }
 }
@@ -302,7 +317,8 @@ pub fn nixl_info() -> NixlInfo {
 /// must not load it) decides.
 pub fn gather(nixl: NixlInfo) -> Environment {
     let n = cuda::device_count();
-    let gpus = (0..n).filter_map(|i| cuda::gpu_info(i).ok()).collect();
+    let gpus: Vec<GpuInfo> = (0..n).filter_map(|i| cuda::gpu_info(i).ok()).collect();
+    let rdma = crate::rdma::gather(&gpus);
     let transport_env = std::env::vars_os()
         .map(|(k, v)| (k.to_string_lossy().into_owned(), v.to_string_lossy().into_owned()))
         .filter(|(k, _)| k.starts_with("UCX_") || k.starts_with("NIXL_"))
@@ -322,6 +338,7 @@ pub fn gather(nixl: NixlInfo) -> Environment {
             Err(e) => MooncakeInfo { install: None, error: Some(e.to_string()) },
         },
         transport_probes: Vec::new(),
+        rdma,
     }
 }
 
@@ -390,6 +407,7 @@ pub fn render(e: &Environment) -> String {
     for (k, v) in &e.transport_env {
         s += &format!("{k}={v}\n");
     }
+    s += &crate::rdma::render(&e.rdma);
     if !e.transport_probes.is_empty() {
         s += "transport (probe transfers, 32 MiB per side, 32 KiB descriptors):\n";
     }
@@ -399,6 +417,14 @@ pub fn render(e: &Environment) -> String {
                 s += &format!("  {}: {} ({:.2} GB/s)\n", p.what, crate::ucx::describe(path), p.transfer_gbps.unwrap_or(0.0));
                 if let Some(w) = &path.warning {
                     s += &format!("    warning: {w}\n");
+                }
+                for f in &path.flags {
+                    s += &format!(
+                        "    flag {}: {}{}\n",
+                        f.code,
+                        f.message,
+                        f.fix.as_ref().map_or(String::new(), |x| format!(" (fix: {x})"))
+                    );
                 }
             }
             _ => {

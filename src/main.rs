@@ -72,10 +72,13 @@ enum Command {
         #[arg(short = 'o', long = "output", value_name = "FILE")]
         output: PathBuf,
     },
+    /// Node pair: the prefill side. Listens on ADDR:PORT for one `kvprobe run --peer` at a time (token-checked), fills its pool as the run asks, and serves NIXL READs/WRITEs; exits after one run unless --keep-serving.
+    #[command(after_help = SERVE_EXIT_CODES)]
+    Serve(ServeArgs),
     /// The decode agent process of `run --decode-process` (internal: speaks kvprobe's pipe protocol on stdin/stdout).
     #[command(hide = true)]
     Agent,
-    /// Print what was found: GPUs and their links, driver, CUDA, NVRTC, NIXL library and plugins, and the path UCX selects for small probe transfers (exit 2 when NIXL is unusable).
+    /// Print what was found: GPUs and their links, driver, CUDA, NVRTC, NIXL library and plugins, RDMA NICs (ports, distance to each GPU, the UCX settings that pin the nearest, GPUDirect RDMA), and the path UCX selects for small probe transfers (exit 2 when NIXL is unusable).
     Env {
         /// Print JSON instead of text.
         #[arg(long)]
@@ -185,18 +188,9 @@ fn parse_bytes(s: &str) -> Result<u64, String> {
     n.checked_mul(mul).ok_or_else(|| format!("{s:?}: too large"))
 }
 
-#[derive(Args)]
-#[command(next_help_heading = "Pools and transport")]
-struct PoolArgs {
-    /// Pool memory: vram (GPU) or dram (host). Default: vram when a GPU is present, else dram.
-    #[arg(long, value_enum)]
-    memory: Option<MemoryKind>,
-    /// GPU holding the prefill pool.
-    #[arg(long, default_value_t = 0)]
-    prefill_device: usize,
-    /// GPU holding the decode pool.
-    #[arg(long, default_value_t = 0)]
-    decode_device: usize,
+/// The KV geometry flags (run, ab, serve).
+#[derive(Args, Clone)]
+struct GeometryArgs {
     /// Named geometry; the geometry flags below override its fields. Default: small.
     #[arg(long, value_enum)]
     preset: Option<Preset>,
@@ -224,6 +218,53 @@ struct PoolArgs {
     /// MLA: one latent slice per (layer, block) instead of K and V.
     #[arg(long)]
     mla: bool,
+}
+
+impl GeometryArgs {
+    /// The geometry the flags give (preset, then each flag over its field).
+    fn geometry(&self) -> kvprobe::geometry::Geometry {
+        let mut g = self.preset.unwrap_or(Preset::Small).geometry();
+        if self.mla {
+            g.mla = true;
+            if self.kv_heads.is_none() {
+                g.num_kv_heads = 1;
+            }
+        }
+        let set = |dst: &mut u32, v: Option<u32>| *dst = v.unwrap_or(*dst);
+        set(&mut g.num_layers, self.layers);
+        set(&mut g.num_kv_heads, self.kv_heads);
+        set(&mut g.head_size, self.head_size);
+        set(&mut g.block_size, self.block_size);
+        set(&mut g.num_blocks, self.blocks);
+        g.dtype = self.dtype.unwrap_or(g.dtype);
+        g.layout = self.layout.unwrap_or(g.layout);
+        g
+    }
+
+    /// True when any geometry flag was given.
+    fn any(&self) -> bool {
+        self.preset.is_some()
+            || self.mla
+            || [self.layers, self.kv_heads, self.head_size, self.block_size, self.blocks].iter().any(Option::is_some)
+            || self.dtype.is_some()
+            || self.layout.is_some()
+    }
+}
+
+#[derive(Args)]
+#[command(next_help_heading = "Pools and transport")]
+struct PoolArgs {
+    /// Pool memory: vram (GPU) or dram (host). Default: vram when a GPU is present, else dram.
+    #[arg(long, value_enum)]
+    memory: Option<MemoryKind>,
+    /// GPU holding the prefill pool.
+    #[arg(long, default_value_t = 0)]
+    prefill_device: usize,
+    /// GPU holding the decode pool.
+    #[arg(long, default_value_t = 0)]
+    decode_device: usize,
+    #[command(flatten)]
+    geo: GeometryArgs,
     /// Seed of fingerprints, block mapping, load and injections.
     #[arg(long, default_value = "1", value_parser = parse_seed)]
     seed: u64,
@@ -332,6 +373,12 @@ struct RunArgs {
     /// Exit 5 when the transfer rate (GB/s = 1e9 B/s) is below this.
     #[arg(long)]
     min_gbps: Option<f64>,
+    /// Node pair: prefill is `kvprobe serve` at HOST:PORT (another host, or another process); this side is decode and drives the sweep. Every sweep flag applies; --memory and --decode-device are decode's (serve's --memory and --device are prefill's).
+    #[arg(long, value_name = "HOST:PORT", help_heading = "Node pair")]
+    peer: Option<String>,
+    /// With --peer: the token serve printed or was given (default: $KVPROBE_TOKEN). Visible to other users in the process list: prefer KVPROBE_TOKEN.
+    #[arg(long, value_name = "T", requires = "peer", help_heading = "Node pair")]
+    token: Option<String>,
     /// Request-level load instead of the sweep: which connectors move the blocks.
     #[arg(long, value_enum)]
     scenario: Option<Scenario>,
@@ -340,6 +387,39 @@ struct RunArgs {
     race: Vec<RaceSpec>,
     #[command(flatten)]
     load: LoadArgs,
+}
+
+const SERVE_EXIT_CODES: &str = "Exit codes: the run's own code (0 clean, 1 corrupt, 3 transport, 4 timeout, 5 below --min-gbps, 130 interrupted: the two sides end with one outcome); 2 a refused run (version, token, configuration: the reason names the field) or a bad flag (--listen that cannot be bound); 3 the decode side died or the link broke; 4 the decode side went silent for --timeout (stopped, link dropped); 130 interrupted while waiting.";
+
+#[derive(Args)]
+struct ServeArgs {
+    /// Address and port to listen on (e.g. 10.0.0.2:7000, 0.0.0.0:7000; port 0 picks a free one and prints it). Nothing else is opened until a run connects.
+    #[arg(long, value_name = "ADDR:PORT")]
+    listen: String,
+    /// Shared token the run must prove (default: $KVPROBE_TOKEN; with neither, serve makes one and prints it).
+    #[arg(long, value_name = "T")]
+    token: Option<String>,
+    /// Prefill's pool memory: vram (GPU) or dram (host). Default: vram when a GPU is present, else dram.
+    #[arg(long, value_enum)]
+    memory: Option<MemoryKind>,
+    /// Prefill's GPU.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+    /// Require this NIXL backend of the run (refused otherwise).
+    #[arg(long)]
+    backend: Option<String>,
+    /// Prefill's geometry: when any of these is given, a run with another geometry is refused, naming the field.
+    #[command(flatten)]
+    geo: GeometryArgs,
+    /// Write serve's JSON report here (atomically) after each run: the run's config and outcome, this side's environment and UCX path, decode's environment under `peer`.
+    #[arg(long)]
+    report: Option<PathBuf>,
+    /// Serve another run after each one (default: exit after one run).
+    #[arg(long)]
+    keep_serving: bool,
+    /// Bound of the wait for a connected client's configuration, in seconds (then the run's --timeout bounds everything).
+    #[arg(long, default_value_t = 60.0)]
+    timeout: f64,
 }
 
 #[derive(Args)]
@@ -376,6 +456,9 @@ const LOAD_FLAGS: &[&str] = &[
 
 /// `run` flags of the whole-pool sweep only.
 const SWEEP_FLAGS: &[&str] = &["iterations", "descriptor_blocks", "pipeline_stages", "decode_process"];
+
+/// `run` flags whose use `--peer` checks (clap ids).
+const PEER_FLAGS: &[&str] = &["prefill_device"];
 
 /// Parses `--backend-param KEY=VALUE` (a non-empty key of letters, digits and `_`; the
 /// value may be empty and may hold `=`).
@@ -432,28 +515,14 @@ fn parse_range(s: &str) -> Result<(u32, u32), String> {
 
 impl PoolArgs {
     fn config(&self) -> RunConfig {
-        let mut g = self.preset.unwrap_or(Preset::Small).geometry();
-        if self.mla {
-            g.mla = true;
-            if self.kv_heads.is_none() {
-                g.num_kv_heads = 1;
-            }
-        }
-        let set = |dst: &mut u32, v: Option<u32>| *dst = v.unwrap_or(*dst);
-        set(&mut g.num_layers, self.layers);
-        set(&mut g.num_kv_heads, self.kv_heads);
-        set(&mut g.head_size, self.head_size);
-        set(&mut g.block_size, self.block_size);
-        set(&mut g.num_blocks, self.blocks);
-        g.dtype = self.dtype.unwrap_or(g.dtype);
-        g.layout = self.layout.unwrap_or(g.layout);
+        let g = self.geo.geometry();
         let memory =
             self.memory.unwrap_or_else(|| if kvprobe::cuda::device_count() > 0 { MemoryKind::Vram } else { MemoryKind::Dram });
         RunConfig {
             memory,
             prefill_device: self.prefill_device,
             decode_device: self.decode_device,
-            preset: Some(self.preset.unwrap_or(Preset::Small)),
+            preset: Some(self.geo.preset.unwrap_or(Preset::Small)),
             geometry: g,
             op: Op::Read,
             iterations: 1,
@@ -469,6 +538,8 @@ impl PoolArgs {
             stages: None,
             decode_process: false,
             scenario: None,
+            peer: None,
+            peer_token: None,
         }
     }
 }
@@ -509,6 +580,27 @@ impl RunArgs {
         c.descriptor_blocks = self.descriptor_blocks;
         c.stages = self.pipeline_stages;
         c.decode_process = self.decode_process;
+        if let Some(addr) = &self.peer {
+            if self.decode_process {
+                return Err(Error::Usage("--peer and --decode-process both place prefill elsewhere: give one".into()));
+            }
+            if self.scenario.is_some() || !self.race.is_empty() {
+                return Err(Error::Usage(
+                    "--peer runs the whole-pool sweep; scenarios across a node pair are not supported yet".into(),
+                ));
+            }
+            if typed.contains(&"prefill_device") {
+                return Err(Error::Usage("--prefill-device does not apply to --peer: prefill's GPU is serve's --device".into()));
+            }
+            c.peer = Some(addr.clone());
+            c.peer_token = self.token.clone().or_else(|| std::env::var(kvprobe::serve::TOKEN_VAR).ok());
+            if c.peer_token.as_deref().is_none_or(str::is_empty) {
+                return Err(Error::Usage(format!(
+                    "--peer needs the token serve printed: --token T or {}",
+                    kvprobe::serve::TOKEN_VAR
+                )));
+            }
+        }
         c.inject = self.inject.clone();
         c.min_gbps = self.min_gbps;
         let flag = |id: &str| format!("--{}", id.replace('_', "-"));
@@ -1327,7 +1419,7 @@ fn env(json: bool, probe: bool) -> Exit {
         if let Err(code) = install_signals() {
             return code;
         }
-        e.transport_probes = kvprobe::envinfo::probe_paths(e.gpus.len());
+        e.transport_probes = kvprobe::envinfo::probe_paths(e.gpus.len(), &e.rdma);
     }
     let interrupted = kvprobe::interrupt::requested();
     if json {
@@ -1427,6 +1519,7 @@ fn main() {
         Some(("run", m)) => LOAD_FLAGS
             .iter()
             .chain(SWEEP_FLAGS)
+            .chain(PEER_FLAGS)
             .copied()
             .filter(|f| m.value_source(f) == Some(clap::parser::ValueSource::CommandLine))
             .collect(),
@@ -1446,9 +1539,90 @@ fn main() {
         Command::Bench(a) => bench(a),
         Command::Env { json, no_probe } => env(json, !no_probe),
         Command::Agent => kvprobe::remote::agent_main(),
+        Command::Serve(a) => serve(a),
         Command::Report(c) => report_command(c),
         Command::Bundle { report, dump, redact, output } => bundle_command(&report, dump.as_deref(), redact, &output),
     };
     // Not a plain return: see `exit_now` (library destructors can crash at exit).
     kvprobe::nixl::exit_now(exit as u8)
+}
+
+/// `kvprobe serve`: the prefill side of a node pair ([`kvprobe::serve`]).
+fn serve(a: ServeArgs) -> Exit {
+    if let Err(x) = check_report_path(&a.report).and_then(|_| install_signals()) {
+        return x;
+    }
+    let fail = |e: Error| {
+        err(&format!("kvprobe serve: {e}"));
+        e.exit()
+    };
+    if !(a.timeout.is_finite() && a.timeout > 0.0 && a.timeout <= 1e9) {
+        return fail(Error::Usage("--timeout must be a positive number of seconds (at most 1e9)".into()));
+    }
+    let memory = a.memory.unwrap_or_else(|| if kvprobe::cuda::device_count() > 0 { MemoryKind::Vram } else { MemoryKind::Dram });
+    if memory == MemoryKind::Dram && a.device != 0 {
+        return fail(Error::Usage("--device applies to --memory vram only".into()));
+    }
+    if memory == MemoryKind::Vram && a.device >= kvprobe::cuda::device_count() {
+        return fail(Error::Environment(format!(
+            "--device {}: this host has {} CUDA GPU(s) (use --memory dram for a host pool)",
+            a.device,
+            kvprobe::cuda::device_count()
+        )));
+    }
+    let geometry = a.geo.any().then(|| a.geo.geometry());
+    if let Some(g) = &geometry
+        && let Err(e) = g.validate()
+    {
+        return fail(Error::Usage(e.to_string()));
+    }
+    // Everything a run needs on this side, checked before listening.
+    kvprobe::nixl::prepare_ucx_env(false);
+    if let Err(e) = kvprobe::nixl::check_ucx_log_file().and_then(|_| kvprobe::nixl::load().map(|_| ())) {
+        return fail(e);
+    }
+    let listener = match kvprobe::serve::bind(&a.listen) {
+        Ok(l) => l,
+        Err(e) => return fail(e),
+    };
+    let (token, made) = match a.token.clone().or_else(|| std::env::var(kvprobe::serve::TOKEN_VAR).ok()).filter(|t| !t.is_empty())
+    {
+        Some(t) => (t, false),
+        None => match kvprobe::peer::random_hex(16) {
+            Ok(t) => (t, true),
+            Err(e) => return fail(e),
+        },
+    };
+    let cfg = kvprobe::serve::ServeConfig {
+        listen: a.listen.clone(),
+        token: token.clone(),
+        memory,
+        device: a.device,
+        backend: a.backend.clone(),
+        geometry,
+        keep_serving: a.keep_serving,
+        idle_timeout: Duration::from_secs_f64(a.timeout),
+    };
+    let bound = listener.local_addr().map(|x| x.to_string()).unwrap_or_else(|_| a.listen.clone());
+    out(&format!(
+        "kvprobe serve: listening on {bound} (peer protocol {}; prefill pool on {}; {})\n",
+        kvprobe::peer::PROTOCOL,
+        if memory == MemoryKind::Vram { format!("VRAM, GPU {}", a.device) } else { "DRAM".into() },
+        if a.keep_serving { "serving runs until stopped" } else { "one run, then exit" }
+    ));
+    if made {
+        out(&format!("kvprobe serve: token {token} (run: KVPROBE_TOKEN={token} kvprobe run --peer {bound} ...)\n"));
+    }
+    let report_path = a.report.clone();
+    let mut say = |l: &str| out(&format!("{l}\n"));
+    let mut ended = |end: &kvprobe::serve::SessionEnd| -> Exit {
+        let r = &end.report;
+        if r.summary.iterations > 0 {
+            out(&kvprobe::report::render(r));
+        }
+        report_error(&r.outcome);
+        let lost = report_path.as_ref().and_then(|p| write_json(p, r).err());
+        report_outcome(&report_path, lost, r, end.exit, "report:            ")
+    };
+    kvprobe::serve::serve(&cfg, listener, &mut say, &mut ended)
 }

@@ -355,8 +355,52 @@ pub struct Report {
     /// `--dump DIR`: what was dumped (README "Dumps").
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dump: Option<DumpSummary>,
+    /// Node-pair runs (`run --peer`, `serve`): the other side — its environment, the UCX
+    /// path its process saw, its timings (README "Two hosts").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peer: Option<PeerSide>,
     /// How it ended.
     pub outcome: Outcome,
+}
+
+/// One side of a node pair as the other side's report records it (`run --peer` records
+/// prefill's, `serve` records decode's).
+#[derive(Clone, Debug, Default, Serialize, serde::Deserialize)]
+pub struct PeerSide {
+    /// `prefill` or `decode`.
+    pub role: String,
+    /// The address the run connected to (`--peer`), or the client's address (serve).
+    pub address: String,
+    /// The side's host name.
+    pub host: String,
+    /// The run's id (16 hex digits), the same in both reports.
+    pub run_id: String,
+    /// The side's pool memory.
+    pub memory: Option<crate::pool::MemoryKind>,
+    /// The side's GPU (VRAM).
+    pub device: usize,
+    /// The side's machine, GPUs, driver, NIXL and UCX versions.
+    pub environment: Option<crate::envinfo::Environment>,
+    /// UCX's protocol selections as the side's process logged them for this run (READ or
+    /// WRITE, whichever it initiated or served).
+    pub transport_path: Option<crate::ucx::TransportPath>,
+    /// Seconds the side spent setting up (pool, NIXL agent), filling (prefill: every fill and
+    /// planted fault, its clock) and, for WRITE, with its requests in flight.
+    pub setup_seconds: f64,
+    /// See `setup_seconds`.
+    pub fill_seconds: f64,
+    /// Fills the side completed (stages or whole pools).
+    pub fills: u64,
+    /// WRITE requests the side posted and bytes they moved.
+    pub writes: u64,
+    /// See `writes`.
+    pub bytes_written: u64,
+    /// The side's exit code, when it said.
+    pub exit_code: Option<u8>,
+    /// True when the side did not send its part at the end (it had died, stopped, or the
+    /// link dropped): the fields are what was known from the start of the run.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub bye_missing: bool,
 }
 
 impl Report {
@@ -622,6 +666,24 @@ pub fn render(r: &Report) -> String {
             if r.config["decode_process"] == true { "; decode agent in a second process" } else { "" }
         );
     }
+    if let Some(p) = &r.peer {
+        let mem = match p.memory {
+            Some(crate::pool::MemoryKind::Vram) => format!("VRAM on GPU {}", p.device),
+            Some(crate::pool::MemoryKind::Dram) => "DRAM".into(),
+            None => "?".into(),
+        };
+        out += &format!(
+            "pair:              {} on {} ({}, {mem}), run {}{}\n",
+            p.role,
+            if p.host.is_empty() { "?" } else { &p.host },
+            p.address,
+            p.run_id,
+            if p.bye_missing { "; it sent no report at the end" } else { "" }
+        );
+        if let Some(t) = &p.transport_path {
+            out += &format!("                   its UCX path: {}\n", crate::ucx::describe(t));
+        }
+    }
     match &r.scenario {
         None => out += &format!("iterations:        {}\n", s.iterations),
         Some(sc) => {
@@ -723,6 +785,14 @@ pub fn render(r: &Report) -> String {
         }
         if let Some(w) = &p.warning {
             out += &format!("warning:           {w}\n");
+        }
+        for f in &p.flags {
+            out += &format!(
+                "path flag:         {}: {}{}\n",
+                f.code,
+                f.message,
+                f.fix.as_ref().map_or(String::new(), |x| format!(" (fix: {x})"))
+            );
         }
     }
     {

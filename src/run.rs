@@ -85,6 +85,13 @@ pub struct RunConfig {
     /// Request-level load with a tier and race mechanisms (`--scenario`); `None` runs the
     /// whole-pool sweep of `iterations`.
     pub scenario: Option<ScenarioConfig>,
+    /// Node pair (`--peer HOST:PORT`): prefill is `kvprobe serve` there; this process is
+    /// decode and drives the run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peer: Option<String>,
+    /// `--token` / `KVPROBE_TOKEN` for `--peer` (never written to a report).
+    #[serde(skip)]
+    pub peer_token: Option<String>,
 }
 
 /// Callbacks a run reports through.
@@ -130,16 +137,71 @@ pub fn logical_block(seed: u64, i: u32) -> u32 {
     i.wrapping_mul(0x9E37_79B1) ^ (seed as u32).rotate_left(7)
 }
 
+/// The prefill role as decode's side of a run sees it.
+#[allow(clippy::large_enum_variant)] // one per run
+pub(crate) enum Prefill {
+    /// In this process.
+    Local(Endpoint),
+    /// On the other side of a node pair (`run --peer`), over the peer protocol.
+    Peer(Box<crate::peer::client::PrefillPeer>),
+}
+
+impl Prefill {
+    /// The endpoint in this process. Errors: usage for a peer (what needs it runs only with
+    /// both roles in one process so far).
+    pub(crate) fn local_mut(&mut self) -> Result<&mut Endpoint> {
+        match self {
+            Prefill::Local(e) => Ok(e),
+            Prefill::Peer(_) => {
+                Err(Error::Usage("--peer runs the whole-pool sweep (scenarios and ab across a node pair come later)".into()))
+            }
+        }
+    }
+
+    /// Prefill's NIXL agent name.
+    fn name(&self) -> String {
+        match self {
+            Prefill::Local(e) => e.name(),
+            Prefill::Peer(p) => p.info.agent.clone(),
+        }
+    }
+}
+
+/// A sweep stage's request, as decode tracks it.
+pub(crate) enum SweepRequest {
+    /// A NIXL request of this process (or the decode agent process).
+    Nixl(crate::remote::Request),
+    /// A WRITE the prefill peer posted under `tag` (`run --peer`).
+    PeerWrite {
+        /// Notification tag.
+        tag: String,
+        /// `--timeout` from just before the request was sent to prefill.
+        deadline: crate::deadline::Deadline,
+        /// Checks begun after the deadline that found it incomplete.
+        late_misses: u8,
+    },
+}
+
+impl SweepRequest {
+    fn deadline(&self) -> crate::deadline::Deadline {
+        match self {
+            SweepRequest::Nixl(r) => r.deadline(),
+            SweepRequest::PeerWrite { deadline, .. } => *deadline,
+        }
+    }
+}
+
 /// Both roles, set up and connected.
 pub(crate) struct Probe {
     cfg: RunConfig,
     // Field order is drop order: decode first, so that a decode agent process has exited
     // (its READs of the prefill pool over) before the prefill pool's guard is dropped.
     pub(crate) decode: Endpoint,
-    pub(crate) prefill: Endpoint,
+    pub(crate) prefill: Prefill,
 }
 
-fn check_config(cfg: &RunConfig) -> Result<()> {
+/// Checks a run's configuration (flags, geometry, injections). Errors: usage (exit 2).
+pub(crate) fn check_config(cfg: &RunConfig) -> Result<()> {
     cfg.geometry.validate()?;
     inject::check(&cfg.inject, &cfg.geometry, &sweep_stages(cfg))?;
     if cfg.memory == MemoryKind::Dram && (cfg.prefill_device != 0 || cfg.decode_device != 0) {
@@ -276,6 +338,36 @@ fn check_host_memory(cfg: &RunConfig) -> Result<()> {
     Ok(())
 }
 
+/// Decode's pool alone (`run --peer`: prefill's is on the other side).
+fn build_decode_pool(cfg: &RunConfig) -> Result<KvPool> {
+    match cfg.memory {
+        MemoryKind::Dram => KvPool::host(&cfg.geometry, cfg.seed),
+        MemoryKind::Vram => {
+            if cuda::device_count() == 0 {
+                return Err(Error::Environment("--memory vram needs a CUDA GPU and none was found (use --memory dram)".into()));
+            }
+            let d = Device::open(cfg.decode_device)?;
+            let k = Arc::new(Kernels::compile(&d)?);
+            KvPool::device(&d, k, &cfg.geometry, cfg.seed)
+        }
+    }
+}
+
+/// Prefill's pool alone, on `memory` and `device` (`serve`).
+pub(crate) fn build_prefill_pool(cfg: &RunConfig, memory: MemoryKind, device: usize) -> Result<KvPool> {
+    match memory {
+        MemoryKind::Dram => KvPool::host(&cfg.geometry, cfg.seed),
+        MemoryKind::Vram => {
+            if cuda::device_count() == 0 {
+                return Err(Error::Environment("serve --memory vram needs a CUDA GPU and none was found".into()));
+            }
+            let d = Device::open(device)?;
+            let k = Arc::new(Kernels::compile(&d)?);
+            KvPool::device(&d, k, &cfg.geometry, cfg.seed)
+        }
+    }
+}
+
 /// Both pools; the decode pool is `None` with `--decode-process` (the child allocates it).
 fn build_pools(cfg: &RunConfig) -> Result<(KvPool, Option<KvPool>)> {
     let g = &cfg.geometry;
@@ -348,7 +440,44 @@ impl Probe {
         prefill.connect(decode.info()?)?;
         crate::trace!("connected");
         // The sweep and the scenario engine each fill the prefill pool themselves.
-        Ok(Probe { cfg: cfg.clone(), prefill, decode })
+        Ok(Probe { cfg: cfg.clone(), prefill: Prefill::Local(prefill), decode })
+    }
+
+    /// Node pair (`run --peer`): connects to `serve`, agrees on the configuration, allocates
+    /// and registers decode's pool here, and exchanges NIXL agents with prefill there.
+    /// `environment` is this side's (sent to prefill for its report). Errors: environment
+    /// (cannot connect), usage (refused: version, token, configuration), transport, timeout.
+    pub(crate) fn setup_peer(cfg: &RunConfig, environment: Option<crate::envinfo::Environment>) -> Result<Probe> {
+        let addr = cfg.peer.clone().unwrap_or_default();
+        let timeout = Duration::from_secs_f64(cfg.timeout_secs);
+        let run_id = crate::peer::random_hex(8)?;
+        crate::phase::announce(&format!("setup: connecting to the prefill peer at {addr}"));
+        let token = cfg.peer_token.clone().unwrap_or_default();
+        let link = crate::peer::client::connect(&addr, &token, &run_id, timeout)?;
+        let decode_side = crate::peer::Side {
+            geometry: cfg.geometry.clone(),
+            memory: cfg.memory,
+            device: if cfg.memory == MemoryKind::Vram { cfg.decode_device } else { 0 },
+            host: crate::peer::host_name(),
+        };
+        let config = serde_json::to_value(cfg).map_err(|e| Error::Io(e.to_string()))?;
+        let (link, side, section) =
+            crate::peer::client::PrefillPeer::configure(link, config, decode_side, environment, &addr, &run_id)?;
+        crate::phase::announce(&format!(
+            "setup: allocating decode's pool ({} {}), registering it with NIXL (backend {}); prefill on {} ({})",
+            cfg.geometry.pool_bytes().map(crate::report::bytes_binary).unwrap_or_default(),
+            if cfg.memory == MemoryKind::Vram { "VRAM" } else { "DRAM" },
+            cfg.backend,
+            side.host,
+            if side.memory == MemoryKind::Vram { format!("VRAM on GPU {}", side.device) } else { "DRAM".into() }
+        ));
+        let pool = build_decode_pool(cfg)?;
+        let opts = crate::transport::TransportOptions { xfer_req: cfg.xfer_req, backend_params: cfg.backend_params.clone() };
+        let mut decode = Endpoint::with_options("kvprobe-decode", &cfg.backend, pool, &opts)?;
+        let peer = crate::peer::client::PrefillPeer::connect_agents(link, decode.info()?, side, section)?;
+        decode.connect(peer.info.clone())?;
+        crate::trace!("connected to the prefill peer");
+        Ok(Probe { cfg: cfg.clone(), prefill: Prefill::Peer(Box::new(peer)), decode })
     }
 
     /// Starts the decode agent process ([`crate::remote`]): VRAM, opens the pool it allocated;
@@ -387,120 +516,247 @@ impl Probe {
         Ok(Endpoint::remote(agent, &cfg.backend, pool, prefill))
     }
 
-    fn source_table(&self, generation: u32) -> Vec<TableEntry> {
-        (0..self.cfg.geometry.num_blocks).map(|i| TableEntry { block: logical_block(self.cfg.seed, i), generation }).collect()
-    }
-
-    /// Plans sweep iteration `it`: the block map (a seeded random permutation of runs of
-    /// `descriptor_blocks` consecutive blocks; runs of one block for vLLM's per-block
-    /// descriptors), the injections, and the tables both sides check against.
     fn plan(&self, it: u32) -> Result<Plan> {
-        let g = &self.cfg.geometry;
-        let n = self.cfg.descriptor_blocks.max(1);
-        let mut rng = ChaCha8Rng::seed_from_u64(self.cfg.seed ^ (it as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        let mut runs: Vec<u32> = (0..g.num_blocks / n).collect();
-        runs.shuffle(&mut rng);
-        let perm: Vec<u32> = (0..g.num_blocks).map(|b| runs[(b / n) as usize] * n + b % n).collect();
-        let actions = inject::plan(&self.cfg.inject, g, &sweep_stages(&self.cfg), it == self.cfg.iterations, &mut rng);
-        let src_table = self.source_table(it);
-        let mut dst_table = vec![TableEntry::default(); g.num_blocks as usize];
-        let mut src_of = vec![0u32; g.num_blocks as usize];
-        for (i, &d) in perm.iter().enumerate() {
-            dst_table[d as usize] = src_table[i];
-            src_of[d as usize] = i as u32;
-        }
-        let sb = g.slice_bytes()?;
-        let dst_of = |c: SliceCoord| SliceCoord { block: perm[c.block as usize], ..c };
-        let mut special: HashMap<SliceCoord, Option<Pair>> = HashMap::new();
-        for a in &actions {
-            match *a {
-                Action::Drop { at } => {
-                    special.insert(at, None);
-                }
-                Action::Torn { at, len } => {
-                    special.insert(at, Some(Pair { src: at, dst: dst_of(at), len }));
-                }
-                Action::Misroute { from, to } => {
-                    special.insert(from, Some(Pair { src: from, dst: dst_of(to), len: sb }));
-                    special.insert(to, None);
-                }
-                Action::Bitflip { .. } | Action::Stale { .. } | Action::Stray { .. } => {}
-            }
-        }
-        let strays = actions
-            .iter()
-            .filter_map(|a| match *a {
-                Action::Stray { from, at, carrier } => Some((carrier as usize, Pair { src: from, dst: dst_of(at), len: sb })),
-                _ => None,
-            })
-            .collect();
-        let mut predicted = HashMap::new();
-        for a in &actions {
-            for (src, class) in a.predicted() {
-                predicted.insert(dst_of(src), class);
-            }
-        }
-        Ok(Plan { it, perm, actions, src_table, dst_table, src_of, special, predicted, strays })
+        plan(&self.cfg, it)
     }
 
-    /// Applies the prefill-side faults of `plan` that fall in `layers`, after their fill.
-    fn apply_source_faults(&mut self, plan: &Plan, layers: &Range<u32>) -> Result<()> {
-        let sb = self.cfg.geometry.slice_bytes()? as usize;
-        for a in &plan.actions {
-            match *a {
-                Action::Stale { at } if layers.contains(&at.layer) => {
-                    let id = fingerprint::BlockIdentity {
-                        layer: at.layer,
-                        kv: at.kv,
-                        block: logical_block(self.cfg.seed, at.block),
-                        generation: plan.it - 1,
-                    };
-                    let bytes = fingerprint::expected(sb, self.cfg.seed, id);
-                    self.prefill.pool.write_slice(at, &bytes)?;
+    /// Prefill refills `stage` (every layer: `None`) with `plan`'s generation and plants its
+    /// faults there. Local: done (fill kernels queued); peer: asked for
+    /// ([`Probe::await_filled`] before a READ of it).
+    fn fill_source(&mut self, plan: &Plan, stages: &[Range<u32>], stage: Option<usize>) -> Result<()> {
+        let cfg = &self.cfg;
+        match &mut self.prefill {
+            Prefill::Local(e) => {
+                if stage.is_none_or(|k| k == 0) {
+                    e.pool.load_table(&plan.src_table)?;
                 }
-                Action::Bitflip { at, offset, bit } if layers.contains(&at.layer) => {
-                    let mut buf = vec![0u8; sb];
-                    self.prefill.pool.read_slice(at, &mut buf)?;
-                    buf[offset as usize] ^= 1 << bit;
-                    self.prefill.pool.write_slice(at, &buf)?;
+                let layers = stage.map_or(0..cfg.geometry.num_layers, |k| stages[k].clone());
+                e.pool.fill_layers(layers.clone())?;
+                if stage.is_none() {
+                    e.pool.finish()?;
                 }
-                _ => {}
+                apply_source_faults(cfg, &mut e.pool, plan, &layers)
             }
+            Prefill::Peer(p) => p.fill(plan.it, stage.map(|k| k as u32)),
         }
-        Ok(())
     }
 
-    /// The transfer pairs of `layers` under `plan` (injected drops, tears and misroutes
-    /// applied), in descriptor order; with `descriptor_blocks` > 1, the slices of each run
-    /// that are contiguous on both sides become one descriptor ([`coalesce`]).
-    fn stage_pairs(&self, plan: &Plan, layers: Range<u32>) -> Result<Vec<Pair>> {
-        let g = &self.cfg.geometry;
-        let sb = g.slice_bytes()?;
-        let mut pairs: Vec<Pair> = layers
-            .flat_map(|layer| {
-                g.parts().iter().flat_map(move |&kv| (0..g.num_blocks).map(move |block| SliceCoord { layer, kv, block }))
-            })
-            .filter_map(|c| match plan.special.get(&c) {
-                Some(p) => *p,
-                None => Some(Pair { src: c, dst: SliceCoord { block: plan.perm[c.block as usize], ..c }, len: sb }),
-            })
-            .collect();
-        if self.cfg.descriptor_blocks > 1 {
-            pairs = coalesce(g, pairs, self.cfg.descriptor_blocks);
+    /// Waits until prefill's fills are complete (local: its kernels; peer: every fill asked).
+    fn finish_source(&mut self) -> Result<()> {
+        match &mut self.prefill {
+            Prefill::Local(e) => e.pool.finish().map(|_| ()),
+            Prefill::Peer(p) => p.await_all_filled(),
         }
-        Ok(pairs)
     }
+
+    /// Posts stage `k` of iteration `it` (`pairs`, notification `tag`) for `op`.
+    fn post(&self, op: Op, it: u32, k: usize, pairs: &[Pair], tag: &str, timeout: Duration) -> Result<SweepRequest> {
+        match &self.prefill {
+            Prefill::Local(e) => Ok(SweepRequest::Nixl(transport::post(op, e, &self.decode, pairs, tag, timeout)?)),
+            Prefill::Peer(p) => match op {
+                Op::Read => {
+                    p.await_filled(it, Some(k as u32))?;
+                    let d = crate::deadline::Deadline::after(timeout);
+                    Ok(SweepRequest::Nixl(crate::remote::Request::Local(self.decode.post_as_initiator(
+                        Op::Read,
+                        pairs,
+                        tag,
+                        d,
+                    )?)))
+                }
+                Op::Write => {
+                    let deadline = crate::deadline::Deadline::after(timeout);
+                    p.post_write(it, k as u32, tag)?;
+                    Ok(SweepRequest::PeerWrite { tag: tag.into(), deadline, late_misses: 0 })
+                }
+            },
+        }
+    }
+
+    /// Checks a stage's request once: `Some` when complete. A peer's liveness is checked too
+    /// (a dead peer: transport, exit 3; a silent one: timeout, exit 4).
+    fn poll(&self, op: Op, r: &mut SweepRequest) -> Result<Option<crate::nixl::XferResult>> {
+        match (&self.prefill, r) {
+            (Prefill::Local(e), SweepRequest::Nixl(r)) => transport::poll(op, e, &self.decode, r),
+            (Prefill::Peer(p), SweepRequest::Nixl(crate::remote::Request::Local(r))) => {
+                p.pump(Duration::ZERO)?;
+                self.decode.poll(r).map_err(|e| p.cause_of(e))
+            }
+            (Prefill::Peer(p), SweepRequest::PeerWrite { tag, deadline, late_misses }) => {
+                let asked = Instant::now();
+                let timeout = |why: String| {
+                    Error::Timeout(format!(
+                        "WRITE {tag} by the prefill peer: {why}, over --timeout {:.6} s ({:.3} s since it was sent)",
+                        deadline.limit_secs(),
+                        deadline.elapsed_secs()
+                    ))
+                };
+                match p.take_written(tag)? {
+                    Some(done) if done.elapsed > deadline.limit => {
+                        Err(timeout(format!("it took {:.3} s from post to completion", done.elapsed.as_secs_f64())))
+                    }
+                    Some(done) => Ok(Some(done)),
+                    None if deadline.passed_at(asked) => {
+                        *late_misses += 1;
+                        if *late_misses >= 2 { Err(timeout("still not complete".into())) } else { Ok(None) }
+                    }
+                    None => Ok(None),
+                }
+            }
+            _ => Err(Error::Usage("a sweep request polled on the wrong side".into())),
+        }
+    }
+
+    /// WRITE: checks once whether decode has stage `tag`'s notification from prefill.
+    fn poll_notification(&self, inbox: &mut transport::Inbox, tag: &str, d: crate::deadline::Deadline) -> Result<bool> {
+        if let Prefill::Peer(p) = &self.prefill {
+            p.pump(Duration::ZERO)?;
+        }
+        transport::poll_notification_from(&self.decode, &self.prefill.name(), inbox, tag, d)
+    }
+
+    /// READ: waits until prefill has every notification in `tags`.
+    fn await_notifications(&self, op: Op, tags: &mut HashMap<String, crate::deadline::Deadline>) -> Result<()> {
+        match &self.prefill {
+            Prefill::Local(e) => transport::await_notifications(op, e, &self.decode, tags),
+            Prefill::Peer(p) => p.await_notifications(tags),
+        }
+    }
+
+    /// The test-only early-notification fault: prefill sends `tag` alone.
+    fn notify_decode(&self, tag: &str) -> Result<()> {
+        match &self.prefill {
+            Prefill::Local(e) => e.notify_peer(tag),
+            Prefill::Peer(p) => p.notify(tag),
+        }
+    }
+}
+
+/// What each prefill slot holds in generation `generation`: slot `i` holds logical block
+/// [`logical_block`]`(seed, i)`.
+fn source_table(cfg: &RunConfig, generation: u32) -> Vec<TableEntry> {
+    (0..cfg.geometry.num_blocks).map(|i| TableEntry { block: logical_block(cfg.seed, i), generation }).collect()
+}
+
+/// Plans sweep iteration `it`: the block map (a seeded random permutation of runs of
+/// `descriptor_blocks` consecutive blocks; runs of one block for vLLM's per-block
+/// descriptors), the injections, and the tables both sides check against. A function of
+/// the configuration alone, so that both sides of a node pair plan the same iteration.
+pub(crate) fn plan(cfg: &RunConfig, it: u32) -> Result<Plan> {
+    let g = &cfg.geometry;
+    let n = cfg.descriptor_blocks.max(1);
+    let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ (it as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    let mut runs: Vec<u32> = (0..g.num_blocks / n).collect();
+    runs.shuffle(&mut rng);
+    let perm: Vec<u32> = (0..g.num_blocks).map(|b| runs[(b / n) as usize] * n + b % n).collect();
+    let actions = inject::plan(&cfg.inject, g, &sweep_stages(cfg), it == cfg.iterations, &mut rng);
+    let src_table = source_table(cfg, it);
+    let mut dst_table = vec![TableEntry::default(); g.num_blocks as usize];
+    let mut src_of = vec![0u32; g.num_blocks as usize];
+    for (i, &d) in perm.iter().enumerate() {
+        dst_table[d as usize] = src_table[i];
+        src_of[d as usize] = i as u32;
+    }
+    let sb = g.slice_bytes()?;
+    let dst_of = |c: SliceCoord| SliceCoord { block: perm[c.block as usize], ..c };
+    let mut special: HashMap<SliceCoord, Option<Pair>> = HashMap::new();
+    for a in &actions {
+        match *a {
+            Action::Drop { at } => {
+                special.insert(at, None);
+            }
+            Action::Torn { at, len } => {
+                special.insert(at, Some(Pair { src: at, dst: dst_of(at), len }));
+            }
+            Action::Misroute { from, to } => {
+                special.insert(from, Some(Pair { src: from, dst: dst_of(to), len: sb }));
+                special.insert(to, None);
+            }
+            Action::Bitflip { .. } | Action::Stale { .. } | Action::Stray { .. } => {}
+        }
+    }
+    let strays = actions
+        .iter()
+        .filter_map(|a| match *a {
+            Action::Stray { from, at, carrier } => Some((carrier as usize, Pair { src: from, dst: dst_of(at), len: sb })),
+            _ => None,
+        })
+        .collect();
+    let mut predicted = HashMap::new();
+    for a in &actions {
+        for (src, class) in a.predicted() {
+            predicted.insert(dst_of(src), class);
+        }
+    }
+    Ok(Plan { it, perm, actions, src_table, dst_table, src_of, special, predicted, strays })
+}
+
+/// Applies the prefill-side faults of `plan` (stale, bitflip) that fall in `layers` to
+/// prefill's `pool`, after their fill: the side that owns a fault plants it.
+pub(crate) fn apply_source_faults(cfg: &RunConfig, pool: &mut KvPool, plan: &Plan, layers: &Range<u32>) -> Result<()> {
+    let sb = cfg.geometry.slice_bytes()? as usize;
+    for a in &plan.actions {
+        match *a {
+            Action::Stale { at } if layers.contains(&at.layer) => {
+                let id = fingerprint::BlockIdentity {
+                    layer: at.layer,
+                    kv: at.kv,
+                    block: logical_block(cfg.seed, at.block),
+                    generation: plan.it - 1,
+                };
+                let bytes = fingerprint::expected(sb, cfg.seed, id);
+                pool.write_slice(at, &bytes)?;
+            }
+            Action::Bitflip { at, offset, bit } if layers.contains(&at.layer) => {
+                let mut buf = vec![0u8; sb];
+                pool.read_slice(at, &mut buf)?;
+                buf[offset as usize] ^= 1 << bit;
+                pool.write_slice(at, &buf)?;
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// The transfer pairs of `layers` under `plan` (injected drops, tears and misroutes
+/// applied), in descriptor order; with `descriptor_blocks` > 1, the slices of each run
+/// that are contiguous on both sides become one descriptor ([`coalesce`]).
+pub(crate) fn stage_pairs(cfg: &RunConfig, plan: &Plan, layers: Range<u32>) -> Result<Vec<Pair>> {
+    let g = &cfg.geometry;
+    let sb = g.slice_bytes()?;
+    let mut pairs: Vec<Pair> = layers
+        .flat_map(|layer| {
+            g.parts().iter().flat_map(move |&kv| (0..g.num_blocks).map(move |block| SliceCoord { layer, kv, block }))
+        })
+        .filter_map(|c| match plan.special.get(&c) {
+            Some(p) => *p,
+            None => Some(Pair { src: c, dst: SliceCoord { block: plan.perm[c.block as usize], ..c }, len: sb }),
+        })
+        .collect();
+    if cfg.descriptor_blocks > 1 {
+        pairs = coalesce(g, pairs, cfg.descriptor_blocks);
+    }
+    Ok(pairs)
+}
+
+/// Stage `k`'s pairs of `plan` with its injected stray writes (`--inject stray`: after
+/// coalescing, so never merged with the stage's own pairs).
+pub(crate) fn stage_request(cfg: &RunConfig, plan: &Plan, stages: &[Range<u32>], k: usize) -> Result<Vec<Pair>> {
+    let mut pairs = stage_pairs(cfg, plan, stages[k].clone())?;
+    pairs.extend(plan.strays.iter().filter(|(c, _)| *c == k).map(|(_, p)| *p));
+    Ok(pairs)
 }
 
 /// One sweep iteration's plan, made before its fill (which the pipeline runs while the
 /// previous iteration's transfer is in flight).
-struct Plan {
-    it: u32,
+pub(crate) struct Plan {
+    pub(crate) it: u32,
     /// Prefill slot → decode slot.
     perm: Vec<u32>,
     actions: Vec<Action>,
     /// What each prefill slot holds.
-    src_table: Vec<TableEntry>,
+    pub(crate) src_table: Vec<TableEntry>,
     /// What each decode slot must hold after the transfer.
     dst_table: Vec<TableEntry>,
     /// Decode slot → prefill slot.
@@ -672,6 +928,7 @@ pub(crate) fn empty_report(cfg: &RunConfig) -> Report {
         injections: Vec::new(),
         scenario: None,
         dump: None,
+        peer: None,
         outcome: Outcome { exit_code: 0, status: "running".into(), error: None },
     }
 }
@@ -727,7 +984,8 @@ pub fn expired_report(cfg: &RunConfig, e: &Error) -> (Report, Exit) {
 /// exit code.
 pub fn run(cfg: &RunConfig, hooks: &mut Hooks<'_>) -> (Report, Exit) {
     let mut report = empty_report(cfg);
-    let result = run_inner(cfg, &mut report, hooks);
+    let mut probe = None;
+    let result = run_inner(cfg, &mut report, hooks, &mut probe);
     report.summary.host_peak_bytes = crate::hostmem::peak_resident_bytes();
     let corrupt = report.summary.blocks_corrupt > 0;
     let (exit, err) = match (&result, corrupt) {
@@ -742,8 +1000,21 @@ pub fn run(cfg: &RunConfig, hooks: &mut Hooks<'_>) -> (Report, Exit) {
         },
     };
     report.finish(exit, err);
+    if let Some(Probe { prefill: Prefill::Peer(p), .. }) = &probe {
+        // The pair ends together: prefill takes this outcome and sends its side of the report.
+        let summary = serde_json::to_value(&report.summary).ok();
+        let side = p.finish(exit as u8, err.map(|e| e.to_string()), summary, PEER_BYE_BOUND);
+        if cfg.op == Op::Write && side.transport_path.is_some() {
+            report.summary.transport_path = side.transport_path.clone();
+        }
+        report.peer = Some(side);
+    }
+    drop(probe);
     (report, exit)
 }
+
+/// How long `run --peer` waits for prefill's side of the report after telling it the outcome.
+pub const PEER_BYE_BOUND: Duration = Duration::from_secs(5);
 
 /// The unfenced race mechanisms of a scenario run whose verdict is not `detected` (empty
 /// for sweeps and fenced runs).
@@ -778,14 +1049,20 @@ pub(crate) fn prepare(cfg: &RunConfig, report: &mut Report) -> Result<()> {
     Ok(())
 }
 
-fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>) -> Result<()> {
+fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>, slot: &mut Option<Probe>) -> Result<()> {
     let started = Instant::now();
     publish(report);
     prepare(cfg, report)?;
     crate::deadline::set_limit(Some(Duration::from_secs_f64(cfg.timeout_secs)));
     publish(report);
     let ucx_mark = crate::ucx::mark();
-    let mut probe = Probe::setup(cfg)?;
+    let probe = slot.insert(match cfg.peer {
+        Some(_) => Probe::setup_peer(cfg, report.environment.clone())?,
+        None => Probe::setup(cfg)?,
+    });
+    if let Prefill::Peer(p) = &probe.prefill {
+        report.peer = Some(p.section.clone());
+    }
     crate::ucx::adopt();
     // The agents have started their UCX backends: the UCX library is loaded now.
     if let Some(e) = report.environment.as_mut() {
@@ -796,7 +1073,7 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>) -> Res
         return crate::engine::run_scenario(
             sc,
             cfg.seed,
-            &mut probe.prefill,
+            probe.prefill.local_mut()?,
             &mut probe.decode,
             timeout,
             cfg.max_failures,
@@ -806,7 +1083,7 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>) -> Res
             hooks.dump.as_deref_mut(),
         );
     }
-    sweep(cfg, &mut probe, report, hooks.line, hooks.dump.as_deref_mut(), started, ucx_mark)
+    sweep(cfg, probe, report, hooks.line, hooks.dump.as_deref_mut(), started, ucx_mark)
 }
 
 /// A sweep stage's request.
@@ -814,7 +1091,7 @@ enum Staged {
     /// The stage moves nothing (every pair dropped by an injection).
     Empty,
     /// Posted with the stage's notification.
-    Posted(crate::remote::Request),
+    Posted(SweepRequest),
     /// Test-only ([`EARLY_NOTIFY_VAR`]): the stage's notification was sent alone; the transfer
     /// is posted after decode verified the stage.
     Deferred { pairs: Vec<Pair>, deadline: crate::deadline::Deadline },
@@ -896,35 +1173,38 @@ fn sweep(
         if pool_bytes >= MIN_CEILING_BYTES { ", timing a copy of it (the ceiling)" } else { "" }
     ));
     let mut cur = probe.plan(1)?;
-    probe.prefill.pool.load_table(&cur.src_table)?;
-    probe.prefill.pool.fill_layers(all.clone())?;
-    probe.prefill.pool.finish()?;
-    probe.apply_source_faults(&cur, &all)?;
+    probe.fill_source(&cur, &stages, None)?;
+    probe.finish_source()?;
     // The ceiling the transfer rate is compared to: one copy of the (fingerprinted) pool,
     // prefill to decode, on the same memory (decode is poisoned next anyway). The second of
     // two copies: the first warms up (page faults on DRAM).
     // Across two GPUs the copy runs with peer access enabled (as cuMemcpyPeer over NVLink
     // would; without it the driver stages through the host at a tenth of the rate).
     crate::trace!("copy ceiling");
-    let gpus = (probe.decode.pool.gpu(), probe.prefill.pool.gpu());
-    let mut copy = || {
-        probe.decode.pool.copy_pool_from(&probe.prefill.pool)?;
-        probe.decode.pool.copy_pool_from(&probe.prefill.pool)
-    };
     // A pool below MIN_CEILING_BYTES copies in the time of the copy's fixed costs (threads,
-    // launches): no ceiling is measured, and the summary says so instead of a ratio.
-    let copy_gbps = if pool_bytes < MIN_CEILING_BYTES {
-        None
-    } else {
-        let secs = match gpus {
-            (Some(d), Some(p)) if d.ordinal() != p.ordinal() => d.with_peer_access(&p, copy)?,
-            _ => copy()?,
-        };
-        Some(pool_bytes as f64 / secs.max(1e-12) / 1e9)
+    // launches): no ceiling is measured, and the summary says so instead of a ratio. Across
+    // a node pair the pools are on two hosts: no copy between them to time.
+    let copy_gbps = match &probe.prefill {
+        Prefill::Local(pe) if pool_bytes >= MIN_CEILING_BYTES => {
+            let gpus = (probe.decode.pool.gpu(), pe.pool.gpu());
+            let dec = &mut probe.decode;
+            let mut copy = || {
+                dec.pool.copy_pool_from(&pe.pool)?;
+                dec.pool.copy_pool_from(&pe.pool)
+            };
+            let secs = match gpus {
+                (Some(d), Some(p)) if d.ordinal() != p.ordinal() => d.with_peer_access(&p, copy)?,
+                _ => copy()?,
+            };
+            Some(pool_bytes as f64 / secs.max(1e-12) / 1e9)
+        }
+        _ => None,
     };
     probe.decode.pool.poison_layers(all.clone(), 1, false)?;
     probe.decode.pool.finish()?;
-    probe.prefill.pool.take_kernel_seconds();
+    if let Prefill::Local(pe) = &mut probe.prefill {
+        pe.pool.take_kernel_seconds();
+    }
     probe.decode.pool.take_kernel_seconds();
     report.summary.setup_seconds = started.elapsed().as_secs_f64();
     report.summary.pipeline_stages = stages.len() as u32;
@@ -950,18 +1230,16 @@ fn sweep(
         let early = early_notify == Some(it);
         let mut inflight = std::collections::VecDeque::new();
         let mut post = |probe: &Probe, k: usize, inflight: &mut std::collections::VecDeque<Staged>| -> Result<()> {
-            let mut pairs = probe.stage_pairs(&cur, stages[k].clone())?;
-            // --inject stray: after coalescing, so never merged with the stage's own pairs.
-            pairs.extend(cur.strays.iter().filter(|(c, _)| *c == k).map(|(_, p)| *p));
+            let pairs = stage_request(cfg, &cur, &stages, k)?;
             let staged = if pairs.is_empty() {
                 Staged::Empty
             } else if early {
                 // Test-only: the notification now, the transfer after decode verified.
                 let deadline = crate::deadline::Deadline::after(timeout);
-                probe.prefill.notify_peer(&tag(k))?;
+                probe.notify_decode(&tag(k))?;
                 Staged::Deferred { pairs, deadline }
             } else {
-                let p = transport::post(cfg.op, &probe.prefill, &probe.decode, &pairs, &tag(k), timeout)?;
+                let p = probe.post(cfg.op, it, k, &pairs, &tag(k), timeout)?;
                 if cfg.op == Op::Read {
                     tags.insert(tag(k), p.deadline());
                 }
@@ -997,7 +1275,7 @@ fn sweep(
             match (&mut staged, cfg.op) {
                 (Staged::Empty, _) => {}
                 (Staged::Posted(p), Op::Read) => {
-                    let r = wait(it, k, "transfer", || transport::poll(cfg.op, &probe.prefill, &probe.decode, p))?;
+                    let r = wait(it, k, "transfer", || probe.poll(cfg.op, p))?;
                     bytes += r.bytes;
                 }
                 (Staged::Posted(p), Op::Write) => {
@@ -1007,18 +1285,14 @@ fn sweep(
                     let d = p.deadline();
                     wait(it, k, "notification", || {
                         if written.is_none() {
-                            written = transport::poll(cfg.op, &probe.prefill, &probe.decode, p)?;
+                            written = probe.poll(cfg.op, p)?;
                         }
-                        Ok(transport::poll_notification(cfg.op, &probe.prefill, &probe.decode, &mut inbox, &tag(k), d)?
-                            .then_some(()))
+                        Ok(probe.poll_notification(&mut inbox, &tag(k), d)?.then_some(()))
                     })?;
                 }
                 (Staged::Deferred { deadline, .. }, _) => {
                     let d = *deadline;
-                    wait(it, k, "notification", || {
-                        Ok(transport::poll_notification(cfg.op, &probe.prefill, &probe.decode, &mut inbox, &tag(k), d)?
-                            .then_some(()))
-                    })?;
+                    wait(it, k, "notification", || Ok(probe.poll_notification(&mut inbox, &tag(k), d)?.then_some(())))?;
                 }
             }
             if k + 2 < stages.len() {
@@ -1037,8 +1311,6 @@ fn sweep(
             if k == 0 && more {
                 // Inside the window: the next iteration's plan.
                 let t = Instant::now();
-                let table = probe.source_table(it + 1);
-                probe.prefill.pool.load_table(&table)?;
                 next = Some(probe.plan(it + 1)?);
                 if !last {
                     times.overlapped += t.elapsed().as_secs_f64(); // else it is host work after the window
@@ -1078,14 +1350,14 @@ fn sweep(
                 Staged::Posted(mut p) if cfg.op == Op::Write => {
                     let r = match written {
                         Some(r) => r,
-                        None => wait(it, k, "transfer", || transport::poll(cfg.op, &probe.prefill, &probe.decode, &mut p))?,
+                        None => wait(it, k, "transfer", || probe.poll(cfg.op, &mut p))?,
                     };
                     bytes += r.bytes;
                 }
                 Staged::Deferred { pairs, .. } => {
                     let late = format!("{}:late", tag(k));
-                    let mut p = transport::post(cfg.op, &probe.prefill, &probe.decode, &pairs, &late, timeout)?;
-                    let r = wait(it, k, "transfer", || transport::poll(cfg.op, &probe.prefill, &probe.decode, &mut p))?;
+                    let mut p = probe.post(cfg.op, it, k, &pairs, &late, timeout)?;
+                    let r = wait(it, k, "transfer", || probe.poll(cfg.op, &mut p))?;
                     bytes += r.bytes;
                 }
                 _ => {}
@@ -1093,8 +1365,7 @@ fn sweep(
             let t = Instant::now();
             let mut fill_s = 0.0; // the last iteration refills nothing
             if let Some(n) = &next {
-                probe.prefill.pool.fill_layers(layers.clone())?;
-                probe.apply_source_faults(n, layers)?;
+                probe.fill_source(n, &stages, Some(k))?;
                 fill_s = t.elapsed().as_secs_f64();
             }
             let t = Instant::now();
@@ -1105,7 +1376,7 @@ fn sweep(
             if last {
                 // Outside the window: the last stage's passes, waited for.
                 let t = Instant::now();
-                probe.prefill.pool.finish()?;
+                probe.finish_source()?;
                 probe.decode.pool.finish()?;
                 poison_s += t.elapsed().as_secs_f64();
                 times.verify += verify_s;
@@ -1115,9 +1386,12 @@ fn sweep(
                 times.overlapped += verify_s + fill_s + poison_s;
             }
         }
-        transport::await_notifications(cfg.op, &probe.prefill, &probe.decode, &mut tags)?;
+        probe.await_notifications(cfg.op, &mut tags)?;
         times.transfer = (window_end - window_start).as_secs_f64();
-        let kp = probe.prefill.pool.take_kernel_seconds();
+        let kp = match &mut probe.prefill {
+            Prefill::Local(pe) => pe.pool.take_kernel_seconds(),
+            Prefill::Peer(_) => Default::default(),
+        };
         let kd = probe.decode.pool.take_kernel_seconds();
         times.kernels = crate::report::KernelSeconds { fill: kp.fill, poison: kd.poison, verify: kd.verify };
         report.summary.bytes_transferred += bytes;
@@ -1138,8 +1412,17 @@ fn sweep(
         }
         report.summary.blocks_corrupt += corrupt;
         if it == 1 {
-            let init = if cfg.op == Op::Write { &probe.prefill } else { &probe.decode };
-            let mut p = init.transport_path(ucx_mark, cfg.op, cfg.memory == MemoryKind::Vram, timeout);
+            let mut p = match (&probe.prefill, cfg.op) {
+                (Prefill::Local(pe), Op::Write) => pe.transport_path(ucx_mark, cfg.op, cfg.memory == MemoryKind::Vram, timeout),
+                (Prefill::Peer(_), Op::Write) => crate::ucx::TransportPath {
+                    backend: cfg.backend.clone(),
+                    unknown_because: Some(
+                        "prefill initiates WRITEs on the other host: its path is under peer.transport_path".into(),
+                    ),
+                    ..Default::default()
+                },
+                _ => probe.decode.transport_path(ucx_mark, cfg.op, cfg.memory == MemoryKind::Vram, timeout),
+            };
             p.copy_gbps = copy_gbps;
             if p.emulated && cfg.memory == MemoryKind::Vram && cfg.prefill_device != cfg.decode_device && !cfg.decode_process {
                 p.warning = Some(
@@ -1147,6 +1430,13 @@ fn sweep(
                      only): add --decode-process to run decode's agent in a second process"
                         .into(),
                 );
+            }
+            // Flag a TCP path where an RDMA NIC exists, no GPUDirect RDMA, a NIC that is not
+            // the GPU's nearest (this host's facts; a peer flags its own path).
+            if let Some(env) = report.environment.as_ref() {
+                let dev = if cfg.op == Op::Write && cfg.peer.is_none() { cfg.prefill_device } else { cfg.decode_device };
+                let gpu = (cfg.memory == MemoryKind::Vram).then_some(dev);
+                crate::ucx::flag_path(&mut p, &env.rdma, gpu);
             }
             report.summary.transport_path = Some(p);
         }

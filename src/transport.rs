@@ -658,7 +658,13 @@ pub fn poll_notification(
     deadline: Deadline,
 ) -> Result<bool> {
     let (init, other) = roles(op, prefill, decode);
-    let from = init.name();
+    poll_notification_from(other, &init.name(), inbox, tag, deadline)
+}
+
+/// [`poll_notification`] for a receiving role `receiver` whose initiator is the agent named
+/// `from` (it may live in another process or host: `run --peer`).
+pub fn poll_notification_from(receiver: &Endpoint, from: &str, inbox: &mut Inbox, tag: &str, deadline: Deadline) -> Result<bool> {
+    let other = receiver;
     if inbox.got.remove(tag) {
         inbox.late_misses = 0;
         return Ok(true);
@@ -667,7 +673,7 @@ pub fn poll_notification(
     let got = other.raw_notifications()?;
     let returned = Instant::now();
     if crate::deadline::crossed(&deadline, asked, returned) {
-        return Err(query_crossed(tag, &from, &deadline, asked, returned));
+        return Err(query_crossed(tag, from, &deadline, asked, returned));
     }
     inbox.got.extend(got.into_iter().filter(|(peer, _)| *peer == from).map(|(_, m)| m));
     if inbox.got.remove(tag) {

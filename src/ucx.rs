@@ -57,6 +57,11 @@ pub struct ProtoRow {
 pub struct Selection {
     /// UCX's heading, e.g. "remote memory read by ucp_get*(multi) into cuda/dev[0] from cuda/dev[0]".
     pub operation: String,
+    /// The endpoint the table belongs to, as UCX names it above the heading: the worker's
+    /// name and the endpoint's reach (`self`, `intra-node`, `inter-node`) and configuration,
+    /// e.g. "kvprobe-prefill inter-node cfg#1". `None` when UCX printed no such line.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint: Option<String>,
     /// The rows, smallest messages first.
     pub rows: Vec<ProtoRow>,
 }
@@ -84,6 +89,23 @@ pub struct TransportPath {
     pub warning: Option<String>,
     /// UCX's warnings and errors from this run (they go to kvprobe's UCX log while the capture is on).
     pub ucx_messages: Vec<String>,
+    /// What is wrong with the path given the host's RDMA facts ([`flag_path`]): TCP while an
+    /// RDMA port is up, VRAM over RDMA without GPUDirect RDMA, a NIC farther from the GPU than
+    /// another. Absent when empty (and in reports written before it existed).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub flags: Vec<PathFlag>,
+}
+
+/// One problem with the path UCX selected, judged against the host's RDMA facts.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct PathFlag {
+    /// Stable short code: `tcp-with-rdma-present`, `rdma-port-down`, `no-gpudirect-rdma`,
+    /// `staged-through-host`, `nic-not-nearest` (README, "Which NIC carried the bytes").
+    pub code: String,
+    /// One sentence saying what UCX did and why it matters.
+    pub message: String,
+    /// The setting (or command) that fixes it, when there is one.
+    pub fix: Option<String>,
 }
 
 static ADOPTED: OnceLock<std::sync::Mutex<std::fs::File>> = OnceLock::new();
@@ -147,10 +169,17 @@ fn cells(line: &str) -> Option<Vec<String>> {
     Some(body.split('|').map(|c| c.trim().to_string()).collect())
 }
 
+/// True for UCX's endpoint line above a table heading: "WORKER self|intra-node|inter-node cfg#N".
+fn is_endpoint_line(c: &str) -> bool {
+    let f: Vec<&str> = c.split_whitespace().collect();
+    matches!(f.as_slice(), [_, reach, cfg] if ["self", "intra-node", "inter-node"].contains(reach) && cfg.starts_with("cfg#"))
+}
+
 /// Parses UCX_PROTO_INFO tables out of log text.
 pub fn parse(text: &str) -> Vec<Selection> {
     let mut out: Vec<Selection> = Vec::new();
     let mut current: Option<Selection> = None;
+    let mut endpoint: Option<String> = None;
     for line in text.lines() {
         let Some(c) = cells(line) else {
             if line.contains("+-") {
@@ -166,8 +195,9 @@ pub fn parse(text: &str) -> Vec<Selection> {
                 if let Some(s) = current.take() {
                     out.push(s);
                 }
-                current = Some(Selection { operation: c[0].clone(), rows: Vec::new() });
+                current = Some(Selection { operation: c[0].clone(), endpoint: endpoint.take(), rows: Vec::new() });
             }
+            1 if is_endpoint_line(&c[0]) => endpoint = Some(c[0].clone()),
             3 if c[0] == "Range" => {}
             3 => {
                 if let Some(s) = current.as_mut() {
@@ -214,7 +244,13 @@ pub fn classify(text: &str, mut p: TransportPath, op: &str, vram: bool) -> Trans
     // UCX prints a table per endpoint configuration; identical ones (e.g. one per worker
     // connection of a WRITE) are listed once.
     p.selections = Vec::new();
-    for s in parse(text).into_iter().filter(|s| s.operation.starts_with(want_op) && s.operation.matches(mem).count() >= 2) {
+    // An agent's endpoint to itself (`self`, NIXL's loopback connection) never carries a
+    // transfer between the two roles.
+    let to_peer = |s: &Selection| s.endpoint.as_deref().is_none_or(|e| e.split_whitespace().nth(1) != Some("self"));
+    for s in parse(text)
+        .into_iter()
+        .filter(|s| s.operation.starts_with(want_op) && s.operation.matches(mem).count() >= 2 && to_peer(s))
+    {
         if !p.selections.contains(&s) {
             p.selections.push(s);
         }
@@ -270,5 +306,153 @@ pub fn messages() -> Vec<String> {
 pub fn remove_log() {
     if let Some(p) = log_path() {
         let _ = std::fs::remove_file(p);
+    }
+}
+
+/// One transport lane of a selection row: `(transport, device)` from a config cell such as
+/// "rc_mlx5/mlx5_0:1", "cuda_copy/cuda" or "50% on rc_mlx5/mlx5_0:1 and 50% on rc_mlx5/mlx5_3:1".
+fn lanes(config: &str) -> Vec<(String, String)> {
+    config
+        .split(|c: char| c.is_whitespace() || c == ',' || c == ';')
+        .filter_map(|t| {
+            let (tl, dev) = t.split_once('/')?;
+            let ok = !tl.is_empty() && tl.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+            (ok && !dev.is_empty()).then(|| (tl.to_string(), dev.to_string()))
+        })
+        .collect()
+}
+
+/// True for UCX's RDMA transports (rc_mlx5, rc_verbs, dc_mlx5, ud_mlx5, ud_verbs).
+fn is_rdma_transport(tl: &str) -> bool {
+    ["rc", "dc", "ud"].iter().any(|p| tl == *p || tl.starts_with(&format!("{p}_")))
+}
+
+/// The device name of an RDMA lane's device ("mlx5_0:1" → "mlx5_0").
+fn device_name(dev: &str) -> &str {
+    dev.split_once(':').map_or(dev, |(d, _)| d)
+}
+
+const CONTAINER_HINT: &str = "in a container also --device /dev/infiniband --cap-add IPC_LOCK --ulimit memlock=-1";
+
+/// The flags of path `p` given the host's RDMA facts, for transfers of GPU `gpu` (CUDA
+/// ordinal; `None` for DRAM or unknown, which skips `nic-not-nearest`). Pure: reads only its
+/// arguments.
+///
+/// - `tcp-with-rdma-present`: a row goes over tcp (not the loopback `lo`, which only carries
+///   transfers within the host) while some RDMA port is ACTIVE;
+/// - `rdma-port-down`: tcp (not `lo`) while RDMA devices exist but none has an ACTIVE port;
+/// - `no-gpudirect-rdma`: a selection between cuda memory goes over rc/dc/ud while neither
+///   nvidia_peermem nor dma-buf is available, so UCX stages VRAM through host memory;
+/// - `staged-through-host`: a row of a cuda selection uses cuda_copy together with a network
+///   transport (rc/dc/ud/tcp): the bytes are copied to host memory and sent from there;
+/// - `nic-not-nearest`: rc/dc/ud over a device farther (PCIe distance) from `gpu` than its
+///   nearest device with an ACTIVE port.
+pub fn path_flags(p: &TransportPath, facts: &crate::rdma::RdmaFacts, gpu: Option<usize>) -> Vec<PathFlag> {
+    let mut flags: Vec<PathFlag> = Vec::new();
+    let mut add = |f: PathFlag| {
+        if !flags.iter().any(|x| x.code == f.code && x.message == f.message) {
+            flags.push(f);
+        }
+    };
+    let gpu_entry = gpu.and_then(|g| facts.gpu(g));
+    // The device to pin: the GPU's nearest, else the first ACTIVE port.
+    let pin = gpu_entry
+        .and_then(|g| g.nearest.as_deref())
+        .and_then(|n| facts.net_device(n))
+        .or_else(|| facts.active_ports().into_iter().next());
+    let pin_fix = |extra: &str| pin.as_ref().map(|d| format!("UCX_NET_DEVICES={d} UCX_TLS={}{extra}", crate::rdma::UCX_TLS_HINT));
+    for s in &p.selections {
+        let cuda = s.operation.contains("cuda");
+        for r in &s.rows {
+            let l = lanes(&r.config);
+            let net = |tl: &str| tl == "tcp" || is_rdma_transport(tl);
+            for (tl, dev) in &l {
+                if tl == "tcp" && dev != "lo" {
+                    if facts.any_active() {
+                        add(PathFlag {
+                            code: "tcp-with-rdma-present".into(),
+                            message: format!(
+                                "UCX moved these transfers over TCP ({dev}) although RDMA port(s) {} are ACTIVE",
+                                facts.active_ports().join(", ")
+                            ),
+                            fix: pin_fix(&format!("; {CONTAINER_HINT}")),
+                        });
+                    } else if !facts.devices.is_empty() {
+                        let names: Vec<&str> = facts.devices.iter().map(|d| d.name.as_str()).collect();
+                        add(PathFlag {
+                            code: "rdma-port-down".into(),
+                            message: format!(
+                                "UCX moved these transfers over TCP ({dev}): RDMA device(s) {} have no ACTIVE port",
+                                names.join(", ")
+                            ),
+                            fix: Some("bring the port up (ibstat; for RoCE, the netdev's link: ip link)".into()),
+                        });
+                    }
+                }
+                if is_rdma_transport(tl) && cuda && !facts.gpudirect.available {
+                    add(PathFlag {
+                        code: "no-gpudirect-rdma".into(),
+                        message: format!(
+                            "VRAM goes over {tl}/{dev} without GPUDirect RDMA (nvidia_peermem not loaded, no dma-buf): \
+                             UCX stages it through host memory"
+                        ),
+                        fix: Some("modprobe nvidia_peermem (or a kernel 5.12+ and driver with dma-buf support)".into()),
+                    });
+                }
+                if is_rdma_transport(tl)
+                    && let Some(g) = gpu_entry
+                    && let (Some(near), Some(near_d)) = (g.nearest.as_deref(), g.nearest_distance)
+                    && device_name(dev) != near
+                    && let Some(used_d) = g.nics.iter().find(|n| n.nic == device_name(dev)).and_then(|n| n.distance)
+                    && used_d > near_d
+                {
+                    add(PathFlag {
+                        code: "nic-not-nearest".into(),
+                        message: format!(
+                            "GPU {} sends over {} ({used_d} from it) while {near} is nearer ({near_d})",
+                            gpu.unwrap_or_default(),
+                            device_name(dev)
+                        ),
+                        fix: facts.net_device(near).map(|d| format!("UCX_NET_DEVICES={d}")),
+                    });
+                }
+            }
+            if cuda && l.iter().any(|(tl, _)| tl == "cuda_copy") && l.iter().any(|(tl, _)| net(tl)) {
+                add(PathFlag {
+                    code: "staged-through-host".into(),
+                    message: format!("VRAM is copied to host memory and sent from there ({})", r.config),
+                    fix: if facts.gpudirect.available {
+                        pin_fix("")
+                    } else {
+                        Some("load nvidia_peermem (GPUDirect RDMA), then UCX can send VRAM directly".into())
+                    },
+                });
+            }
+        }
+    }
+    flags
+}
+
+/// Sets `p.flags` from the host's RDMA facts for transfers of GPU `gpu` (CUDA ordinal, `None`
+/// for DRAM): see [`path_flags`]. Replaces earlier flags, so calling it twice is harmless.
+pub fn flag_path(p: &mut TransportPath, facts: &crate::rdma::RdmaFacts, gpu: Option<usize>) {
+    p.flags = path_flags(p, facts, gpu);
+}
+
+#[cfg(test)]
+mod flag_tests {
+    use super::*;
+
+    #[test]
+    fn lanes_split_configs() {
+        assert_eq!(lanes("rc_mlx5/mlx5_0:1"), vec![("rc_mlx5".to_string(), "mlx5_0:1".to_string())]);
+        assert_eq!(lanes("cuda_ipc/cuda"), vec![("cuda_ipc".to_string(), "cuda".to_string())]);
+        assert_eq!(
+            lanes("50% on rc_mlx5/mlx5_0:1 and 50% on rc_mlx5/mlx5_3:1"),
+            vec![("rc_mlx5".to_string(), "mlx5_0:1".to_string()), ("rc_mlx5".to_string(), "mlx5_3:1".to_string())]
+        );
+        assert!(lanes("zero-copy").is_empty());
+        assert!(is_rdma_transport("rc_mlx5") && is_rdma_transport("dc_mlx5") && is_rdma_transport("ud_verbs"));
+        assert!(!is_rdma_transport("cuda_copy") && !is_rdma_transport("tcp") && !is_rdma_transport("rcx"));
     }
 }

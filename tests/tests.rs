@@ -21,6 +21,8 @@ mod junit;
 mod lanes;
 mod limits;
 mod mooncake;
+mod pair;
+mod rdma;
 mod redact;
 mod scenario;
 mod setup;

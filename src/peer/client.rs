@@ -1,0 +1,287 @@
+//! The decode side's handle on a prefill side in another process or host (`run --peer`):
+//! what the sweep asks of prefill (fill a stage, post a WRITE, which notifications arrived)
+//! as messages of the peer protocol ([`super::Msg`]).
+
+use super::{Link, Msg, Side};
+use crate::deadline::Deadline;
+use crate::error::{Error, Result};
+use crate::nixl::XferResult;
+use crate::report::PeerSide;
+use crate::transport::PeerInfo;
+use std::collections::{HashMap, HashSet};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// How long connecting to `serve` may take (TCP connect), before the handshake's own bound.
+pub const CONNECT_BOUND: Duration = Duration::from_secs(10);
+
+/// How long a failed transfer waits for the link to show whether prefill is gone
+/// ([`PrefillPeer::cause_of`]).
+pub const CAUSE_WAIT: Duration = Duration::from_millis(300);
+
+#[derive(Default)]
+struct State {
+    /// Fills acknowledged: (iteration, stage).
+    filled: HashSet<(u32, Option<u32>)>,
+    /// Fills sent and not yet acknowledged.
+    pending_fills: usize,
+    /// Prefill's WRITEs seen complete, by tag.
+    written: HashMap<String, XferResult>,
+    /// Notifications prefill's agent received, by tag.
+    notified: HashSet<String>,
+    /// Seconds prefill spent filling (its clock).
+    fill_seconds: f64,
+    /// Prefill's report section, once it said goodbye.
+    bye: Option<PeerSide>,
+}
+
+/// The prefill side of a node pair, reached over the peer protocol.
+pub struct PrefillPeer {
+    link: Link,
+    /// Prefill's NIXL agent.
+    pub info: PeerInfo,
+    /// What prefill announced (geometry, memory, GPU, host).
+    pub side: Side,
+    /// What the report says of prefill until its goodbye replaces it.
+    pub section: PeerSide,
+    state: Mutex<State>,
+}
+
+/// Connects to `serve` at `addr` (HOST:PORT) and authenticates with `token`; `silence` is
+/// the run's `--timeout` (heartbeat bound). Errors: environment (the address does not resolve
+/// or nothing listens there: exit 2), transport (the connection broke, not a kvprobe serve:
+/// exit 3), usage (refused: version or token, exit 2), timeout (exit 4).
+pub fn connect(addr: &str, token: &str, run_id: &str, silence: Duration) -> Result<Link> {
+    use std::net::ToSocketAddrs;
+    let who = format!("the prefill peer at {addr}");
+    let addrs: Vec<_> =
+        addr.to_socket_addrs().map_err(|e| Error::Usage(format!("--peer {addr}: not a HOST:PORT that resolves: {e}")))?.collect();
+    let mut last = None;
+    for a in &addrs {
+        match std::net::TcpStream::connect_timeout(a, CONNECT_BOUND) {
+            Ok(s) => {
+                let _ = s.set_nodelay(true);
+                return super::client(super::Stream::Tcp(s), token, run_id, silence, who);
+            }
+            Err(e) => last = Some(format!("{a}: {e}")),
+        }
+    }
+    Err(Error::Environment(format!(
+        "--peer {addr}: cannot connect ({}); is `kvprobe serve --listen` running there, and the port open?",
+        last.unwrap_or_else(|| "no address".into())
+    )))
+}
+
+impl PrefillPeer {
+    /// Sends the configuration and decode's side, waits for prefill's acceptance. Errors:
+    /// refused (usage, exit 2, the reason names the field), or the link's errors.
+    pub fn configure(
+        link: Link,
+        config: serde_json::Value,
+        decode: Side,
+        environment: Option<crate::envinfo::Environment>,
+        address: &str,
+        run_id: &str,
+    ) -> Result<(Link, Side, PeerSide)> {
+        let hash = super::config_hash(&config);
+        link.send(&Msg::Config { config, hash, decode, environment })?;
+        let (side, env) = link.expect("the configuration's acceptance", |m| match m {
+            Msg::Accept { prefill, environment } => Ok((prefill, environment)),
+            m => Err(m.name()),
+        })?;
+        let section = PeerSide {
+            role: "prefill".into(),
+            address: address.into(),
+            host: side.host.clone(),
+            run_id: run_id.into(),
+            memory: Some(side.memory),
+            device: side.device,
+            environment: env,
+            ..Default::default()
+        };
+        Ok((link, side, section))
+    }
+
+    /// Exchanges NIXL agents: sends decode's, returns the peer with prefill's.
+    pub fn connect_agents(link: Link, decode: PeerInfo, side: Side, section: PeerSide) -> Result<PrefillPeer> {
+        link.send(&Msg::Connect { decode })?;
+        let info = link.expect("prefill's NIXL agent", |m| match m {
+            Msg::Connected { prefill } => Ok(prefill),
+            m => Err(m.name()),
+        })?;
+        Ok(PrefillPeer { link, info, side, section, state: Mutex::new(State::default()) })
+    }
+
+    /// Reads what has arrived (waiting up to `wait` for the first message). Errors: the
+    /// link's (dead peer: transport; silent peer: timeout; its failure or interrupt).
+    pub fn pump(&self, wait: Duration) -> Result<()> {
+        let mut wait = wait;
+        while let Some(m) = self.link.recv(wait)? {
+            wait = Duration::ZERO;
+            let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            match m {
+                Msg::Filled { it, stage, seconds } => {
+                    s.filled.insert((it, stage));
+                    s.pending_fills = s.pending_fills.saturating_sub(1);
+                    s.fill_seconds += seconds;
+                }
+                Msg::Written { tag, bytes, nanos } => {
+                    s.written.insert(tag, XferResult { bytes, elapsed: Duration::from_nanos(nanos) });
+                }
+                Msg::Notified { tags } => s.notified.extend(tags),
+                Msg::Bye { side } => s.bye = Some(*side),
+                m => {
+                    return Err(Error::Transport(format!(
+                        "{} sent {} during the run (a protocol error)",
+                        self.link.who(),
+                        m.name()
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Asks prefill to fill `stage` (every layer: `None`) with generation `it` and plant its
+    /// faults; does not wait ([`PrefillPeer::await_filled`]).
+    pub fn fill(&self, it: u32, stage: Option<u32>) -> Result<()> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).pending_fills += 1;
+        self.link.send(&Msg::Fill { it, stage })
+    }
+
+    /// Waits until prefill has filled `stage` of generation `it` (or every layer of it).
+    pub fn await_filled(&self, it: u32, stage: Option<u32>) -> Result<()> {
+        loop {
+            {
+                let s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+                if s.filled.contains(&(it, stage)) || s.filled.contains(&(it, None)) {
+                    return Ok(());
+                }
+            }
+            self.check_interrupt(&format!("prefill's fill of iteration {it}"))?;
+            self.pump(Duration::from_millis(1))?;
+        }
+    }
+
+    /// Waits until every fill sent has been acknowledged.
+    pub fn await_all_filled(&self) -> Result<()> {
+        loop {
+            if self.state.lock().unwrap_or_else(|p| p.into_inner()).pending_fills == 0 {
+                return Ok(());
+            }
+            self.check_interrupt("prefill's fills")?;
+            self.pump(Duration::from_millis(1))?;
+        }
+    }
+
+    fn check_interrupt(&self, what: &str) -> Result<()> {
+        if crate::interrupt::since_requested().is_some_and(|d| d > crate::interrupt::GRACE) {
+            return Err(Error::Interrupted(format!("while waiting for {what}")));
+        }
+        Ok(())
+    }
+
+    /// Has prefill post stage `stage` of iteration `it` as a WRITE with notification `tag`.
+    pub fn post_write(&self, it: u32, stage: u32, tag: &str) -> Result<()> {
+        self.link.send(&Msg::Write { it, stage, tag: tag.into() })
+    }
+
+    /// Has prefill send `tag` as a bare notification (the test-only early-notification fault).
+    pub fn notify(&self, tag: &str) -> Result<()> {
+        self.link.send(&Msg::Notify { tag: tag.into() })
+    }
+
+    /// `Some` once prefill's WRITE `tag` has completed there.
+    pub fn take_written(&self, tag: &str) -> Result<Option<XferResult>> {
+        self.pump(Duration::ZERO)?;
+        Ok(self.state.lock().unwrap_or_else(|p| p.into_inner()).written.remove(tag))
+    }
+
+    /// Waits until prefill has received the notification of every tag in `tags` (removed as
+    /// they arrive). A tag still missing at two checks that began after its deadline has timed
+    /// out. Errors: timeout (exit 4), the link's errors.
+    pub fn await_notifications(&self, tags: &mut HashMap<String, Deadline>) -> Result<()> {
+        let mut late_misses = 0u32;
+        while !tags.is_empty() {
+            let asked = Instant::now();
+            self.pump(Duration::from_micros(200))?;
+            {
+                let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+                tags.retain(|t, _| !s.notified.remove(t));
+            }
+            if tags.is_empty() {
+                break;
+            }
+            self.check_interrupt("prefill's notifications")?;
+            if let Some((tag, d)) = tags.iter().filter(|(_, d)| d.passed_at(asked)).min_by_key(|(_, d)| d.at()) {
+                late_misses += 1;
+                if late_misses >= 2 {
+                    return Err(Error::Timeout(format!(
+                        "prefill ({}) had no notification {tag} from decode within --timeout {:.6} s ({:.3} s since its request was posted)",
+                        self.link.who(),
+                        d.limit_secs(),
+                        d.elapsed_secs()
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Seconds prefill reported filling so far.
+    pub fn fill_seconds(&self) -> f64 {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).fill_seconds
+    }
+
+    /// Ends the session: tells prefill the run's outcome and waits (up to `wait`) for its side
+    /// of the report. Returns prefill's section (what it sent, or what was known of it, with
+    /// `bye_missing` set when it did not answer).
+    pub fn finish(&self, exit: u8, error: Option<String>, summary: Option<serde_json::Value>, wait: Duration) -> PeerSide {
+        let sent = self.link.send(&Msg::Done { exit, error, summary });
+        let t0 = Instant::now();
+        if sent.is_ok() {
+            while t0.elapsed() < wait {
+                if self.state.lock().unwrap_or_else(|p| p.into_inner()).bye.is_some() {
+                    break;
+                }
+                if self.pump(Duration::from_millis(10)).is_err() {
+                    break;
+                }
+            }
+        }
+        self.link.close();
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        match s.bye.take() {
+            Some(mut b) => {
+                b.address = self.section.address.clone(); // the address this side dialled
+                b
+            }
+            None => {
+                let mut sec = self.section.clone();
+                sec.bye_missing = true;
+                sec
+            }
+        }
+    }
+
+    /// The error to report for a NIXL failure `e` of a transfer with prefill: when the link
+    /// shows prefill gone or silent within [`CAUSE_WAIT`], that (a dead peer explains the failed
+    /// transfer), else `e`.
+    pub fn cause_of(&self, e: Error) -> Error {
+        if !matches!(e, Error::Transport(_)) {
+            return e;
+        }
+        let t0 = Instant::now();
+        while t0.elapsed() < CAUSE_WAIT {
+            if let Err(link) = self.pump(Duration::from_millis(10)) {
+                return link; // its kind: gone (3), silent (4), interrupted (130)
+            }
+        }
+        e
+    }
+
+    /// Tells prefill this side was interrupted (best effort).
+    pub fn interrupt(&self, why: &str) {
+        let _ = self.link.send(&Msg::Interrupt { why: why.into() });
+    }
+}

@@ -1,0 +1,788 @@
+//! kvprobe's peer protocol: how the decode side (`kvprobe run --peer`) drives the prefill
+//! side (`kvprobe serve`) of a sweep on another host.
+//!
+//! Length-prefixed frames (a 4-byte big-endian length, then a JSON [`Msg`]; framing by
+//! `tokio_util`'s `LengthDelimitedCodec`, used synchronously) over one TCP connection, or over
+//! any byte stream ([`Stream`]). The protocol is versioned ([`PROTOCOL`]); the conversation:
+//!
+//! | step | decode (`run --peer`, client) | prefill (`serve`) |
+//! |---|---|---|
+//! | 1 | | [`Msg::Challenge`]: kvprobe and protocol version, a fresh nonce |
+//! | 2 | [`Msg::Hello`]: versions, run id, proof = SHA-256(nonce ‖ token) | checks version and proof ([`check_hello`]) before anything else |
+//! | 3 | | [`Msg::Welcome`] or [`Msg::Refused`] (reason; both sides exit 2) |
+//! | 4 | [`Msg::Config`]: the run's configuration, its hash ([`config_hash`]), decode's side (geometry, memory, GPU) and environment | re-hashes it, checks it against its own flags |
+//! | 5 | | [`Msg::Accept`] (prefill's side and environment) or [`Msg::Refused`] naming the field |
+//! | 6 | [`Msg::Connect`]: decode's NIXL agent metadata and region bases | loads them (`load_remote_md`) |
+//! | 7 | | [`Msg::Connected`]: prefill's; decode loads them, then `check_remote_metadata` |
+//! | 8 | per iteration: [`Msg::Fill`] (prefill refills a stage), [`Msg::Write`] (WRITE: prefill posts a stage) | [`Msg::Filled`], [`Msg::Written`]; NIXL notifications prefill receives come back as [`Msg::Notified`] |
+//! | 9 | [`Msg::Done`] with the run's outcome | [`Msg::Bye`] with prefill's side of the report; both close |
+//!
+//! Either side sends [`Msg::Heartbeat`] every [`heartbeat_interval`] from its own thread, so
+//! a side that is alive but busy is never silent; a side that hears nothing for the run's
+//! `--timeout` treats its peer as stopped (exit 4). A closed connection is a dead peer (exit
+//! 3). [`Msg::Interrupt`] carries Ctrl-C to the other side (both exit 130), [`Msg::Failed`] an
+//! error with its exit code. NIXL notifications stay the completion signal of transfers, as in
+//! vLLM's NixlConnector: the protocol carries only control.
+//!
+//! Bounds: a frame before the token check is at most [`MAX_HELLO_FRAME`] bytes, any later
+//! frame at most [`MAX_FRAME`]; the handshake must finish within [`HANDSHAKE_BOUND`]; frames
+//! wait in a queue of at most [`MAX_QUEUED`] (the reader stops reading beyond it).
+
+use crate::error::{Error, Result};
+use bytes::{Bytes, BytesMut};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TryRecvError, sync_channel};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio_util::codec::{Decoder, Encoder, LengthDelimitedCodec};
+
+pub mod client;
+
+/// The protocol version both sides must speak (in [`Msg::Challenge`] and [`Msg::Hello`]).
+pub const PROTOCOL: u32 = 1;
+
+/// Largest frame before the token check (bytes): a HELLO is a few hundred bytes.
+pub const MAX_HELLO_FRAME: usize = 4096;
+
+/// Largest frame after the token check (bytes): NIXL metadata is a few hundred KiB, a
+/// report section a few MiB at most.
+pub const MAX_FRAME: usize = 64 << 20;
+
+/// How long the handshake (challenge to welcome) may take before the connection is dropped.
+pub const HANDSHAKE_BOUND: Duration = Duration::from_secs(10);
+
+/// Frames the reader thread holds before it stops reading (backpressure on the peer).
+pub const MAX_QUEUED: usize = 4096;
+
+/// One side of a node pair as it announces itself: the geometry of its pool (carried per side
+/// so that unequal geometries can be allowed later), its memory and GPU.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Side {
+    /// KV geometry of this side's pool.
+    pub geometry: crate::geometry::Geometry,
+    /// VRAM or DRAM.
+    pub memory: crate::pool::MemoryKind,
+    /// GPU ordinal of the pool (VRAM; 0 for DRAM).
+    pub device: usize,
+    /// Host name of the side (as `gethostname` says).
+    pub host: String,
+}
+
+/// A frame's message (JSON, tagged by `type`). See the module's table for the order.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Msg {
+    /// serve → run, first: versions and the nonce the token proof covers (hex, 32 bytes).
+    Challenge {
+        /// kvprobe version.
+        kvprobe: String,
+        /// [`PROTOCOL`].
+        protocol: u32,
+        /// 32 random bytes, hex.
+        nonce: String,
+    },
+    /// run → serve: versions, the run id, and SHA-256(nonce ‖ token) in hex.
+    Hello {
+        /// kvprobe version.
+        kvprobe: String,
+        /// [`PROTOCOL`].
+        protocol: u32,
+        /// The run's id (16 hex digits), in both sides' reports.
+        run_id: String,
+        /// SHA-256 of the nonce's bytes followed by the token's bytes, hex.
+        proof: String,
+    },
+    /// serve → run: the token matched.
+    Welcome {
+        /// The run id, echoed.
+        run_id: String,
+    },
+    /// Either way: the session is refused (version, token, configuration, busy); both sides
+    /// exit with `exit` (2).
+    Refused {
+        /// Why, in words.
+        reason: String,
+        /// The configuration field that differs, when that is the reason (e.g.
+        /// `geometry.block_size`).
+        field: Option<String>,
+        /// Exit code both sides use.
+        exit: u8,
+    },
+    /// run → serve: the run's configuration (`RunConfig` as JSON) and its hash.
+    Config {
+        /// The configuration as the run resolved it.
+        config: serde_json::Value,
+        /// [`config_hash`] of `config`.
+        hash: String,
+        /// Decode's side.
+        decode: Side,
+        /// Decode's environment (GPUs, driver, NIXL, UCX).
+        environment: Option<crate::envinfo::Environment>,
+    },
+    /// serve → run: configuration accepted; prefill's side.
+    Accept {
+        /// Prefill's side.
+        prefill: Side,
+        /// Prefill's environment.
+        environment: Option<crate::envinfo::Environment>,
+    },
+    /// run → serve: decode's NIXL agent.
+    Connect {
+        /// Agent name, metadata and region bases.
+        decode: crate::transport::PeerInfo,
+    },
+    /// serve → run: prefill's NIXL agent (it has loaded decode's metadata).
+    Connected {
+        /// Agent name, metadata and region bases.
+        prefill: crate::transport::PeerInfo,
+    },
+    /// run → serve: fill `stage` (all layers when `None`) with generation `it` and plant
+    /// prefill's injected faults of iteration `it` there; answered by [`Msg::Filled`] once the
+    /// fill has completed.
+    Fill {
+        /// Iteration (= generation), 1-based.
+        it: u32,
+        /// Pipeline stage, or every layer.
+        stage: Option<u32>,
+    },
+    /// serve → run: the fill is complete.
+    Filled {
+        /// Iteration.
+        it: u32,
+        /// Stage.
+        stage: Option<u32>,
+        /// Seconds the fill took on prefill (host clock).
+        seconds: f64,
+    },
+    /// run → serve (WRITE sweeps): post stage `stage` of iteration `it` with notification `tag`.
+    Write {
+        /// Iteration.
+        it: u32,
+        /// Stage.
+        stage: u32,
+        /// Notification tag.
+        tag: String,
+    },
+    /// serve → run: the WRITE `tag` completed at prefill (its initiator).
+    Written {
+        /// Notification tag.
+        tag: String,
+        /// Bytes moved.
+        bytes: u64,
+        /// Post to completion, nanoseconds.
+        nanos: u64,
+    },
+    /// run → serve (test-only early-notification fault): send `tag` as a bare notification.
+    Notify {
+        /// Notification tag.
+        tag: String,
+    },
+    /// serve → run: NIXL notifications prefill's agent received from decode (READ).
+    Notified {
+        /// Their messages.
+        tags: Vec<String>,
+    },
+    /// Either way: still alive.
+    Heartbeat,
+    /// Either way: SIGINT/SIGTERM on the sender; the receiver ends its run as interrupted.
+    Interrupt {
+        /// What the sender was doing.
+        why: String,
+    },
+    /// Either way: the sender failed with `exit` (its error's code).
+    Failed {
+        /// Exit code.
+        exit: u8,
+        /// The error.
+        message: String,
+    },
+    /// run → serve: the run ended with `exit` (and `error`); serve takes the same outcome.
+    Done {
+        /// Exit code of the run.
+        exit: u8,
+        /// The run's error, if any.
+        error: Option<String>,
+        /// Decode's report summary (iterations, corrupt slices, rate), for serve's summary.
+        summary: Option<serde_json::Value>,
+    },
+    /// serve → run: prefill's side of the report.
+    Bye {
+        /// Prefill's environment, transport paths and timings.
+        side: Box<crate::report::PeerSide>,
+    },
+}
+
+impl Msg {
+    /// The message's `type`, for errors.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Msg::Challenge { .. } => "challenge",
+            Msg::Hello { .. } => "hello",
+            Msg::Welcome { .. } => "welcome",
+            Msg::Refused { .. } => "refused",
+            Msg::Config { .. } => "config",
+            Msg::Accept { .. } => "accept",
+            Msg::Connect { .. } => "connect",
+            Msg::Connected { .. } => "connected",
+            Msg::Fill { .. } => "fill",
+            Msg::Filled { .. } => "filled",
+            Msg::Write { .. } => "write",
+            Msg::Written { .. } => "written",
+            Msg::Notify { .. } => "notify",
+            Msg::Notified { .. } => "notified",
+            Msg::Heartbeat => "heartbeat",
+            Msg::Interrupt { .. } => "interrupt",
+            Msg::Failed { .. } => "failed",
+            Msg::Done { .. } => "done",
+            Msg::Bye { .. } => "bye",
+        }
+    }
+}
+
+/// The byte stream under a [`Link`]: a TCP connection (two hosts) or a Unix socket (a child
+/// on a socket pair, an in-process peer).
+pub enum Stream {
+    /// TCP.
+    Tcp(TcpStream),
+    /// Unix domain socket.
+    Unix(UnixStream),
+}
+
+impl Stream {
+    fn try_clone(&self) -> std::io::Result<Stream> {
+        Ok(match self {
+            Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
+            Stream::Unix(s) => Stream::Unix(s.try_clone()?),
+        })
+    }
+    fn set_read_timeout(&self, d: Option<Duration>) -> std::io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.set_read_timeout(d),
+            Stream::Unix(s) => s.set_read_timeout(d),
+        }
+    }
+    fn set_write_timeout(&self, d: Option<Duration>) -> std::io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.set_write_timeout(d),
+            Stream::Unix(s) => s.set_write_timeout(d),
+        }
+    }
+    fn shutdown(&self) {
+        let _ = match self {
+            Stream::Tcp(s) => s.shutdown(Shutdown::Both),
+            Stream::Unix(s) => s.shutdown(Shutdown::Both),
+        };
+    }
+    /// The peer's address, in words.
+    pub fn peer_label(&self) -> String {
+        match self {
+            Stream::Tcp(s) => s.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into()),
+            Stream::Unix(_) => "a local socket".into(),
+        }
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, b: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.read(b),
+            Stream::Unix(s) => s.read(b),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.write(b),
+            Stream::Unix(s) => s.write(b),
+        }
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.flush(),
+            Stream::Unix(s) => s.flush(),
+        }
+    }
+}
+
+/// Reads frames off a stream (the codec's buffer kept between calls).
+struct FrameReader {
+    stream: Stream,
+    codec: LengthDelimitedCodec,
+    buf: BytesMut,
+}
+
+/// Why reading a frame stopped.
+enum ReadEnd {
+    /// The peer closed the connection (or it broke).
+    Closed(String),
+    /// The read timed out (no complete frame within the socket's timeout).
+    TimedOut,
+    /// The peer sent something that is not a frame of this protocol.
+    Bad(String),
+}
+
+impl FrameReader {
+    fn new(stream: Stream, max: usize) -> FrameReader {
+        let codec = LengthDelimitedCodec::builder().length_field_length(4).max_frame_length(max).new_codec();
+        FrameReader { stream, codec, buf: BytesMut::with_capacity(64 << 10) }
+    }
+
+    fn next(&mut self) -> std::result::Result<Msg, ReadEnd> {
+        loop {
+            match self.codec.decode(&mut self.buf) {
+                Ok(Some(frame)) => {
+                    return serde_json::from_slice::<Msg>(&frame)
+                        .map_err(|e| ReadEnd::Bad(format!("a frame that is not a message of protocol {PROTOCOL}: {e}")));
+                }
+                Ok(None) => {}
+                Err(e) => return Err(ReadEnd::Bad(format!("a frame over the size bound: {e}"))),
+            }
+            let mut chunk = [0u8; 64 << 10];
+            match self.stream.read(&mut chunk) {
+                Ok(0) => return Err(ReadEnd::Closed("the peer closed the connection".into())),
+                Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
+                Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                    return Err(ReadEnd::TimedOut);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(ReadEnd::Closed(format!("the connection broke: {e}"))),
+            }
+        }
+    }
+}
+
+/// Writes one frame (serialized here). Errors: transport when the connection is gone.
+fn write_frame(stream: &mut Stream, msg: &Msg) -> Result<()> {
+    let body = serde_json::to_vec(msg).map_err(|e| Error::Io(format!("peer protocol: {e}")))?;
+    let mut codec = LengthDelimitedCodec::builder().length_field_length(4).max_frame_length(MAX_FRAME).new_codec();
+    let mut out = BytesMut::with_capacity(body.len() + 4);
+    codec
+        .encode(Bytes::from(body), &mut out)
+        .map_err(|e| Error::Usage(format!("peer protocol: a {} message over {MAX_FRAME} bytes: {e}", msg.name())))?;
+    stream.write_all(&out).and_then(|_| stream.flush()).map_err(|e| Error::Transport(format!("the peer connection broke: {e}")))
+}
+
+/// SHA-256 of `nonce` (hex-decoded) followed by `token`, hex: the proof in [`Msg::Hello`].
+pub fn proof(nonce_hex: &str, token: &str) -> String {
+    let mut h = Sha256::new();
+    h.update(hex_decode(nonce_hex).unwrap_or_default());
+    h.update(token.as_bytes());
+    hex(&h.finalize())
+}
+
+/// Lowercase hex of `b`.
+pub fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn hex_decode(s: &str) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok()).collect()
+}
+
+/// `n` random bytes from the OS, hex (nonces, tokens, run ids). Errors: environment when
+/// `/dev/urandom` cannot be read.
+pub fn random_hex(n: usize) -> Result<String> {
+    let mut b = vec![0u8; n];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut b))
+        .map_err(|e| Error::Environment(format!("cannot read /dev/urandom: {e}")))?;
+    Ok(hex(&b))
+}
+
+/// The configuration hash both sides compare: SHA-256 of `config`'s JSON (serde_json writes
+/// a struct's fields in declaration order, so equal configurations give equal bytes), hex.
+pub fn config_hash(config: &serde_json::Value) -> String {
+    hex(&Sha256::digest(serde_json::to_vec(config).unwrap_or_default()))
+}
+
+/// The first field (dotted path) where `a` and `b` differ, with both values; `None` if equal.
+pub fn first_difference(a: &serde_json::Value, b: &serde_json::Value) -> Option<(String, String, String)> {
+    use serde_json::Value;
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) => {
+            let mut keys: Vec<&String> = x.keys().chain(y.keys()).collect();
+            keys.sort();
+            keys.dedup();
+            for k in keys {
+                let (va, vb) = (x.get(k).unwrap_or(&Value::Null), y.get(k).unwrap_or(&Value::Null));
+                if let Some((f, p, q)) = first_difference(va, vb) {
+                    return Some((if f.is_empty() { k.clone() } else { format!("{k}.{f}") }, p, q));
+                }
+            }
+            None
+        }
+        _ if a == b => None,
+        _ => Some((String::new(), a.to_string(), b.to_string())),
+    }
+}
+
+/// Checks a [`Msg::Hello`] against this side's version and `token` (constant-time compare
+/// of the proof). Returns the run id. Errors: the reason to send back in [`Msg::Refused`].
+pub fn check_hello(msg: &Msg, nonce: &str, token: &str) -> std::result::Result<String, String> {
+    let Msg::Hello { kvprobe, protocol, run_id, proof: got } = msg else {
+        return Err(format!("expected hello, got {}", msg.name()));
+    };
+    if *protocol != PROTOCOL {
+        return Err(format!(
+            "protocol version mismatch: this kvprobe {} speaks peer protocol {PROTOCOL}, the peer (kvprobe {kvprobe}) speaks {protocol}",
+            env!("CARGO_PKG_VERSION")
+        ));
+    }
+    let want = proof(nonce, token);
+    let same = want.len() == got.len() && want.bytes().zip(got.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0;
+    if !same {
+        return Err("wrong token (the token given to run --peer is not serve's)".into());
+    }
+    if run_id.is_empty() || run_id.len() > 64 || !run_id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') {
+        return Err("a run id must be 1 to 64 letters, digits or dashes".into());
+    }
+    Ok(run_id.clone())
+}
+
+/// What the reader thread passes on.
+enum Incoming {
+    Msg(Box<Msg>),
+    Gone(String),
+    Bad(String),
+}
+
+/// An established connection to the peer: frames in through a reader thread, out under a
+/// lock, heartbeats from their own thread. Dropping it stops the heartbeat and closes the
+/// connection.
+pub struct Link {
+    out: Arc<Mutex<Stream>>,
+    rx: Mutex<Receiver<Incoming>>,
+    /// Milliseconds since `epoch` when the peer was last heard (any frame).
+    heard: Arc<AtomicU64>,
+    epoch: Instant,
+    stop: Arc<AtomicBool>,
+    /// The silence bound in milliseconds ([`silence_bound`]), shared with the heartbeat thread.
+    silence_ms: Arc<AtomicU64>,
+    /// What the peer is called in errors ("the prefill peer at 10.0.0.2:7000").
+    who: String,
+    /// A failure seen already: every later call returns it again.
+    failed: Mutex<Option<Error>>,
+}
+
+/// Heartbeat interval for a silence bound of `silence`: a quarter of it, between 10 ms and
+/// 1 s, so several beats fit in the bound.
+pub fn heartbeat_interval(silence: Duration) -> Duration {
+    (silence / 4).clamp(Duration::from_millis(10), Duration::from_secs(1))
+}
+
+/// Shortest silence bound: a run's `--timeout`, but at least this (a busy host can delay a
+/// heartbeat thread by some milliseconds; a sub-second `--timeout` bounds transfers, not the
+/// peer's liveness).
+pub const MIN_SILENCE: Duration = Duration::from_secs(1);
+
+/// How long a peer may say nothing before it counts as stopped, for a run whose `--timeout`
+/// is `timeout`: `timeout`, at least [`MIN_SILENCE`].
+pub fn silence_bound(timeout: Duration) -> Duration {
+    timeout.max(MIN_SILENCE)
+}
+
+impl Link {
+    /// Starts the reader and heartbeat threads on an authenticated `stream`. `reader` is the
+    /// handshake's reader (its buffered bytes are kept); `silence` is how long the peer may say
+    /// nothing (`--timeout`); `who` names the peer in errors.
+    fn start(reader: FrameReader, silence: Duration, who: String) -> Result<Link> {
+        let silence = silence_bound(silence);
+        let mut reader = reader;
+        reader.codec.set_max_frame_length(MAX_FRAME);
+        let io = |e: std::io::Error| Error::Transport(format!("{who}: {e}"));
+        reader.stream.set_read_timeout(None).map_err(io)?;
+        let out = reader.stream.try_clone().map_err(io)?;
+        // A peer that stops reading (SIGSTOP) must not block this side's writes for ever.
+        out.set_write_timeout(Some(silence.max(Duration::from_millis(100)))).map_err(io)?;
+        let out = Arc::new(Mutex::new(out));
+        let (tx, rx): (SyncSender<Incoming>, _) = sync_channel(MAX_QUEUED);
+        let epoch = Instant::now();
+        let heard = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let silence_ms = Arc::new(AtomicU64::new(silence.as_millis() as u64));
+        {
+            let heard = heard.clone();
+            std::thread::spawn(move || {
+                loop {
+                    let m = reader.next();
+                    heard.store(epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
+                    let (msg, end) = match m {
+                        Ok(Msg::Heartbeat) => continue,
+                        Ok(m) => (Incoming::Msg(Box::new(m)), false),
+                        Err(ReadEnd::TimedOut) => continue,
+                        Err(ReadEnd::Closed(w)) => (Incoming::Gone(w), true),
+                        Err(ReadEnd::Bad(w)) => (Incoming::Bad(w), true),
+                    };
+                    if tx.send(msg).is_err() || end {
+                        return;
+                    }
+                }
+            });
+        }
+        {
+            let (out, stop, ms) = (out.clone(), stop.clone(), silence_ms.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    std::thread::sleep(heartbeat_interval(Duration::from_millis(ms.load(Ordering::Relaxed))));
+                    if stop.load(Ordering::Relaxed) {
+                        return;
+                    }
+                    let Ok(mut s) = out.lock() else { return };
+                    if write_frame(&mut s, &Msg::Heartbeat).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+        Ok(Link { out, rx: Mutex::new(rx), heard, epoch, stop, silence_ms, who, failed: Mutex::new(None) })
+    }
+
+    /// Sets the silence bound to [`silence_bound`]`(timeout)` (serve, once the run's
+    /// `--timeout` is known); heartbeats follow it.
+    pub fn set_silence(&self, timeout: Duration) {
+        self.silence_ms.store(silence_bound(timeout).as_millis() as u64, Ordering::Relaxed);
+        let _ = self.out.lock().map(|s| s.set_write_timeout(Some(silence_bound(timeout))));
+    }
+
+    fn silence(&self) -> Duration {
+        Duration::from_millis(self.silence_ms.load(Ordering::Relaxed))
+    }
+
+    /// What the peer is called in errors.
+    pub fn who(&self) -> &str {
+        &self.who
+    }
+
+    /// Sends `msg`. Errors: transport when the connection is gone (or the peer stopped
+    /// reading for longer than the silence bound).
+    pub fn send(&self, msg: &Msg) -> Result<()> {
+        let mut s = self.out.lock().unwrap_or_else(|p| p.into_inner());
+        write_frame(&mut s, msg).map_err(|e| Error::Transport(format!("{}: {}", self.who, e.detail())))
+    }
+
+    fn fail(&self, e: Error) -> Error {
+        *self.failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.clone());
+        e
+    }
+
+    /// The error a message from the peer means, if it is one ([`Msg::Failed`],
+    /// [`Msg::Interrupt`], [`Msg::Refused`]).
+    fn error_of(&self, m: &Msg) -> Option<Error> {
+        match m {
+            Msg::Failed { exit, message } => Some(match exit {
+                2 => Error::Environment(format!("{}: {message}", self.who)),
+                4 => Error::Timeout(format!("{}: {message}", self.who)),
+                130 => Error::Interrupted(format!("{} was interrupted: {message}", self.who)),
+                _ => Error::Transport(format!("{} failed: {message}", self.who)),
+            }),
+            Msg::Interrupt { why } => Some(Error::Interrupted(format!("{} was interrupted ({why})", self.who))),
+            Msg::Refused { reason, .. } => Some(Error::Usage(format!("{} refused: {reason}", self.who))),
+            _ => None,
+        }
+    }
+
+    /// The next message within `wait` (`Ok(None)` if none came). Errors: the peer closed the
+    /// connection or sent garbage (transport, exit 3), said nothing for the silence bound
+    /// (timeout, exit 4), failed, refused or was interrupted (its error's kind).
+    pub fn recv(&self, wait: Duration) -> Result<Option<Msg>> {
+        if let Some(e) = self.failed.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+            return Err(e);
+        }
+        let got = {
+            let rx = self.rx.lock().unwrap_or_else(|p| p.into_inner());
+            if wait.is_zero() {
+                match rx.try_recv() {
+                    Ok(m) => Some(m),
+                    Err(TryRecvError::Empty) => None,
+                    Err(TryRecvError::Disconnected) => Some(Incoming::Gone("the connection's reader ended".into())),
+                }
+            } else {
+                match rx.recv_timeout(wait) {
+                    Ok(m) => Some(m),
+                    Err(RecvTimeoutError::Timeout) => None,
+                    Err(RecvTimeoutError::Disconnected) => Some(Incoming::Gone("the connection's reader ended".into())),
+                }
+            }
+        };
+        match got {
+            Some(Incoming::Msg(m)) => match self.error_of(&m) {
+                Some(e) => Err(self.fail(e)),
+                None => Ok(Some(*m)),
+            },
+            Some(Incoming::Gone(w)) => Err(self.fail(Error::Transport(format!("{} is gone: {w}", self.who)))),
+            Some(Incoming::Bad(w)) => Err(self.fail(Error::Transport(format!("{} sent {w}", self.who)))),
+            None => {
+                let quiet = self.quiet_for();
+                let silence = self.silence();
+                if quiet > silence {
+                    return Err(self.fail(Error::Timeout(format!(
+                        "{} has been silent for {:.1} s (no heartbeat within --timeout {:.3} s: stopped, or the link dropped)",
+                        self.who,
+                        quiet.as_secs_f64(),
+                        silence.as_secs_f64()
+                    ))));
+                }
+                Ok(None)
+            }
+        }
+    }
+
+    /// How long since the peer was last heard.
+    pub fn quiet_for(&self) -> Duration {
+        self.epoch.elapsed().saturating_sub(Duration::from_millis(self.heard.load(Ordering::Relaxed)))
+    }
+
+    /// Waits for the next message and hands it to `pick`, which returns what it wants of it
+    /// or the message's name (a protocol error), up to the silence bound between messages; `what` names the wait in errors. A local SIGINT/SIGTERM ends
+    /// the wait as interrupted.
+    pub fn expect<T>(&self, what: &str, mut pick: impl FnMut(Msg) -> std::result::Result<T, &'static str>) -> Result<T> {
+        loop {
+            if crate::interrupt::requested() {
+                return Err(Error::Interrupted(format!("while waiting for {what} from {}", self.who)));
+            }
+            if let Some(m) = self.recv(Duration::from_millis(20))? {
+                match pick(m) {
+                    Ok(v) => return Ok(v),
+                    Err(name) => {
+                        return Err(self.fail(Error::Transport(format!(
+                            "{} sent {name} while {what} was awaited (a protocol error)",
+                            self.who
+                        ))));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Stops heartbeats and closes the connection (the peer sees it closed).
+    pub fn close(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+        self.out.lock().unwrap_or_else(|p| p.into_inner()).shutdown();
+    }
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// The client side of the handshake (`run --peer`): reads the challenge, sends the hello,
+/// waits for the welcome. `silence` is the run's `--timeout`. Errors: transport (the peer is
+/// not a kvprobe serve, or closed), usage (refused: version or token), timeout (no answer
+/// within [`HANDSHAKE_BOUND`]).
+pub fn client(stream: Stream, token: &str, run_id: &str, silence: Duration, who: String) -> Result<Link> {
+    let io = |e: std::io::Error| Error::Transport(format!("{who}: {e}"));
+    stream.set_read_timeout(Some(HANDSHAKE_BOUND)).map_err(io)?;
+    stream.set_write_timeout(Some(HANDSHAKE_BOUND)).map_err(io)?;
+    let mut w = stream.try_clone().map_err(io)?;
+    let mut r = FrameReader::new(stream, MAX_HELLO_FRAME);
+    let next = |r: &mut FrameReader| -> Result<Msg> {
+        r.next().map_err(|e| match e {
+            ReadEnd::Closed(w2) => Error::Transport(format!("{who}: {w2} during the handshake")),
+            ReadEnd::TimedOut => Error::Timeout(format!("{who}: no answer within {} s", HANDSHAKE_BOUND.as_secs())),
+            ReadEnd::Bad(w2) => Error::Transport(format!("{who} is not a kvprobe serve of protocol {PROTOCOL}: it sent {w2}")),
+        })
+    };
+    let nonce = match next(&mut r)? {
+        Msg::Challenge { nonce, protocol, kvprobe } => {
+            if protocol != PROTOCOL {
+                let reason = format!(
+                    "protocol version mismatch: this kvprobe {} speaks peer protocol {PROTOCOL}, {who} (kvprobe {kvprobe}) speaks {protocol}",
+                    env!("CARGO_PKG_VERSION")
+                );
+                let _ = write_frame(&mut w, &Msg::Refused { reason: reason.clone(), field: None, exit: 2 });
+                return Err(Error::Usage(reason));
+            }
+            nonce
+        }
+        Msg::Refused { reason, .. } => return Err(Error::Usage(format!("{who} refused: {reason}"))),
+        m => return Err(Error::Transport(format!("{who} sent {} instead of a challenge", m.name()))),
+    };
+    write_frame(
+        &mut w,
+        &Msg::Hello {
+            kvprobe: env!("CARGO_PKG_VERSION").into(),
+            protocol: PROTOCOL,
+            run_id: run_id.into(),
+            proof: proof(&nonce, token),
+        },
+    )?;
+    match next(&mut r)? {
+        Msg::Welcome { .. } => Link::start(r, silence, who),
+        Msg::Refused { reason, .. } => Err(Error::Usage(format!("{who} refused the run: {reason}"))),
+        m => Err(Error::Transport(format!("{who} sent {} instead of a welcome", m.name()))),
+    }
+}
+
+/// What the server side's handshake ended with.
+pub enum Accepted {
+    /// Authenticated: the link and the run id.
+    Link(Link, String),
+    /// Refused (reason sent to the client): version, token or a malformed hello.
+    Refused(String),
+}
+
+/// The server side of the handshake (`serve`): sends the challenge, checks the hello
+/// ([`check_hello`]) — the token before anything else — and answers welcome or refused.
+/// `silence` is the heartbeat bound for the session once authenticated. Errors: transport
+/// when the client vanished or sent no hello within [`HANDSHAKE_BOUND`].
+pub fn server(stream: Stream, token: &str, silence: Duration) -> Result<Accepted> {
+    let who = format!("the decode peer at {}", stream.peer_label());
+    let io = |e: std::io::Error| Error::Transport(format!("{who}: {e}"));
+    stream.set_read_timeout(Some(HANDSHAKE_BOUND)).map_err(io)?;
+    stream.set_write_timeout(Some(HANDSHAKE_BOUND)).map_err(io)?;
+    let mut w = stream.try_clone().map_err(io)?;
+    let nonce = random_hex(32)?;
+    write_frame(&mut w, &Msg::Challenge { kvprobe: env!("CARGO_PKG_VERSION").into(), protocol: PROTOCOL, nonce: nonce.clone() })?;
+    let mut r = FrameReader::new(stream, MAX_HELLO_FRAME);
+    let hello = match r.next() {
+        Ok(m) => m,
+        Err(ReadEnd::Closed(w2)) => return Err(Error::Transport(format!("{who}: {w2} during the handshake"))),
+        Err(ReadEnd::TimedOut) => {
+            return Err(Error::Transport(format!("{who} sent no hello within {} s", HANDSHAKE_BOUND.as_secs())));
+        }
+        Err(ReadEnd::Bad(w2)) => {
+            let reason = format!("not a kvprobe hello: {w2}");
+            let _ = write_frame(&mut w, &Msg::Refused { reason: reason.clone(), field: None, exit: 2 });
+            return Ok(Accepted::Refused(reason));
+        }
+    };
+    if let Msg::Refused { reason, .. } = &hello {
+        return Ok(Accepted::Refused(format!("the client refused: {reason}")));
+    }
+    match check_hello(&hello, &nonce, token) {
+        Ok(run_id) => {
+            write_frame(&mut w, &Msg::Welcome { run_id: run_id.clone() })?;
+            Ok(Accepted::Link(Link::start(r, silence, who)?, run_id))
+        }
+        Err(reason) => {
+            let _ = write_frame(&mut w, &Msg::Refused { reason: reason.clone(), field: None, exit: 2 });
+            Ok(Accepted::Refused(reason))
+        }
+    }
+}
+
+/// Refuses a connection without a session (serve is busy with another client): sends
+/// [`Msg::Refused`] and closes.
+pub fn refuse_busy(stream: Stream, reason: &str) {
+    let mut s = stream;
+    let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
+    let _ = write_frame(&mut s, &Msg::Refused { reason: reason.into(), field: None, exit: 2 });
+    s.shutdown();
+}
+
+/// This host's name (`gethostname`), or "?".
+pub fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_else(|_| "?".into())
+}

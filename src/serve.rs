@@ -1,0 +1,445 @@
+//! `kvprobe serve`: the prefill side of a node pair. It listens where told, authenticates
+//! one client at a time (`kvprobe run --peer`) with a shared token, takes the run's
+//! configuration from it, and then does what the decode side asks over the peer protocol
+//! ([`crate::peer`]): fill stages of its pool with fingerprinted generations (planting the
+//! prefill-side faults of `--inject`), post WRITEs, forward the NIXL notifications its
+//! agent receives. NIXL moves the bytes between the two hosts; the protocol carries control.
+//!
+//! Both sides plan each iteration from the configuration alone ([`crate::run::plan`]: block
+//! map, injections), so the protocol never carries block lists.
+
+use crate::error::{Error, Exit, Result};
+use crate::peer::{self, Accepted, Link, Msg, Side, Stream};
+use crate::pool::MemoryKind;
+use crate::report::{PeerSide, Report};
+use crate::run::{self, RunConfig};
+use crate::transport::{Endpoint, Op};
+use std::collections::BTreeMap;
+use std::net::TcpListener;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{RecvTimeoutError, channel};
+use std::time::{Duration, Instant};
+
+/// Environment variable holding the shared token when `--token` is not given.
+pub const TOKEN_VAR: &str = "KVPROBE_TOKEN";
+
+/// What `kvprobe serve` was told.
+#[derive(Clone, Debug)]
+pub struct ServeConfig {
+    /// Where to listen (`--listen ADDR:PORT`; port 0 picks a free one).
+    pub listen: String,
+    /// The shared token (`--token`, [`TOKEN_VAR`], or one made at start and printed).
+    pub token: String,
+    /// Prefill's pool memory (`--memory`; default VRAM when a GPU exists).
+    pub memory: MemoryKind,
+    /// Prefill's GPU (`--device`).
+    pub device: usize,
+    /// The NIXL backend the run must use (`--backend`), when given.
+    pub backend: Option<String>,
+    /// Prefill's geometry when pinned by flags (`--preset`, `--layers`, …): the run's must
+    /// equal it field by field.
+    pub geometry: Option<crate::geometry::Geometry>,
+    /// Serve another run after each one (`--keep-serving`).
+    pub keep_serving: bool,
+    /// How long a client may stay silent before its configuration arrives (then the run's
+    /// `--timeout` takes over).
+    pub idle_timeout: Duration,
+}
+
+/// One session's end: the report serve writes and its exit code.
+pub struct SessionEnd {
+    /// Serve's report of the run (config, its environment, decode's as `peer`, outcome).
+    pub report: Report,
+    /// Exit code.
+    pub exit: Exit,
+}
+
+/// Binds `--listen`. Errors: usage (exit 2) when the address does not parse or resolve, or
+/// cannot be bound (in use, not this host's, no permission).
+pub fn bind(listen: &str) -> Result<TcpListener> {
+    TcpListener::bind(listen).map_err(|e| Error::Usage(format!("--listen {listen}: cannot listen there: {e}")))
+}
+
+/// Serves sessions on `listener` until one run has ended (every run with `keep_serving`),
+/// calling `ended` with each session's end (to print and write its report) and `say` with
+/// status lines. Returns the last session's exit code; 130 when interrupted while waiting.
+pub fn serve(
+    cfg: &ServeConfig,
+    listener: TcpListener,
+    say: &mut dyn FnMut(&str),
+    ended: &mut dyn FnMut(&SessionEnd) -> Exit,
+) -> Exit {
+    let busy = Arc::new(AtomicBool::new(false));
+    let (tx, rx) = channel::<std::net::TcpStream>();
+    {
+        let busy = busy.clone();
+        std::thread::spawn(move || {
+            for s in listener.incoming() {
+                let Ok(s) = s else { continue };
+                let _ = s.set_nodelay(true);
+                // One client at a time: the others are told so at once.
+                if busy.swap(true, Ordering::SeqCst) {
+                    peer::refuse_busy(Stream::Tcp(s), "this kvprobe serve is busy with another run");
+                    continue;
+                }
+                if tx.send(s).is_err() {
+                    return;
+                }
+            }
+        });
+    }
+    loop {
+        let s = match rx.recv_timeout(Duration::from_millis(100)) {
+            Ok(s) => s,
+            Err(RecvTimeoutError::Timeout) if crate::interrupt::requested() => return Exit::Interrupted,
+            Err(RecvTimeoutError::Timeout) => continue,
+            Err(RecvTimeoutError::Disconnected) => return Exit::Transport,
+        };
+        let from = s.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());
+        let end = match peer::server(Stream::Tcp(s), &cfg.token, cfg.idle_timeout) {
+            Ok(Accepted::Link(link, run_id)) => {
+                say(&format!("kvprobe serve: run {run_id} from {from}"));
+                session(cfg, link, &run_id, &from, say)
+            }
+            Ok(Accepted::Refused(why)) => {
+                say(&format!("kvprobe serve: refused the client at {from}: {why}"));
+                let e = Error::Usage(format!("refused the client at {from}: {why}"));
+                SessionEnd { report: refused_report(&e), exit: Exit::Usage }
+            }
+            Err(e) => {
+                // A connection that never completed its hello (a port scan, a health check):
+                // not a run; keep listening.
+                say(&format!("kvprobe serve: dropped the connection from {from}: {e}"));
+                busy.store(false, Ordering::SeqCst);
+                continue;
+            }
+        };
+        let exit = ended(&end);
+        busy.store(false, Ordering::SeqCst);
+        if !cfg.keep_serving || crate::interrupt::requested() {
+            return exit;
+        }
+    }
+}
+
+/// A report for a session refused before its configuration was known.
+fn refused_report(e: &Error) -> Report {
+    let mut r = Report {
+        schema: crate::report::SCHEMA.to_string(),
+        started_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+        config: serde_json::Value::Null,
+        environment: None,
+        summary: crate::report::Summary::new(),
+        failures: Vec::new(),
+        injections: Vec::new(),
+        scenario: None,
+        dump: None,
+        peer: None,
+        outcome: crate::report::Outcome { exit_code: 0, status: "running".into(), error: None },
+    };
+    r.finish(e.exit(), Some(e));
+    r
+}
+
+/// What a session knows as it goes (for its report, whatever the end).
+struct Acc {
+    report: Report,
+    side: PeerSide,
+}
+
+/// Checks a received configuration: it reads back to the same JSON (same kvprobe schema),
+/// its hash matches, it is a sweep kvprobe can run, and it agrees with serve's own flags.
+/// Errors: (field, reason) to refuse with.
+fn check_config(
+    cfg: &ServeConfig,
+    value: &serde_json::Value,
+    hash: &str,
+    decode: &Side,
+) -> std::result::Result<RunConfig, (Option<String>, String)> {
+    let rc: RunConfig =
+        serde_json::from_value(value.clone()).map_err(|e| (None, format!("not a configuration this kvprobe reads: {e}")))?;
+    let back = serde_json::to_value(&rc).map_err(|e| (None, e.to_string()))?;
+    if let Some((f, a, b)) = peer::first_difference(value, &back) {
+        return Err((
+            Some(f.clone()),
+            format!("configuration field {f}: sent {a}, read back as {b} (the two kvprobe versions differ)"),
+        ));
+    }
+    if peer::config_hash(value) != hash {
+        return Err((None, "configuration hash mismatch (the configuration changed in transit)".into()));
+    }
+    if let Some(b) = &cfg.backend
+        && *b != rc.backend
+    {
+        return Err((Some("backend".into()), format!("backend: prefill (serve --backend) {b}, decode {}", rc.backend)));
+    }
+    let geo = |g: &crate::geometry::Geometry| serde_json::to_value(g).unwrap_or_default();
+    if let Some(g) = &cfg.geometry
+        && let Some((f, a, b)) = peer::first_difference(&geo(g), &geo(&rc.geometry))
+    {
+        return Err((
+            Some(format!("geometry.{f}")),
+            format!(
+                "geometry.{f}: prefill {a}, decode {b} (kvprobe moves blocks between equal geometries only: give both sides the same geometry flags)"
+            ),
+        ));
+    }
+    if let Some((f, a, b)) = peer::first_difference(&geo(&decode.geometry), &geo(&rc.geometry)) {
+        return Err((Some(format!("geometry.{f}")), format!("decode announced geometry.{f} {a} but configured {b}")));
+    }
+    if rc.scenario.is_some() {
+        return Err((Some("scenario".into()), "scenarios across a node pair are not supported yet: run the sweep".into()));
+    }
+    if rc.decode_process {
+        return Err((Some("decode_process".into()), "--decode-process does not apply to --peer".into()));
+    }
+    run::check_config(&rc).map_err(|e| (None, e.detail().to_string()))?;
+    Ok(rc)
+}
+
+/// Runs one authenticated session to its end.
+fn session(cfg: &ServeConfig, link: Link, run_id: &str, from: &str, say: &mut dyn FnMut(&str)) -> SessionEnd {
+    let mut acc = Acc {
+        report: refused_report(&Error::Usage(String::new())),
+        side: PeerSide { role: "decode".into(), address: from.into(), run_id: run_id.into(), ..Default::default() },
+    };
+    acc.report.outcome = crate::report::Outcome { exit_code: 0, status: "running".into(), error: None };
+    let result = session_inner(cfg, &link, run_id, &mut acc, say);
+    let (exit, err) = match result {
+        Ok((exit, err)) => (exit, err),
+        Err(e) => {
+            // Tell the run (best effort; a dead or silent peer does not hear it).
+            let m = match &e {
+                Error::Interrupted(w) => Msg::Interrupt { why: w.clone() },
+                e => Msg::Failed { exit: e.exit() as u8, message: e.detail().to_string() },
+            };
+            let _ = link.send(&m);
+            (e.exit(), Some(e))
+        }
+    };
+    link.close();
+    let mut report = acc.report;
+    report.peer = Some(acc.side);
+    report.summary.host_peak_bytes = crate::hostmem::peak_resident_bytes();
+    report.finish(exit, err.as_ref());
+    SessionEnd { report, exit }
+}
+
+/// The error to report for a NIXL failure `e` on prefill's side: when the link shows within
+/// [`crate::peer::client::CAUSE_WAIT`] that decode is gone, silent, interrupted or ended the
+/// run, that (the decode side explains the failed transfer), else `e`.
+fn attribute(link: &Link, e: Error) -> Error {
+    if !matches!(e, Error::Transport(_)) {
+        return e;
+    }
+    let t0 = Instant::now();
+    while t0.elapsed() < crate::peer::client::CAUSE_WAIT {
+        match link.recv(Duration::from_millis(10)) {
+            Err(le) => return le,
+            Ok(Some(Msg::Done { exit: 130, error, .. })) => {
+                return Error::Interrupted(format!("the decode side was interrupted: {}", error.unwrap_or_default()));
+            }
+            Ok(Some(Msg::Done { error, .. })) => {
+                return Error::Transport(format!("the decode side ended the run: {}", error.unwrap_or_default()));
+            }
+            Ok(_) => {}
+        }
+    }
+    e
+}
+
+/// Makes sure `plans` holds iteration `it`'s plan (a function of the configuration:
+/// [`run::plan`]), keeping the two newest.
+fn plan_for(rc: &RunConfig, plans: &mut BTreeMap<u32, run::Plan>, it: u32) -> Result<()> {
+    if let std::collections::btree_map::Entry::Vacant(v) = plans.entry(it) {
+        v.insert(run::plan(rc, it)?);
+    }
+    while plans.len() > 2 && plans.first_key_value().is_some_and(|(k, _)| *k != it) {
+        plans.pop_first();
+    }
+    Ok(())
+}
+
+/// The exit code a run reported in its [`Msg::Done`].
+fn exit_of(code: u8) -> Exit {
+    match code {
+        0 => Exit::Clean,
+        1 => Exit::Corrupt,
+        2 => Exit::Usage,
+        3 => Exit::Transport,
+        4 => Exit::Timeout,
+        5 => Exit::BelowRate,
+        6 => Exit::NotReproduced,
+        7 => Exit::ReportNotWritten,
+        _ => Exit::Interrupted,
+    }
+}
+
+fn session_inner(
+    cfg: &ServeConfig,
+    link: &Link,
+    run_id: &str,
+    acc: &mut Acc,
+    say: &mut dyn FnMut(&str),
+) -> Result<(Exit, Option<Error>)> {
+    let started = Instant::now();
+    let (value, hash, decode, decode_env) = link.expect("the run's configuration", |m| match m {
+        Msg::Config { config, hash, decode, environment } => Ok((config, hash, decode, environment)),
+        m => Err(m.name()),
+    })?;
+    acc.side.host = decode.host.clone();
+    acc.side.memory = Some(decode.memory);
+    acc.side.device = decode.device;
+    acc.side.environment = decode_env;
+    acc.report.config = value.clone();
+    let rc = match check_config(cfg, &value, &hash, &decode) {
+        Ok(rc) => rc,
+        Err((field, reason)) => {
+            let _ = link.send(&Msg::Refused { reason: reason.clone(), field, exit: 2 });
+            say(&format!("kvprobe serve: refused run {run_id}: {reason}"));
+            return Ok((Exit::Usage, Some(Error::Usage(format!("refused the run's configuration: {reason}")))));
+        }
+    };
+    let timeout = Duration::from_secs_f64(rc.timeout_secs);
+    link.set_silence(timeout);
+    crate::deadline::set_limit(Some(timeout));
+    let env = crate::envinfo::gather(crate::envinfo::nixl_info());
+    acc.report.environment = Some(env.clone());
+    let vram = cfg.memory == MemoryKind::Vram;
+    let prefill = Side {
+        geometry: rc.geometry.clone(),
+        memory: cfg.memory,
+        device: if vram { cfg.device } else { 0 },
+        host: peer::host_name(),
+    };
+    link.send(&Msg::Accept { prefill, environment: Some(env) })?;
+    let mark = crate::ucx::mark();
+    say(&format!(
+        "kvprobe serve: prefill pool {} {}, backend {}",
+        rc.geometry.pool_bytes().map(crate::report::bytes_binary).unwrap_or_default(),
+        if vram { format!("VRAM on GPU {}", cfg.device) } else { "DRAM".into() },
+        rc.backend
+    ));
+    let pool = run::build_prefill_pool(&rc, cfg.memory, cfg.device)?;
+    // The run's --xfer-req and --backend-param apply to both sides.
+    let opts = crate::transport::TransportOptions { xfer_req: rc.xfer_req, backend_params: rc.backend_params.clone() };
+    let mut ep = Endpoint::with_options("kvprobe-prefill", &rc.backend, pool, &opts)?;
+    let decode_info = link.expect("decode's NIXL agent", |m| match m {
+        Msg::Connect { decode } => Ok(decode),
+        m => Err(m.name()),
+    })?;
+    let decode_agent = decode_info.agent.clone();
+    ep.connect(decode_info)?;
+    link.send(&Msg::Connected { prefill: ep.info()? })?;
+    crate::ucx::adopt();
+    if let Some(e) = acc.report.environment.as_mut() {
+        e.nixl.ucx_version = crate::nixl::loaded_ucx_version();
+    }
+    let mut me = PeerSide { setup_seconds: started.elapsed().as_secs_f64(), ..Default::default() };
+
+    let stages = run::sweep_stages(&rc);
+    let mut plans: BTreeMap<u32, run::Plan> = BTreeMap::new();
+    let mut inflight: Vec<(String, crate::nixl::Posted)> = Vec::new();
+    let check_it = |it: u32| {
+        if it == 0 || it > rc.iterations.saturating_add(1) {
+            return Err(Error::Transport(format!("decode asked for iteration {it} of {} (a protocol error)", rc.iterations)));
+        }
+        Ok(())
+    };
+    let (exit, error, summary) = loop {
+        if crate::interrupt::requested() {
+            return Err(Error::Interrupted("serve was interrupted".into()));
+        }
+        let m = link.recv(if inflight.is_empty() { Duration::from_millis(1) } else { Duration::ZERO })?;
+        match m {
+            None => {}
+            Some(Msg::Fill { it, stage }) => {
+                check_it(it)?;
+                if stage.is_some_and(|k| k as usize >= stages.len()) {
+                    return Err(Error::Transport(format!(
+                        "decode asked for stage {stage:?} of {} (a protocol error)",
+                        stages.len()
+                    )));
+                }
+                let t = Instant::now();
+                plan_for(&rc, &mut plans, it)?;
+                let plan = &plans[&it];
+                if stage.is_none_or(|k| k == 0) {
+                    ep.pool.load_table(&plan.src_table)?;
+                }
+                let layers = stage.map_or(0..rc.geometry.num_layers, |k| stages[k as usize].clone());
+                ep.pool.fill_layers(layers.clone())?;
+                ep.pool.finish()?;
+                run::apply_source_faults(&rc, &mut ep.pool, plan, &layers)?;
+                let seconds = t.elapsed().as_secs_f64();
+                me.fill_seconds += seconds;
+                me.fills += 1;
+                link.send(&Msg::Filled { it, stage, seconds })?;
+            }
+            Some(Msg::Write { it, stage, tag }) => {
+                check_it(it)?;
+                if rc.op != Op::Write || stage as usize >= stages.len() || tag.len() > 256 {
+                    return Err(Error::Transport(format!("decode asked for a WRITE of stage {stage} (a protocol error)")));
+                }
+                plan_for(&rc, &mut plans, it)?;
+                let pairs = run::stage_request(&rc, &plans[&it], &stages, stage as usize)?;
+                if pairs.is_empty() {
+                    link.send(&Msg::Written { tag, bytes: 0, nanos: 0 })?;
+                } else {
+                    let d = crate::deadline::Deadline::after(timeout);
+                    inflight
+                        .push((tag.clone(), ep.post_as_initiator(Op::Write, &pairs, &tag, d).map_err(|e| attribute(link, e))?));
+                    me.writes += 1;
+                }
+            }
+            Some(Msg::Notify { tag }) => ep.notify_peer(&tag)?,
+            Some(Msg::Done { exit, error, summary }) => break (exit_of(exit), error, summary),
+            Some(m) => {
+                return Err(Error::Transport(format!("decode sent {} during the run (a protocol error)", m.name())));
+            }
+        }
+        let mut i = 0;
+        while i < inflight.len() {
+            if let Some(r) = ep.poll(&mut inflight[i].1).map_err(|e| attribute(link, e))? {
+                let (tag, _) = inflight.swap_remove(i);
+                me.bytes_written += r.bytes;
+                link.send(&Msg::Written { tag, bytes: r.bytes, nanos: r.elapsed.as_nanos() as u64 })?;
+            } else {
+                i += 1;
+            }
+        }
+        let tags: Vec<String> = ep.raw_notifications()?.into_iter().filter(|(p, _)| *p == decode_agent).map(|(_, m)| m).collect();
+        if !tags.is_empty() {
+            link.send(&Msg::Notified { tags })?;
+        }
+    };
+    // Decode's totals become serve's summary (one outcome for the pair), with serve's own path.
+    if let Some(s) = summary.and_then(|v| serde_json::from_value::<crate::report::Summary>(v).ok()) {
+        acc.side.transport_path = s.transport_path.clone(); // decode's UCX tables
+        acc.report.summary = s;
+    }
+    let op = if rc.op == Op::Write { "WRITE" } else { "READ" };
+    let mut path = crate::ucx::path_since(mark, &rc.backend, op, vram);
+    if let Some(env) = acc.report.environment.as_ref() {
+        crate::ucx::flag_path(&mut path, &env.rdma, vram.then_some(cfg.device));
+    }
+    acc.report.summary.transport_path = Some(path.clone());
+    me.role = "prefill".into();
+    me.host = peer::host_name();
+    me.run_id = run_id.into();
+    me.memory = Some(cfg.memory);
+    me.device = if vram { cfg.device } else { 0 };
+    me.environment = acc.report.environment.clone();
+    me.transport_path = Some(path);
+    me.exit_code = Some(exit as u8);
+    let _ = link.send(&Msg::Bye { side: Box::new(me) });
+    let err = error.map(|m| match exit {
+        Exit::Interrupted => Error::Interrupted(format!("the decode side was interrupted: {m}")),
+        Exit::Timeout => Error::Timeout(format!("the decode side: {m}")),
+        Exit::Usage => Error::Usage(format!("the decode side: {m}")),
+        Exit::Corrupt => Error::Corrupt(m),
+        _ => Error::Transport(format!("the decode side: {m}")),
+    });
+    Ok((exit, err))
+}

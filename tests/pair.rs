@@ -1,0 +1,583 @@
+//! Node pair on DRAM: `kvprobe serve` and `kvprobe run --peer` as two processes on loopback,
+//! and as two "hosts" in two network namespaces joined by a veth pair (root only).
+
+use crate::common::*;
+use std::io::{BufRead, Read, Write};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+
+const TOKEN: &str = "pair-test-token";
+
+/// A running `kvprobe serve`: its address, its output so far (drained on a thread) and its
+/// report path. Killed if still running when dropped.
+struct Serve {
+    child: Child,
+    addr: String,
+    out: std::sync::Arc<std::sync::Mutex<String>>,
+    report: PathBuf,
+}
+
+impl Serve {
+    /// Starts `kvprobe serve --listen HOST:0 --memory dram --token TOKEN --report R EXTRA`,
+    /// prefixed by `wrap` (e.g. `ip netns exec NS`), and waits for its "listening on" line.
+    fn start_in(wrap: &[&str], host: &str, extra: &[&str]) -> Serve {
+        Serve::start_with(wrap, host, &["--memory", "dram"], &[], extra)
+    }
+
+    /// As [`Serve::start_in`] with serve's `memory` flags (e.g. `--memory vram --device 0`) and
+    /// extra environment variables.
+    fn start_with(wrap: &[&str], host: &str, memory: &[&str], env: &[(&str, &str)], extra: &[&str]) -> Serve {
+        let d = tmpdir("serve");
+        let report = d.join("serve.json");
+        let bin = bin();
+        let listen = format!("{host}:0");
+        let mut args: Vec<&str> = wrap.to_vec();
+        args.extend_from_slice(&[bin.to_str().unwrap(), "serve", "--listen", &listen]);
+        args.extend_from_slice(memory);
+        args.extend_from_slice(&["--token", TOKEN, "--report", report.to_str().unwrap()]);
+        args.extend_from_slice(extra);
+        let mut child = Command::new(args[0])
+            .args(&args[1..])
+            .envs(env.iter().copied())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn kvprobe serve");
+        let out = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let mut lines = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut addr = None;
+        let mut line = String::new();
+        while addr.is_none() {
+            line.clear();
+            if lines.read_line(&mut line).unwrap_or(0) == 0 {
+                let mut e = String::new();
+                let _ = child.stderr.take().unwrap().read_to_string(&mut e);
+                panic!("serve ended before listening: {}{e}", out.lock().unwrap());
+            }
+            out.lock().unwrap().push_str(&line);
+            if let Some(rest) = line.split("listening on ").nth(1) {
+                addr = Some(rest.split_whitespace().next().unwrap().to_string());
+            }
+        }
+        let o = out.clone();
+        std::thread::spawn(move || {
+            let mut rest = String::new();
+            let _ = lines.read_to_string(&mut rest);
+            o.lock().unwrap().push_str(&rest);
+        });
+        let o = out.clone();
+        let mut err = child.stderr.take().unwrap();
+        std::thread::spawn(move || {
+            let mut rest = String::new();
+            let _ = err.read_to_string(&mut rest);
+            o.lock().unwrap().push_str(&rest);
+        });
+        Serve { child, addr: addr.unwrap(), out, report }
+    }
+
+    fn start(extra: &[&str]) -> Serve {
+        Serve::start_in(&[], "127.0.0.1", extra)
+    }
+
+    /// Waits for serve to exit: (exit code, its output, its report if written).
+    fn wait(mut self) -> (i32, String, Option<serde_json::Value>) {
+        let st = self.child.wait().unwrap();
+        // The drain threads finish once the pipes close.
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        let out = self.out.lock().unwrap().clone();
+        assert!(!out.contains("panicked"), "{out}");
+        let r = std::fs::read_to_string(&self.report).ok().map(|s| serde_json::from_str(&s).expect("serve report is JSON"));
+        (st.code().unwrap_or(-1), out, r)
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `kvprobe run --peer ADDR --token TOKEN --memory dram --report R ARGS` (prefixed by `wrap`):
+/// (exit code, report, output).
+fn run_peer_in(wrap: &[&str], addr: &str, token: &str, args: &[&str]) -> (i32, serde_json::Value, String) {
+    run_peer_with(wrap, addr, token, &["--memory", "dram"], &[], args)
+}
+
+/// As [`run_peer_in`] with run's `memory` flags and extra environment variables.
+fn run_peer_with(
+    wrap: &[&str],
+    addr: &str,
+    token: &str,
+    memory: &[&str],
+    env: &[(&str, &str)],
+    args: &[&str],
+) -> (i32, serde_json::Value, String) {
+    let d = tmpdir("run-peer");
+    let p = d.join("report.json");
+    let bin = bin();
+    let mut a: Vec<&str> = wrap.to_vec();
+    a.extend_from_slice(&[bin.to_str().unwrap(), "run", "--peer", addr, "--token", token]);
+    a.extend_from_slice(memory);
+    a.extend_from_slice(&["--report", p.to_str().unwrap()]);
+    a.extend_from_slice(args);
+    let o = Command::new(a[0]).args(&a[1..]).envs(env.iter().copied()).output().expect("spawn kvprobe run");
+    let out = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(!out.contains("panicked"), "{out}");
+    (o.status.code().unwrap_or(-1), read_report(&p), out)
+}
+
+fn run_peer(addr: &str, args: &[&str]) -> (i32, serde_json::Value, String) {
+    run_peer_in(&[], addr, TOKEN, args)
+}
+
+/// Both reports describe one run: the same run id and configuration, each side's
+/// environment, the other side under `peer`, one outcome.
+fn assert_one_run(run: &serde_json::Value, serve: &serde_json::Value, exit: i64) {
+    assert_eq!(run["outcome"]["exit_code"], exit, "{}", run["outcome"]);
+    assert_eq!(serve["outcome"]["exit_code"], exit, "{}", serve["outcome"]);
+    let id = run["peer"]["run_id"].as_str().unwrap();
+    assert_eq!(id.len(), 16, "{id}");
+    assert_eq!(serve["peer"]["run_id"], id);
+    assert_eq!(run["peer"]["role"], "prefill");
+    assert_eq!(serve["peer"]["role"], "decode");
+    assert_eq!(serve["config"], run["config"]);
+    for (side, r) in [("run", run), ("serve", serve)] {
+        assert!(r["environment"]["nixl"].is_object(), "{side}: no environment");
+        assert!(r["peer"]["environment"]["nixl"].is_object(), "{side}: no peer environment");
+    }
+    // Each side's UCX table for the run is in the other's report too.
+    assert!(run["peer"]["transport_path"].is_object(), "{}", run["peer"]);
+    assert_eq!(run["peer"]["exit_code"], exit);
+    assert_eq!(serve["summary"]["blocks_checked"], run["summary"]["blocks_checked"]);
+}
+
+#[test]
+fn pair_read_and_write_are_clean_with_one_outcome_in_both_reports() {
+    for op in ["read", "write"] {
+        let s = Serve::start(&[]);
+        let (code, r, out) = run_peer(&s.addr, &["--op", op, "--iterations", "3", "--pipeline-stages", "2"]);
+        assert_eq!(code, 0, "{op}: {out}");
+        let (sc, sout, sr) = s.wait();
+        assert_eq!(sc, 0, "{op}: {sout}");
+        let sr = sr.expect("serve wrote its report");
+        assert_one_run(&r, &sr, 0);
+        assert_eq!(r["config"]["peer"].as_str(), Some(r["peer"]["address"].as_str().unwrap()));
+        assert_eq!(r["summary"]["iterations"], 3);
+        assert_eq!(r["summary"]["blocks_corrupt"], 0);
+        // Prefill filled once at set-up, then each stage of iterations 2 and 3.
+        assert_eq!(r["peer"]["fills"], 1 + 2 * 2, "{op}: {}", r["peer"]);
+        if op == "write" {
+            assert_eq!(r["peer"]["writes"], 3 * 2, "{op}: {}", r["peer"]);
+            assert_eq!(r["peer"]["bytes_written"], r["summary"]["bytes_transferred"]);
+        } else {
+            assert_eq!(r["peer"]["writes"], 0);
+        }
+        // The token never reaches a report.
+        assert!(!r.to_string().contains(TOKEN) && !sr.to_string().contains(TOKEN));
+        assert!(sout.contains("result:            clean (exit 0)"), "{sout}");
+    }
+}
+
+#[test]
+fn pair_finds_every_injection_as_predicted_on_the_side_that_owns_it() {
+    let every = ["bitflip", "drop", "misroute", "stale", "torn", "stray"];
+    for (op, blocks) in [("read", "1"), ("write", "1"), ("read", "4"), ("write", "4")] {
+        let s = Serve::start(&[]);
+        let mut args = vec!["--op", op, "--iterations", "2", "--pipeline-stages", "4", "--descriptor-blocks", blocks];
+        for k in every {
+            args.extend_from_slice(&["--inject", k]);
+        }
+        let (code, r, out) = run_peer(&s.addr, &args);
+        let ctx = format!("--op {op} --descriptor-blocks {blocks}");
+        assert_eq!(code, 1, "{ctx}: {out}");
+        assert_found_exactly(&r, every.len() as u64 * 2, &ctx);
+        let (sc, sout, sr) = s.wait();
+        assert_eq!(sc, 1, "{ctx}: {sout}");
+        assert_one_run(&r, &sr.unwrap(), 1);
+    }
+}
+
+#[test]
+fn pair_sides_make_requests_as_run_says_and_take_its_backend_params() {
+    // --xfer-req and --backend-param travel in the configuration: serve's prefill agent makes
+    // its WRITEs (and prepares its lists, or not) as run's decode agent does, with the same
+    // backend parameters; both reports record them.
+    for mode in ["prepared", "create"] {
+        for op in ["read", "write"] {
+            let s = Serve::start_with(&[], "127.0.0.1", &["--memory", "dram"], &[("KVPROBE_TRACE", "1")], &[]);
+            let args = ["--op", op, "--iterations", "2", "--xfer-req", mode, "--backend-param", "num_threads=2"];
+            let (code, r, out) = run_peer_with(&[], &s.addr, TOKEN, &["--memory", "dram"], &[("KVPROBE_TRACE", "1")], &args);
+            let ctx = format!("{mode} {op}");
+            assert_eq!(code, 0, "{ctx}: {out}");
+            let (sc, sout, sr) = s.wait();
+            assert_eq!(sc, 0, "{ctx}: {sout}");
+            let sr = sr.unwrap();
+            assert_one_run(&r, &sr, 0);
+            assert_eq!(sr["config"]["xfer_req"], mode, "{ctx}");
+            assert_eq!(sr["config"]["backend_params"], serde_json::json!({"num_threads": "2"}), "{ctx}");
+            let prepared = |log: &str, agent: &str| {
+                log.lines().any(|l| l.contains(&format!("{agent}: prepared 512 local and 512 remote descriptors")))
+            };
+            assert_eq!(prepared(&out, "kvprobe-decode"), mode == "prepared", "{ctx}: {out}");
+            assert_eq!(prepared(&sout, "kvprobe-prefill"), mode == "prepared", "{ctx}: {sout}");
+        }
+    }
+}
+
+#[test]
+fn pair_wrong_token_is_refused_on_both_sides() {
+    let s = Serve::start(&[]);
+    let (code, r, out) = run_peer_in(&[], &s.addr, "not-the-token", &["--iterations", "1"]);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("wrong token"), "{out}");
+    assert_eq!(r["outcome"]["exit_code"], 2);
+    let (sc, sout, sr) = s.wait();
+    assert_eq!(sc, 2, "{sout}");
+    assert!(sout.contains("wrong token"), "{sout}");
+    assert_eq!(sr.unwrap()["outcome"]["exit_code"], 2);
+}
+
+#[test]
+fn pair_configuration_mismatch_exits_2_on_both_sides_naming_the_field() {
+    for (serve_flags, run_flags, field) in [
+        (&["--layers", "8"][..], &["--layers", "4"][..], "geometry.num_layers"),
+        (&["--block-size", "32"][..], &["--block-size", "16"][..], "geometry.block_size"),
+        (&["--layout", "hnd"][..], &["--layout", "nhd"][..], "geometry.layout"),
+        (&["--backend", "NOTUCX"][..], &[][..], "backend"),
+    ] {
+        let s = Serve::start(serve_flags);
+        let mut args = vec!["--iterations", "1"];
+        args.extend_from_slice(run_flags);
+        let (code, r, out) = run_peer(&s.addr, &args);
+        assert_eq!(code, 2, "{field}: {out}");
+        assert!(out.contains(field), "{field}: {out}");
+        assert_eq!(r["outcome"]["exit_code"], 2);
+        let (sc, sout, sr) = s.wait();
+        assert_eq!(sc, 2, "{field}: {sout}");
+        assert!(sout.contains(field), "{field}: {sout}");
+        assert!(sr.unwrap()["outcome"]["error"]["message"].as_str().unwrap().contains(field));
+    }
+}
+
+/// Starts a long pair run (`--timeout 3`), waits for its first iteration, and returns serve
+/// and the run's child (stderr drained into the returned buffer).
+fn long_pair_run(report: &std::path::Path) -> (Serve, Child) {
+    let s = Serve::start(&[]);
+    let mut c = Command::new(bin())
+        .args(["run", "--peer", &s.addr, "--token", TOKEN, "--memory", "dram", "--iterations", "16000000"])
+        .args(["--timeout", "3", "--report", report.to_str().unwrap()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_stderr_line(&mut c, "iteration 1/");
+    (s, c)
+}
+
+fn signal(pid: u32, sig: &str) {
+    assert!(Command::new("kill").args([&format!("-{sig}"), &pid.to_string()]).status().unwrap().success());
+}
+
+#[test]
+fn pair_a_killed_side_ends_the_other_with_exit_3_and_its_report() {
+    // Serve killed: the run exits 3 and says prefill is gone.
+    let d = tmpdir("pair-kill");
+    let rp = d.join("run.json");
+    let (mut s, mut c) = long_pair_run(&rp);
+    s.child.kill().unwrap();
+    let st = c.wait().unwrap();
+    assert_eq!(st.code(), Some(3));
+    let r = read_report(&rp);
+    assert_eq!(r["outcome"]["exit_code"], 3);
+    assert!(r["summary"]["iterations"].as_u64().unwrap() >= 1);
+    assert_eq!(r["peer"]["bye_missing"], true, "{}", r["peer"]);
+    drop(s);
+    // The run killed: serve exits 3 with its report.
+    let (s, mut c) = long_pair_run(&d.join("run2.json"));
+    c.kill().unwrap();
+    c.wait().unwrap();
+    let (sc, sout, sr) = s.wait();
+    assert_eq!(sc, 3, "{sout}");
+    let sr = sr.unwrap();
+    assert_eq!(sr["outcome"]["exit_code"], 3);
+    assert!(sr["outcome"]["error"]["message"].as_str().unwrap().contains("decode peer"), "{}", sr["outcome"]);
+}
+
+#[test]
+fn pair_a_stopped_side_ends_the_other_with_exit_4() {
+    let d = tmpdir("pair-stop");
+    // Serve stopped: the run hears no heartbeat within --timeout and exits 4.
+    let rp = d.join("run.json");
+    let (s, mut c) = long_pair_run(&rp);
+    signal(s.child.id(), "STOP");
+    let st = c.wait().unwrap();
+    signal(s.child.id(), "CONT");
+    assert_eq!(st.code(), Some(4));
+    let r = read_report(&rp);
+    assert_eq!(r["outcome"]["exit_code"], 4);
+    assert!(r["outcome"]["error"]["message"].as_str().unwrap().contains("silent"), "{}", r["outcome"]);
+    drop(s);
+    // The run stopped: serve exits 4 with its report.
+    let (s, mut c) = long_pair_run(&d.join("run2.json"));
+    signal(c.id(), "STOP");
+    let pid = c.id();
+    let (sc, sout, sr) = s.wait();
+    signal(pid, "CONT");
+    let _ = c.wait();
+    assert_eq!(sc, 4, "{sout}");
+    assert_eq!(sr.unwrap()["outcome"]["exit_code"], 4);
+}
+
+#[test]
+fn pair_ctrl_c_on_either_side_ends_both_as_interrupted() {
+    let d = tmpdir("pair-int");
+    for who in ["run", "serve"] {
+        let rp = d.join(format!("{who}.json"));
+        let (s, mut c) = long_pair_run(&rp);
+        signal(if who == "run" { c.id() } else { s.child.id() }, "INT");
+        let st = c.wait().unwrap();
+        let (sc, sout, sr) = s.wait();
+        assert_eq!(st.code(), Some(130), "{who}");
+        assert_eq!(sc, 130, "{who}: {sout}\n{}", std::fs::read_to_string(&rp).unwrap_or_default());
+        assert_eq!(read_report(&rp)["outcome"]["status"], "interrupted");
+        assert_eq!(sr.unwrap()["outcome"]["status"], "interrupted");
+    }
+}
+
+/// Reads one frame (4-byte big-endian length, JSON) from `s`.
+fn read_frame(s: &mut std::net::TcpStream) -> Option<serde_json::Value> {
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len).ok()?;
+    let mut body = vec![0u8; u32::from_be_bytes(len) as usize];
+    s.read_exact(&mut body).ok()?;
+    serde_json::from_slice(&body).ok()
+}
+
+#[test]
+fn pair_serve_bounds_frames_and_takes_one_client_at_a_time() {
+    // An oversized first frame is refused before any allocation of that size; serve exits 2.
+    let s = Serve::start(&[]);
+    let mut c = std::net::TcpStream::connect(&s.addr).unwrap();
+    let challenge = read_frame(&mut c).expect("a challenge");
+    assert_eq!(challenge["type"], "challenge");
+    assert_eq!(challenge["protocol"], 1);
+    c.write_all(&(1u32 << 30).to_be_bytes()).unwrap();
+    let refused = read_frame(&mut c).expect("a refusal");
+    assert_eq!(refused["type"], "refused", "{refused}");
+    let (sc, sout, _) = s.wait();
+    assert_eq!(sc, 2, "{sout}");
+    assert!(sout.contains("size bound") || sout.contains("not a kvprobe hello"), "{sout}");
+
+    // A connection that closes without a hello is dropped; serve keeps listening and the next
+    // client's run goes through. A second client during that run is told serve is busy.
+    let s = Serve::start(&[]);
+    drop(std::net::TcpStream::connect(&s.addr).unwrap());
+    let d = tmpdir("pair-busy");
+    let mut c = Command::new(bin())
+        .args(["run", "--peer", &s.addr, "--token", TOKEN, "--memory", "dram", "--iterations", "16000000"])
+        .args(["--report", d.join("run.json").to_str().unwrap()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_stderr_line(&mut c, "iteration 1/");
+    let mut other = std::net::TcpStream::connect(&s.addr).unwrap();
+    let f = read_frame(&mut other).expect("an answer to the second client");
+    assert_eq!(f["type"], "refused", "{f}");
+    assert!(f["reason"].as_str().unwrap().contains("busy"), "{f}");
+    signal(c.id(), "INT");
+    assert_eq!(c.wait().unwrap().code(), Some(130));
+    let (sc, sout, _) = s.wait();
+    assert_eq!(sc, 130, "{sout}");
+    assert!(sout.contains("dropped the connection"), "{sout}");
+}
+
+#[test]
+fn pair_run_refuses_bad_peer_flags_before_connecting() {
+    let (code, _, err) = kvprobe(&["run", "--peer", "127.0.0.1:1", "--memory", "dram", "--decode-process", "--token", "x"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--decode-process"), "{err}");
+    let (code, _, err) = kvprobe_env(&["run", "--peer", "127.0.0.1:1", "--memory", "dram"], &[("KVPROBE_TOKEN", "")]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("KVPROBE_TOKEN"), "{err}");
+    let (code, _, err) =
+        kvprobe(&["run", "--peer", "127.0.0.1:1", "--memory", "dram", "--scenario", "nixl-only", "--token", "x"]);
+    assert_eq!(code, 2, "{err}");
+    let (_keep, addr) = refusing_addr();
+    let (code, _, err) = kvprobe(&["run", "--peer", &addr.to_string(), "--memory", "dram", "--token", "x"]);
+    assert_eq!(code, 2, "nothing listens there: {err}");
+    assert!(err.contains("cannot connect"), "{err}");
+    let (code, _, err) = kvprobe(&["serve", "--listen", "not-an-address", "--memory", "dram"]);
+    assert_eq!(code, 2, "{err}");
+}
+
+/// Two network namespaces joined by a veth pair, each side also in its own PID and IPC
+/// namespace so that UCX cannot reach the other process by shared memory or CMA: what two
+/// hosts look like to UCX. Removed when dropped.
+struct TwoHosts {
+    a: String,
+    b: String,
+}
+
+impl TwoHosts {
+    /// Makes the namespaces (198.18.0.1 and 198.18.0.2, RFC 2544's benchmarking range), or
+    /// says why it cannot.
+    fn make() -> Result<TwoHosts, String> {
+        let id = std::process::id();
+        let (a, b) = (format!("kvp{id}a"), format!("kvp{id}b"));
+        let h = TwoHosts { a: a.clone(), b: b.clone() };
+        let (va, vb) = (format!("kv{id}a"), format!("kv{id}b"));
+        let steps: Vec<Vec<String>> = vec![
+            vec!["netns", "add", &a],
+            vec!["netns", "add", &b],
+            vec!["link", "add", &va, "type", "veth", "peer", "name", &vb],
+            vec!["link", "set", &va, "netns", &a],
+            vec!["link", "set", &vb, "netns", &b],
+            vec!["-n", &a, "addr", "add", "198.18.0.1/30", "dev", &va],
+            vec!["-n", &b, "addr", "add", "198.18.0.2/30", "dev", &vb],
+            vec!["-n", &a, "link", "set", &va, "up"],
+            vec!["-n", &b, "link", "set", &vb, "up"],
+            vec!["-n", &a, "link", "set", "lo", "up"],
+            vec!["-n", &b, "link", "set", "lo", "up"],
+        ]
+        .into_iter()
+        .map(|v| v.into_iter().map(String::from).collect())
+        .collect();
+        for s in steps {
+            let o = Command::new("ip").args(&s).output().map_err(|e| format!("cannot run ip: {e}"))?;
+            if !o.status.success() {
+                return Err(format!("ip {} failed: {}", s.join(" "), String::from_utf8_lossy(&o.stderr).trim()));
+            }
+        }
+        let probe = Command::new("unshare").args(["--pid", "--ipc", "--fork", "--mount-proc", "true"]).output();
+        match probe {
+            Ok(o) if o.status.success() => Ok(h),
+            Ok(o) => Err(format!("unshare --pid --ipc failed: {}", String::from_utf8_lossy(&o.stderr).trim())),
+            Err(e) => Err(format!("cannot run unshare: {e}")),
+        }
+    }
+
+    fn wrap(ns: &str) -> Vec<String> {
+        ["ip", "netns", "exec", ns, "unshare", "--pid", "--ipc", "--fork", "--mount-proc"].iter().map(|s| s.to_string()).collect()
+    }
+}
+
+impl Drop for TwoHosts {
+    fn drop(&mut self) {
+        for ns in [&self.a, &self.b] {
+            let _ = Command::new("ip").args(["netns", "del", ns]).output();
+        }
+    }
+}
+
+#[test]
+fn pair_across_two_network_namespaces_moves_the_bytes_over_the_veth() {
+    let hosts = match TwoHosts::make() {
+        Ok(h) => h,
+        Err(why) => {
+            eprintln!(
+                "SKIP pair_across_two_network_namespaces_moves_the_bytes_over_the_veth: {why} (needs root: ip netns, unshare)"
+            );
+            return;
+        }
+    };
+    let wa = TwoHosts::wrap(&hosts.a);
+    let wb = TwoHosts::wrap(&hosts.b);
+    let wa: Vec<&str> = wa.iter().map(String::as_str).collect();
+    let wb: Vec<&str> = wb.iter().map(String::as_str).collect();
+    for (op, inject) in [("read", false), ("write", false), ("read", true)] {
+        let s = Serve::start_in(&wa, "198.18.0.1", &[]);
+        let mut args = vec!["--op", op, "--iterations", "2"];
+        if inject {
+            args.extend_from_slice(&EVERY_INJECTION);
+        }
+        let (code, r, out) = run_peer_in(&wb, &s.addr, TOKEN, &args);
+        let want = if inject { 1 } else { 0 };
+        assert_eq!(code, want, "{op}: {out}");
+        let (sc, sout, sr) = s.wait();
+        assert_eq!(sc, want, "{op}: {sout}");
+        assert_one_run(&r, &sr.unwrap(), want as i64);
+        if inject {
+            assert_found_exactly(&r, 10, "across namespaces");
+        }
+        // The initiator's UCX table: tcp over the veth, no shared memory or CMA.
+        let path = r["summary"]["transport_path"].to_string();
+        assert!(path.contains("tcp/kv"), "{op}: the bytes did not cross the veth: {path}");
+        for shm in ["cma/", "posix/", "sysv/", "xpmem/"] {
+            assert!(!path.contains(shm), "{op}: UCX reached the other side by {shm}: {path}");
+        }
+    }
+}
+
+/// GPUs of the two sides on a GPU host: serve on GPU 0, run on GPU 1 where there are two,
+/// else both on GPU 0 (two processes sharing nothing but TCP and what UCX finds).
+fn vram_sides() -> (String, String) {
+    let n = kvprobe::cuda::device_count();
+    ("0".into(), if n >= 2 { "1".into() } else { "0".into() })
+}
+
+#[test]
+fn gpu_pair_llama3_read_and_write_are_clean_and_find_every_injection() {
+    if !gpu_or_skip("gpu_pair_llama3_read_and_write_are_clean_and_find_every_injection") {
+        return;
+    }
+    let (p, d) = vram_sides();
+    let serve_mem = ["--memory", "vram", "--device", p.as_str()];
+    let run_mem = ["--memory", "vram", "--decode-device", d.as_str()];
+    for op in ["read", "write"] {
+        let s = Serve::start_with(&[], "127.0.0.1", &serve_mem, &[], &[]);
+        let (code, r, out) =
+            run_peer_with(&[], &s.addr, TOKEN, &run_mem, &[], &["--op", op, "--preset", "llama3-8b", "--iterations", "20"]);
+        assert_eq!(code, 0, "{op}: {out}");
+        let (sc, sout, sr) = s.wait();
+        assert_eq!(sc, 0, "{op}: {sout}");
+        assert_one_run(&r, &sr.unwrap(), 0);
+        assert_eq!(r["summary"]["iterations"], 20);
+        assert_eq!(r["peer"]["memory"], "vram");
+        eprintln!(
+            "pair VRAM {op} GPU {p} -> GPU {d}: {} GB/s, path {}",
+            r["summary"]["transfer_gbps"], r["summary"]["transport_path"]["selections"]
+        );
+        let s = Serve::start_with(&[], "127.0.0.1", &serve_mem, &[], &[]);
+        let mut args = vec!["--op", op, "--preset", "llama3-8b", "--blocks", "64", "--iterations", "3", "--pipeline-stages", "4"];
+        for k in ["bitflip", "drop", "misroute", "stale", "torn", "stray"] {
+            args.extend_from_slice(&["--inject", k]);
+        }
+        let (code, r, out) = run_peer_with(&[], &s.addr, TOKEN, &run_mem, &[], &args);
+        assert_eq!(code, 1, "{op}: {out}");
+        assert_found_exactly(&r, 6 * 3, &format!("VRAM pair {op}"));
+        let (sc, sout, _) = s.wait();
+        assert_eq!(sc, 1, "{op}: {sout}");
+    }
+}
+
+#[test]
+fn gpu_pair_without_cuda_ipc_takes_the_path_of_a_pair_without_nvlink() {
+    if !gpu_or_skip("gpu_pair_without_cuda_ipc_takes_the_path_of_a_pair_without_nvlink") {
+        return;
+    }
+    let (p, d) = vram_sides();
+    let env = [("UCX_TLS", "^cuda_ipc")];
+    for op in ["read", "write"] {
+        let s = Serve::start_with(&[], "127.0.0.1", &["--memory", "vram", "--device", p.as_str()], &env, &[]);
+        let (code, r, out) = run_peer_with(
+            &[],
+            &s.addr,
+            TOKEN,
+            &["--memory", "vram", "--decode-device", d.as_str()],
+            &env,
+            &["--op", op, "--preset", "llama3-8b", "--iterations", "5"],
+        );
+        assert_eq!(code, 0, "{op}: {out}");
+        let (sc, sout, _) = s.wait();
+        assert_eq!(sc, 0, "{op}: {sout}");
+        let path = r["summary"]["transport_path"].to_string();
+        assert!(
+            r["summary"]["transport_path"]["selections"].as_array().is_some_and(|a| !a.is_empty()),
+            "{op}: no UCX table: {path}"
+        );
+        assert!(!path.contains("cuda_ipc"), "{op}: cuda_ipc was excluded but shows in the path: {path}");
+        eprintln!("pair VRAM {op} without cuda_ipc: {} GB/s, path {path}", r["summary"]["transfer_gbps"]);
+    }
+}
