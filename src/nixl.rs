@@ -699,18 +699,6 @@ impl Agent {
         Ok(Agent { agent, backend: b, backend_name: backend.to_string(), regs: Lease::default() })
     }
 
-    /// The parameters plugin `backend` starts with by default (`getPluginParams`), as
-    /// `(key, value)` pairs in NIXL's order. Errors (exit 2): NIXL missing, the plugin not
-    /// installed.
-    pub fn plugin_params(backend: &str) -> Result<Vec<(String, String)>> {
-        load()?;
-        let agent = nixl_sys::Agent::new("kvprobe-params").map_err(|e| terr("create NIXL agent", e))?;
-        let (_mems, defaults) =
-            agent.get_plugin_params(backend).map_err(|e| Error::Environment(format!("NIXL plugin {backend}: {e}")))?;
-        let it = defaults.iter().map_err(|e| Error::Environment(format!("NIXL plugin {backend}: {e}")))?;
-        Ok(it.filter_map(|p| p.ok().map(|(k, v)| (k.to_string(), v.to_string()))).collect())
-    }
-
     /// The agent's name.
     pub fn name(&self) -> String {
         self.agent.name()

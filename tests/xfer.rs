@@ -260,3 +260,25 @@ fn a_pool_beyond_32_bit_indices_needs_create_requests() {
     assert_eq!(code, 2, "{err}");
     assert!(!err.contains("makeXferReq"), "{err}");
 }
+
+#[test]
+fn backend_param_keys_are_checked_against_the_plugins_own() {
+    use kvprobe::nixl::check_backend_params;
+    let defaults: Vec<String> = ["ucx_devices", "num_workers", "ucx_error_handling_mode"].iter().map(|k| k.to_string()).collect();
+    let one = |k: &str| std::collections::BTreeMap::from([(k.to_string(), "1".to_string())]);
+    // A default key and a key the UCX plugin reads beyond its defaults are valid.
+    assert!(check_backend_params("UCX", &defaults, &one("num_workers")).is_ok());
+    assert!(check_backend_params("UCX", &defaults, &one("num_threads")).is_ok());
+    // Another plugin knows only its own defaults: UCX's extra keys are not its.
+    let e = check_backend_params("POSIX", &["use_uring".to_string()], &one("num_threads")).unwrap_err();
+    assert_eq!(e.exit() as i32, 2);
+    assert!(e.to_string().contains("NIXL backend POSIX has no parameter \"num_threads\" (valid: use_uring)"), "{e}");
+    // An unknown key: exit 2, the valid keys sorted.
+    let e = check_backend_params("UCX", &defaults, &one("num_thread")).unwrap_err();
+    assert!(
+        e.to_string().contains(
+            "(valid: device_list, engine_config, num_threads, num_workers, split_batch_size, ucx_devices, ucx_error_handling_mode, ucx_num_device_channels)"
+        ),
+        "{e}"
+    );
+}
