@@ -39,6 +39,10 @@ pub struct PeerInfo {
     pub metadata: Vec<u8>,
     /// Base address of each layer's registered region.
     pub region_bases: Vec<u64>,
+    /// Bytes of each layer's region (`Geometry::region_bytes`); 0 from a sender that did not
+    /// say (then it is not checked).
+    #[serde(default)]
+    pub region_len: u64,
     /// VRAM or DRAM.
     pub memory: MemoryKind,
     /// GPU ordinal (0 for DRAM).
@@ -125,6 +129,7 @@ impl Endpoint {
                 agent: a.name(),
                 metadata: a.metadata()?,
                 region_bases: self.pool.region_addrs(),
+                region_len: self.pool.geometry().region_bytes().unwrap_or(0),
                 memory: self.pool.memory(),
                 device_id: self.pool.device_id(),
                 lease: self.pool.lease().downgrade(),
@@ -146,8 +151,21 @@ impl Endpoint {
         matches!(self.agent, Role::Remote(_))
     }
 
-    /// Loads the peer's metadata so transfers and notifications can reach it.
+    /// Loads the peer's metadata so transfers and notifications can reach it. Errors:
+    /// transport (exit 3) when the peer's regions do not match this pool's geometry (one per
+    /// layer, each as long as this side's: a descriptor would leave the peer's registration).
     pub fn connect(&mut self, peer: PeerInfo) -> Result<()> {
+        let g = self.pool.geometry();
+        let len = g.region_bytes()?;
+        if peer.region_bases.len() != g.num_layers as usize || (peer.region_len != 0 && peer.region_len != len) {
+            return Err(crate::error::Error::Transport(format!(
+                "agent {} announced {} regions of {} bytes; this side has {} layers of {len} bytes",
+                peer.agent,
+                peer.region_bases.len(),
+                peer.region_len,
+                g.num_layers
+            )));
+        }
         self.local()?.load_remote(&peer.metadata)?;
         self.peer = Some(peer);
         Ok(())
