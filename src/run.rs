@@ -1490,6 +1490,9 @@ fn sweep(
             corrupt,
             if times.transfer > 0.0 { bytes as f64 / times.transfer / 1e9 } else { 0.0 }
         ));
+        if let Prefill::Peer(p) = &probe.prefill {
+            p.verified(it, total, corrupt, if times.transfer > 0.0 { bytes as f64 / times.transfer / 1e9 } else { 0.0 })?;
+        }
         if let Some(n) = next {
             cur = n;
         }

@@ -394,6 +394,12 @@ fn session_inner(
                 }
             }
             Some(Msg::Notify { tag }) => ep.notify_peer(&tag)?,
+            Some(Msg::Verified { it, slices, corrupt, gbps }) => {
+                say(&format!(
+                    "iteration {it}/{}: {slices} block slices verified on decode, {corrupt} corrupt, {gbps:.2} GB/s",
+                    rc.iterations
+                ));
+            }
             Some(Msg::Done { exit, error, summary }) => break (exit_of(exit), error, summary),
             Some(m) => {
                 return Err(Error::Transport(format!("decode sent {} during the run (a protocol error)", m.name())));

@@ -112,6 +112,10 @@ pub struct PeerInfo {
     pub metadata: Vec<u8>,
     /// Base address of each layer's registered region.
     pub region_bases: Vec<u64>,
+    /// Bytes of each layer's region (`Geometry::region_bytes`); 0 from a sender that did not
+    /// say (then it is not checked).
+    #[serde(default)]
+    pub region_len: u64,
     /// VRAM or DRAM.
     pub memory: MemoryKind,
     /// GPU ordinal (0 for DRAM).
@@ -225,6 +229,7 @@ impl Endpoint {
                 agent: a.name(),
                 metadata: a.metadata()?,
                 region_bases: self.pool.region_addrs(),
+                region_len: self.pool.geometry().region_bytes().unwrap_or(0),
                 memory: self.pool.memory(),
                 device_id: self.pool.device_id(),
                 lease: self.pool.lease().downgrade(),
@@ -246,22 +251,33 @@ impl Endpoint {
         matches!(self.agent, Role::Remote(_))
     }
 
-    /// Loads the peer's metadata so transfers and notifications can reach it, checks that
-    /// it covers every block slice of the peer's pool (`checkRemoteMD` with that descriptor
-    /// list), and with `--xfer-req prepared` prepares this role's two descriptor lists (its
-    /// own pool's slices and the peer's, [`Prepared`]). The peer's pool has this role's
-    /// geometry. Errors: transport (exit 3) when NIXL refuses the metadata, the check fails
-    /// (naming both agents) or a list cannot be prepared; usage (exit 2) for a pool of more
-    /// than [`MAX_PREPARED_SLICES`] slices with prepared requests.
+    /// Checks the peer's regions match this pool's geometry (one per layer, each as long as
+    /// this side's), loads the peer's metadata so transfers and notifications can reach it,
+    /// checks that the metadata covers every block slice of the peer's pool (`checkRemoteMD`
+    /// with that descriptor list), and with `--xfer-req prepared` prepares this role's two
+    /// descriptor lists (its own pool's slices and the peer's, [`Prepared`]). Errors:
+    /// transport (exit 3) when the regions do not match (a descriptor would leave the peer's
+    /// registration), NIXL refuses the metadata, the check fails (naming both agents) or a
+    /// list cannot be prepared; usage (exit 2) for a pool of more than
+    /// [`MAX_PREPARED_SLICES`] slices with prepared requests.
     pub fn connect(&mut self, peer: PeerInfo) -> Result<()> {
+        let g = self.pool.geometry();
+        let len = g.region_bytes()?;
+        if peer.region_bases.len() != g.num_layers as usize || (peer.region_len != 0 && peer.region_len != len) {
+            return Err(crate::error::Error::Transport(format!(
+                "agent {} announced {} regions of {} bytes; this side has {} layers of {len} bytes",
+                peer.agent,
+                peer.region_bases.len(),
+                peer.region_len,
+                g.num_layers
+            )));
+        }
         let agent = self.local()?;
         agent.load_remote(&peer.metadata)?;
-        let g = self.pool.geometry();
         let mut bases = peer.region_bases.clone();
         if test_wrong_peer_bases() {
             // Test-only: the peer's descriptors as a wrong exchange would name them, one
             // region further than the memory it registered.
-            let len = g.region_bytes()?;
             bases.iter_mut().for_each(|b| *b += len);
         }
         let remote = all_slices(g, &bases);
