@@ -300,7 +300,9 @@ pub const HOST_BYTES_PER_SLICE: u64 = 512;
 /// bookkeeping) exceeds what this process may allocate ([`crate::hostmem::available_bytes`]).
 fn check_host_memory(cfg: &RunConfig) -> Result<()> {
     let g = &cfg.geometry;
-    let mut pools = if cfg.memory == MemoryKind::Dram { g.pool_bytes()?.saturating_mul(2) } else { 0 };
+    // Both pools on this host, or decode's alone across a node pair (`--peer`).
+    let here = if cfg.peer.is_some() { 1 } else { 2 };
+    let mut pools = if cfg.memory == MemoryKind::Dram { g.pool_bytes()?.saturating_mul(here) } else { 0 };
     if let Some(sc) = cfg.scenario.as_ref().filter(|s| s.scenario.uses_tier()) {
         let block = g.num_layers as u64 * g.kv_parts() as u64 * g.slice_bytes()?;
         let tier = block.saturating_mul(sc.tier_blocks as u64);
@@ -328,6 +330,7 @@ fn check_host_memory(cfg: &RunConfig) -> Result<()> {
             crate::report::bytes_exact(pools),
             match (cfg.memory == MemoryKind::Dram, cfg.scenario.as_ref().is_some_and(|s| s.scenario.uses_tier())) {
                 (true, true) => "the DRAM pools and the tier",
+                (true, false) if cfg.peer.is_some() => "decode's DRAM pool",
                 (true, false) => "the DRAM pools",
                 (false, true) => "the tier",
                 (false, false) => "host buffers",

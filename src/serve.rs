@@ -195,6 +195,22 @@ fn check_config(
         return Err((Some("decode_process".into()), "--decode-process does not apply to --peer".into()));
     }
     run::check_config(&rc).map_err(|e| (None, e.detail().to_string()))?;
+    // Prefill's pool on this host: DRAM pool bytes plus the per-slice bookkeeping.
+    let g = &rc.geometry;
+    let pool = if cfg.memory == MemoryKind::Dram { g.pool_bytes().unwrap_or(u64::MAX) } else { 0 };
+    let need = pool.saturating_add(g.total_slices().unwrap_or(u64::MAX).saturating_mul(run::HOST_BYTES_PER_SLICE));
+    if let Some(avail) = crate::hostmem::available_bytes()
+        && need > avail
+    {
+        return Err((
+            None,
+            format!(
+                "prefill's side needs about {} of host memory on this host; {} are available",
+                crate::report::bytes_exact(need),
+                crate::report::bytes_exact(avail)
+            ),
+        ));
+    }
     Ok(rc)
 }
 
