@@ -410,12 +410,15 @@ impl Probe {
         let (p, d) = build_pools(cfg)?;
         Self::connect(cfg, p, d).map_err(|e| match e {
             // Before any transfer, a NIXL refusal means this backend cannot serve these pools
-            // (a decode agent process that died is not that).
-            Error::Transport(m) if !m.contains("decode agent process") => Error::Environment(format!(
-                "NIXL backend {} cannot serve {} pools: {m}",
-                cfg.backend,
-                if cfg.memory == MemoryKind::Vram { "VRAM" } else { "DRAM" }
-            )),
+            // (a decode agent process that died is not that, nor two agents that disagree on
+            // the peer's regions: checkRemoteMD, region lengths).
+            Error::Transport(m) if !["decode agent process", "checkRemoteMD", " announced "].iter().any(|w| m.contains(w)) => {
+                Error::Environment(format!(
+                    "NIXL backend {} cannot serve {} pools: {m}",
+                    cfg.backend,
+                    if cfg.memory == MemoryKind::Vram { "VRAM" } else { "DRAM" }
+                ))
+            }
             e => e,
         })
     }
@@ -560,12 +563,8 @@ impl Probe {
                 Op::Read => {
                     p.await_filled(it, Some(k as u32))?;
                     let d = crate::deadline::Deadline::after(timeout);
-                    Ok(SweepRequest::Nixl(crate::remote::Request::Local(self.decode.post_as_initiator(
-                        Op::Read,
-                        pairs,
-                        tag,
-                        d,
-                    )?)))
+                    let r = self.decode.post_as_initiator(Op::Read, pairs, tag, d).map_err(|e| p.cause_of(e))?;
+                    Ok(SweepRequest::Nixl(crate::remote::Request::Local(r)))
                 }
                 Op::Write => {
                     let deadline = crate::deadline::Deadline::after(timeout);
