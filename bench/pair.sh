@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# The node pair's transfer rate, request by request as vLLM makes them, in one command:
+#   bench/pair.sh [--peer HOST:PORT] [kvprobe run flags...]
+# Without --peer it starts `kvprobe serve --keep-serving` on 127.0.0.1 (prefill on the same
+# memory as decode: --memory and, for VRAM, GPU 0 — or KVPROBE_PAIR_SERVE_FLAGS) and stops it
+# at the end; with --peer it drives a serve already running there (give its token in
+# KVPROBE_TOKEN; start it with --keep-serving). For READ and WRITE it runs one sweep per row:
+#   requests: prepared (vLLM's prepare_xfer_dlist + make_xfer_req) or create (createXferReq)
+#   descriptors: vLLM-shaped (one per block slice) or merged (--descriptor-blocks = --blocks)
+#   backend: default parameters, or --backend-param num_threads=4 (the UCX backend's threads)
+# and prints GB/s (1e9 B/s) and each row's ratio to the vLLM default row (prepared, per block,
+# default parameters) of the same op, measured in the same invocation. Across two hosts there
+# is no copy to time between the pools; on one host `kvprobe bench` times the copy ceilings.
+# The JSON (one object per row) goes to ${BENCH_OUT:-$KVPROBE_HOME/bench-results}/pair-<host>-<UTC>.json.
+# Uses $KVPROBE_BIN when set, else builds the release binary.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+kv="${KVPROBE_BIN:-}"
+if [ -z "$kv" ]; then
+  cargo build --release --quiet
+  kv=target/release/kvprobe
+fi
+peer=""
+if [ "${1:-}" = "--peer" ]; then
+  peer=$2
+  shift 2
+fi
+home="${KVPROBE_HOME:-${XDG_DATA_HOME:-$HOME/.local/share}/kvprobe}"
+out="${BENCH_OUT:-$home/bench-results}"
+mkdir -p "$out"
+json="$out/pair-$(hostname)-$(date -u +%Y%m%dT%H%M%SZ).json"
+work=$(mktemp -d)
+serve_pid=""
+cleanup() {
+  [ -n "$serve_pid" ] && kill "$serve_pid" 2>/dev/null && wait "$serve_pid" 2>/dev/null
+  rm -rf "$work"
+}
+trap cleanup EXIT
+if [ -e /dev/nvidiactl ]; then mem=vram; else mem=dram; fi
+prev=""
+defaults=(--preset llama3-8b --iterations 10)
+for a in "$@"; do
+  [ "$prev" = "--memory" ] && mem=$a
+  case "$a" in --preset | --iterations | --layers | --blocks) defaults=() ;; esac
+  prev=$a
+done
+if [ -z "$peer" ]; then
+  export KVPROBE_TOKEN="${KVPROBE_TOKEN:-$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')}"
+  # shellcheck disable=SC2086
+  "$kv" serve --listen 127.0.0.1:0 --keep-serving --memory "$mem" ${KVPROBE_PAIR_SERVE_FLAGS:-} > "$work/serve.log" 2>&1 &
+  serve_pid=$!
+  for _ in $(seq 100); do grep -q "listening on" "$work/serve.log" && break; sleep 0.1; done
+  peer=$(sed -n 's/.*listening on \([^ ]*\).*/\1/p' "$work/serve.log" | head -1)
+  [ -n "$peer" ] || { cat "$work/serve.log" >&2; exit 2; }
+fi
+# Blocks per pool (merged rows move each layer's whole run as one descriptor): --blocks, else
+# llama3-8b's 512; with another --preset give --blocks too.
+blocks=$(python3 - "$@" <<'EOF'
+import sys
+a = sys.argv[1:]
+print(a[a.index("--blocks") + 1] if "--blocks" in a else "512" if "--preset" not in a else "")
+EOF
+)
+[ -n "$blocks" ] || { echo "bench/pair.sh: with --preset, give --blocks too (merged rows use it)" >&2; exit 2; }
+echo "bench/pair.sh: prefill at $peer; rows below (llama3-8b, 10 iterations unless the flags say otherwise)" >&2
+printf '%-6s %-9s %-9s %-16s %10s %8s\n' op requests descs backend GB/s ratio
+echo "[" > "$json"
+first=1
+for op in read write; do
+  base=""
+  for req in prepared create; do
+    for desc in block merged; do
+      for bp in default num_threads=4; do
+        [ "$desc" = merged ] && d=$blocks || d=1
+        extra=()
+        [ "$bp" != default ] && extra=(--backend-param "$bp")
+        r="$work/r.json"
+        "$kv" run --peer "$peer" "${defaults[@]}" --op "$op" --xfer-req "$req" \
+          --descriptor-blocks "$d" "${extra[@]}" "$@" --report "$r" > "$work/run.log" 2>&1 || {
+          echo "row $op $req $desc $bp failed:" >&2; tail -5 "$work/run.log" >&2; exit 1; }
+        g=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["summary"]["transfer_gbps"])' "$r")
+        [ -z "$base" ] && base=$g
+        ratio=$(python3 -c "print(f'{$g / $base:.3f}')")
+        printf '%-6s %-9s %-9s %-16s %10.2f %8s\n' "$op" "$req" "$desc" "$bp" "$g" "$ratio"
+        [ $first = 1 ] || echo "," >> "$json"
+        first=0
+        printf '{"op":"%s","requests":"%s","descriptors":"%s","backend":"%s","gbps":%s,"ratio_to_vllm_default":%s}' \
+          "$op" "$req" "$desc" "$bp" "$g" "$ratio" >> "$json"
+      done
+    done
+  done
+done
+echo "]" >> "$json"
+echo "bench/pair.sh: JSON in $json" >&2
