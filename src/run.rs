@@ -515,7 +515,8 @@ impl Probe {
                 Op::Read => {
                     p.await_filled(it, Some(k as u32))?;
                     let d = crate::deadline::Deadline::after(timeout);
-                    Ok(SweepRequest::Nixl(self.decode.post_as_initiator(Op::Read, pairs, tag, d)?))
+                    // A failed post with prefill gone is prefill's death (as a failed poll).
+                    Ok(SweepRequest::Nixl(self.decode.post_as_initiator(Op::Read, pairs, tag, d).map_err(|e| p.cause_of(e))?))
                 }
                 Op::Write => {
                     let deadline = crate::deadline::Deadline::after(timeout);
@@ -566,7 +567,10 @@ impl Probe {
         if let Prefill::Peer(p) = &self.prefill {
             p.pump(Duration::ZERO)?;
         }
-        transport::poll_notification_from(&self.decode, &self.prefill.name(), inbox, tag, d)
+        transport::poll_notification_from(&self.decode, &self.prefill.name(), inbox, tag, d).map_err(|e| match &self.prefill {
+            Prefill::Peer(p) => p.cause_of(e),
+            Prefill::Local(_) => e,
+        })
     }
 
     /// READ: waits until prefill has every notification in `tags`.

@@ -367,6 +367,26 @@ fn pair_serve_bounds_frames_and_takes_one_client_at_a_time() {
 }
 
 #[test]
+fn serve_fd_refuses_what_is_not_its_socket() {
+    // `serve --fd N` is the hidden prefill process of `run --decode-process`; started by hand
+    // with a wrong descriptor it refuses clearly (exit 2), it never takes over stdin/out/err
+    // or a closed descriptor.
+    let tok = [("KVPROBE_TOKEN", "t")];
+    for (fd, says) in [("0", "stdin, stdout or stderr"), ("2", "stdin, stdout or stderr"), ("999", "--fd 999")] {
+        let (code, out, err) = kvprobe_env(&["serve", "--fd", fd, "--memory", "dram"], &tok);
+        assert_eq!(code, 2, "--fd {fd}: {out}{err}");
+        assert!(err.contains(says), "--fd {fd}: {err}");
+        assert!(out.is_empty(), "--fd {fd}: nothing on stdout in fd mode: {out}");
+    }
+    // Either --listen or --fd, not both, not neither.
+    let (code, _, err) = kvprobe_env(&["serve", "--fd", "5", "--listen", "127.0.0.1:0", "--memory", "dram"], &tok);
+    assert_eq!(code, 2, "{err}");
+    let (code, _, err) = kvprobe_env(&["serve", "--memory", "dram"], &tok);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--listen"), "{err}");
+}
+
+#[test]
 fn pair_run_refuses_bad_peer_flags_before_connecting() {
     let (code, _, err) = kvprobe(&["run", "--peer", "127.0.0.1:1", "--memory", "dram", "--decode-process", "--token", "x"]);
     assert_eq!(code, 2, "{err}");
