@@ -568,7 +568,11 @@ impl Probe {
             p.pump(Duration::ZERO)?;
         }
         transport::poll_notification_from(&self.decode, &self.prefill.name(), inbox, tag, d).map_err(|e| match &self.prefill {
-            Prefill::Peer(p) => p.cause_of(e),
+            Prefill::Peer(p) => match p.cause_of(e) {
+                // Name where prefill is, not only its agent.
+                Error::Timeout(m) => Error::Timeout(format!("{m}; prefill is {}", p.who())),
+                e => e,
+            },
             Prefill::Local(_) => e,
         })
     }

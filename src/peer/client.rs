@@ -98,6 +98,9 @@ impl Drop for PrefillChild {
         if crate::nixl::unconfirmed() > 0 {
             let _ = c.kill();
             let _ = c.wait();
+            eprintln!(
+                "kvprobe: the prefill process was not told to exit (a request of kvprobe may still move its memory); kvprobe killed it"
+            );
             return;
         }
         let t0 = Instant::now();
