@@ -351,7 +351,7 @@ struct RunArgs {
     /// Sweep: pipeline stages (consecutive layer ranges, one NIXL request each; while one is in flight the finished ones are verified, refilled and re-poisoned). Default: 8 with VRAM pools on two GPUs (the passes use each GPU's memory while the transfer uses the link), else 1 (the transfer measured alone: on one GPU the passes compete with it for memory bandwidth and slow it by more than they hide; bench/NOTES.md); more when a stage would exceed 65536 descriptors; at most the number of layers.
     #[arg(long, value_name = "N")]
     pipeline_stages: Option<u32>,
-    /// Sweep: run decode's NIXL agent in a second kvprobe process (as vLLM's engines run), so UCX sees two processes (cuda_ipc between them on VRAM). VRAM: the child allocates the decode pool and shares it back by CUDA IPC for verification; DRAM: it maps kvprobe's pool (memfd).
+    /// Sweep: run the two NIXL agents in two kvprobe processes (as vLLM's engines run), so UCX sees two processes (cuda_ipc between them on VRAM). kvprobe stays decode; prefill's agent and pool (on --memory and --prefill-device) live in a child `kvprobe serve`, driven over the same protocol as --peer.
     #[arg(long)]
     decode_process: bool,
     /// Sweep: plant a fault per iteration: bitflip, drop, misroute, stale, torn or stray (a write into another
