@@ -381,8 +381,8 @@ fn a_shareable_pools_memfd_reaches_only_the_child_it_is_given_to() {
     let out = std::process::Command::new("sh").args(["-c", "ls -l /proc/self/fd"]).output().unwrap();
     let std_spawn = String::from_utf8(out.stdout).unwrap();
     assert!(!std_spawn.contains("memfd:kvprobe-pool"), "{std_spawn}");
-    // The child it is given to (as the Mooncake worker and the decode agent process are
-    // started) holds it under the same number.
+    // The child it is given to (as the Mooncake worker is given the pools' memfds and the
+    // prefill process of --decode-process its socket) holds it under the same number.
     let kept = child_fds(Some(fd));
     assert!(kept.lines().any(|l| l.contains(&format!(" {fd} -> /memfd:kvprobe-pool"))), "fd {fd}: {kept}");
     assert_eq!(kept.matches("memfd:kvprobe-pool").count(), 1, "{kept}");
@@ -474,7 +474,8 @@ fn every_child_process_in_src_is_started_by_the_spawner() {
         }
         seen += text.matches("crate::child::spawn(").count() + text.matches("crate::child::output(").count();
     }
-    // The master, the worker, the decode agent, env's probe runs and nvidia-smi.
+    // The master, the worker, the prefill process of --decode-process, env's probe runs and
+    // nvidia-smi.
     assert!(seen >= 5, "{seen} spawns through kvprobe::child");
 }
 
