@@ -359,6 +359,19 @@ pub(crate) fn build_prefill_pool(cfg: &RunConfig, memory: MemoryKind, device: us
     }
 }
 
+/// Before any transfer, a NIXL refusal (transport, exit 3) to create an agent, register a
+/// pool or load a peer's metadata means `backend` cannot serve `memory` pools: environment
+/// (exit 2), the message saying so. Other errors are returned as they are.
+pub(crate) fn backend_refusal(backend: &str, memory: MemoryKind, e: Error) -> Error {
+    match e {
+        Error::Transport(m) => Error::Environment(format!(
+            "NIXL backend {backend} cannot serve {} pools: {m}",
+            if memory == MemoryKind::Vram { "VRAM" } else { "DRAM" }
+        )),
+        e => e,
+    }
+}
+
 /// Both pools, in this process.
 fn build_pools(cfg: &RunConfig) -> Result<(KvPool, KvPool)> {
     let g = &cfg.geometry;
@@ -392,15 +405,7 @@ impl Probe {
             if cfg.memory == MemoryKind::Vram { "VRAM" } else { "DRAM" }
         ));
         let (p, d) = build_pools(cfg)?;
-        Self::connect(cfg, p, d).map_err(|e| match e {
-            // Before any transfer, a NIXL refusal means this backend cannot serve these pools.
-            Error::Transport(m) => Error::Environment(format!(
-                "NIXL backend {} cannot serve {} pools: {m}",
-                cfg.backend,
-                if cfg.memory == MemoryKind::Vram { "VRAM" } else { "DRAM" }
-            )),
-            e => e,
-        })
+        Self::connect(cfg, p, d).map_err(|e| backend_refusal(&cfg.backend, cfg.memory, e))
     }
 
     fn connect(cfg: &RunConfig, p: KvPool, d: KvPool) -> Result<Probe> {
@@ -464,9 +469,10 @@ impl Probe {
             if side.memory == MemoryKind::Vram { format!("VRAM on GPU {}", side.device) } else { "DRAM".into() }
         ));
         let pool = build_decode_pool(cfg)?;
-        let mut decode = Endpoint::new("kvprobe-decode", &cfg.backend, pool)?;
-        let mut peer = crate::peer::client::PrefillPeer::connect_agents(link, decode.info()?, side, section)?;
-        decode.connect(peer.info.clone())?;
+        let refusal = |e| backend_refusal(&cfg.backend, cfg.memory, e);
+        let mut decode = Endpoint::new("kvprobe-decode", &cfg.backend, pool).map_err(refusal)?;
+        let mut peer = crate::peer::client::PrefillPeer::connect_agents(link, decode.info().map_err(refusal)?, side, section)?;
+        decode.connect(peer.info.clone()).map_err(refusal)?;
         if let Some(c) = child {
             peer.adopt_child(c);
         }

@@ -356,17 +356,18 @@ fn session_inner(
         rc.backend
     ));
     let pool = run::build_prefill_pool(&rc, cfg.memory, cfg.device)?;
-    let mut ep = Endpoint::new("kvprobe-prefill", &rc.backend, pool)?;
+    let refusal = |e| run::backend_refusal(&rc.backend, cfg.memory, e);
+    let mut ep = Endpoint::new("kvprobe-prefill", &rc.backend, pool).map_err(refusal)?;
     let decode_info = link.expect("decode's NIXL agent", |m| match m {
         Msg::Connect { decode } => Ok(decode),
         m => Err(m.name()),
     })?;
     let decode_agent = decode_info.agent.clone();
-    ep.connect(decode_info)?;
+    ep.connect(decode_info).map_err(refusal)?;
     // Test-only (`KVPROBE_TEST_STALL_AGENT_START` in the prefill process of --decode-process):
     // a side that never says it is ready.
     crate::deadline::Stall::Start.here();
-    link.send(&Msg::Connected { prefill: ep.info()? })?;
+    link.send(&Msg::Connected { prefill: ep.info().map_err(refusal)? })?;
     crate::ucx::adopt();
     if let Some(e) = acc.report.environment.as_mut() {
         e.nixl.ucx_version = crate::nixl::loaded_ucx_version();

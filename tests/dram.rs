@@ -206,10 +206,13 @@ fn sigint_stops_cleanly_with_a_partial_report() {
 
 #[test]
 fn a_backend_that_cannot_serve_the_pools_exits_2() {
-    let (code, r, log) = run_report("posix", &["--iterations", "1", "--backend", "POSIX"]);
-    assert_eq!(code, 2, "{log}");
-    assert!(log.contains("NIXL backend POSIX cannot serve DRAM pools"), "{log}");
-    assert_eq!(r["outcome"]["error"]["kind"], "environment");
+    // In one process, and with prefill in a second one (--decode-process): the same refusal.
+    for extra in [&[][..], &["--decode-process"][..]] {
+        let (code, r, log) = run_report("posix", &[&["--iterations", "1", "--backend", "POSIX"], extra].concat());
+        assert_eq!(code, 2, "{extra:?}: {log}");
+        assert!(log.contains("NIXL backend POSIX cannot serve DRAM pools"), "{extra:?}: {log}");
+        assert_eq!(r["outcome"]["error"]["kind"], "environment", "{extra:?}");
+    }
 }
 
 #[test]
