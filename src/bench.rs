@@ -15,6 +15,13 @@
 //! - DRAM: memcpy (read + written) on one thread and on all threads against the CPU
 //!   reference's fill (written) and verify (read) on as many threads (goal ≥ 0.5, all
 //!   threads);
+//! - NIXL request building (`nixl.request.*`): one READ request over every block slice of a
+//!   DRAM pool pair (llama3-8b geometry, `--sweep-bytes`), built and released without
+//!   posting, from descriptors built for it (`createXferReq`, `--xfer-req create`) and
+//!   from indices into lists prepared once (`makeXferReq`, `--xfer-req prepared`, as
+//!   vLLM's NixlConnector), with vLLM-shaped per-block descriptors and with runs of 16
+//!   blocks per descriptor; rated as bytes described per second against the all-thread
+//!   memcpy (how the cost of making a request compares with moving its bytes on this host);
 //! - one `kvprobe run` sweep iteration broken down into fill, poison, NIXL transfer, verify
 //!   and host work, with the transfer rate as a ratio to the one-way copy rate (the
 //!   ceiling / 2, both counting the bytes moved once), and the probe's share of the
@@ -72,6 +79,10 @@ pub struct BenchConfig {
     pub decode_process: bool,
     /// NIXL backend of the sweep breakdowns.
     pub backend: String,
+    /// Parameters set over the backend plugin's defaults (`--backend-param KEY=VALUE`), for
+    /// the sweeps and the request rows. Absent in older results.
+    #[serde(default)]
+    pub backend_params: std::collections::BTreeMap<String, String>,
     /// Seconds to wait for each transfer of the sweep breakdowns.
     pub timeout_secs: f64,
 }
@@ -85,7 +96,8 @@ pub struct Figure {
     pub what: String,
     /// Bytes counted per pass.
     pub bytes: u64,
-    /// How `bytes` counts: "read+written", "written" or "read".
+    /// How `bytes` counts: "read+written", "written", "read", "moved once", or "described"
+    /// (the bytes a NIXL request names, for the request rows).
     pub counted: String,
     /// Median seconds of the timed passes.
     pub seconds_median: f64,
@@ -416,6 +428,65 @@ fn host_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
     Ok(())
 }
 
+/// Blocks per descriptor of the merged request rows (`nixl.request.*.merged`), as the
+/// sweep breakdowns' first merged row.
+const MERGED_BLOCKS: u32 = 16;
+
+/// The request rows (module docs): two DRAM pools of the llama3-8b geometry in
+/// `cfg.sweep_bytes`, decode connected to prefill with prepared lists; one READ of every
+/// slice (blocks in a seeded random order, as the sweep's block map) per pass, timed from
+/// the descriptor lists (create) or indices (prepared) to the request built. Each row goes
+/// into `out` as it is measured. Errors: NIXL (transport, exit 3; environment, exit 2).
+fn request_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
+    use crate::geometry::SliceCoord;
+    use crate::transport::{Endpoint, Op, Pair, TransportOptions, XferReq};
+    use rand::SeedableRng;
+    use rand::seq::SliceRandom;
+    let g = llama_pool_geometry(cfg.sweep_bytes)?;
+    let sb = g.slice_bytes()?;
+    let bytes = g.pool_bytes()?;
+    crate::phase::announce(&format!("bench: NIXL request rows: two DRAM pools of {} MiB", bytes >> 20));
+    let opts = TransportOptions { xfer_req: XferReq::Prepared, backend_params: cfg.backend_params.clone() };
+    let prefill = Endpoint::with_options("kvprobe-bench-prefill", &cfg.backend, KvPool::host(&g, cfg.seed)?, &opts)?;
+    let mut decode = Endpoint::with_options("kvprobe-bench-decode", &cfg.backend, KvPool::host(&g, cfg.seed)?, &opts)?;
+    decode.connect(prefill.info()?)?;
+    let base = out.iter().find(|f| f.name == "cpu.memcpy.all").cloned();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(cfg.seed);
+    for (shape, n) in [("block", 1), ("merged", MERGED_BLOCKS)] {
+        if n > 1 && !g.num_blocks.is_multiple_of(n) {
+            continue;
+        }
+        let mut runs: Vec<u32> = (0..g.num_blocks / n).collect();
+        runs.shuffle(&mut rng);
+        let pairs: Vec<Pair> = (0..g.num_layers)
+            .flat_map(|layer| g.parts().iter().map(move |&kv| (layer, kv)))
+            .flat_map(|(layer, kv)| {
+                runs.iter().enumerate().map(move |(i, &r)| Pair {
+                    src: SliceCoord { layer, kv, block: i as u32 * n },
+                    dst: SliceCoord { layer, kv, block: r * n },
+                    len: sb * n as u64,
+                })
+            })
+            .collect();
+        for mode in [XferReq::Create, XferReq::Prepared] {
+            let name = format!("nixl.request.{}.{shape}", mode.name());
+            crate::phase::announce(&format!("bench: measuring {name} ({} passes after a warm-up)", cfg.repeats));
+            let t = timed(cfg.repeats, || decode.time_request(Op::Read, &pairs, mode))?;
+            let how = match mode {
+                XferReq::Create => "createXferReq",
+                XferReq::Prepared => "makeXferReq",
+            };
+            let what = format!("{how} {} x {} KiB", pairs.len(), (sb * n as u64) >> 10);
+            let mut f = figure(&name, &what, bytes, "described", t);
+            if let Some(b) = &base {
+                rate_against(&mut f, b, None);
+            }
+            out.push(f);
+        }
+    }
+    Ok(())
+}
+
 fn breakdown(
     cfg: &BenchConfig,
     label: &str,
@@ -437,6 +508,8 @@ fn breakdown(
         seed: cfg.seed,
         inject: Vec::new(),
         backend: cfg.backend.clone(),
+        backend_params: cfg.backend_params.clone(),
+        xfer_req: crate::transport::XferReq::Prepared,
         timeout_secs: cfg.timeout_secs,
         min_gbps: None,
         max_failures: 100,
@@ -569,6 +642,7 @@ pub fn run(cfg: &BenchConfig, r: &mut BenchReport) -> Result<()> {
         gpu_figures(cfg, &mut r.figures)?;
     }
     host_figures(cfg, &mut r.figures)?;
+    request_figures(cfg, &mut r.figures)?;
     let rate = |name: &str| r.figures.iter().find(|f| f.name == name).map(|f| f.gbps / 2.0);
     // vLLM-shaped: block_size 16 (32 KiB slices). Wide: the largest block_size up to 1024
     // (2 MiB slices) that still gives 8 blocks, so descriptors are few and large.

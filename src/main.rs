@@ -10,7 +10,7 @@ use kvprobe::race::{Mechanism, RaceSpec, Scenario};
 use kvprobe::report::Report;
 use kvprobe::run::Hooks;
 use kvprobe::run::RunConfig;
-use kvprobe::transport::Op;
+use kvprobe::transport::{Op, XferReq};
 use kvprobe::workload::WorkloadConfig;
 use kvprobe::{Error, Exit};
 use std::io::{IsTerminal, Write};
@@ -149,6 +149,9 @@ struct BenchArgs {
     /// NIXL backend of the sweeps.
     #[arg(long, default_value = "UCX")]
     backend: String,
+    /// Set a parameter of the NIXL backend plugin of the sweeps and request rows (repeatable; run --backend-param).
+    #[arg(long, value_name = "KEY=VALUE", value_parser = parse_backend_param)]
+    backend_param: Vec<(String, String)>,
     /// Seconds to wait for each transfer of the sweeps.
     #[arg(long, default_value_t = 60.0)]
     timeout: f64,
@@ -271,6 +274,12 @@ struct PoolArgs {
     /// NIXL backend plugin.
     #[arg(long, default_value = "UCX")]
     backend: String,
+    /// Set a parameter of the NIXL backend plugin when it is created (repeatable; a key given twice: the last value counts), e.g. num_threads=2 for UCX. A key the plugin does not read is refused (exit 2), listing the valid ones.
+    #[arg(long, value_name = "KEY=VALUE", value_parser = parse_backend_param)]
+    backend_param: Vec<(String, String)>,
+    /// How each NIXL request is made: prepared (one descriptor list per side prepared after connecting, each request made from block-slice indices, as vLLM's NixlConnector) or create (a descriptor list built for each request).
+    #[arg(long, value_enum, default_value = "prepared", value_name = "MODE")]
+    xfer_req: XferReq,
     /// Bound of every wait, in seconds: each transfer from just before it is posted until it completes and its notification arrives, and each other blocking call (set-up calls: at least 60 s); with --scenario, also for any request to progress.
     #[arg(long, default_value_t = 60.0)]
     timeout: f64,
@@ -451,6 +460,19 @@ const SWEEP_FLAGS: &[&str] = &["iterations", "descriptor_blocks", "pipeline_stag
 /// `run` flags whose use `--peer` checks (clap ids).
 const PEER_FLAGS: &[&str] = &["prefill_device"];
 
+/// Parses `--backend-param KEY=VALUE` (a non-empty key of letters, digits and `_`; the
+/// value may be empty and may hold `=`).
+fn parse_backend_param(s: &str) -> Result<(String, String), String> {
+    let (k, v) = s.split_once('=').ok_or_else(|| format!("expected KEY=VALUE, got {s:?}"))?;
+    if k.is_empty() || !k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+        return Err(format!("the key must be letters, digits and _, got {k:?}"));
+    }
+    if v.contains('\0') {
+        return Err("the value must not contain a NUL byte".into());
+    }
+    Ok((k.to_string(), v.to_string()))
+}
+
 /// Parses a seed in decimal or 0x-prefixed hex.
 fn parse_seed(s: &str) -> Result<u64, String> {
     let r = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
@@ -507,6 +529,8 @@ impl PoolArgs {
             seed: self.seed,
             inject: Vec::new(),
             backend: self.backend.clone(),
+            backend_params: self.backend_param.iter().cloned().collect(),
+            xfer_req: self.xfer_req,
             timeout_secs: self.timeout,
             min_gbps: None,
             max_failures: self.max_failures,
@@ -1334,6 +1358,7 @@ fn bench(a: BenchArgs) -> Exit {
         seed: a.seed,
         decode_process: a.decode_process,
         backend: a.backend,
+        backend_params: a.backend_param.iter().cloned().collect(),
         timeout_secs: a.timeout,
     };
     claim_stdout(&a.json);

@@ -12,6 +12,7 @@
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use nixl_sys::{MemType, MemoryRegion, NixlDescriptor, XferDescList, XferOp};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
@@ -373,6 +374,40 @@ fn file_size_limit_hint() -> String {
     }
 }
 
+/// Keys NIXL's UCX plugin reads from its parameters beyond those of its defaults
+/// (`getPluginParams` of nixl-cu13 1.5.1 lists `ucx_devices`, `num_workers` and
+/// `ucx_error_handling_mode`): from NIXL's src/plugins/ucx/ucx_backend.cpp (v1.4.0 and
+/// later): `nixlUcxEngine::create` reads `num_threads` (> 0 selects the thread-pool engine,
+/// which reads `split_batch_size`), the engine's constructor `device_list`,
+/// `ucx_num_device_channels` and `engine_config` (UCX configuration, `KEY=VALUE;...`). The
+/// installed plugin (libplugin_UCX.so) holds each of these names except the short
+/// `num_threads`, which the compiler stores inline.
+pub const UCX_EXTRA_PARAMS: &[&str] =
+    &["num_threads", "split_batch_size", "device_list", "ucx_num_device_channels", "engine_config"];
+
+/// Refuses a `--backend-param` key plugin `backend` does not read: valid are the keys of
+/// its default parameters (`known`, from `getPluginParams`) and, for UCX, those of
+/// [`UCX_EXTRA_PARAMS`]. NIXL itself would pass an unknown key on and the plugin ignore
+/// it, so a typo would change nothing and say nothing. Errors: usage (exit 2) naming the
+/// key and listing the valid ones.
+pub fn check_backend_params(backend: &str, known: &[String], params: &BTreeMap<String, String>) -> Result<()> {
+    let mut valid: Vec<String> = known.to_vec();
+    if backend == "UCX" {
+        valid.extend(UCX_EXTRA_PARAMS.iter().map(|k| k.to_string()));
+    }
+    valid.sort();
+    valid.dedup();
+    for k in params.keys() {
+        if !valid.contains(k) {
+            return Err(Error::Usage(format!(
+                "--backend-param {k}: NIXL backend {backend} has no parameter {k:?} (valid: {})",
+                if valid.is_empty() { "none".to_string() } else { valid.join(", ") }
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Names of the backend plugins NIXL can load (e.g. "UCX", "POSIX").
 pub fn available_plugins() -> Result<Vec<String>> {
     load()?;
@@ -607,9 +642,22 @@ pub struct XferResult {
 }
 
 impl Agent {
-    /// Creates agent `name` with backend plugin `backend` (e.g. "UCX"). Errors (exit 2):
-    /// NIXL missing, or the plugin is not installed / fails to start.
+    /// Creates agent `name` with backend plugin `backend` (e.g. "UCX") and the plugin's
+    /// default parameters. Errors (exit 2): NIXL missing, or the plugin is not installed /
+    /// fails to start.
     pub fn new(name: &str, backend: &str) -> Result<Agent> {
+        Self::with_params(name, backend, &BTreeMap::new())
+    }
+
+    /// [`Agent::new`] with `params` (`--backend-param KEY=VALUE`) set over the plugin's
+    /// default parameters (`getPluginParams`) before the backend is created
+    /// (`createBackend`), as `nixl_agent_config` passes backend parameters in NIXL's Python
+    /// API. NIXL hands every key to the plugin, which reads the keys it knows and ignores
+    /// the rest (NIXL's UCX plugin, src/plugins/ucx/ucx_backend.cpp, looks keys up with
+    /// `getBackendParamDefaulted`): so a key the plugin does not know is refused here
+    /// ([`check_backend_params`]) instead of being silently ignored. Errors (exit 2): as
+    /// [`Agent::new`]; usage for an unknown key, naming the valid ones.
+    pub fn with_params(name: &str, backend: &str, params: &BTreeMap<String, String>) -> Result<Agent> {
         load()?;
         let w = crate::deadline::watch_setup(|| format!("creating NIXL agent {name} with backend {backend}").into());
         let agent = nixl_sys::Agent::new(name).map_err(|e| terr("create NIXL agent", e))?;
@@ -623,11 +671,24 @@ impl Agent {
                 plugins.join(", ")
             )));
         }
-        let (_mems, params) =
+        let (_mems, mut defaults) =
             agent.get_plugin_params(backend).map_err(|e| Error::Environment(format!("NIXL plugin {backend}: {e}")))?;
-        let b = agent
-            .create_backend(backend, &params)
-            .map_err(|e| Error::Environment(format!("NIXL backend {backend} failed to start: {e}{}", file_size_limit_hint())))?;
+        if !params.is_empty() {
+            let known: Vec<String> =
+                defaults.iter().map(|it| it.filter_map(|p| p.ok().map(|(k, _)| k.to_string())).collect()).unwrap_or_default();
+            check_backend_params(backend, &known, params)?;
+            for (k, v) in params {
+                defaults.set(k, v).map_err(|e| Error::Usage(format!("--backend-param {k}={v}: NIXL refused it: {e}")))?;
+            }
+        }
+        let b = agent.create_backend(backend, &defaults).map_err(|e| {
+            let given: Vec<String> = params.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            Error::Environment(format!(
+                "NIXL backend {backend} failed to start{}: {e}{}",
+                if given.is_empty() { String::new() } else { format!(" with --backend-param {}", given.join(" ")) },
+                file_size_limit_hint()
+            ))
+        })?;
         w.check()?;
         Ok(Agent { agent, backend: b, backend_name: backend.to_string(), regs: Lease::default() })
     }
@@ -690,9 +751,79 @@ impl Agent {
         Ok(l)
     }
 
-    /// Posts one transfer of `local[i] <-> remote[i]` (READ pulls remote into local; WRITE
-    /// pushes local to remote) without waiting; the peer gets `notif` as a NIXL
-    /// notification when it completes. Poll it with [`Agent::poll`].
+    fn backend_opt(&self) -> Result<nixl_sys::OptArgs> {
+        let mut opt = nixl_sys::OptArgs::new().map_err(|e| terr("opt args", e))?;
+        opt.add_backend(&self.backend).map_err(|e| terr("opt args", e))?;
+        Ok(opt)
+    }
+
+    /// Whether the metadata this agent loaded from `peer` covers every descriptor of
+    /// `descs` (`checkRemoteMD` with the real list: each descriptor must lie in memory the
+    /// peer registered with a backend this agent shares). vLLM's NixlConnector relies on
+    /// `add_remote_agent` having loaded it; kvprobe checks it once after loading, before the
+    /// first transfer. Errors: transport (exit 3) when the list cannot be built.
+    pub fn check_remote(&self, peer: &str, descs: (&[(u64, u64)], MemType, u64)) -> Result<bool> {
+        let _w = crate::deadline::watch_setup(|| format!("NIXL checkRemoteMD of {} descriptors of {peer}", descs.0.len()).into());
+        let l = Self::dlist(descs.1, descs.0, descs.2)?;
+        Ok(self.agent.check_remote_metadata(peer, Some(&l)))
+    }
+
+    /// Prepares `descs` once (`prepXferDlist`) for requests made from indices into it
+    /// ([`Descs::Prepared`], `makeXferReq`): this agent's own memory when `peer` is `None`
+    /// (NIXL's `NIXL_INIT_AGENT`, the empty name), else memory `peer` registered (its
+    /// metadata loaded). As vLLM's NixlConnector `register_local_xfer_handler` and
+    /// `add_remote_agent` prepare one list per side (vllm/distributed/kv_transfer/
+    /// kv_connector/v1/nixl_connector.py). Errors: transport (exit 3) when NIXL refuses a
+    /// descriptor (outside registered memory).
+    pub fn prepare(&self, peer: Option<&str>, descs: (&[(u64, u64)], MemType, u64)) -> Result<PreparedList> {
+        let who = peer.unwrap_or("this agent");
+        let _w = crate::deadline::watch_setup(|| format!("NIXL prepXferDlist of {} descriptors of {who}", descs.0.len()).into());
+        let l = Self::dlist(descs.1, descs.0, descs.2)?;
+        let opt = self.backend_opt()?;
+        let handle = self
+            .agent
+            .prepare_xfer_dlist(peer.unwrap_or(""), &l, Some(&opt))
+            .map_err(|e| terr(&format!("prepare the descriptor list of {who}"), e))?;
+        Ok(PreparedList { handle, len: descs.0.len(), _agent: self.agent.clone() })
+    }
+
+    /// Builds one request (not posted) with notification `notif` to `peer`.
+    fn request(&self, op: XferOp, descs: &Descs<'_>, peer: &str, opt: &nixl_sys::OptArgs) -> Result<nixl_sys::XferRequest> {
+        match descs {
+            Descs::Fresh { local, remote } => {
+                let l = Self::dlist(local.1, local.0, local.2)?;
+                let r = Self::dlist(remote.1, remote.0, remote.2)?;
+                self.agent.create_xfer_req(op, &l, &r, peer, Some(opt)).map_err(|e| terr("create transfer request", e))
+            }
+            Descs::Prepared { local, local_idx, remote, remote_idx, .. } => self
+                .agent
+                .make_xfer_req(op, &local.handle, local_idx, &remote.handle, remote_idx, Some(opt))
+                .map_err(|e| terr("make transfer request from prepared descriptors", e)),
+        }
+    }
+
+    fn notif_opt(&self, notif: &[u8]) -> Result<nixl_sys::OptArgs> {
+        let mut opt = self.backend_opt()?;
+        opt.set_notification_message(notif).map_err(|e| terr("notification", e))?;
+        opt.set_has_notification(true).map_err(|e| terr("notification", e))?;
+        Ok(opt)
+    }
+
+    /// Builds one request of `descs` to `peer` as [`Agent::post`] would, releases it without
+    /// posting it, and returns the seconds the build took (`kvprobe bench`'s request rows).
+    /// Errors: transport (exit 3) when NIXL refuses it.
+    pub fn time_request(&self, op: XferOp, descs: &Descs<'_>, peer: &str) -> Result<f64> {
+        let opt = self.notif_opt(b"kvprobe-bench")?;
+        let t = Instant::now();
+        let req = self.request(op, descs, peer, &opt)?;
+        let secs = t.elapsed().as_secs_f64();
+        drop(req);
+        Ok(secs)
+    }
+
+    /// Posts one transfer of `descs` (READ pulls remote into local; WRITE pushes local to
+    /// remote) without waiting; the peer gets `notif` as a NIXL notification when it
+    /// completes. Poll it with [`Agent::poll`].
     ///
     /// `deadline` started just before the caller built the request: a post call that returns
     /// after it is a timeout, whether or not the request completed inside the call (the
@@ -700,27 +831,20 @@ impl Agent {
     /// the local pool's and, when the peer lives in this process, the peer's); the request
     /// holds them until it is confirmed finished. Errors: [`Error::Transport`] when NIXL
     /// refuses the request, [`Error::Timeout`] (exit 4) past the deadline.
-    #[allow(clippy::too_many_arguments)]
     pub fn post(
         &self,
         op: XferOp,
-        local: (&[(u64, u64)], MemType, u64),
-        remote: (&[(u64, u64)], MemType, u64),
+        descs: Descs<'_>,
         peer: &str,
         notif: &[u8],
         deadline: Deadline,
         keep: Lease,
     ) -> Result<Posted> {
-        let bytes: u64 = local.0.iter().map(|d| d.1).sum();
-        let what = || format!("posting a NIXL {op:?} of {bytes} bytes ({} descriptors) with {peer}", local.0.len()).into();
+        let bytes = descs.bytes();
+        let what = || format!("posting a NIXL {op:?} of {bytes} bytes ({} descriptors) with {peer}", descs.count()).into();
         let _w = crate::deadline::watch_until(deadline, what);
-        let l = Self::dlist(local.1, local.0, local.2)?;
-        let r = Self::dlist(remote.1, remote.0, remote.2)?;
-        let mut opt = nixl_sys::OptArgs::new().map_err(|e| terr("opt args", e))?;
-        opt.add_backend(&self.backend).map_err(|e| terr("opt args", e))?;
-        opt.set_notification_message(notif).map_err(|e| terr("notification", e))?;
-        opt.set_has_notification(true).map_err(|e| terr("notification", e))?;
-        let req = self.agent.create_xfer_req(op, &l, &r, peer, Some(&opt)).map_err(|e| terr("create transfer request", e))?;
+        let opt = self.notif_opt(notif)?;
+        let req = self.request(op, &descs, peer, &opt)?;
         let mut pending = self.agent.post_xfer_req(&req, Some(&opt)).map_err(|e| terr("post transfer", e))?;
         if let Some(stall) = crate::deadline::Stall::Post.secs() {
             // Test-only: a post call that completes its request inside it, then blocks.
@@ -818,6 +942,83 @@ impl Agent {
         self.agent.get_notifications(&mut map, None).map_err(|e| terr("get notifications", e))?;
         let got = map.take_notifs().map_err(|e| terr("read notifications", e))?;
         Ok(got.into_iter().flat_map(|(peer, msgs)| msgs.into_iter().map(move |m| (peer.clone(), m))).collect())
+    }
+}
+
+/// The descriptors of one request: built for it, or indices into lists prepared once.
+pub enum Descs<'a> {
+    /// Lists built for this request (`createXferReq`): `(descriptors as (address, bytes),
+    /// memory type, device)` of the local and the remote side, `local[i] <-> remote[i]`.
+    Fresh {
+        /// This agent's side.
+        local: (&'a [(u64, u64)], MemType, u64),
+        /// The peer's side.
+        remote: (&'a [(u64, u64)], MemType, u64),
+    },
+    /// Indices into lists prepared once ([`Agent::prepare`], `makeXferReq`):
+    /// `local[local_idx[i]] <-> remote[remote_idx[i]]`. NIXL merges runs of consecutive
+    /// indices whose memory is contiguous on both sides into one descriptor
+    /// (src/core/nixl_agent.cpp, `makeXferReq`).
+    Prepared {
+        /// This agent's prepared list.
+        local: &'a PreparedList,
+        /// Indices into it.
+        local_idx: &'a [i32],
+        /// The peer's prepared list.
+        remote: &'a PreparedList,
+        /// Indices into it (as many as `local_idx`).
+        remote_idx: &'a [i32],
+        /// Bytes the request moves (the sum of the indexed descriptors' lengths).
+        bytes: u64,
+    },
+}
+
+impl Descs<'_> {
+    /// Bytes the request moves.
+    pub fn bytes(&self) -> u64 {
+        match self {
+            Descs::Fresh { local, .. } => local.0.iter().map(|d| d.1).sum(),
+            Descs::Prepared { bytes, .. } => *bytes,
+        }
+    }
+
+    /// Descriptors (fresh) or index pairs (prepared) of the request.
+    pub fn count(&self) -> usize {
+        match self {
+            Descs::Fresh { local, .. } => local.0.len(),
+            Descs::Prepared { local_idx, .. } => local_idx.len(),
+        }
+    }
+}
+
+/// A descriptor list NIXL prepared once for one side (`prepXferDlist`, [`Agent::prepare`]);
+/// requests index into it ([`Descs::Prepared`]). Released (`releasedDlistH`) on drop.
+pub struct PreparedList {
+    // Field order is drop order: the handle is released while the agent it names (kept
+    // alive by the clone below) still exists.
+    handle: nixl_sys::XferDlistHandle,
+    len: usize,
+    _agent: nixl_sys::Agent,
+}
+
+// SAFETY: the handle is a pointer to NIXL's prepared list (nixlDlistH) and to the agent that
+// made it, which `_agent` keeps alive. NIXL never changes a prepared list after
+// prepXferDlist returns: makeXferReq only reads it, under the agent's shared lock
+// (src/core/nixl_agent.cpp), so shared use from several threads is sound; it is released
+// once, in Drop, which needs exclusive access.
+unsafe impl Send for PreparedList {}
+// SAFETY: as for Send: shared references only reach makeXferReq, which reads the list.
+unsafe impl Sync for PreparedList {}
+
+impl PreparedList {
+    /// Descriptors in the list (valid indices are `0..len`).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when the list holds no descriptor.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
 }
 

@@ -641,7 +641,18 @@ pub fn render(r: &Report) -> String {
     let mut out = String::new();
     if let Some(lib) = r.environment.as_ref().and_then(|e| e.nixl.library.as_ref()) {
         let backend = r.config.get("backend").and_then(|b| b.as_str()).unwrap_or("?");
-        out += &format!("nixl:              {} (backend {backend})\n", lib.display());
+        // How requests were made and the backend's parameters (reports before the flags
+        // have neither).
+        let mut how = String::new();
+        if let Some(x) = r.config.get("xfer_req").and_then(|x| x.as_str()) {
+            how += &format!(", {x} requests");
+        }
+        if let Some(p) = r.config.get("backend_params").and_then(|p| p.as_object()) {
+            for (k, v) in p {
+                how += &format!(", {k}={}", v.as_str().unwrap_or("?"));
+            }
+        }
+        out += &format!("nixl:              {} (backend {backend}{how})\n", lib.display());
     }
     if let Ok(g) = serde_json::from_value::<crate::geometry::Geometry>(r.config["geometry"].clone()) {
         out += &format!(

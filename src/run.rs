@@ -55,6 +55,16 @@ pub struct RunConfig {
     pub inject: Vec<Spec>,
     /// NIXL backend plugin.
     pub backend: String,
+    /// Parameters set over the backend plugin's defaults when it is created
+    /// (`--backend-param KEY=VALUE`; empty: the defaults). Absent in older reports.
+    #[serde(default)]
+    pub backend_params: std::collections::BTreeMap<String, String>,
+    /// How each NIXL request is made (`--xfer-req`): `prepared` (descriptor lists prepared
+    /// once per side, requests from slice indices, as vLLM's NixlConnector) or `create` (a
+    /// descriptor list built per request). Absent in reports of kvprobes before the flag,
+    /// which built every request with `createXferReq`: read as create.
+    #[serde(default = "crate::transport::XferReq::before_the_flag")]
+    pub xfer_req: crate::transport::XferReq,
     /// Bound of every wait, in seconds (`--timeout`): each transfer from just before it is
     /// posted to its completion and notification, each other blocking call ([`crate::deadline`]).
     pub timeout_secs: f64,
@@ -207,6 +217,14 @@ pub(crate) fn check_config(cfg: &RunConfig) -> Result<()> {
     if cfg.iterations == 0 {
         return Err(Error::Usage("--iterations must be at least 1".into()));
     }
+    if cfg.xfer_req == crate::transport::XferReq::Prepared && cfg.geometry.total_slices()? > crate::transport::MAX_PREPARED_SLICES
+    {
+        return Err(Error::Usage(format!(
+            "--xfer-req prepared: the pool has {} block slices, and NIXL's makeXferReq indexes at most {}; use --xfer-req create",
+            cfg.geometry.total_slices()?,
+            crate::transport::MAX_PREPARED_SLICES
+        )));
+    }
     let n = cfg.descriptor_blocks;
     if n == 0 || !cfg.geometry.num_blocks.is_multiple_of(n) {
         return Err(Error::Usage(format!(
@@ -286,12 +304,11 @@ pub const HOST_BYTES_PER_SLICE: u64 = 512;
 /// bookkeeping) exceeds what this process may allocate ([`crate::hostmem::available_bytes`]).
 fn check_host_memory(cfg: &RunConfig) -> Result<()> {
     let g = &cfg.geometry;
-    // DRAM: both pools; with --decode-process one is in the child, and this process holds a
-    // scratch pool for the copy ceiling while it times it ([`copy_ceiling_from_scratch`]).
-    let mut pools = if cfg.memory == MemoryKind::Dram { g.pool_bytes()?.saturating_mul(2) } else { 0 };
-    if cfg.memory == MemoryKind::Dram && cfg.decode_process && g.pool_bytes()? >= MIN_CEILING_BYTES {
-        pools = pools.saturating_add(g.pool_bytes()?);
-    }
+    // DRAM: both pools on this host, or decode's alone across a node pair (`--peer`); with
+    // --decode-process prefill's is in the child, and this process holds a scratch pool of the
+    // same size while it times the copy ceiling ([`copy_ceiling_from_scratch`]).
+    let here = if cfg.peer.is_some() { 1 } else { 2 };
+    let mut pools = if cfg.memory == MemoryKind::Dram { g.pool_bytes()?.saturating_mul(here) } else { 0 };
     if let Some(sc) = cfg.scenario.as_ref().filter(|s| s.scenario.uses_tier()) {
         let block = g.num_layers as u64 * g.kv_parts() as u64 * g.slice_bytes()?;
         let tier = block.saturating_mul(sc.tier_blocks as u64);
@@ -319,6 +336,7 @@ fn check_host_memory(cfg: &RunConfig) -> Result<()> {
             crate::report::bytes_exact(pools),
             match (cfg.memory == MemoryKind::Dram, cfg.scenario.as_ref().is_some_and(|s| s.scenario.uses_tier())) {
                 (true, true) => "the DRAM pools and the tier",
+                (true, false) if cfg.peer.is_some() => "decode's DRAM pool",
                 (true, false) => "the DRAM pools",
                 (false, true) => "the tier",
                 (false, false) => "host buffers",
@@ -411,10 +429,11 @@ impl Probe {
     fn connect(cfg: &RunConfig, p: KvPool, d: KvPool) -> Result<Probe> {
         crate::phase::announce(&format!("setup: registering the pools with NIXL (backend {})", cfg.backend));
         crate::trace!("prefill NIXL agent");
-        let mut prefill = Endpoint::new("kvprobe-prefill", &cfg.backend, p)?;
+        let opts = crate::transport::TransportOptions { xfer_req: cfg.xfer_req, backend_params: cfg.backend_params.clone() };
+        let mut prefill = Endpoint::with_options("kvprobe-prefill", &cfg.backend, p, &opts)?;
         let pi = prefill.info()?;
         crate::trace!("decode NIXL agent");
-        let mut decode = Endpoint::new("kvprobe-decode", &cfg.backend, d)?;
+        let mut decode = Endpoint::with_options("kvprobe-decode", &cfg.backend, d, &opts)?;
         decode.connect(pi)?;
         crate::trace!("prefill loads decode's metadata");
         prefill.connect(decode.info()?)?;
@@ -469,8 +488,9 @@ impl Probe {
             if side.memory == MemoryKind::Vram { format!("VRAM on GPU {}", side.device) } else { "DRAM".into() }
         ));
         let pool = build_decode_pool(cfg)?;
+        let opts = crate::transport::TransportOptions { xfer_req: cfg.xfer_req, backend_params: cfg.backend_params.clone() };
         let refusal = |e| backend_refusal(&cfg.backend, cfg.memory, e);
-        let mut decode = Endpoint::new("kvprobe-decode", &cfg.backend, pool).map_err(refusal)?;
+        let mut decode = Endpoint::with_options("kvprobe-decode", &cfg.backend, pool, &opts).map_err(refusal)?;
         let mut peer = crate::peer::client::PrefillPeer::connect_agents(link, decode.info().map_err(refusal)?, side, section)?;
         decode.connect(peer.info.clone()).map_err(refusal)?;
         if let Some(c) = child {
@@ -1508,6 +1528,9 @@ fn sweep(
             corrupt,
             if times.transfer > 0.0 { bytes as f64 / times.transfer / 1e9 } else { 0.0 }
         ));
+        if let Prefill::Peer(p) = &probe.prefill {
+            p.verified(it, total, corrupt, if times.transfer > 0.0 { bytes as f64 / times.transfer / 1e9 } else { 0.0 })?;
+        }
         if let Some(n) = next {
             cur = n;
         }

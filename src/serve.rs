@@ -229,6 +229,22 @@ fn check_config(
         ));
     }
     run::check_config(&rc).map_err(|e| (None, e.detail().to_string()))?;
+    // Prefill's pool on this host: DRAM pool bytes plus the per-slice bookkeeping.
+    let g = &rc.geometry;
+    let pool = if cfg.memory == MemoryKind::Dram { g.pool_bytes().unwrap_or(u64::MAX) } else { 0 };
+    let need = pool.saturating_add(g.total_slices().unwrap_or(u64::MAX).saturating_mul(run::HOST_BYTES_PER_SLICE));
+    if let Some(avail) = crate::hostmem::available_bytes()
+        && need > avail
+    {
+        return Err((
+            None,
+            format!(
+                "prefill's side needs about {} of host memory on this host; {} are available",
+                crate::report::bytes_exact(need),
+                crate::report::bytes_exact(avail)
+            ),
+        ));
+    }
     Ok(rc)
 }
 
@@ -356,8 +372,10 @@ fn session_inner(
         rc.backend
     ));
     let pool = run::build_prefill_pool(&rc, cfg.memory, cfg.device)?;
+    // The run's --xfer-req and --backend-param apply to both sides.
+    let opts = crate::transport::TransportOptions { xfer_req: rc.xfer_req, backend_params: rc.backend_params.clone() };
     let refusal = |e| run::backend_refusal(&rc.backend, cfg.memory, e);
-    let mut ep = Endpoint::new("kvprobe-prefill", &rc.backend, pool).map_err(refusal)?;
+    let mut ep = Endpoint::with_options("kvprobe-prefill", &rc.backend, pool, &opts).map_err(refusal)?;
     let decode_info = link.expect("decode's NIXL agent", |m| match m {
         Msg::Connect { decode } => Ok(decode),
         m => Err(m.name()),
@@ -430,6 +448,12 @@ fn session_inner(
                 }
             }
             Some(Msg::Notify { tag }) => ep.notify_peer(&tag)?,
+            Some(Msg::Verified { it, slices, corrupt, gbps }) => {
+                say(&format!(
+                    "iteration {it}/{}: {slices} block slices verified on decode, {corrupt} corrupt, {gbps:.2} GB/s",
+                    rc.iterations
+                ));
+            }
             Some(Msg::Done { exit, error, summary }) => break (exit_of(exit), error, summary),
             Some(m) => {
                 return Err(Error::Transport(format!("decode sent {} during the run (a protocol error)", m.name())));

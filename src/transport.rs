@@ -10,14 +10,43 @@
 //! Descriptors follow vLLM's NixlConnector: one per (layer, K/V, block) block slice.
 //! `--op read` (default): decode pulls from prefill and notifies it (vLLM's flow);
 //! `--op write`: prefill pushes and notifies decode.
+//!
+//! Requests are made as vLLM's NixlConnector makes them (`--xfer-req prepared`, the
+//! default; vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py): once after
+//! [`Endpoint::connect`], each role prepares one NIXL descriptor list over every block slice
+//! of its own pool (`register_local_xfer_handler`: `prep_xfer_dlist("NIXL_INIT_AGENT", ...)`)
+//! and one over every slice of the peer's (`add_remote_agent`:
+//! `prep_xfer_dlist(remote_agent, ...)`); a request is then `makeXferReq` from slice indices
+//! on both sides (`_read_blocks` with `_get_block_descs_ids`, `make_prepped_xfer`). A
+//! slice's index is its global slice index, [`crate::geometry::Geometry::global_slice`]
+//! (layer-major, then the slice's place in its layer region): for NHD and MLA the same index
+//! as vLLM's `region * num_blocks + block`; for HND memory order, where vLLM splits each
+//! layer into virtual K and V regions for heterogeneous tensor parallelism (kvprobe has
+//! none), so that a merged run's slices keep consecutive indices. `--xfer-req create`
+//! builds a fresh descriptor list per request and calls `createXferReq`, as kvprobe did
+//! before.
+//!
+//! Pairs that are not exactly one slice:
+//! - a run of `--descriptor-blocks` slices (longer than one slice, contiguous on both
+//!   sides) is expanded to its slices' consecutive indices. NIXL's `makeXferReq` merges
+//!   consecutive indices of contiguous memory back into one descriptor
+//!   (src/core/nixl_agent.cpp), so the request moves the run as one descriptor, as
+//!   `createXferReq` does, from the same two prepared lists. vLLM prepares an additional
+//!   list only where one side's unit is *smaller* than the other's (its block-size
+//!   mismatch: `src_xfer_handles_by_block_size`), which no index of the per-block list can
+//!   name; a run is a whole number of slices, which indices can;
+//! - a torn pair (an injected fault moving less than a slice) cannot be named by any index:
+//!   that request is built with `createXferReq` instead, and a trace line
+//!   (`KVPROBE_TRACE=1`) says so.
 
 use crate::deadline::Deadline;
 use crate::error::Result;
-use crate::geometry::SliceCoord;
-use crate::nixl::{Agent, Lease, Posted, Region, Registered, WeakLease, XferResult};
+use crate::geometry::{Geometry, SliceCoord};
+use crate::nixl::{Agent, Descs, Lease, Posted, PreparedList, Region, Registered, WeakLease, XferResult};
 use crate::pool::{KvPool, MemoryKind};
 use nixl_sys::{MemType, XferOp};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 /// Direction of the NIXL transfer.
@@ -30,6 +59,50 @@ pub enum Op {
     Write,
 }
 
+/// How a NIXL request is made (`--xfer-req`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum XferReq {
+    /// From indices into descriptor lists prepared once per side (`prepXferDlist` +
+    /// `makeXferReq`), as vLLM's NixlConnector.
+    #[default]
+    Prepared,
+    /// From a descriptor list built for each request (`createXferReq`).
+    Create,
+}
+
+impl XferReq {
+    /// The flag's value: "prepared" or "create".
+    pub fn name(self) -> &'static str {
+        match self {
+            XferReq::Prepared => "prepared",
+            XferReq::Create => "create",
+        }
+    }
+
+    /// What a report written before `--xfer-req` existed did: [`XferReq::Create`] (every
+    /// request from a descriptor list built for it). For `#[serde(default = ...)]`.
+    pub fn before_the_flag() -> XferReq {
+        XferReq::Create
+    }
+}
+
+/// How a role's NIXL agent is set up and makes its requests.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TransportOptions {
+    /// How requests are made (`--xfer-req`).
+    #[serde(default)]
+    pub xfer_req: XferReq,
+    /// Parameters set over the backend plugin's defaults when it is created
+    /// (`--backend-param KEY=VALUE`).
+    #[serde(default)]
+    pub backend_params: BTreeMap<String, String>,
+}
+
+/// The most block slices a pool may have for `--xfer-req prepared`: NIXL's `makeXferReq`
+/// takes 32-bit (`int`) indices.
+pub const MAX_PREPARED_SLICES: u64 = i32::MAX as u64;
+
 /// What one role tells the other: its agent, NIXL metadata and region bases.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct PeerInfo {
@@ -39,6 +112,10 @@ pub struct PeerInfo {
     pub metadata: Vec<u8>,
     /// Base address of each layer's registered region.
     pub region_bases: Vec<u64>,
+    /// Bytes of each layer's region (`Geometry::region_bytes`); 0 from a sender that did not
+    /// say (then it is not checked).
+    #[serde(default)]
+    pub region_len: u64,
     /// VRAM or DRAM.
     pub memory: MemoryKind,
     /// GPU ordinal (0 for DRAM).
@@ -75,8 +152,12 @@ enum Role {
 
 /// A role: a NIXL agent with its pool registered.
 pub struct Endpoint {
-    // Field order is drop order: the agent gives up its share of the registration before the
-    // pool's guard decides whether it holds the last one.
+    // Field order is drop order: the prepared lists are released, then the agent gives up
+    // its share of the registration before the pool's guard decides whether it holds the
+    // last one.
+    /// The lists prepared at [`Endpoint::connect`] (`--xfer-req prepared`).
+    prepared: Option<Prepared>,
+    xfer_req: XferReq,
     agent: Role,
     backend: String,
     peer: Option<PeerInfo>,
@@ -86,9 +167,17 @@ pub struct Endpoint {
 }
 
 impl Endpoint {
-    /// Creates agent `name` on `backend` and registers every layer region of `pool`.
+    /// Creates agent `name` on `backend` and registers every layer region of `pool`, with
+    /// the default [`TransportOptions`] (prepared requests, the plugin's default parameters).
     pub fn new(name: &str, backend: &str, pool: KvPool) -> Result<Endpoint> {
-        let mut agent = Agent::new(name, backend)?;
+        Self::with_options(name, backend, pool, &TransportOptions::default())
+    }
+
+    /// [`Endpoint::new`] with `opts`: the backend is created with `opts.backend_params`
+    /// ([`Agent::with_params`]) and requests are made as `opts.xfer_req` says. Errors: as
+    /// [`Agent::with_params`] (exit 2), registration (exit 3/4).
+    pub fn with_options(name: &str, backend: &str, pool: KvPool, opts: &TransportOptions) -> Result<Endpoint> {
+        let mut agent = Agent::with_params(name, backend, &opts.backend_params)?;
         let len = pool.geometry().region_bytes()?;
         let regions: Vec<Region> = pool
             .region_addrs()
@@ -96,7 +185,14 @@ impl Endpoint {
             .map(|addr| Region { addr, len, mem: mem_type(pool.memory()), dev_id: pool.device_id() })
             .collect();
         let pool = Registered::new(&mut agent, pool, &regions)?;
-        Ok(Endpoint { agent: Role::Local(agent), backend: backend.to_string(), peer: None, pool })
+        Ok(Endpoint {
+            prepared: None,
+            xfer_req: opts.xfer_req,
+            agent: Role::Local(agent),
+            backend: backend.to_string(),
+            peer: None,
+            pool,
+        })
     }
 
     fn local(&self) -> Result<&Agent> {
@@ -112,6 +208,7 @@ impl Endpoint {
                 agent: a.name(),
                 metadata: a.metadata()?,
                 region_bases: self.pool.region_addrs(),
+                region_len: self.pool.geometry().region_bytes().unwrap_or(0),
                 memory: self.pool.memory(),
                 device_id: self.pool.device_id(),
                 lease: self.pool.lease().downgrade(),
@@ -126,9 +223,59 @@ impl Endpoint {
         }
     }
 
-    /// Loads the peer's metadata so transfers and notifications can reach it.
+    /// Checks the peer's regions match this pool's geometry (one per layer, each as long as
+    /// this side's), loads the peer's metadata so transfers and notifications can reach it,
+    /// checks that the metadata covers every block slice of the peer's pool (`checkRemoteMD`
+    /// with that descriptor list), and with `--xfer-req prepared` prepares this role's two
+    /// descriptor lists (its own pool's slices and the peer's, [`Prepared`]). Errors:
+    /// transport (exit 3) when the regions do not match (a descriptor would leave the peer's
+    /// registration), NIXL refuses the metadata, the check fails (naming both agents) or a
+    /// list cannot be prepared; usage (exit 2) for a pool of more than
+    /// [`MAX_PREPARED_SLICES`] slices with prepared requests.
     pub fn connect(&mut self, peer: PeerInfo) -> Result<()> {
-        self.local()?.load_remote(&peer.metadata)?;
+        let g = self.pool.geometry();
+        let len = g.region_bytes()?;
+        if peer.region_bases.len() != g.num_layers as usize || (peer.region_len != 0 && peer.region_len != len) {
+            return Err(crate::error::Error::Transport(format!(
+                "agent {} announced {} regions of {} bytes; this side has {} layers of {len} bytes",
+                peer.agent,
+                peer.region_bases.len(),
+                peer.region_len,
+                g.num_layers
+            )));
+        }
+        let agent = self.local()?;
+        agent.load_remote(&peer.metadata)?;
+        let mut bases = peer.region_bases.clone();
+        if test_wrong_peer_bases() {
+            // Test-only: the peer's descriptors as a wrong exchange would name them, one
+            // region further than the memory it registered.
+            bases.iter_mut().for_each(|b| *b += len);
+        }
+        let remote = all_slices(g, &bases);
+        let remote_side = (remote.as_slice(), mem_type(peer.memory), peer.device_id);
+        if !agent.check_remote(&peer.agent, remote_side)? {
+            return Err(crate::error::Error::Transport(format!(
+                "NIXL agent {}: the metadata loaded from agent {} does not cover its pool's {} block slices \
+                 (checkRemoteMD with their descriptors refused it): the peer's region addresses and its registered memory disagree",
+                agent.name(),
+                peer.agent,
+                remote.len()
+            )));
+        }
+        if self.xfer_req == XferReq::Prepared {
+            let total = g.total_slices()?;
+            if total > MAX_PREPARED_SLICES {
+                return Err(crate::error::Error::Usage(format!(
+                    "--xfer-req prepared: the pool has {total} block slices, and NIXL's makeXferReq indexes at most {MAX_PREPARED_SLICES}; use --xfer-req create"
+                )));
+            }
+            let local = all_slices(g, &self.pool.region_addrs());
+            let local = agent.prepare(None, (&local, mem_type(self.pool.memory()), self.pool.device_id()))?;
+            let remote = agent.prepare(Some(&peer.agent), remote_side)?;
+            crate::trace!("{}: prepared {} local and {} remote descriptors", agent.name(), local.len(), remote.len());
+            self.prepared = Some(Prepared { local, remote });
+        }
         self.peer = Some(peer);
         Ok(())
     }
@@ -141,6 +288,9 @@ impl Endpoint {
     /// Posts `op` as the initiator (READ: this role is decode and `dst` slices are local;
     /// WRITE: this role is prefill and `src` slices are local) with notification `tag`; does
     /// not wait. `deadline` started just before the request was built ([`Agent::post`]).
+    /// With prepared lists the request is made from slice indices, unless a pair is not a
+    /// whole number of slices (a torn pair): then, and with `--xfer-req create`, from
+    /// descriptors built for it (module docs).
     /// Errors: transport (exit 3); timeout (exit 4).
     pub fn post_as_initiator(&self, op: Op, pairs: &[Pair], tag: &str, deadline: Deadline) -> Result<Posted> {
         let agent = self.local()?;
@@ -149,18 +299,66 @@ impl Endpoint {
             if op == Op::Write { (p.src, p.dst) } else { (p.dst, p.src) }
         };
         let peer = self.peer();
+        let xop = if op == Op::Write { XferOp::Write } else { XferOp::Read };
+        if let Some(prep) = &self.prepared {
+            let g = self.pool.geometry();
+            match indices(g, pairs.iter().map(|p| (side(p).0, side(p).1, p.len))) {
+                Ok((li, ri, bytes)) => {
+                    self.pool.bind()?;
+                    let descs =
+                        Descs::Prepared { local: &prep.local, local_idx: &li, remote: &prep.remote, remote_idx: &ri, bytes };
+                    return agent.post(xop, descs, &peer.agent, tag.as_bytes(), deadline, keep);
+                }
+                Err(why) => crate::trace!("request {tag}: {why}: no prepared index names it, so it is built with createXferReq"),
+            }
+        }
         let local = self.descs(&self.pool.region_addrs(), pairs.iter().map(|p| (side(p).0, p.len)));
         let remote = self.descs(&peer.region_bases, pairs.iter().map(|p| (side(p).1, p.len)));
         self.pool.bind()?;
-        agent.post(
-            if op == Op::Write { XferOp::Write } else { XferOp::Read },
-            (&local, mem_type(self.pool.memory()), self.pool.device_id()),
-            (&remote, mem_type(peer.memory), peer.device_id),
-            &peer.agent,
-            tag.as_bytes(),
-            deadline,
-            keep,
-        )
+        let descs = Descs::Fresh {
+            local: (&local, mem_type(self.pool.memory()), self.pool.device_id()),
+            remote: (&remote, mem_type(peer.memory), peer.device_id),
+        };
+        agent.post(xop, descs, &peer.agent, tag.as_bytes(), deadline, keep)
+    }
+
+    /// Builds (and releases, unposted) one request of `pairs` as [`Endpoint::post_as_initiator`]
+    /// would with `mode` — prepared lists must exist for [`XferReq::Prepared`] — and returns
+    /// the seconds the build took, descriptor lists included (`kvprobe bench`). Errors:
+    /// transport (exit 3); usage when `mode` is prepared and nothing was prepared or a pair is
+    /// not whole slices.
+    pub fn time_request(&self, op: Op, pairs: &[Pair], mode: XferReq) -> Result<f64> {
+        let agent = self.local()?;
+        let side = |p: &Pair| {
+            if op == Op::Write { (p.src, p.dst) } else { (p.dst, p.src) }
+        };
+        let peer = self.peer();
+        let xop = if op == Op::Write { XferOp::Write } else { XferOp::Read };
+        match (mode, &self.prepared) {
+            (XferReq::Prepared, Some(prep)) => {
+                let g = self.pool.geometry();
+                let t = Instant::now();
+                let (li, ri, bytes) = indices(g, pairs.iter().map(|p| (side(p).0, side(p).1, p.len)))
+                    .map_err(|w| crate::error::Error::Usage(format!("bench: {w}")))?;
+                let descs = Descs::Prepared { local: &prep.local, local_idx: &li, remote: &prep.remote, remote_idx: &ri, bytes };
+                let built = agent.time_request(xop, &descs, &peer.agent)?;
+                Ok(t.elapsed().as_secs_f64().max(built))
+            }
+            (XferReq::Prepared, None) => Err(crate::error::Error::Usage(
+                "bench: prepared requests need an endpoint connected with --xfer-req prepared".into(),
+            )),
+            (XferReq::Create, _) => {
+                let t = Instant::now();
+                let local = self.descs(&self.pool.region_addrs(), pairs.iter().map(|p| (side(p).0, p.len)));
+                let remote = self.descs(&peer.region_bases, pairs.iter().map(|p| (side(p).1, p.len)));
+                let descs = Descs::Fresh {
+                    local: (&local, mem_type(self.pool.memory()), self.pool.device_id()),
+                    remote: (&remote, mem_type(peer.memory), peer.device_id),
+                };
+                let built = agent.time_request(xop, &descs, &peer.agent)?;
+                Ok(t.elapsed().as_secs_f64().max(built))
+            }
+        }
     }
 
     /// Sends `tag` to the peer as a bare NIXL notification (no transfer): the test-only
@@ -186,24 +384,11 @@ impl Endpoint {
 
     /// Posts one NIXL READ of `pairs` from the peer (this role is decode: `dst` slices are
     /// local, `src` slices the peer's), with notification `tag` to the peer; does not wait.
-    /// Its deadline is `timeout` from now (before the descriptors are built).
+    /// Its deadline is `timeout` from now (before the request is built); made as
+    /// [`Endpoint::post_as_initiator`] makes it.
     /// Errors: transport (exit 3), timeout (exit 4: [`Agent::post`]).
     pub fn post_read(&self, pairs: &[Pair], tag: &str, timeout: Duration) -> Result<Posted> {
-        let deadline = Deadline::after(timeout);
-        let peer = self.peer();
-        let local = self.descs(&self.pool.region_addrs(), pairs.iter().map(|p| (p.dst, p.len)));
-        let remote = self.descs(&peer.region_bases, pairs.iter().map(|p| (p.src, p.len)));
-        self.pool.bind()?;
-        let keep = self.keep()?;
-        self.local()?.post(
-            XferOp::Read,
-            (&local, mem_type(self.pool.memory()), self.pool.device_id()),
-            (&remote, mem_type(peer.memory), peer.device_id),
-            &peer.agent,
-            tag.as_bytes(),
-            deadline,
-            keep,
-        )
+        self.post_as_initiator(Op::Read, pairs, tag, Deadline::after(timeout))
     }
 
     /// The shares a request from this role holds: of its own pool's registration and, when
@@ -238,6 +423,65 @@ impl Endpoint {
         let g = self.pool.geometry();
         coords.map(|(c, len)| (g.descriptor(bases, c).0, len)).collect()
     }
+}
+
+/// A role's two prepared descriptor lists ([`Endpoint::connect`]): every block slice of its
+/// own pool and of the peer's, each at its global slice index.
+struct Prepared {
+    local: PreparedList,
+    remote: PreparedList,
+}
+
+/// The descriptor of every block slice of a pool of geometry `g` whose layer regions start
+/// at `bases`, at its global slice index ([`Geometry::global_slice`]: layer, then the
+/// slice's place in its region): vLLM's per-block descriptors
+/// (`register_local_xfer_handler`, `add_remote_agent`).
+pub fn all_slices(g: &Geometry, bases: &[u64]) -> Vec<(u64, u64)> {
+    let sb = g.slice_bytes().unwrap_or(0);
+    let per = g.slices_per_layer();
+    bases.iter().flat_map(|&b| (0..per).map(move |q| (b + q * sb, sb))).collect()
+}
+
+/// The prepared-list indices of `pairs` given as (local slice, remote slice, bytes from the
+/// slice start): a whole slice is its global slice index ([`Geometry::global_slice`]); a run
+/// of k whole slices (`--descriptor-blocks`) the k consecutive indices from its first slice,
+/// as long as it stays within its layer region on both sides. Returns the local and remote
+/// indices and the bytes they move. Errors: why a pair has no indices (a torn pair, shorter
+/// than a slice or not a whole number of slices; a run past its region's end): the caller
+/// then builds the request from descriptors.
+pub fn indices(
+    g: &Geometry,
+    pairs: impl Iterator<Item = (SliceCoord, SliceCoord, u64)>,
+) -> std::result::Result<(Vec<i32>, Vec<i32>, u64), String> {
+    let sb = g.slice_bytes().map_err(|e| e.to_string())?.max(1);
+    let per = g.slices_per_layer();
+    let (mut li, mut ri, mut bytes) = (Vec::new(), Vec::new(), 0u64);
+    for (l, r, len) in pairs {
+        if len == 0 || !len.is_multiple_of(sb) {
+            return Err(format!("a pair moves {len} bytes, not whole block slices of {sb} bytes"));
+        }
+        let k = len / sb;
+        for (c, out) in [(l, &mut li), (r, &mut ri)] {
+            let first = g.global_slice(c) as u64;
+            if first % per + k > per {
+                return Err(format!(
+                    "a pair of {k} slices from layer {} slice {} runs past its layer region",
+                    c.layer,
+                    first % per
+                ));
+            }
+            out.extend((first..first + k).map(|i| i as i32));
+        }
+        bytes += len;
+    }
+    Ok((li, ri, bytes))
+}
+
+/// Test-only: `KVPROBE_TEST_WRONG_PEER_BASES=1` makes [`Endpoint::connect`] check the peer's
+/// descriptors one region further than the addresses it sent (as a wrong exchange would
+/// name them), so tests can show `checkRemoteMD` refuses them. Never set in normal use.
+fn test_wrong_peer_bases() -> bool {
+    std::env::var("KVPROBE_TEST_WRONG_PEER_BASES").is_ok_and(|v| v == "1")
 }
 
 /// The role that posts requests for `op` (decode for READ, prefill for WRITE) and the other.

@@ -57,11 +57,14 @@ fn bench_on_dram_writes_consistent_figures_and_breakdowns() {
             "3",
             "--iterations",
             "3",
+            "--backend-param",
+            "num_workers=1",
             "--junit",
             j.to_str().unwrap(),
         ],
     );
     assert_eq!(code, 0, "{out}{err}");
+    assert_eq!(r["config"]["backend_params"], serde_json::json!({"num_workers": "1"}));
     // --junit: one case per goal, met or missed as the JSON says, then the outcome.
     let cases = crate::junit::cases(&j);
     let goals: Vec<&Value> = r["figures"].as_array().unwrap().iter().filter(|f| !f["goal"].is_null()).collect();
@@ -89,6 +92,28 @@ fn bench_on_dram_writes_consistent_figures_and_breakdowns() {
     check_figures(&r, &["cpu.memcpy.1", "cpu.memcpy.all", "cpu.fill.1", "cpu.fill.all", "cpu.verify.1", "cpu.verify.all"]);
     let figs = r["figures"].as_array().unwrap();
     assert!(figs.iter().all(|f| !f["name"].as_str().unwrap().starts_with("gpu.")), "no GPU figures on DRAM");
+    // Request building, createXferReq against makeXferReq from prepared lists, for one READ
+    // of the whole 64 MiB pool (2048 slices of 32 KiB: 32 layers x K/V x 32 blocks), per block
+    // and in runs of 16 blocks; each rated against the same run's all-thread memcpy.
+    let requests = [
+        "nixl.request.create.block",
+        "nixl.request.prepared.block",
+        "nixl.request.create.merged",
+        "nixl.request.prepared.merged",
+    ];
+    check_figures(&r, &requests);
+    for name in requests {
+        let f = figs.iter().find(|f| f["name"] == name).unwrap();
+        assert_eq!(f["bytes"], 64u64 << 20, "{f}");
+        assert_eq!(f["counted"], "described", "{f}");
+        assert_eq!(f["ratio_to"], "cpu.memcpy.all", "{f}");
+        assert!(f["goal"].is_null(), "{f}");
+        let (how, n) = (
+            if name.contains("create") { "createXferReq" } else { "makeXferReq" },
+            if name.ends_with("block") { "2048 x 32 KiB" } else { "128 x 512 KiB" },
+        );
+        assert_eq!(f["what"], format!("{how} {n}"), "{f}");
+    }
     for name in ["cpu.fill.all", "cpu.verify.all"] {
         let f = figs.iter().find(|f| f["name"] == name).unwrap();
         assert_eq!(f["goal"], 0.5);

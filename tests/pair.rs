@@ -199,6 +199,33 @@ fn pair_finds_every_injection_as_predicted_on_the_side_that_owns_it() {
 }
 
 #[test]
+fn pair_sides_make_requests_as_run_says_and_take_its_backend_params() {
+    // --xfer-req and --backend-param travel in the configuration: serve's prefill agent makes
+    // its WRITEs (and prepares its lists, or not) as run's decode agent does, with the same
+    // backend parameters; both reports record them.
+    for mode in ["prepared", "create"] {
+        for op in ["read", "write"] {
+            let s = Serve::start_with(&[], "127.0.0.1", &["--memory", "dram"], &[("KVPROBE_TRACE", "1")], &[]);
+            let args = ["--op", op, "--iterations", "2", "--xfer-req", mode, "--backend-param", "num_threads=2"];
+            let (code, r, out) = run_peer_with(&[], &s.addr, TOKEN, &["--memory", "dram"], &[("KVPROBE_TRACE", "1")], &args);
+            let ctx = format!("{mode} {op}");
+            assert_eq!(code, 0, "{ctx}: {out}");
+            let (sc, sout, sr) = s.wait();
+            assert_eq!(sc, 0, "{ctx}: {sout}");
+            let sr = sr.unwrap();
+            assert_one_run(&r, &sr, 0);
+            assert_eq!(sr["config"]["xfer_req"], mode, "{ctx}");
+            assert_eq!(sr["config"]["backend_params"], serde_json::json!({"num_threads": "2"}), "{ctx}");
+            let prepared = |log: &str, agent: &str| {
+                log.lines().any(|l| l.contains(&format!("{agent}: prepared 512 local and 512 remote descriptors")))
+            };
+            assert_eq!(prepared(&out, "kvprobe-decode"), mode == "prepared", "{ctx}: {out}");
+            assert_eq!(prepared(&sout, "kvprobe-prefill"), mode == "prepared", "{ctx}: {sout}");
+        }
+    }
+}
+
+#[test]
 fn pair_wrong_token_is_refused_on_both_sides() {
     let s = Serve::start(&[]);
     let (code, r, out) = run_peer_in(&[], &s.addr, "not-the-token", &["--iterations", "1"]);

@@ -29,3 +29,4 @@ mod setup;
 mod stray;
 mod timeout;
 mod units;
+mod xfer;

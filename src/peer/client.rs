@@ -323,6 +323,11 @@ impl PrefillPeer {
         self.link.send(&Msg::Write { it, stage, tag: tag.into() })
     }
 
+    /// Tells prefill iteration `it`'s results (`slices` verified, `corrupt`, `gbps`).
+    pub fn verified(&self, it: u32, slices: u64, corrupt: u64, gbps: f64) -> Result<()> {
+        self.link.send(&Msg::Verified { it, slices, corrupt, gbps })
+    }
+
     /// Has prefill send `tag` as a bare notification (the test-only early-notification fault).
     pub fn notify(&self, tag: &str) -> Result<()> {
         self.link.send(&Msg::Notify { tag: tag.into() })

@@ -14,7 +14,7 @@
 //! | 5 | | [`Msg::Accept`] (prefill's side and environment) or [`Msg::Refused`] naming the field |
 //! | 6 | [`Msg::Connect`]: decode's NIXL agent metadata and region bases | loads them (`load_remote_md`) |
 //! | 7 | | [`Msg::Connected`]: prefill's; decode loads them, then `check_remote_metadata` |
-//! | 8 | per iteration: [`Msg::Fill`] (prefill refills a stage), [`Msg::Write`] (WRITE: prefill posts a stage) | [`Msg::Filled`], [`Msg::Written`]; NIXL notifications prefill receives come back as [`Msg::Notified`] |
+//! | 8 | per iteration: [`Msg::Fill`] (prefill refills a stage), [`Msg::Write`] (WRITE: prefill posts a stage), then [`Msg::Verified`] with the iteration's results | [`Msg::Filled`], [`Msg::Written`]; NIXL notifications prefill receives come back as [`Msg::Notified`] |
 //! | 9 | [`Msg::Done`] with the run's outcome | [`Msg::Bye`] with prefill's side of the report; both close |
 //!
 //! Either side sends [`Msg::Heartbeat`] every [`heartbeat_interval`] from its own thread, so
@@ -187,6 +187,17 @@ pub enum Msg {
         /// Their messages.
         tags: Vec<String>,
     },
+    /// run → serve: decode verified iteration `it` (every stage): its results.
+    Verified {
+        /// Iteration.
+        it: u32,
+        /// Block slices verified.
+        slices: u64,
+        /// Block slices found corrupt (every class).
+        corrupt: u64,
+        /// Transfer rate of the iteration (GB/s = 1e9 B/s).
+        gbps: f64,
+    },
     /// Either way: still alive.
     Heartbeat,
     /// Either way: SIGINT/SIGTERM on the sender; the receiver ends its run as interrupted.
@@ -235,6 +246,7 @@ impl Msg {
             Msg::Written { .. } => "written",
             Msg::Notify { .. } => "notify",
             Msg::Notified { .. } => "notified",
+            Msg::Verified { .. } => "verified",
             Msg::Heartbeat => "heartbeat",
             Msg::Interrupt { .. } => "interrupt",
             Msg::Failed { .. } => "failed",

@@ -1,0 +1,284 @@
+//! How NIXL requests are made (`--xfer-req prepared|create`), the metadata check after
+//! loading the peer's (`checkRemoteMD`), and `--backend-param`: real NIXL (UCX) on DRAM
+//! pools. Needs the NIXL libraries (scripts/install-deps.sh).
+
+use crate::common::{EVERY_INJECTION, assert_found_exactly, kvprobe, kvprobe_env, read_report, tmpdir};
+use kvprobe::geometry::{KvPart, Layout, Preset, SliceCoord};
+use kvprobe::transport::{XferReq, indices};
+use serde_json::Value;
+
+/// `kvprobe run --memory dram --report <tmp> ARGS` with `env`: (exit code, report, stdout +
+/// stderr).
+fn run(name: &str, args: &[&str], env: &[(&str, &str)]) -> (i32, Value, String) {
+    let p = tmpdir(name).join("report.json");
+    let mut a = vec!["run", "--memory", "dram", "--report", p.to_str().unwrap()];
+    a.extend_from_slice(args);
+    let (code, out, err) = kvprobe_env(&a, env);
+    assert!(!err.contains("panicked"), "{err}");
+    let r = if p.exists() { read_report(&p) } else { Value::Null };
+    (code, r, format!("{out}{err}"))
+}
+
+/// Trace lines saying a request was built with createXferReq because a pair has no
+/// prepared index.
+fn fallbacks(log: &str) -> usize {
+    log.lines().filter(|l| l.contains("no prepared index names it, so it is built with createXferReq")).count()
+}
+
+/// Trace lines saying a role prepared its two descriptor lists (`slices` descriptors each).
+fn prepared_lines(log: &str, slices: u64) -> usize {
+    log.lines().filter(|l| l.contains(&format!("prepared {slices} local and {slices} remote descriptors"))).count()
+}
+
+const TRACE: &[(&str, &str)] = &[("KVPROBE_TRACE", "1")];
+
+#[test]
+fn sweeps_and_scenarios_are_clean_with_prepared_and_created_requests() {
+    // The small preset: 4 layers x K/V x 64 blocks = 512 slices per pool.
+    for mode in ["prepared", "create"] {
+        for extra in [
+            vec!["--iterations", "3"],
+            vec!["--iterations", "2", "--op", "write", "--layout", "hnd"],
+            vec!["--iterations", "2", "--decode-process"],
+            vec!["--scenario", "nixl-only", "--requests", "150"],
+            vec!["--scenario", "stacked", "--requests", "150"],
+        ] {
+            let mut args = vec!["--xfer-req", mode];
+            args.extend(extra.iter());
+            let (code, r, log) = run("xfer-clean", &args, TRACE);
+            assert_eq!(code, 0, "{mode} {extra:?}: {log}");
+            assert_eq!(r["config"]["xfer_req"], mode, "{mode} {extra:?}");
+            assert!(log.contains(&format!("(backend UCX, {mode} requests)\n")), "{mode} {extra:?}: {log}");
+            assert_eq!(r["summary"]["blocks_corrupt"], 0, "{mode} {extra:?}");
+            assert!(r["summary"]["blocks_checked"].as_u64().unwrap() > 0, "{mode} {extra:?}");
+            // Prepared: both roles (prefill in its own process with --decode-process)
+            // prepared their lists; create: none did. Nothing fell back.
+            assert_eq!(prepared_lines(&log, 512), if mode == "prepared" { 2 } else { 0 }, "{mode} {extra:?}: {log}");
+            assert_eq!(fallbacks(&log), 0, "{mode} {extra:?}: {log}");
+        }
+    }
+}
+
+#[test]
+fn every_injection_is_found_as_predicted_with_prepared_requests() {
+    // Every class, stray included (it needs 3 stages or more), planted through prepared
+    // requests; the torn pair's request alone falls back to createXferReq, once per
+    // iteration (one torn pair per iteration, in one stage's request).
+    let mut args = vec!["--xfer-req", "prepared", "--iterations", "3", "--pipeline-stages", "4", "--inject", "stray"];
+    args.extend(EVERY_INJECTION);
+    let (code, r, log) = run("xfer-inject", &args, TRACE);
+    assert_eq!(code, 1, "{log}");
+    assert_eq!(r["config"]["xfer_req"], "prepared");
+    let planted = r["summary"]["injections_planted"].as_u64().unwrap();
+    assert_eq!(planted, 18, "{log}");
+    assert_found_exactly(&r, planted, &log);
+    assert!(r["summary"]["by_class"]["torn"].as_u64().unwrap() >= 3, "{}", r["summary"]["by_class"]);
+    assert!(r["summary"]["by_class"]["stray"].as_u64().unwrap() >= 3, "{}", r["summary"]["by_class"]);
+    assert_eq!(prepared_lines(&log, 512), 2, "{log}");
+    assert_eq!(fallbacks(&log), 3, "{log}");
+    // Without a torn pair nothing falls back.
+    let (code, r, log) = run("xfer-inject-notorn", &["--iterations", "2", "--inject", "bitflip", "--inject", "misroute"], TRACE);
+    assert_eq!(code, 1, "{log}");
+    assert_found_exactly(&r, 4, &log);
+    assert_eq!(fallbacks(&log), 0, "{log}");
+}
+
+#[test]
+fn merged_descriptor_runs_with_prepared_requests() {
+    // Runs of 4 blocks expand to 4 consecutive indices per pair (NHD: one run per layer and
+    // K/V; HND: K and V of the run together, 8 slices; MLA: one latent run).
+    // NIXL (nixl-cu13 1.5.1, its debug log) merges each run's consecutive indices back into
+    // one descriptor: as many descriptors as createXferReq would get (NHD: 4 layers x K/V x
+    // 16 runs; HND: 4 x 16 runs of K and V; MLA: 4 x 16 runs of 256 latent slices).
+    for (extra, merged) in [
+        (vec![], "merged 512 indices into 128 descriptors"),
+        (vec!["--layout", "hnd"], "merged 512 indices into 64 descriptors"),
+        (vec!["--mla", "--kv-heads", "1"], "merged 256 indices into 64 descriptors"),
+    ] {
+        let mut args = vec!["--xfer-req", "prepared", "--descriptor-blocks", "4", "--iterations", "2"];
+        args.extend(extra.iter());
+        let (code, r, log) = run("xfer-merged", &args, &[("KVPROBE_TRACE", "1"), ("NIXL_LOG_LEVEL", "DEBUG")]);
+        assert_eq!(code, 0, "{extra:?}: {log}");
+        assert_eq!(log.matches(merged).count(), 2, "{extra:?}: one request per iteration: {log}");
+        assert_eq!(r["config"]["descriptor_blocks"], 4);
+        assert_eq!(r["summary"]["blocks_corrupt"], 0);
+        assert_eq!(fallbacks(&log), 0, "{extra:?}: {log}");
+        // Faults planted into merged runs are found as predicted; only torn falls back.
+        let mut args = args.clone();
+        args.extend(EVERY_INJECTION);
+        let (code, r, log) = run("xfer-merged-inject", &args, TRACE);
+        assert_eq!(code, 1, "{extra:?}: {log}");
+        assert_found_exactly(&r, 10, &format!("{extra:?}: {log}"));
+        assert_eq!(fallbacks(&log), 2, "{extra:?}: {log}");
+    }
+}
+
+#[test]
+fn a_valid_backend_param_runs_clean_and_is_recorded() {
+    let (code, r, log) = run("xfer-bp", &["--iterations", "2", "--backend-param", "num_threads=2"], &[]);
+    assert_eq!(code, 0, "{log}");
+    assert_eq!(r["config"]["backend_params"], serde_json::json!({"num_threads": "2"}));
+    assert_eq!(r["summary"]["blocks_corrupt"], 0);
+    assert!(log.contains("(backend UCX, prepared requests, num_threads=2)\n"), "{log}");
+    // Without the flag: the plugin's defaults, recorded as none.
+    let (code, r, log) = run("xfer-bp-none", &["--iterations", "1"], &[]);
+    assert_eq!(code, 0, "{log}");
+    assert_eq!(r["config"]["backend_params"], serde_json::json!({}));
+    // Also with --decode-process (its prefill process creates its own backend).
+    let (code, r, log) = run("xfer-bp-proc", &["--iterations", "1", "--decode-process", "--backend-param", "num_workers=2"], &[]);
+    assert_eq!(code, 0, "{log}");
+    assert_eq!(r["config"]["backend_params"], serde_json::json!({"num_workers": "2"}));
+    // ab and bench take the flag too.
+    for sub in ["ab", "bench"] {
+        let (code, out, _) = kvprobe(&[sub, "--help"]);
+        assert_eq!(code, 0);
+        assert!(out.contains("--backend-param <KEY=VALUE>"), "{sub}: {out}");
+    }
+}
+
+#[test]
+fn an_unknown_backend_param_exits_2_naming_it_and_the_valid_keys() {
+    let (code, r, log) = run("xfer-bp-bad", &["--iterations", "1", "--backend-param", "num_thread=2"], &[]);
+    assert_eq!(code, 2, "{log}");
+    assert!(log.contains("NIXL backend UCX has no parameter \"num_thread\""), "{log}");
+    // The valid ones: the plugin's defaults and the keys its source reads beyond them.
+    for k in ["num_threads", "num_workers", "ucx_devices", "ucx_error_handling_mode", "engine_config"] {
+        assert!(log.contains(k), "{k}: {log}");
+    }
+    assert_eq!(r["outcome"]["exit_code"], 2, "{r}");
+    // A value the plugin cannot parse stops the backend's start: exit 2, naming it.
+    let (code, _, log) = run("xfer-bp-value", &["--iterations", "1", "--backend-param", "num_threads=many"], &[]);
+    assert_eq!(code, 2, "{log}");
+    assert!(log.contains("with --backend-param num_threads=many"), "{log}");
+    // Not KEY=VALUE: refused by the parser.
+    for bad in ["num_threads", "=2", "a b=1"] {
+        let (code, _, err) = kvprobe(&["run", "--memory", "dram", "--backend-param", bad]);
+        assert_eq!(code, 2, "{bad}: {err}");
+        assert!(err.contains("--backend-param"), "{bad}: {err}");
+    }
+    // ab refuses it the same way.
+    let (code, _, err) = kvprobe(&["ab", "--memory", "dram", "--requests", "20", "--backend-param", "bogus=1"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("no parameter \"bogus\""), "{err}");
+}
+
+#[test]
+fn check_remote_metadata_refuses_descriptors_outside_the_peers_registered_memory() {
+    // The hook makes the peer's descriptor list one region past the memory it registered,
+    // as a wrong exchange of region addresses would: checkRemoteMD must refuse it before any
+    // transfer, in both modes (with create nothing else would notice before the first
+    // request), naming the agent that checked and the peer.
+    for mode in ["prepared", "create"] {
+        let (code, r, log) =
+            run("xfer-md", &["--iterations", "1", "--xfer-req", mode], &[("KVPROBE_TEST_WRONG_PEER_BASES", "1")]);
+        assert_eq!(code, 2, "{mode}: {log}");
+        assert!(
+            log.contains("NIXL agent kvprobe-decode: the metadata loaded from agent kvprobe-prefill does not cover its pool's 512 block slices (checkRemoteMD"),
+            "{mode}: {log}"
+        );
+        assert_eq!(r["summary"]["bytes_transferred"], 0, "{mode}");
+    }
+    // The same pools and peers without the hook pass the check.
+    let (code, _, log) = run("xfer-md-ok", &["--iterations", "1"], &[]);
+    assert_eq!(code, 0, "{log}");
+}
+
+#[test]
+fn old_reports_without_the_new_fields_still_parse() {
+    let (code, r, log) = run("xfer-old", &["--iterations", "1"], &[]);
+    assert_eq!(code, 0, "{log}");
+    let mut cfg = r["config"].clone();
+    let m = cfg.as_object_mut().unwrap();
+    assert!(m.remove("xfer_req").is_some() && m.remove("backend_params").is_some(), "{cfg}");
+    let back: kvprobe::run::RunConfig = serde_json::from_value(cfg).unwrap();
+    // Reports written before the flag built every request with createXferReq.
+    assert_eq!(back.xfer_req, XferReq::Create);
+    assert!(back.backend_params.is_empty());
+    // And `report show` reads such a report.
+    let mut old = r.clone();
+    let m = old["config"].as_object_mut().unwrap();
+    m.remove("xfer_req");
+    m.remove("backend_params");
+    let p = tmpdir("xfer-old-show").join("old.json");
+    std::fs::write(&p, serde_json::to_vec(&old).unwrap()).unwrap();
+    let (code, out, err) = kvprobe(&["report", "show", p.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}{err}");
+}
+
+#[test]
+fn prepared_indices_are_global_slice_indices_and_runs_expand() {
+    let g = Preset::Small.geometry(); // NHD, 4 layers, 64 blocks, 4096-byte slices
+    let sb = g.slice_bytes().unwrap();
+    let c = |layer, kv, block| SliceCoord { layer, kv, block };
+    // One slice each: vLLM's region * num_blocks + block (regions: layer-major K, V).
+    let (l, r, bytes) = indices(&g, [(c(0, KvPart::K, 5), c(2, KvPart::V, 7), sb)].into_iter()).unwrap();
+    assert_eq!((l, r, bytes), (vec![5], vec![(2 * 2 + 1) * 64 + 7], sb));
+    // A run of 4 slices: 4 consecutive indices on both sides.
+    let (l, r, bytes) = indices(&g, [(c(1, KvPart::K, 8), c(3, KvPart::V, 60), 4 * sb)].into_iter()).unwrap();
+    assert_eq!(l, vec![128 + 8, 128 + 9, 128 + 10, 128 + 11]);
+    assert_eq!(r, vec![7 * 64 + 60, 7 * 64 + 61, 7 * 64 + 62, 7 * 64 + 63]);
+    assert_eq!(bytes, 4 * sb);
+    // A run past its layer region's end has no indices (NHD: V's last block is the region's end).
+    assert!(indices(&g, [(c(1, KvPart::V, 62), c(0, KvPart::K, 0), 4 * sb)].into_iter()).is_err());
+    // A torn pair (less than a slice, or not whole slices) has none either.
+    let e = indices(&g, [(c(0, KvPart::K, 0), c(0, KvPart::K, 1), sb / 2)].into_iter()).unwrap_err();
+    assert!(e.contains("not whole block slices"), "{e}");
+    assert!(indices(&g, [(c(0, KvPart::K, 0), c(0, KvPart::K, 1), sb + 16)].into_iter()).is_err());
+    assert!(indices(&g, [(c(0, KvPart::K, 0), c(0, KvPart::K, 1), 0)].into_iter()).is_err());
+    // HND: memory order, K and V of a block side by side; a run of 2 blocks, K and V
+    // together, is 4 consecutive indices.
+    let mut h = g.clone();
+    h.layout = Layout::Hnd;
+    let (l, _, _) = indices(&h, [(c(2, KvPart::K, 10), c(0, KvPart::K, 0), 4 * sb)].into_iter()).unwrap();
+    assert_eq!(l, vec![256 + 20, 256 + 21, 256 + 22, 256 + 23]);
+    let (l, _, _) = indices(&h, [(c(0, KvPart::V, 3), c(0, KvPart::K, 0), sb)].into_iter()).unwrap();
+    assert_eq!(l, vec![7]);
+    // The prepared list holds every slice at its index: entry i is slice coord_of(i).
+    let bases = [0x1000_0000u64, 0x2000_0000, 0x3000_0000, 0x4000_0000];
+    for geo in [&g, &h] {
+        let all = kvprobe::transport::all_slices(geo, &bases);
+        assert_eq!(all.len() as u64, geo.total_slices().unwrap());
+        for (i, d) in all.iter().enumerate() {
+            assert_eq!(*d, geo.descriptor(&bases, geo.coord_of(i as u32)), "{i}");
+        }
+    }
+}
+
+#[test]
+fn a_pool_beyond_32_bit_indices_needs_create_requests() {
+    // 40000 layers x K/V x 32768 blocks = 2 621 440 000 slices of 16 bytes: more than
+    // makeXferReq's int indices reach. Refused before anything is allocated, naming the way
+    // out; with --xfer-req create this check passes (the run then stops on host memory).
+    let geo = ["--layers", "40000", "--blocks", "32768", "--kv-heads", "1", "--head-size", "8", "--block-size", "1"];
+    let mut args = vec!["run", "--memory", "dram", "--iterations", "1"];
+    args.extend(geo);
+    let (code, _, err) = kvprobe(&args);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--xfer-req prepared: the pool has 2621440000 block slices, and NIXL's makeXferReq indexes at most 2147483647; use --xfer-req create"), "{err}");
+    args.extend(["--xfer-req", "create"]);
+    let (code, _, err) = kvprobe(&args);
+    assert_eq!(code, 2, "{err}");
+    assert!(!err.contains("makeXferReq"), "{err}");
+}
+
+#[test]
+fn backend_param_keys_are_checked_against_the_plugins_own() {
+    use kvprobe::nixl::check_backend_params;
+    let defaults: Vec<String> = ["ucx_devices", "num_workers", "ucx_error_handling_mode"].iter().map(|k| k.to_string()).collect();
+    let one = |k: &str| std::collections::BTreeMap::from([(k.to_string(), "1".to_string())]);
+    // A default key and a key the UCX plugin reads beyond its defaults are valid.
+    assert!(check_backend_params("UCX", &defaults, &one("num_workers")).is_ok());
+    assert!(check_backend_params("UCX", &defaults, &one("num_threads")).is_ok());
+    // Another plugin knows only its own defaults: UCX's extra keys are not its.
+    let e = check_backend_params("POSIX", &["use_uring".to_string()], &one("num_threads")).unwrap_err();
+    assert_eq!(e.exit() as i32, 2);
+    assert!(e.to_string().contains("NIXL backend POSIX has no parameter \"num_threads\" (valid: use_uring)"), "{e}");
+    // An unknown key: exit 2, the valid keys sorted.
+    let e = check_backend_params("UCX", &defaults, &one("num_thread")).unwrap_err();
+    assert!(
+        e.to_string().contains(
+            "(valid: device_list, engine_config, num_threads, num_workers, split_batch_size, ucx_devices, ucx_error_handling_mode, ucx_num_device_channels)"
+        ),
+        "{e}"
+    );
+}
