@@ -1,5 +1,7 @@
 //! kvprobe's peer protocol: how the decode side (`kvprobe run --peer`) drives the prefill
-//! side (`kvprobe serve`) of a sweep on another host.
+//! side (`kvprobe serve`) of a sweep on another host — and, over a Unix socket pair, how
+//! `kvprobe run --decode-process` drives its child `kvprobe serve --fd N` on the same host
+//! ([`client::start_child`]): one protocol and one code path for both.
 //!
 //! Length-prefixed frames (a 4-byte big-endian length, then a JSON [`Msg`]; framing by
 //! `tokio_util`'s `LengthDelimitedCodec`, used synchronously) over one TCP connection, or over
