@@ -390,7 +390,7 @@ const SERVE_EXIT_CODES: &str = "Exit codes: the run's own code (0 clean, 1 corru
 
 #[derive(Args)]
 struct ServeArgs {
-    /// Address and port to listen on (e.g. 10.0.0.2:7000, 0.0.0.0:7000; port 0 picks a free one and prints it). Nothing else is opened until a run connects.
+    /// Address and port to listen on (required; e.g. 10.0.0.2:7000, 0.0.0.0:7000; port 0 picks a free one and prints it). Nothing else is opened until a run connects.
     #[arg(long, value_name = "ADDR:PORT", required_unless_present = "fd")]
     listen: Option<String>,
     /// Internal (the prefill process of `run --decode-process`): serve one session on the Unix socket inherited as descriptor N, token from $KVPROBE_TOKEN; nothing on stdout, no report.
