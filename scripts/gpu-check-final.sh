@@ -2,7 +2,7 @@
 # Final GPU lane of a session (best on the two-GPU kind, which also runs the one-GPU tests on
 # GPU 0; say so: KVPROBE_REQUIRE_GPUS=2 scripts/gpu-check-final.sh, the count of the host kind,
 # default 1): the whole test binary (KVPROBE_REQUIRE_GPU=1, Mooncake from the bundle), `kvprobe env`, and the cross-GPU rate of the
-# decode agent in a second process with 64 MiB descriptors under UCX_CUDA_IPC_MAX_STREAMS; on
+# two processes (prefill in a child) with 64 MiB descriptors under UCX_CUDA_IPC_MAX_STREAMS; on
 # VRAM: the main job, every injection class on the smallest slices (16-64 bytes, 5 seeds), and
 # `--report -` giving stdout to the JSON alone.
 #   scripts/gpu-check-final.sh [BUNDLE_DIR]
@@ -37,7 +37,7 @@ step "kvprobe env"
 "$kv" env 2>&1 | sed -n '/^transport/,$p' | tee -a "$log"
 if [ "$n" -ge 2 ]; then
   for s in "" 4 16; do
-    step "READ GPU 0 -> GPU 1, decode agent in a second process, 64 MiB descriptors${s:+, UCX_CUDA_IPC_MAX_STREAMS=$s}"
+    step "READ GPU 0 -> GPU 1, two processes (prefill in a child), 64 MiB descriptors${s:+, UCX_CUDA_IPC_MAX_STREAMS=$s}"
     env ${s:+UCX_CUDA_IPC_MAX_STREAMS=$s} "$kv" run --memory vram --prefill-device 0 --decode-device 1 --decode-process \
       --preset llama3-8b --blocks 2048 --descriptor-blocks 2048 --iterations 10 2>&1 | grep -E "^(transfer|path|  |result)" | grep -v "^  iter" | tee -a "$log"
     expect 0 "${PIPESTATUS[0]}" "READ GPU 0 -> GPU 1, decode process${s:+, UCX_CUDA_IPC_MAX_STREAMS=$s}"

@@ -56,7 +56,7 @@ if [ "$what" = ucx ] || [ "$what" = all ]; then
   medians "$out/u.json"
 fi
 if [ "$what" = procs ] || [ "$what" = all ]; then
-  # The decode agent in a second process (run --decode-process) on this GPU, and the thread-block
+  # Two processes (run --decode-process: prefill in a child) on this GPU, and the thread-block
   # cap of the probe's kernels while transfers are in flight (KVPROBE_OVERLAP_GRID).
   run() {
     step "$*"

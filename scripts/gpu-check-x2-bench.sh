@@ -17,7 +17,7 @@ run() {
 }
 step "env: GPUs, link, probe transfers"
 "$kv" env 2>&1 | grep -vE "^(NIXL|UCX_|NIXL_|Mooncake|driver|CUDA|NVRTC)" | tee -a "$log"
-step "bench/run.sh --device 0 --decode-device 1 (decode agent in this process)"
+step "bench/run.sh --device 0 --decode-device 1 (both agents in this process)"
 BENCH_OUT="$out" bench/run.sh --device 0 --decode-device 1 --repeats 5 2>&1 | sed -n '/^figure/,$p' | grep -vE "^cpu|CPU|memcpy" | tee -a "$log"
 expect 0 "${PIPESTATUS[0]}" bench/run.sh across GPUs
 step "bench/run.sh --device 0 --decode-device 1 --decode-process"
@@ -31,13 +31,13 @@ k=(run "$kv" run "${x2[@]}" --preset llama3-8b)
 "${k[@]}" --blocks 2048 --iterations 20 --decode-process --descriptor-blocks 2048 --pipeline-stages 8
 "${k[@]}" --blocks 2048 --iterations 20 --decode-process --descriptor-blocks 64
 for inj in bitflip drop misroute stale torn; do
-  step "inject $inj:3 across devices, decode agent in a second process"
+  step "inject $inj:3 across devices, two processes (prefill in a child)"
   "$kv" run "${x2[@]}" --preset llama3-8b --iterations 2 --decode-process --inject "$inj:3" 2>&1 |
     grep -E "corrupt|injections|result" | tee -a "$log"
   expect 1 "${PIPESTATUS[0]}" "inject $inj:3 across devices"
 done
 step "two-GPU tests"
-run_tests tests "$bundle/tests" --test-threads=1 cross_device env_describes_the_link decode_agent bench::bench_across
+run_tests tests "$bundle/tests" --test-threads=1 cross_device env_describes_the_link two_processes bench::bench_across
 step "ab across GPUs, embedded tier"
 "$kv" ab "${x2[@]}" --requests 1000 2>&1 | grep -v "requests verified\|^row " | tee -a "$log"
 expect 0 "${PIPESTATUS[0]}" ab across GPUs

@@ -11,10 +11,10 @@ step "bench/run.sh --device 0 --decode-device 1 --decode-process"
 BENCH_OUT="$out" bench/run.sh --device 0 --decode-device 1 --decode-process --repeats 5 2>&1 |
   grep -vE "^  (fill|poison|verify|host|hidden|kernels) |^cpu|CPU|memcpy" | tee -a "$log"
 expect 0 "${PIPESTATUS[0]}" bench/run.sh across GPUs
-step "tests: pipelined, cross-device, decode agent process, bench across GPUs, VRAM bench"
-run_tests tests "$bundle/tests" --test-threads=2 pipelined cross_device decode_agent bench_across bench_on_vram
+step "tests: pipelined, cross-device, two processes, bench across GPUs, VRAM bench"
+run_tests tests "$bundle/tests" --test-threads=2 pipelined cross_device two_processes bench_across bench_on_vram
 for inj in bitflip drop misroute stale torn; do
-  step "inject $inj:3 across devices (default stages), decode agent process"
+  step "inject $inj:3 across devices (default stages), two processes"
   "$kv" run --memory vram --prefill-device 0 --decode-device 1 --decode-process --preset llama3-8b --iterations 3 \
     --inject "$inj:3" 2>&1 | grep -E "^(block slices|corrupt by|injections|result|pipeline)" | tee -a "$log"
   expect 1 "${PIPESTATUS[0]}" "inject $inj:3 across devices"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Two-GPU lane for the decode agent in a second process (run --decode-process), one call:
+# Two-GPU lane for two processes (run --decode-process: prefill in a child kvprobe serve), one call:
 # a traced run first (KVPROBE_TRACE=1: the last line names the step of a crash); when it
 # works, the main job across the GPUs (READ/WRITE, 4 GiB per side, 20 iterations), merged
 # descriptors, pipelined, each injection class, bench --decode-process and the tests that
@@ -17,7 +17,7 @@ run() {
   grep -E "^(path|warning|result)|error" "$out/run.txt" | tee -a "$log"
   [ -f "$out/x.json" ] && medians "$out/x.json"
 }
-step "traced: decode agent process on GPU 1, READ"
+step "traced: two processes, decode on GPU 1, READ"
 KVPROBE_TRACE=1 "$kv" run "${x2[@]}" --preset llama3-8b --blocks 64 --iterations 2 > "$out/trace.txt" 2>&1
 rc=$?
 expect 0 "$rc" traced run
@@ -47,7 +47,7 @@ k=(run "$kv" run "${x2[@]}" --preset llama3-8b --blocks 2048 --iterations 20)
 "${k[@]}" --descriptor-blocks 64
 UCX_CUDA_IPC_ENABLE_GET_ZCOPY=n "${k[@]}" --descriptor-blocks 2048
 for inj in bitflip drop misroute stale torn; do
-  step "inject $inj:3 across devices, decode agent in a second process"
+  step "inject $inj:3 across devices, two processes (prefill in a child)"
   "$kv" run "${x2[@]}" --preset llama3-8b --iterations 2 --inject "$inj:3" 2>&1 | grep -E "corrupt|injections|result" | tee -a "$log"
   expect 1 "${PIPESTATUS[0]}" "inject $inj:3 across devices, decode process"
 done
@@ -55,4 +55,4 @@ step "bench/run.sh --device 0 --decode-device 1 --decode-process"
 BENCH_OUT="$out" bench/run.sh --device 0 --decode-device 1 --decode-process --repeats 5 2>&1 | sed -n '/^sweep/,$p' | grep -vE "^  (fill|poison|verify|host|hidden|kernels)" | tee -a "$log"
 expect 0 "${PIPESTATUS[0]}" bench/run.sh across GPUs, decode process
 step "two-GPU tests"
-run_tests tests "$bundle/tests" --test-threads=1 cross_device env_describes_the_link decode_agent bench::bench_across
+run_tests tests "$bundle/tests" --test-threads=1 cross_device env_describes_the_link two_processes bench::bench_across

@@ -75,7 +75,7 @@ pub struct BenchConfig {
     /// Fingerprint seed (written as `seed` and `seed_hex`, [`crate::run::serialize_seed`]).
     #[serde(flatten, serialize_with = "crate::run::serialize_seed", deserialize_with = "crate::run::deserialize_seed")]
     pub seed: u64,
-    /// Sweeps with the decode agent in a second process (`run --decode-process`).
+    /// Sweeps with prefill's NIXL agent and pool in a second process (`run --decode-process`).
     pub decode_process: bool,
     /// NIXL backend of the sweep breakdowns.
     pub backend: String,
@@ -683,7 +683,7 @@ pub fn run(cfg: &BenchConfig, r: &mut BenchReport) -> Result<()> {
             label += &format!(", pipelined in {} stages", st.min(g.num_layers));
         }
         if cfg.decode_process {
-            label += ", decode agent in a second process";
+            label += ", prefill in a second process";
         }
         if let Some(d) = cfg.decode_device.filter(|&d| d != cfg.device && cfg.memory == MemoryKind::Vram) {
             label += &format!(", GPU {} -> GPU {d}", cfg.device);

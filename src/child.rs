@@ -1,8 +1,8 @@
 //! Child processes that never outlive kvprobe and inherit nothing by accident: the only
 //! module with process `unsafe`.
 //!
-//! Every child kvprobe starts (the Mooncake master and store worker, the decode agent
-//! process, `env`'s probe runs, `nvidia-smi`) goes through [`spawn`] or [`output`]. They
+//! Every child kvprobe starts (the Mooncake master and store worker, the prefill process of
+//! `run --decode-process`, `env`'s probe runs, `nvidia-smi`) goes through [`spawn`] or [`output`]. They
 //! are killed and reaped when their handles drop, on every normal path out of a run. For the
 //! abnormal ones — a second Ctrl-C (which exits at once), SIGKILL, a crash — the kernel kills
 //! them too: they are started with `PR_SET_PDEATHSIG = SIGKILL` (Linux).
@@ -105,9 +105,41 @@ fn die_with_parent(cmd: &mut Command) -> &mut Command {
     }
 }
 
-/// Makes this process ignore SIGINT and SIGTERM (the decode agent process: a Ctrl-C in the
-/// terminal reaches the whole process group, and kvprobe, not the child, decides how to stop;
-/// it ends the child by closing its input, or by dying — see [`spawn`]).
+/// Takes over the Unix socket this process inherited as descriptor `fd` (the prefill process
+/// of `run --decode-process`, started with [`keep_fd`]) and marks it close-on-exec again, so
+/// nothing this process starts inherits it. Errors: `fd` is not open, or not a socket (a
+/// `kvprobe serve --fd N` started by hand with a wrong N); the descriptor is then left alone.
+pub fn inherited_socket(fd: i32) -> std::io::Result<std::os::unix::net::UnixStream> {
+    use std::os::fd::FromRawFd;
+    if fd < 3 {
+        return Err(std::io::Error::other(format!("descriptor {fd} is stdin, stdout or stderr")));
+    }
+    // SAFETY: fcntl(2) on an integer descriptor only reads or sets its flags; an fd that is
+    // not open gives EBADF and nothing is changed.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
+    if flags < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
+    // SAFETY: fstat(2) writes a `struct stat` into `st`, which is sized for it; it is read
+    // only when the call succeeded.
+    let is_socket =
+        unsafe { libc::fstat(fd, st.as_mut_ptr()) == 0 && (st.assume_init().st_mode & libc::S_IFMT) == libc::S_IFSOCK };
+    if !is_socket {
+        return Err(std::io::Error::other(format!("descriptor {fd} is not a socket")));
+    }
+    // SAFETY: as above; sets FD_CLOEXEC on a descriptor just checked to be open.
+    unsafe { libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC) };
+    // SAFETY: `fd` is open and a socket (checked above) and was handed to this process for
+    // its sole use by its parent (`keep_fd`); nothing else in this process owns or closes it,
+    // so the stream becomes its only owner.
+    Ok(unsafe { std::os::unix::net::UnixStream::from_raw_fd(fd) })
+}
+
+/// Makes this process ignore SIGINT and SIGTERM (the prefill process of `run
+/// --decode-process`: a Ctrl-C in the terminal reaches the whole process group, and kvprobe,
+/// not the child, decides how to stop; it ends the child's session over their socket, or by
+/// dying — see [`spawn`]).
 pub fn ignore_interrupts() {
     // SAFETY: signal(2) with SIG_IGN installs no handler code; called at the child's start.
     unsafe {

@@ -389,7 +389,7 @@ impl DeviceBuffer {
         // CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS. The mapping is closed once, in Drop.
         unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, h, 1) }
             .result()
-            .map_err(|e| derr("cuIpcOpenMemHandle (the decode agent's pool)", e))?;
+            .map_err(|e| derr("cuIpcOpenMemHandle (another process's allocation)", e))?;
         // From here on, dropping `buf` closes the handle (Drop), on every error path below.
         let buf = DeviceBuffer { dev: dev.clone(), ptr, len, exporter: Some(exporter) };
         let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);

@@ -290,14 +290,16 @@ fn watchdog() {
 
 static AGENT_PROCESS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// Marks this process as the decode agent process (`kvprobe agent`): its stall points read
-/// `KVPROBE_TEST_STALL_AGENT_<NAME>` instead, so a test can stall one process of the two.
+/// Marks this process as the second process of `run --decode-process` (its child `kvprobe
+/// serve --fd N`, prefill's side): its stall points read `KVPROBE_TEST_STALL_AGENT_<NAME>`
+/// instead, so a test can stall one process of the two.
 pub fn set_agent_process() {
     AGENT_PROCESS.store(true, std::sync::atomic::Ordering::SeqCst);
 }
 
 /// Points where a test can make a call block (`KVPROBE_TEST_STALL_<NAME>=SECS` in kvprobe,
-/// `KVPROBE_TEST_STALL_AGENT_<NAME>=SECS` in the decode agent process; test-only).
+/// `KVPROBE_TEST_STALL_AGENT_<NAME>=SECS` in the prefill process of `run --decode-process`;
+/// test-only).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Stall {
     /// Inside [`crate::nixl::Agent::post`], after `postXferReq` returned: the call waits
@@ -310,8 +312,8 @@ pub enum Stall {
     Notifications,
     /// Inside a CUDA synchronisation or event wait (VRAM): `KVPROBE_TEST_STALL_SYNC`.
     Sync,
-    /// The decode agent process's start-up, just before it says it is ready:
-    /// `KVPROBE_TEST_STALL_AGENT_START`.
+    /// `serve`'s start-up, just before it says it is ready (its NIXL agent connected): in the
+    /// prefill process of `run --decode-process`, `KVPROBE_TEST_STALL_AGENT_START`.
     Start,
 }
 

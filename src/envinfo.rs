@@ -99,7 +99,7 @@ pub struct PathProbe {
 const PROBE_SECS: u64 = 90;
 
 /// Runs the probe transfers for `gpus` visible GPUs: DRAM READ; with a GPU, VRAM READ and
-/// WRITE on GPU 0; with two, READ from GPU 0 to GPU 1 in one process and with decode's agent
+/// WRITE on GPU 0; with two, READ from GPU 0 to GPU 1 in one process and with prefill's agent
 /// in a second process (`run --decode-process`). Each is `kvprobe run` in a child
 /// process (killed after 90 s or when kvprobe dies); failures are recorded, not raised.
 /// Each path is flagged against `rdma` ([`crate::ucx::flag_path`]; VRAM probes for the
@@ -122,7 +122,7 @@ pub fn probe_paths(gpus: usize, rdma: &crate::rdma::RdmaFacts) -> Vec<PathProbe>
                 format!("{} DRAM -> DRAM", op.to_uppercase())
             };
             if two {
-                what += ", decode agent in a second process";
+                what += ", prefill in a second process";
             }
             probe_one(mem, op, a, b, two)
                 .unwrap_or_else(|e| PathProbe {

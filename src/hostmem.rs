@@ -7,7 +7,7 @@
 //!
 //! - [`HostBuffer`]: memory a transfer engine may write while kvprobe runs — a DRAM pool,
 //!   whose address NIXL registers (UCX's progress thread writes it) and whose memfd the
-//!   Mooncake worker or the decode agent process maps. It hands out **no Rust reference**
+//!   Mooncake worker maps. It hands out **no Rust reference**
 //!   (`&[u8]` / `&mut [u8]`) into the mapping: a reference asserts that nothing else writes
 //!   any of its bytes while it lives, which a transfer into a neighbouring block would break
 //!   (undefined behaviour even when the bytes touched differ). Access goes through
@@ -29,7 +29,7 @@ use std::marker::PhantomData;
 /// A page-aligned shared mapping of `len` bytes, unmapped on drop, that a transfer engine
 /// may write (see the module documentation: no references into it). A buffer from
 /// [`HostBuffer::alloc_shareable`] is backed by a close-on-exec memfd that a chosen child
-/// process (the Mooncake worker, the decode agent process) maps through
+/// process (the Mooncake worker) maps through
 /// [`crate::child::keep_fd`].
 #[derive(Debug)]
 pub struct HostBuffer {
@@ -43,7 +43,7 @@ unsafe impl Send for HostBuffer {}
 // SAFETY: no method hands out a reference into the mapping. Through `&HostBuffer` the bytes
 // are only read (by `read_at` and `Span`s, through raw pointers, for the duration of a call);
 // every write needs `&mut HostBuffer`, so Rust threads never race on it. Writers outside
-// Rust (NIXL/UCX, the Mooncake worker, the decode agent) are governed by the module's
+// Rust (NIXL/UCX, the Mooncake worker) are governed by the module's
 // contract: no access to a range a transfer is writing.
 unsafe impl Sync for HostBuffer {}
 
@@ -114,27 +114,6 @@ impl HostBuffer {
         Ok(HostBuffer { ptr: p as *mut u8, len, fd: Some(fd) })
     }
 
-    /// Maps `len` bytes of a shareable buffer another kvprobe process created, through the
-    /// descriptor `fd` this process inherited (the decode agent process of
-    /// `run --decode-process` on DRAM). The descriptor stays open and is not owned; it is made
-    /// close-on-exec again, so this process's own children do not inherit it. Errors: the
-    /// mapping failed (environment).
-    pub fn map_inherited(fd: i32, len: usize) -> Result<HostBuffer> {
-        // SAFETY: maps an existing shared memory object read-write; no existing memory of
-        // this process is affected. A bad descriptor makes mmap fail, which is reported.
-        let p =
-            unsafe { libc::mmap(std::ptr::null_mut(), len.max(1), libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0) };
-        if p == libc::MAP_FAILED {
-            return Err(Error::Environment(format!(
-                "cannot map the shared pool (descriptor {fd}, {len} bytes): {}",
-                std::io::Error::last_os_error()
-            )));
-        }
-        // SAFETY: fcntl(2) on a descriptor mmap just accepted; it changes only its flags.
-        unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
-        Ok(HostBuffer { ptr: p as *mut u8, len, fd: None })
-    }
-
     /// The descriptor number of a shareable buffer's memfd (None otherwise): the child that
     /// was given it ([`crate::child::keep_fd`]) maps the buffer from `/proc/self/fd/N`.
     pub fn shared_fd(&self) -> Option<i32> {
@@ -188,7 +167,7 @@ impl HostBuffer {
 
 impl Drop for HostBuffer {
     fn drop(&mut self) {
-        // SAFETY: unmaps exactly the mapping created in `alloc*`/`map_inherited`, once; no
+        // SAFETY: unmaps exactly the mapping created in `alloc*`, once; no
         // Span outlives the borrow of self it came from.
         unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len.max(1)) };
     }

@@ -49,7 +49,6 @@ pub mod pool;
 pub mod race;
 pub mod rdma;
 pub mod redact;
-pub mod remote;
 pub mod report;
 pub mod run;
 pub mod scratch;

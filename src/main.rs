@@ -75,9 +75,6 @@ enum Command {
     /// Node pair: the prefill side. Listens on ADDR:PORT for one `kvprobe run --peer` at a time (token-checked), fills its pool as the run asks, and serves NIXL READs/WRITEs; exits after one run unless --keep-serving.
     #[command(after_help = SERVE_EXIT_CODES)]
     Serve(ServeArgs),
-    /// The decode agent process of `run --decode-process` (internal: speaks kvprobe's pipe protocol on stdin/stdout).
-    #[command(hide = true)]
-    Agent,
     /// Print what was found: GPUs and their links, driver, CUDA, NVRTC, NIXL library and plugins, RDMA NICs (ports, distance to each GPU, the UCX settings that pin the nearest, GPUDirect RDMA), and the path UCX selects for small probe transfers (exit 2 when NIXL is unusable).
     Env {
         /// Print JSON instead of text.
@@ -146,7 +143,7 @@ struct BenchArgs {
     /// Fingerprint seed (decimal or 0x hex).
     #[arg(long, default_value = "1", value_parser = parse_seed)]
     seed: u64,
-    /// Sweeps with decode's NIXL agent in a second kvprobe process (run --decode-process).
+    /// Sweeps with the two NIXL agents in two kvprobe processes (run --decode-process: prefill's agent and pool in a child).
     #[arg(long)]
     decode_process: bool,
     /// NIXL backend of the sweeps.
@@ -363,7 +360,7 @@ struct RunArgs {
     /// Sweep: pipeline stages (consecutive layer ranges, one NIXL request each; while one is in flight the finished ones are verified, refilled and re-poisoned). Default: 8 with VRAM pools on two GPUs (the passes use each GPU's memory while the transfer uses the link), else 1 (the transfer measured alone: on one GPU the passes compete with it for memory bandwidth and slow it by more than they hide; bench/NOTES.md); more when a stage would exceed 65536 descriptors; at most the number of layers.
     #[arg(long, value_name = "N")]
     pipeline_stages: Option<u32>,
-    /// Sweep: run decode's NIXL agent in a second kvprobe process (as vLLM's engines run), so UCX sees two processes (cuda_ipc between them on VRAM). VRAM: the child allocates the decode pool and shares it back by CUDA IPC for verification; DRAM: it maps kvprobe's pool (memfd).
+    /// Sweep: run the two NIXL agents in two kvprobe processes (as vLLM's engines run), so UCX sees two processes (cuda_ipc between them on VRAM). kvprobe stays decode; prefill's agent and pool (on --memory and --prefill-device) live in a child `kvprobe serve`, driven over the same protocol as --peer.
     #[arg(long)]
     decode_process: bool,
     /// Sweep: plant a fault per iteration: bitflip, drop, misroute, stale, torn or stray (a write into another
@@ -393,9 +390,12 @@ const SERVE_EXIT_CODES: &str = "Exit codes: the run's own code (0 clean, 1 corru
 
 #[derive(Args)]
 struct ServeArgs {
-    /// Address and port to listen on (e.g. 10.0.0.2:7000, 0.0.0.0:7000; port 0 picks a free one and prints it). Nothing else is opened until a run connects.
-    #[arg(long, value_name = "ADDR:PORT")]
-    listen: String,
+    /// Address and port to listen on (required; e.g. 10.0.0.2:7000, 0.0.0.0:7000; port 0 picks a free one and prints it). Nothing else is opened until a run connects.
+    #[arg(long, value_name = "ADDR:PORT", required_unless_present = "fd")]
+    listen: Option<String>,
+    /// Internal (the prefill process of `run --decode-process`): serve one session on the Unix socket inherited as descriptor N, token from $KVPROBE_TOKEN; nothing on stdout, no report.
+    #[arg(long, value_name = "N", hide = true, conflicts_with_all = ["listen", "keep_serving", "report"])]
+    fd: Option<i32>,
     /// Shared token the run must prove (default: $KVPROBE_TOKEN; with neither, serve makes one and prints it).
     #[arg(long, value_name = "T")]
     token: Option<String>,
@@ -1529,8 +1529,9 @@ fn main() {
         Ok(c) => c,
         Err(e) => e.exit(),
     };
-    if !matches!(cli.command, Command::Agent) {
-        // What killed kvprobes left in their private directories (SIGKILL, a crash).
+    if !matches!(&cli.command, Command::Serve(a) if a.fd.is_some()) {
+        // What killed kvprobes left in their private directories (SIGKILL, a crash); the
+        // prefill process of --decode-process leaves that to its parent.
         kvprobe::scratch::sweep_stale();
     }
     let exit = match cli.command {
@@ -1538,7 +1539,6 @@ fn main() {
         Command::Ab(a) => ab(a),
         Command::Bench(a) => bench(a),
         Command::Env { json, no_probe } => env(json, !no_probe),
-        Command::Agent => kvprobe::remote::agent_main(),
         Command::Serve(a) => serve(a),
         Command::Report(c) => report_command(c),
         Command::Bundle { report, dump, redact, output } => bundle_command(&report, dump.as_deref(), redact, &output),
@@ -1549,7 +1549,13 @@ fn main() {
 
 /// `kvprobe serve`: the prefill side of a node pair ([`kvprobe::serve`]).
 fn serve(a: ServeArgs) -> Exit {
-    if let Err(x) = check_report_path(&a.report).and_then(|_| install_signals()) {
+    if a.fd.is_some() {
+        // The prefill process of `run --decode-process`: its parent decides when to stop (a
+        // Ctrl-C reaches the whole process group), and its test-only stall hooks are
+        // KVPROBE_TEST_STALL_AGENT_*.
+        kvprobe::child::ignore_interrupts();
+        kvprobe::deadline::set_agent_process();
+    } else if let Err(x) = check_report_path(&a.report).and_then(|_| install_signals()) {
         return x;
     }
     let fail = |e: Error| {
@@ -1581,7 +1587,30 @@ fn serve(a: ServeArgs) -> Exit {
     if let Err(e) = kvprobe::nixl::check_ucx_log_file().and_then(|_| kvprobe::nixl::load().map(|_| ())) {
         return fail(e);
     }
-    let listener = match kvprobe::serve::bind(&a.listen) {
+    if let Some(fd) = a.fd {
+        let stream = match kvprobe::child::inherited_socket(fd) {
+            Ok(s) => s,
+            Err(e) => return fail(Error::Usage(format!("--fd {fd}: {e}"))),
+        };
+        let token = match std::env::var(kvprobe::serve::TOKEN_VAR).ok().filter(|t| !t.is_empty()) {
+            Some(t) => t,
+            None => return fail(Error::Usage(format!("--fd needs the token in {}", kvprobe::serve::TOKEN_VAR))),
+        };
+        let cfg = kvprobe::serve::ServeConfig {
+            listen: format!("fd {fd}"),
+            token,
+            memory,
+            device: a.device,
+            backend: a.backend.clone(),
+            geometry,
+            keep_serving: false,
+            idle_timeout: Duration::from_secs_f64(a.timeout),
+            child: true,
+        };
+        return kvprobe::serve::serve_child(&cfg, stream);
+    }
+    let listen = a.listen.clone().unwrap_or_default();
+    let listener = match kvprobe::serve::bind(&listen) {
         Ok(l) => l,
         Err(e) => return fail(e),
     };
@@ -1594,7 +1623,7 @@ fn serve(a: ServeArgs) -> Exit {
         },
     };
     let cfg = kvprobe::serve::ServeConfig {
-        listen: a.listen.clone(),
+        listen: listen.clone(),
         token: token.clone(),
         memory,
         device: a.device,
@@ -1602,8 +1631,9 @@ fn serve(a: ServeArgs) -> Exit {
         geometry,
         keep_serving: a.keep_serving,
         idle_timeout: Duration::from_secs_f64(a.timeout),
+        child: false,
     };
-    let bound = listener.local_addr().map(|x| x.to_string()).unwrap_or_else(|_| a.listen.clone());
+    let bound = listener.local_addr().map(|x| x.to_string()).unwrap_or_else(|_| listen.clone());
     out(&format!(
         "kvprobe serve: listening on {bound} (peer protocol {}; prefill pool on {}; {})\n",
         kvprobe::peer::PROTOCOL,

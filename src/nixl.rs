@@ -178,7 +178,7 @@ fn set_default_env(key: &str, value: &Path) {
 
 /// The fewest open file descriptors kvprobe starts NIXL with (`ulimit -n`): the UCX backend
 /// failed to start below 48 on a DRAM sweep, and aborted the process (SIGABRT, no report)
-/// below 12; the rest is headroom for the decode agent's pipes and the Mooncake worker.
+/// below 12; the rest is headroom for the peer link's sockets and the Mooncake worker.
 pub const MIN_OPEN_FILES: u64 = 128;
 
 /// Raises the soft open-file limit to the hard one when it is below [`MIN_OPEN_FILES`] (as
@@ -345,7 +345,7 @@ pub fn exit_now(code: u8) -> ! {
     }
     crate::ucx::remove_log();
     crate::scratch::remove_own();
-    // And what killed kvprobes left (a decode agent process or a run killed hard): each start
+    // And what killed kvprobes left (a `--decode-process` child or a run killed hard): each start
     // sweeps too, but the last run on a host should not leave them until the next one.
     crate::scratch::sweep_stale();
     // SAFETY: _exit(2) terminates the process at once; every file kvprobe wrote was synced
@@ -453,7 +453,7 @@ fn terr(what: &str, e: nixl_sys::NixlError) -> Error {
 
 /// Memory registered with one NIXL agent by one [`Agent::register`] call: NIXL deregisters it
 /// when the last share ([`Lease`]) drops. The agent holds one share, every request that may
-/// touch the memory ([`Posted`], a decode agent process's READ) holds one, and so does the
+/// touch the memory ([`Posted`]) holds one, and so does the
 /// [`Registered`] guard that owns the memory: memory is never deregistered, nor freed, under
 /// a request.
 pub struct Registration {
@@ -565,12 +565,6 @@ impl<T> Registered<T> {
         // registered so far, which `register` dropped (deregistered) before returning.
         let lease = unsafe { agent.register(regions)? };
         Ok(Registered { memory: std::mem::ManuallyDrop::new(memory), lease })
-    }
-
-    /// `memory` not registered in this process (a pool whose agent lives in the decode agent
-    /// process): dropped as usual.
-    pub fn unregistered(memory: T) -> Registered<T> {
-        Registered { memory: std::mem::ManuallyDrop::new(memory), lease: Lease::default() }
     }
 
     /// `memory` with one registration of no regions (nothing is registered with NIXL): for

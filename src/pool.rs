@@ -237,29 +237,6 @@ impl KvPool {
         })
     }
 
-    /// A DRAM pool over an existing mapping of [`Geometry::pool_bytes`] bytes (the decode
-    /// agent process maps the pool kvprobe allocated). Errors: invalid geometry, or a
-    /// mapping of another size (usage).
-    pub fn host_over(geom: &Geometry, seed: u64, buf: HostBuffer) -> Result<KvPool> {
-        geom.validate()?;
-        if buf.len() as u64 != geom.pool_bytes()? {
-            return Err(Error::Usage(format!("a {}-byte mapping for a {}-byte pool", buf.len(), geom.pool_bytes()?)));
-        }
-        Ok(KvPool {
-            geom: geom.clone(),
-            seed,
-            backing: Backing::Host(buf),
-            last_kernel_secs: None,
-            table: Vec::new(),
-            timers: Vec::new(),
-            host_fails: Vec::new(),
-            kernel_acc: KernelSeconds::default(),
-            compared_acc: Compared::default(),
-            host_compared: Compared::default(),
-            check: CheckState::default(),
-        })
-    }
-
     /// The host mapping of a DRAM pool (None for VRAM).
     pub fn host_buffer(&self) -> Option<&HostBuffer> {
         match &self.backing {
@@ -302,29 +279,6 @@ impl KvPool {
             )));
         }
         let regions = (0..geom.num_layers).map(|_| DeviceBuffer::alloc(dev, region as usize)).collect::<Result<Vec<_>>>()?;
-        Self::with_regions(dev, kernels, geom, seed, regions)
-    }
-
-    /// A VRAM pool whose layer regions another process allocated (the decode agent of
-    /// `run --decode-process`), opened by their CUDA IPC handles on `dev` (one per layer,
-    /// `region_bytes` each); the probe's kernels run on it here. `exporter` is kept until
-    /// every region is closed. Errors: invalid geometry, a handle count that is not the
-    /// layer count (usage), the driver refuses a handle (device).
-    pub fn imported(
-        dev: &Arc<Device>,
-        kernels: Arc<Kernels>,
-        geom: &Geometry,
-        seed: u64,
-        handles: &[[u8; 64]],
-        exporter: Arc<dyn std::any::Any + Send + Sync>,
-    ) -> Result<KvPool> {
-        geom.validate()?;
-        if handles.len() != geom.num_layers as usize {
-            return Err(Error::Usage(format!("{} region handles for {} layers", handles.len(), geom.num_layers)));
-        }
-        let region = geom.region_bytes()? as usize;
-        let regions =
-            handles.iter().map(|h| DeviceBuffer::import(dev, h, region, exporter.clone())).collect::<Result<Vec<_>>>()?;
         Self::with_regions(dev, kernels, geom, seed, regions)
     }
 

@@ -196,7 +196,7 @@ pub struct Summary {
     /// Peak resident host memory of the kvprobe process at the end of the run (bytes,
     /// VmHWM): DRAM pools included; with VRAM pools it stays O(failures + blocks), not
     /// O(pool bytes) — the host never holds a copy of the pool. With `--decode-process` the
-    /// decode agent process's own memory is not included. `None` where /proc is missing or
+    /// prefill process's own memory (its pool, on DRAM) is not included. `None` where /proc is missing or
     /// the run was refused before it started.
     pub host_peak_bytes: Option<u64>,
     /// Pipeline stages of the sweep (consecutive layer ranges, one NIXL request each).
@@ -663,7 +663,7 @@ pub fn render(r: &Report) -> String {
             g.num_blocks,
             g.slice_bytes().unwrap_or(0),
             g.pool_bytes().map(|b| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)).unwrap_or_default(),
-            if r.config["decode_process"] == true { "; decode agent in a second process" } else { "" }
+            if r.config["decode_process"] == true { "; prefill in a second process (--decode-process)" } else { "" }
         );
     }
     if let Some(p) = &r.peer {

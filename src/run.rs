@@ -79,8 +79,10 @@ pub struct RunConfig {
     pub descriptor_blocks: u32,
     /// Sweep: pipeline stages (`--pipeline-stages`; `None` = automatic, see [`stages`]).
     pub stages: Option<u32>,
-    /// Sweep, VRAM: decode's NIXL agent and pool in a second kvprobe process
-    /// (`--decode-process`, [`crate::remote`]), as vLLM runs its engines.
+    /// Sweep: prefill's NIXL agent and pool in a second kvprobe process (`--decode-process`:
+    /// a child `kvprobe serve` on a socket pair, driven over the peer protocol as `--peer`
+    /// drives a serve on another host), so the two agents live in two processes, as vLLM runs
+    /// its engines.
     pub decode_process: bool,
     /// Request-level load with a tier and race mechanisms (`--scenario`); `None` runs the
     /// whole-pool sweep of `iterations`.
@@ -142,7 +144,8 @@ pub fn logical_block(seed: u64, i: u32) -> u32 {
 pub(crate) enum Prefill {
     /// In this process.
     Local(Endpoint),
-    /// On the other side of a node pair (`run --peer`), over the peer protocol.
+    /// In another process, over the peer protocol: `kvprobe serve` on another host (`run
+    /// --peer`) or a child `kvprobe serve` of this one (`run --decode-process`).
     Peer(Box<crate::peer::client::PrefillPeer>),
 }
 
@@ -169,9 +172,9 @@ impl Prefill {
 
 /// A sweep stage's request, as decode tracks it.
 pub(crate) enum SweepRequest {
-    /// A NIXL request of this process (or the decode agent process).
-    Nixl(crate::remote::Request),
-    /// A WRITE the prefill peer posted under `tag` (`run --peer`).
+    /// A NIXL request of this process.
+    Nixl(crate::nixl::Posted),
+    /// A WRITE the prefill peer posted under `tag` (`run --peer`, `run --decode-process`).
     PeerWrite {
         /// Notification tag.
         tag: String,
@@ -194,10 +197,11 @@ impl SweepRequest {
 /// Both roles, set up and connected.
 pub(crate) struct Probe {
     cfg: RunConfig,
-    // Field order is drop order: decode first, so that a decode agent process has exited
-    // (its READs of the prefill pool over) before the prefill pool's guard is dropped.
-    pub(crate) decode: Endpoint,
+    // Field order is drop order: prefill first, so that a prefill process (`--decode-process`)
+    // has exited — its WRITEs into decode's pool over — before decode's pool is freed. (In one
+    // process the order does not matter: each request holds shares of both registrations.)
     pub(crate) prefill: Prefill,
+    pub(crate) decode: Endpoint,
 }
 
 /// Checks a run's configuration (flags, geometry, injections). Errors: usage (exit 2).
@@ -300,7 +304,9 @@ pub const HOST_BYTES_PER_SLICE: u64 = 512;
 /// bookkeeping) exceeds what this process may allocate ([`crate::hostmem::available_bytes`]).
 fn check_host_memory(cfg: &RunConfig) -> Result<()> {
     let g = &cfg.geometry;
-    // Both pools on this host, or decode's alone across a node pair (`--peer`).
+    // DRAM: both pools on this host, or decode's alone across a node pair (`--peer`); with
+    // --decode-process prefill's is in the child, and this process holds a scratch pool of the
+    // same size while it times the copy ceiling ([`copy_ceiling_from_scratch`]).
     let here = if cfg.peer.is_some() { 1 } else { 2 };
     let mut pools = if cfg.memory == MemoryKind::Dram { g.pool_bytes()?.saturating_mul(here) } else { 0 };
     if let Some(sc) = cfg.scenario.as_ref().filter(|s| s.scenario.uses_tier()) {
@@ -341,7 +347,7 @@ fn check_host_memory(cfg: &RunConfig) -> Result<()> {
     Ok(())
 }
 
-/// Decode's pool alone (`run --peer`: prefill's is on the other side).
+/// Decode's pool alone (`run --peer`, `run --decode-process`: prefill's is on the other side).
 fn build_decode_pool(cfg: &RunConfig) -> Result<KvPool> {
     match cfg.memory {
         MemoryKind::Dram => KvPool::host(&cfg.geometry, cfg.seed),
@@ -371,16 +377,30 @@ pub(crate) fn build_prefill_pool(cfg: &RunConfig, memory: MemoryKind, device: us
     }
 }
 
-/// Both pools; the decode pool is `None` with `--decode-process` (the child allocates it).
-fn build_pools(cfg: &RunConfig) -> Result<(KvPool, Option<KvPool>)> {
+/// Before any transfer, a NIXL refusal (transport, exit 3) to create an agent, register a
+/// pool or load a peer's metadata means `backend` cannot serve `memory` pools: environment
+/// (exit 2), the message saying so. Other errors are returned as they are.
+pub(crate) fn backend_refusal(backend: &str, memory: MemoryKind, e: Error) -> Error {
+    match e {
+        // Two agents that disagree on the peer's regions (checkRemoteMD, region lengths) are
+        // not a backend that cannot serve the pools.
+        Error::Transport(m) if !["checkRemoteMD", " announced "].iter().any(|w| m.contains(w)) => Error::Environment(format!(
+            "NIXL backend {backend} cannot serve {} pools: {m}",
+            if memory == MemoryKind::Vram { "VRAM" } else { "DRAM" }
+        )),
+        e => e,
+    }
+}
+
+/// Both pools, in this process.
+fn build_pools(cfg: &RunConfig) -> Result<(KvPool, KvPool)> {
     let g = &cfg.geometry;
     match cfg.memory {
         MemoryKind::Dram => {
             // The Mooncake worker maps both pools: they must be shareable (memfd-backed).
-            // So does the decode agent process (`--decode-process`) its pool.
             let mooncake = cfg.scenario.as_ref().is_some_and(|s| s.tier == crate::engine::TierKind::Mooncake);
-            let alloc = if mooncake || cfg.decode_process { KvPool::host_shareable } else { KvPool::host };
-            Ok((alloc(g, cfg.seed)?, Some(alloc(g, cfg.seed)?)))
+            let alloc = if mooncake { KvPool::host_shareable } else { KvPool::host };
+            Ok((alloc(g, cfg.seed)?, alloc(g, cfg.seed)?))
         }
         MemoryKind::Vram => {
             if cuda::device_count() == 0 {
@@ -389,13 +409,10 @@ fn build_pools(cfg: &RunConfig) -> Result<(KvPool, Option<KvPool>)> {
             let pd = Device::open(cfg.prefill_device)?;
             let pk = Arc::new(Kernels::compile(&pd)?);
             let p = KvPool::device(&pd, pk.clone(), g, cfg.seed)?;
-            if cfg.decode_process {
-                return Ok((p, None)); // the decode agent process allocates the decode pool
-            }
             let dd = if cfg.decode_device == cfg.prefill_device { pd.clone() } else { Device::open(cfg.decode_device)? };
             let dk = if Arc::ptr_eq(&pd, &dd) { pk } else { Arc::new(Kernels::compile(&dd)?) };
             let d = KvPool::device(&dd, dk, g, cfg.seed)?;
-            Ok((p, Some(d)))
+            Ok((p, d))
         }
     }
 }
@@ -408,40 +425,18 @@ impl Probe {
             if cfg.memory == MemoryKind::Vram { "VRAM" } else { "DRAM" }
         ));
         let (p, d) = build_pools(cfg)?;
-        Self::connect(cfg, p, d).map_err(|e| match e {
-            // Before any transfer, a NIXL refusal means this backend cannot serve these pools
-            // (a decode agent process that died is not that, nor two agents that disagree on
-            // the peer's regions: checkRemoteMD, region lengths).
-            Error::Transport(m) if !["decode agent process", "checkRemoteMD", " announced "].iter().any(|w| m.contains(w)) => {
-                Error::Environment(format!(
-                    "NIXL backend {} cannot serve {} pools: {m}",
-                    cfg.backend,
-                    if cfg.memory == MemoryKind::Vram { "VRAM" } else { "DRAM" }
-                ))
-            }
-            e => e,
-        })
+        Self::connect(cfg, p, d).map_err(|e| backend_refusal(&cfg.backend, cfg.memory, e))
     }
 
-    fn connect(cfg: &RunConfig, p: KvPool, d: Option<KvPool>) -> Result<Probe> {
-        crate::phase::announce(&format!(
-            "setup: registering the pools with NIXL (backend {}{})",
-            cfg.backend,
-            if cfg.decode_process { ", decode agent in a second process" } else { "" }
-        ));
+    fn connect(cfg: &RunConfig, p: KvPool, d: KvPool) -> Result<Probe> {
+        crate::phase::announce(&format!("setup: registering the pools with NIXL (backend {})", cfg.backend));
         crate::trace!("prefill NIXL agent");
         let opts = crate::transport::TransportOptions { xfer_req: cfg.xfer_req, backend_params: cfg.backend_params.clone() };
         let mut prefill = Endpoint::with_options("kvprobe-prefill", &cfg.backend, p, &opts)?;
         let pi = prefill.info()?;
-        let decode = match d {
-            Some(d) if !cfg.decode_process => {
-                crate::trace!("decode NIXL agent");
-                let mut decode = Endpoint::with_options("kvprobe-decode", &cfg.backend, d, &opts)?;
-                decode.connect(pi)?;
-                decode
-            }
-            d => Self::decode_process(cfg, pi, d)?,
-        };
+        crate::trace!("decode NIXL agent");
+        let mut decode = Endpoint::with_options("kvprobe-decode", &cfg.backend, d, &opts)?;
+        decode.connect(pi)?;
         crate::trace!("prefill loads decode's metadata");
         prefill.connect(decode.info()?)?;
         crate::trace!("connected");
@@ -451,15 +446,32 @@ impl Probe {
 
     /// Node pair (`run --peer`): connects to `serve`, agrees on the configuration, allocates
     /// and registers decode's pool here, and exchanges NIXL agents with prefill there.
-    /// `environment` is this side's (sent to prefill for its report). Errors: environment
-    /// (cannot connect), usage (refused: version, token, configuration), transport, timeout.
+    /// `--decode-process`: the same, with a child `kvprobe serve` on a Unix socket pair as
+    /// prefill ([`crate::peer::client::start_child`]). `environment` is this side's (sent to
+    /// prefill for its report; not to a child, which writes none). Errors: environment (cannot
+    /// connect or start the child), usage (refused: version, token, configuration), transport,
+    /// timeout (a child not ready within its start bound too).
     pub(crate) fn setup_peer(cfg: &RunConfig, environment: Option<crate::envinfo::Environment>) -> Result<Probe> {
-        let addr = cfg.peer.clone().unwrap_or_default();
         let timeout = Duration::from_secs_f64(cfg.timeout_secs);
         let run_id = crate::peer::random_hex(8)?;
-        crate::phase::announce(&format!("setup: connecting to the prefill peer at {addr}"));
-        let token = cfg.peer_token.clone().unwrap_or_default();
-        let link = crate::peer::client::connect(&addr, &token, &run_id, timeout)?;
+        let mut child = None;
+        let mut environment = environment;
+        let (link, addr) = if cfg.decode_process {
+            crate::phase::announce(&format!(
+                "setup: starting the prefill process (kvprobe serve holding prefill's NIXL agent and pool, {})",
+                if cfg.memory == MemoryKind::Vram { format!("VRAM on GPU {}", cfg.prefill_device) } else { "DRAM".into() }
+            ));
+            let (link, c) = crate::peer::client::start_child(cfg, timeout, &run_id)?;
+            let addr = format!("child process {}", c.id());
+            child = Some(c);
+            environment = None;
+            (link, addr)
+        } else {
+            let addr = cfg.peer.clone().unwrap_or_default();
+            crate::phase::announce(&format!("setup: connecting to the prefill peer at {addr}"));
+            let token = cfg.peer_token.clone().unwrap_or_default();
+            (crate::peer::client::connect(&addr, &token, &run_id, timeout)?, addr)
+        };
         let decode_side = crate::peer::Side {
             geometry: cfg.geometry.clone(),
             memory: cfg.memory,
@@ -479,47 +491,15 @@ impl Probe {
         ));
         let pool = build_decode_pool(cfg)?;
         let opts = crate::transport::TransportOptions { xfer_req: cfg.xfer_req, backend_params: cfg.backend_params.clone() };
-        let mut decode = Endpoint::with_options("kvprobe-decode", &cfg.backend, pool, &opts)?;
-        let peer = crate::peer::client::PrefillPeer::connect_agents(link, decode.info()?, side, section)?;
-        decode.connect(peer.info.clone())?;
+        let refusal = |e| backend_refusal(&cfg.backend, cfg.memory, e);
+        let mut decode = Endpoint::with_options("kvprobe-decode", &cfg.backend, pool, &opts).map_err(refusal)?;
+        let mut peer = crate::peer::client::PrefillPeer::connect_agents(link, decode.info().map_err(refusal)?, side, section)?;
+        decode.connect(peer.info.clone()).map_err(refusal)?;
+        if let Some(c) = child {
+            peer.adopt_child(c);
+        }
         crate::trace!("connected to the prefill peer");
         Ok(Probe { cfg: cfg.clone(), prefill: Prefill::Peer(Box::new(peer)), decode })
-    }
-
-    /// Starts the decode agent process ([`crate::remote`]): VRAM, opens the pool it allocated;
-    /// DRAM, hands it `dram` (shareable) to map.
-    fn decode_process(cfg: &RunConfig, prefill: crate::transport::PeerInfo, dram: Option<KvPool>) -> Result<Endpoint> {
-        let dram_fd = dram.as_ref().and_then(|p| p.host_buffer()).and_then(|b| b.shared_fd());
-        let init = crate::remote::Init {
-            name: "kvprobe-decode".into(),
-            backend: cfg.backend.clone(),
-            memory: cfg.memory,
-            dram_fd,
-            device: cfg.decode_device,
-            geometry: cfg.geometry.clone(),
-            seed: cfg.seed,
-            peer: prefill.clone(),
-            transport: crate::transport::TransportOptions { xfer_req: cfg.xfer_req, backend_params: cfg.backend_params.clone() },
-        };
-        crate::trace!("starting the decode agent process");
-        let (agent, ready, keep) = crate::remote::RemoteAgent::spawn(&init)?;
-        crate::trace!("decode agent process ready");
-        if let Some(pool) = dram {
-            return Ok(Endpoint::remote(agent, &cfg.backend, pool, prefill));
-        }
-        let handles = ready
-            .handles
-            .iter()
-            .map(|h| {
-                let b: Vec<u8> = (0..h.len() / 2).filter_map(|i| u8::from_str_radix(&h[2 * i..2 * i + 2], 16).ok()).collect();
-                <[u8; 64]>::try_from(b).map_err(|_| Error::Transport("the decode agent process sent a bad IPC handle".into()))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let dev = Device::open(cfg.decode_device)?;
-        let kernels = Arc::new(Kernels::compile(&dev)?);
-        crate::trace!("opening the decode pool by CUDA IPC on GPU {}", cfg.decode_device);
-        let pool = KvPool::imported(&dev, kernels, &cfg.geometry, cfg.seed, &handles, keep)?;
-        Ok(Endpoint::remote(agent, &cfg.backend, pool, prefill))
     }
 
     fn plan(&self, it: u32) -> Result<Plan> {
@@ -563,8 +543,8 @@ impl Probe {
                 Op::Read => {
                     p.await_filled(it, Some(k as u32))?;
                     let d = crate::deadline::Deadline::after(timeout);
-                    let r = self.decode.post_as_initiator(Op::Read, pairs, tag, d).map_err(|e| p.cause_of(e))?;
-                    Ok(SweepRequest::Nixl(crate::remote::Request::Local(r)))
+                    // A failed post with prefill gone is prefill's death (as a failed poll).
+                    Ok(SweepRequest::Nixl(self.decode.post_as_initiator(Op::Read, pairs, tag, d).map_err(|e| p.cause_of(e))?))
                 }
                 Op::Write => {
                     let deadline = crate::deadline::Deadline::after(timeout);
@@ -580,7 +560,7 @@ impl Probe {
     fn poll(&self, op: Op, r: &mut SweepRequest) -> Result<Option<crate::nixl::XferResult>> {
         match (&self.prefill, r) {
             (Prefill::Local(e), SweepRequest::Nixl(r)) => transport::poll(op, e, &self.decode, r),
-            (Prefill::Peer(p), SweepRequest::Nixl(crate::remote::Request::Local(r))) => {
+            (Prefill::Peer(p), SweepRequest::Nixl(r)) => {
                 p.pump(Duration::ZERO)?;
                 self.decode.poll(r).map_err(|e| p.cause_of(e))
             }
@@ -588,7 +568,8 @@ impl Probe {
                 let asked = Instant::now();
                 let timeout = |why: String| {
                     Error::Timeout(format!(
-                        "WRITE {tag} by the prefill peer: {why}, over --timeout {:.6} s ({:.3} s since it was sent)",
+                        "WRITE {tag} by {}: {why}, over --timeout {:.6} s ({:.3} s since it was sent)",
+                        p.who(),
                         deadline.limit_secs(),
                         deadline.elapsed_secs()
                     ))
@@ -614,7 +595,14 @@ impl Probe {
         if let Prefill::Peer(p) = &self.prefill {
             p.pump(Duration::ZERO)?;
         }
-        transport::poll_notification_from(&self.decode, &self.prefill.name(), inbox, tag, d)
+        transport::poll_notification_from(&self.decode, &self.prefill.name(), inbox, tag, d).map_err(|e| match &self.prefill {
+            Prefill::Peer(p) => match p.cause_of(e) {
+                // Name where prefill is, not only its agent.
+                Error::Timeout(m) => Error::Timeout(format!("{m}; prefill is {}", p.who())),
+                e => e,
+            },
+            Prefill::Local(_) => e,
+        })
     }
 
     /// READ: waits until prefill has every notification in `tags`.
@@ -1006,13 +994,47 @@ pub fn run(cfg: &RunConfig, hooks: &mut Hooks<'_>) -> (Report, Exit) {
         // The pair ends together: prefill takes this outcome and sends its side of the report.
         let summary = serde_json::to_value(&report.summary).ok();
         let side = p.finish(exit as u8, err.map(|e| e.to_string()), summary, PEER_BYE_BOUND);
-        if cfg.op == Op::Write && side.transport_path.is_some() {
-            report.summary.transport_path = side.transport_path.clone();
+        if cfg.op == Op::Write
+            && let Some(mut theirs) = side.transport_path.clone()
+        {
+            // WRITE: the initiator's table is prefill's. The copy ceiling and any warning
+            // were this side's (--decode-process: both pools on this host).
+            if let Some(ours) = report.summary.transport_path.take() {
+                theirs.copy_gbps = ours.copy_gbps;
+                theirs.ratio_to_copy = ours.copy_gbps.map(|c| report.summary.transfer_gbps / c.max(1e-12));
+                if theirs.warning.is_none() {
+                    theirs.warning = ours.warning;
+                }
+            }
+            report.summary.transport_path = Some(theirs);
         }
         report.peer = Some(side);
     }
     drop(probe);
     (report, exit)
+}
+
+/// `--decode-process`: times the copy ceiling of `decode`'s pool from a scratch pool of the
+/// same geometry that this process allocates on prefill's memory and GPU (the child holds
+/// prefill's own pool), filled with `plan`'s generation like prefill's; the scratch pool is
+/// freed on return. VRAM across two GPUs: with peer access enabled, as the local sweep's copy.
+/// Returns the seconds of the second of two copies (the first warms up). Errors: the scratch
+/// pool cannot be allocated (e.g. prefill's GPU has no room for a second pool), a CUDA error.
+fn copy_ceiling_from_scratch(cfg: &RunConfig, decode: &mut Endpoint, plan: &Plan) -> Result<f64> {
+    crate::trace!("copy ceiling from a scratch pool on prefill's side");
+    let mut src = build_prefill_pool(cfg, cfg.memory, cfg.prefill_device)?;
+    src.load_table(&plan.src_table)?;
+    src.fill_layers(0..cfg.geometry.num_layers)?;
+    src.finish()?;
+    let gpus = (decode.pool.gpu(), src.gpu());
+    let mut copy = || {
+        decode.pool.copy_pool_from(&src)?;
+        decode.pool.copy_pool_from(&src)
+    };
+    match gpus {
+        (Some(d), Some(p)) if d.ordinal() != p.ordinal() => d.with_peer_access(&p, copy),
+        _ => copy(),
+    }
 }
 
 /// How long `run --peer` waits for prefill's side of the report after telling it the outcome.
@@ -1058,9 +1080,10 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>, slot: 
     crate::deadline::set_limit(Some(Duration::from_secs_f64(cfg.timeout_secs)));
     publish(report);
     let ucx_mark = crate::ucx::mark();
-    let probe = slot.insert(match cfg.peer {
-        Some(_) => Probe::setup_peer(cfg, report.environment.clone())?,
-        None => Probe::setup(cfg)?,
+    let probe = slot.insert(if cfg.peer.is_some() || cfg.decode_process {
+        Probe::setup_peer(cfg, report.environment.clone())?
+    } else {
+        Probe::setup(cfg)?
     });
     if let Prefill::Peer(p) = &probe.prefill {
         report.peer = Some(p.section.clone());
@@ -1185,8 +1208,20 @@ fn sweep(
     crate::trace!("copy ceiling");
     // A pool below MIN_CEILING_BYTES copies in the time of the copy's fixed costs (threads,
     // launches): no ceiling is measured, and the summary says so instead of a ratio. Across
-    // a node pair the pools are on two hosts: no copy between them to time.
+    // a node pair the pools are on two hosts: no copy between them to time. With
+    // --decode-process both are on this host, prefill's in the child: the copy comes from a
+    // scratch pool of the same geometry on prefill's memory and GPU.
     let copy_gbps = match &probe.prefill {
+        Prefill::Peer(_) if cfg.decode_process && pool_bytes >= MIN_CEILING_BYTES => {
+            match copy_ceiling_from_scratch(cfg, &mut probe.decode, &cur) {
+                Ok(secs) => Some(pool_bytes as f64 / secs.max(1e-12) / 1e9),
+                // Not the run's failure: the run goes on without a ceiling, and says why.
+                Err(e) => {
+                    eprintln!("kvprobe: no copy ceiling (a scratch pool on prefill's side for the copy: {e})");
+                    None
+                }
+            }
+        }
         Prefill::Local(pe) if pool_bytes >= MIN_CEILING_BYTES => {
             let gpus = (probe.decode.pool.gpu(), pe.pool.gpu());
             let dec = &mut probe.decode;
@@ -1415,21 +1450,24 @@ fn sweep(
         report.summary.blocks_corrupt += corrupt;
         if it == 1 {
             let mut p = match (&probe.prefill, cfg.op) {
-                (Prefill::Local(pe), Op::Write) => pe.transport_path(ucx_mark, cfg.op, cfg.memory == MemoryKind::Vram, timeout),
+                (Prefill::Local(pe), Op::Write) => pe.transport_path(ucx_mark, cfg.op, cfg.memory == MemoryKind::Vram),
+                // Replaced by prefill's own table when its report part arrives ([`run`]).
                 (Prefill::Peer(_), Op::Write) => crate::ucx::TransportPath {
                     backend: cfg.backend.clone(),
-                    unknown_because: Some(
-                        "prefill initiates WRITEs on the other host: its path is under peer.transport_path".into(),
-                    ),
+                    unknown_because: Some(if cfg.decode_process {
+                        "prefill initiates WRITEs in the prefill process, which sent no report part at the end".into()
+                    } else {
+                        "prefill initiates WRITEs on the other host: its path is under peer.transport_path".into()
+                    }),
                     ..Default::default()
                 },
-                _ => probe.decode.transport_path(ucx_mark, cfg.op, cfg.memory == MemoryKind::Vram, timeout),
+                _ => probe.decode.transport_path(ucx_mark, cfg.op, cfg.memory == MemoryKind::Vram),
             };
             p.copy_gbps = copy_gbps;
             if p.emulated && cfg.memory == MemoryKind::Vram && cfg.prefill_device != cfg.decode_device && !cfg.decode_process {
                 p.warning = Some(
                     "UCX does not use cuda_ipc between two GPUs of one process (cuda_ipc reaches other processes \
-                     only): add --decode-process to run decode's agent in a second process"
+                     only): add --decode-process to run the two agents in two processes"
                         .into(),
                 );
             }

@@ -5,6 +5,10 @@
 //! prefill-side faults of `--inject`), post WRITEs, forward the NIXL notifications its
 //! agent receives. NIXL moves the bytes between the two hosts; the protocol carries control.
 //!
+//! The same session serves `kvprobe run --decode-process`: kvprobe starts a child
+//! `kvprobe serve --fd N` (hidden) on one end of a Unix socket pair ([`serve_child`]) and
+//! drives it exactly as `run --peer` drives a serve on another host.
+//!
 //! Both sides plan each iteration from the configuration alone ([`crate::run::plan`]: block
 //! map, injections), so the protocol never carries block lists.
 
@@ -45,6 +49,9 @@ pub struct ServeConfig {
     /// How long a client may stay silent before its configuration arrives (then the run's
     /// `--timeout` takes over).
     pub idle_timeout: Duration,
+    /// The prefill process of `run --decode-process` (`serve --fd N`, [`serve_child`]): one
+    /// session on an inherited socket, a configuration with `decode_process` accepted.
+    pub child: bool,
 }
 
 /// One session's end: the report serve writes and its exit code.
@@ -123,6 +130,26 @@ pub fn serve(
     }
 }
 
+/// `kvprobe serve --fd N` (hidden): the prefill process of `run --decode-process`. Serves one
+/// session on `stream`, the socket it inherited from its parent (the decode side, which holds
+/// the other end), then returns the session's exit code (what the parent's run ended with, or
+/// this side's failure). Says nothing on stdout and writes no report: the parent's report
+/// carries this side's part (its `bye`). The token is the one the parent put in
+/// [`TOKEN_VAR`].
+pub fn serve_child(cfg: &ServeConfig, stream: std::os::unix::net::UnixStream) -> Exit {
+    match peer::server(Stream::Unix(stream), &cfg.token, cfg.idle_timeout) {
+        Ok(Accepted::Link(link, run_id)) => session(cfg, link, &run_id, "the parent kvprobe", &mut |_| {}).exit,
+        Ok(Accepted::Refused(why)) => {
+            eprintln!("kvprobe serve: refused the parent kvprobe: {why}");
+            Exit::Usage
+        }
+        Err(e) => {
+            eprintln!("kvprobe serve: {e}");
+            e.exit()
+        }
+    }
+}
+
 /// A report for a session refused before its configuration was known.
 fn refused_report(e: &Error) -> Report {
     let mut r = Report {
@@ -191,8 +218,15 @@ fn check_config(
     if rc.scenario.is_some() {
         return Err((Some("scenario".into()), "scenarios across a node pair are not supported yet: run the sweep".into()));
     }
-    if rc.decode_process {
-        return Err((Some("decode_process".into()), "--decode-process does not apply to --peer".into()));
+    if rc.decode_process != cfg.child {
+        return Err((
+            Some("decode_process".into()),
+            if cfg.child {
+                "the prefill process of --decode-process serves only its parent's --decode-process run".into()
+            } else {
+                "--decode-process does not apply to --peer".into()
+            },
+        ));
     }
     run::check_config(&rc).map_err(|e| (None, e.detail().to_string()))?;
     // Prefill's pool on this host: DRAM pool bytes plus the per-slice bookkeeping.
@@ -340,14 +374,18 @@ fn session_inner(
     let pool = run::build_prefill_pool(&rc, cfg.memory, cfg.device)?;
     // The run's --xfer-req and --backend-param apply to both sides.
     let opts = crate::transport::TransportOptions { xfer_req: rc.xfer_req, backend_params: rc.backend_params.clone() };
-    let mut ep = Endpoint::with_options("kvprobe-prefill", &rc.backend, pool, &opts)?;
+    let refusal = |e| run::backend_refusal(&rc.backend, cfg.memory, e);
+    let mut ep = Endpoint::with_options("kvprobe-prefill", &rc.backend, pool, &opts).map_err(refusal)?;
     let decode_info = link.expect("decode's NIXL agent", |m| match m {
         Msg::Connect { decode } => Ok(decode),
         m => Err(m.name()),
     })?;
     let decode_agent = decode_info.agent.clone();
-    ep.connect(decode_info)?;
-    link.send(&Msg::Connected { prefill: ep.info()? })?;
+    ep.connect(decode_info).map_err(refusal)?;
+    // Test-only (`KVPROBE_TEST_STALL_AGENT_START` in the prefill process of --decode-process):
+    // a side that never says it is ready.
+    crate::deadline::Stall::Start.here();
+    link.send(&Msg::Connected { prefill: ep.info().map_err(refusal)? })?;
     crate::ucx::adopt();
     if let Some(e) = acc.report.environment.as_mut() {
         e.nixl.ucx_version = crate::nixl::loaded_ucx_version();

@@ -3,8 +3,9 @@
 //! Each role ([`Endpoint`]) owns one NIXL agent and one [`KvPool`], registers the pool's
 //! per-layer regions, and learns about its peer only through a [`PeerInfo`] — the NIXL
 //! metadata blob plus the region base addresses, as vLLM's NixlConnector exchanges
-//! `NixlAgentMetadata` — and through NIXL notifications. Both roles live in one process
-//! for now; nothing else passes between them, so they can move to two processes or nodes.
+//! `NixlAgentMetadata` — and through NIXL notifications. Nothing else passes between them:
+//! `run` holds both in one process, or one here and the other in `kvprobe serve` (a child of
+//! `run --decode-process`, or another host with `run --peer`).
 //!
 //! Descriptors follow vLLM's NixlConnector: one per (layer, K/V, block) block slice.
 //! `--op read` (default): decode pulls from prefill and notifies it (vLLM's flow);
@@ -43,7 +44,6 @@ use crate::error::Result;
 use crate::geometry::{Geometry, SliceCoord};
 use crate::nixl::{Agent, Descs, Lease, Posted, PreparedList, Region, Registered, WeakLease, XferResult};
 use crate::pool::{KvPool, MemoryKind};
-use crate::remote::Request;
 use nixl_sys::{MemType, XferOp};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -144,20 +144,17 @@ fn mem_type(m: MemoryKind) -> MemType {
     }
 }
 
-/// Where a role's NIXL agent lives.
+/// A role's NIXL agent (in this process).
 enum Role {
     /// In this process.
     Local(Agent),
-    /// In the decode agent process ([`crate::remote`]); the pool is imported from it.
-    Remote(Box<crate::remote::RemoteAgent>),
 }
 
 /// A role: a NIXL agent with its pool registered.
 pub struct Endpoint {
     // Field order is drop order: the prepared lists are released, then the agent gives up
     // its share of the registration before the pool's guard decides whether it holds the
-    // last one (a remote agent's process lives until the imported pool's regions are closed
-    // too).
+    // last one.
     /// The lists prepared at [`Endpoint::connect`] (`--xfer-req prepared`).
     prepared: Option<Prepared>,
     xfer_req: XferReq,
@@ -198,27 +195,9 @@ impl Endpoint {
         })
     }
 
-    /// The decode role with its agent in the decode agent process and `pool` imported from
-    /// there ([`crate::remote`]); the child has already loaded `peer` (the prefill role).
-    pub fn remote(agent: crate::remote::RemoteAgent, backend: &str, pool: KvPool, peer: PeerInfo) -> Endpoint {
-        let pool = Registered::unregistered(pool);
-        Endpoint {
-            prepared: None,
-            // Unused: the decode agent process makes its READs as its own Init says.
-            xfer_req: XferReq::Create,
-            agent: Role::Remote(Box::new(agent)),
-            backend: backend.to_string(),
-            peer: Some(peer),
-            pool,
-        }
-    }
-
     fn local(&self) -> Result<&Agent> {
         match &self.agent {
             Role::Local(a) => Ok(a),
-            Role::Remote(_) => Err(crate::error::Error::Usage(
-                "this operation needs the agent in this process (scenarios run without --decode-process)".into(),
-            )),
         }
     }
 
@@ -234,7 +213,6 @@ impl Endpoint {
                 device_id: self.pool.device_id(),
                 lease: self.pool.lease().downgrade(),
             }),
-            Role::Remote(r) => Ok(r.info().clone()),
         }
     }
 
@@ -242,13 +220,7 @@ impl Endpoint {
     pub fn name(&self) -> String {
         match &self.agent {
             Role::Local(a) => a.name(),
-            Role::Remote(r) => r.info().agent.clone(),
         }
-    }
-
-    /// True when the agent lives in the decode agent process.
-    pub fn is_remote(&self) -> bool {
-        matches!(self.agent, Role::Remote(_))
     }
 
     /// Checks the peer's regions match this pool's geometry (one per layer, each as long as
@@ -319,7 +291,7 @@ impl Endpoint {
     /// With prepared lists the request is made from slice indices, unless a pair is not a
     /// whole number of slices (a torn pair): then, and with `--xfer-req create`, from
     /// descriptors built for it (module docs).
-    /// Errors: transport (exit 3); timeout (exit 4); usage for an agent in another process.
+    /// Errors: transport (exit 3); timeout (exit 4).
     pub fn post_as_initiator(&self, op: Op, pairs: &[Pair], tag: &str, deadline: Deadline) -> Result<Posted> {
         let agent = self.local()?;
         let keep = self.keep()?;
@@ -390,8 +362,7 @@ impl Endpoint {
     }
 
     /// Sends `tag` to the peer as a bare NIXL notification (no transfer): the test-only
-    /// early-notification fault of the sweep ([`crate::run`]). Errors: transport (exit 3);
-    /// usage for an agent in another process.
+    /// early-notification fault of the sweep ([`crate::run`]). Errors: transport (exit 3).
     pub fn notify_peer(&self, tag: &str) -> Result<()> {
         let peer = self.peer().agent.clone();
         self.local()?.notify(&peer, tag.as_bytes())
@@ -401,22 +372,14 @@ impl Endpoint {
     pub fn raw_notifications(&self) -> Result<Vec<(String, String)>> {
         match &self.agent {
             Role::Local(a) => a.take_notifications(),
-            Role::Remote(r) => r.take_notifications(),
         }
     }
 
     /// UCX's protocol selection for `op` as seen by the agent that initiates it from this
-    /// role (this process's UCX log since `mark`, or the decode agent process's).
-    pub fn transport_path(&self, mark: u64, op: Op, vram: bool, timeout: Duration) -> crate::ucx::TransportPath {
+    /// role (this process's UCX log since `mark`).
+    pub fn transport_path(&self, mark: u64, op: Op, vram: bool) -> crate::ucx::TransportPath {
         let name = if op == Op::Write { "WRITE" } else { "READ" };
-        match &self.agent {
-            Role::Local(_) => crate::ucx::path_since(mark, &self.backend, name, vram),
-            Role::Remote(r) => r.transport_path(timeout).unwrap_or_else(|e| crate::ucx::TransportPath {
-                backend: self.backend.clone(),
-                unknown_because: Some(format!("the decode agent process did not say: {e}")),
-                ..Default::default()
-            }),
-        }
+        crate::ucx::path_since(mark, &self.backend, name, vram)
     }
 
     /// Posts one NIXL READ of `pairs` from the peer (this role is decode: `dst` slices are
@@ -531,59 +494,22 @@ fn roles<'a>(op: Op, prefill: &'a Endpoint, decode: &'a Endpoint) -> (&'a Endpoi
 
 /// Posts one NIXL request moving `pairs` (each `len` bytes from its slice start, possibly
 /// spanning the next contiguous slices of one layer) from `prefill` to `decode`, with
-/// notification `tag` to the other role; does not wait. A decode agent in another process
-/// posts READs there. The request's deadline is `timeout` from now, before its descriptors
-/// are built: it bounds the post call, the completion ([`poll`]) and the notification
-/// ([`await_notifications`]). Errors: transport (exit 3), timeout (exit 4).
-pub fn post(op: Op, prefill: &Endpoint, decode: &Endpoint, pairs: &[Pair], tag: &str, timeout: Duration) -> Result<Request> {
+/// notification `tag` to the other role; does not wait. The request's deadline is `timeout`
+/// from now, before its descriptors are built: it bounds the post call, the completion
+/// ([`poll`]) and the notification ([`await_notifications`]). Errors: transport (exit 3),
+/// timeout (exit 4).
+pub fn post(op: Op, prefill: &Endpoint, decode: &Endpoint, pairs: &[Pair], tag: &str, timeout: Duration) -> Result<Posted> {
     let deadline = Deadline::after(timeout);
     let (init, _) = roles(op, prefill, decode);
-    match &init.agent {
-        Role::Local(_) => Ok(Request::Local(init.post_as_initiator(op, pairs, tag, deadline)?)),
-        Role::Remote(r) => {
-            let hold = r.post_read(pairs, tag, init.keep()?)?;
-            Ok(Request::Remote { tag: tag.to_string(), bytes: pairs.iter().map(|p| p.len).sum(), deadline, late_misses: 0, hold })
-        }
-    }
+    init.post_as_initiator(op, pairs, tag, deadline)
 }
 
-/// Checks a request [`post`]ed for `op` once: `Some` when complete. A request still
-/// incomplete at two checks that began after its deadline has timed out (for the decode agent
-/// process's READs also one whose post-to-completion time, as the child measured it, exceeds
-/// the limit). Errors: transport (exit 3), timeout (exit 4).
-pub fn poll(op: Op, prefill: &Endpoint, decode: &Endpoint, p: &mut Request) -> Result<Option<XferResult>> {
+/// Checks a request [`post`]ed for `op` once: `Some` when complete ([`Agent::poll`]: a
+/// request still incomplete at two checks that began after its deadline has timed out).
+/// Errors: transport (exit 3), timeout (exit 4).
+pub fn poll(op: Op, prefill: &Endpoint, decode: &Endpoint, p: &mut Posted) -> Result<Option<XferResult>> {
     let (init, _) = roles(op, prefill, decode);
-    match (p, &init.agent) {
-        (Request::Local(p), _) => init.poll(p),
-        (Request::Remote { tag, bytes, deadline, late_misses, hold }, Role::Remote(r)) => {
-            let asked = Instant::now();
-            let timeout = |why: String| {
-                crate::error::Error::Timeout(format!(
-                    "READ {tag} of {bytes} bytes by the decode agent process: {why}, over --timeout {:.6} s ({:.3} s since it was sent)",
-                    deadline.limit_secs(),
-                    deadline.elapsed_secs()
-                ))
-            };
-            let got = r.poll(tag)?;
-            if got.is_some() {
-                hold.complete();
-            }
-            match got {
-                Some(done) if done.elapsed > deadline.limit => {
-                    Err(timeout(format!("it took {:.3} s from post to completion", done.elapsed.as_secs_f64())))
-                }
-                Some(done) => Ok(Some(done)),
-                None if deadline.passed_at(asked) => {
-                    *late_misses += 1;
-                    if *late_misses >= 2 { Err(timeout("still not complete".into())) } else { Ok(None) }
-                }
-                None => Ok(None),
-            }
-        }
-        (Request::Remote { .. }, Role::Local(_)) => {
-            Err(crate::error::Error::Usage("a request of the decode agent process polled in this process".into()))
-        }
-    }
+    init.poll(p)
 }
 
 /// The timeout of a notification query for `tag` (from agent `from`) that began at `asked`,

@@ -206,10 +206,13 @@ fn sigint_stops_cleanly_with_a_partial_report() {
 
 #[test]
 fn a_backend_that_cannot_serve_the_pools_exits_2() {
-    let (code, r, log) = run_report("posix", &["--iterations", "1", "--backend", "POSIX"]);
-    assert_eq!(code, 2, "{log}");
-    assert!(log.contains("NIXL backend POSIX cannot serve DRAM pools"), "{log}");
-    assert_eq!(r["outcome"]["error"]["kind"], "environment");
+    // In one process, and with prefill in a second one (--decode-process): the same refusal.
+    for extra in [&[][..], &["--decode-process"][..]] {
+        let (code, r, log) = run_report("posix", &[&["--iterations", "1", "--backend", "POSIX"], extra].concat());
+        assert_eq!(code, 2, "{extra:?}: {log}");
+        assert!(log.contains("NIXL backend POSIX cannot serve DRAM pools"), "{extra:?}: {log}");
+        assert_eq!(r["outcome"]["error"]["kind"], "environment", "{extra:?}");
+    }
 }
 
 #[test]
@@ -258,6 +261,20 @@ fn the_report_names_the_ucx_path_and_rates_the_transfer_against_a_copy() {
     let gbps = r["summary"]["transfer_gbps"].as_f64().unwrap();
     assert!(c > 0.0 && (ratio - gbps / c).abs() <= 1e-9 * ratio.max(1.0), "{p}");
     assert!(log.contains("path:              UCX "), "{log}");
+    // --decode-process: both pools are on this host (prefill's in the child), so the transfer
+    // is still rated against a copy (from a scratch pool on prefill's side), READ and WRITE —
+    // and WRITE's table, the child's, keeps kvprobe's ceiling.
+    for op in ["read", "write"] {
+        let args = ["--iterations", "2", "--preset", "llama3-8b", "--blocks", "32", "--decode-process", "--op", op];
+        let (code, r, log) = crate::common::run_with_report("ucx-path-two", "dram", &args);
+        assert_eq!(code, 0, "{op}: {log}");
+        let p = &r["summary"]["transport_path"];
+        assert!(!p["selections"].as_array().unwrap().is_empty(), "{op}: {p}");
+        let (c, ratio) = (p["copy_gbps"].as_f64().unwrap(), p["ratio_to_copy"].as_f64().unwrap());
+        let gbps = r["summary"]["transfer_gbps"].as_f64().unwrap();
+        assert!(c > 0.0 && (ratio - gbps / c).abs() <= 1e-9 * ratio.max(1.0), "{op}: {p}");
+        assert!(log.contains("of a same-run copy of the pool"), "{op}: {log}");
+    }
     // Off on request: said so, nothing guessed.
     let (code, out, err) = crate::common::kvprobe_env(
         &["run", "--memory", "dram", "--report", &format!("{}/off.json", crate::common::tmpdir("ucx-off").display())],
@@ -374,9 +391,10 @@ fn env_probes_the_dram_path_in_a_child_run() {
 }
 
 #[test]
-fn decode_agent_in_a_second_process_moves_and_classifies_like_one() {
-    // The decode role's NIXL agent in a child kvprobe process mapping the pool: READ (the
-    // child posts) and WRITE (the child receives the notifications), pipelined.
+fn two_processes_move_and_classify_like_one() {
+    // --decode-process: prefill's NIXL agent and pool in a child `kvprobe serve`, driven over
+    // the peer protocol: READ (kvprobe, decode, posts) and WRITE (the child posts; kvprobe
+    // receives the notifications), pipelined.
     for op in ["read", "write"] {
         let mut args = vec!["--decode-process", "--iterations", "3", "--op", op, "--pipeline-stages", "2"];
         args.extend(crate::common::EVERY_INJECTION);
@@ -384,9 +402,19 @@ fn decode_agent_in_a_second_process_moves_and_classifies_like_one() {
         assert_eq!(code, 1, "{op}: {log}");
         crate::common::assert_found_exactly(&r, 15, &format!("{op}: {log}"));
         assert_eq!(r["config"]["decode_process"], true);
-        // The protocol table comes from whichever process initiated: the child for READ.
-        let rows = r["summary"]["transport_path"]["selections"][0]["rows"].as_array().cloned().unwrap_or_default();
-        assert!(!rows.is_empty(), "{op}: {}", r["summary"]["transport_path"]);
+        // The child's part of the report: prefill, in a child process, which said goodbye.
+        let peer = &r["peer"];
+        assert_eq!(peer["role"], "prefill", "{op}: {peer}");
+        assert!(peer["address"].as_str().unwrap().starts_with("child process "), "{op}: {peer}");
+        assert_eq!(peer["exit_code"], 1, "{op}: the child took the run's outcome: {peer}");
+        assert!(peer.get("bye_missing").is_none(), "{op}: {peer}");
+        // The protocol table comes from whichever process initiated: kvprobe for READ, the
+        // child for WRITE (sent with its goodbye).
+        let p = &r["summary"]["transport_path"];
+        let want = if op == "read" { "remote memory read" } else { "remote memory write" };
+        let sel = p["selections"].as_array().cloned().unwrap_or_default();
+        assert!(sel.iter().any(|s| s["operation"].as_str().unwrap_or("").starts_with(want)), "{op}: {p}");
+        assert!(sel.iter().all(|s| !s["rows"].as_array().unwrap().is_empty()), "{op}: {p}");
         let (code, r, log) = run_report("decode-process-clean", &["--decode-process", "--iterations", "2", "--op", op]);
         assert_eq!(code, 0, "{op}: {log}");
         assert_eq!(r["summary"]["blocks_corrupt"], 0);
@@ -396,9 +424,9 @@ fn decode_agent_in_a_second_process_moves_and_classifies_like_one() {
     assert!(err.contains("--decode-process applies to the whole-pool sweep"), "{err}");
 }
 
-/// Starts a long `--decode-process` run, waits until it iterates, and sends its decode agent
-/// `signal` (e.g. "-KILL", "-STOP"). Returns (kvprobe child, report path, agent pid, the run's
-/// TMPDIR).
+/// Starts a long `--decode-process` run, waits until it iterates, and sends its second
+/// process (the child `kvprobe serve --fd N` holding prefill's agent and pool) `signal` (e.g.
+/// "-KILL", "-STOP"). Returns (kvprobe child, report path, its child's pid, the run's TMPDIR).
 fn run_and_signal_the_agent(
     name: &str,
     timeout: &str,
@@ -419,24 +447,25 @@ fn run_and_signal_the_agent(
         .unwrap();
     let me = child.id().to_string();
     crate::common::wait_for_stderr_line(&mut child, "iteration 2/");
-    let out = std::process::Command::new("pgrep").args(["-P", &me, "-f", "kvprobe agent"]).output().unwrap();
-    let agent = String::from_utf8_lossy(&out.stdout).split_whitespace().next().expect("the decode agent process").to_string();
+    let out = std::process::Command::new("pgrep").args(["-P", &me, "-f", "serve --fd"]).output().unwrap();
+    let agent = String::from_utf8_lossy(&out.stdout).split_whitespace().next().expect("the prefill process").to_string();
     assert!(std::process::Command::new("kill").args([signal, &agent]).status().unwrap().success());
     (child, report, agent, tmp)
 }
 
 #[test]
-fn a_decode_agent_process_that_dies_is_a_transport_error() {
+fn a_prefill_process_that_dies_is_a_transport_error() {
     // Killed mid-run: exit 3 naming it, a report, and no child left behind.
     let (mut child, report, agent, tmp) = run_and_signal_the_agent("agent-dies", "60", "-KILL");
     let me = child.id().to_string();
     assert_eq!(child.wait().unwrap().code(), Some(3));
     let r: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
     assert_eq!(r["outcome"]["exit_code"], 3);
-    assert!(r["outcome"]["error"]["message"].as_str().unwrap().contains("decode agent process"), "{}", r["outcome"]);
+    assert!(r["outcome"]["error"]["message"].as_str().unwrap().contains("the prefill process"), "{}", r["outcome"]);
+    assert_eq!(r["peer"]["bye_missing"], true, "{}", r["peer"]);
     let left = std::process::Command::new("pgrep").args(["-P", &me]).output().unwrap();
     assert!(left.stdout.is_empty(), "children left: {}", String::from_utf8_lossy(&left.stdout));
-    // The killed agent's private directories went with kvprobe's exit, not at a later start.
+    // The killed child's private directories went with kvprobe's exit, not at a later start.
     let shm: Vec<_> = std::fs::read_dir("/dev/shm")
         .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
         .unwrap_or_default();
@@ -446,9 +475,9 @@ fn a_decode_agent_process_that_dies_is_a_transport_error() {
 }
 
 #[test]
-fn a_frozen_decode_agent_times_out_and_ctrl_c_is_not_held_up_by_it() {
-    // A stopped agent neither reads its requests nor answers: --timeout ends the run (exit 4,
-    // report written) even when requests are larger than a pipe's buffer.
+fn a_frozen_prefill_process_times_out_and_ctrl_c_is_not_held_up_by_it() {
+    // A stopped child neither reads its requests nor answers nor sends heartbeats: --timeout
+    // ends the run (exit 4, report written).
     // The bounds below only tell "ended by the limit or the signal" from "waited out a far
     // longer one": generous, so a loaded machine cannot fail them.
     let (mut child, report, _, _) = run_and_signal_the_agent("frozen-timeout", "2", "-STOP");

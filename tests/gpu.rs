@@ -667,14 +667,15 @@ fn the_report_names_ucx_emulation_and_cuda_ipc_on_vram() {
 }
 
 #[test]
-fn decode_agent_process_on_vram_shares_its_pool_by_cuda_ipc() {
-    if !gpu_or_skip("decode_agent_process_on_vram_shares_its_pool_by_cuda_ipc") {
+fn two_processes_on_vram_move_and_classify_like_one() {
+    if !gpu_or_skip("two_processes_on_vram_move_and_classify_like_one") {
         return;
     }
-    // The same GPU always; across GPUs where the lane has two (never a silent fall-back to one:
-    // a two-GPU lane without the second GPU fails in two_gpus_or_skip).
+    // --decode-process: prefill's agent and pool in a child `kvprobe serve` (UCX between two
+    // processes: cuda_ipc). The same GPU always; across GPUs where the lane has two (never a
+    // silent fall-back to one: a two-GPU lane without the second GPU fails in two_gpus_or_skip).
     let mut decodes = vec!["0"];
-    if crate::common::two_gpus_or_skip("decode_agent_process_on_vram_shares_its_pool_by_cuda_ipc (decode on GPU 1)") {
+    if crate::common::two_gpus_or_skip("two_processes_on_vram_move_and_classify_like_one (decode on GPU 1)") {
         decodes.push("1");
     }
     for (decode, op) in decodes.iter().flat_map(|d| ["read", "write"].map(|op| (*d, op))) {
@@ -708,6 +709,11 @@ fn decode_agent_process_on_vram_shares_its_pool_by_cuda_ipc() {
         let (code, r, log) = vram_report("vram-decode-process-clean", &[&args[..9], &["--op", op]].concat());
         assert_eq!(code, 0, "decode GPU {decode}, {op}: {log}");
         assert_eq!(r["summary"]["blocks_corrupt"], 0);
+        // 256 MiB per side: rated against a copy from a scratch pool on prefill's GPU.
+        let p = &r["summary"]["transport_path"];
+        let (c, ratio) = (p["copy_gbps"].as_f64().unwrap_or(0.0), p["ratio_to_copy"].as_f64().unwrap_or(0.0));
+        let gbps = r["summary"]["transfer_gbps"].as_f64().unwrap();
+        assert!(c > 0.0 && (ratio - gbps / c).abs() <= 1e-9 * ratio.max(1.0), "decode GPU {decode}, {op}: {p}");
     }
 }
 

@@ -394,6 +394,26 @@ fn pair_serve_bounds_frames_and_takes_one_client_at_a_time() {
 }
 
 #[test]
+fn serve_fd_refuses_what_is_not_its_socket() {
+    // `serve --fd N` is the hidden prefill process of `run --decode-process`; started by hand
+    // with a wrong descriptor it refuses clearly (exit 2), it never takes over stdin/out/err
+    // or a closed descriptor.
+    let tok = [("KVPROBE_TOKEN", "t")];
+    for (fd, says) in [("0", "stdin, stdout or stderr"), ("2", "stdin, stdout or stderr"), ("999", "--fd 999")] {
+        let (code, out, err) = kvprobe_env(&["serve", "--fd", fd, "--memory", "dram"], &tok);
+        assert_eq!(code, 2, "--fd {fd}: {out}{err}");
+        assert!(err.contains(says), "--fd {fd}: {err}");
+        assert!(out.is_empty(), "--fd {fd}: nothing on stdout in fd mode: {out}");
+    }
+    // Either --listen or --fd, not both, not neither.
+    let (code, _, err) = kvprobe_env(&["serve", "--fd", "5", "--listen", "127.0.0.1:0", "--memory", "dram"], &tok);
+    assert_eq!(code, 2, "{err}");
+    let (code, _, err) = kvprobe_env(&["serve", "--memory", "dram"], &tok);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--listen"), "{err}");
+}
+
+#[test]
 fn pair_run_refuses_bad_peer_flags_before_connecting() {
     let (code, _, err) = kvprobe(&["run", "--peer", "127.0.0.1:1", "--memory", "dram", "--decode-process", "--token", "x"]);
     assert_eq!(code, 2, "{err}");
@@ -525,10 +545,13 @@ fn gpu_pair_llama3_read_and_write_are_clean_and_find_every_injection() {
     let (p, d) = vram_sides();
     let serve_mem = ["--memory", "vram", "--device", p.as_str()];
     let run_mem = ["--memory", "vram", "--decode-device", d.as_str()];
+    // cuda_ipc READs between processes need get zero-copy on (README "Running on a GPU host");
+    // without it UCX emulates them over TCP at a tenth of the rate.
+    let env = [("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")];
     for op in ["read", "write"] {
-        let s = Serve::start_with(&[], "127.0.0.1", &serve_mem, &[], &[]);
+        let s = Serve::start_with(&[], "127.0.0.1", &serve_mem, &env, &[]);
         let (code, r, out) =
-            run_peer_with(&[], &s.addr, TOKEN, &run_mem, &[], &["--op", op, "--preset", "llama3-8b", "--iterations", "20"]);
+            run_peer_with(&[], &s.addr, TOKEN, &run_mem, &env, &["--op", op, "--preset", "llama3-8b", "--iterations", "20"]);
         assert_eq!(code, 0, "{op}: {out}");
         let (sc, sout, sr) = s.wait();
         assert_eq!(sc, 0, "{op}: {sout}");
@@ -539,12 +562,12 @@ fn gpu_pair_llama3_read_and_write_are_clean_and_find_every_injection() {
             "pair VRAM {op} GPU {p} -> GPU {d}: {} GB/s, path {}",
             r["summary"]["transfer_gbps"], r["summary"]["transport_path"]["selections"]
         );
-        let s = Serve::start_with(&[], "127.0.0.1", &serve_mem, &[], &[]);
+        let s = Serve::start_with(&[], "127.0.0.1", &serve_mem, &env, &[]);
         let mut args = vec!["--op", op, "--preset", "llama3-8b", "--blocks", "64", "--iterations", "3", "--pipeline-stages", "4"];
         for k in ["bitflip", "drop", "misroute", "stale", "torn", "stray"] {
             args.extend_from_slice(&["--inject", k]);
         }
-        let (code, r, out) = run_peer_with(&[], &s.addr, TOKEN, &run_mem, &[], &args);
+        let (code, r, out) = run_peer_with(&[], &s.addr, TOKEN, &run_mem, &env, &args);
         assert_eq!(code, 1, "{op}: {out}");
         assert_found_exactly(&r, 6 * 3, &format!("VRAM pair {op}"));
         let (sc, sout, _) = s.wait();

@@ -162,10 +162,10 @@ fn inject_stray_needs_three_pipeline_stages() {
 }
 
 #[test]
-fn strays_combine_with_every_other_injection_and_a_decode_agent_process() {
+fn strays_combine_with_every_other_injection_and_two_processes() {
     // Every other kind in the same iterations (their slices distinct from the strays'), READ
-    // and WRITE, decode's agent in a second process: each fault comes back where and as the
-    // tests' own table predicts, nothing else.
+    // and WRITE, prefill's agent and pool in a second process (--decode-process): each fault
+    // comes back where and as the tests' own table predicts, nothing else.
     for extra in [
         &["--pipeline-stages", "4", "--seed", "21"][..],
         &["--pipeline-stages", "3", "--layers", "6", "--op", "write", "--descriptor-blocks", "4"][..],

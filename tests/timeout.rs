@@ -81,9 +81,10 @@ fn a_generous_timeout_passes_with_slow_post_calls() {
         assert_eq!(r["outcome"]["status"], "clean", "{name}");
         assert!(r["summary"]["blocks_checked"].as_u64().unwrap() > 0, "{name}");
     }
+    // --decode-process: the prefill process posts the WRITEs, each post call 0.2 s there.
     let (code, r, log) = run_env(
         "slow-agent",
-        &[SWEEP, &["--decode-process", "--timeout", "600"]].concat(),
+        &[SWEEP, &["--decode-process", "--op", "write", "--timeout", "600"]].concat(),
         &[("KVPROBE_TEST_STALL_AGENT_POST", "0.2")],
     );
     assert_eq!(code, 0, "{log}");
@@ -91,12 +92,13 @@ fn a_generous_timeout_passes_with_slow_post_calls() {
 }
 
 /// Starts kvprobe with `args` (a report path appended) and `env`; returns it, the report path
-/// and, with `agent`, the pid of its decode agent process once it runs.
+/// and, with `agent`, the pid of its second process (`--decode-process`: the child `kvprobe
+/// serve --fd N` holding prefill's agent and pool) once it runs.
 fn spawn(name: &str, args: &[&str], env: &[(&str, &str)], agent: bool) -> (std::process::Child, PathBuf, Option<u32>) {
     let d = tmpdir(name);
     let report = d.join("r.json");
-    // stderr to a file: the decode agent process inherits it, so a pipe would stay open
-    // while the agent lives.
+    // stderr to a file: the prefill process inherits it, so a pipe would stay open while it
+    // lives.
     let log = std::fs::File::create(d.join("stderr")).unwrap();
     let mut c = Command::new(bin());
     c.args(args).arg("--report").arg(&report).stdout(Stdio::null()).stderr(log);
@@ -108,9 +110,9 @@ fn spawn(name: &str, args: &[&str], env: &[(&str, &str)], agent: bool) -> (std::
     if agent {
         let t0 = Instant::now();
         while pid.is_none() {
-            let out = Command::new("pgrep").args(["-P", &child.id().to_string(), "-f", "kvprobe agent"]).output().unwrap();
+            let out = Command::new("pgrep").args(["-P", &child.id().to_string(), "-f", "serve --fd"]).output().unwrap();
             pid = String::from_utf8_lossy(&out.stdout).split_whitespace().next().and_then(|p| p.parse().ok());
-            assert!(t0.elapsed() < Duration::from_secs(120), "{name}: no decode agent process started");
+            assert!(t0.elapsed() < Duration::from_secs(120), "{name}: no prefill process started");
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -171,22 +173,23 @@ fn a_call_blocked_past_its_deadline_still_ends_the_run_with_exit_4_and_a_report(
 }
 
 #[test]
-fn a_blocked_call_in_either_process_of_decode_process_ends_the_run_and_the_agent() {
-    let args = [SWEEP, &["--decode-process", "--timeout", "1"]].concat();
+fn a_blocked_call_in_either_process_of_decode_process_ends_the_run_and_the_child() {
+    // WRITE: decode (kvprobe) queries its notifications, prefill (the child) posts.
+    let args = [SWEEP, &["--decode-process", "--op", "write", "--timeout", "1"]].concat();
     // kvprobe's own notification query never returns: the watchdog ends the run, and the
-    // decode agent process dies with kvprobe.
+    // prefill process dies with kvprobe.
     let (child, report, agent) = spawn("stuck-parent", &args, &[("KVPROBE_TEST_STALL_NOTIFICATIONS", "3600")], true);
     let (code, r, err) = finish(child, &report);
     assert_timeout(code, &r, &err);
     assert!(message(&r).contains("notification query"), "{}", message(&r));
-    assert_gone(agent.unwrap(), "stuck-parent: the decode agent");
-    // The agent's post call never returns: its READ is not complete by the deadline (exit 4
-    // through the normal path), and kvprobe stops the agent.
+    assert_gone(agent.unwrap(), "stuck-parent: the prefill process");
+    // The child's post call never returns: its WRITE is not complete by the deadline (exit 4
+    // through the normal path), and kvprobe stops the child.
     let (child, report, agent) = spawn("stuck-agent", &args, &[("KVPROBE_TEST_STALL_AGENT_POST", "3600")], true);
     let (code, r, err) = finish(child, &report);
     assert_timeout(code, &r, &err);
-    assert!(message(&r).contains("by the decode agent process"), "{}", message(&r));
-    assert_gone(agent.unwrap(), "stuck-agent: the decode agent");
+    assert!(message(&r).contains("by the prefill process"), "{}", message(&r));
+    assert_gone(agent.unwrap(), "stuck-agent: the prefill process");
 }
 
 #[test]
@@ -305,10 +308,10 @@ fn signal(sig: &str, pid: u32) {
 #[test]
 fn a_second_signal_still_leaves_the_report_so_far() {
     // The run is held up after the first SIGINT (a post call blocked for an hour, in kvprobe or
-    // in the decode agent process); a second SIGINT 1.2 s later ends it at once — still with
-    // the report published so far, marked interrupted.
+    // in the prefill process of --decode-process, which posts WRITEs); a second SIGINT 1.2 s
+    // later ends it at once — still with the report published so far, marked interrupted.
     let sweep = [SWEEP, &["--timeout", "600"]].concat();
-    let agent = [SWEEP, &["--decode-process", "--timeout", "600"]].concat();
+    let agent = [SWEEP, &["--decode-process", "--op", "write", "--timeout", "600"]].concat();
     let ab = ["ab", "--memory", "dram", "--requests", "50", "--timeout", "600"];
     for (name, args, stall, marker) in [
         ("second-sweep", &sweep[..], "KVPROBE_TEST_STALL_POST", "iteration 1: posting"),
@@ -330,10 +333,10 @@ fn a_second_signal_still_leaves_the_report_so_far() {
 }
 
 #[test]
-fn ctrl_c_kills_a_stopped_decode_agent_instead_of_waiting_for_it() {
-    // The decode agent process is stopped (SIGSTOP) mid-run, then kvprobe gets SIGINT: it
-    // stops the run, and at shutdown kills the agent after a short bound (1 s after a signal)
-    // instead of waiting for it to exit; far within --timeout 3600.
+fn ctrl_c_kills_a_stopped_prefill_process_instead_of_waiting_for_it() {
+    // The prefill process of --decode-process is stopped (SIGSTOP) mid-run, then kvprobe gets
+    // SIGINT: it stops the run, and at shutdown kills the child after a short bound (1 s after
+    // a signal) instead of waiting for it to exit; far within --timeout 3600.
     let args = ["run", "--memory", "dram", "--iterations", "100000", "--decode-process", "--timeout", "3600"];
     let (child, report, agent) = spawn("stopped-agent", &args, &[("KVPROBE_TRACE", "1")], true);
     let agent = agent.unwrap();
@@ -345,8 +348,16 @@ fn ctrl_c_kills_a_stopped_decode_agent_instead_of_waiting_for_it() {
     assert_eq!(code, 130, "{err}");
     assert!(t0.elapsed() < Duration::from_secs(60), "an interrupted run waited {:?} for a stopped agent", t0.elapsed());
     assert_eq!(r["outcome"]["status"], "interrupted", "{}", r["outcome"]);
-    assert!(err.contains("decode agent process did not exit within 1 s"), "{err}");
-    assert_gone(agent, "the stopped decode agent");
+    // Killed after 1 s, or at once when a READ of its (stopped) memory could not be confirmed
+    // finished: told to exit, it would free that memory under the READ.
+    assert!(
+        err.contains("the prefill process did not exit within 1 s of being told to; kvprobe killed it")
+            || err.contains(
+                "the prefill process was not told to exit (a request of kvprobe may still move its memory); kvprobe killed it"
+            ),
+        "{err}"
+    );
+    assert_gone(agent, "the stopped prefill process");
 }
 
 #[test]
@@ -366,25 +377,26 @@ fn a_poll_blocked_past_its_requests_deadline_is_a_timeout() {
             "notification query",
         ),
         ("poll-status", sweep.clone(), "KVPROBE_TEST_STALL_STATUS", "status query"),
-        // --decode-process: kvprobe takes READ notifications; the agent takes WRITE's and polls
-        // its READs (kvprobe bounds them: incomplete past the deadline, or measured late).
+        // --decode-process: kvprobe (decode) takes WRITE notifications; the prefill process
+        // takes READ's and polls its WRITEs (kvprobe bounds them: incomplete past the deadline,
+        // or the child's own timeout).
         (
-            "poll-agent-read",
-            [&sweep[..], &["--decode-process"]].concat(),
+            "poll-agent-write",
+            [&sweep[..], &["--decode-process", "--op", "write"]].concat(),
             "KVPROBE_TEST_STALL_NOTIFICATIONS",
             "notification query",
         ),
         (
-            "poll-agent-write",
-            [&sweep[..], &["--decode-process", "--op", "write"]].concat(),
+            "poll-agent-read",
+            [&sweep[..], &["--decode-process"]].concat(),
             "KVPROBE_TEST_STALL_AGENT_NOTIFICATIONS",
             "notification",
         ),
         (
             "poll-agent-status",
-            [&sweep[..], &["--decode-process"]].concat(),
+            [&sweep[..], &["--decode-process", "--op", "write"]].concat(),
             "KVPROBE_TEST_STALL_AGENT_STATUS",
-            "by the decode agent process",
+            "the prefill process",
         ),
         ("poll-scenario", [NIXL_ONLY, &t2].concat(), "KVPROBE_TEST_STALL_NOTIFICATIONS", "notification query"),
         ("poll-lockstep", [NIXL_ONLY, &t2, &["--lockstep"]].concat(), "KVPROBE_TEST_STALL_NOTIFICATIONS", "notification query"),
@@ -397,9 +409,10 @@ fn a_poll_blocked_past_its_requests_deadline_is_a_timeout() {
 }
 
 #[test]
-fn a_decode_agent_that_never_becomes_ready_is_a_timeout() {
-    // The agent's start-up blocks for an hour; the fixed start bound (120 s, here 2 s through
-    // the test-only KVPROBE_TEST_AGENT_START_SECS) passes: exit 4 with a report, agent gone.
+fn a_prefill_process_that_never_becomes_ready_is_a_timeout() {
+    // The start-up of --decode-process's child (kvprobe serve --fd) blocks for an hour before
+    // it says it is ready; the fixed start bound (120 s, here 2 s through the test-only
+    // KVPROBE_TEST_AGENT_START_SECS) passes: exit 4 with a report, the child gone.
     let args = [SWEEP, &["--decode-process", "--timeout", "3600"]].concat();
     let (child, report, agent) = spawn(
         "agent-never-ready",
@@ -409,8 +422,9 @@ fn a_decode_agent_that_never_becomes_ready_is_a_timeout() {
     );
     let (code, r, err) = finish(child, &report);
     assert_timeout(code, &r, &err);
-    assert!(message(&r).contains("decode agent process was not ready within 2 s"), "{}", message(&r));
-    assert_gone(agent.unwrap(), "the decode agent that never became ready");
+    assert!(message(&r).contains("prefill process"), "{}", message(&r));
+    assert!(message(&r).contains("was not ready within 2 s of its start"), "{}", message(&r));
+    assert_gone(agent.unwrap(), "the prefill process that never became ready");
 }
 
 /// What kvprobe says when requests it dropped in flight were confirmed finished before their
@@ -420,9 +434,10 @@ const DRAINED: &str = "in flight when the run stopped were drained (confirmed fi
 const KEPT: &str =
     "could not be confirmed finished within 2 s; the pools they move stay allocated and registered with NIXL until kvprobe exits";
 
-/// Runs kvprobe with `args` and `env` in its own TMPDIR (with `agent`, waits for its decode
-/// agent process); returns (exit code, report, stderr) once it ended, after checking that it
-/// left nothing behind: no decode agent process, nothing in its TMPDIR, no /dev/shm directory.
+/// Runs kvprobe with `args` and `env` in its own TMPDIR (with `agent`, waits for its prefill
+/// process of --decode-process); returns (exit code, report, stderr) once it ended, after
+/// checking that it left nothing behind: no child process, nothing in its TMPDIR, no /dev/shm
+/// directory.
 fn run_leaving_nothing(name: &str, args: &[&str], env: &[(&str, &str)], agent: bool) -> (i32, Value, String) {
     let tmp = tmpdir(&format!("{name}-tmp"));
     let t = tmp.to_str().unwrap().to_string();
@@ -431,7 +446,7 @@ fn run_leaving_nothing(name: &str, args: &[&str], env: &[(&str, &str)], agent: b
     let pid = child.id();
     let (code, r, err) = finish(child, &report);
     if let Some(a) = agent_pid {
-        assert_gone(a, &format!("{name}: the decode agent"));
+        assert_gone(a, &format!("{name}: the prefill process"));
     }
     let left: Vec<_> = std::fs::read_dir(&tmp).unwrap().flatten().map(|e| e.file_name()).collect();
     assert!(left.is_empty(), "{name}: left in TMPDIR: {left:?}");
@@ -453,8 +468,11 @@ fn requests_left_in_flight_by_a_timeout_are_drained_before_their_pools_are_freed
         ("drain-read", [SWEEP, &t2].concat()),
         ("drain-write", [SWEEP, &t2, &["--op", "write"]].concat()),
         ("drain-scenario", [NIXL_ONLY, &t2].concat()),
+        // Decode's READs in kvprobe, prefill's agent and pool in the child: the child is gone too.
+        ("drain-agent", [SWEEP, &t2, &["--decode-process"]].concat()),
     ] {
-        let (code, r, err) = run_leaving_nothing(name, &args, &[("KVPROBE_TEST_STALL_STATUS", "5")], false);
+        let agent = name == "drain-agent";
+        let (code, r, err) = run_leaving_nothing(name, &args, &[("KVPROBE_TEST_STALL_STATUS", "5")], agent);
         assert_timeout(code, &r, &format!("{name}: {err}"));
         assert!(message(&r).contains("status query"), "{name}: {}", message(&r));
         assert_eq!(err.matches(DRAINED).count(), 1, "{name}: {err}");

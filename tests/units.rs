@@ -243,66 +243,6 @@ fn pipeline_stages_cover_every_layer_once() {
     assert_eq!(stages(&g, None, false).len(), 16);
 }
 
-use kvprobe::remote::{AgentCommand, read_command};
-
-fn wire(pairs: &[[u32; 6]], len: u64) -> Vec<u8> {
-    let mut b = Vec::new();
-    for p in pairs {
-        for v in p {
-            b.extend_from_slice(&v.to_le_bytes());
-        }
-        b.extend_from_slice(&len.to_le_bytes());
-    }
-    b
-}
-
-fn cmd(input: Vec<u8>) -> AgentCommand {
-    let g = kvprobe::geometry::Preset::Small.geometry(); // 4 layers x K/V x 64 blocks, 4096-byte slices
-    read_command(&mut std::io::Cursor::new(input), &g, g.total_slices().unwrap())
-}
-
-fn bad(input: Vec<u8>, needle: &str) {
-    match cmd(input) {
-        AgentCommand::Bad(m) => assert!(m.contains(needle), "{m:?} lacks {needle:?}"),
-        _ => panic!("accepted; expected an error containing {needle:?}"),
-    }
-}
-
-#[test]
-fn commands_are_parsed_and_checked_against_the_pool() {
-    let mut ok = b"X t0 2\n".to_vec();
-    ok.extend(wire(&[[1, 0, 5, 1, 0, 9], [3, 1, 63, 3, 1, 0]], 4096));
-    match cmd(ok) {
-        AgentCommand::Xfer(tag, pairs) => {
-            assert_eq!(tag, "t0");
-            assert_eq!(pairs.len(), 2);
-            assert_eq!((pairs[1].src.layer, pairs[1].src.kv, pairs[1].dst.block), (3, kvprobe::geometry::KvPart::V, 0));
-        }
-        _ => panic!("a valid X was refused"),
-    }
-    assert!(matches!(cmd(b"P\n".to_vec()), AgentCommand::Path));
-    assert!(matches!(cmd(b"Q\n".to_vec()), AgentCommand::Quit));
-    assert!(matches!(cmd(Vec::new()), AgentCommand::Quit));
-    bad(b"hello\n".to_vec(), "unknown command");
-    bad(b"X\n".to_vec(), "unknown command");
-    bad(b"P extra\n".to_vec(), "unknown command");
-    bad(b"X t abc\n".to_vec(), "pair count must be 1 to 512");
-    bad(b"X t 0\n".to_vec(), "pair count must be 1 to 512");
-    bad(b"X t 99999999999999\n".to_vec(), "pair count must be 1 to 512");
-    bad(b"X t 2\n".to_vec(), "input ended inside the 2 pairs");
-    let with = |p: [u32; 6], len: u64| [b"X t 1\n".to_vec(), wire(&[p], len)].concat();
-    bad(with([99, 0, 0, 0, 0, 0], 4096), "outside the pool");
-    bad(with([0, 0, 64, 0, 0, 0], 4096), "outside the pool");
-    bad(with([0, 2, 0, 0, 0, 0], 4096), "outside the pool"); // latent in a K/V pool
-    bad(with([0, 7, 0, 0, 0, 0], 4096), "unknown K/V code");
-    bad(with([0, 0, 0, 0, 0, 0], 0), "leaves its layer region");
-    bad(with([0, 1, 63, 0, 1, 63], 2 * 4096), "leaves its layer region"); // past V's last block
-    bad(with([0, 0, 0, 0, 0, 0], 4097), "leaves its layer region");
-    // Two whole slices from K's last block run into V's first: inside the region, allowed.
-    assert!(matches!(cmd(with([0, 0, 63, 0, 0, 63], 2 * 4096)), AgentCommand::Xfer(..)));
-    bad([b"X ".to_vec(), vec![b'a'; 5000], b" 1\n".to_vec()].concat(), "longer than 4096 bytes");
-}
-
 #[test]
 fn byte_counts_read_in_binary_units_with_the_exact_value() {
     use kvprobe::report::{bytes_binary, bytes_exact};
@@ -441,8 +381,8 @@ fn a_shareable_pools_memfd_reaches_only_the_child_it_is_given_to() {
     let out = std::process::Command::new("sh").args(["-c", "ls -l /proc/self/fd"]).output().unwrap();
     let std_spawn = String::from_utf8(out.stdout).unwrap();
     assert!(!std_spawn.contains("memfd:kvprobe-pool"), "{std_spawn}");
-    // The child it is given to (as the Mooncake worker and the decode agent process are
-    // started) holds it under the same number.
+    // The child it is given to (as the Mooncake worker is given the pools' memfds and the
+    // prefill process of --decode-process its socket) holds it under the same number.
     let kept = child_fds(Some(fd));
     assert!(kept.lines().any(|l| l.contains(&format!(" {fd} -> /memfd:kvprobe-pool"))), "fd {fd}: {kept}");
     assert_eq!(kept.matches("memfd:kvprobe-pool").count(), 1, "{kept}");
@@ -534,7 +474,8 @@ fn every_child_process_in_src_is_started_by_the_spawner() {
         }
         seen += text.matches("crate::child::spawn(").count() + text.matches("crate::child::output(").count();
     }
-    // The master, the worker, the decode agent, env's probe runs and nvidia-smi.
+    // The master, the worker, the prefill process of --decode-process, env's probe runs and
+    // nvidia-smi.
     assert!(seen >= 5, "{seen} spawns through kvprobe::child");
 }
 

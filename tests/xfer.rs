@@ -51,7 +51,7 @@ fn sweeps_and_scenarios_are_clean_with_prepared_and_created_requests() {
             assert!(log.contains(&format!("(backend UCX, {mode} requests)\n")), "{mode} {extra:?}: {log}");
             assert_eq!(r["summary"]["blocks_corrupt"], 0, "{mode} {extra:?}");
             assert!(r["summary"]["blocks_checked"].as_u64().unwrap() > 0, "{mode} {extra:?}");
-            // Prepared: both roles (the decode one in its own process with --decode-process)
+            // Prepared: both roles (prefill in its own process with --decode-process)
             // prepared their lists; create: none did. Nothing fell back.
             assert_eq!(prepared_lines(&log, 512), if mode == "prepared" { 2 } else { 0 }, "{mode} {extra:?}: {log}");
             assert_eq!(fallbacks(&log), 0, "{mode} {extra:?}: {log}");
@@ -124,7 +124,7 @@ fn a_valid_backend_param_runs_clean_and_is_recorded() {
     let (code, r, log) = run("xfer-bp-none", &["--iterations", "1"], &[]);
     assert_eq!(code, 0, "{log}");
     assert_eq!(r["config"]["backend_params"], serde_json::json!({}));
-    // Also a scenario and the decode agent process (which creates its own backend).
+    // Also with --decode-process (its prefill process creates its own backend).
     let (code, r, log) = run("xfer-bp-proc", &["--iterations", "1", "--decode-process", "--backend-param", "num_workers=2"], &[]);
     assert_eq!(code, 0, "{log}");
     assert_eq!(r["config"]["backend_params"], serde_json::json!({"num_workers": "2"}));

@@ -1,6 +1,7 @@
-//! The decode side's handle on a prefill side in another process or host (`run --peer`):
-//! what the sweep asks of prefill (fill a stage, post a WRITE, which notifications arrived)
-//! as messages of the peer protocol ([`super::Msg`]).
+//! The decode side's handle on a prefill side in another process or host (`run --peer`, and
+//! the child `kvprobe serve` of `run --decode-process`, [`start_child`]): what the sweep asks
+//! of prefill (fill a stage, post a WRITE, which notifications arrived) as messages of the
+//! peer protocol ([`super::Msg`]).
 
 use super::{Link, Msg, Side};
 use crate::deadline::Deadline;
@@ -9,6 +10,8 @@ use crate::nixl::XferResult;
 use crate::report::PeerSide;
 use crate::transport::PeerInfo;
 use std::collections::{HashMap, HashSet};
+use std::os::fd::AsRawFd;
+use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -45,6 +48,127 @@ pub struct PrefillPeer {
     /// What the report says of prefill until its goodbye replaces it.
     pub section: PeerSide,
     state: Mutex<State>,
+    /// `--decode-process`: the child process prefill lives in (after `link`: dropped once the
+    /// link is closed, which ends the child's session).
+    child: Option<PrefillChild>,
+}
+
+/// How long kvprobe waits for the prefill process of `--decode-process` to exit once their
+/// link is closed (it deregisters its memory and closes its NIXL agent) before killing it.
+pub const EXIT_GRACE: Duration = Duration::from_secs(5);
+
+/// [`EXIT_GRACE`] after SIGINT/SIGTERM: a child that is stuck or stopped is killed after this,
+/// so an interrupted run exits within [`crate::deadline::INTERRUPT_GRACE`] of the signal plus
+/// [`crate::run::PEER_BYE_BOUND`] and this (README "What `--timeout` bounds").
+pub const EXIT_GRACE_INTERRUPTED: Duration = Duration::from_secs(1);
+
+/// How long the prefill process of `--decode-process` has to become ready — from its start to
+/// its NIXL agent connected to decode's (fixed; not `--timeout`).
+pub const START_BOUND: Duration = Duration::from_secs(120);
+
+/// Test-only: `KVPROBE_TEST_AGENT_START_SECS=SECS` replaces [`START_BOUND`], so a test of a
+/// child that never becomes ready does not take two minutes. Never set in normal use.
+fn start_bound() -> Duration {
+    std::env::var("KVPROBE_TEST_AGENT_START_SECS")
+        .ok()
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .and_then(|s| Duration::try_from_secs_f64(s).ok())
+        .unwrap_or(START_BOUND)
+}
+
+/// The prefill process of `run --decode-process` (a child `kvprobe serve --fd N`). It dies
+/// with kvprobe however kvprobe exits ([`crate::child::spawn`]); dropped, it is waited for
+/// ([`EXIT_GRACE`]) and killed if it has not exited — at once when a request of this process
+/// may still be moving its memory ([`crate::nixl::unconfirmed`]): told to end, the child would
+/// free that memory under it; killed, its memory is released only once nothing holds it.
+pub struct PrefillChild {
+    child: Child,
+}
+
+impl PrefillChild {
+    /// The child's process id.
+    pub fn id(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for PrefillChild {
+    fn drop(&mut self) {
+        let c = &mut self.child;
+        if crate::nixl::unconfirmed() > 0 {
+            let _ = c.kill();
+            let _ = c.wait();
+            eprintln!(
+                "kvprobe: the prefill process was not told to exit (a request of kvprobe may still move its memory); kvprobe killed it"
+            );
+            return;
+        }
+        let t0 = Instant::now();
+        // After SIGINT/SIGTERM a stuck (or stopped) child must not hold up the exit.
+        let grace = if crate::interrupt::requested() { EXIT_GRACE_INTERRUPTED } else { EXIT_GRACE };
+        while t0.elapsed() < grace {
+            if let Ok(Some(_)) = c.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let _ = c.kill();
+        let _ = c.wait();
+        eprintln!(
+            "kvprobe: the prefill process did not exit within {} s of being told to; kvprobe killed it",
+            t0.elapsed().as_secs()
+        );
+    }
+}
+
+/// `run --decode-process`: starts prefill's side as a child `kvprobe serve --fd N` on one end
+/// of a Unix socket pair (its pool on the run's `--memory` and `--prefill-device`, the run's
+/// `--backend`) and authenticates with a fresh random token, handed to the child in its
+/// environment ([`crate::serve::TOKEN_VAR`], never its command line). The child's stderr is
+/// kvprobe's; its stdout is discarded. Returns the link, bounded until the child is ready by
+/// [`START_BOUND`] (120 s, [`super::Link::set_deadline`]; lifted by
+/// [`PrefillPeer::adopt_child`]), and the child. Errors: environment (the child cannot be
+/// started), transport (it died or closed the socket), timeout (exit 4: not ready in time).
+pub fn start_child(cfg: &crate::run::RunConfig, silence: Duration, run_id: &str) -> Result<(Link, PrefillChild)> {
+    let token = super::random_hex(16)?;
+    let (mine, theirs) = std::os::unix::net::UnixStream::pair()
+        .map_err(|e| Error::Environment(format!("cannot make a socket pair for the prefill process: {e}")))?;
+    let exe = std::env::current_exe().map_err(|e| Error::Environment(format!("cannot find kvprobe's executable: {e}")))?;
+    let fd = theirs.as_raw_fd();
+    let vram = cfg.memory == crate::pool::MemoryKind::Vram;
+    let mut cmd = Command::new(exe);
+    cmd.args(["serve", "--fd", &fd.to_string(), "--memory", if vram { "vram" } else { "dram" }]).args([
+        "--backend",
+        &cfg.backend,
+        "--timeout",
+        &cfg.timeout_secs.to_string(),
+    ]);
+    if vram {
+        cmd.args(["--device", &cfg.prefill_device.to_string()]);
+    }
+    cmd.env(crate::serve::TOKEN_VAR, &token).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::inherit());
+    // kvprobe's own UCX capture file is private to this process (and already unlinked):
+    // the child makes its own.
+    if let Some(own) = crate::ucx::log_path()
+        && std::env::var_os("UCX_LOG_FILE").is_some_and(|v| v == own.as_os_str())
+    {
+        cmd.env_remove("UCX_LOG_FILE").env_remove("UCX_PROTO_INFO");
+    }
+    // The child's end of the pair (close-on-exec here) is inherited by this child alone.
+    crate::child::keep_fd(&mut cmd, fd);
+    let t0 = Instant::now();
+    let child = crate::child::spawn(cmd).map_err(|e| Error::Environment(format!("cannot start the prefill process: {e}")))?;
+    drop(theirs);
+    let child = PrefillChild { child };
+    let who = format!("the prefill process (pid {})", child.id());
+    let bound = start_bound();
+    let not_ready = format!("{who} was not ready within {} s of its start (a fixed bound)", bound.as_secs_f64());
+    let link = super::client_within(super::Stream::Unix(mine), &token, run_id, silence, who, bound).map_err(|e| match e {
+        Error::Timeout(m) => Error::Timeout(format!("{not_ready}: {m}")),
+        e => e,
+    })?;
+    link.set_deadline(Some((t0 + bound, not_ready)));
+    Ok((link, child))
 }
 
 /// Connects to `serve` at `addr` (HOST:PORT) and authenticates with `token`; `silence` is
@@ -109,7 +233,20 @@ impl PrefillPeer {
             Msg::Connected { prefill } => Ok(prefill),
             m => Err(m.name()),
         })?;
-        Ok(PrefillPeer { link, info, side, section, state: Mutex::new(State::default()) })
+        Ok(PrefillPeer { link, info, side, section, state: Mutex::new(State::default()), child: None })
+    }
+
+    /// `--decode-process`: takes charge of the child prefill lives in, now that it is ready
+    /// (its start bound is lifted: `--timeout` and the heartbeats bound the run from here).
+    pub fn adopt_child(&mut self, child: PrefillChild) {
+        self.link.set_deadline(None);
+        self.child = Some(child);
+    }
+
+    /// What prefill is called in errors ("the prefill peer at HOST:PORT", "the prefill
+    /// process (pid N)").
+    pub fn who(&self) -> &str {
+        self.link.who()
     }
 
     /// Reads what has arrived (waiting up to `wait` for the first message). Errors: the
@@ -242,7 +379,13 @@ impl PrefillPeer {
     /// of the report. Returns prefill's section (what it sent, or what was known of it, with
     /// `bye_missing` set when it did not answer).
     pub fn finish(&self, exit: u8, error: Option<String>, summary: Option<serde_json::Value>, wait: Duration) -> PeerSide {
-        let sent = self.link.send(&Msg::Done { exit, error, summary });
+        // A child is not told to end while a request of this process may still move its
+        // memory: it is killed instead ([`PrefillChild`]).
+        let sent = if self.child.is_some() && crate::nixl::unconfirmed() > 0 {
+            Err(Error::Transport("requests in flight".into()))
+        } else {
+            self.link.send(&Msg::Done { exit, error, summary })
+        };
         let t0 = Instant::now();
         if sent.is_ok() {
             while t0.elapsed() < wait {

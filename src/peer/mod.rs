@@ -1,5 +1,7 @@
 //! kvprobe's peer protocol: how the decode side (`kvprobe run --peer`) drives the prefill
-//! side (`kvprobe serve`) of a sweep on another host.
+//! side (`kvprobe serve`) of a sweep on another host — and, over a Unix socket pair, how
+//! `kvprobe run --decode-process` drives its child `kvprobe serve --fd N` on the same host
+//! ([`client::start_child`]): one protocol and one code path for both.
 //!
 //! Length-prefixed frames (a 4-byte big-endian length, then a JSON [`Msg`]; framing by
 //! `tokio_util`'s `LengthDelimitedCodec`, used synchronously) over one TCP connection, or over
@@ -484,6 +486,9 @@ pub struct Link {
     who: String,
     /// A failure seen already: every later call returns it again.
     failed: Mutex<Option<Error>>,
+    /// A bound on [`Link::expect`]'s waits, whatever the heartbeats say ([`Link::set_deadline`]):
+    /// when it passes, the error (a timeout) to return.
+    deadline: Mutex<Option<(Instant, String)>>,
 }
 
 /// Heartbeat interval for a silence bound of `silence`: a quarter of it, between 10 ms and
@@ -556,7 +561,17 @@ impl Link {
                 }
             });
         }
-        Ok(Link { out, rx: Mutex::new(rx), heard, epoch, stop, silence_ms, who, failed: Mutex::new(None) })
+        Ok(Link {
+            out,
+            rx: Mutex::new(rx),
+            heard,
+            epoch,
+            stop,
+            silence_ms,
+            who,
+            failed: Mutex::new(None),
+            deadline: Mutex::new(None),
+        })
     }
 
     /// Sets the silence bound to [`silence_bound`]`(timeout)` (serve, once the run's
@@ -568,6 +583,13 @@ impl Link {
 
     fn silence(&self) -> Duration {
         Duration::from_millis(self.silence_ms.load(Ordering::Relaxed))
+    }
+
+    /// Bounds every later [`Link::expect`] by `at` (a live peer's heartbeats do not extend
+    /// it): past it, `expect` fails with a timeout (exit 4) saying `why`. `None` lifts the
+    /// bound. The parent of a `--decode-process` child bounds the child's start this way.
+    pub fn set_deadline(&self, bound: Option<(Instant, String)>) {
+        *self.deadline.lock().unwrap_or_else(|p| p.into_inner()) = bound;
     }
 
     /// What the peer is called in errors.
@@ -662,6 +684,12 @@ impl Link {
             if crate::interrupt::requested() {
                 return Err(Error::Interrupted(format!("while waiting for {what} from {}", self.who)));
             }
+            let bound = self.deadline.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            if let Some((at, why)) = bound
+                && Instant::now() >= at
+            {
+                return Err(self.fail(Error::Timeout(format!("{why} (while waiting for {what})"))));
+            }
             if let Some(m) = self.recv(Duration::from_millis(20))? {
                 match pick(m) {
                     Ok(v) => return Ok(v),
@@ -694,15 +722,22 @@ impl Drop for Link {
 /// not a kvprobe serve, or closed), usage (refused: version or token), timeout (no answer
 /// within [`HANDSHAKE_BOUND`]).
 pub fn client(stream: Stream, token: &str, run_id: &str, silence: Duration, who: String) -> Result<Link> {
+    client_within(stream, token, run_id, silence, who, HANDSHAKE_BOUND)
+}
+
+/// [`client`] with each handshake read bounded by `bound` instead of [`HANDSHAKE_BOUND`]
+/// (`run --decode-process`: the child's challenge comes once it has started and loaded NIXL,
+/// within the child's start bound).
+pub fn client_within(stream: Stream, token: &str, run_id: &str, silence: Duration, who: String, bound: Duration) -> Result<Link> {
     let io = |e: std::io::Error| Error::Transport(format!("{who}: {e}"));
-    stream.set_read_timeout(Some(HANDSHAKE_BOUND)).map_err(io)?;
-    stream.set_write_timeout(Some(HANDSHAKE_BOUND)).map_err(io)?;
+    stream.set_read_timeout(Some(bound)).map_err(io)?;
+    stream.set_write_timeout(Some(bound)).map_err(io)?;
     let mut w = stream.try_clone().map_err(io)?;
     let mut r = FrameReader::new(stream, MAX_HELLO_FRAME);
     let next = |r: &mut FrameReader| -> Result<Msg> {
         r.next().map_err(|e| match e {
             ReadEnd::Closed(w2) => Error::Transport(format!("{who}: {w2} during the handshake")),
-            ReadEnd::TimedOut => Error::Timeout(format!("{who}: no answer within {} s", HANDSHAKE_BOUND.as_secs())),
+            ReadEnd::TimedOut => Error::Timeout(format!("{who}: no answer within {} s", bound.as_secs_f64())),
             ReadEnd::Bad(w2) => Error::Transport(format!("{who} is not a kvprobe serve of protocol {PROTOCOL}: it sent {w2}")),
         })
     };
