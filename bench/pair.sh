@@ -32,8 +32,13 @@ json="$out/pair-$(hostname)-$(date -u +%Y%m%dT%H%M%SZ).json"
 work=$(mktemp -d)
 serve_pid=""
 cleanup() {
-  [ -n "$serve_pid" ] && kill "$serve_pid" 2>/dev/null && wait "$serve_pid" 2>/dev/null
+  local rc=$?
+  if [ -n "$serve_pid" ]; then
+    kill "$serve_pid" 2>/dev/null || true
+    wait "$serve_pid" 2>/dev/null || true
+  fi
   rm -rf "$work"
+  exit "$rc"
 }
 trap cleanup EXIT
 if [ -e /dev/nvidiactl ]; then mem=vram; else mem=dram; fi

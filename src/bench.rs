@@ -709,8 +709,15 @@ pub fn run(cfg: &BenchConfig, r: &mut BenchReport) -> Result<()> {
         }
     }
     // After the sweeps: a backend that cannot start fails the first sweep, which keeps its
-    // breakdown (and says why) in the results.
-    request_figures(cfg, &mut r.figures)
+    // breakdown (and says why) in the results. DRAM benches only: in a process whose CUDA
+    // contexts were opened and closed by the VRAM figures and sweeps, a new NIXL agent over host
+    // pools crashed inside libcuda (SIGSEGV, UCX's CUDA memory hooks; H200, driver 580, 2026-12-01).
+    if cfg.memory == MemoryKind::Dram {
+        request_figures(cfg, &mut r.figures)?;
+    } else {
+        crate::phase::announce("bench: NIXL request rows: measured by `kvprobe bench --memory dram` (not after VRAM sweeps)");
+    }
+    Ok(())
 }
 
 /// The human table: every figure with its rate, ratio and goal, then each breakdown.
