@@ -124,8 +124,11 @@ pub fn serve(
         };
         let exit = ended(&end);
         busy.store(false, Ordering::SeqCst);
-        if !cfg.keep_serving || crate::interrupt::requested() {
+        if !cfg.keep_serving {
             return exit;
+        }
+        if crate::interrupt::requested() {
+            return Exit::Interrupted; // --keep-serving ends only by a signal: say so
         }
     }
 }

@@ -607,3 +607,26 @@ fn gpu_pair_without_cuda_ipc_takes_the_path_of_a_pair_without_nvlink() {
         eprintln!("pair VRAM {op} without cuda_ipc: {} GB/s, path {path}", r["summary"]["transfer_gbps"]);
     }
 }
+
+#[test]
+fn pair_keep_serving_takes_run_after_run_and_min_gbps_is_one_outcome() {
+    let s = Serve::start(&["--keep-serving"]);
+    let (code, r1, out) = run_peer(&s.addr, &["--iterations", "2"]);
+    assert_eq!(code, 0, "{out}");
+    // A rate no pair reaches: both sides end with exit 5.
+    let (code, r2, out) = run_peer(&s.addr, &["--iterations", "2", "--min-gbps", "1000000"]);
+    assert_eq!(code, 5, "{out}");
+    assert_eq!(r2["peer"]["exit_code"], 5, "{}", r2["peer"]);
+    assert_ne!(r1["peer"]["run_id"], r2["peer"]["run_id"], "each run has its own id");
+    // The third run after a refused one: the session before it left nothing behind.
+    let (code, _, out) = run_peer_in(&[], &s.addr, "wrong", &["--iterations", "1"]);
+    assert_eq!(code, 2, "{out}");
+    let (code, _, out) = run_peer(&s.addr, &["--iterations", "1", "--op", "write"]);
+    assert_eq!(code, 0, "{out}");
+    signal(s.child.id(), "INT");
+    let (sc, sout, sr) = s.wait();
+    assert_eq!(sc, 130, "{sout}");
+    assert_eq!(sout.matches("kvprobe serve: run ").count(), 3, "{sout}");
+    // --report holds the last run's report.
+    assert_eq!(sr.unwrap()["outcome"]["exit_code"], 0);
+}
