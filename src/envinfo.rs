@@ -419,12 +419,7 @@ pub fn render(e: &Environment) -> String {
                     s += &format!("    warning: {w}\n");
                 }
                 for f in &path.flags {
-                    s += &format!(
-                        "    flag {}: {}{}\n",
-                        f.code,
-                        f.message,
-                        f.fix.as_ref().map_or(String::new(), |x| format!(" (fix: {x})"))
-                    );
+                    s += &format!("    flag {f}\n");
                 }
             }
             _ => {

@@ -787,12 +787,7 @@ pub fn render(r: &Report) -> String {
             out += &format!("warning:           {w}\n");
         }
         for f in &p.flags {
-            out += &format!(
-                "path flag:         {}: {}{}\n",
-                f.code,
-                f.message,
-                f.fix.as_ref().map_or(String::new(), |x| format!(" (fix: {x})"))
-            );
+            out += &format!("path flag:         {f}\n");
         }
     }
     {

@@ -108,6 +108,17 @@ pub struct PathFlag {
     pub fix: Option<String>,
 }
 
+impl std::fmt::Display for PathFlag {
+    /// `CODE: MESSAGE (fix: FIX)`, as the summaries print a flag.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.code, self.message)?;
+        if let Some(x) = &self.fix {
+            write!(f, " (fix: {x})")?;
+        }
+        Ok(())
+    }
+}
+
 static ADOPTED: OnceLock<std::sync::Mutex<std::fs::File>> = OnceLock::new();
 
 /// Once UCX has opened its log (after the first NIXL agent with the UCX backend), keeps a
