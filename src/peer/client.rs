@@ -3,11 +3,10 @@
 //! of prefill (fill a stage, post a WRITE, which notifications arrived) as messages of the
 //! peer protocol ([`super::Msg`]).
 
-use super::{Link, Msg, Side};
+use super::{Link, Msg, PeerSide, Side};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::nixl::XferResult;
-use crate::report::PeerSide;
 use crate::transport::PeerInfo;
 use std::collections::{HashMap, HashSet};
 use std::os::fd::AsRawFd;
