@@ -18,7 +18,7 @@ cd "$(dirname "$0")/.."
 kv="${KVPROBE_BIN:-}"
 if [ -z "$kv" ]; then
   cargo build --release --quiet
-  kv=target/release/kvprobe
+  kv="${CARGO_TARGET_DIR:-target}/release/kvprobe"
 fi
 peer=""
 if [ "${1:-}" = "--peer" ]; then
@@ -67,7 +67,7 @@ print(a[a.index("--blocks") + 1] if "--blocks" in a else "512" if "--preset" not
 EOF
 )
 [ -n "$blocks" ] || { echo "bench/pair.sh: with --preset, give --blocks too (merged rows use it)" >&2; exit 2; }
-echo "bench/pair.sh: prefill at $peer; rows below (llama3-8b, 10 iterations unless the flags say otherwise)" >&2
+echo "bench/pair.sh: prefill at $peer; a sweep per row (llama3-8b and 10 iterations unless your flags set the geometry or iterations)" >&2
 printf '%-6s %-9s %-9s %-16s %10s %8s\n' op requests descs backend GB/s ratio
 echo "[" > "$json"
 first=1

@@ -16,7 +16,7 @@ kv="${KVPROBE_BIN:-}"
 if [ -z "$kv" ]; then
   echo "bench/run.sh: building the release binary (cargo build --release)..." >&2
   cargo build --release --quiet
-  kv=target/release/kvprobe
+  kv="${CARGO_TARGET_DIR:-target}/release/kvprobe"
 fi
 home="${KVPROBE_HOME:-${XDG_DATA_HOME:-$HOME/.local/share}/kvprobe}"
 out="${BENCH_OUT:-$home/bench-results}"

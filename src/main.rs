@@ -188,7 +188,7 @@ fn parse_bytes(s: &str) -> Result<u64, String> {
 /// The KV geometry flags (run, ab, serve).
 #[derive(Args, Clone)]
 struct GeometryArgs {
-    /// Named geometry; the geometry flags below override its fields. Default: small.
+    /// Named geometry; the geometry flags below override its fields. run, ab: default small; serve: none (it takes the run's geometry unless one of these flags pins it).
     #[arg(long, value_enum)]
     preset: Option<Preset>,
     /// Attention layers (one NIXL-registered region each).
@@ -386,7 +386,7 @@ struct RunArgs {
     load: LoadArgs,
 }
 
-const SERVE_EXIT_CODES: &str = "Exit codes: the run's own code (0 clean, 1 corrupt, 3 transport, 4 timeout, 5 below --min-gbps, 130 interrupted: the two sides end with one outcome); 2 a refused run (version, token, configuration: the reason names the field) or a bad flag (--listen that cannot be bound); 3 the decode side died or the link broke; 4 the decode side went silent for --timeout (stopped, link dropped); 130 interrupted while waiting (--keep-serving ends only by a signal: 130).";
+const SERVE_EXIT_CODES: &str = "Exit codes: the run's own code (0 clean, 1 corrupt, 3 transport, 4 timeout, 5 below --min-gbps, 130 interrupted: the two sides end with one outcome); 2 a refused configuration (the reason names the fields; a wrong token or protocol version is refused and serve keeps listening) or a bad flag (--listen that cannot be bound); 3 the decode side died or the link broke; 4 the decode side went silent for --timeout (stopped, link dropped); 130 interrupted while waiting (--keep-serving ends only by a signal: 130).";
 
 #[derive(Args)]
 struct ServeArgs {

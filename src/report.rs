@@ -735,6 +735,8 @@ pub fn render(r: &Report) -> String {
         if let (Some(c), Some(r)) = (p.copy_gbps, p.ratio_to_copy) {
             let r = if r < 0.01 { format!("{r:.5}") } else { format!("{r:.3}") };
             out += &format!("                   transfer = {r} of a same-run copy of the pool ({c:.1} GB/s)\n");
+        } else if r.scenario.is_none() && p.copy_gbps.is_none() && r.config["peer"].is_string() {
+            out += "                   transfer not rated against a copy: the pools are on the two sides of a node pair (no copy between them to time)\n";
         } else if r.scenario.is_none() && p.copy_gbps.is_none() {
             let pool = serde_json::from_value::<crate::geometry::Geometry>(r.config["geometry"].clone())
                 .ok()
@@ -816,7 +818,10 @@ pub fn render(r: &Report) -> String {
         );
     }
     let shown = r.failures.len().min(5) as u64;
-    if s.blocks_corrupt > shown {
+    if s.blocks_corrupt > 0 && r.failures.is_empty() && r.peer.as_ref().is_some_and(|p| p.role == "decode") {
+        // serve's report: decode verified, and its report lists the slices.
+        out += &format!("  {} corrupt slices, listed in decode's report (run --peer --report)\n", s.blocks_corrupt);
+    } else if s.blocks_corrupt > shown {
         out += &format!(
             "  ... {} more corrupt slices; the JSON report (--report) lists {}{}\n",
             s.blocks_corrupt - shown,

@@ -585,6 +585,7 @@ impl Probe {
                     }
                     None => Ok(None),
                 }
+                .map_err(|e| p.cause_of(e))
             }
             _ => Err(Error::Usage("a sweep request polled on the wrong side".into())),
         }
@@ -609,7 +610,7 @@ impl Probe {
     fn await_notifications(&self, op: Op, tags: &mut HashMap<String, crate::deadline::Deadline>) -> Result<()> {
         match &self.prefill {
             Prefill::Local(e) => transport::await_notifications(op, e, &self.decode, tags),
-            Prefill::Peer(p) => p.await_notifications(tags),
+            Prefill::Peer(p) => p.await_notifications(tags).map_err(|e| p.cause_of(e)),
         }
     }
 
@@ -1195,7 +1196,7 @@ fn sweep(
     // Setup: iteration 1's fill and faults, the copy ceiling, iteration 1's poison.
     crate::phase::announce(&format!(
         "setup: filling the prefill pool{}, poisoning the decode pool",
-        if pool_bytes >= MIN_CEILING_BYTES { ", timing a copy of it (the ceiling)" } else { "" }
+        if pool_bytes >= MIN_CEILING_BYTES && cfg.peer.is_none() { ", timing a copy of it (the ceiling)" } else { "" }
     ));
     let mut cur = probe.plan(1)?;
     probe.fill_source(&cur, &stages, None)?;

@@ -110,9 +110,11 @@ pub fn serve(
                 session(cfg, link, &run_id, &from, say)
             }
             Ok(Accepted::Refused(why)) => {
+                // Not a run (no token proven): serve keeps listening, so a client with a wrong
+                // token or another protocol version cannot end it.
                 say(&format!("kvprobe serve: refused the client at {from}: {why}"));
-                let e = Error::Usage(format!("refused the client at {from}: {why}"));
-                SessionEnd { report: refused_report(&e), exit: Exit::Usage }
+                busy.store(false, Ordering::SeqCst);
+                continue;
             }
             Err(e) => {
                 // A connection that never completed its hello (a port scan, a health check):
@@ -205,15 +207,18 @@ fn check_config(
         return Err((Some("backend".into()), format!("backend: prefill (serve --backend) {b}, decode {}", rc.backend)));
     }
     let geo = |g: &crate::geometry::Geometry| serde_json::to_value(g).unwrap_or_default();
-    if let Some(g) = &cfg.geometry
-        && let Some((f, a, b)) = peer::first_difference(&geo(g), &geo(&rc.geometry))
-    {
-        return Err((
-            Some(format!("geometry.{f}")),
-            format!(
-                "geometry.{f}: prefill {a}, decode {b} (kvprobe moves blocks between equal geometries only: give both sides the same geometry flags)"
-            ),
-        ));
+    if let Some(g) = &cfg.geometry {
+        let diff = peer::differences(&geo(g), &geo(&rc.geometry));
+        if let Some((f, _, _)) = diff.first() {
+            let all: Vec<String> = diff.iter().map(|(f, a, b)| format!("geometry.{f}: prefill {a}, decode {b}")).collect();
+            return Err((
+                Some(format!("geometry.{f}")),
+                format!(
+                    "{} (kvprobe moves blocks between equal geometries only: give both sides the same geometry flags)",
+                    all.join("; ")
+                ),
+            ));
+        }
     }
     if let Some((f, a, b)) = peer::first_difference(&geo(&decode.geometry), &geo(&rc.geometry)) {
         return Err((Some(format!("geometry.{f}")), format!("decode announced geometry.{f} {a} but configured {b}")));
@@ -484,6 +489,11 @@ fn session_inner(
     }
     let op = if rc.op == Op::Write { "WRITE" } else { "READ" };
     let mut path = crate::ucx::path_since(mark, &rc.backend, op, vram);
+    if path.selections.is_empty() && rc.op == Op::Read {
+        // The target of a READ logs no table of it: the initiator, decode, does.
+        path.unknown_because =
+            Some("decode initiates READs on the other side: its UCX tables are under peer.transport_path".into());
+    }
     if let Some(env) = acc.report.environment.as_ref() {
         crate::ucx::flag_path(&mut path, &env.rdma, vram.then_some(cfg.device));
     }

@@ -300,16 +300,32 @@ pub fn describe(p: &TransportPath) -> String {
 }
 
 /// UCX's messages in kvprobe's log other than the protocol tables (warnings, errors, and what
-/// `UCX_LOG_LEVEL` asked for), in order: printed at exit so the capture hides nothing.
+/// `UCX_LOG_LEVEL` asked for), in order of first appearance: printed at exit so the capture
+/// hides nothing. Messages that differ only in their time stamp, thread and addresses (UCX
+/// warns once per object, e.g. thousands of "object 0x… was not returned to mpool" after an
+/// interrupted transfer) are given once, with how many more there were.
 pub fn messages() -> Vec<String> {
-    let Some(text) = read_since(0) else { return Vec::new() };
-    text.lines()
-        .filter(|l| {
-            let body = l.split_once("] ").and_then(|(_, r)| r.split_once("] ")).map_or(*l, |(_, r)| r).trim_start();
-            !body.is_empty() && !body.starts_with('|') && !body.starts_with('+')
-        })
-        .map(str::to_string)
-        .collect()
+    read_since(0).map(|t| collapse_messages(&t)).unwrap_or_default()
+}
+
+/// [`messages`] of a UCX log `text`: its message lines (not the protocol tables), each kind once
+/// (time stamp, thread and `0x…` addresses aside) with " (and N more like it)" when repeated.
+pub fn collapse_messages(text: &str) -> Vec<String> {
+    let body = |l: &str| l.split_once("] ").and_then(|(_, r)| r.split_once("] ")).map_or(l, |(_, r)| r).trim_start().to_string();
+    let hex = regex::Regex::new(r"0x[0-9a-fA-F]+").expect("a valid pattern");
+    let mut out: Vec<(String, String, u64)> = Vec::new(); // (normalised body, first line, count)
+    for l in text.lines() {
+        let b = body(l);
+        if b.is_empty() || b.starts_with('|') || b.starts_with('+') {
+            continue;
+        }
+        let key = hex.replace_all(&b, "0x…").into_owned();
+        match out.iter_mut().find(|(k, _, _)| *k == key) {
+            Some(e) => e.2 += 1,
+            None => out.push((key, l.to_string(), 1)),
+        }
+    }
+    out.into_iter().map(|(_, line, n)| if n > 1 { format!("{line} (and {} more like it)", n - 1) } else { line }).collect()
 }
 
 /// Removes kvprobe's UCX log (once UCX has it open, and at exit); its directory, kvprobe's

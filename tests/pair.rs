@@ -232,10 +232,14 @@ fn pair_wrong_token_is_refused_on_both_sides() {
     assert_eq!(code, 2, "{out}");
     assert!(out.contains("wrong token"), "{out}");
     assert_eq!(r["outcome"]["exit_code"], 2);
+    // Serve says why and keeps listening: a client without the token cannot end it. The next
+    // run, with the token, is the one run it serves.
+    let (code, _, out) = run_peer(&s.addr, &["--iterations", "1"]);
+    assert_eq!(code, 0, "{out}");
     let (sc, sout, sr) = s.wait();
-    assert_eq!(sc, 2, "{sout}");
-    assert!(sout.contains("wrong token"), "{sout}");
-    assert_eq!(sr.unwrap()["outcome"]["exit_code"], 2);
+    assert_eq!(sc, 0, "{sout}");
+    assert!(sout.contains("refused the client") && sout.contains("wrong token"), "{sout}");
+    assert_eq!(sr.unwrap()["outcome"]["exit_code"], 0);
 }
 
 #[test]
@@ -365,8 +369,11 @@ fn pair_serve_bounds_frames_and_takes_one_client_at_a_time() {
     c.write_all(&(1u32 << 30).to_be_bytes()).unwrap();
     let refused = read_frame(&mut c).expect("a refusal");
     assert_eq!(refused["type"], "refused", "{refused}");
+    // Not a run: serve keeps listening, and serves the next client's run.
+    let (code, _, out) = run_peer(&s.addr, &["--iterations", "1"]);
+    assert_eq!(code, 0, "{out}");
     let (sc, sout, _) = s.wait();
-    assert_eq!(sc, 2, "{sout}");
+    assert_eq!(sc, 0, "{sout}");
     assert!(sout.contains("size bound") || sout.contains("not a kvprobe hello"), "{sout}");
 
     // A connection that closes without a hello is dropped; serve keeps listening and the next

@@ -593,3 +593,18 @@ fn registered_memory_is_freed_only_when_no_request_holds_a_share_of_it() {
     drop(share);
     assert!(!kept.load(Ordering::SeqCst), "kept until exit, not freed when the share goes later");
 }
+
+#[test]
+fn repeated_ucx_messages_are_given_once_with_their_count() {
+    let log = "\
+[1796109764.818706] [vm:1    :0]        mpool.c:40   UCX  WARN  object 0x7f3218243a00 {<no debug info>} was not returned to mpool ucp_requests
+[1796109764.818710] [vm:1    :0]   | remote memory read by ucp_get* from host memory to host |
+[1796109764.818711] [vm:1    :0]        mpool.c:40   UCX  WARN  object 0x7f3218243b40 {<no debug info>} was not returned to mpool ucp_requests
+[1796109764.818712] [vm:1    :7]         parser.c:2578 UCX  WARN  unused environment variable: UCX_FOO
+[1796109764.818799] [vm:1    :0]        mpool.c:40   UCX  WARN  object 0x7f32182441c0 {<no debug info>} was not returned to mpool ucp_requests
+";
+    let m = kvprobe::ucx::collapse_messages(log);
+    assert_eq!(m.len(), 2, "{m:?}");
+    assert!(m[0].contains("0x7f3218243a00") && m[0].ends_with("ucp_requests (and 2 more like it)"), "{m:?}");
+    assert!(m[1].ends_with("unused environment variable: UCX_FOO"), "{m:?}");
+}

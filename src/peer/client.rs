@@ -415,6 +415,19 @@ impl PrefillPeer {
     /// shows prefill gone or silent within [`CAUSE_WAIT`], that (a dead peer explains the failed
     /// transfer), else `e`.
     pub fn cause_of(&self, e: Error) -> Error {
+        if let Error::Timeout(m) = &e {
+            // A transfer that timed out while prefill missed its heartbeats: say so (the
+            // silence bound is the same --timeout, so either may fire first).
+            let quiet = self.link.quiet_for();
+            if quiet > 2 * self.link.heartbeat() + Duration::from_millis(100) {
+                return Error::Timeout(format!(
+                    "{m}; {} has been silent for {:.1} s (no heartbeat: stopped, or the link dropped)",
+                    self.link.who(),
+                    quiet.as_secs_f64()
+                ));
+            }
+            return e;
+        }
         if !matches!(e, Error::Transport(_)) {
             return e;
         }

@@ -459,25 +459,31 @@ pub fn config_hash(config: &serde_json::Value) -> String {
     hex(&Sha256::digest(serde_json::to_vec(config).unwrap_or_default()))
 }
 
-/// The first field (dotted path) where `a` and `b` differ, with both values; `None` if equal.
-pub fn first_difference(a: &serde_json::Value, b: &serde_json::Value) -> Option<(String, String, String)> {
+/// Every field (dotted path) where `a` and `b` differ, with both values, in key order.
+pub fn differences(a: &serde_json::Value, b: &serde_json::Value) -> Vec<(String, String, String)> {
     use serde_json::Value;
     match (a, b) {
         (Value::Object(x), Value::Object(y)) => {
             let mut keys: Vec<&String> = x.keys().chain(y.keys()).collect();
             keys.sort();
             keys.dedup();
-            for k in keys {
-                let (va, vb) = (x.get(k).unwrap_or(&Value::Null), y.get(k).unwrap_or(&Value::Null));
-                if let Some((f, p, q)) = first_difference(va, vb) {
-                    return Some((if f.is_empty() { k.clone() } else { format!("{k}.{f}") }, p, q));
-                }
-            }
-            None
+            keys.into_iter()
+                .flat_map(|k| {
+                    let (va, vb) = (x.get(k).unwrap_or(&Value::Null), y.get(k).unwrap_or(&Value::Null));
+                    differences(va, vb)
+                        .into_iter()
+                        .map(move |(f, p, q)| (if f.is_empty() { k.clone() } else { format!("{k}.{f}") }, p, q))
+                })
+                .collect()
         }
-        _ if a == b => None,
-        _ => Some((String::new(), a.to_string(), b.to_string())),
+        _ if a == b => Vec::new(),
+        _ => vec![(String::new(), a.to_string(), b.to_string())],
     }
+}
+
+/// The first field (dotted path) where `a` and `b` differ, with both values; `None` if equal.
+pub fn first_difference(a: &serde_json::Value, b: &serde_json::Value) -> Option<(String, String, String)> {
+    differences(a, b).into_iter().next()
 }
 
 /// Checks a [`Msg::Hello`] against this side's version and `token` (constant-time compare
@@ -619,6 +625,11 @@ impl Link {
     pub fn set_silence(&self, timeout: Duration) {
         self.silence_ms.store(silence_bound(timeout).as_millis() as u64, Ordering::Relaxed);
         let _ = self.out.lock().map(|s| s.set_write_timeout(Some(silence_bound(timeout))));
+    }
+
+    /// The heartbeat interval now ([`heartbeat_interval`] of the silence bound).
+    pub fn heartbeat(&self) -> Duration {
+        heartbeat_interval(self.silence())
     }
 
     fn silence(&self) -> Duration {
