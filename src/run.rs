@@ -470,7 +470,18 @@ impl Probe {
             let addr = cfg.peer.clone().unwrap_or_default();
             crate::phase::announce(&format!("setup: connecting to the prefill peer at {addr}"));
             let token = cfg.peer_token.clone().unwrap_or_default();
-            (crate::peer::client::connect(&addr, &token, &run_id, timeout)?, addr)
+            let link = crate::peer::client::connect(&addr, &token, &run_id, timeout)?;
+            // Set-up waits (acceptance, prefill's agent) are bounded whatever the heartbeats say.
+            let bound = timeout.max(crate::deadline::SETUP_FLOOR);
+            link.set_deadline(Some((
+                Instant::now() + bound,
+                format!(
+                    "{} did not set up its side within {:.0} s (--timeout, at least 60 s for set-up)",
+                    link.who(),
+                    bound.as_secs_f64()
+                ),
+            )));
+            (link, addr)
         };
         let decode_side = crate::peer::Side {
             geometry: cfg.geometry.clone(),
@@ -494,9 +505,12 @@ impl Probe {
         let refusal = |e| backend_refusal(&cfg.backend, cfg.memory, e);
         let mut decode = Endpoint::with_options("kvprobe-decode", &cfg.backend, pool, &opts).map_err(refusal)?;
         let mut peer = crate::peer::client::PrefillPeer::connect_agents(link, decode.info().map_err(refusal)?, side, section)?;
-        decode.connect(peer.info.clone()).map_err(refusal)?;
-        if let Some(c) = child {
-            peer.adopt_child(c);
+        // A peer whose metadata NIXL cannot load is the peer's fault (transport, exit 3), not a
+        // backend that cannot serve this side's pools.
+        decode.connect(peer.info.clone())?;
+        match child {
+            Some(c) => peer.adopt_child(c),
+            None => peer.set_up(),
         }
         crate::trace!("connected to the prefill peer");
         Ok(Probe { cfg: cfg.clone(), prefill: Prefill::Peer(Box::new(peer)), decode })

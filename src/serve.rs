@@ -25,6 +25,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{RecvTimeoutError, channel};
 use std::time::{Duration, Instant};
 
+/// Least time serve waits for decode's next request once the run is set up (the bound is
+/// 2 × the run's `--timeout`, at least this).
+pub const IDLE_REQUESTS: Duration = Duration::from_secs(120);
+
 /// Environment variable holding the shared token when `--token` is not given.
 pub const TOKEN_VAR: &str = "KVPROBE_TOKEN";
 
@@ -87,7 +91,7 @@ pub fn serve(
                 let _ = s.set_nodelay(true);
                 // One client at a time: the others are told so at once.
                 if busy.swap(true, Ordering::SeqCst) {
-                    peer::refuse_busy(Stream::Tcp(s), "this kvprobe serve is busy with another run");
+                    peer::refuse_busy(Stream::Tcp(s), "this kvprobe serve is busy with another client");
                     continue;
                 }
                 if tx.send(s).is_err() {
@@ -319,9 +323,9 @@ fn plan_for(rc: &RunConfig, plans: &mut BTreeMap<u32, run::Plan>, it: u32) -> Re
     Ok(())
 }
 
-/// The exit code a run reported in its [`Msg::Done`].
-fn exit_of(code: u8) -> Exit {
-    match code {
+/// The exit code a run reported in its [`Msg::Done`]; `None` for a code kvprobe never uses.
+fn exit_of(code: u8) -> Option<Exit> {
+    Some(match code {
         0 => Exit::Clean,
         1 => Exit::Corrupt,
         2 => Exit::Usage,
@@ -330,8 +334,9 @@ fn exit_of(code: u8) -> Exit {
         5 => Exit::BelowRate,
         6 => Exit::NotReproduced,
         7 => Exit::ReportNotWritten,
-        _ => Exit::Interrupted,
-    }
+        130 => Exit::Interrupted,
+        _ => return None,
+    })
 }
 
 fn session_inner(
@@ -342,6 +347,17 @@ fn session_inner(
     say: &mut dyn FnMut(&str),
 ) -> Result<(Exit, Option<Error>)> {
     let started = Instant::now();
+    // serve --timeout (at least the handshake's bound) bounds the wait for the configuration,
+    // heartbeats or not.
+    let config_bound = cfg.idle_timeout.max(peer::HANDSHAKE_BOUND);
+    link.set_deadline(Some((
+        started + config_bound,
+        format!(
+            "{} sent no configuration within {:.0} s (serve's --timeout, at least 10 s)",
+            link.who(),
+            config_bound.as_secs_f64()
+        ),
+    )));
     let (value, hash, decode, decode_env) = link.expect("the run's configuration", |m| match m {
         Msg::Config { config, hash, decode, environment } => Ok((config, hash, decode, environment)),
         m => Err(m.name()),
@@ -361,6 +377,15 @@ fn session_inner(
     };
     let timeout = Duration::from_secs_f64(rc.timeout_secs);
     link.set_silence(timeout);
+    let setup = timeout.max(crate::deadline::SETUP_FLOOR);
+    link.set_deadline(Some((
+        Instant::now() + setup,
+        format!(
+            "{} did not set up its side within {:.0} s (--timeout, at least 60 s for set-up)",
+            link.who(),
+            setup.as_secs_f64()
+        ),
+    )));
     crate::deadline::set_limit(Some(timeout));
     let env = crate::envinfo::gather(crate::envinfo::nixl_info());
     acc.report.environment = Some(env.clone());
@@ -389,7 +414,7 @@ fn session_inner(
         m => Err(m.name()),
     })?;
     let decode_agent = decode_info.agent.clone();
-    ep.connect(decode_info).map_err(refusal)?;
+    ep.connect(decode_info)?; // bad metadata is decode's fault: transport, exit 3
     // Test-only (`KVPROBE_TEST_STALL_AGENT_START` in the prefill process of --decode-process):
     // a side that never says it is ready.
     crate::deadline::Stall::Start.here();
@@ -409,11 +434,28 @@ fn session_inner(
         }
         Ok(())
     };
+    link.set_deadline(None);
+    link.running();
+    // Decode's next request comes within its own bounded waits and passes (a transfer within
+    // --timeout, a verify pass): one that heartbeats but sends nothing for IDLE_REQUESTS is
+    // not waited for for ever.
+    let idle_bound = (2 * timeout).max(IDLE_REQUESTS);
+    let mut last_request = Instant::now();
     let (exit, error, summary) = loop {
         if crate::interrupt::requested() {
             return Err(Error::Interrupted("serve was interrupted".into()));
         }
         let m = link.recv(if inflight.is_empty() { Duration::from_millis(1) } else { Duration::ZERO })?;
+        if m.is_some() {
+            last_request = Instant::now();
+        } else if inflight.is_empty() && last_request.elapsed() > idle_bound {
+            return Err(Error::Timeout(format!(
+                "{} sent no request for {:.0} s (2 x --timeout, at least {} s) while alive: it stopped driving the run",
+                link.who(),
+                last_request.elapsed().as_secs_f64(),
+                IDLE_REQUESTS.as_secs()
+            )));
+        }
         match m {
             None => {}
             Some(Msg::Fill { it, stage }) => {
@@ -456,13 +498,29 @@ fn session_inner(
                 }
             }
             Some(Msg::Notify { tag }) => ep.notify_peer(&tag)?,
+            Some(Msg::Verified { it, gbps, .. }) if it == 0 || it > rc.iterations || !(gbps.is_finite() && gbps >= 0.0) => {
+                return Err(Error::Transport(format!(
+                    "{} reported iteration {it} of {} at {gbps} GB/s (a protocol error)",
+                    link.who(),
+                    rc.iterations
+                )));
+            }
             Some(Msg::Verified { it, slices, corrupt, gbps }) => {
                 say(&format!(
                     "iteration {it}/{}: {slices} block slices verified on decode, {corrupt} corrupt, {gbps:.2} GB/s",
                     rc.iterations
                 ));
             }
-            Some(Msg::Done { exit, error, summary }) => break (exit_of(exit), error, summary),
+            Some(Msg::Done { exit, error, summary }) => match exit_of(exit) {
+                Some(Exit::Clean) => break (Exit::Clean, None, summary), // a clean run has no error
+                Some(x) => break (x, error, summary),
+                None => {
+                    return Err(Error::Transport(format!(
+                        "{} ended the run with exit code {exit}, which kvprobe never uses (a protocol error)",
+                        link.who()
+                    )));
+                }
+            },
             Some(m) => {
                 return Err(Error::Transport(format!("decode sent {} during the run (a protocol error)", m.name())));
             }

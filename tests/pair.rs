@@ -637,3 +637,41 @@ fn pair_keep_serving_takes_run_after_run_and_min_gbps_is_one_outcome() {
     // --report holds the last run's report.
     assert_eq!(sr.unwrap()["outcome"]["exit_code"], 0);
 }
+
+#[test]
+fn pair_handshake_bound_is_for_the_whole_hello_not_each_read() {
+    // A client that dribbles its hello a byte every 2 s (each read well inside 10 s) is cut off
+    // once the whole handshake has taken 10 s; serve then serves the next client.
+    let s = Serve::start(&[]);
+    let mut c = std::net::TcpStream::connect(&s.addr).unwrap();
+    assert_eq!(read_frame(&mut c).expect("a challenge")["type"], "challenge");
+    let hello = serde_json::json!({"type": "hello", "kvprobe": "x", "protocol": 1, "run_id": "r", "proof": "00".repeat(32)});
+    let body = serde_json::to_vec(&hello).unwrap();
+    let mut bytes = (body.len() as u32).to_be_bytes().to_vec();
+    bytes.extend_from_slice(&body);
+    let t0 = std::time::Instant::now();
+    let mut cut = false;
+    for b in bytes.iter().take(12) {
+        if c.write_all(&[*b]).is_err() {
+            cut = true;
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_secs(2));
+    }
+    // Serve closed the connection (a write fails, or a read ends) well before 12 bytes x 2 s.
+    if !cut {
+        c.set_read_timeout(Some(std::time::Duration::from_secs(1))).unwrap();
+        let mut b = [0u8; 1];
+        cut = match c.read(&mut b) {
+            Ok(0) => true,                                                                                // closed
+            Err(e) => !matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut), // reset
+            Ok(_) => false,
+        };
+    }
+    assert!(cut, "the dribbling client was still connected after {:?}", t0.elapsed());
+    let (code, _, out) = run_peer(&s.addr, &["--iterations", "1"]);
+    assert_eq!(code, 0, "{out}");
+    let (sc, sout, _) = s.wait();
+    assert_eq!(sc, 0, "{sout}");
+    assert!(sout.contains("dropped the connection"), "{sout}");
+}

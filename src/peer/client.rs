@@ -17,6 +17,13 @@ use std::time::{Duration, Instant};
 /// How long connecting to `serve` may take (TCP connect), before the handshake's own bound.
 pub const CONNECT_BOUND: Duration = Duration::from_secs(10);
 
+/// Most notifications from prefill decode keeps unclaimed ([`Msg::Notified`]): a sweep has at
+/// most two requests per stage in flight, and at most as many stages as layers.
+pub const MAX_NOTIFIED: usize = 65_536;
+
+/// Longest notification tag accepted from prefill (bytes); kvprobe's are under 64.
+pub const MAX_TAG: usize = 256;
+
 /// How long a failed transfer waits for the link to show whether prefill is gone
 /// ([`PrefillPeer::cause_of`]).
 pub const CAUSE_WAIT: Duration = Duration::from_millis(300);
@@ -27,6 +34,8 @@ struct State {
     filled: HashSet<(u32, Option<u32>)>,
     /// Fills sent and not yet acknowledged.
     pending_fills: usize,
+    /// When each unacknowledged fill was sent.
+    fill_sent: HashMap<(u32, Option<u32>), Instant>,
     /// Prefill's WRITEs seen complete, by tag.
     written: HashMap<String, XferResult>,
     /// Notifications prefill's agent received, by tag.
@@ -232,6 +241,7 @@ impl PrefillPeer {
             Msg::Connected { prefill } => Ok(prefill),
             m => Err(m.name()),
         })?;
+        link.running();
         Ok(PrefillPeer { link, info, side, section, state: Mutex::new(State::default()), child: None })
     }
 
@@ -240,6 +250,12 @@ impl PrefillPeer {
     pub fn adopt_child(&mut self, child: PrefillChild) {
         self.link.set_deadline(None);
         self.child = Some(child);
+    }
+
+    /// `--peer`: set-up is over; the set-up bound is lifted (`--timeout`, the heartbeats and
+    /// the fills' own bounds bound the run from here).
+    pub fn set_up(&mut self) {
+        self.link.set_deadline(None);
     }
 
     /// What prefill is called in errors ("the prefill peer at HOST:PORT", "the prefill
@@ -257,6 +273,11 @@ impl PrefillPeer {
             let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
             match m {
                 Msg::Filled { it, stage, seconds } => {
+                    if s.fill_sent.remove(&(it, stage)).is_none() || !(seconds.is_finite() && seconds >= 0.0) {
+                        return Err(self.protocol_error(format!(
+                            "a fill of iteration {it} stage {stage:?} it was not asked for, or {seconds} s"
+                        )));
+                    }
                     s.filled.insert((it, stage));
                     s.pending_fills = s.pending_fills.saturating_sub(1);
                     s.fill_seconds += seconds;
@@ -264,7 +285,17 @@ impl PrefillPeer {
                 Msg::Written { tag, bytes, nanos } => {
                     s.written.insert(tag, XferResult { bytes, elapsed: Duration::from_nanos(nanos) });
                 }
-                Msg::Notified { tags } => s.notified.extend(tags),
+                Msg::Notified { tags } => {
+                    // Prefill forwards one notification per request decode posted: a frame or a
+                    // backlog beyond what any run posts at once is not a kvprobe serve's.
+                    if tags.len() + s.notified.len() > MAX_NOTIFIED || tags.iter().any(|t| t.len() > MAX_TAG) {
+                        return Err(self.protocol_error(format!(
+                            "{} notifications (more than {MAX_NOTIFIED} unclaimed, or a tag over {MAX_TAG} bytes)",
+                            tags.len() + s.notified.len()
+                        )));
+                    }
+                    s.notified.extend(tags)
+                }
                 Msg::Bye { side } => s.bye = Some(*side),
                 m => {
                     return Err(Error::Transport(format!(
@@ -281,8 +312,38 @@ impl PrefillPeer {
     /// Asks prefill to fill `stage` (every layer: `None`) with generation `it` and plant its
     /// faults; does not wait ([`PrefillPeer::await_filled`]).
     pub fn fill(&self, it: u32, stage: Option<u32>) -> Result<()> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner()).pending_fills += 1;
+        {
+            let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            s.pending_fills += 1;
+            s.fill_sent.insert((it, stage), Instant::now());
+        }
         self.link.send(&Msg::Fill { it, stage })
+    }
+
+    /// How long prefill may take to answer a fill: the silence bound (`--timeout`, at least
+    /// 1 s) for a stage, at least [`crate::deadline::SETUP_FLOOR`] for a whole pool (set-up).
+    fn fill_bound(&self, stage: Option<u32>) -> Duration {
+        let b = super::silence_bound(self.link.silence());
+        if stage.is_none() { b.max(crate::deadline::SETUP_FLOOR) } else { b }
+    }
+
+    /// Errors (timeout, exit 4) when a fill sent has not been answered within its bound: a
+    /// prefill that heartbeats but does not work is not waited for for ever.
+    fn check_fills(&self) -> Result<()> {
+        let s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(((it, stage), at)) = s.fill_sent.iter().find(|((_, st), at)| at.elapsed() > self.fill_bound(*st)) {
+            return Err(Error::Timeout(format!(
+                "{} did not report its fill of iteration {it}{} within {:.3} s",
+                self.link.who(),
+                stage.map_or(String::new(), |k| format!(" stage {k}")),
+                at.elapsed().as_secs_f64()
+            )));
+        }
+        Ok(())
+    }
+
+    fn protocol_error(&self, what: String) -> Error {
+        Error::Transport(format!("{} sent {what} (a protocol error)", self.link.who()))
     }
 
     /// Waits until prefill has filled `stage` of generation `it` (or every layer of it).
@@ -295,6 +356,7 @@ impl PrefillPeer {
                 }
             }
             self.check_interrupt(&format!("prefill's fill of iteration {it}"))?;
+            self.check_fills()?;
             self.pump(Duration::from_millis(1))?;
         }
     }
@@ -306,6 +368,7 @@ impl PrefillPeer {
                 return Ok(());
             }
             self.check_interrupt("prefill's fills")?;
+            self.check_fills()?;
             self.pump(Duration::from_millis(1))?;
         }
     }

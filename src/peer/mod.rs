@@ -26,9 +26,11 @@
 //! error with its exit code. NIXL notifications stay the completion signal of transfers, as in
 //! vLLM's NixlConnector: the protocol carries only control.
 //!
-//! Bounds: a frame before the token check is at most [`MAX_HELLO_FRAME`] bytes, any later
-//! frame at most [`MAX_FRAME`]; the handshake must finish within [`HANDSHAKE_BOUND`]; frames
-//! wait in a queue of at most [`MAX_QUEUED`] (the reader stops reading beyond it).
+//! Bounds: a frame before the token check is at most [`MAX_HELLO_FRAME`] bytes, a set-up frame
+//! (configuration, NIXL metadata) at most [`MAX_FRAME`], a frame once the agents are connected
+//! at most [`MAX_RUN_FRAME`] ([`Link::running`]); the handshake must finish within
+//! [`HANDSHAKE_BOUND`]; frames wait in a queue of at most [`MAX_QUEUED`] (the reader stops
+//! reading beyond it), so what a peer can make this side hold is bounded.
 
 use crate::error::{Error, Result};
 use bytes::{Bytes, BytesMut};
@@ -59,7 +61,11 @@ pub const MAX_FRAME: usize = 64 << 20;
 pub const HANDSHAKE_BOUND: Duration = Duration::from_secs(10);
 
 /// Frames the reader thread holds before it stops reading (backpressure on the peer).
-pub const MAX_QUEUED: usize = 4096;
+pub const MAX_QUEUED: usize = 256;
+
+/// Largest frame once both NIXL agents are connected (bytes): per-iteration control is a few
+/// hundred bytes, the goodbye (a side's report section) well under this.
+pub const MAX_RUN_FRAME: usize = 4 << 20;
 
 /// One side of a node pair as it announces itself: the geometry of its pool (carried per side
 /// so that unequal geometries can be allowed later), its memory and GPU.
@@ -370,6 +376,9 @@ struct FrameReader {
     stream: Stream,
     codec: LengthDelimitedCodec,
     buf: BytesMut,
+    /// The handshake's end: every read of a frame must be done by then (a peer that sends a
+    /// byte at a time cannot stretch it); `None` once the link runs.
+    until: Option<Instant>,
 }
 
 /// Why reading a frame stopped.
@@ -385,7 +394,7 @@ enum ReadEnd {
 impl FrameReader {
     fn new(stream: Stream, max: usize) -> FrameReader {
         let codec = LengthDelimitedCodec::builder().length_field_length(4).max_frame_length(max).new_codec();
-        FrameReader { stream, codec, buf: BytesMut::with_capacity(64 << 10) }
+        FrameReader { stream, codec, buf: BytesMut::with_capacity(64 << 10), until: None }
     }
 
     fn next(&mut self) -> std::result::Result<Msg, ReadEnd> {
@@ -397,6 +406,12 @@ impl FrameReader {
                 }
                 Ok(None) => {}
                 Err(e) => return Err(ReadEnd::Bad(format!("a frame over the size bound: {e}"))),
+            }
+            if let Some(until) = self.until {
+                let left = until.saturating_duration_since(Instant::now());
+                if left.is_zero() || self.stream.set_read_timeout(Some(left)).is_err() {
+                    return Err(ReadEnd::TimedOut);
+                }
             }
             let mut chunk = [0u8; 64 << 10];
             match self.stream.read(&mut chunk) {
@@ -477,6 +492,8 @@ pub fn differences(a: &serde_json::Value, b: &serde_json::Value) -> Vec<(String,
                 .collect()
         }
         _ if a == b => Vec::new(),
+        // -1 and -1.0 are one number (JSON does not say which it is).
+        (Value::Number(x), Value::Number(y)) if x.as_f64() == y.as_f64() => Vec::new(),
         _ => vec![(String::new(), a.to_string(), b.to_string())],
     }
 }
@@ -528,6 +545,8 @@ pub struct Link {
     stop: Arc<AtomicBool>,
     /// The silence bound in milliseconds ([`silence_bound`]), shared with the heartbeat thread.
     silence_ms: Arc<AtomicU64>,
+    /// The largest frame the reader takes now (bytes), shared with the reader thread.
+    max_frame: Arc<AtomicU64>,
     /// What the peer is called in errors ("the prefill peer at 10.0.0.2:7000").
     who: String,
     /// A failure seen already: every later call returns it again.
@@ -561,6 +580,7 @@ impl Link {
     fn start(reader: FrameReader, silence: Duration, who: String) -> Result<Link> {
         let silence = silence_bound(silence);
         let mut reader = reader;
+        reader.until = None;
         reader.codec.set_max_frame_length(MAX_FRAME);
         let io = |e: std::io::Error| Error::Transport(format!("{who}: {e}"));
         reader.stream.set_read_timeout(None).map_err(io)?;
@@ -573,10 +593,13 @@ impl Link {
         let heard = Arc::new(AtomicU64::new(0));
         let stop = Arc::new(AtomicBool::new(false));
         let silence_ms = Arc::new(AtomicU64::new(silence.as_millis() as u64));
+        let max_frame = Arc::new(AtomicU64::new(MAX_FRAME as u64));
         {
+            let max_frame = max_frame.clone();
             let heard = heard.clone();
             std::thread::spawn(move || {
                 loop {
+                    reader.codec.set_max_frame_length(max_frame.load(Ordering::Relaxed) as usize);
                     let m = reader.next();
                     heard.store(epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
                     let (msg, end) = match m {
@@ -614,6 +637,7 @@ impl Link {
             epoch,
             stop,
             silence_ms,
+            max_frame,
             who,
             failed: Mutex::new(None),
             deadline: Mutex::new(None),
@@ -627,12 +651,18 @@ impl Link {
         let _ = self.out.lock().map(|s| s.set_write_timeout(Some(silence_bound(timeout))));
     }
 
+    /// Set-up is over (both agents connected): later frames are bounded by [`MAX_RUN_FRAME`].
+    pub fn running(&self) {
+        self.max_frame.store(MAX_RUN_FRAME as u64, Ordering::Relaxed);
+    }
+
     /// The heartbeat interval now ([`heartbeat_interval`] of the silence bound).
     pub fn heartbeat(&self) -> Duration {
         heartbeat_interval(self.silence())
     }
 
-    fn silence(&self) -> Duration {
+    /// The silence bound now.
+    pub fn silence(&self) -> Duration {
         Duration::from_millis(self.silence_ms.load(Ordering::Relaxed))
     }
 
@@ -764,6 +794,12 @@ impl Link {
 
 impl Drop for Link {
     fn drop(&mut self) {
+        // A link given up because this side was interrupted (set-up included) tells the
+        // peer, so that both sides end as interrupted (best effort: after a goodbye the
+        // connection is already closed and this goes nowhere).
+        if crate::interrupt::requested() {
+            let _ = self.send(&Msg::Interrupt { why: "interrupted by a signal".into() });
+        }
         self.close();
     }
 }
@@ -785,6 +821,7 @@ pub fn client_within(stream: Stream, token: &str, run_id: &str, silence: Duratio
     stream.set_write_timeout(Some(bound)).map_err(io)?;
     let mut w = stream.try_clone().map_err(io)?;
     let mut r = FrameReader::new(stream, MAX_HELLO_FRAME);
+    r.until = Some(Instant::now() + bound); // the whole handshake, not each read
     let next = |r: &mut FrameReader| -> Result<Msg> {
         r.next().map_err(|e| match e {
             ReadEnd::Closed(w2) => Error::Transport(format!("{who}: {w2} during the handshake")),
@@ -844,6 +881,7 @@ pub fn server(stream: Stream, token: &str, silence: Duration) -> Result<Accepted
     let nonce = random_hex(32)?;
     write_frame(&mut w, &Msg::Challenge { kvprobe: env!("CARGO_PKG_VERSION").into(), protocol: PROTOCOL, nonce: nonce.clone() })?;
     let mut r = FrameReader::new(stream, MAX_HELLO_FRAME);
+    r.until = Some(Instant::now() + HANDSHAKE_BOUND); // the whole hello, not each read
     let hello = match r.next() {
         Ok(m) => m,
         Err(ReadEnd::Closed(w2)) => return Err(Error::Transport(format!("{who}: {w2} during the handshake"))),
