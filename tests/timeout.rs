@@ -404,7 +404,10 @@ fn a_poll_blocked_past_its_requests_deadline_is_a_timeout() {
     for (name, args, stall, says) in cases {
         let (code, r, log) = run_env(name, &args, &[(stall, "5")]);
         assert_timeout(code, &r, &format!("{name}: {log}"));
-        assert!(message(&r).contains(says), "{name}: {}", message(&r));
+        // A prefill process whose every notification query blocks also leaves decode's fills
+        // unanswered: which of the two bounded waits ends the run first depends on the load.
+        let also = if name == "poll-agent-read" { "did not report its fill" } else { says };
+        assert!(message(&r).contains(says) || message(&r).contains(also), "{name}: {}", message(&r));
     }
 }
 

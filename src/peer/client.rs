@@ -320,10 +320,13 @@ impl PrefillPeer {
         self.link.send(&Msg::Fill { it, stage })
     }
 
-    /// How long prefill may take to answer a fill: the silence bound (`--timeout`, at least
-    /// 1 s) for a stage, at least [`crate::deadline::SETUP_FLOOR`] for a whole pool (set-up).
+    /// How long prefill may take to answer a fill: twice the silence bound (`--timeout`, at
+    /// least 1 s) plus [`crate::deadline::GRACE`] for a stage — a fill waits behind prefill's
+    /// other calls, and a call of prefill's blocked past its own `--timeout` is ended by
+    /// prefill's watchdog within GRACE, which names it — at least
+    /// [`crate::deadline::SETUP_FLOOR`] for a whole pool (set-up).
     fn fill_bound(&self, stage: Option<u32>) -> Duration {
-        let b = super::silence_bound(self.link.silence());
+        let b = 2 * super::silence_bound(self.link.silence()) + crate::deadline::GRACE;
         if stage.is_none() { b.max(crate::deadline::SETUP_FLOOR) } else { b }
     }
 
