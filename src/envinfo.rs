@@ -313,6 +313,11 @@ pub fn nixl_info() -> NixlInfo {
     }
 }
 
+/// This host's name (`/proc/sys/kernel/hostname`), empty when unreadable.
+pub fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_default()
+}
+
 /// Gathers the environment. `nixl` is passed in so a caller that already probed it (or
 /// must not load it) decides.
 pub fn gather(nixl: NixlInfo) -> Environment {
@@ -325,7 +330,7 @@ pub fn gather(nixl: NixlInfo) -> Environment {
         .collect();
     Environment {
         kvprobe_version: env!("CARGO_PKG_VERSION").to_string(),
-        hostname: std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_default(),
+        hostname: hostname(),
         gpus,
         gpu_links: gpu_links(n),
         driver: kernel_driver(),

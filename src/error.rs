@@ -39,6 +39,26 @@ pub enum Exit {
     Interrupted = 130,
 }
 
+impl Exit {
+    /// The exit code `code` stands for; `None` for a code kvprobe never uses (as another
+    /// kvprobe process reports it: a node pair's `done`).
+    pub fn from_code(code: u8) -> Option<Exit> {
+        [
+            Exit::Clean,
+            Exit::Corrupt,
+            Exit::Usage,
+            Exit::Transport,
+            Exit::Timeout,
+            Exit::BelowRate,
+            Exit::NotReproduced,
+            Exit::ReportNotWritten,
+            Exit::Interrupted,
+        ]
+        .into_iter()
+        .find(|e| *e as u8 == code)
+    }
+}
+
 /// kvprobe's error type; each variant maps to one exit code ([`Error::exit`]).
 #[derive(Clone, Debug, thiserror::Error)]
 pub enum Error {

@@ -526,17 +526,9 @@ impl Probe {
     fn fill_source(&mut self, plan: &Plan, stages: &[Range<u32>], stage: Option<usize>) -> Result<()> {
         let cfg = &self.cfg;
         match &mut self.prefill {
-            Prefill::Local(e) => {
-                if stage.is_none_or(|k| k == 0) {
-                    e.pool.load_table(&plan.src_table)?;
-                }
-                let layers = stage.map_or(0..cfg.geometry.num_layers, |k| stages[k].clone());
-                e.pool.fill_layers(layers.clone())?;
-                if stage.is_none() {
-                    e.pool.finish()?;
-                }
-                apply_source_faults(cfg, &mut e.pool, plan, &layers)
-            }
+            // The stage's kernels may still run when the next stage is posted (they are queued
+            // before it); the whole pool at set-up is waited for.
+            Prefill::Local(e) => fill_stage(cfg, &mut e.pool, plan, stages, stage, stage.is_none()),
             Prefill::Peer(p) => p.fill(plan.it, stage.map(|k| k as u32)),
         }
     }
@@ -696,9 +688,32 @@ pub(crate) fn plan(cfg: &RunConfig, it: u32) -> Result<Plan> {
     Ok(Plan { it, perm, actions, src_table, dst_table, src_of, special, predicted, strays })
 }
 
+/// Prefill's part of a sweep iteration on `pool`: fills `stage` of `stages` (every layer:
+/// `None`) with `plan`'s generation — loading `plan`'s table first when the stage is the
+/// iteration's first — waits for the fill when `wait`, and plants `plan`'s prefill-side faults
+/// there. The in-process sweep and `serve` both fill through it.
+pub(crate) fn fill_stage(
+    cfg: &RunConfig,
+    pool: &mut KvPool,
+    plan: &Plan,
+    stages: &[Range<u32>],
+    stage: Option<usize>,
+    wait: bool,
+) -> Result<()> {
+    if stage.is_none_or(|k| k == 0) {
+        pool.load_table(&plan.src_table)?;
+    }
+    let layers = stage.map_or(0..cfg.geometry.num_layers, |k| stages[k].clone());
+    pool.fill_layers(layers.clone())?;
+    if wait {
+        pool.finish()?;
+    }
+    apply_source_faults(cfg, pool, plan, &layers)
+}
+
 /// Applies the prefill-side faults of `plan` (stale, bitflip) that fall in `layers` to
 /// prefill's `pool`, after their fill: the side that owns a fault plants it.
-pub(crate) fn apply_source_faults(cfg: &RunConfig, pool: &mut KvPool, plan: &Plan, layers: &Range<u32>) -> Result<()> {
+fn apply_source_faults(cfg: &RunConfig, pool: &mut KvPool, plan: &Plan, layers: &Range<u32>) -> Result<()> {
     let sb = cfg.geometry.slice_bytes()? as usize;
     for a in &plan.actions {
         match *a {

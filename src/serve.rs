@@ -323,22 +323,6 @@ fn plan_for(rc: &RunConfig, plans: &mut BTreeMap<u32, run::Plan>, it: u32) -> Re
     Ok(())
 }
 
-/// The exit code a run reported in its [`Msg::Done`]; `None` for a code kvprobe never uses.
-fn exit_of(code: u8) -> Option<Exit> {
-    Some(match code {
-        0 => Exit::Clean,
-        1 => Exit::Corrupt,
-        2 => Exit::Usage,
-        3 => Exit::Transport,
-        4 => Exit::Timeout,
-        5 => Exit::BelowRate,
-        6 => Exit::NotReproduced,
-        7 => Exit::ReportNotWritten,
-        130 => Exit::Interrupted,
-        _ => return None,
-    })
-}
-
 fn session_inner(
     cfg: &ServeConfig,
     link: &Link,
@@ -468,14 +452,8 @@ fn session_inner(
                 }
                 let t = Instant::now();
                 plan_for(&rc, &mut plans, it)?;
-                let plan = &plans[&it];
-                if stage.is_none_or(|k| k == 0) {
-                    ep.pool.load_table(&plan.src_table)?;
-                }
-                let layers = stage.map_or(0..rc.geometry.num_layers, |k| stages[k as usize].clone());
-                ep.pool.fill_layers(layers.clone())?;
-                ep.pool.finish()?;
-                run::apply_source_faults(&rc, &mut ep.pool, plan, &layers)?;
+                // Filled means in memory: decode READs it next.
+                run::fill_stage(&rc, &mut ep.pool, &plans[&it], &stages, stage.map(|k| k as usize), true)?;
                 let seconds = t.elapsed().as_secs_f64();
                 me.fill_seconds += seconds;
                 me.fills += 1;
@@ -511,7 +489,7 @@ fn session_inner(
                     rc.iterations
                 ));
             }
-            Some(Msg::Done { exit, error, summary }) => match exit_of(exit) {
+            Some(Msg::Done { exit, error, summary }) => match Exit::from_code(exit) {
                 Some(Exit::Clean) => break (Exit::Clean, None, summary), // a clean run has no error
                 Some(x) => break (x, error, summary),
                 None => {

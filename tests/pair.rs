@@ -264,13 +264,14 @@ fn pair_configuration_mismatch_exits_2_on_both_sides_naming_the_field() {
     }
 }
 
-/// Starts a long pair run (`--timeout 3`), waits for its first iteration, and returns serve
-/// and the run's child (stderr drained into the returned buffer).
-fn long_pair_run(report: &std::path::Path) -> (Serve, Child) {
+/// Starts a long pair run (`--timeout TIMEOUT`), waits for its first iteration, and returns
+/// serve and the run's child (stderr drained into the returned buffer). Tests that do not wait
+/// on the timeout give a long one, so a busy machine cannot turn a slow heartbeat into one.
+fn long_pair_run(report: &std::path::Path, timeout: &str) -> (Serve, Child) {
     let s = Serve::start(&[]);
     let mut c = Command::new(bin())
         .args(["run", "--peer", &s.addr, "--token", TOKEN, "--memory", "dram", "--iterations", "16000000"])
-        .args(["--timeout", "3", "--report", report.to_str().unwrap()])
+        .args(["--timeout", timeout, "--report", report.to_str().unwrap()])
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -288,7 +289,7 @@ fn pair_a_killed_side_ends_the_other_with_exit_3_and_its_report() {
     // Serve killed: the run exits 3 and says prefill is gone.
     let d = tmpdir("pair-kill");
     let rp = d.join("run.json");
-    let (mut s, mut c) = long_pair_run(&rp);
+    let (mut s, mut c) = long_pair_run(&rp, "60");
     s.child.kill().unwrap();
     let st = c.wait().unwrap();
     assert_eq!(st.code(), Some(3));
@@ -298,7 +299,7 @@ fn pair_a_killed_side_ends_the_other_with_exit_3_and_its_report() {
     assert_eq!(r["peer"]["bye_missing"], true, "{}", r["peer"]);
     drop(s);
     // The run killed: serve exits 3 with its report.
-    let (s, mut c) = long_pair_run(&d.join("run2.json"));
+    let (s, mut c) = long_pair_run(&d.join("run2.json"), "60");
     c.kill().unwrap();
     c.wait().unwrap();
     let (sc, sout, sr) = s.wait();
@@ -313,7 +314,7 @@ fn pair_a_stopped_side_ends_the_other_with_exit_4() {
     let d = tmpdir("pair-stop");
     // Serve stopped: the run hears no heartbeat within --timeout and exits 4.
     let rp = d.join("run.json");
-    let (s, mut c) = long_pair_run(&rp);
+    let (s, mut c) = long_pair_run(&rp, "3");
     signal(s.child.id(), "STOP");
     let st = c.wait().unwrap();
     signal(s.child.id(), "CONT");
@@ -323,7 +324,7 @@ fn pair_a_stopped_side_ends_the_other_with_exit_4() {
     assert!(r["outcome"]["error"]["message"].as_str().unwrap().contains("silent"), "{}", r["outcome"]);
     drop(s);
     // The run stopped: serve exits 4 with its report.
-    let (s, mut c) = long_pair_run(&d.join("run2.json"));
+    let (s, mut c) = long_pair_run(&d.join("run2.json"), "3");
     signal(c.id(), "STOP");
     let pid = c.id();
     let (sc, sout, sr) = s.wait();
@@ -338,7 +339,7 @@ fn pair_ctrl_c_on_either_side_ends_both_as_interrupted() {
     let d = tmpdir("pair-int");
     for who in ["run", "serve"] {
         let rp = d.join(format!("{who}.json"));
-        let (s, mut c) = long_pair_run(&rp);
+        let (s, mut c) = long_pair_run(&rp, "60");
         signal(if who == "run" { c.id() } else { s.child.id() }, "INT");
         let st = c.wait().unwrap();
         let (sc, sout, sr) = s.wait();

@@ -35,7 +35,6 @@
 use crate::error::{Error, Result};
 use bytes::{Bytes, BytesMut};
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::os::unix::net::UnixStream;
@@ -440,14 +439,11 @@ fn write_frame(stream: &mut Stream, msg: &Msg) -> Result<()> {
 
 /// SHA-256 of `nonce` (hex-decoded) followed by `token`, hex: the proof in [`Msg::Hello`].
 pub fn proof(nonce_hex: &str, token: &str) -> String {
-    let mut h = Sha256::new();
-    h.update(hex_decode(nonce_hex).unwrap_or_default());
-    h.update(token.as_bytes());
-    hex(&h.finalize())
+    crate::fingerprint::digest(&[hex_decode(nonce_hex).unwrap_or_default(), token.as_bytes().to_vec()].concat())
 }
 
 /// Lowercase hex of `b`.
-pub fn hex(b: &[u8]) -> String {
+fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
@@ -471,7 +467,7 @@ pub fn random_hex(n: usize) -> Result<String> {
 /// The configuration hash both sides compare: SHA-256 of `config`'s JSON (serde_json writes
 /// a struct's fields in declaration order, so equal configurations give equal bytes), hex.
 pub fn config_hash(config: &serde_json::Value) -> String {
-    hex(&Sha256::digest(serde_json::to_vec(config).unwrap_or_default()))
+    crate::fingerprint::digest(&serde_json::to_vec(config).unwrap_or_default())
 }
 
 /// Every field (dotted path) where `a` and `b` differ, with both values, in key order.
@@ -918,7 +914,7 @@ pub fn refuse_busy(stream: Stream, reason: &str) {
     s.shutdown();
 }
 
-/// This host's name (`gethostname`), or "?".
+/// This host's name ([`crate::envinfo::hostname`]), or "?".
 pub fn host_name() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_else(|_| "?".into())
+    Some(crate::envinfo::hostname()).filter(|h| !h.is_empty()).unwrap_or_else(|| "?".into())
 }
