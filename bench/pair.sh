@@ -8,9 +8,13 @@
 #   requests: prepared (vLLM's prepare_xfer_dlist + make_xfer_req) or create (createXferReq)
 #   descriptors: vLLM-shaped (one per block slice) or merged (--descriptor-blocks = --blocks)
 #   backend: default parameters, or --backend-param num_threads=4 (the UCX backend's threads)
-# and prints GB/s (1e9 B/s) and each row's ratio to the vLLM default row (prepared, per block,
-# default parameters) of the same op, measured in the same invocation. Across two hosts there
-# is no copy to time between the pools; on one host `kvprobe bench` times the copy ceilings.
+# and prints GB/s (1e9 B/s), each row's ratio to the peer copy (x copy) and to the vLLM
+# default row (prepared, per block, default parameters) of the same op (x vllm), all measured
+# in the same invocation. The peer copy: without --peer, one `kvprobe run --iterations 1` with
+# your flags first times a copy of a prefill pool into a decode pool on this host (the copy
+# ceiling of its report: cuMemcpy between the GPUs' pools, memcpy on DRAM; for a serve on
+# another GPU give --prefill-device N as well as KVPROBE_PAIR_SERVE_FLAGS="--device N"). Across
+# two hosts (--peer) there is no copy between the pools to time: x copy is "-" (null in JSON).
 # The JSON (one object per row) goes to ${BENCH_OUT:-$KVPROBE_HOME/bench-results}/pair-<host>-<UTC>.json.
 # Uses $KVPROBE_BIN when set, else builds the release binary.
 set -euo pipefail
@@ -21,8 +25,10 @@ if [ -z "$kv" ]; then
   kv="${CARGO_TARGET_DIR:-target}/release/kvprobe"
 fi
 peer=""
+peer_given=0
 if [ "${1:-}" = "--peer" ]; then
   peer=$2
+  peer_given=1
   shift 2
 fi
 home="${KVPROBE_HOME:-${XDG_DATA_HOME:-$HOME/.local/share}/kvprobe}"
@@ -68,7 +74,23 @@ EOF
 )
 [ -n "$blocks" ] || { echo "bench/pair.sh: with --preset, give --blocks too (merged rows use it)" >&2; exit 2; }
 echo "bench/pair.sh: prefill at $peer; a sweep per row (llama3-8b and 10 iterations unless your flags set the geometry or iterations)" >&2
-printf '%-6s %-9s %-9s %-16s %10s %8s\n' op requests descs backend GB/s ratio
+copy=""
+if [ "$peer_given" = 0 ]; then
+  # Your flags less --iterations (one iteration times the copy; clap refuses a flag twice).
+  copy_args=()
+  skip=0
+  for a in "${defaults[@]}" "$@"; do
+    if [ "$skip" = 1 ]; then skip=0; continue; fi
+    case "$a" in --iterations) skip=1; continue ;; --iterations=*) continue ;; esac
+    copy_args+=("$a")
+  done
+  "$kv" run "${copy_args[@]}" --iterations 1 --report "$work/copy.json" > "$work/copy.log" 2>&1 || {
+    echo "bench/pair.sh: the copy-ceiling run failed:" >&2; tail -5 "$work/copy.log" >&2; exit 1; }
+  copy=$(python3 -c 'import json,sys; p=json.load(open(sys.argv[1]))["summary"].get("transport_path") or {}; c=p.get("copy_gbps"); print("" if c is None else c)' "$work/copy.json")
+  [ -n "$copy" ] || echo "bench/pair.sh: no copy ceiling (a pool under 64 MiB is not timed): x copy is -" >&2
+fi
+[ -n "$copy" ] && echo "bench/pair.sh: peer copy on this host: $copy GB/s" >&2
+printf '%-6s %-9s %-9s %-16s %10s %8s %8s\n' op requests descs backend GB/s "x copy" "x vllm"
 echo "[" > "$json"
 first=1
 for op in read write; do
@@ -86,11 +108,12 @@ for op in read write; do
         g=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["summary"]["transfer_gbps"])' "$r")
         [ -z "$base" ] && base=$g
         ratio=$(python3 -c "print(f'{$g / $base:.3f}')")
-        printf '%-6s %-9s %-9s %-16s %10.2f %8s\n' "$op" "$req" "$desc" "$bp" "$g" "$ratio"
+        if [ -n "$copy" ]; then xc=$(python3 -c "print(f'{$g / $copy:.3f}')"); else xc=-; fi
+        printf '%-6s %-9s %-9s %-16s %10.2f %8s %8s\n' "$op" "$req" "$desc" "$bp" "$g" "$xc" "$ratio"
         [ $first = 1 ] || echo "," >> "$json"
         first=0
-        printf '{"op":"%s","requests":"%s","descriptors":"%s","backend":"%s","gbps":%s,"ratio_to_vllm_default":%s}' \
-          "$op" "$req" "$desc" "$bp" "$g" "$ratio" >> "$json"
+        printf '{"op":"%s","requests":"%s","descriptors":"%s","backend":"%s","gbps":%s,"copy_gbps":%s,"ratio_to_copy":%s,"ratio_to_vllm_default":%s}' \
+          "$op" "$req" "$desc" "$bp" "$g" "${copy:-null}" "$( [ "$xc" = - ] && echo null || echo "$xc")" "$ratio" >> "$json"
       done
     done
   done

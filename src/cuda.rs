@@ -279,6 +279,10 @@ pub struct GpuTimer {
     end: sys::CUevent,
 }
 
+// SAFETY: CUDA events may be recorded, waited for and destroyed from any thread once their
+// context is made current there; every method binds `dev`'s context first.
+unsafe impl Send for GpuTimer {}
+
 impl GpuTimer {
     /// Records the start event on `dev`'s default stream. Errors: the driver refuses events.
     pub fn start(dev: &Arc<Device>) -> Result<GpuTimer> {

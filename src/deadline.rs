@@ -297,9 +297,26 @@ pub fn set_agent_process() {
     AGENT_PROCESS.store(true, std::sync::atomic::Ordering::SeqCst);
 }
 
+/// Where this process's sweep is: `(iteration << 16) | stage` (0 before the first iteration),
+/// what [`STALL_FROM_VAR`] compares with.
+static POSITION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Says that this process's sweep has begun stage `stage` (0-based: waiting for its request)
+/// of iteration `it` (1-based), for [`STALL_FROM_VAR`].
+pub fn set_position(it: u32, stage: u32) {
+    POSITION.store((u64::from(it) << 16) | u64::from(stage.min(0xffff)), std::sync::atomic::Ordering::SeqCst);
+}
+
+/// Test-only: `KVPROBE_TEST_STALL_FROM_ITERATION=N[:K]` arms the stall points of this process
+/// only once its sweep has begun iteration N (stage K of it, default 0): set-up and what comes
+/// before run unstalled, so that a stall can come after a verified iteration, or after a
+/// verified stage while the next is in flight, whichever thread makes the call. Unset: armed
+/// from the start.
+pub const STALL_FROM_VAR: &str = "KVPROBE_TEST_STALL_FROM_ITERATION";
+
 /// Points where a test can make a call block (`KVPROBE_TEST_STALL_<NAME>=SECS` in kvprobe,
 /// `KVPROBE_TEST_STALL_AGENT_<NAME>=SECS` in the prefill process of `run --decode-process`;
-/// test-only).
+/// [`STALL_FROM_VAR`] delays them; test-only).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Stall {
     /// Inside [`crate::nixl::Agent::post`], after `postXferReq` returned: the call waits
@@ -333,8 +350,21 @@ impl Stall {
         format!("KVPROBE_TEST_STALL_{agent}{name}")
     }
 
-    /// The seconds its variable names (read once per process), if set.
+    /// The seconds its variable names (read once per process), if set and armed
+    /// ([`STALL_FROM_VAR`]).
     pub fn secs(self) -> Option<Duration> {
+        static FROM: OnceLock<u64> = OnceLock::new();
+        let from = *FROM.get_or_init(|| {
+            let v = std::env::var(STALL_FROM_VAR).unwrap_or_default();
+            let (it, stage) = v.trim().split_once(':').unwrap_or((v.trim(), "0"));
+            match (it.parse::<u64>(), stage.parse::<u64>()) {
+                (Ok(i), Ok(k)) => (i << 16) | k.min(0xffff),
+                _ => 0,
+            }
+        });
+        if POSITION.load(std::sync::atomic::Ordering::SeqCst) < from {
+            return None;
+        }
         static SECS: OnceLock<[Option<Duration>; 5]> = OnceLock::new();
         let all = SECS.get_or_init(|| {
             Stall::ALL.map(|p| {

@@ -1605,7 +1605,7 @@ fn serve(a: ServeArgs) -> Exit {
             geometry,
             keep_serving: false,
             idle_timeout: Duration::from_secs_f64(a.timeout),
-            child: true,
+            mode: kvprobe::serve::SessionMode::Child,
         };
         return kvprobe::serve::serve_child(&cfg, stream);
     }
@@ -1631,7 +1631,7 @@ fn serve(a: ServeArgs) -> Exit {
         geometry,
         keep_serving: a.keep_serving,
         idle_timeout: Duration::from_secs_f64(a.timeout),
-        child: false,
+        mode: kvprobe::serve::SessionMode::Listen,
     };
     let bound = listener.local_addr().map(|x| x.to_string()).unwrap_or_else(|_| listen.clone());
     out(&format!(

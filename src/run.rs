@@ -142,10 +142,12 @@ pub fn logical_block(seed: u64, i: u32) -> u32 {
 /// The prefill role as decode's side of a run sees it.
 #[allow(clippy::large_enum_variant)] // one per run
 pub(crate) enum Prefill {
-    /// In this process.
+    /// In this process, driven by direct calls: the scenario engine and `kvprobe ab` (issue 16
+    /// moves them onto the protocol).
     Local(Endpoint),
-    /// In another process, over the peer protocol: `kvprobe serve` on another host (`run
-    /// --peer`) or a child `kvprobe serve` of this one (`run --decode-process`).
+    /// Over the peer protocol ([`crate::peer`]): a `kvprobe serve` session on another host
+    /// (`run --peer`), in a child process (`run --decode-process`) or on a thread of this
+    /// process (the plain sweep). The sweep drives all three with the same code.
     Peer(Box<crate::peer::client::PrefillPeer>),
 }
 
@@ -161,13 +163,6 @@ impl Prefill {
         }
     }
 
-    /// Prefill's NIXL agent name.
-    fn name(&self) -> String {
-        match self {
-            Prefill::Local(e) => e.name(),
-            Prefill::Peer(p) => p.info.agent.clone(),
-        }
-    }
 }
 
 /// A sweep stage's request, as decode tracks it.
@@ -202,6 +197,9 @@ pub(crate) struct Probe {
     // process the order does not matter: each request holds shares of both registrations.)
     pub(crate) prefill: Prefill,
     pub(crate) decode: Endpoint,
+    /// The copy ceiling (GB/s) timed at set-up (the plain sweep: on prefill's pool before it
+    /// went to its thread); `None` when timed later or not at all.
+    copy_gbps: Option<f64>,
 }
 
 /// Checks a run's configuration (flags, geometry, injections). Errors: usage (exit 2).
@@ -441,36 +439,29 @@ impl Probe {
         prefill.connect(decode.info()?)?;
         crate::trace!("connected");
         // The sweep and the scenario engine each fill the prefill pool themselves.
-        Ok(Probe { cfg: cfg.clone(), prefill: Prefill::Local(prefill), decode })
+        Ok(Probe { cfg: cfg.clone(), prefill: Prefill::Local(prefill), decode, copy_gbps: None })
     }
 
-    /// Node pair (`run --peer`): connects to `serve`, agrees on the configuration, allocates
-    /// and registers decode's pool here, and exchanges NIXL agents with prefill there.
-    /// `--decode-process`: the same, with a child `kvprobe serve` on a Unix socket pair as
-    /// prefill ([`crate::peer::client::start_child`]). `environment` is this side's (sent to
-    /// prefill for its report; not to a child, which writes none). Errors: environment (cannot
-    /// connect or start the child), usage (refused: version, token, configuration), transport,
-    /// timeout (a child not ready within its start bound too).
+    /// Sets up a sweep's two roles over the peer protocol. Node pair (`run --peer`): connects
+    /// to `serve`, agrees on the configuration, allocates and registers decode's pool here, and
+    /// exchanges NIXL agents with prefill there. `--decode-process`: the same, with a child
+    /// `kvprobe serve` on a Unix socket pair as prefill
+    /// ([`crate::peer::client::start_child`]). Otherwise (the plain sweep): the same with a
+    /// serve session on a thread of this process ([`crate::peer::client::start_thread`]),
+    /// handed prefill's pool after the copy ceiling was timed on it. `environment` is this
+    /// side's (sent to prefill for its report; not to a child or thread, which write none).
+    /// Errors: environment (cannot connect or start the child), usage (refused: version, token,
+    /// configuration), transport, timeout (a child not ready within its start bound too).
     pub(crate) fn setup_peer(cfg: &RunConfig, environment: Option<crate::envinfo::Environment>) -> Result<Probe> {
+        use crate::peer::client::Holder;
         let timeout = Duration::from_secs_f64(cfg.timeout_secs);
         let run_id = crate::peer::random_hex(8)?;
-        let mut child = None;
+        let mut holder = None;
         let mut environment = environment;
-        let (link, addr) = if cfg.decode_process {
-            crate::phase::announce(&format!(
-                "setup: starting the prefill process (kvprobe serve holding prefill's NIXL agent and pool, {})",
-                if cfg.memory == MemoryKind::Vram { format!("VRAM on GPU {}", cfg.prefill_device) } else { "DRAM".into() }
-            ));
-            let (link, c) = crate::peer::client::start_child(cfg, timeout, &run_id)?;
-            let addr = format!("child process {}", c.id());
-            child = Some(c);
-            environment = None;
-            (link, addr)
-        } else {
-            let addr = cfg.peer.clone().unwrap_or_default();
-            crate::phase::announce(&format!("setup: connecting to the prefill peer at {addr}"));
-            let token = cfg.peer_token.clone().unwrap_or_default();
-            let link = crate::peer::client::connect(&addr, &token, &run_id, timeout)?;
+        let mut decode_pool = None;
+        let mut copy_gbps = None;
+        let handoff = Arc::new(crate::serve::Handoff::default());
+        let set_up_bound = |link: &crate::peer::Link| {
             // Set-up waits (acceptance, prefill's agent) are bounded whatever the heartbeats say.
             let bound = timeout.max(crate::deadline::SETUP_FLOOR);
             link.set_deadline(Some((
@@ -481,6 +472,57 @@ impl Probe {
                     bound.as_secs_f64()
                 ),
             )));
+        };
+        let (link, addr) = if cfg.peer.is_none() && !cfg.decode_process {
+            crate::phase::announce(&format!(
+                "setup: allocating pools ({} {} per side)",
+                cfg.geometry.pool_bytes().map(crate::report::bytes_binary).unwrap_or_default(),
+                if cfg.memory == MemoryKind::Vram { "VRAM" } else { "DRAM" }
+            ));
+            let (mut p, mut d) = build_pools(cfg)?;
+            if cfg.geometry.pool_bytes()? >= MIN_CEILING_BYTES {
+                crate::phase::announce("setup: timing a copy of the prefill pool to the decode pool (the ceiling)");
+                let secs = time_copy(cfg, &mut p, &mut d, &plan(cfg, 1)?)?;
+                copy_gbps = Some(cfg.geometry.pool_bytes()? as f64 / secs.max(1e-12) / 1e9);
+            }
+            *handoff.pool.lock().unwrap_or_else(|p| p.into_inner()) = Some(p);
+            decode_pool = Some(d);
+            let vram = cfg.memory == MemoryKind::Vram;
+            let serve = crate::serve::ServeConfig {
+                listen: "in-process".into(),
+                token: String::new(),
+                memory: cfg.memory,
+                device: if vram { cfg.prefill_device } else { 0 },
+                backend: Some(cfg.backend.clone()),
+                geometry: Some(cfg.geometry.clone()),
+                keep_serving: false,
+                idle_timeout: timeout,
+                mode: crate::serve::SessionMode::InProcess,
+            };
+            let h = handoff.clone();
+            let (link, thread) = crate::peer::client::start_thread(timeout, &run_id, move |stream, token| {
+                crate::serve::serve_in_process(&crate::serve::ServeConfig { token, ..serve }, stream, &h)
+            })?;
+            set_up_bound(&link);
+            holder = Some(Holder::Thread(thread));
+            environment = None;
+            (link, "in-process".to_string())
+        } else if cfg.decode_process {
+            crate::phase::announce(&format!(
+                "setup: starting the prefill process (kvprobe serve holding prefill's NIXL agent and pool, {})",
+                if cfg.memory == MemoryKind::Vram { format!("VRAM on GPU {}", cfg.prefill_device) } else { "DRAM".into() }
+            ));
+            let (link, c) = crate::peer::client::start_child(cfg, timeout, &run_id)?;
+            let addr = format!("child process {}", c.id());
+            holder = Some(Holder::Child(c));
+            environment = None;
+            (link, addr)
+        } else {
+            let addr = cfg.peer.clone().unwrap_or_default();
+            crate::phase::announce(&format!("setup: connecting to the prefill peer at {addr}"));
+            let token = cfg.peer_token.clone().unwrap_or_default();
+            let link = crate::peer::client::connect(&addr, &token, &run_id, timeout)?;
+            set_up_bound(&link);
             (link, addr)
         };
         let decode_side = crate::peer::Side {
@@ -492,28 +534,54 @@ impl Probe {
         let config = serde_json::to_value(cfg).map_err(|e| Error::Io(e.to_string()))?;
         let (link, side, section) =
             crate::peer::client::PrefillPeer::configure(link, config, decode_side, environment, &addr, &run_id)?;
-        crate::phase::announce(&format!(
-            "setup: allocating decode's pool ({} {}), registering it with NIXL (backend {}); prefill on {} ({})",
-            cfg.geometry.pool_bytes().map(crate::report::bytes_binary).unwrap_or_default(),
-            if cfg.memory == MemoryKind::Vram { "VRAM" } else { "DRAM" },
-            cfg.backend,
-            side.host,
-            if side.memory == MemoryKind::Vram { format!("VRAM on GPU {}", side.device) } else { "DRAM".into() }
-        ));
-        let pool = build_decode_pool(cfg)?;
+        let pool = match decode_pool {
+            Some(d) => {
+                crate::phase::announce(&format!("setup: registering the pools with NIXL (backend {})", cfg.backend));
+                d
+            }
+            None => {
+                crate::phase::announce(&format!(
+                    "setup: allocating decode's pool ({} {}), registering it with NIXL (backend {}); prefill on {} ({})",
+                    cfg.geometry.pool_bytes().map(crate::report::bytes_binary).unwrap_or_default(),
+                    if cfg.memory == MemoryKind::Vram { "VRAM" } else { "DRAM" },
+                    cfg.backend,
+                    side.host,
+                    if side.memory == MemoryKind::Vram { format!("VRAM on GPU {}", side.device) } else { "DRAM".into() }
+                ));
+                build_decode_pool(cfg)?
+            }
+        };
         let opts = crate::transport::TransportOptions { xfer_req: cfg.xfer_req, backend_params: cfg.backend_params.clone() };
         let refusal = |e| backend_refusal(&cfg.backend, cfg.memory, e);
+        crate::trace!("decode NIXL agent");
         let mut decode = Endpoint::with_options("kvprobe-decode", &cfg.backend, pool, &opts).map_err(refusal)?;
-        let mut peer = crate::peer::client::PrefillPeer::connect_agents(link, decode.info().map_err(refusal)?, side, section)?;
+        let info = decode.info().map_err(refusal)?;
+        // In process, prefill's requests hold shares of decode's registrations and decode's of
+        // prefill's (as between two agents of one process): neither pool is freed under them.
+        *handoff.decode_lease.lock().unwrap_or_else(|p| p.into_inner()) = Some(info.lease.clone());
+        let mut peer = crate::peer::client::PrefillPeer::connect_agents(link, info, side, section)?;
+        if let Some(l) = handoff.prefill_lease.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            peer.info.lease = l;
+        }
         // A peer whose metadata NIXL cannot load is the peer's fault (transport, exit 3), not a
         // backend that cannot serve this side's pools.
+        crate::trace!("decode loads prefill's metadata");
         decode.connect(peer.info.clone())?;
-        match child {
-            Some(c) => peer.adopt_child(c),
+        match holder {
+            Some(h) => peer.adopt(h),
             None => peer.set_up(),
         }
         crate::trace!("connected to the prefill peer");
-        Ok(Probe { cfg: cfg.clone(), prefill: Prefill::Peer(Box::new(peer)), decode })
+        Ok(Probe { cfg: cfg.clone(), prefill: Prefill::Peer(Box::new(peer)), decode, copy_gbps })
+    }
+
+    /// The sweep's prefill, over the protocol. Errors: usage for an in-process endpoint (only
+    /// the scenario engine and `ab` drive one).
+    fn peer(&self) -> Result<&crate::peer::client::PrefillPeer> {
+        match &self.prefill {
+            Prefill::Peer(p) => Ok(p),
+            Prefill::Local(_) => Err(Error::Usage("the sweep drives prefill over the peer protocol".into())),
+        }
     }
 
     fn plan(&self, it: u32) -> Result<Plan> {
@@ -521,56 +589,48 @@ impl Probe {
     }
 
     /// Prefill refills `stage` (every layer: `None`) with `plan`'s generation and plants its
-    /// faults there. Local: done (fill kernels queued); peer: asked for
-    /// ([`Probe::await_filled`] before a READ of it).
-    fn fill_source(&mut self, plan: &Plan, stages: &[Range<u32>], stage: Option<usize>) -> Result<()> {
-        let cfg = &self.cfg;
-        match &mut self.prefill {
-            // The stage's kernels may still run when the next stage is posted (they are queued
-            // before it); the whole pool at set-up is waited for.
-            Prefill::Local(e) => fill_stage(cfg, &mut e.pool, plan, stages, stage, stage.is_none()),
-            Prefill::Peer(p) => p.fill(plan.it, stage.map(|k| k as u32)),
-        }
+    /// faults there: asked for, not waited for ([`PrefillPeer::await_filled`] before a READ of
+    /// it).
+    ///
+    /// [`PrefillPeer::await_filled`]: crate::peer::client::PrefillPeer::await_filled
+    fn fill_source(&mut self, plan: &Plan, stage: Option<usize>) -> Result<()> {
+        self.peer()?.fill(plan.it, stage.map(|k| k as u32))
     }
 
-    /// Waits until prefill's fills are complete (local: its kernels; peer: every fill asked).
+    /// Waits until every fill asked of prefill is complete.
     fn finish_source(&mut self) -> Result<()> {
-        match &mut self.prefill {
-            Prefill::Local(e) => e.pool.finish().map(|_| ()),
-            Prefill::Peer(p) => p.await_all_filled(),
-        }
+        self.peer()?.await_all_filled()
     }
 
-    /// Posts stage `k` of iteration `it` (`pairs`, notification `tag`) for `op`.
+    /// Posts stage `k` of iteration `it` (`pairs`, notification `tag`) for `op`: READ, decode
+    /// posts once prefill has filled the stage; WRITE, prefill is asked to post.
     fn post(&self, op: Op, it: u32, k: usize, pairs: &[Pair], tag: &str, timeout: Duration) -> Result<SweepRequest> {
-        match &self.prefill {
-            Prefill::Local(e) => Ok(SweepRequest::Nixl(transport::post(op, e, &self.decode, pairs, tag, timeout)?)),
-            Prefill::Peer(p) => match op {
-                Op::Read => {
-                    p.await_filled(it, Some(k as u32))?;
-                    let d = crate::deadline::Deadline::after(timeout);
-                    // A failed post with prefill gone is prefill's death (as a failed poll).
-                    Ok(SweepRequest::Nixl(self.decode.post_as_initiator(Op::Read, pairs, tag, d).map_err(|e| p.cause_of(e))?))
-                }
-                Op::Write => {
-                    let deadline = crate::deadline::Deadline::after(timeout);
-                    p.post_write(it, k as u32, tag)?;
-                    Ok(SweepRequest::PeerWrite { tag: tag.into(), deadline, late_misses: 0 })
-                }
-            },
+        let p = self.peer()?;
+        match op {
+            Op::Read => {
+                p.await_filled(it, Some(k as u32))?;
+                let d = crate::deadline::Deadline::after(timeout);
+                // A failed post with prefill gone is prefill's death (as a failed poll).
+                Ok(SweepRequest::Nixl(self.decode.post_as_initiator(Op::Read, pairs, tag, d).map_err(|e| p.cause_of(e))?))
+            }
+            Op::Write => {
+                let deadline = crate::deadline::Deadline::after(timeout);
+                p.post_write(it, k as u32, tag)?;
+                Ok(SweepRequest::PeerWrite { tag: tag.into(), deadline, late_misses: 0 })
+            }
         }
     }
 
     /// Checks a stage's request once: `Some` when complete. A peer's liveness is checked too
     /// (a dead peer: transport, exit 3; a silent one: timeout, exit 4).
-    fn poll(&self, op: Op, r: &mut SweepRequest) -> Result<Option<crate::nixl::XferResult>> {
-        match (&self.prefill, r) {
-            (Prefill::Local(e), SweepRequest::Nixl(r)) => transport::poll(op, e, &self.decode, r),
-            (Prefill::Peer(p), SweepRequest::Nixl(r)) => {
+    fn poll(&self, r: &mut SweepRequest) -> Result<Option<crate::nixl::XferResult>> {
+        let p = self.peer()?;
+        match r {
+            SweepRequest::Nixl(r) => {
                 p.pump(Duration::ZERO)?;
                 self.decode.poll(r).map_err(|e| p.cause_of(e))
             }
-            (Prefill::Peer(p), SweepRequest::PeerWrite { tag, deadline, late_misses }) => {
+            SweepRequest::PeerWrite { tag, deadline, late_misses } => {
                 let asked = Instant::now();
                 let timeout = |why: String| {
                     Error::Timeout(format!(
@@ -593,39 +653,29 @@ impl Probe {
                 }
                 .map_err(|e| p.cause_of(e))
             }
-            _ => Err(Error::Usage("a sweep request polled on the wrong side".into())),
         }
     }
 
     /// WRITE: checks once whether decode has stage `tag`'s notification from prefill.
     fn poll_notification(&self, inbox: &mut transport::Inbox, tag: &str, d: crate::deadline::Deadline) -> Result<bool> {
-        if let Prefill::Peer(p) = &self.prefill {
-            p.pump(Duration::ZERO)?;
-        }
-        transport::poll_notification_from(&self.decode, &self.prefill.name(), inbox, tag, d).map_err(|e| match &self.prefill {
-            Prefill::Peer(p) => match p.cause_of(e) {
-                // Name where prefill is, not only its agent.
-                Error::Timeout(m) => Error::Timeout(format!("{m}; prefill is {}", p.who())),
-                e => e,
-            },
-            Prefill::Local(_) => e,
+        let p = self.peer()?;
+        p.pump(Duration::ZERO)?;
+        transport::poll_notification_from(&self.decode, &p.info.agent, inbox, tag, d).map_err(|e| match p.cause_of(e) {
+            // Name where prefill is, not only its agent.
+            Error::Timeout(m) => Error::Timeout(format!("{m}; prefill is {}", p.who())),
+            e => e,
         })
     }
 
     /// READ: waits until prefill has every notification in `tags`.
-    fn await_notifications(&self, op: Op, tags: &mut HashMap<String, crate::deadline::Deadline>) -> Result<()> {
-        match &self.prefill {
-            Prefill::Local(e) => transport::await_notifications(op, e, &self.decode, tags),
-            Prefill::Peer(p) => p.await_notifications(tags).map_err(|e| p.cause_of(e)),
-        }
+    fn await_notifications(&self, tags: &mut HashMap<String, crate::deadline::Deadline>) -> Result<()> {
+        let p = self.peer()?;
+        p.await_notifications(tags).map_err(|e| p.cause_of(e))
     }
 
     /// The test-only early-notification fault: prefill sends `tag` alone.
     fn notify_decode(&self, tag: &str) -> Result<()> {
-        match &self.prefill {
-            Prefill::Local(e) => e.notify_peer(tag),
-            Prefill::Peer(p) => p.notify(tag),
-        }
+        self.peer()?.notify(tag)
     }
 }
 
@@ -1036,9 +1086,15 @@ pub fn run(cfg: &RunConfig, hooks: &mut Hooks<'_>) -> (Report, Exit) {
                     theirs.warning = ours.warning;
                 }
             }
+            if in_process(cfg) {
+                // Prefill's thread has no environment of its own to judge its path by.
+                judge_path(cfg, &mut theirs, report.environment.as_ref());
+            }
             report.summary.transport_path = Some(theirs);
         }
-        report.peer = Some(side);
+        if !in_process(cfg) {
+            report.peer = Some(side);
+        }
     }
     drop(probe);
     (report, exit)
@@ -1046,20 +1102,30 @@ pub fn run(cfg: &RunConfig, hooks: &mut Hooks<'_>) -> (Report, Exit) {
 
 /// `--decode-process`: times the copy ceiling of `decode`'s pool from a scratch pool of the
 /// same geometry that this process allocates on prefill's memory and GPU (the child holds
-/// prefill's own pool), filled with `plan`'s generation like prefill's; the scratch pool is
-/// freed on return. VRAM across two GPUs: with peer access enabled, as the local sweep's copy.
-/// Returns the seconds of the second of two copies (the first warms up). Errors: the scratch
-/// pool cannot be allocated (e.g. prefill's GPU has no room for a second pool), a CUDA error.
+/// prefill's own pool) ([`time_copy`]); the scratch pool is freed on return. Errors: the
+/// scratch pool cannot be allocated (e.g. prefill's GPU has no room for a second pool), a CUDA
+/// error.
 fn copy_ceiling_from_scratch(cfg: &RunConfig, decode: &mut Endpoint, plan: &Plan) -> Result<f64> {
     crate::trace!("copy ceiling from a scratch pool on prefill's side");
     let mut src = build_prefill_pool(cfg, cfg.memory, cfg.prefill_device)?;
+    time_copy(cfg, &mut src, &mut decode.pool, plan)
+}
+
+/// The copy ceiling the transfer rate is compared to: fills `src` (prefill's memory) with
+/// `plan`'s generation (fingerprinted bytes, no faults) and copies it whole into `dst`
+/// (decode's, poisoned afterwards anyway) twice; returns the seconds of the second copy (the
+/// first warms up: page faults on DRAM). Across two GPUs the copy runs with peer access
+/// enabled, as cuMemcpyPeer over NVLink would (without it the driver stages through the host
+/// at a tenth of the rate). Errors: a CUDA error.
+fn time_copy(cfg: &RunConfig, src: &mut KvPool, dst: &mut KvPool, plan: &Plan) -> Result<f64> {
     src.load_table(&plan.src_table)?;
     src.fill_layers(0..cfg.geometry.num_layers)?;
     src.finish()?;
-    let gpus = (decode.pool.gpu(), src.gpu());
+    src.take_kernel_seconds();
+    let gpus = (dst.gpu(), src.gpu());
     let mut copy = || {
-        decode.pool.copy_pool_from(&src)?;
-        decode.pool.copy_pool_from(&src)
+        dst.copy_pool_from(src)?;
+        dst.copy_pool_from(src)
     };
     match gpus {
         (Some(d), Some(p)) if d.ordinal() != p.ordinal() => d.with_peer_access(&p, copy),
@@ -1110,12 +1176,16 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>, slot: 
     crate::deadline::set_limit(Some(Duration::from_secs_f64(cfg.timeout_secs)));
     publish(report);
     let ucx_mark = crate::ucx::mark();
-    let probe = slot.insert(if cfg.peer.is_some() || cfg.decode_process {
+    // The sweep's prefill is a peer wherever it is (another host, a child, a thread of this
+    // process); the scenario engine still drives an in-process endpoint directly.
+    let probe = slot.insert(if cfg.scenario.is_none() || cfg.peer.is_some() || cfg.decode_process {
         Probe::setup_peer(cfg, report.environment.clone())?
     } else {
         Probe::setup(cfg)?
     });
-    if let Prefill::Peer(p) = &probe.prefill {
+    if let Prefill::Peer(p) = &probe.prefill
+        && !in_process(cfg)
+    {
         report.peer = Some(p.section.clone());
     }
     crate::ucx::adopt();
@@ -1139,6 +1209,32 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>, slot: 
         );
     }
     sweep(cfg, probe, report, hooks.line, hooks.dump.as_deref_mut(), started, ucx_mark)
+}
+
+/// Adds what this host's facts say of a sweep's UCX path `p` (this side's, or in process the
+/// prefill thread's): the warning for emulated VRAM transfers between two GPUs of one process,
+/// and the flags of a TCP path where an RDMA NIC exists, no GPUDirect RDMA, a NIC that is not
+/// the GPU's nearest ([`crate::ucx::flag_path`]; a peer on another host or process flags its
+/// own path).
+fn judge_path(cfg: &RunConfig, p: &mut crate::ucx::TransportPath, env: Option<&crate::envinfo::Environment>) {
+    if p.emulated && cfg.memory == MemoryKind::Vram && cfg.prefill_device != cfg.decode_device && in_process(cfg) {
+        p.warning = Some(
+            "UCX does not use cuda_ipc between two GPUs of one process (cuda_ipc reaches other processes \
+             only): add --decode-process to run the two agents in two processes"
+                .into(),
+        );
+    }
+    if let Some(env) = env {
+        let initiator = if cfg.op == Op::Write && cfg.peer.is_none() { cfg.prefill_device } else { cfg.decode_device };
+        let gpu = (cfg.memory == MemoryKind::Vram).then_some(initiator);
+        crate::ucx::flag_path(p, &env.rdma, gpu);
+    }
+}
+
+/// True when the sweep's prefill is a thread of this process (neither `--peer` nor
+/// `--decode-process`): the report then has no `peer` section (one process, one environment).
+pub(crate) fn in_process(cfg: &RunConfig) -> bool {
+    cfg.peer.is_none() && !cfg.decode_process
 }
 
 /// A sweep stage's request.
@@ -1223,55 +1319,36 @@ fn sweep(
     let early_notify = early_notify_fault(cfg.op)?;
 
     // Setup: iteration 1's fill and faults, the copy ceiling, iteration 1's poison.
+    let scratch_ceiling = cfg.decode_process && pool_bytes >= MIN_CEILING_BYTES;
     crate::phase::announce(&format!(
         "setup: filling the prefill pool{}, poisoning the decode pool",
-        if pool_bytes >= MIN_CEILING_BYTES && cfg.peer.is_none() { ", timing a copy of it (the ceiling)" } else { "" }
+        if scratch_ceiling { ", timing a copy of it (the ceiling)" } else { "" }
     ));
     let mut cur = probe.plan(1)?;
-    probe.fill_source(&cur, &stages, None)?;
+    probe.fill_source(&cur, None)?;
     probe.finish_source()?;
-    // The ceiling the transfer rate is compared to: one copy of the (fingerprinted) pool,
-    // prefill to decode, on the same memory (decode is poisoned next anyway). The second of
-    // two copies: the first warms up (page faults on DRAM).
-    // Across two GPUs the copy runs with peer access enabled (as cuMemcpyPeer over NVLink
-    // would; without it the driver stages through the host at a tenth of the rate).
-    crate::trace!("copy ceiling");
-    // A pool below MIN_CEILING_BYTES copies in the time of the copy's fixed costs (threads,
-    // launches): no ceiling is measured, and the summary says so instead of a ratio. Across
-    // a node pair the pools are on two hosts: no copy between them to time. With
-    // --decode-process both are on this host, prefill's in the child: the copy comes from a
-    // scratch pool of the same geometry on prefill's memory and GPU.
-    let copy_gbps = match &probe.prefill {
-        Prefill::Peer(_) if cfg.decode_process && pool_bytes >= MIN_CEILING_BYTES => {
-            match copy_ceiling_from_scratch(cfg, &mut probe.decode, &cur) {
-                Ok(secs) => Some(pool_bytes as f64 / secs.max(1e-12) / 1e9),
-                // Not the run's failure: the run goes on without a ceiling, and says why.
-                Err(e) => {
-                    eprintln!("kvprobe: no copy ceiling (a scratch pool on prefill's side for the copy: {e})");
-                    None
-                }
+    // The ceiling the transfer rate is compared to ([`time_copy`]). A pool below
+    // MIN_CEILING_BYTES copies in the time of the copy's fixed costs (threads, launches): no
+    // ceiling is measured, and the summary says so instead of a ratio. In process it was timed
+    // at set-up, on prefill's own pool. Across a node pair the pools are on two hosts: no copy
+    // between them to time. With --decode-process both are on this host, prefill's in the
+    // child: the copy comes from a scratch pool of the same geometry on prefill's memory and GPU.
+    let copy_gbps = if scratch_ceiling {
+        crate::trace!("copy ceiling");
+        match copy_ceiling_from_scratch(cfg, &mut probe.decode, &cur) {
+            Ok(secs) => Some(pool_bytes as f64 / secs.max(1e-12) / 1e9),
+            // Not the run's failure: the run goes on without a ceiling, and says why.
+            Err(e) => {
+                eprintln!("kvprobe: no copy ceiling (a scratch pool on prefill's side for the copy: {e})");
+                None
             }
         }
-        Prefill::Local(pe) if pool_bytes >= MIN_CEILING_BYTES => {
-            let gpus = (probe.decode.pool.gpu(), pe.pool.gpu());
-            let dec = &mut probe.decode;
-            let mut copy = || {
-                dec.pool.copy_pool_from(&pe.pool)?;
-                dec.pool.copy_pool_from(&pe.pool)
-            };
-            let secs = match gpus {
-                (Some(d), Some(p)) if d.ordinal() != p.ordinal() => d.with_peer_access(&p, copy)?,
-                _ => copy()?,
-            };
-            Some(pool_bytes as f64 / secs.max(1e-12) / 1e9)
-        }
-        _ => None,
+    } else {
+        probe.copy_gbps
     };
     probe.decode.pool.poison_layers(all.clone(), 1, false)?;
     probe.decode.pool.finish()?;
-    if let Prefill::Local(pe) = &mut probe.prefill {
-        pe.pool.take_kernel_seconds();
-    }
+    probe.peer()?.take_fill_kernel_seconds();
     probe.decode.pool.take_kernel_seconds();
     report.summary.setup_seconds = started.elapsed().as_secs_f64();
     report.summary.pipeline_stages = stages.len() as u32;
@@ -1281,6 +1358,7 @@ fn sweep(
         if crate::interrupt::requested() {
             return Err(Error::Interrupted(format!("after {} complete iterations", it - 1)));
         }
+        crate::deadline::set_position(it, 0);
         let iteration_start = Instant::now();
         let mut times = IterationTimes { index: it, ..Default::default() };
         let classes_before = report.summary.by_class.clone();
@@ -1337,12 +1415,13 @@ fn sweep(
             // WRITE, decode's notification of it, as decode knows nothing else of a push (the
             // initiator's completion is waited for after the verify, before prefill refills
             // the source) — so a notification that comes before the data is caught.
+            crate::deadline::set_position(it, k as u32);
             let mut staged = inflight.pop_front().expect("one request per stage");
             let mut written = None;
             match (&mut staged, cfg.op) {
                 (Staged::Empty, _) => {}
                 (Staged::Posted(p), Op::Read) => {
-                    let r = wait(it, k, "transfer", || probe.poll(cfg.op, p))?;
+                    let r = wait(it, k, "transfer", || probe.poll(p))?;
                     bytes += r.bytes;
                 }
                 (Staged::Posted(p), Op::Write) => {
@@ -1352,7 +1431,7 @@ fn sweep(
                     let d = p.deadline();
                     wait(it, k, "notification", || {
                         if written.is_none() {
-                            written = probe.poll(cfg.op, p)?;
+                            written = probe.poll(p)?;
                         }
                         Ok(probe.poll_notification(&mut inbox, &tag(k), d)?.then_some(()))
                     })?;
@@ -1417,14 +1496,14 @@ fn sweep(
                 Staged::Posted(mut p) if cfg.op == Op::Write => {
                     let r = match written {
                         Some(r) => r,
-                        None => wait(it, k, "transfer", || probe.poll(cfg.op, &mut p))?,
+                        None => wait(it, k, "transfer", || probe.poll(&mut p))?,
                     };
                     bytes += r.bytes;
                 }
                 Staged::Deferred { pairs, .. } => {
                     let late = format!("{}:late", tag(k));
                     let mut p = probe.post(cfg.op, it, k, &pairs, &late, timeout)?;
-                    let r = wait(it, k, "transfer", || probe.poll(cfg.op, &mut p))?;
+                    let r = wait(it, k, "transfer", || probe.poll(&mut p))?;
                     bytes += r.bytes;
                 }
                 _ => {}
@@ -1432,7 +1511,7 @@ fn sweep(
             let t = Instant::now();
             let mut fill_s = 0.0; // the last iteration refills nothing
             if let Some(n) = &next {
-                probe.fill_source(n, &stages, Some(k))?;
+                probe.fill_source(n, Some(k))?;
                 fill_s = t.elapsed().as_secs_f64();
             }
             let t = Instant::now();
@@ -1453,14 +1532,11 @@ fn sweep(
                 times.overlapped += verify_s + fill_s + poison_s;
             }
         }
-        probe.await_notifications(cfg.op, &mut tags)?;
+        probe.await_notifications(&mut tags)?;
         times.transfer = (window_end - window_start).as_secs_f64();
-        let kp = match &mut probe.prefill {
-            Prefill::Local(pe) => pe.pool.take_kernel_seconds(),
-            Prefill::Peer(_) => Default::default(),
-        };
+        let fill_kernels = probe.peer()?.take_fill_kernel_seconds();
         let kd = probe.decode.pool.take_kernel_seconds();
-        times.kernels = crate::report::KernelSeconds { fill: kp.fill, poison: kd.poison, verify: kd.verify };
+        times.kernels = crate::report::KernelSeconds { fill: fill_kernels, poison: kd.poison, verify: kd.verify };
         report.summary.bytes_transferred += bytes;
         report.summary.blocks_checked += total;
         let compared = probe.decode.pool.take_compared();
@@ -1479,35 +1555,23 @@ fn sweep(
         }
         report.summary.blocks_corrupt += corrupt;
         if it == 1 {
-            let mut p = match (&probe.prefill, cfg.op) {
-                (Prefill::Local(pe), Op::Write) => pe.transport_path(ucx_mark, cfg.op, cfg.memory == MemoryKind::Vram),
+            let mut p = match cfg.op {
                 // Replaced by prefill's own table when its report part arrives ([`run`]).
-                (Prefill::Peer(_), Op::Write) => crate::ucx::TransportPath {
+                Op::Write => crate::ucx::TransportPath {
                     backend: cfg.backend.clone(),
-                    unknown_because: Some(if cfg.decode_process {
+                    unknown_because: Some(if in_process(cfg) {
+                        "prefill initiates WRITEs on its thread, which sent no report part at the end".into()
+                    } else if cfg.decode_process {
                         "prefill initiates WRITEs in the prefill process, which sent no report part at the end".into()
                     } else {
                         "prefill initiates WRITEs on the other host: its path is under peer.transport_path".into()
                     }),
                     ..Default::default()
                 },
-                _ => probe.decode.transport_path(ucx_mark, cfg.op, cfg.memory == MemoryKind::Vram),
+                Op::Read => probe.decode.transport_path(ucx_mark, cfg.op, cfg.memory == MemoryKind::Vram),
             };
             p.copy_gbps = copy_gbps;
-            if p.emulated && cfg.memory == MemoryKind::Vram && cfg.prefill_device != cfg.decode_device && !cfg.decode_process {
-                p.warning = Some(
-                    "UCX does not use cuda_ipc between two GPUs of one process (cuda_ipc reaches other processes \
-                     only): add --decode-process to run the two agents in two processes"
-                        .into(),
-                );
-            }
-            // Flag a TCP path where an RDMA NIC exists, no GPUDirect RDMA, a NIC that is not
-            // the GPU's nearest (this host's facts; a peer flags its own path).
-            if let Some(env) = report.environment.as_ref() {
-                let dev = if cfg.op == Op::Write && cfg.peer.is_none() { cfg.prefill_device } else { cfg.decode_device };
-                let gpu = (cfg.memory == MemoryKind::Vram).then_some(dev);
-                crate::ucx::flag_path(&mut p, &env.rdma, gpu);
-            }
+            judge_path(cfg, &mut p, report.environment.as_ref());
             report.summary.transport_path = Some(p);
         }
         for a in &cur.actions {

@@ -7,7 +7,10 @@
 //!
 //! The same session serves `kvprobe run --decode-process`: kvprobe starts a child
 //! `kvprobe serve --fd N` (hidden) on one end of a Unix socket pair ([`serve_child`]) and
-//! drives it exactly as `run --peer` drives a serve on another host.
+//! drives it exactly as `run --peer` drives a serve on another host; and the plain sweep,
+//! whose prefill side is this session on a thread of the same process, on a Unix socket pair
+//! too ([`serve_in_process`]). One protocol and one code path for a remote, a child and an
+//! in-process peer.
 //!
 //! Both sides plan each iteration from the configuration alone ([`crate::run::plan`]: block
 //! map, injections), so the protocol never carries block lists.
@@ -53,9 +56,39 @@ pub struct ServeConfig {
     /// How long a client may stay silent before its configuration arrives (then the run's
     /// `--timeout` takes over).
     pub idle_timeout: Duration,
+    /// Where the decode side of its sessions is.
+    pub mode: SessionMode,
+}
+
+/// Where a serve session's decode side is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SessionMode {
+    /// `kvprobe serve --listen`: on another host (or process), `kvprobe run --peer`.
+    Listen,
     /// The prefill process of `run --decode-process` (`serve --fd N`, [`serve_child`]): one
     /// session on an inherited socket, a configuration with `decode_process` accepted.
-    pub child: bool,
+    Child,
+    /// The plain sweep's prefill side on a thread of the decode process ([`serve_in_process`]):
+    /// one session, its pool handed over by decode ([`Handoff`]).
+    InProcess,
+}
+
+/// What an in-process session ([`serve_in_process`]) shares with the decode side of its
+/// process, besides the protocol.
+#[derive(Default)]
+pub struct Handoff {
+    /// Prefill's pool, allocated by the decode side (which timed the copy ceiling on it); the
+    /// session takes it instead of allocating one (it must be on the session's `--memory` and
+    /// GPU).
+    pub pool: std::sync::Mutex<Option<crate::pool::KvPool>>,
+    /// Prefill's registrations, set before the session says its agent is connected: decode's
+    /// requests take shares of them, as requests between two agents of one process always do
+    /// ([`crate::transport::PeerInfo::lease`]), so that prefill's pool outlives every request
+    /// that may still move it, whenever the session ends.
+    pub prefill_lease: std::sync::Mutex<Option<crate::nixl::WeakLease>>,
+    /// Decode's registrations, set before decode sends its agent: prefill's requests (WRITE)
+    /// take shares of them.
+    pub decode_lease: std::sync::Mutex<Option<crate::nixl::WeakLease>>,
 }
 
 /// One session's end: the report serve writes and its exit code.
@@ -111,7 +144,7 @@ pub fn serve(
         let end = match peer::server(Stream::Tcp(s), &cfg.token, cfg.idle_timeout) {
             Ok(Accepted::Link(link, run_id)) => {
                 say(&format!("kvprobe serve: run {run_id} from {from}"));
-                session(cfg, link, &run_id, &from, say)
+                session(cfg, link, &run_id, &from, say, None)
             }
             Ok(Accepted::Refused(why)) => {
                 // Not a run (no token proven): serve keeps listening, so a client with a wrong
@@ -147,7 +180,7 @@ pub fn serve(
 /// [`TOKEN_VAR`].
 pub fn serve_child(cfg: &ServeConfig, stream: std::os::unix::net::UnixStream) -> Exit {
     match peer::server(Stream::Unix(stream), &cfg.token, cfg.idle_timeout) {
-        Ok(Accepted::Link(link, run_id)) => session(cfg, link, &run_id, "the parent kvprobe", &mut |_| {}).exit,
+        Ok(Accepted::Link(link, run_id)) => session(cfg, link, &run_id, "the parent kvprobe", &mut |_| {}, None).exit,
         Ok(Accepted::Refused(why)) => {
             eprintln!("kvprobe serve: refused the parent kvprobe: {why}");
             Exit::Usage
@@ -156,6 +189,19 @@ pub fn serve_child(cfg: &ServeConfig, stream: std::os::unix::net::UnixStream) ->
             eprintln!("kvprobe serve: {e}");
             e.exit()
         }
+    }
+}
+
+/// The plain sweep's prefill side: serves one session on `stream` (one end of a Unix socket
+/// pair whose other end the decode side of this process holds), on the calling thread, with
+/// the pool and lease slots of `handoff`. Says nothing and writes no report (the run's report
+/// is the decode side's); returns the session's exit code. `cfg.mode` must be
+/// [`SessionMode::InProcess`].
+pub fn serve_in_process(cfg: &ServeConfig, stream: std::os::unix::net::UnixStream, handoff: &Handoff) -> Exit {
+    match peer::server(Stream::Unix(stream), &cfg.token, cfg.idle_timeout) {
+        Ok(Accepted::Link(link, run_id)) => session(cfg, link, &run_id, "this process's decode side", &mut |_| {}, Some(handoff)).exit,
+        Ok(Accepted::Refused(_)) => Exit::Usage,
+        Err(e) => e.exit(),
     }
 }
 
@@ -230,13 +276,13 @@ fn check_config(
     if rc.scenario.is_some() {
         return Err((Some("scenario".into()), "scenarios across a node pair are not supported yet: run the sweep".into()));
     }
-    if rc.decode_process != cfg.child {
+    if rc.decode_process != (cfg.mode == SessionMode::Child) {
         return Err((
             Some("decode_process".into()),
-            if cfg.child {
-                "the prefill process of --decode-process serves only its parent's --decode-process run".into()
-            } else {
-                "--decode-process does not apply to --peer".into()
+            match cfg.mode {
+                SessionMode::Child => "the prefill process of --decode-process serves only its parent's --decode-process run".into(),
+                SessionMode::Listen => "--decode-process does not apply to --peer".into(),
+                SessionMode::InProcess => "an in-process prefill does not serve --decode-process runs".into(),
             },
         ));
     }
@@ -260,14 +306,21 @@ fn check_config(
     Ok(rc)
 }
 
-/// Runs one authenticated session to its end.
-fn session(cfg: &ServeConfig, link: Link, run_id: &str, from: &str, say: &mut dyn FnMut(&str)) -> SessionEnd {
+/// Runs one authenticated session to its end (`handoff`: the in-process session's shared slots).
+fn session(
+    cfg: &ServeConfig,
+    link: Link,
+    run_id: &str,
+    from: &str,
+    say: &mut dyn FnMut(&str),
+    handoff: Option<&Handoff>,
+) -> SessionEnd {
     let mut acc = Acc {
         report: refused_report(&Error::Usage(String::new())),
         side: PeerSide { role: "decode".into(), address: from.into(), run_id: run_id.into(), ..Default::default() },
     };
     acc.report.outcome = crate::report::Outcome { exit_code: 0, status: "running".into(), error: None };
-    let result = session_inner(cfg, &link, run_id, &mut acc, say);
+    let result = session_inner(cfg, &link, run_id, &mut acc, say, handoff);
     let (exit, err) = match result {
         Ok((exit, err)) => (exit, err),
         Err(e) => {
@@ -329,6 +382,7 @@ fn session_inner(
     run_id: &str,
     acc: &mut Acc,
     say: &mut dyn FnMut(&str),
+    handoff: Option<&Handoff>,
 ) -> Result<(Exit, Option<Error>)> {
     let started = Instant::now();
     // serve --timeout (at least the handshake's bound) bounds the wait for the configuration,
@@ -371,8 +425,9 @@ fn session_inner(
         ),
     )));
     crate::deadline::set_limit(Some(timeout));
-    let env = crate::envinfo::gather(crate::envinfo::nixl_info());
-    acc.report.environment = Some(env.clone());
+    // In process: the decode side's environment is this one (and its report the only one).
+    let env = (cfg.mode != SessionMode::InProcess).then(|| crate::envinfo::gather(crate::envinfo::nixl_info()));
+    acc.report.environment = env.clone();
     let vram = cfg.memory == MemoryKind::Vram;
     let prefill = Side {
         geometry: rc.geometry.clone(),
@@ -380,7 +435,7 @@ fn session_inner(
         device: if vram { cfg.device } else { 0 },
         host: peer::host_name(),
     };
-    link.send(&Msg::Accept { prefill, environment: Some(env) })?;
+    link.send(&Msg::Accept { prefill, environment: env })?;
     let mark = crate::ucx::mark();
     say(&format!(
         "kvprobe serve: prefill pool {} {}, backend {}",
@@ -388,21 +443,34 @@ fn session_inner(
         if vram { format!("VRAM on GPU {}", cfg.device) } else { "DRAM".into() },
         rc.backend
     ));
-    let pool = run::build_prefill_pool(&rc, cfg.memory, cfg.device)?;
+    let handed = handoff.and_then(|h| h.pool.lock().unwrap_or_else(|p| p.into_inner()).take());
+    let pool = match handed {
+        Some(p) => p,
+        None => run::build_prefill_pool(&rc, cfg.memory, cfg.device)?,
+    };
     // The run's --xfer-req and --backend-param apply to both sides.
     let opts = crate::transport::TransportOptions { xfer_req: rc.xfer_req, backend_params: rc.backend_params.clone() };
     let refusal = |e| run::backend_refusal(&rc.backend, cfg.memory, e);
+    crate::trace!("prefill NIXL agent");
     let mut ep = Endpoint::with_options("kvprobe-prefill", &rc.backend, pool, &opts).map_err(refusal)?;
-    let decode_info = link.expect("decode's NIXL agent", |m| match m {
+    let mut decode_info = link.expect("decode's NIXL agent", |m| match m {
         Msg::Connect { decode } => Ok(decode),
         m => Err(m.name()),
     })?;
+    if let Some(l) = handoff.and_then(|h| h.decode_lease.lock().unwrap_or_else(|p| p.into_inner()).take()) {
+        decode_info.lease = l;
+    }
     let decode_agent = decode_info.agent.clone();
+    crate::trace!("prefill loads decode's metadata");
     ep.connect(decode_info)?; // bad metadata is decode's fault: transport, exit 3
     // Test-only (`KVPROBE_TEST_STALL_AGENT_START` in the prefill process of --decode-process):
     // a side that never says it is ready.
     crate::deadline::Stall::Start.here();
-    link.send(&Msg::Connected { prefill: ep.info().map_err(refusal)? })?;
+    let info = ep.info().map_err(refusal)?;
+    if let Some(h) = handoff {
+        *h.prefill_lease.lock().unwrap_or_else(|p| p.into_inner()) = Some(info.lease.clone());
+    }
+    link.send(&Msg::Connected { prefill: info })?;
     crate::ucx::adopt();
     if let Some(e) = acc.report.environment.as_mut() {
         e.nixl.ucx_version = crate::nixl::loaded_ucx_version();
@@ -455,9 +523,10 @@ fn session_inner(
                 // Filled means in memory: decode READs it next.
                 run::fill_stage(&rc, &mut ep.pool, &plans[&it], &stages, stage.map(|k| k as usize), true)?;
                 let seconds = t.elapsed().as_secs_f64();
+                let kernel_seconds = ep.pool.take_kernel_seconds().fill;
                 me.fill_seconds += seconds;
                 me.fills += 1;
-                link.send(&Msg::Filled { it, stage, seconds })?;
+                link.send(&Msg::Filled { it, stage, seconds, kernel_seconds })?;
             }
             Some(Msg::Write { it, stage, tag }) => {
                 check_it(it)?;
@@ -513,9 +582,20 @@ fn session_inner(
                 i += 1;
             }
         }
-        let tags: Vec<String> = ep.raw_notifications()?.into_iter().filter(|(p, _)| *p == decode_agent).map(|(_, m)| m).collect();
+        // Only READs notify prefill (WRITE notifications go to decode): a WRITE sweep makes
+        // no notification query, which would contend with its WRITEs' progress.
+        if rc.op != Op::Read {
+            continue;
+        }
+        // Decode cannot see when a notification reached this agent, only when it was
+        // forwarded: the query's duration goes with it, so that decode judges a request whose
+        // deadline passed while the query was in progress late, as it would its own query.
+        let asked = Instant::now();
+        let got = ep.raw_notifications()?;
+        let query_ns = asked.elapsed().as_nanos().min(u64::MAX as u128) as u64;
+        let tags: Vec<String> = got.into_iter().filter(|(p, _)| *p == decode_agent).map(|(_, m)| m).collect();
         if !tags.is_empty() {
-            link.send(&Msg::Notified { tags })?;
+            link.send(&Msg::Notified { tags, query_ns })?;
         }
     };
     // Decode's totals become serve's summary (one outcome for the pair), with serve's own path.

@@ -541,8 +541,10 @@ fn a_full_disk_stops_the_dump_and_never_the_run() {
 
 #[test]
 fn a_run_the_watchdog_ends_still_leaves_a_dump_that_agrees_with_its_report() {
-    // The notification query after iteration 1's verify never returns: the watchdog writes the
-    // report last published (before the slices found in iteration 1 were counted) and exits 4.
+    // Four pipeline stages: stage 0 is verified (its torn slices dumped) while later stages
+    // are in flight; then, armed from iteration 1 stage 1, the post of stage 3 never returns:
+    // the watchdog writes the report last published (set-up's, before the slices found in
+    // stage 0 were counted) and exits 4; the dump drops what that report does not list.
     let d = tmpdir("dump-watchdog");
     let (dump, r) = (d.join("D"), d.join("r.json"));
     let (code, out, err) = crate::common::kvprobe_env(
@@ -550,8 +552,11 @@ fn a_run_the_watchdog_ends_still_leaves_a_dump_that_agrees_with_its_report() {
             "run",
             "--memory",
             "dram",
+            "--pipeline-stages",
+            "4",
+            // 64 torn slices over 4 layers: stage 0 (layer 0) holds some (none: odds (3/4)^64).
             "--inject",
-            "torn:2",
+            "torn:64",
             "--iterations",
             "3",
             "--timeout",
@@ -561,10 +566,12 @@ fn a_run_the_watchdog_ends_still_leaves_a_dump_that_agrees_with_its_report() {
             "--report",
             r.to_str().unwrap(),
         ],
-        &[("KVPROBE_TEST_STALL_NOTIFICATIONS", "3600")],
+        &[("KVPROBE_TEST_STALL_POST", "3600"), ("KVPROBE_TEST_STALL_FROM_ITERATION", "1:1")],
     );
     assert_eq!(code, 4, "{out}{err}");
+    assert!(err.contains("did not return"), "the watchdog ended it: {err}");
     let rep = read_report(&r);
+    assert_eq!(rep["outcome"]["exit_code"], 4, "{}", rep["outcome"]);
     let why = rep["dump"]["dump_truncated"].as_str().expect("the dump is recorded");
     assert!(why.contains("ended by the watchdog"), "{why}");
     let index: Value = serde_json::from_str(&std::fs::read_to_string(dump.join("index.json")).expect("index.json")).unwrap();

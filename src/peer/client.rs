@@ -39,9 +39,14 @@ struct State {
     /// Prefill's WRITEs seen complete, by tag.
     written: HashMap<String, XferResult>,
     /// Notifications prefill's agent received, by tag.
-    notified: HashSet<String>,
+    /// Notification tags prefill forwarded and nobody claimed yet, each with the window (this
+    /// side's clock) in which prefill's query that returned it was in progress: from the
+    /// query's length before it arrived here, to its arrival.
+    notified: HashMap<String, (Instant, Instant)>,
     /// Seconds prefill spent filling (its clock).
     fill_seconds: f64,
+    /// Seconds prefill's fill kernels ran since [`PrefillPeer::take_fill_kernel_seconds`].
+    fill_kernel_seconds: f64,
     /// Prefill's report section, once it said goodbye.
     bye: Option<PeerSide>,
 }
@@ -56,9 +61,66 @@ pub struct PrefillPeer {
     /// What the report says of prefill until its goodbye replaces it.
     pub section: PeerSide,
     state: Mutex<State>,
-    /// `--decode-process`: the child process prefill lives in (after `link`: dropped once the
-    /// link is closed, which ends the child's session).
-    child: Option<PrefillChild>,
+    /// Where prefill lives when this process started it (after `link`: dropped once the link
+    /// is closed, which ends its session).
+    holder: Option<Holder>,
+}
+
+/// A prefill side this process started.
+pub enum Holder {
+    /// `--decode-process`: a child process.
+    Child(PrefillChild),
+    /// The plain sweep: a thread of this process.
+    Thread(PrefillThread),
+}
+
+/// The plain sweep's prefill side: a thread of this process serving one session over a Unix
+/// socket pair ([`start_thread`]). Dropped (after its link is closed), it is joined within
+/// [`EXIT_GRACE`] ([`EXIT_GRACE_INTERRUPTED`] after a signal); one that has not ended by then
+/// (stuck in a NIXL or CUDA call) is left to the process's exit, with a line on stderr. Its
+/// pool is never freed under a request of this process: each request holds a share of its
+/// registrations ([`crate::serve::Handoff::lease`]).
+pub struct PrefillThread {
+    handle: Option<std::thread::JoinHandle<crate::error::Exit>>,
+}
+
+impl Drop for PrefillThread {
+    fn drop(&mut self) {
+        let Some(h) = self.handle.take() else { return };
+        let t0 = Instant::now();
+        let grace = if crate::interrupt::requested() { EXIT_GRACE_INTERRUPTED } else { EXIT_GRACE };
+        while t0.elapsed() < grace {
+            if h.is_finished() {
+                let _ = h.join();
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        eprintln!("kvprobe: the prefill thread did not end within {} s of its session's end; left to the exit", grace.as_secs());
+    }
+}
+
+/// The plain sweep: starts prefill's side on a thread of this process — `session` (the
+/// caller's: [`crate::serve::serve_in_process`]) on one end of a Unix socket pair, with a fresh
+/// random token — and authenticates with it as [`start_child`] does with a child. Returns the
+/// link and the thread. Errors: environment (no socket pair, no thread), transport (the
+/// session ended before its welcome), timeout (no welcome within [`super::HANDSHAKE_BOUND`]).
+pub fn start_thread(
+    silence: Duration,
+    run_id: &str,
+    session: impl FnOnce(std::os::unix::net::UnixStream, String) -> crate::error::Exit + Send + 'static,
+) -> Result<(Link, PrefillThread)> {
+    let token = super::random_hex(16)?;
+    let (mine, theirs) = std::os::unix::net::UnixStream::pair()
+        .map_err(|e| Error::Environment(format!("cannot make a socket pair for the prefill thread: {e}")))?;
+    let t = token.clone();
+    let handle = std::thread::Builder::new()
+        .name("kvprobe-prefill".into())
+        .spawn(move || session(theirs, t))
+        .map_err(|e| Error::Environment(format!("cannot start the prefill thread: {e}")))?;
+    let thread = PrefillThread { handle: Some(handle) };
+    let link = super::client(super::Stream::Unix(mine), &token, run_id, silence, "the prefill thread".into())?;
+    Ok((link, thread))
 }
 
 /// How long kvprobe waits for the prefill process of `--decode-process` to exit once their
@@ -135,7 +197,7 @@ impl Drop for PrefillChild {
 /// environment ([`crate::serve::TOKEN_VAR`], never its command line). The child's stderr is
 /// kvprobe's; its stdout is discarded. Returns the link, bounded until the child is ready by
 /// [`START_BOUND`] (120 s, [`super::Link::set_deadline`]; lifted by
-/// [`PrefillPeer::adopt_child`]), and the child. Errors: environment (the child cannot be
+/// [`PrefillPeer::adopt`]), and the child. Errors: environment (the child cannot be
 /// started), transport (it died or closed the socket), timeout (exit 4: not ready in time).
 pub fn start_child(cfg: &crate::run::RunConfig, silence: Duration, run_id: &str) -> Result<(Link, PrefillChild)> {
     let token = super::random_hex(16)?;
@@ -242,14 +304,20 @@ impl PrefillPeer {
             m => Err(m.name()),
         })?;
         link.running();
-        Ok(PrefillPeer { link, info, side, section, state: Mutex::new(State::default()), child: None })
+        Ok(PrefillPeer { link, info, side, section, state: Mutex::new(State::default()), holder: None })
     }
 
-    /// `--decode-process`: takes charge of the child prefill lives in, now that it is ready
-    /// (its start bound is lifted: `--timeout` and the heartbeats bound the run from here).
-    pub fn adopt_child(&mut self, child: PrefillChild) {
+    /// `--decode-process` and the plain sweep: takes charge of the child or thread prefill
+    /// lives in, now that it is ready (a child's start bound is lifted: `--timeout` and the
+    /// heartbeats bound the run from here).
+    pub fn adopt(&mut self, holder: Holder) {
         self.link.set_deadline(None);
-        self.child = Some(child);
+        self.holder = Some(holder);
+    }
+
+    /// Seconds prefill's fill kernels ran since the last call (0 on DRAM).
+    pub fn take_fill_kernel_seconds(&self) -> f64 {
+        std::mem::take(&mut self.state.lock().unwrap_or_else(|p| p.into_inner()).fill_kernel_seconds)
     }
 
     /// `--peer`: set-up is over; the set-up bound is lifted (`--timeout`, the heartbeats and
@@ -272,8 +340,9 @@ impl PrefillPeer {
             wait = Duration::ZERO;
             let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
             match m {
-                Msg::Filled { it, stage, seconds } => {
-                    if s.fill_sent.remove(&(it, stage)).is_none() || !(seconds.is_finite() && seconds >= 0.0) {
+                Msg::Filled { it, stage, seconds, kernel_seconds } => {
+                    let ok = |x: f64| x.is_finite() && x >= 0.0;
+                    if s.fill_sent.remove(&(it, stage)).is_none() || !ok(seconds) || !ok(kernel_seconds) {
                         return Err(self.protocol_error(format!(
                             "a fill of iteration {it} stage {stage:?} it was not asked for, or {seconds} s"
                         )));
@@ -281,11 +350,12 @@ impl PrefillPeer {
                     s.filled.insert((it, stage));
                     s.pending_fills = s.pending_fills.saturating_sub(1);
                     s.fill_seconds += seconds;
+                    s.fill_kernel_seconds += kernel_seconds;
                 }
                 Msg::Written { tag, bytes, nanos } => {
                     s.written.insert(tag, XferResult { bytes, elapsed: Duration::from_nanos(nanos) });
                 }
-                Msg::Notified { tags } => {
+                Msg::Notified { tags, query_ns } => {
                     // Prefill forwards one notification per request decode posted: a frame or a
                     // backlog beyond what any run posts at once is not a kvprobe serve's.
                     if tags.len() + s.notified.len() > MAX_NOTIFIED || tags.iter().any(|t| t.len() > MAX_TAG) {
@@ -294,7 +364,9 @@ impl PrefillPeer {
                             tags.len() + s.notified.len()
                         )));
                     }
-                    s.notified.extend(tags)
+                    let now = Instant::now();
+                    let began = now.checked_sub(Duration::from_nanos(query_ns)).unwrap_or(now);
+                    s.notified.extend(tags.into_iter().map(|t| (t, (began, now))))
                 }
                 Msg::Bye { side } => s.bye = Some(*side),
                 m => {
@@ -406,7 +478,9 @@ impl PrefillPeer {
 
     /// Waits until prefill has received the notification of every tag in `tags` (removed as
     /// they arrive). A tag still missing at two checks that began after its deadline has timed
-    /// out. Errors: timeout (exit 4), the link's errors.
+    /// out; so has one whose deadline passed while prefill's query that returned it was in
+    /// progress (the rule for decode's own queries, `transport::poll_notification_from`).
+    /// Errors: timeout (exit 4), the link's errors.
     pub fn await_notifications(&self, tags: &mut HashMap<String, Deadline>) -> Result<()> {
         let mut late_misses = 0u32;
         while !tags.is_empty() {
@@ -414,7 +488,26 @@ impl PrefillPeer {
             self.pump(Duration::from_micros(200))?;
             {
                 let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
-                tags.retain(|t, _| !s.notified.remove(t));
+                let mut late = None;
+                tags.retain(|t, d| match s.notified.remove(t) {
+                    Some((began, arrived)) => {
+                        if late.is_none() && !d.passed_at(began) && d.passed_at(arrived) {
+                            late = Some((t.clone(), *d, arrived.saturating_duration_since(began)));
+                        }
+                        false
+                    }
+                    None => true,
+                });
+                if let Some((tag, d, took)) = late {
+                    return Err(Error::Timeout(format!(
+                        "prefill's ({}) NIXL notification query that returned {tag} took {:.3} s and was in progress when \
+                         its request's --timeout {:.6} s passed ({:.3} s since the request was posted)",
+                        self.link.who(),
+                        took.as_secs_f64(),
+                        d.limit_secs(),
+                        d.elapsed_secs()
+                    )));
+                }
             }
             if tags.is_empty() {
                 break;
@@ -446,7 +539,7 @@ impl PrefillPeer {
     pub fn finish(&self, exit: u8, error: Option<String>, summary: Option<serde_json::Value>, wait: Duration) -> PeerSide {
         // A child is not told to end while a request of this process may still move its
         // memory: it is killed instead ([`PrefillChild`]).
-        let sent = if self.child.is_some() && crate::nixl::unconfirmed() > 0 {
+        let sent = if matches!(self.holder, Some(Holder::Child(_))) && crate::nixl::unconfirmed() > 0 {
             Err(Error::Transport("requests in flight".into()))
         } else {
             self.link.send(&Msg::Done { exit, error, summary })

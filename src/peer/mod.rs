@@ -205,6 +205,10 @@ pub enum Msg {
         stage: Option<u32>,
         /// Seconds the fill took on prefill (host clock).
         seconds: f64,
+        /// Seconds its fill kernels ran on the GPU (CUDA events; 0 on DRAM). Absent from an
+        /// older kvprobe of the same protocol: 0.
+        #[serde(default)]
+        kernel_seconds: f64,
     },
     /// run → serve (WRITE sweeps): post stage `stage` of iteration `it` with notification `tag`.
     Write {
@@ -233,6 +237,12 @@ pub enum Msg {
     Notified {
         /// Their messages.
         tags: Vec<String>,
+        /// Nanoseconds the NIXL notification query that returned them took (prefill's clock):
+        /// decode counts a request as late whose deadline passed while that query was in
+        /// progress, as it does for its own queries. Absent from an older kvprobe of the same
+        /// protocol: 0.
+        #[serde(default)]
+        query_ns: u64,
     },
     /// run → serve: decode verified iteration `it` (every stage): its results.
     Verified {
@@ -552,6 +562,10 @@ pub struct Link {
     deadline: Mutex<Option<(Instant, String)>>,
 }
 
+/// How long a failed [`Link::send`] reads what the peer sent before it closed, for the reason
+/// it gave.
+pub const SEND_CAUSE_WAIT: Duration = Duration::from_millis(300);
+
 /// Heartbeat interval for a silence bound of `silence`: a quarter of it, between 10 ms and
 /// 1 s, so several beats fit in the bound.
 pub fn heartbeat_interval(silence: Duration) -> Duration {
@@ -675,10 +689,29 @@ impl Link {
     }
 
     /// Sends `msg`. Errors: transport when the connection is gone (or the peer stopped
-    /// reading for longer than the silence bound).
+    /// reading for longer than the silence bound) — unless the peer said why before it closed
+    /// ([`Msg::Failed`], [`Msg::Interrupt`], [`Msg::Refused`], read within [`SEND_CAUSE_WAIT`]):
+    /// then that error, so that a peer that failed on a timeout ends this side with exit 4
+    /// too, whichever side wrote next.
     pub fn send(&self, msg: &Msg) -> Result<()> {
-        let mut s = self.out.lock().unwrap_or_else(|p| p.into_inner());
-        write_frame(&mut s, msg).map_err(|e| Error::Transport(format!("{}: {}", self.who, e.detail())))
+        let sent = {
+            let mut s = self.out.lock().unwrap_or_else(|p| p.into_inner());
+            write_frame(&mut s, msg)
+        };
+        let Err(e) = sent else { return Ok(()) };
+        let broke = Error::Transport(format!("{}: {}", self.who, e.detail()));
+        if let Some(pe) = self.failed.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+            return Err(pe);
+        }
+        let until = Instant::now() + SEND_CAUSE_WAIT;
+        let rx = self.rx.lock().unwrap_or_else(|p| p.into_inner());
+        // Frames arrive in order: the peer's last word comes before its connection's end.
+        while let Ok(Incoming::Msg(m)) = rx.recv_timeout(until.saturating_duration_since(Instant::now())) {
+            if let Some(pe) = self.error_of(&m) {
+                return Err(self.fail(pe));
+            }
+        }
+        Err(self.fail(broke))
     }
 
     fn fail(&self, e: Error) -> Error {
