@@ -479,10 +479,11 @@ fn requests_left_in_flight_by_a_timeout_are_drained_before_their_pools_are_freed
         let agent = name == "drain-agent";
         let (code, r, err) = run_leaving_nothing(name, &args, &[("KVPROBE_TEST_STALL_STATUS", "5")], agent);
         assert_timeout(code, &r, &format!("{name}: {err}"));
-        // WRITE: prefill's thread polls its WRITEs; decode, which only hears of their
-        // completion, times out on the one it never heard of first, or on its own query for
-        // the WRITE's notification when that query straddles the deadline.
-        let also: &[&str] = if name == "drain-write" { &["still not complete", "notification query"] } else { &[] };
+        // WRITE: prefill's thread polls its WRITEs (its status queries are the stalled ones);
+        // decode, which only hears of their completion, times out on the one it never heard
+        // of first, or on the WRITE's notification, missing past its deadline or asked for in
+        // a query that straddles it.
+        let also: &[&str] = if name == "drain-write" { &["still not complete", "notification"] } else { &[] };
         let m = message(&r);
         assert!(m.contains("status query") || also.iter().any(|a| m.contains(a)), "{name}: {m}");
         assert_eq!(err.matches(DRAINED).count(), 1, "{name}: {err}");
