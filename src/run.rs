@@ -482,8 +482,7 @@ impl Probe {
             let (mut p, mut d) = build_pools(cfg)?;
             if cfg.geometry.pool_bytes()? >= MIN_CEILING_BYTES {
                 crate::phase::announce("setup: timing a copy of the prefill pool to the decode pool (the ceiling)");
-                let secs = time_copy(cfg, &mut p, &mut d, &plan(cfg, 1)?)?;
-                copy_gbps = Some(cfg.geometry.pool_bytes()? as f64 / secs.max(1e-12) / 1e9);
+                copy_gbps = Some(time_copy(cfg, &mut p, &mut d, &plan(cfg, 1)?)?);
             }
             *handoff.pool.lock().unwrap_or_else(|p| p.into_inner()) = Some(p);
             decode_pool = Some(d);
@@ -1102,7 +1101,7 @@ pub fn run(cfg: &RunConfig, hooks: &mut Hooks<'_>) -> (Report, Exit) {
 
 /// `--decode-process`: times the copy ceiling of `decode`'s pool from a scratch pool of the
 /// same geometry that this process allocates on prefill's memory and GPU (the child holds
-/// prefill's own pool) ([`time_copy`]); the scratch pool is freed on return. Errors: the
+/// prefill's own pool) ([`time_copy`]: GB/s); the scratch pool is freed on return. Errors: the
 /// scratch pool cannot be allocated (e.g. prefill's GPU has no room for a second pool), a CUDA
 /// error.
 fn copy_ceiling_from_scratch(cfg: &RunConfig, decode: &mut Endpoint, plan: &Plan) -> Result<f64> {
@@ -1113,8 +1112,8 @@ fn copy_ceiling_from_scratch(cfg: &RunConfig, decode: &mut Endpoint, plan: &Plan
 
 /// The copy ceiling the transfer rate is compared to: fills `src` (prefill's memory) with
 /// `plan`'s generation (fingerprinted bytes, no faults) and copies it whole into `dst`
-/// (decode's, poisoned afterwards anyway) twice; returns the seconds of the second copy (the
-/// first warms up: page faults on DRAM). Across two GPUs the copy runs with peer access
+/// (decode's, poisoned afterwards anyway) twice; returns the pool's bytes over the seconds of
+/// the second copy, in GB/s = 1e9 B/s (the first copy warms up: page faults on DRAM). Across two GPUs the copy runs with peer access
 /// enabled, as cuMemcpyPeer over NVLink would (without it the driver stages through the host
 /// at a tenth of the rate). Errors: a CUDA error.
 fn time_copy(cfg: &RunConfig, src: &mut KvPool, dst: &mut KvPool, plan: &Plan) -> Result<f64> {
@@ -1127,10 +1126,11 @@ fn time_copy(cfg: &RunConfig, src: &mut KvPool, dst: &mut KvPool, plan: &Plan) -
         dst.copy_pool_from(src)?;
         dst.copy_pool_from(src)
     };
-    match gpus {
-        (Some(d), Some(p)) if d.ordinal() != p.ordinal() => d.with_peer_access(&p, copy),
-        _ => copy(),
-    }
+    let secs = match gpus {
+        (Some(d), Some(p)) if d.ordinal() != p.ordinal() => d.with_peer_access(&p, copy)?,
+        _ => copy()?,
+    };
+    Ok(cfg.geometry.pool_bytes()? as f64 / secs.max(1e-12) / 1e9)
 }
 
 /// How long `run --peer` waits for prefill's side of the report after telling it the outcome.
@@ -1336,7 +1336,7 @@ fn sweep(
     let copy_gbps = if scratch_ceiling {
         crate::trace!("copy ceiling");
         match copy_ceiling_from_scratch(cfg, &mut probe.decode, &cur) {
-            Ok(secs) => Some(pool_bytes as f64 / secs.max(1e-12) / 1e9),
+            Ok(gbps) => Some(gbps),
             // Not the run's failure: the run goes on without a ceiling, and says why.
             Err(e) => {
                 eprintln!("kvprobe: no copy ceiling (a scratch pool on prefill's side for the copy: {e})");
