@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds what scripts/gpu-check.sh needs on a GPU host without cargo or network: the release
+# Builds what scripts/gpu-lane.sh needs on a GPU host without cargo or network: the release
 # binary, the test binary, the NIXL subset (scripts/pack-nixl.py) and the Mooncake subset of
 # the cuda13 wheel for Python 3.12 (scripts/pack-mooncake.py), into BUNDLE_DIR (default .carry).
 set -euo pipefail

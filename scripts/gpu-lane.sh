@@ -1,19 +1,56 @@
-# Sourced by scripts/gpu-check*.sh: unpacks the bundle's NIXL and sets up the environment
-# of a GPU lane. Expects $1 = bundle dir (default .carry); sets bundle, out, kv, log, step(),
-# and the failure bookkeeping below (expect, fail, run_tests, check_tests).
+#!/usr/bin/env bash
+# The GPU lane driver: runs named suites of checks on a GPU host with a bundle built elsewhere
+# (the host has no cargo: scripts/gpu-bundle.sh). From the repository root on the GPU host:
+#   scripts/gpu-lane.sh [BUNDLE_DIR] SUITE...      (BUNDLE_DIR default .carry; `list` names the suites)
+# Logs and reports go to $OUT (default /tmp/kvprobe-gpu): the log is $OUT/log.txt.
 #
 # The GPUs the lane requires come from the host kind, never from what the host happens to show:
-# KVPROBE_REQUIRE_GPUS (default 1; the two-GPU scripts set 2 themselves, and a caller sets it
-# for a script that serves both kinds, e.g. KVPROBE_REQUIRE_GPUS=2 scripts/gpu-check-final.sh).
+# KVPROBE_REQUIRE_GPUS (default 1), and 2 whenever a two-GPU suite (x2, x2-bench) is named.
+# A lane FAILS (exit 1, after every step ran and was logged, with a LANE FAILED list) when a test
+# binary exits non-zero, when a test prints a SKIP line (GPUs and the bundled Mooncake are
+# required here: nothing may skip), when a step checked with `expect` exits otherwise than it
+# must (clean runs 0, injection runs 1), or when `kvprobe env` sees fewer GPUs than required.
 #
-# A lane FAILS (exit 1, after every step ran and was logged) when a test binary exits non-zero,
-# when a test prints a SKIP line (GPUs are required here: nothing may skip), when a step checked
-# with `expect` exits otherwise than it must, or when `kvprobe env` sees fewer GPUs than required.
-bundle="${1:-.carry}"
+# Sourced with KVPROBE_LANE_NO_SETUP=1 it defines the bookkeeping (expect, fail, ...) and returns
+# (tests/lanes.rs tests it that way, and runs every suite with stand-in binaries).
+set -uo pipefail
+suites_help() {
+  cat <<'HELP'
+suites (one GPU unless marked x2; minutes on one H200):
+  tests       the whole test binary, KVPROBE_REQUIRE_GPU=1, Mooncake from the bundle (~7)
+  main        env; llama3-8b READ (20 it.), WRITE, deepseek-v3 (MLA), GET_ZCOPY; --report - is pure JSON (~1)
+  inject      every class on llama3-8b, stray with 8 stages, --dump/--bundle + report check,
+              smallest slices (16-64 bytes x seeds 1-5): planted = detected (~2)
+  mooncake    --tier mooncake on VRAM: a short stacked run, its GPU test, ab --tier mooncake (~2)
+  sustained   stacked llama3-8b on VRAM for $LANE_DURATION (default 330s) with $LANE_TIER (embedded|
+              mooncake), the whole test binary and ab alongside; on two GPUs ab across them too (~LANE_DURATION)
+  perf        bench/run.sh, env with and without GET_ZCOPY, descriptor sizes, 100 GiB of pools (~6)
+  perf-ucx    cuda_ipc settings tried on large descriptors, READ and WRITE (~5)
+  perf-procs  two processes (--decode-process) on one GPU; KVPROBE_OVERLAP_GRID (~4)
+  x2          x2: topology, UCX paths, main job across GPUs (READ/WRITE, in one and two processes),
+              every injection across GPUs, ab across GPUs (embedded, Mooncake), two-GPU tests (~8)
+  x2-bench    x2: bench/run.sh across GPUs (one and two processes), descriptor and stage variants;
+              a traced two-process run, with a backtrace when it crashes (~8)
+  final       tests, main, inject (the lane to run before saying an issue is resolved)
+HELP
+}
+bundle=.carry
+if [ $# -gt 0 ] && [ -d "$1" ]; then bundle=$1; shift; fi
 out="${OUT:-/tmp/kvprobe-gpu}"
 log="$out/log.txt"
 mkdir -p "$out"
-export KVPROBE_REQUIRE_GPU=1 KVPROBE_REQUIRE_GPUS="${KVPROBE_REQUIRE_GPUS:-1}"
+suites=()
+for s in "$@"; do
+  case "$s" in
+    final) suites+=(tests main inject) ;;
+    list|help|-h|--help) suites_help; exit 0 ;;
+    tests|main|inject|mooncake|sustained|perf|perf-ucx|perf-procs|x2|x2-bench) suites+=("$s") ;;
+    *) echo "gpu-lane.sh: unknown suite '$s'" >&2; suites_help >&2; exit 2 ;;
+  esac
+done
+need="${KVPROBE_REQUIRE_GPUS:-1}"
+for s in "${suites[@]}"; do case "$s" in x2*) need=2 ;; esac; done
+export KVPROBE_REQUIRE_GPU=1 KVPROBE_REQUIRE_GPUS="$need"
 lane_failures=()
 # fail WHAT: records a failure of the lane (logged now, summed up at exit).
 fail() { lane_failures+=("$*"); echo "FAIL: $*" | tee -a "$log"; }
@@ -61,6 +98,7 @@ lane_finish() {
 }
 trap lane_finish EXIT
 [ -n "${KVPROBE_LANE_NO_SETUP:-}" ] && return 0   # tests of the bookkeeping above stop here
+if [ "${#suites[@]}" -eq 0 ]; then suites_help >&2; exit 2; fi
 lane_tmp="${KVPROBE_LANE_TMP:-/tmp}"   # where the lane unpacks (tests of the scripts give their own)
 mkdir -p "$lane_tmp/kvprobe-nixl"
 tar xJf "$bundle/nixl.tar.xz" -C "$lane_tmp/kvprobe-nixl" || fail "unpacking $bundle/nixl.tar.xz"
@@ -105,3 +143,241 @@ print(f"  exit {r['outcome']['exit_code']}, corrupt {s['blocks_corrupt']}; media
       f"outside {100*(1-m('transfer')/m('iteration')):.2f} %, hidden {m('overlapped')*1e3:.3f} ms, stages {s['pipeline_stages']}")
 PY
 }
+
+# ---- suites ----
+x2=(--memory vram --prefill-device 0 --decode-device 1)
+# sweep CMD...: a sweep that must be clean; its path lines and medians go to the log.
+sweep() {
+  step "$*"
+  rm -f "$out/x.json"
+  env "$@" --report "$out/x.json" > "$out/run.txt" 2>&1
+  expect 0 $? "$*"
+  grep -E "^(path|warning|result|ucx|host memory)|error" "$out/run.txt" | tee -a "$log"
+  [ -f "$out/x.json" ] && medians "$out/x.json"
+}
+# injected CMD...: a run with --inject that must exit 1; its counts go to the log.
+injected() {
+  step "$*"
+  env "$@" 2>&1 | grep -E "corrupt|injections|result|pipeline" | tee -a "$log"
+  expect 1 "${PIPESTATUS[0]}" "$*"
+}
+# ab_bg NAME ARGS...: `kvprobe ab ARGS` into $out/NAME.txt with its exit line (checked by ab_check).
+ab_bg() { local n=$1; shift; "$kv" ab "$@" > "$out/$n.txt" 2>&1; echo "exit $?" >> "$out/$n.txt"; }
+ab_check() {
+  { echo "--- $1"; grep -v "requests verified\|^row " "$out/$1.txt"; } | tee -a "$log"
+  expect_file 0 "$out/$1.txt" "$1"
+  rm -f "$out/$1.txt"
+}
+
+suite_tests() {
+  step "tests ($KVPROBE_REQUIRE_GPUS GPU(s) required)"
+  # 5 threads, 480 s: the binary took ~390 s with 5 threads on the H200 host (2026-12-01), and a
+  # lane must end inside one 600 s device call.
+  run_tests tests timeout 480 "$bundle/tests" --test-threads="${LANE_TEST_THREADS:-5}"
+}
+
+suite_main() {
+  step "env"
+  "$kv" env 2>&1 | tee -a "$log"
+  "$kv" env --json > "$out/env.json" 2>>"$log"
+  sweep "$kv" run --memory vram --preset llama3-8b --iterations 20
+  sweep "$kv" run --memory vram --preset llama3-8b --iterations 5 --op write
+  sweep "$kv" run --memory vram --preset deepseek-v3 --iterations 5
+  sweep UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y "$kv" run --memory vram --preset llama3-8b --iterations 20
+  step "--report - on VRAM: stdout is the JSON alone"
+  "$kv" run --memory vram --iterations 2 --report - 2>/dev/null | python3 -c 'import json,sys; r=json.load(sys.stdin); print("stdout JSON ok:", r["outcome"])' 2>&1 | tee -a "$log"
+  local st=("${PIPESTATUS[@]}")
+  expect 0 "${st[0]}" "--report - run"
+  expect 0 "${st[1]}" "--report -: stdout parses as the JSON alone"
+}
+
+suite_inject() {
+  local k
+  for k in bitflip drop misroute stale torn; do
+    injected "$kv" run --memory vram --preset llama3-8b --iterations 2 --inject "$k:3"
+  done
+  injected "$kv" run --memory vram --preset llama3-8b --iterations 3 --pipeline-stages 8 --inject stray:3
+  step "--dump and --bundle on VRAM: torn, bitflip, misroute; then report check of the bundle"
+  rm -rf "$out/dump-vram" "$out/dump-vram.tar.gz"
+  "$kv" run --memory vram --preset llama3-8b --iterations 3 --inject torn:2 --inject bitflip:2 --inject misroute:1 \
+    --dump "$out/dump-vram" --junit "$out/dump-vram.xml" --report "$out/dump-vram.json" --bundle "$out/dump-vram.tar.gz" \
+    2>&1 | grep -E "corrupt|result|bundle" | tee -a "$log"
+  expect 1 "${PIPESTATUS[0]}" "run --dump --bundle on VRAM"
+  "$kv" report check "$out/dump-vram.tar.gz" 2>&1 | tail -5 | tee -a "$log"
+  expect 0 "${PIPESTATUS[0]}" "report check of the VRAM bundle"
+  rm -rf "$out/dump-vram"
+  step "smallest slices on VRAM: every class, 16/32/48/64-byte slices, seeds 1-5"
+  local head seed inj
+  for head in 16 32 48 64; do
+    for seed in 1 2 3 4 5; do
+      inj="--inject bitflip:2 --inject drop:2 --inject misroute:2 --inject stale:3"
+      [ "$head" -ge 32 ] && inj="$inj --inject torn:2"
+      rm -f "$out/tiny.json"
+      "$kv" run --memory vram --layers 1 --kv-heads 1 --block-size 1 --dtype fp8 --head-size $head --blocks 16 \
+        --iterations 6 --seed $seed $inj --report "$out/tiny.json" >/dev/null 2>&1
+      expect 1 $? "smallest slices, head $head seed $seed"
+      python3 -c 'import json,sys; s=json.load(open(sys.argv[1]))["summary"]; ok=s["injections_planted"]==s["injections_detected"] and s["unexpected_failures"]==0; print(sys.argv[2], "planted", s["injections_planted"], "detected", s["injections_detected"], "unexpected", s["unexpected_failures"], "OK" if ok else "MISMATCH"); sys.exit(0 if ok else 1)' "$out/tiny.json" "head $head seed $seed" 2>&1 | tee -a "$log"
+      expect 0 "${PIPESTATUS[0]}" "smallest slices, head $head seed $seed: planted = detected, nothing unexpected"
+    done
+  done
+}
+
+suite_mooncake() {
+  step "env"
+  "$kv" env 2>&1 | grep -iE "mooncake|GPU|nixl" | tee -a "$log"
+  step "stacked, --tier mooncake, VRAM, 300 requests"
+  "$kv" run --memory vram --scenario stacked --tier mooncake --requests 300 --report "$out/mooncake-quick.json" 2>&1 | tail -15 | tee -a "$log"
+  expect 0 "${PIPESTATUS[0]}" stacked --tier mooncake
+  step "the Mooncake GPU test"
+  run_tests tests-mooncake "$bundle/tests" mooncake_tier_on_vram
+  step "ab --memory vram --tier mooncake --requests 400"
+  ab_bg ab-mooncake --memory vram --tier mooncake --requests 400
+  ab_check ab-mooncake
+}
+
+suite_sustained() {
+  local dur="${LANE_DURATION:-330s}" tier="${LANE_TIER:-embedded}"
+  (
+    "$bundle/tests" --test-threads=2 > "$out/tests.txt" 2>&1
+    echo $? > "$out/tests.rc"
+    ab_bg ab-vram --memory vram --tier "$tier" --requests 1000
+    if [ "$KVPROBE_REQUIRE_GPUS" -ge 2 ]; then ab_bg ab-x2 "${x2[@]}" --tier "$tier" --requests 1000; fi
+  ) &
+  local side=$!
+  step "stacked, --tier $tier, llama3-8b VRAM (1 GiB per side), $dur, UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y"
+  UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y /usr/bin/time -f "wall %e s, max RSS %M KiB" "$kv" run --memory vram --preset llama3-8b \
+    --scenario stacked --tier "$tier" --duration "$dur" --interval 60s --report "$out/stacked-$tier.json" \
+    2> "$out/progress.txt" | tee -a "$log"
+  expect 0 "${PIPESTATUS[0]}" "stacked --tier $tier, $dur"
+  tail -3 "$out/progress.txt" | tee -a "$log"
+  wait "$side"
+  step "alongside"
+  check_tests tests "$(cat "$out/tests.rc" 2>/dev/null)"
+  ab_check ab-vram
+  [ -f "$out/ab-x2.txt" ] && ab_check ab-x2
+  rm -f "$out/progress.txt" "$out/tests.rc"
+}
+
+suite_perf() {
+  step "bench/run.sh"
+  BENCH_OUT="$out" bench/run.sh 2>&1 | tee -a "$log"
+  expect 0 "${PIPESTATUS[0]}" bench/run.sh
+  local z args blocks
+  for z in n y; do
+    step "kvprobe env, UCX_CUDA_IPC_ENABLE_GET_ZCOPY=$z"
+    UCX_CUDA_IPC_ENABLE_GET_ZCOPY=$z "$kv" env 2>&1 | sed -n '/^transport/,$p' | tee -a "$log"
+    expect 0 "${PIPESTATUS[0]}" "kvprobe env, GET_ZCOPY=$z"
+  done
+  for args in "--descriptor-blocks 512" "--descriptor-blocks 512 --pipeline-stages 8" \
+              "--descriptor-blocks 512 --pipeline-stages 32" "--descriptor-blocks 64" "--descriptor-blocks 4"; do
+    sweep UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y "$kv" run --memory vram --preset llama3-8b --iterations 20 $args
+  done
+  for blocks in 512 25600; do   # host memory: 1 GiB per side, then 50 GiB per side
+    sweep /usr/bin/time -f "host memory: max RSS %M KiB, %e s wall" "$kv" run --memory vram --preset llama3-8b --blocks $blocks --iterations 2
+  done
+  injected "$kv" run --memory vram --preset llama3-8b --blocks 25600 --iterations 2 --descriptor-blocks 512 --inject bitflip --inject misroute
+}
+
+suite_perf-ucx() {
+  local e args
+  for e in "" "UCX_CUDA_IPC_MAX_STREAMS=1" "UCX_CUDA_IPC_MAX_STREAMS=4" "UCX_CUDA_IPC_MAX_STREAMS=64" \
+           "UCX_CUDA_IPC_CACHE=n" "UCX_PROTO_ENABLE=n" "UCX_TLS=cuda_ipc,cuda_copy,tcp,self"; do
+    for args in "--descriptor-blocks 512 --pipeline-stages 1" "--descriptor-blocks 512" "--blocks 2048 --descriptor-blocks 2048 --pipeline-stages 1"; do
+      sweep UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y $e "$kv" run --memory vram --preset llama3-8b --iterations 10 $args
+    done
+  done
+  sweep UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y "$kv" run --memory vram --preset llama3-8b --iterations 10 --descriptor-blocks 512 --op write
+}
+
+suite_perf-procs() {
+  local z="UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y" g
+  local base=("$kv" run --memory vram --preset llama3-8b --iterations 10)
+  sweep UCX_CUDA_IPC_ENABLE_GET_ZCOPY=n "${base[@]}" --decode-process
+  sweep $z "${base[@]}" --decode-process
+  sweep $z "${base[@]}" --decode-process --descriptor-blocks 16
+  sweep $z "${base[@]}" --decode-process --descriptor-blocks 512 --pipeline-stages 1
+  sweep $z "${base[@]}" --decode-process --descriptor-blocks 512
+  sweep $z "${base[@]}" --decode-process --descriptor-blocks 512 --op write --pipeline-stages 1
+  sweep $z "${base[@]}" --decode-process --blocks 2048 --descriptor-blocks 2048 --pipeline-stages 1
+  for g in 0 66 132 264 528; do sweep $z KVPROBE_OVERLAP_GRID=$g "${base[@]}" --descriptor-blocks 512; done
+  sweep $z KVPROBE_OVERLAP_GRID=132 "${base[@]}" --blocks 8 --block-size 1024
+  sweep $z KVPROBE_OVERLAP_GRID=0 "${base[@]}" --blocks 8 --block-size 1024
+  sweep $z "${base[@]}" --blocks 8 --block-size 1024 --pipeline-stages 1
+}
+
+suite_x2() {
+  step "topology and env"
+  nvidia-smi topo -m 2>&1 | tee -a "$log"
+  "$kv" env 2>&1 | grep -vE "^(NIXL|UCX_|NIXL_|Mooncake|driver|CUDA|NVRTC)" | tee -a "$log"
+  step "UCX path for VRAM GPU0 -> GPU1 (UCX_PROTO_INFO=y), READ default and with GET_ZCOPY, WRITE"
+  local mode inj
+  for mode in "read" "read zcopy" "write"; do
+    set -- $mode
+    env ${2:+UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y} UCX_PROTO_INFO=y "$kv" run "${x2[@]}" --preset llama3-8b --iterations 1 --op "$1" 2>&1 |
+      grep -E "cuda|emulation|tcp|transfer:|result" | sort | uniq -c | sort -rn | head -10 | sed "s/^/[$mode] /" | tee -a "$log"
+    expect 0 "${PIPESTATUS[0]}" "UCX path [$mode]"
+  done
+  local k=("$kv" run "${x2[@]}" --preset llama3-8b --blocks 2048 --iterations 20)
+  sweep "${k[@]}"
+  sweep "${k[@]}" --op write
+  sweep "${k[@]}" --decode-process
+  sweep "${k[@]}" --decode-process --op write
+  for inj in bitflip drop misroute stale torn; do
+    injected "$kv" run "${x2[@]}" --preset llama3-8b --iterations 2 --inject "$inj:3"
+    injected "$kv" run "${x2[@]}" --preset llama3-8b --iterations 3 --decode-process --inject "$inj:3"
+  done
+  step "ab across GPUs"
+  ab_bg ab-x2 "${x2[@]}" --requests 1000
+  ab_check ab-x2
+  if [ -n "${KVPROBE_MOONCAKE_VENV:-}" ]; then
+    ab_bg ab-x2-mooncake "${x2[@]}" --tier mooncake --requests 500
+    ab_check ab-x2-mooncake
+  fi
+  step "two-GPU tests"
+  run_tests tests-x2 "$bundle/tests" --test-threads=1 cross_device env_describes_the_link two_processes bench::bench_across pipelined
+}
+
+suite_x2-bench() {
+  local p=(--memory vram --prefill-device 0 --decode-device 1 --decode-process)
+  step "traced: two processes, decode on GPU 1, READ"
+  KVPROBE_TRACE=1 "$kv" run "${p[@]}" --preset llama3-8b --blocks 64 --iterations 2 > "$out/trace.txt" 2>&1
+  local rc=$? g v s
+  expect 0 "$rc" traced run
+  tail -25 "$out/trace.txt" | tee -a "$log"
+  if [ "$rc" -gt 1 ]; then
+    for g in gdb /usr/local/cuda/bin/cuda-gdb; do
+      if command -v "$g" > /dev/null; then
+        step "backtrace ($g)"
+        "$g" -batch -ex run -ex "thread apply all bt 12" --args "$kv" run "${p[@]}" --preset llama3-8b --blocks 64 --iterations 2 2>&1 |
+          grep -E "^#|signal|Thread" | head -60 | tee -a "$log"
+        break
+      fi
+    done
+    for v in "--prefill-device 1 --decode-device 0" "--op write"; do
+      step "variant: $v"
+      KVPROBE_TRACE=1 "$kv" run "${p[@]}" --preset llama3-8b --blocks 64 --iterations 2 $v 2>&1 | tail -4 | tee -a "$log"
+    done
+    return
+  fi
+  step "bench/run.sh --device 0 --decode-device 1 (both agents in this process)"
+  BENCH_OUT="$out" bench/run.sh --device 0 --decode-device 1 --repeats 5 2>&1 | sed -n '/^figure/,$p' | grep -vE "^cpu|CPU|memcpy" | tee -a "$log"
+  expect 0 "${PIPESTATUS[0]}" bench/run.sh across GPUs
+  step "bench/run.sh --device 0 --decode-device 1 --decode-process"
+  BENCH_OUT="$out" bench/run.sh --device 0 --decode-device 1 --decode-process --repeats 5 2>&1 | sed -n '/^sweep/,$p' | tee -a "$log"
+  expect 0 "${PIPESTATUS[0]}" bench/run.sh across GPUs, decode process
+  local k=("$kv" run "${p[@]}" --preset llama3-8b --blocks 2048 --iterations 20)
+  sweep "${k[@]}" --descriptor-blocks 2048
+  sweep "${k[@]}" --descriptor-blocks 2048 --pipeline-stages 8
+  sweep "${k[@]}" --descriptor-blocks 64
+  sweep UCX_CUDA_IPC_ENABLE_GET_ZCOPY=n "${k[@]}" --descriptor-blocks 2048
+  for s in "" 4 16; do
+    sweep ${s:+UCX_CUDA_IPC_MAX_STREAMS=$s} "$kv" run "${p[@]}" --preset llama3-8b --blocks 2048 --descriptor-blocks 2048 --iterations 10
+  done
+}
+
+for s in "${suites[@]}"; do
+  echo | tee -a "$log"
+  echo "##### suite $s" | tee -a "$log"
+  "suite_$s"
+done
+rm -f "$out/run.txt"

@@ -6,12 +6,13 @@
 //! unfenced row must be detected and attributed to its mechanism (else kvprobe could not
 //! have seen that bug on this setup: exit 6).
 
-use crate::engine::{Progress, ScenarioConfig};
 use crate::envinfo::Environment;
 use crate::error::{Error, Exit, Result};
 use crate::race::{Mechanism, Scenario};
 use crate::report::{Outcome, Report, RunError};
-use crate::run::{Probe, RunConfig};
+use crate::run::Probe;
+use crate::scenario::config::{Progress, ScenarioConfig};
+use crate::sweep::RunConfig;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -288,7 +289,7 @@ fn run_rows(
         let row_cfg = RunConfig { scenario: Some(sc.clone()), ..cfg.clone() };
         let mut rep = crate::run::empty_report(&row_cfg);
         rep.environment = None; // recorded once, at the top
-        crate::run::publish(&rep);
+        crate::report::publish(&rep);
         publish(ab, Some((name.clone(), scenario, unfenced)));
         let mut p = |x: &Progress| progress(&name, x);
         let mut none = |_: &Report| {};
@@ -301,7 +302,7 @@ fn run_rows(
             }
             None => None,
         };
-        let r = crate::engine::run_scenario(
+        let r = crate::scenario::engine::run_scenario(
             &sc,
             cfg.seed,
             probe.prefill.local_mut()?,

@@ -33,7 +33,8 @@ use crate::error::{Error, Result};
 use crate::fingerprint::{self, BlockIdentity};
 use crate::geometry::{Geometry, KvPart, Preset};
 use crate::pool::{KvPool, MemoryKind, TableEntry};
-use crate::run::{Hooks, RunConfig};
+use crate::run::Hooks;
+use crate::sweep::RunConfig;
 use serde::Serialize;
 use std::time::Instant;
 
@@ -72,8 +73,8 @@ pub struct BenchConfig {
     pub iterations: u32,
     /// Bytes of each pool in the sweep breakdowns (llama3-8b geometry).
     pub sweep_bytes: u64,
-    /// Fingerprint seed (written as `seed` and `seed_hex`, [`crate::run::serialize_seed`]).
-    #[serde(flatten, serialize_with = "crate::run::serialize_seed", deserialize_with = "crate::run::deserialize_seed")]
+    /// Fingerprint seed (written as `seed` and `seed_hex`, [`crate::sweep::serialize_seed`]).
+    #[serde(flatten, serialize_with = "crate::sweep::serialize_seed", deserialize_with = "crate::sweep::deserialize_seed")]
     pub seed: u64,
     /// Sweeps with prefill's NIXL agent and pool in a second process (`run --decode-process`).
     pub decode_process: bool,
@@ -520,7 +521,8 @@ fn breakdown(
         peer: None,
         peer_token: None,
     };
-    let (mut line, mut progress, mut ckpt) = (|_: &str| {}, |_: &crate::engine::Progress| {}, |_: &crate::report::Report| {});
+    let (mut line, mut progress, mut ckpt) =
+        (|_: &str| {}, |_: &crate::scenario::config::Progress| {}, |_: &crate::report::Report| {});
     let mut hooks = Hooks { line: &mut line, progress: &mut progress, checkpoint_secs: 0.0, checkpoint: &mut ckpt, dump: None };
     let (report, exit) = crate::run::run(&rc, &mut hooks);
     let s = &report.summary;
@@ -592,8 +594,8 @@ pub fn check(cfg: &BenchConfig) -> Result<()> {
     {
         return Err(Error::Usage(format!(
             "--host-bytes {}: the bench needs twice that, and {} are available (use at most a quarter)",
-            crate::report::bytes_exact(cfg.host_bytes),
-            crate::report::bytes_exact(avail)
+            crate::units::bytes_exact(cfg.host_bytes),
+            crate::units::bytes_exact(avail)
         )));
     }
     if let Some(avail) = crate::hostmem::available_bytes()
@@ -602,8 +604,8 @@ pub fn check(cfg: &BenchConfig) -> Result<()> {
     {
         return Err(Error::Usage(format!(
             "--sweep-bytes {}: the DRAM sweeps need two pools of that, and {} are available (use at most a quarter)",
-            crate::report::bytes_exact(cfg.sweep_bytes),
-            crate::report::bytes_exact(avail)
+            crate::units::bytes_exact(cfg.sweep_bytes),
+            crate::units::bytes_exact(avail)
         )));
     }
     if cfg.memory == MemoryKind::Dram && (cfg.device != 0 || cfg.decode_device.is_some()) {

@@ -1,5 +1,5 @@
 //! Bundles: one `.tar.gz` a vendor can receive (`--bundle FILE` on run and ab, `kvprobe
-//! bundle`), read back by `kvprobe report check` ([`crate::check`]) and `kvprobe report show`.
+//! bundle`), read back by `kvprobe report check` (`check`) and `kvprobe report show`.
 //!
 //! Layout (README "Dumps, bundles and `report check`"), all under the top folder [`TOP`]:
 //! `manifest.json` ([`Manifest`], schema [`MANIFEST_SCHEMA`]: every other file with its size
@@ -106,7 +106,7 @@ fn walk(dir: &Path) -> Result<Vec<(String, PathBuf)>> {
 
 /// Report fields whose string values `--redact` never changes: fixed vocabularies (the
 /// values of enums in `src/report.rs`, `src/ab.rs`, `src/verify.rs`, `src/race.rs`,
-/// `src/geometry.rs`, `src/run.rs`, `src/engine.rs`, `src/inject.rs`) and hashes. A user or
+/// `src/geometry.rs`, `src/sweep.rs`, `src/tier.rs`, `src/inject.rs`) and hashes. A user or
 /// host name equal to one of their values (`USER=torn`) must not rename them: the redacted
 /// report would no longer be a report. Any key ending in `_digest` is kept too.
 pub const KEPT_FIELDS: &[&str] = &[

@@ -147,3 +147,10 @@ pub fn ignore_interrupts() {
         libc::signal(libc::SIGTERM, libc::SIG_IGN);
     }
 }
+
+/// Flushes every C stdio stream: UCX writes its log and diagnostics through buffered ones,
+/// which a process ending with `_exit` (or a child inheriting them) would otherwise lose or repeat.
+pub fn flush_c_stdio() {
+    // SAFETY: fflush(NULL) flushes all open output streams; it takes the streams' own locks.
+    unsafe { libc::fflush(std::ptr::null_mut()) };
+}

@@ -648,7 +648,7 @@ fn grid(r: &RegionArgs) -> u32 {
 fn ptx_cache_path(arch: &str) -> PathBuf {
     let nvrtc = nvrtc_version().unwrap_or_default();
     let key = crate::fingerprint::digest(format!("{}\0{arch}\0{nvrtc}", crate::fingerprint::KERNEL_SOURCE).as_bytes());
-    crate::nixl::kvprobe_home().join("kernels").join(format!("{}-{arch}.ptx", &key[..32]))
+    crate::scratch::kvprobe_home().join("kernels").join(format!("{}-{arch}.ptx", &key[..32]))
 }
 
 fn cached_ptx(arch: &str) -> Option<String> {

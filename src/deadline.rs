@@ -4,8 +4,8 @@
 //! What `--timeout` bounds (README, "What `--timeout` bounds"):
 //! - each NIXL request: from just before it is created (descriptor lists, `createXferReq`,
 //!   `postXferReq`) until the initiator sees it complete and the other role has its
-//!   notification ([`Deadline`], checked by [`crate::nixl::Agent::post`] and
-//!   [`crate::nixl::Agent::poll`], [`crate::transport::await_notifications`], the scenario
+//!   notification ([`Deadline`], checked by `nixl::Agent::post` and
+//!   `nixl::Agent::poll`, `transport::await_notifications`, the scenario
 //!   engine);
 //! - each other blocking call of the run ([`watch`], [`Watch::check`]): a CUDA
 //!   synchronisation, event wait or synchronous copy, a write to the Mooncake worker's pipe —
@@ -231,8 +231,8 @@ fn start_locked(s: &mut State) {
 }
 
 /// Starts the watchdog thread now (idempotent; otherwise it starts with the first watched
-/// call). [`crate::interrupt::install`] calls it: the watchdog also ends the run on a second
-/// SIGINT/SIGTERM, writing the report so far through the [`on_expiry`] handler (exit 130).
+/// call). The binary calls it right after installing the signal handlers: the watchdog also
+/// ends the run on a second SIGINT/SIGTERM, writing the report so far through the [`on_expiry`] handler (exit 130).
 pub fn start_watchdog() {
     start_locked(&mut lock());
 }
@@ -283,9 +283,28 @@ fn watchdog() {
                 h(&e);
             }
             eprintln!("kvprobe: {e}");
-            crate::nixl::exit_now(e.exit() as u8);
+            end_process(e.exit() as u8);
         }
     }
+}
+
+static EXIT: OnceLock<fn(u8) -> !> = OnceLock::new();
+
+/// Sets how the watchdog ends the process when a deadline expires (the binary passes
+/// `nixl::exit_now`, which skips library destructors that can crash at exit). The first call
+/// wins; unset, the watchdog flushes stdout and stderr and calls `std::process::exit`.
+pub fn set_exit(exit: fn(u8) -> !) {
+    let _ = EXIT.set(exit);
+}
+
+fn end_process(code: u8) -> ! {
+    if let Some(exit) = EXIT.get() {
+        exit(code)
+    }
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stderr().flush();
+    std::process::exit(code as i32)
 }
 
 static AGENT_PROCESS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -319,7 +338,7 @@ pub const STALL_FROM_VAR: &str = "KVPROBE_TEST_STALL_FROM_ITERATION";
 /// [`STALL_FROM_VAR`] delays them; test-only).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Stall {
-    /// Inside [`crate::nixl::Agent::post`], after `postXferReq` returned: the call waits
+    /// Inside `nixl::Agent::post`, after `postXferReq` returned: the call waits
     /// until the request has completed, then blocks SECS more — a post call that completes
     /// its request inside it (SECS = 0) and takes long: `KVPROBE_TEST_STALL_POST`.
     Post,

@@ -1,5 +1,5 @@
 //! `--dump DIR`: the failing block slices exactly as they arrived, for a vendor to check
-//! without kvprobe's GPU or NIXL (`kvprobe report check`, [`crate::check`]).
+//! without kvprobe's GPU or NIXL (`kvprobe report check`, `check`).
 //!
 //! Layout (README "Dumps"): `DIR/index.json` ([`DumpIndex`], schema [`SCHEMA`]),
 //! `DIR/slices/<iteration>-<layer>-<K|V|latent>-<block>.bin` (one per dumped slice, the bytes
@@ -236,7 +236,7 @@ impl Dumper {
     }
 }
 
-/// The watchdog's end of a dump ([`crate::run::expired_report`]): the run is ended without
+/// The watchdog's end of a dump (`run::expired_report`): the run is ended without
 /// returning, so the dump in progress, if any, is finished here against the report that will
 /// be written — the one last published, which counts the first `published` failing slices
 /// found. Slices found after it are removed from the dump (their files too), so the dump and

@@ -6,7 +6,7 @@
 //! | 1 | corruption found (wins over every other outcome) |
 //! | 2 | usage, configuration or environment error (bad flag, missing NIXL/GPU) |
 //! | 3 | transport or device error during the run (NIXL or CUDA call failed) |
-//! | 4 | a wait exceeded `--timeout` (a transfer, its notification, a blocking call; [`crate::deadline`]) |
+//! | 4 | a wait exceeded `--timeout` (a transfer, its notification, a blocking call; `deadline`) |
 //! | 5 | transfer rate below `--min-gbps` (only when given) |
 //! | 6 | `kvprobe ab`: an unfenced race mechanism was not detected |
 //! | 7 | the run was clean but its report could not be written (it went to stderr) |
@@ -33,7 +33,7 @@ pub enum Exit {
     NotReproduced = 6,
     /// The run was clean, but its report (`--report`, `--json`) could not be written (disk
     /// full, file-size limit, I/O error): the report went to stderr instead
-    /// ([`crate::report::print_fallback`]). A run that was not clean keeps its own code.
+    /// (`report::print_fallback`). A run that was not clean keeps its own code.
     ReportNotWritten = 7,
     /// Interrupted by SIGINT or SIGTERM.
     Interrupted = 130,

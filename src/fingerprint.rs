@@ -201,3 +201,8 @@ pub fn digest(bytes: &[u8]) -> String {
     }
     s
 }
+
+/// Logical block id of prefill slot `i`: a seeded bijection of u32 (so logical ≠ physical).
+pub fn logical_block(seed: u64, i: u32) -> u32 {
+    i.wrapping_mul(0x9E37_79B1) ^ (seed as u32).rotate_left(7)
+}

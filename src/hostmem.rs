@@ -48,7 +48,7 @@ unsafe impl Send for HostBuffer {}
 unsafe impl Sync for HostBuffer {}
 
 fn mmap_err(what: &str, len: usize) -> Error {
-    Error::Environment(format!("{what} ({}): {}", crate::report::bytes_exact(len as u64), std::io::Error::last_os_error()))
+    Error::Environment(format!("{what} ({}): {}", crate::units::bytes_exact(len as u64), std::io::Error::last_os_error()))
 }
 
 /// Maps `len` (at least 1) bytes of anonymous shared memory.
@@ -317,7 +317,7 @@ impl<'a> SpanMut<'a> {
 
 /// Page-aligned host memory that nothing but its owner touches (the tier arena, the bench's
 /// buffers): plain slices. Never give its address to a transfer engine — use
-/// [`HostBuffer`] for that; page-locking it for the GPU ([`crate::cuda::PinnedHost`]) is
+/// [`HostBuffer`] for that; page-locking it for the GPU (`cuda::PinnedHost`) is
 /// fine, as the copies into it are kvprobe's own, synchronous ones.
 #[derive(Debug)]
 pub struct PrivateBuffer(HostBuffer);

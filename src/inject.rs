@@ -146,7 +146,7 @@ pub enum Action {
 }
 
 /// Checks that the injections fit the geometry and the sweep's pipeline `stages` (the layer
-/// ranges of [`crate::run::stages`]). Errors (exit 2): torn needs slices of at least 32
+/// ranges of `sweep::stages`). Errors (exit 2): torn needs slices of at least 32
 /// bytes; stray needs at least 3 stages (its slot must lie in a stage posted after stage 0
 /// completed) and at most as many as the slices of stages 2 and later (and, with 4 stages or
 /// more, of stage 0, where the last iteration's strays land); misroute pairs two

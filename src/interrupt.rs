@@ -3,7 +3,7 @@
 //! and its iteration is then verified; one still incomplete is abandoned unverified; a
 //! scenario stops at its next engine step); the partial report is written and marked
 //! `interrupted`. A second signal, a second or more later, ends the run at once with 130: the
-//! watchdog thread ([`crate::deadline`]) writes the report published so far, marked
+//! watchdog thread (`deadline`) writes the report published so far, marked
 //! `interrupted`, without waiting for the run; a third signal exits with 130 even if that
 //! write is held up. A repeat within a second counts as the same request: `timeout(1)` sends
 //! its signal to kvprobe and again to the process group, and two Ctrl-C presses that close are
@@ -54,8 +54,6 @@ pub fn install() -> std::io::Result<()> {
         unsafe { signal_hook::low_level::register(sig, on_signal) }?;
     }
     let _ = INSTALLED.set(());
-    // The watchdog ends the run on a second signal (with the report so far).
-    crate::deadline::start_watchdog();
     Ok(())
 }
 

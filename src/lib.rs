@@ -1,21 +1,25 @@
 //! kvprobe: proves that KV-cache blocks moved between a prefill and a decode engine arrive
 //! intact.
 //!
-//! The pipeline, one module per stage:
+//! The pipeline, one module per stage, each depending only on the ones before it (no import
+//! cycles):
 //! [`geometry`] (vLLM paged layout, block slices, descriptors) →
 //! [`fingerprint`] (what every byte must be; shared with the CUDA kernels) →
 //! [`pool`] (fill / poison / verify on VRAM or DRAM) →
-//! [`transport`] (prefill and decode NIXL roles; [`ucx`] reads which path UCX chose) →
-//! [`tier`] / [`race`] (a KV tier on the same blocks, and the orderings between them),
-//! driven per request by [`engine`] over a [`workload`] →
+//! [`transport`] (prefill and decode NIXL roles; [`ucx`] reads which path UCX chose) and
+//! [`peer`] (the protocol between a decode and a prefill side: in-process, child or remote) →
+//! [`tier`] / [`race`] (a KV tier on the same blocks, and the orderings between them) →
+//! [`scenario`] (request load: scheduler, connectors, shadow, engine) over a [`workload`] →
 //! [`inject`] (faults planted through the real path) →
 //! [`verify`] (classifying corrupt slices) →
-//! [`report`] (versioned JSON and the human summary), driven by [`run`] (one scenario or the
-//! whole-pool sweep) and [`ab`] (the isolation matrix); [`bench`] measures the probe's own
-//! speed against same-run ceilings. [`deadline`] bounds every wait of a run (`--timeout`) and
-//! ends a run whose call never returns. [`scratch`] keeps the files kvprobe needs while it
-//! runs in private directories that never outlive it.
-//! [`capture`] writes a bundle's environment capture and [`redact`] its `--redact` replacements.
+//! [`report`] (versioned JSON and the human summary; it depends on nothing that drives a run).
+//! The drivers sit on top: [`sweep`] (the whole-pool sweep's plan, shared by both roles),
+//! [`serve`] (the prefill side), [`run`] (the decode side: one scenario or the sweep),
+//! [`ab`] (the isolation matrix) and [`bench`](mod@bench) (the probe's own speed against same-run
+//! ceilings). [`deadline`] bounds every wait of a run (`--timeout`) and ends a run whose call
+//! never returns. [`scratch`] keeps the files kvprobe needs while it runs in private
+//! directories that never outlive it. [`capture`] writes a bundle's environment capture and
+//! [`redact`] its `--redact` replacements; [`units`] words byte counts.
 //!
 //! `unsafe` lives only in the fenced FFI modules [`cuda`], [`hostmem`], [`nixl`], [`child`],
 //! [`interrupt`] (the signal handler) and the C bridge inside [`fingerprint`].
@@ -30,7 +34,6 @@ pub mod child;
 pub mod cuda;
 pub mod deadline;
 pub mod dump;
-pub mod engine;
 pub mod envinfo;
 pub mod error;
 pub mod fingerprint;
@@ -51,11 +54,14 @@ pub mod rdma;
 pub mod redact;
 pub mod report;
 pub mod run;
+pub mod scenario;
 pub mod scratch;
 pub mod serve;
+pub mod sweep;
 pub mod tier;
 pub mod transport;
 pub mod ucx;
+pub mod units;
 pub mod verify;
 pub mod workload;
 

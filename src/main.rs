@@ -2,14 +2,15 @@
 
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use kvprobe::ab::AbReport;
-use kvprobe::engine::{Progress, ScenarioConfig, TierKind};
 use kvprobe::geometry::{Dtype, Layout, Preset};
 use kvprobe::inject::Spec;
 use kvprobe::pool::MemoryKind;
 use kvprobe::race::{Mechanism, RaceSpec, Scenario};
 use kvprobe::report::Report;
 use kvprobe::run::Hooks;
-use kvprobe::run::RunConfig;
+use kvprobe::scenario::config::{Progress, ScenarioConfig};
+use kvprobe::sweep::RunConfig;
+use kvprobe::tier::TierKind;
 use kvprobe::transport::{Op, XferReq};
 use kvprobe::workload::WorkloadConfig;
 use kvprobe::{Error, Exit};
@@ -593,11 +594,11 @@ impl RunArgs {
                 return Err(Error::Usage("--prefill-device does not apply to --peer: prefill's GPU is serve's --device".into()));
             }
             c.peer = Some(addr.clone());
-            c.peer_token = self.token.clone().or_else(|| std::env::var(kvprobe::serve::TOKEN_VAR).ok());
+            c.peer_token = self.token.clone().or_else(|| std::env::var(kvprobe::peer::TOKEN_VAR).ok());
             if c.peer_token.as_deref().is_none_or(str::is_empty) {
                 return Err(Error::Usage(format!(
                     "--peer needs the token serve printed: --token T or {}",
-                    kvprobe::serve::TOKEN_VAR
+                    kvprobe::peer::TOKEN_VAR
                 )));
             }
         }
@@ -789,7 +790,10 @@ fn install_signals() -> Result<(), Exit> {
     kvprobe::interrupt::install().map_err(|e| {
         err(&format!("kvprobe: cannot install signal handlers: {e}"));
         Exit::Usage
-    })
+    })?;
+    // The watchdog also ends the run on a second signal (with the report so far).
+    kvprobe::deadline::start_watchdog();
+    Ok(())
 }
 
 fn check_report_path(path: &Option<PathBuf>) -> Result<(), Exit> {
@@ -1511,6 +1515,9 @@ fn race_help() -> String {
 fn main() {
     // A write past `ulimit -f` is an error (EFBIG) kvprobe reports, not a signal that kills it.
     kvprobe::interrupt::ignore_file_size_signal();
+    // A watchdog that ends the process (an expired deadline) does it without the library
+    // destructors that can crash at exit.
+    kvprobe::deadline::set_exit(kvprobe::nixl::exit_now);
     let cmd = Cli::command().mut_subcommand("run", |c| c.mut_arg("race", |a| a.long_help(race_help())));
     let matches = cmd.get_matches();
     // Flags typed on the command line (not defaults): load flags make no sense in a sweep,
@@ -1592,9 +1599,9 @@ fn serve(a: ServeArgs) -> Exit {
             Ok(s) => s,
             Err(e) => return fail(Error::Usage(format!("--fd {fd}: {e}"))),
         };
-        let token = match std::env::var(kvprobe::serve::TOKEN_VAR).ok().filter(|t| !t.is_empty()) {
+        let token = match std::env::var(kvprobe::peer::TOKEN_VAR).ok().filter(|t| !t.is_empty()) {
             Some(t) => t,
-            None => return fail(Error::Usage(format!("--fd needs the token in {}", kvprobe::serve::TOKEN_VAR))),
+            None => return fail(Error::Usage(format!("--fd needs the token in {}", kvprobe::peer::TOKEN_VAR))),
         };
         let cfg = kvprobe::serve::ServeConfig {
             listen: format!("fd {fd}"),
@@ -1614,8 +1621,7 @@ fn serve(a: ServeArgs) -> Exit {
         Ok(l) => l,
         Err(e) => return fail(e),
     };
-    let (token, made) = match a.token.clone().or_else(|| std::env::var(kvprobe::serve::TOKEN_VAR).ok()).filter(|t| !t.is_empty())
-    {
+    let (token, made) = match a.token.clone().or_else(|| std::env::var(kvprobe::peer::TOKEN_VAR).ok()).filter(|t| !t.is_empty()) {
         Some(t) => (t, false),
         None => match kvprobe::peer::random_hex(16) {
             Ok(t) => (t, true),

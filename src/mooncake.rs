@@ -43,7 +43,7 @@ pub struct Install {
 pub fn venv_dir() -> PathBuf {
     match std::env::var_os(VENV_ENV).filter(|v| !v.is_empty()) {
         Some(v) => PathBuf::from(v),
-        None => crate::nixl::kvprobe_home().join("mooncake/venv"),
+        None => crate::scratch::kvprobe_home().join("mooncake/venv"),
     }
 }
 

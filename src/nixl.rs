@@ -24,25 +24,9 @@ pub const NIXL_DIR_ENV: &str = "KVPROBE_NIXL_DIR";
 /// How to install NIXL, for error messages.
 pub const INSTALL_HINT: &str = "install it with `scripts/install-deps.sh` (PyPI wheel nixl-cu13 1.5.1), or set KVPROBE_NIXL_DIR to the directory holding libnixl_capi.so";
 
-/// kvprobe's data directory: `$KVPROBE_HOME`, else `$XDG_DATA_HOME/kvprobe`, else
-/// `~/.local/share/kvprobe`.
-/// Empty or relative values are ignored (a relative path would make kvprobe load a
-/// library from the current directory).
-pub fn kvprobe_home() -> PathBuf {
-    let abs = |k: &str| std::env::var_os(k).map(PathBuf::from).filter(|p| p.is_absolute());
-    if let Some(h) = abs("KVPROBE_HOME") {
-        return h;
-    }
-    if let Some(x) = abs("XDG_DATA_HOME") {
-        return x.join("kvprobe");
-    }
-    let home = std::env::home_dir().unwrap_or_else(|| PathBuf::from("/nonexistent"));
-    home.join(".local/share/kvprobe")
-}
-
 /// Where the install step puts the NIXL libraries.
 pub fn default_lib_dir() -> PathBuf {
-    kvprobe_home().join("nixl/lib")
+    crate::scratch::kvprobe_home().join("nixl/lib")
 }
 
 /// The NIXL library kvprobe loaded.
@@ -160,12 +144,6 @@ pub fn check_ucx_log_file() -> Result<()> {
         return bad(format!("cannot create files in {}: {e}", dir.display()));
     }
     Ok(())
-}
-
-/// Flushes every C stdio stream (UCX writes its log and diagnostics through buffered ones).
-pub fn flush_c_stdio() {
-    // SAFETY: fflush(NULL) flushes all open output streams; it takes the streams' own locks.
-    unsafe { libc::fflush(std::ptr::null_mut()) };
 }
 
 fn set_default_env(key: &str, value: &Path) {
@@ -334,7 +312,7 @@ pub fn exit_now(code: u8) -> ! {
     let _ = std::io::stderr().flush();
     // UCX's diagnostics (UCX_PROTO_INFO, UCX_LOG_LEVEL) go through a buffered C stdout that
     // _exit would drop.
-    flush_c_stdio();
+    crate::child::flush_c_stdio();
     let ucx = crate::ucx::messages();
     if !ucx.is_empty() {
         let mut e = std::io::stderr().lock();
@@ -471,7 +449,7 @@ impl Lease {
         self.0.extend(other.0.iter().cloned());
     }
 
-    /// A reference that keeps nothing alive, for a peer's [`crate::transport::PeerInfo`].
+    /// A reference that keeps nothing alive, for a peer's `transport::PeerInfo`.
     pub fn downgrade(&self) -> WeakLease {
         WeakLease(self.0.iter().map(Arc::downgrade).collect())
     }

@@ -11,10 +11,25 @@ use crate::error::{Error, Result};
 use crate::fingerprint::{self, BlockIdentity, SKIP_GEN};
 use crate::geometry::{Geometry, SliceCoord};
 use crate::hostmem::{HostBuffer, SpanMut};
-use crate::report::KernelSeconds;
 use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Device seconds of the probe's kernels (CUDA events around the launches).
+#[derive(Clone, Copy, Debug, Default, serde::Serialize, serde::Deserialize)]
+pub struct KernelSeconds {
+    /// Fill kernels (prefill pool).
+    pub fill: f64,
+    /// Poison kernels (decode pool).
+    pub poison: f64,
+    /// Verify kernels (decode pool).
+    pub verify: f64,
+}
+
+/// Smallest pool (bytes per side) whose copy a sweep times as the transfer's ceiling
+/// (`summary.transport_path.copy_gbps`): below it the copy takes about as long as its fixed
+/// costs (thread start, kernel launch), so the rate would be noise, not a ceiling.
+pub const MIN_CEILING_BYTES: u64 = 64 << 20;
 
 /// Where a pool lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum)]
@@ -211,8 +226,8 @@ impl KvPool {
         {
             return Err(Error::Usage(format!(
                 "a DRAM pool of {} exceeds the {} of available host memory",
-                crate::report::bytes_exact(pool),
-                crate::report::bytes_exact(avail)
+                crate::units::bytes_exact(pool),
+                crate::units::bytes_exact(avail)
             )));
         }
         Ok(pool as usize)
@@ -273,8 +288,8 @@ impl KvPool {
         if need > free {
             return Err(Error::Usage(format!(
                 "a VRAM pool of {} (+ bookkeeping) exceeds the {} free on GPU {}",
-                crate::report::bytes_exact(pool),
-                crate::report::bytes_exact(free),
+                crate::units::bytes_exact(pool),
+                crate::units::bytes_exact(free),
                 dev.ordinal()
             )));
         }

@@ -276,17 +276,6 @@ pub struct IterationTimes {
     pub by_class: BTreeMap<String, u64>,
 }
 
-/// Device seconds of the probe's kernels (CUDA events around the launches).
-#[derive(Clone, Copy, Debug, Default, Serialize, serde::Deserialize)]
-pub struct KernelSeconds {
-    /// Fill kernels (prefill pool).
-    pub fill: f64,
-    /// Poison kernels (decode pool).
-    pub poison: f64,
-    /// Verify kernels (decode pool).
-    pub verify: f64,
-}
-
 impl Summary {
     /// An empty summary with every class at zero.
     pub fn new() -> Summary {
@@ -315,7 +304,7 @@ pub struct Outcome {
     pub error: Option<RunError>,
 }
 
-/// What the report says about its dump (`dump` in the report; written by [`crate::dump`]).
+/// What the report says about its dump (`dump` in the report; written by `dump`).
 #[derive(Clone, Debug, Serialize, serde::Deserialize, PartialEq)]
 pub struct DumpSummary {
     /// The dump directory as given.
@@ -351,7 +340,7 @@ pub struct Report {
     pub injections: Vec<InjectionRecord>,
     /// Scenario runs (`--scenario`): load, tier, race outcomes, error rate over time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub scenario: Option<crate::engine::ScenarioReport>,
+    pub scenario: Option<ScenarioReport>,
     /// `--dump DIR`: what was dumped (README "Dumps").
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dump: Option<DumpSummary>,
@@ -363,7 +352,119 @@ pub struct Report {
     pub outcome: Outcome,
 }
 
-pub use crate::peer::PeerSide;
+pub use crate::pool::KernelSeconds;
+pub use crate::units::{bytes_binary, bytes_exact, plural};
+
+/// One side of a node pair as the other side's report records it (`run --peer` records
+/// prefill's, `serve` records decode's).
+#[derive(Clone, Debug, Default, Serialize, serde::Deserialize)]
+pub struct PeerSide {
+    /// `prefill` or `decode`.
+    pub role: String,
+    /// The address the run connected to (`--peer`), or the client's address (serve).
+    pub address: String,
+    /// The side's host name.
+    pub host: String,
+    /// The run's id (16 hex digits), the same in both reports.
+    pub run_id: String,
+    /// The side's pool memory.
+    pub memory: Option<crate::pool::MemoryKind>,
+    /// The side's GPU (VRAM).
+    pub device: usize,
+    /// The side's machine, GPUs, driver, NIXL and UCX versions.
+    pub environment: Option<crate::envinfo::Environment>,
+    /// UCX's protocol selections as the side's process logged them for this run (READ or
+    /// WRITE, whichever it initiated or served).
+    pub transport_path: Option<crate::ucx::TransportPath>,
+    /// Seconds the side spent setting up (pool, NIXL agent), filling (prefill: every fill and
+    /// planted fault, its clock) and, for WRITE, with its requests in flight.
+    pub setup_seconds: f64,
+    /// See `setup_seconds`.
+    pub fill_seconds: f64,
+    /// Fills the side completed (stages or whole pools).
+    pub fills: u64,
+    /// WRITE requests the side posted and bytes they moved.
+    pub writes: u64,
+    /// See `writes`.
+    pub bytes_written: u64,
+    /// The side's exit code, when it said.
+    pub exit_code: Option<u8>,
+    /// True when the side did not send its part at the end (it had died, stopped, or the
+    /// link dropped): the fields are what was known from the start of the run.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub bye_missing: bool,
+}
+
+/// One mechanism's outcome in a run.
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
+pub struct RaceOutcome {
+    /// The mechanism.
+    pub mechanism: crate::race::Mechanism,
+    /// Kept or left out in this run.
+    pub fencing: crate::race::Fencing,
+    /// Times the unfenced ordering let a conflicting copy happen.
+    pub windows_opened: u64,
+    /// Corrupt slices at decode explained by this mechanism.
+    pub corrupt_attributed: u64,
+    /// Those slices by class.
+    pub classes: BTreeMap<String, u64>,
+    /// Classes it predicts (misplaced, stale, torn: the scenario engine's `RACE_CLASSES`).
+    pub predicted_classes: Vec<Class>,
+    /// "detected", "not reproduced", or "clean" (fenced).
+    pub verdict: String,
+    /// Why it was not reproduced, when it was not.
+    pub why: Option<String>,
+}
+
+/// Counts over one interval of the run (error rate over time).
+#[derive(Clone, Debug, Default, Serialize, serde::Deserialize)]
+pub struct Interval {
+    /// Start, seconds since the run started.
+    pub start_s: f64,
+    /// End, seconds since the run started.
+    pub end_s: f64,
+    /// Requests verified at decode.
+    pub requests: u64,
+    /// Block slices verified.
+    pub slices_checked: u64,
+    /// Corrupt slices found.
+    pub corrupt: u64,
+}
+
+/// The scenario part of a report.
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
+pub struct ScenarioReport {
+    /// Scenario.
+    pub scenario: crate::race::Scenario,
+    /// Tier.
+    pub tier: crate::tier::TierKind,
+    /// Engine steps run.
+    pub steps: u64,
+    /// Seconds from the first admission to the end of the drain.
+    pub seconds: f64,
+    /// Requests admitted.
+    pub requests_admitted: u64,
+    /// Requests verified at decode.
+    pub requests_verified: u64,
+    /// Requests aborted by the client after their prefill was issued.
+    pub requests_aborted: u64,
+    /// Prompt blocks served from the tier (prefix hits).
+    pub tier_hit_blocks: u64,
+    /// Saves executed.
+    pub tier_saves: u64,
+    /// Loads executed (prefill hits and decode loads).
+    pub tier_loads: u64,
+    /// Tier entries evicted.
+    pub tier_evictions: u64,
+    /// The tier in use: for Mooncake its version, protocol and master address.
+    pub tier_detail: String,
+    /// Corrupt slices the engine's shadow did not predict (a defect of the stack under test).
+    pub unexplained_corrupt: u64,
+    /// One entry per mechanism: unfenced ones with their detection, fenced ones "clean" or not.
+    pub races: Vec<RaceOutcome>,
+    /// Error counts per `interval_secs`.
+    pub intervals: Vec<Interval>,
+}
 
 impl Report {
     /// Sets the outcome from the final exit code and error.
@@ -480,6 +581,39 @@ fn sweep_stale_temps(dir: &Path) {
     }
 }
 
+/// The report of the run in progress as last published ([`publish`]), for the watchdog.
+static SHADOW: std::sync::Mutex<Option<Report>> = std::sync::Mutex::new(None);
+
+/// Publishes the report so far, so that a call that blocks past its deadline still ends the
+/// run with it (`run::expired_report`, the watchdog of `deadline`). Called after set-up steps, after
+/// each sweep iteration and with each scenario progress update. Cheap: listed failures and
+/// injections are appended, not copied again (a run only ever appends to them).
+pub fn publish(r: &Report) {
+    let mut s = SHADOW.lock().unwrap_or_else(|p| p.into_inner());
+    match s.as_mut() {
+        Some(sh)
+            if sh.started_unix == r.started_unix
+                && sh.config == r.config
+                && sh.failures.len() <= r.failures.len()
+                && sh.injections.len() <= r.injections.len() =>
+        {
+            sh.failures.extend_from_slice(&r.failures[sh.failures.len()..]);
+            sh.injections.extend_from_slice(&r.injections[sh.injections.len()..]);
+            sh.summary = r.summary.clone();
+            sh.scenario = r.scenario.clone();
+            if sh.environment.is_none() {
+                sh.environment = r.environment.clone();
+            }
+        }
+        _ => *s = Some(r.clone()),
+    }
+}
+
+/// The report last [`publish`]ed in this process, if any.
+pub fn last_published() -> Option<Report> {
+    SHADOW.lock().unwrap_or_else(|p| p.into_inner()).clone()
+}
+
 /// Writes `value` as pretty JSON to `path` atomically: a new temporary file with a random
 /// name in the target's directory (created exclusively, never through a symlink), given the
 /// replaced report's mode and owner, synced, then renamed over the target; removed again when
@@ -568,33 +702,6 @@ fn human_bytes(b: u64) -> String {
 /// Bytes per second of wall time in GB/s (1e9 B/s); 0 for no time.
 fn wall_gbps(bytes: u64, secs: f64) -> f64 {
     if secs > 0.0 { bytes as f64 / secs / 1e9 } else { 0.0 }
-}
-
-/// `n` and `noun`, the noun with an `s` unless `n` is 1: "1 request", "3 requests".
-pub fn plural(n: u64, noun: &str) -> String {
-    format!("{n} {noun}{}", if n == 1 { "" } else { "s" })
-}
-
-/// A byte count in binary units with the exact value, for messages: `196.84 GiB
-/// (211353600000 bytes)`; plain `N bytes` below 1 KiB.
-pub fn bytes_exact(b: u64) -> String {
-    if b < 1024 { format!("{b} bytes") } else { format!("{} ({b} bytes)", bytes_binary(b)) }
-}
-
-/// A byte count in binary units (KiB = 1024 B ... EiB), two decimals: `196.84 GiB`; `N B`
-/// below 1 KiB.
-pub fn bytes_binary(b: u64) -> String {
-    const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
-    if b < 1024 {
-        return format!("{b} B");
-    }
-    let mut x = b as f64 / 1024.0;
-    let mut u = 0;
-    while x >= 1024.0 && u + 1 < UNITS.len() {
-        x /= 1024.0;
-        u += 1;
-    }
-    format!("{x:.2} {}", UNITS[u])
 }
 
 /// The human summary printed on stdout.
@@ -744,7 +851,7 @@ pub fn render(r: &Report) -> String {
             out += &format!(
                 "                   transfer not rated against a copy: a pool of {} is too small to time one (at least {} MiB per side)\n",
                 pool.map(bytes_exact).unwrap_or_else(|| "this size".into()),
-                crate::run::MIN_CEILING_BYTES >> 20
+                crate::pool::MIN_CEILING_BYTES >> 20
             );
         }
         if let Some(w) = &p.warning {

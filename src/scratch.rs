@@ -158,3 +158,19 @@ pub fn sweep_in(root: &Path) -> Vec<PathBuf> {
     }
     removed
 }
+
+/// kvprobe's data directory: `$KVPROBE_HOME`, else `$XDG_DATA_HOME/kvprobe`, else
+/// `~/.local/share/kvprobe`.
+/// Empty or relative values are ignored (a relative path would make kvprobe load a
+/// library from the current directory).
+pub fn kvprobe_home() -> std::path::PathBuf {
+    let abs = |k: &str| std::env::var_os(k).map(std::path::PathBuf::from).filter(|p| p.is_absolute());
+    if let Some(h) = abs("KVPROBE_HOME") {
+        return h;
+    }
+    if let Some(x) = abs("XDG_DATA_HOME") {
+        return x.join("kvprobe");
+    }
+    let home = std::env::home_dir().unwrap_or_else(|| std::path::PathBuf::from("/nonexistent"));
+    home.join(".local/share/kvprobe")
+}

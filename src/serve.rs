@@ -12,14 +12,14 @@
 //! too ([`serve_in_process`]). One protocol and one code path for a remote, a child and an
 //! in-process peer.
 //!
-//! Both sides plan each iteration from the configuration alone ([`crate::run::plan`]: block
+//! Both sides plan each iteration from the configuration alone (`sweep::plan`: block
 //! map, injections), so the protocol never carries block lists.
 
 use crate::error::{Error, Exit, Result};
 use crate::peer::{self, Accepted, Link, Msg, Side, Stream};
 use crate::pool::MemoryKind;
 use crate::report::{PeerSide, Report};
-use crate::run::{self, RunConfig};
+use crate::sweep::{self, RunConfig};
 use crate::transport::{Endpoint, Op};
 use std::collections::BTreeMap;
 use std::net::TcpListener;
@@ -32,15 +32,12 @@ use std::time::{Duration, Instant};
 /// 2 × the run's `--timeout`, at least this).
 pub const IDLE_REQUESTS: Duration = Duration::from_secs(120);
 
-/// Environment variable holding the shared token when `--token` is not given.
-pub const TOKEN_VAR: &str = "KVPROBE_TOKEN";
-
 /// What `kvprobe serve` was told.
 #[derive(Clone, Debug)]
 pub struct ServeConfig {
     /// Where to listen (`--listen ADDR:PORT`; port 0 picks a free one).
     pub listen: String,
-    /// The shared token (`--token`, [`TOKEN_VAR`], or one made at start and printed).
+    /// The shared token (`--token`, [`peer::TOKEN_VAR`], or one made at start and printed).
     pub token: String,
     /// Prefill's pool memory (`--memory`; default VRAM when a GPU exists).
     pub memory: MemoryKind,
@@ -177,7 +174,7 @@ pub fn serve(
 /// the other end), then returns the session's exit code (what the parent's run ended with, or
 /// this side's failure). Says nothing on stdout and writes no report: the parent's report
 /// carries this side's part (its `bye`). The token is the one the parent put in
-/// [`TOKEN_VAR`].
+/// [`peer::TOKEN_VAR`].
 pub fn serve_child(cfg: &ServeConfig, stream: std::os::unix::net::UnixStream) -> Exit {
     match peer::server(Stream::Unix(stream), &cfg.token, cfg.idle_timeout) {
         Ok(Accepted::Link(link, run_id)) => session(cfg, link, &run_id, "the parent kvprobe", &mut |_| {}, None).exit,
@@ -199,7 +196,9 @@ pub fn serve_child(cfg: &ServeConfig, stream: std::os::unix::net::UnixStream) ->
 /// [`SessionMode::InProcess`].
 pub fn serve_in_process(cfg: &ServeConfig, stream: std::os::unix::net::UnixStream, handoff: &Handoff) -> Exit {
     match peer::server(Stream::Unix(stream), &cfg.token, cfg.idle_timeout) {
-        Ok(Accepted::Link(link, run_id)) => session(cfg, link, &run_id, "this process's decode side", &mut |_| {}, Some(handoff)).exit,
+        Ok(Accepted::Link(link, run_id)) => {
+            session(cfg, link, &run_id, "this process's decode side", &mut |_| {}, Some(handoff)).exit
+        }
         Ok(Accepted::Refused(_)) => Exit::Usage,
         Err(e) => e.exit(),
     }
@@ -280,17 +279,19 @@ fn check_config(
         return Err((
             Some("decode_process".into()),
             match cfg.mode {
-                SessionMode::Child => "the prefill process of --decode-process serves only its parent's --decode-process run".into(),
+                SessionMode::Child => {
+                    "the prefill process of --decode-process serves only its parent's --decode-process run".into()
+                }
                 SessionMode::Listen => "--decode-process does not apply to --peer".into(),
                 SessionMode::InProcess => "an in-process prefill does not serve --decode-process runs".into(),
             },
         ));
     }
-    run::check_config(&rc).map_err(|e| (None, e.detail().to_string()))?;
+    sweep::check_config(&rc).map_err(|e| (None, e.detail().to_string()))?;
     // Prefill's pool on this host: DRAM pool bytes plus the per-slice bookkeeping.
     let g = &rc.geometry;
     let pool = if cfg.memory == MemoryKind::Dram { g.pool_bytes().unwrap_or(u64::MAX) } else { 0 };
-    let need = pool.saturating_add(g.total_slices().unwrap_or(u64::MAX).saturating_mul(run::HOST_BYTES_PER_SLICE));
+    let need = pool.saturating_add(g.total_slices().unwrap_or(u64::MAX).saturating_mul(sweep::HOST_BYTES_PER_SLICE));
     if let Some(avail) = crate::hostmem::available_bytes()
         && need > avail
     {
@@ -298,8 +299,8 @@ fn check_config(
             None,
             format!(
                 "prefill's side needs about {} of host memory on this host; {} are available",
-                crate::report::bytes_exact(need),
-                crate::report::bytes_exact(avail)
+                crate::units::bytes_exact(need),
+                crate::units::bytes_exact(avail)
             ),
         ));
     }
@@ -365,10 +366,10 @@ fn attribute(link: &Link, e: Error) -> Error {
 }
 
 /// Makes sure `plans` holds iteration `it`'s plan (a function of the configuration:
-/// [`run::plan`]), keeping the two newest.
-fn plan_for(rc: &RunConfig, plans: &mut BTreeMap<u32, run::Plan>, it: u32) -> Result<()> {
+/// [`sweep::plan`]), keeping the two newest.
+fn plan_for(rc: &RunConfig, plans: &mut BTreeMap<u32, sweep::Plan>, it: u32) -> Result<()> {
     if let std::collections::btree_map::Entry::Vacant(v) = plans.entry(it) {
-        v.insert(run::plan(rc, it)?);
+        v.insert(sweep::plan(rc, it)?);
     }
     while plans.len() > 2 && plans.first_key_value().is_some_and(|(k, _)| *k != it) {
         plans.pop_first();
@@ -439,18 +440,18 @@ fn session_inner(
     let mark = crate::ucx::mark();
     say(&format!(
         "kvprobe serve: prefill pool {} {}, backend {}",
-        rc.geometry.pool_bytes().map(crate::report::bytes_binary).unwrap_or_default(),
+        rc.geometry.pool_bytes().map(crate::units::bytes_binary).unwrap_or_default(),
         if vram { format!("VRAM on GPU {}", cfg.device) } else { "DRAM".into() },
         rc.backend
     ));
     let handed = handoff.and_then(|h| h.pool.lock().unwrap_or_else(|p| p.into_inner()).take());
     let pool = match handed {
         Some(p) => p,
-        None => run::build_prefill_pool(&rc, cfg.memory, cfg.device)?,
+        None => sweep::build_prefill_pool(&rc, cfg.memory, cfg.device)?,
     };
     // The run's --xfer-req and --backend-param apply to both sides.
     let opts = crate::transport::TransportOptions { xfer_req: rc.xfer_req, backend_params: rc.backend_params.clone() };
-    let refusal = |e| run::backend_refusal(&rc.backend, cfg.memory, e);
+    let refusal = |e| sweep::backend_refusal(&rc.backend, cfg.memory, e);
     crate::trace!("prefill NIXL agent");
     let mut ep = Endpoint::with_options("kvprobe-prefill", &rc.backend, pool, &opts).map_err(refusal)?;
     let mut decode_info = link.expect("decode's NIXL agent", |m| match m {
@@ -477,8 +478,8 @@ fn session_inner(
     }
     let mut me = PeerSide { setup_seconds: started.elapsed().as_secs_f64(), ..Default::default() };
 
-    let stages = run::sweep_stages(&rc);
-    let mut plans: BTreeMap<u32, run::Plan> = BTreeMap::new();
+    let stages = sweep::sweep_stages(&rc);
+    let mut plans: BTreeMap<u32, sweep::Plan> = BTreeMap::new();
     let mut inflight: Vec<(String, crate::nixl::Posted)> = Vec::new();
     let check_it = |it: u32| {
         if it == 0 || it > rc.iterations.saturating_add(1) {
@@ -521,7 +522,7 @@ fn session_inner(
                 let t = Instant::now();
                 plan_for(&rc, &mut plans, it)?;
                 // Filled means in memory: decode READs it next.
-                run::fill_stage(&rc, &mut ep.pool, &plans[&it], &stages, stage.map(|k| k as usize), true)?;
+                sweep::fill_stage(&rc, &mut ep.pool, &plans[&it], &stages, stage.map(|k| k as usize), true)?;
                 let seconds = t.elapsed().as_secs_f64();
                 let kernel_seconds = ep.pool.take_kernel_seconds().fill;
                 me.fill_seconds += seconds;
@@ -534,7 +535,7 @@ fn session_inner(
                     return Err(Error::Transport(format!("decode asked for a WRITE of stage {stage} (a protocol error)")));
                 }
                 plan_for(&rc, &mut plans, it)?;
-                let pairs = run::stage_request(&rc, &plans[&it], &stages, stage as usize)?;
+                let pairs = sweep::stage_request(&rc, &plans[&it], &stages, stage as usize)?;
                 if pairs.is_empty() {
                     link.send(&Msg::Written { tag, bytes: 0, nanos: 0 })?;
                 } else {

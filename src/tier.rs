@@ -18,6 +18,17 @@ use crate::pool::TableEntry;
 use crate::race::Mechanism;
 use std::collections::HashMap;
 
+/// The KV tier under the connectors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum TierKind {
+    /// The built-in store (src/tier.rs): block-hash keyed entries in host memory.
+    Embedded,
+    /// A real Mooncake Store (master started by kvprobe, or `--mooncake-master`; Python store
+    /// client as a worker) on DRAM or VRAM pools.
+    Mooncake,
+}
+
 /// What a block (pool slot or tier entry) holds, as far as the engine's own operations go.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Content {
@@ -77,8 +88,8 @@ impl Store {
         {
             return Err(Error::Usage(format!(
                 "the tier of {capacity} blocks needs {} of host memory; {} are available (lower --tier-blocks)",
-                crate::report::bytes_exact(bytes),
-                crate::report::bytes_exact(avail)
+                crate::units::bytes_exact(bytes),
+                crate::units::bytes_exact(avail)
             )));
         }
         let buf = PrivateBuffer::alloc(bytes as usize)?;

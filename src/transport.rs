@@ -362,7 +362,7 @@ impl Endpoint {
     }
 
     /// Sends `tag` to the peer as a bare NIXL notification (no transfer): the test-only
-    /// early-notification fault of the sweep ([`crate::run`]). Errors: transport (exit 3).
+    /// early-notification fault of the sweep (`run`). Errors: transport (exit 3).
     pub fn notify_peer(&self, tag: &str) -> Result<()> {
         let peer = self.peer().agent.clone();
         self.local()?.notify(&peer, tag.as_bytes())

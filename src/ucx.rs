@@ -6,7 +6,7 @@
 //! description such as "zero-copy" or "software emulation", and config such as
 //! "cuda_ipc/cuda" or "tcp/lo"). kvprobe turns that on for its own process (unless the user
 //! set `UCX_PROTO_INFO` or `UCX_LOG_FILE`, or `KVPROBE_UCX_DIAG=0`) with the log going to a
-//! file ([`crate::nixl::prepare_ucx_env`]), reads back the tables of each run, and reports
+//! file (`nixl::prepare_ucx_env`), reads back the tables of each run, and reports
 //! the selection for the memory types of the run, flagging software emulation.
 //!
 //! UCX's own messages go to that file too while it is on; a sweep's are handed back in
@@ -24,7 +24,7 @@ pub const DIAG_ENV: &str = "KVPROBE_UCX_DIAG";
 static LOG: OnceLock<Option<PathBuf>> = OnceLock::new();
 
 /// The UCX log file kvprobe asked for, if the capture is on (set once, by
-/// [`crate::nixl::prepare_ucx_env`]).
+/// `nixl::prepare_ucx_env`).
 pub fn log_path() -> Option<&'static PathBuf> {
     LOG.get().and_then(|p| p.as_ref())
 }
@@ -80,7 +80,7 @@ pub struct TransportPath {
     pub emulated: bool,
     /// Rate of one copy of the pool, prefill to decode, measured in the same run (GB/s, bytes
     /// moved once: cuMemcpyDtoD for VRAM, memcpy on all threads for DRAM); the ceiling the
-    /// transfer rate is compared to. `None` for pools under [`crate::run::MIN_CEILING_BYTES`]
+    /// transfer rate is compared to. `None` for pools under [`crate::pool::MIN_CEILING_BYTES`]
     /// (too small to time a copy).
     pub copy_gbps: Option<f64>,
     /// Transfer rate / `copy_gbps`.
@@ -143,7 +143,7 @@ pub fn adopt() {
 
 /// Size of the UCX log now: a run reads what was written after it.
 pub fn mark() -> u64 {
-    crate::nixl::flush_c_stdio();
+    crate::child::flush_c_stdio();
     match ADOPTED.get() {
         Some(f) => f.lock().ok().and_then(|f| f.metadata().ok()).map_or(0, |m| m.len()),
         None => log_path().and_then(|p| std::fs::metadata(p).ok()).map_or(0, |m| m.len()),
@@ -152,7 +152,7 @@ pub fn mark() -> u64 {
 
 /// Reads the UCX log from `from` (see [`mark`]).
 fn read_since(from: u64) -> Option<String> {
-    crate::nixl::flush_c_stdio();
+    crate::child::flush_c_stdio();
     let read = |f: &mut std::fs::File| {
         let mut s = String::new();
         f.seek(SeekFrom::Start(from)).ok()?;
@@ -168,7 +168,7 @@ fn read_since(from: u64) -> Option<String> {
 /// The whole UCX log of this process (protocol tables and UCX's messages) when the capture
 /// is on ([`log_path`]), read through the descriptor kvprobe keeps once the file is unlinked;
 /// `None` when it is off or unreadable. Used by the bundle's environment capture
-/// ([`crate::capture`]).
+/// (`capture`).
 pub fn log_text() -> Option<String> {
     read_since(0)
 }

@@ -29,7 +29,7 @@ fn bad_flags_exit_2_with_a_message() {
     for n in ["16777215", "4294967294", "4294967295"] {
         assert_usage(&["run", "--memory", "dram", "--iterations", n], "--iterations must be below 16777215");
     }
-    assert_eq!(kvprobe::run::MAX_ITERATIONS, 16_777_214);
+    assert_eq!(kvprobe::sweep::MAX_ITERATIONS, 16_777_214);
     assert_usage(&["run", "--memory", "dram", "--timeout=-1"], "--timeout must be a positive");
     assert_usage(&["run", "--memory", "dram", "--timeout", "nan"], "--timeout must be a positive");
     assert_usage(&["run", "--memory", "dram", "--layers", "99999"], "65535");

@@ -509,7 +509,7 @@ fn a_pool_too_small_to_time_a_copy_is_not_rated_against_one() {
     assert!(
         log.contains(&format!(
             "transfer not rated against a copy: a pool of 2.00 MiB (2097152 bytes) is too small to time one (at least {} MiB per side)",
-            kvprobe::run::MIN_CEILING_BYTES >> 20
+            kvprobe::pool::MIN_CEILING_BYTES >> 20
         )),
         "{log}"
     );

@@ -1,4 +1,4 @@
-//! Issue 13.14: the GPU lanes (scripts/gpu-check*.sh over scripts/gpu-lane.sh) fail when they
+//! Issue 13.14: the GPU lane driver (scripts/gpu-lane.sh and its suites) fails when it
 //! must — a failing or skipping test binary, a step exiting otherwise than it must, a host with
 //! fewer GPUs than the lane's kind — and the GPU tests' gate (tests/common `gpu_decision`)
 //! fails instead of skipping where GPUs are required, naming a `cuInit` failure. The lanes run
@@ -18,8 +18,9 @@ fn write_exe(p: &Path, body: &str) {
 }
 
 /// A bundle in `d/b`: an empty NIXL tarball, a stand-in `kvprobe` (`env --json` lists
-/// $FAKE_GPUS GPUs; `run` exits 1 with --inject, else $FAKE_RUN_RC, default 0) and a stand-in
-/// `tests` (prints $FAKE_TESTS_OUT, exits $FAKE_TESTS_RC).
+/// $FAKE_GPUS GPUs; `run` exits 1 with --inject, else $FAKE_RUN_RC, default 0, and writes a
+/// report whose injections were all found to its `--report`; `ab` exits $FAKE_RUN_RC) and a
+/// stand-in `tests` (prints $FAKE_TESTS_OUT, exits $FAKE_TESTS_RC).
 fn bundle(d: &Path) {
     let b = d.join("b");
     std::fs::create_dir_all(&b).unwrap();
@@ -31,7 +32,17 @@ fn bundle(d: &Path) {
 case "$1 $2" in
   "env --json") printf '{"gpus": ['; for ((i = 0; i < ${FAKE_GPUS:-1}; i++)); do [ $i -gt 0 ] && printf ','; printf '{}'; done; echo ']}' ;;
   env*) echo "fake env" ;;
-  run*) for a in "$@"; do [ "$a" = --inject ] && exit 1; done; exit "${FAKE_RUN_RC:-0}" ;;
+  run*)
+    rc=${FAKE_RUN_RC:-0}; prev=
+    for a in "$@"; do
+      [ "$a" = --inject ] && rc=1
+      [ "$prev" = --report ] && report=$a
+      prev=$a
+    done
+    body='{"outcome": {"exit_code": 0}, "summary": {"per_iteration": [], "injections_planted": 2, "injections_detected": 2, "unexpected_failures": 0}}'
+    if [ "${report:-}" = - ]; then echo "$body"; elif [ -n "${report:-}" ]; then echo "$body" > "$report"; fi
+    exit "$rc" ;;
+  ab*) exit "${FAKE_RUN_RC:-0}" ;;
   *) exit 0 ;;
 esac
 "#,
@@ -42,13 +53,15 @@ esac
     );
 }
 
-/// Runs lane script `name` on a stand-in bundle with `env`; (exit code, the lane's log).
-fn lane(name: &str, env: &[(&str, &str)]) -> (i32, String) {
+/// Runs the lane driver with `suites` on a stand-in bundle with `env`, from a directory that
+/// has the repository's bench/; (exit code, the lane's log).
+fn lane(suites: &[&str], env: &[(&str, &str)]) -> (i32, String) {
     let d = tmpdir("lane");
     bundle(&d);
+    std::os::unix::fs::symlink(Path::new(env!("CARGO_MANIFEST_DIR")).join("bench"), d.join("bench")).unwrap();
     let out = d.join("out");
     let mut c = Command::new("bash");
-    c.arg(script(name)).arg("b").current_dir(&d).env("OUT", &out).env("KVPROBE_LANE_TMP", d.join("tmp"));
+    c.arg(script("gpu-lane.sh")).arg("b").args(suites).current_dir(&d).env("OUT", &out).env("KVPROBE_LANE_TMP", d.join("tmp"));
     c.env_remove("KVPROBE_REQUIRE_GPUS").env_remove("KVPROBE_REQUIRE_GPU").env("PATH", std::env::var("PATH").unwrap());
     for (k, v) in env {
         c.env(k, v);
@@ -64,7 +77,7 @@ fn lane(name: &str, env: &[(&str, &str)]) -> (i32, String) {
 #[test]
 fn a_one_gpu_lane_passes_only_when_every_step_does() {
     // Everything as it must be: the lane passes (so the failures below are the steps' own).
-    let (code, log) = lane("gpu-check.sh", &[]);
+    let (code, log) = lane(&["final"], &[]);
     assert_eq!(code, 0, "{log}");
     assert!(log.contains("GPUs: 1 present, 1 required"), "{log}");
     for (why, env) in [
@@ -74,29 +87,51 @@ fn a_one_gpu_lane_passes_only_when_every_step_does() {
         ("a run that must be clean exits 3", &[("FAKE_RUN_RC", "3")][..]),
         ("the host shows no GPU", &[("FAKE_GPUS", "0")][..]),
     ] {
-        let (code, log) = lane("gpu-check.sh", env);
+        let (code, log) = lane(&["final"], env);
         assert_eq!(code, 1, "{why}: {log}");
         assert!(log.contains("FAIL: ") && log.contains("LANE FAILED"), "{why}: {log}");
     }
     // A two-GPU test not run on a one-GPU kind is no skip, nor is a message naming SKIP_GEN.
     let out = "NOT RUN x: needs 2 CUDA GPU(s), 1 present; the lane requires 1\ntest skip_gen ... ok (SKIP_GEN checked)";
-    let (code, log) = lane("gpu-check.sh", &[("FAKE_TESTS_OUT", out)]);
+    let (code, log) = lane(&["tests"], &[("FAKE_TESTS_OUT", out)]);
     assert_eq!(code, 0, "{log}");
 }
 
 #[test]
 fn a_two_gpu_lane_requires_two_gpus_from_its_kind() {
-    let (code, log) = lane("gpu-check-x2.sh", &[("FAKE_GPUS", "2")]);
+    let (code, log) = lane(&["x2"], &[("FAKE_GPUS", "2")]);
     assert_eq!(code, 0, "{log}");
     assert!(log.contains("GPUs: 2 present, 2 required"), "{log}");
     // One GPU visible on the two-GPU kind: the lane fails, whatever the caller's environment says.
-    let (code, log) = lane("gpu-check-x2.sh", &[("FAKE_GPUS", "1"), ("KVPROBE_REQUIRE_GPUS", "1")]);
+    let (code, log) = lane(&["tests", "x2-bench"], &[("FAKE_GPUS", "1"), ("KVPROBE_REQUIRE_GPUS", "1")]);
     assert_eq!(code, 1, "{log}");
     assert!(log.contains("FAIL: kvprobe env: 1 GPU(s), the lane requires 2"), "{log}");
-    // The final lane takes the count from the caller (the host kind), not from nvidia-smi.
-    let (code, log) = lane("gpu-check-final.sh", &[("FAKE_GPUS", "1"), ("KVPROBE_REQUIRE_GPUS", "2")]);
+    // One-GPU suites take the count from the caller (the host kind), not from nvidia-smi.
+    let (code, log) = lane(&["final"], &[("FAKE_GPUS", "1"), ("KVPROBE_REQUIRE_GPUS", "2")]);
     assert_eq!(code, 1, "{log}");
     assert!(log.contains("the lane requires 2"), "{log}");
+}
+
+#[test]
+fn every_suite_runs_to_its_end_and_names_are_checked() {
+    // Each suite on stand-ins with two GPUs: every step runs and passes (a typo in a suite, a
+    // step whose exit is checked wrongly, fails here), and each suite is announced in the log.
+    let all = ["tests", "main", "inject", "mooncake", "sustained", "perf", "perf-ucx", "perf-procs", "x2", "x2-bench"];
+    let (code, log) = lane(&all, &[("FAKE_GPUS", "2"), ("KVPROBE_MOONCAKE_VENV", "/nonexistent")]);
+    assert_eq!(code, 0, "{log}");
+    for s in all {
+        assert!(log.contains(&format!("##### suite {s}\n")), "{s} not run: {log}");
+    }
+    // An unknown suite, or none, is refused (exit 2) before anything runs.
+    for args in [&["mian"][..], &[][..]] {
+        let (code, log) = lane(args, &[]);
+        assert_eq!(code, 2, "{args:?}: {log}");
+        assert!(log.contains("suites (one GPU unless marked x2"), "{args:?}: {log}");
+    }
+    // `list` prints them and exits 0.
+    let (code, log) = lane(&["list"], &[]);
+    assert_eq!(code, 0, "{log}");
+    assert!(log.contains("x2-bench") && log.contains("final"), "{log}");
 }
 
 #[test]

@@ -446,11 +446,11 @@ fn race_help_explains_every_mechanism() {
 // there. The slices below are built from the fingerprint and poison definitions directly.
 
 mod attribution {
-    use kvprobe::engine::attribute;
     use kvprobe::fingerprint::{self, BlockIdentity};
     use kvprobe::geometry::{KvPart, SliceCoord};
     use kvprobe::pool::TableEntry;
     use kvprobe::race::Mechanism;
+    use kvprobe::scenario::shadow::attribute;
     use kvprobe::tier::Content;
 
     const SEED: u64 = 7;

@@ -185,7 +185,7 @@ fn ucx_tables_are_parsed_and_emulation_is_flagged() {
 }
 
 use kvprobe::geometry::{Geometry, KvPart, Layout, SliceCoord};
-use kvprobe::run::{coalesce, stages};
+use kvprobe::sweep::{coalesce, stages};
 use kvprobe::transport::Pair;
 
 fn pair(g: &Geometry, layer: u32, kv: KvPart, src: u32, dst: u32) -> Pair {

@@ -197,7 +197,7 @@ fn old_reports_without_the_new_fields_still_parse() {
     let mut cfg = r["config"].clone();
     let m = cfg.as_object_mut().unwrap();
     assert!(m.remove("xfer_req").is_some() && m.remove("backend_params").is_some(), "{cfg}");
-    let back: kvprobe::run::RunConfig = serde_json::from_value(cfg).unwrap();
+    let back: kvprobe::sweep::RunConfig = serde_json::from_value(cfg).unwrap();
     // Reports written before the flag built every request with createXferReq.
     assert_eq!(back.xfer_req, XferReq::Create);
     assert!(back.backend_params.is_empty());

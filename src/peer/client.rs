@@ -3,10 +3,11 @@
 //! of prefill (fill a stage, post a WRITE, which notifications arrived) as messages of the
 //! peer protocol ([`super::Msg`]).
 
-use super::{Link, Msg, PeerSide, Side};
+use super::{Link, Msg, Side};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::nixl::XferResult;
+use crate::report::PeerSide;
 use crate::transport::PeerInfo;
 use std::collections::{HashMap, HashSet};
 use std::os::fd::AsRawFd;
@@ -79,7 +80,7 @@ pub enum Holder {
 /// [`EXIT_GRACE`] ([`EXIT_GRACE_INTERRUPTED`] after a signal); one that has not ended by then
 /// (stuck in a NIXL or CUDA call) is left to the process's exit, with a line on stderr. Its
 /// pool is never freed under a request of this process: each request holds a share of its
-/// registrations ([`crate::serve::Handoff::lease`]).
+/// registrations (`serve::Handoff::lease`).
 pub struct PrefillThread {
     handle: Option<std::thread::JoinHandle<crate::error::Exit>>,
 }
@@ -101,7 +102,7 @@ impl Drop for PrefillThread {
 }
 
 /// The plain sweep: starts prefill's side on a thread of this process — `session` (the
-/// caller's: [`crate::serve::serve_in_process`]) on one end of a Unix socket pair, with a fresh
+/// caller's: `serve::serve_in_process`) on one end of a Unix socket pair, with a fresh
 /// random token — and authenticates with it as [`start_child`] does with a child. Returns the
 /// link and the thread. Errors: environment (no socket pair, no thread), transport (the
 /// session ended before its welcome), timeout (no welcome within [`super::HANDSHAKE_BOUND`]).
@@ -129,7 +130,7 @@ pub const EXIT_GRACE: Duration = Duration::from_secs(5);
 
 /// [`EXIT_GRACE`] after SIGINT/SIGTERM: a child that is stuck or stopped is killed after this,
 /// so an interrupted run exits within [`crate::deadline::INTERRUPT_GRACE`] of the signal plus
-/// [`crate::run::PEER_BYE_BOUND`] and this (README "What `--timeout` bounds").
+/// `run::PEER_BYE_BOUND` and this (README "What `--timeout` bounds").
 pub const EXIT_GRACE_INTERRUPTED: Duration = Duration::from_secs(1);
 
 /// How long the prefill process of `--decode-process` has to become ready — from its start to
@@ -194,12 +195,12 @@ impl Drop for PrefillChild {
 /// `run --decode-process`: starts prefill's side as a child `kvprobe serve --fd N` on one end
 /// of a Unix socket pair (its pool on the run's `--memory` and `--prefill-device`, the run's
 /// `--backend`) and authenticates with a fresh random token, handed to the child in its
-/// environment ([`crate::serve::TOKEN_VAR`], never its command line). The child's stderr is
+/// environment ([`crate::peer::TOKEN_VAR`], never its command line). The child's stderr is
 /// kvprobe's; its stdout is discarded. Returns the link, bounded until the child is ready by
 /// [`START_BOUND`] (120 s, [`super::Link::set_deadline`]; lifted by
 /// [`PrefillPeer::adopt`]), and the child. Errors: environment (the child cannot be
 /// started), transport (it died or closed the socket), timeout (exit 4: not ready in time).
-pub fn start_child(cfg: &crate::run::RunConfig, silence: Duration, run_id: &str) -> Result<(Link, PrefillChild)> {
+pub fn start_child(cfg: &crate::sweep::RunConfig, silence: Duration, run_id: &str) -> Result<(Link, PrefillChild)> {
     let token = super::random_hex(16)?;
     let (mine, theirs) = std::os::unix::net::UnixStream::pair()
         .map_err(|e| Error::Environment(format!("cannot make a socket pair for the prefill process: {e}")))?;
@@ -216,7 +217,7 @@ pub fn start_child(cfg: &crate::run::RunConfig, silence: Duration, run_id: &str)
     if vram {
         cmd.args(["--device", &cfg.prefill_device.to_string()]);
     }
-    cmd.env(crate::serve::TOKEN_VAR, &token).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::inherit());
+    cmd.env(crate::peer::TOKEN_VAR, &token).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::inherit());
     // kvprobe's own UCX capture file is private to this process (and already unlinked):
     // the child makes its own.
     if let Some(own) = crate::ucx::log_path()

@@ -44,6 +44,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio_util::codec::{Decoder, Encoder, LengthDelimitedCodec};
 
+/// Environment variable holding the shared token when `--token` is not given (`serve`,
+/// `run --peer`); a child `kvprobe serve --fd N` gets its token here, never on its command line.
+pub const TOKEN_VAR: &str = "KVPROBE_TOKEN";
+
 pub mod client;
 
 /// The protocol version both sides must speak (in [`Msg::Challenge`] and [`Msg::Hello`]).
@@ -78,46 +82,6 @@ pub struct Side {
     pub device: usize,
     /// Host name of the side (as `gethostname` says).
     pub host: String,
-}
-
-/// One side of a node pair as the other side's report records it (`run --peer` records
-/// prefill's, `serve` records decode's).
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub struct PeerSide {
-    /// `prefill` or `decode`.
-    pub role: String,
-    /// The address the run connected to (`--peer`), or the client's address (serve).
-    pub address: String,
-    /// The side's host name.
-    pub host: String,
-    /// The run's id (16 hex digits), the same in both reports.
-    pub run_id: String,
-    /// The side's pool memory.
-    pub memory: Option<crate::pool::MemoryKind>,
-    /// The side's GPU (VRAM).
-    pub device: usize,
-    /// The side's machine, GPUs, driver, NIXL and UCX versions.
-    pub environment: Option<crate::envinfo::Environment>,
-    /// UCX's protocol selections as the side's process logged them for this run (READ or
-    /// WRITE, whichever it initiated or served).
-    pub transport_path: Option<crate::ucx::TransportPath>,
-    /// Seconds the side spent setting up (pool, NIXL agent), filling (prefill: every fill and
-    /// planted fault, its clock) and, for WRITE, with its requests in flight.
-    pub setup_seconds: f64,
-    /// See `setup_seconds`.
-    pub fill_seconds: f64,
-    /// Fills the side completed (stages or whole pools).
-    pub fills: u64,
-    /// WRITE requests the side posted and bytes they moved.
-    pub writes: u64,
-    /// See `writes`.
-    pub bytes_written: u64,
-    /// The side's exit code, when it said.
-    pub exit_code: Option<u8>,
-    /// True when the side did not send its part at the end (it had died, stopped, or the
-    /// link dropped): the fields are what was known from the start of the run.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub bye_missing: bool,
 }
 
 /// A frame's message (JSON, tagged by `type`). See the module's table for the order.
@@ -281,7 +245,7 @@ pub enum Msg {
     /// serve → run: prefill's side of the report.
     Bye {
         /// Prefill's environment, transport paths and timings.
-        side: Box<PeerSide>,
+        side: Box<crate::report::PeerSide>,
     },
 }
 

@@ -1,5 +1,7 @@
-//! Request-level load on the two pools: a prefill engine with a KV tier, a decode engine
-//! pulling over NIXL, and the race mechanisms between them (`kvprobe run --scenario`).
+//! The engine loop of a scenario: drives the scheduler ([`super::scheduler`]), the
+//! connectors ([`super::connectors`]) and both pools step by step, and reports every write
+//! and every READ window to the shadow ([`super::shadow`]), which attributes what decode
+//! finds corrupt.
 //!
 //! # The model
 //! Time advances in engine steps. Each step:
@@ -26,181 +28,38 @@
 //!    the rest computed, and computed blocks are saved.
 //!
 //! # Attribution
-//! Every write into a prefill block goes through this engine, so it keeps a shadow of what
-//! each block and tier entry holds ([`Content`]), stamped with the unfenced mechanism that
-//! allowed a write, if one did, and for each NIXL READ in flight every content written into
-//! its blocks until it completes. A corrupt slice at decode is *explained* only when every
-//! 4-byte element of it is what one of the contents its block held during the READ window
-//! put there ([`attribute`]), and is then attributed to the stamped mechanism. Anything
-//! else — poison, a flipped bit, garbage, an identity never written in the window — is a
-//! defect of the stack under test (exit 1), as is any corruption in a fenced run.
+//! Every write into a prefill block goes through this engine, so the shadow sees each one
+//! ([`Content`]), stamped with the unfenced mechanism that allowed it, if one did, and for
+//! each NIXL READ in flight every content written into its blocks until it completes. A
+//! corrupt slice at decode is *explained* only when every 4-byte element of it is what one
+//! of the contents its block held during the READ window put there ([`attribute`]), and is
+//! then attributed to the stamped mechanism. Anything else — poison, a flipped bit, garbage,
+//! an identity never written in the window — is a defect of the stack under test (exit 1),
+//! as is any corruption in a fenced run.
 //!
 //! Test-only: `KVPROBE_TEST_FAULT` plants damage no race can produce ([`TestFault`]).
 
+use super::config::{Progress, ScenarioConfig};
+use super::connectors::multi::{Completions, MultiConnector, Verdict};
+use super::connectors::nixl::NixlConnector;
+use super::connectors::tier::{PoolSide, TierConnector};
+use super::fault::TestFault;
+use super::scheduler::{BlockManager, DecodeBlocks, Request, RequestState};
+use super::shadow::{Content, Shadow, attribute, ident};
 use crate::error::{Error, Result};
-use crate::fingerprint::{self, BlockIdentity, SKIP_GEN};
+use crate::fingerprint::{self, SKIP_GEN};
 use crate::geometry::SliceCoord;
-use crate::nixl::Posted;
 use crate::pool::TableEntry;
-use crate::race::{Fencing, Mechanism, Races, Scenario};
-use crate::report::{Failure, Report};
-use crate::tier::{Content, EntryId, Store};
-use crate::transport::{Endpoint, Pair};
-use crate::verify::{self, Class};
-use crate::workload::{RequestSpec, Workload, WorkloadConfig};
+use crate::race::{Mechanism, Races};
+use crate::report::{Failure, Interval, Report, ScenarioReport};
+use crate::tier::{EntryId, Store, TierKind};
+use crate::transport::Endpoint;
+use crate::verify;
+use crate::workload::Workload;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use serde::Serialize;
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
-
-/// The KV tier under the connectors.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, serde::Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum TierKind {
-    /// The built-in store (src/tier.rs): block-hash keyed entries in host memory.
-    Embedded,
-    /// A real Mooncake Store (master started by kvprobe, or `--mooncake-master`; Python store
-    /// client as a worker) on DRAM or VRAM pools.
-    Mooncake,
-}
-
-/// Parameters of a scenario run.
-#[derive(Clone, Debug, Serialize, serde::Deserialize)]
-pub struct ScenarioConfig {
-    /// Which connectors move the blocks.
-    pub scenario: Scenario,
-    /// Mechanisms left unfenced (all others fenced).
-    pub unfenced: Vec<Mechanism>,
-    /// Stop admitting after this many requests (when no duration is given).
-    pub requests: u64,
-    /// Stop admitting after this many seconds; `requests` is then unused (the command line
-    /// refuses `--duration` with `--requests`).
-    pub duration_secs: Option<f64>,
-    /// Requests in flight at most.
-    pub concurrency: u32,
-    /// Prompt lengths, prefix sharing and aborts.
-    pub workload: WorkloadConfig,
-    /// The tier.
-    pub tier: TierKind,
-    /// `--tier mooncake` with an existing master and metadata service instead of one kvprobe
-    /// starts.
-    pub mooncake: Option<crate::mooncake::External>,
-    /// Tier entries (blocks).
-    pub tier_blocks: u32,
-    /// Seconds per error-rate interval in the report.
-    pub interval_secs: f64,
-    /// Complete each step's READs (and their notifications) within the step: no copy
-    /// overlaps a transfer, and the whole run, counts included, follows from the seed.
-    pub lockstep: bool,
-}
-
-impl ScenarioConfig {
-    /// The unfenced set.
-    pub fn races(&self) -> Races {
-        Races::from_specs(
-            &self
-                .unfenced
-                .iter()
-                .map(|&m| crate::race::RaceSpec { mechanism: m, fencing: Fencing::Unfenced })
-                .collect::<Vec<_>>(),
-        )
-    }
-}
-
-/// Classes an unfenced mechanism may produce at decode: another block's data (misplaced),
-/// the same block's older data (stale), or a mix when the write lands during a READ (torn).
-pub const RACE_CLASSES: [Class; 3] = [Class::Misplaced, Class::Stale, Class::Torn];
-
-/// One mechanism's outcome in a run.
-#[derive(Clone, Debug, Serialize, serde::Deserialize)]
-pub struct RaceOutcome {
-    /// The mechanism.
-    pub mechanism: Mechanism,
-    /// Kept or left out in this run.
-    pub fencing: Fencing,
-    /// Times the unfenced ordering let a conflicting copy happen.
-    pub windows_opened: u64,
-    /// Corrupt slices at decode explained by this mechanism.
-    pub corrupt_attributed: u64,
-    /// Those slices by class.
-    pub classes: BTreeMap<String, u64>,
-    /// Classes it predicts ([`RACE_CLASSES`]).
-    pub predicted_classes: Vec<Class>,
-    /// "detected", "not reproduced", or "clean" (fenced).
-    pub verdict: String,
-    /// Why it was not reproduced, when it was not.
-    pub why: Option<String>,
-}
-
-/// Counts over one interval of the run (error rate over time).
-#[derive(Clone, Debug, Default, Serialize, serde::Deserialize)]
-pub struct Interval {
-    /// Start, seconds since the run started.
-    pub start_s: f64,
-    /// End, seconds since the run started.
-    pub end_s: f64,
-    /// Requests verified at decode.
-    pub requests: u64,
-    /// Block slices verified.
-    pub slices_checked: u64,
-    /// Corrupt slices found.
-    pub corrupt: u64,
-}
-
-/// The scenario part of a report.
-#[derive(Clone, Debug, Serialize, serde::Deserialize)]
-pub struct ScenarioReport {
-    /// Scenario.
-    pub scenario: Scenario,
-    /// Tier.
-    pub tier: TierKind,
-    /// Engine steps run.
-    pub steps: u64,
-    /// Seconds from the first admission to the end of the drain.
-    pub seconds: f64,
-    /// Requests admitted.
-    pub requests_admitted: u64,
-    /// Requests verified at decode.
-    pub requests_verified: u64,
-    /// Requests aborted by the client after their prefill was issued.
-    pub requests_aborted: u64,
-    /// Prompt blocks served from the tier (prefix hits).
-    pub tier_hit_blocks: u64,
-    /// Saves executed.
-    pub tier_saves: u64,
-    /// Loads executed (prefill hits and decode loads).
-    pub tier_loads: u64,
-    /// Tier entries evicted.
-    pub tier_evictions: u64,
-    /// The tier in use: for Mooncake its version, protocol and master address.
-    pub tier_detail: String,
-    /// Corrupt slices the engine's shadow did not predict (a defect of the stack under test).
-    pub unexplained_corrupt: u64,
-    /// One entry per mechanism: unfenced ones with their detection, fenced ones "clean" or not.
-    pub races: Vec<RaceOutcome>,
-    /// Error counts per `interval_secs`.
-    pub intervals: Vec<Interval>,
-}
-
-/// Live counters handed to the progress callback.
-#[derive(Clone, Debug, Default)]
-pub struct Progress {
-    /// Seconds since the start.
-    pub elapsed: f64,
-    /// Requests verified.
-    pub requests: u64,
-    /// Admission target (requests), when not running for a duration.
-    pub target_requests: Option<u64>,
-    /// Duration target (seconds), when given.
-    pub target_secs: Option<f64>,
-    /// NIXL bytes moved so far.
-    pub bytes: u64,
-    /// Corrupt slices so far.
-    pub corrupt: u64,
-    /// True once admission stopped and in-flight requests drain.
-    pub draining: bool,
-}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Side {
@@ -224,78 +83,6 @@ struct Op {
     /// The unfenced mechanism under which this operation runs, once one applies (a save
     /// whose block was freed early, or one issued without waiting for the write).
     cause: Option<Mechanism>,
-}
-
-#[derive(Clone, Debug, Default)]
-struct PSlot {
-    /// One window per NIXL READ of this block still in flight: (request, every content
-    /// written into the block since the READ was posted, in order). A window lives only
-    /// while its READ does (bounded by `--timeout`), so nothing written during a READ is
-    /// ever forgotten and no bound on rewrites is needed.
-    reads: Vec<(u64, Vec<Content>)>,
-    owner: Option<u64>,
-    content: Content,
-    pending_compute: u32,
-    pending_load: u32,
-    /// Requests whose NIXL READ of this block has not been notified.
-    reading: u32,
-    /// The slot was released early by this unfenced mechanism.
-    early: Option<Mechanism>,
-    /// An unfenced load overtook a pending compute write here.
-    hazard: bool,
-    in_early_list: bool,
-}
-
-impl PSlot {
-    fn record(&mut self, c: Content) {
-        self.content = c;
-        for (_, w) in self.reads.iter_mut() {
-            w.push(c);
-        }
-    }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Stage {
-    Lookup,
-    Prefill,
-    WaitDecode,
-    Decoding,
-    Verify,
-    Done,
-}
-
-struct Req {
-    spec: RequestSpec,
-    stage: Stage,
-    ready_at: u64,
-    promised: Vec<TableEntry>,
-    pslots: Vec<u32>,
-    hits: Vec<EntryId>,
-    /// Tier entry per block (tier-only: where decode loads it from).
-    entries: Vec<Option<EntryId>>,
-    pending_writes: u32,
-    saves_left: u32,
-    had_saves: bool,
-    read_notified: bool,
-    /// The READ's deadline (`--timeout` from just before it was posted), until its
-    /// notification arrives.
-    read_deadline: Option<crate::deadline::Deadline>,
-    /// Notification checks begun after `read_deadline` that did not find it.
-    notify_misses: u8,
-    released: bool,
-    early_listed: bool,
-    dslots: Vec<u32>,
-    xfer: Option<Posted>,
-    /// What each prefill block held when the READ was posted.
-    at_post: Vec<Content>,
-    /// What was written into each prefill block while the READ was in flight (filled when
-    /// it completes).
-    during: Vec<Vec<Content>>,
-    /// Decode-side prediction per block (tier-only loads).
-    delivered: Vec<Content>,
-    dloads_left: u32,
-    poison_iter: u32,
 }
 
 /// Runs one scenario on connected endpoints. Fills `report` (summary, failures,
@@ -324,13 +111,13 @@ pub fn run_scenario(
     let compared = e.decode.pool.take_compared();
     report.summary.slices_compared += compared.slices;
     report.summary.bytes_compared += compared.bytes;
-    if let (Some(mc), Some(store)) = (e.mooncake.as_mut(), e.store.as_ref()) {
-        mc.clean_up(store);
+    if let Some(t) = e.tier.as_mut() {
+        t.clean_up();
     }
     if r.is_ok() && report.summary.blocks_checked == 0 {
         r = Err(Error::Usage(format!(
             "nothing was verified: {} admitted, {} aborted, none reached decode (raise --requests or --duration, lower --abort-rate)",
-            crate::report::plural(e.admitted, "request"),
+            crate::units::plural(e.admitted, "request"),
             e.aborted
         )));
     }
@@ -347,16 +134,23 @@ struct Engine<'a> {
     max_failures: usize,
     /// `--dump`: where failing slices go ([`crate::dump`]).
     dump: Option<&'a mut crate::dump::Dumper>,
-    store: Option<Store>,
+    /// The tier connector (scenarios with a tier).
+    tier: Option<TierConnector>,
+    /// The NIXL connector (scenarios that move blocks over NIXL).
+    nixl: NixlConnector,
+    /// Decides when prefill's blocks of a request may be freed.
+    multi: MultiConnector,
+    /// What every prefill block holds, and the attribution counts.
+    shadow: Shadow,
     workload: Workload,
     rng: ChaCha8Rng,
     now: u64,
     next_gen: u32,
-    pslots: Vec<PSlot>,
-    pfree: Vec<u32>,
-    early_list: Vec<u32>,
-    dfree: Vec<u32>,
-    reqs: HashMap<u64, Req>,
+    /// Prefill's block manager.
+    blocks: BlockManager,
+    /// Decode's free blocks.
+    dblocks: DecodeBlocks,
+    reqs: HashMap<u64, Request>,
     order: Vec<u64>,
     compute: VecDeque<Op>,
     pload: VecDeque<Op>,
@@ -368,9 +162,6 @@ struct Engine<'a> {
     hit_blocks: u64,
     saves: u64,
     loads: u64,
-    unexplained: u64,
-    windows: BTreeMap<Mechanism, u64>,
-    attributed: BTreeMap<Mechanism, BTreeMap<Class, u64>>,
     intervals: Vec<Interval>,
     started: Instant,
     stop_admitting: bool,
@@ -378,178 +169,10 @@ struct Engine<'a> {
     busy_secs: f64,
     listed_explained: u64,
     listed_unexplained: u64,
-    /// `--tier mooncake`: the master and the store worker (dropped with the engine).
-    mooncake: Option<MooncakeTier>,
     fill_secs: f64,
     poison_secs: f64,
     /// Test-only fault (`KVPROBE_TEST_FAULT`) and how many are left to plant.
     fault: Option<(TestFault, u64)>,
-    /// Prefix of this run's NIXL notifications (unique per engine, so a late notification
-    /// of an earlier scenario in the same process is never taken for this one's).
-    tag: String,
-}
-
-/// `--tier mooncake`: the master (started by kvprobe, or an existing deployment) and a store
-/// worker mapping both pools (prefill = pool 0, decode = pool 1).
-struct MooncakeTier {
-    master: crate::mooncake::Deployment,
-    worker: crate::mooncake::Worker,
-    /// Key prefix: the seed and a run nonce (vLLM's keys lead with a config fingerprint).
-    fingerprint: String,
-    detail: String,
-    /// Keys of evicted entries still to remove from the store.
-    doomed: Vec<String>,
-}
-
-impl MooncakeTier {
-    fn start(cfg: &ScenarioConfig, seed: u64, prefill: &Endpoint, decode: &Endpoint, timeout: Duration) -> Result<MooncakeTier> {
-        use crate::mooncake::{Deployment, Master, Worker};
-        let install = crate::mooncake::find()?;
-        // The worker first: its hello imports the store client, so a broken install is a
-        // set-up error (exit 2) before anything else starts.
-        // Set-up calls (hello, setup, mapping the pools) get at least the set-up floor; the
-        // run's calls then --timeout (crate::deadline).
-        let shared: Vec<&crate::hostmem::HostBuffer> =
-            [&prefill.pool, &decode.pool].into_iter().filter_map(|p| p.host_buffer()).collect();
-        let mut worker = Worker::start(&install, timeout.max(crate::deadline::SETUP_FLOOR), &shared)?;
-        let mut master = match &cfg.mooncake {
-            Some(ext) => {
-                ext.reachable(Duration::from_secs(5))?;
-                Deployment::External(ext.clone())
-            }
-            // Start-up has its own window (the master takes about a second), whatever --timeout says.
-            None => Deployment::Started(Master::start(&install, Duration::from_secs(30))?),
-        };
-        // Room for every entry the engine may hold, twice over, so Mooncake itself never evicts one.
-        let segment = (cfg.tier_blocks as u64 * prefill.pool.block_bytes()).saturating_mul(2).max(64 << 20);
-        let mut connect = || -> Result<&'static str> {
-            worker.setup(&master, "tcp", segment)?;
-            let mut sharing = "a shared memory mapping (memfd)";
-            for pool in [&prefill.pool, &decode.pool] {
-                match (pool.host_buffer(), pool.ipc_handles()?) {
-                    (Some(buf), _) => worker.map_shared(buf)?,
-                    (None, Some((device, handles))) => {
-                        worker.map_cuda(device, &handles, pool.geometry().region_bytes()?)?;
-                        sharing = "CUDA IPC handles (one per layer region)";
-                    }
-                    (None, None) => unreachable!("a pool is DRAM or VRAM"),
-                }
-            }
-            Ok(sharing)
-        };
-        // A master that dies while the worker connects explains the failure best; with an
-        // existing deployment, name the two addresses to check. Not answering in time here is
-        // a transport failure (exit 3), not a transfer timeout.
-        let sharing = connect().map_err(|e| {
-            let e = match e {
-                Error::Timeout(m) => Error::Transport(m),
-                e => e,
-            };
-            match explain(&mut master, e) {
-                Error::Transport(m) if !master.is_started() => Error::Transport(format!(
-                    "joining the Mooncake deployment failed ({m}): check that --mooncake-master {} is a mooncake_master's RPC \
-                     address and --mooncake-metadata {} its metadata service",
-                    master.rpc(),
-                    master.metadata_url()
-                )),
-                e => e,
-            }
-        })?;
-        worker.set_timeout(timeout);
-        let fingerprint = format!("{:08x}-{:08x}", crate::fingerprint::seed32(seed), rand::rng().random::<u32>());
-        let detail = format!(
-            "mooncake {} {}, tcp, master {} ({}), metadata {}, pools shared with the store client by {sharing}",
-            install.wheel,
-            install.version,
-            master.rpc(),
-            if master.is_started() { "started by kvprobe" } else { "existing deployment" },
-            master.metadata_url()
-        );
-        Ok(MooncakeTier { master, worker, fingerprint, detail, doomed: Vec::new() })
-    }
-
-    /// The error to report for a failed store call `e` (see [`explain`]).
-    fn explain(&mut self, e: Error) -> Error {
-        explain(&mut self.master, e)
-    }
-
-    fn key(&self, (hash, serial): (u32, u64)) -> String {
-        crate::mooncake::block_key(&self.fingerprint, hash, serial)
-    }
-
-    /// Removes this run's objects from a store kvprobe did not start (best effort: objects
-    /// still under a read lease stay until the store evicts them; their keys are unique to
-    /// this run).
-    fn clean_up(&mut self, store: &Store) {
-        if self.master.is_started() {
-            return; // the master and everything in it go with the run
-        }
-        let mut keys = std::mem::take(&mut self.doomed);
-        keys.extend(store.live_keys().into_iter().map(|k| self.key(k)));
-        for chunk in keys.chunks(1024) {
-            if self.worker.remove(chunk).is_err() {
-                break;
-            }
-        }
-    }
-}
-
-/// The error to report for a failed store call `e`: the master's death (with its log) when
-/// that is the cause, else `e`. A killed master is reaped a moment after its client sees the
-/// connection drop, so a started master is watched for 300 ms.
-fn explain(master: &mut crate::mooncake::Deployment, e: Error) -> Error {
-    let t0 = Instant::now();
-    while t0.elapsed() < Duration::from_millis(300) {
-        if let Err(gone) = master.alive() {
-            return gone;
-        }
-        if !master.is_started() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    e
-}
-
-fn ident(t: TableEntry, c: SliceCoord) -> BlockIdentity {
-    t.identity(c)
-}
-
-/// The attribution of a corrupt slice (README "Attribution"): `actual` is the slice at
-/// coordinate `c` as decode holds it, `want` its expected bytes, and `written` what the
-/// engine's shadow says its source held during the READ window, in order (first: the
-/// content when the READ was posted; then each write made before it completed; for a tier
-/// load, the entry loaded).
-///
-/// Returns the mechanism it is attributed to (`None`: unexplained) and the content the
-/// shadow predicts there. The slice is explained only when every 4-byte element of it is
-/// what one of `written` put at that offset ([`verify::explained_by`]); this iteration's
-/// poison, a flipped bit, garbage or an identity never written in the window make the whole
-/// slice unexplained, however often the block was rewritten. It is then attributed to the
-/// mechanism stamped on the content that supplies most of the wrong elements (the latest on
-/// a tie; when it carries none, the latest other supplier's, else the content at post's),
-/// and that content is the prediction.
-pub fn attribute(actual: &[u8], want: &[u8], seed: u64, c: SliceCoord, written: &[Content]) -> (Option<Mechanism>, TableEntry) {
-    let pre = written.first().copied().unwrap_or_default();
-    // One fingerprint per distinct identity (a window may hold the same one several times).
-    let mut ids: Vec<TableEntry> = Vec::new();
-    for w in written {
-        if !ids.contains(&w.id) {
-            ids.push(w.id);
-        }
-    }
-    let prints: Vec<Vec<u8>> = ids.iter().map(|&t| fingerprint::expected(actual.len(), seed, ident(t, c))).collect();
-    let Some(used) = verify::explained_by(actual, want, &prints) else {
-        return (None, pre.id);
-    };
-    let supplied = |w: &Content| ids.iter().position(|t| *t == w.id).map_or(0, |k| used[k]);
-    // The prediction: the content supplying most of the wrong data (`max_by_key` keeps the
-    // last of equals: the latest on a tie).
-    let Some(best) = written.iter().filter(|w| supplied(w) > 0).max_by_key(|w| supplied(w)) else {
-        return (None, pre.id);
-    };
-    let cause = best.cause.or_else(|| written.iter().rev().filter(|w| supplied(w) > 0).find_map(|w| w.cause)).or(pre.cause);
-    (cause, best.id)
 }
 
 impl<'a> Engine<'a> {
@@ -568,21 +191,15 @@ impl<'a> Engine<'a> {
             (true, TierKind::Mooncake) => "setup: starting the Mooncake store (worker, master), filling the prefill pool".into(),
             (true, TierKind::Embedded) => format!("setup: the tier ({} blocks), filling the prefill pool", cfg.tier_blocks),
         });
-        let mooncake = if cfg.scenario.uses_tier() && cfg.tier == TierKind::Mooncake {
-            Some(MooncakeTier::start(cfg, seed, prefill, decode, timeout)?)
-        } else {
-            None
-        };
-        let store = match (cfg.scenario.uses_tier(), &mooncake) {
-            (false, _) => None,
-            (true, Some(_)) => Some(Store::metadata_only(cfg.tier_blocks, prefill.pool.block_bytes())),
-            (true, None) => Some(Store::new(cfg.tier_blocks, prefill.pool.block_bytes(), prefill.pool.gpu().as_ref())?),
+        let tier = match cfg.scenario.uses_tier() {
+            true => Some(TierConnector::start(cfg, seed, &prefill.pool, &decode.pool, timeout)?),
+            false => None,
         };
         // Genesis: every prefill block holds a fingerprint no request will ask for.
         let genesis: Vec<TableEntry> =
-            (0..n).map(|i| TableEntry { block: crate::run::logical_block(seed, i), generation: 0 }).collect();
+            (0..n).map(|i| TableEntry { block: crate::fingerprint::logical_block(seed, i), generation: 0 }).collect();
         prefill.pool.fill(&genesis)?;
-        let pslots = genesis.iter().map(|&id| PSlot { content: Content { id, cause: None }, ..Default::default() }).collect();
+        let decode_blocks = decode.pool.geometry().num_blocks;
         Ok(Engine {
             cfg: cfg.clone(),
             races: cfg.races(),
@@ -592,15 +209,16 @@ impl<'a> Engine<'a> {
             timeout,
             max_failures,
             dump: None,
-            store,
+            tier,
+            nixl: NixlConnector::new(),
+            multi: MultiConnector::new(cfg.scenario, cfg.races()),
+            shadow: Shadow::new(&genesis),
             workload: Workload::new(cfg.workload, seed),
             rng: ChaCha8Rng::seed_from_u64(seed ^ 0x656E_6769_6E65),
             now: 0,
             next_gen: 0,
-            pslots,
-            pfree: (0..n).rev().collect(),
-            early_list: Vec::new(),
-            dfree: (0..n).rev().collect(),
+            blocks: BlockManager::new(n),
+            dblocks: DecodeBlocks::new(decode_blocks),
             reqs: HashMap::new(),
             order: Vec::new(),
             compute: VecDeque::new(),
@@ -613,9 +231,6 @@ impl<'a> Engine<'a> {
             hit_blocks: 0,
             saves: 0,
             loads: 0,
-            unexplained: 0,
-            windows: BTreeMap::new(),
-            attributed: BTreeMap::new(),
             intervals: Vec::new(),
             started: Instant::now(),
             stop_admitting: false,
@@ -623,10 +238,8 @@ impl<'a> Engine<'a> {
             busy_secs: 0.0,
             listed_explained: 0,
             listed_unexplained: 0,
-            mooncake,
             fill_secs: 0.0,
             poison_secs: 0.0,
-            tag: format!("kvprobe:{:016x}:req=", rand::rng().random::<u64>()),
             fault: TestFault::from_env()?,
         })
     }
@@ -635,11 +248,14 @@ impl<'a> Engine<'a> {
         self.now + self.rng.random_range(0..=max)
     }
 
-    /// Steps until a save runs: usually 0–3, but one in four waits 16–96 steps behind a
-    /// backlog (a store's puts are slower than NIXL under sustained load: about 1 GB/s
-    /// for Mooncake over TCP against hundreds of GB/s for cuda_ipc).
-    fn window(&mut self, m: Mechanism) {
-        *self.windows.entry(m).or_default() += 1;
+    /// The tier's store (scenarios with a tier).
+    fn store(&self) -> &Store {
+        &self.tier.as_ref().expect("the scenario has a tier").store
+    }
+
+    /// The tier's store, to change (scenarios with a tier).
+    fn store_mut(&mut self) -> &mut Store {
+        &mut self.tier.as_mut().expect("the scenario has a tier").store
     }
 
     fn in_flight(&self) -> usize {
@@ -659,7 +275,7 @@ impl<'a> Engine<'a> {
         let mut last_seen = (0u64, 0u64);
         self.intervals.push(Interval::default());
         self.finish(report);
-        crate::run::publish(report);
+        crate::report::publish(report);
         loop {
             if crate::interrupt::requested() {
                 return Err(Error::Interrupted(format!("after {} verified requests", self.verified)));
@@ -708,7 +324,7 @@ impl<'a> Engine<'a> {
                 progress(&self.progress(report));
                 // What a call blocked past its deadline would still report.
                 self.finish(report);
-                crate::run::publish(report);
+                crate::report::publish(report);
             }
             if every > 0.0 && last_ckpt.elapsed().as_secs_f64() >= every {
                 last_ckpt = Instant::now();
@@ -724,10 +340,10 @@ impl<'a> Engine<'a> {
     /// started; they are dropped (not counted as admitted) so the drain only finishes work
     /// in progress.
     fn cancel_waiting(&mut self) {
-        let waiting: Vec<u64> = self.order.iter().copied().filter(|id| self.reqs[id].stage == Stage::Lookup).collect();
+        let waiting: Vec<u64> = self.order.iter().copied().filter(|id| self.reqs[id].stage == RequestState::Lookup).collect();
         for id in waiting {
             if let Some(r) = self.reqs.remove(&id) {
-                if let Some(store) = self.store.as_mut() {
+                if let Some(store) = self.tier.as_mut().map(|t| &mut t.store) {
                     for e in r.hits {
                         store.unpin(e);
                     }
@@ -743,7 +359,7 @@ impl<'a> Engine<'a> {
     }
 
     fn admitted_recently(&self) -> bool {
-        self.reqs.values().any(|r| r.stage == Stage::Lookup)
+        self.reqs.values().any(|r| r.stage == RequestState::Lookup)
     }
 
     fn progress(&self, report: &Report) -> Progress {
@@ -761,9 +377,9 @@ impl<'a> Engine<'a> {
     fn step(&mut self, report: &mut Report) -> Result<()> {
         self.now += 1;
         if self.now.is_multiple_of(256)
-            && let Some(crate::mooncake::Deployment::Started(m)) = self.mooncake.as_mut().map(|mc| &mut mc.master)
+            && let Some(t) = self.tier.as_mut()
         {
-            m.alive()?;
+            t.check_master()?;
         }
         self.poll_nixl(report)?;
         self.run_compute()?;
@@ -798,28 +414,18 @@ impl<'a> Engine<'a> {
             if let Some(done) = self.decode.poll(x)? {
                 report.summary.bytes_transferred += done.bytes;
                 r.xfer = None;
-                r.stage = Stage::Verify;
+                r.stage = RequestState::Verify;
                 self.read_done(id);
             }
         }
         Ok(())
     }
 
-    /// A READ of request `id` completed: closes its windows on its prefill blocks (what was
-    /// written into them while it was in flight, see [`PSlot::reads`]).
+    /// A READ of request `id` completed: closes its windows on its prefill blocks in the
+    /// shadow (what was written into them while it was in flight).
     fn read_done(&mut self, id: u64) {
         let Some(r) = self.reqs.get_mut(&id) else { return };
-        r.during = r
-            .pslots
-            .iter()
-            .map(|&s| {
-                let reads = &mut self.pslots[s as usize].reads;
-                match reads.iter().position(|(q, _)| *q == id) {
-                    Some(k) => reads.swap_remove(k).1,
-                    None => Vec::new(),
-                }
-            })
-            .collect();
+        r.during = r.pslots.iter().map(|&s| self.shadow.close_read(s, id)).collect();
     }
 
     /// After a notification check begun at `asked`: a READ whose notification is still
@@ -837,61 +443,6 @@ impl<'a> Engine<'a> {
                     d.limit_secs(),
                     d.elapsed_secs()
                 )));
-            }
-        }
-        Ok(())
-    }
-
-    /// Copies prefill block `slot` into tier entry `entry` (a save).
-    fn tier_put(&mut self, slot: u32, entry: EntryId) -> Result<()> {
-        let store = self.store.as_mut().expect("saves need the tier");
-        match self.mooncake.as_mut() {
-            None => self.prefill.pool.read_block(slot, store.bytes_mut(entry)),
-            Some(mc) => {
-                let key = mc.key(store.key_of(entry));
-                let rc = mc.worker.put(0, std::slice::from_ref(&key), &[self.prefill.pool.block_ranges(slot)]);
-                match rc {
-                    Ok(rc) if rc.first() == Some(&0) => Ok(()),
-                    Ok(rc) => Err(mc.explain(Error::Transport(format!("Mooncake put of {key} returned {rc:?}")))),
-                    Err(e) => Err(mc.explain(e)),
-                }
-            }
-        }
-    }
-
-    /// Copies tier entry `entry` into block `slot` of the prefill or decode pool (a load).
-    fn tier_get(&mut self, side: Side, slot: u32, entry: EntryId) -> Result<()> {
-        let store = self.store.as_ref().expect("loads need the tier");
-        let pool = if side == Side::Prefill { &mut self.prefill.pool } else { &mut self.decode.pool };
-        match self.mooncake.as_mut() {
-            None => pool.write_block(slot, store.bytes(entry)),
-            Some(mc) => {
-                let key = mc.key(store.key_of(entry));
-                let want = pool.block_bytes() as i64;
-                let index = if side == Side::Prefill { 0 } else { 1 };
-                match mc.worker.get(index, std::slice::from_ref(&key), &[pool.block_ranges(slot)]) {
-                    Ok(rc) if rc.first() == Some(&want) => Ok(()),
-                    Ok(rc) => {
-                        Err(mc
-                            .explain(Error::Transport(format!("Mooncake get of {key} returned {rc:?} (expected {want} bytes)"))))
-                    }
-                    Err(e) => Err(mc.explain(e)),
-                }
-            }
-        }
-    }
-
-    /// Drops the objects of evicted tier entries from Mooncake (best effort: a leftover object
-    /// is never read, its key is unique to the evicted reservation).
-    fn drop_evicted(&mut self) -> Result<()> {
-        if let (Some(store), Some(mc)) = (self.store.as_mut(), self.mooncake.as_mut()) {
-            let evicted: Vec<String> = store.take_evicted().into_iter().map(|k| mc.key(k)).collect();
-            mc.doomed.extend(evicted);
-            if !mc.doomed.is_empty() && (mc.doomed.len() >= 64 || self.now.is_multiple_of(64)) {
-                let keys = std::mem::take(&mut mc.doomed);
-                let rc = mc.worker.remove(&keys).map_err(|e| mc.explain(e))?;
-                // Objects still under a read lease are retried later.
-                mc.doomed = keys.into_iter().zip(rc).filter(|(_, rc)| *rc != 0).map(|(k, _)| k).collect();
             }
         }
         Ok(())
@@ -924,7 +475,7 @@ impl<'a> Engine<'a> {
             )));
         }
         for msg in got {
-            if let Some(id) = msg.strip_prefix(self.tag.as_str()).and_then(|s| s.parse::<u64>().ok()) {
+            if let Some(id) = self.nixl.request_of(&msg) {
                 n += self.notified(id) as usize;
             }
         }
@@ -940,7 +491,7 @@ impl<'a> Engine<'a> {
         }
         r.read_notified = true;
         for &s in &r.pslots {
-            let p = &mut self.pslots[s as usize];
+            let p = self.blocks.get_mut(s);
             p.reading = p.reading.saturating_sub(1);
         }
         true
@@ -962,7 +513,7 @@ impl<'a> Engine<'a> {
                 std::thread::yield_now();
             }
             r.xfer = None;
-            r.stage = Stage::Verify;
+            r.stage = RequestState::Verify;
             self.read_done(id);
         }
         while ids.iter().any(|id| self.reqs.get(id).is_some_and(|r| !r.read_notified)) {
@@ -979,11 +530,11 @@ impl<'a> Engine<'a> {
     // ---- prefill streams ----
 
     fn write_stamp(&mut self, slot: u32, req: u64, id: TableEntry, explicit: Option<Mechanism>) -> Content {
-        let p = &self.pslots[slot as usize];
+        let p = self.blocks.get(slot);
         let foreign_reader = p.reading > 0 && p.owner == Some(req) && p.early.is_some();
         let cause = explicit.or(if p.owner != Some(req) && p.hazard { Some(Mechanism::UnfencedLoad) } else { None }).or(p.early);
         if foreign_reader && let Some(m) = p.early {
-            self.window(m);
+            self.shadow.window(m);
         }
         Content { id, cause }
     }
@@ -996,7 +547,7 @@ impl<'a> Engine<'a> {
         if due.is_empty() {
             return Ok(());
         }
-        let n = self.pslots.len();
+        let n = self.blocks.blocks.len();
         let mut table = vec![TableEntry { block: 0, generation: SKIP_GEN }; n];
         for op in &due {
             if let OpKind::Fill { id } = op.kind {
@@ -1010,13 +561,14 @@ impl<'a> Engine<'a> {
             let OpKind::Fill { id } = op.kind else {
                 continue;
             };
-            let stale_landing = self.pslots[op.slot as usize].owner != Some(op.req) && self.pslots[op.slot as usize].hazard;
+            let b = self.blocks.get(op.slot);
+            let stale_landing = b.owner != Some(op.req) && b.hazard;
             if stale_landing {
-                self.window(Mechanism::UnfencedLoad);
+                self.shadow.window(Mechanism::UnfencedLoad);
             }
             let c = self.write_stamp(op.slot, op.req, id, None);
-            let p = &mut self.pslots[op.slot as usize];
-            p.record(c);
+            self.shadow.record(op.slot, c);
+            let p = self.blocks.get_mut(op.slot);
             p.pending_compute -= 1;
             if p.pending_compute == 0 {
                 p.hazard = false;
@@ -1036,10 +588,10 @@ impl<'a> Engine<'a> {
                 break;
             }
             let OpKind::Load { entry, index, .. } = op.kind else { unreachable!("load queue holds loads") };
-            if side == Side::Prefill && self.pslots[op.slot as usize].pending_compute > 0 {
+            if side == Side::Prefill && self.blocks.get(op.slot).pending_compute > 0 {
                 if self.races.unfenced(Mechanism::UnfencedLoad) {
-                    self.window(Mechanism::UnfencedLoad);
-                    self.pslots[op.slot as usize].hazard = true;
+                    self.shadow.window(Mechanism::UnfencedLoad);
+                    self.blocks.get_mut(op.slot).hazard = true;
                 } else {
                     break; // event fence: wait for the previous owner's write
                 }
@@ -1049,17 +601,19 @@ impl<'a> Engine<'a> {
             } else {
                 self.dload.pop_front()
             };
-            let content = self.store.as_ref().expect("loads need the tier").content(entry).expect("loads read complete entries");
-            self.tier_get(side, op.slot, entry)?;
-            let store = self.store.as_mut().expect("loads need the tier");
+            let content = self.store().content(entry).expect("loads read complete entries");
+            let (pool, pool_side) = match side {
+                Side::Prefill => (&mut self.prefill.pool, PoolSide::Prefill),
+                Side::Decode => (&mut self.decode.pool, PoolSide::Decode),
+            };
+            self.tier.as_mut().expect("loads need the tier").load(pool, pool_side, op.slot, entry)?;
             self.loads += 1;
             match side {
                 Side::Prefill => {
-                    store.unpin(entry);
+                    self.store_mut().unpin(entry);
                     let stamped = self.write_stamp(op.slot, op.req, content.id, content.cause);
-                    let p = &mut self.pslots[op.slot as usize];
-                    p.record(stamped);
-                    p.pending_load -= 1;
+                    self.shadow.record(op.slot, stamped);
+                    self.blocks.get_mut(op.slot).pending_load -= 1;
                     if let Some(r) = self.reqs.get_mut(&op.req) {
                         r.pending_writes = r.pending_writes.saturating_sub(1);
                     }
@@ -1069,7 +623,7 @@ impl<'a> Engine<'a> {
                         r.delivered[index] = content;
                         r.dloads_left -= 1;
                         if r.dloads_left == 0 {
-                            r.stage = Stage::Verify;
+                            r.stage = RequestState::Verify;
                         }
                     }
                 }
@@ -1080,21 +634,22 @@ impl<'a> Engine<'a> {
 
     fn execute_put(&mut self, op: Op) -> Result<()> {
         let OpKind::Save { entry, promised } = op.kind else { unreachable!("put queue holds saves") };
-        let p = self.pslots[op.slot as usize].clone();
-        self.tier_put(op.slot, entry)?;
-        let store = self.store.as_mut().expect("saves need the tier");
-        let mut content = p.content;
+        let early = self.blocks.get(op.slot).early;
+        let mut content = self.shadow.content(op.slot);
+        self.tier.as_mut().expect("saves need the tier").save(&mut self.prefill.pool, op.slot, entry)?;
         if content.id != promised {
             // The copy is not what the key promises: say which missing fence let it happen.
             // (None would be a flaw in kvprobe's own model; the decode side then reports
             // the slice as unexplained.)
-            content.cause = op.cause.or(content.cause).or(p.early);
+            content.cause = op.cause.or(content.cause).or(early);
             if let Some(m) = content.cause {
-                *self.windows.entry(m).or_default() += 1;
+                self.shadow.window(m);
             }
         }
+        let nixl = self.cfg.scenario.uses_nixl();
+        let store = self.store_mut();
         store.complete(entry, content);
-        if !self.cfg.scenario.uses_nixl() {
+        if !nixl {
             // Tier-only: the entry stays pinned until decode has loaded it.
         } else {
             store.unpin(entry);
@@ -1111,7 +666,7 @@ impl<'a> Engine<'a> {
     fn run_puts(&mut self) -> Result<()> {
         let mut waiting = VecDeque::with_capacity(self.puts.len());
         while let Some(op) = self.puts.pop_front() {
-            let p = &self.pslots[op.slot as usize];
+            let p = self.blocks.get(op.slot);
             if op.due > self.now || p.pending_compute + p.pending_load > 0 {
                 waiting.push_back(op);
                 continue;
@@ -1139,7 +694,7 @@ impl<'a> Engine<'a> {
             }
         }
         for &s in &r.pslots {
-            let p = &mut self.pslots[s as usize];
+            let p = self.blocks.get_mut(s);
             if p.owner != Some(id) {
                 continue; // handed to a load early (load-into-reading)
             }
@@ -1148,7 +703,7 @@ impl<'a> Engine<'a> {
             // A slot handed on early keeps its taint while an earlier owner's READ of it is
             // still pending (e.g. load-into-reading: the borrower finishes first).
             p.early = early.or(if p.reading > 0 { p.early } else { None });
-            self.pfree.push(s);
+            self.blocks.free.push(s);
         }
     }
 
@@ -1158,41 +713,37 @@ impl<'a> Engine<'a> {
         let mut to_release = Vec::new();
         for &id in &self.order {
             let r = self.reqs.get_mut(&id).expect("ordered request");
-            if r.stage == Stage::Prefill && r.pending_writes == 0 {
-                r.stage = Stage::WaitDecode;
+            if r.stage == RequestState::Prefill && r.pending_writes == 0 {
+                r.stage = RequestState::WaitDecode;
                 r.ready_at = self.now + self.rng.random_range(0..=2);
                 if sc.uses_nixl() {
                     for &s in &r.pslots {
-                        self.pslots[s as usize].reading += 1;
+                        self.blocks.get_mut(s).reading += 1;
                     }
                 }
             }
-            if r.released || r.stage == Stage::Lookup || r.stage == Stage::Prefill {
-                if r.released && r.stage == Stage::Done {
+            if r.released || r.stage == RequestState::Lookup || r.stage == RequestState::Prefill {
+                if r.released && r.stage == RequestState::Done {
                     finished.push(id);
                 }
                 continue;
             }
-            let nixl_done = !sc.uses_nixl() || r.read_notified;
-            let tier_done = r.saves_left == 0;
-            if nixl_done && tier_done {
-                to_release.push((id, None));
-            } else if self.races.unfenced(Mechanism::SaveAfterFree) && nixl_done && !tier_done {
-                to_release.push((id, Some(Mechanism::SaveAfterFree)));
-            } else if self.races.unfenced(Mechanism::FreeOnFirstCompletion)
-                && sc == Scenario::Stacked
-                && r.had_saves
-                && (nixl_done || tier_done)
-            {
-                to_release.push((id, Some(Mechanism::FreeOnFirstCompletion)));
-            } else if self.races.unfenced(Mechanism::LoadIntoReading) && !nixl_done && !r.early_listed {
-                r.early_listed = true;
-                for &s in &r.pslots {
-                    let p = &mut self.pslots[s as usize];
-                    if p.owner == Some(id) {
-                        p.in_early_list = true;
-                        p.early = Some(Mechanism::LoadIntoReading);
-                        self.early_list.push(s);
+            let done = Completions {
+                nixl: !sc.uses_nixl() || r.read_notified,
+                tier: r.saves_left == 0,
+                had_saves: r.had_saves,
+                lent: r.early_listed,
+            };
+            match self.multi.verdict(done) {
+                Verdict::Hold => {}
+                Verdict::Free(early) => to_release.push((id, early)),
+                Verdict::Lend => {
+                    r.early_listed = true;
+                    for &s in &r.pslots {
+                        if self.blocks.get(s).owner == Some(id) {
+                            self.blocks.get_mut(s).early = Some(Mechanism::LoadIntoReading);
+                            self.blocks.lend_early(s);
+                        }
                     }
                 }
             }
@@ -1214,10 +765,10 @@ impl<'a> Engine<'a> {
         if let Some(r) = self.reqs.remove(&id) {
             self.order.retain(|&x| x != id);
             for s in r.dslots {
-                self.dfree.push(s);
+                self.dblocks.free(s);
             }
             if !self.cfg.scenario.uses_nixl()
-                && let Some(store) = self.store.as_mut()
+                && let Some(store) = self.tier.as_mut().map(|t| &mut t.store)
             {
                 for e in r.entries.into_iter().flatten() {
                     store.unpin(e);
@@ -1235,20 +786,19 @@ impl<'a> Engine<'a> {
         let mut starting = Vec::new();
         for &id in &self.order {
             let r = &self.reqs[&id];
-            if r.stage != Stage::WaitDecode || r.ready_at > self.now || r.spec.abort {
+            if r.stage != RequestState::WaitDecode || r.ready_at > self.now || r.spec.abort {
                 continue;
             }
             if !sc.uses_nixl() {
-                let store = self.store.as_ref().expect("tier");
+                let store = self.tier.as_ref().map(|t| &t.store).expect("tier");
                 let ready = r.saves_left == 0 && r.entries.iter().all(|e| e.is_some_and(|e| store.content(e).is_some()));
                 if !ready {
                     continue;
                 }
             }
-            if self.dfree.len() < r.pslots.len() {
+            let Some(d) = self.dblocks.alloc(r.pslots.len()) else {
                 break; // decode is full; keep order
-            }
-            let d: Vec<u32> = (0..r.pslots.len()).map(|_| self.dfree.pop().expect("checked")).collect();
+            };
             for &s in &d {
                 table[s as usize] = TableEntry { block: 1, generation: 1 };
             }
@@ -1262,32 +812,20 @@ impl<'a> Engine<'a> {
         self.decode.pool.poison_blocks(&table, iter)?;
         self.poison_secs += t.elapsed().as_secs_f64();
         let g = self.decode.pool.geometry().clone();
-        let sb = g.slice_bytes()?;
         let posted: Vec<u64> = starting.iter().map(|(id, _)| *id).collect();
         for (id, d) in starting {
             let lag = self.rng.random_range(0..=1u64);
             let r = self.reqs.get_mut(&id).expect("starting request");
             r.poison_iter = iter;
             r.dslots = d;
-            r.stage = Stage::Decoding;
+            r.stage = RequestState::Decoding;
             if sc.uses_nixl() {
-                let mut pairs = Vec::with_capacity(r.pslots.len() * g.num_layers as usize * g.kv_parts() as usize);
-                for layer in 0..g.num_layers {
-                    for &kv in g.parts() {
-                        for (i, &ps) in r.pslots.iter().enumerate() {
-                            pairs.push(Pair {
-                                src: SliceCoord { layer, kv, block: ps },
-                                dst: SliceCoord { layer, kv, block: r.dslots[i] },
-                                len: sb,
-                            });
-                        }
-                    }
-                }
-                r.at_post = r.pslots.iter().map(|&s| self.pslots[s as usize].content).collect();
+                let pairs = NixlConnector::read_pairs(&g, &r.pslots, &r.dslots)?;
+                r.at_post = r.pslots.iter().map(|&s| self.shadow.content(s)).collect();
                 for &s in &r.pslots {
-                    self.pslots[s as usize].reads.push((id, Vec::new()));
+                    self.shadow.open_read(s, id);
                 }
-                let x = self.decode.post_read(&pairs, &format!("{}{id}", self.tag), self.timeout)?;
+                let x = self.nixl.post_read(self.decode, &pairs, id, self.timeout)?;
                 r.read_deadline = Some(x.deadline());
                 r.xfer = Some(x);
             } else {
@@ -1312,7 +850,7 @@ impl<'a> Engine<'a> {
     }
 
     fn verify(&mut self, report: &mut Report) -> Result<()> {
-        let ids: Vec<u64> = self.order.iter().copied().filter(|id| self.reqs[id].stage == Stage::Verify).collect();
+        let ids: Vec<u64> = self.order.iter().copied().filter(|id| self.reqs[id].stage == RequestState::Verify).collect();
         if ids.is_empty() {
             return Ok(());
         }
@@ -1325,11 +863,7 @@ impl<'a> Engine<'a> {
         for &id in &ids {
             let r = &self.reqs[&id];
             for (i, &d) in r.dslots.iter().enumerate() {
-                let expect = if sc.uses_nixl() {
-                    r.promised[i]
-                } else {
-                    self.store.as_ref().expect("tier").promised(r.entries[i].expect("entry"))
-                };
+                let expect = if sc.uses_nixl() { r.promised[i] } else { self.store().promised(r.entries[i].expect("entry")) };
                 table[d as usize] = expect;
                 owner.insert(d, (id, i));
             }
@@ -1362,10 +896,7 @@ impl<'a> Engine<'a> {
                 vec![r.delivered[i]]
             };
             let (cause, predicted) = attribute(&buf, &want, self.seed, c, &written);
-            match cause {
-                Some(m) => *self.attributed.entry(m).or_default().entry(v.class).or_default() += 1,
-                None => self.unexplained += 1,
-            }
+            self.shadow.count(cause, v.class);
             report.summary.blocks_corrupt += 1;
             *report.summary.by_class.entry(v.class.name().to_string()).or_default() += 1;
             if let Some(iv) = self.intervals.last_mut() {
@@ -1394,7 +925,7 @@ impl<'a> Engine<'a> {
         report.summary.verify_seconds += t.elapsed().as_secs_f64();
         for id in ids {
             let r = self.reqs.get_mut(&id).expect("verified request");
-            r.stage = Stage::Done;
+            r.stage = RequestState::Done;
             self.verified += 1;
             if let Some(iv) = self.intervals.last_mut() {
                 iv.requests += 1;
@@ -1448,47 +979,9 @@ impl<'a> Engine<'a> {
 
     // ---- admission ----
 
-    /// Returns blocks an allocation took but could not use to where they came from (blocks
-    /// still owned go back to the early list, free ones to the free list).
-    fn give_back(&mut self, slots: Vec<u32>) {
-        for s in slots.into_iter().rev() {
-            if self.pslots[s as usize].owner.is_some() {
-                self.pslots[s as usize].in_early_list = true;
-                self.early_list.push(s);
-            } else {
-                self.pfree.push(s);
-            }
-        }
-    }
-
-    fn alloc(&mut self, n: usize, for_loads: bool) -> Option<Vec<u32>> {
-        let mut out = Vec::with_capacity(n);
-        if for_loads {
-            while out.len() < n {
-                let Some(s) = self.early_list.pop() else {
-                    break;
-                };
-                if self.pslots[s as usize].in_early_list && self.pslots[s as usize].owner.is_some() {
-                    self.pslots[s as usize].in_early_list = false;
-                    out.push(s);
-                }
-            }
-        }
-        while out.len() < n {
-            match self.pfree.pop() {
-                Some(s) => out.push(s),
-                None => {
-                    self.give_back(out);
-                    return None;
-                }
-            }
-        }
-        Some(out)
-    }
-
     fn admit(&mut self) -> Result<()> {
         // Requests whose lookup completed last step start their prefill now.
-        let ready: Vec<u64> = self.order.iter().copied().filter(|id| self.reqs[id].stage == Stage::Lookup).collect();
+        let ready: Vec<u64> = self.order.iter().copied().filter(|id| self.reqs[id].stage == RequestState::Lookup).collect();
         for id in ready {
             if !self.issue_prefill(id)? {
                 break; // out of blocks: retry next step, keep order
@@ -1504,15 +997,15 @@ impl<'a> Engine<'a> {
             let id = spec.id;
             let n = spec.hashes.len();
             // lookup_async: the tier answers now, the request acts on it next step.
-            let hits = match (&mut self.store, spec.abort) {
-                (Some(s), false) => s.lookup_prefix(&spec.hashes),
+            let hits = match (self.tier.as_mut(), spec.abort) {
+                (Some(t), false) => t.store.lookup_prefix(&spec.hashes),
                 _ => Vec::new(),
             };
             self.reqs.insert(
                 id,
-                Req {
+                Request {
                     spec,
-                    stage: Stage::Lookup,
+                    stage: RequestState::Lookup,
                     ready_at: self.now + 1,
                     promised: Vec::new(),
                     pslots: Vec::new(),
@@ -1552,11 +1045,11 @@ impl<'a> Engine<'a> {
             }
             (r.spec.hashes.len(), r.hits.len(), r.spec.abort)
         };
-        let Some(mut slots) = self.alloc(k, true) else {
+        let Some(mut slots) = self.blocks.alloc(k, true) else {
             return Ok(false);
         };
-        let Some(rest) = self.alloc(n - k, false) else {
-            self.give_back(slots);
+        let Some(rest) = self.blocks.alloc(n - k, false) else {
+            self.blocks.give_back(slots);
             return Ok(false);
         };
         slots.extend(rest);
@@ -1564,18 +1057,17 @@ impl<'a> Engine<'a> {
         let mut r = self.reqs.remove(&id).expect("request");
         let mut promised = Vec::with_capacity(n);
         for (i, &s) in slots.iter().enumerate() {
-            self.pslots[s as usize].owner = Some(id);
+            self.blocks.get_mut(s).owner = Some(id);
             if i < k {
                 let e = r.hits[i];
-                let store = self.store.as_ref().expect("hits need the tier");
-                promised.push(store.promised(e));
+                promised.push(self.store().promised(e));
                 r.entries[i] = Some(e);
                 if !sc.uses_nixl() {
-                    self.store.as_mut().expect("tier").pin(e); // kept for decode's load
+                    self.store_mut().pin(e); // kept for decode's load
                 }
                 let due = self.lag(2);
                 self.pload.push_back(Op { due, req: id, slot: s, cause: None, kind: OpKind::Load { entry: e, index: i } });
-                self.pslots[s as usize].pending_load += 1;
+                self.blocks.get_mut(s).pending_load += 1;
                 self.hit_blocks += 1;
             } else {
                 // Generations run 1..SKIP_GEN (exclusive): 0 is never computed and SKIP_GEN marks
@@ -1585,13 +1077,13 @@ impl<'a> Engine<'a> {
                 promised.push(t);
                 let due = self.lag(2).max(self.compute.back().map_or(0, |o| o.due));
                 self.compute.push_back(Op { due, req: id, slot: s, cause: None, kind: OpKind::Fill { id: t } });
-                self.pslots[s as usize].pending_compute += 1;
+                self.blocks.get_mut(s).pending_compute += 1;
             }
             r.pending_writes += 1;
         }
         r.pslots = slots;
         r.promised = promised;
-        r.stage = Stage::Prefill;
+        r.stage = RequestState::Prefill;
         if abort {
             // The client went away: vLLM frees the blocks at once; the compute stream
             // still runs the issued writes.
@@ -1600,14 +1092,14 @@ impl<'a> Engine<'a> {
             self.order.retain(|&x| x != id);
             let rr = self.reqs.remove(&id).expect("aborted");
             for s in rr.pslots {
-                self.pslots[s as usize].owner = None;
-                self.pfree.push(s);
+                self.blocks.get_mut(s).owner = None;
+                self.blocks.free.push(s);
             }
             return Ok(true);
         }
         // Saves of computed blocks (keys not yet stored).
         let mut immediate = Vec::new();
-        if let Some(store) = self.store.as_mut() {
+        if let Some(store) = self.tier.as_mut().map(|t| &mut t.store) {
             for i in k..n {
                 let hash = r.spec.hashes[i];
                 let s = r.pslots[i];
@@ -1642,7 +1134,9 @@ impl<'a> Engine<'a> {
             }
         }
         self.reqs.insert(id, r);
-        self.drop_evicted()?;
+        if let Some(t) = self.tier.as_mut() {
+            t.drop_evicted(self.now)?;
+        }
         for op in immediate {
             self.execute_put(op)?;
         }
@@ -1659,44 +1153,8 @@ impl<'a> Engine<'a> {
         let slice = self.decode.pool.geometry().slice_bytes().unwrap_or(0);
         s.verify_gbps =
             if s.verify_seconds > 0.0 { s.blocks_checked as f64 * slice as f64 / s.verify_seconds / 1e9 } else { 0.0 };
-        let races = Mechanism::ALL
-            .iter()
-            .map(|&m| {
-                let unf = self.races.unfenced(m);
-                let classes: BTreeMap<String, u64> = self
-                    .attributed
-                    .get(&m)
-                    .map(|c| c.iter().map(|(k, v)| (k.name().to_string(), *v)).collect())
-                    .unwrap_or_default();
-                let n: u64 = classes.values().sum();
-                let w = self.windows.get(&m).copied().unwrap_or(0);
-                let in_class = self.attributed.get(&m).is_none_or(|c| c.keys().all(|k| RACE_CLASSES.contains(k)));
-                let (verdict, why) = match (unf, n > 0 && in_class) {
-                    (false, _) => (if n == 0 { "clean" } else { "corrupt" }.to_string(), None),
-                    (true, true) => ("detected".to_string(), None),
-                    (true, false) if n > 0 => (
-                        "not reproduced".to_string(),
-                        Some("corruption was attributed but with classes it does not predict".to_string()),
-                    ),
-                    (true, false) if w == 0 => ("not reproduced".to_string(), Some(window_never(m))),
-                    (true, false) => (
-                        "not reproduced".to_string(),
-                        Some(format!("the window opened {w} times but no affected block reached a verified decode read")),
-                    ),
-                };
-                RaceOutcome {
-                    mechanism: m,
-                    fencing: if unf { Fencing::Unfenced } else { Fencing::Fenced },
-                    windows_opened: w,
-                    corrupt_attributed: n,
-                    classes,
-                    predicted_classes: RACE_CLASSES.to_vec(),
-                    verdict,
-                    why,
-                }
-            })
-            .collect();
-        let store = self.store.as_ref();
+        let races = self.shadow.outcomes(&self.races);
+        let store = self.tier.as_ref().map(|t| &t.store);
         report.scenario = Some(ScenarioReport {
             scenario: self.cfg.scenario,
             tier: self.cfg.tier,
@@ -1709,54 +1167,11 @@ impl<'a> Engine<'a> {
             tier_saves: self.saves,
             tier_loads: self.loads,
             tier_evictions: store.map_or(0, |s| s.evictions),
-            tier_detail: match (&self.mooncake, self.cfg.scenario.uses_tier()) {
-                (Some(mc), _) => mc.detail.clone(),
-                (None, true) => "embedded".into(),
-                (None, false) => "none".into(),
-            },
-            unexplained_corrupt: self.unexplained,
+            tier_detail: self.tier.as_ref().map_or_else(|| "none".into(), |t| t.detail()),
+            unexplained_corrupt: self.shadow.unexplained,
             races,
             intervals: self.intervals.clone(),
         });
-    }
-}
-
-/// A test-only fault hook: `KVPROBE_TEST_FAULT=KIND:N` corrupts one decode slice in each of
-/// N verified requests of a scenario, after the READ (or tier load) delivered it and before
-/// decode verifies it — damage no race of the engine can produce, so each such slice must be
-/// reported unexplained (tests/scenario.rs proves it). Never set in normal use.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TestFault {
-    /// `bitflip`: flips one bit of the slice's first check word.
-    Bitflip,
-    /// `poison`: overwrites the second half of a slice whose prefill block was rewritten
-    /// while its READ was in flight with this iteration's poison (a partial delivery).
-    Poison,
-}
-
-impl TestFault {
-    /// The environment variable.
-    pub const VAR: &'static str = "KVPROBE_TEST_FAULT";
-
-    /// The name in `KVPROBE_TEST_FAULT`.
-    pub fn name(self) -> &'static str {
-        match self {
-            TestFault::Bitflip => "bitflip",
-            TestFault::Poison => "poison",
-        }
-    }
-
-    /// Reads `KVPROBE_TEST_FAULT` (`bitflip:N` or `poison:N`); errors (exit 2) on another value.
-    pub fn from_env() -> Result<Option<(TestFault, u64)>> {
-        let Ok(v) = std::env::var(Self::VAR) else { return Ok(None) };
-        let bad = || Error::Usage(format!("{}={v:?}: expected bitflip:N or poison:N (test-only)", Self::VAR));
-        let (kind, n) = v.split_once(':').ok_or_else(bad)?;
-        let kind = match kind {
-            "bitflip" => TestFault::Bitflip,
-            "poison" => TestFault::Poison,
-            _ => return Err(bad()),
-        };
-        Ok(Some((kind, n.trim().parse().map_err(|_| bad())?)))
     }
 }
 
@@ -1765,60 +1180,4 @@ impl TestFault {
 /// Mooncake over TCP against hundreds of GB/s for cuda_ipc).
 fn put_lag(rng: &mut ChaCha8Rng) -> u64 {
     if rng.random_range(0..4u32) == 0 { rng.random_range(16..=96) } else { rng.random_range(0..=3) }
-}
-
-fn window_never(m: Mechanism) -> String {
-    match m {
-        Mechanism::LoadIntoReading => "the window never opened: no tier load landed in a block whose READ was pending (needs prefix hits: --prefix-share > 0)".into(),
-        Mechanism::SaveAfterFree => "the window never opened: no block was reused before its save ran (more load: --concurrency, --requests)".into(),
-        Mechanism::SaveBeforeWrite => "the window never opened: every save found its block already written".into(),
-        Mechanism::FreeOnFirstCompletion => "the window never opened: no block was reused while the other connector still used it (more load: --concurrency, --requests)".into(),
-        Mechanism::UnfencedLoad => "the window never opened: no load targeted a block with a write still in flight (needs aborts, --abort-rate > 0, and prefix hits)".into(),
-    }
-}
-
-/// Whether a geometry and load fit: every prompt must fit in each pool.
-pub fn check(cfg: &ScenarioConfig, num_blocks: u32) -> Result<()> {
-    let w = &cfg.workload;
-    if w.min_blocks == 0 || w.min_blocks > w.max_blocks {
-        return Err(Error::Usage(format!("--prompt-blocks {}-{}: need 1 <= MIN <= MAX", w.min_blocks, w.max_blocks)));
-    }
-    if w.max_blocks > num_blocks / 2 {
-        return Err(Error::Usage(format!(
-            "--prompt-blocks up to {} needs at least {} blocks per pool (--blocks is {num_blocks})",
-            w.max_blocks,
-            w.max_blocks * 2
-        )));
-    }
-    if !(0.0..=1.0).contains(&w.prefix_share) {
-        return Err(Error::Usage(format!("--prefix-share must be between 0 and 1, got {}", w.prefix_share)));
-    }
-    if !(0.0..1.0).contains(&w.abort_rate) {
-        return Err(Error::Usage(format!(
-            "--abort-rate must be at least 0 and below 1 (some requests must reach decode), got {}",
-            w.abort_rate
-        )));
-    }
-    if cfg.concurrency == 0 || cfg.concurrency > 4096 {
-        return Err(Error::Usage("--concurrency must be between 1 and 4096".into()));
-    }
-    if let Some(d) = cfg.duration_secs
-        && !(d.is_finite() && d > 0.0)
-    {
-        return Err(Error::Usage("--duration must be positive".into()));
-    }
-    if cfg.duration_secs.is_none() && cfg.requests == 0 {
-        return Err(Error::Usage("--requests must be at least 1".into()));
-    }
-    if !(cfg.interval_secs.is_finite() && cfg.interval_secs >= 0.1) {
-        return Err(Error::Usage("--interval must be at least 100ms".into()));
-    }
-    let need = 2 * cfg.concurrency as u64 * w.max_blocks as u64;
-    if cfg.scenario.uses_tier() && (cfg.tier_blocks as u64) < need {
-        return Err(Error::Usage(format!(
-            "--tier-blocks {} is too small: in-flight requests may pin up to {need} entries (2 x concurrency x max prompt blocks)",
-            cfg.tier_blocks
-        )));
-    }
-    Ok(())
 }

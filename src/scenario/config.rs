@@ -1,0 +1,117 @@
+//! A scenario's parameters (`kvprobe run --scenario`, `kvprobe ab`): which connectors, the
+//! request load, the tier and the mechanisms left unfenced, with their checks, and the live
+//! counters a run reports its progress with. Types only, so the sweep's configuration
+//! (`sweep::RunConfig`) and the report can carry them without the engine.
+
+use crate::error::{Error, Result};
+use crate::race::{Fencing, Mechanism, Races, Scenario};
+use crate::tier::TierKind;
+use crate::workload::WorkloadConfig;
+
+/// Parameters of a scenario run.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct ScenarioConfig {
+    /// Which connectors move the blocks.
+    pub scenario: Scenario,
+    /// Mechanisms left unfenced (all others fenced).
+    pub unfenced: Vec<Mechanism>,
+    /// Stop admitting after this many requests (when no duration is given).
+    pub requests: u64,
+    /// Stop admitting after this many seconds; `requests` is then unused (the command line
+    /// refuses `--duration` with `--requests`).
+    pub duration_secs: Option<f64>,
+    /// Requests in flight at most.
+    pub concurrency: u32,
+    /// Prompt lengths, prefix sharing and aborts.
+    pub workload: WorkloadConfig,
+    /// The tier.
+    pub tier: TierKind,
+    /// `--tier mooncake` with an existing master and metadata service instead of one kvprobe
+    /// starts.
+    pub mooncake: Option<crate::mooncake::External>,
+    /// Tier entries (blocks).
+    pub tier_blocks: u32,
+    /// Seconds per error-rate interval in the report.
+    pub interval_secs: f64,
+    /// Complete each step's READs (and their notifications) within the step: no copy
+    /// overlaps a transfer, and the whole run, counts included, follows from the seed.
+    pub lockstep: bool,
+}
+
+impl ScenarioConfig {
+    /// The unfenced set.
+    pub fn races(&self) -> Races {
+        Races::from_specs(
+            &self
+                .unfenced
+                .iter()
+                .map(|&m| crate::race::RaceSpec { mechanism: m, fencing: Fencing::Unfenced })
+                .collect::<Vec<_>>(),
+        )
+    }
+}
+
+/// Live counters handed to the progress callback.
+#[derive(Clone, Debug, Default)]
+pub struct Progress {
+    /// Seconds since the start.
+    pub elapsed: f64,
+    /// Requests verified.
+    pub requests: u64,
+    /// Admission target (requests), when not running for a duration.
+    pub target_requests: Option<u64>,
+    /// Duration target (seconds), when given.
+    pub target_secs: Option<f64>,
+    /// NIXL bytes moved so far.
+    pub bytes: u64,
+    /// Corrupt slices so far.
+    pub corrupt: u64,
+    /// True once admission stopped and in-flight requests drain.
+    pub draining: bool,
+}
+
+/// Whether a geometry and load fit: every prompt must fit in each pool.
+pub fn check(cfg: &ScenarioConfig, num_blocks: u32) -> Result<()> {
+    let w = &cfg.workload;
+    if w.min_blocks == 0 || w.min_blocks > w.max_blocks {
+        return Err(Error::Usage(format!("--prompt-blocks {}-{}: need 1 <= MIN <= MAX", w.min_blocks, w.max_blocks)));
+    }
+    if w.max_blocks > num_blocks / 2 {
+        return Err(Error::Usage(format!(
+            "--prompt-blocks up to {} needs at least {} blocks per pool (--blocks is {num_blocks})",
+            w.max_blocks,
+            w.max_blocks * 2
+        )));
+    }
+    if !(0.0..=1.0).contains(&w.prefix_share) {
+        return Err(Error::Usage(format!("--prefix-share must be between 0 and 1, got {}", w.prefix_share)));
+    }
+    if !(0.0..1.0).contains(&w.abort_rate) {
+        return Err(Error::Usage(format!(
+            "--abort-rate must be at least 0 and below 1 (some requests must reach decode), got {}",
+            w.abort_rate
+        )));
+    }
+    if cfg.concurrency == 0 || cfg.concurrency > 4096 {
+        return Err(Error::Usage("--concurrency must be between 1 and 4096".into()));
+    }
+    if let Some(d) = cfg.duration_secs
+        && !(d.is_finite() && d > 0.0)
+    {
+        return Err(Error::Usage("--duration must be positive".into()));
+    }
+    if cfg.duration_secs.is_none() && cfg.requests == 0 {
+        return Err(Error::Usage("--requests must be at least 1".into()));
+    }
+    if !(cfg.interval_secs.is_finite() && cfg.interval_secs >= 0.1) {
+        return Err(Error::Usage("--interval must be at least 100ms".into()));
+    }
+    let need = 2 * cfg.concurrency as u64 * w.max_blocks as u64;
+    if cfg.scenario.uses_tier() && (cfg.tier_blocks as u64) < need {
+        return Err(Error::Usage(format!(
+            "--tier-blocks {} is too small: in-flight requests may pin up to {need} entries (2 x concurrency x max prompt blocks)",
+            cfg.tier_blocks
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,56 @@
+//! The NIXL connector (vLLM's NixlConnector): decode, the kv_consumer, posts one NIXL READ of
+//! every block slice of a request from prefill's blocks into its own, and the READ carries a
+//! notification that tells prefill, the kv_producer, that its blocks may be freed.
+//!
+//! Descriptors follow the NixlConnector's per-block layout: one descriptor per (layer, K/V
+//! part, block), the block's slice `[num_layers][2][num_blocks][block_size, num_kv_heads,
+//! head_size]` in each layer's region (`geometry`). Notifications are tagged with a prefix
+//! unique to the engine and the request id, so a late notification of an earlier run in the
+//! same process is never taken for this one's.
+
+use crate::error::Result;
+use crate::geometry::{Geometry, SliceCoord};
+use crate::nixl::Posted;
+use crate::transport::{Endpoint, Pair};
+use rand::Rng;
+use std::time::Duration;
+
+/// The NIXL connector of one scenario run.
+pub(crate) struct NixlConnector {
+    /// Prefix of this run's notification messages.
+    tag: String,
+}
+
+impl NixlConnector {
+    /// A connector with a fresh notification prefix.
+    pub(crate) fn new() -> NixlConnector {
+        NixlConnector { tag: format!("kvprobe:{:016x}:req=", rand::rng().random::<u64>()) }
+    }
+
+    /// The descriptor pairs of one request's READ: for each layer and K/V part, prefill block
+    /// `src[i]` into decode block `dst[i]`, a whole block slice each. Errors: a geometry whose
+    /// slice size does not fit (usage).
+    pub(crate) fn read_pairs(g: &Geometry, src: &[u32], dst: &[u32]) -> Result<Vec<Pair>> {
+        let len = g.slice_bytes()?;
+        let mut pairs = Vec::with_capacity(src.len() * g.num_layers as usize * g.kv_parts() as usize);
+        for layer in 0..g.num_layers {
+            for &kv in g.parts() {
+                for (&s, &d) in src.iter().zip(dst) {
+                    pairs.push(Pair { src: SliceCoord { layer, kv, block: s }, dst: SliceCoord { layer, kv, block: d }, len });
+                }
+            }
+        }
+        Ok(pairs)
+    }
+
+    /// Posts request `id`'s READ of `pairs` on decode's endpoint, with its notification;
+    /// `timeout` bounds it from now. Errors: transport (exit 3), timeout (exit 4).
+    pub(crate) fn post_read(&self, decode: &mut Endpoint, pairs: &[Pair], id: u64, timeout: Duration) -> Result<Posted> {
+        decode.post_read(pairs, &format!("{}{id}", self.tag), timeout)
+    }
+
+    /// The request a notification message on prefill is for, when it is this run's.
+    pub(crate) fn request_of(&self, msg: &str) -> Option<u64> {
+        msg.strip_prefix(self.tag.as_str()).and_then(|s| s.parse::<u64>().ok())
+    }
+}

@@ -1,0 +1,43 @@
+//! Test-only damage a scenario plants at decode (`KVPROBE_TEST_FAULT`), which no race of the
+//! engine can produce: tests/scenario.rs proves each such slice is reported unexplained.
+
+use crate::error::{Error, Result};
+
+/// A test-only fault hook: `KVPROBE_TEST_FAULT=KIND:N` corrupts one decode slice in each of
+/// N verified requests of a scenario, after the READ (or tier load) delivered it and before
+/// decode verifies it — damage no race of the engine can produce, so each such slice must be
+/// reported unexplained (tests/scenario.rs proves it). Never set in normal use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TestFault {
+    /// `bitflip`: flips one bit of the slice's first check word.
+    Bitflip,
+    /// `poison`: overwrites the second half of a slice whose prefill block was rewritten
+    /// while its READ was in flight with this iteration's poison (a partial delivery).
+    Poison,
+}
+
+impl TestFault {
+    /// The environment variable.
+    pub const VAR: &'static str = "KVPROBE_TEST_FAULT";
+
+    /// The name in `KVPROBE_TEST_FAULT`.
+    pub fn name(self) -> &'static str {
+        match self {
+            TestFault::Bitflip => "bitflip",
+            TestFault::Poison => "poison",
+        }
+    }
+
+    /// Reads `KVPROBE_TEST_FAULT` (`bitflip:N` or `poison:N`); errors (exit 2) on another value.
+    pub fn from_env() -> Result<Option<(TestFault, u64)>> {
+        let Ok(v) = std::env::var(Self::VAR) else { return Ok(None) };
+        let bad = || Error::Usage(format!("{}={v:?}: expected bitflip:N or poison:N (test-only)", Self::VAR));
+        let (kind, n) = v.split_once(':').ok_or_else(bad)?;
+        let kind = match kind {
+            "bitflip" => TestFault::Bitflip,
+            "poison" => TestFault::Poison,
+            _ => return Err(bad()),
+        };
+        Ok(Some((kind, n.trim().parse().map_err(|_| bad())?)))
+    }
+}

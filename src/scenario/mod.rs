@@ -1,0 +1,25 @@
+//! Request-level load on the two pools (`kvprobe run --scenario`, `kvprobe ab`): a prefill
+//! engine with a KV tier, a decode engine pulling over NIXL, and the race mechanisms between
+//! them, in the parts a vLLM reader expects to find:
+//!
+//! - [`config`]: the scenario's parameters and the live progress counters (types only);
+//! - [`scheduler`]: requests and their states, prefill's block manager (free list, owners,
+//!   pending writes and READs, the early list) and decode's free list (vLLM's `Scheduler`
+//!   and `KVCacheManager`);
+//! - [`connectors`]: the NIXL connector (kv_producer / kv_consumer), the tier connector
+//!   (kv_both: the embedded store or Mooncake) and the multi-connector that counts a
+//!   request's completions and decides when its blocks are freed;
+//! - [`shadow`]: what every prefill block holds, the READ windows, and the attribution of
+//!   each corrupt slice decode finds;
+//! - [`engine`]: the step loop that drives the scheduler, the connectors and both pools,
+//!   and verifies at decode;
+//! - [`fault`]: test-only damage that no race can produce.
+//!
+//! Types flow one way inside: config → scheduler → connectors → shadow → engine.
+
+pub mod config;
+pub mod connectors;
+pub mod engine;
+pub mod fault;
+pub mod scheduler;
+pub mod shadow;

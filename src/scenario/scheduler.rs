@@ -1,0 +1,182 @@
+//! The scheduler's state of a scenario (vLLM's `Scheduler` and `KVCacheManager`): the
+//! requests and their states, and the prefill block manager — the free list, which request
+//! owns each block, the writes still pending on it, the READs still reading it, and the early
+//! list of blocks lent out before their READ completed (load-into-reading). It never moves
+//! bytes; the engine does, through the connectors.
+
+use crate::deadline::Deadline;
+use crate::nixl::Posted;
+use crate::pool::TableEntry;
+use crate::race::Mechanism;
+use crate::tier::{Content, EntryId};
+use crate::workload::RequestSpec;
+
+/// Where a request is (vLLM's request states, with the connector's waits made explicit).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum RequestState {
+    /// Admitted; the tier lookup of its prompt's block hashes answers next step.
+    Lookup,
+    /// Its prefill writes (computed fills, tier loads of hits) are in flight.
+    Prefill,
+    /// Written; decode schedules it a seeded 0-2 steps later.
+    WaitDecode,
+    /// Decode's NIXL READ (or tier loads, tier-only) is in flight.
+    Decoding,
+    /// Delivered to decode; verified in this step's pass.
+    Verify,
+    /// Verified; retired once its prefill blocks are released.
+    Done,
+}
+
+/// One request as the scheduler tracks it, from admission to retirement.
+pub(crate) struct Request {
+    pub(crate) spec: RequestSpec,
+    pub(crate) stage: RequestState,
+    pub(crate) ready_at: u64,
+    pub(crate) promised: Vec<TableEntry>,
+    pub(crate) pslots: Vec<u32>,
+    pub(crate) hits: Vec<EntryId>,
+    /// Tier entry per block (tier-only: where decode loads it from).
+    pub(crate) entries: Vec<Option<EntryId>>,
+    pub(crate) pending_writes: u32,
+    pub(crate) saves_left: u32,
+    pub(crate) had_saves: bool,
+    pub(crate) read_notified: bool,
+    /// The READ's deadline (`--timeout` from just before it was posted), until its
+    /// notification arrives.
+    pub(crate) read_deadline: Option<Deadline>,
+    /// Notification checks begun after `read_deadline` that did not find it.
+    pub(crate) notify_misses: u8,
+    pub(crate) released: bool,
+    pub(crate) early_listed: bool,
+    pub(crate) dslots: Vec<u32>,
+    pub(crate) xfer: Option<Posted>,
+    /// What each prefill block held when the READ was posted.
+    pub(crate) at_post: Vec<Content>,
+    /// What was written into each prefill block while the READ was in flight (filled when
+    /// it completes).
+    pub(crate) during: Vec<Vec<Content>>,
+    /// Decode-side prediction per block (tier-only loads).
+    pub(crate) delivered: Vec<Content>,
+    pub(crate) dloads_left: u32,
+    pub(crate) poison_iter: u32,
+}
+
+/// One prefill block as the block manager tracks it.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct BlockState {
+    /// The request the block is allocated to.
+    pub(crate) owner: Option<u64>,
+    /// Computed fills issued into it and not yet run.
+    pub(crate) pending_compute: u32,
+    /// Tier loads issued into it and not yet run.
+    pub(crate) pending_load: u32,
+    /// Requests whose NIXL READ of this block has not been notified.
+    pub(crate) reading: u32,
+    /// The block was released early by this unfenced mechanism.
+    pub(crate) early: Option<Mechanism>,
+    /// An unfenced load overtook a pending compute write here.
+    pub(crate) hazard: bool,
+    /// On the early list (lent to loads before its READ completed).
+    pub(crate) in_early_list: bool,
+}
+
+/// The prefill pool's block manager: every block's state, the free list and the early list.
+pub(crate) struct BlockManager {
+    /// By prefill block id.
+    pub(crate) blocks: Vec<BlockState>,
+    /// Free blocks (taken from the end).
+    pub(crate) free: Vec<u32>,
+    /// Blocks lent out before their READ completed (load-into-reading), taken from the end;
+    /// an entry whose block left the list since is skipped.
+    pub(crate) early: Vec<u32>,
+}
+
+impl BlockManager {
+    /// `n` free blocks, handed out from block 0 up.
+    pub(crate) fn new(n: u32) -> BlockManager {
+        BlockManager { blocks: vec![BlockState::default(); n as usize], free: (0..n).rev().collect(), early: Vec::new() }
+    }
+
+    /// Block `b`'s state.
+    pub(crate) fn get(&self, b: u32) -> &BlockState {
+        &self.blocks[b as usize]
+    }
+
+    /// Block `b`'s state, to change.
+    pub(crate) fn get_mut(&mut self, b: u32) -> &mut BlockState {
+        &mut self.blocks[b as usize]
+    }
+
+    /// Lends block `b`, still owned and still being read, to the next loads
+    /// (load-into-reading).
+    pub(crate) fn lend_early(&mut self, b: u32) {
+        self.blocks[b as usize].in_early_list = true;
+        self.early.push(b);
+    }
+
+    /// Returns blocks an allocation took but could not use to where they came from (blocks
+    /// still owned go back to the early list, free ones to the free list).
+    pub(crate) fn give_back(&mut self, slots: Vec<u32>) {
+        for s in slots.into_iter().rev() {
+            if self.blocks[s as usize].owner.is_some() {
+                self.lend_early(s);
+            } else {
+                self.free.push(s);
+            }
+        }
+    }
+
+    /// Takes `n` blocks for a request: with `for_loads` (blocks a tier load will fill) first
+    /// blocks lent early from the early list (load-into-reading), then free ones. `None`, with
+    /// nothing taken, when too few are free.
+    pub(crate) fn alloc(&mut self, n: usize, for_loads: bool) -> Option<Vec<u32>> {
+        let mut out = Vec::with_capacity(n);
+        if for_loads {
+            while out.len() < n {
+                let Some(s) = self.early.pop() else {
+                    break;
+                };
+                if self.blocks[s as usize].in_early_list && self.blocks[s as usize].owner.is_some() {
+                    self.blocks[s as usize].in_early_list = false;
+                    out.push(s);
+                }
+            }
+        }
+        while out.len() < n {
+            match self.free.pop() {
+                Some(s) => out.push(s),
+                None => {
+                    self.give_back(out);
+                    return None;
+                }
+            }
+        }
+        Some(out)
+    }
+}
+
+/// Decode's free list: blocks decode can poison and receive into (taken from the end).
+pub(crate) struct DecodeBlocks {
+    free: Vec<u32>,
+}
+
+impl DecodeBlocks {
+    /// `n` free blocks, handed out from block 0 up.
+    pub(crate) fn new(n: u32) -> DecodeBlocks {
+        DecodeBlocks { free: (0..n).rev().collect() }
+    }
+
+    /// `n` blocks, or `None` (nothing taken) when fewer are free.
+    pub(crate) fn alloc(&mut self, n: usize) -> Option<Vec<u32>> {
+        if self.free.len() < n {
+            return None;
+        }
+        Some((0..n).map(|_| self.free.pop().expect("checked")).collect())
+    }
+
+    /// Frees block `b`.
+    pub(crate) fn free(&mut self, b: u32) {
+        self.free.push(b);
+    }
+}

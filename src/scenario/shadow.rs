@@ -1,0 +1,200 @@
+//! The shadow: what every prefill block and tier entry holds as far as the engines' own
+//! writes say, and the attribution of each corrupt slice decode finds (README
+//! "Attribution").
+//!
+//! Every write into a prefill block (a computed fill, a tier load) is recorded here as a
+//! [`Content`]: the identity written and, when an unfenced mechanism allowed the write, that
+//! mechanism. While a NIXL READ of a block is in flight its window collects every content
+//! written into the block, so that a corrupt slice at decode is *explained* only when every
+//! 4-byte element of it is what one of those contents put there ([`attribute`]); anything
+//! else (poison, a flipped bit, garbage, an identity never written in the window) is a defect
+//! of the stack under test. The shadow also counts how often each unfenced mechanism's window
+//! opened and what was attributed to it, and turns the counts into each mechanism's verdict
+//! (`Shadow::outcomes`).
+
+use crate::fingerprint::{self, BlockIdentity};
+use crate::geometry::SliceCoord;
+use crate::pool::TableEntry;
+use crate::race::{Fencing, Mechanism, Races};
+use crate::report::RaceOutcome;
+use crate::verify::{self, Class};
+use std::collections::BTreeMap;
+
+pub use crate::tier::Content;
+
+/// Classes an unfenced mechanism may produce at decode: another block's data (misplaced),
+/// the same block's older data (stale), or a mix when the write lands during a READ (torn).
+pub const RACE_CLASSES: [Class; 3] = [Class::Misplaced, Class::Stale, Class::Torn];
+
+/// The shadow of one prefill block.
+#[derive(Clone, Debug, Default)]
+struct BlockShadow {
+    /// What the block holds now.
+    content: Content,
+    /// One window per NIXL READ of this block still in flight: (request, every content
+    /// written into the block since the READ was posted, in order). A window lives only
+    /// while its READ does (bounded by `--timeout`), so nothing written during a READ is
+    /// ever forgotten and no bound on rewrites is needed.
+    reads: Vec<(u64, Vec<Content>)>,
+}
+
+/// The shadow of the prefill pool, and the per-mechanism counts of a run.
+pub(crate) struct Shadow {
+    /// By prefill block id.
+    blocks: Vec<BlockShadow>,
+    /// Times each unfenced mechanism let a conflicting copy happen.
+    windows: BTreeMap<Mechanism, u64>,
+    /// Corrupt slices explained by each mechanism, by class.
+    attributed: BTreeMap<Mechanism, BTreeMap<Class, u64>>,
+    /// Corrupt slices nothing explains (defects of the stack under test).
+    pub(crate) unexplained: u64,
+}
+
+impl Shadow {
+    /// A shadow of blocks holding `genesis` (by prefill block id), written by no mechanism.
+    pub(crate) fn new(genesis: &[TableEntry]) -> Shadow {
+        Shadow {
+            blocks: genesis.iter().map(|&id| BlockShadow { content: Content { id, cause: None }, reads: Vec::new() }).collect(),
+            windows: BTreeMap::new(),
+            attributed: BTreeMap::new(),
+            unexplained: 0,
+        }
+    }
+
+    /// What prefill block `block` holds now.
+    pub(crate) fn content(&self, block: u32) -> Content {
+        self.blocks[block as usize].content
+    }
+
+    /// A write of `c` into prefill block `block`: it holds `c` now, and every READ window open
+    /// on it sees `c`.
+    pub(crate) fn record(&mut self, block: u32, c: Content) {
+        let b = &mut self.blocks[block as usize];
+        b.content = c;
+        for (_, w) in b.reads.iter_mut() {
+            w.push(c);
+        }
+    }
+
+    /// Request `req`'s NIXL READ of prefill block `block` was posted: opens its window.
+    pub(crate) fn open_read(&mut self, block: u32, req: u64) {
+        self.blocks[block as usize].reads.push((req, Vec::new()));
+    }
+
+    /// Request `req`'s READ of prefill block `block` completed: closes its window and returns
+    /// what was written into the block while it was open, in order (empty when none was open).
+    pub(crate) fn close_read(&mut self, block: u32, req: u64) -> Vec<Content> {
+        let reads = &mut self.blocks[block as usize].reads;
+        match reads.iter().position(|(q, _)| *q == req) {
+            Some(k) => reads.swap_remove(k).1,
+            None => Vec::new(),
+        }
+    }
+
+    /// Unfenced mechanism `m` let a conflicting copy happen once more.
+    pub(crate) fn window(&mut self, m: Mechanism) {
+        *self.windows.entry(m).or_default() += 1;
+    }
+
+    /// Counts a corrupt slice of `class`, attributed to `cause` (`None`: unexplained).
+    pub(crate) fn count(&mut self, cause: Option<Mechanism>, class: Class) {
+        match cause {
+            Some(m) => *self.attributed.entry(m).or_default().entry(class).or_default() += 1,
+            None => self.unexplained += 1,
+        }
+    }
+
+    /// Each mechanism's outcome under `races`: an unfenced one is "detected" when corruption
+    /// of its predicted classes ([`RACE_CLASSES`]) was attributed to it, else "not reproduced"
+    /// with why; a fenced one is "clean", or "corrupt" if anything was attributed to it.
+    pub(crate) fn outcomes(&self, races: &Races) -> Vec<RaceOutcome> {
+        Mechanism::ALL
+            .iter()
+            .map(|&m| {
+                let unf = races.unfenced(m);
+                let classes: BTreeMap<String, u64> = self
+                    .attributed
+                    .get(&m)
+                    .map(|c| c.iter().map(|(k, v)| (k.name().to_string(), *v)).collect())
+                    .unwrap_or_default();
+                let n: u64 = classes.values().sum();
+                let w = self.windows.get(&m).copied().unwrap_or(0);
+                let in_class = self.attributed.get(&m).is_none_or(|c| c.keys().all(|k| RACE_CLASSES.contains(k)));
+                let (verdict, why) = match (unf, n > 0 && in_class) {
+                    (false, _) => (if n == 0 { "clean" } else { "corrupt" }.to_string(), None),
+                    (true, true) => ("detected".to_string(), None),
+                    (true, false) if n > 0 => (
+                        "not reproduced".to_string(),
+                        Some("corruption was attributed but with classes it does not predict".to_string()),
+                    ),
+                    (true, false) if w == 0 => ("not reproduced".to_string(), Some(window_never(m))),
+                    (true, false) => (
+                        "not reproduced".to_string(),
+                        Some(format!("the window opened {w} times but no affected block reached a verified decode read")),
+                    ),
+                };
+                RaceOutcome {
+                    mechanism: m,
+                    fencing: if unf { Fencing::Unfenced } else { Fencing::Fenced },
+                    windows_opened: w,
+                    corrupt_attributed: n,
+                    classes,
+                    predicted_classes: RACE_CLASSES.to_vec(),
+                    verdict,
+                    why,
+                }
+            })
+            .collect()
+    }
+}
+
+pub(crate) fn ident(t: TableEntry, c: SliceCoord) -> BlockIdentity {
+    t.identity(c)
+}
+
+/// The attribution of a corrupt slice (README "Attribution"): `actual` is the slice at
+/// coordinate `c` as decode holds it, `want` its expected bytes, and `written` what the
+/// engine's shadow says its source held during the READ window, in order (first: the
+/// content when the READ was posted; then each write made before it completed; for a tier
+/// load, the entry loaded).
+///
+/// Returns the mechanism it is attributed to (`None`: unexplained) and the content the
+/// shadow predicts there. The slice is explained only when every 4-byte element of it is
+/// what one of `written` put at that offset ([`verify::explained_by`]); this iteration's
+/// poison, a flipped bit, garbage or an identity never written in the window make the whole
+/// slice unexplained, however often the block was rewritten. It is then attributed to the
+/// mechanism stamped on the content that supplies most of the wrong elements (the latest on
+/// a tie; when it carries none, the latest other supplier's, else the content at post's),
+/// and that content is the prediction.
+pub fn attribute(actual: &[u8], want: &[u8], seed: u64, c: SliceCoord, written: &[Content]) -> (Option<Mechanism>, TableEntry) {
+    let pre = written.first().copied().unwrap_or_default();
+    // One fingerprint per distinct identity (a window may hold the same one several times).
+    let mut ids: Vec<TableEntry> = Vec::new();
+    for w in written {
+        if !ids.contains(&w.id) {
+            ids.push(w.id);
+        }
+    }
+    let prints: Vec<Vec<u8>> = ids.iter().map(|&t| fingerprint::expected(actual.len(), seed, ident(t, c))).collect();
+    let Some(used) = verify::explained_by(actual, want, &prints) else {
+        return (None, pre.id);
+    };
+    let supplied = |w: &Content| ids.iter().position(|t| *t == w.id).map_or(0, |k| used[k]);
+    // The prediction: the content supplying most of the wrong data (`max_by_key` keeps the
+    // last of equals: the latest on a tie).
+    let Some(best) = written.iter().filter(|w| supplied(w) > 0).max_by_key(|w| supplied(w)) else {
+        return (None, pre.id);
+    };
+    let cause = best.cause.or_else(|| written.iter().rev().filter(|w| supplied(w) > 0).find_map(|w| w.cause)).or(pre.cause);
+    (cause, best.id)
+}
+
+fn window_never(m: Mechanism) -> String {
+    match m {
+        Mechanism::LoadIntoReading => "the window never opened: no tier load landed in a block whose READ was pending (needs prefix hits: --prefix-share > 0)".into(),
+        Mechanism::SaveAfterFree => "the window never opened: no block was reused before its save ran (more load: --concurrency, --requests)".into(),
+        Mechanism::SaveBeforeWrite => "the window never opened: every save found its block already written".into(),
+        Mechanism::FreeOnFirstCompletion => "the window never opened: no block was reused while the other connector still used it (more load: --concurrency, --requests)".into(),
+        Mechanism::UnfencedLoad => "the window never opened: no load targeted a block with a write still in flight (needs aborts, --abort-rate > 0, and prefix hits)".into(),
+    }
+}
