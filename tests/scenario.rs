@@ -656,3 +656,79 @@ fn ab_exits_1_when_a_row_has_unexplained_corruption() {
     }
     assert!(out.contains("<- FAIL (1 unexplained)"), "the table names it: {out}");
 }
+
+// ---- the shadow as an observer: the engines' events, stamped with engine, step and sequence,
+// are all it knows (so the same stream can come from another process or host).
+
+mod shadow_events {
+    use kvprobe::pool::TableEntry;
+    use kvprobe::race::Mechanism;
+    use kvprobe::scenario::shadow::{Answer, EngineId, Event, Shadow, What};
+    use kvprobe::tier::Content;
+
+    fn t(block: u32, generation: u32) -> TableEntry {
+        TableEntry { block, generation }
+    }
+    fn c(block: u32, generation: u32, cause: Option<Mechanism>) -> Content {
+        Content { id: t(block, generation), cause }
+    }
+    fn ev(engine: EngineId, seq: u64, what: What) -> Event {
+        Event { engine, step: seq * 10, seq, what }
+    }
+
+    #[test]
+    fn a_read_window_holds_exactly_what_was_written_between_its_post_and_its_end() {
+        let mut s = Shadow::new(&[t(100, 0), t(101, 0), t(102, 0)]);
+        let w = |seq, block, content| ev(EngineId::Prefill, seq, What::Write { block, content });
+        assert_eq!(s.observe(w(1, 0, c(7, 1, None))).unwrap(), Answer::Noted);
+        // Posted on blocks 0 and 2: what they hold now.
+        let posted = s.observe(ev(EngineId::Decode, 1, What::ReadPosted { req: 5, blocks: vec![0, 2] })).unwrap();
+        assert_eq!(posted, Answer::AtPost(vec![c(7, 1, None), c(102, 0, None)]));
+        // Two writes into block 2 and one into block 1 (not read) while it is in flight.
+        let late = Some(Mechanism::SaveAfterFree);
+        s.observe(w(2, 2, c(8, 2, late))).unwrap();
+        s.observe(w(3, 1, c(9, 3, None))).unwrap();
+        s.observe(w(4, 2, c(10, 4, None))).unwrap();
+        let done = s.observe(ev(EngineId::Decode, 2, What::ReadDone { req: 5, blocks: vec![0, 2] })).unwrap();
+        assert_eq!(done, Answer::During(vec![vec![], vec![c(8, 2, late), c(10, 4, None)]]));
+        // After the end, a write lands in no window: a second end of the same READ finds none.
+        s.observe(w(5, 2, c(11, 5, None))).unwrap();
+        let again = s.observe(ev(EngineId::Decode, 3, What::ReadDone { req: 5, blocks: vec![2] })).unwrap();
+        assert_eq!(again, Answer::During(vec![vec![]]));
+        assert_eq!(s.content(2), c(11, 5, None));
+    }
+
+    #[test]
+    fn two_reads_of_one_block_keep_their_own_windows() {
+        let mut s = Shadow::new(&[t(1, 0)]);
+        let d = |seq, what| ev(EngineId::Decode, seq, what);
+        s.observe(d(1, What::ReadPosted { req: 1, blocks: vec![0] })).unwrap();
+        s.observe(ev(EngineId::Prefill, 1, What::Write { block: 0, content: c(2, 1, None) })).unwrap();
+        s.observe(d(2, What::ReadPosted { req: 2, blocks: vec![0] })).unwrap();
+        s.observe(ev(EngineId::Prefill, 2, What::Write { block: 0, content: c(3, 2, None) })).unwrap();
+        let first = s.observe(d(3, What::ReadDone { req: 1, blocks: vec![0] })).unwrap();
+        assert_eq!(first, Answer::During(vec![vec![c(2, 1, None), c(3, 2, None)]]));
+        let second = s.observe(d(4, What::ReadDone { req: 2, blocks: vec![0] })).unwrap();
+        assert_eq!(second, Answer::During(vec![vec![c(3, 2, None)]]));
+    }
+
+    #[test]
+    fn a_lost_reordered_or_foreign_event_is_refused_and_changes_nothing() {
+        let mut s = Shadow::new(&[t(1, 0), t(2, 0)]);
+        let write = |seq, block| ev(EngineId::Prefill, seq, What::Write { block, content: c(9, 9, None) });
+        s.observe(write(1, 0)).unwrap();
+        // Event 3 before 2 (one lost or overtaken), a repeat of 1, a block the pool does not have.
+        for (e, want) in
+            [(write(3, 1), "event 3 of Prefill"), (write(1, 1), "event 1 of Prefill"), (write(2, 7), "names block 7 of 2")]
+        {
+            let err = s.observe(e).unwrap_err();
+            assert_eq!(err.exit() as u8, 3, "{err}");
+            assert!(err.to_string().contains(want), "{err}");
+        }
+        assert_eq!(s.content(1), c(2, 0, None), "a refused event wrote into the shadow");
+        // Each engine counts its own events: decode's first is 1 whatever prefill sent.
+        s.observe(ev(EngineId::Decode, 1, What::ReadPosted { req: 1, blocks: vec![1] })).unwrap();
+        s.observe(write(2, 1)).unwrap();
+        assert_eq!(s.content(1), c(9, 9, None));
+    }
+}

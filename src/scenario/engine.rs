@@ -45,7 +45,7 @@ use super::connectors::nixl::NixlConnector;
 use super::connectors::tier::{PoolSide, TierConnector};
 use super::fault::TestFault;
 use super::scheduler::{BlockManager, DecodeBlocks, Request, RequestState};
-use super::shadow::{Content, Shadow, attribute, ident};
+use super::shadow::{Answer, Content, EngineId, Event, Shadow, What, attribute, ident};
 use crate::error::{Error, Result};
 use crate::fingerprint::{self, SKIP_GEN};
 use crate::geometry::SliceCoord;
@@ -173,6 +173,8 @@ struct Engine<'a> {
     poison_secs: f64,
     /// Test-only fault (`KVPROBE_TEST_FAULT`) and how many are left to plant.
     fault: Option<(TestFault, u64)>,
+    /// Events told to the shadow so far, by engine (prefill, decode).
+    seq: [u64; 2],
 }
 
 impl<'a> Engine<'a> {
@@ -241,6 +243,7 @@ impl<'a> Engine<'a> {
             fill_secs: 0.0,
             poison_secs: 0.0,
             fault: TestFault::from_env()?,
+            seq: [0, 0],
         })
     }
 
@@ -415,7 +418,7 @@ impl<'a> Engine<'a> {
                 report.summary.bytes_transferred += done.bytes;
                 r.xfer = None;
                 r.stage = RequestState::Verify;
-                self.read_done(id);
+                self.read_done(id)?;
             }
         }
         Ok(())
@@ -423,9 +426,22 @@ impl<'a> Engine<'a> {
 
     /// A READ of request `id` completed: closes its windows on its prefill blocks in the
     /// shadow (what was written into them while it was in flight).
-    fn read_done(&mut self, id: u64) {
-        let Some(r) = self.reqs.get_mut(&id) else { return };
-        r.during = r.pslots.iter().map(|&s| self.shadow.close_read(s, id)).collect();
+    fn read_done(&mut self, id: u64) -> Result<()> {
+        let Some(r) = self.reqs.get(&id) else { return Ok(()) };
+        let blocks = r.pslots.clone();
+        match self.observe(EngineId::Decode, What::ReadDone { req: id, blocks })? {
+            Answer::During(d) => self.reqs.get_mut(&id).expect("live request").during = d,
+            a => unreachable!("a READ's end is answered with its windows, not {a:?}"),
+        }
+        Ok(())
+    }
+
+    /// Tells the shadow what `engine` did, stamped with the step and the engine's next
+    /// sequence number. Errors: as [`Shadow::observe`].
+    fn observe(&mut self, engine: EngineId, what: What) -> Result<Answer> {
+        let k = engine as usize;
+        self.seq[k] += 1;
+        self.shadow.observe(Event { engine, step: self.now, seq: self.seq[k], what })
     }
 
     /// After a notification check begun at `asked`: a READ whose notification is still
@@ -514,7 +530,7 @@ impl<'a> Engine<'a> {
             }
             r.xfer = None;
             r.stage = RequestState::Verify;
-            self.read_done(id);
+            self.read_done(id)?;
         }
         while ids.iter().any(|id| self.reqs.get(id).is_some_and(|r| !r.read_notified)) {
             let asked = Instant::now();
@@ -567,7 +583,7 @@ impl<'a> Engine<'a> {
                 self.shadow.window(Mechanism::UnfencedLoad);
             }
             let c = self.write_stamp(op.slot, op.req, id, None);
-            self.shadow.record(op.slot, c);
+            self.observe(EngineId::Prefill, What::Write { block: op.slot, content: c })?;
             let p = self.blocks.get_mut(op.slot);
             p.pending_compute -= 1;
             if p.pending_compute == 0 {
@@ -612,7 +628,7 @@ impl<'a> Engine<'a> {
                 Side::Prefill => {
                     self.store_mut().unpin(entry);
                     let stamped = self.write_stamp(op.slot, op.req, content.id, content.cause);
-                    self.shadow.record(op.slot, stamped);
+                    self.observe(EngineId::Prefill, What::Write { block: op.slot, content: stamped })?;
                     self.blocks.get_mut(op.slot).pending_load -= 1;
                     if let Some(r) = self.reqs.get_mut(&op.req) {
                         r.pending_writes = r.pending_writes.saturating_sub(1);
@@ -821,10 +837,12 @@ impl<'a> Engine<'a> {
             r.stage = RequestState::Decoding;
             if sc.uses_nixl() {
                 let pairs = NixlConnector::read_pairs(&g, &r.pslots, &r.dslots)?;
-                r.at_post = r.pslots.iter().map(|&s| self.shadow.content(s)).collect();
-                for &s in &r.pslots {
-                    self.shadow.open_read(s, id);
-                }
+                let blocks = r.pslots.clone();
+                let Answer::AtPost(at_post) = self.observe(EngineId::Decode, What::ReadPosted { req: id, blocks })? else {
+                    unreachable!("a READ's post is answered with the blocks' contents")
+                };
+                let r = self.reqs.get_mut(&id).expect("starting request");
+                r.at_post = at_post;
                 let x = self.nixl.post_read(self.decode, &pairs, id, self.timeout)?;
                 r.read_deadline = Some(x.deadline());
                 r.xfer = Some(x);

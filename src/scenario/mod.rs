@@ -10,7 +10,8 @@
 //!   (kv_both: the embedded store or Mooncake) and the multi-connector that counts a
 //!   request's completions and decides when its blocks are freed;
 //! - [`shadow`]: what every prefill block holds, the READ windows, and the attribution of
-//!   each corrupt slice decode finds;
+//!   each corrupt slice decode finds; it learns all of it from the engines' events, each
+//!   stamped with the engine, its step and its sequence number;
 //! - [`engine`]: the step loop that drives the scheduler, the connectors and both pools,
 //!   and verifies at decode;
 //! - [`fault`]: test-only damage that no race can produce.

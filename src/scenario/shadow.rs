@@ -11,7 +11,13 @@
 //! of the stack under test. The shadow also counts how often each unfenced mechanism's window
 //! opened and what was attributed to it, and turns the counts into each mechanism's verdict
 //! (`Shadow::outcomes`).
+//!
+//! The engines tell the shadow what they do as [`Event`]s, each stamped with the engine, its
+//! step and the engine's own sequence number ([`Shadow::observe`]): the shadow holds no
+//! reference into either engine, so the same stream can reach it from another thread, process
+//! or host, and a lost or reordered event is an error, never a silent misattribution.
 
+use crate::error::{Error, Result};
 use crate::fingerprint::{self, BlockIdentity};
 use crate::geometry::SliceCoord;
 use crate::pool::TableEntry;
@@ -38,8 +44,69 @@ struct BlockShadow {
     reads: Vec<(u64, Vec<Content>)>,
 }
 
+/// The engine an [`Event`] comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EngineId {
+    /// The prefill engine (its blocks are written and read).
+    Prefill,
+    /// The decode engine (it posts and completes the READs).
+    Decode,
+}
+
+/// What an engine tells the shadow.
+#[derive(Clone, Debug, PartialEq)]
+pub enum What {
+    /// Prefill wrote `content` into its block `block` (a computed fill or a tier load).
+    Write {
+        /// Prefill block id.
+        block: u32,
+        /// The identity written and the mechanism that allowed it, if one did.
+        content: Content,
+    },
+    /// Decode posted request `req`'s NIXL READ of prefill blocks `blocks`: their windows open.
+    ReadPosted {
+        /// Request id.
+        req: u64,
+        /// Prefill block ids, in the request's order.
+        blocks: Vec<u32>,
+    },
+    /// Request `req`'s READ of prefill blocks `blocks` completed at decode: their windows close.
+    ReadDone {
+        /// Request id.
+        req: u64,
+        /// Prefill block ids, in the request's order.
+        blocks: Vec<u32>,
+    },
+}
+
+/// An event, stamped with its engine, that engine's step and its sequence number among that
+/// engine's events (1, 2, 3, ... with no gap).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Event {
+    /// Where it happened.
+    pub engine: EngineId,
+    /// The engine's step.
+    pub step: u64,
+    /// The engine's count of events so far, this one included.
+    pub seq: u64,
+    /// What happened.
+    pub what: What,
+}
+
+/// What the shadow answers an [`Event`] with.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Answer {
+    /// Nothing (a write).
+    Noted,
+    /// [`What::ReadPosted`]: what each block held when the READ was posted.
+    AtPost(Vec<Content>),
+    /// [`What::ReadDone`]: what was written into each block while the READ was in flight,
+    /// in order.
+    During(Vec<Vec<Content>>),
+}
+
 /// The shadow of the prefill pool, and the per-mechanism counts of a run.
-pub(crate) struct Shadow {
+pub struct Shadow {
     /// By prefill block id.
     blocks: Vec<BlockShadow>,
     /// Times each unfenced mechanism let a conflicting copy happen.
@@ -48,27 +115,68 @@ pub(crate) struct Shadow {
     attributed: BTreeMap<Mechanism, BTreeMap<Class, u64>>,
     /// Corrupt slices nothing explains (defects of the stack under test).
     pub(crate) unexplained: u64,
+    /// The last sequence number seen from prefill and from decode.
+    seen: [u64; 2],
 }
 
 impl Shadow {
     /// A shadow of blocks holding `genesis` (by prefill block id), written by no mechanism.
-    pub(crate) fn new(genesis: &[TableEntry]) -> Shadow {
+    pub fn new(genesis: &[TableEntry]) -> Shadow {
         Shadow {
             blocks: genesis.iter().map(|&id| BlockShadow { content: Content { id, cause: None }, reads: Vec::new() }).collect(),
             windows: BTreeMap::new(),
             attributed: BTreeMap::new(),
             unexplained: 0,
+            seen: [0, 0],
         }
     }
 
+    /// Applies event `e`, the next of its engine. Errors: transport (exit 3) when it is not
+    /// the one after the last seen from that engine (an event lost or reordered on its way:
+    /// attributing past it could excuse what nothing wrote), or names a block the shadow does
+    /// not have.
+    pub fn observe(&mut self, e: Event) -> Result<Answer> {
+        let k = e.engine as usize;
+        if e.seq != self.seen[k] + 1 {
+            return Err(Error::Transport(format!(
+                "shadow: event {} of {:?} (step {}) arrived after event {}: an event was lost or reordered",
+                e.seq, e.engine, e.step, self.seen[k]
+            )));
+        }
+        let n = self.blocks.len() as u32;
+        let bad = |b: u32| Error::Transport(format!("shadow: event {} of {:?} names block {b} of {n}", e.seq, e.engine));
+        let blocks = match &e.what {
+            What::Write { block, .. } => std::slice::from_ref(block),
+            What::ReadPosted { blocks, .. } | What::ReadDone { blocks, .. } => blocks.as_slice(),
+        };
+        if let Some(&b) = blocks.iter().find(|&&b| b >= n) {
+            return Err(bad(b));
+        }
+        self.seen[k] = e.seq;
+        Ok(match e.what {
+            What::Write { block, content } => {
+                self.record(block, content);
+                Answer::Noted
+            }
+            What::ReadPosted { req, blocks } => {
+                let at_post = blocks.iter().map(|&b| self.content(b)).collect();
+                for &b in &blocks {
+                    self.open_read(b, req);
+                }
+                Answer::AtPost(at_post)
+            }
+            What::ReadDone { req, blocks } => Answer::During(blocks.iter().map(|&b| self.close_read(b, req)).collect()),
+        })
+    }
+
     /// What prefill block `block` holds now.
-    pub(crate) fn content(&self, block: u32) -> Content {
+    pub fn content(&self, block: u32) -> Content {
         self.blocks[block as usize].content
     }
 
     /// A write of `c` into prefill block `block`: it holds `c` now, and every READ window open
     /// on it sees `c`.
-    pub(crate) fn record(&mut self, block: u32, c: Content) {
+    fn record(&mut self, block: u32, c: Content) {
         let b = &mut self.blocks[block as usize];
         b.content = c;
         for (_, w) in b.reads.iter_mut() {
@@ -77,13 +185,13 @@ impl Shadow {
     }
 
     /// Request `req`'s NIXL READ of prefill block `block` was posted: opens its window.
-    pub(crate) fn open_read(&mut self, block: u32, req: u64) {
+    fn open_read(&mut self, block: u32, req: u64) {
         self.blocks[block as usize].reads.push((req, Vec::new()));
     }
 
     /// Request `req`'s READ of prefill block `block` completed: closes its window and returns
     /// what was written into the block while it was open, in order (empty when none was open).
-    pub(crate) fn close_read(&mut self, block: u32, req: u64) -> Vec<Content> {
+    fn close_read(&mut self, block: u32, req: u64) -> Vec<Content> {
         let reads = &mut self.blocks[block as usize].reads;
         match reads.iter().position(|(q, _)| *q == req) {
             Some(k) => reads.swap_remove(k).1,
