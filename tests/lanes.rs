@@ -56,12 +56,22 @@ esac
 /// Runs the lane driver with `suites` on a stand-in bundle with `env`, from a directory that
 /// has the repository's bench/; (exit code, the lane's log).
 fn lane(suites: &[&str], env: &[(&str, &str)]) -> (i32, String) {
+    lane_with(|_| Some("b".into()), suites, env)
+}
+
+/// [`lane`], the bundle argument made from the lane's directory by `arg` (`None`: none given).
+fn lane_with(arg: impl Fn(&Path) -> Option<String>, suites: &[&str], env: &[(&str, &str)]) -> (i32, String) {
     let d = tmpdir("lane");
     bundle(&d);
     std::os::unix::fs::symlink(Path::new(env!("CARGO_MANIFEST_DIR")).join("bench"), d.join("bench")).unwrap();
     let out = d.join("out");
     let mut c = Command::new("bash");
-    c.arg(script("gpu-lane.sh")).arg("b").args(suites).current_dir(&d).env("OUT", &out).env("KVPROBE_LANE_TMP", d.join("tmp"));
+    c.arg(script("gpu-lane.sh"))
+        .args(arg(&d))
+        .args(suites)
+        .current_dir(&d)
+        .env("OUT", &out)
+        .env("KVPROBE_LANE_TMP", d.join("tmp"));
     c.env_remove("KVPROBE_REQUIRE_GPUS").env_remove("KVPROBE_REQUIRE_GPU").env("PATH", std::env::var("PATH").unwrap());
     for (k, v) in env {
         c.env(k, v);
@@ -128,6 +138,21 @@ fn every_suite_runs_to_its_end_and_names_are_checked() {
         assert_eq!(code, 2, "{args:?}: {log}");
         assert!(log.contains("suites (one GPU unless marked x2"), "{args:?}: {log}");
     }
+    // The bundle given by an absolute path; a suite named like a folder (`tests/` of the
+    // repository) is a suite, not a bundle: with no bundle named, .carry is looked for.
+    let (code, log) = lane_with(|d| Some(d.join("b").display().to_string()), &["main"], &[]);
+    assert_eq!(code, 0, "{log}");
+    let (code, log) = lane_with(
+        |d| {
+            std::fs::create_dir_all(d.join("tests")).unwrap();
+            std::fs::rename(d.join("b"), d.join(".carry")).unwrap();
+            None
+        },
+        &["tests"],
+        &[],
+    );
+    assert_eq!(code, 0, "{log}");
+    assert!(log.contains("##### suite tests"), "{log}");
     // `list` prints them and exits 0.
     let (code, log) = lane(&["list"], &[]);
     assert_eq!(code, 0, "{log}");
