@@ -151,18 +151,6 @@ impl Probe {
         let mut decode_pool = None;
         let mut copy_gbps = None;
         let handoff = Arc::new(crate::serve::Handoff::default());
-        let set_up_bound = |link: &crate::peer::Link| {
-            // Set-up waits (acceptance, prefill's agent) are bounded whatever the heartbeats say.
-            let bound = timeout.max(crate::deadline::SETUP_FLOOR);
-            link.set_deadline(Some((
-                Instant::now() + bound,
-                format!(
-                    "{} did not set up its side within {:.0} s (--timeout, at least 60 s for set-up)",
-                    link.who(),
-                    bound.as_secs_f64()
-                ),
-            )));
-        };
         let (link, addr) = if cfg.peer.is_none() && !cfg.decode_process {
             crate::phase::announce(&format!(
                 "setup: allocating pools ({} {} per side)",
@@ -192,7 +180,7 @@ impl Probe {
             let (link, thread) = crate::peer::client::start_thread(timeout, &run_id, move |stream, token| {
                 crate::serve::serve_in_process(&crate::serve::ServeConfig { token, ..serve }, stream, &h)
             })?;
-            set_up_bound(&link);
+            link.bound_setup(timeout);
             holder = Some(Holder::Thread(thread));
             environment = None;
             (link, "in-process".to_string())
@@ -211,7 +199,7 @@ impl Probe {
             crate::phase::announce(&format!("setup: connecting to the prefill peer at {addr}"));
             let token = cfg.peer_token.clone().unwrap_or_default();
             let link = crate::peer::client::connect(&addr, &token, &run_id, timeout)?;
-            set_up_bound(&link);
+            link.bound_setup(timeout);
             (link, addr)
         };
         let decode_side = crate::peer::Side {

@@ -416,15 +416,7 @@ fn session_inner(
     };
     let timeout = Duration::from_secs_f64(rc.timeout_secs);
     link.set_silence(timeout);
-    let setup = timeout.max(crate::deadline::SETUP_FLOOR);
-    link.set_deadline(Some((
-        Instant::now() + setup,
-        format!(
-            "{} did not set up its side within {:.0} s (--timeout, at least 60 s for set-up)",
-            link.who(),
-            setup.as_secs_f64()
-        ),
-    )));
+    link.bound_setup(timeout);
     crate::deadline::set_limit(Some(timeout));
     // In process: the decode side's environment is this one (and its report the only one).
     let env = (cfg.mode != SessionMode::InProcess).then(|| crate::envinfo::gather(crate::envinfo::nixl_info()));

@@ -647,6 +647,21 @@ impl Link {
         *self.deadline.lock().unwrap_or_else(|p| p.into_inner()) = bound;
     }
 
+    /// Bounds the set-up waits that follow (acceptance, the other side's agent) by `timeout`,
+    /// at least the set-up floor ([`crate::deadline::SETUP_FLOOR`]), whatever the heartbeats
+    /// say ([`Link::set_deadline`]).
+    pub fn bound_setup(&self, timeout: Duration) {
+        let bound = timeout.max(crate::deadline::SETUP_FLOOR);
+        self.set_deadline(Some((
+            Instant::now() + bound,
+            format!(
+                "{} did not set up its side within {:.0} s (--timeout, at least 60 s for set-up)",
+                self.who(),
+                bound.as_secs_f64()
+            ),
+        )));
+    }
+
     /// What the peer is called in errors.
     pub fn who(&self) -> &str {
         &self.who

@@ -61,12 +61,6 @@ use rand_chacha::ChaCha8Rng;
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Side {
-    Prefill,
-    Decode,
-}
-
 #[derive(Clone, Copy, Debug)]
 enum OpKind {
     Fill { id: TableEntry },
@@ -386,9 +380,9 @@ impl<'a> Engine<'a> {
         }
         self.poll_nixl(report)?;
         self.run_compute()?;
-        self.run_loads(Side::Prefill)?;
+        self.run_loads(PoolSide::Prefill)?;
         self.run_puts()?;
-        self.run_loads(Side::Decode)?;
+        self.run_loads(PoolSide::Decode)?;
         self.advance()?;
         self.start_decode(report)?;
         self.verify(report)?;
@@ -596,15 +590,15 @@ impl<'a> Engine<'a> {
         Ok(())
     }
 
-    fn run_loads(&mut self, side: Side) -> Result<()> {
+    fn run_loads(&mut self, side: PoolSide) -> Result<()> {
         loop {
-            let q = if side == Side::Prefill { &self.pload } else { &self.dload };
+            let q = if side == PoolSide::Prefill { &self.pload } else { &self.dload };
             let Some(&op) = q.front() else { break };
             if op.due > self.now {
                 break;
             }
             let OpKind::Load { entry, index, .. } = op.kind else { unreachable!("load queue holds loads") };
-            if side == Side::Prefill && self.blocks.get(op.slot).pending_compute > 0 {
+            if side == PoolSide::Prefill && self.blocks.get(op.slot).pending_compute > 0 {
                 if self.races.unfenced(Mechanism::UnfencedLoad) {
                     self.shadow.window(Mechanism::UnfencedLoad);
                     self.blocks.get_mut(op.slot).hazard = true;
@@ -612,20 +606,17 @@ impl<'a> Engine<'a> {
                     break; // event fence: wait for the previous owner's write
                 }
             }
-            if side == Side::Prefill {
+            if side == PoolSide::Prefill {
                 self.pload.pop_front()
             } else {
                 self.dload.pop_front()
             };
             let content = self.store().content(entry).expect("loads read complete entries");
-            let (pool, pool_side) = match side {
-                Side::Prefill => (&mut self.prefill.pool, PoolSide::Prefill),
-                Side::Decode => (&mut self.decode.pool, PoolSide::Decode),
-            };
-            self.tier.as_mut().expect("loads need the tier").load(pool, pool_side, op.slot, entry)?;
+            let pool = if side == PoolSide::Prefill { &mut self.prefill.pool } else { &mut self.decode.pool };
+            self.tier.as_mut().expect("loads need the tier").load(pool, side, op.slot, entry)?;
             self.loads += 1;
             match side {
-                Side::Prefill => {
+                PoolSide::Prefill => {
                     self.store_mut().unpin(entry);
                     let stamped = self.write_stamp(op.slot, op.req, content.id, content.cause);
                     self.observe(EngineId::Prefill, What::Write { block: op.slot, content: stamped })?;
@@ -634,7 +625,7 @@ impl<'a> Engine<'a> {
                         r.pending_writes = r.pending_writes.saturating_sub(1);
                     }
                 }
-                Side::Decode => {
+                PoolSide::Decode => {
                     if let Some(r) = self.reqs.get_mut(&op.req) {
                         r.delivered[index] = content;
                         r.dloads_left -= 1;
