@@ -24,6 +24,9 @@ suites (one GPU unless marked x2; minutes on one H200):
   mooncake    --tier mooncake on VRAM: a short stacked run, its GPU test, ab --tier mooncake (~2)
   sustained   stacked llama3-8b on VRAM for $LANE_DURATION (default 330s) with $LANE_TIER (embedded|
               mooncake), the whole test binary and ab alongside; on two GPUs ab across them too (~LANE_DURATION)
+  pair        node pair on one host: serve on GPU 0, run/ab --peer on GPU 1 (x2) or 0: ab --peer with the
+              embedded tier and Mooncake, then stacked llama3-8b across the pair for $LANE_PAIR_DURATION
+              (default 180s) with $LANE_TIER, every interval clean (~LANE_PAIR_DURATION + 4)
   perf        bench/run.sh, env with and without GET_ZCOPY, descriptor sizes, 100 GiB of pools (~6)
   perf-ucx    cuda_ipc settings tried on large descriptors, READ and WRITE (~5)
   perf-procs  two processes (--decode-process) on one GPU; KVPROBE_OVERLAP_GRID (~4)
@@ -47,7 +50,7 @@ for s in "$@"; do
   case "$s" in
     final) suites+=(tests main inject) ;;
     list|help|-h|--help) suites_help; exit 0 ;;
-    tests|main|inject|mooncake|sustained|perf|perf-ucx|perf-procs|x2|x2-bench) suites+=("$s") ;;
+    tests|main|inject|mooncake|sustained|pair|perf|perf-ucx|perf-procs|x2|x2-bench) suites+=("$s") ;;
     *) echo "gpu-lane.sh: unknown suite '$s'" >&2; suites_help >&2; exit 2 ;;
   esac
 done
@@ -262,6 +265,62 @@ suite_sustained() {
   ab_check ab-vram
   if [ "$KVPROBE_REQUIRE_GPUS" -ge 2 ]; then ab_check ab-x2; fi
   rm -f "$out/progress.txt" "$out/tests.rc"
+}
+
+# pair_serve NAME: starts `kvprobe serve` on GPU 0 (token "lane", loopback, a free port) in the
+# background, its output in $out/NAME-serve.txt and its pid in $serve_pid; sets $addr once it
+# listens (fails the lane when it does not within 60 s).
+pair_serve() {
+  rm -f "$out/$1-serve.txt"
+  UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y "$kv" serve --listen 127.0.0.1:0 --memory vram --device 0 --token lane \
+    --report "$out/$1-serve.json" > "$out/$1-serve.txt" 2>&1 &
+  serve_pid=$!
+  addr=
+  local i
+  for i in $(seq 600); do
+    addr=$(sed -n 's/.*listening on \([^ ]*\).*/\1/p' "$out/$1-serve.txt" 2>/dev/null | head -1)
+    [ -n "$addr" ] && return 0
+    sleep 0.1
+  done
+  fail "$1: serve did not listen within 60 s"
+}
+# pair_end NAME: waits for the serve of pair_serve NAME, which must exit 0 (one outcome for the pair).
+pair_end() {
+  wait "$serve_pid"
+  local rc=$?
+  grep -E "^kvprobe serve: row|^result" "$out/$1-serve.txt" | tee -a "$log"
+  expect 0 "$rc" "$1: serve"
+}
+
+suite_pair() {
+  local dur="${LANE_PAIR_DURATION:-180s}" tier="${LANE_TIER:-embedded}" dev=0 t
+  [ "$KVPROBE_REQUIRE_GPUS" -ge 2 ] && dev=1
+  for t in embedded mooncake; do
+    step "ab --peer, --tier $t: serve on GPU 0, ab on GPU $dev (two processes, cuda_ipc), 1000 requests a row"
+    pair_serve "pair-ab-$t"
+    KVPROBE_TOKEN=lane UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y ab_bg "pair-ab-$t" --peer "$addr" --memory vram --decode-device "$dev" \
+      --tier "$t" --requests 1000
+    ab_check "pair-ab-$t"
+    pair_end "pair-ab-$t"
+  done
+  step "stacked, --tier $tier, llama3-8b across the pair (serve on GPU 0, run on GPU $dev), $dur, 60 s intervals"
+  pair_serve pair-stacked
+  KVPROBE_TOKEN=lane UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y "$kv" run --peer "$addr" --memory vram --decode-device "$dev" \
+    --preset llama3-8b --scenario stacked --tier "$tier" --duration "$dur" --interval 60s --report "$out/pair-stacked.json" \
+    2> "$out/progress.txt" | tee -a "$log"
+  expect 0 "${PIPESTATUS[0]}" "stacked across the pair, --tier $tier, $dur"
+  tail -3 "$out/progress.txt" | tee -a "$log"
+  pair_end pair-stacked
+  python3 - "$out/pair-stacked.json" <<'PY' 2>&1 | tee -a "$log"
+import json, sys
+sc = json.load(open(sys.argv[1])).get("scenario") or {}
+iv = sc.get("intervals", [])
+for i in iv:
+    print(f"  interval {i['start_s']:.0f}-{i['end_s']:.0f} s: {i['requests']} requests, {i['slices_checked']} slices, {i['corrupt']} corrupt")
+sys.exit(0 if all(i["corrupt"] == 0 for i in iv) else 1)
+PY
+  expect 0 "${PIPESTATUS[0]}" "every interval of the stacked run across the pair is clean"
+  rm -f "$out/progress.txt"
 }
 
 suite_perf() {

@@ -67,6 +67,10 @@ pub struct AbReport {
     /// How it ended: exit 0 all rows pass, 1 a fenced row is corrupt or corruption is
     /// unexplained, 6 an unfenced mechanism was not detected, or the error's code.
     pub outcome: Outcome,
+    /// `ab --peer`: the prefill side (`kvprobe serve`: its host, environment, UCX path and
+    /// exit code). Absent when prefill ran in this process.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peer: Option<crate::report::PeerSide>,
 }
 
 /// The rows, in order: `(scenario, unfenced mechanism)`.
@@ -174,6 +178,7 @@ fn start(cfg: &RunConfig) -> AbReport {
         rows: Vec::new(),
         sections: Vec::new(),
         outcome: Outcome { exit_code: 0, status: "running".into(), error: None },
+        peer: None,
     }
 }
 
@@ -189,9 +194,39 @@ pub fn run_ab(
     dump: Option<(&std::path::Path, u64)>,
 ) -> (AbReport, Exit) {
     let mut ab = start(cfg);
-    let result = run_rows(cfg, &mut ab, progress, after_row, dump);
-    let exit = conclude(&mut ab, result.err().as_ref());
+    let mut probe = None;
+    let result = run_rows(cfg, &mut ab, &mut probe, progress, after_row, dump);
+    let err = result.err();
+    let exit = conclude(&mut ab, err.as_ref());
+    if let Some(p) = &probe {
+        // The pair ends together: prefill takes the matrix's outcome (its summary: the rows'
+        // totals) and sends its side.
+        let summary = serde_json::to_value(totals(&ab.sections)).ok();
+        let side = p.prefill.finish(exit as u8, err.map(|e| e.to_string()), summary, crate::run::PEER_BYE_BOUND);
+        if cfg.peer.is_some() {
+            ab.peer = Some(side);
+        }
+    }
+    drop(probe);
     (ab, exit)
+}
+
+/// The rows' totals, as one summary (what a prefill side reports of the matrix): block slices
+/// checked and corrupt, corrupt by class, bytes moved over NIXL.
+fn totals(sections: &[Report]) -> crate::report::Summary {
+    let mut t = crate::report::Summary::new();
+    for s in sections.iter().map(|r| &r.summary) {
+        t.blocks_checked += s.blocks_checked;
+        t.blocks_corrupt += s.blocks_corrupt;
+        t.bytes_transferred += s.bytes_transferred;
+        t.transfer_seconds += s.transfer_seconds;
+        t.verify_seconds += s.verify_seconds;
+        for (k, n) in &s.by_class {
+            *t.by_class.entry(k.clone()).or_default() += n;
+        }
+    }
+    t.transfer_gbps = if t.transfer_seconds > 0.0 { t.bytes_transferred as f64 / t.transfer_seconds / 1e9 } else { 0.0 };
+    t
 }
 
 /// Sets the outcome of a matrix that ended with `error` (or none) and returns its exit code:
@@ -236,7 +271,12 @@ pub fn expired_report(cfg: &RunConfig, e: &Error) -> (AbReport, Exit) {
     let (mut ab, row) = shadow.unwrap_or_else(|| (start(cfg), None));
     if let Some((name, scenario, unfenced)) = row {
         let row_cfg = RunConfig {
-            scenario: cfg.scenario.clone().map(|sc| ScenarioConfig { scenario, unfenced: unfenced.into_iter().collect(), ..sc }),
+            scenario: cfg.scenario.clone().map(|sc| ScenarioConfig {
+                scenario,
+                unfenced: unfenced.into_iter().collect(),
+                matrix: false,
+                ..sc
+            }),
             ..cfg.clone()
         };
         let (mut rep, _) = crate::run::expired_report(&row_cfg, e);
@@ -270,6 +310,7 @@ fn push_row(
 fn run_rows(
     cfg: &RunConfig,
     ab: &mut AbReport,
+    slot: &mut Option<Probe>,
     progress: &mut dyn FnMut(&str, &Progress),
     after_row: &mut dyn FnMut(&AbReport),
     dump: Option<(&std::path::Path, u64)>,
@@ -282,10 +323,12 @@ fn run_rows(
     let timeout = Duration::from_secs_f64(cfg.timeout_secs);
     crate::deadline::set_limit(Some(timeout));
     publish(ab, None);
-    let mut probe = Probe::setup(cfg)?;
-    for (scenario, unfenced) in cases() {
+    let ucx_mark = crate::ucx::mark();
+    let probe = slot.insert(Probe::setup_peer(cfg, ab.environment.clone())?);
+    crate::ucx::adopt();
+    for (row, (scenario, unfenced)) in cases().into_iter().enumerate() {
         let name = row_name(scenario, unfenced);
-        let sc = ScenarioConfig { scenario, unfenced: unfenced.into_iter().collect(), ..template.clone() };
+        let sc = ScenarioConfig { scenario, unfenced: unfenced.into_iter().collect(), matrix: false, ..template.clone() };
         let row_cfg = RunConfig { scenario: Some(sc.clone()), ..cfg.clone() };
         let mut rep = crate::run::empty_report(&row_cfg);
         rep.environment = None; // recorded once, at the top
@@ -302,11 +345,16 @@ fn run_rows(
             }
             None => None,
         };
+        let sides = crate::scenario::engine::Sides {
+            prefill: &probe.prefill,
+            decode: &mut probe.decode,
+            arena: probe.tier_arena.clone(),
+        };
         let r = crate::scenario::engine::run_scenario(
             &sc,
             cfg.seed,
-            probe.prefill.local_mut()?,
-            &mut probe.decode,
+            row as u32,
+            sides,
             timeout,
             cfg.max_failures,
             &mut rep,
@@ -317,6 +365,7 @@ fn run_rows(
         if let Some(d) = dumper.as_mut() {
             rep.dump = Some(d.finish());
         }
+        rep.summary.transport_path = Some(crate::run::scenario_path(cfg, probe, ucx_mark, ab.environment.as_ref()));
         let exit = match (&r, rep.summary.blocks_corrupt > 0) {
             (_, true) => Exit::Corrupt,
             (Err(e), false) => e.exit(),

@@ -7,14 +7,17 @@
 //! [`fingerprint`] (what every byte must be; shared with the CUDA kernels) →
 //! [`pool`] (fill / poison / verify on VRAM or DRAM) →
 //! [`transport`] (prefill and decode NIXL roles; [`ucx`] reads which path UCX chose) and
-//! [`peer`] (the protocol between a decode and a prefill side: in-process, child or remote) →
+//! [`peer`] (the protocol between a decode and a prefill side: in-process, child or remote;
+//! a sweep's requests, or a scenario's steps between its two engines) →
 //! [`tier`] / [`race`] (a KV tier on the same blocks, and the orderings between them) →
-//! [`scenario`] (request load: scheduler, connectors, shadow, engine) over a [`workload`] →
+//! [`scenario`] (request load: scheduler, connectors, shadow, the prefill engine and the
+//! decode engine, which talk only by messages) over a [`workload`] →
 //! [`inject`] (faults planted through the real path) →
 //! [`verify`] (classifying corrupt slices) →
 //! [`report`] (versioned JSON and the human summary; it depends on nothing that drives a run).
 //! The drivers sit on top: [`sweep`] (the whole-pool sweep's plan, shared by both roles),
-//! [`serve`] (the prefill side), [`run`] (the decode side: one scenario or the sweep),
+//! [`serve`] (the prefill side: a sweep's fills, or a scenario's prefill engine), [`run`] (the
+//! decode side: one scenario or the sweep),
 //! [`ab`] (the isolation matrix) and [`bench`](mod@bench) (the probe's own speed against same-run
 //! ceilings). [`deadline`] bounds every wait of a run (`--timeout`) and ends a run whose call
 //! never returns. [`scratch`] keeps the files kvprobe needs while it runs in private

@@ -346,6 +346,38 @@ struct LoadArgs {
 }
 
 #[derive(Args)]
+#[command(next_help_heading = "Node pair")]
+struct PeerArgs {
+    /// Node pair: prefill is `kvprobe serve` at HOST:PORT (another host, or another process); this side is decode and drives the run (a sweep, a scenario, or ab's matrix). Every flag of the run applies; --memory and --decode-device are decode's (serve's --memory and --device are prefill's).
+    #[arg(long, value_name = "HOST:PORT")]
+    peer: Option<String>,
+    /// With --peer: the token serve printed or was given (default: $KVPROBE_TOKEN). Visible to other users in the process list: prefer KVPROBE_TOKEN.
+    #[arg(long, value_name = "T", requires = "peer")]
+    token: Option<String>,
+}
+
+impl PeerArgs {
+    /// Places prefill at `--peer` in `c` (with its token). `typed`: the flags given on the
+    /// command line (clap ids). Errors (usage): `--decode-process` or `--prefill-device` with
+    /// it, or no token.
+    fn apply(&self, c: &mut RunConfig, typed: &[&str]) -> Result<(), Error> {
+        let Some(addr) = &self.peer else { return Ok(()) };
+        if c.decode_process {
+            return Err(Error::Usage("--peer and --decode-process both place prefill elsewhere: give one".into()));
+        }
+        if typed.contains(&"prefill_device") {
+            return Err(Error::Usage("--prefill-device does not apply to --peer: prefill's GPU is serve's --device".into()));
+        }
+        c.peer = Some(addr.clone());
+        c.peer_token = self.token.clone().or_else(|| std::env::var(kvprobe::peer::TOKEN_VAR).ok());
+        if c.peer_token.as_deref().is_none_or(str::is_empty) {
+            return Err(Error::Usage(format!("--peer needs the token serve printed: --token T or {}", kvprobe::peer::TOKEN_VAR)));
+        }
+        Ok(())
+    }
+}
+
+#[derive(Args)]
 struct RunArgs {
     #[command(flatten)]
     pool: PoolArgs,
@@ -371,12 +403,8 @@ struct RunArgs {
     /// Exit 5 when the transfer rate (GB/s = 1e9 B/s) is below this.
     #[arg(long)]
     min_gbps: Option<f64>,
-    /// Node pair: prefill is `kvprobe serve` at HOST:PORT (another host, or another process); this side is decode and drives the sweep. Every sweep flag applies; --memory and --decode-device are decode's (serve's --memory and --device are prefill's).
-    #[arg(long, value_name = "HOST:PORT", help_heading = "Node pair")]
-    peer: Option<String>,
-    /// With --peer: the token serve printed or was given (default: $KVPROBE_TOKEN). Visible to other users in the process list: prefer KVPROBE_TOKEN.
-    #[arg(long, value_name = "T", requires = "peer", help_heading = "Node pair")]
-    token: Option<String>,
+    #[command(flatten)]
+    pair: PeerArgs,
     /// Request-level load instead of the sweep: which connectors move the blocks.
     #[arg(long, value_enum)]
     scenario: Option<Scenario>,
@@ -429,6 +457,8 @@ struct AbArgs {
     pool: PoolArgs,
     #[command(flatten)]
     load: LoadArgs,
+    #[command(flatten)]
+    pair: PeerArgs,
     /// Not an ab flag (ab leaves each mechanism unfenced in turn): accepted only to say so
     /// instead of clap's "did you mean --backend".
     #[arg(long, hide = true, num_args = 0..=1, default_missing_value = "", action = clap::ArgAction::Append)]
@@ -568,6 +598,7 @@ impl LoadArgs {
             tier_blocks: self.tier_blocks.unwrap_or(auto),
             interval_secs: self.interval,
             lockstep: self.lockstep,
+            matrix: false,
         }
     }
 }
@@ -581,27 +612,7 @@ impl RunArgs {
         c.descriptor_blocks = self.descriptor_blocks;
         c.stages = self.pipeline_stages;
         c.decode_process = self.decode_process;
-        if let Some(addr) = &self.peer {
-            if self.decode_process {
-                return Err(Error::Usage("--peer and --decode-process both place prefill elsewhere: give one".into()));
-            }
-            if self.scenario.is_some() || !self.race.is_empty() {
-                return Err(Error::Usage(
-                    "--peer runs the whole-pool sweep; scenarios across a node pair are not supported yet".into(),
-                ));
-            }
-            if typed.contains(&"prefill_device") {
-                return Err(Error::Usage("--prefill-device does not apply to --peer: prefill's GPU is serve's --device".into()));
-            }
-            c.peer = Some(addr.clone());
-            c.peer_token = self.token.clone().or_else(|| std::env::var(kvprobe::peer::TOKEN_VAR).ok());
-            if c.peer_token.as_deref().is_none_or(str::is_empty) {
-                return Err(Error::Usage(format!(
-                    "--peer needs the token serve printed: --token T or {}",
-                    kvprobe::peer::TOKEN_VAR
-                )));
-            }
-        }
+        self.pair.apply(&mut c, typed)?;
         c.inject = self.inject.clone();
         c.min_gbps = self.min_gbps;
         let flag = |id: &str| format!("--{}", id.replace('_', "-"));
@@ -1279,7 +1290,7 @@ fn report_lost<T: serde::Serialize>(what: &str, value: &T, why: &Error, exit: Ex
     exit
 }
 
-fn ab(args: AbArgs) -> Exit {
+fn ab(args: AbArgs, typed: &[&str]) -> Exit {
     if !args.race.is_empty() || args.scenario.is_some() {
         let flag = if args.race.is_empty() { "--scenario" } else { "--race" };
         err(&format!(
@@ -1293,7 +1304,10 @@ fn ab(args: AbArgs) -> Exit {
         return x;
     }
     let mut cfg = args.pool.config();
-    cfg.scenario = Some(args.load.config(Scenario::Stacked, Vec::new(), &cfg.geometry));
+    cfg.scenario = Some(ScenarioConfig { matrix: true, ..args.load.config(Scenario::Stacked, Vec::new(), &cfg.geometry) });
+    if let Err(e) = args.pair.apply(&mut cfg, typed) {
+        return refused(&args.pool, &kvprobe::ab::expired_report(&cfg, &e).0, kvprobe::junit::from_ab, &e);
+    }
     let dir = match start_dump(&args.pool, &cfg, Some("ab")).and_then(|_| dump_dir(&args.pool)) {
         Ok(d) => d,
         // expired_report makes the matrix's report of an error before any row (no row started).
@@ -1530,6 +1544,9 @@ fn main() {
             .copied()
             .filter(|f| m.value_source(f) == Some(clap::parser::ValueSource::CommandLine))
             .collect(),
+        Some(("ab", m)) => {
+            PEER_FLAGS.iter().copied().filter(|f| m.value_source(f) == Some(clap::parser::ValueSource::CommandLine)).collect()
+        }
         _ => Vec::new(),
     };
     let cli = match Cli::from_arg_matches(&matches) {
@@ -1543,7 +1560,7 @@ fn main() {
     }
     let exit = match cli.command {
         Command::Run(a) => run(a, &typed),
-        Command::Ab(a) => ab(a),
+        Command::Ab(a) => ab(a, &typed),
         Command::Bench(a) => bench(a),
         Command::Env { json, no_probe } => env(json, !no_probe),
         Command::Serve(a) => serve(a),

@@ -12,7 +12,7 @@
 //! store.
 
 use crate::error::{Error, Result};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -80,11 +80,11 @@ pub fn find() -> Result<Install> {
     Ok(Install { venv, python, master, wheel, version })
 }
 
-/// `N` distinct free TCP ports on the loopback interface: all bound at once (so none is
-/// handed out twice), then released for the child to bind.
-fn free_ports<const N: usize>() -> Result<[u16; N]> {
-    let err = |e: std::io::Error| Error::Environment(format!("no free port on 127.0.0.1: {e}"));
-    let held = (0..N).map(|_| TcpListener::bind("127.0.0.1:0").map_err(err)).collect::<Result<Vec<_>>>()?;
+/// `N` distinct free TCP ports on `host`: all bound at once (so none is handed out twice),
+/// then released for the child to bind.
+fn free_ports<const N: usize>(host: IpAddr) -> Result<[u16; N]> {
+    let err = |e: std::io::Error| Error::Environment(format!("no free port on {host}: {e}"));
+    let held = (0..N).map(|_| TcpListener::bind((host, 0)).map_err(err)).collect::<Result<Vec<_>>>()?;
     let mut ports = [0u16; N];
     for (p, l) in ports.iter_mut().zip(&held) {
         *p = l.local_addr().map_err(err)?.port();
@@ -170,10 +170,14 @@ impl Deployment {
         }
     }
 
-    /// The address this host's store client advertises to the others: loopback for a master
-    /// kvprobe started, else the local address of the route to the master (no packet is sent).
+    /// The address this host's store client advertises to the others: the address a master
+    /// kvprobe started listens on (this host), else the local address of the route to the
+    /// master (no packet is sent).
     pub fn local_hostname(&self) -> String {
-        let Deployment::External(e) = self else { return "127.0.0.1".into() };
+        let e = match self {
+            Deployment::Started(m) => return m.rpc.ip().to_string(),
+            Deployment::External(e) => e,
+        };
         let local = e.master_addr().ok().and_then(|a| {
             let any: SocketAddr =
                 if a.is_ipv4() { ([0, 0, 0, 0], 0).into() } else { (std::net::Ipv6Addr::UNSPECIFIED, 0).into() };
@@ -199,21 +203,23 @@ impl Deployment {
     }
 }
 
-/// A `mooncake_master` kvprobe started on loopback, with its HTTP metadata server. Stopped
-/// (killed and reaped) when dropped, on every path out of a run, Ctrl-C included.
+/// A `mooncake_master` kvprobe started, with its HTTP metadata server, listening on one
+/// address of this host (loopback for one process; the address decode reached `kvprobe
+/// serve` on for a node pair). Stopped (killed and reaped) when dropped, on every path out of
+/// a run, Ctrl-C included.
 pub struct Master {
     child: Child,
-    /// RPC address, `127.0.0.1:PORT`.
+    /// RPC address, `HOST:PORT`.
     pub rpc: SocketAddr,
-    /// HTTP metadata server URL, `http://127.0.0.1:PORT/metadata`.
+    /// HTTP metadata server URL, `http://HOST:PORT/metadata`.
     pub metadata_url: String,
     /// The master's stdout and stderr: an anonymous file ([`crate::scratch::anonymous_file`]).
     log: std::fs::File,
 }
 
 impl Master {
-    /// Starts the master of `install` on free loopback ports and waits until its RPC and
-    /// HTTP metadata ports accept connections (up to `timeout`).
+    /// Starts the master of `install` on free ports of `host` (an address of this host) and
+    /// waits until its RPC and HTTP metadata ports accept connections (up to `timeout`).
     ///
     /// Errors: [`Error::Environment`] when it cannot be started, [`Error::Transport`] (with
     /// the tail of its log) when it exits or does not answer in time.
@@ -223,10 +229,10 @@ impl Master {
     /// attempts; the last one's error is returned). Not only on "Address already in use" in
     /// its log: a master that lost a port race has been seen to exit with status 1 and an
     /// empty log while many tests started masters at once.
-    pub fn start(install: &Install, timeout: Duration) -> Result<Master> {
+    pub fn start(install: &Install, timeout: Duration, host: IpAddr) -> Result<Master> {
         let mut attempt = 1;
         loop {
-            match Master::start_once(install, timeout) {
+            match Master::start_once(install, timeout, host) {
                 Err(Error::Transport(m)) if attempt < 3 && m.starts_with("mooncake_master exited") => {
                     crate::trace!("mooncake_master attempt {attempt} failed: {m}");
                     attempt += 1
@@ -236,18 +242,18 @@ impl Master {
         }
     }
 
-    fn start_once(install: &Install, timeout: Duration) -> Result<Master> {
-        let [rpc_port, http_port, metrics_port] = free_ports::<3>()?;
+    fn start_once(install: &Install, timeout: Duration, host: IpAddr) -> Result<Master> {
+        let [rpc_port, http_port, metrics_port] = free_ports::<3>(host)?;
         let log = crate::scratch::anonymous_file().map_err(|e| Error::Environment(format!("master log file: {e}")))?;
         let out = log.try_clone().map_err(|e| Error::Environment(format!("master log file: {e}")))?;
         let err = log.try_clone().map_err(|e| Error::Environment(format!("master log file: {e}")))?;
         let mut cmd = Command::new(&install.master);
         cmd.arg(format!("--rpc_port={rpc_port}"))
-            .arg("--rpc_address=127.0.0.1")
+            .arg(format!("--rpc_address={host}"))
             .arg("--enable_http_metadata_server=true")
-            .arg("--http_metadata_server_host=127.0.0.1")
+            .arg(format!("--http_metadata_server_host={host}"))
             .arg(format!("--http_metadata_server_port={http_port}"))
-            .arg("--metrics_host=127.0.0.1")
+            .arg(format!("--metrics_host={host}"))
             .arg(format!("--metrics_port={metrics_port}"))
             // A read lease must outlast one get (shorter ones fail it: LEASE_EXPIRED), but the
             // default 10 s keeps kvprobe from removing evicted objects (OBJECT_HAS_LEASE) long
@@ -260,10 +266,10 @@ impl Master {
             .process_group(0);
         let child = crate::child::spawn(cmd)
             .map_err(|e| Error::Environment(format!("cannot start {}: {e}", install.master.display())))?;
-        let rpc: SocketAddr = ([127, 0, 0, 1], rpc_port).into();
-        let mut m = Master { child, rpc, metadata_url: format!("http://127.0.0.1:{http_port}/metadata"), log };
-        let http: SocketAddr = ([127, 0, 0, 1], http_port).into();
-        let metrics: SocketAddr = ([127, 0, 0, 1], metrics_port).into();
+        let rpc = SocketAddr::new(host, rpc_port);
+        let http = SocketAddr::new(host, http_port);
+        let metrics = SocketAddr::new(host, metrics_port);
+        let mut m = Master { child, rpc, metadata_url: format!("http://{http}/metadata"), log };
         let t0 = Instant::now();
         loop {
             m.alive()?;
@@ -540,6 +546,17 @@ impl Worker {
     /// (batch_get_into_multi_buffers); per key the bytes read, or a negative Mooncake error code.
     pub fn get(&mut self, pool: usize, keys: &[String], ranges: &[Vec<Range>]) -> Result<Vec<i64>> {
         self.batch("get", pool, keys, ranges)
+    }
+
+    /// Loads the object `key` into block `slot` of `pool`, the first pool mapped in this
+    /// worker (its slices back to back, [`crate::pool::KvPool::block_ranges`]). Errors:
+    /// transport (exit 3) when the store returns another length than the block's.
+    pub fn get_block(&mut self, key: &str, pool: &mut crate::pool::KvPool, slot: u32) -> Result<()> {
+        let want = pool.block_bytes() as i64;
+        match self.get(0, &[key.to_string()], &[pool.block_ranges(slot)])? {
+            rc if rc.first() == Some(&want) => Ok(()),
+            rc => Err(Error::Transport(format!("Mooncake get of {key} returned {rc:?} (expected {want} bytes)"))),
+        }
     }
 
     /// Drops keys from the store (batch_remove); one return code per key.

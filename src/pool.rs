@@ -42,7 +42,7 @@ pub enum MemoryKind {
 }
 
 /// What a physical block slot holds (or must hold): the same for all its layers and K/V.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[repr(C)]
 pub struct TableEntry {
     /// Logical block id.

@@ -43,31 +43,6 @@ pub struct Hooks<'a> {
 
 pub use crate::fingerprint::{logical_block, seed_hex};
 
-/// The prefill role as decode's side of a run sees it.
-#[allow(clippy::large_enum_variant)] // one per run
-pub(crate) enum Prefill {
-    /// In this process, driven by direct calls: the scenario engine and `kvprobe ab` (issue 16
-    /// moves them onto the protocol).
-    Local(Endpoint),
-    /// Over the peer protocol ([`crate::peer`]): a `kvprobe serve` session on another host
-    /// (`run --peer`), in a child process (`run --decode-process`) or on a thread of this
-    /// process (the plain sweep). The sweep drives all three with the same code.
-    Peer(Box<crate::peer::client::PrefillPeer>),
-}
-
-impl Prefill {
-    /// The endpoint in this process. Errors: usage for a peer (what needs it runs only with
-    /// both roles in one process so far).
-    pub(crate) fn local_mut(&mut self) -> Result<&mut Endpoint> {
-        match self {
-            Prefill::Local(e) => Ok(e),
-            Prefill::Peer(_) => {
-                Err(Error::Usage("--peer runs the whole-pool sweep (scenarios and ab across a node pair come later)".into()))
-            }
-        }
-    }
-}
-
 /// A sweep stage's request, as decode tracks it.
 pub(crate) enum SweepRequest {
     /// A NIXL request of this process.
@@ -98,47 +73,28 @@ pub(crate) struct Probe {
     // Field order is drop order: prefill first, so that a prefill process (`--decode-process`)
     // has exited — its WRITEs into decode's pool over — before decode's pool is freed. (In one
     // process the order does not matter: each request holds shares of both registrations.)
-    pub(crate) prefill: Prefill,
+    /// The prefill side, over the peer protocol ([`crate::peer`]): a `kvprobe serve` session
+    /// on another host (`run --peer`), in a child process (`run --decode-process`) or on a
+    /// thread of this process. Sweeps and scenarios drive all three with the same code.
+    pub(crate) prefill: Box<crate::peer::client::PrefillPeer>,
     pub(crate) decode: Endpoint,
     /// The copy ceiling (GB/s) timed at set-up (the plain sweep: on prefill's pool before it
     /// went to its thread); `None` when timed later or not at all.
     copy_gbps: Option<f64>,
+    /// Scenarios with the embedded tier and prefill on a thread of this process: the tier's
+    /// arena, which decode's tier-only loads copy from.
+    pub(crate) tier_arena: Option<Arc<crate::tier::TierArena>>,
 }
 
 impl Probe {
-    pub(crate) fn setup(cfg: &RunConfig) -> Result<Probe> {
-        crate::phase::announce(&format!(
-            "setup: allocating pools ({} {} per side)",
-            cfg.geometry.pool_bytes().map(crate::units::bytes_binary).unwrap_or_default(),
-            if cfg.memory == MemoryKind::Vram { "VRAM" } else { "DRAM" }
-        ));
-        let (p, d) = build_pools(cfg)?;
-        Self::connect(cfg, p, d).map_err(|e| backend_refusal(&cfg.backend, cfg.memory, e))
-    }
-
-    fn connect(cfg: &RunConfig, p: KvPool, d: KvPool) -> Result<Probe> {
-        crate::phase::announce(&format!("setup: registering the pools with NIXL (backend {})", cfg.backend));
-        crate::trace!("prefill NIXL agent");
-        let opts = crate::transport::TransportOptions { xfer_req: cfg.xfer_req, backend_params: cfg.backend_params.clone() };
-        let mut prefill = Endpoint::with_options("kvprobe-prefill", &cfg.backend, p, &opts)?;
-        let pi = prefill.info()?;
-        crate::trace!("decode NIXL agent");
-        let mut decode = Endpoint::with_options("kvprobe-decode", &cfg.backend, d, &opts)?;
-        decode.connect(pi)?;
-        crate::trace!("prefill loads decode's metadata");
-        prefill.connect(decode.info()?)?;
-        crate::trace!("connected");
-        // The sweep and the scenario engine each fill the prefill pool themselves.
-        Ok(Probe { cfg: cfg.clone(), prefill: Prefill::Local(prefill), decode, copy_gbps: None })
-    }
-
-    /// Sets up a sweep's two roles over the peer protocol. Node pair (`run --peer`): connects
-    /// to `serve`, agrees on the configuration, allocates and registers decode's pool here, and
-    /// exchanges NIXL agents with prefill there. `--decode-process`: the same, with a child
-    /// `kvprobe serve` on a Unix socket pair as prefill
-    /// ([`crate::peer::client::start_child`]). Otherwise (the plain sweep): the same with a
-    /// serve session on a thread of this process ([`crate::peer::client::start_thread`]),
-    /// handed prefill's pool after the copy ceiling was timed on it. `environment` is this
+    /// Sets up a run's two roles (a sweep, a scenario, `ab`'s matrix) over the peer protocol.
+    /// Node pair (`--peer`): connects to `serve`, agrees on the configuration, allocates and
+    /// registers decode's pool here, and exchanges NIXL agents with prefill there.
+    /// `--decode-process`: the same, with a child `kvprobe serve` on a Unix socket pair as
+    /// prefill ([`crate::peer::client::start_child`]). Otherwise: the same with a serve
+    /// session on a thread of this process ([`crate::peer::client::start_thread`]), handed
+    /// prefill's pool (a sweep's after the copy ceiling was timed on it; a scenario's embedded
+    /// tier arena comes back, for decode's tier-only loads). `environment` is this
     /// side's (sent to prefill for its report; not to a child or thread, which write none).
     /// Errors: environment (cannot connect or start the child), usage (refused: version, token,
     /// configuration), transport, timeout (a child not ready within its start bound too).
@@ -158,7 +114,7 @@ impl Probe {
                 if cfg.memory == MemoryKind::Vram { "VRAM" } else { "DRAM" }
             ));
             let (mut p, mut d) = build_pools(cfg)?;
-            if cfg.geometry.pool_bytes()? >= crate::pool::MIN_CEILING_BYTES {
+            if cfg.scenario.is_none() && cfg.geometry.pool_bytes()? >= crate::pool::MIN_CEILING_BYTES {
                 crate::phase::announce("setup: timing a copy of the prefill pool to the decode pool (the ceiling)");
                 copy_gbps = Some(time_copy(cfg, &mut p, &mut d, &plan(cfg, 1)?)?);
             }
@@ -249,16 +205,8 @@ impl Probe {
             None => peer.set_up(),
         }
         crate::trace!("connected to the prefill peer");
-        Ok(Probe { cfg: cfg.clone(), prefill: Prefill::Peer(Box::new(peer)), decode, copy_gbps })
-    }
-
-    /// The sweep's prefill, over the protocol. Errors: usage for an in-process endpoint (only
-    /// the scenario engine and `ab` drive one).
-    fn peer(&self) -> Result<&crate::peer::client::PrefillPeer> {
-        match &self.prefill {
-            Prefill::Peer(p) => Ok(p),
-            Prefill::Local(_) => Err(Error::Usage("the sweep drives prefill over the peer protocol".into())),
-        }
+        let tier_arena = handoff.tier_arena.lock().unwrap_or_else(|p| p.into_inner()).take();
+        Ok(Probe { cfg: cfg.clone(), prefill: Box::new(peer), decode, copy_gbps, tier_arena })
     }
 
     fn plan(&self, it: u32) -> Result<Plan> {
@@ -271,18 +219,18 @@ impl Probe {
     ///
     /// [`PrefillPeer::await_filled`]: crate::peer::client::PrefillPeer::await_filled
     fn fill_source(&mut self, plan: &Plan, stage: Option<usize>) -> Result<()> {
-        self.peer()?.fill(plan.it, stage.map(|k| k as u32))
+        self.prefill.fill(plan.it, stage.map(|k| k as u32))
     }
 
     /// Waits until every fill asked of prefill is complete.
     fn finish_source(&mut self) -> Result<()> {
-        self.peer()?.await_all_filled()
+        self.prefill.await_all_filled()
     }
 
     /// Posts stage `k` of iteration `it` (`pairs`, notification `tag`) for `op`: READ, decode
     /// posts once prefill has filled the stage; WRITE, prefill is asked to post.
     fn post(&self, op: Op, it: u32, k: usize, pairs: &[Pair], tag: &str, timeout: Duration) -> Result<SweepRequest> {
-        let p = self.peer()?;
+        let p = &self.prefill;
         match op {
             Op::Read => {
                 p.await_filled(it, Some(k as u32))?;
@@ -301,7 +249,7 @@ impl Probe {
     /// Checks a stage's request once: `Some` when complete. A peer's liveness is checked too
     /// (a dead peer: transport, exit 3; a silent one: timeout, exit 4).
     fn poll(&self, r: &mut SweepRequest) -> Result<Option<crate::nixl::XferResult>> {
-        let p = self.peer()?;
+        let p = &self.prefill;
         match r {
             SweepRequest::Nixl(r) => {
                 p.pump(Duration::ZERO)?;
@@ -335,7 +283,7 @@ impl Probe {
 
     /// WRITE: checks once whether decode has stage `tag`'s notification from prefill.
     fn poll_notification(&self, inbox: &mut transport::Inbox, tag: &str, d: crate::deadline::Deadline) -> Result<bool> {
-        let p = self.peer()?;
+        let p = &self.prefill;
         p.pump(Duration::ZERO)?;
         transport::poll_notification_from(&self.decode, &p.info.agent, inbox, tag, d).map_err(|e| match p.cause_of(e) {
             // Name where prefill is, not only its agent.
@@ -346,13 +294,13 @@ impl Probe {
 
     /// READ: waits until prefill has every notification in `tags`.
     fn await_notifications(&self, tags: &mut HashMap<String, crate::deadline::Deadline>) -> Result<()> {
-        let p = self.peer()?;
+        let p = &self.prefill;
         p.await_notifications(tags).map_err(|e| p.cause_of(e))
     }
 
     /// The test-only early-notification fault: prefill sends `tag` alone.
     fn notify_decode(&self, tag: &str) -> Result<()> {
-        self.peer()?.notify(tag)
+        self.prefill.notify(tag)
     }
 }
 
@@ -498,10 +446,11 @@ pub fn run(cfg: &RunConfig, hooks: &mut Hooks<'_>) -> (Report, Exit) {
         },
     };
     report.finish(exit, err);
-    if let Some(Probe { prefill: Prefill::Peer(p), .. }) = &probe {
+    if let Some(Probe { prefill: p, .. }) = &probe {
         // The pair ends together: prefill takes this outcome and sends its side of the report.
         let summary = serde_json::to_value(&report.summary).ok();
-        let side = p.finish(exit as u8, err.map(|e| e.to_string()), summary, PEER_BYE_BOUND);
+        let scenario = report.scenario.as_ref().and_then(|s| serde_json::to_value(s).ok());
+        let side = p.finish_with(exit as u8, err.map(|e| e.to_string()), summary, scenario, PEER_BYE_BOUND);
         if cfg.op == Op::Write
             && let Some(mut theirs) = side.transport_path.clone()
         {
@@ -605,17 +554,10 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>, slot: 
     crate::deadline::set_limit(Some(Duration::from_secs_f64(cfg.timeout_secs)));
     crate::report::publish(report);
     let ucx_mark = crate::ucx::mark();
-    // The sweep's prefill is a peer wherever it is (another host, a child, a thread of this
-    // process); the scenario engine still drives an in-process endpoint directly.
-    let probe = slot.insert(if cfg.scenario.is_none() || cfg.peer.is_some() || cfg.decode_process {
-        Probe::setup_peer(cfg, report.environment.clone())?
-    } else {
-        Probe::setup(cfg)?
-    });
-    if let Prefill::Peer(p) = &probe.prefill
-        && !in_process(cfg)
-    {
-        report.peer = Some(p.section.clone());
+    // Prefill is a peer wherever it is (another host, a child, a thread of this process).
+    let probe = slot.insert(Probe::setup_peer(cfg, report.environment.clone())?);
+    if !in_process(cfg) {
+        report.peer = Some(probe.prefill.section.clone());
     }
     crate::ucx::adopt();
     // The agents have started their UCX backends: the UCX library is loaded now.
@@ -624,11 +566,16 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>, slot: 
     }
     if let Some(sc) = &cfg.scenario {
         let timeout = Duration::from_secs_f64(cfg.timeout_secs);
-        return crate::scenario::engine::run_scenario(
+        let sides = crate::scenario::engine::Sides {
+            prefill: &probe.prefill,
+            decode: &mut probe.decode,
+            arena: probe.tier_arena.clone(),
+        };
+        let r = crate::scenario::engine::run_scenario(
             sc,
             cfg.seed,
-            probe.prefill.local_mut()?,
-            &mut probe.decode,
+            0,
+            sides,
             timeout,
             cfg.max_failures,
             report,
@@ -636,6 +583,8 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>, slot: 
             (hooks.checkpoint_secs, hooks.checkpoint),
             hooks.dump.as_deref_mut(),
         );
+        report.summary.transport_path = Some(scenario_path(cfg, probe, ucx_mark, report.environment.as_ref()));
+        return r;
     }
     sweep(cfg, probe, report, hooks.line, hooks.dump.as_deref_mut(), started, ucx_mark)
 }
@@ -658,6 +607,19 @@ fn judge_path(cfg: &RunConfig, p: &mut crate::ucx::TransportPath, env: Option<&c
         let gpu = (cfg.memory == MemoryKind::Vram).then_some(initiator);
         crate::ucx::flag_path(p, &env.rdma, gpu);
     }
+}
+
+/// The UCX path of a scenario's READs, as decode's agent (their initiator) logged it since
+/// `mark` ([`crate::ucx::path_since`]), judged as a sweep's ([`judge_path`]).
+pub(crate) fn scenario_path(
+    cfg: &RunConfig,
+    probe: &Probe,
+    mark: u64,
+    env: Option<&crate::envinfo::Environment>,
+) -> crate::ucx::TransportPath {
+    let mut p = probe.decode.transport_path(mark, Op::Read, cfg.memory == MemoryKind::Vram);
+    judge_path(cfg, &mut p, env);
+    p
 }
 
 /// True when the sweep's prefill is a thread of this process (neither `--peer` nor
@@ -777,7 +739,7 @@ fn sweep(
     };
     probe.decode.pool.poison_layers(all.clone(), 1, false)?;
     probe.decode.pool.finish()?;
-    probe.peer()?.take_fill_kernel_seconds();
+    probe.prefill.take_fill_kernel_seconds();
     probe.decode.pool.take_kernel_seconds();
     report.summary.setup_seconds = started.elapsed().as_secs_f64();
     report.summary.pipeline_stages = stages.len() as u32;
@@ -963,7 +925,7 @@ fn sweep(
         }
         probe.await_notifications(&mut tags)?;
         times.transfer = (window_end - window_start).as_secs_f64();
-        let fill_kernels = probe.peer()?.take_fill_kernel_seconds();
+        let fill_kernels = probe.prefill.take_fill_kernel_seconds();
         let kd = probe.decode.pool.take_kernel_seconds();
         times.kernels = crate::report::KernelSeconds { fill: fill_kernels, poison: kd.poison, verify: kd.verify };
         report.summary.bytes_transferred += bytes;
@@ -1053,9 +1015,12 @@ fn sweep(
             corrupt,
             if times.transfer > 0.0 { bytes as f64 / times.transfer / 1e9 } else { 0.0 }
         ));
-        if let Prefill::Peer(p) = &probe.prefill {
-            p.verified(it, total, corrupt, if times.transfer > 0.0 { bytes as f64 / times.transfer / 1e9 } else { 0.0 })?;
-        }
+        probe.prefill.verified(
+            it,
+            total,
+            corrupt,
+            if times.transfer > 0.0 { bytes as f64 / times.transfer / 1e9 } else { 0.0 },
+        )?;
         if let Some(n) = next {
             cur = n;
         }

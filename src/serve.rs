@@ -16,10 +16,16 @@
 //! map, injections), so the protocol never carries block lists.
 
 use crate::error::{Error, Exit, Result};
+use crate::peer::steps::TierAccess;
 use crate::peer::{self, Accepted, Link, Msg, Side, Stream};
 use crate::pool::MemoryKind;
+use crate::race::Scenario;
 use crate::report::{PeerSide, Report};
+use crate::scenario::config::ScenarioConfig;
+use crate::scenario::connectors::tier::TierPlace;
+use crate::scenario::prefill::PrefillEngine;
 use crate::sweep::{self, RunConfig};
+use crate::tier::TierKind;
 use crate::transport::{Endpoint, Op};
 use std::collections::BTreeMap;
 use std::net::TcpListener;
@@ -86,6 +92,9 @@ pub struct Handoff {
     /// Decode's registrations, set before decode sends its agent: prefill's requests (WRITE)
     /// take shares of them.
     pub decode_lease: std::sync::Mutex<Option<crate::nixl::WeakLease>>,
+    /// Scenarios with the embedded tier: its arena, set before the session says its agent is
+    /// connected, so that decode's tier-only loads copy from it directly.
+    pub tier_arena: std::sync::Mutex<Option<Arc<crate::tier::TierArena>>>,
 }
 
 /// One session's end: the report serve writes and its exit code.
@@ -272,9 +281,6 @@ fn check_config(
     if let Some((f, a, b)) = peer::first_difference(&geo(&decode.geometry), &geo(&rc.geometry)) {
         return Err((Some(format!("geometry.{f}")), format!("decode announced geometry.{f} {a} but configured {b}")));
     }
-    if rc.scenario.is_some() {
-        return Err((Some("scenario".into()), "scenarios across a node pair are not supported yet: run the sweep".into()));
-    }
     if rc.decode_process != (cfg.mode == SessionMode::Child) {
         return Err((
             Some("decode_process".into()),
@@ -454,6 +460,19 @@ fn session_inner(
         decode_info.lease = l;
     }
     let decode_agent = decode_info.agent.clone();
+    // Scenarios with the embedded tier: its arena lives with prefill for the whole session;
+    // decode copies from it in this process, else READs it over NIXL.
+    let arena = match rc.scenario.as_ref().filter(|sc| sc.tier == TierKind::Embedded && (sc.matrix || sc.scenario.uses_tier())) {
+        Some(sc) => {
+            let a = Arc::new(crate::tier::TierArena::new(sc.tier_blocks, ep.pool.block_bytes(), ep.pool.gpu().as_ref())?);
+            match handoff {
+                Some(h) => *h.tier_arena.lock().unwrap_or_else(|p| p.into_inner()) = Some(a.clone()),
+                None => ep.register_tier(a.clone()).map_err(refusal)?,
+            }
+            Some(a)
+        }
+        None => None,
+    };
     crate::trace!("prefill loads decode's metadata");
     ep.connect(decode_info)?; // bad metadata is decode's fault: transport, exit 3
     // Test-only (`KVPROBE_TEST_STALL_AGENT_START` in the prefill process of --decode-process):
@@ -470,7 +489,92 @@ fn session_inner(
     }
     let mut me = PeerSide { setup_seconds: started.elapsed().as_secs_f64(), ..Default::default() };
 
-    let stages = sweep::sweep_stages(&rc);
+    link.set_deadline(None);
+    link.running();
+    // Decode's next request comes within its own bounded waits and passes (a transfer within
+    // --timeout, a verify pass): one that heartbeats but sends nothing for IDLE_REQUESTS is
+    // not waited for for ever.
+    let idle_bound = (2 * timeout).max(IDLE_REQUESTS);
+    let (exit, error, summary, scenario) = match &rc.scenario {
+        None => sweep_requests(&rc, link, &mut ep, &decode_agent, &mut me, idle_bound, say)?,
+        Some(template) => {
+            let place = TierPlace {
+                arena,
+                embedded: if handoff.is_some() { TierAccess::InProcess } else { TierAccess::Nixl },
+                host: link.local_ip().unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST)),
+            };
+            scenario_requests(&rc, template, link, &mut ep, &place, &mut me, idle_bound, say)?
+        }
+    };
+    // Decode's totals become serve's summary (one outcome for the pair), with serve's own path.
+    if let Some(s) = summary.and_then(|v| serde_json::from_value::<crate::report::Summary>(v).ok()) {
+        acc.side.transport_path = s.transport_path.clone(); // decode's UCX tables
+        acc.report.summary = s;
+    }
+    acc.report.scenario = scenario.and_then(|v| serde_json::from_value(v).ok());
+    let op = if rc.op == Op::Write { "WRITE" } else { "READ" };
+    let mut path = crate::ucx::path_since(mark, &rc.backend, op, vram);
+    if path.selections.is_empty() && rc.op == Op::Read {
+        // The target of a READ logs no table of it: the initiator, decode, does.
+        path.unknown_because =
+            Some("decode initiates READs on the other side: its UCX tables are under peer.transport_path".into());
+    }
+    if let Some(env) = acc.report.environment.as_ref() {
+        crate::ucx::flag_path(&mut path, &env.rdma, vram.then_some(cfg.device));
+    }
+    acc.report.summary.transport_path = Some(path.clone());
+    me.role = "prefill".into();
+    me.host = peer::host_name();
+    me.run_id = run_id.into();
+    me.memory = Some(cfg.memory);
+    me.device = if vram { cfg.device } else { 0 };
+    me.environment = acc.report.environment.clone();
+    me.transport_path = Some(path);
+    me.exit_code = Some(exit as u8);
+    let _ = link.send(&Msg::Bye { side: Box::new(me) });
+    let err = error.map(|m| match exit {
+        Exit::Interrupted => Error::Interrupted(format!("the decode side was interrupted: {m}")),
+        Exit::Timeout => Error::Timeout(format!("the decode side: {m}")),
+        Exit::Usage => Error::Usage(format!("the decode side: {m}")),
+        Exit::Corrupt => Error::Corrupt(m),
+        _ => Error::Transport(format!("the decode side: {m}")),
+    });
+    Ok((exit, err))
+}
+
+/// How decode ended the run ([`Msg::Done`]): its exit code, error, summary and scenario
+/// section.
+type Ending = (Exit, Option<String>, Option<serde_json::Value>, Option<serde_json::Value>);
+
+/// The run's end as decode said it ([`Msg::Done`]). Errors: transport (exit 3) for an exit
+/// code kvprobe never uses (a protocol error).
+fn done(link: &Link, m: Msg) -> Result<Ending> {
+    let Msg::Done { exit, error, summary, scenario } = m else {
+        return Err(Error::Transport(format!("{} sent {} to end the run (a protocol error)", link.who(), m.name())));
+    };
+    match Exit::from_code(exit) {
+        Some(Exit::Clean) => Ok((Exit::Clean, None, summary, scenario)), // a clean run has no error
+        Some(x) => Ok((x, error, summary, scenario)),
+        None => Err(Error::Transport(format!(
+            "{} ended the run with exit code {exit}, which kvprobe never uses (a protocol error)",
+            link.who()
+        ))),
+    }
+}
+
+/// The sweep's requests, served until decode's [`Msg::Done`]: fills of stages, WRITEs, and
+/// the NIXL notifications prefill's agent receives, forwarded. `idle_bound`: how long decode
+/// may send nothing while alive.
+fn sweep_requests(
+    rc: &RunConfig,
+    link: &Link,
+    ep: &mut Endpoint,
+    decode_agent: &str,
+    me: &mut PeerSide,
+    idle_bound: Duration,
+    say: &mut dyn FnMut(&str),
+) -> Result<Ending> {
+    let stages = sweep::sweep_stages(rc);
     let mut plans: BTreeMap<u32, sweep::Plan> = BTreeMap::new();
     let mut inflight: Vec<(String, crate::nixl::Posted)> = Vec::new();
     let check_it = |it: u32| {
@@ -479,14 +583,9 @@ fn session_inner(
         }
         Ok(())
     };
-    link.set_deadline(None);
-    link.running();
-    // Decode's next request comes within its own bounded waits and passes (a transfer within
-    // --timeout, a verify pass): one that heartbeats but sends nothing for IDLE_REQUESTS is
-    // not waited for for ever.
-    let idle_bound = (2 * timeout).max(IDLE_REQUESTS);
     let mut last_request = Instant::now();
-    let (exit, error, summary) = loop {
+    let timeout = Duration::from_secs_f64(rc.timeout_secs);
+    let out = loop {
         if crate::interrupt::requested() {
             return Err(Error::Interrupted("serve was interrupted".into()));
         }
@@ -512,9 +611,9 @@ fn session_inner(
                     )));
                 }
                 let t = Instant::now();
-                plan_for(&rc, &mut plans, it)?;
+                plan_for(rc, &mut plans, it)?;
                 // Filled means in memory: decode READs it next.
-                sweep::fill_stage(&rc, &mut ep.pool, &plans[&it], &stages, stage.map(|k| k as usize), true)?;
+                sweep::fill_stage(rc, &mut ep.pool, &plans[&it], &stages, stage.map(|k| k as usize), true)?;
                 let seconds = t.elapsed().as_secs_f64();
                 let kernel_seconds = ep.pool.take_kernel_seconds().fill;
                 me.fill_seconds += seconds;
@@ -526,8 +625,8 @@ fn session_inner(
                 if rc.op != Op::Write || stage as usize >= stages.len() || tag.len() > 256 {
                     return Err(Error::Transport(format!("decode asked for a WRITE of stage {stage} (a protocol error)")));
                 }
-                plan_for(&rc, &mut plans, it)?;
-                let pairs = sweep::stage_request(&rc, &plans[&it], &stages, stage as usize)?;
+                plan_for(rc, &mut plans, it)?;
+                let pairs = sweep::stage_request(rc, &plans[&it], &stages, stage as usize)?;
                 if pairs.is_empty() {
                     link.send(&Msg::Written { tag, bytes: 0, nanos: 0 })?;
                 } else {
@@ -551,16 +650,7 @@ fn session_inner(
                     rc.iterations
                 ));
             }
-            Some(Msg::Done { exit, error, summary }) => match Exit::from_code(exit) {
-                Some(Exit::Clean) => break (Exit::Clean, None, summary), // a clean run has no error
-                Some(x) => break (x, error, summary),
-                None => {
-                    return Err(Error::Transport(format!(
-                        "{} ended the run with exit code {exit}, which kvprobe never uses (a protocol error)",
-                        link.who()
-                    )));
-                }
-            },
+            Some(m @ Msg::Done { .. }) => break done(link, m)?,
             Some(m) => {
                 return Err(Error::Transport(format!("decode sent {} during the run (a protocol error)", m.name())));
             }
@@ -591,37 +681,111 @@ fn session_inner(
             link.send(&Msg::Notified { tags, query_ns })?;
         }
     };
-    // Decode's totals become serve's summary (one outcome for the pair), with serve's own path.
-    if let Some(s) = summary.and_then(|v| serde_json::from_value::<crate::report::Summary>(v).ok()) {
-        acc.side.transport_path = s.transport_path.clone(); // decode's UCX tables
-        acc.report.summary = s;
+    Ok(out)
+}
+
+/// Most rows one session runs (`kvprobe ab` runs 8).
+pub const MAX_ROWS: u32 = 64;
+
+/// A scenario's requests, served until decode's [`Msg::Done`]: each row decode begins
+/// ([`Msg::Begin`]) runs a prefill engine ([`PrefillEngine`]) step by step as decode asks
+/// ([`Msg::Step`] → [`Msg::Stepped`]) until decode ends it ([`Msg::End`] → [`Msg::Ended`]).
+/// `template`: the run's load (for `kvprobe ab`, the matrix's, whose rows pick their
+/// scenario and unfenced mechanism); `place`: where the tier lives; `idle_bound`: how long
+/// decode may send nothing while alive.
+#[allow(clippy::too_many_arguments)]
+fn scenario_requests(
+    rc: &RunConfig,
+    template: &ScenarioConfig,
+    link: &Link,
+    ep: &mut Endpoint,
+    place: &TierPlace,
+    me: &mut PeerSide,
+    idle_bound: Duration,
+    say: &mut dyn FnMut(&str),
+) -> Result<Ending> {
+    let timeout = Duration::from_secs_f64(rc.timeout_secs);
+    let next = |what: &str| {
+        link.set_deadline(Some((
+            Instant::now() + idle_bound,
+            format!(
+                "{} sent no request for {:.0} s (2 x --timeout, at least {} s) while alive: it stopped driving the run",
+                link.who(),
+                idle_bound.as_secs_f64(),
+                IDLE_REQUESTS.as_secs()
+            ),
+        )));
+        let m = link.expect(what, Ok::<Msg, &'static str>);
+        link.set_deadline(None);
+        m
+    };
+    let mut rows = 0u32;
+    loop {
+        let begin = match next("decode's next scenario run")? {
+            Msg::Begin { begin } => begin,
+            m @ Msg::Done { .. } => return done(link, m),
+            m => return Err(Error::Transport(format!("decode sent {} between scenario runs (a protocol error)", m.name()))),
+        };
+        let cfg = row_config(template, &begin, rows)?;
+        rows += 1;
+        let row = begin.row;
+        say(&format!(
+            "kvprobe serve: row {row}: {}{}",
+            cfg.scenario.name(),
+            cfg.unfenced.first().map_or(String::new(), |m| format!(" with {m} unfenced"))
+        ));
+        let (mut engine, tier, tier_detail) =
+            PrefillEngine::start(&cfg, rc.seed, ep, &begin.tag, timeout, place).map_err(|e| attribute(link, e))?;
+        link.send(&Msg::Begun { row, tier, tier_detail })?;
+        let mut step = 0u64;
+        loop {
+            match next("decode's next step")? {
+                Msg::Step { row: r, step: k, input } if r == row && k == step + 1 => {
+                    step = k;
+                    let output = engine.step(input).map_err(|e| attribute(link, e))?;
+                    link.send(&Msg::Stepped { row, step, output: Box::new(output) })?;
+                }
+                Msg::End { row: r, line } if r == row => {
+                    let counters = engine.finish();
+                    me.fill_seconds += counters.fill_seconds;
+                    say(&format!("kvprobe serve: row {row} ended: {line}"));
+                    link.send(&Msg::Ended { row, counters })?;
+                    break;
+                }
+                m @ Msg::Done { .. } => return done(link, m),
+                m => {
+                    return Err(Error::Transport(format!(
+                        "decode sent {} during step {step} of row {row} (a protocol error)",
+                        m.name()
+                    )));
+                }
+            }
+        }
     }
-    let op = if rc.op == Op::Write { "WRITE" } else { "READ" };
-    let mut path = crate::ucx::path_since(mark, &rc.backend, op, vram);
-    if path.selections.is_empty() && rc.op == Op::Read {
-        // The target of a READ logs no table of it: the initiator, decode, does.
-        path.unknown_because =
-            Some("decode initiates READs on the other side: its UCX tables are under peer.transport_path".into());
+}
+
+/// The configuration of scenario run `begin` (the `index`-th of the session): `template`'s
+/// load with the row's scenario and unfenced mechanisms. A matrix (`kvprobe ab`) may run any
+/// scenario with at most one mechanism unfenced (stacked only), up to [`MAX_ROWS`] rows in
+/// order; a single run exactly its own, once. Errors: transport (exit 3) for any other
+/// request (a protocol error).
+fn row_config(template: &ScenarioConfig, begin: &crate::peer::steps::Begin, index: u32) -> Result<ScenarioConfig> {
+    let bad = |why: &str| Err(Error::Transport(format!("decode asked for scenario run {} ({why}; a protocol error)", begin.row)));
+    if begin.row != index {
+        return bad(&format!("run {index} was next"));
     }
-    if let Some(env) = acc.report.environment.as_ref() {
-        crate::ucx::flag_path(&mut path, &env.rdma, vram.then_some(cfg.device));
+    if begin.tag.is_empty() || begin.tag.len() > 256 {
+        return bad("a notification prefix of 1 to 256 bytes is required");
     }
-    acc.report.summary.transport_path = Some(path.clone());
-    me.role = "prefill".into();
-    me.host = peer::host_name();
-    me.run_id = run_id.into();
-    me.memory = Some(cfg.memory);
-    me.device = if vram { cfg.device } else { 0 };
-    me.environment = acc.report.environment.clone();
-    me.transport_path = Some(path);
-    me.exit_code = Some(exit as u8);
-    let _ = link.send(&Msg::Bye { side: Box::new(me) });
-    let err = error.map(|m| match exit {
-        Exit::Interrupted => Error::Interrupted(format!("the decode side was interrupted: {m}")),
-        Exit::Timeout => Error::Timeout(format!("the decode side: {m}")),
-        Exit::Usage => Error::Usage(format!("the decode side: {m}")),
-        Exit::Corrupt => Error::Corrupt(m),
-        _ => Error::Transport(format!("the decode side: {m}")),
-    });
-    Ok((exit, err))
+    if template.matrix {
+        if index >= MAX_ROWS {
+            return bad(&format!("a matrix has at most {MAX_ROWS} rows"));
+        }
+        if begin.unfenced.len() > 1 || (!begin.unfenced.is_empty() && begin.scenario != Scenario::Stacked) {
+            return bad("a matrix row leaves at most one mechanism of the stacked scenario unfenced");
+        }
+    } else if index > 0 || begin.scenario != template.scenario || begin.unfenced != template.unfenced {
+        return bad("not the configured scenario");
+    }
+    Ok(ScenarioConfig { scenario: begin.scenario, unfenced: begin.unfenced.clone(), matrix: false, ..template.clone() })
 }

@@ -250,10 +250,19 @@ pub(crate) fn check_host_memory(cfg: &RunConfig) -> Result<()> {
     Ok(())
 }
 
+/// A DRAM pool of `cfg`: shareable (memfd-backed) when a scenario's Mooncake store client
+/// maps it, else private.
+fn host_pool(cfg: &RunConfig) -> Result<KvPool> {
+    match cfg.scenario.as_ref().is_some_and(|s| s.tier == crate::tier::TierKind::Mooncake) {
+        true => KvPool::host_shareable(&cfg.geometry, cfg.seed),
+        false => KvPool::host(&cfg.geometry, cfg.seed),
+    }
+}
+
 /// Decode's pool alone (`run --peer`, `run --decode-process`: prefill's is on the other side).
 pub(crate) fn build_decode_pool(cfg: &RunConfig) -> Result<KvPool> {
     match cfg.memory {
-        MemoryKind::Dram => KvPool::host(&cfg.geometry, cfg.seed),
+        MemoryKind::Dram => host_pool(cfg),
         MemoryKind::Vram => {
             if cuda::device_count() == 0 {
                 return Err(Error::Environment("--memory vram needs a CUDA GPU and none was found (use --memory dram)".into()));
@@ -268,7 +277,7 @@ pub(crate) fn build_decode_pool(cfg: &RunConfig) -> Result<KvPool> {
 /// Prefill's pool alone, on `memory` and `device` (`serve`).
 pub(crate) fn build_prefill_pool(cfg: &RunConfig, memory: MemoryKind, device: usize) -> Result<KvPool> {
     match memory {
-        MemoryKind::Dram => KvPool::host(&cfg.geometry, cfg.seed),
+        MemoryKind::Dram => host_pool(cfg),
         MemoryKind::Vram => {
             if cuda::device_count() == 0 {
                 return Err(Error::Environment("serve --memory vram needs a CUDA GPU and none was found".into()));
@@ -299,12 +308,8 @@ pub(crate) fn backend_refusal(backend: &str, memory: MemoryKind, e: Error) -> Er
 pub(crate) fn build_pools(cfg: &RunConfig) -> Result<(KvPool, KvPool)> {
     let g = &cfg.geometry;
     match cfg.memory {
-        MemoryKind::Dram => {
-            // The Mooncake worker maps both pools: they must be shareable (memfd-backed).
-            let mooncake = cfg.scenario.as_ref().is_some_and(|s| s.tier == crate::tier::TierKind::Mooncake);
-            let alloc = if mooncake { KvPool::host_shareable } else { KvPool::host };
-            Ok((alloc(g, cfg.seed)?, alloc(g, cfg.seed)?))
-        }
+        // Each engine's Mooncake store client maps its pool: with that tier, shareable.
+        MemoryKind::Dram => Ok((host_pool(cfg)?, host_pool(cfg)?)),
         MemoryKind::Vram => {
             if cuda::device_count() == 0 {
                 return Err(Error::Environment("--memory vram needs a CUDA GPU and none was found (use --memory dram)".into()));

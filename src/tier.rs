@@ -30,7 +30,7 @@ pub enum TierKind {
 }
 
 /// What a block (pool slot or tier entry) holds, as far as the engine's own operations go.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Content {
     /// Logical block and generation of the fingerprint written there.
     pub id: TableEntry,
@@ -51,17 +51,92 @@ struct Entry {
     last_use: u64,
 }
 
-enum Arena {
+/// The embedded tier's bytes: `capacity` entries of `block_bytes` each, back to back, in host
+/// memory (page-locked for VRAM pools, so copies to and from the GPU run at full rate).
+/// Shared (`Arc`) by the store that fills it and, in one process, by decode's tier reader
+/// (`kvprobe run --scenario tier-only` with prefill on a thread); across processes prefill
+/// registers it with its NIXL agent and decode READs entries from it
+/// ([`crate::transport::Endpoint::register_tier`]). Each copy holds the arena's lock.
+pub struct TierArena {
+    mem: std::sync::Mutex<ArenaMem>,
+    addr: u64,
+    block_bytes: usize,
+    capacity: u32,
+}
+
+enum ArenaMem {
     Host(PrivateBuffer),
     Pinned(crate::cuda::PinnedHost),
-    /// The bytes live elsewhere (Mooncake Store); this store keeps only the metadata.
-    Elsewhere,
+}
+
+impl ArenaMem {
+    fn bytes(&mut self) -> &mut [u8] {
+        match self {
+            ArenaMem::Host(b) => b.as_mut_slice(),
+            ArenaMem::Pinned(p) => p.buffer_mut().as_mut_slice(),
+        }
+    }
+}
+
+impl TierArena {
+    /// An arena of `capacity` entries of `block_bytes` each (`block_bytes` = a block's
+    /// slices back to back, [`crate::pool::KvPool::block_bytes`]), page-locked for `device`
+    /// when given. Errors: usage (exit 2) when it does not fit in the host memory available;
+    /// device when it cannot be page-locked.
+    pub fn new(capacity: u32, block_bytes: u64, device: Option<&std::sync::Arc<crate::cuda::Device>>) -> Result<TierArena> {
+        let bytes = (capacity as u64).checked_mul(block_bytes).ok_or_else(|| Error::Usage("tier size overflows".into()))?;
+        if let Some(avail) = crate::hostmem::available_bytes()
+            && bytes > avail
+        {
+            return Err(Error::Usage(format!(
+                "the tier of {capacity} blocks needs {} of host memory; {} are available (lower --tier-blocks)",
+                crate::units::bytes_exact(bytes),
+                crate::units::bytes_exact(avail)
+            )));
+        }
+        let buf = PrivateBuffer::alloc(bytes as usize)?;
+        let addr = buf.addr();
+        let mem = match device {
+            Some(d) => ArenaMem::Pinned(crate::cuda::PinnedHost::new(d, buf)?),
+            None => ArenaMem::Host(buf),
+        };
+        Ok(TierArena { mem: std::sync::Mutex::new(mem), addr, block_bytes: block_bytes as usize, capacity })
+    }
+
+    /// Entries it holds.
+    pub fn capacity(&self) -> u32 {
+        self.capacity
+    }
+
+    /// Bytes of one entry.
+    pub fn block_bytes(&self) -> u64 {
+        self.block_bytes as u64
+    }
+
+    /// Its memory: (start address, bytes), for NIXL registration.
+    pub fn region(&self) -> (u64, u64) {
+        (self.addr, self.capacity as u64 * self.block_bytes as u64)
+    }
+
+    /// Byte offset of entry `id` from the arena's start.
+    pub fn entry_offset(&self, id: EntryId) -> u64 {
+        id as u64 * self.block_bytes as u64
+    }
+
+    /// Calls `f` with entry `id`'s bytes, the arena locked. Panics when `id` is past the
+    /// capacity (a caller's bug: entry ids come from the store).
+    pub fn with_entry<R>(&self, id: EntryId, f: impl FnOnce(&mut [u8]) -> R) -> R {
+        let mut m = self.mem.lock().unwrap_or_else(|p| p.into_inner());
+        let bb = self.block_bytes;
+        f(&mut m.bytes()[id as usize * bb..(id as usize + 1) * bb])
+    }
 }
 
 /// The embedded store.
 pub struct Store {
-    arena: Arena,
-    block_bytes: usize,
+    /// The bytes: `None` when they live elsewhere (Mooncake Store) and this store keeps only
+    /// the metadata.
+    arena: Option<std::sync::Arc<TierArena>>,
     capacity: u32,
     entries: Vec<Option<(u32, Entry)>>,
     by_hash: HashMap<u32, u32>,
@@ -79,31 +154,22 @@ pub struct Store {
 pub type EntryId = u32;
 
 impl Store {
-    /// A store of `capacity` entries of `block_bytes` each; page-locked for `device` when
-    /// given. Errors: the arena does not fit in host memory, or cannot be page-locked.
+    /// A store of `capacity` entries of `block_bytes` each in a new arena, page-locked for
+    /// `device` when given. Errors: as [`TierArena::new`].
     pub fn new(capacity: u32, block_bytes: u64, device: Option<&std::sync::Arc<crate::cuda::Device>>) -> Result<Store> {
-        let bytes = (capacity as u64).checked_mul(block_bytes).ok_or_else(|| Error::Usage("tier size overflows".into()))?;
-        if let Some(avail) = crate::hostmem::available_bytes()
-            && bytes > avail
-        {
-            return Err(Error::Usage(format!(
-                "the tier of {capacity} blocks needs {} of host memory; {} are available (lower --tier-blocks)",
-                crate::units::bytes_exact(bytes),
-                crate::units::bytes_exact(avail)
-            )));
-        }
-        let buf = PrivateBuffer::alloc(bytes as usize)?;
-        let arena = match device {
-            Some(d) => Arena::Pinned(crate::cuda::PinnedHost::new(d, buf)?),
-            None => Arena::Host(buf),
-        };
-        Ok(Store::with_arena(arena, capacity, block_bytes))
+        Ok(Store::on(std::sync::Arc::new(TierArena::new(capacity, block_bytes, device)?)))
     }
 
-    fn with_arena(arena: Arena, capacity: u32, block_bytes: u64) -> Store {
+    /// An empty store over `arena`'s entries (whatever they hold is never read before a save
+    /// fills it: only complete entries are looked up).
+    pub fn on(arena: std::sync::Arc<TierArena>) -> Store {
+        let capacity = arena.capacity();
+        Store::with_arena(Some(arena), capacity)
+    }
+
+    fn with_arena(arena: Option<std::sync::Arc<TierArena>>, capacity: u32) -> Store {
         Store {
             arena,
-            block_bytes: block_bytes as usize,
             capacity,
             entries: vec![None; capacity as usize],
             by_hash: HashMap::new(),
@@ -118,8 +184,13 @@ impl Store {
 
     /// A store that keeps only the metadata of `capacity` entries; the bytes live in an
     /// external store (Mooncake), named by [`Store::key_of`].
-    pub fn metadata_only(capacity: u32, block_bytes: u64) -> Store {
-        Store::with_arena(Arena::Elsewhere, capacity, block_bytes)
+    pub fn metadata_only(capacity: u32) -> Store {
+        Store::with_arena(None, capacity)
+    }
+
+    /// The arena holding the entries' bytes (`None` for a metadata-only store).
+    pub fn arena(&self) -> Option<&std::sync::Arc<TierArena>> {
+        self.arena.as_ref()
     }
 
     /// The block hash and reservation serial of entry `id` (the pair is unique for the life
@@ -243,30 +314,18 @@ impl Store {
     }
 
     /// Marks a reserved entry's put done: it holds `content` (bytes already copied with
-    /// [`Store::bytes_mut`]) and becomes visible to lookups.
+    /// [`Store::with_bytes`]) and becomes visible to lookups.
     pub fn complete(&mut self, id: EntryId, content: Content) {
         self.entry_mut(id).content = Some(content);
     }
 
-    /// The bytes of entry `id` (empty for a metadata-only store).
-    pub fn bytes(&self, id: EntryId) -> &[u8] {
-        let s = match &self.arena {
-            Arena::Host(b) => b.as_slice(),
-            Arena::Pinned(p) => p.buffer().as_slice(),
-            Arena::Elsewhere => return &[],
-        };
-        &s[id as usize * self.block_bytes..(id as usize + 1) * self.block_bytes]
-    }
-
-    /// The bytes of entry `id`, for a put to copy into (empty for a metadata-only store).
-    pub fn bytes_mut(&mut self, id: EntryId) -> &mut [u8] {
-        let bb = self.block_bytes;
-        let s = match &mut self.arena {
-            Arena::Host(b) => b.as_mut_slice(),
-            Arena::Pinned(p) => p.buffer_mut().as_mut_slice(),
-            Arena::Elsewhere => return &mut [],
-        };
-        &mut s[id as usize * bb..(id as usize + 1) * bb]
+    /// Calls `f` with the bytes of entry `id` (empty for a metadata-only store), the arena
+    /// locked.
+    pub fn with_bytes<R>(&self, id: EntryId, f: impl FnOnce(&mut [u8]) -> R) -> R {
+        match &self.arena {
+            Some(a) => a.with_entry(id, f),
+            None => f(&mut []),
+        }
     }
 
     /// Complete entries.

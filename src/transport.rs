@@ -124,6 +124,11 @@ pub struct PeerInfo {
     /// request takes shares of them ([`Lease`]) so the peer's pool outlives it too.
     #[serde(skip)]
     pub lease: WeakLease,
+    /// Prefill: the embedded KV tier's arena, registered with its agent as DRAM (start
+    /// address, bytes), when a scenario's tier-only loads READ it over NIXL
+    /// ([`Endpoint::register_tier`]). Absent from a sender that has none.
+    #[serde(default)]
+    pub tier_region: Option<(u64, u64)>,
 }
 
 /// One block slice to move: prefill `src` to decode `dst`, `len` bytes from the slice start.
@@ -164,6 +169,8 @@ pub struct Endpoint {
     /// The role's KV pool, owned by its NIXL registration ([`Registered`]): freed only when no
     /// request may still move it (else kept until exit).
     pub pool: Registered<KvPool>,
+    /// Prefill: the embedded tier's arena, registered ([`Endpoint::register_tier`]).
+    tier: Option<Registered<std::sync::Arc<crate::tier::TierArena>>>,
 }
 
 impl Endpoint {
@@ -192,7 +199,53 @@ impl Endpoint {
             backend: backend.to_string(),
             peer: None,
             pool,
+            tier: None,
         })
+    }
+
+    /// Prefill: registers the embedded KV tier's arena with this role's agent (DRAM), so that
+    /// decode in another process or host can READ tier entries from it
+    /// ([`Endpoint::post_read_tier`]); [`Endpoint::info`] then announces it. Call before the
+    /// info goes to the peer. Errors: as [`Registered::new`].
+    pub fn register_tier(&mut self, arena: std::sync::Arc<crate::tier::TierArena>) -> Result<()> {
+        let (addr, len) = arena.region();
+        let region = Region { addr, len, mem: MemType::Dram, dev_id: 0 };
+        let Role::Local(agent) = &mut self.agent;
+        self.tier = Some(Registered::new(agent, arena, &[region])?);
+        Ok(())
+    }
+
+    /// Decode: posts one NIXL READ from the peer's tier arena (announced in its
+    /// [`PeerInfo::tier_region`]) into this role's pool: each `(byte offset inside tier entry
+    /// `entry`, local slice, bytes)`, descriptors built for the request
+    /// (`createXferReq`); does not wait ([`Endpoint::poll`]). Its deadline is `timeout` from
+    /// now. Errors: transport (exit 3) when the peer announced no arena or a range leaves it;
+    /// timeout (exit 4).
+    pub fn post_read_tier(&self, entry: u32, pairs: &[(u64, SliceCoord, u64)], timeout: Duration) -> Result<Posted> {
+        let deadline = Deadline::after(timeout);
+        let agent = self.local()?;
+        let peer = self.peer();
+        let Some((base, len)) = peer.tier_region else {
+            return Err(crate::error::Error::Transport(format!("agent {} announced no tier arena to READ from", peer.agent)));
+        };
+        let g = self.pool.geometry();
+        let block = self.pool.block_bytes();
+        let start = entry as u64 * block;
+        if start.checked_add(block).is_none_or(|end| end > len) {
+            return Err(crate::error::Error::Transport(format!(
+                "tier entry {entry} ({block} bytes) lies outside agent {}'s arena of {len} bytes",
+                peer.agent
+            )));
+        }
+        let local: Vec<(u64, u64)> = pairs.iter().map(|p| (g.descriptor(&self.pool.region_addrs(), p.1).0, p.2)).collect();
+        let remote: Vec<(u64, u64)> = pairs.iter().map(|p| (base + start + p.0, p.2)).collect();
+        self.pool.bind()?;
+        let descs = Descs::Fresh {
+            local: (&local, mem_type(self.pool.memory()), self.pool.device_id()),
+            remote: (&remote, MemType::Dram, 0),
+        };
+        let tag = format!("kvprobe:tier-load:{entry}");
+        agent.post(XferOp::Read, descs, &peer.agent, tag.as_bytes(), deadline, self.keep()?)
     }
 
     fn local(&self) -> Result<&Agent> {
@@ -212,6 +265,7 @@ impl Endpoint {
                 memory: self.pool.memory(),
                 device_id: self.pool.device_id(),
                 lease: self.pool.lease().downgrade(),
+                tier_region: self.tier.as_ref().map(|t| t.region()),
             }),
         }
     }
@@ -261,6 +315,18 @@ impl Endpoint {
                 agent.name(),
                 peer.agent,
                 remote.len()
+            )));
+        }
+        if let Some(arena) = peer.tier_region
+            && !agent.check_remote(&peer.agent, (&[arena], MemType::Dram, 0))?
+        {
+            return Err(crate::error::Error::Transport(format!(
+                "NIXL agent {}: the metadata loaded from agent {} does not cover the tier arena it announced \
+                 ({} bytes at {:#x}; checkRemoteMD refused it)",
+                agent.name(),
+                peer.agent,
+                arena.1,
+                arena.0
             )));
         }
         if self.xfer_req == XferReq::Prepared {

@@ -43,6 +43,7 @@ case "$1 $2" in
     if [ "${report:-}" = - ]; then echo "$body"; elif [ -n "${report:-}" ]; then echo "$body" > "$report"; fi
     exit "$rc" ;;
   ab*) exit "${FAKE_RUN_RC:-0}" ;;
+  serve*) echo "kvprobe serve: listening on 127.0.0.1:9 (peer protocol 1; stand-in)"; exit "${FAKE_RUN_RC:-0}" ;;
   *) exit 0 ;;
 esac
 "#,
@@ -126,7 +127,7 @@ fn a_two_gpu_lane_requires_two_gpus_from_its_kind() {
 fn every_suite_runs_to_its_end_and_names_are_checked() {
     // Each suite on stand-ins with two GPUs: every step runs and passes (a typo in a suite, a
     // step whose exit is checked wrongly, fails here), and each suite is announced in the log.
-    let all = ["tests", "main", "inject", "mooncake", "sustained", "perf", "perf-ucx", "perf-procs", "x2", "x2-bench"];
+    let all = ["tests", "main", "inject", "mooncake", "sustained", "pair", "perf", "perf-ucx", "perf-procs", "x2", "x2-bench"];
     let (code, log) = lane(&all, &[("FAKE_GPUS", "2"), ("KVPROBE_MOONCAKE_VENV", "/nonexistent")]);
     assert_eq!(code, 0, "{log}");
     for s in all {

@@ -6,6 +6,9 @@ use crate::common::{kvprobe_env, mooncake_or_skip};
 use kvprobe::mooncake::{self, Master};
 use std::time::Duration;
 
+/// Where the masters of these tests listen.
+const LOOPBACK: std::net::IpAddr = std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
+
 fn running(pid: u32) -> bool {
     // A reaped child has no /proc entry; a zombie would show state Z.
     std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| s.split_whitespace().nth(2).is_none_or(|st| st != "Z"))
@@ -56,7 +59,7 @@ fn master_starts_answers_and_is_always_stopped() {
     let install = mooncake::find().expect("Mooncake installed by scripts/install-deps.sh");
     // A shareable pool alive when the master starts: the master does not inherit its memfd.
     let pool = kvprobe::hostmem::HostBuffer::alloc_shareable(1 << 16).unwrap();
-    let mut m = Master::start(&install, Duration::from_secs(300)).unwrap();
+    let mut m = Master::start(&install, Duration::from_secs(300), LOOPBACK).unwrap();
     let pid = m.pid();
     assert!(running(pid));
     assert_eq!(pool_memfds(pid), 0, "mooncake_master inherited a pool's memfd");
@@ -74,7 +77,7 @@ fn a_killed_master_is_a_transport_error_with_its_log() {
         return;
     }
     let install = mooncake::find().expect("Mooncake installed by scripts/install-deps.sh");
-    let mut m = Master::start(&install, Duration::from_secs(300)).unwrap();
+    let mut m = Master::start(&install, Duration::from_secs(300), LOOPBACK).unwrap();
     let pid = m.pid();
     let st = std::process::Command::new("kill").args(["-KILL", &pid.to_string()]).status().unwrap();
     assert!(st.success());
@@ -103,7 +106,7 @@ fn worker_moves_blocks_between_a_shared_pool_and_the_store() {
     use kvprobe::fingerprint::{self, BlockIdentity};
     use kvprobe::geometry::KvPart;
     let install = mooncake::find().expect("Mooncake installed by scripts/install-deps.sh");
-    let master = mooncake::Deployment::Started(Master::start(&install, Duration::from_secs(300)).unwrap());
+    let master = mooncake::Deployment::Started(Master::start(&install, Duration::from_secs(300), LOOPBACK).unwrap());
     // The worker inherits the memfd of the pool passed to it, and of no other buffer (the
     // memfds are close-on-exec: `other`, alive when the worker starts, is not inherited).
     let mut pool = kvprobe::hostmem::HostBuffer::alloc_shareable(1 << 20).unwrap();
@@ -340,7 +343,7 @@ fn an_existing_master_is_used_and_left_running() {
         return;
     }
     let install = mooncake::find().expect("Mooncake installed by scripts/install-deps.sh");
-    let mut m = Master::start(&install, Duration::from_secs(300)).unwrap();
+    let mut m = Master::start(&install, Duration::from_secs(300), LOOPBACK).unwrap();
     let rpc = m.rpc.to_string();
     let (code, r, log) = crate::common::run_with_report(
         "mc-external",

@@ -429,9 +429,9 @@ fn pair_run_refuses_bad_peer_flags_before_connecting() {
     let (code, _, err) = kvprobe_env(&["run", "--peer", "127.0.0.1:1", "--memory", "dram"], &[("KVPROBE_TOKEN", "")]);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("KVPROBE_TOKEN"), "{err}");
-    let (code, _, err) =
-        kvprobe(&["run", "--peer", "127.0.0.1:1", "--memory", "dram", "--scenario", "nixl-only", "--token", "x"]);
+    let (code, _, err) = kvprobe(&["ab", "--peer", "127.0.0.1:1", "--memory", "dram", "--prefill-device", "1", "--token", "x"]);
     assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--prefill-device"), "{err}");
     let (_keep, addr) = refusing_addr();
     let (code, _, err) = kvprobe(&["run", "--peer", &addr.to_string(), "--memory", "dram", "--token", "x"]);
     assert_eq!(code, 2, "nothing listens there: {err}");
@@ -675,4 +675,275 @@ fn pair_handshake_bound_is_for_the_whole_hello_not_each_read() {
     let (sc, sout, _) = s.wait();
     assert_eq!(sc, 0, "{sout}");
     assert!(sout.contains("dropped the connection"), "{sout}");
+}
+
+/// The scenario part of a report, checked for a fenced run of `requests` admitted: every one
+/// verified or aborted, nothing corrupt, every mechanism fenced and clean.
+fn assert_scenario_clean(r: &serde_json::Value, requests: u64, ctx: &str) {
+    let sc = &r["scenario"];
+    assert_eq!(r["summary"]["blocks_corrupt"], 0, "{ctx}: {}", r["summary"]);
+    assert_eq!(sc["unexplained_corrupt"], 0, "{ctx}");
+    assert_eq!(sc["requests_admitted"], requests, "{ctx}: {sc}");
+    let (v, a) = (sc["requests_verified"].as_u64().unwrap(), sc["requests_aborted"].as_u64().unwrap());
+    assert_eq!(v + a, requests, "{ctx}: every request verified or aborted: {sc}");
+    assert!(v > 0, "{ctx}");
+    for o in sc["races"].as_array().unwrap() {
+        assert_eq!((o["fencing"].as_str(), o["verdict"].as_str()), (Some("fenced"), Some("clean")), "{ctx}: {o}");
+    }
+}
+
+#[test]
+fn pair_scenarios_run_across_two_processes_with_one_outcome_in_both_reports() {
+    // `run --peer --scenario`: serve hosts the prefill engine (scheduler, connectors, tier),
+    // run the decode engine; both reports describe one run.
+    for sc in ["nixl-only", "tier-only", "stacked"] {
+        let s = Serve::start(&[]);
+        let (code, r, out) = run_peer(&s.addr, &["--scenario", sc, "--requests", "400", "--seed", "7"]);
+        assert_eq!(code, 0, "{sc}: {out}");
+        let (scode, sout, sr) = s.wait();
+        assert_eq!(scode, 0, "{sc}: {sout}");
+        let sr = sr.expect("serve wrote its report");
+        assert_one_run(&r, &sr, 0);
+        assert_scenario_clean(&r, 400, sc);
+        assert_eq!(r["scenario"]["scenario"], sc);
+        let detail = r["scenario"]["tier_detail"].as_str().unwrap();
+        match sc {
+            "nixl-only" => assert_eq!(detail, "none"),
+            // Decode reaches prefill's embedded tier over NIXL (another process), never over
+            // the control connection; tier-only moves no KV block over NIXL's READ connector.
+            "tier-only" => {
+                assert!(detail.contains("NIXL"), "{detail}");
+                assert_eq!(r["summary"]["bytes_transferred"], 0, "{}", r["summary"]);
+                assert!(r["scenario"]["tier_loads"].as_u64().unwrap() > r["scenario"]["tier_hit_blocks"].as_u64().unwrap());
+            }
+            _ => assert!(r["summary"]["bytes_transferred"].as_u64().unwrap() > 0),
+        }
+        assert!(sout.contains("row 0 ended"), "{sc}: {sout}");
+    }
+}
+
+#[test]
+fn pair_ab_passes_every_row_with_the_embedded_tier() {
+    let s = Serve::start(&[]);
+    let d = tmpdir("pair-ab");
+    let p = d.join("ab.json");
+    let bin = bin();
+    let o = Command::new(&bin)
+        .args(["ab", "--peer", &s.addr, "--token", TOKEN, "--memory", "dram", "--requests", "600", "--lockstep"])
+        .args(["--report", p.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let out = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert_eq!(o.status.code(), Some(0), "{out}");
+    let ab = read_report(&p);
+    let rows = ab["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 8, "{out}");
+    for row in rows {
+        assert_eq!(row["pass"], true, "{row}");
+    }
+    assert_eq!(ab["peer"]["role"], "prefill", "{}", ab["peer"]);
+    assert_eq!(ab["peer"]["exit_code"], 0);
+    let (sc, sout, sr) = s.wait();
+    assert_eq!(sc, 0, "{sout}");
+    let sr = sr.unwrap();
+    assert_eq!(sr["outcome"]["exit_code"], 0);
+    // Serve's summary holds the matrix's totals, and it ran the eight rows.
+    let checked: u64 = rows.iter().map(|r| r["slices_checked"].as_u64().unwrap()).sum();
+    assert_eq!(sr["summary"]["blocks_checked"], checked);
+    assert_eq!(sout.matches("ended:").count(), 8, "{sout}");
+}
+
+#[test]
+fn pair_ab_passes_every_row_on_mooncake() {
+    if !mooncake_or_skip("pair_ab_passes_every_row_on_mooncake") {
+        return;
+    }
+    let s = Serve::start(&[]);
+    let d = tmpdir("pair-ab-mc");
+    let p = d.join("ab.json");
+    let o = Command::new(bin())
+        .args(["ab", "--peer", &s.addr, "--token", TOKEN, "--memory", "dram", "--tier", "mooncake", "--requests", "400"])
+        .args(["--lockstep", "--report", p.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let out = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert_eq!(o.status.code(), Some(0), "{out}");
+    let ab = read_report(&p);
+    for (row, sec) in ab["rows"].as_array().unwrap().iter().zip(ab["sections"].as_array().unwrap()) {
+        assert_eq!(row["pass"], true, "{row}");
+        let detail = sec["scenario"]["tier_detail"].as_str().unwrap();
+        if row["scenario"] != "nixl-only" {
+            // The master runs on serve's host, on the address run reached serve on.
+            assert!(detail.starts_with("mooncake") && detail.contains("master 127.0.0.1:"), "{detail}");
+        }
+    }
+    let (sc, sout, _) = s.wait();
+    assert_eq!(sc, 0, "{sout}");
+}
+
+/// Starts `run --peer --scenario stacked --duration 10m` against a new serve (`--timeout
+/// TIMEOUT`, a report checkpoint every 200 ms, `extra` flags), waits until a checkpoint shows a
+/// verified request, and returns serve and the run.
+fn long_pair_scenario(report: &std::path::Path, timeout: &str, extra: &[&str]) -> (Serve, Child) {
+    let s = Serve::start(&[]);
+    let mut c = Command::new(bin())
+        .args(["run", "--peer", &s.addr, "--token", TOKEN, "--memory", "dram", "--scenario", "stacked"])
+        .args(["--duration", "10m", "--checkpoint", "200ms", "--timeout", timeout, "--report", report.to_str().unwrap()])
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for_verified(report, &mut c);
+    (s, c)
+}
+
+/// Waits until the checkpoint at `report` shows a verified request (`run` is under way);
+/// kills `run` and panics when none came within 300 s.
+fn wait_for_verified(report: &std::path::Path, run: &mut Child) {
+    let t0 = std::time::Instant::now();
+    loop {
+        if t0.elapsed().as_secs() > 300 {
+            let _ = run.kill();
+            let _ = run.wait();
+            panic!("no checkpoint with a verified request");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        let Ok(text) = std::fs::read_to_string(report) else { continue };
+        let Ok(r) = serde_json::from_str::<serde_json::Value>(&text) else { continue };
+        if r["scenario"]["requests_verified"].as_u64().unwrap_or(0) > 0 {
+            return;
+        }
+    }
+}
+
+#[test]
+fn pair_scenario_a_killed_or_stopped_side_ends_the_other_with_its_report() {
+    let d = tmpdir("pair-sc-fault");
+    // Serve killed mid-scenario: the run exits 3, saying prefill is gone.
+    let rp = d.join("run.json");
+    let (mut s, mut c) = long_pair_scenario(&rp, "60", &[]);
+    s.child.kill().unwrap();
+    assert_eq!(c.wait().unwrap().code(), Some(3));
+    let r = read_report(&rp);
+    assert_eq!(r["outcome"]["exit_code"], 3, "{}", r["outcome"]);
+    assert!(r["outcome"]["error"]["message"].as_str().unwrap().contains("prefill"), "{}", r["outcome"]);
+    assert!(r["scenario"]["requests_verified"].as_u64().unwrap() > 0, "the report keeps the run so far");
+    drop(s);
+    // The run killed: serve exits 3 with its report.
+    let (s, mut c) = long_pair_scenario(&d.join("run2.json"), "60", &[]);
+    c.kill().unwrap();
+    c.wait().unwrap();
+    let (sc, sout, sr) = s.wait();
+    assert_eq!(sc, 3, "{sout}");
+    assert!(sr.unwrap()["outcome"]["error"]["message"].as_str().unwrap().contains("decode peer"));
+    // Serve stopped: the run hears nothing within --timeout and exits 4.
+    let rp = d.join("run3.json");
+    let (s, mut c) = long_pair_scenario(&rp, "3", &[]);
+    signal(s.child.id(), "STOP");
+    let st = c.wait().unwrap();
+    signal(s.child.id(), "CONT");
+    assert_eq!(st.code(), Some(4));
+    assert_eq!(read_report(&rp)["outcome"]["exit_code"], 4);
+    drop(s);
+    // Ctrl-C on serve: both end as interrupted.
+    let rp = d.join("run4.json");
+    let (s, mut c) = long_pair_scenario(&rp, "60", &[]);
+    signal(s.child.id(), "INT");
+    assert_eq!(c.wait().unwrap().code(), Some(130));
+    let (sc, sout, sr) = s.wait();
+    assert_eq!(sc, 130, "{sout}");
+    assert_eq!(read_report(&rp)["outcome"]["status"], "interrupted");
+    assert_eq!(sr.unwrap()["outcome"]["status"], "interrupted");
+}
+
+#[test]
+fn pair_scenario_a_killed_mooncake_master_ends_both_sides_and_leaves_nothing() {
+    if !mooncake_or_skip("pair_scenario_a_killed_mooncake_master_ends_both_sides_and_leaves_nothing") {
+        return;
+    }
+    let d = tmpdir("pair-mc-kill");
+    let rp = d.join("run.json");
+    let (s, mut c) = long_pair_scenario(&rp, "60", &["--tier", "mooncake"]);
+    let serve_pid = s.child.id().to_string();
+    let master = Command::new("pgrep").args(["-P", &serve_pid, "-f", "mooncake_master"]).output().unwrap();
+    let master: u32 =
+        String::from_utf8_lossy(&master.stdout).split_whitespace().next().expect("serve started a master").parse().unwrap();
+    signal(master, "KILL");
+    assert_eq!(c.wait().unwrap().code(), Some(3));
+    let r = read_report(&rp);
+    assert!(r["outcome"]["error"]["message"].as_str().unwrap().contains("mooncake_master"), "{}", r["outcome"]);
+    let (sc, sout, sr) = s.wait();
+    assert_eq!(sc, 3, "{sout}");
+    assert!(sr.unwrap()["outcome"]["error"]["message"].as_str().unwrap().contains("mooncake_master"));
+    // Nothing of the run is left: no worker or master of serve's, none of run's.
+    for pid in [serve_pid, c.id().to_string()] {
+        let left = Command::new("pgrep").args(["-P", &pid]).output().unwrap();
+        assert!(left.stdout.is_empty(), "children of {pid} left: {}", String::from_utf8_lossy(&left.stdout));
+    }
+}
+
+#[test]
+fn pair_ab_across_two_network_namespaces_with_both_tiers() {
+    let hosts = match TwoHosts::make() {
+        Ok(h) => h,
+        Err(why) => {
+            eprintln!("SKIP pair_ab_across_two_network_namespaces_with_both_tiers: {why} (needs root: ip netns, unshare)");
+            return;
+        }
+    };
+    let wa = TwoHosts::wrap(&hosts.a);
+    let wb = TwoHosts::wrap(&hosts.b);
+    let wa: Vec<&str> = wa.iter().map(String::as_str).collect();
+    let wb: Vec<&str> = wb.iter().map(String::as_str).collect();
+    let mut tiers = vec!["embedded"];
+    if mooncake_or_skip("pair_ab_across_two_network_namespaces_with_both_tiers (mooncake)") {
+        tiers.push("mooncake");
+    }
+    for tier in tiers {
+        let s = Serve::start_in(&wa, "198.18.0.1", &[]);
+        let p = tmpdir("pair-ns-ab").join("ab.json");
+        let bin = bin();
+        let mut a: Vec<&str> = wb.clone();
+        a.extend_from_slice(&[bin.to_str().unwrap(), "ab", "--peer", &s.addr, "--token", TOKEN, "--memory", "dram"]);
+        a.extend_from_slice(&["--tier", tier, "--requests", "400", "--lockstep", "--report", p.to_str().unwrap()]);
+        let o = Command::new(a[0]).args(&a[1..]).output().unwrap();
+        let out = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        assert_eq!(o.status.code(), Some(0), "{tier}: {out}");
+        let ab = read_report(&p);
+        for row in ab["rows"].as_array().unwrap() {
+            assert_eq!(row["pass"], true, "{tier}: {row}");
+        }
+        if tier == "mooncake" {
+            let detail = ab["sections"][1]["scenario"]["tier_detail"].as_str().unwrap();
+            assert!(detail.contains("master 198.18.0.1:"), "the master listens on serve's address: {detail}");
+        }
+        // The READs crossed the veth, with no shared memory or CMA between the "hosts".
+        let path = ab["sections"][0]["summary"]["transport_path"].to_string();
+        assert!(path.contains("tcp/kv"), "{tier}: {path}");
+        let (sc, sout, _) = s.wait();
+        assert_eq!(sc, 0, "{tier}: {sout}");
+    }
+}
+
+#[test]
+fn pair_scenario_joins_an_existing_mooncake_deployment_on_both_sides() {
+    if !mooncake_or_skip("pair_scenario_joins_an_existing_mooncake_deployment_on_both_sides") {
+        return;
+    }
+    let install = kvprobe::mooncake::find().expect("Mooncake installed by scripts/install-deps.sh");
+    let loopback = std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
+    let mut m = kvprobe::mooncake::Master::start(&install, std::time::Duration::from_secs(300), loopback).unwrap();
+    let rpc = m.rpc.to_string();
+    // tier-only: prefill's store client saves, decode's own gets every block.
+    let s = Serve::start(&[]);
+    let args = ["--scenario", "tier-only", "--tier", "mooncake", "--requests", "300", "--mooncake-master", &rpc];
+    let (code, r, out) = run_peer(&s.addr, &[&args[..], &["--mooncake-metadata", &m.metadata_url]].concat());
+    assert_eq!(code, 0, "{out}");
+    assert_scenario_clean(&r, 300, "tier-only on an existing deployment");
+    let detail = r["scenario"]["tier_detail"].as_str().unwrap();
+    assert!(detail.contains(&format!("master {rpc} (existing deployment)")), "{detail}");
+    let (sc, sout, _) = s.wait();
+    assert_eq!(sc, 0, "{sout}");
+    m.alive().expect("the existing master still runs after both sides");
 }

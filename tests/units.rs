@@ -81,7 +81,7 @@ fn store_reserves_completes_pins_and_evicts_lru() {
     let a = s.reserve(10, te(10, 1)).unwrap();
     assert!(s.reserve(10, te(10, 2)).is_none(), "a pending key is not saved twice");
     assert!(s.lookup_prefix(&[10]).is_empty(), "pending entries are invisible");
-    s.bytes_mut(a).fill(0xAB);
+    s.with_bytes(a, |b| b.fill(0xAB));
     s.complete(a, Content { id: te(10, 1), cause: None });
     s.unpin(a);
     assert_eq!(s.lookup_prefix(&[10, 11]), vec![a], "longest complete prefix");
@@ -100,7 +100,7 @@ fn store_reserves_completes_pins_and_evicts_lru() {
     assert!(s.reserve(13, te(13, 1)).is_none());
     assert_eq!(s.full_skips, 1);
     assert_eq!(s.promised(b), te(11, 1));
-    assert_eq!(s.bytes(b).len(), 64);
+    assert_eq!(s.with_bytes(b, |b| b.len()), 64);
 }
 
 fn row(unfenced: Option<Mechanism>, corrupt: u64, verdict: &str, pass: bool, unexplained: u64) -> AbRow {

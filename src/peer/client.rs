@@ -538,12 +538,24 @@ impl PrefillPeer {
     /// of the report. Returns prefill's section (what it sent, or what was known of it, with
     /// `bye_missing` set when it did not answer).
     pub fn finish(&self, exit: u8, error: Option<String>, summary: Option<serde_json::Value>, wait: Duration) -> PeerSide {
+        self.finish_with(exit, error, summary, None, wait)
+    }
+
+    /// [`PrefillPeer::finish`] with decode's scenario section for prefill's report.
+    pub fn finish_with(
+        &self,
+        exit: u8,
+        error: Option<String>,
+        summary: Option<serde_json::Value>,
+        scenario: Option<serde_json::Value>,
+        wait: Duration,
+    ) -> PeerSide {
         // A child is not told to end while a request of this process may still move its
         // memory: it is killed instead ([`PrefillChild`]).
         let sent = if matches!(self.holder, Some(Holder::Child(_))) && crate::nixl::unconfirmed() > 0 {
             Err(Error::Transport("requests in flight".into()))
         } else {
-            self.link.send(&Msg::Done { exit, error, summary })
+            self.link.send(&Msg::Done { exit, error, summary, scenario })
         };
         let t0 = Instant::now();
         if sent.is_ok() {
@@ -598,6 +610,67 @@ impl PrefillPeer {
             }
         }
         e
+    }
+
+    /// Scenarios: asks prefill to start scenario run `begin.row` ([`Msg::Begin`]) and waits
+    /// for it ([`Msg::Begun`]: how decode reaches the tier, and the tier in words). Prefill's
+    /// set-up (a Mooncake master, the genesis fill of its pool) is bounded by `--timeout`, at
+    /// least [`crate::deadline::SETUP_FLOOR`]. Errors: the link's (prefill's own failure
+    /// included), timeout (exit 4), transport (a protocol error).
+    pub fn begin(&self, begin: super::steps::Begin) -> Result<(Option<super::steps::TierAccess>, String)> {
+        let row = begin.row;
+        self.link.send(&Msg::Begin { begin })?;
+        self.link.bound_setup(self.link.silence());
+        let got = self.link.expect("prefill's start of the scenario", |m| match m {
+            Msg::Begun { row: r, tier, tier_detail } if r == row => Ok((tier, tier_detail)),
+            m => Err(m.name()),
+        });
+        self.link.set_deadline(None);
+        got
+    }
+
+    /// How long prefill may take to answer a step: twice the silence bound plus
+    /// [`crate::deadline::GRACE`] (each call of prefill's is bounded by `--timeout`, and one
+    /// blocked past it is ended by prefill's watchdog within GRACE, which names it), at least
+    /// [`crate::deadline::SETUP_FLOOR`] (a step may run many tier calls).
+    fn step_bound(&self) -> Duration {
+        (2 * super::silence_bound(self.link.silence()) + crate::deadline::GRACE).max(crate::deadline::SETUP_FLOOR)
+    }
+
+    /// Scenarios: sends what decode did ([`Msg::Step`]) and waits for prefill's step `step` of
+    /// row `row` ([`Msg::Stepped`], within twice the silence bound + 5 s, at least 60 s). Errors: the link's,
+    /// timeout (exit 4), transport (an answer out of protocol).
+    pub fn step(&self, row: u32, step: u64, input: super::steps::StepIn) -> Result<super::steps::StepOut> {
+        self.link.send(&Msg::Step { row, step, input })?;
+        let bound = self.step_bound();
+        self.link.set_deadline(Some((
+            Instant::now() + bound,
+            format!("{} did not answer step {step} within {:.0} s", self.link.who(), bound.as_secs_f64()),
+        )));
+        let got = self.link.expect("prefill's step", |m| match m {
+            Msg::Stepped { row: r, step: k, output } if r == row && k == step => Ok(*output),
+            m => Err(m.name()),
+        });
+        self.link.set_deadline(None);
+        got
+    }
+
+    /// Scenarios: row `row` is over ([`Msg::End`], with decode's one-line verdict); waits for
+    /// prefill to tear its engine down ([`Msg::Ended`], bounded as a step) and returns its
+    /// final counts. Errors: the link's, timeout (exit 4).
+    pub fn end(&self, row: u32, line: &str) -> Result<super::steps::PrefillCounters> {
+        self.link.send(&Msg::End { row, line: line.to_string() })?;
+        let bound = self.step_bound();
+        self.link.set_deadline(Some((
+            Instant::now() + bound,
+            format!("{} did not end row {row} within {:.0} s", self.link.who(), bound.as_secs_f64()),
+        )));
+        let got = self.link.expect("prefill's end of the scenario", |m| match m {
+            Msg::Ended { row: r, counters } if r == row => Ok(counters),
+            m => Err(m.name()),
+        });
+        self.link.set_deadline(None);
+        got
     }
 
     /// Tells prefill this side was interrupted (best effort).

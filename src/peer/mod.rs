@@ -49,6 +49,7 @@ use tokio_util::codec::{Decoder, Encoder, LengthDelimitedCodec};
 pub const TOKEN_VAR: &str = "KVPROBE_TOKEN";
 
 pub mod client;
+pub mod steps;
 
 /// The protocol version both sides must speak (in [`Msg::Challenge`] and [`Msg::Hello`]).
 pub const PROTOCOL: u32 = 1;
@@ -241,11 +242,64 @@ pub enum Msg {
         error: Option<String>,
         /// Decode's report summary (iterations, corrupt slices, rate), for serve's summary.
         summary: Option<serde_json::Value>,
+        /// `run --scenario`: decode's scenario section (requests, tier, races), for serve's
+        /// report. Absent from a sweep, `ab`, or an older kvprobe of the same protocol.
+        #[serde(default)]
+        scenario: Option<serde_json::Value>,
     },
     /// serve → run: prefill's side of the report.
     Bye {
         /// Prefill's environment, transport paths and timings.
         side: Box<crate::report::PeerSide>,
+    },
+    /// run → serve (scenarios): start scenario run `begin.row` (its prefill engine, its tier,
+    /// the genesis fill of prefill's pool); answered by [`Msg::Begun`].
+    Begin {
+        /// What to start.
+        begin: steps::Begin,
+    },
+    /// serve → run: the prefill engine of row `row` is ready.
+    Begun {
+        /// Row.
+        row: u32,
+        /// How decode reaches the tier (tier-only loads); `None` without a tier.
+        tier: Option<steps::TierAccess>,
+        /// The tier in words, for the report ("embedded", Mooncake's version and master).
+        tier_detail: String,
+    },
+    /// run → serve: what decode did in its last step; prefill runs step `step` of row `row`
+    /// and answers [`Msg::Stepped`].
+    Step {
+        /// Row.
+        row: u32,
+        /// The step prefill runs now (1, 2, ...).
+        step: u64,
+        /// What decode did.
+        input: steps::StepIn,
+    },
+    /// serve → run: what prefill did in step `step` of row `row`.
+    Stepped {
+        /// Row.
+        row: u32,
+        /// Step.
+        step: u64,
+        /// What prefill did.
+        output: Box<steps::StepOut>,
+    },
+    /// run → serve: row `row` is over (drained, or ended by decode's error): prefill tears its
+    /// engine down (tier, master) and answers [`Msg::Ended`].
+    End {
+        /// Row.
+        row: u32,
+        /// Decode's one-line verdict of the row, for serve's output.
+        line: String,
+    },
+    /// serve → run: row `row`'s prefill engine is gone; its final counts.
+    Ended {
+        /// Row.
+        row: u32,
+        /// Prefill's counts.
+        counters: steps::PrefillCounters,
     },
 }
 
@@ -273,6 +327,12 @@ impl Msg {
             Msg::Failed { .. } => "failed",
             Msg::Done { .. } => "done",
             Msg::Bye { .. } => "bye",
+            Msg::Begin { .. } => "begin",
+            Msg::Begun { .. } => "begun",
+            Msg::Step { .. } => "step",
+            Msg::Stepped { .. } => "stepped",
+            Msg::End { .. } => "end",
+            Msg::Ended { .. } => "ended",
         }
     }
 }
@@ -311,6 +371,15 @@ impl Stream {
             Stream::Unix(s) => s.shutdown(Shutdown::Both),
         };
     }
+    /// This side's address of a TCP connection (the address the peer reached it on); `None`
+    /// for a Unix socket.
+    pub fn local_ip(&self) -> Option<std::net::IpAddr> {
+        match self {
+            Stream::Tcp(s) => s.local_addr().ok().map(|a| a.ip()),
+            Stream::Unix(_) => None,
+        }
+    }
+
     /// The peer's address, in words.
     pub fn peer_label(&self) -> String {
         match self {
@@ -660,6 +729,12 @@ impl Link {
                 bound.as_secs_f64()
             ),
         )));
+    }
+
+    /// This side's address of the connection (what the peer reached it on): `None` for a
+    /// Unix socket (a child or a thread of the same host).
+    pub fn local_ip(&self) -> Option<std::net::IpAddr> {
+        self.out.lock().unwrap_or_else(|p| p.into_inner()).local_ip()
     }
 
     /// What the peer is called in errors.

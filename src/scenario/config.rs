@@ -36,6 +36,11 @@ pub struct ScenarioConfig {
     /// Complete each step's READs (and their notifications) within the step: no copy
     /// overlaps a transfer, and the whole run, counts included, follows from the seed.
     pub lockstep: bool,
+    /// `kvprobe ab`'s load: the template of the matrix, whose rows each pick their scenario
+    /// and unfenced mechanism (a prefill side then runs every row it is asked for, one after
+    /// the other). Written only when set.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub matrix: bool,
 }
 
 impl ScenarioConfig {

@@ -1,5 +1,5 @@
 //! The scheduler's state of a scenario (vLLM's `Scheduler` and `KVCacheManager`): the
-//! requests and their states, and the prefill block manager — the free list, which request
+//! requests and their states on each engine, and the prefill block manager — the free list, which request
 //! owns each block, the writes still pending on it, the READs still reading it, and the early
 //! list of blocks lent out before their READ completed (load-into-reading). It never moves
 //! bytes; the engine does, through the connectors.
@@ -11,24 +11,20 @@ use crate::race::Mechanism;
 use crate::tier::{Content, EntryId};
 use crate::workload::RequestSpec;
 
-/// Where a request is (vLLM's request states, with the connector's waits made explicit).
+/// Where a request is on prefill (vLLM's request states, with the connector's waits made
+/// explicit).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum RequestState {
     /// Admitted; the tier lookup of its prompt's block hashes answers next step.
     Lookup,
     /// Its prefill writes (computed fills, tier loads of hits) are in flight.
     Prefill,
-    /// Written; decode schedules it a seeded 0-2 steps later.
-    WaitDecode,
-    /// Decode's NIXL READ (or tier loads, tier-only) is in flight.
-    Decoding,
-    /// Delivered to decode; verified in this step's pass.
-    Verify,
-    /// Verified; retired once its prefill blocks are released.
-    Done,
+    /// Written and handed to decode ([`crate::peer::steps::Handed`]); prefill holds its
+    /// blocks until the connectors report done, and retires it once decode has finished it.
+    Handed,
 }
 
-/// One request as the scheduler tracks it, from admission to retirement.
+/// One request as prefill's scheduler tracks it, from admission to retirement.
 pub(crate) struct Request {
     pub(crate) spec: RequestSpec,
     pub(crate) stage: RequestState,
@@ -41,14 +37,44 @@ pub(crate) struct Request {
     pub(crate) pending_writes: u32,
     pub(crate) saves_left: u32,
     pub(crate) had_saves: bool,
+    /// Decode posted its NIXL READ (prefill's wait for the notification runs).
+    pub(crate) read_posted: bool,
     pub(crate) read_notified: bool,
-    /// The READ's deadline (`--timeout` from just before it was posted), until its
-    /// notification arrives.
+    /// The wait for the READ's notification (`--timeout` from when prefill learnt the READ
+    /// was posted), until it arrives.
     pub(crate) read_deadline: Option<Deadline>,
     /// Notification checks begun after `read_deadline` that did not find it.
     pub(crate) notify_misses: u8,
     pub(crate) released: bool,
     pub(crate) early_listed: bool,
+    /// Handed to decode ([`crate::peer::steps::Handed`]; tier-only: once its saves are done).
+    pub(crate) handed_over: bool,
+    /// Decode verified it and freed its own blocks.
+    pub(crate) finished: bool,
+}
+
+/// Where a request is on decode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum PullState {
+    /// Handed over by prefill; decode schedules it a seeded 0-2 steps later.
+    Waiting,
+    /// Decode's NIXL READ (or tier loads, tier-only) is in flight.
+    Pulling,
+    /// Delivered to decode; verified in this step's pass.
+    Verify,
+}
+
+/// One request as decode tracks it, from prefill's hand-over to its verification.
+pub(crate) struct Pull {
+    pub(crate) stage: PullState,
+    pub(crate) ready_at: u64,
+    /// Prefill's blocks (the READ's source), in prompt order.
+    pub(crate) pslots: Vec<u32>,
+    /// What each block must hold.
+    pub(crate) promised: Vec<TableEntry>,
+    /// tier-only: the entry each block is loaded from.
+    pub(crate) tier: Vec<crate::peer::steps::TierRef>,
+    /// Decode's blocks.
     pub(crate) dslots: Vec<u32>,
     pub(crate) xfer: Option<Posted>,
     /// What each prefill block held when the READ was posted.

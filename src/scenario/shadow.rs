@@ -44,59 +44,12 @@ struct BlockShadow {
     reads: Vec<(u64, Vec<Content>)>,
 }
 
-/// The engine an [`Event`] comes from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum EngineId {
-    /// The prefill engine (its blocks are written and read).
-    Prefill,
-    /// The decode engine (it posts and completes the READs).
-    Decode,
-}
-
-/// What an engine tells the shadow.
-#[derive(Clone, Debug, PartialEq)]
-pub enum What {
-    /// Prefill wrote `content` into its block `block` (a computed fill or a tier load).
-    Write {
-        /// Prefill block id.
-        block: u32,
-        /// The identity written and the mechanism that allowed it, if one did.
-        content: Content,
-    },
-    /// Decode posted request `req`'s NIXL READ of prefill blocks `blocks`: their windows open.
-    ReadPosted {
-        /// Request id.
-        req: u64,
-        /// Prefill block ids, in the request's order.
-        blocks: Vec<u32>,
-    },
-    /// Request `req`'s READ of prefill blocks `blocks` completed at decode: their windows close.
-    ReadDone {
-        /// Request id.
-        req: u64,
-        /// Prefill block ids, in the request's order.
-        blocks: Vec<u32>,
-    },
-}
-
-/// An event, stamped with its engine, that engine's step and its sequence number among that
-/// engine's events (1, 2, 3, ... with no gap).
-#[derive(Clone, Debug, PartialEq)]
-pub struct Event {
-    /// Where it happened.
-    pub engine: EngineId,
-    /// The engine's step.
-    pub step: u64,
-    /// The engine's count of events so far, this one included.
-    pub seq: u64,
-    /// What happened.
-    pub what: What,
-}
+pub use crate::peer::steps::{EngineId, Event, What};
 
 /// What the shadow answers an [`Event`] with.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Answer {
-    /// Nothing (a write).
+    /// Nothing (a write, a window).
     Noted,
     /// [`What::ReadPosted`]: what each block held when the READ was posted.
     AtPost(Vec<Content>),
@@ -147,8 +100,16 @@ impl Shadow {
         let bad = |b: u32| Error::Transport(format!("shadow: event {} of {:?} names block {b} of {n}", e.seq, e.engine));
         let blocks = match &e.what {
             What::Write { block, .. } => std::slice::from_ref(block),
+            What::Window { .. } => &[],
             What::ReadPosted { blocks, .. } | What::ReadDone { blocks, .. } => blocks.as_slice(),
         };
+        let from_decode = matches!(e.what, What::ReadPosted { .. } | What::ReadDone { .. });
+        if from_decode != (e.engine == EngineId::Decode) {
+            return Err(Error::Transport(format!(
+                "shadow: event {} of {:?} (step {}) is not one that engine makes",
+                e.seq, e.engine, e.step
+            )));
+        }
         if let Some(&b) = blocks.iter().find(|&&b| b >= n) {
             return Err(bad(b));
         }
@@ -156,6 +117,10 @@ impl Shadow {
         Ok(match e.what {
             What::Write { block, content } => {
                 self.record(block, content);
+                Answer::Noted
+            }
+            What::Window { mechanism } => {
+                self.window(mechanism);
                 Answer::Noted
             }
             What::ReadPosted { req, blocks } => {
@@ -200,7 +165,7 @@ impl Shadow {
     }
 
     /// Unfenced mechanism `m` let a conflicting copy happen once more.
-    pub(crate) fn window(&mut self, m: Mechanism) {
+    fn window(&mut self, m: Mechanism) {
         *self.windows.entry(m).or_default() += 1;
     }
 

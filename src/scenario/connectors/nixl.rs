@@ -15,16 +15,27 @@ use crate::transport::{Endpoint, Pair};
 use rand::Rng;
 use std::time::Duration;
 
-/// The NIXL connector of one scenario run.
+/// The NIXL connector of one scenario run (one on each engine, sharing the prefix).
 pub(crate) struct NixlConnector {
     /// Prefix of this run's notification messages.
     tag: String,
 }
 
 impl NixlConnector {
-    /// A connector with a fresh notification prefix.
+    /// Decode's connector, with a fresh notification prefix (prefill learns it from
+    /// [`crate::peer::steps::Begin::tag`]).
     pub(crate) fn new() -> NixlConnector {
         NixlConnector { tag: format!("kvprobe:{:016x}:req=", rand::rng().random::<u64>()) }
+    }
+
+    /// Prefill's connector for decode's prefix `tag`.
+    pub(crate) fn with_tag(tag: &str) -> NixlConnector {
+        NixlConnector { tag: tag.to_string() }
+    }
+
+    /// The prefix of this run's notification messages.
+    pub(crate) fn tag(&self) -> &str {
+        &self.tag
     }
 
     /// The descriptor pairs of one request's READ: for each layer and K/V part, prefill block

@@ -1,64 +1,91 @@
-//! The tier connector (kv_both): vLLM's MooncakeStoreConnector over a KV-tier store. The
-//! scheduler asks it for the prompt's leading block hashes (lookup), the engines load hits
-//! into prefill or decode blocks (load) and save computed blocks (save).
+//! The tier connector (kv_both): vLLM's MooncakeStoreConnector over a KV-tier store. On
+//! prefill (`TierConnector`) the scheduler asks it for the prompt's leading block hashes
+//! (lookup), and the engine loads hits into prefill blocks (load) and saves computed blocks
+//! (save); on decode (`TierReader`, tier-only) it loads saved entries into decode blocks.
 //!
-//! The store is the built-in one ([`Store`], host memory; `--tier embedded`) or a real
-//! Mooncake Store (`--tier mooncake`: a master kvprobe starts or an existing deployment, and
-//! the Python store client as a worker that maps both pools, [`crate::mooncake`]); with
-//! Mooncake, [`Store`] keeps only the index (keys, pins, evictions and each entry's shadow
-//! content) and the bytes live in Mooncake.
+//! The store is the built-in one ([`Store`] over a [`TierArena`] in prefill's host memory;
+//! `--tier embedded`) or a real Mooncake Store (`--tier mooncake`: a master kvprobe starts on
+//! prefill's host, or an existing deployment, and the Python store client as a worker per
+//! engine, each mapping its own engine's pool, [`crate::mooncake`]); with Mooncake, [`Store`]
+//! keeps only the index (keys, pins, evictions and each entry's shadow content) and the bytes
+//! live in Mooncake. Decode reaches the embedded store directly in one process and over NIXL
+//! from another process or host ([`TierAccess`]).
 
 use crate::error::{Error, Result};
+use crate::geometry::SliceCoord;
+use crate::peer::steps::{TierAccess, TierRef};
 use crate::pool::KvPool;
 use crate::scenario::config::ScenarioConfig;
-use crate::tier::{EntryId, Store, TierKind};
+use crate::tier::{EntryId, Store, TierArena, TierKind};
+use crate::transport::Endpoint;
 use rand::Rng;
+use std::net::IpAddr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// The tier under the connectors: the store's index and, for `--tier mooncake`, the
+/// The tier under prefill's connectors: the store's index and, for `--tier mooncake`, the
 /// deployment holding the bytes.
 pub(crate) struct TierConnector {
     /// Entries by block hash: keys, pins, evictions and what each entry holds.
     pub(crate) store: Store,
-    /// `--tier mooncake`: the master and the store worker (dropped with the connector).
+    /// `--tier mooncake`: the master and prefill's store client (dropped with the connector).
     mooncake: Option<MooncakeTier>,
+    /// The embedded store in words.
+    detail: String,
 }
 
-/// Which pool a load writes into, as the store worker numbers the pools it maps.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum PoolSide {
-    /// Pool 0.
-    Prefill,
-    /// Pool 1.
-    Decode,
+/// Where a prefill engine's tier lives and how decode reaches it.
+pub struct TierPlace {
+    /// The embedded store's arena, made once per session ([`TierArena`]).
+    pub arena: Option<Arc<TierArena>>,
+    /// How decode reaches that arena: [`TierAccess::InProcess`] (prefill on a thread of
+    /// decode's process) or [`TierAccess::Nixl`] (registered with prefill's agent).
+    pub embedded: TierAccess,
+    /// The address a master kvprobe starts listens on, and prefill's store client
+    /// advertises: loopback in one process, else the address decode reached serve on.
+    pub host: IpAddr,
 }
 
 impl TierConnector {
-    /// Starts the tier of `cfg` for the two pools (`cfg.tier_blocks` entries of one block
-    /// each). Errors: set-up (exit 2) for a broken Mooncake install, transport (exit 3) when
-    /// the deployment cannot be joined, device for the embedded store's pinned buffers.
+    /// Starts the tier of `cfg` under prefill's pool `prefill` (`cfg.tier_blocks` entries of
+    /// one block each) at `place`. Returns it with how decode reaches it. Errors: set-up
+    /// (exit 2) for a broken Mooncake install or a missing arena, transport (exit 3) when the
+    /// deployment cannot be joined.
     pub(crate) fn start(
         cfg: &ScenarioConfig,
         seed: u64,
         prefill: &KvPool,
-        decode: &KvPool,
         timeout: Duration,
-    ) -> Result<TierConnector> {
+        place: &TierPlace,
+    ) -> Result<(TierConnector, TierAccess)> {
         if cfg.tier == TierKind::Mooncake {
-            let mooncake = MooncakeTier::start(cfg, seed, prefill, decode, timeout)?;
-            Ok(TierConnector { store: Store::metadata_only(cfg.tier_blocks, prefill.block_bytes()), mooncake: Some(mooncake) })
+            let mooncake = MooncakeTier::start(cfg, seed, prefill, timeout, place.host)?;
+            let access = TierAccess::Mooncake {
+                master: mooncake.master.rpc(),
+                metadata_url: mooncake.master.metadata_url().to_string(),
+                key_prefix: mooncake.fingerprint.clone(),
+            };
+            Ok((
+                TierConnector { store: Store::metadata_only(cfg.tier_blocks), mooncake: Some(mooncake), detail: String::new() },
+                access,
+            ))
         } else {
-            Ok(TierConnector {
-                store: Store::new(cfg.tier_blocks, prefill.block_bytes(), prefill.gpu().as_ref())?,
-                mooncake: None,
-            })
+            let arena = place
+                .arena
+                .clone()
+                .ok_or_else(|| Error::Environment("the embedded tier has no arena (the session did not make one)".into()))?;
+            let detail = match place.embedded {
+                TierAccess::Nixl => "embedded, in prefill's host memory; decode's tier-only loads READ it over NIXL".into(),
+                _ => "embedded".into(),
+            };
+            Ok((TierConnector { store: Store::on(arena), mooncake: None, detail }, place.embedded.clone()))
         }
     }
 
-    /// What the report names as the tier: "embedded", or Mooncake's version, protocol and
-    /// master address.
+    /// What the report names as the tier: "embedded" (in one process; across processes how
+    /// decode reaches it), or Mooncake's version, protocol and master address.
     pub(crate) fn detail(&self) -> String {
-        self.mooncake.as_ref().map_or_else(|| "embedded".into(), |mc| mc.detail.clone())
+        self.mooncake.as_ref().map_or_else(|| self.detail.clone(), |mc| mc.detail.clone())
     }
 
     /// Checks that a master kvprobe started is still running. Errors: transport (exit 3), with
@@ -75,7 +102,7 @@ impl TierConnector {
     pub(crate) fn save(&mut self, pool: &mut KvPool, slot: u32, entry: EntryId) -> Result<()> {
         let store = &mut self.store;
         match self.mooncake.as_mut() {
-            None => pool.read_block(slot, store.bytes_mut(entry)),
+            None => store.with_bytes(entry, |b| pool.read_block(slot, b)),
             Some(mc) => {
                 let key = mc.key(store.key_of(entry));
                 let rc = mc.worker.put(0, std::slice::from_ref(&key), &[pool.block_ranges(slot)]);
@@ -88,24 +115,15 @@ impl TierConnector {
         }
     }
 
-    /// A load: copies tier entry `entry` into block `slot` of `pool`, the `side` pool. Errors:
-    /// transport (exit 3) when Mooncake returns another length or its master died.
-    pub(crate) fn load(&mut self, pool: &mut KvPool, side: PoolSide, slot: u32, entry: EntryId) -> Result<()> {
+    /// A load (a prefix hit): copies tier entry `entry` into prefill block `slot` of `pool`.
+    /// Errors: transport (exit 3) when Mooncake returns another length or its master died.
+    pub(crate) fn load(&mut self, pool: &mut KvPool, slot: u32, entry: EntryId) -> Result<()> {
         let store = &self.store;
         match self.mooncake.as_mut() {
-            None => pool.write_block(slot, store.bytes(entry)),
+            None => store.with_bytes(entry, |b| pool.write_block(slot, b)),
             Some(mc) => {
                 let key = mc.key(store.key_of(entry));
-                let want = pool.block_bytes() as i64;
-                let index = if side == PoolSide::Prefill { 0 } else { 1 };
-                match mc.worker.get(index, std::slice::from_ref(&key), &[pool.block_ranges(slot)]) {
-                    Ok(rc) if rc.first() == Some(&want) => Ok(()),
-                    Ok(rc) => {
-                        Err(mc
-                            .explain(Error::Transport(format!("Mooncake get of {key} returned {rc:?} (expected {want} bytes)"))))
-                    }
-                    Err(e) => Err(mc.explain(e)),
-                }
+                mc.worker.get_block(&key, pool, slot).map_err(|e| mc.explain(e))
             }
         }
     }
@@ -136,11 +154,113 @@ impl TierConnector {
     }
 }
 
-/// `--tier mooncake`: the master (started by kvprobe, or an existing deployment) and a store
-/// worker mapping both pools (prefill = pool 0, decode = pool 1).
+/// Decode's side of the tier (tier-only): loads an entry prefill saved into one of decode's
+/// blocks, the way [`TierAccess`] says decode reaches the store.
+pub(crate) enum TierReader {
+    /// The embedded store of this process: a copy from its arena.
+    Direct(Arc<TierArena>),
+    /// The embedded store on prefill's host: a NIXL READ of the entry's slices from the arena
+    /// prefill registered ([`Endpoint::post_read_tier`]).
+    Nixl,
+    /// Mooncake: decode's own store client (it maps decode's pool), getting the entry's object.
+    Mooncake {
+        /// The store client.
+        worker: crate::mooncake::Worker,
+        /// The run's key prefix.
+        key_prefix: String,
+    },
+}
+
+impl TierReader {
+    /// Decode's reader for `access`; `arena` is the in-process arena ([`TierAccess::InProcess`]).
+    /// Errors: set-up (exit 2) for a broken Mooncake install or a missing arena, transport
+    /// (exit 3) when decode's store client cannot join the deployment.
+    pub(crate) fn start(
+        access: &TierAccess,
+        arena: Option<Arc<TierArena>>,
+        decode: &KvPool,
+        timeout: Duration,
+    ) -> Result<TierReader> {
+        Ok(match access {
+            TierAccess::InProcess => TierReader::Direct(
+                arena.ok_or_else(|| Error::Environment("the in-process tier's arena was not handed to decode".into()))?,
+            ),
+            TierAccess::Nixl => TierReader::Nixl,
+            TierAccess::Mooncake { master, metadata_url, key_prefix } => {
+                let install = crate::mooncake::find()?;
+                let shared: Vec<&crate::hostmem::HostBuffer> = decode.host_buffer().into_iter().collect();
+                let mut worker = Worker::start(&install, timeout.max(crate::deadline::SETUP_FLOOR), &shared)?;
+                let ext = crate::mooncake::External { master: master.clone(), metadata_url: metadata_url.clone() };
+                let deployment = crate::mooncake::Deployment::External(ext);
+                // A pure client: decode contributes no memory to the store (the tier is prefill's).
+                worker.setup(&deployment, "tcp", 0).map_err(|e| match e {
+                    Error::Timeout(m) | Error::Transport(m) => Error::Transport(format!(
+                        "decode's Mooncake store client could not join the master at {master} (metadata {metadata_url}): {m}"
+                    )),
+                    e => e,
+                })?;
+                map_pool(&mut worker, decode)?;
+                worker.set_timeout(timeout);
+                TierReader::Mooncake { worker, key_prefix: key_prefix.clone() }
+            }
+        })
+    }
+
+    /// Loads `entry` into decode block `slot` of `ep`'s pool. Errors: transport (exit 3) when
+    /// the store fails the load, timeout (exit 4) past `timeout`.
+    pub(crate) fn load(&mut self, ep: &mut Endpoint, slot: u32, entry: &TierRef, timeout: Duration) -> Result<()> {
+        match self {
+            TierReader::Direct(arena) => arena.with_entry(entry.entry, |b| ep.pool.write_block(slot, b)),
+            TierReader::Nixl => {
+                let g = ep.pool.geometry().clone();
+                let sb = g.slice_bytes()?;
+                let mut pairs = Vec::with_capacity(g.num_layers as usize * g.kv_parts() as usize);
+                let mut off = 0;
+                // An entry is the block's slices back to back, in (layer, K/V) order
+                // (`KvPool::read_block`).
+                for layer in 0..g.num_layers {
+                    for &kv in g.parts() {
+                        pairs.push((off, SliceCoord { layer, kv, block: slot }, sb));
+                        off += sb;
+                    }
+                }
+                let mut x = ep.post_read_tier(entry.entry, &pairs, timeout)?;
+                while ep.poll(&mut x)?.is_none() {
+                    std::thread::yield_now();
+                }
+                Ok(())
+            }
+            TierReader::Mooncake { worker, key_prefix } => {
+                let key = crate::mooncake::block_key(key_prefix, entry.hash, entry.serial);
+                worker.get_block(&key, &mut ep.pool, slot)
+            }
+        }
+    }
+}
+
+use crate::mooncake::Worker;
+
+/// Maps `pool` in `worker` (DRAM: its memfd; VRAM: its layer regions' CUDA IPC handles) and
+/// returns how it was shared, in words.
+fn map_pool(worker: &mut Worker, pool: &KvPool) -> Result<&'static str> {
+    match (pool.host_buffer(), pool.ipc_handles()?) {
+        (Some(buf), _) => {
+            worker.map_shared(buf)?;
+            Ok("a shared memory mapping (memfd)")
+        }
+        (None, Some((device, handles))) => {
+            worker.map_cuda(device, &handles, pool.geometry().region_bytes()?)?;
+            Ok("CUDA IPC handles (one per layer region)")
+        }
+        (None, None) => unreachable!("a pool is DRAM or VRAM"),
+    }
+}
+
+/// `--tier mooncake`: the master (started by kvprobe, or an existing deployment) and
+/// prefill's store client (a worker mapping prefill's pool).
 pub(crate) struct MooncakeTier {
     master: crate::mooncake::Deployment,
-    worker: crate::mooncake::Worker,
+    worker: Worker,
     /// Key prefix: the seed and a run nonce (vLLM's keys lead with a config fingerprint).
     fingerprint: String,
     detail: String,
@@ -149,14 +269,14 @@ pub(crate) struct MooncakeTier {
 }
 
 impl MooncakeTier {
-    fn start(cfg: &ScenarioConfig, seed: u64, prefill: &KvPool, decode: &KvPool, timeout: Duration) -> Result<MooncakeTier> {
-        use crate::mooncake::{Deployment, Master, Worker};
+    fn start(cfg: &ScenarioConfig, seed: u64, prefill: &KvPool, timeout: Duration, host: IpAddr) -> Result<MooncakeTier> {
+        use crate::mooncake::{Deployment, Master};
         let install = crate::mooncake::find()?;
         // The worker first: its hello imports the store client, so a broken install is a
         // set-up error (exit 2) before anything else starts.
-        // Set-up calls (hello, setup, mapping the pools) get at least the set-up floor; the
+        // Set-up calls (hello, setup, mapping the pool) get at least the set-up floor; the
         // run's calls then --timeout (crate::deadline).
-        let shared: Vec<&crate::hostmem::HostBuffer> = [prefill, decode].into_iter().filter_map(|p| p.host_buffer()).collect();
+        let shared: Vec<&crate::hostmem::HostBuffer> = prefill.host_buffer().into_iter().collect();
         let mut worker = Worker::start(&install, timeout.max(crate::deadline::SETUP_FLOOR), &shared)?;
         let mut master = match &cfg.mooncake {
             Some(ext) => {
@@ -164,24 +284,13 @@ impl MooncakeTier {
                 Deployment::External(ext.clone())
             }
             // Start-up has its own window (the master takes about a second), whatever --timeout says.
-            None => Deployment::Started(Master::start(&install, Duration::from_secs(30))?),
+            None => Deployment::Started(Master::start(&install, Duration::from_secs(30), host)?),
         };
         // Room for every entry the engine may hold, twice over, so Mooncake itself never evicts one.
         let segment = (cfg.tier_blocks as u64 * prefill.block_bytes()).saturating_mul(2).max(64 << 20);
         let mut connect = || -> Result<&'static str> {
             worker.setup(&master, "tcp", segment)?;
-            let mut sharing = "a shared memory mapping (memfd)";
-            for pool in [prefill, decode] {
-                match (pool.host_buffer(), pool.ipc_handles()?) {
-                    (Some(buf), _) => worker.map_shared(buf)?,
-                    (None, Some((device, handles))) => {
-                        worker.map_cuda(device, &handles, pool.geometry().region_bytes()?)?;
-                        sharing = "CUDA IPC handles (one per layer region)";
-                    }
-                    (None, None) => unreachable!("a pool is DRAM or VRAM"),
-                }
-            }
-            Ok(sharing)
+            map_pool(&mut worker, prefill)
         };
         // A master that dies while the worker connects explains the failure best; with an
         // existing deployment, name the two addresses to check. Not answering in time here is
@@ -204,7 +313,7 @@ impl MooncakeTier {
         worker.set_timeout(timeout);
         let fingerprint = format!("{:08x}-{:08x}", crate::fingerprint::seed32(seed), rand::rng().random::<u32>());
         let detail = format!(
-            "mooncake {} {}, tcp, master {} ({}), metadata {}, pools shared with the store client by {sharing}",
+            "mooncake {} {}, tcp, master {} ({}), metadata {}, prefill's pool shared with its store client by {sharing}",
             install.wheel,
             install.version,
             master.rpc(),

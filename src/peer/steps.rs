@@ -1,0 +1,195 @@
+//! The scenario's messages between the prefill engine and the decode engine
+//! (`kvprobe run --scenario`, `kvprobe ab`): what crosses the peer protocol once both NIXL
+//! agents are connected, whether prefill is a thread of this process, a child or `kvprobe
+//! serve` on another host.
+//!
+//! The two engines advance in steps, coupled one step at a time: decode sends
+//! [`super::Msg::Step`] with a [`StepIn`] (what decode did in its last step), prefill runs
+//! its step and answers [`super::Msg::Stepped`] with a [`StepOut`] (what it did: its shadow
+//! events, the requests it hands to decode, its counters), then decode runs the same step.
+//! So every prefill event of step k happened before decode's events of step k, and every one
+//! of step k + 1 after them: the shadow's READ windows ([`Event`]) mean the same on one host
+//! and across two. NIXL moves every byte; these messages carry control, identities and the
+//! events the shadow needs.
+
+use crate::pool::TableEntry;
+use crate::race::{Mechanism, Scenario};
+use crate::tier::Content;
+use serde::{Deserialize, Serialize};
+
+/// The engine an [`Event`] comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EngineId {
+    /// The prefill engine (its blocks are written and read).
+    Prefill,
+    /// The decode engine (it posts and completes the READs).
+    Decode,
+}
+
+/// What an engine tells the shadow.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "what", rename_all = "snake_case")]
+pub enum What {
+    /// Prefill wrote `content` into its block `block` (a computed fill or a tier load).
+    Write {
+        /// Prefill block id.
+        block: u32,
+        /// The identity written and the mechanism that allowed it, if one did.
+        content: Content,
+    },
+    /// Prefill: unfenced mechanism `mechanism` let a conflicting copy happen once more (a
+    /// write into a block another request still reads, a save of a block that is no longer
+    /// its request's, a load that overtook a write).
+    Window {
+        /// The mechanism.
+        mechanism: Mechanism,
+    },
+    /// Decode posted request `req`'s NIXL READ of prefill blocks `blocks`: their windows open.
+    ReadPosted {
+        /// Request id.
+        req: u64,
+        /// Prefill block ids, in the request's order.
+        blocks: Vec<u32>,
+    },
+    /// Request `req`'s READ of prefill blocks `blocks` completed at decode: their windows close.
+    ReadDone {
+        /// Request id.
+        req: u64,
+        /// Prefill block ids, in the request's order.
+        blocks: Vec<u32>,
+    },
+}
+
+/// An event, stamped with its engine, that engine's step and its sequence number among that
+/// engine's events (1, 2, 3, ... with no gap).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Event {
+    /// Where it happened.
+    pub engine: EngineId,
+    /// The engine's step.
+    pub step: u64,
+    /// The engine's count of events so far, this one included.
+    pub seq: u64,
+    /// What happened.
+    pub what: What,
+}
+
+/// What decode tells prefill before prefill's next step.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepIn {
+    /// Keep admitting requests. False once `--duration` has passed: prefill stops admitting,
+    /// drops the requests still waiting for blocks, and drains.
+    pub admit: bool,
+    /// Requests whose NIXL READ decode posted in its last step: prefill's wait for their
+    /// notifications (`--timeout`) starts now.
+    pub posted: Vec<u64>,
+    /// `--lockstep`: requests whose READ completed in decode's last step. Prefill takes their
+    /// notifications before anything else in its step (bounded by `--timeout`).
+    pub read_done: Vec<u64>,
+    /// Requests decode has verified and whose decode blocks it freed: prefill retires each
+    /// once its own blocks are released.
+    pub finished: Vec<u64>,
+}
+
+/// Where decode loads one block of a tier-only request from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TierRef {
+    /// The tier entry (its slot in the embedded store's arena).
+    pub entry: u32,
+    /// Block hash of the entry's key.
+    pub hash: u32,
+    /// Reservation serial of the entry's key (a hash saved again after an eviction gets a
+    /// new one): with the hash and the run's key prefix, the Mooncake key.
+    pub serial: u64,
+    /// What the shadow says the entry holds (the copy its save made).
+    pub content: Content,
+}
+
+/// A request whose prefill writes are complete, handed to decode: as vLLM's request
+/// finishing on the prefill engine hands its block ids to decode (`kv_transfer_params`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Handed {
+    /// Request id.
+    pub req: u64,
+    /// Prefill block ids holding the prompt, in order.
+    pub blocks: Vec<u32>,
+    /// What each block must hold: the logical block (prefix-cache hash) and generation decode
+    /// verifies against.
+    pub promised: Vec<TableEntry>,
+    /// tier-only: the tier entry of each block, in order (empty when decode READs over NIXL).
+    pub tier: Vec<TierRef>,
+}
+
+/// Prefill's running counts, sent with every step.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PrefillCounters {
+    /// Prefill's steps so far.
+    pub steps: u64,
+    /// Requests admitted.
+    pub admitted: u64,
+    /// Requests the client aborted after their prefill was issued.
+    pub aborted: u64,
+    /// Prompt blocks served from the tier (prefix hits).
+    pub hit_blocks: u64,
+    /// Tier saves executed.
+    pub saves: u64,
+    /// Tier loads executed on prefill (prefix hits).
+    pub loads: u64,
+    /// Tier entries evicted.
+    pub evictions: u64,
+    /// Seconds prefill's fills (computed blocks, the genesis fill) took, on prefill's clock.
+    pub fill_seconds: f64,
+    /// Admission has stopped (`--requests` reached, or decode said so).
+    pub stopped: bool,
+}
+
+/// What prefill did in one step.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepOut {
+    /// Prefill's shadow events of the step, in order.
+    pub events: Vec<Event>,
+    /// Requests handed to decode in the step.
+    pub handed: Vec<Handed>,
+    /// Counts so far.
+    pub counters: PrefillCounters,
+    /// Admission has stopped and every request has left prefill (retired or dropped): once
+    /// decode has nothing in flight either, the scenario is over.
+    pub drained: bool,
+}
+
+/// How decode reaches the tier prefill saves into, for tier-only loads.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum TierAccess {
+    /// The embedded store lives in this process (prefill on a thread): decode copies an
+    /// entry from its arena.
+    InProcess,
+    /// The embedded store on prefill's host: its arena is registered with prefill's NIXL
+    /// agent (`transport::PeerInfo::tier_region`) and decode READs an entry's slices over
+    /// NIXL, as a host-memory KV tier on the prefill node is reached from decode.
+    Nixl,
+    /// A Mooncake Store: decode's own store client joins the deployment and gets the entry's
+    /// object.
+    Mooncake {
+        /// The master's RPC address as decode reaches it (`HOST:PORT`).
+        master: String,
+        /// Its metadata service.
+        metadata_url: String,
+        /// The key prefix of this run's objects (`kvprobe/<this>/<hash>/<serial>`).
+        key_prefix: String,
+    },
+}
+
+/// What decode asks prefill to start: one scenario run (a `kvprobe ab` row, or the run).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Begin {
+    /// Row number from 0 (`kvprobe ab`; 0 for `run --scenario`).
+    pub row: u32,
+    /// Which connectors move the blocks.
+    pub scenario: Scenario,
+    /// The mechanisms left unfenced.
+    pub unfenced: Vec<Mechanism>,
+    /// Prefix of the NIXL notification decode's READ of request N carries (`PREFIX` + N).
+    pub tag: String,
+}

@@ -1,0 +1,788 @@
+//! The prefill engine of a scenario: vLLM's prefill instance with its scheduler, its
+//! MultiConnector (NixlConnector as kv_producer, the tier connector as kv_both) and its KV
+//! pool. It admits the requests, computes or loads their blocks, saves computed blocks to the
+//! tier, hands each request's blocks to decode, and frees them when every connector that
+//! touched them has reported done (the NIXL notification of decode's READ, the saves).
+//!
+//! It talks to the decode engine only by messages ([`crate::peer::steps`]): one
+//! [`StepIn`] in, one [`StepOut`] out per step. `kvprobe serve` hosts it (a node pair, the
+//! child of `--decode-process`, or a thread of decode's process), driven over the peer
+//! protocol by decode ([`super::engine`]).
+//!
+//! # A step
+//! 1. What decode did: READs posted (the notification wait starts), requests finished.
+//!    `--lockstep`: the notifications of the READs decode completed are taken first.
+//! 2. NIXL: the agent's notifications (a decode READ is done; vLLM's NixlConnector frees
+//!    then), each READ's notification bounded by `--timeout`.
+//! 3. The three prefill streams run the operations that are due: the compute stream
+//!    (fingerprint writes of computed blocks, in order), the load stream (tier loads of prefix
+//!    hits into newly allocated blocks) and the put worker (async saves). Each operation is
+//!    due a seeded 0–3 steps after it was issued (a quarter of the saves 16–96 steps, a
+//!    backlogged store), which is how asynchrony is modelled.
+//! 4. Requests move on: a request whose writes are done is handed to decode (tier-only: once
+//!    its saves are complete); the multi-connector decides when its blocks are freed; a
+//!    request freed here and finished at decode is retired.
+//! 5. New requests are admitted up to `--concurrency`: the tier lookup of the prompt's
+//!    leading block hashes completes a step later (lookup_async), then hits are loaded and
+//!    the rest computed, and computed blocks are saved.
+//!
+//! Every write into a prefill block is an [`Event`] for decode's shadow, stamped with the
+//! unfenced mechanism that allowed it, if one did; so is each time an unfenced mechanism lets
+//! a conflicting copy happen (a window).
+
+use super::config::ScenarioConfig;
+use super::connectors::multi::{Completions, MultiConnector, Verdict};
+use super::connectors::nixl::NixlConnector;
+use super::connectors::tier::{TierConnector, TierPlace};
+use super::scheduler::{BlockManager, Request, RequestState};
+use crate::deadline::Deadline;
+use crate::error::{Error, Result};
+use crate::fingerprint::{self, SKIP_GEN};
+use crate::peer::steps::{EngineId, Event, Handed, PrefillCounters, StepIn, StepOut, TierAccess, TierRef, What};
+use crate::pool::TableEntry;
+use crate::race::{Mechanism, Races};
+use crate::tier::{Content, EntryId, Store};
+use crate::transport::Endpoint;
+use crate::workload::Workload;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+#[derive(Clone, Copy, Debug)]
+enum OpKind {
+    Fill { id: TableEntry },
+    Load { entry: EntryId },
+    Save { entry: EntryId, promised: TableEntry },
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Op {
+    due: u64,
+    req: u64,
+    slot: u32,
+    kind: OpKind,
+    /// The unfenced mechanism under which this operation runs, once one applies (a save
+    /// whose block was freed early, or one issued without waiting for the write).
+    cause: Option<Mechanism>,
+}
+
+/// The prefill engine of one scenario run.
+pub struct PrefillEngine<'a> {
+    cfg: ScenarioConfig,
+    races: Races,
+    ep: &'a mut Endpoint,
+    timeout: Duration,
+    /// The tier connector (scenarios with a tier).
+    tier: Option<TierConnector>,
+    /// The NIXL connector: which notification is which request's.
+    nixl: NixlConnector,
+    /// Decides when a request's blocks may be freed.
+    multi: MultiConnector,
+    /// What each prefill block holds, as this engine wrote it (what a save copies).
+    contents: Vec<Content>,
+    workload: Workload,
+    rng: ChaCha8Rng,
+    now: u64,
+    next_gen: u32,
+    blocks: BlockManager,
+    reqs: HashMap<u64, Request>,
+    order: Vec<u64>,
+    compute: VecDeque<Op>,
+    pload: VecDeque<Op>,
+    puts: VecDeque<Op>,
+    counters: PrefillCounters,
+    /// Events of this engine so far.
+    seq: u64,
+    /// This step's events and hand-overs.
+    out: StepOut,
+}
+
+impl<'a> PrefillEngine<'a> {
+    /// Starts the prefill engine of `cfg` on `ep` (prefill's endpoint, connected to decode's):
+    /// its tier at `place`, and the genesis fill — every block holds a fingerprint no request
+    /// asks for ([`crate::fingerprint::logical_block`] of the seed and the block, generation
+    /// 0). `tag` is the prefix of decode's READ notifications. Returns the engine, how decode
+    /// reaches the tier (`None` without one) and the tier in words.
+    ///
+    /// Errors: set-up (exit 2) for a broken Mooncake install, transport (exit 3) when the
+    /// tier cannot be started or joined, device errors of the fill.
+    pub fn start(
+        cfg: &ScenarioConfig,
+        seed: u64,
+        ep: &'a mut Endpoint,
+        tag: &str,
+        timeout: Duration,
+        place: &TierPlace,
+    ) -> Result<(PrefillEngine<'a>, Option<TierAccess>, String)> {
+        let n = ep.pool.geometry().num_blocks;
+        let (tier, access) = match cfg.scenario.uses_tier() {
+            true => {
+                let (t, a) = TierConnector::start(cfg, seed, &ep.pool, timeout, place)?;
+                (Some(t), Some(a))
+            }
+            false => (None, None),
+        };
+        let detail = tier.as_ref().map_or_else(|| "none".to_string(), |t| t.detail());
+        let genesis: Vec<TableEntry> =
+            (0..n).map(|i| TableEntry { block: fingerprint::logical_block(seed, i), generation: 0 }).collect();
+        ep.pool.fill(&genesis)?;
+        let e = PrefillEngine {
+            cfg: cfg.clone(),
+            races: cfg.races(),
+            ep,
+            timeout,
+            tier,
+            nixl: NixlConnector::with_tag(tag),
+            multi: MultiConnector::new(cfg.scenario, cfg.races()),
+            contents: genesis.iter().map(|&id| Content { id, cause: None }).collect(),
+            workload: Workload::new(cfg.workload, seed),
+            rng: ChaCha8Rng::seed_from_u64(seed ^ 0x656E_6769_6E65),
+            now: 0,
+            next_gen: 0,
+            blocks: BlockManager::new(n),
+            reqs: HashMap::new(),
+            order: Vec::new(),
+            compute: VecDeque::new(),
+            pload: VecDeque::new(),
+            puts: VecDeque::new(),
+            counters: PrefillCounters::default(),
+            seq: 0,
+            out: StepOut::default(),
+        };
+        Ok((e, access, detail))
+    }
+
+    /// Runs one step after what decode did (`input`); returns what this engine did.
+    ///
+    /// Errors: transport (exit 3: NIXL, the tier, a master that died, a message naming a
+    /// request decode cannot know), timeout (exit 4: a READ's notification missing past
+    /// `--timeout`), device errors.
+    pub fn step(&mut self, input: StepIn) -> Result<StepOut> {
+        self.now += 1;
+        if self.now.is_multiple_of(256)
+            && let Some(t) = self.tier.as_mut()
+        {
+            t.check_master()?;
+        }
+        for &id in &input.posted {
+            let deadline = Deadline::after(self.timeout);
+            let r = self.handed(id, "a READ posted")?;
+            r.read_posted = true;
+            r.read_deadline = Some(deadline);
+        }
+        for &id in &input.finished {
+            self.handed(id, "a request finished")?.finished = true;
+        }
+        if !input.admit && !self.counters.stopped {
+            self.counters.stopped = true;
+            if self.cfg.duration_secs.is_some() {
+                self.cancel_waiting();
+            }
+        }
+        if self.cfg.scenario.uses_nixl() {
+            self.await_notifications(&input.read_done)?;
+            let asked = Instant::now();
+            self.take_notifications()?;
+            self.check_notification_deadlines(asked)?;
+        }
+        self.run_compute()?;
+        self.run_loads()?;
+        self.run_puts()?;
+        self.advance()?;
+        self.admit()?;
+        if self.cfg.duration_secs.is_none() && self.counters.admitted >= self.cfg.requests {
+            self.counters.stopped = true;
+        }
+        self.counters.steps = self.now;
+        self.counters.evictions = self.tier.as_ref().map_or(0, |t| t.store.evictions);
+        let mut out = std::mem::take(&mut self.out);
+        out.counters = self.counters.clone();
+        out.drained = self.counters.stopped && self.reqs.is_empty() && self.queues_empty();
+        Ok(out)
+    }
+
+    /// Ends the engine: removes this run's objects from a Mooncake deployment kvprobe did not
+    /// start (the tier, a master kvprobe started, and prefill's store client go with it).
+    /// Returns the final counts.
+    pub fn finish(mut self) -> PrefillCounters {
+        if let Some(t) = self.tier.as_mut() {
+            t.clean_up();
+        }
+        self.counters.clone()
+    }
+
+    /// The live request `id` that was handed to decode (what decode names must be one).
+    /// Errors: transport (exit 3) naming `what` otherwise.
+    fn handed(&mut self, id: u64, what: &str) -> Result<&mut Request> {
+        match self.reqs.get_mut(&id) {
+            Some(r) if r.stage == RequestState::Handed => Ok(r),
+            _ => Err(Error::Transport(format!(
+                "decode reported {what} for request {id}, which prefill has not handed to it (a protocol error)"
+            ))),
+        }
+    }
+
+    fn lag(&mut self, max: u64) -> u64 {
+        self.now + self.rng.random_range(0..=max)
+    }
+
+    /// The tier's store (scenarios with a tier).
+    fn store(&self) -> &Store {
+        &self.tier.as_ref().expect("the scenario has a tier").store
+    }
+
+    /// The tier's store, to change (scenarios with a tier).
+    fn store_mut(&mut self) -> &mut Store {
+        &mut self.tier.as_mut().expect("the scenario has a tier").store
+    }
+
+    fn queues_empty(&self) -> bool {
+        self.compute.is_empty() && self.pload.is_empty() && self.puts.is_empty()
+    }
+
+    /// Appends an event of this engine for decode's shadow.
+    fn event(&mut self, what: What) {
+        self.seq += 1;
+        self.out.events.push(Event { engine: EngineId::Prefill, step: self.now, seq: self.seq, what });
+    }
+
+    /// Unfenced mechanism `m` let a conflicting copy happen once more.
+    fn window(&mut self, m: Mechanism) {
+        self.event(What::Window { mechanism: m });
+    }
+
+    /// Block `block` now holds `content` (a computed fill or a tier load landed there).
+    fn wrote(&mut self, block: u32, content: Content) {
+        self.contents[block as usize] = content;
+        self.event(What::Write { block, content });
+    }
+
+    /// At the end of a `--duration`: requests still waiting for prefill blocks never
+    /// started; they are dropped (not counted as admitted) so the drain only finishes work
+    /// in progress.
+    fn cancel_waiting(&mut self) {
+        let waiting: Vec<u64> = self.order.iter().copied().filter(|id| self.reqs[id].stage == RequestState::Lookup).collect();
+        for id in waiting {
+            if let Some(r) = self.reqs.remove(&id) {
+                if let Some(store) = self.tier.as_mut().map(|t| &mut t.store) {
+                    for e in r.hits {
+                        store.unpin(e);
+                    }
+                }
+                self.counters.admitted -= 1;
+            }
+        }
+        self.order.retain(|id| self.reqs.contains_key(id));
+    }
+
+    // ---- NIXL ----
+
+    /// `--lockstep`: takes the notifications of the READs decode completed in its last step
+    /// (`ids`) before the step goes on, so when a block is freed follows from the seed.
+    fn await_notifications(&mut self, ids: &[u64]) -> Result<()> {
+        while ids.iter().any(|id| self.reqs.get(id).is_some_and(|r| !r.read_notified)) {
+            let asked = Instant::now();
+            if self.take_notifications()? == 0 {
+                self.check_notification_deadlines(asked)?;
+                std::thread::sleep(Duration::from_micros(20));
+            }
+        }
+        Ok(())
+    }
+
+    /// After a notification check begun at `asked`: a READ whose notification is still
+    /// missing at two checks begun after its deadline has timed out (exit 4).
+    fn check_notification_deadlines(&mut self, asked: Instant) -> Result<()> {
+        for (id, r) in self.reqs.iter_mut() {
+            if r.read_notified {
+                continue;
+            }
+            let Some(d) = r.read_deadline.filter(|d| d.passed_at(asked)) else { continue };
+            r.notify_misses += 1;
+            if r.notify_misses >= 2 {
+                return Err(Error::Timeout(format!(
+                    "no notification of request {id}'s READ within --timeout {:.6} s ({:.3} s since prefill learnt it was posted)",
+                    d.limit_secs(),
+                    d.elapsed_secs()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes the agent's NIXL notifications (decode's READ of a request is done) and returns
+    /// how many were for live requests of this run. A notification query still in progress
+    /// when a pending READ's deadline passed is a timeout (exit 4), even if it brings that
+    /// notification ([`crate::deadline::crossed`]).
+    fn take_notifications(&mut self) -> Result<usize> {
+        let mut n = 0;
+        let asked = Instant::now();
+        let next = self
+            .reqs
+            .iter()
+            .filter(|(_, r)| !r.read_notified)
+            .filter_map(|(id, r)| r.read_deadline.filter(|d| !d.passed_at(asked)).map(|d| (*id, d)))
+            .min_by_key(|(_, d)| d.at());
+        let got = self.ep.notifications()?;
+        let returned = Instant::now();
+        if let Some((id, d)) = next
+            && crate::deadline::crossed(&d, asked, returned)
+        {
+            return Err(Error::Timeout(format!(
+                "notification of request {id}'s READ: a notification query begun {:.3} s after prefill learnt it was posted \
+                 returned {:.3} s after it, over --timeout {:.6} s",
+                (asked - d.start).as_secs_f64(),
+                (returned - d.start).as_secs_f64(),
+                d.limit_secs()
+            )));
+        }
+        for msg in got {
+            if let Some(id) = self.nixl.request_of(&msg) {
+                n += self.notified(id) as usize;
+            }
+        }
+        Ok(n)
+    }
+
+    fn notified(&mut self, id: u64) -> bool {
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return false;
+        };
+        if r.read_notified {
+            return false;
+        }
+        r.read_notified = true;
+        for &s in &r.pslots {
+            let p = self.blocks.get_mut(s);
+            p.reading = p.reading.saturating_sub(1);
+        }
+        true
+    }
+
+    // ---- prefill streams ----
+
+    fn write_stamp(&mut self, slot: u32, req: u64, id: TableEntry, explicit: Option<Mechanism>) -> Content {
+        let p = self.blocks.get(slot);
+        let foreign_reader = p.reading > 0 && p.owner == Some(req) && p.early.is_some();
+        let cause = explicit.or(if p.owner != Some(req) && p.hazard { Some(Mechanism::UnfencedLoad) } else { None }).or(p.early);
+        if foreign_reader && let Some(m) = p.early {
+            self.window(m);
+        }
+        Content { id, cause }
+    }
+
+    fn run_compute(&mut self) -> Result<()> {
+        let mut due = Vec::new();
+        while self.compute.front().is_some_and(|o| o.due <= self.now) {
+            due.push(self.compute.pop_front().expect("front"));
+        }
+        if due.is_empty() {
+            return Ok(());
+        }
+        let n = self.blocks.blocks.len();
+        let mut table = vec![TableEntry { block: 0, generation: SKIP_GEN }; n];
+        for op in &due {
+            if let OpKind::Fill { id } = op.kind {
+                table[op.slot as usize] = id;
+            }
+        }
+        let t = Instant::now();
+        self.ep.pool.fill(&table)?;
+        self.counters.fill_seconds += t.elapsed().as_secs_f64();
+        for op in due {
+            let OpKind::Fill { id } = op.kind else {
+                continue;
+            };
+            let b = self.blocks.get(op.slot);
+            let stale_landing = b.owner != Some(op.req) && b.hazard;
+            if stale_landing {
+                self.window(Mechanism::UnfencedLoad);
+            }
+            let c = self.write_stamp(op.slot, op.req, id, None);
+            self.wrote(op.slot, c);
+            let p = self.blocks.get_mut(op.slot);
+            p.pending_compute -= 1;
+            if p.pending_compute == 0 {
+                p.hazard = false;
+            }
+            if let Some(r) = self.reqs.get_mut(&op.req) {
+                r.pending_writes = r.pending_writes.saturating_sub(1);
+            }
+        }
+        Ok(())
+    }
+
+    /// The load stream: tier loads of prefix hits into prefill blocks, in order.
+    fn run_loads(&mut self) -> Result<()> {
+        while let Some(&op) = self.pload.front() {
+            if op.due > self.now {
+                break;
+            }
+            let OpKind::Load { entry } = op.kind else { unreachable!("the load queue holds loads") };
+            if self.blocks.get(op.slot).pending_compute > 0 {
+                if self.races.unfenced(Mechanism::UnfencedLoad) {
+                    self.window(Mechanism::UnfencedLoad);
+                    self.blocks.get_mut(op.slot).hazard = true;
+                } else {
+                    break; // event fence: wait for the previous owner's write
+                }
+            }
+            self.pload.pop_front();
+            let content = self.store().content(entry).expect("loads read complete entries");
+            self.tier.as_mut().expect("loads need the tier").load(&mut self.ep.pool, op.slot, entry)?;
+            self.counters.loads += 1;
+            self.store_mut().unpin(entry);
+            let stamped = self.write_stamp(op.slot, op.req, content.id, content.cause);
+            self.wrote(op.slot, stamped);
+            self.blocks.get_mut(op.slot).pending_load -= 1;
+            if let Some(r) = self.reqs.get_mut(&op.req) {
+                r.pending_writes = r.pending_writes.saturating_sub(1);
+            }
+        }
+        Ok(())
+    }
+
+    fn execute_put(&mut self, op: Op) -> Result<()> {
+        let OpKind::Save { entry, promised } = op.kind else { unreachable!("the put queue holds saves") };
+        let early = self.blocks.get(op.slot).early;
+        let mut content = self.contents[op.slot as usize];
+        self.tier.as_mut().expect("saves need the tier").save(&mut self.ep.pool, op.slot, entry)?;
+        if content.id != promised {
+            // The copy is not what the key promises: say which missing fence let it happen.
+            // (None would be a flaw in kvprobe's own model; the decode side then reports
+            // the slice as unexplained.)
+            content.cause = op.cause.or(content.cause).or(early);
+            if let Some(m) = content.cause {
+                self.window(m);
+            }
+        }
+        let nixl = self.cfg.scenario.uses_nixl();
+        let store = self.store_mut();
+        store.complete(entry, content);
+        if nixl {
+            store.unpin(entry);
+        } // tier-only: the entry stays pinned until decode has loaded it
+        self.counters.saves += 1;
+        if let Some(r) = self.reqs.get_mut(&op.req) {
+            r.saves_left -= 1;
+        }
+        Ok(())
+    }
+
+    /// The put worker: runs every save that is due and whose block's write has landed (the
+    /// event fence); saves complete out of order, as a store's transfer threads do.
+    fn run_puts(&mut self) -> Result<()> {
+        let mut waiting = VecDeque::with_capacity(self.puts.len());
+        while let Some(op) = self.puts.pop_front() {
+            let p = self.blocks.get(op.slot);
+            if op.due > self.now || p.pending_compute + p.pending_load > 0 {
+                waiting.push_back(op);
+                continue;
+            }
+            self.execute_put(op)?;
+        }
+        self.puts = waiting;
+        Ok(())
+    }
+
+    // ---- request progress ----
+
+    fn release(&mut self, id: u64, early: Option<Mechanism>) {
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return;
+        };
+        if r.released {
+            return;
+        }
+        r.released = true;
+        if let Some(m) = early {
+            // Its saves still queued now copy blocks that are no longer its own.
+            for op in self.puts.iter_mut().filter(|o| o.req == id) {
+                op.cause = op.cause.or(Some(m));
+            }
+        }
+        for &s in &r.pslots {
+            let p = self.blocks.get_mut(s);
+            if p.owner != Some(id) {
+                continue; // handed to a load early (load-into-reading)
+            }
+            p.owner = None;
+            p.in_early_list = false;
+            // A slot handed on early keeps its taint while an earlier owner's READ of it is
+            // still pending (e.g. load-into-reading: the borrower finishes first).
+            p.early = early.or(if p.reading > 0 { p.early } else { None });
+            self.blocks.free.push(s);
+        }
+    }
+
+    /// Whether tier-only request `r`'s entries are all saved, so decode can load them.
+    fn tier_ready(&self, r: &Request) -> bool {
+        let store = self.store();
+        r.saves_left == 0 && r.entries.iter().all(|e| e.is_some_and(|e| store.content(e).is_some()))
+    }
+
+    /// Hands request `id` to decode: its blocks and what they must hold; tier-only, the
+    /// entries decode loads them from, each holding what its key promises (an entry another
+    /// request saved under the same hash promises that request's generation).
+    fn hand_over(&mut self, id: u64) {
+        let r = &self.reqs[&id];
+        let (promised, tier) = if self.cfg.scenario.uses_nixl() {
+            (r.promised.clone(), Vec::new())
+        } else {
+            let store = self.store();
+            r.entries
+                .iter()
+                .map(|e| {
+                    let e = e.expect("a tier-only request is handed over once every entry is saved");
+                    let (hash, serial) = store.key_of(e);
+                    (store.promised(e), TierRef { entry: e, hash, serial, content: store.content(e).expect("saved") })
+                })
+                .unzip()
+        };
+        self.out.handed.push(Handed { req: id, blocks: r.pslots.clone(), promised, tier });
+        self.reqs.get_mut(&id).expect("live request").handed_over = true;
+    }
+
+    fn advance(&mut self) -> Result<()> {
+        let sc = self.cfg.scenario;
+        let mut finished = Vec::new();
+        let mut to_release = Vec::new();
+        let mut to_hand = Vec::new();
+        for &id in &self.order {
+            let r = self.reqs.get_mut(&id).expect("ordered request");
+            if r.stage == RequestState::Prefill && r.pending_writes == 0 {
+                r.stage = RequestState::Handed;
+                if sc.uses_nixl() {
+                    for &s in &r.pslots {
+                        self.blocks.get_mut(s).reading += 1;
+                    }
+                }
+            }
+            let r = &self.reqs[&id];
+            if r.stage == RequestState::Handed && !r.handed_over && (sc.uses_nixl() || self.tier_ready(r)) {
+                to_hand.push(id);
+            }
+            let r = self.reqs.get_mut(&id).expect("ordered request");
+            if r.released || r.stage != RequestState::Handed {
+                if r.released && r.finished {
+                    finished.push(id);
+                }
+                continue;
+            }
+            let done = Completions {
+                nixl: !sc.uses_nixl() || r.read_notified,
+                tier: r.saves_left == 0,
+                had_saves: r.had_saves,
+                lent: r.early_listed,
+            };
+            match self.multi.verdict(done) {
+                Verdict::Hold => {}
+                Verdict::Free(early) => to_release.push((id, early)),
+                Verdict::Lend => {
+                    r.early_listed = true;
+                    for &s in &r.pslots {
+                        if self.blocks.get(s).owner == Some(id) {
+                            self.blocks.get_mut(s).early = Some(Mechanism::LoadIntoReading);
+                            self.blocks.lend_early(s);
+                        }
+                    }
+                }
+            }
+        }
+        for id in to_hand {
+            self.hand_over(id);
+        }
+        for (id, m) in to_release {
+            self.release(id, m);
+        }
+        for id in finished {
+            self.retire(id);
+        }
+        Ok(())
+    }
+
+    fn retire(&mut self, id: u64) {
+        if self.cfg.scenario.uses_nixl() {
+            // Released early and verified before the notification came: its READ is done.
+            self.notified(id);
+        }
+        if let Some(r) = self.reqs.remove(&id) {
+            self.order.retain(|&x| x != id);
+            if !self.cfg.scenario.uses_nixl()
+                && let Some(store) = self.tier.as_mut().map(|t| &mut t.store)
+            {
+                for e in r.entries.into_iter().flatten() {
+                    store.unpin(e);
+                }
+            }
+        }
+    }
+
+    // ---- admission ----
+
+    fn admit(&mut self) -> Result<()> {
+        // Requests whose lookup completed last step start their prefill now.
+        let ready: Vec<u64> = self.order.iter().copied().filter(|id| self.reqs[id].stage == RequestState::Lookup).collect();
+        for id in ready {
+            if !self.issue_prefill(id)? {
+                break; // out of blocks: retry next step, keep order
+            }
+        }
+        let max_new = 4;
+        let mut new = 0;
+        while !self.counters.stopped && self.reqs.len() < self.cfg.concurrency as usize && new < max_new {
+            if self.cfg.duration_secs.is_none() && self.counters.admitted >= self.cfg.requests {
+                break;
+            }
+            let spec = self.workload.next_request();
+            let id = spec.id;
+            let n = spec.hashes.len();
+            // lookup_async: the tier answers now, the request acts on it next step.
+            let hits = match (self.tier.as_mut(), spec.abort) {
+                (Some(t), false) => t.store.lookup_prefix(&spec.hashes),
+                _ => Vec::new(),
+            };
+            self.reqs.insert(
+                id,
+                Request {
+                    spec,
+                    stage: RequestState::Lookup,
+                    ready_at: self.now + 1,
+                    promised: Vec::new(),
+                    pslots: Vec::new(),
+                    hits,
+                    entries: vec![None; n],
+                    pending_writes: 0,
+                    saves_left: 0,
+                    had_saves: false,
+                    read_posted: false,
+                    read_notified: false,
+                    read_deadline: None,
+                    notify_misses: 0,
+                    released: false,
+                    early_listed: false,
+                    handed_over: false,
+                    finished: false,
+                },
+            );
+            self.order.push(id);
+            self.counters.admitted += 1;
+            new += 1;
+        }
+        Ok(())
+    }
+
+    /// Allocates, loads hits, computes the rest, saves computed blocks. False when the
+    /// prefill pool has too few free blocks this step.
+    fn issue_prefill(&mut self, id: u64) -> Result<bool> {
+        let (n, k, abort) = {
+            let r = &self.reqs[&id];
+            if r.ready_at > self.now {
+                return Ok(true);
+            }
+            (r.spec.hashes.len(), r.hits.len(), r.spec.abort)
+        };
+        let Some(mut slots) = self.blocks.alloc(k, true) else {
+            return Ok(false);
+        };
+        let Some(rest) = self.blocks.alloc(n - k, false) else {
+            self.blocks.give_back(slots);
+            return Ok(false);
+        };
+        slots.extend(rest);
+        let sc = self.cfg.scenario;
+        let mut r = self.reqs.remove(&id).expect("request");
+        let mut promised = Vec::with_capacity(n);
+        for (i, &s) in slots.iter().enumerate() {
+            self.blocks.get_mut(s).owner = Some(id);
+            if i < k {
+                let e = r.hits[i];
+                promised.push(self.store().promised(e));
+                r.entries[i] = Some(e);
+                if !sc.uses_nixl() {
+                    self.store_mut().pin(e); // kept for decode's load
+                }
+                let due = self.lag(2);
+                self.pload.push_back(Op { due, req: id, slot: s, cause: None, kind: OpKind::Load { entry: e } });
+                self.blocks.get_mut(s).pending_load += 1;
+                self.counters.hit_blocks += 1;
+            } else {
+                // Generations run 1..SKIP_GEN (exclusive): 0 is never computed and SKIP_GEN marks
+                // "neither fill nor verify" in the kernels' tables.
+                self.next_gen = fingerprint::next_generation(self.next_gen);
+                let t = TableEntry { block: r.spec.hashes[i], generation: self.next_gen };
+                promised.push(t);
+                let due = self.lag(2).max(self.compute.back().map_or(0, |o| o.due));
+                self.compute.push_back(Op { due, req: id, slot: s, cause: None, kind: OpKind::Fill { id: t } });
+                self.blocks.get_mut(s).pending_compute += 1;
+            }
+            r.pending_writes += 1;
+        }
+        r.pslots = slots;
+        r.promised = promised;
+        r.stage = RequestState::Prefill;
+        if abort {
+            // The client went away: vLLM frees the blocks at once; the compute stream
+            // still runs the issued writes.
+            self.counters.aborted += 1;
+            self.order.retain(|&x| x != id);
+            for s in r.pslots {
+                self.blocks.get_mut(s).owner = None;
+                self.blocks.free.push(s);
+            }
+            return Ok(true);
+        }
+        // Saves of computed blocks (keys not yet stored).
+        let mut immediate = Vec::new();
+        if let Some(store) = self.tier.as_mut().map(|t| &mut t.store) {
+            for i in k..n {
+                let hash = r.spec.hashes[i];
+                let s = r.pslots[i];
+                match store.reserve(hash, r.promised[i]) {
+                    Some(e) => {
+                        // The reservation's pin lasts until the put runs (tier-only: until
+                        // decode has loaded the entry).
+                        r.entries[i] = Some(e);
+                        r.saves_left += 1;
+                        r.had_saves = true;
+                        let due = self.now + put_lag(&mut self.rng);
+                        let mut op =
+                            Op { due, req: id, slot: s, cause: None, kind: OpKind::Save { entry: e, promised: r.promised[i] } };
+                        if self.races.unfenced(Mechanism::SaveBeforeWrite) {
+                            // No event wait: the save copies the block before the write lands.
+                            op.cause = Some(Mechanism::SaveBeforeWrite);
+                            immediate.push(op);
+                        } else {
+                            self.puts.push_back(op);
+                        }
+                    }
+                    None if !sc.uses_nixl() => {
+                        // Already stored (same prefix computed by another request): decode
+                        // loads that entry and expects what it promises.
+                        if let Some(e) = store.find(hash) {
+                            store.pin(e);
+                            r.entries[i] = Some(e);
+                        }
+                    }
+                    None => {}
+                }
+            }
+        }
+        self.reqs.insert(id, r);
+        if let Some(t) = self.tier.as_mut() {
+            t.drop_evicted(self.now)?;
+        }
+        for op in immediate {
+            self.execute_put(op)?;
+        }
+        Ok(true)
+    }
+}
+
+/// Steps until a save runs: usually 0–3, but one in four waits 16–96 steps behind a
+/// backlog (a store's puts are slower than NIXL under sustained load: about 1 GB/s for
+/// Mooncake over TCP against hundreds of GB/s for cuda_ipc).
+fn put_lag(rng: &mut ChaCha8Rng) -> u64 {
+    if rng.random_range(0..4u32) == 0 { rng.random_range(16..=96) } else { rng.random_range(0..=3) }
+}
