@@ -288,7 +288,7 @@ pair_serve() {
 pair_end() {
   wait "$serve_pid"
   local rc=$?
-  grep -E "^kvprobe serve: row|^result" "$out/$1-serve.txt" | tee -a "$log"
+  grep -E "^kvprobe serve: (row|scenario)|^result" "$out/$1-serve.txt" | tee -a "$log"
   expect 0 "$rc" "$1: serve"
 }
 

@@ -201,8 +201,12 @@ pub fn run_ab(
     if let Some(p) = &probe {
         // The pair ends together: prefill takes the matrix's outcome (its summary: the rows'
         // totals) and sends its side.
-        let summary = serde_json::to_value(totals(&ab.sections)).ok();
-        let side = p.prefill.finish(exit as u8, err.map(|e| e.to_string()), summary, crate::run::PEER_BYE_BOUND);
+        let results = crate::peer::Results {
+            summary: serde_json::to_value(totals(&ab.sections)).ok(),
+            scenario: None,
+            rows: serde_json::to_value(&ab.rows).ok(),
+        };
+        let side = p.prefill.finish(exit as u8, err.map(|e| e.to_string()), results, crate::run::PEER_BYE_BOUND);
         if cfg.peer.is_some() {
             ab.peer = Some(side);
         }

@@ -415,7 +415,7 @@ struct RunArgs {
     load: LoadArgs,
 }
 
-const SERVE_EXIT_CODES: &str = "Exit codes: the run's own code (0 clean, 1 corrupt, 3 transport, 4 timeout, 5 below --min-gbps, 130 interrupted: the two sides end with one outcome); 2 a refused configuration (the reason names the fields; a wrong token or protocol version is refused and serve keeps listening) or a bad flag (--listen that cannot be bound); 3 the decode side died or the link broke; 4 the decode side went silent for --timeout (stopped, link dropped); 130 interrupted while waiting (--keep-serving ends only by a signal: 130).";
+const SERVE_EXIT_CODES: &str = "Exit codes: the run's own code (0 clean, 1 corrupt, 3 transport, 4 timeout, 5 below --min-gbps, 6 an unfenced race mechanism not reproduced (run --race, ab), 7 decode's report not written, 130 interrupted: the two sides end with one outcome); 2 a refused configuration (the reason names the fields; a wrong token or protocol version is refused and serve keeps listening) or a bad flag (--listen that cannot be bound); 3 the decode side died or the link broke; 4 the decode side went silent for --timeout (stopped, link dropped); 130 interrupted while waiting (--keep-serving ends only by a signal: 130).";
 
 #[derive(Args)]
 struct ServeArgs {
@@ -1663,15 +1663,33 @@ fn serve(a: ServeArgs) -> Exit {
         if memory == MemoryKind::Vram { format!("VRAM, GPU {}", a.device) } else { "DRAM".into() },
         if a.keep_serving { "serving runs until stopped" } else { "one run, then exit" }
     ));
+    // The address to give `--peer`: what serve listens on, or for an unspecified address
+    // (0.0.0.0, ::) any address of this host the decode node reaches.
+    let dial = match listener.local_addr() {
+        Ok(a) if a.ip().is_unspecified() => format!("<an address of this host>:{}", a.port()),
+        _ => bound.clone(),
+    };
     if made {
-        out(&format!("kvprobe serve: token {token} (run: KVPROBE_TOKEN={token} kvprobe run --peer {bound} ...)\n"));
+        out(&format!("kvprobe serve: token {token} (run: KVPROBE_TOKEN={token} kvprobe run --peer {dial} ...)\n"));
     }
     let report_path = a.report.clone();
     let mut say = |l: &str| out(&format!("{l}\n"));
     let mut ended = |end: &kvprobe::serve::SessionEnd| -> Exit {
         let r = &end.report;
-        if r.summary.iterations > 0 {
-            out(&kvprobe::report::render(r));
+        match r.matrix.as_ref().and_then(|m| serde_json::from_value::<Vec<kvprobe::ab::AbRow>>(m.clone()).ok()) {
+            // `ab --peer`: the matrix's table and outcome, as decode printed them.
+            Some(rows) => out(&kvprobe::ab::render(&kvprobe::ab::AbReport {
+                schema: kvprobe::ab::AB_SCHEMA.into(),
+                started_unix: r.started_unix,
+                config: r.config.clone(),
+                environment: None,
+                rows,
+                sections: Vec::new(),
+                outcome: r.outcome.clone(),
+                peer: None,
+            })),
+            None if r.summary.iterations > 0 || r.scenario.is_some() => out(&kvprobe::report::render(r)),
+            None => {}
         }
         report_error(&r.outcome);
         let lost = report_path.as_ref().and_then(|p| write_json(p, r).err());

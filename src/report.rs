@@ -348,6 +348,10 @@ pub struct Report {
     /// path its process saw, its timings (README "Two hosts").
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peer: Option<PeerSide>,
+    /// Serve's report of an `ab --peer` session: the matrix's rows as decode's `kvprobe.ab/1`
+    /// report has them (`summary` then holds the rows' totals).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub matrix: Option<serde_json::Value>,
     /// How it ended.
     pub outcome: Outcome,
 }
@@ -780,6 +784,9 @@ pub fn render(r: &Report) -> String {
                     "tier:              {} prefix-hit blocks, {} saves, {} loads, {} evictions\n",
                     sc.tier_hit_blocks, sc.tier_saves, sc.tier_loads, sc.tier_evictions
                 );
+                if sc.tier_detail != "embedded" && !sc.tier_detail.is_empty() {
+                    out += &format!("                   {}\n", sc.tier_detail);
+                }
             }
         }
     }

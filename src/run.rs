@@ -404,6 +404,7 @@ pub(crate) fn empty_report(cfg: &RunConfig) -> Report {
         scenario: None,
         dump: None,
         peer: None,
+        matrix: None,
         outcome: Outcome { exit_code: 0, status: "running".into(), error: None },
     }
 }
@@ -448,9 +449,12 @@ pub fn run(cfg: &RunConfig, hooks: &mut Hooks<'_>) -> (Report, Exit) {
     report.finish(exit, err);
     if let Some(Probe { prefill: p, .. }) = &probe {
         // The pair ends together: prefill takes this outcome and sends its side of the report.
-        let summary = serde_json::to_value(&report.summary).ok();
-        let scenario = report.scenario.as_ref().and_then(|s| serde_json::to_value(s).ok());
-        let side = p.finish_with(exit as u8, err.map(|e| e.to_string()), summary, scenario, PEER_BYE_BOUND);
+        let results = crate::peer::Results {
+            summary: serde_json::to_value(&report.summary).ok(),
+            scenario: report.scenario.as_ref().and_then(|s| serde_json::to_value(s).ok()),
+            rows: None,
+        };
+        let side = p.finish(exit as u8, err.map(|e| e.to_string()), results, PEER_BYE_BOUND);
         if cfg.op == Op::Write
             && let Some(mut theirs) = side.transport_path.clone()
         {
@@ -571,6 +575,7 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>, slot: 
             decode: &mut probe.decode,
             arena: probe.tier_arena.clone(),
         };
+        report.summary.setup_seconds = started.elapsed().as_secs_f64(); // the prefill engine's start is added
         let r = crate::scenario::engine::run_scenario(
             sc,
             cfg.seed,

@@ -226,6 +226,7 @@ fn refused_report(e: &Error) -> Report {
         scenario: None,
         dump: None,
         peer: None,
+        matrix: None,
         outcome: crate::report::Outcome { exit_code: 0, status: "running".into(), error: None },
     };
     r.finish(e.exit(), Some(e));
@@ -495,7 +496,7 @@ fn session_inner(
     // --timeout, a verify pass): one that heartbeats but sends nothing for IDLE_REQUESTS is
     // not waited for for ever.
     let idle_bound = (2 * timeout).max(IDLE_REQUESTS);
-    let (exit, error, summary, scenario) = match &rc.scenario {
+    let (exit, error, results) = match &rc.scenario {
         None => sweep_requests(&rc, link, &mut ep, &decode_agent, &mut me, idle_bound, say)?,
         Some(template) => {
             let place = TierPlace {
@@ -507,17 +508,19 @@ fn session_inner(
         }
     };
     // Decode's totals become serve's summary (one outcome for the pair), with serve's own path.
-    if let Some(s) = summary.and_then(|v| serde_json::from_value::<crate::report::Summary>(v).ok()) {
+    if let Some(s) = results.summary.and_then(|v| serde_json::from_value::<crate::report::Summary>(v).ok()) {
         acc.side.transport_path = s.transport_path.clone(); // decode's UCX tables
         acc.report.summary = s;
     }
-    acc.report.scenario = scenario.and_then(|v| serde_json::from_value(v).ok());
+    acc.report.scenario = results.scenario.and_then(|v| serde_json::from_value(v).ok());
+    acc.report.matrix = results.rows;
+    acc.side.exit_code = Some(exit as u8); // one outcome for the pair: decode's is the run's
     let op = if rc.op == Op::Write { "WRITE" } else { "READ" };
     let mut path = crate::ucx::path_since(mark, &rc.backend, op, vram);
     if path.selections.is_empty() && rc.op == Op::Read {
         // The target of a READ logs no table of it: the initiator, decode, does.
         path.unknown_because =
-            Some("decode initiates READs on the other side: its UCX tables are under peer.transport_path".into());
+            Some("decode initiates the READs: their UCX tables are decode's (summary.transport_path of decode's report, peer.transport_path of serve's)".into());
     }
     if let Some(env) = acc.report.environment.as_ref() {
         crate::ucx::flag_path(&mut path, &env.rdma, vram.then_some(cfg.device));
@@ -542,19 +545,20 @@ fn session_inner(
     Ok((exit, err))
 }
 
-/// How decode ended the run ([`Msg::Done`]): its exit code, error, summary and scenario
-/// section.
-type Ending = (Exit, Option<String>, Option<serde_json::Value>, Option<serde_json::Value>);
+/// How decode ended the run ([`Msg::Done`]): its exit code, error and results.
+type Ending = (Exit, Option<String>, crate::peer::Results);
 
 /// The run's end as decode said it ([`Msg::Done`]). Errors: transport (exit 3) for an exit
 /// code kvprobe never uses (a protocol error).
 fn done(link: &Link, m: Msg) -> Result<Ending> {
-    let Msg::Done { exit, error, summary, scenario } = m else {
+    let Msg::Done { exit, error, summary, scenario, rows } = m else {
         return Err(Error::Transport(format!("{} sent {} to end the run (a protocol error)", link.who(), m.name())));
     };
     match Exit::from_code(exit) {
-        Some(Exit::Clean) => Ok((Exit::Clean, None, summary, scenario)), // a clean run has no error
-        Some(x) => Ok((x, error, summary, scenario)),
+        Some(x) => {
+            let error = if x == Exit::Clean { None } else { error }; // a clean run has no error
+            Ok((x, error, crate::peer::Results { summary, scenario, rows }))
+        }
         None => Err(Error::Transport(format!(
             "{} ended the run with exit code {exit}, which kvprobe never uses (a protocol error)",
             link.who()
@@ -729,10 +733,15 @@ fn scenario_requests(
         let cfg = row_config(template, &begin, rows)?;
         rows += 1;
         let row = begin.row;
+        // Rows as decode's table counts them (from 1); a single run is just its scenario.
+        let what = match template.matrix {
+            true => format!("row {}", row + 1),
+            false => "scenario".to_string(),
+        };
         say(&format!(
-            "kvprobe serve: row {row}: {}{}",
+            "kvprobe serve: {what}: {}{}",
             cfg.scenario.name(),
-            cfg.unfenced.first().map_or(String::new(), |m| format!(" with {m} unfenced"))
+            cfg.unfenced.iter().map(|m| format!(" with {m} unfenced")).collect::<String>()
         ));
         let (mut engine, tier, tier_detail) =
             PrefillEngine::start(&cfg, rc.seed, ep, &begin.tag, timeout, place).map_err(|e| attribute(link, e))?;
@@ -748,7 +757,7 @@ fn scenario_requests(
                 Msg::End { row: r, line } if r == row => {
                     let counters = engine.finish();
                     me.fill_seconds += counters.fill_seconds;
-                    say(&format!("kvprobe serve: row {row} ended: {line}"));
+                    say(&format!("kvprobe serve: {what} ended: {line}"));
                     link.send(&Msg::Ended { row, counters })?;
                     break;
                 }

@@ -216,36 +216,32 @@ impl Endpoint {
     }
 
     /// Decode: posts one NIXL READ from the peer's tier arena (announced in its
-    /// [`PeerInfo::tier_region`]) into this role's pool: each `(byte offset inside tier entry
-    /// `entry`, local slice, bytes)`, descriptors built for the request
-    /// (`createXferReq`); does not wait ([`Endpoint::poll`]). Its deadline is `timeout` from
-    /// now. Errors: transport (exit 3) when the peer announced no arena or a range leaves it;
-    /// timeout (exit 4).
-    pub fn post_read_tier(&self, entry: u32, pairs: &[(u64, SliceCoord, u64)], timeout: Duration) -> Result<Posted> {
+    /// [`PeerInfo::tier_region`]) into this role's pool: each `(byte offset in the arena, local
+    /// slice, bytes)`, descriptors built for the request (`createXferReq`); does not wait
+    /// ([`Endpoint::poll`]). Its deadline is `timeout` from now. Errors: transport (exit 3)
+    /// when the peer announced no arena or a range leaves it; timeout (exit 4).
+    pub fn post_read_tier(&self, pairs: &[(u64, SliceCoord, u64)], timeout: Duration) -> Result<Posted> {
         let deadline = Deadline::after(timeout);
         let agent = self.local()?;
         let peer = self.peer();
         let Some((base, len)) = peer.tier_region else {
             return Err(crate::error::Error::Transport(format!("agent {} announced no tier arena to READ from", peer.agent)));
         };
-        let g = self.pool.geometry();
-        let block = self.pool.block_bytes();
-        let start = entry as u64 * block;
-        if start.checked_add(block).is_none_or(|end| end > len) {
+        if let Some(&(off, _, n)) = pairs.iter().find(|p| p.0.checked_add(p.2).is_none_or(|end| end > len)) {
             return Err(crate::error::Error::Transport(format!(
-                "tier entry {entry} ({block} bytes) lies outside agent {}'s arena of {len} bytes",
+                "a tier load of {n} bytes at offset {off} leaves agent {}'s arena of {len} bytes",
                 peer.agent
             )));
         }
+        let g = self.pool.geometry();
         let local: Vec<(u64, u64)> = pairs.iter().map(|p| (g.descriptor(&self.pool.region_addrs(), p.1).0, p.2)).collect();
-        let remote: Vec<(u64, u64)> = pairs.iter().map(|p| (base + start + p.0, p.2)).collect();
+        let remote: Vec<(u64, u64)> = pairs.iter().map(|p| (base + p.0, p.2)).collect();
         self.pool.bind()?;
         let descs = Descs::Fresh {
             local: (&local, mem_type(self.pool.memory()), self.pool.device_id()),
             remote: (&remote, MemType::Dram, 0),
         };
-        let tag = format!("kvprobe:tier-load:{entry}");
-        agent.post(XferOp::Read, descs, &peer.agent, tag.as_bytes(), deadline, self.keep()?)
+        agent.post(XferOp::Read, descs, &peer.agent, b"kvprobe:tier-load", deadline, self.keep()?)
     }
 
     fn local(&self) -> Result<&Agent> {

@@ -710,15 +710,23 @@ fn pair_scenarios_run_across_two_processes_with_one_outcome_in_both_reports() {
         match sc {
             "nixl-only" => assert_eq!(detail, "none"),
             // Decode reaches prefill's embedded tier over NIXL (another process), never over
-            // the control connection; tier-only moves no KV block over NIXL's READ connector.
+            // the control connection: the entries' bytes are what crossed NIXL.
             "tier-only" => {
                 assert!(detail.contains("NIXL"), "{detail}");
-                assert_eq!(r["summary"]["bytes_transferred"], 0, "{}", r["summary"]);
+                let block = 4 * 2 * 4096; // the small preset: 4 layers x K/V x 4 KiB slices
+                let loaded = r["scenario"]["tier_loads"].as_u64().unwrap() - r["scenario"]["tier_hit_blocks"].as_u64().unwrap();
+                assert_eq!(r["summary"]["bytes_transferred"], loaded * block, "{}", r["summary"]);
                 assert!(r["scenario"]["tier_loads"].as_u64().unwrap() > r["scenario"]["tier_hit_blocks"].as_u64().unwrap());
             }
             _ => assert!(r["summary"]["bytes_transferred"].as_u64().unwrap() > 0),
         }
-        assert!(sout.contains("row 0 ended"), "{sc}: {sout}");
+        assert!(
+            sout.contains(&format!(
+                "kvprobe serve: scenario ended: clean: {} requests verified",
+                r["scenario"]["requests_verified"]
+            )),
+            "{sc}: {sout}"
+        );
     }
 }
 
@@ -751,6 +759,13 @@ fn pair_ab_passes_every_row_with_the_embedded_tier() {
     let checked: u64 = rows.iter().map(|r| r["slices_checked"].as_u64().unwrap()).sum();
     assert_eq!(sr["summary"]["blocks_checked"], checked);
     assert_eq!(sout.matches("ended:").count(), 8, "{sout}");
+    // Serve's report holds the rows, and it prints the same table and outcome as ab; its row
+    // lines count as ab's do and carry each row's verdict.
+    assert_eq!(&sr["matrix"], &ab["rows"]);
+    assert!(sout.contains("stacked+save-after-free") && sout.contains("result: clean (exit 0)"), "{sout}");
+    assert!(sout.contains("kvprobe serve: row 5: stacked with save-after-free unfenced"), "{sout}");
+    assert!(sout.contains("kvprobe serve: row 5 ended: save-after-free detected:"), "{sout}");
+    assert!(sout.contains("kvprobe serve: row 1 ended: clean:"), "{sout}");
 }
 
 #[test]

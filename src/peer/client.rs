@@ -534,28 +534,17 @@ impl PrefillPeer {
         self.state.lock().unwrap_or_else(|p| p.into_inner()).fill_seconds
     }
 
-    /// Ends the session: tells prefill the run's outcome and waits (up to `wait`) for its side
-    /// of the report. Returns prefill's section (what it sent, or what was known of it, with
-    /// `bye_missing` set when it did not answer).
-    pub fn finish(&self, exit: u8, error: Option<String>, summary: Option<serde_json::Value>, wait: Duration) -> PeerSide {
-        self.finish_with(exit, error, summary, None, wait)
-    }
-
-    /// [`PrefillPeer::finish`] with decode's scenario section for prefill's report.
-    pub fn finish_with(
-        &self,
-        exit: u8,
-        error: Option<String>,
-        summary: Option<serde_json::Value>,
-        scenario: Option<serde_json::Value>,
-        wait: Duration,
-    ) -> PeerSide {
+    /// Ends the session: tells prefill the run's outcome and decode's `results` ([`Msg::Done`])
+    /// and waits (up to `wait`) for its side of the report. Returns prefill's section (what it
+    /// sent, or what was known of it, with `bye_missing` set when it did not answer).
+    pub fn finish(&self, exit: u8, error: Option<String>, results: super::Results, wait: Duration) -> PeerSide {
+        let super::Results { summary, scenario, rows } = results;
         // A child is not told to end while a request of this process may still move its
         // memory: it is killed instead ([`PrefillChild`]).
         let sent = if matches!(self.holder, Some(Holder::Child(_))) && crate::nixl::unconfirmed() > 0 {
             Err(Error::Transport("requests in flight".into()))
         } else {
-            self.link.send(&Msg::Done { exit, error, summary, scenario })
+            self.link.send(&Msg::Done { exit, error, summary, scenario, rows })
         };
         let t0 = Instant::now();
         if sent.is_ok() {

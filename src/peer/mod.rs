@@ -246,6 +246,10 @@ pub enum Msg {
         /// report. Absent from a sweep, `ab`, or an older kvprobe of the same protocol.
         #[serde(default)]
         scenario: Option<serde_json::Value>,
+        /// `ab`: the matrix's rows (`kvprobe.ab/1` `rows`), for serve's report and table.
+        /// Absent otherwise, or from an older kvprobe of the same protocol.
+        #[serde(default)]
+        rows: Option<serde_json::Value>,
     },
     /// serve → run: prefill's side of the report.
     Bye {
@@ -335,6 +339,19 @@ impl Msg {
             Msg::Ended { .. } => "ended",
         }
     }
+}
+
+/// What decode tells prefill of its results as the run ends ([`Msg::Done`]), for serve's
+/// summary and report: decode's summary, a scenario's section, `ab`'s rows (JSON of the
+/// report's types).
+#[derive(Clone, Debug, Default)]
+pub struct Results {
+    /// The report's `summary` (`ab`: the rows' totals).
+    pub summary: Option<serde_json::Value>,
+    /// `run --scenario`: the report's `scenario`.
+    pub scenario: Option<serde_json::Value>,
+    /// `ab`: the matrix's `rows`.
+    pub rows: Option<serde_json::Value>,
 }
 
 /// The byte stream under a [`Link`]: a TCP connection (two hosts) or a Unix socket (a child

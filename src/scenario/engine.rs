@@ -100,13 +100,19 @@ pub fn run_scenario(
         }
     });
     let begin = Begin { row, scenario: cfg.scenario, unfenced: cfg.unfenced.clone(), tag: nixl.tag().to_string() };
+    let t = Instant::now();
     let (access, detail) = sides.prefill.begin(begin)?;
+    report.summary.setup_seconds += t.elapsed().as_secs_f64();
     let tier = match (cfg.scenario.uses_nixl(), access) {
         (false, Some(a)) => Some(TierReader::start(&a, sides.arena.clone(), &sides.decode.pool, timeout)?),
         (false, None) => {
             return Err(Error::Transport("prefill started a tier-only run without a tier (a protocol error)".into()));
         }
         (true, _) => None,
+    };
+    let detail = match &tier {
+        Some(TierReader::Mooncake { .. }) => format!("{detail}; decode's own store client (no segment) gets the entries"),
+        _ => detail,
     };
     let mut e = Decode::new(cfg, seed, row, sides, nixl, tier, detail, timeout, max_failures);
     e.dump = dump;
@@ -117,7 +123,21 @@ pub fn run_scenario(
     report.summary.bytes_compared += compared.bytes;
     if r.is_ok() {
         let line = match &report.scenario {
-            Some(s) => format!("{} requests verified, {} corrupt", s.requests_verified, report.summary.blocks_corrupt),
+            Some(s) => {
+                // The verdict decode's own table shows: each unfenced mechanism's, else clean or corrupt.
+                let verdicts: Vec<String> = s
+                    .races
+                    .iter()
+                    .filter(|o| cfg.unfenced.contains(&o.mechanism))
+                    .map(|o| format!("{} {}", o.mechanism, o.verdict))
+                    .collect();
+                let verdict = match (verdicts.is_empty(), report.summary.blocks_corrupt) {
+                    (true, 0) => "clean".to_string(),
+                    (true, _) => "corrupt".to_string(),
+                    (false, _) => verdicts.join(", "),
+                };
+                format!("{verdict}: {} requests verified, {} corrupt", s.requests_verified, report.summary.blocks_corrupt)
+            }
             None => String::new(),
         };
         match e.prefill.end(row, &line) {
@@ -405,7 +425,7 @@ impl<'a> Decode<'a> {
 
     fn step(&mut self, report: &mut Report) -> Result<()> {
         self.poll_reads(report)?;
-        self.run_loads()?;
+        self.run_loads(report)?;
         self.start_decode(report)?;
         self.verify(report)?;
         if self.pulls.values().all(|p| p.xfer.is_none()) {
@@ -476,13 +496,30 @@ impl<'a> Decode<'a> {
 
     // ---- tier-only loads ----
 
-    /// Decode's load stream: the tier loads that are due, in order.
-    fn run_loads(&mut self) -> Result<()> {
+    /// Decode's load stream: the tier loads that are due, in order, together (across a pair
+    /// the embedded tier's are one NIXL READ, counted with the bytes moved over NIXL).
+    fn run_loads(&mut self, report: &mut Report) -> Result<()> {
+        let mut due = Vec::new();
         while self.loads.front().is_some_and(|l| l.due <= self.now) {
-            let l = self.loads.pop_front().expect("front");
-            let p = &self.pulls[&l.req];
-            let (slot, entry) = (p.dslots[l.index], p.tier[l.index]);
-            self.tier.as_mut().expect("tier-only loads need the tier").load(self.ep, slot, &entry, self.timeout)?;
+            due.push(self.loads.pop_front().expect("front"));
+        }
+        if due.is_empty() {
+            return Ok(());
+        }
+        let loads: Vec<(u32, crate::peer::steps::TierRef)> = due
+            .iter()
+            .map(|l| {
+                let p = &self.pulls[&l.req];
+                (p.dslots[l.index], p.tier[l.index])
+            })
+            .collect();
+        let t = Instant::now();
+        let bytes = self.tier.as_mut().expect("tier-only loads need the tier").load(self.ep, &loads, self.timeout)?;
+        if bytes > 0 {
+            report.summary.bytes_transferred += bytes;
+            self.busy_secs += t.elapsed().as_secs_f64();
+        }
+        for (l, (_, entry)) in due.iter().zip(&loads) {
             self.dloads += 1;
             let p = self.pulls.get_mut(&l.req).expect("loading request");
             p.delivered[l.index] = entry.content;

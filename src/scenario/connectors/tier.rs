@@ -59,7 +59,9 @@ impl TierConnector {
         place: &TierPlace,
     ) -> Result<(TierConnector, TierAccess)> {
         if cfg.tier == TierKind::Mooncake {
-            let mooncake = MooncakeTier::start(cfg, seed, prefill, timeout, place.host)?;
+            // Who started a master: decode's kvprobe (prefill on its thread), or serve.
+            let by = if place.embedded == TierAccess::InProcess { "kvprobe" } else { "serve" };
+            let mooncake = MooncakeTier::start(cfg, seed, prefill, timeout, place.host, by)?;
             let access = TierAccess::Mooncake {
                 master: mooncake.master.rpc(),
                 metadata_url: mooncake.master.metadata_url().to_string(),
@@ -206,33 +208,51 @@ impl TierReader {
         })
     }
 
-    /// Loads `entry` into decode block `slot` of `ep`'s pool. Errors: transport (exit 3) when
-    /// the store fails the load, timeout (exit 4) past `timeout`.
-    pub(crate) fn load(&mut self, ep: &mut Endpoint, slot: u32, entry: &TierRef, timeout: Duration) -> Result<()> {
+    /// Loads each `(decode block, entry)` of `loads` into `ep`'s pool, and returns the bytes
+    /// that crossed NIXL (the embedded tier on prefill's host: one READ of every slice of
+    /// every entry; 0 otherwise). Errors: transport (exit 3) when the store fails a load,
+    /// timeout (exit 4) past `timeout`.
+    pub(crate) fn load(&mut self, ep: &mut Endpoint, loads: &[(u32, TierRef)], timeout: Duration) -> Result<u64> {
         match self {
-            TierReader::Direct(arena) => arena.with_entry(entry.entry, |b| ep.pool.write_block(slot, b)),
+            TierReader::Direct(arena) => {
+                for (slot, entry) in loads {
+                    arena.with_entry(entry.entry, |b| ep.pool.write_block(*slot, b))?;
+                }
+                Ok(0)
+            }
             TierReader::Nixl => {
                 let g = ep.pool.geometry().clone();
                 let sb = g.slice_bytes()?;
-                let mut pairs = Vec::with_capacity(g.num_layers as usize * g.kv_parts() as usize);
-                let mut off = 0;
-                // An entry is the block's slices back to back, in (layer, K/V) order
-                // (`KvPool::read_block`).
-                for layer in 0..g.num_layers {
-                    for &kv in g.parts() {
-                        pairs.push((off, SliceCoord { layer, kv, block: slot }, sb));
-                        off += sb;
+                let block = ep.pool.block_bytes();
+                let mut pairs = Vec::with_capacity(loads.len() * g.num_layers as usize * g.kv_parts() as usize);
+                for (slot, entry) in loads {
+                    // An entry is the block's slices back to back, in (layer, K/V) order
+                    // (`KvPool::read_block`), at its slot of the arena.
+                    let mut off = entry.entry as u64 * block;
+                    for layer in 0..g.num_layers {
+                        for &kv in g.parts() {
+                            pairs.push((off, SliceCoord { layer, kv, block: *slot }, sb));
+                            off += sb;
+                        }
                     }
                 }
-                let mut x = ep.post_read_tier(entry.entry, &pairs, timeout)?;
-                while ep.poll(&mut x)?.is_none() {
+                if pairs.is_empty() {
+                    return Ok(0);
+                }
+                let mut x = ep.post_read_tier(&pairs, timeout)?;
+                loop {
+                    if let Some(done) = ep.poll(&mut x)? {
+                        return Ok(done.bytes);
+                    }
                     std::thread::yield_now();
                 }
-                Ok(())
             }
             TierReader::Mooncake { worker, key_prefix } => {
-                let key = crate::mooncake::block_key(key_prefix, entry.hash, entry.serial);
-                worker.get_block(&key, &mut ep.pool, slot)
+                for (slot, entry) in loads {
+                    let key = crate::mooncake::block_key(key_prefix, entry.hash, entry.serial);
+                    worker.get_block(&key, &mut ep.pool, *slot)?;
+                }
+                Ok(0)
             }
         }
     }
@@ -269,7 +289,14 @@ pub(crate) struct MooncakeTier {
 }
 
 impl MooncakeTier {
-    fn start(cfg: &ScenarioConfig, seed: u64, prefill: &KvPool, timeout: Duration, host: IpAddr) -> Result<MooncakeTier> {
+    fn start(
+        cfg: &ScenarioConfig,
+        seed: u64,
+        prefill: &KvPool,
+        timeout: Duration,
+        host: IpAddr,
+        by: &str,
+    ) -> Result<MooncakeTier> {
         use crate::mooncake::{Deployment, Master};
         let install = crate::mooncake::find()?;
         // The worker first: its hello imports the store client, so a broken install is a
@@ -317,7 +344,7 @@ impl MooncakeTier {
             install.wheel,
             install.version,
             master.rpc(),
-            if master.is_started() { "started by kvprobe" } else { "existing deployment" },
+            if master.is_started() { format!("started by {by}") } else { "existing deployment".into() },
             master.metadata_url()
         );
         Ok(MooncakeTier { master, worker, fingerprint, detail, doomed: Vec::new() })
