@@ -1579,8 +1579,11 @@ fn serve(a: ServeArgs) -> Exit {
         // KVPROBE_TEST_STALL_AGENT_*.
         kvprobe::child::ignore_interrupts();
         kvprobe::deadline::set_agent_process();
-    } else if let Err(x) = check_report_path(&a.report).and_then(|_| install_signals()) {
-        return x;
+    } else {
+        claim_stdout(&a.report); // `--report -`: the JSON alone on stdout, serve's lines on stderr
+        if let Err(x) = check_report_path(&a.report).and_then(|_| install_signals()) {
+            return x;
+        }
     }
     let fail = |e: Error| {
         err(&format!("kvprobe serve: {e}"));

@@ -352,6 +352,9 @@ pub struct Worker {
     _script: tempfile::NamedTempFile,
     /// The descriptors it inherited ([`Worker::start`]'s shareable buffers).
     inherited: Vec<i32>,
+    /// Set when the run ended elsewhere (the peer of a node pair ended it or went away,
+    /// [`crate::peer::Link::ended`]): a call waiting for its reply gives up.
+    abort: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
 }
 
 impl Worker {
@@ -397,7 +400,7 @@ impl Worker {
                 }
             }
         });
-        let mut w = Worker { child, stdin, replies: rx, next_id: 1, timeout, log, _script: script, inherited };
+        let mut w = Worker { child, stdin, replies: rx, next_id: 1, timeout, log, _script: script, inherited, abort: None };
         // hello imports the store client: a broken install fails here, as a set-up problem.
         let hello = w.call("hello", serde_json::json!({})).map_err(|e| match e {
             Error::Transport(m) => Error::Environment(format!("{m}; {INSTALL_HINT}")),
@@ -456,6 +459,11 @@ impl Worker {
                 Err(std::sync::mpsc::RecvTimeoutError::Timeout) if left > Duration::from_millis(100) => {
                     if crate::interrupt::requested() && op != "quit" {
                         return Err(Error::Interrupted(format!("while waiting for the Mooncake worker's `{op}`")));
+                    }
+                    if self.abort.as_ref().is_some_and(|a| a.load(std::sync::atomic::Ordering::SeqCst)) && op != "quit" {
+                        return Err(Error::Transport(format!(
+                            "the peer ended the run while the Mooncake worker's `{op}` was awaited"
+                        )));
                     }
                 }
                 Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
@@ -569,6 +577,12 @@ impl Worker {
     pub fn exists(&mut self, keys: &[String]) -> Result<Vec<i64>> {
         let v = self.call("exists", serde_json::json!({ "keys": keys }))?;
         Ok(rc_list(&v))
+    }
+
+    /// Makes every later call give up waiting once `flag` is set (the peer of a node pair
+    /// ended the run or went away, [`crate::peer::Link::ended`]).
+    pub fn set_abort(&mut self, flag: std::sync::Arc<std::sync::atomic::AtomicBool>) {
+        self.abort = Some(flag);
     }
 
     /// Sets how long each later call waits for its reply (set-up calls run with

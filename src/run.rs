@@ -451,7 +451,14 @@ pub fn run(cfg: &RunConfig, hooks: &mut Hooks<'_>) -> (Report, Exit) {
         // The pair ends together: prefill takes this outcome and sends its side of the report.
         let results = crate::peer::Results {
             summary: serde_json::to_value(&report.summary).ok(),
-            scenario: report.scenario.as_ref().and_then(|s| serde_json::to_value(s).ok()),
+            scenario: report.scenario.as_ref().and_then(|s| {
+                // Serve's copy keeps the last intervals that fit one frame of a running link
+                // (a --duration of hours at --interval 100ms has more); decode's report has all.
+                let mut s = s.clone();
+                let n = s.intervals.len();
+                s.intervals.drain(..n.saturating_sub(crate::peer::MAX_DONE_INTERVALS));
+                serde_json::to_value(s).ok()
+            }),
             rows: None,
         };
         let side = p.finish(exit as u8, err.map(|e| e.to_string()), results, PEER_BYE_BOUND);

@@ -349,23 +349,16 @@ fn session(
     SessionEnd { report, exit }
 }
 
-/// The error to report for a NIXL failure `e` on prefill's side: when the link shows within
-/// [`crate::peer::client::CAUSE_WAIT`] that decode is gone, silent, interrupted or ended the
-/// run, that (the decode side explains the failed transfer), else `e`.
+/// The error to report for a failure `e` of prefill's side during the run (NIXL, the tier, a
+/// wait): when the link shows within [`crate::peer::client::CAUSE_WAIT`] that decode is gone,
+/// silent, interrupted or ended the run, that — the pair has one outcome, and decode's end
+/// explains why prefill's call failed or was given up ([`peer::ended_with`]) — else `e`.
 fn attribute(link: &Link, e: Error) -> Error {
-    if !matches!(e, Error::Transport(_)) {
-        return e;
-    }
     let t0 = Instant::now();
     while t0.elapsed() < crate::peer::client::CAUSE_WAIT {
         match link.recv(Duration::from_millis(10)) {
             Err(le) => return le,
-            Ok(Some(Msg::Done { exit: 130, error, .. })) => {
-                return Error::Interrupted(format!("the decode side was interrupted: {}", error.unwrap_or_default()));
-            }
-            Ok(Some(Msg::Done { error, .. })) => {
-                return Error::Transport(format!("the decode side ended the run: {}", error.unwrap_or_default()));
-            }
+            Ok(Some(Msg::Done { exit, error, .. })) => return peer::ended_with("the decode side", exit, error),
             Ok(_) => {}
         }
     }
@@ -503,6 +496,7 @@ fn session_inner(
                 arena,
                 embedded: if handoff.is_some() { TierAccess::InProcess } else { TierAccess::Nixl },
                 host: link.local_ip().unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST)),
+                ended: link.ended(),
             };
             scenario_requests(&rc, template, link, &mut ep, &place, &mut me, idle_bound, say)?
         }

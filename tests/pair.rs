@@ -962,3 +962,187 @@ fn pair_scenario_joins_an_existing_mooncake_deployment_on_both_sides() {
     assert_eq!(sc, 0, "{sout}");
     m.alive().expect("the existing master still runs after both sides");
 }
+
+/// A prefill side that speaks the peer protocol but answers a scenario's steps as `answer`
+/// says (given the step and what decode sent): a malicious or broken `kvprobe serve`. It
+/// listens on loopback, does the handshake and the set-up for real (a NIXL agent of its own
+/// on a DRAM pool of the small preset), begins the run, then answers each step with
+/// `answer(step, input)`. Returns its address; its thread ends when decode goes away.
+fn fake_prefill(answer: impl Fn(u64, &kvprobe::peer::steps::StepIn) -> kvprobe::peer::steps::StepOut + Send + 'static) -> String {
+    use kvprobe::peer::{Accepted, Msg, Side, Stream};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        let (s, _) = listener.accept().unwrap();
+        let Ok(Accepted::Link(link, _)) = kvprobe::peer::server(Stream::Tcp(s), TOKEN, std::time::Duration::from_secs(30)) else {
+            return;
+        };
+        let g = kvprobe::geometry::Preset::Small.geometry();
+        let Ok(_) = link.expect("config", |m| if let Msg::Config { .. } = m { Ok(()) } else { Err(m.name()) }) else { return };
+        let side = Side { geometry: g.clone(), memory: kvprobe::pool::MemoryKind::Dram, device: 0, host: "fake".into() };
+        link.send(&Msg::Accept { prefill: side, environment: None }).unwrap();
+        let Ok(_) = link.expect("connect", |m| if let Msg::Connect { .. } = m { Ok(()) } else { Err(m.name()) }) else { return };
+        let ep = kvprobe::transport::Endpoint::new("fake-prefill", "UCX", kvprobe::pool::KvPool::host(&g, 1).unwrap()).unwrap();
+        link.send(&Msg::Connected { prefill: ep.info().unwrap() }).unwrap();
+        link.running();
+        let Ok(row) = link.expect("begin", |m| if let Msg::Begin { begin } = m { Ok(begin.row) } else { Err(m.name()) }) else {
+            return;
+        };
+        link.send(&Msg::Begun { row, tier: None, tier_detail: "none".into() }).unwrap();
+        while let Ok((step, input)) =
+            link.expect("step", |m| if let Msg::Step { step, input, .. } = m { Ok((step, input)) } else { Err(m.name()) })
+        {
+            if link.send(&Msg::Stepped { row, step, output: Box::new(answer(step, &input)) }).is_err() {
+                return;
+            }
+        }
+    });
+    addr
+}
+
+#[test]
+fn a_prefill_that_breaks_the_scenario_protocol_ends_the_run_with_exit_3() {
+    use kvprobe::peer::steps::{EngineId, Event, Handed, PrefillCounters, StepOut, What};
+    use kvprobe::pool::TableEntry;
+    let counts = |step: u64| PrefillCounters { steps: step, admitted: 1, ..Default::default() };
+    let handed = |blocks: Vec<u32>| Handed {
+        req: 0,
+        promised: blocks.iter().map(|&b| TableEntry { block: b + 100, generation: 1 }).collect(),
+        blocks,
+        tier: Vec::new(),
+    };
+    type Answer = Box<dyn Fn(u64, &kvprobe::peer::steps::StepIn) -> StepOut + Send>;
+    let cases: Vec<(&str, Answer, &str)> = vec![
+        (
+            "drained before admission stopped",
+            Box::new(move |k, _| StepOut { counters: counts(k), drained: true, ..Default::default() }),
+            "has drained",
+        ),
+        (
+            "admitted beyond --requests",
+            Box::new(move |k, _| StepOut { counters: PrefillCounters { admitted: 1000 + k, ..counts(k) }, ..Default::default() }),
+            "admitted",
+        ),
+        ("a step of another number", Box::new(move |k, _| StepOut { counters: counts(k + 5), ..Default::default() }), "step"),
+        (
+            "an event of decode's",
+            Box::new(move |k, _| StepOut {
+                events: vec![Event {
+                    engine: EngineId::Decode,
+                    step: k,
+                    seq: 1,
+                    what: What::ReadDone { req: 0, blocks: vec![0] },
+                }],
+                counters: counts(k),
+                ..Default::default()
+            }),
+            "event",
+        ),
+        (
+            "a hand-over of a block past the pool",
+            Box::new(move |k, _| StepOut { handed: vec![handed(vec![3, 64])], counters: counts(k), ..Default::default() }),
+            "block 64 of a pool of 64",
+        ),
+        (
+            "the same request handed over twice",
+            Box::new(move |k, _| StepOut {
+                handed: if k <= 2 { vec![handed(vec![1, 2])] } else { Vec::new() },
+                counters: counts(k),
+                ..Default::default()
+            }),
+            "already holds",
+        ),
+    ];
+    for (what, answer, says) in cases {
+        let addr = fake_prefill(answer);
+        let t0 = std::time::Instant::now();
+        let (code, r, out) = run_peer(&addr, &["--scenario", "nixl-only", "--requests", "10", "--timeout", "20"]);
+        assert_eq!(code, 3, "{what}: {out}");
+        let msg = r["outcome"]["error"]["message"].as_str().unwrap_or("");
+        assert!(msg.contains("a protocol error") && msg.contains(says), "{what}: {msg}");
+        assert!(t0.elapsed().as_secs() < 60, "{what}: ended only after {:?}", t0.elapsed());
+    }
+}
+
+/// A decode side that speaks the peer protocol to a real `kvprobe serve` at `addr` but drives
+/// a scenario as `drive` says: the handshake, the configuration of a nixl-only run of 50
+/// requests, its own NIXL agent and the first `begin` go as a real run's would; then `drive`
+/// gets the link and the first step's answer.
+fn fake_decode(addr: &str, drive: impl FnOnce(&kvprobe::peer::Link, kvprobe::peer::steps::StepOut)) {
+    use kvprobe::peer::steps::{Begin, StepIn};
+    use kvprobe::peer::{Msg, Side, Stream};
+    // A real run's configuration, as its report records it.
+    let (_, r, _) = crate::common::run_with_report("fake-decode-cfg", "dram", &["--scenario", "nixl-only", "--requests", "50"]);
+    let config = r["config"].clone();
+    let s = std::net::TcpStream::connect(addr).unwrap();
+    let link =
+        kvprobe::peer::client(Stream::Tcp(s), TOKEN, "0123456789abcdef", std::time::Duration::from_secs(30), "serve".into())
+            .unwrap();
+    let g = kvprobe::geometry::Preset::Small.geometry();
+    let side = Side { geometry: g.clone(), memory: kvprobe::pool::MemoryKind::Dram, device: 0, host: "fake".into() };
+    let hash = kvprobe::peer::config_hash(&config);
+    link.send(&Msg::Config { config, hash, decode: side, environment: None }).unwrap();
+    link.expect("accept", |m| if let Msg::Accept { .. } = m { Ok(()) } else { Err(m.name()) }).unwrap();
+    let ep = kvprobe::transport::Endpoint::new("fake-decode", "UCX", kvprobe::pool::KvPool::host(&g, 1).unwrap()).unwrap();
+    link.send(&Msg::Connect { decode: ep.info().unwrap() }).unwrap();
+    link.expect("connected", |m| if let Msg::Connected { .. } = m { Ok(()) } else { Err(m.name()) }).unwrap();
+    link.running();
+    let begin = Begin { row: 0, scenario: kvprobe::race::Scenario::NixlOnly, unfenced: Vec::new(), tag: "fake:req=".into() };
+    link.send(&Msg::Begin { begin }).unwrap();
+    link.expect("begun", |m| if let Msg::Begun { .. } = m { Ok(()) } else { Err(m.name()) }).unwrap();
+    link.send(&Msg::Step { row: 0, step: 1, input: StepIn { admit: true, ..Default::default() } }).unwrap();
+    let out = link.expect("stepped", |m| if let Msg::Stepped { output, .. } = m { Ok(*output) } else { Err(m.name()) }).unwrap();
+    drive(&link, out);
+}
+
+#[test]
+fn a_decode_that_breaks_the_scenario_protocol_ends_serve_with_exit_3_and_its_report() {
+    use kvprobe::peer::Msg;
+    use kvprobe::peer::steps::StepIn;
+    // Steps until prefill hands a request over, then sends `input(request)` as the next step.
+    fn after_hand_over(input: fn(u64) -> StepIn) -> impl FnOnce(&kvprobe::peer::Link, kvprobe::peer::steps::StepOut) {
+        move |link, first| {
+            let mut step = 1;
+            let mut out = first;
+            while out.handed.is_empty() && step < 100 {
+                step += 1;
+                link.send(&Msg::Step { row: 0, step, input: StepIn { admit: true, ..Default::default() } }).unwrap();
+                out = link
+                    .expect("stepped", |m| if let Msg::Stepped { output, .. } = m { Ok(*output) } else { Err(m.name()) })
+                    .unwrap();
+            }
+            let req = out.handed[0].req;
+            let _ = link.send(&Msg::Step { row: 0, step: step + 1, input: input(req) });
+            let _ = link.expect("the end", |m| Err::<(), _>(m.name()));
+        }
+    }
+    type Drive = Box<dyn FnOnce(&kvprobe::peer::Link, kvprobe::peer::steps::StepOut)>;
+    let cases: Vec<(&str, Drive, &str)> = vec![
+        (
+            "a READ reported complete that was never posted",
+            Box::new(after_hand_over(|req| StepIn { admit: true, read_done: vec![req], ..Default::default() })),
+            "without having posted it",
+        ),
+        (
+            "a request finished that was never handed over",
+            Box::new(after_hand_over(|req| StepIn { admit: true, finished: vec![req + 1000], ..Default::default() })),
+            "has not handed",
+        ),
+        (
+            "a step skipped",
+            Box::new(|link: &kvprobe::peer::Link, _| {
+                let _ = link.send(&Msg::Step { row: 0, step: 3, input: StepIn { admit: true, ..Default::default() } });
+                let _ = link.expect("the end", |m| Err::<(), _>(m.name()));
+            }),
+            "sent step during step 1",
+        ),
+    ];
+    for (what, drive, says) in cases {
+        let s = Serve::start(&[]);
+        fake_decode(&s.addr, drive);
+        let (code, out, r) = s.wait();
+        assert_eq!(code, 3, "{what}: {out}");
+        let msg = r.expect("serve wrote its report")["outcome"]["error"]["message"].as_str().unwrap_or("").to_string();
+        assert!(msg.contains("a protocol error") && msg.contains(says), "{what}: {msg}");
+    }
+}

@@ -15,6 +15,15 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+/// How long decode waits for prefill to start a scenario run ([`PrefillPeer::begin`]) with a
+/// silence bound of `silence` (the run's `--timeout`, at least 1 s): twice the set-up floor's
+/// share of it (`--timeout`, at least [`crate::deadline::SETUP_FLOOR`]: prefill's Mooncake
+/// store client starting, then joining), plus the 30 s a master it starts may take, plus
+/// [`crate::deadline::GRACE`].
+pub fn begin_bound(silence: Duration) -> Duration {
+    2 * silence.max(crate::deadline::SETUP_FLOOR) + Duration::from_secs(30) + crate::deadline::GRACE
+}
+
 /// How long connecting to `serve` may take (TCP connect), before the handshake's own bound.
 pub const CONNECT_BOUND: Duration = Duration::from_secs(10);
 
@@ -602,14 +611,23 @@ impl PrefillPeer {
     }
 
     /// Scenarios: asks prefill to start scenario run `begin.row` ([`Msg::Begin`]) and waits
-    /// for it ([`Msg::Begun`]: how decode reaches the tier, and the tier in words). Prefill's
-    /// set-up (a Mooncake master, the genesis fill of its pool) is bounded by `--timeout`, at
-    /// least [`crate::deadline::SETUP_FLOOR`]. Errors: the link's (prefill's own failure
-    /// included), timeout (exit 4), transport (a protocol error).
+    /// for it ([`Msg::Begun`]: how decode reaches the tier, and the tier in words), within
+    /// [`begin_bound`]: longer than prefill's own bounds on its set-up (its Mooncake store
+    /// client's start and join, each `--timeout` at least 60 s, and a master's start), so that
+    /// prefill's own error, naming what failed, arrives first. Errors: the link's (prefill's
+    /// own failure included), timeout (exit 4), transport (a protocol error).
     pub fn begin(&self, begin: super::steps::Begin) -> Result<(Option<super::steps::TierAccess>, String)> {
         let row = begin.row;
         self.link.send(&Msg::Begin { begin })?;
-        self.link.bound_setup(self.link.silence());
+        let bound = begin_bound(self.link.silence());
+        self.link.set_deadline(Some((
+            Instant::now() + bound,
+            format!(
+                "{} did not start its scenario run (tier, genesis fill) within {:.0} s",
+                self.link.who(),
+                bound.as_secs_f64()
+            ),
+        )));
         let got = self.link.expect("prefill's start of the scenario", |m| match m {
             Msg::Begun { row: r, tier, tier_detail } if r == row => Ok((tier, tier_detail)),
             m => Err(m.name()),
@@ -660,6 +678,11 @@ impl PrefillPeer {
         });
         self.link.set_deadline(None);
         got
+    }
+
+    /// The flag set once prefill ended the run or went away ([`super::Link::ended`]).
+    pub fn ended(&self) -> std::sync::Arc<std::sync::atomic::AtomicBool> {
+        self.link.ended()
     }
 
     /// Tells prefill this side was interrupted (best effort).

@@ -71,6 +71,10 @@ pub const MAX_QUEUED: usize = 256;
 /// hundred bytes, the goodbye (a side's report section) well under this.
 pub const MAX_RUN_FRAME: usize = 4 << 20;
 
+/// Most error-rate intervals a scenario's `done` carries to serve's report (about 100 bytes
+/// each: well inside [`MAX_RUN_FRAME`]); a longer run's first ones are only in decode's report.
+pub const MAX_DONE_INTERVALS: usize = 10_000;
+
 /// One side of a node pair as it announces itself: the geometry of its pool (carried per side
 /// so that unequal geometries can be allowed later), its memory and GPU.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -486,7 +490,8 @@ impl FrameReader {
     }
 }
 
-/// Writes one frame (serialized here). Errors: transport when the connection is gone.
+/// Writes one frame (serialized here). Errors: transport when the connection is gone, timeout
+/// when the peer took nothing for the stream's write timeout.
 fn write_frame(stream: &mut Stream, msg: &Msg) -> Result<()> {
     let body = serde_json::to_vec(msg).map_err(|e| Error::Io(format!("peer protocol: {e}")))?;
     let mut codec = LengthDelimitedCodec::builder().length_field_length(4).max_frame_length(MAX_FRAME).new_codec();
@@ -494,7 +499,12 @@ fn write_frame(stream: &mut Stream, msg: &Msg) -> Result<()> {
     codec
         .encode(Bytes::from(body), &mut out)
         .map_err(|e| Error::Usage(format!("peer protocol: a {} message over {MAX_FRAME} bytes: {e}", msg.name())))?;
-    stream.write_all(&out).and_then(|_| stream.flush()).map_err(|e| Error::Transport(format!("the peer connection broke: {e}")))
+    stream.write_all(&out).and_then(|_| stream.flush()).map_err(|e| match e.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+            Error::Timeout(format!("the peer took no frame within the write bound: {e}"))
+        }
+        _ => Error::Transport(format!("the peer connection broke: {e}")),
+    })
 }
 
 /// SHA-256 of `nonce` (hex-decoded) followed by `token`, hex: the proof in [`Msg::Hello`].
@@ -582,6 +592,22 @@ pub fn check_hello(msg: &Msg, nonce: &str, token: &str) -> std::result::Result<S
     Ok(run_id.clone())
 }
 
+/// The error that stands for the run's end as the peer said it ([`Msg::Done`]): its exit
+/// code's kind (130 interrupted, 4 timeout, 2 usage, 1 corrupt, else transport), with `who`
+/// and its message; a clean or other normal end while this side failed is a transport error
+/// naming it.
+pub fn ended_with(who: &str, exit: u8, error: Option<String>) -> Error {
+    let m = error.unwrap_or_default();
+    match exit {
+        130 => Error::Interrupted(format!("{who} was interrupted: {m}")),
+        4 => Error::Timeout(format!("{who}: {m}")),
+        2 => Error::Usage(format!("{who}: {m}")),
+        1 => Error::Corrupt(format!("{who} found corruption: {m}")),
+        3 => Error::Transport(format!("{who} ended the run: {m}")),
+        x => Error::Transport(format!("{who} ended the run (exit {x}) while this side still had a call in progress")),
+    }
+}
+
 /// What the reader thread passes on.
 enum Incoming {
     Msg(Box<Msg>),
@@ -610,6 +636,8 @@ pub struct Link {
     /// A bound on [`Link::expect`]'s waits, whatever the heartbeats say ([`Link::set_deadline`]):
     /// when it passes, the error (a timeout) to return.
     deadline: Mutex<Option<(Instant, String)>>,
+    /// Set by the reader thread once the peer ended the run or went away ([`Link::ended`]).
+    ended: Arc<AtomicBool>,
 }
 
 /// How long a failed [`Link::send`] reads what the peer sent before it closed, for the reason
@@ -654,9 +682,11 @@ impl Link {
         let stop = Arc::new(AtomicBool::new(false));
         let silence_ms = Arc::new(AtomicU64::new(silence.as_millis() as u64));
         let max_frame = Arc::new(AtomicU64::new(MAX_FRAME as u64));
+        let ended = Arc::new(AtomicBool::new(false));
         {
             let max_frame = max_frame.clone();
             let heard = heard.clone();
+            let ended = ended.clone();
             std::thread::spawn(move || {
                 loop {
                     reader.codec.set_max_frame_length(max_frame.load(Ordering::Relaxed) as usize);
@@ -664,11 +694,19 @@ impl Link {
                     heard.store(epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
                     let (msg, end) = match m {
                         Ok(Msg::Heartbeat) => continue,
-                        Ok(m) => (Incoming::Msg(Box::new(m)), false),
+                        Ok(m) => {
+                            if matches!(m, Msg::Done { .. } | Msg::Interrupt { .. } | Msg::Failed { .. }) {
+                                ended.store(true, Ordering::SeqCst);
+                            }
+                            (Incoming::Msg(Box::new(m)), false)
+                        }
                         Err(ReadEnd::TimedOut) => continue,
                         Err(ReadEnd::Closed(w)) => (Incoming::Gone(w), true),
                         Err(ReadEnd::Bad(w)) => (Incoming::Bad(w), true),
                     };
+                    if end {
+                        ended.store(true, Ordering::SeqCst);
+                    }
                     if tx.send(msg).is_err() || end {
                         return;
                     }
@@ -701,6 +739,7 @@ impl Link {
             who,
             failed: Mutex::new(None),
             deadline: Mutex::new(None),
+            ended,
         })
     }
 
@@ -748,6 +787,14 @@ impl Link {
         )));
     }
 
+    /// A flag the reader thread sets once the peer ended the run or went away (it sent `done`,
+    /// `interrupt` or `failed`, or the connection closed): a long call of this side that
+    /// waits on something else (a Mooncake worker, NIXL notifications) checks it and stops
+    /// waiting, so that the pair ends together with the peer's outcome.
+    pub fn ended(&self) -> Arc<AtomicBool> {
+        self.ended.clone()
+    }
+
     /// This side's address of the connection (what the peer reached it on): `None` for a
     /// Unix socket (a child or a thread of the same host).
     pub fn local_ip(&self) -> Option<std::net::IpAddr> {
@@ -770,7 +817,16 @@ impl Link {
             write_frame(&mut s, msg)
         };
         let Err(e) = sent else { return Ok(()) };
-        let broke = Error::Transport(format!("{}: {}", self.who, e.detail()));
+        let broke = match e {
+            // The write timed out: the peer stopped reading for the silence bound.
+            Error::Timeout(_) => Error::Timeout(format!(
+                "{} stopped reading: a frame could not be written within {:.1} s (stopped, or the link dropped)",
+                self.who,
+                self.silence().as_secs_f64()
+            )),
+            Error::Transport(m) => Error::Transport(format!("{} is gone: {m}", self.who)),
+            e => return Err(e), // this side's own (a frame over the bound)
+        };
         if let Some(pe) = self.failed.lock().unwrap_or_else(|p| p.into_inner()).clone() {
             return Err(pe);
         }
@@ -780,6 +836,9 @@ impl Link {
         while let Ok(Incoming::Msg(m)) = rx.recv_timeout(until.saturating_duration_since(Instant::now())) {
             if let Some(pe) = self.error_of(&m) {
                 return Err(self.fail(pe));
+            }
+            if let Msg::Done { exit, error, .. } = *m {
+                return Err(self.fail(ended_with(&self.who, exit, error)));
             }
         }
         Err(self.fail(broke))

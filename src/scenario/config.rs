@@ -112,7 +112,8 @@ pub fn check(cfg: &ScenarioConfig, num_blocks: u32) -> Result<()> {
         return Err(Error::Usage("--interval must be at least 100ms".into()));
     }
     let need = 2 * cfg.concurrency as u64 * w.max_blocks as u64;
-    if cfg.scenario.uses_tier() && (cfg.tier_blocks as u64) < need {
+    // A matrix's rows use the tier whatever its template says.
+    if (cfg.matrix || cfg.scenario.uses_tier()) && (cfg.tier_blocks as u64) < need {
         return Err(Error::Usage(format!(
             "--tier-blocks {} is too small: in-flight requests may pin up to {need} entries (2 x concurrency x max prompt blocks)",
             cfg.tier_blocks

@@ -104,7 +104,10 @@ pub fn run_scenario(
     let (access, detail) = sides.prefill.begin(begin)?;
     report.summary.setup_seconds += t.elapsed().as_secs_f64();
     let tier = match (cfg.scenario.uses_nixl(), access) {
-        (false, Some(a)) => Some(TierReader::start(&a, sides.arena.clone(), &sides.decode.pool, timeout)?),
+        (false, Some(a)) => Some(
+            TierReader::start(&a, sides.arena.clone(), &sides.decode.pool, timeout, sides.prefill.ended())
+                .map_err(|e| sides.prefill.cause_of(e))?,
+        ),
         (false, None) => {
             return Err(Error::Transport("prefill started a tier-only run without a tier (a protocol error)".into()));
         }
@@ -140,7 +143,7 @@ pub fn run_scenario(
             }
             None => String::new(),
         };
-        match e.prefill.end(row, &line) {
+        match e.prefill.end(row, &line).and_then(|c| e.check_counters(&c, true).map(|_| c)) {
             Ok(c) => {
                 e.counters = c;
                 e.finish(report);
@@ -211,6 +214,10 @@ struct Decode<'a> {
     seq: u64,
     /// What decode did in this step, for prefill's next.
     next: StepIn,
+    /// Decode told prefill to stop admitting (`--duration` passed).
+    stop_sent: bool,
+    /// Requests verified (a hand-over of one again is a protocol error).
+    done_ids: std::collections::HashSet<u64>,
 }
 
 impl<'a> Decode<'a> {
@@ -264,6 +271,8 @@ impl<'a> Decode<'a> {
             fault: None,
             seq: 0,
             next: StepIn { admit: true, ..Default::default() },
+            stop_sent: false,
+            done_ids: std::collections::HashSet::new(),
         }
     }
 
@@ -295,14 +304,21 @@ impl<'a> Decode<'a> {
             let busy = self.pulls.values().any(|p| p.xfer.is_some());
             self.now += 1;
             let admit = self.next.admit;
+            self.stop_sent |= !admit;
             let input = std::mem::replace(&mut self.next, StepIn { admit, ..Default::default() });
             let out = self.prefill.step(self.row, self.now, input)?;
             let drained = out.drained;
             self.apply(out)?;
             if drained {
-                if !self.pulls.is_empty() {
+                let c = &self.counters;
+                if !self.pulls.is_empty() || !c.stopped || self.verified + c.aborted != c.admitted {
                     return Err(Error::Transport(format!(
-                        "prefill says it has drained while decode still holds {} of its requests (a protocol error)",
+                        "prefill says it has drained with admission {} and {} admitted, {} aborted, while decode verified {} \
+                         and still holds {} (a protocol error)",
+                        if c.stopped { "stopped" } else { "going on" },
+                        c.admitted,
+                        c.aborted,
+                        self.verified,
                         self.pulls.len()
                     )));
                 }
@@ -398,8 +414,50 @@ impl<'a> Decode<'a> {
                 },
             );
         }
+        self.check_counters(&out.counters, false)?;
         self.counters = out.counters;
+        if self.pulls.len() > self.cfg.concurrency as usize {
+            return Err(Error::Transport(format!(
+                "prefill handed over more requests than --concurrency {} lets be in flight (a protocol error)",
+                self.cfg.concurrency
+            )));
+        }
         Ok(())
+    }
+
+    /// Prefill's counts `c` (after a step, or its final ones with `last`) are ones a prefill
+    /// engine of this run can report: its step is decode's, no count goes back, admission stays
+    /// within `--requests` and stops only as the run says. Errors: transport (exit 3), naming
+    /// what does not hold (a protocol error).
+    fn check_counters(&self, c: &PrefillCounters, last: bool) -> Result<()> {
+        let p = &self.counters;
+        let dur = self.cfg.duration_secs.is_some();
+        let bad = if c.steps != self.now {
+            Some(format!("step {} in decode's step {}", c.steps, self.now))
+        } else if c.aborted < p.aborted
+            || c.hit_blocks < p.hit_blocks
+            || c.saves < p.saves
+            || c.loads < p.loads
+            || c.evictions < p.evictions
+            || !(c.fill_seconds.is_finite() && c.fill_seconds >= p.fill_seconds)
+            || (p.stopped && !c.stopped)
+        {
+            Some("counts that went back".to_string())
+        } else if c.aborted > c.admitted || (!dur && c.admitted > self.cfg.requests) {
+            Some(format!("{} admitted and {} aborted, with --requests {}", c.admitted, c.aborted, self.cfg.requests))
+        } else if c.admitted < p.admitted && !(dur && c.stopped) {
+            Some(format!("{} admitted after {}", c.admitted, p.admitted))
+        } else if c.stopped && (if dur { !self.stop_sent } else { c.admitted != self.cfg.requests }) {
+            Some("admission stopped before the run said so".to_string())
+        } else if last && (!c.stopped || self.verified + c.aborted != c.admitted) {
+            Some(format!("final counts of {} admitted and {} aborted, with {} verified", c.admitted, c.aborted, self.verified))
+        } else {
+            None
+        };
+        match bad {
+            Some(w) => Err(Error::Transport(format!("prefill reported {w} (a protocol error)"))),
+            None => Ok(()),
+        }
     }
 
     /// A hand-over decode can act on: a new request, 1 to half the pool's blocks (a prompt
@@ -408,8 +466,8 @@ impl<'a> Decode<'a> {
     fn check_handed(&self, h: &Handed, n: u32) -> Result<()> {
         let k = h.blocks.len();
         let tier_want = if self.cfg.scenario.uses_nixl() { 0 } else { k };
-        let bad = if self.pulls.contains_key(&h.req) {
-            Some("a request decode already holds".to_string())
+        let bad = if self.pulls.contains_key(&h.req) || self.done_ids.contains(&h.req) {
+            Some("a request decode already holds or verified".to_string())
         } else if k == 0 || k > (n / 2).max(1) as usize || h.promised.len() != k || h.tier.len() != tier_want {
             Some(format!("{k} blocks, {} identities and {} tier entries", h.promised.len(), h.tier.len()))
         } else if let Some(b) = h.blocks.iter().find(|&&b| b >= n) {
@@ -514,7 +572,12 @@ impl<'a> Decode<'a> {
             })
             .collect();
         let t = Instant::now();
-        let bytes = self.tier.as_mut().expect("tier-only loads need the tier").load(self.ep, &loads, self.timeout)?;
+        let bytes = self
+            .tier
+            .as_mut()
+            .expect("tier-only loads need the tier")
+            .load(self.ep, &loads, self.timeout)
+            .map_err(|e| self.prefill.cause_of(e))?;
         if bytes > 0 {
             report.summary.bytes_transferred += bytes;
             self.busy_secs += t.elapsed().as_secs_f64();
@@ -673,6 +736,7 @@ impl<'a> Decode<'a> {
                 self.dblocks.free(s);
             }
             self.verified += 1;
+            self.done_ids.insert(id);
             self.next.finished.push(id);
             if let Some(iv) = self.intervals.last_mut() {
                 iv.requests += 1;

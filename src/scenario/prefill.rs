@@ -96,6 +96,8 @@ pub struct PrefillEngine<'a> {
     seq: u64,
     /// This step's events and hand-overs.
     out: StepOut,
+    /// Set once decode ended the run or went away ([`crate::peer::Link::ended`]).
+    ended: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl<'a> PrefillEngine<'a> {
@@ -149,6 +151,7 @@ impl<'a> PrefillEngine<'a> {
             counters: PrefillCounters::default(),
             seq: 0,
             out: StepOut::default(),
+            ended: place.ended.clone(),
         };
         Ok((e, access, detail))
     }
@@ -170,6 +173,13 @@ impl<'a> PrefillEngine<'a> {
             let r = self.handed(id, "a READ posted")?;
             r.read_posted = true;
             r.read_deadline = Some(deadline);
+        }
+        for &id in &input.read_done {
+            if !self.handed(id, "a READ completed")?.read_posted {
+                return Err(Error::Transport(format!(
+                    "decode reported request {id}'s READ complete without having posted it (a protocol error)"
+                )));
+            }
         }
         for &id in &input.finished {
             self.handed(id, "a request finished")?.finished = true;
@@ -282,6 +292,12 @@ impl<'a> PrefillEngine<'a> {
     /// (`ids`) before the step goes on, so when a block is freed follows from the seed.
     fn await_notifications(&mut self, ids: &[u64]) -> Result<()> {
         while ids.iter().any(|id| self.reqs.get(id).is_some_and(|r| !r.read_notified)) {
+            if crate::interrupt::requested() {
+                return Err(Error::Interrupted("while waiting for the notifications of decode's READs".into()));
+            }
+            if self.ended.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err(Error::Transport("decode ended the run while its READs' notifications were awaited".into()));
+            }
             let asked = Instant::now();
             if self.take_notifications()? == 0 {
                 self.check_notification_deadlines(asked)?;

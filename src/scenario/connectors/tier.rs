@@ -44,6 +44,9 @@ pub struct TierPlace {
     /// The address a master kvprobe starts listens on, and prefill's store client
     /// advertises: loopback in one process, else the address decode reached serve on.
     pub host: IpAddr,
+    /// Set once decode ended the run or went away ([`crate::peer::Link::ended`]): a tier call
+    /// waiting for the store gives up.
+    pub ended: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl TierConnector {
@@ -61,7 +64,8 @@ impl TierConnector {
         if cfg.tier == TierKind::Mooncake {
             // Who started a master: decode's kvprobe (prefill on its thread), or serve.
             let by = if place.embedded == TierAccess::InProcess { "kvprobe" } else { "serve" };
-            let mooncake = MooncakeTier::start(cfg, seed, prefill, timeout, place.host, by)?;
+            let mut mooncake = MooncakeTier::start(cfg, seed, prefill, timeout, place.host, by)?;
+            mooncake.worker.set_abort(place.ended.clone());
             let access = TierAccess::Mooncake {
                 master: mooncake.master.rpc(),
                 metadata_url: mooncake.master.metadata_url().to_string(),
@@ -182,11 +186,13 @@ impl TierReader {
         arena: Option<Arc<TierArena>>,
         decode: &KvPool,
         timeout: Duration,
+        ended: Arc<std::sync::atomic::AtomicBool>,
     ) -> Result<TierReader> {
         Ok(match access {
-            TierAccess::InProcess => TierReader::Direct(
-                arena.ok_or_else(|| Error::Environment("the in-process tier's arena was not handed to decode".into()))?,
-            ),
+            // Prefill names a tier in this process only when it is a thread of it.
+            TierAccess::InProcess => TierReader::Direct(arena.ok_or_else(|| {
+                Error::Transport("prefill named a tier in this process, but it is not in this process (a protocol error)".into())
+            })?),
             TierAccess::Nixl => TierReader::Nixl,
             TierAccess::Mooncake { master, metadata_url, key_prefix } => {
                 let install = crate::mooncake::find()?;
@@ -203,6 +209,7 @@ impl TierReader {
                 })?;
                 map_pool(&mut worker, decode)?;
                 worker.set_timeout(timeout);
+                worker.set_abort(ended);
                 TierReader::Mooncake { worker, key_prefix: key_prefix.clone() }
             }
         })
