@@ -349,12 +349,12 @@ fn run_rows(
             }
             None => None,
         };
-        let sides = crate::scenario::engine::Sides {
+        let sides = crate::scenario::decode::Sides {
             prefill: &probe.prefill,
             decode: &mut probe.decode,
             arena: probe.tier_arena.clone(),
         };
-        let r = crate::scenario::engine::run_scenario(
+        let r = crate::scenario::decode::run_scenario(
             &sc,
             cfg.seed,
             row as u32,

@@ -577,13 +577,13 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>, slot: 
     }
     if let Some(sc) = &cfg.scenario {
         let timeout = Duration::from_secs_f64(cfg.timeout_secs);
-        let sides = crate::scenario::engine::Sides {
+        let sides = crate::scenario::decode::Sides {
             prefill: &probe.prefill,
             decode: &mut probe.decode,
             arena: probe.tier_arena.clone(),
         };
         report.summary.setup_seconds = started.elapsed().as_secs_f64(); // the prefill engine's start is added
-        let r = crate::scenario::engine::run_scenario(
+        let r = crate::scenario::decode::run_scenario(
             sc,
             cfg.seed,
             0,

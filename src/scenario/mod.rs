@@ -15,16 +15,16 @@
 //!   stamped with the engine, its step and its sequence number;
 //! - [`prefill`]: the prefill engine (scheduler, connectors, its pool), hosted by `kvprobe
 //!   serve` — on another host, in a child, or on a thread of decode's process;
-//! - [`engine`]: the decode engine (READs, tier-only loads, verification against the shadow)
+//! - [`decode`]: the decode engine (READs, tier-only loads, verification against the shadow)
 //!   and the loop that couples it to the prefill engine one step at a time over the peer
 //!   protocol ([`crate::peer::steps`]): the two engines talk only by messages;
 //! - [`fault`]: test-only damage that no race can produce.
 //!
-//! Types flow one way inside: config → scheduler → connectors → shadow → prefill, engine.
+//! Types flow one way inside: config → scheduler → connectors → shadow → prefill, decode.
 
 pub mod config;
 pub mod connectors;
-pub mod engine;
+pub mod decode;
 pub mod fault;
 pub mod prefill;
 pub mod scheduler;

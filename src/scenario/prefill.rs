@@ -7,7 +7,7 @@
 //! It talks to the decode engine only by messages ([`crate::peer::steps`]): one
 //! [`StepIn`] in, one [`StepOut`] out per step. `kvprobe serve` hosts it (a node pair, the
 //! child of `--decode-process`, or a thread of decode's process), driven over the peer
-//! protocol by decode ([`super::engine`]).
+//! protocol by decode ([`super::decode`]).
 //!
 //! # A step
 //! 1. What decode did: READs posted (the notification wait starts), requests finished.
