@@ -39,6 +39,10 @@ pub struct AbRow {
     pub classes: BTreeMap<String, u64>,
     /// Corrupt slices no unfenced mechanism explains.
     pub unexplained: u64,
+    /// Block-ownership violations (README "Block ownership"): 0 in a fenced row, more than 0
+    /// in the row of a mechanism that breaks ownership; absent from reports before the checker.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ownership_violations: Option<u64>,
     /// What the row must show: "clean" or "detected".
     pub expect: String,
     /// What it showed: "clean", "corrupt", "detected", "not reproduced".
@@ -92,7 +96,25 @@ fn row_of(name: String, scenario: Scenario, unfenced: Option<Mechanism>, r: &Rep
             ("detected", o.map_or("not reproduced".into(), |o| o.verdict.clone()), o.and_then(|o| o.why.clone()))
         }
     };
-    let pass = verdict == expect && unexplained == 0;
+    let violations = sc.and_then(|x| x.ownership_violations);
+    // The checker must agree: nothing in a fenced row, something where the unfenced
+    // mechanism breaks ownership (reports before the checker have no count to judge).
+    let ownership_ok = match (violations, unfenced) {
+        (None, _) => true,
+        (Some(n), None) => n == 0,
+        (Some(n), Some(m)) => n > 0 || !m.breaks_ownership(),
+    };
+    // The mechanism's own reason first; the checker's when the row would pass without it.
+    let why = match (ownership_ok, unfenced) {
+        (false, None) if verdict == "clean" => {
+            Some(format!("{} block-ownership violations in a fenced row", violations.unwrap_or(0)))
+        }
+        (false, Some(_)) if verdict == "detected" => {
+            Some("the block-ownership checker saw no violation of the unfenced ordering".to_string())
+        }
+        _ => why,
+    };
+    let pass = verdict == expect && unexplained == 0 && ownership_ok;
     AbRow {
         name,
         scenario,
@@ -102,6 +124,7 @@ fn row_of(name: String, scenario: Scenario, unfenced: Option<Mechanism>, r: &Rep
         corrupt: s.blocks_corrupt,
         classes,
         unexplained,
+        ownership_violations: violations,
         expect: expect.into(),
         verdict,
         why,
@@ -156,10 +179,12 @@ pub fn row_disagreements(row: &AbRow, sec: &Report) -> Vec<String> {
     out
 }
 
-/// Exit code of a finished matrix: 1 when a fenced row is corrupt or any corruption is
-/// unexplained, else 6 when an unfenced row was not detected, else 0.
+/// Exit code of a finished matrix: 1 when a fenced row is corrupt or breaks a block's
+/// ownership, or any corruption is unexplained, else 6 when an unfenced row was not detected
+/// (or its ownership violations not seen), else 0.
 pub fn matrix_exit(rows: &[AbRow]) -> Exit {
-    if rows.iter().any(|r| (r.unfenced.is_none() && r.corrupt > 0) || r.unexplained > 0) {
+    let fenced_bad = |r: &AbRow| r.unfenced.is_none() && (r.corrupt > 0 || r.ownership_violations.unwrap_or(0) > 0);
+    if rows.iter().any(|r| fenced_bad(r) || r.unexplained > 0) {
         Exit::Corrupt
     } else if rows.iter().any(|r| !r.pass) {
         Exit::NotReproduced
@@ -387,8 +412,8 @@ fn run_rows(
 /// The matrix as a text table.
 pub fn render(ab: &AbReport) -> String {
     let mut out = format!(
-        "{:<36} {:>8} {:>14} {:>8}  {:<28} {}\n",
-        "scenario", "requests", "slices checked", "corrupt", "classes", "verdict"
+        "{:<36} {:>8} {:>14} {:>8} {:>9}  {:<28} {}\n",
+        "scenario", "requests", "slices checked", "corrupt", "ownership", "classes", "verdict"
     );
     for r in &ab.rows {
         let classes: Vec<String> = r.classes.iter().map(|(k, n)| format!("{k} {n}")).collect();
@@ -401,11 +426,12 @@ pub fn render(ab: &AbReport) -> String {
             verdict += &format!(": {}", w.lines().next().unwrap_or(""));
         }
         out += &format!(
-            "{:<36} {:>8} {:>14} {:>8}  {:<28} {}\n",
+            "{:<36} {:>8} {:>14} {:>8} {:>9}  {:<28} {}\n",
             r.name,
             r.requests,
             r.slices_checked,
             r.corrupt,
+            r.ownership_violations.map_or("-".to_string(), |n| n.to_string()),
             if classes.is_empty() { "-".into() } else { classes.join(", ") },
             verdict
         );

@@ -331,6 +331,15 @@ struct LoadArgs {
     /// With --mooncake-master: its metadata service (http://HOST:PORT/metadata, etcd://HOST:PORT or P2PHANDSHAKE).
     #[arg(long, value_name = "URL", requires = "mooncake_master")]
     mooncake_metadata: Option<String>,
+    /// Engine steps prefill keeps a handed request's blocks before its lease (abort timeout) expires; kept alive until the READ's notification unless abort-timeout-free is unfenced.
+    #[arg(long, value_name = "STEPS", default_value_t = kvprobe::scenario::config::DEFAULT_LEASE)]
+    lease: u32,
+    /// Engine steps one request in eight waits at decode before its pull (a busy decode instance).
+    #[arg(long, value_name = "STEPS", default_value_t = kvprobe::scenario::config::DEFAULT_DECODE_DELAY)]
+    decode_delay: u32,
+    /// Share of requests (0 to below 1) the scheduler preempts after their prefill (recomputed later); their blocks wait for queued saves unless preempt-save is unfenced.
+    #[arg(long, default_value_t = kvprobe::scenario::config::DEFAULT_PREEMPT_RATE)]
+    preempt_rate: f64,
     /// Tier capacity in blocks. Default: 16 x --blocks, at most 4 GiB of host memory, at least 2 x concurrency x max prompt blocks.
     #[arg(long)]
     tier_blocks: Option<u32>,
@@ -483,6 +492,9 @@ const LOAD_FLAGS: &[&str] = &[
     "interval",
     "lockstep",
     "checkpoint",
+    "lease",
+    "decode_delay",
+    "preempt_rate",
 ];
 
 /// `run` flags of the whole-pool sweep only.
@@ -598,6 +610,9 @@ impl LoadArgs {
             tier_blocks: self.tier_blocks.unwrap_or(auto),
             interval_secs: self.interval,
             lockstep: self.lockstep,
+            lease_steps: self.lease,
+            decode_delay_steps: self.decode_delay,
+            preempt_rate: self.preempt_rate,
             matrix: false,
         }
     }
@@ -618,13 +633,17 @@ impl RunArgs {
         let flag = |id: &str| format!("--{}", id.replace('_', "-"));
         let scenario = match (self.scenario, self.race.is_empty()) {
             (Some(s), true) => Some(s),
-            (Some(Scenario::Stacked), false) | (None, false) => Some(Scenario::Stacked),
-            (Some(s), false) => {
-                return Err(Error::Usage(format!(
-                    "--race needs both connectors on the same blocks (--scenario stacked), not --scenario {}",
-                    s.name()
-                )));
-            }
+            (None, false) => Some(Scenario::Stacked),
+            (Some(s), false) => match self.race.iter().find(|r| !r.mechanism.applies_to(s)) {
+                None => Some(s),
+                Some(r) => {
+                    return Err(Error::Usage(format!(
+                        "--race {} needs both connectors on the same blocks (--scenario stacked), not --scenario {}",
+                        r.mechanism,
+                        s.name()
+                    )));
+                }
+            },
             (None, true) => None,
         };
         match scenario {
@@ -1518,7 +1537,7 @@ fn report_command(c: ReportCommand) -> Exit {
 
 fn race_help() -> String {
     let mut h = String::from(
-        "Leave a race mechanism unfenced (the bug) or keep it fenced (the correct protocol); implies --scenario stacked. Repeatable; MECHANISM alone means unfenced. Every mechanism not named is fenced.\n",
+        "Leave a race mechanism unfenced (the bug) or keep it fenced (the correct protocol); implies --scenario stacked (those marked \"also in nixl-only\" run with --scenario nixl-only too). Repeatable; MECHANISM alone means unfenced. Every mechanism not named is fenced.\n",
     );
     for m in Mechanism::ALL {
         h += &format!("\n  {}: {}\n", m.name(), m.explain());

@@ -58,16 +58,36 @@ pub enum Mechanism {
     FreeOnFirstCompletion,
     /// A tier load into a reused block waits for the previous owner's write.
     UnfencedLoad,
+    /// A handed request's lease (its abort timeout) is kept alive until decode's READ is
+    /// notified (vLLM's NixlConnector extends it); unfenced, blocks are freed at its expiry.
+    AbortTimeoutFree,
+    /// A request's completion is counted once: a duplicate (a second `finished_sending`) is
+    /// dropped; unfenced, it frees the request's old blocks again.
+    DuplicateCompletion,
+    /// Only the real completion of a transfer frees its blocks; unfenced, a completion is
+    /// reported for a READ still to come and the blocks are freed and reused.
+    PhantomCompletion,
+    /// An aborted request's blocks are freed once its tier loads have landed; unfenced, at
+    /// once, and a load still writing lands in the next owner's block.
+    LoadAfterAbort,
+    /// A preempted request's blocks are freed once its queued saves have run; unfenced, at
+    /// once, and the saves copy the next owner's data under the preempted request's keys.
+    PreemptSave,
 }
 
 impl Mechanism {
     /// Every mechanism, in `kvprobe ab` order.
-    pub const ALL: [Mechanism; 5] = [
+    pub const ALL: [Mechanism; 10] = [
         Mechanism::LoadIntoReading,
         Mechanism::SaveAfterFree,
         Mechanism::SaveBeforeWrite,
         Mechanism::FreeOnFirstCompletion,
         Mechanism::UnfencedLoad,
+        Mechanism::AbortTimeoutFree,
+        Mechanism::DuplicateCompletion,
+        Mechanism::PhantomCompletion,
+        Mechanism::LoadAfterAbort,
+        Mechanism::PreemptSave,
     ];
 
     /// Name as on the command line.
@@ -78,7 +98,30 @@ impl Mechanism {
             Mechanism::SaveBeforeWrite => "save-before-write",
             Mechanism::FreeOnFirstCompletion => "free-on-first-completion",
             Mechanism::UnfencedLoad => "unfenced-load",
+            Mechanism::AbortTimeoutFree => "abort-timeout-free",
+            Mechanism::DuplicateCompletion => "duplicate-completion",
+            Mechanism::PhantomCompletion => "phantom-completion",
+            Mechanism::LoadAfterAbort => "load-after-abort",
+            Mechanism::PreemptSave => "preempt-save",
         }
+    }
+
+    /// Whether the mechanism can act in `scenario`: the NIXL connector's own orderings in
+    /// nixl-only and stacked, the tier's in stacked (where decode READs what the tier saved
+    /// and loaded).
+    pub fn applies_to(self, scenario: Scenario) -> bool {
+        match self {
+            Mechanism::AbortTimeoutFree | Mechanism::DuplicateCompletion | Mechanism::PhantomCompletion => scenario.uses_nixl(),
+            _ => scenario == Scenario::Stacked,
+        }
+    }
+
+    /// Whether the block-ownership checker sees the mechanism's ordering itself (a free while
+    /// a transfer, save or load touches the block, a double free, a write into a block another
+    /// request owns or reads): then an unfenced run reports violations even where the bytes
+    /// survive. save-before-write only reorders a request's own save and write.
+    pub fn breaks_ownership(self) -> bool {
+        self != Mechanism::SaveBeforeWrite
     }
 
     /// What the unfenced variant does and how it shows up.
@@ -98,6 +141,21 @@ impl Mechanism {
             }
             Mechanism::UnfencedLoad => {
                 "unfenced: a tier load into a reused block does not wait for the previous owner's write (an aborted request's prefill still in flight), which lands over the loaded data (misplaced/stale at decode)"
+            }
+            Mechanism::AbortTimeoutFree => {
+                "unfenced: prefill frees a handed request's blocks when its lease (--lease steps, the abort timeout) expires while decode's READ is not done or not yet posted (a slow pull: --decode-delay); the READ gets the next owner's data (misplaced at decode: HTTP 200 with garbage under load). Fenced: the lease is kept alive until the notification. Also in nixl-only"
+            }
+            Mechanism::DuplicateCompletion => {
+                "unfenced: one request in eight has its completion (the READ's notification) delivered twice, the duplicate 1-32 steps later; it frees the request's old blocks again although they now belong to other requests, whose READs then get yet another owner's data (misplaced). Also in nixl-only"
+            }
+            Mechanism::PhantomCompletion => {
+                "unfenced: one request in four is reported complete by the NIXL connector when it is handed to decode, before decode's READ; its blocks are freed and reused, and the READ gets the next owner's data (misplaced). Also in nixl-only"
+            }
+            Mechanism::LoadAfterAbort => {
+                "unfenced: a request the client aborts has its blocks freed at once while its tier loads (prefix hits) are still queued; a load lands later in the block's next owner and decode reads it there (misplaced)"
+            }
+            Mechanism::PreemptSave => {
+                "unfenced: the scheduler preempts a request after its prefill (--preempt-rate) and frees its blocks while their saves are queued; the saves copy the next owner's data under the preempted request's keys, and a later prefix hit loads wrong KV under a valid key (misplaced)"
             }
         }
     }
@@ -154,7 +212,7 @@ impl std::str::FromStr for RaceSpec {
 
 /// The set of mechanisms left unfenced in a run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Races(u8);
+pub struct Races(u32);
 
 impl Races {
     /// Resolves `--race` flags (later flags win). All fenced when empty.
@@ -171,7 +229,7 @@ impl Races {
         r.set(m, true);
         r
     }
-    fn bit(m: Mechanism) -> u8 {
+    fn bit(m: Mechanism) -> u32 {
         1 << Mechanism::ALL.iter().position(|x| *x == m).unwrap_or(0)
     }
     fn set(&mut self, m: Mechanism, unfenced: bool) {

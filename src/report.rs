@@ -435,6 +435,24 @@ pub struct Interval {
     pub corrupt: u64,
 }
 
+/// One block-ownership violation of a scenario (README "Block ownership").
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct OwnershipViolation {
+    /// `double-free`, `free-in-flight` or `foreign-write`.
+    pub kind: String,
+    /// The request whose operation it was.
+    pub request: u64,
+    /// Prefill block id.
+    pub block: u32,
+    /// The operation: `free`, `compute write` or `load write`.
+    pub operation: String,
+    /// What it conflicted with: `a READ in flight`, `a queued save`, `a load in flight`,
+    /// `owned by request N`, `already free`.
+    pub conflict: String,
+    /// Prefill's engine step.
+    pub step: u64,
+}
+
 /// The scenario part of a report.
 #[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct ScenarioReport {
@@ -464,6 +482,15 @@ pub struct ScenarioReport {
     pub tier_detail: String,
     /// Corrupt slices the engine's shadow did not predict (a defect of the stack under test).
     pub unexplained_corrupt: u64,
+    /// Block-ownership violations the prefill engine saw (a double free, a free while a
+    /// transfer, save or load touches the block, a write into a block another request owns or
+    /// reads), whether or not the bytes survived: 0 in every fenced run. Absent (`None`) from
+    /// reports written before the checker.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ownership_violations: Option<u64>,
+    /// The first violations (at most `--max-failures`), in the order they happened.
+    #[serde(default)]
+    pub violations: Vec<OwnershipViolation>,
     /// One entry per mechanism: unfenced ones with their detection, fenced ones "clean" or not.
     pub races: Vec<RaceOutcome>,
     /// Error counts per `interval_secs`.
@@ -787,6 +814,17 @@ pub fn render(r: &Report) -> String {
                 if sc.tier_detail != "embedded" && !sc.tier_detail.is_empty() {
                     out += &format!("                   {}\n", sc.tier_detail);
                 }
+            }
+            if let Some(n) = sc.ownership_violations {
+                let mut kinds: BTreeMap<&str, u64> = BTreeMap::new();
+                for v in &sc.violations {
+                    *kinds.entry(v.kind.as_str()).or_default() += 1;
+                }
+                let listed: Vec<String> = kinds.iter().map(|(k, c)| format!("{k} {c}")).collect();
+                out += &format!(
+                    "ownership:         {n} block-ownership violations{}\n",
+                    if listed.is_empty() { String::new() } else { format!(" (listed: {})", listed.join(", ")) }
+                );
             }
         }
     }

@@ -432,9 +432,17 @@ pub fn expired_report(cfg: &RunConfig, e: &Error) -> (Report, Exit) {
 pub fn run(cfg: &RunConfig, hooks: &mut Hooks<'_>) -> (Report, Exit) {
     let mut report = empty_report(cfg);
     let mut probe = None;
-    let result = run_inner(cfg, &mut report, hooks, &mut probe);
+    let mut result = run_inner(cfg, &mut report, hooks, &mut probe);
     report.summary.host_peak_bytes = crate::hostmem::peak_resident_bytes();
-    let corrupt = report.summary.blocks_corrupt > 0;
+    // A fenced run breaks no block's ownership: a violation there is a defect of the stack
+    // under test, as corruption is, even where the bytes survived.
+    if let (Ok(()), Some(n)) = (&result, fenced_violations(&report)) {
+        result = Err(Error::Corrupt(format!(
+            "{} block-ownership violation(s) in a run with every race mechanism fenced (scenario.violations)",
+            n
+        )));
+    }
+    let corrupt = report.summary.blocks_corrupt > 0 || matches!(result, Err(Error::Corrupt(_)));
     let (exit, err) = match (&result, corrupt) {
         (_, true) => (Exit::Corrupt, result.as_ref().err()),
         (Err(e), false) => (e.exit(), Some(e)),
@@ -524,6 +532,15 @@ fn time_copy(cfg: &RunConfig, src: &mut KvPool, dst: &mut KvPool, plan: &Plan) -
 
 /// How long `run --peer` waits for prefill's side of the report after telling it the outcome.
 pub const PEER_BYE_BOUND: Duration = Duration::from_secs(5);
+
+/// The block-ownership violations of a scenario run with every race mechanism fenced, when
+/// there are any (`None` for sweeps, unfenced runs and clean ones).
+pub fn fenced_violations(report: &Report) -> Option<u64> {
+    let sc = report.scenario.as_ref()?;
+    let fenced = sc.races.iter().all(|o| o.fencing == crate::race::Fencing::Fenced);
+    let n = sc.ownership_violations.unwrap_or(0);
+    (fenced && n > 0).then_some(n)
+}
 
 /// The unfenced race mechanisms of a scenario run whose verdict is not `detected` (empty
 /// for sweeps and fenced runs).

@@ -326,7 +326,7 @@ fn ab_on_the_real_mooncake_store_passes() {
     assert_eq!(code, 0, "{out}{err}");
     let r = crate::common::read_report(&p);
     let rows = r["rows"].as_array().unwrap();
-    assert_eq!(rows.len(), 8);
+    assert_eq!(rows.len(), kvprobe::ab::cases().len());
     for row in rows {
         assert_eq!(row["pass"], true, "{row}");
         assert_eq!(row["unexplained"], 0);

@@ -745,7 +745,7 @@ fn pair_ab_passes_every_row_with_the_embedded_tier() {
     assert_eq!(o.status.code(), Some(0), "{out}");
     let ab = read_report(&p);
     let rows = ab["rows"].as_array().unwrap();
-    assert_eq!(rows.len(), 8, "{out}");
+    assert_eq!(rows.len(), kvprobe::ab::cases().len(), "{out}");
     for row in rows {
         assert_eq!(row["pass"], true, "{row}");
     }
@@ -758,7 +758,7 @@ fn pair_ab_passes_every_row_with_the_embedded_tier() {
     // Serve's summary holds the matrix's totals, and it ran the eight rows.
     let checked: u64 = rows.iter().map(|r| r["slices_checked"].as_u64().unwrap()).sum();
     assert_eq!(sr["summary"]["blocks_checked"], checked);
-    assert_eq!(sout.matches("ended:").count(), 8, "{sout}");
+    assert_eq!(sout.matches("ended:").count(), kvprobe::ab::cases().len(), "{sout}");
     // Serve's report holds the rows, and it prints the same table and outcome as ab; its row
     // lines count as ab's do and carry each row's verdict.
     assert_eq!(&sr["matrix"], &ab["rows"]);

@@ -23,6 +23,7 @@ fn assert_clean(r: &Value, requests: u64, log: &str) {
     assert_eq!(r["outcome"]["status"], "clean", "{log}");
     assert_eq!(total_corrupt(r), 0, "{log}");
     assert_eq!(sc["unexplained_corrupt"], 0);
+    assert_eq!(sc["ownership_violations"], 0, "a fenced run breaks no block's ownership: {}", sc["violations"]);
     assert_eq!(sc["requests_admitted"], requests);
     let verified = sc["requests_verified"].as_u64().unwrap();
     let aborted = sc["requests_aborted"].as_u64().unwrap();
@@ -64,10 +65,29 @@ fn fenced_scenarios_are_clean_over_thousands_of_requests() {
 /// tier's copies, which varies with the machine's load; in lockstep the run replays exactly
 /// from the seed, so the verdict cannot depend on timing.
 fn assert_detected(mechanism: &str, seed: &str) {
-    let (code, r, log) = scenario_report(mechanism, &["--race", mechanism, "--requests", "2000", "--seed", seed, "--lockstep"]);
+    assert_detected_in(mechanism, seed, "stacked")
+}
+
+/// [`assert_detected`] with `--scenario scenario`. Every mechanism but save-before-write breaks
+/// a block's ownership, and the checker must have seen it (README "Block ownership").
+fn assert_detected_in(mechanism: &str, seed: &str, scenario: &str) {
+    let args = ["--scenario", scenario, "--race", mechanism, "--requests", "2000", "--seed", seed, "--lockstep"];
+    let (code, r, log) = scenario_report(mechanism, &args);
     assert_eq!(code, 1, "{mechanism}: {log}");
     let sc = &r["scenario"];
-    assert_eq!(sc["scenario"], "stacked", "--race implies stacked");
+    assert_eq!(sc["scenario"], scenario);
+    let violations = sc["ownership_violations"].as_u64().unwrap();
+    if mechanism == "save-before-write" {
+        assert_eq!(violations, 0, "{mechanism} reorders a request's own save and write: {}", sc["violations"]);
+    } else {
+        assert!(violations > 0, "{mechanism}: the ownership checker saw nothing");
+        let listed = sc["violations"].as_array().unwrap();
+        assert_eq!(listed.len() as u64, violations.min(1000));
+        for v in listed {
+            assert!(["double-free", "free-in-flight", "foreign-write"].contains(&v["kind"].as_str().unwrap()), "{v}");
+            assert!(v["request"].is_u64() && v["block"].as_u64().unwrap() < 64 && v["step"].is_u64(), "{v}");
+        }
+    }
     assert_eq!(sc["unexplained_corrupt"], 0, "{mechanism}: every corrupt slice is explained: {log}");
     let o = sc["races"].as_array().unwrap().iter().find(|o| o["mechanism"] == mechanism).unwrap().clone();
     assert_eq!(o["fencing"], "unfenced");
@@ -118,6 +138,69 @@ fn free_on_first_completion_is_detected() {
 #[test]
 fn unfenced_load_is_detected() {
     assert_detected("unfenced-load", "25");
+}
+
+#[test]
+fn abort_timeout_free_is_detected_in_stacked_and_nixl_only() {
+    assert_detected("abort-timeout-free", "26");
+    assert_detected_in("abort-timeout-free", "36", "nixl-only");
+}
+
+#[test]
+fn duplicate_completion_is_detected() {
+    assert_detected("duplicate-completion", "27");
+    assert_detected_in("duplicate-completion", "37", "nixl-only");
+}
+
+#[test]
+fn phantom_completion_is_detected() {
+    assert_detected("phantom-completion", "28");
+}
+
+#[test]
+fn load_after_abort_is_detected() {
+    assert_detected("load-after-abort", "29");
+}
+
+#[test]
+fn preempt_save_is_detected() {
+    assert_detected("preempt-save", "30");
+}
+
+#[test]
+fn a_tier_mechanism_needs_the_stacked_scenario() {
+    for m in ["load-after-abort", "preempt-save", "save-after-free"] {
+        let (code, _, log) = scenario_report("tier-race-nixl", &["--scenario", "nixl-only", "--race", m]);
+        assert_eq!(code, 2, "{m}: {log}");
+        assert!(log.contains(&format!("--race {m} needs both connectors")), "{log}");
+    }
+}
+
+#[test]
+fn a_fenced_run_that_breaks_a_blocks_ownership_exits_1_even_when_the_bytes_survive() {
+    // Test-only: prefill frees five requests' blocks as it hands them over, before decode's
+    // READ. With one request in flight nothing reuses them before the READ: no slice is
+    // corrupt, and the checker's violations alone make the fenced run fail.
+    let p = tmpdir("early-free").join("r.json");
+    let (code, out, err) = crate::common::kvprobe_env(
+        &["run", "--memory", "dram", "--scenario", "nixl-only", "--requests", "50", "--concurrency", "1"]
+            .iter()
+            .copied()
+            .chain(["--report", p.to_str().unwrap()])
+            .collect::<Vec<_>>(),
+        &[("KVPROBE_TEST_FAULT", "early-free:5")],
+    );
+    assert_eq!(code, 1, "{out}{err}");
+    let r = read_report(&p);
+    assert_eq!(r["summary"]["blocks_corrupt"], 0, "the bytes survived");
+    let sc = &r["scenario"];
+    let n = sc["ownership_violations"].as_u64().unwrap();
+    assert!(n >= 5, "{}", sc["violations"]);
+    for v in sc["violations"].as_array().unwrap() {
+        assert_eq!((v["kind"].as_str(), v["conflict"].as_str()), (Some("free-in-flight"), Some("a READ in flight")), "{v}");
+    }
+    assert!(r["outcome"]["error"]["message"].as_str().unwrap().contains("block-ownership violation"), "{}", r["outcome"]);
+    assert!(out.contains(&format!("ownership:         {n} block-ownership violations")), "{out}");
 }
 
 #[test]
@@ -225,7 +308,12 @@ fn ab_matrix_passes_on_dram() {
             "stacked+save-after-free",
             "stacked+save-before-write",
             "stacked+free-on-first-completion",
-            "stacked+unfenced-load"
+            "stacked+unfenced-load",
+            "stacked+abort-timeout-free",
+            "stacked+duplicate-completion",
+            "stacked+phantom-completion",
+            "stacked+load-after-abort",
+            "stacked+preempt-save"
         ]
     );
     for row in rows {
@@ -234,14 +322,18 @@ fn ab_matrix_passes_on_dram() {
         if row["unfenced"].is_null() {
             assert_eq!(row["corrupt"], 0, "{row}");
             assert_eq!(row["verdict"], "clean");
+            assert_eq!(row["ownership_violations"], 0, "{row}");
         } else {
             assert!(row["corrupt"].as_u64().unwrap() > 0, "{row}");
             assert_eq!(row["verdict"], "detected");
+            if row["unfenced"] != "save-before-write" {
+                assert!(row["ownership_violations"].as_u64().unwrap() > 0, "{row}");
+            }
         }
         // Same load in every row.
         assert_eq!(row["requests"], rows[0]["requests"]);
     }
-    assert_eq!(r["sections"].as_array().unwrap().len(), 8);
+    assert_eq!(r["sections"].as_array().unwrap().len(), kvprobe::ab::cases().len());
     assert_eq!(r["outcome"]["exit_code"], 0);
     for n in &names {
         assert!(out.contains(n), "table lists {n}: {out}");
@@ -259,7 +351,7 @@ fn ab_without_lockstep_never_excuses_corruption() {
     let (code, out, err) = kvprobe(&["ab", "--memory", "dram", "--requests", "300", "--report", p.to_str().unwrap()]);
     let r = read_report(&p);
     let rows = r["rows"].as_array().unwrap();
-    assert_eq!(rows.len(), 8, "{out}{err}");
+    assert_eq!(rows.len(), kvprobe::ab::cases().len(), "{out}{err}");
     let mut not_reproduced = 0;
     for row in rows {
         assert_eq!(row["unexplained"], 0, "{row}");
@@ -354,7 +446,7 @@ fn ab_report_dash_writes_the_json_to_stdout() {
     let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
     let r: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("stdout is not only JSON ({e}): {out}"));
     assert_eq!(r["schema"], "kvprobe.ab/1");
-    assert_eq!(r["rows"].as_array().unwrap().len(), 8);
+    assert_eq!(r["rows"].as_array().unwrap().len(), kvprobe::ab::cases().len());
     assert_eq!(o.status.code().unwrap() as u64, r["outcome"]["exit_code"].as_u64().unwrap(), "{err}");
     assert!(err.contains("result: "), "the table goes to stderr: {err}");
     assert!(!d.join("-").exists());
@@ -432,7 +524,7 @@ fn ab_rows_cut_short_do_not_pass() {
 fn race_help_explains_every_mechanism() {
     let (code, out, _) = kvprobe(&["run", "--help"]);
     assert_eq!(code, 0);
-    for m in ["load-into-reading", "save-after-free", "save-before-write", "free-on-first-completion", "unfenced-load"] {
+    for m in kvprobe::race::Mechanism::ALL.map(|m| m.name()) {
         let line =
             out.lines().find(|l| l.trim_start().starts_with(&format!("{m}:"))).unwrap_or_else(|| panic!("{m} in --help: {out}"));
         assert!(line.contains("unfenced:"), "{line}");
@@ -649,7 +741,7 @@ fn ab_exits_1_when_a_row_has_unexplained_corruption() {
     let r = read_report(&p);
     assert_eq!(r["outcome"]["exit_code"], 1);
     let rows = r["rows"].as_array().unwrap();
-    assert_eq!(rows.len(), 8);
+    assert_eq!(rows.len(), kvprobe::ab::cases().len());
     for row in rows {
         assert_eq!(row["unexplained"], 1, "one planted bit flip per row: {row}");
         assert_eq!(row["pass"], false, "{row}");

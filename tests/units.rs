@@ -113,6 +113,7 @@ fn row(unfenced: Option<Mechanism>, corrupt: u64, verdict: &str, pass: bool, une
         corrupt,
         classes: Default::default(),
         unexplained,
+        ownership_violations: Some(0),
         expect: if unfenced.is_some() { "detected" } else { "clean" }.into(),
         verdict: verdict.into(),
         why: None,
@@ -130,6 +131,9 @@ fn ab_exit_rule() {
     assert_eq!(matrix_exit(&defect), Exit::Corrupt, "a corrupt fenced row wins over a missed mechanism");
     let unexplained = vec![row(None, 0, "clean", true, 0), row(Some(Mechanism::UnfencedLoad), 9, "detected", false, 2)];
     assert_eq!(matrix_exit(&unexplained), Exit::Corrupt);
+    // A fenced row that broke a block's ownership fails the matrix as corruption would.
+    let broken = vec![AbRow { ownership_violations: Some(4), pass: false, ..row(None, 0, "clean", false, 0) }, ok[1].clone()];
+    assert_eq!(matrix_exit(&broken), Exit::Corrupt);
     assert_eq!(Exit::NotReproduced as u8, 6);
 }
 

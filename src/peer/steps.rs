@@ -156,6 +156,9 @@ pub struct StepOut {
     /// Admission has stopped and every request has left prefill (retired or dropped): once
     /// decode has nothing in flight either, the scenario is over.
     pub drained: bool,
+    /// Block-ownership violations prefill saw in the step (its block manager's checker).
+    #[serde(default)]
+    pub violations: Vec<crate::report::OwnershipViolation>,
 }
 
 /// How decode reaches the tier prefill saves into, for tier-only loads.

@@ -36,11 +36,42 @@ pub struct ScenarioConfig {
     /// Complete each step's READs (and their notifications) within the step: no copy
     /// overlaps a transfer, and the whole run, counts included, follows from the seed.
     pub lockstep: bool,
+    /// Engine steps prefill keeps a handed request's blocks before its lease (the abort
+    /// timeout, vLLM's `VLLM_NIXL_ABORT_REQUEST_TIMEOUT`) expires; fenced, the lease is kept
+    /// alive until decode's READ is notified (`abort-timeout-free`).
+    #[serde(default = "default_lease")]
+    pub lease_steps: u32,
+    /// Engine steps one request in eight waits at decode before its pull (a decode instance
+    /// busy with others): with a lease shorter than this, `abort-timeout-free` opens.
+    #[serde(default = "default_decode_delay")]
+    pub decode_delay_steps: u32,
+    /// Share of requests the scheduler preempts after their prefill writes (block pressure;
+    /// recomputed later): fenced, their blocks are freed once their queued saves ran
+    /// (`preempt-save`).
+    #[serde(default = "default_preempt_rate")]
+    pub preempt_rate: f64,
     /// `kvprobe ab`'s load: the template of the matrix, whose rows each pick their scenario
     /// and unfenced mechanism (a prefill side then runs every row it is asked for, one after
     /// the other). Written only when set.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub matrix: bool,
+}
+
+/// `--lease` when not given (steps).
+pub const DEFAULT_LEASE: u32 = 8;
+/// `--decode-delay` when not given (steps).
+pub const DEFAULT_DECODE_DELAY: u32 = 16;
+/// `--preempt-rate` when not given.
+pub const DEFAULT_PREEMPT_RATE: f64 = 0.05;
+
+fn default_lease() -> u32 {
+    DEFAULT_LEASE
+}
+fn default_decode_delay() -> u32 {
+    DEFAULT_DECODE_DELAY
+}
+fn default_preempt_rate() -> f64 {
+    DEFAULT_PREEMPT_RATE
 }
 
 impl ScenarioConfig {
@@ -107,6 +138,18 @@ pub fn check(cfg: &ScenarioConfig, num_blocks: u32) -> Result<()> {
     }
     if cfg.duration_secs.is_none() && cfg.requests == 0 {
         return Err(Error::Usage("--requests must be at least 1".into()));
+    }
+    if cfg.lease_steps == 0 || cfg.lease_steps > 1_000_000 {
+        return Err(Error::Usage("--lease must be between 1 and 1000000 engine steps".into()));
+    }
+    if cfg.decode_delay_steps > 1_000_000 {
+        return Err(Error::Usage("--decode-delay must be at most 1000000 engine steps".into()));
+    }
+    if !(0.0..1.0).contains(&cfg.preempt_rate) {
+        return Err(Error::Usage(format!(
+            "--preempt-rate must be at least 0 and below 1 (some requests must reach decode), got {}",
+            cfg.preempt_rate
+        )));
     }
     if !(cfg.interval_secs.is_finite() && cfg.interval_secs >= 0.1) {
         return Err(Error::Usage("--interval must be at least 100ms".into()));

@@ -218,6 +218,9 @@ struct Decode<'a> {
     stop_sent: bool,
     /// Requests verified (a hand-over of one again is a protocol error).
     done_ids: std::collections::HashSet<u64>,
+    /// Block-ownership violations prefill reported, and the first of them.
+    violation_count: u64,
+    violations: Vec<crate::report::OwnershipViolation>,
 }
 
 impl<'a> Decode<'a> {
@@ -273,6 +276,8 @@ impl<'a> Decode<'a> {
             next: StepIn { admit: true, ..Default::default() },
             stop_sent: false,
             done_ids: std::collections::HashSet::new(),
+            violation_count: 0,
+            violations: Vec::new(),
         }
     }
 
@@ -392,9 +397,16 @@ impl<'a> Decode<'a> {
             self.shadow.observe(e)?;
         }
         let n = self.ep.pool.geometry().num_blocks;
+        self.violation_count += out.violations.len() as u64;
+        let room = self.max_failures.saturating_sub(self.violations.len());
+        self.violations.extend(out.violations.into_iter().take(room));
         for h in out.handed {
             self.check_handed(&h, n)?;
-            let ready_at = self.now + self.rng.random_range(0..=2);
+            // Decode pulls 0-2 steps later; one request in eight waits --decode-delay steps
+            // more (a decode instance busy with others).
+            let slow = self.rng.random_range(0..8u32) == 0;
+            let delay = if slow { self.cfg.decode_delay_steps as u64 } else { 0 };
+            let ready_at = self.now + self.rng.random_range(0..=2) + delay;
             self.order.push(h.req);
             self.pulls.insert(
                 h.req,
@@ -750,7 +762,7 @@ impl<'a> Decode<'a> {
     /// 0, the first K/V part) in each of the next requests about to be verified, after
     /// their READ or load completed, until the count is spent, and names each on stderr.
     fn plant_faults(&mut self, ids: &[u64]) -> Result<()> {
-        let Some((kind, mut left)) = self.fault else { return Ok(()) };
+        let Some((kind, mut left)) = self.fault.filter(|(k, _)| *k != TestFault::EarlyFree) else { return Ok(()) };
         let g = self.ep.pool.geometry().clone();
         let sb = g.slice_bytes()? as usize;
         for &id in ids {
@@ -766,6 +778,7 @@ impl<'a> Decode<'a> {
                     Some(i) => i,
                     None => continue,
                 },
+                TestFault::EarlyFree => unreachable!("filtered above: prefill plants it"),
             };
             let c = SliceCoord { layer: 0, kv: g.parts()[0], block: p.dslots[i] };
             let mut buf = vec![0u8; sb];
@@ -773,6 +786,7 @@ impl<'a> Decode<'a> {
             match kind {
                 // Bit 0 of sector 0's check word (a 32-bit hash of the identity).
                 TestFault::Bitflip => buf[12] ^= 1,
+                TestFault::EarlyFree => unreachable!("filtered above: prefill plants it"),
                 TestFault::Poison => {
                     let from = sb / 2 / 16 * 16;
                     let mut q = vec![0u8; sb];
@@ -813,6 +827,8 @@ impl<'a> Decode<'a> {
             tier_evictions: c.evictions,
             tier_detail: self.tier_detail.clone(),
             unexplained_corrupt: self.shadow.unexplained,
+            ownership_violations: Some(self.violation_count),
+            violations: self.violations.clone(),
             races: self.shadow.outcomes(&self.races),
             intervals: self.intervals.clone(),
         });

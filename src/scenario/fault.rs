@@ -14,6 +14,10 @@ pub enum TestFault {
     /// `poison`: overwrites the second half of a slice whose prefill block was rewritten
     /// while its READ was in flight with this iteration's poison (a partial delivery).
     Poison,
+    /// `early-free`: prefill frees the blocks of each of the next requests as it hands them
+    /// over, before decode's READ, with no mechanism to blame: a block-ownership violation
+    /// of a fenced run (it corrupts only when the blocks are reused before the READ).
+    EarlyFree,
 }
 
 impl TestFault {
@@ -25,17 +29,20 @@ impl TestFault {
         match self {
             TestFault::Bitflip => "bitflip",
             TestFault::Poison => "poison",
+            TestFault::EarlyFree => "early-free",
         }
     }
 
-    /// Reads `KVPROBE_TEST_FAULT` (`bitflip:N` or `poison:N`); errors (exit 2) on another value.
+    /// Reads `KVPROBE_TEST_FAULT` (`bitflip:N`, `poison:N` or `early-free:N`); errors
+    /// (exit 2) on another value.
     pub fn from_env() -> Result<Option<(TestFault, u64)>> {
         let Ok(v) = std::env::var(Self::VAR) else { return Ok(None) };
-        let bad = || Error::Usage(format!("{}={v:?}: expected bitflip:N or poison:N (test-only)", Self::VAR));
+        let bad = || Error::Usage(format!("{}={v:?}: expected bitflip:N, poison:N or early-free:N (test-only)", Self::VAR));
         let (kind, n) = v.split_once(':').ok_or_else(bad)?;
         let kind = match kind {
             "bitflip" => TestFault::Bitflip,
             "poison" => TestFault::Poison,
+            "early-free" => TestFault::EarlyFree,
             _ => return Err(bad()),
         };
         Ok(Some((kind, n.trim().parse().map_err(|_| bad())?)))

@@ -98,6 +98,12 @@ pub struct PrefillEngine<'a> {
     out: StepOut,
     /// Set once decode ended the run or went away ([`crate::peer::Link::ended`]).
     ended: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Duplicate completions still to be delivered (duplicate-completion, unfenced): (due
+    /// step, request, the blocks it held).
+    duplicates: Vec<(u64, u64, Vec<u32>)>,
+    /// Test-only (`KVPROBE_TEST_FAULT=early-free:N`): hand-overs left whose blocks are freed at
+    /// once, with no mechanism to blame ([`super::fault::TestFault::EarlyFree`]).
+    early_frees: u64,
 }
 
 impl<'a> PrefillEngine<'a> {
@@ -152,6 +158,11 @@ impl<'a> PrefillEngine<'a> {
             seq: 0,
             out: StepOut::default(),
             ended: place.ended.clone(),
+            duplicates: Vec::new(),
+            early_frees: match super::fault::TestFault::from_env()? {
+                Some((super::fault::TestFault::EarlyFree, n)) => n,
+                _ => 0,
+            },
         };
         Ok((e, access, detail))
     }
@@ -195,6 +206,7 @@ impl<'a> PrefillEngine<'a> {
             let asked = Instant::now();
             self.take_notifications()?;
             self.check_notification_deadlines(asked)?;
+            self.deliver_duplicates();
         }
         self.run_compute()?;
         self.run_loads()?;
@@ -355,10 +367,103 @@ impl<'a> PrefillEngine<'a> {
         }
         for msg in got {
             if let Some(id) = self.nixl.request_of(&msg) {
-                n += self.notified(id) as usize;
+                let fresh = self.notified(id);
+                n += fresh as usize;
+                if fresh {
+                    // One completion in eight is delivered twice, 1-32 steps later (drawn in
+                    // every run, so that the rows of a matrix draw alike).
+                    let twice = self.rng.random_range(0..8u32) == 0;
+                    let due = self.now + self.rng.random_range(1..=32u64);
+                    if twice && self.races.unfenced(Mechanism::DuplicateCompletion) {
+                        let blocks = self.reqs[&id].pslots.clone();
+                        self.duplicates.push((due, id, blocks));
+                    }
+                }
             }
         }
         Ok(n)
+    }
+
+    /// duplicate-completion, unfenced: the duplicate completions that are due free their
+    /// request's old blocks again — blocks that may belong to other requests now, whose READs
+    /// then read whatever their next owner writes. (Fenced, a duplicate is dropped: its
+    /// request's blocks were freed once.)
+    fn deliver_duplicates(&mut self) {
+        let now = self.now;
+        let (due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.duplicates).into_iter().partition(|d| d.0 <= now);
+        self.duplicates = later;
+        for (_, req, blocks) in due {
+            for s in blocks {
+                let p = self.blocks.get(s);
+                let conflict = match p.owner {
+                    None => "already free".to_string(),
+                    Some(o) => format!("owned by request {o}"),
+                };
+                self.violation("double-free", req, s, "free", conflict);
+                let p = self.blocks.get_mut(s);
+                if let Some(victim) = p.owner.take() {
+                    p.in_early_list = false;
+                    p.owner_wrote = false;
+                    p.early = Some(Mechanism::DuplicateCompletion);
+                    p.victim = Some(victim);
+                    self.blocks.free.push(s);
+                }
+            }
+        }
+    }
+
+    /// Records an ownership violation of this step for decode's report.
+    fn violation(&mut self, kind: &str, request: u64, block: u32, operation: &str, conflict: String) {
+        self.out.violations.push(crate::report::OwnershipViolation {
+            kind: kind.into(),
+            request,
+            block,
+            operation: operation.into(),
+            conflict,
+            step: self.now,
+        });
+    }
+
+    /// The ownership checker at a write of request `req` into block `slot` (`operation`):
+    /// a write into a block another request owns and has written, or one a READ is still
+    /// reading, is a foreign write. The owner's write marks the block written.
+    fn check_write(&mut self, slot: u32, req: u64, operation: &str) {
+        let p = self.blocks.get(slot);
+        let conflict = match p.owner {
+            Some(o) if o != req && p.owner_wrote => Some(format!("owned by request {o}")),
+            _ if p.reading > 0 => Some("a READ in flight".to_string()),
+            _ => None,
+        };
+        if let Some(c) = conflict {
+            self.violation("foreign-write", req, slot, operation, c);
+        }
+        let p = self.blocks.get_mut(slot);
+        if p.owner == Some(req) {
+            p.owner_wrote = true;
+        }
+    }
+
+    /// Frees block `slot` of request `req` (the ownership checker first: a free while a READ
+    /// reads it, a save of it is queued or a load into it is in flight).
+    fn free_block(&mut self, req: u64, slot: u32) {
+        let p = self.blocks.get(slot);
+        let conflict = if p.reading > 0 {
+            Some("a READ in flight")
+        } else if self.puts.iter().any(|o| o.slot == slot) {
+            Some("a queued save")
+        } else if p.pending_load > 0 {
+            Some("a load in flight")
+        } else {
+            None
+        };
+        if let Some(c) = conflict {
+            self.violation("free-in-flight", req, slot, "free", c.into());
+        }
+        let p = self.blocks.get_mut(slot);
+        p.owner = None;
+        p.owner_wrote = false;
+        p.in_early_list = false;
+        self.blocks.free.push(slot);
     }
 
     fn notified(&mut self, id: u64) -> bool {
@@ -416,6 +521,7 @@ impl<'a> PrefillEngine<'a> {
                 self.window(Mechanism::UnfencedLoad);
             }
             let c = self.write_stamp(op.slot, op.req, id, None);
+            self.check_write(op.slot, op.req, "compute write");
             self.wrote(op.slot, c);
             let p = self.blocks.get_mut(op.slot);
             p.pending_compute -= 1;
@@ -449,7 +555,12 @@ impl<'a> PrefillEngine<'a> {
             self.tier.as_mut().expect("loads need the tier").load(&mut self.ep.pool, op.slot, entry)?;
             self.counters.loads += 1;
             self.store_mut().unpin(entry);
-            let stamped = self.write_stamp(op.slot, op.req, content.id, content.cause);
+            // A load an aborted request left queued lands where its block went (load-after-abort).
+            if op.cause == Some(Mechanism::LoadAfterAbort) && self.blocks.get(op.slot).owner != Some(op.req) {
+                self.window(Mechanism::LoadAfterAbort);
+            }
+            let stamped = self.write_stamp(op.slot, op.req, content.id, op.cause.or(content.cause));
+            self.check_write(op.slot, op.req, "load write");
             self.wrote(op.slot, stamped);
             self.blocks.get_mut(op.slot).pending_load -= 1;
             if let Some(r) = self.reqs.get_mut(&op.req) {
@@ -512,24 +623,66 @@ impl<'a> PrefillEngine<'a> {
             return;
         }
         r.released = true;
+        self.free_blocks(id, early);
+    }
+
+    /// Frees the blocks request `id` still owns (a block lent to a load early has another
+    /// owner already: load-into-reading). `early`: the unfenced mechanism that frees them now —
+    /// its saves still queued then copy blocks that are no longer its own, and the blocks keep
+    /// the mark while an earlier owner's READ of them is pending.
+    fn free_blocks(&mut self, id: u64, early: Option<Mechanism>) {
         if let Some(m) = early {
-            // Its saves still queued now copy blocks that are no longer its own.
             for op in self.puts.iter_mut().filter(|o| o.req == id) {
                 op.cause = op.cause.or(Some(m));
             }
         }
-        for &s in &r.pslots {
-            let p = self.blocks.get_mut(s);
+        let slots = self.reqs.get(&id).map(|r| r.pslots.clone()).unwrap_or_default();
+        for s in slots {
+            let p = self.blocks.get(s);
             if p.owner != Some(id) {
-                continue; // handed to a load early (load-into-reading)
+                continue;
             }
-            p.owner = None;
-            p.in_early_list = false;
             // A slot handed on early keeps its taint while an earlier owner's READ of it is
-            // still pending (e.g. load-into-reading: the borrower finishes first).
-            p.early = early.or(if p.reading > 0 { p.early } else { None });
-            self.blocks.free.push(s);
+            // still pending (e.g. load-into-reading: the borrower finishes first), or while a
+            // request it was taken from still lives (duplicate-completion).
+            let victim_lives = p.victim.is_some_and(|v| self.reqs.contains_key(&v));
+            let keep = if p.reading > 0 || victim_lives { p.early } else { None };
+            self.free_block(id, s);
+            self.blocks.get_mut(s).early = early.or(keep);
         }
+    }
+
+    /// The scheduler preempts request `id` after its prefill writes (block pressure): its
+    /// blocks go and it is recomputed later. Fenced, the blocks wait for its queued saves;
+    /// unfenced (preempt-save), they go at once and the saves copy what lands there next.
+    fn preempt(&mut self, id: u64) {
+        let r = self.reqs.get_mut(&id).expect("preempted request");
+        r.preempted = true;
+        if self.races.unfenced(Mechanism::PreemptSave) {
+            self.free_blocks(id, Some(Mechanism::PreemptSave));
+            self.requeue(id);
+        } else {
+            r.preempting = true;
+        }
+    }
+
+    /// A preempted request goes back to the waiting queue (vLLM recomputes it): its tier
+    /// lookup answers next step, then it is prefilled anew. Saves still queued from its first
+    /// run keep running (and keep its blocks from being freed before them, fenced).
+    fn requeue(&mut self, id: u64) {
+        let hashes = self.reqs[&id].spec.hashes.clone();
+        let hits = self.tier.as_mut().map(|t| t.store.lookup_prefix(&hashes)).unwrap_or_default();
+        let r = self.reqs.get_mut(&id).expect("preempted request");
+        r.stage = RequestState::Lookup;
+        r.ready_at = self.now + 1;
+        r.pslots.clear();
+        r.promised.clear();
+        r.entries = vec![None; hashes.len()];
+        r.hits = hits;
+        r.pending_writes = 0;
+        r.released = false;
+        r.early_listed = false;
+        r.preempting = false;
     }
 
     /// Whether tier-only request `r`'s entries are all saved, so decode can load them.
@@ -557,17 +710,52 @@ impl<'a> PrefillEngine<'a> {
                 .unzip()
         };
         self.out.handed.push(Handed { req: id, blocks: r.pslots.clone(), promised, tier });
-        self.reqs.get_mut(&id).expect("live request").handed_over = true;
+        // One request in four is reported complete by the NIXL connector as it is handed
+        // over, before decode's READ (drawn for every request, so that rows draw alike).
+        let phantom = self.rng.random_range(0..4u32) == 0
+            && self.cfg.scenario.uses_nixl()
+            && self.races.unfenced(Mechanism::PhantomCompletion);
+        let now = self.now;
+        let r = self.reqs.get_mut(&id).expect("live request");
+        r.handed_over = true;
+        r.handed_at = now;
+        r.phantom = phantom;
     }
 
     fn advance(&mut self) -> Result<()> {
         let sc = self.cfg.scenario;
+        let lease = self.cfg.lease_steps as u64;
         let mut finished = Vec::new();
         let mut to_release = Vec::new();
         let mut to_hand = Vec::new();
+        let mut to_preempt = Vec::new();
+        let mut to_requeue = Vec::new();
+        let mut to_drop = Vec::new();
         for &id in &self.order {
-            let r = self.reqs.get_mut(&id).expect("ordered request");
+            let r = &self.reqs[&id];
+            if r.aborting {
+                // load-after-abort, fenced: freed once its loads have landed.
+                if r.pslots.iter().all(|&s| self.blocks.get(s).pending_load == 0) {
+                    to_drop.push(id);
+                }
+                continue;
+            }
+            if r.preempting {
+                // preempt-save, fenced: freed (and requeued) once its saves have run.
+                if r.saves_left == 0 {
+                    to_requeue.push(id);
+                }
+                continue;
+            }
             if r.stage == RequestState::Prefill && r.pending_writes == 0 {
+                // The scheduler may preempt it now instead (drawn for every request here, so
+                // that the rows of a matrix draw alike).
+                let preempt = self.rng.random_bool(self.cfg.preempt_rate);
+                if preempt && !r.preempted && r.saves_left > 0 {
+                    to_preempt.push(id);
+                    continue;
+                }
+                let r = self.reqs.get_mut(&id).expect("ordered request");
                 r.stage = RequestState::Handed;
                 if sc.uses_nixl() {
                     for &s in &r.pslots {
@@ -586,14 +774,29 @@ impl<'a> PrefillEngine<'a> {
                 }
                 continue;
             }
+            // The lease (abort timeout) of a request whose READ is not notified: kept alive
+            // (fenced), or it expires and frees the blocks (abort-timeout-free).
+            if sc.uses_nixl()
+                && r.handed_over
+                && !r.read_notified
+                && self.now >= r.handed_at + lease
+                && self.races.unfenced(Mechanism::AbortTimeoutFree)
+            {
+                to_release.push((id, Some(Mechanism::AbortTimeoutFree)));
+                continue;
+            }
             let done = Completions {
-                nixl: !sc.uses_nixl() || r.read_notified,
+                nixl: !sc.uses_nixl() || r.read_notified || r.phantom,
                 tier: r.saves_left == 0,
                 had_saves: r.had_saves,
                 lent: r.early_listed,
             };
             match self.multi.verdict(done) {
                 Verdict::Hold => {}
+                // Freed on a completion that was a phantom: that mechanism let it happen.
+                Verdict::Free(early) if r.phantom && !r.read_notified => {
+                    to_release.push((id, early.or(Some(Mechanism::PhantomCompletion))));
+                }
                 Verdict::Free(early) => to_release.push((id, early)),
                 Verdict::Lend => {
                     r.early_listed = true;
@@ -608,9 +811,25 @@ impl<'a> PrefillEngine<'a> {
         }
         for id in to_hand {
             self.hand_over(id);
+            if self.early_frees > 0 && sc.uses_nixl() {
+                self.early_frees -= 1;
+                to_release.push((id, None)); // test-only: freed before decode's READ
+            }
         }
         for (id, m) in to_release {
             self.release(id, m);
+        }
+        for id in to_preempt {
+            self.preempt(id);
+        }
+        for id in to_requeue {
+            self.free_blocks(id, None);
+            self.requeue(id);
+        }
+        for id in to_drop {
+            self.free_blocks(id, None);
+            self.reqs.remove(&id);
+            self.order.retain(|&x| x != id);
         }
         for id in finished {
             self.retire(id);
@@ -654,10 +873,11 @@ impl<'a> PrefillEngine<'a> {
             let spec = self.workload.next_request();
             let id = spec.id;
             let n = spec.hashes.len();
-            // lookup_async: the tier answers now, the request acts on it next step.
-            let hits = match (self.tier.as_mut(), spec.abort) {
-                (Some(t), false) => t.store.lookup_prefix(&spec.hashes),
-                _ => Vec::new(),
+            // lookup_async: the tier answers now, the request acts on it next step (a request
+            // the client aborts later looks up and loads like any other).
+            let hits = match self.tier.as_mut() {
+                Some(t) => t.store.lookup_prefix(&spec.hashes),
+                None => Vec::new(),
             };
             self.reqs.insert(
                 id,
@@ -680,6 +900,11 @@ impl<'a> PrefillEngine<'a> {
                     early_listed: false,
                     handed_over: false,
                     finished: false,
+                    handed_at: 0,
+                    phantom: false,
+                    preempted: false,
+                    preempting: false,
+                    aborting: false,
                 },
             );
             self.order.push(id);
@@ -711,12 +936,14 @@ impl<'a> PrefillEngine<'a> {
         let mut r = self.reqs.remove(&id).expect("request");
         let mut promised = Vec::with_capacity(n);
         for (i, &s) in slots.iter().enumerate() {
-            self.blocks.get_mut(s).owner = Some(id);
+            let b = self.blocks.get_mut(s);
+            b.owner = Some(id);
+            b.owner_wrote = false;
             if i < k {
                 let e = r.hits[i];
                 promised.push(self.store().promised(e));
                 r.entries[i] = Some(e);
-                if !sc.uses_nixl() {
+                if !sc.uses_nixl() && !abort {
                     self.store_mut().pin(e); // kept for decode's load
                 }
                 let due = self.lag(2);
@@ -739,14 +966,25 @@ impl<'a> PrefillEngine<'a> {
         r.promised = promised;
         r.stage = RequestState::Prefill;
         if abort {
-            // The client went away: vLLM frees the blocks at once; the compute stream
-            // still runs the issued writes.
+            // The client went away: vLLM frees the blocks at once (the compute stream still
+            // runs the issued writes, ordered before the next owner's) — once its tier loads
+            // have landed; unfenced (load-after-abort), with the loads still queued.
             self.counters.aborted += 1;
-            self.order.retain(|&x| x != id);
-            for s in r.pslots {
-                self.blocks.get_mut(s).owner = None;
-                self.blocks.free.push(s);
+            let unfenced = self.races.unfenced(Mechanism::LoadAfterAbort);
+            if k > 0 && !unfenced {
+                r.aborting = true;
+                self.reqs.insert(id, r);
+                return Ok(true);
             }
+            if k > 0 {
+                for op in self.pload.iter_mut().filter(|o| o.req == id) {
+                    op.cause = Some(Mechanism::LoadAfterAbort);
+                }
+            }
+            self.order.retain(|&x| x != id);
+            self.reqs.insert(id, r);
+            self.free_blocks(id, None);
+            self.reqs.remove(&id);
             return Ok(true);
         }
         // Saves of computed blocks (keys not yet stored).

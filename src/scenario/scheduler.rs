@@ -51,6 +51,16 @@ pub(crate) struct Request {
     pub(crate) handed_over: bool,
     /// Decode verified it and freed its own blocks.
     pub(crate) finished: bool,
+    /// The step it was handed to decode (its lease runs from there).
+    pub(crate) handed_at: u64,
+    /// The NIXL connector reported it complete at its hand-over (phantom-completion, unfenced).
+    pub(crate) phantom: bool,
+    /// Preempted once already (a request is preempted at most once).
+    pub(crate) preempted: bool,
+    /// Preempted, its blocks held until its queued saves have run (preempt-save, fenced).
+    pub(crate) preempting: bool,
+    /// Aborted, its blocks held until its tier loads have landed (load-after-abort, fenced).
+    pub(crate) aborting: bool,
 }
 
 /// Where a request is on decode.
@@ -105,6 +115,12 @@ pub(crate) struct BlockState {
     pub(crate) hazard: bool,
     /// On the early list (lent to loads before its READ completed).
     pub(crate) in_early_list: bool,
+    /// The owner's own write has landed here (a later write of another request's is then a
+    /// foreign write: the ownership checker).
+    pub(crate) owner_wrote: bool,
+    /// A request the block was taken from without its knowing (a duplicate completion freed
+    /// it): while it lives it still uses the block, so the block keeps its `early` mark.
+    pub(crate) victim: Option<u64>,
 }
 
 /// The prefill pool's block manager: every block's state, the free list and the early list.

@@ -269,5 +269,10 @@ fn window_never(m: Mechanism) -> String {
         Mechanism::SaveBeforeWrite => "the window never opened: every save found its block already written".into(),
         Mechanism::FreeOnFirstCompletion => "the window never opened: no block was reused while the other connector still used it (more load: --concurrency, --requests)".into(),
         Mechanism::UnfencedLoad => "the window never opened: no load targeted a block with a write still in flight (needs aborts, --abort-rate > 0, and prefix hits)".into(),
+        Mechanism::AbortTimeoutFree => "the window never opened: no freed block was reused before its READ (every READ done within --lease steps: raise --decode-delay or lower --lease)".into(),
+        Mechanism::DuplicateCompletion => "the window never opened: no duplicate completion freed a block another request was still reading (more load: --concurrency, --requests)".into(),
+        Mechanism::PhantomCompletion => "the window never opened: no block freed by a phantom completion was reused before its READ (more load: --concurrency, --requests)".into(),
+        Mechanism::LoadAfterAbort => "the window never opened: no aborted request had a load still in flight when its blocks were reused (needs aborts, --abort-rate > 0, and prefix hits)".into(),
+        Mechanism::PreemptSave => "the window never opened: no preempted request's save copied a reused block (needs --preempt-rate > 0 and saves)".into(),
     }
 }
