@@ -967,12 +967,17 @@ fn pair_scenario_joins_an_existing_mooncake_deployment_on_both_sides() {
 /// says (given the step and what decode sent): a malicious or broken `kvprobe serve`. It
 /// listens on loopback, does the handshake and the set-up for real (a NIXL agent of its own
 /// on a DRAM pool of the small preset), begins the run, then answers each step with
-/// `answer(step, input)`. Returns its address; its thread ends when decode goes away.
-fn fake_prefill(answer: impl Fn(u64, &kvprobe::peer::steps::StepIn) -> kvprobe::peer::steps::StepOut + Send + 'static) -> String {
+/// `answer(step, input)`. Returns its address and its thread, which ends when decode goes
+/// away: join it before the test ends, so that no NIXL agent is still being torn down on a
+/// thread while the test process exits (UCX's library destructors then crash it).
+fn fake_prefill(
+    answer: impl Fn(u64, &kvprobe::peer::steps::StepIn) -> kvprobe::peer::steps::StepOut + Send + 'static,
+) -> (String, std::thread::JoinHandle<()>) {
     use kvprobe::peer::{Accepted, Msg, Side, Stream};
+    crate::common::exit_without_library_destructors();
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
-    std::thread::spawn(move || {
+    let thread = std::thread::spawn(move || {
         let (s, _) = listener.accept().unwrap();
         let Ok(Accepted::Link(link, _)) = kvprobe::peer::server(Stream::Tcp(s), TOKEN, std::time::Duration::from_secs(30)) else {
             return;
@@ -997,7 +1002,7 @@ fn fake_prefill(answer: impl Fn(u64, &kvprobe::peer::steps::StepIn) -> kvprobe::
             }
         }
     });
-    addr
+    (addr, thread)
 }
 
 #[test]
@@ -1054,9 +1059,10 @@ fn a_prefill_that_breaks_the_scenario_protocol_ends_the_run_with_exit_3() {
         ),
     ];
     for (what, answer, says) in cases {
-        let addr = fake_prefill(answer);
+        let (addr, prefill) = fake_prefill(answer);
         let t0 = std::time::Instant::now();
         let (code, r, out) = run_peer(&addr, &["--scenario", "nixl-only", "--requests", "10", "--timeout", "20"]);
+        prefill.join().expect("the fake prefill's thread");
         assert_eq!(code, 3, "{what}: {out}");
         let msg = r["outcome"]["error"]["message"].as_str().unwrap_or("");
         assert!(msg.contains("a protocol error") && msg.contains(says), "{what}: {msg}");
@@ -1071,6 +1077,7 @@ fn a_prefill_that_breaks_the_scenario_protocol_ends_the_run_with_exit_3() {
 fn fake_decode(addr: &str, drive: impl FnOnce(&kvprobe::peer::Link, kvprobe::peer::steps::StepOut)) {
     use kvprobe::peer::steps::{Begin, StepIn};
     use kvprobe::peer::{Msg, Side, Stream};
+    crate::common::exit_without_library_destructors();
     // A real run's configuration, as its report records it.
     let (_, r, _) = crate::common::run_with_report("fake-decode-cfg", "dram", &["--scenario", "nixl-only", "--requests", "50"]);
     let config = r["config"].clone();

@@ -364,7 +364,9 @@ fn ctrl_c_kills_a_stopped_prefill_process_instead_of_waiting_for_it() {
 fn a_poll_blocked_past_its_requests_deadline_is_a_timeout() {
     // Each status or notification query blocks 5 s, past --timeout 2 from the request's post:
     // the wait exceeded --timeout inside the call, even though the call then finds its request
-    // complete or its notification there.
+    // complete or its notification there. In a scenario a query that blocks while no READ is
+    // yet posted holds the whole step: decode's liveness bound ends the run and names the
+    // notification query that held prefill's step.
     let t2 = ["--timeout", "2"];
     let sweep = [SWEEP, &t2].concat();
     let cases: Vec<(&str, Vec<&str>, &str, &str)> = vec![

@@ -159,6 +159,10 @@ pub struct StepOut {
     /// Block-ownership violations prefill saw in the step (its block manager's checker).
     #[serde(default)]
     pub violations: Vec<crate::report::OwnershipViolation>,
+    /// Seconds (prefill's clock) the step spent inside NIXL notification queries: decode
+    /// names them when a step that made no progress outlasts `--timeout`.
+    #[serde(default)]
+    pub notify_query_secs: f64,
 }
 
 /// How decode reaches the tier prefill saves into, for tier-only loads.

@@ -311,7 +311,9 @@ impl<'a> Decode<'a> {
             let admit = self.next.admit;
             self.stop_sent |= !admit;
             let input = std::mem::replace(&mut self.next, StepIn { admit, ..Default::default() });
+            let asked = Instant::now();
             let out = self.prefill.step(self.row, self.now, input)?;
+            let prefill_step = (asked.elapsed().as_secs_f64(), out.notify_query_secs);
             let drained = out.drained;
             self.apply(out)?;
             if drained {
@@ -347,8 +349,18 @@ impl<'a> Decode<'a> {
                 last_seen = seen;
                 last_change = Instant::now();
             } else if last_change.elapsed() > self.timeout {
+                // A prefill step that alone outlasted the bound is what held the run.
+                let (took, queries) = prefill_step;
+                let held = if took > self.timeout.as_secs_f64() {
+                    format!(
+                        "; prefill's step {} took {took:.3} s, {queries:.3} s of it inside NIXL notification query calls",
+                        self.now
+                    )
+                } else {
+                    String::new()
+                };
                 return Err(Error::Timeout(format!(
-                    "no request progressed for {:.3} s ({} in flight at decode at step {})",
+                    "no request progressed for {:.3} s ({} in flight at decode at step {}{held})",
                     self.timeout.as_secs_f64(),
                     self.pulls.len(),
                     self.now

@@ -354,6 +354,7 @@ impl<'a> PrefillEngine<'a> {
             .min_by_key(|(_, d)| d.at());
         let got = self.ep.notifications()?;
         let returned = Instant::now();
+        self.out.notify_query_secs += (returned - asked).as_secs_f64();
         if let Some((id, d)) = next
             && crate::deadline::crossed(&d, asked, returned)
         {

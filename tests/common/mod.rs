@@ -351,3 +351,30 @@ pub fn children(pid: u32) -> Vec<u32> {
 pub fn cmdline(pid: u32) -> String {
     std::fs::read(format!("/proc/{pid}/cmdline")).map(|b| String::from_utf8_lossy(&b).replace('\0', " ")).unwrap_or_default()
 }
+
+/// Makes this test process end without running shared-library destructors, keeping its exit
+/// status: call it before a test loads NIXL into the test process itself (not into a kvprobe
+/// child). The wheel's UCX bundles its own libnl-route, and with Debian's libibverbs (installed
+/// for Mooncake) a second libnl is loaded; the bundled one's destructor `rtnl_tc_unregister`
+/// then segfaults in `exit` after every test passed — the crash `kvprobe::nixl::exit_now`
+/// avoids in kvprobe itself. glibc's `on_exit` handlers run before the loader's destructors;
+/// Rust's stdout is flushed by then, C stdio is flushed here.
+pub fn exit_without_library_destructors() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    unsafe extern "C" {
+        fn on_exit(f: extern "C" fn(libc::c_int, *mut libc::c_void), arg: *mut libc::c_void) -> libc::c_int;
+    }
+    extern "C" fn quit(status: libc::c_int, _: *mut libc::c_void) {
+        // SAFETY: fflush(NULL) flushes every C stdio stream; _exit ends the process at once
+        // with the status exit was given (the tests' outcome).
+        unsafe {
+            libc::fflush(std::ptr::null_mut());
+            libc::_exit(status)
+        }
+    }
+    ONCE.call_once(|| {
+        // SAFETY: registers a handler with a static function and no argument.
+        let rc = unsafe { on_exit(quit, std::ptr::null_mut()) };
+        assert_eq!(rc, 0, "on_exit failed");
+    });
+}
