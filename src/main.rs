@@ -340,6 +340,9 @@ struct LoadArgs {
     /// Share of requests (0 to below 1) the scheduler preempts after their prefill (recomputed later); their blocks wait for queued saves unless preempt-save is unfenced.
     #[arg(long, default_value_t = kvprobe::scenario::config::DEFAULT_PREEMPT_RATE)]
     preempt_rate: f64,
+    /// Share of decode's transfers of two or more blocks (0 to below 1: READs, tier-only loads) in which some blocks fail to move; they are read again unless failed-as-complete is unfenced.
+    #[arg(long, default_value_t = kvprobe::scenario::config::DEFAULT_FAIL_RATE)]
+    fail_rate: f64,
     /// Tier capacity in blocks. Default: 16 x --blocks, at most 4 GiB of host memory, at least 2 x concurrency x max prompt blocks.
     #[arg(long)]
     tier_blocks: Option<u32>,
@@ -495,6 +498,7 @@ const LOAD_FLAGS: &[&str] = &[
     "lease",
     "decode_delay",
     "preempt_rate",
+    "fail_rate",
 ];
 
 /// `run` flags of the whole-pool sweep only.
@@ -613,6 +617,7 @@ impl LoadArgs {
             lease_steps: self.lease,
             decode_delay_steps: self.decode_delay,
             preempt_rate: self.preempt_rate,
+            fail_rate: self.fail_rate,
             matrix: false,
         }
     }

@@ -73,11 +73,16 @@ pub enum Mechanism {
     /// A preempted request's blocks are freed once its queued saves have run; unfenced, at
     /// once, and the saves copy the next owner's data under the preempted request's keys.
     PreemptSave,
+    /// A transfer (a NIXL READ, a tier-only load) in which some descriptors failed is not
+    /// counted as delivered: the failed blocks are reported and read again (vLLM's
+    /// `get_block_ids_with_load_errors`); unfenced, it is counted delivered and decode runs
+    /// on blocks that were never written.
+    FailedAsComplete,
 }
 
 impl Mechanism {
     /// Every mechanism, in `kvprobe ab` order.
-    pub const ALL: [Mechanism; 10] = [
+    pub const ALL: [Mechanism; 11] = [
         Mechanism::LoadIntoReading,
         Mechanism::SaveAfterFree,
         Mechanism::SaveBeforeWrite,
@@ -88,6 +93,7 @@ impl Mechanism {
         Mechanism::PhantomCompletion,
         Mechanism::LoadAfterAbort,
         Mechanism::PreemptSave,
+        Mechanism::FailedAsComplete,
     ];
 
     /// Name as on the command line.
@@ -103,14 +109,17 @@ impl Mechanism {
             Mechanism::PhantomCompletion => "phantom-completion",
             Mechanism::LoadAfterAbort => "load-after-abort",
             Mechanism::PreemptSave => "preempt-save",
+            Mechanism::FailedAsComplete => "failed-as-complete",
         }
     }
 
     /// Whether the mechanism can act in `scenario`: the NIXL connector's own orderings in
     /// nixl-only and stacked, the tier's in stacked (where decode READs what the tier saved
-    /// and loaded).
+    /// and loaded), a failed transfer's handling wherever decode pulls (a READ, a tier-only
+    /// load).
     pub fn applies_to(self, scenario: Scenario) -> bool {
         match self {
+            Mechanism::FailedAsComplete => true,
             Mechanism::AbortTimeoutFree | Mechanism::DuplicateCompletion | Mechanism::PhantomCompletion => scenario.uses_nixl(),
             _ => scenario == Scenario::Stacked,
         }
@@ -119,9 +128,10 @@ impl Mechanism {
     /// Whether the block-ownership checker sees the mechanism's ordering itself (a free while
     /// a transfer, save or load touches the block, a double free, a write into a block another
     /// request owns or reads): then an unfenced run reports violations even where the bytes
-    /// survive. save-before-write only reorders a request's own save and write.
+    /// survive. save-before-write only reorders a request's own save and write;
+    /// failed-as-complete frees nothing early (what it breaks is the delivery count).
     pub fn breaks_ownership(self) -> bool {
-        self != Mechanism::SaveBeforeWrite
+        !matches!(self, Mechanism::SaveBeforeWrite | Mechanism::FailedAsComplete)
     }
 
     /// What the unfenced variant does and how it shows up.
@@ -156,6 +166,9 @@ impl Mechanism {
             }
             Mechanism::PreemptSave => {
                 "unfenced: the scheduler preempts a request after its prefill (--preempt-rate) and frees its blocks while their saves are queued; the saves copy the next owner's data under the preempted request's keys, and a later prefix hit loads wrong KV under a valid key (misplaced)"
+            }
+            Mechanism::FailedAsComplete => {
+                "unfenced: a transfer of decode's (a NIXL READ, a request's tier-only loads) that moved only some of its blocks, the others failing (--fail-rate of them), is counted delivered without the failed block ids; decode runs on blocks that were never written (unwritten at decode: this pull's poison). Fenced: the failed blocks are reported and read again before decode uses the request. Also in nixl-only and tier-only"
             }
         }
     }

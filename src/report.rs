@@ -412,7 +412,7 @@ pub struct RaceOutcome {
     pub corrupt_attributed: u64,
     /// Those slices by class.
     pub classes: BTreeMap<String, u64>,
-    /// Classes it predicts (misplaced, stale, torn: the scenario engine's `RACE_CLASSES`).
+    /// Classes it predicts (`scenario::shadow::predicted_classes`: misplaced, stale, torn; unwritten for failed-as-complete).
     pub predicted_classes: Vec<Class>,
     /// "detected", "not reproduced", or "clean" (fenced).
     pub verdict: String,
@@ -491,6 +491,11 @@ pub struct ScenarioReport {
     /// The first violations (at most `--max-failures`), in the order they happened.
     #[serde(default)]
     pub violations: Vec<OwnershipViolation>,
+    /// Decode's transfers (a request's NIXL READ, its tier-only loads) in which some blocks
+    /// failed to move (`--fail-rate`): read again when failed-as-complete is fenced, counted
+    /// delivered when unfenced. Absent from reports written before the fault model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transfers_failed: Option<u64>,
     /// One entry per mechanism: unfenced ones with their detection, fenced ones "clean" or not.
     pub races: Vec<RaceOutcome>,
     /// Error counts per `interval_secs`.
@@ -814,6 +819,15 @@ pub fn render(r: &Report) -> String {
                 if sc.tier_detail != "embedded" && !sc.tier_detail.is_empty() {
                     out += &format!("                   {}\n", sc.tier_detail);
                 }
+            }
+            if let Some(n) = sc.transfers_failed.filter(|&n| n > 0) {
+                let fenced = !sc.races.iter().any(|o| {
+                    o.mechanism == crate::race::Mechanism::FailedAsComplete && o.fencing == crate::race::Fencing::Unfenced
+                });
+                out += &format!(
+                    "failed transfers:  {n} moved only some blocks (--fail-rate); {}\n",
+                    if fenced { "their failed blocks were read again" } else { "counted delivered (failed-as-complete unfenced)" }
+                );
             }
             if let Some(n) = sc.ownership_violations {
                 let mut kinds: BTreeMap<&str, u64> = BTreeMap::new();

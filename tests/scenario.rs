@@ -47,6 +47,9 @@ fn fenced_scenarios_are_clean_over_thousands_of_requests() {
         assert_clean(&r, 2500, &log);
         let s = &r["scenario"];
         assert_eq!(s["scenario"], sc);
+        // The fence of failed-as-complete was exercised: transfers failed (--fail-rate 0.05)
+        // and their blocks were read again.
+        assert!(s["transfers_failed"].as_u64().unwrap() > 20, "{sc}: {}", s["transfers_failed"]);
         if sc == "nixl-only" {
             assert_eq!(s["tier_saves"], 0);
             assert!(r["summary"]["bytes_transferred"].as_u64().unwrap() > 0);
@@ -68,8 +71,10 @@ fn assert_detected(mechanism: &str, seed: &str) {
     assert_detected_in(mechanism, seed, "stacked")
 }
 
-/// [`assert_detected`] with `--scenario scenario`. Every mechanism but save-before-write breaks
-/// a block's ownership, and the checker must have seen it (README "Block ownership").
+/// [`assert_detected`] with `--scenario scenario`. Every mechanism but save-before-write and
+/// failed-as-complete breaks a block's ownership, and the checker must have seen it (README
+/// "Block ownership"). failed-as-complete's corruption is this pull's poison (unwritten),
+/// every other's another write's data.
 fn assert_detected_in(mechanism: &str, seed: &str, scenario: &str) {
     let args = ["--scenario", scenario, "--race", mechanism, "--requests", "2000", "--seed", seed, "--lockstep"];
     let (code, r, log) = scenario_report(mechanism, &args);
@@ -77,8 +82,8 @@ fn assert_detected_in(mechanism: &str, seed: &str, scenario: &str) {
     let sc = &r["scenario"];
     assert_eq!(sc["scenario"], scenario);
     let violations = sc["ownership_violations"].as_u64().unwrap();
-    if mechanism == "save-before-write" {
-        assert_eq!(violations, 0, "{mechanism} reorders a request's own save and write: {}", sc["violations"]);
+    if ["save-before-write", "failed-as-complete"].contains(&mechanism) {
+        assert_eq!(violations, 0, "{mechanism} frees no block early: {}", sc["violations"]);
     } else {
         assert!(violations > 0, "{mechanism}: the ownership checker saw nothing");
         let listed = sc["violations"].as_array().unwrap();
@@ -96,15 +101,22 @@ fn assert_detected_in(mechanism: &str, seed: &str, scenario: &str) {
     let corrupt = total_corrupt(&r);
     assert!(corrupt > 0);
     assert_eq!(o["corrupt_attributed"].as_u64().unwrap(), corrupt, "all corruption is attributed to {mechanism}");
+    let predicted: &[&str] = if mechanism == "failed-as-complete" { &["unwritten"] } else { &RACE_CLASSES };
     for (class, n) in r["summary"]["by_class"].as_object().unwrap() {
         if n.as_u64().unwrap() > 0 {
-            assert!(RACE_CLASSES.contains(&class.as_str()), "{mechanism} produced {class}");
+            assert!(predicted.contains(&class.as_str()), "{mechanism} produced {class}");
         }
     }
-    // Listed failures name the mechanism and a request, and hold another block's data.
+    assert_eq!(o["predicted_classes"], serde_json::json!(predicted), "{o}");
+    // Listed failures name the mechanism and a request, and hold another block's data (or
+    // none: a failed block still holds its poison).
     for f in r["failures"].as_array().unwrap() {
         assert_eq!(f["attributed_to"], mechanism);
         assert!(f["request"].is_u64());
+        if mechanism == "failed-as-complete" {
+            assert_eq!(f["class"], "unwritten", "{f}");
+            continue;
+        }
         assert_ne!(f["observed"], f["expected"], "{f}");
         if f["class"] == "misplaced" {
             assert_eq!(f["observed"]["block"], f["predicted"]["block"], "the shadow predicted the foreign block: {f}");
@@ -165,6 +177,15 @@ fn load_after_abort_is_detected() {
 #[test]
 fn preempt_save_is_detected() {
     assert_detected("preempt-save", "30");
+}
+
+#[test]
+fn failed_as_complete_is_detected_in_every_scenario() {
+    // A READ (nixl-only, stacked) or tier-only loads that moved only some blocks, counted
+    // delivered: decode verifies blocks that still hold its poison.
+    assert_detected("failed-as-complete", "31");
+    assert_detected_in("failed-as-complete", "41", "nixl-only");
+    assert_detected_in("failed-as-complete", "51", "tier-only");
 }
 
 #[test]

@@ -50,6 +50,13 @@ pub struct ScenarioConfig {
     /// (`preempt-save`).
     #[serde(default = "default_preempt_rate")]
     pub preempt_rate: f64,
+    /// Share of decode's transfers of two or more blocks (a request's NIXL READ, its
+    /// tier-only loads) in which some blocks fail to move (a seeded 1 to all-but-one of
+    /// them, as a backend reporting per-descriptor errors would): fenced, the failed blocks
+    /// are read again before the request is used (`failed-as-complete`). Runs before this
+    /// field had none (0).
+    #[serde(default)]
+    pub fail_rate: f64,
     /// `kvprobe ab`'s load: the template of the matrix, whose rows each pick their scenario
     /// and unfenced mechanism (a prefill side then runs every row it is asked for, one after
     /// the other). Written only when set.
@@ -63,6 +70,8 @@ pub const DEFAULT_LEASE: u32 = 8;
 pub const DEFAULT_DECODE_DELAY: u32 = 16;
 /// `--preempt-rate` when not given.
 pub const DEFAULT_PREEMPT_RATE: f64 = 0.05;
+/// `--fail-rate` when not given.
+pub const DEFAULT_FAIL_RATE: f64 = 0.05;
 
 fn default_lease() -> u32 {
     DEFAULT_LEASE
@@ -149,6 +158,12 @@ pub fn check(cfg: &ScenarioConfig, num_blocks: u32) -> Result<()> {
         return Err(Error::Usage(format!(
             "--preempt-rate must be at least 0 and below 1 (some requests must reach decode), got {}",
             cfg.preempt_rate
+        )));
+    }
+    if !(0.0..1.0).contains(&cfg.fail_rate) {
+        return Err(Error::Usage(format!(
+            "--fail-rate must be at least 0 and below 1 (some transfers must succeed), got {}",
+            cfg.fail_rate
         )));
     }
     if !(cfg.interval_secs.is_finite() && cfg.interval_secs >= 0.1) {

@@ -46,7 +46,7 @@ use crate::geometry::SliceCoord;
 use crate::peer::client::PrefillPeer;
 use crate::peer::steps::{Begin, Handed, PrefillCounters, StepIn, StepOut};
 use crate::pool::TableEntry;
-use crate::race::Races;
+use crate::race::{Mechanism, Races};
 use crate::report::{Failure, Interval, Report, ScenarioReport};
 use crate::tier::TierArena;
 use crate::transport::Endpoint;
@@ -190,6 +190,11 @@ struct Decode<'a> {
     /// What every prefill block holds, and the attribution counts.
     shadow: Shadow,
     rng: ChaCha8Rng,
+    /// Draws which transfers fail (`--fail-rate`), apart from `rng` so that the other draws
+    /// of a seed stay what they were.
+    fail_rng: ChaCha8Rng,
+    /// Transfers in which some blocks failed (`--fail-rate`).
+    transfers_failed: u64,
     now: u64,
     /// Decode's free blocks.
     dblocks: DecodeBlocks,
@@ -256,6 +261,8 @@ impl<'a> Decode<'a> {
             nixl,
             shadow: Shadow::new(&genesis),
             rng: ChaCha8Rng::seed_from_u64(seed ^ 0x6465_636F_6465),
+            fail_rng: ChaCha8Rng::seed_from_u64(seed ^ 0x6661_696C_6564),
+            transfers_failed: 0,
             now: 0,
             dblocks: DecodeBlocks::new(n),
             pulls: HashMap::new(),
@@ -435,6 +442,9 @@ impl<'a> Decode<'a> {
                     delivered: Vec::new(),
                     dloads_left: 0,
                     poison_iter: 0,
+                    failed: Vec::new(),
+                    retrying: false,
+                    unwritten: Vec::new(),
                 },
             );
         }
@@ -540,17 +550,69 @@ impl<'a> Decode<'a> {
     }
 
     /// Request `id`'s READ completed: closes its windows on its prefill blocks in the shadow
-    /// (what was written into them while it was in flight).
-    fn read_done(&mut self, id: u64) -> Result<()> {
+    /// (what was written into them while it was in flight). When some of its blocks failed
+    /// to move (`--fail-rate`), fenced `failed-as-complete` posts a READ of those again (with
+    /// the request's notification) and returns true; unfenced, the request is counted
+    /// delivered with them unwritten.
+    /// Errors: as [`Shadow::observe`], and the retry's post (exit 3 or 4).
+    fn read_done(&mut self, id: u64) -> Result<bool> {
         let p = self.pulls.get_mut(&id).expect("a posted request");
         p.xfer = None;
-        p.stage = PullState::Verify;
-        let blocks = p.pslots.clone();
-        match self.observe(What::ReadDone { req: id, blocks })? {
-            Answer::During(d) => self.pulls.get_mut(&id).expect("live request").during = d,
+        let moved: Vec<usize> = if p.retrying { p.failed.clone() } else { (0..p.pslots.len()).collect() };
+        let blocks = moved.iter().map(|&i| p.pslots[i]).collect();
+        let during = match self.observe(What::ReadDone { req: id, blocks })? {
+            Answer::During(d) => d,
             a => unreachable!("a READ's end is answered with its windows, not {a:?}"),
+        };
+        let p = self.pulls.get_mut(&id).expect("live request");
+        if p.during.len() != p.pslots.len() {
+            p.during = vec![Vec::new(); p.pslots.len()];
         }
-        Ok(())
+        for (&i, d) in moved.iter().zip(during) {
+            p.during[i] = d;
+        }
+        if p.retrying || p.failed.is_empty() {
+            p.failed.clear();
+            p.retrying = false;
+            p.stage = PullState::Verify;
+            return Ok(false);
+        }
+        if self.races.unfenced(Mechanism::FailedAsComplete) {
+            p.unwritten = std::mem::take(&mut p.failed);
+            p.stage = PullState::Verify;
+            self.observe(What::Window { mechanism: Mechanism::FailedAsComplete })?;
+            return Ok(false);
+        }
+        // Fenced: the failed blocks are reported and READ again.
+        let (src, dst): (Vec<u32>, Vec<u32>) = p.failed.iter().map(|&i| (p.pslots[i], p.dslots[i])).unzip();
+        let g = self.ep.pool.geometry().clone();
+        let pairs = NixlConnector::read_pairs(&g, &src, &dst)?;
+        let Answer::AtPost(at_post) = self.observe(What::ReadPosted { req: id, blocks: src })? else {
+            unreachable!("a READ's post is answered with the blocks' contents")
+        };
+        let x = self.nixl.post_read(self.ep, &pairs, id, true, self.timeout).map_err(|e| self.prefill.cause_of(e))?;
+        let p = self.pulls.get_mut(&id).expect("live request");
+        for (&i, c) in p.failed.iter().zip(at_post) {
+            p.at_post[i] = c;
+        }
+        p.retrying = true;
+        p.xfer = Some(x);
+        self.next.posted.push(id);
+        Ok(true)
+    }
+
+    /// Which of a request's `n` blocks its transfer fails to move: none, or (in a share
+    /// `--fail-rate` of the transfers of two or more blocks) a seeded 1 to `n - 1` of them.
+    fn draw_failed(&mut self, n: usize) -> Vec<usize> {
+        let hit = self.fail_rng.random::<f64>() < self.cfg.fail_rate;
+        if !hit || n < 2 {
+            return Vec::new();
+        }
+        let k = self.fail_rng.random_range(1..n);
+        let mut v = rand::seq::index::sample(&mut self.fail_rng, n, k).into_vec();
+        v.sort_unstable();
+        self.transfers_failed += 1;
+        v
     }
 
     /// `--lockstep`: completes this step's READs before the step goes on (prefill takes their
@@ -559,17 +621,22 @@ impl<'a> Decode<'a> {
     fn lockstep(&mut self, ids: &[u64], report: &mut Report) -> Result<()> {
         let t = Instant::now();
         for &id in ids {
-            let p = self.pulls.get_mut(&id).expect("posted request");
-            let Some(x) = p.xfer.as_mut() else { continue };
+            if self.pulls[&id].xfer.is_none() {
+                continue;
+            }
             // `poll` ends the wait with a timeout past the READ's deadline.
             loop {
+                let p = self.pulls.get_mut(&id).expect("posted request");
+                let x = p.xfer.as_mut().expect("a READ in flight");
                 if let Some(done) = self.ep.poll(x).map_err(|e| self.prefill.cause_of(e))? {
                     report.summary.bytes_transferred += done.bytes;
-                    break;
+                    // A fenced failure's retry is completed within the step too.
+                    if !self.read_done(id)? {
+                        break;
+                    }
                 }
                 std::thread::yield_now();
             }
-            self.read_done(id)?;
             self.next.read_done.push(id);
         }
         self.busy_secs += t.elapsed().as_secs_f64();
@@ -585,6 +652,32 @@ impl<'a> Decode<'a> {
         while self.loads.front().is_some_and(|l| l.due <= self.now) {
             due.push(self.loads.pop_front().expect("front"));
         }
+        // A load that fails (`--fail-rate`) moves nothing: fenced, it is reported and runs
+        // again a step later; unfenced (failed-as-complete), it is counted delivered.
+        let unfenced = self.races.unfenced(Mechanism::FailedAsComplete);
+        let mut run = Vec::with_capacity(due.len());
+        for l in due {
+            let p = self.pulls.get_mut(&l.req).expect("loading request");
+            let Some(k) = p.failed.iter().position(|&i| i == l.index) else {
+                run.push(l);
+                continue;
+            };
+            p.failed.swap_remove(k);
+            if !unfenced {
+                self.loads.push_back(Load { due: self.now + 1, ..l });
+                continue;
+            }
+            let first = p.unwritten.is_empty();
+            p.unwritten.push(l.index);
+            p.dloads_left -= 1;
+            if p.dloads_left == 0 {
+                p.stage = PullState::Verify;
+            }
+            if first {
+                self.observe(What::Window { mechanism: Mechanism::FailedAsComplete })?;
+            }
+        }
+        let due = run;
         if due.is_empty() {
             return Ok(());
         }
@@ -653,13 +746,24 @@ impl<'a> Decode<'a> {
             p.poison_iter = iter;
             p.dslots = d;
             p.stage = PullState::Pulling;
+            let n = p.pslots.len();
+            let failed = self.draw_failed(n);
+            let p = self.pulls.get_mut(&id).expect("starting request");
+            p.failed = failed;
             if sc.uses_nixl() {
-                let pairs = NixlConnector::read_pairs(&g, &p.pslots, &p.dslots)?;
+                // The failed blocks' descriptors are left out of the READ, as the backend
+                // failing them would leave them unwritten; a fenced connector knows it
+                // failed, so the READ then notifies no one until the retry.
+                let moved: Vec<usize> = (0..n).filter(|i| !p.failed.contains(i)).collect();
+                let src: Vec<u32> = moved.iter().map(|&i| p.pslots[i]).collect();
+                let dst: Vec<u32> = moved.iter().map(|&i| p.dslots[i]).collect();
+                let pairs = NixlConnector::read_pairs(&g, &src, &dst)?;
+                let notify = p.failed.is_empty() || self.races.unfenced(Mechanism::FailedAsComplete);
                 let blocks = p.pslots.clone();
                 let Answer::AtPost(at_post) = self.observe(What::ReadPosted { req: id, blocks })? else {
                     unreachable!("a READ's post is answered with the blocks' contents")
                 };
-                let x = self.nixl.post_read(self.ep, &pairs, id, self.timeout).map_err(|e| self.prefill.cause_of(e))?;
+                let x = self.nixl.post_read(self.ep, &pairs, id, notify, self.timeout).map_err(|e| self.prefill.cause_of(e))?;
                 let p = self.pulls.get_mut(&id).expect("starting request");
                 p.at_post = at_post;
                 p.xfer = Some(x);
@@ -724,7 +828,13 @@ impl<'a> Decode<'a> {
             } else {
                 vec![p.delivered[i]]
             };
-            let (cause, predicted) = attribute(&buf, &want, self.seed, c, &written);
+            // A block counted delivered although its transfer failed still holds this
+            // pull's poison: failed-as-complete's, and only that.
+            let (cause, predicted) = if p.unwritten.contains(&i) && v.class == crate::verify::Class::Unwritten {
+                (Some(Mechanism::FailedAsComplete), expected_t)
+            } else {
+                attribute(&buf, &want, self.seed, c, &written)
+            };
             self.shadow.count(cause, v.class);
             report.summary.blocks_corrupt += 1;
             *report.summary.by_class.entry(v.class.name().to_string()).or_default() += 1;
@@ -840,6 +950,7 @@ impl<'a> Decode<'a> {
             tier_detail: self.tier_detail.clone(),
             unexplained_corrupt: self.shadow.unexplained,
             ownership_violations: Some(self.violation_count),
+            transfers_failed: Some(self.transfers_failed),
             violations: self.violations.clone(),
             races: self.shadow.outcomes(&self.races),
             intervals: self.intervals.clone(),

@@ -96,6 +96,15 @@ pub(crate) struct Pull {
     pub(crate) delivered: Vec<Content>,
     pub(crate) dloads_left: u32,
     pub(crate) poison_iter: u32,
+    /// Indices (into `pslots`) of the blocks the request's transfer fails to move
+    /// (`--fail-rate`): for a READ, the descriptors left out of its first post; for
+    /// tier-only, the loads that fail once.
+    pub(crate) failed: Vec<usize>,
+    /// The READ in flight is the retry of the failed blocks (fenced `failed-as-complete`).
+    pub(crate) retrying: bool,
+    /// Indices of the blocks counted delivered although their transfer failed (unfenced
+    /// `failed-as-complete`): they still hold this pull's poison.
+    pub(crate) unwritten: Vec<usize>,
 }
 
 /// One prefill block as the block manager tracks it.

@@ -32,6 +32,16 @@ pub use crate::tier::Content;
 /// the same block's older data (stale), or a mix when the write lands during a READ (torn).
 pub const RACE_CLASSES: [Class; 3] = [Class::Misplaced, Class::Stale, Class::Torn];
 
+/// The classes unfenced mechanism `m` may produce at decode: [`RACE_CLASSES`] for an ordering
+/// that lets another write reach a block; `unwritten` (this pull's poison) for
+/// failed-as-complete, whose failed blocks were never written.
+pub fn predicted_classes(m: Mechanism) -> &'static [Class] {
+    match m {
+        Mechanism::FailedAsComplete => &[Class::Unwritten],
+        _ => &RACE_CLASSES,
+    }
+}
+
 /// The shadow of one prefill block.
 #[derive(Clone, Debug, Default)]
 struct BlockShadow {
@@ -103,8 +113,9 @@ impl Shadow {
             What::Window { .. } => &[],
             What::ReadPosted { blocks, .. } | What::ReadDone { blocks, .. } => blocks.as_slice(),
         };
+        // A window may open on either side (decode's own: failed-as-complete).
         let from_decode = matches!(e.what, What::ReadPosted { .. } | What::ReadDone { .. });
-        if from_decode != (e.engine == EngineId::Decode) {
+        if from_decode && e.engine != EngineId::Decode || matches!(e.what, What::Write { .. }) && e.engine != EngineId::Prefill {
             return Err(Error::Transport(format!(
                 "shadow: event {} of {:?} (step {}) is not one that engine makes",
                 e.seq, e.engine, e.step
@@ -178,7 +189,7 @@ impl Shadow {
     }
 
     /// Each mechanism's outcome under `races`: an unfenced one is "detected" when corruption
-    /// of its predicted classes ([`RACE_CLASSES`]) was attributed to it, else "not reproduced"
+    /// of its predicted classes ([`predicted_classes`]) was attributed to it, else "not reproduced"
     /// with why; a fenced one is "clean", or "corrupt" if anything was attributed to it.
     pub(crate) fn outcomes(&self, races: &Races) -> Vec<RaceOutcome> {
         Mechanism::ALL
@@ -192,7 +203,7 @@ impl Shadow {
                     .unwrap_or_default();
                 let n: u64 = classes.values().sum();
                 let w = self.windows.get(&m).copied().unwrap_or(0);
-                let in_class = self.attributed.get(&m).is_none_or(|c| c.keys().all(|k| RACE_CLASSES.contains(k)));
+                let in_class = self.attributed.get(&m).is_none_or(|c| c.keys().all(|k| predicted_classes(m).contains(k)));
                 let (verdict, why) = match (unf, n > 0 && in_class) {
                     (false, _) => (if n == 0 { "clean" } else { "corrupt" }.to_string(), None),
                     (true, true) => ("detected".to_string(), None),
@@ -212,7 +223,7 @@ impl Shadow {
                     windows_opened: w,
                     corrupt_attributed: n,
                     classes,
-                    predicted_classes: RACE_CLASSES.to_vec(),
+                    predicted_classes: predicted_classes(m).to_vec(),
                     verdict,
                     why,
                 }
@@ -274,5 +285,6 @@ fn window_never(m: Mechanism) -> String {
         Mechanism::PhantomCompletion => "the window never opened: no block freed by a phantom completion was reused before its READ (more load: --concurrency, --requests)".into(),
         Mechanism::LoadAfterAbort => "the window never opened: no aborted request had a load still in flight when its blocks were reused (needs aborts, --abort-rate > 0, and prefix hits)".into(),
         Mechanism::PreemptSave => "the window never opened: no preempted request's save copied a reused block (needs --preempt-rate > 0 and saves)".into(),
+        Mechanism::FailedAsComplete => "the window never opened: no transfer of a request of two or more blocks failed (needs --fail-rate > 0 and more load: --requests)".into(),
     }
 }

@@ -54,10 +54,14 @@ impl NixlConnector {
         Ok(pairs)
     }
 
-    /// Posts request `id`'s READ of `pairs` on decode's endpoint, with its notification;
-    /// `timeout` bounds it from now. Errors: transport (exit 3), timeout (exit 4).
-    pub(crate) fn post_read(&self, decode: &mut Endpoint, pairs: &[Pair], id: u64, timeout: Duration) -> Result<Posted> {
-        decode.post_read(pairs, &format!("{}{id}", self.tag), timeout)
+    /// Posts request `id`'s READ of `pairs` on decode's endpoint; `timeout` bounds it from
+    /// now. With `notify` it carries the request's notification (prefill frees its blocks on
+    /// it); without, a message prefill takes for no request's (`<prefix><id>:failed`): the
+    /// READ stands for a transfer whose failure a fenced connector reports, which notifies
+    /// no one. Errors: transport (exit 3), timeout (exit 4).
+    pub(crate) fn post_read(&self, decode: &mut Endpoint, pairs: &[Pair], id: u64, notify: bool, timeout: Duration) -> Result<Posted> {
+        let msg = if notify { format!("{}{id}", self.tag) } else { format!("{}{id}:failed", self.tag) };
+        decode.post_read(pairs, &msg, timeout)
     }
 
     /// The request a notification message on prefill is for, when it is this run's.
