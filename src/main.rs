@@ -618,6 +618,7 @@ impl LoadArgs {
             decode_delay_steps: self.decode_delay,
             preempt_rate: self.preempt_rate,
             fail_rate: self.fail_rate,
+            inject: Vec::new(),
             matrix: false,
         }
     }
@@ -668,7 +669,7 @@ impl RunArgs {
                         s.name()
                     )));
                 }
-                c.scenario = Some(self.load.config(s, races.list(), &c.geometry));
+                c.scenario = Some(ScenarioConfig { inject: c.inject.clone(), ..self.load.config(s, races.list(), &c.geometry) });
             }
             None => {
                 if let Some(f) = typed.iter().find(|f| LOAD_FLAGS.contains(f)) {

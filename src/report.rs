@@ -826,7 +826,11 @@ pub fn render(r: &Report) -> String {
                 });
                 out += &format!(
                     "failed transfers:  {n} moved only some blocks (--fail-rate); {}\n",
-                    if fenced { "their failed blocks were read again" } else { "counted delivered (failed-as-complete unfenced)" }
+                    if fenced {
+                        "their failed blocks were read again"
+                    } else {
+                        "counted delivered (failed-as-complete unfenced)"
+                    }
                 );
             }
             if let Some(n) = sc.ownership_violations {

@@ -115,7 +115,16 @@ pub fn deserialize_seed<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::
 /// Checks a run's configuration (flags, geometry, injections). Errors: usage (exit 2).
 pub(crate) fn check_config(cfg: &RunConfig) -> Result<()> {
     cfg.geometry.validate()?;
-    inject::check(&cfg.inject, &cfg.geometry, &sweep_stages(cfg))?;
+    // A sweep plants COUNT per iteration into the pool; a scenario COUNT in all, one per
+    // request's READ ([`crate::scenario::config::check`]).
+    if cfg.scenario.is_none() {
+        inject::check(&cfg.inject, &cfg.geometry, &sweep_stages(cfg))?;
+    } else if cfg.inject.iter().any(|s| s.kind == inject::Kind::Torn) && cfg.geometry.slice_bytes()? < 32 {
+        return Err(Error::Usage(format!(
+            "--inject torn needs block slices of at least 32 bytes (they are {})",
+            cfg.geometry.slice_bytes()?
+        )));
+    }
     if cfg.memory == MemoryKind::Dram && (cfg.prefill_device != 0 || cfg.decode_device != 0) {
         return Err(Error::Usage("--prefill-device and --decode-device apply to --memory vram only".into()));
     }
@@ -166,9 +175,6 @@ pub(crate) fn check_config(cfg: &RunConfig) -> Result<()> {
         return Err(Error::Usage("--min-gbps must be a non-negative number".into()));
     }
     if let Some(sc) = &cfg.scenario {
-        if !cfg.inject.is_empty() {
-            return Err(Error::Usage("--inject applies to the whole-pool sweep; scenarios plant faults with --race".into()));
-        }
         if cfg.op != Op::Read {
             return Err(Error::Usage(
                 "scenarios follow NixlConnector's flow (decode READs); --op write applies to the sweep only".into(),

@@ -731,6 +731,30 @@ fn pair_scenarios_run_across_two_processes_with_one_outcome_in_both_reports() {
 }
 
 #[test]
+fn pair_scenario_injections_and_failed_transfers_are_found_across_the_pair() {
+    // `--inject` under request load plants on decode's READs of serve's blocks, and an
+    // unfenced failed-as-complete leaves failed blocks unwritten: decode finds each as
+    // predicted, and serve's report has the same outcome (exit 1, corruption found).
+    let s = Serve::start(&[]);
+    let args = ["--scenario", "stacked", "--requests", "300", "--seed", "3", "--lockstep", "--race", "failed-as-complete"];
+    let (code, r, out) = run_peer(&s.addr, &[&args[..], &["--inject", "drop:2", "--inject", "misroute:2"]].concat());
+    assert_eq!(code, 1, "{out}");
+    let (scode, sout, sr) = s.wait();
+    assert_eq!(scode, 1, "{sout}");
+    assert_one_run(&r, &sr.expect("serve wrote its report"), 1);
+    let sum = &r["summary"];
+    assert_eq!((sum["injections_planted"].as_u64(), sum["injections_detected"].as_u64()), (Some(4), Some(4)), "{sum}");
+    assert_eq!(r["scenario"]["unexplained_corrupt"], 0, "{out}");
+    let o = r["scenario"]["races"].as_array().unwrap().iter().find(|o| o["mechanism"] == "failed-as-complete").unwrap().clone();
+    assert_eq!(o["verdict"], "detected", "{o}");
+    // Unwritten: the failed blocks' slices and one per drop and misroute; misplaced: one per misroute.
+    let by = &sum["by_class"];
+    assert_eq!(by["misplaced"], 2, "{by}");
+    assert_eq!(by["unwritten"].as_u64().unwrap(), o["corrupt_attributed"].as_u64().unwrap() + 4, "{by}");
+    assert_eq!(sum["blocks_corrupt"].as_u64().unwrap(), o["corrupt_attributed"].as_u64().unwrap() + 6);
+}
+
+#[test]
 fn pair_ab_passes_every_row_with_the_embedded_tier() {
     let s = Serve::start(&[]);
     let d = tmpdir("pair-ab");

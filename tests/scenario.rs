@@ -188,6 +188,84 @@ fn failed_as_complete_is_detected_in_every_scenario() {
     assert_detected_in("failed-as-complete", "51", "tier-only");
 }
 
+/// Checks a scenario run with `--inject` faults planted under request load: each found
+/// exactly as predicted (the sweep's table: drop unwritten, torn torn, misroute misplaced at
+/// one slot and unwritten at the other), none attributed to a mechanism or left unexplained,
+/// and corruption beyond them only what `others` (unfenced mechanisms) explain.
+fn assert_injections_found(r: &Value, planted: &[(&str, u64)], log: &str) {
+    let sum = &r["summary"];
+    let n: u64 = planted.iter().map(|p| p.1).sum();
+    assert_eq!(sum["injections_planted"], n, "{log}");
+    assert_eq!(sum["injections_detected"], n, "{log}");
+    assert_eq!(sum["unexpected_failures"], 0, "{log}");
+    assert_eq!(r["scenario"]["unexplained_corrupt"], 0, "{log}");
+    let records = r["injections"].as_array().unwrap();
+    assert_eq!(records.len() as u64, n);
+    for (kind, count) in planted {
+        let mine: Vec<&Value> = records.iter().filter(|x| x["kind"] == *kind).collect();
+        assert_eq!(mine.len() as u64, *count, "{kind}");
+        for x in mine {
+            assert_eq!(x["detected"], true, "{x}");
+            let classes: Vec<&str> = x["predicted"].as_array().unwrap().iter().map(|h| h["class"].as_str().unwrap()).collect();
+            let want: &[&str] = match *kind {
+                "drop" => &["unwritten"],
+                "torn" => &["torn"],
+                _ => &["misplaced", "unwritten"],
+            };
+            assert_eq!(classes, want, "{x}");
+        }
+    }
+    let count = |k: &str| planted.iter().find(|p| p.0 == k).map_or(0, |p| p.1);
+    let attributed: u64 =
+        r["scenario"]["races"].as_array().unwrap().iter().map(|o| o["corrupt_attributed"].as_u64().unwrap()).sum();
+    assert_eq!(
+        sum["blocks_corrupt"].as_u64().unwrap(),
+        count("drop") + count("torn") + 2 * count("misroute") + attributed,
+        "{log}"
+    );
+    assert_eq!(sum["by_class"]["torn"].as_u64().unwrap(), count("torn"), "{log}");
+    // The planted slices are listed and attributed to nothing.
+    let planted_listed = r["failures"].as_array().unwrap().iter().filter(|f| f["attributed_to"].is_null()).count() as u64;
+    assert_eq!(planted_listed, count("drop") + count("torn") + 2 * count("misroute"), "{log}");
+}
+
+#[test]
+fn injections_under_request_load_are_found_as_predicted() {
+    let inject = ["--inject", "drop:3", "--inject", "torn:2", "--inject", "misroute:2"];
+    let planted = [("drop", 3), ("torn", 2), ("misroute", 2)];
+    for (sc, seed) in [("nixl-only", "61"), ("stacked", "62")] {
+        let args = [&["--scenario", sc, "--requests", "400", "--seed", seed][..], &inject].concat();
+        let (code, r, log) = scenario_report(&format!("inject-{sc}"), &args);
+        assert_eq!(code, 1, "{sc}: planted corruption is corruption: {log}");
+        assert_injections_found(&r, &planted, &log);
+        assert_eq!(r["summary"]["blocks_corrupt"], 9, "{sc}: nothing but the planted slices: {log}");
+        assert!(log.contains("injections:        7 planted, 7 detected as predicted, 0 unexpected failures"), "{log}");
+    }
+    // Under an unfenced mechanism (lockstep: the run replays from the seed), the planted
+    // slices stay apart from what the mechanism explains.
+    let args = [&["--race", "failed-as-complete", "--requests", "400", "--seed", "63", "--lockstep"][..], &inject].concat();
+    let (code, r, log) = scenario_report("inject-race", &args);
+    assert_eq!(code, 1, "{log}");
+    assert_injections_found(&r, &planted, &log);
+    let o = r["scenario"]["races"].as_array().unwrap().iter().find(|o| o["mechanism"] == "failed-as-complete").unwrap().clone();
+    assert_eq!(o["verdict"], "detected", "{o}");
+}
+
+#[test]
+fn injections_a_scenario_cannot_plant_are_refused() {
+    for (args, says) in [
+        (vec!["--scenario", "stacked", "--inject", "bitflip"], "--inject bitflip under request load is not supported"),
+        (vec!["--scenario", "nixl-only", "--inject", "stale:2"], "--inject stale under request load is not supported"),
+        (vec!["--scenario", "stacked", "--inject", "stray"], "stray needs the sweep's pipeline stages"),
+        (vec!["--scenario", "tier-only", "--inject", "drop"], "tier-only has none"),
+        (vec!["--scenario", "nixl-only", "--prompt-blocks", "1-1", "--inject", "misroute"], "two or more blocks"),
+    ] {
+        let (code, _, log) = scenario_report("inject-refused", &args);
+        assert_eq!(code, 2, "{args:?}: {log}");
+        assert!(log.contains(says), "{args:?}: {log}");
+    }
+}
+
 #[test]
 fn a_tier_mechanism_needs_the_stacked_scenario() {
     for m in ["load-after-abort", "preempt-save", "save-after-free"] {

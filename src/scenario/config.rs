@@ -57,6 +57,10 @@ pub struct ScenarioConfig {
     /// field had none (0).
     #[serde(default)]
     pub fail_rate: f64,
+    /// `--inject` under request load: faults planted on decode's READs (drop, misroute,
+    /// torn), decode's alone; recorded in the run's `config.inject`, not here.
+    #[serde(skip)]
+    pub inject: Vec<crate::inject::Spec>,
     /// `kvprobe ab`'s load: the template of the matrix, whose rows each pick their scenario
     /// and unfenced mechanism (a prefill side then runs every row it is asked for, one after
     /// the other). Written only when set.
@@ -158,6 +162,35 @@ pub fn check(cfg: &ScenarioConfig, num_blocks: u32) -> Result<()> {
         return Err(Error::Usage(format!(
             "--preempt-rate must be at least 0 and below 1 (some requests must reach decode), got {}",
             cfg.preempt_rate
+        )));
+    }
+    for s in &cfg.inject {
+        use crate::inject::Kind;
+        if !matches!(s.kind, Kind::Drop | Kind::Misroute | Kind::Torn) {
+            return Err(Error::Usage(format!(
+                "--inject {} under request load is not supported: scenarios plant drop, misroute and torn on decode's READ \
+                 descriptors (bitflip and stale change what prefill writes, stray needs the sweep's pipeline stages)",
+                s.kind.name()
+            )));
+        }
+        if !cfg.scenario.uses_nixl() {
+            return Err(Error::Usage(format!(
+                "--inject {} plants faults on decode's NIXL READs; tier-only has none (use nixl-only or stacked)",
+                s.kind.name()
+            )));
+        }
+        if s.kind == Kind::Misroute && w.max_blocks < 2 {
+            return Err(Error::Usage(
+                "--inject misroute pairs two blocks of one request: it needs prompts of two or more blocks (--prompt-blocks)"
+                    .into(),
+            ));
+        }
+    }
+    let planted: u64 = cfg.inject.iter().map(|s| s.count as u64).sum();
+    if cfg.duration_secs.is_none() && planted > cfg.requests {
+        return Err(Error::Usage(format!(
+            "--inject plants one fault per request's READ: {planted} faults need more than --requests {}",
+            cfg.requests
         )));
     }
     if !(0.0..1.0).contains(&cfg.fail_rate) {

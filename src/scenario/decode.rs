@@ -38,7 +38,7 @@ use super::config::{Progress, ScenarioConfig};
 use super::connectors::nixl::NixlConnector;
 use super::connectors::tier::TierReader;
 use super::fault::TestFault;
-use super::scheduler::{DecodeBlocks, Pull, PullState};
+use super::scheduler::{DecodeBlocks, Planted, Pull, PullState};
 use super::shadow::{Answer, Content, EngineId, Event, Shadow, What, attribute, ident};
 use crate::error::{Error, Result};
 use crate::fingerprint::{self, SKIP_GEN};
@@ -195,6 +195,10 @@ struct Decode<'a> {
     fail_rng: ChaCha8Rng,
     /// Transfers in which some blocks failed (`--fail-rate`).
     transfers_failed: u64,
+    /// `--inject` faults still to plant, in order (one per request's READ), and the draws
+    /// of where.
+    to_plant: VecDeque<crate::inject::Kind>,
+    inject_rng: ChaCha8Rng,
     now: u64,
     /// Decode's free blocks.
     dblocks: DecodeBlocks,
@@ -263,6 +267,8 @@ impl<'a> Decode<'a> {
             rng: ChaCha8Rng::seed_from_u64(seed ^ 0x6465_636F_6465),
             fail_rng: ChaCha8Rng::seed_from_u64(seed ^ 0x6661_696C_6564),
             transfers_failed: 0,
+            to_plant: cfg.inject.iter().flat_map(|s| std::iter::repeat_n(s.kind, s.count as usize)).collect(),
+            inject_rng: ChaCha8Rng::seed_from_u64(seed ^ 0x696E_6A65_6374),
             now: 0,
             dblocks: DecodeBlocks::new(n),
             pulls: HashMap::new(),
@@ -387,6 +393,12 @@ impl<'a> Decode<'a> {
             }
         }
         progress(&self.progress(report));
+        if !self.to_plant.is_empty() {
+            eprintln!(
+                "inject: {} fault(s) not planted: the run pulled too few requests (one READ in four carries one; raise --requests)",
+                self.to_plant.len()
+            );
+        }
         Ok(())
     }
 
@@ -445,6 +457,7 @@ impl<'a> Decode<'a> {
                     failed: Vec::new(),
                     retrying: false,
                     unwritten: Vec::new(),
+                    planted: Vec::new(),
                 },
             );
         }
@@ -599,6 +612,59 @@ impl<'a> Decode<'a> {
         p.xfer = Some(x);
         self.next.posted.push(id);
         Ok(true)
+    }
+
+    /// `--inject` under request load: with faults left to plant, one request's READ in four
+    /// (seeded) gets the next, on a seeded slice of its blocks that move (`moved`, indices
+    /// into the request's blocks): `drop` leaves the slice's descriptor out, `torn` moves
+    /// only a prefix of it (a multiple of 16 bytes), `misroute` sends one block's slice to
+    /// another block's decode slot of the same layer and K/V, both own descriptors left out
+    /// (the sweep's injections, `crate::inject`). Changes `pairs` (from
+    /// [`NixlConnector::read_pairs`]) and returns where the fault must show at decode.
+    /// Errors: a geometry whose slice size does not fit (usage).
+    fn plant(&mut self, pairs: &mut Vec<crate::transport::Pair>, moved: &[usize], id: u64) -> Result<Option<Planted>> {
+        use crate::inject::Kind;
+        use crate::verify::Class;
+        let Some(&kind) = self.to_plant.front() else { return Ok(None) };
+        if self.inject_rng.random_range(0..4u32) != 0 || moved.is_empty() || kind == Kind::Misroute && moved.len() < 2 {
+            return Ok(None);
+        }
+        self.to_plant.pop_front();
+        let g = self.ep.pool.geometry().clone();
+        let sb = g.slice_bytes()?;
+        let p = &self.pulls[&id];
+        let layer = self.inject_rng.random_range(0..g.num_layers);
+        let kv = g.parts()[self.inject_rng.random_range(0..g.parts().len())];
+        let pick = |rng: &mut ChaCha8Rng| moved[rng.random_range(0..moved.len())];
+        let i = pick(&mut self.inject_rng);
+        let at = |i: usize| SliceCoord { layer, kv, block: p.pslots[i] };
+        let dst = |i: usize| SliceCoord { layer, kv, block: p.dslots[i] };
+        let k = pairs.iter().position(|x| x.src == at(i)).expect("a moved block has its descriptors");
+        let hits = match kind {
+            Kind::Drop => {
+                pairs.remove(k);
+                vec![(dst(i), Class::Unwritten)]
+            }
+            Kind::Torn => {
+                pairs[k].len = 16 * self.inject_rng.random_range(1..sb / 16);
+                vec![(dst(i), Class::Torn)]
+            }
+            Kind::Misroute => {
+                let j = loop {
+                    let j = pick(&mut self.inject_rng);
+                    if j != i {
+                        break j;
+                    }
+                };
+                pairs[k].dst = dst(j);
+                let kj = pairs.iter().position(|x| x.src == at(j)).expect("a moved block has its descriptors");
+                pairs.remove(kj);
+                vec![(dst(j), Class::Misplaced), (dst(i), Class::Unwritten)]
+            }
+            Kind::Bitflip | Kind::Stale | Kind::Stray => unreachable!("refused by scenario::config::check"),
+        };
+        eprintln!("inject: {} planted on request {id}'s READ at layer {layer} {kv}", kind.name());
+        Ok(Some(Planted { kind, step: self.now, hits }))
     }
 
     /// Which of a request's `n` blocks its transfer fails to move: none, or (in a share
@@ -757,7 +823,11 @@ impl<'a> Decode<'a> {
                 let moved: Vec<usize> = (0..n).filter(|i| !p.failed.contains(i)).collect();
                 let src: Vec<u32> = moved.iter().map(|&i| p.pslots[i]).collect();
                 let dst: Vec<u32> = moved.iter().map(|&i| p.dslots[i]).collect();
-                let pairs = NixlConnector::read_pairs(&g, &src, &dst)?;
+                let mut pairs = NixlConnector::read_pairs(&g, &src, &dst)?;
+                if let Some(planted) = self.plant(&mut pairs, &moved, id)? {
+                    self.pulls.get_mut(&id).expect("starting request").planted.push(planted);
+                }
+                let p = &self.pulls[&id];
                 let notify = p.failed.is_empty() || self.races.unfenced(Mechanism::FailedAsComplete);
                 let blocks = p.pslots.clone();
                 let Answer::AtPost(at_post) = self.observe(What::ReadPosted { req: id, blocks })? else {
@@ -801,6 +871,8 @@ impl<'a> Decode<'a> {
             }
         }
         self.plant_faults(&ids)?;
+        // The `--inject` slices found corrupt, with the class found.
+        let mut seen: HashMap<SliceCoord, crate::verify::Class> = HashMap::new();
         let t = Instant::now();
         let fails = self.ep.pool.verify(&table)?;
         let slices: u64 =
@@ -828,14 +900,24 @@ impl<'a> Decode<'a> {
             } else {
                 vec![p.delivered[i]]
             };
+            // An `--inject` fault planted on this slice, found with the class it predicts,
+            // is planted damage: neither attributed nor unexplained.
+            let planted = p.planted.iter().flat_map(|x| &x.hits).find(|(at, _)| *at == c).map(|&(_, class)| class);
+            if planted.is_some() {
+                seen.insert(c, v.class);
+            }
             // A block counted delivered although its transfer failed still holds this
             // pull's poison: failed-as-complete's, and only that.
-            let (cause, predicted) = if p.unwritten.contains(&i) && v.class == crate::verify::Class::Unwritten {
+            let (cause, predicted) = if planted == Some(v.class) {
+                (None, expected_t)
+            } else if p.unwritten.contains(&i) && v.class == crate::verify::Class::Unwritten {
                 (Some(Mechanism::FailedAsComplete), expected_t)
             } else {
                 attribute(&buf, &want, self.seed, c, &written)
             };
-            self.shadow.count(cause, v.class);
+            if planted != Some(v.class) {
+                self.shadow.count(cause, v.class);
+            }
             report.summary.blocks_corrupt += 1;
             *report.summary.by_class.entry(v.class.name().to_string()).or_default() += 1;
             if let Some(iv) = self.intervals.last_mut() {
@@ -843,7 +925,8 @@ impl<'a> Decode<'a> {
             }
             // Unexplained slices (defects of the stack under test) have their own budget, so
             // a flood of explained race corruption never hides them.
-            let listed = if cause.is_some() { &mut self.listed_explained } else { &mut self.listed_unexplained };
+            let listed =
+                if cause.is_some() || planted.is_some() { &mut self.listed_explained } else { &mut self.listed_unexplained };
             let list = *listed < self.max_failures as u64;
             if list {
                 *listed += 1;
@@ -865,6 +948,28 @@ impl<'a> Decode<'a> {
         report.summary.verify_seconds += t.elapsed().as_secs_f64();
         for id in ids {
             let p = self.pulls.remove(&id).expect("verified request");
+            // Each planted fault is detected when every slice it predicts was found with its
+            // class (as the sweep's injections).
+            for x in &p.planted {
+                let detected = x.hits.iter().all(|(at, class)| seen.get(at) == Some(class));
+                report.summary.injections_planted += 1;
+                report.summary.injections_detected += detected as u64;
+                report.injections.push(crate::report::InjectionRecord {
+                    iteration: x.step.min(u32::MAX as u64) as u32,
+                    kind: x.kind,
+                    predicted: x
+                        .hits
+                        .iter()
+                        .map(|(at, class)| crate::report::PredictedHit {
+                            layer: at.layer,
+                            kv: at.kv,
+                            block: at.block,
+                            class: *class,
+                        })
+                        .collect(),
+                    detected,
+                });
+            }
             self.order.retain(|&x| x != id);
             for &s in &p.dslots {
                 self.dblocks.free(s);
@@ -929,6 +1034,8 @@ impl<'a> Decode<'a> {
         s.transfer_seconds = self.busy_secs;
         s.transfer_gbps = if s.transfer_seconds > 0.0 { s.bytes_transferred as f64 / s.transfer_seconds / 1e9 } else { 0.0 };
         s.iterations = self.verified.min(u32::MAX as u64) as u32;
+        // What neither an injection nor a mechanism explains.
+        s.unexpected_failures = self.shadow.unexplained;
         s.fill_seconds = self.counters.fill_seconds;
         s.poison_seconds = self.poison_secs;
         let slice = self.ep.pool.geometry().slice_bytes().unwrap_or(0);

@@ -105,6 +105,18 @@ pub(crate) struct Pull {
     /// Indices of the blocks counted delivered although their transfer failed (unfenced
     /// `failed-as-complete`): they still hold this pull's poison.
     pub(crate) unwritten: Vec<usize>,
+    /// `--inject` faults planted on the request's READ.
+    pub(crate) planted: Vec<Planted>,
+}
+
+/// One `--inject` fault planted on a request's READ (`--inject` under request load): what
+/// it is, the engine step its READ was posted in, and where it must show at decode.
+#[derive(Clone, Debug)]
+pub(crate) struct Planted {
+    pub(crate) kind: crate::inject::Kind,
+    pub(crate) step: u64,
+    /// (decode slice, predicted class), as `inject::Action::predicted` says for the sweep.
+    pub(crate) hits: Vec<(crate::geometry::SliceCoord, crate::verify::Class)>,
 }
 
 /// One prefill block as the block manager tracks it.

@@ -59,7 +59,14 @@ impl NixlConnector {
     /// it); without, a message prefill takes for no request's (`<prefix><id>:failed`): the
     /// READ stands for a transfer whose failure a fenced connector reports, which notifies
     /// no one. Errors: transport (exit 3), timeout (exit 4).
-    pub(crate) fn post_read(&self, decode: &mut Endpoint, pairs: &[Pair], id: u64, notify: bool, timeout: Duration) -> Result<Posted> {
+    pub(crate) fn post_read(
+        &self,
+        decode: &mut Endpoint,
+        pairs: &[Pair],
+        id: u64,
+        notify: bool,
+        timeout: Duration,
+    ) -> Result<Posted> {
         let msg = if notify { format!("{}{id}", self.tag) } else { format!("{}{id}:failed", self.tag) };
         decode.post_read(pairs, &msg, timeout)
     }
