@@ -29,6 +29,10 @@ pub struct AbRow {
     pub scenario: Scenario,
     /// The mechanism left unfenced, if any.
     pub unfenced: Option<Mechanism>,
+    /// Push mode: prefill WRITEs into decode's blocks (the `stacked-push` row and
+    /// decode-abort-free's). Written only when set.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub push: bool,
     /// Requests verified at decode.
     pub requests: u64,
     /// Block slices verified.
@@ -77,14 +81,35 @@ pub struct AbReport {
     pub peer: Option<crate::report::PeerSide>,
 }
 
-/// The rows, in order: `(scenario, unfenced mechanism)`.
-pub fn cases() -> Vec<(Scenario, Option<Mechanism>)> {
-    let mut v = vec![(Scenario::NixlOnly, None), (Scenario::TierOnly, None), (Scenario::Stacked, None)];
-    v.extend(Mechanism::ALL.iter().map(|&m| (Scenario::Stacked, Some(m))));
+/// One row of the matrix: a scenario, in push mode or not, with at most one mechanism
+/// unfenced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Case {
+    /// Which connectors move the blocks.
+    pub scenario: Scenario,
+    /// Push mode (`--op write`): prefill WRITEs into decode's blocks.
+    pub push: bool,
+    /// The mechanism left unfenced, if any.
+    pub unfenced: Option<Mechanism>,
+}
+
+/// The rows, in order: nixl-only, tier-only, stacked and stacked in push mode (all fenced),
+/// then stacked with each mechanism unfenced in turn (decode-abort-free's in push mode, the
+/// only mode where it can act).
+pub fn cases() -> Vec<Case> {
+    let fenced = |scenario, push| Case { scenario, push, unfenced: None };
+    let mut v = vec![
+        fenced(Scenario::NixlOnly, false),
+        fenced(Scenario::TierOnly, false),
+        fenced(Scenario::Stacked, false),
+        fenced(Scenario::Stacked, true),
+    ];
+    v.extend(Mechanism::ALL.iter().map(|&m| Case { scenario: Scenario::Stacked, push: m.needs_push(), unfenced: Some(m) }));
     v
 }
 
-fn row_of(name: String, scenario: Scenario, unfenced: Option<Mechanism>, r: &Report) -> AbRow {
+fn row_of(name: String, case: Case, r: &Report) -> AbRow {
+    let Case { scenario, push, unfenced } = case;
     let s = &r.summary;
     let sc = r.scenario.as_ref();
     let unexplained = sc.map_or(0, |x| x.unexplained_corrupt);
@@ -119,6 +144,7 @@ fn row_of(name: String, scenario: Scenario, unfenced: Option<Mechanism>, r: &Rep
         name,
         scenario,
         unfenced,
+        push,
         requests: sc.map_or(0, |x| x.requests_verified),
         slices_checked: s.blocks_checked,
         corrupt: s.blocks_corrupt,
@@ -132,11 +158,13 @@ fn row_of(name: String, scenario: Scenario, unfenced: Option<Mechanism>, r: &Rep
     }
 }
 
-/// The row name of `(scenario, unfenced)`: the scenario, or `SCENARIO+MECHANISM`.
-pub fn row_name(scenario: Scenario, unfenced: Option<Mechanism>) -> String {
-    match unfenced {
-        None => scenario.name().to_string(),
-        Some(m) => format!("{}+{}", scenario.name(), m.name()),
+/// The row name of `case`: the scenario (`SCENARIO-push` in push mode), or
+/// `SCENARIO+MECHANISM` (a mechanism that needs push mode implies it).
+pub fn row_name(case: Case) -> String {
+    match (case.unfenced, case.push) {
+        (None, false) => case.scenario.name().to_string(),
+        (None, true) => format!("{}-push", case.scenario.name()),
+        (Some(m), _) => format!("{}+{}", case.scenario.name(), m.name()),
     }
 }
 
@@ -156,12 +184,12 @@ pub fn row_disagreements(row: &AbRow, sec: &Report) -> Vec<String> {
     if unfenced.len() > 1 {
         out.push(format!("section: config.scenario.unfenced: {} mechanisms, a row leaves one", unfenced.len()));
     }
-    let unfenced = unfenced.first().copied();
-    let name = row_name(scenario, unfenced);
+    let case = Case { scenario, push: sc["push"] == true, unfenced: unfenced.first().copied() };
+    let name = row_name(case);
     if row.name != name {
         out.push(format!("name: row {}, section {name}", row.name));
     }
-    let mut want = row_of(name, scenario, unfenced, sec);
+    let mut want = row_of(name, case, sec);
     if sec.outcome.error.is_some() {
         want.verdict = sec.outcome.status.clone();
         want.pass = false;
@@ -282,8 +310,8 @@ fn conclude(ab: &mut AbReport, error: Option<&Error>) -> Exit {
     exit
 }
 
-/// The row being run, for the watchdog: (name, scenario, unfenced mechanism).
-type RowName = (String, Scenario, Option<Mechanism>);
+/// The row being run, for the watchdog: its name and case.
+type RowName = (String, Case);
 
 /// The matrix so far and the row in progress, as last published, for the watchdog.
 static SHADOW: std::sync::Mutex<Option<(AbReport, Option<RowName>)>> = std::sync::Mutex::new(None);
@@ -298,34 +326,30 @@ fn publish(ab: &AbReport, row: Option<RowName>) {
 pub fn expired_report(cfg: &RunConfig, e: &Error) -> (AbReport, Exit) {
     let shadow = SHADOW.lock().unwrap_or_else(|p| p.into_inner()).clone();
     let (mut ab, row) = shadow.unwrap_or_else(|| (start(cfg), None));
-    if let Some((name, scenario, unfenced)) = row {
-        let row_cfg = RunConfig {
-            scenario: cfg.scenario.clone().map(|sc| ScenarioConfig {
-                scenario,
-                unfenced: unfenced.into_iter().collect(),
-                matrix: false,
-                ..sc
-            }),
-            ..cfg.clone()
-        };
+    if let Some((name, case)) = row {
+        let row_cfg = RunConfig { scenario: cfg.scenario.clone().map(|sc| case_config(case, &sc)), ..cfg.clone() };
         let (mut rep, _) = crate::run::expired_report(&row_cfg, e);
         rep.environment = None; // recorded once, at the top
-        push_row(&mut ab, name, scenario, unfenced, rep, Some(e));
+        push_row(&mut ab, name, case, rep, Some(e));
     }
     let exit = conclude(&mut ab, Some(e));
     (ab, exit)
 }
 
+/// The scenario configuration of row `case` from the matrix's `template`.
+fn case_config(case: Case, template: &ScenarioConfig) -> ScenarioConfig {
+    ScenarioConfig {
+        scenario: case.scenario,
+        unfenced: case.unfenced.into_iter().collect(),
+        push: case.push,
+        matrix: false,
+        ..template.clone()
+    }
+}
+
 /// Appends a finished row (its report `rep`, ended by `error` or not).
-fn push_row(
-    ab: &mut AbReport,
-    name: String,
-    scenario: Scenario,
-    unfenced: Option<Mechanism>,
-    rep: Report,
-    error: Option<&Error>,
-) {
-    let mut row = row_of(name, scenario, unfenced, &rep);
+fn push_row(ab: &mut AbReport, name: String, case: Case, rep: Report, error: Option<&Error>) {
+    let mut row = row_of(name, case, &rep);
     if let Some(e) = error {
         // A row cut short proves nothing either way.
         row.verdict = rep.outcome.status.clone();
@@ -355,14 +379,14 @@ fn run_rows(
     let ucx_mark = crate::ucx::mark();
     let probe = slot.insert(Probe::setup_peer(cfg, ab.environment.clone())?);
     crate::ucx::adopt();
-    for (row, (scenario, unfenced)) in cases().into_iter().enumerate() {
-        let name = row_name(scenario, unfenced);
-        let sc = ScenarioConfig { scenario, unfenced: unfenced.into_iter().collect(), matrix: false, ..template.clone() };
+    for (row, case) in cases().into_iter().enumerate() {
+        let name = row_name(case);
+        let sc = case_config(case, &template);
         let row_cfg = RunConfig { scenario: Some(sc.clone()), ..cfg.clone() };
         let mut rep = crate::run::empty_report(&row_cfg);
         rep.environment = None; // recorded once, at the top
         crate::report::publish(&rep);
-        publish(ab, Some((name.clone(), scenario, unfenced)));
+        publish(ab, Some((name.clone(), case)));
         let mut p = |x: &Progress| progress(&name, x);
         let mut none = |_: &Report| {};
         let mut dumper = match dump {
@@ -401,7 +425,7 @@ fn run_rows(
             (Ok(()), false) => Exit::Clean,
         };
         rep.finish(exit, r.as_ref().err());
-        push_row(ab, name, scenario, unfenced, rep, r.as_ref().err());
+        push_row(ab, name, case, rep, r.as_ref().err());
         publish(ab, None);
         after_row(ab);
         r?;

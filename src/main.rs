@@ -619,6 +619,7 @@ impl LoadArgs {
             preempt_rate: self.preempt_rate,
             fail_rate: self.fail_rate,
             inject: Vec::new(),
+            push: false,
             matrix: false,
         }
     }
@@ -669,7 +670,11 @@ impl RunArgs {
                         s.name()
                     )));
                 }
-                c.scenario = Some(ScenarioConfig { inject: c.inject.clone(), ..self.load.config(s, races.list(), &c.geometry) });
+                c.scenario = Some(ScenarioConfig {
+                    inject: c.inject.clone(),
+                    push: c.op == Op::Write,
+                    ..self.load.config(s, races.list(), &c.geometry)
+                });
             }
             None => {
                 if let Some(f) = typed.iter().find(|f| LOAD_FLAGS.contains(f)) {

@@ -61,6 +61,10 @@ pub enum Mechanism {
     /// A handed request's lease (its abort timeout) is kept alive until decode's READ is
     /// notified (vLLM's NixlConnector extends it); unfenced, blocks are freed at its expiry.
     AbortTimeoutFree,
+    /// Push mode: decode keeps an aborted request's destination blocks until the WRITE into
+    /// them is done (its notification); unfenced, it frees them at once and the late WRITE
+    /// lands in their next owner.
+    DecodeAbortFree,
     /// A request's completion is counted once: a duplicate (a second `finished_sending`) is
     /// dropped; unfenced, it frees the request's old blocks again.
     DuplicateCompletion,
@@ -82,13 +86,14 @@ pub enum Mechanism {
 
 impl Mechanism {
     /// Every mechanism, in `kvprobe ab` order.
-    pub const ALL: [Mechanism; 11] = [
+    pub const ALL: [Mechanism; 12] = [
         Mechanism::LoadIntoReading,
         Mechanism::SaveAfterFree,
         Mechanism::SaveBeforeWrite,
         Mechanism::FreeOnFirstCompletion,
         Mechanism::UnfencedLoad,
         Mechanism::AbortTimeoutFree,
+        Mechanism::DecodeAbortFree,
         Mechanism::DuplicateCompletion,
         Mechanism::PhantomCompletion,
         Mechanism::LoadAfterAbort,
@@ -105,6 +110,7 @@ impl Mechanism {
             Mechanism::FreeOnFirstCompletion => "free-on-first-completion",
             Mechanism::UnfencedLoad => "unfenced-load",
             Mechanism::AbortTimeoutFree => "abort-timeout-free",
+            Mechanism::DecodeAbortFree => "decode-abort-free",
             Mechanism::DuplicateCompletion => "duplicate-completion",
             Mechanism::PhantomCompletion => "phantom-completion",
             Mechanism::LoadAfterAbort => "load-after-abort",
@@ -114,15 +120,24 @@ impl Mechanism {
     }
 
     /// Whether the mechanism can act in `scenario`: the NIXL connector's own orderings in
-    /// nixl-only and stacked, the tier's in stacked (where decode READs what the tier saved
+    /// nixl-only and stacked (decode-abort-free in push mode, [`Mechanism::needs_push`]), the tier's in stacked (where decode READs what the tier saved
     /// and loaded), a failed transfer's handling wherever decode pulls (a READ, a tier-only
     /// load).
     pub fn applies_to(self, scenario: Scenario) -> bool {
         match self {
             Mechanism::FailedAsComplete => true,
-            Mechanism::AbortTimeoutFree | Mechanism::DuplicateCompletion | Mechanism::PhantomCompletion => scenario.uses_nixl(),
+            Mechanism::AbortTimeoutFree
+            | Mechanism::DecodeAbortFree
+            | Mechanism::DuplicateCompletion
+            | Mechanism::PhantomCompletion => scenario.uses_nixl(),
             _ => scenario == Scenario::Stacked,
         }
+    }
+
+    /// Whether the mechanism acts only in push mode (`--op write` with a scenario: prefill
+    /// WRITEs into decode's blocks), and only there.
+    pub fn needs_push(self) -> bool {
+        self == Mechanism::DecodeAbortFree
     }
 
     /// Whether the block-ownership checker sees the mechanism's ordering itself (a free while
@@ -154,6 +169,9 @@ impl Mechanism {
             }
             Mechanism::AbortTimeoutFree => {
                 "unfenced: prefill frees a handed request's blocks when its lease (--lease steps, the abort timeout) expires while decode's READ is not done or not yet posted (a slow pull: --decode-delay); the READ gets the next owner's data (misplaced at decode: HTTP 200 with garbage under load). Fenced: the lease is kept alive until the notification. Also in nixl-only"
+            }
+            Mechanism::DecodeAbortFree => {
+                "unfenced: in push mode (--op write: prefill WRITEs each request into the decode blocks decode asked for, as vLLM's push flow and SGLang do) decode aborts a request whose data has not arrived --lease steps after it asked (the client gave up) and frees its destination blocks at once; prefill's WRITE, late (one in eight waits --decode-delay steps), lands in the blocks' next owner while it decodes (misplaced at decode: garbage after client aborts). Fenced: decode keeps the blocks until the WRITE's notification. Also in nixl-only"
             }
             Mechanism::DuplicateCompletion => {
                 "unfenced: one request in eight has its completion (the READ's notification) delivered twice, the duplicate 1-32 steps later; it frees the request's old blocks again although they now belong to other requests, whose READs then get yet another owner's data (misplaced). Also in nixl-only"

@@ -884,9 +884,10 @@ pub fn render(r: &Report) -> String {
             );
         }
         out += &format!(
-            "transfer:          {} over NIXL: {:.3} GB/s while READs were in flight ({:.3} s), {:.3} GB/s over the wall time ({:.3} s)\n",
+            "transfer:          {} over NIXL: {:.3} GB/s while {} were in flight ({:.3} s), {:.3} GB/s over the wall time ({:.3} s)\n",
             human_bytes(s.bytes_transferred),
             s.transfer_gbps,
+            if r.config["scenario"]["push"] == true { "prefill's WRITEs" } else { "READs" },
             s.transfer_seconds,
             wall_gbps(s.bytes_transferred, sc.seconds),
             sc.seconds

@@ -787,8 +787,21 @@ fn row_config(template: &ScenarioConfig, begin: &crate::peer::steps::Begin, inde
         if begin.unfenced.len() > 1 || (!begin.unfenced.is_empty() && begin.scenario != Scenario::Stacked) {
             return bad("a matrix row leaves at most one mechanism of the stacked scenario unfenced");
         }
-    } else if index > 0 || begin.scenario != template.scenario || begin.unfenced != template.unfenced {
+    } else if index > 0
+        || begin.scenario != template.scenario
+        || begin.unfenced != template.unfenced
+        || begin.push != template.push
+    {
         return bad("not the configured scenario");
     }
-    Ok(ScenarioConfig { scenario: begin.scenario, unfenced: begin.unfenced.clone(), matrix: false, ..template.clone() })
+    if begin.push && !begin.scenario.uses_nixl() {
+        return bad("push mode needs a scenario that moves blocks over NIXL");
+    }
+    Ok(ScenarioConfig {
+        scenario: begin.scenario,
+        unfenced: begin.unfenced.clone(),
+        push: begin.push,
+        matrix: false,
+        ..template.clone()
+    })
 }

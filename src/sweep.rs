@@ -175,11 +175,6 @@ pub(crate) fn check_config(cfg: &RunConfig) -> Result<()> {
         return Err(Error::Usage("--min-gbps must be a non-negative number".into()));
     }
     if let Some(sc) = &cfg.scenario {
-        if cfg.op != Op::Read {
-            return Err(Error::Usage(
-                "scenarios follow NixlConnector's flow (decode READs); --op write applies to the sweep only".into(),
-            ));
-        }
         crate::scenario::config::check(sc, cfg.geometry.num_blocks)?;
         if let Some(ext) = &sc.mooncake {
             if sc.tier != crate::tier::TierKind::Mooncake {

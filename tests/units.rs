@@ -108,6 +108,7 @@ fn row(unfenced: Option<Mechanism>, corrupt: u64, verdict: &str, pass: bool, une
         name: "x".into(),
         scenario: Scenario::Stacked,
         unfenced,
+        push: false,
         requests: 1,
         slices_checked: 1,
         corrupt,

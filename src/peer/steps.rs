@@ -59,6 +59,28 @@ pub enum What {
         /// Prefill block ids, in the request's order.
         blocks: Vec<u32>,
     },
+    /// Push mode (`--op write`): prefill's NIXL WRITE of request `req`'s blocks `blocks` into
+    /// decode's blocks `dst` (the ones decode asked for, [`Push`]) was posted and completed
+    /// within prefill's step, which writes nothing meanwhile: each decode block got what its
+    /// source block holds now.
+    Pushed {
+        /// Request id.
+        req: u64,
+        /// Prefill block ids, in the request's order.
+        blocks: Vec<u32>,
+        /// Decode block ids the WRITE landed in, in the same order.
+        dst: Vec<u32>,
+    },
+}
+
+/// Push mode (`--op write`, vLLM's push flow and SGLang's): decode allocated `blocks` for
+/// request `req` and asks prefill to WRITE the request's blocks into them.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Push {
+    /// Request id (one prefill handed over).
+    pub req: u64,
+    /// Decode block ids, one per prefill block of the request, in order.
+    pub blocks: Vec<u32>,
 }
 
 /// An event, stamped with its engine, that engine's step and its sequence number among that
@@ -88,8 +110,11 @@ pub struct StepIn {
     /// notifications before anything else in its step (bounded by `--timeout`).
     pub read_done: Vec<u64>,
     /// Requests decode has verified and whose decode blocks it freed: prefill retires each
-    /// once its own blocks are released.
+    /// once its own blocks are released. Push mode: also requests decode aborted.
     pub finished: Vec<u64>,
+    /// Push mode: the requests decode asked prefill to WRITE, with their decode blocks.
+    #[serde(default)]
+    pub push: Vec<Push>,
 }
 
 /// Where decode loads one block of a tier-only request from.
@@ -140,6 +165,12 @@ pub struct PrefillCounters {
     pub evictions: u64,
     /// Seconds prefill's fills (computed blocks, the genesis fill) took, on prefill's clock.
     pub fill_seconds: f64,
+    /// Push mode: bytes prefill's NIXL WRITEs moved into decode's pool.
+    #[serde(default)]
+    pub bytes_written: u64,
+    /// Push mode: seconds prefill's WRITEs were in flight, on prefill's clock.
+    #[serde(default)]
+    pub write_seconds: f64,
     /// Admission has stopped (`--requests` reached, or decode said so).
     pub stopped: bool,
 }
@@ -197,6 +228,11 @@ pub struct Begin {
     pub scenario: Scenario,
     /// The mechanisms left unfenced.
     pub unfenced: Vec<Mechanism>,
-    /// Prefix of the NIXL notification decode's READ of request N carries (`PREFIX` + N).
+    /// Prefix of the NIXL notification decode's READ of request N carries (`PREFIX` + N);
+    /// in push mode, prefill's WRITE.
     pub tag: String,
+    /// Push mode (`--op write`): prefill WRITEs each request's blocks into the decode blocks
+    /// decode names ([`StepIn::push`]) instead of decode READing them.
+    #[serde(default)]
+    pub push: bool,
 }

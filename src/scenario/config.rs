@@ -57,6 +57,11 @@ pub struct ScenarioConfig {
     /// field had none (0).
     #[serde(default)]
     pub fail_rate: f64,
+    /// Push mode (`run --op write --scenario`): prefill WRITEs each request's blocks into
+    /// the decode blocks decode asked for (vLLM's push flow, SGLang's), instead of decode
+    /// READing them; nixl-only and stacked. Written only when set.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub push: bool,
     /// `--inject` under request load: faults planted on decode's READs (drop, misroute,
     /// torn), decode's alone; recorded in the run's `config.inject`, not here.
     #[serde(skip)]
@@ -163,6 +168,23 @@ pub fn check(cfg: &ScenarioConfig, num_blocks: u32) -> Result<()> {
             "--preempt-rate must be at least 0 and below 1 (some requests must reach decode), got {}",
             cfg.preempt_rate
         )));
+    }
+    if cfg.push && !cfg.scenario.uses_nixl() {
+        return Err(Error::Usage(
+            "push mode (--op write) WRITEs blocks over NIXL: tier-only moves none (use nixl-only or stacked)".into(),
+        ));
+    }
+    if let Some(m) = cfg.unfenced.iter().find(|m| m.needs_push()) {
+        if !cfg.push {
+            return Err(Error::Usage(format!(
+                "--race {m} needs push mode, where prefill WRITEs into decode's blocks: add --op write"
+            )));
+        }
+    }
+    if cfg.push && !cfg.inject.is_empty() {
+        return Err(Error::Usage(
+            "--inject plants faults on decode's READ descriptors; in push mode (--op write) prefill builds the WRITEs".into(),
+        ));
     }
     for s in &cfg.inject {
         use crate::inject::Kind;

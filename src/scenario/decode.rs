@@ -99,7 +99,8 @@ pub fn run_scenario(
             format!("setup: the tier ({} blocks), prefill fills its pool", cfg.tier_blocks)
         }
     });
-    let begin = Begin { row, scenario: cfg.scenario, unfenced: cfg.unfenced.clone(), tag: nixl.tag().to_string() };
+    let begin =
+        Begin { row, scenario: cfg.scenario, unfenced: cfg.unfenced.clone(), tag: nixl.tag().to_string(), push: cfg.push };
     let t = Instant::now();
     let (access, detail) = sides.prefill.begin(begin)?;
     report.summary.setup_seconds += t.elapsed().as_secs_f64();
@@ -199,6 +200,20 @@ struct Decode<'a> {
     /// of where.
     to_plant: VecDeque<crate::inject::Kind>,
     inject_rng: ChaCha8Rng,
+    /// Push mode: what landed in each decode block since it was last allocated, with the
+    /// step (a WRITE of its request, or a late one of an aborted request's).
+    dland: Vec<Vec<(u64, Content)>>,
+    /// Push mode: which request each decode block is allocated to.
+    downer: Vec<Option<u64>>,
+    /// Push mode: requests decode aborted and freed before their WRITE landed (unfenced
+    /// decode-abort-free), with the decode blocks the WRITE still targets.
+    orphans: HashMap<u64, Vec<u32>>,
+    /// Push mode: requests whose WRITE notification arrived.
+    arrived: std::collections::HashSet<u64>,
+    /// Push mode: requests decode aborted (their data did not arrive within `--lease` steps).
+    daborted: u64,
+    /// Push mode: draws of how long each request decodes.
+    push_rng: ChaCha8Rng,
     now: u64,
     /// Decode's free blocks.
     dblocks: DecodeBlocks,
@@ -269,6 +284,12 @@ impl<'a> Decode<'a> {
             transfers_failed: 0,
             to_plant: cfg.inject.iter().flat_map(|s| std::iter::repeat_n(s.kind, s.count as usize)).collect(),
             inject_rng: ChaCha8Rng::seed_from_u64(seed ^ 0x696E_6A65_6374),
+            dland: vec![Vec::new(); n as usize],
+            downer: vec![None; n as usize],
+            orphans: HashMap::new(),
+            arrived: std::collections::HashSet::new(),
+            daborted: 0,
+            push_rng: ChaCha8Rng::seed_from_u64(seed ^ 0x7075_7368),
             now: 0,
             dblocks: DecodeBlocks::new(n),
             pulls: HashMap::new(),
@@ -331,7 +352,11 @@ impl<'a> Decode<'a> {
             self.apply(out)?;
             if drained {
                 let c = &self.counters;
-                if !self.pulls.is_empty() || !c.stopped || self.verified + c.aborted != c.admitted {
+                if !self.pulls.is_empty()
+                    || !self.orphans.is_empty()
+                    || !c.stopped
+                    || self.verified + self.daborted + c.aborted != c.admitted
+                {
                     return Err(Error::Transport(format!(
                         "prefill says it has drained with admission {} and {} admitted, {} aborted, while decode verified {} \
                          and still holds {} (a protocol error)",
@@ -357,7 +382,7 @@ impl<'a> Decode<'a> {
             }
             // Liveness: something must move within the timeout.
             let c = &self.counters;
-            let seen = (self.verified + c.aborted, c.saves + c.loads + self.dloads, c.admitted);
+            let seen = (self.verified + self.daborted + c.aborted, c.saves + c.loads + self.dloads, c.admitted);
             if seen != last_seen {
                 last_seen = seen;
                 last_change = Instant::now();
@@ -425,7 +450,14 @@ impl<'a> Decode<'a> {
                     e.engine, e.step, self.now
                 )));
             }
-            self.shadow.observe(e)?;
+            let pushed = match &e.what {
+                What::Pushed { req, dst, .. } => Some((*req, dst.clone())),
+                _ => None,
+            };
+            let answer = self.shadow.observe(e)?;
+            if let (Some((req, dst)), Answer::AtPost(contents)) = (pushed, answer) {
+                self.landed(req, &dst, contents)?;
+            }
         }
         let n = self.ep.pool.geometry().num_blocks;
         self.violation_count += out.violations.len() as u64;
@@ -458,6 +490,10 @@ impl<'a> Decode<'a> {
                     retrying: false,
                     unwritten: Vec::new(),
                     planted: Vec::new(),
+                    asked_at: 0,
+                    landed_at: None,
+                    decode_until: None,
+                    aborting: false,
                 },
             );
         }
@@ -496,8 +532,11 @@ impl<'a> Decode<'a> {
             Some(format!("{} admitted after {}", c.admitted, p.admitted))
         } else if c.stopped && (if dur { !self.stop_sent } else { c.admitted != self.cfg.requests }) {
             Some("admission stopped before the run said so".to_string())
-        } else if last && (!c.stopped || self.verified + c.aborted != c.admitted) {
-            Some(format!("final counts of {} admitted and {} aborted, with {} verified", c.admitted, c.aborted, self.verified))
+        } else if last && (!c.stopped || self.verified + self.daborted + c.aborted != c.admitted) {
+            Some(format!(
+                "final counts of {} admitted and {} aborted, with {} verified and {} aborted at decode",
+                c.admitted, c.aborted, self.verified, self.daborted
+            ))
         } else {
             None
         };
@@ -529,6 +568,9 @@ impl<'a> Decode<'a> {
     }
 
     fn step(&mut self, report: &mut Report) -> Result<()> {
+        if self.cfg.push {
+            self.advance_pushes()?;
+        }
         self.poll_reads(report)?;
         self.run_loads(report)?;
         self.start_decode(report)?;
@@ -709,6 +751,135 @@ impl<'a> Decode<'a> {
         Ok(())
     }
 
+    // ---- push mode ----
+
+    /// Push mode: prefill's WRITE of request `req` landed in decode blocks `dst` with
+    /// `contents` (what its source blocks held). Into a block still the request's own it is
+    /// the request's data, and decode waits for the WRITE's notification (bounded by
+    /// `--timeout`); into a block decode freed and gave to another request (unfenced
+    /// decode-abort-free) it is a late write: stamped with the mechanism for the shadow, a
+    /// window, and a foreign write for the ownership checker.
+    /// Errors: transport (exit 3) for a WRITE decode never asked for or into other blocks;
+    /// timeout (exit 4) when its notification does not come.
+    fn landed(&mut self, req: u64, dst: &[u32], contents: Vec<Content>) -> Result<()> {
+        let own = self.pulls.get(&req).filter(|p| p.landed_at.is_none() && p.dslots.as_slice() == dst).is_some();
+        let orphan = self.orphans.get(&req).is_some_and(|d| d.as_slice() == dst);
+        if !own && !orphan || contents.len() != dst.len() {
+            return Err(Error::Transport(format!(
+                "prefill WRITE request {req} into decode blocks decode did not ask it for (a protocol error)"
+            )));
+        }
+        let now = self.now;
+        let mut late = false;
+        for (&d, mut c) in dst.iter().zip(contents) {
+            if !own {
+                c.cause = Some(Mechanism::DecodeAbortFree);
+                if let Some(o) = self.downer[d as usize] {
+                    late = true;
+                    self.decode_violation("foreign-write", req, d, "WRITE landing", format!("owned by request {o}"));
+                }
+            }
+            self.dland[d as usize].push((now, c));
+        }
+        if late {
+            self.observe(What::Window { mechanism: Mechanism::DecodeAbortFree })?;
+        }
+        if orphan {
+            self.orphans.remove(&req);
+            self.arrived.remove(&req);
+            return Ok(());
+        }
+        self.pulls.get_mut(&req).expect("own request").landed_at = Some(now);
+        // Prefill's WRITE is complete: its notification follows at once.
+        let d = crate::deadline::Deadline::after(self.timeout);
+        while !self.arrived.contains(&req) {
+            let asked = Instant::now();
+            self.take_push_notifications()?;
+            if !self.arrived.contains(&req) && d.passed_at(asked) {
+                return Err(Error::Timeout(format!(
+                    "no notification of request {req}'s WRITE within --timeout {:.6} s of prefill reporting it complete",
+                    d.limit_secs()
+                )));
+            }
+            std::thread::yield_now();
+        }
+        Ok(())
+    }
+
+    /// Push mode: takes the agent's notifications (prefill's WRITE of a request is done).
+    fn take_push_notifications(&mut self) -> Result<()> {
+        for msg in self.ep.notifications()? {
+            if let Some(id) = self.nixl.request_of(&msg) {
+                self.arrived.insert(id);
+            }
+        }
+        Ok(())
+    }
+
+    /// Push mode, each step: a request whose WRITE landed decodes a seeded 2–8 steps and is
+    /// then verified (a late write into its blocks meanwhile is found); one whose data did
+    /// not arrive `--lease` steps after decode asked is aborted (the client gave up):
+    /// fenced decode-abort-free, its blocks wait for the WRITE's notification; unfenced, they
+    /// are freed at once (free-in-flight for the ownership checker) and the WRITE, when it
+    /// comes, lands in their next owner.
+    fn advance_pushes(&mut self) -> Result<()> {
+        let lease = self.cfg.lease_steps as u64;
+        let unfenced = self.races.unfenced(Mechanism::DecodeAbortFree);
+        let mut gone = Vec::new();
+        for id in self.order.clone() {
+            let p = self.pulls.get_mut(&id).expect("ordered request");
+            if p.stage != PullState::Pulling {
+                continue;
+            }
+            match (p.landed_at.is_some(), p.decode_until) {
+                (true, _) if p.aborting => gone.push(id),
+                (true, None) => p.decode_until = Some(self.now + self.push_rng.random_range(2..=8u64)),
+                (true, Some(t)) if t <= self.now => p.stage = PullState::Verify,
+                (false, _) if !p.aborting && self.now >= p.asked_at + lease => {
+                    if unfenced {
+                        for &d in &p.dslots.clone() {
+                            self.decode_violation("free-in-flight", id, d, "decode free", "a WRITE into it pending".into());
+                        }
+                        let p = self.pulls.get(&id).expect("ordered request");
+                        self.orphans.insert(id, p.dslots.clone());
+                        gone.push(id);
+                    } else {
+                        p.aborting = true;
+                    }
+                }
+                _ => {}
+            }
+        }
+        for id in gone {
+            let p = self.pulls.remove(&id).expect("aborted request");
+            self.order.retain(|&x| x != id);
+            for &d in &p.dslots {
+                self.downer[d as usize] = None;
+                self.dblocks.free(d);
+            }
+            self.daborted += 1;
+            self.done_ids.insert(id);
+            self.next.finished.push(id);
+        }
+        Ok(())
+    }
+
+    /// Records a block-ownership violation decode's own checker saw (push mode: `block` is
+    /// a decode block).
+    fn decode_violation(&mut self, kind: &str, request: u64, block: u32, operation: &str, conflict: String) {
+        self.violation_count += 1;
+        if self.violations.len() < self.max_failures {
+            self.violations.push(crate::report::OwnershipViolation {
+                kind: kind.into(),
+                request,
+                block,
+                operation: operation.into(),
+                conflict,
+                step: self.now,
+            });
+        }
+    }
+
     // ---- tier-only loads ----
 
     /// Decode's load stream: the tier loads that are due, in order, together (across a pair
@@ -808,10 +979,21 @@ impl<'a> Decode<'a> {
         let posted: Vec<u64> = starting.iter().map(|(id, _)| *id).collect();
         for (id, d) in starting {
             let lag = self.rng.random_range(0..=1u64);
+            for &b in &d {
+                self.dland[b as usize].clear();
+                self.downer[b as usize] = Some(id);
+            }
             let p = self.pulls.get_mut(&id).expect("starting request");
             p.poison_iter = iter;
             p.dslots = d;
             p.stage = PullState::Pulling;
+            if self.cfg.push {
+                // Push mode: prefill WRITEs the blocks into these (failed-as-complete and
+                // --inject act on READs).
+                p.asked_at = self.now;
+                self.next.push.push(crate::peer::steps::Push { req: id, blocks: p.dslots.clone() });
+                continue;
+            }
             let n = p.pslots.len();
             let failed = self.draw_failed(n);
             let p = self.pulls.get_mut(&id).expect("starting request");
@@ -895,7 +1077,11 @@ impl<'a> Decode<'a> {
             // What the source block held during the READ window: its content when the READ
             // was posted, then every write before the READ completed (tier-only: the entry
             // decode loaded).
-            let written: Vec<Content> = if nixl {
+            let written: Vec<Content> = if self.cfg.push {
+                // Push mode: the request's own WRITE and whatever landed after it.
+                let from = p.landed_at.unwrap_or(0);
+                self.dland[c.block as usize].iter().filter(|(t, _)| *t >= from).map(|(_, c)| *c).collect()
+            } else if nixl {
                 std::iter::once(p.at_post[i]).chain(p.during.get(i).into_iter().flatten().copied()).collect()
             } else {
                 vec![p.delivered[i]]
@@ -972,6 +1158,7 @@ impl<'a> Decode<'a> {
             }
             self.order.retain(|&x| x != id);
             for &s in &p.dslots {
+                self.downer[s as usize] = None;
                 self.dblocks.free(s);
             }
             self.verified += 1;
@@ -1032,6 +1219,11 @@ impl<'a> Decode<'a> {
     fn finish(&self, report: &mut Report) {
         let s = &mut report.summary;
         s.transfer_seconds = self.busy_secs;
+        if self.cfg.push {
+            // Prefill's WRITEs moved the bytes, on its clock.
+            s.bytes_transferred = self.counters.bytes_written;
+            s.transfer_seconds = self.counters.write_seconds;
+        }
         s.transfer_gbps = if s.transfer_seconds > 0.0 { s.bytes_transferred as f64 / s.transfer_seconds / 1e9 } else { 0.0 };
         s.iterations = self.verified.min(u32::MAX as u64) as u32;
         // What neither an injection nor a mechanism explains.
@@ -1049,7 +1241,7 @@ impl<'a> Decode<'a> {
             seconds: self.started.elapsed().as_secs_f64(),
             requests_admitted: c.admitted,
             requests_verified: self.verified,
-            requests_aborted: c.aborted,
+            requests_aborted: c.aborted + self.daborted,
             tier_hit_blocks: c.hit_blocks,
             tier_saves: c.saves,
             tier_loads: c.loads + self.dloads,

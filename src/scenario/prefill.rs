@@ -195,13 +195,14 @@ impl<'a> PrefillEngine<'a> {
         for &id in &input.finished {
             self.handed(id, "a request finished")?.finished = true;
         }
+        self.take_pushes(&input.push)?;
         if !input.admit && !self.counters.stopped {
             self.counters.stopped = true;
             if self.cfg.duration_secs.is_some() {
                 self.cancel_waiting();
             }
         }
-        if self.cfg.scenario.uses_nixl() {
+        if self.cfg.scenario.uses_nixl() && !self.cfg.push {
             self.await_notifications(&input.read_done)?;
             let asked = Instant::now();
             self.take_notifications()?;
@@ -211,6 +212,7 @@ impl<'a> PrefillEngine<'a> {
         self.run_compute()?;
         self.run_loads()?;
         self.run_puts()?;
+        self.run_pushes()?;
         self.advance()?;
         self.admit()?;
         if self.cfg.duration_secs.is_none() && self.counters.admitted >= self.cfg.requests {
@@ -300,6 +302,81 @@ impl<'a> PrefillEngine<'a> {
 
     // ---- NIXL ----
 
+    /// Push mode: decode's requests to WRITE handed requests into the decode blocks it
+    /// names. Each is due a seeded 0–2 steps later; one in eight waits `--decode-delay`
+    /// steps more (a prefill instance busy with others; drawn for every push, so that the
+    /// rows of a matrix draw alike). Errors: transport (exit 3) for a push outside push mode,
+    /// of a request not handed over or already asked for, or with blocks that do not match.
+    fn take_pushes(&mut self, pushes: &[crate::peer::steps::Push]) -> Result<()> {
+        let n = self.blocks.blocks.len() as u32;
+        for p in pushes {
+            let slow = self.rng.random_range(0..8u32) == 0;
+            let lag = self.rng.random_range(0..=2u64) + if slow { self.cfg.decode_delay_steps as u64 } else { 0 };
+            let push = self.cfg.push;
+            let now = self.now;
+            let r = self.handed(p.req, "a push")?;
+            let bad = if !push {
+                Some("outside push mode".to_string())
+            } else if r.read_posted {
+                Some("a second time".to_string())
+            } else if p.blocks.len() != r.pslots.len() || p.blocks.iter().any(|&b| b >= n) {
+                Some(format!("with {} decode blocks for {} (pool of {n})", p.blocks.len(), r.pslots.len()))
+            } else {
+                None
+            };
+            if let Some(w) = bad {
+                return Err(Error::Transport(format!("decode asked for request {}'s WRITE {w} (a protocol error)", p.req)));
+            }
+            r.read_posted = true;
+            r.push_dst = p.blocks.clone();
+            r.push_at = Some(now + lag);
+        }
+        Ok(())
+    }
+
+    /// Push mode: posts each WRITE that is due, prefill blocks into decode's, with the
+    /// request's notification for decode, and completes it within the step (bounded by
+    /// `--timeout`); decode's shadow learns what landed ([`What::Pushed`]). The WRITE's
+    /// completion is the NIXL connector's: the request's blocks may go once the others are
+    /// done too. A request whose blocks were freed meanwhile (an unfenced mechanism) is
+    /// still written: its WRITE reads whatever they hold now.
+    /// Errors: transport (exit 3), timeout (exit 4).
+    fn run_pushes(&mut self) -> Result<()> {
+        let due: Vec<u64> =
+            self.order.iter().copied().filter(|id| self.reqs[id].push_at.is_some_and(|t| t <= self.now)).collect();
+        if due.is_empty() {
+            return Ok(());
+        }
+        let g = self.ep.pool.geometry().clone();
+        let t = Instant::now();
+        // All posted, then all completed: they overlap one another, never a write of
+        // prefill's (two into one decode block land in either order).
+        let mut posted = Vec::with_capacity(due.len());
+        for id in due {
+            let r = self.reqs.get_mut(&id).expect("ordered request");
+            r.push_at = None;
+            let (blocks, dst) = (r.pslots.clone(), r.push_dst.clone());
+            let pairs = NixlConnector::read_pairs(&g, &blocks, &dst)?;
+            let tag = format!("{}{id}", self.nixl.tag());
+            let x = self.ep.post_as_initiator(crate::transport::Op::Write, &pairs, &tag, Deadline::after(self.timeout))?;
+            posted.push((id, blocks, dst, x));
+        }
+        for (id, blocks, dst, mut x) in posted {
+            // `poll` ends the wait with a timeout past the WRITE's deadline.
+            let done = loop {
+                if let Some(done) = self.ep.poll(&mut x)? {
+                    break done;
+                }
+                std::thread::yield_now();
+            };
+            self.counters.bytes_written += done.bytes;
+            self.event(What::Pushed { req: id, blocks, dst });
+            self.notified(id);
+        }
+        self.counters.write_seconds += t.elapsed().as_secs_f64();
+        Ok(())
+    }
+
     /// `--lockstep`: takes the notifications of the READs decode completed in its last step
     /// (`ids`) before the step goes on, so when a block is freed follows from the seed.
     fn await_notifications(&mut self, ids: &[u64]) -> Result<()> {
@@ -370,15 +447,15 @@ impl<'a> PrefillEngine<'a> {
             if let Some(id) = self.nixl.request_of(&msg) {
                 let fresh = self.notified(id);
                 n += fresh as usize;
-                if fresh {
-                    // One completion in eight is delivered twice, 1-32 steps later (drawn in
-                    // every run, so that the rows of a matrix draw alike).
-                    let twice = self.rng.random_range(0..8u32) == 0;
-                    let due = self.now + self.rng.random_range(1..=32u64);
-                    if twice && self.races.unfenced(Mechanism::DuplicateCompletion) {
-                        let blocks = self.reqs[&id].pslots.clone();
-                        self.duplicates.push((due, id, blocks));
-                    }
+                // One completion in eight is delivered twice, 1-32 steps later (drawn at the
+                // hand-over, so neither the order notifications arrive in nor the rows of a
+                // matrix change what is drawn).
+                if fresh
+                    && let Some(after) = self.reqs[&id].duplicate_after
+                    && self.races.unfenced(Mechanism::DuplicateCompletion)
+                {
+                    let blocks = self.reqs[&id].pslots.clone();
+                    self.duplicates.push((self.now + after, id, blocks));
                 }
             }
         }
@@ -406,7 +483,7 @@ impl<'a> PrefillEngine<'a> {
                     p.in_early_list = false;
                     p.owner_wrote = false;
                     p.early = Some(Mechanism::DuplicateCompletion);
-                    p.victim = Some(victim);
+                    p.victims.push(victim);
                     self.blocks.free.push(s);
                 }
             }
@@ -639,14 +716,16 @@ impl<'a> PrefillEngine<'a> {
         }
         let slots = self.reqs.get(&id).map(|r| r.pslots.clone()).unwrap_or_default();
         for s in slots {
-            let p = self.blocks.get(s);
-            if p.owner != Some(id) {
+            if self.blocks.get(s).owner != Some(id) {
                 continue;
             }
             // A slot handed on early keeps its taint while an earlier owner's READ of it is
             // still pending (e.g. load-into-reading: the borrower finishes first), or while a
             // request it was taken from still lives (duplicate-completion).
-            let victim_lives = p.victim.is_some_and(|v| self.reqs.contains_key(&v));
+            let reqs = &self.reqs;
+            self.blocks.get_mut(s).victims.retain(|v| reqs.contains_key(v));
+            let p = self.blocks.get(s);
+            let victim_lives = !p.victims.is_empty();
             let keep = if p.reading > 0 || victim_lives { p.early } else { None };
             self.free_block(id, s);
             self.blocks.get_mut(s).early = early.or(keep);
@@ -716,8 +795,11 @@ impl<'a> PrefillEngine<'a> {
         let phantom = self.rng.random_range(0..4u32) == 0
             && self.cfg.scenario.uses_nixl()
             && self.races.unfenced(Mechanism::PhantomCompletion);
+        let twice = self.rng.random_range(0..8u32) == 0;
+        let after = self.rng.random_range(1..=32u64);
         let now = self.now;
         let r = self.reqs.get_mut(&id).expect("live request");
+        r.duplicate_after = twice.then_some(after);
         r.handed_over = true;
         r.handed_at = now;
         r.phantom = phantom;
@@ -903,9 +985,12 @@ impl<'a> PrefillEngine<'a> {
                     finished: false,
                     handed_at: 0,
                     phantom: false,
+                    duplicate_after: None,
                     preempted: false,
                     preempting: false,
                     aborting: false,
+                    push_dst: Vec::new(),
+                    push_at: None,
                 },
             );
             self.order.push(id);

@@ -55,12 +55,19 @@ pub(crate) struct Request {
     pub(crate) handed_at: u64,
     /// The NIXL connector reported it complete at its hand-over (phantom-completion, unfenced).
     pub(crate) phantom: bool,
+    /// Drawn at its hand-over: its completion is delivered twice, the duplicate this many
+    /// steps after the first (duplicate-completion, unfenced).
+    pub(crate) duplicate_after: Option<u64>,
     /// Preempted once already (a request is preempted at most once).
     pub(crate) preempted: bool,
     /// Preempted, its blocks held until its queued saves have run (preempt-save, fenced).
     pub(crate) preempting: bool,
     /// Aborted, its blocks held until its tier loads have landed (load-after-abort, fenced).
     pub(crate) aborting: bool,
+    /// Push mode: the decode blocks decode asked prefill to WRITE into, and the step the
+    /// WRITE is due (`None`: not asked yet, or done).
+    pub(crate) push_dst: Vec<u32>,
+    pub(crate) push_at: Option<u64>,
 }
 
 /// Where a request is on decode.
@@ -107,6 +114,15 @@ pub(crate) struct Pull {
     pub(crate) unwritten: Vec<usize>,
     /// `--inject` faults planted on the request's READ.
     pub(crate) planted: Vec<Planted>,
+    /// Push mode: the step decode asked prefill for the WRITE, the step it landed (`None`:
+    /// not yet) and whether its notification arrived.
+    pub(crate) asked_at: u64,
+    pub(crate) landed_at: Option<u64>,
+    /// Push mode: the step decoding ends and the request is verified (after it landed).
+    pub(crate) decode_until: Option<u64>,
+    /// Push mode, fenced decode-abort-free: decode aborted the request; its blocks wait for
+    /// the WRITE's notification.
+    pub(crate) aborting: bool,
 }
 
 /// One `--inject` fault planted on a request's READ (`--inject` under request load): what
@@ -139,9 +155,11 @@ pub(crate) struct BlockState {
     /// The owner's own write has landed here (a later write of another request's is then a
     /// foreign write: the ownership checker).
     pub(crate) owner_wrote: bool,
-    /// A request the block was taken from without its knowing (a duplicate completion freed
-    /// it): while it lives it still uses the block, so the block keeps its `early` mark.
-    pub(crate) victim: Option<u64>,
+    /// The requests the block was taken from without their knowing (duplicate completions
+    /// freed it, each from its owner then): while any of them lives it still uses the block,
+    /// so the block keeps its `early` mark. Every one is kept (a second duplicate must not
+    /// make the block forget the first victim, whose READ may still be to come).
+    pub(crate) victims: Vec<u64>,
 }
 
 /// The prefill pool's block manager: every block's state, the free list and the early list.

@@ -111,11 +111,12 @@ impl Shadow {
         let blocks = match &e.what {
             What::Write { block, .. } => std::slice::from_ref(block),
             What::Window { .. } => &[],
-            What::ReadPosted { blocks, .. } | What::ReadDone { blocks, .. } => blocks.as_slice(),
+            What::ReadPosted { blocks, .. } | What::ReadDone { blocks, .. } | What::Pushed { blocks, .. } => blocks.as_slice(),
         };
         // A window may open on either side (decode's own: failed-as-complete).
         let from_decode = matches!(e.what, What::ReadPosted { .. } | What::ReadDone { .. });
-        if from_decode && e.engine != EngineId::Decode || matches!(e.what, What::Write { .. }) && e.engine != EngineId::Prefill {
+        let from_prefill = matches!(e.what, What::Write { .. } | What::Pushed { .. });
+        if from_decode && e.engine != EngineId::Decode || from_prefill && e.engine != EngineId::Prefill {
             return Err(Error::Transport(format!(
                 "shadow: event {} of {:?} (step {}) is not one that engine makes",
                 e.seq, e.engine, e.step
@@ -142,6 +143,9 @@ impl Shadow {
                 Answer::AtPost(at_post)
             }
             What::ReadDone { req, blocks } => Answer::During(blocks.iter().map(|&b| self.close_read(b, req)).collect()),
+            // Prefill writes nothing while its WRITE is in flight: what landed is what the
+            // blocks hold now.
+            What::Pushed { blocks, .. } => Answer::AtPost(blocks.iter().map(|&b| self.content(b)).collect()),
         })
     }
 
@@ -285,6 +289,7 @@ fn window_never(m: Mechanism) -> String {
         Mechanism::PhantomCompletion => "the window never opened: no block freed by a phantom completion was reused before its READ (more load: --concurrency, --requests)".into(),
         Mechanism::LoadAfterAbort => "the window never opened: no aborted request had a load still in flight when its blocks were reused (needs aborts, --abort-rate > 0, and prefix hits)".into(),
         Mechanism::PreemptSave => "the window never opened: no preempted request's save copied a reused block (needs --preempt-rate > 0 and saves)".into(),
+        Mechanism::DecodeAbortFree => "the window never opened: no aborted request's WRITE landed in a decode block another request had taken (needs push mode, --op write, and WRITEs later than --lease: --decode-delay above --lease)".into(),
         Mechanism::FailedAsComplete => "the window never opened: no transfer of a request of two or more blocks failed (needs --fail-rate > 0 and more load: --requests)".into(),
     }
 }
