@@ -393,7 +393,7 @@ impl PeerArgs {
 struct RunArgs {
     #[command(flatten)]
     pool: PoolArgs,
-    /// read: decode pulls from prefill (vLLM's NixlConnector); write: prefill pushes (sweep only).
+    /// read: decode pulls from prefill (vLLM's NixlConnector); write: prefill pushes (the sweep; with --scenario nixl-only or stacked, push mode: prefill WRITEs into the blocks decode asks for).
     #[arg(long, value_enum, default_value = "read")]
     op: Op,
     /// Sweep iterations (each: refill, re-poison, transfer, verify everything).

@@ -755,6 +755,29 @@ fn pair_scenario_injections_and_failed_transfers_are_found_across_the_pair() {
 }
 
 #[test]
+fn pair_push_mode_finds_decode_abort_free_with_the_same_counts_as_one_process() {
+    // Push mode across the pair: serve's prefill WRITEs into the blocks run's decode names.
+    // In lockstep the unfenced run replays from the seed, so two processes find exactly
+    // what one finds.
+    let args = ["--scenario", "stacked", "--op", "write", "--race", "decode-abort-free", "--requests", "400", "--seed", "9"];
+    let args = [&args[..], &["--lockstep"]].concat();
+    let s = Serve::start(&[]);
+    let (code, r, out) = run_peer(&s.addr, &args);
+    assert_eq!(code, 1, "{out}");
+    let (scode, sout, sr) = s.wait();
+    assert_eq!(scode, 1, "{sout}");
+    assert_one_run(&r, &sr.expect("serve wrote its report"), 1);
+    let (lcode, local, lout) = crate::common::run_with_report("push-local", "dram", &args);
+    assert_eq!(lcode, 1, "{lout}");
+    let sc = &r["scenario"];
+    assert_eq!(sc["unexplained_corrupt"], 0, "{out}");
+    assert!(sc["ownership_violations"].as_u64().unwrap() > 0);
+    assert_eq!(sc["races"], local["scenario"]["races"], "{out}");
+    assert_eq!(r["summary"]["by_class"], local["summary"]["by_class"]);
+    assert_eq!(sc["violations"], local["scenario"]["violations"]);
+}
+
+#[test]
 fn pair_ab_passes_every_row_with_the_embedded_tier() {
     let s = Serve::start(&[]);
     let d = tmpdir("pair-ab");

@@ -76,7 +76,10 @@ fn assert_detected(mechanism: &str, seed: &str) {
 /// "Block ownership"). failed-as-complete's corruption is this pull's poison (unwritten),
 /// every other's another write's data.
 fn assert_detected_in(mechanism: &str, seed: &str, scenario: &str) {
-    let args = ["--scenario", scenario, "--race", mechanism, "--requests", "2000", "--seed", seed, "--lockstep"];
+    let mut args = vec!["--scenario", scenario, "--race", mechanism, "--requests", "2000", "--seed", seed, "--lockstep"];
+    if mechanism == "decode-abort-free" {
+        args.extend(["--op", "write"]); // push mode, the only one where it acts
+    }
     let (code, r, log) = scenario_report(mechanism, &args);
     assert_eq!(code, 1, "{mechanism}: {log}");
     let sc = &r["scenario"];
@@ -91,6 +94,12 @@ fn assert_detected_in(mechanism: &str, seed: &str, scenario: &str) {
         for v in listed {
             assert!(["double-free", "free-in-flight", "foreign-write"].contains(&v["kind"].as_str().unwrap()), "{v}");
             assert!(v["request"].is_u64() && v["block"].as_u64().unwrap() < 64 && v["step"].is_u64(), "{v}");
+            if mechanism == "decode-abort-free" {
+                // Decode's own checker: its blocks freed with a WRITE pending, the WRITE landing
+                // in another request's.
+                let op = (v["kind"].as_str().unwrap(), v["operation"].as_str().unwrap());
+                assert!(op == ("free-in-flight", "decode free") || op == ("foreign-write", "WRITE landing"), "{v}");
+            }
         }
     }
     assert_eq!(sc["unexplained_corrupt"], 0, "{mechanism}: every corrupt slice is explained: {log}");
@@ -177,6 +186,61 @@ fn load_after_abort_is_detected() {
 #[test]
 fn preempt_save_is_detected() {
     assert_detected("preempt-save", "30");
+}
+
+#[test]
+fn decode_abort_free_is_detected_in_push_mode() {
+    assert_detected("decode-abort-free", "32");
+    assert_detected_in("decode-abort-free", "42", "nixl-only");
+}
+
+#[test]
+fn push_mode_scenarios_are_clean_fenced_and_replay_in_lockstep() {
+    // Push mode: prefill WRITEs into the blocks decode asked for; decode gives up on the
+    // requests whose WRITE is late (one in eight waits --decode-delay 16 > --lease 8 steps)
+    // and, fenced, keeps their blocks until the WRITE's notification.
+    for (sc, seed) in [("nixl-only", "71"), ("stacked", "72")] {
+        let args = ["--scenario", sc, "--op", "write", "--requests", "1500", "--seed", seed];
+        let (code, r, log) = scenario_report(&format!("push-{sc}"), &args);
+        assert_eq!(code, 0, "{sc}: {log}");
+        let s = &r["scenario"];
+        assert_eq!(r["config"]["scenario"]["push"], true);
+        assert_eq!(total_corrupt(&r), 0, "{log}");
+        assert_eq!(s["unexplained_corrupt"], 0);
+        assert_eq!(s["ownership_violations"], 0, "{}", s["violations"]);
+        let (verified, aborted) = (s["requests_verified"].as_u64().unwrap(), s["requests_aborted"].as_u64().unwrap());
+        assert_eq!(verified + aborted, 1500, "every request verified or aborted (by the client or at decode)");
+        // About 5% by the client and 12.5% at decode: some of each, most verified.
+        assert!(aborted > 75 + 60 && aborted < 1500 / 3, "{sc}: {aborted} aborted");
+        assert!(r["summary"]["bytes_transferred"].as_u64().unwrap() > 0, "prefill's WRITEs moved the bytes");
+        assert!(log.contains("while prefill's WRITEs were in flight"), "{log}");
+        for o in s["races"].as_array().unwrap() {
+            assert_eq!(o["verdict"], "clean", "{o}");
+        }
+    }
+    let args = ["--race", "decode-abort-free", "--op", "write", "--requests", "600", "--seed", "7", "--lockstep"];
+    let (c1, r1, l1) = scenario_report("push-replay-1", &args);
+    let (c2, r2, _) = scenario_report("push-replay-2", &args);
+    assert_eq!((c1, c2), (1, 1), "{l1}");
+    assert_eq!(r1["summary"]["by_class"], r2["summary"]["by_class"]);
+    assert_eq!(r1["scenario"]["races"], r2["scenario"]["races"]);
+    assert_eq!(r1["scenario"]["violations"], r2["scenario"]["violations"]);
+}
+
+#[test]
+fn push_mode_refuses_what_it_cannot_do() {
+    for (args, says) in [
+        (vec!["--race", "decode-abort-free"], "needs push mode"),
+        (vec!["--scenario", "tier-only", "--op", "write"], "tier-only moves none"),
+        (
+            vec!["--scenario", "nixl-only", "--op", "write", "--inject", "drop"],
+            "in push mode (--op write) prefill builds the WRITEs",
+        ),
+    ] {
+        let (code, _, log) = scenario_report("push-refused", &args);
+        assert_eq!(code, 2, "{args:?}: {log}");
+        assert!(log.contains(says), "{args:?}: {log}");
+    }
 }
 
 #[test]

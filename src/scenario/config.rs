@@ -174,12 +174,12 @@ pub fn check(cfg: &ScenarioConfig, num_blocks: u32) -> Result<()> {
             "push mode (--op write) WRITEs blocks over NIXL: tier-only moves none (use nixl-only or stacked)".into(),
         ));
     }
-    if let Some(m) = cfg.unfenced.iter().find(|m| m.needs_push()) {
-        if !cfg.push {
-            return Err(Error::Usage(format!(
-                "--race {m} needs push mode, where prefill WRITEs into decode's blocks: add --op write"
-            )));
-        }
+    if let Some(m) = cfg.unfenced.iter().find(|m| m.needs_push())
+        && !cfg.push
+    {
+        return Err(Error::Usage(format!(
+            "--race {m} needs push mode, where prefill WRITEs into decode's blocks: add --op write"
+        )));
     }
     if cfg.push && !cfg.inject.is_empty() {
         return Err(Error::Usage(
