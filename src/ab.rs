@@ -33,6 +33,10 @@ pub struct AbRow {
     /// decode-abort-free's). Written only when set.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub push: bool,
+    /// Host-buffer staging (the `stacked-staged` row and partial-staging's). Written only
+    /// when set.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub staging: bool,
     /// Requests verified at decode.
     pub requests: u64,
     /// Block slices verified.
@@ -89,27 +93,36 @@ pub struct Case {
     pub scenario: Scenario,
     /// Push mode (`--op write`): prefill WRITEs into decode's blocks.
     pub push: bool,
+    /// Host-buffer staging (`--host-staging`).
+    pub staging: bool,
     /// The mechanism left unfenced, if any.
     pub unfenced: Option<Mechanism>,
 }
 
-/// The rows, in order: nixl-only, tier-only, stacked and stacked in push mode (all fenced),
-/// then stacked with each mechanism unfenced in turn (decode-abort-free's in push mode, the
-/// only mode where it can act).
+/// The rows, in order: nixl-only, tier-only, stacked, stacked in push mode and stacked
+/// with host-buffer staging (all fenced), then stacked with each mechanism unfenced in turn
+/// (decode-abort-free's in push mode, partial-staging's with staging: the only modes where
+/// they can act).
 pub fn cases() -> Vec<Case> {
-    let fenced = |scenario, push| Case { scenario, push, unfenced: None };
+    let fenced = |scenario, push, staging| Case { scenario, push, staging, unfenced: None };
     let mut v = vec![
-        fenced(Scenario::NixlOnly, false),
-        fenced(Scenario::TierOnly, false),
-        fenced(Scenario::Stacked, false),
-        fenced(Scenario::Stacked, true),
+        fenced(Scenario::NixlOnly, false, false),
+        fenced(Scenario::TierOnly, false, false),
+        fenced(Scenario::Stacked, false, false),
+        fenced(Scenario::Stacked, true, false),
+        fenced(Scenario::Stacked, false, true),
     ];
-    v.extend(Mechanism::ALL.iter().map(|&m| Case { scenario: Scenario::Stacked, push: m.needs_push(), unfenced: Some(m) }));
+    v.extend(Mechanism::ALL.iter().map(|&m| Case {
+        scenario: Scenario::Stacked,
+        push: m.needs_push(),
+        staging: m.needs_staging(),
+        unfenced: Some(m),
+    }));
     v
 }
 
 fn row_of(name: String, case: Case, r: &Report) -> AbRow {
-    let Case { scenario, push, unfenced } = case;
+    let Case { scenario, push, staging, unfenced } = case;
     let s = &r.summary;
     let sc = r.scenario.as_ref();
     let unexplained = sc.map_or(0, |x| x.unexplained_corrupt);
@@ -145,6 +158,7 @@ fn row_of(name: String, case: Case, r: &Report) -> AbRow {
         scenario,
         unfenced,
         push,
+        staging,
         requests: sc.map_or(0, |x| x.requests_verified),
         slices_checked: s.blocks_checked,
         corrupt: s.blocks_corrupt,
@@ -158,13 +172,15 @@ fn row_of(name: String, case: Case, r: &Report) -> AbRow {
     }
 }
 
-/// The row name of `case`: the scenario (`SCENARIO-push` in push mode), or
-/// `SCENARIO+MECHANISM` (a mechanism that needs push mode implies it).
+/// The row name of `case`: the scenario (`SCENARIO-push` in push mode, `SCENARIO-staged`
+/// with host-buffer staging), or `SCENARIO+MECHANISM` (a mechanism that needs a mode implies
+/// it).
 pub fn row_name(case: Case) -> String {
-    match (case.unfenced, case.push) {
-        (None, false) => case.scenario.name().to_string(),
-        (None, true) => format!("{}-push", case.scenario.name()),
-        (Some(m), _) => format!("{}+{}", case.scenario.name(), m.name()),
+    match (case.unfenced, case.push, case.staging) {
+        (Some(m), _, _) => format!("{}+{}", case.scenario.name(), m.name()),
+        (None, true, _) => format!("{}-push", case.scenario.name()),
+        (None, false, true) => format!("{}-staged", case.scenario.name()),
+        (None, false, false) => case.scenario.name().to_string(),
     }
 }
 
@@ -184,7 +200,7 @@ pub fn row_disagreements(row: &AbRow, sec: &Report) -> Vec<String> {
     if unfenced.len() > 1 {
         out.push(format!("section: config.scenario.unfenced: {} mechanisms, a row leaves one", unfenced.len()));
     }
-    let case = Case { scenario, push: sc["push"] == true, unfenced: unfenced.first().copied() };
+    let case = Case { scenario, push: sc["push"] == true, staging: sc["staging"] == true, unfenced: unfenced.first().copied() };
     let name = row_name(case);
     if row.name != name {
         out.push(format!("name: row {}, section {name}", row.name));
@@ -342,6 +358,7 @@ fn case_config(case: Case, template: &ScenarioConfig) -> ScenarioConfig {
         scenario: case.scenario,
         unfenced: case.unfenced.into_iter().collect(),
         push: case.push,
+        staging: case.staging,
         matrix: false,
         ..template.clone()
     }

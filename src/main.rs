@@ -343,6 +343,9 @@ struct LoadArgs {
     /// Share of decode's transfers of two or more blocks (0 to below 1: READs, tier-only loads) in which some blocks fail to move; they are read again unless failed-as-complete is unfenced.
     #[arg(long, default_value_t = kvprobe::scenario::config::DEFAULT_FAIL_RATE)]
     fail_rate: f64,
+    /// Host-buffer staging (vLLM's kv_buffer_device=cpu): prefill computes into its own KV cache, chunked (two blocks per chunk), and stages each request's blocks into the pool NIXL reads; every chunk unless partial-staging is unfenced.
+    #[arg(long)]
+    host_staging: bool,
     /// Tier capacity in blocks. Default: 16 x --blocks, at most 4 GiB of host memory, at least 2 x concurrency x max prompt blocks.
     #[arg(long)]
     tier_blocks: Option<u32>,
@@ -499,6 +502,7 @@ const LOAD_FLAGS: &[&str] = &[
     "decode_delay",
     "preempt_rate",
     "fail_rate",
+    "host_staging",
 ];
 
 /// `run` flags of the whole-pool sweep only.
@@ -620,6 +624,7 @@ impl LoadArgs {
             fail_rate: self.fail_rate,
             inject: Vec::new(),
             push: false,
+            staging: self.host_staging,
             matrix: false,
         }
     }

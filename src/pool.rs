@@ -252,6 +252,19 @@ impl KvPool {
         })
     }
 
+    /// A second pool of this one's geometry, seed and memory (VRAM: on the same GPU, with the
+    /// same kernels; DRAM: shareable with a helper process, as [`KvPool::host_shareable`]),
+    /// for an engine that computes into one pool and stages into another (`--host-staging`).
+    /// Errors: as [`KvPool::host`] and [`KvPool::device`].
+    pub fn sibling(&self) -> Result<KvPool> {
+        match &self.backing {
+            Backing::Host(_) => KvPool::host_shareable(&self.geom, self.seed),
+            Backing::Device { kernels, regions, .. } => {
+                KvPool::device(regions[0].device(), kernels.clone(), &self.geom, self.seed)
+            }
+        }
+    }
+
     /// The host mapping of a DRAM pool (None for VRAM).
     pub fn host_buffer(&self) -> Option<&HostBuffer> {
         match &self.backing {

@@ -77,6 +77,10 @@ pub enum Mechanism {
     /// A preempted request's blocks are freed once its queued saves have run; unfenced, at
     /// once, and the saves copy the next owner's data under the preempted request's keys.
     PreemptSave,
+    /// Host-buffer staging (`--host-staging`, vLLM's `kv_buffer_device=cpu`) copies every
+    /// chunk of a chunked prefill into the buffer NIXL reads; unfenced, only the first
+    /// chunk's blocks are staged before the transfer.
+    PartialStaging,
     /// A transfer (a NIXL READ, a tier-only load) in which some descriptors failed is not
     /// counted as delivered: the failed blocks are reported and read again (vLLM's
     /// `get_block_ids_with_load_errors`); unfenced, it is counted delivered and decode runs
@@ -86,7 +90,7 @@ pub enum Mechanism {
 
 impl Mechanism {
     /// Every mechanism, in `kvprobe ab` order.
-    pub const ALL: [Mechanism; 12] = [
+    pub const ALL: [Mechanism; 13] = [
         Mechanism::LoadIntoReading,
         Mechanism::SaveAfterFree,
         Mechanism::SaveBeforeWrite,
@@ -98,6 +102,7 @@ impl Mechanism {
         Mechanism::PhantomCompletion,
         Mechanism::LoadAfterAbort,
         Mechanism::PreemptSave,
+        Mechanism::PartialStaging,
         Mechanism::FailedAsComplete,
     ];
 
@@ -115,6 +120,7 @@ impl Mechanism {
             Mechanism::PhantomCompletion => "phantom-completion",
             Mechanism::LoadAfterAbort => "load-after-abort",
             Mechanism::PreemptSave => "preempt-save",
+            Mechanism::PartialStaging => "partial-staging",
             Mechanism::FailedAsComplete => "failed-as-complete",
         }
     }
@@ -128,6 +134,7 @@ impl Mechanism {
             Mechanism::FailedAsComplete => true,
             Mechanism::AbortTimeoutFree
             | Mechanism::DecodeAbortFree
+            | Mechanism::PartialStaging
             | Mechanism::DuplicateCompletion
             | Mechanism::PhantomCompletion => scenario.uses_nixl(),
             _ => scenario == Scenario::Stacked,
@@ -140,13 +147,19 @@ impl Mechanism {
         self == Mechanism::DecodeAbortFree
     }
 
+    /// Whether the mechanism acts only with host-buffer staging (`--host-staging`).
+    pub fn needs_staging(self) -> bool {
+        self == Mechanism::PartialStaging
+    }
+
     /// Whether the block-ownership checker sees the mechanism's ordering itself (a free while
     /// a transfer, save or load touches the block, a double free, a write into a block another
     /// request owns or reads): then an unfenced run reports violations even where the bytes
     /// survive. save-before-write only reorders a request's own save and write;
-    /// failed-as-complete frees nothing early (what it breaks is the delivery count).
+    /// failed-as-complete frees nothing early (what it breaks is the delivery count), nor
+    /// does partial-staging (it leaves a request's own staging copies out).
     pub fn breaks_ownership(self) -> bool {
-        !matches!(self, Mechanism::SaveBeforeWrite | Mechanism::FailedAsComplete)
+        !matches!(self, Mechanism::SaveBeforeWrite | Mechanism::FailedAsComplete | Mechanism::PartialStaging)
     }
 
     /// What the unfenced variant does and how it shows up.
@@ -184,6 +197,9 @@ impl Mechanism {
             }
             Mechanism::PreemptSave => {
                 "unfenced: the scheduler preempts a request after its prefill (--preempt-rate) and frees its blocks while their saves are queued; the saves copy the next owner's data under the preempted request's keys, and a later prefix hit loads wrong KV under a valid key (misplaced)"
+            }
+            Mechanism::PartialStaging => {
+                "unfenced: with host-buffer staging (--host-staging, vLLM's kv_buffer_device=cpu: prefill computes into its KV cache and copies each request's blocks into the buffer registered with NIXL, which decode READs) and chunked prefill (two blocks per chunk, a chunk per step), only the blocks of a request's first chunk are staged; its later blocks are READ from the buffer as an earlier request staged them (misplaced or stale at decode). Fenced: every chunk is staged as it lands, before the hand-over. Also in nixl-only"
             }
             Mechanism::FailedAsComplete => {
                 "unfenced: a transfer of decode's (a NIXL READ, a request's tier-only loads) that moved only some of its blocks, the others failing (--fail-rate of them), is counted delivered without the failed block ids; decode runs on blocks that were never written (unwritten at decode: this pull's poison). Fenced: the failed blocks are reported and read again before decode uses the request. Also in nixl-only and tier-only"

@@ -791,16 +791,18 @@ fn row_config(template: &ScenarioConfig, begin: &crate::peer::steps::Begin, inde
         || begin.scenario != template.scenario
         || begin.unfenced != template.unfenced
         || begin.push != template.push
+        || begin.staging != template.staging
     {
         return bad("not the configured scenario");
     }
-    if begin.push && !begin.scenario.uses_nixl() {
-        return bad("push mode needs a scenario that moves blocks over NIXL");
+    if (begin.push || begin.staging) && !begin.scenario.uses_nixl() || begin.push && begin.staging {
+        return bad("push mode and host staging need a scenario that moves blocks over NIXL, and not both");
     }
     Ok(ScenarioConfig {
         scenario: begin.scenario,
         unfenced: begin.unfenced.clone(),
         push: begin.push,
+        staging: begin.staging,
         matrix: false,
         ..template.clone()
     })

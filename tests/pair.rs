@@ -1141,8 +1141,14 @@ fn fake_decode(addr: &str, drive: impl FnOnce(&kvprobe::peer::Link, kvprobe::pee
     link.send(&Msg::Connect { decode: ep.info().unwrap() }).unwrap();
     link.expect("connected", |m| if let Msg::Connected { .. } = m { Ok(()) } else { Err(m.name()) }).unwrap();
     link.running();
-    let begin =
-        Begin { row: 0, scenario: kvprobe::race::Scenario::NixlOnly, unfenced: Vec::new(), tag: "fake:req=".into(), push: false };
+    let begin = Begin {
+        row: 0,
+        scenario: kvprobe::race::Scenario::NixlOnly,
+        unfenced: Vec::new(),
+        tag: "fake:req=".into(),
+        push: false,
+        staging: false,
+    };
     link.send(&Msg::Begin { begin }).unwrap();
     link.expect("begun", |m| if let Msg::Begun { .. } = m { Ok(()) } else { Err(m.name()) }).unwrap();
     link.send(&Msg::Step { row: 0, step: 1, input: StepIn { admit: true, ..Default::default() } }).unwrap();

@@ -80,12 +80,15 @@ fn assert_detected_in(mechanism: &str, seed: &str, scenario: &str) {
     if mechanism == "decode-abort-free" {
         args.extend(["--op", "write"]); // push mode, the only one where it acts
     }
+    if mechanism == "partial-staging" {
+        args.push("--host-staging");
+    }
     let (code, r, log) = scenario_report(mechanism, &args);
     assert_eq!(code, 1, "{mechanism}: {log}");
     let sc = &r["scenario"];
     assert_eq!(sc["scenario"], scenario);
     let violations = sc["ownership_violations"].as_u64().unwrap();
-    if ["save-before-write", "failed-as-complete"].contains(&mechanism) {
+    if ["save-before-write", "failed-as-complete", "partial-staging"].contains(&mechanism) {
         assert_eq!(violations, 0, "{mechanism} frees no block early: {}", sc["violations"]);
     } else {
         assert!(violations > 0, "{mechanism}: the ownership checker saw nothing");
@@ -228,6 +231,41 @@ fn push_mode_scenarios_are_clean_fenced_and_replay_in_lockstep() {
 }
 
 #[test]
+fn partial_staging_is_detected_with_host_staging() {
+    assert_detected("partial-staging", "33");
+    assert_detected_in("partial-staging", "43", "nixl-only");
+}
+
+#[test]
+fn host_staging_scenarios_are_clean_fenced() {
+    // Prefill computes into its own KV cache in chunks and stages every chunk into the pool
+    // decode READs before the hand-over; the tier saves from and loads into the KV cache.
+    for (sc, seed) in [("nixl-only", "81"), ("stacked", "82")] {
+        let (code, r, log) =
+            scenario_report(&format!("staged-{sc}"), &["--scenario", sc, "--host-staging", "--requests", "1500", "--seed", seed]);
+        assert_eq!(code, 0, "{sc}: {log}");
+        assert_eq!(r["config"]["scenario"]["staging"], true);
+        assert_clean(&r, 1500, &log);
+        if sc == "stacked" {
+            assert!(r["scenario"]["tier_hit_blocks"].as_u64().unwrap() > 100, "{}", r["scenario"]);
+        }
+    }
+    // Staging leaves the other mechanisms' attribution whole: what reaches decode is what
+    // was staged, stamped with the mechanism that let its write happen.
+    assert_detected_staged("load-into-reading", "84");
+}
+
+fn assert_detected_staged(mechanism: &str, seed: &str) {
+    let args = ["--host-staging", "--race", mechanism, "--requests", "1500", "--seed", seed, "--lockstep"];
+    let (code, r, log) = scenario_report(&format!("staged-{mechanism}"), &args);
+    assert_eq!(code, 1, "{log}");
+    let o = r["scenario"]["races"].as_array().unwrap().iter().find(|o| o["mechanism"] == mechanism).unwrap().clone();
+    assert_eq!(o["verdict"], "detected", "{o}");
+    assert_eq!(r["scenario"]["unexplained_corrupt"], 0, "{log}");
+    assert_eq!(o["corrupt_attributed"], r["summary"]["blocks_corrupt"]);
+}
+
+#[test]
 fn push_mode_refuses_what_it_cannot_do() {
     for (args, says) in [
         (vec!["--race", "decode-abort-free"], "needs push mode"),
@@ -236,6 +274,9 @@ fn push_mode_refuses_what_it_cannot_do() {
             vec!["--scenario", "nixl-only", "--op", "write", "--inject", "drop"],
             "in push mode (--op write) prefill builds the WRITEs",
         ),
+        (vec!["--race", "partial-staging"], "needs host-buffer staging: add --host-staging"),
+        (vec!["--scenario", "tier-only", "--host-staging"], "--host-staging stages the blocks decode READs"),
+        (vec!["--scenario", "stacked", "--host-staging", "--op", "write"], "without push mode"),
     ] {
         let (code, _, log) = scenario_report("push-refused", &args);
         assert_eq!(code, 2, "{args:?}: {log}");

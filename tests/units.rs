@@ -109,6 +109,7 @@ fn row(unfenced: Option<Mechanism>, corrupt: u64, verdict: &str, pass: bool, une
         scenario: Scenario::Stacked,
         unfenced,
         push: false,
+        staging: false,
         requests: 1,
         slices_checked: 1,
         corrupt,

@@ -235,4 +235,8 @@ pub struct Begin {
     /// decode names ([`StepIn::push`]) instead of decode READing them.
     #[serde(default)]
     pub push: bool,
+    /// Host-buffer staging (`--host-staging`): prefill computes into its own KV cache and
+    /// stages into the pool decode READs.
+    #[serde(default)]
+    pub staging: bool,
 }

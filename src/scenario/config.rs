@@ -62,6 +62,12 @@ pub struct ScenarioConfig {
     /// READing them; nixl-only and stacked. Written only when set.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub push: bool,
+    /// Host-buffer staging (`--host-staging`, vLLM's `kv_buffer_device=cpu`): prefill
+    /// computes into its KV cache, a pool of its own, and stages each request's blocks into
+    /// the pool registered with NIXL, which decode READs; its prefill is chunked (two computed
+    /// blocks per chunk, one chunk per step). nixl-only and stacked. Written only when set.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub staging: bool,
     /// `--inject` under request load: faults planted on decode's READs (drop, misroute,
     /// torn), decode's alone; recorded in the run's `config.inject`, not here.
     #[serde(skip)]
@@ -180,6 +186,16 @@ pub fn check(cfg: &ScenarioConfig, num_blocks: u32) -> Result<()> {
         return Err(Error::Usage(format!(
             "--race {m} needs push mode, where prefill WRITEs into decode's blocks: add --op write"
         )));
+    }
+    if cfg.staging && (cfg.push || !cfg.scenario.uses_nixl()) {
+        return Err(Error::Usage(
+            "--host-staging stages the blocks decode READs: it needs nixl-only or stacked, without push mode (--op write)".into(),
+        ));
+    }
+    if let Some(m) = cfg.unfenced.iter().find(|m| m.needs_staging())
+        && !cfg.staging
+    {
+        return Err(Error::Usage(format!("--race {m} needs host-buffer staging: add --host-staging")));
     }
     if cfg.push && !cfg.inject.is_empty() {
         return Err(Error::Usage(

@@ -99,8 +99,14 @@ pub fn run_scenario(
             format!("setup: the tier ({} blocks), prefill fills its pool", cfg.tier_blocks)
         }
     });
-    let begin =
-        Begin { row, scenario: cfg.scenario, unfenced: cfg.unfenced.clone(), tag: nixl.tag().to_string(), push: cfg.push };
+    let begin = Begin {
+        row,
+        scenario: cfg.scenario,
+        unfenced: cfg.unfenced.clone(),
+        tag: nixl.tag().to_string(),
+        push: cfg.push,
+        staging: cfg.staging,
+    };
     let t = Instant::now();
     let (access, detail) = sides.prefill.begin(begin)?;
     report.summary.setup_seconds += t.elapsed().as_secs_f64();

@@ -39,7 +39,7 @@ use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::fingerprint::{self, SKIP_GEN};
 use crate::peer::steps::{EngineId, Event, Handed, PrefillCounters, StepIn, StepOut, TierAccess, TierRef, What};
-use crate::pool::TableEntry;
+use crate::pool::{KvPool, TableEntry};
 use crate::race::{Mechanism, Races};
 use crate::tier::{Content, EntryId, Store};
 use crate::transport::Endpoint;
@@ -77,6 +77,12 @@ pub struct PrefillEngine<'a> {
     tier: Option<TierConnector>,
     /// The NIXL connector: which notification is which request's.
     nixl: NixlConnector,
+    /// `--host-staging`: the KV cache prefill computes into (a pool of its own, of the
+    /// registered pool's memory); the registered pool is then the staging buffer decode
+    /// READs, written only by staging copies.
+    device: Option<KvPool>,
+    /// `--host-staging`: what each block of the staging buffer holds.
+    host: Vec<Content>,
     /// Decides when a request's blocks may be freed.
     multi: MultiConnector,
     /// What each prefill block holds, as this engine wrote it (what a save copies).
@@ -124,9 +130,12 @@ impl<'a> PrefillEngine<'a> {
         place: &TierPlace,
     ) -> Result<(PrefillEngine<'a>, Option<TierAccess>, String)> {
         let n = ep.pool.geometry().num_blocks;
+        let device = if cfg.staging { Some(ep.pool.sibling()?) } else { None };
+        // The tier saves from and loads into the KV cache prefill computes into.
+        let kv = device.as_ref().unwrap_or(&ep.pool);
         let (tier, access) = match cfg.scenario.uses_tier() {
             true => {
-                let (t, a) = TierConnector::start(cfg, seed, &ep.pool, timeout, place)?;
+                let (t, a) = TierConnector::start(cfg, seed, kv, timeout, place)?;
                 (Some(t), Some(a))
             }
             false => (None, None),
@@ -135,6 +144,10 @@ impl<'a> PrefillEngine<'a> {
         let genesis: Vec<TableEntry> =
             (0..n).map(|i| TableEntry { block: fingerprint::logical_block(seed, i), generation: 0 }).collect();
         ep.pool.fill(&genesis)?;
+        let mut device = device;
+        if let Some(d) = device.as_mut() {
+            d.fill(&genesis)?;
+        }
         let e = PrefillEngine {
             cfg: cfg.clone(),
             races: cfg.races(),
@@ -142,6 +155,8 @@ impl<'a> PrefillEngine<'a> {
             timeout,
             tier,
             nixl: NixlConnector::with_tag(tag),
+            device,
+            host: genesis.iter().map(|&id| Content { id, cause: None }).collect(),
             multi: MultiConnector::new(cfg.scenario, cfg.races()),
             contents: genesis.iter().map(|&id| Content { id, cause: None }).collect(),
             workload: Workload::new(cfg.workload, seed),
@@ -277,9 +292,66 @@ impl<'a> PrefillEngine<'a> {
     }
 
     /// Block `block` now holds `content` (a computed fill or a tier load landed there).
+    /// With `--host-staging` that is the KV cache, which decode does not READ: its shadow
+    /// learns of the staging copies instead ([`PrefillEngine::stage`]).
     fn wrote(&mut self, block: u32, content: Content) {
         self.contents[block as usize] = content;
-        self.event(What::Write { block, content });
+        if self.device.is_none() {
+            self.event(What::Write { block, content });
+        }
+    }
+
+    /// `--host-staging`: copies request `id`'s blocks whose writes have landed and that are
+    /// not staged yet from the KV cache into the staging buffer decode READs (vLLM's
+    /// `save_kv_to_host` after each chunk). Unfenced partial-staging stages only at the
+    /// first call that finds some (the first chunk's). Errors: device errors of the copy.
+    fn stage(&mut self, id: u64) -> Result<()> {
+        let unfenced = self.races.unfenced(Mechanism::PartialStaging);
+        let r = &self.reqs[&id];
+        if unfenced && r.stage_calls > 0 {
+            return Ok(());
+        }
+        let ready: Vec<(usize, u32)> = r
+            .pslots
+            .iter()
+            .enumerate()
+            .filter(|&(i, &s)| {
+                let b = self.blocks.get(s);
+                !r.staged[i] && b.owner == Some(id) && b.owner_wrote && b.pending_compute + b.pending_load == 0
+            })
+            .map(|(i, &s)| (i, s))
+            .collect();
+        if ready.is_empty() {
+            return Ok(());
+        }
+        let mut buf = vec![0u8; self.ep.pool.block_bytes() as usize];
+        for &(i, s) in &ready {
+            self.device.as_ref().expect("staging needs the KV cache").read_block(s, &mut buf)?;
+            self.ep.pool.write_block(s, &buf)?;
+            let c = self.contents[s as usize];
+            self.host[s as usize] = c;
+            self.event(What::Write { block: s, content: c });
+            self.reqs.get_mut(&id).expect("staged request").staged[i] = true;
+        }
+        self.reqs.get_mut(&id).expect("staged request").stage_calls += 1;
+        Ok(())
+    }
+
+    /// `--host-staging`, unfenced partial-staging, at request `id`'s hand-over: the blocks
+    /// never staged are READ as the staging buffer holds them (an earlier request's copy),
+    /// which that mechanism let happen: the shadow's content of each is stamped with it.
+    fn unstaged_at_hand_over(&mut self, id: u64) {
+        let r = &self.reqs[&id];
+        let left: Vec<u32> = r.pslots.iter().enumerate().filter(|&(i, _)| !r.staged[i]).map(|(_, &s)| s).collect();
+        if left.is_empty() {
+            return;
+        }
+        self.window(Mechanism::PartialStaging);
+        for s in left {
+            let c = Content { cause: Some(Mechanism::PartialStaging), ..self.host[s as usize] };
+            self.host[s as usize] = c;
+            self.event(What::Write { block: s, content: c });
+        }
     }
 
     /// At the end of a `--duration`: requests still waiting for prefill blocks never
@@ -587,7 +659,10 @@ impl<'a> PrefillEngine<'a> {
             }
         }
         let t = Instant::now();
-        self.ep.pool.fill(&table)?;
+        match self.device.as_mut() {
+            Some(d) => d.fill(&table)?,
+            None => self.ep.pool.fill(&table)?,
+        }
         self.counters.fill_seconds += t.elapsed().as_secs_f64();
         for op in due {
             let OpKind::Fill { id } = op.kind else {
@@ -630,7 +705,8 @@ impl<'a> PrefillEngine<'a> {
             }
             self.pload.pop_front();
             let content = self.store().content(entry).expect("loads read complete entries");
-            self.tier.as_mut().expect("loads need the tier").load(&mut self.ep.pool, op.slot, entry)?;
+            let kv = self.device.as_mut().unwrap_or(&mut self.ep.pool);
+            self.tier.as_mut().expect("loads need the tier").load(kv, op.slot, entry)?;
             self.counters.loads += 1;
             self.store_mut().unpin(entry);
             // A load an aborted request left queued lands where its block went (load-after-abort).
@@ -652,7 +728,8 @@ impl<'a> PrefillEngine<'a> {
         let OpKind::Save { entry, promised } = op.kind else { unreachable!("the put queue holds saves") };
         let early = self.blocks.get(op.slot).early;
         let mut content = self.contents[op.slot as usize];
-        self.tier.as_mut().expect("saves need the tier").save(&mut self.ep.pool, op.slot, entry)?;
+        let kv = self.device.as_mut().unwrap_or(&mut self.ep.pool);
+        self.tier.as_mut().expect("saves need the tier").save(kv, op.slot, entry)?;
         if content.id != promised {
             // The copy is not what the key promises: say which missing fence let it happen.
             // (None would be a flaw in kvprobe's own model; the decode side then reports
@@ -806,6 +883,13 @@ impl<'a> PrefillEngine<'a> {
     }
 
     fn advance(&mut self) -> Result<()> {
+        if self.device.is_some() {
+            let prefilling: Vec<u64> =
+                self.order.iter().copied().filter(|id| self.reqs[id].stage == RequestState::Prefill).collect();
+            for id in prefilling {
+                self.stage(id)?;
+            }
+        }
         let sc = self.cfg.scenario;
         let lease = self.cfg.lease_steps as u64;
         let mut finished = Vec::new();
@@ -893,6 +977,9 @@ impl<'a> PrefillEngine<'a> {
             }
         }
         for id in to_hand {
+            if self.device.is_some() {
+                self.unstaged_at_hand_over(id);
+            }
             self.hand_over(id);
             if self.early_frees > 0 && sc.uses_nixl() {
                 self.early_frees -= 1;
@@ -991,6 +1078,8 @@ impl<'a> PrefillEngine<'a> {
                     aborting: false,
                     push_dst: Vec::new(),
                     push_at: None,
+                    staged: Vec::new(),
+                    stage_calls: 0,
                 },
             );
             self.order.push(id);
@@ -1042,12 +1131,19 @@ impl<'a> PrefillEngine<'a> {
                 self.next_gen = fingerprint::next_generation(self.next_gen);
                 let t = TableEntry { block: r.spec.hashes[i], generation: self.next_gen };
                 promised.push(t);
-                let due = self.lag(2).max(self.compute.back().map_or(0, |o| o.due));
+                let mut due = self.lag(2).max(self.compute.back().map_or(0, |o| o.due));
+                // --host-staging: chunked prefill, two computed blocks per chunk, each chunk
+                // at least a step after the one before.
+                if self.device.is_some() && i > k && (i - k).is_multiple_of(2) {
+                    due += 1;
+                }
                 self.compute.push_back(Op { due, req: id, slot: s, cause: None, kind: OpKind::Fill { id: t } });
                 self.blocks.get_mut(s).pending_compute += 1;
             }
             r.pending_writes += 1;
         }
+        r.staged = vec![false; slots.len()];
+        r.stage_calls = 0;
         r.pslots = slots;
         r.promised = promised;
         r.stage = RequestState::Prefill;

@@ -68,6 +68,10 @@ pub(crate) struct Request {
     /// WRITE is due (`None`: not asked yet, or done).
     pub(crate) push_dst: Vec<u32>,
     pub(crate) push_at: Option<u64>,
+    /// `--host-staging`: which of its blocks have been staged into the pool NIXL reads, and
+    /// how many staging calls staged some.
+    pub(crate) staged: Vec<bool>,
+    pub(crate) stage_calls: u32,
 }
 
 /// Where a request is on decode.

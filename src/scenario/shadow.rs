@@ -290,6 +290,7 @@ fn window_never(m: Mechanism) -> String {
         Mechanism::LoadAfterAbort => "the window never opened: no aborted request had a load still in flight when its blocks were reused (needs aborts, --abort-rate > 0, and prefix hits)".into(),
         Mechanism::PreemptSave => "the window never opened: no preempted request's save copied a reused block (needs --preempt-rate > 0 and saves)".into(),
         Mechanism::DecodeAbortFree => "the window never opened: no aborted request's WRITE landed in a decode block another request had taken (needs push mode, --op write, and WRITEs later than --lease: --decode-delay above --lease)".into(),
+        Mechanism::PartialStaging => "the window never opened: no request had a block past its first chunk (needs --host-staging and prompts longer than two computed blocks: --prompt-blocks)".into(),
         Mechanism::FailedAsComplete => "the window never opened: no transfer of a request of two or more blocks failed (needs --fail-rate > 0 and more load: --requests)".into(),
     }
 }
