@@ -1062,6 +1062,7 @@ fn a_prefill_that_breaks_the_scenario_protocol_ends_the_run_with_exit_3() {
         promised: blocks.iter().map(|&b| TableEntry { block: b + 100, generation: 1 }).collect(),
         blocks,
         tier: Vec::new(),
+        planted: Vec::new(),
     };
     type Answer = Box<dyn Fn(u64, &kvprobe::peer::steps::StepIn) -> StepOut + Send>;
     let cases: Vec<(&str, Answer, &str)> = vec![

@@ -315,6 +315,8 @@ fn assert_injections_found(r: &Value, planted: &[(&str, u64)], log: &str) {
             let want: &[&str] = match *kind {
                 "drop" => &["unwritten"],
                 "torn" => &["torn"],
+                "bitflip" => &["bitflip"],
+                "stale" => &["stale"],
                 _ => &["misplaced", "unwritten"],
             };
             assert_eq!(classes, want, "{x}");
@@ -323,28 +325,27 @@ fn assert_injections_found(r: &Value, planted: &[(&str, u64)], log: &str) {
     let count = |k: &str| planted.iter().find(|p| p.0 == k).map_or(0, |p| p.1);
     let attributed: u64 =
         r["scenario"]["races"].as_array().unwrap().iter().map(|o| o["corrupt_attributed"].as_u64().unwrap()).sum();
-    assert_eq!(
-        sum["blocks_corrupt"].as_u64().unwrap(),
-        count("drop") + count("torn") + 2 * count("misroute") + attributed,
-        "{log}"
-    );
+    let singles = count("drop") + count("torn") + count("bitflip") + count("stale");
+    assert_eq!(sum["blocks_corrupt"].as_u64().unwrap(), singles + 2 * count("misroute") + attributed, "{log}");
+    assert_eq!(sum["by_class"]["bitflip"].as_u64().unwrap(), count("bitflip"), "{log}");
     assert_eq!(sum["by_class"]["torn"].as_u64().unwrap(), count("torn"), "{log}");
     // The planted slices are listed and attributed to nothing.
     let planted_listed = r["failures"].as_array().unwrap().iter().filter(|f| f["attributed_to"].is_null()).count() as u64;
-    assert_eq!(planted_listed, count("drop") + count("torn") + 2 * count("misroute"), "{log}");
+    assert_eq!(planted_listed, singles + 2 * count("misroute"), "{log}");
 }
 
 #[test]
 fn injections_under_request_load_are_found_as_predicted() {
-    let inject = ["--inject", "drop:3", "--inject", "torn:2", "--inject", "misroute:2"];
-    let planted = [("drop", 3), ("torn", 2), ("misroute", 2)];
+    let inject =
+        ["--inject", "drop:3", "--inject", "torn:2", "--inject", "misroute:2", "--inject", "bitflip:2", "--inject", "stale:2"];
+    let planted = [("drop", 3), ("torn", 2), ("misroute", 2), ("bitflip", 2), ("stale", 2)];
     for (sc, seed) in [("nixl-only", "61"), ("stacked", "62")] {
         let args = [&["--scenario", sc, "--requests", "400", "--seed", seed][..], &inject].concat();
         let (code, r, log) = scenario_report(&format!("inject-{sc}"), &args);
         assert_eq!(code, 1, "{sc}: planted corruption is corruption: {log}");
         assert_injections_found(&r, &planted, &log);
-        assert_eq!(r["summary"]["blocks_corrupt"], 9, "{sc}: nothing but the planted slices: {log}");
-        assert!(log.contains("injections:        7 planted, 7 detected as predicted, 0 unexpected failures"), "{log}");
+        assert_eq!(r["summary"]["blocks_corrupt"], 13, "{sc}: nothing but the planted slices: {log}");
+        assert!(log.contains("injections:        11 planted, 11 detected as predicted, 0 unexpected failures"), "{log}");
     }
     // Under an unfenced mechanism (lockstep: the run replays from the seed), the planted
     // slices stay apart from what the mechanism explains.
@@ -359,8 +360,6 @@ fn injections_under_request_load_are_found_as_predicted() {
 #[test]
 fn injections_a_scenario_cannot_plant_are_refused() {
     for (args, says) in [
-        (vec!["--scenario", "stacked", "--inject", "bitflip"], "--inject bitflip under request load is not supported"),
-        (vec!["--scenario", "nixl-only", "--inject", "stale:2"], "--inject stale under request load is not supported"),
         (vec!["--scenario", "stacked", "--inject", "stray"], "stray needs the sweep's pipeline stages"),
         (vec!["--scenario", "tier-only", "--inject", "drop"], "tier-only has none"),
         (vec!["--scenario", "nixl-only", "--prompt-blocks", "1-1", "--inject", "misroute"], "two or more blocks"),

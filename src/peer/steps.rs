@@ -144,6 +144,26 @@ pub struct Handed {
     pub promised: Vec<TableEntry>,
     /// tier-only: the tier entry of each block, in order (empty when decode READs over NIXL).
     pub tier: Vec<TierRef>,
+    /// `--inject bitflip|stale` under request load: faults prefill planted in the request's
+    /// source blocks after their writes, for decode to find.
+    #[serde(default)]
+    pub planted: Vec<SourceFault>,
+}
+
+/// A fault prefill planted in one source slice of a handed request (`--inject bitflip` or
+/// `stale` under request load): the block's index in the request, the slice's layer and K/V
+/// part, and the kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SourceFault {
+    /// Index of the block in the request's blocks.
+    pub index: u32,
+    /// Layer.
+    pub layer: u32,
+    /// K/V part.
+    pub kv: crate::geometry::KvPart,
+    /// `bitflip` (one bit of the slice flipped) or `stale` (the slice holds the block's
+    /// previous generation).
+    pub kind: crate::inject::Kind,
 }
 
 /// Prefill's running counts, sent with every step.

@@ -68,9 +68,10 @@ pub struct ScenarioConfig {
     /// blocks per chunk, one chunk per step). nixl-only and stacked. Written only when set.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub staging: bool,
-    /// `--inject` under request load: faults planted on decode's READs (drop, misroute,
-    /// torn), decode's alone; recorded in the run's `config.inject`, not here.
-    #[serde(skip)]
+    /// `--inject` under request load: faults planted on decode's READ descriptors (drop,
+    /// misroute, torn: decode plants them) and in prefill's source blocks (bitflip, stale:
+    /// prefill plants them and names them at the hand-over). Written only when set.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub inject: Vec<crate::inject::Spec>,
     /// `kvprobe ab`'s load: the template of the matrix, whose rows each pick their scenario
     /// and unfenced mechanism (a prefill side then runs every row it is asked for, one after
@@ -204,16 +205,14 @@ pub fn check(cfg: &ScenarioConfig, num_blocks: u32) -> Result<()> {
     }
     for s in &cfg.inject {
         use crate::inject::Kind;
-        if !matches!(s.kind, Kind::Drop | Kind::Misroute | Kind::Torn) {
-            return Err(Error::Usage(format!(
-                "--inject {} under request load is not supported: scenarios plant drop, misroute and torn on decode's READ \
-                 descriptors (bitflip and stale change what prefill writes, stray needs the sweep's pipeline stages)",
-                s.kind.name()
-            )));
+        if s.kind == Kind::Stray {
+            return Err(Error::Usage(
+                "--inject stray under request load is not supported: stray needs the sweep's pipeline stages".into(),
+            ));
         }
         if !cfg.scenario.uses_nixl() {
             return Err(Error::Usage(format!(
-                "--inject {} plants faults on decode's NIXL READs; tier-only has none (use nixl-only or stacked)",
+                "--inject {} plants faults on decode's NIXL READs and their source blocks; tier-only has none (use nixl-only or stacked)",
                 s.kind.name()
             )));
         }

@@ -288,7 +288,15 @@ impl<'a> Decode<'a> {
             rng: ChaCha8Rng::seed_from_u64(seed ^ 0x6465_636F_6465),
             fail_rng: ChaCha8Rng::seed_from_u64(seed ^ 0x6661_696C_6564),
             transfers_failed: 0,
-            to_plant: cfg.inject.iter().flat_map(|s| std::iter::repeat_n(s.kind, s.count as usize)).collect(),
+            // Decode plants the faults of the READ descriptors; prefill those of the source.
+            to_plant: cfg
+                .inject
+                .iter()
+                .filter(|s| {
+                    matches!(s.kind, crate::inject::Kind::Drop | crate::inject::Kind::Misroute | crate::inject::Kind::Torn)
+                })
+                .flat_map(|s| std::iter::repeat_n(s.kind, s.count as usize))
+                .collect(),
             inject_rng: ChaCha8Rng::seed_from_u64(seed ^ 0x696E_6A65_6374),
             dland: vec![Vec::new(); n as usize],
             downer: vec![None; n as usize],
@@ -424,10 +432,12 @@ impl<'a> Decode<'a> {
             }
         }
         progress(&self.progress(report));
-        if !self.to_plant.is_empty() {
+        let asked: u64 = self.cfg.inject.iter().map(|s| s.count as u64).sum();
+        let left = asked
+            .saturating_sub(report.summary.injections_planted + self.pulls.values().map(|p| p.planted.len() as u64).sum::<u64>());
+        if left > 0 {
             eprintln!(
-                "inject: {} fault(s) not planted: the run pulled too few requests (one READ in four carries one; raise --requests)",
-                self.to_plant.len()
+                "inject: {left} fault(s) not planted: the run had too few requests (one in four carries one; raise --requests)"
             );
         }
         Ok(())
@@ -496,6 +506,7 @@ impl<'a> Decode<'a> {
                     retrying: false,
                     unwritten: Vec::new(),
                     planted: Vec::new(),
+                    source_faults: h.planted,
                     asked_at: 0,
                     landed_at: None,
                     decode_until: None,
@@ -564,6 +575,15 @@ impl<'a> Decode<'a> {
             Some(format!("{k} blocks, {} identities and {} tier entries", h.promised.len(), h.tier.len()))
         } else if let Some(b) = h.blocks.iter().find(|&&b| b >= n) {
             Some(format!("block {b} of a pool of {n}"))
+        } else if let Some(f) = h.planted.iter().find(|f| {
+            let g = self.ep.pool.geometry();
+            f.index as usize >= k
+                || f.layer >= g.num_layers
+                || !g.parts().contains(&f.kv)
+                || !self.cfg.inject.iter().any(|s| s.kind == f.kind)
+                || !matches!(f.kind, crate::inject::Kind::Bitflip | crate::inject::Kind::Stale)
+        }) {
+            Some(format!("a planted {} fault it was not asked for or outside the request ({f:?})", f.kind.name()))
         } else {
             h.promised.iter().find(|t| t.generation == SKIP_GEN).map(|_| "a block promised with the skip generation".to_string())
         };
@@ -1004,6 +1024,18 @@ impl<'a> Decode<'a> {
             let failed = self.draw_failed(n);
             let p = self.pulls.get_mut(&id).expect("starting request");
             p.failed = failed;
+            // Faults prefill planted in the source slices (bitflip, stale) must show as
+            // planted: their blocks move, and no other fault is planted on them.
+            let sourced: Vec<usize> = p.source_faults.iter().map(|f| f.index as usize).collect();
+            p.failed.retain(|i| !sourced.contains(i));
+            for f in std::mem::take(&mut p.source_faults) {
+                let class = match f.kind {
+                    crate::inject::Kind::Stale => crate::verify::Class::Stale,
+                    _ => crate::verify::Class::Bitflip,
+                };
+                let at = SliceCoord { layer: f.layer, kv: f.kv, block: p.dslots[f.index as usize] };
+                p.planted.push(Planted { kind: f.kind, step: self.now, hits: vec![(at, class)] });
+            }
             if sc.uses_nixl() {
                 // The failed blocks' descriptors are left out of the READ, as the backend
                 // failing them would leave them unwritten; a fenced connector knows it
@@ -1012,7 +1044,8 @@ impl<'a> Decode<'a> {
                 let src: Vec<u32> = moved.iter().map(|&i| p.pslots[i]).collect();
                 let dst: Vec<u32> = moved.iter().map(|&i| p.dslots[i]).collect();
                 let mut pairs = NixlConnector::read_pairs(&g, &src, &dst)?;
-                if let Some(planted) = self.plant(&mut pairs, &moved, id)? {
+                let free: Vec<usize> = moved.iter().copied().filter(|i| !sourced.contains(i)).collect();
+                if let Some(planted) = self.plant(&mut pairs, &free, id)? {
                     self.pulls.get_mut(&id).expect("starting request").planted.push(planted);
                 }
                 let p = &self.pulls[&id];

@@ -83,6 +83,11 @@ pub struct PrefillEngine<'a> {
     device: Option<KvPool>,
     /// `--host-staging`: what each block of the staging buffer holds.
     host: Vec<Content>,
+    /// The run's seed (fingerprints).
+    seed: u64,
+    /// `--inject bitflip|stale` faults still to plant, in order, and the draws of where.
+    to_plant: VecDeque<crate::inject::Kind>,
+    inject_rng: ChaCha8Rng,
     /// Decides when a request's blocks may be freed.
     multi: MultiConnector,
     /// What each prefill block holds, as this engine wrote it (what a save copies).
@@ -157,6 +162,14 @@ impl<'a> PrefillEngine<'a> {
             nixl: NixlConnector::with_tag(tag),
             device,
             host: genesis.iter().map(|&id| Content { id, cause: None }).collect(),
+            seed,
+            to_plant: cfg
+                .inject
+                .iter()
+                .filter(|s| matches!(s.kind, crate::inject::Kind::Bitflip | crate::inject::Kind::Stale))
+                .flat_map(|s| std::iter::repeat_n(s.kind, s.count as usize))
+                .collect(),
+            inject_rng: ChaCha8Rng::seed_from_u64(seed ^ 0x7072_6566_696C),
             multi: MultiConnector::new(cfg.scenario, cfg.races()),
             contents: genesis.iter().map(|&id| Content { id, cause: None }).collect(),
             workload: Workload::new(cfg.workload, seed),
@@ -284,6 +297,50 @@ impl<'a> PrefillEngine<'a> {
     fn event(&mut self, what: What) {
         self.seq += 1;
         self.out.events.push(Event { engine: EngineId::Prefill, step: self.now, seq: self.seq, what });
+    }
+
+    /// `--inject bitflip|stale` under request load, at request `id`'s hand-over (its writes
+    /// and, with `--host-staging`, its staging done): with faults of those kinds left, one
+    /// hand-over in four (seeded) gets the next, in one seeded slice of a block whose tier
+    /// save is not queued (a save would carry the fault to later prefix hits): `bitflip`
+    /// flips one bit of it, `stale` rewrites it with the block's previous generation. The
+    /// pool decode reads is changed (the staging buffer with `--host-staging`), nothing else.
+    /// Returns what was planted, for decode. Errors: device errors of the slice copies.
+    fn plant_source_fault(&mut self, id: u64) -> Result<Vec<crate::peer::steps::SourceFault>> {
+        use crate::inject::Kind;
+        let Some(&kind) = self.to_plant.front() else { return Ok(Vec::new()) };
+        if self.inject_rng.random_range(0..4u32) != 0 || !self.cfg.scenario.uses_nixl() {
+            return Ok(Vec::new());
+        }
+        let r = &self.reqs[&id];
+        let free: Vec<usize> = (0..r.pslots.len()).filter(|&i| !self.puts.iter().any(|o| o.slot == r.pslots[i])).collect();
+        if free.is_empty() {
+            return Ok(Vec::new());
+        }
+        let g = self.ep.pool.geometry().clone();
+        let index = free[self.inject_rng.random_range(0..free.len())];
+        let layer = self.inject_rng.random_range(0..g.num_layers);
+        let kv = g.parts()[self.inject_rng.random_range(0..g.parts().len())];
+        let c = crate::geometry::SliceCoord { layer, kv, block: r.pslots[index] };
+        let promised = r.promised[index];
+        let sb = g.slice_bytes()?;
+        let mut buf = vec![0u8; sb as usize];
+        let bytes = match kind {
+            Kind::Bitflip => {
+                self.ep.pool.read_slice(c, &mut buf)?;
+                let at = self.inject_rng.random_range(0..buf.len());
+                buf[at] ^= 1 << self.inject_rng.random_range(0..8u32);
+                buf
+            }
+            Kind::Stale => {
+                let old = TableEntry { generation: promised.generation.wrapping_sub(1), ..promised };
+                fingerprint::expected(sb as usize, self.seed, old.identity(c))
+            }
+            _ => unreachable!("prefill plants bitflip and stale only"),
+        };
+        self.ep.pool.write_slice(c, &bytes)?;
+        self.to_plant.pop_front();
+        Ok(vec![crate::peer::steps::SourceFault { index: index as u32, layer, kv, kind }])
     }
 
     /// Unfenced mechanism `m` let a conflicting copy happen once more.
@@ -851,7 +908,7 @@ impl<'a> PrefillEngine<'a> {
     /// Hands request `id` to decode: its blocks and what they must hold; tier-only, the
     /// entries decode loads them from, each holding what its key promises (an entry another
     /// request saved under the same hash promises that request's generation).
-    fn hand_over(&mut self, id: u64) {
+    fn hand_over(&mut self, id: u64) -> Result<()> {
         let r = &self.reqs[&id];
         let (promised, tier) = if self.cfg.scenario.uses_nixl() {
             (r.promised.clone(), Vec::new())
@@ -866,7 +923,9 @@ impl<'a> PrefillEngine<'a> {
                 })
                 .unzip()
         };
-        self.out.handed.push(Handed { req: id, blocks: r.pslots.clone(), promised, tier });
+        let blocks = r.pslots.clone();
+        let planted = self.plant_source_fault(id)?;
+        self.out.handed.push(Handed { req: id, blocks, promised, tier, planted });
         // One request in four is reported complete by the NIXL connector as it is handed
         // over, before decode's READ (drawn for every request, so that rows draw alike).
         let phantom = self.rng.random_range(0..4u32) == 0
@@ -880,6 +939,7 @@ impl<'a> PrefillEngine<'a> {
         r.handed_over = true;
         r.handed_at = now;
         r.phantom = phantom;
+        Ok(())
     }
 
     fn advance(&mut self) -> Result<()> {
@@ -980,7 +1040,7 @@ impl<'a> PrefillEngine<'a> {
             if self.device.is_some() {
                 self.unstaged_at_hand_over(id);
             }
-            self.hand_over(id);
+            self.hand_over(id)?;
             if self.early_frees > 0 && sc.uses_nixl() {
                 self.early_frees -= 1;
                 to_release.push((id, None)); // test-only: freed before decode's READ

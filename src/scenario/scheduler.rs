@@ -118,6 +118,9 @@ pub(crate) struct Pull {
     pub(crate) unwritten: Vec<usize>,
     /// `--inject` faults planted on the request's READ.
     pub(crate) planted: Vec<Planted>,
+    /// `--inject bitflip|stale`: what prefill planted in the source slices, until decode
+    /// knows the request's blocks.
+    pub(crate) source_faults: Vec<crate::peer::steps::SourceFault>,
     /// Push mode: the step decode asked prefill for the WRITE, the step it landed (`None`:
     /// not yet) and whether its notification arrived.
     pub(crate) asked_at: u64,
