@@ -18,6 +18,13 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// Mooncake Store's `ErrorCode::LEASE_EXPIRED` (mooncake-store/include/types.h): the read
+/// lease of a get ran out before its data transfer completed.
+pub const LEASE_EXPIRED: i64 = -707;
+
+/// Attempts [`Worker::get_block`] makes when a get fails with [`LEASE_EXPIRED`].
+pub const GET_ATTEMPTS: u32 = 8;
+
 /// Environment variable naming a Mooncake virtual environment (overrides the install dir).
 pub const VENV_ENV: &str = "KVPROBE_MOONCAKE_VENV";
 
@@ -557,13 +564,31 @@ impl Worker {
     }
 
     /// Loads the object `key` into block `slot` of `pool`, the first pool mapped in this
-    /// worker (its slices back to back, [`crate::pool::KvPool::block_ranges`]). Errors:
-    /// transport (exit 3) when the store returns another length than the block's.
+    /// worker (its slices back to back, [`crate::pool::KvPool::block_ranges`]). A get whose
+    /// read lease ran out before its transfer completed ([`LEASE_EXPIRED`]: the master kvprobe
+    /// starts gives 500 ms leases, which a loaded host can outlast) is tried again, up to
+    /// [`GET_ATTEMPTS`] times in all: the object is still there, and a new get takes a new
+    /// lease. Errors: transport (exit 3) when the store returns another length than the
+    /// block's, or LEASE_EXPIRED at every attempt.
     pub fn get_block(&mut self, key: &str, pool: &mut crate::pool::KvPool, slot: u32) -> Result<()> {
         let want = pool.block_bytes() as i64;
-        match self.get(0, &[key.to_string()], &[pool.block_ranges(slot)])? {
-            rc if rc.first() == Some(&want) => Ok(()),
-            rc => Err(Error::Transport(format!("Mooncake get of {key} returned {rc:?} (expected {want} bytes)"))),
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match self.get(0, &[key.to_string()], &[pool.block_ranges(slot)])? {
+                rc if rc.first() == Some(&want) => return Ok(()),
+                rc if rc.first() == Some(&LEASE_EXPIRED) && tries < GET_ATTEMPTS => continue,
+                rc => {
+                    let lease = if rc.first() == Some(&LEASE_EXPIRED) {
+                        format!(" (LEASE_EXPIRED at each of {tries} attempts)")
+                    } else {
+                        String::new()
+                    };
+                    return Err(Error::Transport(format!(
+                        "Mooncake get of {key} returned {rc:?} (expected {want} bytes){lease}"
+                    )));
+                }
+            }
         }
     }
 

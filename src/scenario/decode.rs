@@ -20,6 +20,16 @@
 //! NIXL transfers are real and asynchronous and overlap all of this (unless `--lockstep`), so
 //! when a READ completes — and with it what prefill frees next — varies from run to run.
 //!
+//! Push mode (`--op write`): in 3. decode asks prefill to WRITE the request into the blocks
+//! it allocated ([`crate::peer::steps::Push`]); prefill's WRITE lands within a later prefill
+//! step ([`What::Pushed`]), decode waits for its notification, lets the request decode a
+//! seeded 2–8 steps and then verifies it in 4., so a late WRITE into its blocks meanwhile is
+//! found; a request whose WRITE has not landed `--lease` steps after decode asked is aborted
+//! (decode-abort-free). Decode keeps its own record of what landed in each of its blocks.
+//! With `--fail-rate` a READ may leave some blocks unmoved (failed-as-complete); with
+//! `--inject` decode plants faults on its READ descriptors and learns those prefill planted
+//! in the source at the hand-over.
+//!
 //! # Attribution
 //! Every write into a prefill block reaches decode's shadow as an event of prefill's step,
 //! stamped with the unfenced mechanism that allowed it, if one did; decode's READ posts and

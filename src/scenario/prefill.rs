@@ -26,6 +26,13 @@
 //!    leading block hashes completes a step later (lookup_async), then hits are loaded and
 //!    the rest computed, and computed blocks are saved.
 //!
+//! Push mode (`--op write`): decode's step names the blocks to WRITE a handed request into;
+//! prefill posts the WRITE 0–2 steps later (one in eight `--decode-delay` later) and completes
+//! it within its step ([`What::Pushed`]). `--host-staging`: prefill computes into a KV cache
+//! of its own, chunked, and stages landed blocks into the pool decode READs each step
+//! (partial-staging: only at the first staging call of a request); the shadow then follows
+//! the staging copies.
+//!
 //! Every write into a prefill block is an [`Event`] for decode's shadow, stamped with the
 //! unfenced mechanism that allowed it, if one did; so is each time an unfenced mechanism lets
 //! a conflicting copy happen (a window).
