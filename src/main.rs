@@ -684,8 +684,9 @@ impl RunArgs {
             None => {
                 if let Some(f) = typed.iter().find(|f| LOAD_FLAGS.contains(f)) {
                     return Err(Error::Usage(format!(
-                        "{} shapes a request-level load: add --scenario nixl-only|tier-only|stacked (or --race)",
-                        flag(f)
+                        "{} shapes a request-level load: add --scenario {} (or --race)",
+                        flag(f),
+                        if *f == "host_staging" { "nixl-only|stacked" } else { "nixl-only|tier-only|stacked" }
                     )));
                 }
             }
@@ -1332,6 +1333,11 @@ fn ab(args: AbArgs, typed: &[&str]) -> Exit {
             "kvprobe ab: {flag} is not an ab flag: ab runs nixl-only, tier-only and stacked, then stacked with each race \
              mechanism unfenced in turn (rows stacked+MECHANISM). For one scenario or one mechanism use `kvprobe run {flag} ...`"
         ));
+        return Exit::Usage;
+    }
+    if args.load.host_staging {
+        err("kvprobe ab: --host-staging is not an ab flag: ab runs its own rows with host staging (stacked-staged, \
+             stacked+partial-staging); for a staged run use `kvprobe run --host-staging ...`");
         return Exit::Usage;
     }
     claim_stdout(&args.pool.report);

@@ -83,6 +83,10 @@ pub struct Failure {
     /// the engine did explains it (a defect of the stack under test).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attributed_to: Option<crate::race::Mechanism>,
+    /// Scenario runs: the slice is an `--inject` fault found as predicted (see `injections`),
+    /// neither attributed nor unexplained. Written only when set.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub injected: bool,
     /// Class `stray` only: what the slot was compared against — `poison` (the poison of
     /// (`poison_iteration`, `slot`), right before its stage was posted; `expected_digest` is
     /// that poison's) or `reverify` (the fingerprint of `expected`, which the slot had
@@ -126,6 +130,7 @@ impl Failure {
             request: None,
             predicted: None,
             attributed_to: None,
+            injected: false,
             stray_check: None,
         }
     }
@@ -981,9 +986,10 @@ pub fn render(r: &Report) -> String {
                 .filter(|o| *o != f.expected)
                 .map(|o| format!(", holds layer {} {} block {} gen {}", o.layer, o.kv, o.block, o.generation))
                 .unwrap_or_default(),
-            match (f.request, f.attributed_to) {
-                (Some(_), Some(m)) => format!(", attributed to {m}"),
-                (Some(_), None) => ", UNEXPLAINED".to_string(),
+            match (f.request, f.attributed_to, f.injected) {
+                (Some(_), Some(m), _) => format!(", attributed to {m}"),
+                (Some(_), None, true) => ", injected (--inject), as predicted".to_string(),
+                (Some(_), None, false) => ", UNEXPLAINED".to_string(),
                 _ => String::new(),
             }
         );

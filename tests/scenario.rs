@@ -275,6 +275,13 @@ fn push_mode_refuses_what_it_cannot_do() {
             "in push mode (--op write) prefill builds the WRITEs",
         ),
         (vec!["--race", "partial-staging"], "needs host-buffer staging: add --host-staging"),
+        (vec!["--op", "write", "--race", "failed-as-complete"], "push mode (--op write) has neither"),
+        (vec!["--op", "write", "--race", "duplicate-completion"], "push mode (--op write) has neither"),
+        (
+            vec!["--host-staging", "--race", "partial-staging", "--inject", "bitflip"],
+            "unfenced partial-staging reuses or leaves unstaged",
+        ),
+        (vec!["--race", "phantom-completion", "--inject", "stale"], "unfenced phantom-completion reuses"),
         (vec!["--scenario", "tier-only", "--host-staging"], "--host-staging stages the blocks decode READs"),
         (vec!["--scenario", "stacked", "--host-staging", "--op", "write"], "without push mode"),
     ] {

@@ -198,6 +198,14 @@ pub fn check(cfg: &ScenarioConfig, num_blocks: u32) -> Result<()> {
     {
         return Err(Error::Usage(format!("--race {m} needs host-buffer staging: add --host-staging")));
     }
+    if let Some(m) = cfg.unfenced.iter().find(|m| matches!(m, Mechanism::FailedAsComplete | Mechanism::DuplicateCompletion))
+        && cfg.push
+    {
+        return Err(Error::Usage(format!(
+            "--race {m} acts on decode's READs and their notifications (failed-as-complete also on tier-only loads); \
+             push mode (--op write) has neither"
+        )));
+    }
     if cfg.push && !cfg.inject.is_empty() {
         return Err(Error::Usage(
             "--inject plants faults on decode's READ descriptors; in push mode (--op write) prefill builds the WRITEs".into(),
@@ -205,6 +213,18 @@ pub fn check(cfg: &ScenarioConfig, num_blocks: u32) -> Result<()> {
     }
     for s in &cfg.inject {
         use crate::inject::Kind;
+        // Prefill's faults stay in its block after the request: a mechanism that frees or
+        // reuses blocks early, or leaves them unstaged, would carry them to another request
+        // (or write over them) where the shadow cannot know them.
+        if matches!(s.kind, Kind::Bitflip | Kind::Stale)
+            && let Some(m) = cfg.unfenced.iter().find(|m| m.breaks_ownership() || m.needs_staging())
+        {
+            return Err(Error::Usage(format!(
+                "--inject {} plants in prefill's blocks, which unfenced {m} reuses or leaves unstaged: run them apart \
+                 (drop, misroute and torn combine with every mechanism)",
+                s.kind.name()
+            )));
+        }
         if s.kind == Kind::Stray {
             return Err(Error::Usage(
                 "--inject stray under request load is not supported: stray needs the sweep's pipeline stages".into(),

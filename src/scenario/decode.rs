@@ -1177,6 +1177,7 @@ impl<'a> Decode<'a> {
                 failure.poison_iteration = p.poison_iter;
                 failure.predicted = Some(ident(predicted, c));
                 failure.attributed_to = cause;
+                failure.injected = planted == Some(class);
                 failure
             });
         }
