@@ -447,15 +447,24 @@ pub struct OwnershipViolation {
     pub kind: String,
     /// The request whose operation it was.
     pub request: u64,
-    /// Prefill block id.
+    /// Prefill block id; a decode block id for decode's own checks (push mode).
     pub block: u32,
-    /// The operation: `free`, `compute write` or `load write`.
+    /// The operation: `free`, `compute write` or `load write` (prefill); `decode free` or
+    /// `WRITE landing` (decode, push mode).
     pub operation: String,
     /// What it conflicted with: `a READ in flight`, `a queued save`, `a load in flight`,
-    /// `owned by request N`, `already free`.
+    /// `owned by request N`, `already free`, `a WRITE into it pending`.
     pub conflict: String,
-    /// Prefill's engine step.
+    /// The engine step (the engines step together).
     pub step: u64,
+}
+
+impl OwnershipViolation {
+    /// A violation of `kind` by request `request`'s `operation` on `block` at engine step
+    /// `step`, which met `conflict`.
+    pub fn new(kind: &str, request: u64, block: u32, operation: &str, conflict: String, step: u64) -> OwnershipViolation {
+        OwnershipViolation { kind: kind.into(), request, block, operation: operation.into(), conflict, step }
+    }
 }
 
 /// The scenario part of a report.

@@ -486,9 +486,9 @@ impl<'a> Decode<'a> {
             }
         }
         let n = self.ep.pool.geometry().num_blocks;
-        self.violation_count += out.violations.len() as u64;
-        let room = self.max_failures.saturating_sub(self.violations.len());
-        self.violations.extend(out.violations.into_iter().take(room));
+        for v in out.violations {
+            self.record_violation(v);
+        }
         for h in out.handed {
             self.check_handed(&h, n)?;
             // Decode pulls 0-2 steps later; one request in eight waits --decode-delay steps
@@ -887,15 +887,8 @@ impl<'a> Decode<'a> {
             }
         }
         for id in gone {
-            let p = self.pulls.remove(&id).expect("aborted request");
-            self.order.retain(|&x| x != id);
-            for &d in &p.dslots {
-                self.downer[d as usize] = None;
-                self.dblocks.free(d);
-            }
+            self.release_pull(id);
             self.daborted += 1;
-            self.done_ids.insert(id);
-            self.next.finished.push(id);
         }
         Ok(())
     }
@@ -903,17 +896,30 @@ impl<'a> Decode<'a> {
     /// Records a block-ownership violation decode's own checker saw (push mode: `block` is
     /// a decode block).
     fn decode_violation(&mut self, kind: &str, request: u64, block: u32, operation: &str, conflict: String) {
+        self.record_violation(crate::report::OwnershipViolation::new(kind, request, block, operation, conflict, self.now));
+    }
+
+    /// Counts a block-ownership violation (prefill's or decode's) and lists it while fewer
+    /// than `--max-failures` are listed.
+    fn record_violation(&mut self, v: crate::report::OwnershipViolation) {
         self.violation_count += 1;
         if self.violations.len() < self.max_failures {
-            self.violations.push(crate::report::OwnershipViolation {
-                kind: kind.into(),
-                request,
-                block,
-                operation: operation.into(),
-                conflict,
-                step: self.now,
-            });
+            self.violations.push(v);
         }
+    }
+
+    /// Request `id` leaves decode (verified, or aborted in push mode): its decode blocks are
+    /// freed, prefill is told, and a hand-over of it again is a protocol error. Returns it.
+    fn release_pull(&mut self, id: u64) -> Pull {
+        let p = self.pulls.remove(&id).expect("a request decode holds");
+        self.order.retain(|&x| x != id);
+        for &d in &p.dslots {
+            self.downer[d as usize] = None;
+            self.dblocks.free(d);
+        }
+        self.done_ids.insert(id);
+        self.next.finished.push(id);
+        p
     }
 
     // ---- tier-only loads ----
@@ -1183,7 +1189,7 @@ impl<'a> Decode<'a> {
         }
         report.summary.verify_seconds += t.elapsed().as_secs_f64();
         for id in ids {
-            let p = self.pulls.remove(&id).expect("verified request");
+            let p = self.release_pull(id);
             // Each planted fault is detected when every slice it predicts was found with its
             // class (as the sweep's injections).
             for x in &p.planted {
@@ -1206,14 +1212,7 @@ impl<'a> Decode<'a> {
                     detected,
                 });
             }
-            self.order.retain(|&x| x != id);
-            for &s in &p.dslots {
-                self.downer[s as usize] = None;
-                self.dblocks.free(s);
-            }
             self.verified += 1;
-            self.done_ids.insert(id);
-            self.next.finished.push(id);
             if let Some(iv) = self.intervals.last_mut() {
                 iv.requests += 1;
                 iv.slices_checked += p.dslots.len() as u64 * g.num_layers as u64 * g.kv_parts() as u64;

@@ -478,6 +478,9 @@ impl<'a> PrefillEngine<'a> {
     /// still written: its WRITE reads whatever they hold now.
     /// Errors: transport (exit 3), timeout (exit 4).
     fn run_pushes(&mut self) -> Result<()> {
+        if !self.cfg.push {
+            return Ok(());
+        }
         let due: Vec<u64> =
             self.order.iter().copied().filter(|id| self.reqs[id].push_at.is_some_and(|t| t <= self.now)).collect();
         if due.is_empty() {
@@ -628,14 +631,7 @@ impl<'a> PrefillEngine<'a> {
 
     /// Records an ownership violation of this step for decode's report.
     fn violation(&mut self, kind: &str, request: u64, block: u32, operation: &str, conflict: String) {
-        self.out.violations.push(crate::report::OwnershipViolation {
-            kind: kind.into(),
-            request,
-            block,
-            operation: operation.into(),
-            conflict,
-            step: self.now,
-        });
+        self.out.violations.push(crate::report::OwnershipViolation::new(kind, request, block, operation, conflict, self.now));
     }
 
     /// The ownership checker at a write of request `req` into block `slot` (`operation`):
