@@ -503,6 +503,7 @@ fn breakdown(
         prefill_device: device,
         decode_device: decode,
         preset: None,
+        model: None,
         geometry: g.clone(),
         op: crate::transport::Op::Read,
         iterations: cfg.iterations,

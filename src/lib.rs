@@ -46,6 +46,7 @@ pub mod inject;
 pub mod inspect;
 pub mod interrupt;
 pub mod junit;
+pub mod model_config;
 pub mod mooncake;
 pub mod nixl;
 pub mod par;

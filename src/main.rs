@@ -76,6 +76,17 @@ enum Command {
     /// Node pair: the prefill side. Listens on ADDR:PORT for one `kvprobe run --peer` at a time (token-checked), fills its pool as the run asks, and serves NIXL READs/WRITEs; exits after one run unless --keep-serving.
     #[command(after_help = SERVE_EXIT_CODES)]
     Serve(ServeArgs),
+    /// Print the geometry the geometry flags give (a preset, a model's config.json with --tp and --kv-cache-dtype, the flags over them): one TP rank's per-layer KV shape, slice and pool bytes, and the model's layer groups; nothing is allocated.
+    #[command(
+        after_help = "Exit codes: 0 printed; 2 bad flags, a config.json that cannot be read or gives no geometry (the reason on stderr), or a geometry kvprobe cannot lay out."
+    )]
+    Geometry {
+        #[command(flatten)]
+        geo: GeometryArgs,
+        /// Print JSON (the report's `config.geometry` with `slice_bytes`, and `config.model`) instead of text.
+        #[arg(long)]
+        json: bool,
+    },
     /// Print what was found: GPUs and their links, driver, CUDA, NVRTC, NIXL library and plugins, RDMA NICs (ports, distance to each GPU, the UCX settings that pin the nearest, GPUDirect RDMA), and the path UCX selects for small probe transfers (exit 2 when NIXL is unusable).
     Env {
         /// Print JSON instead of text.
@@ -190,16 +201,25 @@ fn parse_bytes(s: &str) -> Result<u64, String> {
 #[derive(Args, Clone)]
 struct GeometryArgs {
     /// Named geometry; the geometry flags below override its fields. run, ab: default small; serve: none (it takes the run's geometry unless one of these flags pins it).
-    #[arg(long, value_enum)]
+    #[arg(long, value_enum, conflicts_with = "model_config")]
     preset: Option<Preset>,
+    /// Geometry of one TP rank of the model a Hugging Face config.json describes (layers, KV heads, head size or MLA latent, dtype; block size 16, MLA 64; blocks for a pool of about 1 GiB); --block-size, --blocks and --layout override. README "Geometry from a model's config.json".
+    #[arg(long, value_name = "PATH")]
+    model_config: Option<PathBuf>,
+    /// With --model-config: tensor-parallel size; the geometry is one rank's (KV heads / tp, each head replicated when tp exceeds them, MLA's latent whole on every rank).
+    #[arg(long, value_name = "N", requires = "model_config")]
+    tp: Option<u32>,
+    /// With --model-config: KV-cache element type, vLLM's names (auto: the model's torch_dtype, float32 served as bfloat16).
+    #[arg(long, value_enum, requires = "model_config")]
+    kv_cache_dtype: Option<kvprobe::model_config::KvCacheDtype>,
     /// Attention layers (one NIXL-registered region each).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "model_config")]
     layers: Option<u32>,
     /// KV heads per layer.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "model_config")]
     kv_heads: Option<u32>,
     /// Elements per head (MLA: latent width, e.g. 576).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "model_config")]
     head_size: Option<u32>,
     /// Tokens per block.
     #[arg(long)]
@@ -208,20 +228,31 @@ struct GeometryArgs {
     #[arg(long)]
     blocks: Option<u32>,
     /// Element type.
-    #[arg(long, value_enum)]
+    #[arg(long, value_enum, conflicts_with = "model_config")]
     dtype: Option<Dtype>,
     /// Tensor order of each layer's K/V cache.
     #[arg(long, value_enum)]
     layout: Option<Layout>,
     /// MLA: one latent slice per (layer, block) instead of K and V.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "model_config")]
     mla: bool,
 }
 
 impl GeometryArgs {
-    /// The geometry the flags give (preset, then each flag over its field).
-    fn geometry(&self) -> kvprobe::geometry::Geometry {
-        let mut g = self.preset.unwrap_or(Preset::Small).geometry();
+    /// The geometry the flags give (preset or model config, then each flag over its field),
+    /// with what the model config resolved to. Errors (usage, exit 2): a model config that
+    /// cannot be read or gives no geometry ([`kvprobe::model_config::ModelConfigError`]).
+    fn resolve(&self) -> Result<(kvprobe::geometry::Geometry, Option<kvprobe::model_config::ModelInfo>), Error> {
+        let (mut g, model) = match &self.model_config {
+            Some(path) => {
+                let usage = |e: kvprobe::model_config::ModelConfigError| Error::Usage(e.to_string());
+                let kv = kvprobe::model_config::ModelKv::load(path).map_err(usage)?;
+                let dtype = self.kv_cache_dtype.unwrap_or_default();
+                let (g, tp) = kv.rank_geometry(self.tp.unwrap_or(1), dtype).map_err(usage)?;
+                (g, Some(kvprobe::model_config::ModelInfo { path: path.display().to_string(), kv_cache_dtype: dtype, kv, tp }))
+            }
+            None => (self.preset.unwrap_or(Preset::Small).geometry(), None),
+        };
         if self.mla {
             g.mla = true;
             if self.kv_heads.is_none() {
@@ -236,12 +267,19 @@ impl GeometryArgs {
         set(&mut g.num_blocks, self.blocks);
         g.dtype = self.dtype.unwrap_or(g.dtype);
         g.layout = self.layout.unwrap_or(g.layout);
-        g
+        Ok((g, model))
+    }
+
+    /// [`GeometryArgs::resolve`]'s geometry, or, when the model config gives none, the
+    /// preset's with the flags over it (for the report of that very refusal).
+    fn geometry(&self) -> kvprobe::geometry::Geometry {
+        self.resolve().map(|(g, _)| g).unwrap_or_else(|_| GeometryArgs { model_config: None, ..self.clone() }.geometry())
     }
 
     /// True when any geometry flag was given.
     fn any(&self) -> bool {
         self.preset.is_some()
+            || self.model_config.is_some()
             || self.mla
             || [self.layers, self.kv_heads, self.head_size, self.block_size, self.blocks].iter().any(Option::is_some)
             || self.dtype.is_some()
@@ -566,14 +604,15 @@ fn parse_range(s: &str) -> Result<(u32, u32), String> {
 
 impl PoolArgs {
     fn config(&self) -> RunConfig {
-        let g = self.geo.geometry();
+        let (g, model) = self.geo.resolve().unwrap_or_else(|_| (self.geo.geometry(), None));
         let memory =
             self.memory.unwrap_or_else(|| if kvprobe::cuda::device_count() > 0 { MemoryKind::Vram } else { MemoryKind::Dram });
         RunConfig {
             memory,
             prefill_device: self.prefill_device,
             decode_device: self.decode_device,
-            preset: Some(self.geo.preset.unwrap_or(Preset::Small)),
+            preset: if model.is_some() { None } else { Some(self.geo.preset.unwrap_or(Preset::Small)) },
+            model,
             geometry: g,
             op: Op::Read,
             iterations: 1,
@@ -633,6 +672,7 @@ impl LoadArgs {
 impl RunArgs {
     /// The run's configuration. `typed`: the flags given on the command line (clap ids).
     fn config(&self, typed: &[&str]) -> Result<RunConfig, Error> {
+        self.pool.geo.resolve()?;
         let mut c = self.pool.config();
         c.op = self.op;
         c.iterations = self.iterations;
@@ -1059,6 +1099,36 @@ fn on_stall<T, F>(
     }));
 }
 
+/// `kvprobe geometry`: prints what the geometry flags resolve to.
+fn geometry_command(geo: &GeometryArgs, json: bool) -> Exit {
+    let (g, model) = match geo.resolve() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("kvprobe: {e}");
+            return e.exit();
+        }
+    };
+    if let Err(e) = g.validate() {
+        eprintln!("kvprobe: {e}");
+        return Exit::Usage;
+    }
+    if json {
+        #[derive(serde::Serialize)]
+        struct Out<'a> {
+            #[serde(serialize_with = "kvprobe::geometry::serialize_with_slice_bytes")]
+            geometry: &'a kvprobe::geometry::Geometry,
+            pool_bytes: u64,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            model: Option<&'a kvprobe::model_config::ModelInfo>,
+        }
+        let out = Out { geometry: &g, pool_bytes: g.pool_bytes().unwrap_or(0), model: model.as_ref() };
+        println!("{}", serde_json::to_string_pretty(&out).expect("serialisable"));
+        return Exit::Clean;
+    }
+    print!("{}", kvprobe::model_config::describe(&g, model.as_ref()));
+    Exit::Clean
+}
+
 fn run(args: RunArgs, typed: &[&str]) -> Exit {
     claim_stdout(&args.pool.report);
     if let Err(x) = check_outputs(&args.pool).and_then(|_| install_signals()) {
@@ -1345,6 +1415,9 @@ fn ab(args: AbArgs, typed: &[&str]) -> Exit {
         return x;
     }
     let mut cfg = args.pool.config();
+    if let Err(e) = args.pool.geo.resolve() {
+        return refused(&args.pool, &kvprobe::ab::expired_report(&cfg, &e).0, kvprobe::junit::from_ab, &e);
+    }
     cfg.scenario = Some(ScenarioConfig { matrix: true, ..args.load.config(Scenario::Stacked, Vec::new(), &cfg.geometry) });
     if let Err(e) = args.pair.apply(&mut cfg, typed) {
         return refused(&args.pool, &kvprobe::ab::expired_report(&cfg, &e).0, kvprobe::junit::from_ab, &e);
@@ -1604,6 +1677,7 @@ fn main() {
         Command::Ab(a) => ab(a, &typed),
         Command::Bench(a) => bench(a),
         Command::Env { json, no_probe } => env(json, !no_probe),
+        Command::Geometry { geo, json } => geometry_command(&geo, json),
         Command::Serve(a) => serve(a),
         Command::Report(c) => report_command(c),
         Command::Bundle { report, dump, redact, output } => bundle_command(&report, dump.as_deref(), redact, &output),
@@ -1644,7 +1718,10 @@ fn serve(a: ServeArgs) -> Exit {
             kvprobe::cuda::device_count()
         )));
     }
-    let geometry = a.geo.any().then(|| a.geo.geometry());
+    let geometry = match a.geo.any().then(|| a.geo.resolve()).transpose() {
+        Ok(g) => g.map(|(g, _)| g),
+        Err(e) => return fail(e),
+    };
     if let Some(g) = &geometry
         && let Err(e) = g.validate()
     {

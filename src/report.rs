@@ -773,6 +773,19 @@ pub fn render(r: &Report) -> String {
         }
         out += &format!("nixl:              {} (backend {backend}{how})\n", lib.display());
     }
+    if let Some(m) = r.config.get("model").filter(|m| m.is_object()) {
+        // `config.model` (--model-config): read as JSON, the report depends on nothing above it.
+        let groups = m["layer_groups"].as_array().map(Vec::len).unwrap_or(0);
+        out += &format!(
+            "model:             {} ({}), tp {} ({} KV head(s) per rank), --kv-cache-dtype {}{}\n",
+            m["path"].as_str().unwrap_or("?"),
+            m["model_type"].as_str().unwrap_or("model_type not given"),
+            m["tp"]["tp"],
+            m["tp"]["kv_heads_per_rank"],
+            m["kv_cache_dtype"].as_str().unwrap_or("?"),
+            if groups > 1 { format!(", {groups} layer groups (every layer moved)") } else { String::new() }
+        );
+    }
     if let Ok(g) = serde_json::from_value::<crate::geometry::Geometry>(r.config["geometry"].clone()) {
         out += &format!(
             "pool:              {} per side, {} layers x {} x {} blocks, {}-byte block slices ({}){}\n",

@@ -34,6 +34,10 @@ pub struct RunConfig {
     pub decode_device: usize,
     /// The preset the geometry started from, if any.
     pub preset: Option<Preset>,
+    /// What `--model-config` resolved to (the model, `--tp`'s split, `--kv-cache-dtype`);
+    /// absent without it. The geometry below is one TP rank's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<crate::model_config::ModelInfo>,
     /// KV geometry (the same on both sides); reports add its `slice_bytes`.
     #[serde(serialize_with = "crate::geometry::serialize_with_slice_bytes")]
     pub geometry: Geometry,

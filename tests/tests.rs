@@ -20,6 +20,7 @@ mod inspect;
 mod junit;
 mod lanes;
 mod limits;
+mod model_config;
 mod mooncake;
 mod pair;
 mod rdma;

@@ -1,0 +1,515 @@
+//! Geometry from a Hugging Face `config.json` (`--model-config PATH`, with `--tp` and
+//! `--kv-cache-dtype`): the per-rank KV-cache shape a vLLM engine serving that model would
+//! allocate.
+//!
+//! What is read, and the vLLM function each rule follows (`vllm/config/model.py`,
+//! `ModelConfig` and its architecture convertor `vllm/transformers_utils/
+//! model_arch_config_convertor.py`):
+//!
+//! | field | rule | vLLM |
+//! |---|---|---|
+//! | the text model | `text_config` when present (multimodal wrappers nest the language model there), else the top level | `get_hf_text_config` |
+//! | layers | `num_hidden_layers` (also `n_layer`, `num_layers`) | `get_num_layers` |
+//! | MLA | `kv_lora_rank` present and not null: one latent per layer, `head_size = kv_lora_rank + qk_rope_head_dim`, 1 KV head | `is_deepseek_mla`, `get_head_size` |
+//! | KV heads | `n_head_kv`, `num_kv_heads`, `num_key_value_heads`, `multi_query_group_num`, the first present; else `num_attention_heads`; `multi_query: true` → 1 | `get_total_num_kv_heads` |
+//! | head size | `head_dim` when not null, else `hidden_size_per_head`, else `hidden_size / num_attention_heads` | `get_head_size` |
+//! | dtype | `--kv-cache-dtype auto` (the default): the model's `torch_dtype` (or `dtype`); float32 or absent → bfloat16 (vLLM's `dtype=auto` downcasts float32 to the platform's first dtype, bfloat16 on CUDA GPUs that have it) | `_resolve_auto_dtype`, `CacheConfig.cache_dtype` |
+//! | per TP rank | KV heads per rank `max(1, total / tp)`; when `tp` exceeds the KV heads each is replicated on `tp / total` ranks; `num_attention_heads` must divide by `tp`, and the KV heads by `tp` (or `tp` by them); MLA's latent is whole on every rank | `get_num_kv_heads`, `verify_with_parallel_config`, `QKVParallelLinear` (`num_kv_head_replicas`) |
+//! | block size | 16 tokens; MLA 64 | `CacheConfig.block_size`; the CUDA platform sets 64 for FlashMLA (`CudaPlatform.check_and_update_config`) |
+//!
+//! Layers whose KV cache is not uniform: `layer_types` (one entry per layer), or the older
+//! `sliding_window_pattern` (every Nth layer full attention), or `sliding_window` alone (every
+//! layer), split the layers into **layer groups** — full attention, sliding window (with its
+//! window in tokens), chunked attention — as vLLM's hybrid KV-cache manager groups them
+//! (`vllm/v1/core/kv_cache_utils.py`). Their pages have one shape here, so kvprobe gives
+//! every layer the same per-layer region and moves every block of every layer (a superset of
+//! what a sliding-window layer's connector moves); the groups are reported. A layer that
+//! holds no paged KV cache (Mamba or linear-attention state, convolution: `layer_types`
+//! entries `mamba`, `linear_attention`, `conv`, ..., `layers_block_type`,
+//! `hybrid_override_pattern`), or sliding-window layers with their own KV shape
+//! (`swa_num_key_value_heads`, `swa_head_dim`), or a per-layer list of KV heads, is refused
+//! with the reason.
+
+use crate::geometry::{Dtype, Geometry, Layout};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use std::fmt;
+use std::path::Path;
+
+/// A config.json that cannot give a geometry.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ModelConfigError {
+    /// The file cannot be read or is not a JSON object.
+    #[error("--model-config {path}: {reason}")]
+    Unreadable {
+        /// The path given.
+        path: String,
+        /// Why.
+        reason: String,
+    },
+    /// A field is missing, has the wrong type or an impossible value.
+    #[error("model config: {0}")]
+    Field(String),
+    /// The model's KV cache is something kvprobe does not model (see the module docs).
+    #[error("model config: {0}")]
+    Unsupported(String),
+    /// `--tp` does not split the model's heads the way vLLM allows.
+    #[error("model config: {0}")]
+    Parallel(String),
+}
+
+/// The KV-cache element type asked for (`--kv-cache-dtype`, vLLM's `CacheConfig.cache_dtype`
+/// names).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum KvCacheDtype {
+    /// The model's dtype (`torch_dtype`; float32 or absent → bfloat16).
+    #[default]
+    Auto,
+    /// bfloat16 (2 bytes).
+    Bfloat16,
+    /// float16 (2 bytes).
+    Float16,
+    /// 8-bit float, vLLM's default fp8 format (e4m3 on CUDA), 1 byte.
+    Fp8,
+    /// 8-bit float e4m3, 1 byte.
+    #[value(name = "fp8_e4m3")]
+    Fp8E4m3,
+    /// 8-bit float e5m2, 1 byte.
+    #[value(name = "fp8_e5m2")]
+    Fp8E5m2,
+}
+
+/// How a group of layers attends (a vLLM KV-cache group's spec).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "attention")]
+pub enum Attention {
+    /// Every token of the sequence (vLLM `FullAttentionSpec`).
+    Full,
+    /// The last `window` tokens (vLLM `SlidingWindowSpec`).
+    SlidingWindow {
+        /// Window in tokens.
+        window: u64,
+    },
+    /// Chunks of `chunk` tokens (vLLM `ChunkedLocalAttentionSpec`).
+    ChunkedLocal {
+        /// Chunk in tokens.
+        chunk: u64,
+    },
+}
+
+impl fmt::Display for Attention {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Attention::Full => f.write_str("full attention"),
+            Attention::SlidingWindow { window } => write!(f, "sliding window {window} tokens"),
+            Attention::ChunkedLocal { chunk } => write!(f, "chunked local attention {chunk} tokens"),
+        }
+    }
+}
+
+/// Layers that attend alike (one vLLM KV-cache group).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayerGroup {
+    /// How they attend.
+    #[serde(flatten)]
+    pub attention: Attention,
+    /// Their layer indices (ascending).
+    pub layers: Vec<u32>,
+}
+
+/// What a config.json says about the model's KV cache, before tensor parallelism.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelKv {
+    /// `model_type` of the text model (or the top level's), when given.
+    pub model_type: Option<String>,
+    /// Attention layers (`num_hidden_layers`).
+    pub num_layers: u32,
+    /// Query heads (`num_attention_heads`; MLA models too).
+    pub num_attention_heads: u32,
+    /// KV heads of the whole model (1 for MLA).
+    pub total_kv_heads: u32,
+    /// Elements per head (MLA: `kv_lora_rank + qk_rope_head_dim`).
+    pub head_size: u32,
+    /// Multi-head latent attention.
+    pub mla: bool,
+    /// The model's own dtype (`torch_dtype` resolved as `--kv-cache-dtype auto` does).
+    pub dtype: Dtype,
+    /// The layers by how they attend; one group when all attend alike.
+    pub layer_groups: Vec<LayerGroup>,
+}
+
+/// How `--tp` splits the KV heads over the ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TpSplit {
+    /// Tensor-parallel size.
+    pub tp: u32,
+    /// KV heads each rank holds (MLA: 1, the whole latent).
+    pub kv_heads_per_rank: u32,
+    /// Ranks holding a copy of each KV head (1 = no replication; MLA: `tp`, every rank holds
+    /// the latent).
+    pub replicas: u32,
+}
+
+/// What `--model-config` resolved to, written in reports as `config.model`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelInfo {
+    /// The config file as given.
+    pub path: String,
+    /// `--kv-cache-dtype`.
+    pub kv_cache_dtype: KvCacheDtype,
+    /// The model, before TP.
+    #[serde(flatten)]
+    pub kv: ModelKv,
+    /// The split over TP ranks; the run's geometry is one rank's.
+    pub tp: TpSplit,
+}
+
+/// Default blocks per pool for a model config: the smallest power of two whose pool holds
+/// at least 1 GiB (2^30 bytes), the size of the presets' pools (llama3-8b: 512 blocks of
+/// 2 MiB; deepseek-v3: 256 of 4.4 MiB).
+pub fn default_blocks(g: &Geometry) -> u32 {
+    let per_block = g.slice_bytes().unwrap_or(1).saturating_mul(g.kv_parts() as u64).saturating_mul(g.num_layers as u64);
+    let need = (1u64 << 30).div_ceil(per_block.max(1));
+    need.next_power_of_two().clamp(1, 1 << 31) as u32
+}
+
+fn get<'a>(m: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
+    m.get(key).filter(|v| !v.is_null())
+}
+
+/// A positive integer field (≤ u32::MAX); `None` when absent or null.
+fn uint(m: &Map<String, Value>, key: &str) -> Result<Option<u32>, ModelConfigError> {
+    let Some(v) = get(m, key) else { return Ok(None) };
+    match v.as_u64() {
+        Some(n) if n >= 1 && n <= u32::MAX as u64 => Ok(Some(n as u32)),
+        _ => Err(ModelConfigError::Field(format!("{key} must be an integer from 1 to {}, not {v}", u32::MAX))),
+    }
+}
+
+/// The first of `keys` present: its value (a positive integer); a list is refused (a
+/// per-layer value: pages that differ between layers).
+fn first_uint(m: &Map<String, Value>, keys: &[&str]) -> Result<Option<u32>, ModelConfigError> {
+    for k in keys {
+        if let Some(v) = get(m, k) {
+            if v.is_array() {
+                return Err(ModelConfigError::Unsupported(format!(
+                    "{k} is a list (it differs by layer): a KV cache whose pages differ in shape between layers is not modelled"
+                )));
+            }
+            return uint(m, k);
+        }
+    }
+    Ok(None)
+}
+
+const KV_HEAD_KEYS: &[&str] = &["n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_query_group_num"];
+const LAYER_KEYS: &[&str] = &["num_hidden_layers", "n_layer", "num_layers"];
+
+fn dtype_of(m: &Map<String, Value>, top: &Map<String, Value>) -> Result<Dtype, ModelConfigError> {
+    let v = ["torch_dtype", "dtype"].iter().find_map(|k| get(m, k).or_else(|| get(top, k)));
+    let Some(v) = v else { return Ok(Dtype::Bf16) };
+    match v.as_str() {
+        Some("bfloat16") => Ok(Dtype::Bf16),
+        Some("float16" | "half") => Ok(Dtype::Fp16),
+        Some("float32" | "float") => Ok(Dtype::Bf16),
+        _ => Err(ModelConfigError::Field(format!("torch_dtype must be bfloat16, float16 or float32, not {v}"))),
+    }
+}
+
+fn window(m: &Map<String, Value>, key: &str, why: &str) -> Result<u64, ModelConfigError> {
+    match get(m, key).map(|v| v.as_u64()) {
+        Some(Some(w)) if w >= 1 => Ok(w),
+        Some(_) => Err(ModelConfigError::Field(format!("{key} must be a positive integer, not {}", m[key]))),
+        None => Err(ModelConfigError::Field(format!("{why} but {key} is not given"))),
+    }
+}
+
+/// The layer groups (module docs): from `layer_types`, `sliding_window_pattern` or
+/// `sliding_window`; errors on layers without a paged KV cache.
+fn layer_groups(m: &Map<String, Value>, layers: u32) -> Result<Vec<LayerGroup>, ModelConfigError> {
+    for key in ["layers_block_type", "hybrid_override_pattern", "attn_layer_indices", "attn_layer_period"] {
+        if get(m, key).is_some() {
+            return Err(ModelConfigError::Unsupported(format!(
+                "{key} is given: a hybrid model with Mamba (state-space) layers, whose state is not a paged KV cache; kvprobe models attention KV caches only"
+            )));
+        }
+    }
+    for key in ["swa_num_key_value_heads", "swa_head_dim"] {
+        if get(m, key).is_some() {
+            return Err(ModelConfigError::Unsupported(format!(
+                "{key} is given: sliding-window layers with their own KV shape (a KV cache whose pages differ between layer groups) are not modelled"
+            )));
+        }
+    }
+    let mut per_layer: Vec<Attention> = Vec::with_capacity(layers as usize);
+    if let Some(types) = get(m, "layer_types") {
+        let Some(types) = types.as_array() else {
+            return Err(ModelConfigError::Field(format!("layer_types must be a list of strings, not {types}")));
+        };
+        if types.len() != layers as usize {
+            return Err(ModelConfigError::Field(format!(
+                "layer_types has {} entries for {layers} layers (num_hidden_layers)",
+                types.len()
+            )));
+        }
+        for (i, t) in types.iter().enumerate() {
+            let a = match t.as_str() {
+                Some("full_attention" | "attention" | "global_attention") => Attention::Full,
+                Some("sliding_attention" | "sliding_window_attention" | "local_attention") => {
+                    Attention::SlidingWindow { window: window(m, "sliding_window", &format!("layer {i} is {t}"))? }
+                }
+                Some("chunked_attention") => {
+                    Attention::ChunkedLocal { chunk: window(m, "attention_chunk_size", &format!("layer {i} is {t}"))? }
+                }
+                Some(other) => {
+                    return Err(ModelConfigError::Unsupported(format!(
+                        "layer {i} is {other:?} in layer_types: its state (Mamba, linear attention, convolution) is not a paged KV cache; kvprobe models attention KV caches only"
+                    )));
+                }
+                None => return Err(ModelConfigError::Field(format!("layer_types[{i}] must be a string, not {t}"))),
+            };
+            per_layer.push(a);
+        }
+    } else if let Some(p) = get(m, "sliding_window_pattern") {
+        let n = p
+            .as_u64()
+            .filter(|n| *n >= 1)
+            .ok_or_else(|| ModelConfigError::Field(format!("sliding_window_pattern must be a positive integer, not {p}")))?;
+        let w = window(m, "sliding_window", "sliding_window_pattern is given")?;
+        // Gemma 2/3: layer i is full attention when (i + 1) % pattern == 0.
+        per_layer.extend(
+            (0..layers as u64).map(|i| if (i + 1) % n == 0 { Attention::Full } else { Attention::SlidingWindow { window: w } }),
+        );
+    } else if get(m, "sliding_window").is_some() && get(m, "use_sliding_window").and_then(Value::as_bool) != Some(false) {
+        let w = window(m, "sliding_window", "sliding_window is given")?;
+        per_layer.extend((0..layers).map(|_| Attention::SlidingWindow { window: w }));
+    } else {
+        per_layer.extend((0..layers).map(|_| Attention::Full));
+    }
+    let mut groups: Vec<LayerGroup> = Vec::new();
+    for (i, a) in per_layer.into_iter().enumerate() {
+        match groups.iter_mut().find(|g| g.attention == a) {
+            Some(g) => g.layers.push(i as u32),
+            None => groups.push(LayerGroup { attention: a, layers: vec![i as u32] }),
+        }
+    }
+    Ok(groups)
+}
+
+impl ModelKv {
+    /// Reads a config.json file (see [`ModelKv::parse`]).
+    ///
+    /// Errors: [`ModelConfigError::Unreadable`] when the file cannot be read or is not
+    /// JSON, and those of [`ModelKv::parse`].
+    pub fn load(path: &Path) -> Result<ModelKv, ModelConfigError> {
+        let unreadable = |reason: String| ModelConfigError::Unreadable { path: path.display().to_string(), reason };
+        let meta = std::fs::metadata(path).map_err(|e| unreadable(e.to_string()))?;
+        if meta.len() > 16 << 20 {
+            return Err(unreadable(format!("{} bytes: a config.json is a few KiB (at most 16 MiB read)", meta.len())));
+        }
+        let text = std::fs::read(path).map_err(|e| unreadable(e.to_string()))?;
+        let text = String::from_utf8(text).map_err(|_| unreadable("not UTF-8 text".into()))?;
+        Self::parse(&text).map_err(|e| match e {
+            ModelConfigError::Unreadable { reason, .. } => unreadable(reason),
+            e => e,
+        })
+    }
+
+    /// Parses the text of a config.json (module docs for the fields and rules).
+    ///
+    /// Errors: not a JSON object ([`ModelConfigError::Unreadable`]); a missing or malformed
+    /// field ([`ModelConfigError::Field`]); a KV cache kvprobe does not model
+    /// ([`ModelConfigError::Unsupported`]).
+    pub fn parse(text: &str) -> Result<ModelKv, ModelConfigError> {
+        let unreadable = |reason: String| ModelConfigError::Unreadable { path: String::new(), reason };
+        let top: Value = serde_json::from_str(text).map_err(|e| unreadable(format!("not JSON: {e}")))?;
+        let Some(top) = top.as_object() else {
+            return Err(unreadable("not a JSON object (a Hugging Face config.json is one)".into()));
+        };
+        let m = match get(top, "text_config") {
+            Some(Value::Object(t)) => t,
+            Some(v) => return Err(ModelConfigError::Field(format!("text_config must be an object, not {v}"))),
+            None => top,
+        };
+        let model_type = get(m, "model_type").or_else(|| get(top, "model_type")).and_then(Value::as_str).map(String::from);
+        let num_layers = first_uint(m, LAYER_KEYS)?
+            .ok_or_else(|| ModelConfigError::Field("num_hidden_layers is not given (the text model's layers)".into()))?;
+        if num_layers > 0xFFFF {
+            return Err(ModelConfigError::Field(format!("num_hidden_layers {num_layers} exceeds 65535")));
+        }
+        // What is not modelled first: a hybrid model's refusal says more than a field missing.
+        let layer_groups = layer_groups(m, num_layers)?;
+        let heads =
+            uint(m, "num_attention_heads")?.ok_or_else(|| ModelConfigError::Field("num_attention_heads is not given".into()))?;
+        let mla = get(m, "kv_lora_rank").is_some();
+        let (total_kv_heads, head_size) = if mla {
+            let rank = uint(m, "kv_lora_rank")?.expect("present");
+            let rope = match get(m, "qk_rope_head_dim") {
+                None => 0,
+                Some(_) => uint(m, "qk_rope_head_dim")?.expect("present"),
+            };
+            (
+                1,
+                rank.checked_add(rope)
+                    .ok_or_else(|| ModelConfigError::Field("kv_lora_rank + qk_rope_head_dim overflows".into()))?,
+            )
+        } else {
+            let kv = if get(m, "multi_query").and_then(Value::as_bool) == Some(true) {
+                1
+            } else {
+                first_uint(m, KV_HEAD_KEYS)?.unwrap_or(heads)
+            };
+            let head = match uint(m, "head_dim")? {
+                Some(h) => h,
+                None => match uint(m, "hidden_size_per_head")? {
+                    Some(h) => h,
+                    None => {
+                        let hidden = uint(m, "hidden_size")?.ok_or_else(|| {
+                            ModelConfigError::Field("neither head_dim nor hidden_size is given (head size unknown)".into())
+                        })?;
+                        if hidden % heads != 0 {
+                            return Err(ModelConfigError::Field(format!(
+                                "hidden_size {hidden} is not a multiple of num_attention_heads {heads} and head_dim is not given"
+                            )));
+                        }
+                        hidden / heads
+                    }
+                },
+            };
+            (kv, head)
+        };
+        let dtype = dtype_of(m, top)?;
+        Ok(ModelKv { model_type, num_layers, num_attention_heads: heads, total_kv_heads, head_size, mla, dtype, layer_groups })
+    }
+
+    /// How `tp` ranks split the KV heads (vLLM `get_num_kv_heads` and `QKVParallelLinear`).
+    ///
+    /// Errors ([`ModelConfigError::Parallel`]): `tp` 0; `num_attention_heads` not a multiple
+    /// of `tp`; KV heads not a multiple of `tp` (when `tp` ≤ KV heads) nor `tp` a multiple
+    /// of the KV heads (when `tp` > KV heads).
+    pub fn split(&self, tp: u32) -> Result<TpSplit, ModelConfigError> {
+        if tp == 0 {
+            return Err(ModelConfigError::Parallel("--tp must be at least 1".into()));
+        }
+        if !self.num_attention_heads.is_multiple_of(tp) {
+            return Err(ModelConfigError::Parallel(format!(
+                "num_attention_heads {} is not divisible by --tp {tp} (vLLM refuses it)",
+                self.num_attention_heads
+            )));
+        }
+        if self.mla {
+            return Ok(TpSplit { tp, kv_heads_per_rank: 1, replicas: tp });
+        }
+        let kv = self.total_kv_heads;
+        if tp <= kv {
+            if !kv.is_multiple_of(tp) {
+                return Err(ModelConfigError::Parallel(format!("{kv} KV heads do not split evenly over --tp {tp}")));
+            }
+            Ok(TpSplit { tp, kv_heads_per_rank: kv / tp, replicas: 1 })
+        } else {
+            if !tp.is_multiple_of(kv) {
+                return Err(ModelConfigError::Parallel(format!(
+                    "--tp {tp} exceeds the {kv} KV heads and is not a multiple of them (each KV head is replicated on tp / heads ranks)"
+                )));
+            }
+            Ok(TpSplit { tp, kv_heads_per_rank: 1, replicas: tp / kv })
+        }
+    }
+
+    /// The element type of the KV cache for `--kv-cache-dtype`.
+    pub fn cache_dtype(&self, want: KvCacheDtype) -> Dtype {
+        match want {
+            KvCacheDtype::Auto => self.dtype,
+            KvCacheDtype::Bfloat16 => Dtype::Bf16,
+            KvCacheDtype::Float16 => Dtype::Fp16,
+            KvCacheDtype::Fp8 | KvCacheDtype::Fp8E4m3 | KvCacheDtype::Fp8E5m2 => Dtype::Fp8,
+        }
+    }
+
+    /// One TP rank's geometry: the model's layers, the rank's KV heads and head size, the
+    /// dtype of `kv_cache_dtype`, NHD, block size 16 (MLA 64), [`default_blocks`] blocks.
+    /// The caller's explicit flags then override fields. Errors: those of [`ModelKv::split`].
+    pub fn rank_geometry(&self, tp: u32, kv_cache_dtype: KvCacheDtype) -> Result<(Geometry, TpSplit), ModelConfigError> {
+        let split = self.split(tp)?;
+        let mut g = Geometry {
+            num_layers: self.num_layers,
+            num_kv_heads: split.kv_heads_per_rank,
+            head_size: self.head_size,
+            block_size: if self.mla { 64 } else { 16 },
+            num_blocks: 1,
+            dtype: self.cache_dtype(kv_cache_dtype),
+            layout: Layout::Nhd,
+            mla: self.mla,
+        };
+        g.num_blocks = default_blocks(&g);
+        Ok((g, split))
+    }
+}
+
+/// Human text of a geometry and, when a model config gave it, the model (`kvprobe geometry`):
+/// one line per fact, sizes in bytes with binary units in parentheses.
+pub fn describe(g: &Geometry, model: Option<&ModelInfo>) -> String {
+    use std::fmt::Write;
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    let mut s = String::new();
+    if let Some(m) = model {
+        let kind = if m.kv.mla { "MLA".to_string() } else { format!("{} KV heads", m.kv.total_kv_heads) };
+        let _ = writeln!(
+            s,
+            "model:        {} ({}{} layers, {kind}, head size {}, {} attention heads)",
+            m.path,
+            m.kv.model_type.as_deref().map(|t| format!("{t}, ")).unwrap_or_default(),
+            m.kv.num_layers,
+            m.kv.head_size,
+            m.kv.num_attention_heads
+        );
+        let rep = match (m.kv.mla, m.tp.replicas) {
+            (true, _) => format!("the latent whole on each of {} rank(s)", m.tp.tp),
+            (false, 1) => "no replication".to_string(),
+            (false, r) => format!("each KV head replicated on {r} ranks"),
+        };
+        let _ = writeln!(s, "tp:           {} ({} KV head(s) per rank, {rep})", m.tp.tp, m.tp.kv_heads_per_rank);
+        let dt = name(&m.kv_cache_dtype);
+        let _ = writeln!(s, "kv cache:     --kv-cache-dtype {dt}: {} ({} byte(s) per element)", name(&g.dtype), g.dtype.bytes());
+        for grp in &m.kv.layer_groups {
+            let _ = writeln!(s, "layer group:  {} — {} layer(s): {}", grp.attention, grp.layers.len(), ranges(&grp.layers));
+        }
+    }
+    let layout = if g.mla { "MLA".to_string() } else { format!("{:?}", g.layout).to_uppercase() };
+    let _ = writeln!(
+        s,
+        "geometry:     {} layers, {} KV head(s), head size {}, {}, block size {} tokens, {} blocks, {layout}",
+        g.num_layers,
+        g.num_kv_heads,
+        g.head_size,
+        name(&g.dtype),
+        g.block_size,
+        g.num_blocks
+    );
+    if let (Ok(slice), Ok(pool)) = (g.slice_bytes(), g.pool_bytes()) {
+        let _ = writeln!(s, "block slice:  {slice} bytes ({:.1} KiB)", slice as f64 / 1024.0);
+        let _ = writeln!(s, "pool:         {pool} bytes ({:.1} MiB) per side", mib(pool));
+    }
+    s
+}
+
+/// A value's serde name (`bf16`, `fp8_e4m3`, ...).
+fn name<T: Serialize>(v: &T) -> String {
+    serde_json::to_value(v).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default()
+}
+
+/// `0-3,5,7-9` for ascending indices.
+fn ranges(v: &[u32]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < v.len() {
+        let mut j = i;
+        while j + 1 < v.len() && v[j + 1] == v[j] + 1 {
+            j += 1;
+        }
+        out.push(if i == j { v[i].to_string() } else { format!("{}-{}", v[i], v[j]) });
+        i = j + 1;
+    }
+    out.join(",")
+}

@@ -1,0 +1,270 @@
+//! `--model-config`: geometry from Hugging Face config.json files (the shipped configs/ and
+//! hostile ones), TP splits, KV-cache dtypes, layer groups, refusals; `kvprobe geometry` and a
+//! run's report.
+
+use crate::common::{kvprobe, run_with_report};
+use kvprobe::geometry::{Dtype, Layout, Preset};
+use kvprobe::model_config::{Attention, KvCacheDtype, ModelConfigError, ModelKv, TpSplit};
+use std::path::PathBuf;
+
+fn shipped(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("configs").join(name)
+}
+
+fn load(name: &str) -> ModelKv {
+    ModelKv::load(&shipped(name)).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+#[test]
+fn the_llama_style_config_gives_preset_llama3_8b() {
+    let m = load("llama-3-8b.json");
+    assert_eq!((m.num_layers, m.total_kv_heads, m.head_size, m.mla, m.dtype), (32, 8, 128, false, Dtype::Bf16));
+    let (g, tp) = m.rank_geometry(1, KvCacheDtype::Auto).unwrap();
+    assert_eq!(g, Preset::Llama3_8b.geometry());
+    assert_eq!(tp, TpSplit { tp: 1, kv_heads_per_rank: 8, replicas: 1 });
+    assert_eq!(m.layer_groups.len(), 1);
+    assert_eq!(m.layer_groups[0].attention, Attention::Full);
+    assert_eq!(m.layer_groups[0].layers, (0..32).collect::<Vec<_>>());
+}
+
+#[test]
+fn the_mla_config_gives_preset_deepseek_v3() {
+    let m = load("deepseek-v3.json");
+    assert!(m.mla);
+    assert_eq!((m.num_layers, m.total_kv_heads, m.head_size), (61, 1, 512 + 64));
+    let (g, _) = m.rank_geometry(1, KvCacheDtype::Auto).unwrap();
+    assert_eq!(g, Preset::DeepseekV3.geometry());
+    // MLA under TP: the latent is whole on every rank (vLLM replicates it).
+    let (g8, tp8) = m.rank_geometry(8, KvCacheDtype::Auto).unwrap();
+    assert_eq!(tp8, TpSplit { tp: 8, kv_heads_per_rank: 1, replicas: 8 });
+    assert_eq!((g8.num_kv_heads, g8.head_size, g8.block_size), (1, 576, 64));
+}
+
+#[test]
+fn the_sliding_window_mix_is_two_layer_groups_of_one_page_shape() {
+    let m = load("gpt-oss-20b.json");
+    assert_eq!((m.num_layers, m.total_kv_heads, m.head_size), (24, 8, 64));
+    assert_eq!(m.layer_groups.len(), 2);
+    let sliding = m.layer_groups.iter().find(|g| g.attention == Attention::SlidingWindow { window: 128 }).unwrap();
+    let full = m.layer_groups.iter().find(|g| g.attention == Attention::Full).unwrap();
+    assert_eq!(sliding.layers, (0..24).step_by(2).collect::<Vec<_>>());
+    assert_eq!(full.layers, (1..24).step_by(2).collect::<Vec<_>>());
+    let (g, _) = m.rank_geometry(2, KvCacheDtype::Auto).unwrap();
+    assert_eq!((g.num_layers, g.num_kv_heads, g.head_size, g.dtype, g.layout), (24, 4, 64, Dtype::Bf16, Layout::Nhd));
+}
+
+#[test]
+fn a_nested_text_config_and_a_sliding_window_pattern_are_read() {
+    let m = load("gemma-3-27b.json");
+    assert_eq!(m.model_type.as_deref(), Some("gemma3_text"));
+    // The text model's 62 layers, not the vision tower's 27.
+    assert_eq!((m.num_layers, m.num_attention_heads, m.total_kv_heads, m.head_size), (62, 32, 16, 128));
+    let full = m.layer_groups.iter().find(|g| g.attention == Attention::Full).unwrap();
+    assert_eq!(full.layers, vec![5, 11, 17, 23, 29, 35, 41, 47, 53, 59]);
+    let sliding = m.layer_groups.iter().find(|g| g.attention == Attention::SlidingWindow { window: 1024 }).unwrap();
+    assert_eq!(sliding.layers.len(), 52);
+}
+
+#[test]
+fn tp_splits_kv_heads_as_vllm_does() {
+    let m = load("llama-3-8b.json");
+    let split = |tp| m.split(tp).map(|s| (s.kv_heads_per_rank, s.replicas));
+    assert_eq!(split(1), Ok((8, 1)));
+    assert_eq!(split(2), Ok((4, 1)));
+    assert_eq!(split(8), Ok((1, 1)));
+    assert_eq!(split(16), Ok((1, 2)));
+    assert_eq!(split(32), Ok((1, 4)));
+    for bad in [0, 3, 6, 64] {
+        assert!(matches!(m.split(bad), Err(ModelConfigError::Parallel(_))), "tp {bad}: {:?}", m.split(bad));
+    }
+    // 12 KV heads over tp 8: neither divides the other.
+    let odd =
+        ModelKv::parse(r#"{"num_hidden_layers": 2, "num_attention_heads": 24, "num_key_value_heads": 12, "hidden_size": 3072}"#)
+            .unwrap();
+    let e = odd.split(8).unwrap_err().to_string();
+    assert!(e.contains("12 KV heads") && e.contains("--tp 8"), "{e}");
+    assert_eq!(odd.split(24).map(|s| (s.kv_heads_per_rank, s.replicas)), Ok((1, 2)));
+}
+
+#[test]
+fn kv_cache_dtypes_and_model_dtypes() {
+    let m = load("llama-3-8b.json");
+    for (want, dtype) in [
+        (KvCacheDtype::Auto, Dtype::Bf16),
+        (KvCacheDtype::Bfloat16, Dtype::Bf16),
+        (KvCacheDtype::Float16, Dtype::Fp16),
+        (KvCacheDtype::Fp8, Dtype::Fp8),
+        (KvCacheDtype::Fp8E4m3, Dtype::Fp8),
+        (KvCacheDtype::Fp8E5m2, Dtype::Fp8),
+    ] {
+        let (g, _) = m.rank_geometry(1, want).unwrap();
+        assert_eq!(g.dtype, dtype, "{want:?}");
+        // The default pool stays about 1 GiB: fp8 halves the slice and doubles the blocks.
+        assert_eq!(g.pool_bytes().unwrap(), 1 << 30, "{want:?}");
+    }
+    let base = r#""num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 256"#;
+    for (dtype, want) in [
+        (r#", "torch_dtype": "float16""#, Dtype::Fp16),
+        (r#", "dtype": "float16""#, Dtype::Fp16),
+        (r#", "torch_dtype": "float32""#, Dtype::Bf16),
+        ("", Dtype::Bf16),
+    ] {
+        let m = ModelKv::parse(&format!("{{{base}{dtype}}}")).unwrap();
+        assert_eq!(m.dtype, want, "{dtype}");
+        // No num_key_value_heads: multi-head attention, as many KV heads as query heads.
+        assert_eq!((m.total_kv_heads, m.head_size), (4, 64));
+    }
+    let e = ModelKv::parse(&format!(r#"{{{base}, "torch_dtype": "int8"}}"#)).unwrap_err().to_string();
+    assert!(e.contains("torch_dtype"), "{e}");
+}
+
+#[test]
+fn head_size_comes_from_head_dim_then_hidden_size() {
+    let p = |extra: &str| ModelKv::parse(&format!(r#"{{"num_hidden_layers": 4, "num_attention_heads": 8{extra}}}"#));
+    assert_eq!(p(r#", "hidden_size": 1024, "head_dim": 96"#).unwrap().head_size, 96);
+    assert_eq!(p(r#", "hidden_size": 1024, "head_dim": null"#).unwrap().head_size, 128);
+    assert_eq!(p(r#", "hidden_size_per_head": 80"#).unwrap().head_size, 80);
+    assert_eq!(p(r#", "hidden_size": 1024, "multi_query": true"#).unwrap().total_kv_heads, 1);
+    assert_eq!(p(r#", "hidden_size": 1024, "multi_query_group_num": 2"#).unwrap().total_kv_heads, 2);
+    let e = p(r#", "hidden_size": 1001"#).unwrap_err().to_string();
+    assert!(e.contains("hidden_size 1001") && e.contains("num_attention_heads 8"), "{e}");
+    let e = p("").unwrap_err().to_string();
+    assert!(e.contains("head_dim") && e.contains("hidden_size"), "{e}");
+}
+
+#[test]
+fn what_kvprobe_does_not_model_is_refused_with_the_reason() {
+    let base = r#""num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 1024"#;
+    let cases: &[(&str, &str)] = &[
+        (r#", "layers_block_type": ["mamba", "attention", "mamba", "mamba"]"#, "Mamba"),
+        (r#", "hybrid_override_pattern": "M-M*""#, "Mamba"),
+        (r#", "layer_types": ["full_attention", "linear_attention", "full_attention", "linear_attention"]"#, "linear_attention"),
+        (r#", "layer_types": ["full_attention", "mamba", "full_attention", "mamba"]"#, "not a paged KV cache"),
+        (r#", "sliding_window": 512, "swa_num_key_value_heads": 4"#, "own KV shape"),
+    ];
+    for (extra, why) in cases {
+        let e = ModelKv::parse(&format!("{{{base}{extra}}}")).unwrap_err();
+        assert!(matches!(e, ModelConfigError::Unsupported(_)), "{extra}: {e:?}");
+        assert!(e.to_string().contains(why), "{extra}: {e}");
+    }
+    let e = ModelKv::parse(r#"{"num_hidden_layers": 2, "num_attention_heads": 8, "num_kv_heads": [2, 4], "hidden_size": 1024}"#)
+        .unwrap_err();
+    assert!(matches!(e, ModelConfigError::Unsupported(_)) && e.to_string().contains("differs by layer"), "{e}");
+}
+
+#[test]
+fn malformed_configs_are_errors_naming_the_field() {
+    let cases: &[(&str, &str)] = &[
+        ("[1, 2]", "not a JSON object"),
+        ("{", "not JSON"),
+        (r#"{"num_attention_heads": 8, "hidden_size": 1024}"#, "num_hidden_layers is not given"),
+        (r#"{"num_hidden_layers": 0, "num_attention_heads": 8, "hidden_size": 1024}"#, "num_hidden_layers must be"),
+        (r#"{"num_hidden_layers": -3, "num_attention_heads": 8, "hidden_size": 1024}"#, "num_hidden_layers must be"),
+        (r#"{"num_hidden_layers": 2.5, "num_attention_heads": 8, "hidden_size": 1024}"#, "num_hidden_layers must be"),
+        (r#"{"num_hidden_layers": "32", "num_attention_heads": 8, "hidden_size": 1024}"#, "num_hidden_layers must be"),
+        (r#"{"num_hidden_layers": 70000, "num_attention_heads": 8, "hidden_size": 1024}"#, "exceeds 65535"),
+        (r#"{"num_hidden_layers": 2, "hidden_size": 1024}"#, "num_attention_heads is not given"),
+        (r#"{"num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 1024, "text_config": 3}"#, "text_config must be"),
+        (
+            r#"{"num_hidden_layers": 3, "num_attention_heads": 8, "hidden_size": 1024, "layer_types": ["full_attention"]}"#,
+            "1 entries for 3 layers",
+        ),
+        (
+            r#"{"num_hidden_layers": 1, "num_attention_heads": 8, "hidden_size": 1024, "layer_types": ["sliding_attention"]}"#,
+            "sliding_window is not given",
+        ),
+        (
+            r#"{"num_hidden_layers": 1, "num_attention_heads": 8, "hidden_size": 1024, "sliding_window_pattern": 0, "sliding_window": 4}"#,
+            "sliding_window_pattern must be",
+        ),
+        (r#"{"num_hidden_layers": 2, "num_attention_heads": 8, "kv_lora_rank": 0, "hidden_size": 1024}"#, "kv_lora_rank must be"),
+    ];
+    for (text, why) in cases {
+        let e = ModelKv::parse(text).expect_err(text).to_string();
+        assert!(e.contains(why), "{text}: {e}");
+    }
+}
+
+#[test]
+fn kvprobe_geometry_prints_the_resolved_geometry() {
+    let llama = shipped("llama-3-8b.json");
+    let (code, out, err) = kvprobe(&["geometry", "--model-config", llama.to_str().unwrap(), "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let want = serde_json::to_value(Preset::Llama3_8b.geometry()).unwrap();
+    for (k, x) in want.as_object().unwrap() {
+        assert_eq!(&v["geometry"][k], x, "{k}");
+    }
+    assert_eq!(v["geometry"]["slice_bytes"], 32768);
+    assert_eq!(v["pool_bytes"], 1u64 << 30);
+    assert_eq!(v["model"]["tp"]["kv_heads_per_rank"], 8);
+    // Flags over the model: --tp, --kv-cache-dtype, --block-size, --blocks, --layout.
+    let (code, out, err) = kvprobe(&[
+        "geometry",
+        "--model-config",
+        llama.to_str().unwrap(),
+        "--tp",
+        "16",
+        "--kv-cache-dtype",
+        "fp8",
+        "--block-size",
+        "32",
+        "--blocks",
+        "10",
+        "--layout",
+        "hnd",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("tp:           16 (1 KV head(s) per rank, each KV head replicated on 2 ranks)"), "{out}");
+    assert!(out.contains("32 layers, 1 KV head(s), head size 128, fp8, block size 32 tokens, 10 blocks, HND"), "{out}");
+    assert!(out.contains("block slice:  4096 bytes"), "{out}");
+    // Without a model config: the preset.
+    let (code, out, _) = kvprobe(&["geometry", "--preset", "deepseek-v3"]);
+    assert_eq!(code, 0);
+    assert!(out.contains("61 layers, 1 KV head(s), head size 576, bf16, block size 64 tokens, 256 blocks, MLA"), "{out}");
+}
+
+#[test]
+fn model_config_usage_errors_exit_2() {
+    let llama = shipped("llama-3-8b.json");
+    let l = llama.to_str().unwrap();
+    let d = crate::common::tmpdir("model-config-bad");
+    let bad = d.join("config.json");
+    std::fs::write(&bad, r#"{"num_hidden_layers": 4, "num_attention_heads": 8, "layers_block_type": ["mamba"]}"#).unwrap();
+    let missing = d.join("missing.json");
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["geometry", "--model-config", l, "--kv-heads", "4"], "cannot be used with"),
+        (vec!["geometry", "--model-config", l, "--preset", "small"], "cannot be used with"),
+        (vec!["geometry", "--tp", "2"], "--model-config"),
+        (vec!["geometry", "--model-config", l, "--tp", "3"], "not divisible by --tp 3"),
+        (vec!["geometry", "--model-config", missing.to_str().unwrap()], "missing.json"),
+        (vec!["geometry", "--model-config", bad.to_str().unwrap()], "Mamba"),
+        (vec!["geometry", "--model-config", d.to_str().unwrap()], "--model-config"),
+        (vec!["run", "--memory", "dram", "--model-config", bad.to_str().unwrap()], "Mamba"),
+        (vec!["ab", "--memory", "dram", "--model-config", l, "--tp", "5"], "--tp 5"),
+    ];
+    for (args, why) in cases {
+        let (code, out, err) = kvprobe(&args);
+        assert_eq!(code, 2, "{args:?}: {out}{err}");
+        assert!(err.contains(why), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}
+
+#[test]
+fn a_run_from_a_model_config_is_clean_and_reports_the_model() {
+    let cfg = shipped("gpt-oss-20b.json");
+    let (code, r, out) =
+        run_with_report("model-config-run", "dram", &["--model-config", cfg.to_str().unwrap(), "--tp", "2", "--blocks", "8"]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(r["config"]["geometry"]["num_layers"], 24);
+    assert_eq!(r["config"]["geometry"]["num_kv_heads"], 4);
+    assert_eq!(r["config"]["geometry"]["head_size"], 64);
+    assert_eq!(r["config"]["geometry"]["num_blocks"], 8);
+    assert_eq!(r["config"]["model"]["tp"]["tp"], 2);
+    assert_eq!(r["config"]["model"]["layer_groups"].as_array().unwrap().len(), 2);
+    assert!(r["config"]["preset"].is_null());
+    assert!(out.contains("2 layer groups (every layer moved)"), "{out}");
+    // 24 layers x K/V x 8 blocks x 5 iterations, every one verified.
+    assert_eq!(r["summary"]["slices_compared"], 24 * 2 * 8 * 5, "{}", r["summary"]);
+}
