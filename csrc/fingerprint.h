@@ -119,4 +119,75 @@ KVP_FN void kvp_slice_coords(kvp_u32 layout, kvp_u32 num_blocks, kvp_u32 q, kvp_
     }
 }
 
+/*
+ * ---- Fingerprint version 2: by position (fingerprint/2) ----
+ *
+ * The unit is the head row: one token's one KV head, row_bytes = head_size * dtype bytes
+ * (MLA: one token's latent row), a multiple of 16 from 16 to 32768. A row's bytes are a
+ * function of (seed, layer, K/V, logical block, token, head, generation, element), where
+ * token is the position in the logical block that computed it (prefill's block) and head the
+ * global KV head index (before tensor parallelism splits the heads). A row is read as
+ * little-endian uint32 elements i = 0 .. row_bytes/4 - 1, in units of 128 elements (512
+ * bytes; the last may be shorter, at least 4 elements). Element w = i % 128 of unit
+ * u = i / 128 is:
+ *   w == 0 : logical block id
+ *   w == 1 : layer | kv << 16 | u << 18 | 0x4C << 24   (kvp2_lkvu)
+ *   w == 2 : generation
+ *   w == 3 : token | head << 16                         (kvp2_pos)
+ *   w == 4 : check = fmix32(rkey ^ ((u + 1) * 0x85EBCA77))
+ *   w >= 5 : fmix32(rkey ^ (i * 0x9E3779B9))
+ * with rkey = kvp2_row_key(seed32, block, kvp2_lkvu(layer, kv, 0), gen, pos). So every unit
+ * starts with a 16-byte tag naming (block, layer, K/V, unit, generation, token, head) in
+ * plain words, bound to the seed by the check word (units of at least 5 elements) and the
+ * body. Element 1's top byte 0x4C tells a version-2 tag from a version-1 one (0x4B) and from
+ * poison (0x5A in every odd element).
+ *
+ * A block slice holds block_size * heads rows in the order of its layout (the vLLM tensor
+ * shapes in src/geometry.rs): NHD [token][head] (row r = t * heads + h), HND [head][token]
+ * (r = h * block_size + t), MLA [token] (r = t, head 0). A slice's rows name tokens
+ * token_base + t and heads head_base + h: a decode block that holds part of a larger prefill
+ * block, or a TP rank holding heads head_base.., names the rows it must hold.
+ */
+#define KVP2_MAGIC 0x4Cu
+#define KVP2_UNIT_ELEMS 128u
+#define KVP2_ORDER_NHD 0u
+#define KVP2_ORDER_HND 1u
+#define KVP2_ORDER_MLA 2u
+
+KVP_FN kvp_u32 kvp2_lkvu(kvp_u32 layer, kvp_u32 kv, kvp_u32 unit) {
+    return (layer & 0xFFFFu) | ((kv & 3u) << 16) | ((unit & 0x3Fu) << 18) | (KVP2_MAGIC << 24);
+}
+
+KVP_FN kvp_u32 kvp2_pos(kvp_u32 token, kvp_u32 head) { return (token & 0xFFFFu) | ((head & 0xFFFFu) << 16); }
+
+KVP_FN kvp_u32 kvp2_row_key(kvp_u32 seed32, kvp_u32 block, kvp_u32 lkv0, kvp_u32 gen, kvp_u32 pos) {
+    return kvp_fmix32(seed32 ^ kvp_fmix32(block ^ kvp_fmix32(lkv0 ^ kvp_fmix32(pos ^ kvp_fmix32(gen ^ 0x9E3779B9u)))));
+}
+
+/* Element i of the row whose key is rkey, identified by (block, lkv0 = kvp2_lkvu(layer, kv, 0),
+ * gen, pos). */
+KVP_FN kvp_u32 kvp2_elem(kvp_u32 rkey, kvp_u32 block, kvp_u32 lkv0, kvp_u32 gen, kvp_u32 pos, kvp_u32 i) {
+    kvp_u32 w = i & (KVP2_UNIT_ELEMS - 1u), u = i / KVP2_UNIT_ELEMS;
+    if (w >= 5u) return kvp_fmix32(rkey ^ (i * 0x9E3779B9u));
+    if (w == 0u) return block;
+    if (w == 1u) return lkv0 | ((u & 0x3Fu) << 18);
+    if (w == 2u) return gen;
+    if (w == 3u) return pos;
+    return kvp_fmix32(rkey ^ ((u + 1u) * 0x85EBCA77u));
+}
+
+/* Row r of a slice in `order` with `block_size` tokens and `heads` heads: its (t, h). */
+KVP_FN void kvp2_row_coords(kvp_u32 order, kvp_u32 block_size, kvp_u32 heads, kvp_u32 r, kvp_u32 *t, kvp_u32 *h) {
+    if (order == KVP2_ORDER_NHD) {
+        *t = r / heads;
+        *h = r - *t * heads;
+    } else if (order == KVP2_ORDER_HND) {
+        *h = r / block_size;
+        *t = r - *h * block_size;
+    } else {
+        *t = r;
+        *h = 0u;
+    }
+}
+
 #endif /* KVPROBE_FINGERPRINT_H */

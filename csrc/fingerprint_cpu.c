@@ -133,5 +133,107 @@ int kvp_cpu_decode_tag(const uint8_t *src, uint64_t len, uint64_t seed, uint32_t
     return 1;
 }
 
+/* ---- Version 2 (fingerprint.h, "Fingerprint version 2"): a slice of head rows ---- */
+
+/* A block slice's rows: what it must hold and in which order (layout shared with
+ * src/fingerprint/v2.rs, SliceRows). The slice is block_size * heads * row_bytes long. */
+typedef struct {
+    uint32_t block, layer, kv, gen; /* logical block, layer, 0 K / 1 V / 2 latent, generation */
+    uint32_t token_base, head_base; /* the first row's token in the logical block, global head */
+    uint32_t order;                 /* KVP2_ORDER_* */
+    uint32_t block_size, heads;     /* tokens and heads in this slice (MLA: heads 1) */
+    uint32_t row_bytes;             /* head_size * dtype bytes: a multiple of 16, 16 .. 32768 */
+} kvp2_slice;
+
+/* Row r's key and position. */
+static inline void kvp2_row(const kvp2_slice *s, kvp_u32 seed32, kvp_u32 r, kvp_u32 *rkey, kvp_u32 *pos) {
+    kvp_u32 t, h;
+    kvp2_row_coords(s->order, s->block_size, s->heads, r, &t, &h);
+    *pos = kvp2_pos(s->token_base + t, s->head_base + h);
+    *rkey = kvp2_row_key(seed32, s->block, kvp2_lkvu(s->layer, s->kv, 0u), s->gen, *pos);
+}
+
+/* Writes row after row: each unit's 5 tag-and-check elements, then its body in a
+ * branch-free loop (kvp2_elem's w >= 5 case). */
+KVP_HOT
+void kvp2_cpu_fill(uint8_t *dst, uint64_t len, uint64_t seed, const kvp2_slice *s) {
+    kvp_u32 seed32 = kvp_seed32(seed), lkv0 = kvp2_lkvu(s->layer, s->kv, 0u);
+    uint64_t row_elems = s->row_bytes / 4u, rows = len / s->row_bytes;
+    for (uint64_t r = 0; r < rows; r++) {
+        kvp_u32 rkey, pos;
+        kvp2_row(s, seed32, (kvp_u32)r, &rkey, &pos);
+        uint8_t *row = dst + r * s->row_bytes;
+        for (uint64_t u0 = 0; u0 < row_elems; u0 += KVP2_UNIT_ELEMS) {
+            uint64_t end = u0 + KVP2_UNIT_ELEMS < row_elems ? u0 + KVP2_UNIT_ELEMS : row_elems;
+            uint64_t tag_end = u0 + 5u < end ? u0 + 5u : end;
+            for (uint64_t i = u0; i < tag_end; i++) store32(row + 4 * i, kvp2_elem(rkey, s->block, lkv0, s->gen, pos, (kvp_u32)i));
+            for (uint64_t i = tag_end; i < end; i++) store32(row + 4 * i, kvp_fmix32(rkey ^ ((kvp_u32)i * 0x9E3779B9u)));
+        }
+    }
+}
+
+/* Bytes of `src` that differ from the rows `s` names; *first_bad gets the offset of the first
+ * (len when none). A row is first compared with an OR of the differences; only a row that
+ * differs is counted byte by byte. */
+KVP_HOT
+uint64_t kvp2_cpu_verify(const uint8_t *src, uint64_t len, uint64_t seed, const kvp2_slice *s, uint64_t *first_bad) {
+    kvp_u32 seed32 = kvp_seed32(seed), lkv0 = kvp2_lkvu(s->layer, s->kv, 0u);
+    uint64_t row_elems = s->row_bytes / 4u, rows = len / s->row_bytes, bad = 0, first = len;
+    for (uint64_t r = 0; r < rows; r++) {
+        kvp_u32 rkey, pos, acc = 0;
+        kvp2_row(s, seed32, (kvp_u32)r, &rkey, &pos);
+        const uint8_t *row = src + r * s->row_bytes;
+        for (uint64_t u0 = 0; u0 < row_elems; u0 += KVP2_UNIT_ELEMS) {
+            uint64_t end = u0 + KVP2_UNIT_ELEMS < row_elems ? u0 + KVP2_UNIT_ELEMS : row_elems;
+            uint64_t tag_end = u0 + 5u < end ? u0 + 5u : end;
+            for (uint64_t i = u0; i < tag_end; i++) acc |= kvp2_elem(rkey, s->block, lkv0, s->gen, pos, (kvp_u32)i) ^ load32(row + 4 * i);
+            for (uint64_t i = tag_end; i < end; i++) acc |= kvp_fmix32(rkey ^ ((kvp_u32)i * 0x9E3779B9u)) ^ load32(row + 4 * i);
+        }
+        if (!acc) continue;
+        for (uint64_t i = 0; i < row_elems; i++) {
+            kvp_u32 want = kvp2_elem(rkey, s->block, lkv0, s->gen, pos, (kvp_u32)i), got = load32(row + 4 * i);
+            if (want != got) {
+                kvp_u32 x = want ^ got;
+                uint64_t b = 0, at = r * s->row_bytes + 4 * i;
+                while (((x >> (8 * b)) & 0xFFu) == 0u) b++;
+                if (at + b < first) first = at + b;
+                bad += kvp_diff_bytes(want, got);
+            }
+        }
+    }
+    *first_bad = first;
+    return bad;
+}
+
+/* Checks the version-2 tag of the unit starting at byte `off` of `src`, in rows of
+ * `row_bytes` (off must be a unit's start: a row's start plus a multiple of 512); on success
+ * stores the row and unit it names and returns 1. Valid: element 1's top byte is 0x4C, K/V is
+ * 0..2, the unit exists in such a row and, when the unit has a check word (5 or more
+ * elements), the check word matches; a 16-byte row is its plain tag alone. */
+int kvp2_cpu_decode_tag(const uint8_t *src, uint64_t len, uint64_t seed, uint64_t off, uint32_t row_bytes,
+                        uint32_t *block, uint32_t *layer, uint32_t *kv, uint32_t *unit, uint32_t *gen, uint32_t *token,
+                        uint32_t *head) {
+    if (off + 16 > len || row_bytes < 16 || row_bytes % 16) return 0;
+    kvp_u32 b = load32(src + off), lkvu = load32(src + off + 4), g = load32(src + off + 8), pos = load32(src + off + 12);
+    kvp_u32 k = (lkvu >> 16) & 3u, u = (lkvu >> 18) & 0x3Fu, row_elems = row_bytes / 4u;
+    if ((lkvu >> 24) != KVP2_MAGIC || k > 2u || u * KVP2_UNIT_ELEMS >= row_elems) return 0;
+    kvp_u32 unit_elems = row_elems - u * KVP2_UNIT_ELEMS;
+    if (unit_elems > KVP2_UNIT_ELEMS) unit_elems = KVP2_UNIT_ELEMS;
+    if (unit_elems >= 5u) {
+        if (off + 20 > len) return 0;
+        kvp_u32 lkv0 = lkvu & ~(0x3Fu << 18);
+        kvp_u32 rkey = kvp2_row_key(kvp_seed32(seed), b, lkv0, g, pos);
+        if (load32(src + off + 16) != kvp2_elem(rkey, b, lkv0, g, pos, u * KVP2_UNIT_ELEMS + 4u)) return 0;
+    }
+    *block = b;
+    *layer = lkvu & 0xFFFFu;
+    *kv = k;
+    *unit = u;
+    *gen = g;
+    *token = pos & 0xFFFFu;
+    *head = pos >> 16;
+    return 1;
+}
+
 /* The folded seed the kernels take (kvp_seed32). */
 uint32_t kvp_cpu_seed32(uint64_t seed) { return kvp_seed32(seed); }

@@ -4,12 +4,17 @@ for vendors who receive a report: recompute the expected bytes of any block slic
 poison of any slot, and compare them with a dump, without kvprobe.
 
 usage: scripts/fingerprint_ref.py SEED LAYER KV BLOCK GENERATION SLICE_BYTES [OUT]
+       scripts/fingerprint_ref.py v2 SEED LAYER KV BLOCK GENERATION ORDER BLOCK_SIZE HEADS ROW_BYTES TOKEN_BASE HEAD_BASE [OUT]
        scripts/fingerprint_ref.py poison SLOT ITERATION SLICE_BYTES [OUT]
        scripts/fingerprint_ref.py slot LAYOUT NUM_LAYERS NUM_BLOCKS LAYER KV BLOCK
 
   The first form prints the SHA-256 of a slice's fingerprint (a failure's expected_digest);
   BLOCK and GENERATION are the *logical* block id and generation (a failure's
   `expected.block` / `expected.generation`, or `observed.*`), not the slot `block`.
+  `v2` prints the SHA-256 of a slice in fingerprint version 2 (by position, csrc/fingerprint.h
+  "Fingerprint version 2"): BLOCK_SIZE x HEADS rows of ROW_BYTES (head_size x dtype bytes) in
+  ORDER nhd ([token][head]), hnd ([head][token]) or mla ([token], HEADS 1), naming tokens
+  TOKEN_BASE.. and global heads HEAD_BASE.. (0 0 for a whole slice of a single engine).
   `poison` prints the SHA-256 of the poison of global slice index SLOT in ITERATION (an
   `unwritten` slice's actual_digest). `slot` prints the global slice index of a decode slot
   (a failure's layer, kv and block) in a pool of LAYOUT nhd, hnd or mla.
@@ -19,6 +24,8 @@ usage: scripts/fingerprint_ref.py SEED LAYER KV BLOCK GENERATION SLICE_BYTES [OU
   SEED: 0 to 2^64-1.  LAYER: 0 to 65535.  KV: K, V or latent (or 0, 1, 2; latent only with
   mla, K and V only without).  BLOCK, GENERATION, ITERATION: 0 to 2^32-1.  SLOT: 0 to 2^32-2.
   SLICE_BYTES: a multiple of 16 from 16 to 2^31 (config.geometry.slice_bytes).
+  ROW_BYTES: a multiple of 16 from 16 to 32768.  BLOCK_SIZE, HEADS: from 1; TOKEN_BASE +
+  BLOCK_SIZE and HEAD_BASE + HEADS at most 65536; the slice at most 2^31 bytes.
   NUM_LAYERS: 1 to 65535.  NUM_BLOCKS: 1 to 2^32-1.  Numbers are decimal or 0x hex.
   Bad arguments: this text and exit status 2. OUT (or standard output) that cannot be
   written, or too little memory for SLICE_BYTES: a one-line error and exit status 1.
@@ -54,6 +61,29 @@ def slice_bytes(seed, layer, kv, block, gen, length):
         elif w == 3: v = fmix32(key ^ (((e // 128) * 0x85EBCA77) & M))
         else: v = fmix32(key ^ ((e * 0x9E3779B9) & M))
         out.append(v)
+    return struct.pack("<%dI" % len(out), *out)
+
+
+def slice_v2(seed, layer, kv, block, gen, order, block_size, heads, row_bytes, token_base, head_base):
+    s32 = seed32(seed)
+    lkv0 = (layer & 0xFFFF) | ((kv & 3) << 16) | (0x4C << 24)
+    row_elems = row_bytes // 4
+    out = []
+    for r in range(block_size * heads):
+        if order == "nhd": t, h = r // heads, r % heads
+        elif order == "hnd": t, h = r % block_size, r // block_size
+        else: t, h = r, 0
+        pos = ((token_base + t) & 0xFFFF) | (((head_base + h) & 0xFFFF) << 16)
+        rkey = fmix32(s32 ^ fmix32(block ^ fmix32(lkv0 ^ fmix32(pos ^ fmix32(gen ^ 0x9E3779B9)))))
+        for i in range(row_elems):
+            u, w = i // 128, i % 128
+            if w == 0: v = block
+            elif w == 1: v = lkv0 | ((u & 0x3F) << 18)
+            elif w == 2: v = gen
+            elif w == 3: v = pos
+            elif w == 4: v = fmix32(rkey ^ (((u + 1) * 0x85EBCA77) & M))
+            else: v = fmix32(rkey ^ ((i * 0x9E3779B9) & M))
+            out.append(v)
     return struct.pack("<%dI" % len(out), *out)
 
 
@@ -126,6 +156,28 @@ def main(a):
             raise Usage("the pool has more than 2^32-1 slices (kvprobe refuses that geometry)")
         print(s)
         return 0
+    elif a[0] == "v2":
+        if len(a) not in (12, 13):
+            raise Usage("v2 takes SEED LAYER KV BLOCK GENERATION ORDER BLOCK_SIZE HEADS ROW_BYTES TOKEN_BASE HEAD_BASE [OUT]")
+        seed = number("SEED", a[1], 0, (1 << 64) - 1)
+        layer = number("LAYER", a[2], 0, 0xFFFF)
+        order = a[6].lower()
+        if order not in ("nhd", "hnd", "mla"):
+            raise Usage("ORDER must be nhd, hnd or mla, not %r" % a[6])
+        kv = kv_code(a[3], (2,) if order == "mla" else (0, 1))
+        block = number("BLOCK", a[4], 0, M)
+        gen = number("GENERATION", a[5], 0, M)
+        block_size = number("BLOCK_SIZE", a[7], 1, 1 << 16)
+        heads = number("HEADS", a[8], 1, 1 if order == "mla" else 1 << 16)
+        row_bytes = number("ROW_BYTES", a[9], 16, 32768)
+        if row_bytes % 16:
+            raise Usage("ROW_BYTES must be a multiple of 16, not %d" % row_bytes)
+        token_base = number("TOKEN_BASE", a[10], 0, (1 << 16) - block_size)
+        head_base = number("HEAD_BASE", a[11], 0, (1 << 16) - heads)
+        if block_size * heads * row_bytes > MAX_SLICE_BYTES:
+            raise Usage("the slice would be more than 2^31 bytes")
+        b = slice_v2(seed, layer, kv, block, gen, order, block_size, heads, row_bytes, token_base, head_base)
+        out = a[12:]
     else:
         if len(a) not in (6, 7):
             raise Usage("expected SEED LAYER KV BLOCK GENERATION SLICE_BYTES [OUT]")

@@ -10,6 +10,8 @@
 //!
 //! Digests for reports are SHA-256 of the slice bytes, hex (`sha256sum` recomputes them).
 
+pub mod v2;
+
 use crate::geometry::KvPart;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};

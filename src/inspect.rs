@@ -241,9 +241,15 @@ fn flatten(path: &str, v: &Value, out: &mut Vec<(String, String)>) {
                 flatten(&format!("{path}.{k}"), x, out);
             }
         }
-        // A short array is one value (`config.inject`: `[{"count":2,"kind":"torn"}]` against
-        // `[]`); a long one (the GPUs) is compared element by element.
-        Value::Array(a) if !a.is_empty() && v.to_string().len() > 120 => {
+        // A short array, or one of numbers alone (`config.model.layer_groups[0].layers`), is
+        // one value (`config.inject`: `[{"count":2,"kind":"torn"}]` against `[]`); a long one
+        // of anything else (the GPUs), and the model's layer groups whatever their length (so
+        // two models line up group by group), are compared element by element.
+        Value::Array(a)
+            if !a.is_empty()
+                && (path.ends_with(".layer_groups") || v.to_string().len() > 120)
+                && !a.iter().all(Value::is_number) =>
+        {
             for (i, x) in a.iter().enumerate() {
                 flatten(&format!("{path}[{i}]"), x, out);
             }

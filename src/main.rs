@@ -267,6 +267,10 @@ impl GeometryArgs {
         set(&mut g.num_blocks, self.blocks);
         g.dtype = self.dtype.unwrap_or(g.dtype);
         g.layout = self.layout.unwrap_or(g.layout);
+        if model.is_some() && self.blocks.is_none() {
+            // The default pool size follows the block size given.
+            g.num_blocks = kvprobe::model_config::default_blocks(&g);
+        }
         Ok((g, model))
     }
 
@@ -611,7 +615,7 @@ impl PoolArgs {
             memory,
             prefill_device: self.prefill_device,
             decode_device: self.decode_device,
-            preset: if model.is_some() { None } else { Some(self.geo.preset.unwrap_or(Preset::Small)) },
+            preset: if self.geo.model_config.is_some() { None } else { Some(self.geo.preset.unwrap_or(Preset::Small)) },
             model,
             geometry: g,
             op: Op::Read,

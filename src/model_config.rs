@@ -10,16 +10,17 @@
 //! |---|---|---|
 //! | the text model | `text_config` when present (multimodal wrappers nest the language model there), else the top level | `get_hf_text_config` |
 //! | layers | `num_hidden_layers` (also `n_layer`, `num_layers`) | `get_num_layers` |
-//! | MLA | `kv_lora_rank` present and not null: one latent per layer, `head_size = kv_lora_rank + qk_rope_head_dim`, 1 KV head | `is_deepseek_mla`, `get_head_size` |
-//! | KV heads | `n_head_kv`, `num_kv_heads`, `num_key_value_heads`, `multi_query_group_num`, the first present; else `num_attention_heads`; `multi_query: true` → 1 | `get_total_num_kv_heads` |
+//! | MLA | `kv_lora_rank` present and not null with a DeepSeek-style `model_type` ([`MLA_MODEL_TYPES`]; another is refused): one latent per layer, `head_size = kv_lora_rank + qk_rope_head_dim`, 1 KV head | `is_deepseek_mla`, `get_head_size` |
+//! | KV heads | `n_head_kv`, `num_kv_heads`, `num_key_value_heads`, `multi_query_group_num`, the first present; else `num_attention_heads` (or `n_head`); `multi_query: true` → 1 unless Falcon's `new_decoder_architecture` | `get_total_num_kv_heads` |
 //! | head size | `head_dim` when not null, else `hidden_size_per_head`, else `hidden_size / num_attention_heads` | `get_head_size` |
-//! | dtype | `--kv-cache-dtype auto` (the default): the model's `torch_dtype` (or `dtype`); float32 or absent → bfloat16 (vLLM's `dtype=auto` downcasts float32 to the platform's first dtype, bfloat16 on CUDA GPUs that have it) | `_resolve_auto_dtype`, `CacheConfig.cache_dtype` |
+//! | dtype | `--kv-cache-dtype auto` (the default): the model's `torch_dtype` (or `dtype`; the top level's before `text_config`'s); float32 or absent → bfloat16 (vLLM's `dtype=auto` downcasts float32 to the platform's first dtype, bfloat16 on CUDA GPUs that have it) | `_resolve_auto_dtype`, `CacheConfig.cache_dtype` |
 //! | per TP rank | KV heads per rank `max(1, total / tp)`; when `tp` exceeds the KV heads each is replicated on `tp / total` ranks; `num_attention_heads` must divide by `tp`, and the KV heads by `tp` (or `tp` by them); MLA's latent is whole on every rank | `get_num_kv_heads`, `verify_with_parallel_config`, `QKVParallelLinear` (`num_kv_head_replicas`) |
 //! | block size | 16 tokens; MLA 64 | `CacheConfig.block_size`; the CUDA platform sets 64 for FlashMLA (`CudaPlatform.check_and_update_config`) |
 //!
-//! Layers whose KV cache is not uniform: `layer_types` (one entry per layer), or the older
-//! `sliding_window_pattern` (every Nth layer full attention), or `sliding_window` alone (every
-//! layer), split the layers into **layer groups** — full attention, sliding window (with its
+//! Layers whose KV cache is not uniform: `layer_types` (one entry per layer), or Transformers'
+//! defaults without it (`sliding_window_pattern`: every Nth layer full attention; Llama 4's
+//! `attention_chunk_size`; Gemma 2 alternating; Qwen2's `max_window_layers`), or
+//! `sliding_window` alone (every layer), split the layers into **layer groups** — full attention, sliding window (with its
 //! window in tokens), chunked attention — as vLLM's hybrid KV-cache manager groups them
 //! (`vllm/v1/core/kv_cache_utils.py`). Their pages have one shape here, so kvprobe gives
 //! every layer the same per-layer region and moves every block of every layer (a superset of
@@ -165,14 +166,22 @@ pub struct ModelInfo {
     pub tp: TpSplit,
 }
 
+/// Most blocks [`default_blocks`] gives (a tiny model's 1 GiB would be millions of blocks,
+/// whose bookkeeping outweighs the pool).
+pub const MAX_DEFAULT_BLOCKS: u32 = 1 << 16;
+
 /// Default blocks per pool for a model config: the smallest power of two whose pool holds
 /// at least 1 GiB (2^30 bytes), the size of the presets' pools (llama3-8b: 512 blocks of
-/// 2 MiB; deepseek-v3: 256 of 4.4 MiB).
+/// 2 MiB; deepseek-v3: 256 of 4.4 MiB), at most [`MAX_DEFAULT_BLOCKS`]. Computed after
+/// `--block-size` and `--layout` apply.
 pub fn default_blocks(g: &Geometry) -> u32 {
     let per_block = g.slice_bytes().unwrap_or(1).saturating_mul(g.kv_parts() as u64).saturating_mul(g.num_layers as u64);
     let need = (1u64 << 30).div_ceil(per_block.max(1));
-    need.next_power_of_two().clamp(1, 1 << 31) as u32
+    need.next_power_of_two().clamp(1, MAX_DEFAULT_BLOCKS as u64) as u32
 }
+
+/// Most bytes of a config.json read (16 MiB).
+pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
 
 fn get<'a>(m: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
     m.get(key).filter(|v| !v.is_null())
@@ -203,17 +212,51 @@ fn first_uint(m: &Map<String, Value>, keys: &[&str]) -> Result<Option<u32>, Mode
     Ok(None)
 }
 
+/// Keys that mark a hybrid model (besides any key starting `mamba` or `ssm_`): Jamba
+/// (`layers_block_type`, `attn_layer_period`, `attn_layer_indices`), Nemotron-H
+/// (`hybrid_override_pattern`), Qwen3-Next (`full_attention_interval`, `linear_*_heads`,
+/// `linear_*_dim`), MiniMax-Text-01 (`attn_type_list`), Kimi Linear (`linear_attn_config`),
+/// RecurrentGemma (`block_types`).
+const HYBRID_KEYS: &[&str] = &[
+    "layers_block_type",
+    "hybrid_override_pattern",
+    "attn_layer_indices",
+    "attn_layer_period",
+    "full_attention_interval",
+    "attn_type_list",
+    "block_types",
+    "linear_attn_config",
+    "linear_num_value_heads",
+    "linear_num_key_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+];
+
+/// Model types whose `kv_lora_rank` means a latent KV cache in vLLM (`is_deepseek_mla`).
+pub const MLA_MODEL_TYPES: &[&str] = &[
+    "deepseek_v2",
+    "deepseek_v3",
+    "deepseek_v32",
+    "deepseek_mtp",
+    "kimi_k2",
+    "longcat_flash",
+    "pangu_ultra_moe",
+    "pangu_ultra_moe_mtp",
+];
+
 const KV_HEAD_KEYS: &[&str] = &["n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_query_group_num"];
 const LAYER_KEYS: &[&str] = &["num_hidden_layers", "n_layer", "num_layers"];
 
 fn dtype_of(m: &Map<String, Value>, top: &Map<String, Value>) -> Result<Dtype, ModelConfigError> {
-    let v = ["torch_dtype", "dtype"].iter().find_map(|k| get(m, k).or_else(|| get(top, k)));
-    let Some(v) = v else { return Ok(Dtype::Bf16) };
+    // The top level first, then the text model (vLLM's `_find_dtype`).
+    let found = [top, m].iter().flat_map(|c| ["torch_dtype", "dtype"].map(|k| (k, get(c, k)))).find_map(|(k, v)| Some((k, v?)));
+    let Some((key, v)) = found else { return Ok(Dtype::Bf16) };
     match v.as_str() {
         Some("bfloat16") => Ok(Dtype::Bf16),
         Some("float16" | "half") => Ok(Dtype::Fp16),
         Some("float32" | "float") => Ok(Dtype::Bf16),
-        _ => Err(ModelConfigError::Field(format!("torch_dtype must be bfloat16, float16 or float32, not {v}"))),
+        _ => Err(ModelConfigError::Field(format!("{key} must be bfloat16, float16 or float32, not {v}"))),
     }
 }
 
@@ -228,10 +271,27 @@ fn window(m: &Map<String, Value>, key: &str, why: &str) -> Result<u64, ModelConf
 /// The layer groups (module docs): from `layer_types`, `sliding_window_pattern` or
 /// `sliding_window`; errors on layers without a paged KV cache.
 fn layer_groups(m: &Map<String, Value>, layers: u32) -> Result<Vec<LayerGroup>, ModelConfigError> {
-    for key in ["layers_block_type", "hybrid_override_pattern", "attn_layer_indices", "attn_layer_period"] {
+    // Hybrid models: some layers keep a recurrent state (Mamba/SSM, linear attention, RG-LRU)
+    // instead of a paged KV cache. Named by any of these keys, or a key starting `mamba`/`ssm_`.
+    let hybrid = m
+        .iter()
+        .filter(|(_, v)| !v.is_null())
+        .map(|(k, _)| k.as_str())
+        .find(|k| HYBRID_KEYS.contains(k) || k.starts_with("mamba") || k.starts_with("ssm_"));
+    if let Some(key) = hybrid {
+        return Err(ModelConfigError::Unsupported(format!(
+            "{key} is given: a hybrid model whose layers keep a recurrent state (Mamba/state-space, linear attention) besides or instead of a paged KV cache; kvprobe models attention KV caches only"
+        )));
+    }
+    if get(m, "num_kv_shared_layers").and_then(Value::as_u64).unwrap_or(0) > 0 {
+        return Err(ModelConfigError::Unsupported(
+            "num_kv_shared_layers is given: later layers reuse earlier layers' KV cache (Gemma 3n), a KV cache that is not one region per layer; not modelled".into(),
+        ));
+    }
+    for key in ["index_topk", "index_head_dim", "index_n_heads"] {
         if get(m, key).is_some() {
             return Err(ModelConfigError::Unsupported(format!(
-                "{key} is given: a hybrid model with Mamba (state-space) layers, whose state is not a paged KV cache; kvprobe models attention KV caches only"
+                "{key} is given: a sparse-attention indexer (DeepSeek-V3.2) keeps a second KV cache of its own shape beside the MLA latent; not modelled"
             )));
         }
     }
@@ -264,7 +324,7 @@ fn layer_groups(m: &Map<String, Value>, layers: u32) -> Result<Vec<LayerGroup>, 
                 }
                 Some(other) => {
                     return Err(ModelConfigError::Unsupported(format!(
-                        "layer {i} is {other:?} in layer_types: its state (Mamba, linear attention, convolution) is not a paged KV cache; kvprobe models attention KV caches only"
+                        "layer {i} is {other:?} in layer_types: not an attention layer type kvprobe knows (full_attention, sliding_attention, chunked_attention); Mamba, linear-attention and convolution layers keep a state that is not a paged KV cache"
                     )));
                 }
                 None => return Err(ModelConfigError::Field(format!("layer_types[{i}] must be a string, not {t}"))),
@@ -281,9 +341,39 @@ fn layer_groups(m: &Map<String, Value>, layers: u32) -> Result<Vec<LayerGroup>, 
         per_layer.extend(
             (0..layers as u64).map(|i| if (i + 1) % n == 0 { Attention::Full } else { Attention::SlidingWindow { window: w } }),
         );
+    } else if get(m, "attention_chunk_size").is_some() {
+        // Llama 4: chunked local attention on the layers that use RoPE; `no_rope_layers` (1 =
+        // RoPE) or, by Transformers' default, every layer but each 4th
+        // (`no_rope_layer_interval`).
+        let chunk = window(m, "attention_chunk_size", "attention_chunk_size is given")?;
+        let default_rope = || {
+            let n = get(m, "no_rope_layer_interval").and_then(Value::as_u64).filter(|n| *n >= 1).unwrap_or(4);
+            (0..layers as u64).map(|i| (i + 1) % n != 0).collect::<Vec<bool>>()
+        };
+        let rope: Vec<bool> = match get(m, "no_rope_layers") {
+            Some(Value::Array(v)) if v.is_empty() => default_rope(),
+            Some(Value::Array(v)) if v.len() == layers as usize => v.iter().map(|x| x.as_u64() == Some(1)).collect(),
+            Some(v) => {
+                return Err(ModelConfigError::Field(format!("no_rope_layers must be a list of {layers} 0/1 entries, not {v}")));
+            }
+            None => default_rope(),
+        };
+        per_layer.extend(rope.into_iter().map(|r| if r { Attention::ChunkedLocal { chunk } } else { Attention::Full }));
     } else if get(m, "sliding_window").is_some() && get(m, "use_sliding_window").and_then(Value::as_bool) != Some(false) {
         let w = window(m, "sliding_window", "sliding_window is given")?;
-        per_layer.extend((0..layers).map(|_| Attention::SlidingWindow { window: w }));
+        let model_type = get(m, "model_type").and_then(Value::as_str).unwrap_or("");
+        if model_type == "gemma2" {
+            // Gemma 2 (Transformers' default layer_types): even layers sliding, odd full.
+            per_layer
+                .extend((0..layers).map(|i| if i % 2 == 0 { Attention::SlidingWindow { window: w } } else { Attention::Full }));
+        } else if let Some(first) = get(m, "max_window_layers").and_then(Value::as_u64) {
+            // Qwen2 family: layers from max_window_layers on use the window.
+            per_layer.extend(
+                (0..layers as u64).map(|i| if i >= first { Attention::SlidingWindow { window: w } } else { Attention::Full }),
+            );
+        } else {
+            per_layer.extend((0..layers).map(|_| Attention::SlidingWindow { window: w }));
+        }
     } else {
         per_layer.extend((0..layers).map(|_| Attention::Full));
     }
@@ -303,12 +393,21 @@ impl ModelKv {
     /// Errors: [`ModelConfigError::Unreadable`] when the file cannot be read or is not
     /// JSON, and those of [`ModelKv::parse`].
     pub fn load(path: &Path) -> Result<ModelKv, ModelConfigError> {
+        use std::io::Read;
         let unreadable = |reason: String| ModelConfigError::Unreadable { path: path.display().to_string(), reason };
         let meta = std::fs::metadata(path).map_err(|e| unreadable(e.to_string()))?;
-        if meta.len() > 16 << 20 {
-            return Err(unreadable(format!("{} bytes: a config.json is a few KiB (at most 16 MiB read)", meta.len())));
+        // A model directory (as vLLM takes one): its config.json.
+        let file = if meta.is_dir() { path.join("config.json") } else { path.to_path_buf() };
+        let meta = std::fs::metadata(&file).map_err(|e| unreadable(format!("{}: {e}", file.display())))?;
+        if !meta.is_file() {
+            return Err(unreadable("not a regular file (a device, FIFO or socket is not read)".into()));
         }
-        let text = std::fs::read(path).map_err(|e| unreadable(e.to_string()))?;
+        let mut text = Vec::new();
+        let f = std::fs::File::open(&file).map_err(|e| unreadable(e.to_string()))?;
+        f.take(MAX_CONFIG_BYTES + 1).read_to_end(&mut text).map_err(|e| unreadable(e.to_string()))?;
+        if text.len() as u64 > MAX_CONFIG_BYTES {
+            return Err(unreadable(format!("over {MAX_CONFIG_BYTES} bytes: a config.json is a few KiB")));
+        }
         let text = String::from_utf8(text).map_err(|_| unreadable("not UTF-8 text".into()))?;
         Self::parse(&text).map_err(|e| match e {
             ModelConfigError::Unreadable { reason, .. } => unreadable(reason),
@@ -332,7 +431,11 @@ impl ModelKv {
             Some(v) => return Err(ModelConfigError::Field(format!("text_config must be an object, not {v}"))),
             None => top,
         };
-        let model_type = get(m, "model_type").or_else(|| get(top, "model_type")).and_then(Value::as_str).map(String::from);
+        // Printable only (it is echoed to terminals and reports).
+        let model_type = get(m, "model_type")
+            .or_else(|| get(top, "model_type"))
+            .and_then(Value::as_str)
+            .map(|t| t.chars().flat_map(char::escape_default).take(64).collect::<String>());
         let num_layers = first_uint(m, LAYER_KEYS)?
             .ok_or_else(|| ModelConfigError::Field("num_hidden_layers is not given (the text model's layers)".into()))?;
         if num_layers > 0xFFFF {
@@ -340,14 +443,28 @@ impl ModelKv {
         }
         // What is not modelled first: a hybrid model's refusal says more than a field missing.
         let layer_groups = layer_groups(m, num_layers)?;
-        let heads =
-            uint(m, "num_attention_heads")?.ok_or_else(|| ModelConfigError::Field("num_attention_heads is not given".into()))?;
+        let heads = first_uint(m, &["num_attention_heads", "n_head"])?
+            .ok_or_else(|| ModelConfigError::Field("num_attention_heads is not given".into()))?;
         let mla = get(m, "kv_lora_rank").is_some();
+        if mla && !MLA_MODEL_TYPES.contains(&model_type.as_deref().unwrap_or("")) {
+            return Err(ModelConfigError::Unsupported(format!(
+                "kv_lora_rank with model_type {:?}: vLLM serves a latent KV cache (MLA) only for the DeepSeek-style model types ({}); this model's KV shape is its own",
+                model_type.as_deref().unwrap_or("(none)"),
+                MLA_MODEL_TYPES.join(", ")
+            )));
+        }
         let (total_kv_heads, head_size) = if mla {
             let rank = uint(m, "kv_lora_rank")?.expect("present");
-            let rope = match get(m, "qk_rope_head_dim") {
+            let rope = match get(m, "qk_rope_head_dim").map(Value::as_u64) {
                 None => 0,
-                Some(_) => uint(m, "qk_rope_head_dim")?.expect("present"),
+                Some(Some(r)) if r <= u32::MAX as u64 => r as u32,
+                Some(_) => {
+                    return Err(ModelConfigError::Field(format!(
+                        "qk_rope_head_dim must be an integer from 0 to {}, not {}",
+                        u32::MAX,
+                        m["qk_rope_head_dim"]
+                    )));
+                }
             };
             (
                 1,
@@ -355,11 +472,19 @@ impl ModelKv {
                     .ok_or_else(|| ModelConfigError::Field("kv_lora_rank + qk_rope_head_dim overflows".into()))?,
             )
         } else {
-            let kv = if get(m, "multi_query").and_then(Value::as_bool) == Some(true) {
+            // Falcon's new decoder architecture ignores multi_query (vLLM get_total_num_kv_heads).
+            let falcon_new = matches!(model_type.as_deref(), Some("falcon" | "RefinedWeb" | "RefinedWebModel"))
+                && get(m, "new_decoder_architecture").and_then(Value::as_bool) == Some(true);
+            let kv = if !falcon_new && get(m, "multi_query").and_then(Value::as_bool) == Some(true) {
                 1
             } else {
                 first_uint(m, KV_HEAD_KEYS)?.unwrap_or(heads)
             };
+            if kv > heads {
+                return Err(ModelConfigError::Field(format!(
+                    "{kv} KV heads exceed the {heads} attention heads (each KV head serves a group of query heads)"
+                )));
+            }
             let head = match uint(m, "head_dim")? {
                 Some(h) => h,
                 None => match uint(m, "hidden_size_per_head")? {

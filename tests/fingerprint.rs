@@ -275,7 +275,7 @@ fn every_class_is_classified_as_predicted_on_the_smallest_slices() {
 // ---- Issue 12.6: the README's spec, re-implemented here from the README alone ----
 
 /// README "Fingerprint format", independently of csrc/fingerprint.h.
-mod spec {
+pub(crate) mod spec {
     pub fn fmix32(mut h: u32) -> u32 {
         h ^= h >> 16;
         h = h.wrapping_mul(0x85EB_CA6B);

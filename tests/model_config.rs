@@ -141,6 +141,16 @@ fn what_kvprobe_does_not_model_is_refused_with_the_reason() {
         (r#", "layer_types": ["full_attention", "linear_attention", "full_attention", "linear_attention"]"#, "linear_attention"),
         (r#", "layer_types": ["full_attention", "mamba", "full_attention", "mamba"]"#, "not a paged KV cache"),
         (r#", "sliding_window": 512, "swa_num_key_value_heads": 4"#, "own KV shape"),
+        // Qwen3-Next, MiniMax-Text-01, Kimi Linear, Falcon-H1 / Mamba fields, RecurrentGemma.
+        (r#", "full_attention_interval": 4"#, "recurrent state"),
+        (r#", "attn_type_list": [0, 1, 0, 1]"#, "recurrent state"),
+        (r#", "linear_attn_config": {"kda_layers": [1, 2]}"#, "recurrent state"),
+        (r#", "mamba_d_state": 16"#, "recurrent state"),
+        (r#", "ssm_cfg": {}"#, "recurrent state"),
+        (r#", "block_types": ["recurrent", "attention"]"#, "recurrent state"),
+        (r#", "index_topk": 2048"#, "indexer"),
+        (r#", "num_kv_shared_layers": 2"#, "reuse earlier layers"),
+        (r#", "model_type": "minicpm3", "kv_lora_rank": 256"#, "DeepSeek-style model types"),
     ];
     for (extra, why) in cases {
         let e = ModelKv::parse(&format!("{{{base}{extra}}}")).unwrap_err();
@@ -177,7 +187,15 @@ fn malformed_configs_are_errors_naming_the_field() {
             r#"{"num_hidden_layers": 1, "num_attention_heads": 8, "hidden_size": 1024, "sliding_window_pattern": 0, "sliding_window": 4}"#,
             "sliding_window_pattern must be",
         ),
-        (r#"{"num_hidden_layers": 2, "num_attention_heads": 8, "kv_lora_rank": 0, "hidden_size": 1024}"#, "kv_lora_rank must be"),
+        (
+            r#"{"model_type": "deepseek_v3", "num_hidden_layers": 2, "num_attention_heads": 8, "kv_lora_rank": 0, "hidden_size": 1024}"#,
+            "kv_lora_rank must be",
+        ),
+        (
+            r#"{"num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 16, "hidden_size": 1024}"#,
+            "exceed the 8 attention heads",
+        ),
+        (r#"{"num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 1024, "dtype": "int4"}"#, "dtype must be"),
     ];
     for (text, why) in cases {
         let e = ModelKv::parse(text).expect_err(text).to_string();
@@ -239,7 +257,8 @@ fn model_config_usage_errors_exit_2() {
         (vec!["geometry", "--model-config", l, "--tp", "3"], "not divisible by --tp 3"),
         (vec!["geometry", "--model-config", missing.to_str().unwrap()], "missing.json"),
         (vec!["geometry", "--model-config", bad.to_str().unwrap()], "Mamba"),
-        (vec!["geometry", "--model-config", d.to_str().unwrap()], "--model-config"),
+        // A directory is read as a model directory: its config.json (here the Mamba one).
+        (vec!["geometry", "--model-config", d.to_str().unwrap()], "Mamba"),
         (vec!["run", "--memory", "dram", "--model-config", bad.to_str().unwrap()], "Mamba"),
         (vec!["ab", "--memory", "dram", "--model-config", l, "--tp", "5"], "--tp 5"),
     ];
@@ -267,4 +286,112 @@ fn a_run_from_a_model_config_is_clean_and_reports_the_model() {
     assert!(out.contains("2 layer groups (every layer moved)"), "{out}");
     // 24 layers x K/V x 8 blocks x 5 iterations, every one verified.
     assert_eq!(r["summary"]["slices_compared"], 24 * 2 * 8 * 5, "{}", r["summary"]);
+}
+
+#[test]
+fn model_specific_rules_follow_vllm_and_transformers() {
+    let p = |extra: &str| {
+        ModelKv::parse(&format!(r#"{{"num_hidden_layers": 8, "num_attention_heads": 16, "hidden_size": 2048{extra}}}"#)).unwrap()
+    };
+    // Falcon's new decoder architecture ignores multi_query (vLLM get_total_num_kv_heads).
+    let falcon = p(r#", "model_type": "falcon", "new_decoder_architecture": true, "multi_query": true, "num_kv_heads": 8"#);
+    assert_eq!(falcon.total_kv_heads, 8);
+    assert_eq!(p(r#", "model_type": "falcon", "multi_query": true, "num_kv_heads": 8"#).total_kv_heads, 1);
+    // An explicit qk_rope_head_dim 0 is the latent alone.
+    let mla = p(r#", "model_type": "deepseek_v2", "kv_lora_rank": 512, "qk_rope_head_dim": 0"#);
+    assert_eq!((mla.mla, mla.head_size), (true, 512));
+    // Gemma 2 without layer_types: even layers sliding, odd full.
+    let gemma2 = p(r#", "model_type": "gemma2", "sliding_window": 4096"#);
+    assert_eq!(gemma2.layer_groups[0].attention, Attention::SlidingWindow { window: 4096 });
+    assert_eq!(gemma2.layer_groups[0].layers, vec![0, 2, 4, 6]);
+    assert_eq!(gemma2.layer_groups[1].layers, vec![1, 3, 5, 7]);
+    // Llama 4: chunked local attention except every 4th layer (no_rope_layers empty: the default).
+    let llama4 = p(r#", "attention_chunk_size": 8192, "no_rope_layers": []"#);
+    let full = llama4.layer_groups.iter().find(|g| g.attention == Attention::Full).unwrap();
+    assert_eq!(full.layers, vec![3, 7]);
+    // Qwen2: sliding from max_window_layers on, and nothing when use_sliding_window is false.
+    let qwen2 = p(r#", "sliding_window": 32768, "use_sliding_window": true, "max_window_layers": 6"#);
+    let sliding = qwen2.layer_groups.iter().find(|g| g.attention != Attention::Full).unwrap();
+    assert_eq!(sliding.layers, vec![6, 7]);
+    let off = p(r#", "sliding_window": 32768, "use_sliding_window": false, "max_window_layers": 6"#);
+    assert_eq!(off.layer_groups.len(), 1);
+    // The top level's dtype wins over text_config's (vLLM reads the top level first).
+    let nested = ModelKv::parse(
+        r#"{"torch_dtype": "float16", "text_config": {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 256, "torch_dtype": "bfloat16"}}"#,
+    )
+    .unwrap();
+    assert_eq!(nested.dtype, Dtype::Fp16);
+    // A model_type with control characters is kept printable.
+    let esc = p(r#", "model_type": "x\u001b[2Jy""#);
+    assert_eq!(esc.model_type.as_deref(), Some("x\\u{1b}[2Jy"));
+}
+
+#[test]
+fn files_directories_and_devices() {
+    let d = crate::common::tmpdir("model-config-files");
+    std::fs::copy(shipped("llama-3-8b.json"), d.join("config.json")).unwrap();
+    // A model directory: its config.json, as vLLM takes one.
+    assert_eq!(ModelKv::load(&d).unwrap(), load("llama-3-8b.json"));
+    let empty = crate::common::tmpdir("model-config-empty-dir");
+    let e = ModelKv::load(&empty).unwrap_err().to_string();
+    assert!(e.contains("config.json"), "{e}");
+    // Devices are not read (a size check alone let /dev/zero through).
+    let e = ModelKv::load(std::path::Path::new("/dev/zero")).unwrap_err().to_string();
+    assert!(e.contains("not a regular file"), "{e}");
+    let big = d.join("big.json");
+    std::fs::write(&big, vec![b' '; (kvprobe::model_config::MAX_CONFIG_BYTES + 1) as usize]).unwrap();
+    let e = ModelKv::load(&big).unwrap_err().to_string();
+    assert!(e.contains("a config.json is a few KiB"), "{e}");
+}
+
+#[test]
+fn default_blocks_follow_the_block_size_and_stay_bounded() {
+    let llama = shipped("llama-3-8b.json");
+    let l = llama.to_str().unwrap();
+    for (bs, blocks) in [("16", 512), ("32", 256), ("1", 8192)] {
+        let (code, out, err) = kvprobe(&["geometry", "--model-config", l, "--block-size", bs, "--json"]);
+        assert_eq!(code, 0, "{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(v["geometry"]["num_blocks"], blocks, "--block-size {bs}");
+        assert_eq!(v["pool_bytes"], 1u64 << 30, "--block-size {bs}");
+    }
+    // A tiny model: the default stops at MAX_DEFAULT_BLOCKS.
+    let tiny = ModelKv::parse(r#"{"num_hidden_layers": 1, "num_attention_heads": 1, "head_dim": 8}"#).unwrap();
+    let (g, _) = tiny.rank_geometry(1, KvCacheDtype::Fp8).unwrap();
+    assert_eq!(g.num_blocks, kvprobe::model_config::MAX_DEFAULT_BLOCKS);
+}
+
+#[test]
+fn report_diff_lines_up_two_models_group_by_group() {
+    let gpt = shipped("gpt-oss-20b.json");
+    let llama = shipped("llama-3-8b.json");
+    let run = |name: &str, cfg: &PathBuf| {
+        let d = crate::common::tmpdir(name);
+        let p = d.join("r.json");
+        let (code, out, err) = kvprobe(&[
+            "run",
+            "--memory",
+            "dram",
+            "--model-config",
+            cfg.to_str().unwrap(),
+            "--blocks",
+            "4",
+            "--iterations",
+            "1",
+            "--report",
+            p.to_str().unwrap(),
+        ]);
+        assert_eq!(code, 0, "{out}{err}");
+        p
+    };
+    let (a, b) = (run("diff-model-a", &gpt), run("diff-model-b", &llama));
+    let (code, out, err) = kvprobe(&["report", "diff", a.to_str().unwrap(), b.to_str().unwrap()]);
+    assert_eq!(code, 1, "{err}");
+    let line = |path: &str| {
+        out.lines().find(|l| l.trim_start().starts_with(path)).unwrap_or_else(|| panic!("{path}: {out}")).to_string()
+    };
+    let first = line("config.model.layer_groups[0].attention");
+    assert!(first.contains("sliding_window") && first.contains("full"), "{first}");
+    assert!(line("config.model.layer_groups[1].attention").contains("(absent)"));
+    assert!(line("config.model.model_type ").contains("gpt_oss"));
 }

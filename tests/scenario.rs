@@ -680,6 +680,9 @@ fn scenario_flags_are_checked() {
         (&["--scenario", "tier-only", "--op", "write"][..], "--op write"),
         (&["--scenario", "stacked", "--fail-rate", "1"][..], "--fail-rate"),
         (&["--scenario", "stacked", "--fail-rate", "-0.5"][..], "--fail-rate"),
+        // A huge value is typed back in exponent form, not as 309 digits.
+        (&["--scenario", "stacked", "--fail-rate", "1e308"][..], "got 1e308\n"),
+        (&["--scenario", "stacked", "--preempt-rate=-2e-9"][..], "got -2e-9\n"),
         (&["--host-staging"][..], "--host-staging shapes a request-level load"),
         (&["--requests", "10"][..], "--scenario"),
         (&["--scenario", "stacked", "--prompt-blocks", "0-3"][..], "prompt-blocks"),

@@ -14,6 +14,7 @@ mod docker;
 mod dram;
 mod dump;
 mod fingerprint;
+mod fingerprint_v2;
 mod geometry;
 mod gpu;
 mod inspect;

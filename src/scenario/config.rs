@@ -145,12 +145,12 @@ pub fn check(cfg: &ScenarioConfig, num_blocks: u32) -> Result<()> {
         )));
     }
     if !(0.0..=1.0).contains(&w.prefix_share) {
-        return Err(Error::Usage(format!("--prefix-share must be between 0 and 1, got {}", w.prefix_share)));
+        return Err(Error::Usage(format!("--prefix-share must be between 0 and 1, got {}", shown(w.prefix_share))));
     }
     if !(0.0..1.0).contains(&w.abort_rate) {
         return Err(Error::Usage(format!(
             "--abort-rate must be at least 0 and below 1 (some requests must reach decode), got {}",
-            w.abort_rate
+            shown(w.abort_rate)
         )));
     }
     if cfg.concurrency == 0 || cfg.concurrency > 4096 {
@@ -173,7 +173,7 @@ pub fn check(cfg: &ScenarioConfig, num_blocks: u32) -> Result<()> {
     if !(0.0..1.0).contains(&cfg.preempt_rate) {
         return Err(Error::Usage(format!(
             "--preempt-rate must be at least 0 and below 1 (some requests must reach decode), got {}",
-            cfg.preempt_rate
+            shown(cfg.preempt_rate)
         )));
     }
     if cfg.push && !cfg.scenario.uses_nixl() {
@@ -253,7 +253,7 @@ pub fn check(cfg: &ScenarioConfig, num_blocks: u32) -> Result<()> {
     if !(0.0..1.0).contains(&cfg.fail_rate) {
         return Err(Error::Usage(format!(
             "--fail-rate must be at least 0 and below 1 (some transfers must succeed), got {}",
-            cfg.fail_rate
+            shown(cfg.fail_rate)
         )));
     }
     if !(cfg.interval_secs.is_finite() && cfg.interval_secs >= 0.1) {
@@ -268,4 +268,10 @@ pub fn check(cfg: &ScenarioConfig, num_blocks: u32) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// A flag's number as typed back in an error: plain, or in exponent form when huge or tiny
+/// (`1e308`, not 309 digits).
+fn shown(x: f64) -> String {
+    if x != 0.0 && !(1e-6..1e9).contains(&x.abs()) { format!("{x:e}") } else { format!("{x}") }
 }
