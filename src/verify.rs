@@ -29,6 +29,8 @@
 //! generation) or `misplaced` (another block); several sources → `torn` (with the sector
 //! map); nothing recognisable → `garbage`.
 
+pub mod rows;
+
 use crate::fingerprint::{self, BlockIdentity, SECTOR_BYTES};
 use serde::{Deserialize, Serialize};
 use std::fmt;

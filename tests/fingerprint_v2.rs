@@ -312,3 +312,82 @@ fn what_version_2_cannot_encode_is_refused() {
     let r: RowIdentity = ok.row(0);
     assert_eq!((r.token, r.head), (0, 0));
 }
+
+mod rows_classified {
+    use super::*;
+    use kvprobe::verify::rows::{Displacement, RowClass, RowSource, classify_rows};
+
+    const SEED: u64 = 5;
+
+    fn hnd_and_nhd() -> (SliceRows, SliceRows) {
+        let slice = id(2, KvPart::V, 4242, 9);
+        let nhd = rows(slice, RowOrder::Nhd, 16, 4, 128, 0, 0);
+        (nhd, SliceRows { order: RowOrder::Hnd, ..nhd })
+    }
+
+    #[test]
+    fn nhd_bytes_read_as_hnd_are_layout_transposed_with_row_identities() {
+        let (nhd, hnd) = hnd_and_nhd();
+        let v = classify_rows(&v2::expected(SEED, &nhd), &hnd, SEED, 7, 1);
+        assert_eq!(v.class, RowClass::Layout);
+        assert_eq!(v.displacement, Some(Displacement::Transposed));
+        let wrong: Vec<_> = v.wrong_rows(&hnd).collect();
+        assert_eq!(wrong.len(), 60, "all rows but the 4 fixed points");
+        // Slot 1 of the HND slice is due (token 1, head 0) and holds NHD's row 1 (token 0, head 1).
+        let (r, due, got) = wrong[0];
+        assert_eq!((r, due.token, due.head), (1, 1, 0));
+        match got {
+            RowSource::Row(id) => assert_eq!((id.token, id.head), (0, 1)),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_wrong_head_or_token_offset_is_named() {
+        let slice = id(0, KvPart::K, 77, 3);
+        // TP: rank 1 of 2 is due heads 4..8 and got rank 0's heads 0..4.
+        let due = rows(slice, RowOrder::Hnd, 16, 4, 256, 0, 4);
+        let got = v2::expected(SEED, &SliceRows { head_base: 0, ..due });
+        let v = classify_rows(&got, &due, SEED, 0, 1);
+        assert_eq!((v.class, v.displacement), (RowClass::Layout, Some(Displacement::HeadOffset(-4))));
+        // Block sizes: the second half (tokens 16..32) of a 32-token prefill block was due, the
+        // first half came.
+        let due = rows(slice, RowOrder::Nhd, 16, 4, 256, 16, 0);
+        let got = v2::expected(SEED, &SliceRows { token_base: 0, ..due });
+        let v = classify_rows(&got, &due, SEED, 0, 1);
+        assert_eq!((v.class, v.displacement), (RowClass::Layout, Some(Displacement::TokenOffset(-16))));
+        // MLA rows shifted by one token.
+        let mla = rows(id(5, KvPart::Latent, 1, 1), RowOrder::Mla, 8, 1, 1152, 1, 0);
+        let v = classify_rows(&v2::expected(SEED, &SliceRows { token_base: 0, ..mla }), &mla, SEED, 0, 1);
+        assert_eq!((v.class, v.displacement), (RowClass::Layout, Some(Displacement::TokenOffset(-1))));
+    }
+
+    #[test]
+    fn the_other_classes_row_by_row() {
+        let (nhd, _) = hnd_and_nhd();
+        let good = v2::expected(SEED, &nhd);
+        let check = |bytes: &[u8], want: RowClass| {
+            let v = classify_rows(bytes, &nhd, SEED, 11, 3);
+            assert_eq!(v.class, want, "{:?}", &v.rows[..4]);
+            v
+        };
+        let mut p = vec![0u8; good.len()];
+        fingerprint::poison(&mut p, 11, 3);
+        check(&p, RowClass::Unwritten);
+        let mut flip = good.clone();
+        flip[300] ^= 0x10;
+        let v = check(&flip, RowClass::Bitflip);
+        assert_eq!(v.rows[2], RowSource::Flipped(1));
+        let other = v2::expected(SEED, &SliceRows { slice: id(2, KvPart::V, 1, 9), ..nhd });
+        check(&other, RowClass::Misplaced);
+        let old = v2::expected(SEED, &SliceRows { slice: id(2, KvPart::V, 4242, 8), ..nhd });
+        check(&old, RowClass::Stale);
+        let mut torn = good.clone();
+        torn[..good.len() / 2].copy_from_slice(&p[..good.len() / 2]);
+        check(&torn, RowClass::Torn);
+        let garbage: Vec<u8> = (0..good.len()).map(|i| (i * 7 + 3) as u8).collect();
+        check(&garbage, RowClass::Garbage);
+        // Rows of another seed are not recognised as rows.
+        check(&v2::expected(SEED + 1, &nhd), RowClass::Garbage);
+    }
+}

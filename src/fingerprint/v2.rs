@@ -18,8 +18,8 @@
 //! block sizes), or a TP rank holding the heads from `head_base` on, names exactly the rows it
 //! must hold.
 //!
-//! Not yet used by the pools: fills, verifies and reports are version 1 until the kernels and
-//! the classification move to version 2 (issue 18).
+//! Not yet used by the pools: fills, verifies and reports are version 1 until the kernels move
+//! to version 2 (issue 18). [`crate::verify::rows`] classifies a version-2 slice row by row.
 
 use super::BlockIdentity;
 use crate::geometry::{Geometry, GeometryError, KvPart, Layout};
