@@ -26,11 +26,13 @@ usage: scripts/fingerprint_ref.py SEED LAYER KV BLOCK GENERATION SLICE_BYTES [OU
   SLICE_BYTES: a multiple of 16 from 16 to 2^31 (config.geometry.slice_bytes).
   ROW_BYTES: a multiple of 16 from 16 to 32768.  BLOCK_SIZE, HEADS: from 1; TOKEN_BASE +
   BLOCK_SIZE and HEAD_BASE + HEADS at most 65536; the slice at most 2^31 bytes.
-  NUM_LAYERS: 1 to 65535.  NUM_BLOCKS: 1 to 2^32-1.  Numbers are decimal or 0x hex.
+  ORDER mla goes with KV latent, HEADS 1 and HEAD_BASE 0 (one latent row per token, head 0).
+  NUM_LAYERS: 1 to 65535.  NUM_BLOCKS: 1 to 2^32-1.  Numbers are decimal (leading zeros
+  allowed) or 0x hex, at most 40 digits.
   Bad arguments: this text and exit status 2. OUT (or standard output) that cannot be
   written, or too little memory for SLICE_BYTES: a one-line error and exit status 1.
 """
-import hashlib, re, struct, sys
+import array, hashlib, re, sys
 
 M = 0xFFFFFFFF
 MAX_SLICE_BYTES = 1 << 31
@@ -52,7 +54,7 @@ def seed32(seed):
 def slice_bytes(seed, layer, kv, block, gen, length):
     lkv = (layer & 0xFFFF) | ((kv & 0xFF) << 16) | (0x4B << 24)
     key = fmix32(seed32(seed) ^ fmix32(block ^ fmix32(lkv ^ fmix32(gen ^ 0x9E3779B9))))
-    out = []
+    out = array.array("I")
     for e in range(length // 4):
         w = e % 128
         if w == 0: v = block
@@ -61,14 +63,21 @@ def slice_bytes(seed, layer, kv, block, gen, length):
         elif w == 3: v = fmix32(key ^ (((e // 128) * 0x85EBCA77) & M))
         else: v = fmix32(key ^ ((e * 0x9E3779B9) & M))
         out.append(v)
-    return struct.pack("<%dI" % len(out), *out)
+    return le_bytes(out)
+
+
+def le_bytes(a):
+    """The little-endian bytes of an array of uint32 (4 bytes per element, not a list of ints)."""
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tobytes()
 
 
 def slice_v2(seed, layer, kv, block, gen, order, block_size, heads, row_bytes, token_base, head_base):
     s32 = seed32(seed)
     lkv0 = (layer & 0xFFFF) | ((kv & 3) << 16) | (0x4C << 24)
     row_elems = row_bytes // 4
-    out = []
+    out = array.array("I")
     for r in range(block_size * heads):
         if order == "nhd": t, h = r // heads, r % heads
         elif order == "hnd": t, h = r % block_size, r // block_size
@@ -84,12 +93,12 @@ def slice_v2(seed, layer, kv, block, gen, order, block_size, heads, row_bytes, t
             elif w == 4: v = fmix32(rkey ^ (((u + 1) * 0x85EBCA77) & M))
             else: v = fmix32(rkey ^ ((i * 0x9E3779B9) & M))
             out.append(v)
-    return struct.pack("<%dI" % len(out), *out)
+    return le_bytes(out)
 
 
 def poison_bytes(slot, iteration, length):
     even, odd = slot & M, 0x5A000000 | (iteration & 0xFFFFFF)
-    return struct.pack("<%dI" % (length // 4), *[odd if e & 1 else even for e in range(length // 4)])
+    return le_bytes(array.array("I", [even, odd]) * (length // 8) + array.array("I", [even] * ((length // 4) % 2)))
 
 
 def global_slot(layout, num_layers, num_blocks, layer, kv, block):
@@ -105,9 +114,9 @@ class Usage(Exception):
 
 
 def number(name, text, lo, hi):
-    if not re.fullmatch(r"[0-9]+|0[xX][0-9a-fA-F]+", text):
-        raise Usage("%s must be a non-negative decimal or 0x hex integer, not %r" % (name, text))
-    v = int(text, 0)
+    if not re.fullmatch(r"[0-9]{1,40}|0[xX][0-9a-fA-F]{1,40}", text):
+        raise Usage("%s must be a non-negative decimal or 0x hex integer (at most 40 digits), not %r" % (name, text))
+    v = int(text, 16) if text[:2] in ("0x", "0X") else int(text, 10)
     if not lo <= v <= hi:
         raise Usage("%s must be from %d to %d, not %d" % (name, lo, hi, v))
     return v
@@ -154,7 +163,7 @@ def main(a):
         s = global_slot(layout, layers, blocks, layer, kv, block)
         if layers * (1 if layout == "mla" else 2) * blocks > M:
             raise Usage("the pool has more than 2^32-1 slices (kvprobe refuses that geometry)")
-        print(s)
+        write_all(stdout_bytes(), ("%d\n" % s).encode())
         return 0
     elif a[0] == "v2":
         if len(a) not in (12, 13):
@@ -173,7 +182,7 @@ def main(a):
         if row_bytes % 16:
             raise Usage("ROW_BYTES must be a multiple of 16, not %d" % row_bytes)
         token_base = number("TOKEN_BASE", a[10], 0, (1 << 16) - block_size)
-        head_base = number("HEAD_BASE", a[11], 0, (1 << 16) - heads)
+        head_base = number("HEAD_BASE", a[11], 0, 0 if order == "mla" else (1 << 16) - heads)
         if block_size * heads * row_bytes > MAX_SLICE_BYTES:
             raise Usage("the slice would be more than 2^31 bytes")
         b = slice_v2(seed, layer, kv, block, gen, order, block_size, heads, row_bytes, token_base, head_base)
@@ -189,16 +198,32 @@ def main(a):
         b, out = slice_bytes(seed, layer, kv, block, gen, length(a[5])), a[6:]
     digest = hashlib.sha256(b).hexdigest()
     if out and out[0] == "-":
-        sys.stdout.buffer.write(b)
-        sys.stdout.buffer.flush()
+        write_all(stdout_bytes(), b)
         sys.stderr.write(digest + "\n")
         return 0
     if out:
         with open(out[0], "wb") as f:
-            f.write(b)
-    print(digest)
-    sys.stdout.flush()
+            write_all(f, b)
+    write_all(stdout_bytes(), (digest + "\n").encode())
     return 0
+
+
+def stdout_bytes():
+    """Standard output as a byte stream; OSError when it is closed."""
+    if sys.stdout is None or not hasattr(sys.stdout, "buffer"):
+        raise OSError(9, "standard output is closed")
+    return sys.stdout.buffer
+
+
+def write_all(f, b):
+    """Writes every byte of b (an unbuffered stream may take part of it), then flushes."""
+    view = memoryview(b)
+    while view:
+        n = f.write(view)
+        if n is None or n <= 0:
+            raise OSError(5, "short write")
+        view = view[n:]
+    f.flush()
 
 
 if __name__ == "__main__":
@@ -208,7 +233,7 @@ if __name__ == "__main__":
         sys.stderr.write(__doc__ + "\nerror: %s\n" % e)
         sys.exit(2)
     except MemoryError:
-        sys.stderr.write("fingerprint_ref.py: not enough memory for SLICE_BYTES bytes\n")
+        sys.stderr.write("fingerprint_ref.py: not enough memory for a slice of that size (about twice its bytes are needed)\n")
         sys.exit(1)
     except OSError as e:
         sys.stderr.write("fingerprint_ref.py: cannot write %s: %s\n" % (e.filename or "the output", e.strerror or e))

@@ -249,7 +249,15 @@ impl GeometryArgs {
                 let kv = kvprobe::model_config::ModelKv::load(path).map_err(usage)?;
                 let dtype = self.kv_cache_dtype.unwrap_or_default();
                 let (g, tp) = kv.rank_geometry(self.tp.unwrap_or(1), dtype).map_err(usage)?;
-                (g, Some(kvprobe::model_config::ModelInfo { path: path.display().to_string(), kv_cache_dtype: dtype, kv, tp }))
+                (
+                    g,
+                    Some(kvprobe::model_config::ModelInfo {
+                        path: kvprobe::model_config::show_path(path),
+                        kv_cache_dtype: dtype,
+                        kv,
+                        tp,
+                    }),
+                )
             }
             None => (self.preset.unwrap_or(Preset::Small).geometry(), None),
         };

@@ -17,6 +17,10 @@
 //! | per TP rank | KV heads per rank `max(1, total / tp)`; when `tp` exceeds the KV heads each is replicated on `tp / total` ranks; `num_attention_heads` must divide by `tp`, and the KV heads by `tp` (or `tp` by them); MLA's latent is whole on every rank | `get_num_kv_heads`, `verify_with_parallel_config`, `QKVParallelLinear` (`num_kv_head_replicas`) |
 //! | block size | 16 tokens; MLA 64 | `CacheConfig.block_size`; the CUDA platform sets 64 for FlashMLA (`CudaPlatform.check_and_update_config`) |
 //!
+//! Fields a published config.json leaves to Transformers' class defaults are filled from
+//! them for the model types whose cards rely on it (`defaults_of`: Gemma 3's text model,
+//! Gemma 2, Gemma, DeepSeek V2/V3).
+//!
 //! Layers whose KV cache is not uniform: `layer_types` (one entry per layer), or Transformers'
 //! defaults without it (`sliding_window_pattern`: every Nth layer full attention; Llama 4's
 //! `attention_chunk_size`; Gemma 2 alternating; Qwen2's `max_window_layers`), or
@@ -180,6 +184,13 @@ pub fn default_blocks(g: &Geometry) -> u32 {
     need.next_power_of_two().clamp(1, MAX_DEFAULT_BLOCKS as u64) as u32
 }
 
+/// A path as it may be printed: control characters escaped (a file name reaches terminals and
+/// reports).
+pub fn show_path(p: &Path) -> String {
+    let s = p.to_string_lossy();
+    if s.chars().any(char::is_control) { s.chars().flat_map(char::escape_default).collect() } else { s.into_owned() }
+}
+
 /// Most bytes of a config.json read (16 MiB).
 pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
 
@@ -216,7 +227,7 @@ fn first_uint(m: &Map<String, Value>, keys: &[&str]) -> Result<Option<u32>, Mode
 /// (`layers_block_type`, `attn_layer_period`, `attn_layer_indices`), Nemotron-H
 /// (`hybrid_override_pattern`), Qwen3-Next (`full_attention_interval`, `linear_*_heads`,
 /// `linear_*_dim`), MiniMax-Text-01 (`attn_type_list`), Kimi Linear (`linear_attn_config`),
-/// RecurrentGemma (`block_types`).
+/// RecurrentGemma (`block_types`), LFM2 (`full_attn_idxs`, `conv_L_cache`).
 const HYBRID_KEYS: &[&str] = &[
     "layers_block_type",
     "hybrid_override_pattern",
@@ -231,7 +242,28 @@ const HYBRID_KEYS: &[&str] = &[
     "linear_key_head_dim",
     "linear_value_head_dim",
     "linear_conv_kernel_dim",
+    "full_attn_idxs",
+    "conv_L_cache",
 ];
+
+/// Transformers' class defaults of the fields this module reads, for model types whose
+/// published config.json relies on them (`Gemma3TextConfig`, `Gemma2Config`, `GemmaConfig`,
+/// `DeepseekV2Config`, `DeepseekV3Config`): filled in where the file leaves them out.
+fn defaults_of(m: &Map<String, Value>) -> Option<&'static [(&'static str, u64)]> {
+    Some(match get(m, "model_type").and_then(Value::as_str)? {
+        "gemma3_text" => &[
+            ("num_hidden_layers", 26),
+            ("num_attention_heads", 8),
+            ("num_key_value_heads", 4),
+            ("head_dim", 256),
+            ("sliding_window", 4096),
+            ("sliding_window_pattern", 6),
+        ],
+        "gemma2" | "gemma" => &[("head_dim", 256)],
+        "deepseek_v2" | "deepseek_v3" => &[("kv_lora_rank", 512), ("qk_rope_head_dim", 64)],
+        _ => return None,
+    })
+}
 
 /// Model types whose `kv_lora_rank` means a latent KV cache in vLLM (`is_deepseek_mla`).
 pub const MLA_MODEL_TYPES: &[&str] = &[
@@ -260,6 +292,15 @@ fn dtype_of(m: &Map<String, Value>, top: &Map<String, Value>) -> Result<Dtype, M
     }
 }
 
+/// A boolean field (`default` when absent or null); anything but true/false is an error.
+fn flag(m: &Map<String, Value>, key: &str, default: bool) -> Result<bool, ModelConfigError> {
+    match get(m, key) {
+        None => Ok(default),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(v) => Err(ModelConfigError::Field(format!("{key} must be true or false, not {v}"))),
+    }
+}
+
 fn window(m: &Map<String, Value>, key: &str, why: &str) -> Result<u64, ModelConfigError> {
     match get(m, key).map(|v| v.as_u64()) {
         Some(Some(w)) if w >= 1 => Ok(w),
@@ -282,6 +323,16 @@ fn layer_groups(m: &Map<String, Value>, layers: u32) -> Result<Vec<LayerGroup>, 
         return Err(ModelConfigError::Unsupported(format!(
             "{key} is given: a hybrid model whose layers keep a recurrent state (Mamba/state-space, linear attention) besides or instead of a paged KV cache; kvprobe models attention KV caches only"
         )));
+    }
+    if get(m, "block_configs").is_some() {
+        return Err(ModelConfigError::Unsupported(
+            "block_configs is given: per-layer attention configurations (Nemotron-NAS: KV heads that differ by layer, layers without attention), a KV cache whose pages differ between layers; not modelled".into(),
+        ));
+    }
+    if let Some(v) = get(m, "num_kv_shared_layers")
+        && v.as_u64().is_none()
+    {
+        return Err(ModelConfigError::Field(format!("num_kv_shared_layers must be a non-negative integer, not {v}")));
     }
     if get(m, "num_kv_shared_layers").and_then(Value::as_u64).unwrap_or(0) > 0 {
         return Err(ModelConfigError::Unsupported(
@@ -359,7 +410,9 @@ fn layer_groups(m: &Map<String, Value>, layers: u32) -> Result<Vec<LayerGroup>, 
             None => default_rope(),
         };
         per_layer.extend(rope.into_iter().map(|r| if r { Attention::ChunkedLocal { chunk } } else { Attention::Full }));
-    } else if get(m, "sliding_window").is_some() && get(m, "use_sliding_window").and_then(Value::as_bool) != Some(false) {
+    } else if get(m, "sliding_window").is_some() && !flag(m, "use_sliding_window", true)? {
+        per_layer.extend((0..layers).map(|_| Attention::Full));
+    } else if get(m, "sliding_window").is_some() {
         let w = window(m, "sliding_window", "sliding_window is given")?;
         let model_type = get(m, "model_type").and_then(Value::as_str).unwrap_or("");
         if model_type == "gemma2" {
@@ -394,17 +447,25 @@ impl ModelKv {
     /// JSON, and those of [`ModelKv::parse`].
     pub fn load(path: &Path) -> Result<ModelKv, ModelConfigError> {
         use std::io::Read;
-        let unreadable = |reason: String| ModelConfigError::Unreadable { path: path.display().to_string(), reason };
+        let unreadable = |reason: String| ModelConfigError::Unreadable { path: show_path(path), reason };
         let meta = std::fs::metadata(path).map_err(|e| unreadable(e.to_string()))?;
         // A model directory (as vLLM takes one): its config.json.
         let file = if meta.is_dir() { path.join("config.json") } else { path.to_path_buf() };
-        let meta = std::fs::metadata(&file).map_err(|e| unreadable(format!("{}: {e}", file.display())))?;
+        // Opened without blocking (a FIFO, /proc/kmsg), then its type checked on the open file,
+        // so a file swapped for a FIFO after a check cannot hang the read.
+        use std::os::unix::fs::OpenOptionsExt;
+        let shown = show_path(&file);
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&file)
+            .map_err(|e| unreadable(format!("{shown}: {e}")))?;
+        let meta = f.metadata().map_err(|e| unreadable(format!("{shown}: {e}")))?;
         if !meta.is_file() {
-            return Err(unreadable("not a regular file (a device, FIFO or socket is not read)".into()));
+            return Err(unreadable(format!("{shown} is not a regular file (a directory, device, FIFO or socket is not read)")));
         }
         let mut text = Vec::new();
-        let f = std::fs::File::open(&file).map_err(|e| unreadable(e.to_string()))?;
-        f.take(MAX_CONFIG_BYTES + 1).read_to_end(&mut text).map_err(|e| unreadable(e.to_string()))?;
+        f.take(MAX_CONFIG_BYTES + 1).read_to_end(&mut text).map_err(|e| unreadable(format!("{shown}: {e}")))?;
         if text.len() as u64 > MAX_CONFIG_BYTES {
             return Err(unreadable(format!("over {MAX_CONFIG_BYTES} bytes: a config.json is a few KiB")));
         }
@@ -430,6 +491,20 @@ impl ModelKv {
             Some(Value::Object(t)) => t,
             Some(v) => return Err(ModelConfigError::Field(format!("text_config must be an object, not {v}"))),
             None => top,
+        };
+        // Fields a published config.json leaves to Transformers' class defaults.
+        let mut filled;
+        let m = match defaults_of(m) {
+            None => m,
+            Some(d) => {
+                filled = m.clone();
+                for (k, v) in d {
+                    if get(&filled, k).is_none() && !(*k == "sliding_window_pattern" && get(&filled, "layer_types").is_some()) {
+                        filled.insert(k.to_string(), Value::from(*v));
+                    }
+                }
+                &filled
+            }
         };
         // Printable only (it is echoed to terminals and reports).
         let model_type = get(m, "model_type")
@@ -474,15 +549,12 @@ impl ModelKv {
         } else {
             // Falcon's new decoder architecture ignores multi_query (vLLM get_total_num_kv_heads).
             let falcon_new = matches!(model_type.as_deref(), Some("falcon" | "RefinedWeb" | "RefinedWebModel"))
-                && get(m, "new_decoder_architecture").and_then(Value::as_bool) == Some(true);
-            let kv = if !falcon_new && get(m, "multi_query").and_then(Value::as_bool) == Some(true) {
-                1
-            } else {
-                first_uint(m, KV_HEAD_KEYS)?.unwrap_or(heads)
-            };
-            if kv > heads {
+                && flag(m, "new_decoder_architecture", false)?;
+            let kv =
+                if !falcon_new && flag(m, "multi_query", false)? { 1 } else { first_uint(m, KV_HEAD_KEYS)?.unwrap_or(heads) };
+            if kv > heads || !heads.is_multiple_of(kv) {
                 return Err(ModelConfigError::Field(format!(
-                    "{kv} KV heads exceed the {heads} attention heads (each KV head serves a group of query heads)"
+                    "{heads} attention heads do not form groups over {kv} KV heads (each KV head serves an equal group of query heads)"
                 )));
             }
             let head = match uint(m, "head_dim")? {

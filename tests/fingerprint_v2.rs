@@ -120,7 +120,7 @@ fn the_cpu_reference_equals_the_spec_and_the_python_script_on_random_shapes() {
         let heads = if order == RowOrder::Mla { 1 } else { 1 + next(9) as u32 };
         // Rows of one unit, of several (512-byte units, the last shorter) and of 16 bytes.
         let row_bytes = [16, 32, 48, 128, 256, 512, 528, 1152, 2064][next(9) as usize];
-        let (tb, hb) = (next(1000) as u32, next(100) as u32);
+        let (tb, hb) = (next(1000) as u32, if order == RowOrder::Mla { 0 } else { next(100) as u32 });
         let seed = next(u64::MAX);
         let r = rows(slice, order, bs, heads, row_bytes, tb, hb);
         r.validate().unwrap();
@@ -169,7 +169,7 @@ fn every_unit_names_its_row_and_unit() {
             heads,
             row_bytes,
             32,
-            8,
+            if order == RowOrder::Mla { 0 } else { 8 },
         );
         let bytes = v2::expected(42, &r);
         for row in 0..bs * heads {
@@ -305,6 +305,7 @@ fn what_version_2_cannot_encode_is_refused() {
         (SliceRows { head_base: 65530, ..ok }, "16-bit head"),
         (SliceRows { heads: 0, ..ok }, "at least one"),
         (SliceRows { order: RowOrder::Mla, ..ok }, "one latent row per token"),
+        (SliceRows { order: RowOrder::Mla, heads: 1, head_base: 3, ..ok }, "head 0"),
     ] {
         let e = bad.validate().unwrap_err().to_string();
         assert!(e.contains(why), "{bad:?}: {e}");

@@ -149,6 +149,8 @@ fn what_kvprobe_does_not_model_is_refused_with_the_reason() {
         (r#", "ssm_cfg": {}"#, "recurrent state"),
         (r#", "block_types": ["recurrent", "attention"]"#, "recurrent state"),
         (r#", "index_topk": 2048"#, "indexer"),
+        (r#", "full_attn_idxs": [1, 3], "conv_L_cache": 3"#, "recurrent state"),
+        (r#", "block_configs": [{"attention": {"n_heads_in_group": 8}}]"#, "per-layer attention configurations"),
         (r#", "num_kv_shared_layers": 2"#, "reuse earlier layers"),
         (r#", "model_type": "minicpm3", "kv_lora_rank": 256"#, "DeepSeek-style model types"),
     ];
@@ -193,7 +195,23 @@ fn malformed_configs_are_errors_naming_the_field() {
         ),
         (
             r#"{"num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 16, "hidden_size": 1024}"#,
-            "exceed the 8 attention heads",
+            "8 attention heads do not form groups over 16 KV heads",
+        ),
+        (
+            r#"{"num_hidden_layers": 2, "num_attention_heads": 32, "num_key_value_heads": 5, "hidden_size": 4096}"#,
+            "over 5 KV heads",
+        ),
+        (
+            r#"{"num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 1024, "multi_query": 1}"#,
+            "multi_query must be true or false",
+        ),
+        (
+            r#"{"num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 1024, "sliding_window": 8, "use_sliding_window": "false"}"#,
+            "use_sliding_window must be true or false",
+        ),
+        (
+            r#"{"num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 1024, "num_kv_shared_layers": "5"}"#,
+            "num_kv_shared_layers must be",
         ),
         (r#"{"num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 1024, "dtype": "int4"}"#, "dtype must be"),
     ];
@@ -394,4 +412,31 @@ fn report_diff_lines_up_two_models_group_by_group() {
     assert!(first.contains("sliding_window") && first.contains("full"), "{first}");
     assert!(line("config.model.layer_groups[1].attention").contains("(absent)"));
     assert!(line("config.model.model_type ").contains("gpt_oss"));
+}
+
+#[test]
+fn transformers_defaults_fill_what_published_configs_leave_out() {
+    // google/gemma-3-4b-it's text_config names neither heads nor head_dim nor the pattern:
+    // Gemma3TextConfig's defaults (8 heads, 4 KV heads, head_dim 256, pattern 6) apply.
+    let m = ModelKv::parse(
+        r#"{"model_type": "gemma3", "text_config": {"model_type": "gemma3_text", "hidden_size": 2560, "num_hidden_layers": 34, "sliding_window": 1024}}"#,
+    )
+    .unwrap();
+    assert_eq!((m.num_layers, m.num_attention_heads, m.total_kv_heads, m.head_size), (34, 8, 4, 256));
+    let full = m.layer_groups.iter().find(|g| g.attention == Attention::Full).unwrap();
+    assert_eq!(full.layers, vec![5, 11, 17, 23, 29]);
+    // Gemma 3 12B: head_dim 256 by default, not hidden_size / heads = 240.
+    let m = ModelKv::parse(
+        r#"{"text_config": {"model_type": "gemma3_text", "hidden_size": 3840, "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 8, "sliding_window": 1024}}"#,
+    )
+    .unwrap();
+    assert_eq!(m.head_size, 256);
+    // DeepSeek-V3 without qk_rope_head_dim: DeepseekV3Config's 64.
+    let m =
+        ModelKv::parse(r#"{"model_type": "deepseek_v3", "num_hidden_layers": 3, "num_attention_heads": 8, "kv_lora_rank": 512}"#)
+            .unwrap();
+    assert_eq!((m.mla, m.head_size), (true, 576));
+    // The shipped 27B config, like the published one, leaves the pattern to the default.
+    let text = std::fs::read_to_string(shipped("gemma-3-27b.json")).unwrap();
+    assert!(!text.contains("\"sliding_window_pattern\""));
 }

@@ -171,8 +171,11 @@ impl SliceRows {
         if self.block_size == 0 || self.heads == 0 {
             return bad("a slice needs at least one token and one head".into());
         }
-        if self.order == RowOrder::Mla && self.heads != 1 {
-            return bad(format!("an MLA slice has one latent row per token, not {} heads", self.heads));
+        if self.order == RowOrder::Mla && (self.heads != 1 || self.head_base != 0) {
+            return bad(format!(
+                "an MLA slice has one latent row per token, head 0 (every TP rank holds the whole latent), not {} heads from head {}",
+                self.heads, self.head_base
+            ));
         }
         if self.token_base as u64 + self.block_size as u64 > MAX_POSITION as u64 {
             return bad(format!(
