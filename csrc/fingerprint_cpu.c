@@ -48,20 +48,23 @@ void kvp_cpu_poison(uint8_t *dst, uint64_t len, uint32_t slot, uint32_t iteratio
     if (n & 1u) store32(dst + 4 * (n - 1), even);
 }
 
+/* Counts the bytes in which element `got` at byte offset `at` differs from `want` into *bad,
+ * and lowers *first to the first of them (the verify passes' byte-by-byte recount). */
+static inline void kvp_cpu_count(kvp_u32 want, kvp_u32 got, uint64_t at, uint64_t *bad, uint64_t *first) {
+    kvp_u32 x = want ^ got;
+    if (!x) return;
+    uint64_t b = 0;
+    while (((x >> (8 * b)) & 0xFFu) == 0u) b++;
+    if (at + b < *first) *first = at + b;
+    *bad += kvp_diff_bytes(want, got);
+}
+
 /* Exact count of differing bytes in elements [from, to), and the first differing byte. */
 static uint64_t kvp_cpu_diff(const uint8_t *src, uint64_t from, uint64_t to, kvp_u32 key, kvp_u32 block, kvp_u32 lkv,
                              kvp_u32 gen, uint64_t *first) {
     uint64_t bad = 0;
     for (uint64_t e = from; e < to; e++) {
-        kvp_u32 want = kvp_elem(key, block, lkv, gen, (kvp_u32)e);
-        kvp_u32 got = load32(src + 4 * e);
-        if (want != got) {
-            kvp_u32 x = want ^ got;
-            uint64_t b = 0;
-            while (((x >> (8 * b)) & 0xFFu) == 0u) b++;
-            if (4 * e + b < *first) *first = 4 * e + b;
-            bad += kvp_diff_bytes(want, got);
-        }
+        kvp_cpu_count(kvp_elem(key, block, lkv, gen, (kvp_u32)e), load32(src + 4 * e), 4 * e, &bad, first);
     }
     return bad;
 }
@@ -100,16 +103,8 @@ uint64_t kvp_cpu_check_poison(const uint8_t *src, uint64_t len, uint32_t slot, u
         kvp_u32 acc = 0;
         for (uint64_t e = s0; e < end; e++) acc |= kvp_poison_elem(slot, iteration, (kvp_u32)e) ^ load32(src + 4 * e);
         if (!acc) continue;
-        for (uint64_t e = s0; e < end; e++) {
-            kvp_u32 want = kvp_poison_elem(slot, iteration, (kvp_u32)e), got = load32(src + 4 * e);
-            if (want != got) {
-                kvp_u32 x = want ^ got;
-                uint64_t b = 0;
-                while (((x >> (8 * b)) & 0xFFu) == 0u) b++;
-                if (4 * e + b < first) first = 4 * e + b;
-                bad += kvp_diff_bytes(want, got);
-            }
-        }
+        for (uint64_t e = s0; e < end; e++)
+            kvp_cpu_count(kvp_poison_elem(slot, iteration, (kvp_u32)e), load32(src + 4 * e), 4 * e, &bad, &first);
     }
     *first_bad = first;
     return bad;
@@ -190,16 +185,9 @@ uint64_t kvp2_cpu_verify(const uint8_t *src, uint64_t len, uint64_t seed, const 
             for (uint64_t i = tag_end; i < end; i++) acc |= kvp_fmix32(rkey ^ ((kvp_u32)i * 0x9E3779B9u)) ^ load32(row + 4 * i);
         }
         if (!acc) continue;
-        for (uint64_t i = 0; i < row_elems; i++) {
-            kvp_u32 want = kvp2_elem(rkey, s->block, lkv0, s->gen, pos, (kvp_u32)i), got = load32(row + 4 * i);
-            if (want != got) {
-                kvp_u32 x = want ^ got;
-                uint64_t b = 0, at = r * s->row_bytes + 4 * i;
-                while (((x >> (8 * b)) & 0xFFu) == 0u) b++;
-                if (at + b < first) first = at + b;
-                bad += kvp_diff_bytes(want, got);
-            }
-        }
+        for (uint64_t i = 0; i < row_elems; i++)
+            kvp_cpu_count(kvp2_elem(rkey, s->block, lkv0, s->gen, pos, (kvp_u32)i), load32(row + 4 * i),
+                          r * s->row_bytes + 4 * i, &bad, &first);
     }
     *first_bad = first;
     return bad;

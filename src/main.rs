@@ -282,10 +282,10 @@ impl GeometryArgs {
         Ok((g, model))
     }
 
-    /// [`GeometryArgs::resolve`]'s geometry, or, when the model config gives none, the
-    /// preset's with the flags over it (for the report of that very refusal).
-    fn geometry(&self) -> kvprobe::geometry::Geometry {
-        self.resolve().map(|(g, _)| g).unwrap_or_else(|_| GeometryArgs { model_config: None, ..self.clone() }.geometry())
+    /// The preset's geometry with the flags over it, `--model-config` left out: the geometry
+    /// of the report that refuses a model config (nothing is read, nothing can fail).
+    fn without_model(&self) -> kvprobe::geometry::Geometry {
+        GeometryArgs { model_config: None, ..self.clone() }.resolve().expect("no model config to read").0
     }
 
     /// True when any geometry flag was given.
@@ -615,8 +615,20 @@ fn parse_range(s: &str) -> Result<(u32, u32), String> {
 }
 
 impl PoolArgs {
+    /// The run's configuration from these flags; errors as [`GeometryArgs::resolve`] (the
+    /// model config is read once, here).
+    fn try_config(&self) -> Result<RunConfig, Error> {
+        let (g, model) = self.geo.resolve()?;
+        Ok(self.config_of(g, model))
+    }
+
+    /// [`PoolArgs::try_config`], or for a model config that gives no geometry the
+    /// configuration of the report that refuses it ([`GeometryArgs::without_model`]).
     fn config(&self) -> RunConfig {
-        let (g, model) = self.geo.resolve().unwrap_or_else(|_| (self.geo.geometry(), None));
+        self.try_config().unwrap_or_else(|_| self.config_of(self.geo.without_model(), None))
+    }
+
+    fn config_of(&self, g: kvprobe::geometry::Geometry, model: Option<kvprobe::model_config::ModelInfo>) -> RunConfig {
         let memory =
             self.memory.unwrap_or_else(|| if kvprobe::cuda::device_count() > 0 { MemoryKind::Vram } else { MemoryKind::Dram });
         RunConfig {
@@ -684,8 +696,7 @@ impl LoadArgs {
 impl RunArgs {
     /// The run's configuration. `typed`: the flags given on the command line (clap ids).
     fn config(&self, typed: &[&str]) -> Result<RunConfig, Error> {
-        self.pool.geo.resolve()?;
-        let mut c = self.pool.config();
+        let mut c = self.pool.try_config()?;
         c.op = self.op;
         c.iterations = self.iterations;
         c.descriptor_blocks = self.descriptor_blocks;
@@ -1426,10 +1437,12 @@ fn ab(args: AbArgs, typed: &[&str]) -> Exit {
     if let Err(x) = check_outputs(&args.pool).and_then(|_| install_signals()) {
         return x;
     }
-    let mut cfg = args.pool.config();
-    if let Err(e) = args.pool.geo.resolve() {
-        return refused(&args.pool, &kvprobe::ab::expired_report(&cfg, &e).0, kvprobe::junit::from_ab, &e);
-    }
+    let mut cfg = match args.pool.try_config() {
+        Ok(c) => c,
+        Err(e) => {
+            return refused(&args.pool, &kvprobe::ab::expired_report(&args.pool.config(), &e).0, kvprobe::junit::from_ab, &e);
+        }
+    };
     cfg.scenario = Some(ScenarioConfig { matrix: true, ..args.load.config(Scenario::Stacked, Vec::new(), &cfg.geometry) });
     if let Err(e) = args.pair.apply(&mut cfg, typed) {
         return refused(&args.pool, &kvprobe::ab::expired_report(&cfg, &e).0, kvprobe::junit::from_ab, &e);

@@ -125,9 +125,10 @@ pub fn classify_rows(actual: &[u8], due: &SliceRows, seed: u64, slot: u32, itera
         } else if let Some(other) = intact_other_row(got, seed, due) {
             RowSource::Row(other)
         } else {
-            let worst = got.chunks(v2::UNIT_BYTES as usize).zip(exp.chunks(v2::UNIT_BYTES as usize)).map(|(g, e)| hamming(g, e));
+            let per_unit =
+                got.chunks(v2::UNIT_BYTES as usize).zip(exp.chunks(v2::UNIT_BYTES as usize)).map(|(g, e)| hamming(g, e));
             let (mut total, mut ok) = (0u32, true);
-            for h in worst {
+            for h in per_unit {
                 ok &= h <= super::BITFLIP_MAX_BITS_PER_SECTOR;
                 total += h;
             }
