@@ -5,11 +5,21 @@
  *
  * Every kernel takes one layer's region as uint4 (16-byte) chunks; slice q of the region
  * starts at q * slice_bytes. Work items are parts of slices: part p of slice q covers chunks
- * [p * KVP_PART_CHUNKS, (p + 1) * KVP_PART_CHUNKS) (16 KiB), so a region of few large slices
- * (2 MiB with block_size 1024) still spreads over every SM. One thread block handles one
- * part at a time (grid-stride over parts); threads stride over its chunks, so accesses
- * coalesce. `table[block]` = {logical block id, generation} names what a slot must hold.
- * src/cuda.rs computes the same part count (PART_CHUNKS) for grids and the failure list.
+ * [p * KVP_PART_CHUNKS, (p + 1) * KVP_PART_CHUNKS) (32 KiB), so a region of few large slices
+ * (2 MiB with block_size 1024) still spreads over every SM. One thread block (KVP_THREADS
+ * threads) handles one part at a time (grid-stride over parts); thread t takes chunks
+ * c0 + t + k * KVP_THREADS, k = 0..7, so accesses coalesce and each thread has its eight loads
+ * in flight at once (verify: streaming loads, __ldcs, the bytes are read once). Measured on an
+ * H200 (bench/NOTES.md, v8): 32 KiB parts and streaming loads took verify from 0.96 to 0.98 of
+ * the copy ceiling. `table[block]` = {logical block id, generation, token_base, 0} names what a
+ * slot must hold. src/cuda.rs computes the same part count (PART_CHUNKS) for grids and the
+ * failure list.
+ *
+ * Rows (fingerprint.h, "The rows"): chunk c of a slice is chunk w = c % rc of row r = c / rc,
+ * rc = row_bytes / 16. A part's rows' keys and positions are computed once per part into
+ * shared memory (at most KVP_PART_CHUNKS / 2 + 1 rows: rows are at least 2 chunks); a thread
+ * finds its first chunk's row with one division per part and steps to the next with
+ * additions (KVP_THREADS = q_step * rc + w_step).
  */
 #ifndef KVP_NVRTC
 #include "fingerprint.h"
@@ -23,7 +33,10 @@ struct kvp_fail {
     unsigned int pad;
 };
 
-#define KVP_PART_CHUNKS 1024u
+#define KVP_PART_CHUNKS 2048u
+#define KVP_THREADS 256u
+#define KVP_PER_THREAD (KVP_PART_CHUNKS / KVP_THREADS)
+#define KVP_PART_ROWS (KVP_PART_CHUNKS / 2u + 1u)
 
 /* Slots of kvp_verify's compared-work counters: thread block b adds to slot b % KVP_CMP_SLOTS
  * (spreads the atomics over addresses); each slot is {slices, bytes} as two u64, the host
@@ -32,41 +45,87 @@ struct kvp_fail {
 
 __device__ __forceinline__ unsigned kvp_parts(unsigned chunks) { return (chunks + KVP_PART_CHUNKS - 1u) / KVP_PART_CHUNKS; }
 
-/* Chunk c (elements 4c .. 4c+3) of a slice: the sector's tag when c is a sector's first
- * chunk, else four body elements (kvp_elem, without its per-element branch). */
-__device__ __forceinline__ uint4 kvp_chunk(unsigned key, unsigned blk, unsigned lkv, unsigned gen, unsigned c) {
-    const unsigned e = c * 4u;
+/* How a region's slices are cut into rows (kernel parameters, src/cuda.rs RegionArgs). */
+struct kvp_rows {
+    unsigned rc;         /* chunks per row: row_bytes / 16, at least 2 */
+    unsigned heads;      /* head positions per slice */
+    unsigned block_size; /* token positions per slice */
+    unsigned head_base;  /* global head of the first head position */
+    unsigned order;      /* KVP2_ORDER_*, equal to the region's KVP_LAYOUT_* */
+};
+
+/* The part's row keys and positions in shared memory: rows r0 .. r0 + n - 1 of the slice. */
+struct kvp_part_rows {
+    unsigned key[KVP_PART_ROWS];
+    unsigned pos[KVP_PART_ROWS];
+};
+
+/* Fills `pr` with the keys and positions of the rows holding chunks [c0, c1) of a slice
+ * holding (blk, lkv0, gen, token_base); returns the first row. Ends with __syncthreads. */
+__device__ __forceinline__ unsigned kvp_load_rows(kvp_part_rows *pr, const kvp_rows &R, unsigned seed32, unsigned blk,
+                                                  unsigned lkv0, unsigned gen, unsigned token_base, unsigned c0,
+                                                  unsigned c1) {
+    const unsigned r0 = c0 / R.rc, n = (c1 - 1u) / R.rc - r0 + 1u;
+    for (unsigned i = threadIdx.x; i < n; i += blockDim.x) {
+        unsigned t, h;
+        kvp2_row_coords(R.order, R.block_size, R.heads, r0 + i, &t, &h);
+        const unsigned pos = kvp2_pos(token_base + t, R.head_base + h);
+        pr->pos[i] = pos;
+        pr->key[i] = kvp2_row_key(seed32, blk, lkv0, gen, pos);
+    }
+    __syncthreads();
+    return r0;
+}
+
+/* Chunk w (group w: elements 4w .. 4w+3) of a row with key `key` and position `pos`, as
+ * kvp2_elem computes them: the unit's tag when w is a unit's first chunk, else the group's
+ * hash times M (its first element the unit's check word when w is the unit's second chunk).
+ * Every lane computes the hash and the tag is a select, so lanes of a warp do not diverge. */
+__device__ __forceinline__ uint4 kvp2_chunk(unsigned key, unsigned pos, unsigned blk, unsigned lkv0, unsigned gen,
+                                            unsigned w) {
+    const unsigned wu = w & 31u, u = w >> 5;
+    const unsigned h = kvp2_group(key, w);
     uint4 v;
-    if ((e & (KVP_SECTOR_ELEMS - 1u)) == 0u) {
+    v.x = h;
+    v.y = h * KVP2_M1;
+    v.z = h * KVP2_M2;
+    v.w = h * KVP2_M3;
+    if (wu == 0u) {
         v.x = blk;
-        v.y = lkv;
+        v.y = lkv0 | ((u & 0x3Fu) << 18);
         v.z = gen;
-        v.w = kvp_tag_check(key, e / KVP_SECTOR_ELEMS);
-    } else {
-        v.x = kvp_body(key, e);
-        v.y = kvp_body(key, e + 1u);
-        v.z = kvp_body(key, e + 2u);
-        v.w = kvp_body(key, e + 3u);
+        v.w = pos;
     }
     return v;
 }
 
-extern "C" __global__ void kvp_fill(uint4 *region, unsigned slice_bytes, unsigned layout,
-                                    unsigned num_blocks, unsigned layer, unsigned seed32,
-                                    const uint2 *table, unsigned num_slices) {
+extern "C" __global__ void __launch_bounds__(KVP_THREADS)
+kvp_fill(uint4 *region, unsigned slice_bytes, unsigned layout, unsigned num_blocks, unsigned layer, unsigned seed32,
+         const uint4 *table, unsigned num_slices, kvp_rows R) {
+    __shared__ kvp_part_rows pr;
     const unsigned chunks = slice_bytes / 16u, parts = kvp_parts(chunks);
+    const unsigned q_step = KVP_THREADS / R.rc, w_step = KVP_THREADS - q_step * R.rc;
     const unsigned long long items = (unsigned long long)num_slices * parts;
-    for (unsigned long long w = blockIdx.x; w < items; w += gridDim.x) {
-        const unsigned q = (unsigned)(w / parts), c0 = (unsigned)(w % parts) * KVP_PART_CHUNKS;
+    for (unsigned long long it = blockIdx.x; it < items; it += gridDim.x) {
+        const unsigned q = (unsigned)(it / parts), c0 = (unsigned)(it % parts) * KVP_PART_CHUNKS;
         const unsigned c1 = min(c0 + KVP_PART_CHUNKS, chunks);
         unsigned blk, kv;
         kvp_slice_coords(layout, num_blocks, q, &blk, &kv);
-        const uint2 ent = table[blk];
-        if (ent.y == KVP_SKIP_GEN) continue;
-        const unsigned lkv = kvp_layer_kv(layer, kv);
-        const unsigned key = kvp_slice_key(seed32, ent.x, lkv, ent.y);
+        const uint4 ent = table[blk];
+        if (ent.y == KVP_SKIP_GEN) continue; /* uniform across the block */
+        const unsigned lkv0 = kvp2_lkvu(layer, kv, 0u);
+        __syncthreads(); /* the previous part's rows are no longer read */
+        const unsigned r0 = kvp_load_rows(&pr, R, seed32, ent.x, lkv0, ent.y, ent.z, c0, c1);
         uint4 *s = region + (size_t)q * chunks;
-        for (unsigned c = c0 + threadIdx.x; c < c1; c += blockDim.x) s[c] = kvp_chunk(key, ent.x, lkv, ent.y, c);
+        unsigned c = c0 + threadIdx.x, r = c / R.rc, w = c - r * R.rc;
+#pragma unroll
+        for (unsigned k = 0; k < KVP_PER_THREAD; k++) {
+            if (c < c1) s[c] = kvp2_chunk(pr.key[r - r0], pr.pos[r - r0], ent.x, lkv0, ent.y, w);
+            c += KVP_THREADS;
+            r += q_step;
+            w += w_step;
+            if (w >= R.rc) { w -= R.rc; r++; }
+        }
     }
 }
 
@@ -74,7 +133,7 @@ extern "C" __global__ void kvp_fill(uint4 *region, unsigned slice_bytes, unsigne
  * whose table entry is not KVP_SKIP_GEN. */
 extern "C" __global__ void kvp_poison(uint4 *region, unsigned slice_bytes, unsigned layout,
                                       unsigned num_blocks, unsigned num_slices,
-                                      unsigned slice_base, unsigned iteration, const uint2 *table) {
+                                      unsigned slice_base, unsigned iteration, const uint4 *table) {
     const unsigned chunks = slice_bytes / 16u, parts = kvp_parts(chunks);
     const unsigned long long items = (unsigned long long)num_slices * parts;
     for (unsigned long long w = blockIdx.x; w < items; w += gridDim.x) {
@@ -130,43 +189,59 @@ __device__ __forceinline__ void kvp_append_fail(kvp_fail *fails, unsigned *count
  * first bad byte within the slice) — the host merges the parts of a slice. The fast path
  * only ORs the differences; a part that differs is counted again byte by byte. `fails` holds
  * `fail_cap` records: a record past it is not written, but `fail_count` still counts it, so
- * the host sees the overflow (src/pool.rs treats `*fail_count > fail_cap` as a device error). *
+ * the host sees the overflow (src/pool.rs treats `*fail_count > fail_cap` as a device error).
  * What was compared is counted as it is compared, not derived from the geometry: each thread
  * block counts the 16-byte chunks of every part its loop compared (the loop's bounds), and a
  * slice once when its part 0 was compared; at the end the block adds its sums (two global
  * atomics) to `compared[2 * (b % KVP_CMP_SLOTS)]` (slices) and `[... + 1]` (bytes). */
-extern "C" __global__ void kvp_verify(const uint4 *region, unsigned slice_bytes, unsigned layout,
-                                      unsigned num_blocks, unsigned layer, unsigned seed32,
-                                      const uint2 *table, unsigned num_slices, unsigned slice_base,
-                                      kvp_fail *fails, unsigned *fail_count, unsigned fail_cap,
-                                      unsigned long long *compared) {
+extern "C" __global__ void __launch_bounds__(KVP_THREADS)
+kvp_verify(const uint4 *__restrict__ region, unsigned slice_bytes, unsigned layout, unsigned num_blocks,
+           unsigned layer, unsigned seed32, const uint4 *table, unsigned num_slices, unsigned slice_base,
+           kvp_fail *fails, unsigned *fail_count, unsigned fail_cap, unsigned long long *compared, kvp_rows R) {
+    __shared__ kvp_part_rows pr;
     __shared__ unsigned s_bad, s_first;
     /* Thread 0 only; 32-bit (a block covers far fewer than 2^32 chunks): 64-bit counters cost
      * registers, occupancy and so a tenth of the kernel's bandwidth on the H200. */
     unsigned my_chunks = 0u, my_slices = 0u;
     const unsigned chunks = slice_bytes / 16u, parts = kvp_parts(chunks);
+    const unsigned q_step = KVP_THREADS / R.rc, w_step = KVP_THREADS - q_step * R.rc;
     const unsigned long long items = (unsigned long long)num_slices * parts;
-    for (unsigned long long w = blockIdx.x; w < items; w += gridDim.x) {
-        const unsigned q = (unsigned)(w / parts), c0 = (unsigned)(w % parts) * KVP_PART_CHUNKS;
+    for (unsigned long long it = blockIdx.x; it < items; it += gridDim.x) {
+        const unsigned q = (unsigned)(it / parts), c0 = (unsigned)(it % parts) * KVP_PART_CHUNKS;
         const unsigned c1 = min(c0 + KVP_PART_CHUNKS, chunks);
         unsigned blk, kv;
         kvp_slice_coords(layout, num_blocks, q, &blk, &kv);
-        const uint2 ent = table[blk];
+        const uint4 ent = table[blk];
         if (ent.y == KVP_SKIP_GEN) continue; /* uniform across the block */
-        const unsigned lkv = kvp_layer_kv(layer, kv);
-        const unsigned key = kvp_slice_key(seed32, ent.x, lkv, ent.y);
+        const unsigned lkv0 = kvp2_lkvu(layer, kv, 0u);
         const uint4 *s = region + (size_t)q * chunks;
-        unsigned acc = 0u;
-        const unsigned c_start = c0 + threadIdx.x;
-        for (unsigned c = c_start; c < c1; c += blockDim.x) {
-            const uint4 got = s[c];
-            const uint4 want = kvp_chunk(key, ent.x, lkv, ent.y, c);
-            acc |= (got.x ^ want.x) | (got.y ^ want.y) | (got.z ^ want.z) | (got.w ^ want.w);
+        /* The loads first (all four in flight), then the rows' keys, then the compare. */
+        uint4 got[KVP_PER_THREAD];
+#pragma unroll
+        for (unsigned k = 0; k < KVP_PER_THREAD; k++) {
+            const unsigned c = c0 + threadIdx.x + k * KVP_THREADS;
+            if (c < c1) got[k] = __ldcs(s + c);
         }
-        /* The block's threads together made c1 - c0 iterations of the loop above (thread t:
-         * those from c0 + t in steps of blockDim.x); thread 0 keeps the block's count. (A
-         * counter inside the loop and a per-block reduction cost the kernel a third of its
-         * bandwidth on the H200: the grid has about one thread block per part.) */
+        __syncthreads(); /* the previous part's rows are no longer read */
+        const unsigned r0 = kvp_load_rows(&pr, R, seed32, ent.x, lkv0, ent.y, ent.z, c0, c1);
+        unsigned acc = 0u;
+        {
+            unsigned c = c0 + threadIdx.x, r = c / R.rc, w = c - r * R.rc;
+#pragma unroll
+            for (unsigned k = 0; k < KVP_PER_THREAD; k++) {
+                if (c < c1) {
+                    const uint4 want = kvp2_chunk(pr.key[r - r0], pr.pos[r - r0], ent.x, lkv0, ent.y, w);
+                    acc |= (got[k].x ^ want.x) | (got[k].y ^ want.y) | (got[k].z ^ want.z) | (got[k].w ^ want.w);
+                }
+                c += KVP_THREADS;
+                r += q_step;
+                w += w_step;
+                if (w >= R.rc) { w -= R.rc; r++; }
+            }
+        }
+        /* The block's threads together compared c1 - c0 chunks; thread 0 keeps the block's
+         * count. (A counter inside the loop and a per-block reduction cost the kernel a third
+         * of its bandwidth on the H200: the grid has about one thread block per part.) */
         if (threadIdx.x == 0) {
             my_chunks += c1 - c0;
             if (c0 == 0u) my_slices++;
@@ -175,11 +250,19 @@ extern "C" __global__ void kvp_verify(const uint4 *region, unsigned slice_bytes,
         if (threadIdx.x == 0) { s_bad = 0u; s_first = 0xFFFFFFFFu; }
         __syncthreads();
         unsigned bad = 0u, first = 0xFFFFFFFFu;
-        for (unsigned c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
-            const uint4 got = s[c];
-            const uint4 want = kvp_chunk(key, ent.x, lkv, ent.y, c);
-            const unsigned off = c * 16u;
-            kvp_cmp4(want, got, off, &bad, &first);
+        {
+            unsigned c = c0 + threadIdx.x, r = c / R.rc, w = c - r * R.rc;
+#pragma unroll
+            for (unsigned k = 0; k < KVP_PER_THREAD; k++) {
+                if (c < c1) {
+                    const uint4 want = kvp2_chunk(pr.key[r - r0], pr.pos[r - r0], ent.x, lkv0, ent.y, w);
+                    kvp_cmp4(want, got[k], c * 16u, &bad, &first);
+                }
+                c += KVP_THREADS;
+                r += q_step;
+                w += w_step;
+                if (w >= R.rc) { w -= R.rc; r++; }
+            }
         }
         if (bad) { atomicAdd(&s_bad, bad); atomicMin(&s_first, first); }
         __syncthreads();

@@ -1,20 +1,20 @@
 #!/usr/bin/env python3
-"""Independent reference of the kvprobe fingerprint and poison (README "Fingerprint format"),
-for vendors who receive a report: recompute the expected bytes of any block slice, or the
-poison of any slot, and compare them with a dump, without kvprobe.
+"""Independent reference of the kvprobe fingerprint (kvprobe.fingerprint/2) and poison (README
+"Fingerprint format"), for vendors who receive a report: recompute the expected bytes of any
+block slice, or the poison of any slot, and compare them with a dump, without kvprobe.
 
-usage: scripts/fingerprint_ref.py SEED LAYER KV BLOCK GENERATION SLICE_BYTES [OUT]
-       scripts/fingerprint_ref.py v2 SEED LAYER KV BLOCK GENERATION ORDER BLOCK_SIZE HEADS ROW_BYTES TOKEN_BASE HEAD_BASE [OUT]
+usage: scripts/fingerprint_ref.py SEED LAYER KV BLOCK GENERATION ORDER BLOCK_SIZE HEADS ROW_BYTES TOKEN_BASE HEAD_BASE [OUT]
        scripts/fingerprint_ref.py poison SLOT ITERATION SLICE_BYTES [OUT]
        scripts/fingerprint_ref.py slot LAYOUT NUM_LAYERS NUM_BLOCKS LAYER KV BLOCK
 
-  The first form prints the SHA-256 of a slice's fingerprint (a failure's expected_digest);
-  BLOCK and GENERATION are the *logical* block id and generation (a failure's
-  `expected.block` / `expected.generation`, or `observed.*`), not the slot `block`.
-  `v2` prints the SHA-256 of a slice in fingerprint version 2 (by position, csrc/fingerprint.h
-  "Fingerprint version 2"): BLOCK_SIZE x HEADS rows of ROW_BYTES (head_size x dtype bytes) in
-  ORDER nhd ([token][head]), hnd ([head][token]) or mla ([token], HEADS 1), naming tokens
-  TOKEN_BASE.. and global heads HEAD_BASE.. (0 0 for a whole slice of a single engine).
+  The first form prints the SHA-256 of a slice's fingerprint (a failure's expected_digest):
+  BLOCK_SIZE x HEADS head rows of ROW_BYTES (head_size x dtype bytes) in ORDER nhd
+  ([token][head]), hnd ([head][token]) or mla ([token], HEADS 1), naming tokens TOKEN_BASE..
+  and global heads HEAD_BASE.. . BLOCK, GENERATION and TOKEN_BASE are the *logical* block's
+  (a failure's `expected.block`, `expected.generation`, `expected.token_base` or 0, or
+  `observed.*`), not the slot `block`; ORDER, BLOCK_SIZE, HEADS and ROW_BYTES follow the
+  report's config.geometry (layout, or mla; block_size; num_kv_heads, or 1 with mla;
+  head_size x dtype bytes). A dump's `regenerate` commands spell them out.
   `poison` prints the SHA-256 of the poison of global slice index SLOT in ITERATION (an
   `unwritten` slice's actual_digest). `slot` prints the global slice index of a decode slot
   (a failure's layer, kv and block) in a pool of LAYOUT nhd, hnd or mla.
@@ -24,17 +24,19 @@ usage: scripts/fingerprint_ref.py SEED LAYER KV BLOCK GENERATION SLICE_BYTES [OU
   SEED: 0 to 2^64-1.  LAYER: 0 to 65535.  KV: K, V or latent (or 0, 1, 2; latent only with
   mla, K and V only without).  BLOCK, GENERATION, ITERATION: 0 to 2^32-1.  SLOT: 0 to 2^32-2.
   SLICE_BYTES: a multiple of 16 from 16 to 2^31 (config.geometry.slice_bytes).
-  ROW_BYTES: a multiple of 16 from 16 to 32768.  BLOCK_SIZE, HEADS: from 1; TOKEN_BASE +
-  BLOCK_SIZE and HEAD_BASE + HEADS at most 65536; the slice at most 2^31 bytes.
-  ORDER mla goes with KV latent, HEADS 1 and HEAD_BASE 0 (one latent row per token, head 0).
+  ROW_BYTES: a multiple of 16 from 32 to 32768, not 16 more than a multiple of 512.
+  BLOCK_SIZE, HEADS: from 1; TOKEN_BASE + BLOCK_SIZE and HEAD_BASE + HEADS at most 65536; the
+  slice at most 2^31 bytes. ORDER mla goes with KV latent, HEADS 1 and HEAD_BASE 0 (one
+  latent row per token, head 0).
   NUM_LAYERS: 1 to 65535.  NUM_BLOCKS: 1 to 2^32-1.  Numbers are decimal (leading zeros
   allowed) or 0x hex, at most 40 digits.
   Bad arguments: this text and exit status 2. OUT (or standard output) that cannot be
-  written, or too little memory for SLICE_BYTES: a one-line error and exit status 1.
+  written, or too little memory for the slice: a one-line error and exit status 1.
 """
 import array, hashlib, re, sys
 
 M = 0xFFFFFFFF
+MULT = (1, 0x85EBCA6B, 0xC2B2AE35, 0x27D4EB2F)
 MAX_SLICE_BYTES = 1 << 31
 
 
@@ -51,21 +53,6 @@ def seed32(seed):
     return fmix32((seed & M) ^ fmix32(((seed >> 32) & M) ^ 0x6B767062))
 
 
-def slice_bytes(seed, layer, kv, block, gen, length):
-    lkv = (layer & 0xFFFF) | ((kv & 0xFF) << 16) | (0x4B << 24)
-    key = fmix32(seed32(seed) ^ fmix32(block ^ fmix32(lkv ^ fmix32(gen ^ 0x9E3779B9))))
-    out = array.array("I")
-    for e in range(length // 4):
-        w = e % 128
-        if w == 0: v = block
-        elif w == 1: v = lkv
-        elif w == 2: v = gen
-        elif w == 3: v = fmix32(key ^ (((e // 128) * 0x85EBCA77) & M))
-        else: v = fmix32(key ^ ((e * 0x9E3779B9) & M))
-        out.append(v)
-    return le_bytes(out)
-
-
 def le_bytes(a):
     """The little-endian bytes of an array of uint32 (4 bytes per element, not a list of ints)."""
     if sys.byteorder != "little":
@@ -73,7 +60,7 @@ def le_bytes(a):
     return a.tobytes()
 
 
-def slice_v2(seed, layer, kv, block, gen, order, block_size, heads, row_bytes, token_base, head_base):
+def slice_rows(seed, layer, kv, block, gen, order, block_size, heads, row_bytes, token_base, head_base):
     s32 = seed32(seed)
     lkv0 = (layer & 0xFFFF) | ((kv & 3) << 16) | (0x4C << 24)
     row_elems = row_bytes // 4
@@ -90,8 +77,7 @@ def slice_v2(seed, layer, kv, block, gen, order, block_size, heads, row_bytes, t
             elif w == 1: v = lkv0 | ((u & 0x3F) << 18)
             elif w == 2: v = gen
             elif w == 3: v = pos
-            elif w == 4: v = fmix32(rkey ^ (((u + 1) * 0x85EBCA77) & M))
-            else: v = fmix32(rkey ^ ((i * 0x9E3779B9) & M))
+            else: v = (fmix32(rkey ^ (((i // 4) * 0x9E3779B9) & M)) * MULT[i % 4]) & M
             out.append(v)
     return le_bytes(out)
 
@@ -165,37 +151,28 @@ def main(a):
             raise Usage("the pool has more than 2^32-1 slices (kvprobe refuses that geometry)")
         write_all(stdout_bytes(), ("%d\n" % s).encode())
         return 0
-    elif a[0] == "v2":
-        if len(a) not in (12, 13):
-            raise Usage("v2 takes SEED LAYER KV BLOCK GENERATION ORDER BLOCK_SIZE HEADS ROW_BYTES TOKEN_BASE HEAD_BASE [OUT]")
-        seed = number("SEED", a[1], 0, (1 << 64) - 1)
-        layer = number("LAYER", a[2], 0, 0xFFFF)
-        order = a[6].lower()
-        if order not in ("nhd", "hnd", "mla"):
-            raise Usage("ORDER must be nhd, hnd or mla, not %r" % a[6])
-        kv = kv_code(a[3], (2,) if order == "mla" else (0, 1))
-        block = number("BLOCK", a[4], 0, M)
-        gen = number("GENERATION", a[5], 0, M)
-        block_size = number("BLOCK_SIZE", a[7], 1, 1 << 16)
-        heads = number("HEADS", a[8], 1, 1 if order == "mla" else 1 << 16)
-        row_bytes = number("ROW_BYTES", a[9], 16, 32768)
-        if row_bytes % 16:
-            raise Usage("ROW_BYTES must be a multiple of 16, not %d" % row_bytes)
-        token_base = number("TOKEN_BASE", a[10], 0, (1 << 16) - block_size)
-        head_base = number("HEAD_BASE", a[11], 0, 0 if order == "mla" else (1 << 16) - heads)
-        if block_size * heads * row_bytes > MAX_SLICE_BYTES:
-            raise Usage("the slice would be more than 2^31 bytes")
-        b = slice_v2(seed, layer, kv, block, gen, order, block_size, heads, row_bytes, token_base, head_base)
-        out = a[12:]
     else:
-        if len(a) not in (6, 7):
-            raise Usage("expected SEED LAYER KV BLOCK GENERATION SLICE_BYTES [OUT]")
+        if len(a) not in (11, 12):
+            raise Usage("expected SEED LAYER KV BLOCK GENERATION ORDER BLOCK_SIZE HEADS ROW_BYTES TOKEN_BASE HEAD_BASE [OUT]")
         seed = number("SEED", a[0], 0, (1 << 64) - 1)
         layer = number("LAYER", a[1], 0, 0xFFFF)
-        kv = kv_code(a[2])
+        order = a[5].lower()
+        if order not in ("nhd", "hnd", "mla"):
+            raise Usage("ORDER must be nhd, hnd or mla, not %r" % a[5])
+        kv = kv_code(a[2], (2,) if order == "mla" else (0, 1))
         block = number("BLOCK", a[3], 0, M)
         gen = number("GENERATION", a[4], 0, M)
-        b, out = slice_bytes(seed, layer, kv, block, gen, length(a[5])), a[6:]
+        block_size = number("BLOCK_SIZE", a[6], 1, 1 << 16)
+        heads = number("HEADS", a[7], 1, 1 if order == "mla" else 1 << 16)
+        row_bytes = number("ROW_BYTES", a[8], 32, 32768)
+        if row_bytes % 16 or row_bytes % 512 == 16:
+            raise Usage("ROW_BYTES must be a multiple of 16 that is not 16 more than a multiple of 512, not %d" % row_bytes)
+        token_base = number("TOKEN_BASE", a[9], 0, (1 << 16) - block_size)
+        head_base = number("HEAD_BASE", a[10], 0, 0 if order == "mla" else (1 << 16) - heads)
+        if block_size * heads * row_bytes > MAX_SLICE_BYTES:
+            raise Usage("the slice would be more than 2^31 bytes")
+        b = slice_rows(seed, layer, kv, block, gen, order, block_size, heads, row_bytes, token_base, head_base)
+        out = a[11:]
     digest = hashlib.sha256(b).hexdigest()
     if out and out[0] == "-":
         write_all(stdout_bytes(), b)

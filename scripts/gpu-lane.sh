@@ -20,7 +20,7 @@ suites (one GPU unless marked x2; minutes on one H200):
   tests       the whole test binary, KVPROBE_REQUIRE_GPU=1, Mooncake from the bundle (~7)
   main        env; llama3-8b READ (20 it.), WRITE, deepseek-v3 (MLA), GET_ZCOPY; --report - is pure JSON (~1)
   inject      every class on llama3-8b, stray with 8 stages, --dump/--bundle + report check,
-              smallest slices (16-64 bytes x seeds 1-5): planted = detected (~2)
+              smallest slices (32-80 bytes x seeds 1-5): planted = detected (~2)
   mooncake    --tier mooncake on VRAM: a short stacked run, its GPU test, ab --tier mooncake (~2)
   sustained   stacked llama3-8b on VRAM for $LANE_DURATION (default 330s) with $LANE_TIER (embedded|
               mooncake), the whole test binary and ab alongside; on two GPUs ab across them too (~LANE_DURATION)
@@ -217,12 +217,11 @@ suite_inject() {
   "$kv" report check "$out/dump-vram.tar.gz" 2>&1 | tail -5 | tee -a "$log"
   expect 0 "${PIPESTATUS[0]}" "report check of the VRAM bundle"
   rm -rf "$out/dump-vram"
-  step "smallest slices on VRAM: every class, 16/32/48/64-byte slices, seeds 1-5"
+  step "smallest slices on VRAM: every class, 32/48/64/80-byte slices (one head row each), seeds 1-5"
   local head seed inj
-  for head in 16 32 48 64; do
+  for head in 32 48 64 80; do
     for seed in 1 2 3 4 5; do
-      inj="--inject bitflip:2 --inject drop:2 --inject misroute:2 --inject stale:3"
-      [ "$head" -ge 32 ] && inj="$inj --inject torn:2"
+      inj="--inject bitflip:2 --inject drop:2 --inject misroute:2 --inject stale:3 --inject torn:2"
       rm -f "$out/tiny.json"
       "$kv" run --memory vram --layers 1 --kv-heads 1 --block-size 1 --dtype fp8 --head-size $head --blocks 16 \
         --iterations 6 --seed $seed $inj --report "$out/tiny.json" >/dev/null 2>&1

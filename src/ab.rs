@@ -411,7 +411,8 @@ fn run_rows(
                 let geometry = rep.config.get("geometry").cloned().unwrap_or_default();
                 // The cap holds for the whole matrix: each row gets an equal share.
                 let share = cap / cases().len() as u64;
-                Some(crate::dump::Dumper::new(&dir.join(&name), share, cfg.seed, geometry, cfg.geometry.slice_bytes()?)?)
+                let shape = crate::fingerprint::RowShape::of(&cfg.geometry);
+                Some(crate::dump::Dumper::new(&dir.join(&name), share, cfg.seed, geometry, cfg.geometry.slice_bytes()?, shape)?)
             }
             None => None,
         };

@@ -19,7 +19,7 @@
 
 use crate::dump::{DumpEntry, DumpIndex};
 use crate::error::{Error, Result};
-use crate::fingerprint::{self, BlockIdentity};
+use crate::fingerprint::{self, BlockIdentity, RowShape};
 use crate::geometry::{Geometry, SliceCoord};
 use serde_json::{Value, json};
 use std::collections::{BTreeMap, BTreeSet};
@@ -197,7 +197,7 @@ fn slice_name(e: &DumpEntry) -> String {
 }
 
 /// What the dumped bytes say, field by field (as the report writes them).
-fn derive(e: &DumpEntry, seed: u64, actual: &[u8]) -> BTreeMap<&'static str, Value> {
+fn derive(e: &DumpEntry, seed: u64, shape: &RowShape, actual: &[u8]) -> BTreeMap<&'static str, Value> {
     let f = &e.failure;
     let len = actual.len();
     let poison_check = f.stray_check == Some(crate::report::StrayCheck::Poison);
@@ -206,7 +206,7 @@ fn derive(e: &DumpEntry, seed: u64, actual: &[u8]) -> BTreeMap<&'static str, Val
         fingerprint::poison(&mut p, f.slot, f.poison_iteration);
         p
     } else {
-        fingerprint::expected(len, seed, f.expected)
+        fingerprint::expected(seed, &shape.slice(f.expected))
     };
     let bad = actual.iter().zip(&want).filter(|(a, b)| a != b).count() as u64;
     let first = actual.iter().zip(&want).position(|(a, b)| a != b).unwrap_or(len) as u64;
@@ -219,21 +219,25 @@ fn derive(e: &DumpEntry, seed: u64, actual: &[u8]) -> BTreeMap<&'static str, Val
         // The stray-write checks name no class beyond `stray`: what landed is the first tag
         // that decodes from the first bad byte on.
         d.insert("class", json!("stray"));
-        d.insert("observed", json!(fingerprint::observed_identity(actual, seed, first)));
+        d.insert("observed", json!(fingerprint::observed_identity(actual, seed, shape, first)));
         d.insert("bit_flips", Value::Null);
         d.insert("sectors", Value::Null);
+        d.insert("displacement", Value::Null);
+        d.insert("rows", Value::Null);
     } else {
-        let v = crate::verify::classify_against(actual, &want, f.expected, seed, f.slot, f.poison_iteration);
+        let v = crate::verify::classify_against(actual, &want, &shape.slice(f.expected), seed, f.slot, f.poison_iteration);
         d.insert("class", json!(v.class));
         d.insert("observed", json!(v.observed));
         d.insert("bit_flips", json!(v.bit_flips));
         d.insert("sectors", json!(v.sectors));
+        d.insert("displacement", json!(v.displacement.map(|x| x.to_string())));
+        d.insert("rows", json!(v.rows));
     }
     d
 }
 
 /// Fields that must agree between the index's record and the report's.
-const RECORD_FIELDS: [&str; 16] = [
+const RECORD_FIELDS: [&str; 18] = [
     "iteration",
     "layer",
     "kv",
@@ -249,6 +253,8 @@ const RECORD_FIELDS: [&str; 16] = [
     "expected",
     "bit_flips",
     "sectors",
+    "displacement",
+    "rows",
     "stray_check",
 ];
 
@@ -272,6 +278,14 @@ fn check_section(
     bundle: &Path,
 ) -> Result<()> {
     let bundle = bundle.display();
+    if index.fingerprint != fingerprint::FORMAT {
+        return Err(Error::Usage(format!(
+            "{bundle}: {label}{dir}index.json: fingerprint {:?}: this kvprobe checks {} (README \"Fingerprint format\"); \
+             the dump's own scripts/fingerprint_ref.py regenerates its slices",
+            index.fingerprint,
+            fingerprint::FORMAT
+        )));
+    }
     let mut say = |s: String| problems.push(format!("{label}{s}"));
     let config = &sec["config"];
     if config["seed"].as_u64() != Some(index.seed) {
@@ -355,12 +369,13 @@ fn check_section(
             say(format!("{name}: bytes: index {} (slice_bytes {}), file {}", e.bytes, index.slice_bytes, actual.len()));
             continue;
         }
+        let Some(g) = &geometry else { continue };
         let fname = e.file.rsplit('/').next().unwrap_or(&e.file);
-        let want_cmd = crate::dump::regenerate_command(&e.failure, index.seed, e.bytes, fname);
+        let want_cmd = crate::dump::regenerate_command(&e.failure, index.seed, &RowShape::of(g), e.bytes, fname);
         if e.regenerate != want_cmd {
             say(format!("{name}: regenerate: index {:?}, expected {want_cmd:?}", e.regenerate));
         }
-        if let Some(g) = &geometry {
+        {
             let c = SliceCoord { layer: e.failure.layer, kv: e.failure.kv, block: e.failure.block };
             let in_pool = c.layer < g.num_layers && c.block < g.num_blocks && g.parts().contains(&c.kv);
             // u64: a pool of 2^31 blocks has global slices past u32.
@@ -383,7 +398,7 @@ fn check_section(
                 e.failure.expected.layer, e.failure.expected.kv
             ));
         }
-        let derived = derive(e, index.seed, actual);
+        let derived = derive(e, index.seed, &RowShape::of(g), actual);
         for (k, v) in &derived {
             let got = ev.get(*k).cloned().unwrap_or(Value::Null);
             if &got != v {

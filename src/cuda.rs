@@ -577,6 +577,37 @@ pub struct RegionArgs {
     pub num_slices: u32,
     /// Global index of the region's first slice.
     pub slice_base: u32,
+    /// Bytes per head row (`head_size × dtype bytes`; [`crate::fingerprint::RowShape`]).
+    pub row_bytes: u32,
+    /// Head positions per slice.
+    pub heads: u32,
+    /// Token positions per slice.
+    pub block_size: u32,
+    /// Global head of a slice's first head position.
+    pub head_base: u32,
+}
+
+/// `struct kvp_rows` of csrc/kernels.cu, passed by value.
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct KvpRows {
+    rc: u32,
+    heads: u32,
+    block_size: u32,
+    head_base: u32,
+    order: u32,
+}
+
+impl RegionArgs {
+    fn rows(&self) -> KvpRows {
+        KvpRows {
+            rc: self.row_bytes / 16,
+            heads: self.heads,
+            block_size: self.block_size,
+            head_base: self.head_base,
+            order: self.layout,
+        }
+    }
 }
 
 /// One failing slice as the verify kernel reports it (16 bytes, `struct kvp_fail`).
@@ -610,6 +641,7 @@ unsafe impl Send for Kernels {}
 // SAFETY: as above.
 unsafe impl Sync for Kernels {}
 
+/// Threads per block: `KVP_THREADS` in csrc/kernels.cu (its loops assume exactly this many).
 const THREADS: u32 = 256;
 
 /// Binds each `name = value` to a local and builds `$params`, the array of pointers to
@@ -622,8 +654,8 @@ macro_rules! kernel_params {
 }
 
 /// Chunks of 16 bytes per work item of the kernels (`KVP_PART_CHUNKS` in csrc/kernels.cu):
-/// each thread block handles 16 KiB of one slice at a time.
-pub const PART_CHUNKS: u64 = 1024;
+/// each thread block handles 32 KiB of one slice at a time.
+pub const PART_CHUNKS: u64 = 2048;
 
 /// Slots of the verify kernel's compared-work counters (`KVP_CMP_SLOTS` in csrc/kernels.cu):
 /// the kernel adds to this many {slices, bytes} u64 pairs (16 bytes each), which the host sums.
@@ -727,9 +759,13 @@ impl Kernels {
     }
 
     /// Fills every slice of a region with the fingerprint of `table[block]` (asynchronous).
-    /// `table` holds `num_blocks` `{logical block, generation}` u32 pairs.
+    /// `table` holds `num_blocks` `{logical block, generation, token_base, 0}` u32 quadruples.
     pub fn fill(&self, r: RegionArgs, seed32: u32, table: &DeviceBuffer) -> Result<()> {
-        kernel_params!(params; p = r.region, sb = r.slice_bytes, lo = r.layout, nb = r.num_blocks, l = r.layer, s = seed32, t = table.ptr(), n = r.num_slices);
+        kernel_params!(
+            params;
+            p = r.region, sb = r.slice_bytes, lo = r.layout, nb = r.num_blocks, l = r.layer, s = seed32,
+            t = table.ptr(), n = r.num_slices, rows = r.rows()
+        );
         self.launch(self.fill, &r, &mut params)
     }
 
@@ -770,7 +806,7 @@ impl Kernels {
             params;
             p = r.region, sb = r.slice_bytes, lo = r.layout, nb = r.num_blocks, l = r.layer, s = seed32,
             t = table.ptr(), n = r.num_slices, base = r.slice_base, f = fails.ptr(), c = counters.ptr(),
-            cap = u32::try_from(fails.len() / 16).unwrap_or(u32::MAX), cmp = counters.ptr() + 16
+            cap = u32::try_from(fails.len() / 16).unwrap_or(u32::MAX), cmp = counters.ptr() + 16, rows = r.rows()
         );
         self.launch(self.verify, &r, &mut params)
     }

@@ -15,6 +15,7 @@
 //! (disk full) stops the dump (`dump_truncated`, with the reason) and never the run.
 
 use crate::error::{Error, Result};
+use crate::fingerprint::{RowOrder, RowShape};
 pub use crate::report::DumpSummary;
 use crate::report::Failure;
 use crate::verify::Class;
@@ -32,15 +33,15 @@ pub const DEFAULT_MAX_BYTES: u64 = 256 << 20;
 
 /// Which fingerprint definition the expected bytes follow (README "Fingerprint format",
 /// `csrc/fingerprint.h`, `scripts/fingerprint_ref.py`).
-pub const FINGERPRINT: &str = "kvprobe.fingerprint/1";
+pub const FINGERPRINT: &str = crate::fingerprint::FORMAT;
 
 /// The fingerprint's Python reference, copied into every dump as `scripts/fingerprint_ref.py`.
 pub const REF_SCRIPT: &str = include_str!("../scripts/fingerprint_ref.py");
 
 /// The cap's rule, as written into `index.json`.
 pub const RULE: &str = "a slice is written while bytes_written + its size <= max_bytes, and then: into its class's \
-reserved room (reserve_per_class_bytes = max_bytes / (2 x 7 classes)) while the class has written no more than that; \
-else always when its class has no slice written yet; else into the shared room (max_bytes - 7 x reserve_per_class_bytes) \
+reserved room (reserve_per_class_bytes = max_bytes / (2 x 8 classes)) while the class has written no more than that; \
+else always when its class has no slice written yet; else into the shared room (max_bytes - 8 x reserve_per_class_bytes) \
 while the bytes written beyond every class's reserve fit in it";
 
 /// Slices of one class written and left out (cap or a failed write).
@@ -153,6 +154,8 @@ struct State {
     dir: PathBuf,
     index: DumpIndex,
     class_bytes: BTreeMap<Class, u64>,
+    /// The decode pool's rows.
+    shape: RowShape,
     names: HashSet<String>,
     /// The class of every failing slice offered or omitted, in the order found.
     found: Vec<Class>,
@@ -165,8 +168,16 @@ struct State {
 impl Dumper {
     /// A dump into `dir` (checked by [`check_dir`]; created when absent) of slices of
     /// `slice_bytes` bytes, capped at `max_bytes`; `geometry` is the report's
-    /// `config.geometry`. Writes `scripts/fingerprint_ref.py` and creates `slices/`.
-    pub fn new(dir: &Path, max_bytes: u64, seed: u64, geometry: serde_json::Value, slice_bytes: u64) -> Result<Dumper> {
+    /// `config.geometry` and `shape` the decode pool's rows (the `regenerate` commands name
+    /// them). Writes `scripts/fingerprint_ref.py` and creates `slices/`.
+    pub fn new(
+        dir: &Path,
+        max_bytes: u64,
+        seed: u64,
+        geometry: serde_json::Value,
+        slice_bytes: u64,
+        shape: RowShape,
+    ) -> Result<Dumper> {
         check_dir(dir)?;
         let io = |what: &str, e: std::io::Error| Error::Io(format!("--dump {}: {what}: {e}", dir.display()));
         std::fs::create_dir_all(dir.join("slices")).map_err(|e| io("create slices/", e))?;
@@ -197,6 +208,7 @@ impl Dumper {
                 slices: Vec::new(),
             },
             class_bytes: BTreeMap::new(),
+            shape,
             names: HashSet::new(),
             found: Vec::new(),
             entry_at: Vec::new(),
@@ -330,7 +342,7 @@ impl State {
             file: rel,
             bytes: len,
             report_index,
-            regenerate: regenerate_command(f, self.index.seed, len, &name),
+            regenerate: regenerate_command(f, self.index.seed, &self.shape, len, &name),
             failure: f.clone(),
         });
     }
@@ -410,21 +422,31 @@ impl State {
     }
 }
 
-/// The command that writes the expected bytes of `f` (slices of `len` bytes) to
-/// `expected/<name>` from the dump directory, with kvprobe's Python reference.
-pub fn regenerate_command(f: &Failure, seed: u64, len: u64, name: &str) -> String {
+/// The command that writes the expected bytes of `f` (slices of `len` bytes cut into rows by
+/// `shape`) to `expected/<name>` from the dump directory, with kvprobe's Python reference.
+pub fn regenerate_command(f: &Failure, seed: u64, shape: &RowShape, len: u64, name: &str) -> String {
     let out = format!("expected/{name}");
     if f.stray_check == Some(crate::report::StrayCheck::Poison) {
         format!("mkdir -p expected && python3 scripts/fingerprint_ref.py poison {} {} {len} {out}", f.slot, f.poison_iteration)
     } else {
         let e = &f.expected;
+        let order = match shape.order {
+            RowOrder::Nhd => "nhd",
+            RowOrder::Hnd => "hnd",
+            RowOrder::Mla => "mla",
+        };
         format!(
-            "mkdir -p expected && python3 scripts/fingerprint_ref.py {} {} {} {} {} {len} {out}",
+            "mkdir -p expected && python3 scripts/fingerprint_ref.py {} {} {} {} {} {order} {} {} {} {} {} {out}",
             crate::fingerprint::seed_hex(seed),
             e.layer,
             e.kv,
             e.block,
-            e.generation
+            e.generation,
+            shape.block_size,
+            shape.heads,
+            shape.row_bytes,
+            e.token_base,
+            shape.head_base
         )
     }
 }

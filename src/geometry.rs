@@ -111,6 +111,36 @@ pub enum GeometryError {
 /// Block-slice size limit: slice byte offsets are 32-bit in the kernels.
 pub const MAX_SLICE_BYTES: u64 = 1 << 31;
 
+/// Bytes of a tagged unit of a head row in the fingerprint ([`crate::fingerprint`]); the last
+/// unit of a row may be shorter, at least [`MIN_ROW_BYTES`].
+pub const UNIT_BYTES: u32 = 512;
+
+/// Shortest head row (and shortest last unit of a row): the fingerprint's 16-byte tag, its
+/// check word and 3 body words.
+pub const MIN_ROW_BYTES: u32 = 32;
+
+/// Longest head row: the fingerprint tag's unit index has 6 bits (64 units of 512 bytes).
+pub const MAX_ROW_BYTES: u32 = 64 * UNIT_BYTES;
+
+/// Tokens and heads are 16-bit fields of the fingerprint's tag: a block's tokens and a
+/// model's KV heads are at most this many.
+pub const MAX_POSITION: u32 = 1 << 16;
+
+/// Checks a head row's length (`head_size × dtype bytes`) against what the fingerprint
+/// encodes: a multiple of 16 from [`MIN_ROW_BYTES`] to [`MAX_ROW_BYTES`] whose last 512-byte
+/// unit is not 16 bytes (every unit holds a 16-byte tag and a check word).
+pub fn check_row_bytes(row_bytes: u64) -> Result<(), GeometryError> {
+    let rb = row_bytes;
+    if rb < MIN_ROW_BYTES as u64 || !rb.is_multiple_of(16) || rb > MAX_ROW_BYTES as u64 || rb % UNIT_BYTES as u64 == 16 {
+        return Err(GeometryError::Invalid(format!(
+            "a head row is {rb} bytes (head_size × dtype bytes; MLA: the latent width × dtype bytes); the fingerprint \
+             needs a multiple of 16 from {MIN_ROW_BYTES} to {MAX_ROW_BYTES} that is not 16 more than a multiple of 512 \
+             (every 512-byte unit of a row holds a 16-byte tag and a check word)"
+        )));
+    }
+    Ok(())
+}
+
 /// Shape of one engine's paged KV cache.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Geometry {
@@ -146,9 +176,9 @@ pub struct SliceCoord {
 impl Geometry {
     /// Checks every parameter and that all sizes fit; call before allocating.
     ///
-    /// Errors: zero parameters, more than 65535 layers, MLA with more than one KV head,
-    /// a slice that is not a multiple of 16 bytes (the fingerprint's tag and the kernels'
-    /// 16-byte accesses need it) or is larger than [`MAX_SLICE_BYTES`], and more than
+    /// Errors: zero parameters, more than 65535 layers, MLA with more than one KV head, a
+    /// head row the fingerprint cannot tag ([`check_row_bytes`]), more than [`MAX_POSITION`]
+    /// tokens per block or KV heads, a slice larger than [`MAX_SLICE_BYTES`], and more than
     /// 2^32 − 1 slices in the pool.
     pub fn validate(&self) -> Result<(), GeometryError> {
         for (name, v) in [
@@ -174,13 +204,15 @@ impl Geometry {
                 self.num_kv_heads
             )));
         }
-        let s = self.slice_bytes()?;
-        if s % 16 != 0 {
-            return Err(GeometryError::Invalid(format!(
-                "a block slice is {s} bytes ({}); it must be a multiple of 16",
-                if self.mla { "block_size * head_size * dtype bytes" } else { "block_size * kv_heads * head_size * dtype bytes" }
-            )));
+        check_row_bytes(self.head_size as u64 * self.dtype.bytes())?;
+        for (name, v) in [("block-size", self.block_size), ("kv-heads", self.num_kv_heads)] {
+            if v > MAX_POSITION {
+                return Err(GeometryError::Invalid(format!(
+                    "--{name} {v} exceeds {MAX_POSITION} (the fingerprint stores tokens and heads in 16 bits)"
+                )));
+            }
         }
+        let s = self.slice_bytes()?;
         if s > MAX_SLICE_BYTES {
             return Err(GeometryError::Invalid(format!("a block slice is {s} bytes; at most {MAX_SLICE_BYTES} are supported")));
         }
@@ -194,6 +226,7 @@ impl Geometry {
 
     /// Bytes of one block slice: `block_size * num_kv_heads * head_size * dtype.bytes()`.
     pub fn slice_bytes(&self) -> Result<u64, GeometryError> {
+        // block_size × num_kv_heads rows of row_bytes() (MLA: num_kv_heads is 1).
         (self.block_size as u64)
             .checked_mul(self.num_kv_heads as u64)
             .and_then(|v| v.checked_mul(self.head_size as u64))

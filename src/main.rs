@@ -640,6 +640,7 @@ impl PoolArgs {
             geometry: g,
             op: Op::Read,
             iterations: 1,
+            fingerprint: Default::default(),
             seed: self.seed,
             inject: Vec::new(),
             backend: self.backend.clone(),
@@ -1265,7 +1266,8 @@ fn start_dump(pool: &PoolArgs, cfg: &RunConfig, row: Option<&str>) -> Result<Opt
     }
     let geometry = serde_json::to_value(cfg).ok().and_then(|v| v.get("geometry").cloned()).unwrap_or_default();
     let sb = cfg.geometry.slice_bytes()?;
-    kvprobe::dump::Dumper::new(&dir, pool.dump_max_bytes, cfg.seed, geometry, sb).map(Some)
+    let shape = kvprobe::fingerprint::RowShape::of(&cfg.geometry);
+    kvprobe::dump::Dumper::new(&dir, pool.dump_max_bytes, cfg.seed, geometry, sb, shape).map(Some)
 }
 
 /// `--bundle` at the end of run and ab: the report `doc` (as `name`), the dump, and the

@@ -4,11 +4,12 @@
 //!
 //! VRAM pools run the CUDA kernels (csrc/kernels.cu) and bring only failing slices to the
 //! host; DRAM pools run the CPU reference on all threads. Both honour the same
-//! per-block table of `{logical block, generation}` ([`TableEntry`]).
+//! per-block table of `{logical block, generation, token_base}` ([`TableEntry`]) and the
+//! pool's [`RowShape`] (how its slices are cut into head rows).
 
 use crate::cuda::{Device, DeviceBuffer, GpuTimer, Kernels, PendingTime, RegionArgs};
 use crate::error::{Error, Result};
-use crate::fingerprint::{self, BlockIdentity, SKIP_GEN};
+use crate::fingerprint::{self, BlockIdentity, RowShape, SKIP_GEN};
 use crate::geometry::{Geometry, SliceCoord};
 use crate::hostmem::{HostBuffer, SpanMut};
 use std::ops::Range;
@@ -43,18 +44,26 @@ pub enum MemoryKind {
 
 /// What a physical block slot holds (or must hold): the same for all its layers and K/V.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[repr(C)]
 pub struct TableEntry {
     /// Logical block id.
     pub block: u32,
     /// Generation; [`SKIP_GEN`] leaves the slot alone.
     pub generation: u32,
+    /// Token of the logical block at the slot's first token position (0 unless the slot
+    /// holds part of a larger logical block: [`BlockIdentity::token_base`]).
+    #[serde(default)]
+    pub token_base: u32,
 }
 
 impl TableEntry {
+    /// A slot holding the whole logical block `block` of `generation`.
+    pub fn new(block: u32, generation: u32) -> TableEntry {
+        TableEntry { block, generation, token_base: 0 }
+    }
+
     /// The identity of this slot's slice at `c`.
     pub fn identity(&self, c: SliceCoord) -> BlockIdentity {
-        BlockIdentity { layer: c.layer, kv: c.kv, block: self.block, generation: self.generation }
+        BlockIdentity { layer: c.layer, kv: c.kv, block: self.block, generation: self.generation, token_base: self.token_base }
     }
 }
 
@@ -149,6 +158,8 @@ pub struct Compared {
 /// One side's KV pool.
 pub struct KvPool {
     geom: Geometry,
+    /// How the pool's slices are cut into head rows (the fingerprint's unit).
+    shape: RowShape,
     seed: u64,
     backing: Backing,
     /// VRAM pools: device seconds of the kernels waited for by the last [`KvPool::finish`].
@@ -189,8 +200,10 @@ enum Pass {
     Check,
 }
 
+/// The device table: per block `{logical block, generation, token_base, 0}` as little-endian
+/// u32 (a `uint4` in csrc/kernels.cu).
 fn table_bytes(table: &[TableEntry]) -> Vec<u8> {
-    table.iter().flat_map(|e| e.block.to_le_bytes().into_iter().chain(e.generation.to_le_bytes())).collect()
+    table.iter().flat_map(|e| [e.block, e.generation, e.token_base, 0].into_iter().flat_map(u32::to_le_bytes)).collect()
 }
 
 fn threads() -> usize {
@@ -204,6 +217,7 @@ impl KvPool {
         let pool = Self::host_bytes(geom)?;
         Ok(KvPool {
             geom: geom.clone(),
+            shape: RowShape::of(geom),
             seed,
             backing: Backing::Host(HostBuffer::alloc(pool)?),
             last_kernel_secs: None,
@@ -239,6 +253,7 @@ impl KvPool {
         let pool = Self::host_bytes(geom)?;
         Ok(KvPool {
             geom: geom.clone(),
+            shape: RowShape::of(geom),
             seed,
             backing: Backing::Host(HostBuffer::alloc_shareable(pool)?),
             last_kernel_secs: None,
@@ -296,7 +311,7 @@ impl KvPool {
             .and_then(|n| n.checked_mul(16))
             .ok_or(Error::Usage("slice count overflows".into()))?;
         // Two lists: the verify kernel's and the poison check's.
-        let need = pool + 2 * fails_len + 8 * geom.num_blocks as u64 + (64 << 20);
+        let need = pool + 2 * fails_len + 16 * geom.num_blocks as u64 + (64 << 20);
         let (free, _) = dev.mem_info()?;
         if need > free {
             return Err(Error::Usage(format!(
@@ -318,7 +333,7 @@ impl KvPool {
         regions: Vec<DeviceBuffer>,
     ) -> Result<KvPool> {
         let fails_len = geom.total_slices()? * crate::cuda::parts_per_slice(geom.slice_bytes()?) * 16;
-        let table = DeviceBuffer::alloc(dev, 8 * geom.num_blocks as usize)?;
+        let table = DeviceBuffer::alloc(dev, 16 * geom.num_blocks as usize)?;
         let fails = DeviceBuffer::alloc(dev, fails_len as usize)?;
         let counters = DeviceBuffer::alloc(dev, crate::cuda::VERIFY_COUNTERS_BYTES)?;
         // cuMemAlloc may hand back a freed buffer's bytes (seen on an H200): a stale count
@@ -331,6 +346,7 @@ impl KvPool {
         check_fails.zero()?;
         Ok(KvPool {
             geom: geom.clone(),
+            shape: RowShape::of(geom),
             seed,
             backing: Backing::Device {
                 kernels,
@@ -349,6 +365,17 @@ impl KvPool {
             host_compared: Compared::default(),
             check: CheckState::default(),
         })
+    }
+
+    /// How the pool's slices are cut into head rows.
+    pub fn shape(&self) -> &RowShape {
+        &self.shape
+    }
+
+    /// The expected rows of the slice at `c` when the slot holds `e` (the fingerprint's input
+    /// for this pool: its [`RowShape`] and the entry's identity).
+    pub fn rows_of(&self, e: &TableEntry, c: SliceCoord) -> fingerprint::SliceRows {
+        self.shape.slice(e.identity(c))
     }
 
     /// The pool's geometry.
@@ -502,18 +529,19 @@ impl KvPool {
         self.check_layers(&layers)?;
         let seed = self.seed;
         let table = &self.table;
+        let shape = self.shape;
         match &mut self.backing {
             Backing::Host(buf) => Self::host_each(&self.geom, buf, layers, Some(table), |c, s| {
                 let e = table[c.block as usize];
                 if e.generation != SKIP_GEN {
-                    fingerprint::fill_span(s, seed, e.identity(c));
+                    fingerprint::fill_span(s, seed, &shape.slice(e.identity(c)));
                 }
             }),
             Backing::Device { kernels, regions, table: t, .. } => {
                 let s32 = fingerprint::seed32(seed);
                 let timer = GpuTimer::start(regions[0].device())?;
                 for layer in layers {
-                    let args = Self::region_args_of(&self.geom, layer, regions[layer as usize].ptr());
+                    let args = Self::region_args_of(&self.geom, &shape, layer, regions[layer as usize].ptr());
                     kernels.fill(args, s32, t)?;
                 }
                 self.timers.push((Pass::Fill, timer.end()?));
@@ -541,7 +569,7 @@ impl KvPool {
             Backing::Device { kernels, regions, table: t, .. } => {
                 let timer = GpuTimer::start(regions[0].device())?;
                 for layer in layers {
-                    let args = Self::region_args_of(&self.geom, layer, regions[layer as usize].ptr());
+                    let args = Self::region_args_of(&self.geom, &self.shape, layer, regions[layer as usize].ptr());
                     kernels.poison(args, iteration, by_table.then_some(&*t))?;
                 }
                 self.timers.push((Pass::Poison, timer.end()?));
@@ -560,6 +588,7 @@ impl KvPool {
         self.check_layers(&layers)?;
         let seed = self.seed;
         let table = &self.table;
+        let shape = self.shape;
         match &mut self.backing {
             Backing::Host(buf) => {
                 let found = std::sync::Mutex::new(Vec::new());
@@ -570,7 +599,7 @@ impl KvPool {
                     if e.generation == SKIP_GEN {
                         return;
                     }
-                    let (bad, first) = fingerprint::check_span(s.as_span(), seed, e.identity(c));
+                    let (bad, first) = fingerprint::check_span(s.as_span(), seed, &shape.slice(e.identity(c)));
                     n_slices.fetch_add(1, Ordering::Relaxed);
                     n_bytes.fetch_add(s.len() as u64, Ordering::Relaxed);
                     if bad > 0 {
@@ -586,7 +615,7 @@ impl KvPool {
                 let s32 = fingerprint::seed32(seed);
                 let timer = GpuTimer::start(regions[0].device())?;
                 for layer in layers {
-                    let args = Self::region_args_of(&self.geom, layer, regions[layer as usize].ptr());
+                    let args = Self::region_args_of(&self.geom, &self.shape, layer, regions[layer as usize].ptr());
                     kernels.verify(args, s32, t, fails, counters)?;
                 }
                 self.timers.push((Pass::Verify, timer.end()?));
@@ -696,7 +725,7 @@ impl KvPool {
             Backing::Device { kernels, regions, check, .. } => {
                 let timer = GpuTimer::start(regions[0].device())?;
                 for layer in layers {
-                    let args = Self::region_args_of(&self.geom, layer, regions[layer as usize].ptr());
+                    let args = Self::region_args_of(&self.geom, &self.shape, layer, regions[layer as usize].ptr());
                     kernels.check_poison(args, iteration, &check.fails, &check.counters)?;
                 }
                 self.timers.push((Pass::Check, timer.end()?));
@@ -751,9 +780,13 @@ impl KvPool {
         self.finish().map(|_| ())
     }
 
-    fn region_args_of(geom: &Geometry, layer: u32, base: u64) -> RegionArgs {
+    fn region_args_of(geom: &Geometry, shape: &RowShape, layer: u32, base: u64) -> RegionArgs {
         let per = geom.slices_per_layer() as u32;
         RegionArgs {
+            row_bytes: shape.row_bytes,
+            heads: shape.heads,
+            block_size: shape.block_size,
+            head_base: shape.head_base,
             region: base,
             slice_bytes: geom.slice_bytes().unwrap_or(0) as u32,
             layout: geom.layout_code(),

@@ -10,7 +10,7 @@ use crate::envinfo::Environment;
 use crate::error::{Error, Exit, Result};
 use crate::fingerprint::BlockIdentity;
 use crate::geometry::KvPart;
-use crate::verify::{Class, SectorRun};
+use crate::verify::{Class, SectorRun, WrongRow};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -69,9 +69,19 @@ pub struct Failure {
     /// Flipped bits (bitflip only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bit_flips: Option<u64>,
-    /// Source of each 512-byte sector (torn only).
+    /// Source of each tagged unit (a head row, or 512 bytes of a longer row), in runs (torn
+    /// only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sectors: Option<Vec<SectorRun>>,
+    /// How the wrong rows are displaced, when they share one displacement (layout only):
+    /// `transposed (NHD rows read as HND, or HND as NHD)`, `head offset +N` or
+    /// `token offset +N`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub displacement: Option<String>,
+    /// The first wrong rows (layout only, at most [`crate::verify::MAX_LISTED_ROWS`]): the
+    /// row index, the token and head due there and the token and head it holds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rows: Option<Vec<WrongRow>>,
     /// Scenario runs: the request whose block this is (`iteration` is then the engine step).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub request: Option<u64>,
@@ -127,6 +137,8 @@ impl Failure {
             prefill_block,
             bit_flips: v.bit_flips,
             sectors: v.sectors,
+            displacement: v.displacement.map(|d| d.to_string()),
+            rows: v.rows,
             request: None,
             predicted: None,
             attributed_to: None,

@@ -341,10 +341,10 @@ fn record_strays(
                 fingerprint::poison(&mut p, f.slice, plan.it);
                 p
             }
-            StrayCheck::Reverify => fingerprint::expected(sb, cfg.seed, expected),
+            StrayCheck::Reverify => fingerprint::expected(cfg.seed, &probe.decode.pool.shape().slice(expected)),
         };
-        let observed = fingerprint::observed_identity(&buf, cfg.seed, f.first_bad);
-        let v = verify::Verdict { class: Class::Stray, observed, bit_flips: None, sectors: None };
+        let observed = fingerprint::observed_identity(&buf, cfg.seed, probe.decode.pool.shape(), f.first_bad);
+        let v = verify::Verdict { class: Class::Stray, observed, bit_flips: None, sectors: None, displacement: None, rows: None };
         seen.insert(c, Class::Stray);
         if plan.predicted.get(&c) != Some(&Class::Stray) {
             report.summary.unexpected_failures += 1;
@@ -891,8 +891,9 @@ fn sweep(
                 let c = g.coord_of(f.slice);
                 let expected = cur.dst_table[c.block as usize].identity(c);
                 probe.decode.pool.read_slice(c, &mut buf)?;
-                let want = fingerprint::expected(sb, cfg.seed, expected);
-                let v = verify::classify_against(&buf, &want, expected, cfg.seed, f.slice, it);
+                let due = probe.decode.pool.shape().slice(expected);
+                let want = fingerprint::expected(cfg.seed, &due);
+                let v = verify::classify_against(&buf, &want, &due, cfg.seed, f.slice, it);
                 seen.insert(c, v.class);
                 if cur.predicted.get(&c) != Some(&v.class) {
                     report.summary.unexpected_failures += 1;

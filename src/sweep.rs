@@ -45,6 +45,9 @@ pub struct RunConfig {
     pub op: Op,
     /// Iterations (≥ 1).
     pub iterations: u32,
+    /// The fingerprint definition of the run's slices ([`fingerprint::FORMAT`]).
+    #[serde(default = "fingerprint::Format::before_version_2")]
+    pub fingerprint: fingerprint::Format,
     /// Fingerprint and scheduling seed; reports write it as `seed` (an integer) and
     /// `seed_hex` ([`serialize_seed`]).
     #[serde(flatten, serialize_with = "serialize_seed", deserialize_with = "deserialize_seed")]
@@ -333,7 +336,7 @@ pub(crate) fn build_pools(cfg: &RunConfig) -> Result<(KvPool, KvPool)> {
 /// What each prefill slot holds in generation `generation`: slot `i` holds logical block
 /// [`logical_block`]`(seed, i)`.
 fn source_table(cfg: &RunConfig, generation: u32) -> Vec<TableEntry> {
-    (0..cfg.geometry.num_blocks).map(|i| TableEntry { block: logical_block(cfg.seed, i), generation }).collect()
+    (0..cfg.geometry.num_blocks).map(|i| TableEntry::new(logical_block(cfg.seed, i), generation)).collect()
 }
 
 /// Plans sweep iteration `it`: the block map (a seeded random permutation of runs of
@@ -419,13 +422,8 @@ fn apply_source_faults(cfg: &RunConfig, pool: &mut KvPool, plan: &Plan, layers: 
     for a in &plan.actions {
         match *a {
             Action::Stale { at } if layers.contains(&at.layer) => {
-                let id = fingerprint::BlockIdentity {
-                    layer: at.layer,
-                    kv: at.kv,
-                    block: logical_block(cfg.seed, at.block),
-                    generation: plan.it - 1,
-                };
-                let bytes = fingerprint::expected(sb, cfg.seed, id);
+                let id = fingerprint::BlockIdentity::new(at.layer, at.kv, logical_block(cfg.seed, at.block), plan.it - 1);
+                let bytes = fingerprint::expected(cfg.seed, &pool.shape().slice(id));
                 pool.write_slice(at, &bytes)?;
             }
             Action::Bitflip { at, offset, bit } if layers.contains(&at.layer) => {

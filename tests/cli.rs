@@ -303,7 +303,7 @@ fn odd_environment_and_extreme_values_do_not_panic() {
             "--kv-heads",
             "1",
             "--head-size",
-            "8",
+            "16",
             "--block-size",
             "1",
         ],
@@ -320,7 +320,7 @@ fn odd_environment_and_extreme_values_do_not_panic() {
         "--kv-heads",
         "1",
         "--head-size",
-        "8",
+        "16",
         "--block-size",
         "1",
     ]);

@@ -19,7 +19,7 @@ fn clean_run_reports_zero_with_the_real_nixl_library() {
     assert_eq!(r["summary"]["slices_compared"], 4 * 4 * 2 * 64);
     assert_eq!(r["summary"]["bytes_compared"], 4 * (2u64 << 20));
     assert_eq!(r["summary"]["blocks_corrupt"], 0);
-    for class in ["unwritten", "stale", "misplaced", "torn", "bitflip", "garbage"] {
+    for class in ["unwritten", "stale", "misplaced", "layout", "torn", "bitflip", "garbage"] {
         assert_eq!(r["summary"]["by_class"][class], 0, "{class}");
     }
     // The pool: 4 layers × K/V × 64 blocks × 4096-byte slices = 2 MiB, moved once per iteration.
@@ -554,12 +554,12 @@ fn set_up_phases_are_named_on_stderr_before_the_first_iteration() {
     assert!(!out.contains("setup:"), "{out}");
 }
 
-/// Issue 12.3, end to end: on the smallest slices the geometry accepts (16 bytes = one tag,
-/// 32, 48, 64, up to a sector and a 16-byte tail) every injection class comes back exactly as
-/// predicted, in NHD, HND and MLA pools, over many iterations (each a new plan and
-/// generation, so the poison's slot numbers meet the tags' small generations and block ids)
-/// — and torn, which needs a prefix shorter than the slice, is refused up front on 16-byte
-/// slices with the reason.
+/// Issue 12.3, end to end: on the smallest slices the geometry accepts (one head row of 32
+/// bytes: tag, check word and 3 body words; 48, 64, up to a unit and a 32-byte tail) every
+/// injection class comes back exactly as predicted, in NHD, HND and MLA pools, over many
+/// iterations (each a new plan and generation, so the poison's slot numbers meet the tags'
+/// small generations and block ids) — and rows of 16 bytes, which could carry no check word,
+/// are refused up front with the reason.
 #[test]
 fn every_injection_is_classified_exactly_on_the_smallest_slices() {
     // One layer of `blocks` blocks of one fp8 token of one head: slices of `head` bytes.
@@ -573,28 +573,29 @@ fn every_injection_is_classified_exactly_on_the_smallest_slices() {
     fn strs(v: &[String]) -> Vec<&str> {
         v.iter().map(String::as_str).collect()
     }
-    // The issue's example: planted 4, detected 3, one stale read as torn.
-    let args = tiny(16, 8, &["--iterations", "2", "--seed", "0", "--inject", "stale:2"]);
+    // Issue 12.3's example (a stale slice whose old generation equalled the slot number was
+    // read as torn), on the smallest slice now accepted: planted 4, detected 4.
+    let args = tiny(32, 8, &["--iterations", "2", "--seed", "0", "--inject", "stale:2"]);
     let (code, r, log) = run_report("tiny-issue", &strs(&args));
     assert_eq!(code, 1, "{log}");
     crate::common::assert_found_exactly(&r, 4, &log);
 
-    let mut refused = vec!["run".to_string(), "--memory".into(), "dram".into()];
-    refused.extend(tiny(16, 16, &["--iterations", "1", "--inject", "torn"]));
-    let (code, out, err) = crate::common::kvprobe(&strs(&refused));
-    assert_eq!(code, 2, "{out}{err}");
-    assert!(err.contains("--inject torn needs block slices of at least 32 bytes (they are 16)"), "{err}");
+    for head in [16u32, 264] {
+        let mut refused = vec!["run".to_string(), "--memory".into(), "dram".into()];
+        refused.extend(tiny(head, 16, &["--iterations", "1"]));
+        let (code, out, err) = crate::common::kvprobe(&strs(&refused));
+        assert_eq!(code, 2, "{out}{err}");
+        assert!(err.contains(&format!("a head row is {head} bytes")) && err.contains("check word"), "{err}");
+    }
 
     let layouts: [&[&str]; 3] = [&[], &["--layout", "hnd"], &["--mla"]];
     let iterations = 12u64;
-    for (n, head) in [16u32, 32, 48, 64, 112, 496, 512, 528, 1040].into_iter().enumerate() {
+    for (n, head) in [32u32, 48, 64, 112, 496, 512, 544, 1056].into_iter().enumerate() {
         for (k, seed) in [n as u64 + 1, u64::MAX - 15 - n as u64].into_iter().enumerate() {
             let layout = layouts[(n + k) % 3];
-            let per_it = if head >= 32 { 11 } else { 9 };
+            let per_it = 11;
             let mut extra = vec!["--inject", "bitflip:2", "--inject", "drop:2", "--inject", "misroute:2", "--inject", "stale:3"];
-            if head >= 32 {
-                extra.extend(["--inject", "torn:2"]);
-            }
+            extra.extend(["--inject", "torn:2"]);
             let (its, sd) = (iterations.to_string(), seed.to_string());
             extra.extend(["--iterations", &its, "--seed", &sd]);
             extra.extend_from_slice(layout);

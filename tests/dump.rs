@@ -956,6 +956,15 @@ fn check_finds_report_and_index_that_disagree_on_seed_geometry_dump_and_outcome(
     // (case, file edited, edit, exit code, line expected)
     let cases: Vec<(&str, &str, Edit, i32, &str)> = vec![
         ("index-schema", "dump/index.json", Box::new(|v| v["schema"] = "kvprobe.dump/9".into()), 2, "is not kvprobe.dump/1"),
+        // A dump of the byte-offset fingerprint (kvprobes before version 2) is refused, not
+        // misread: its own scripts/fingerprint_ref.py regenerates it.
+        (
+            "index-fingerprint-1",
+            "dump/index.json",
+            Box::new(|v| v["fingerprint"] = "kvprobe.fingerprint/1".into()),
+            2,
+            "index.json: fingerprint \"kvprobe.fingerprint/1\": this kvprobe checks kvprobe.fingerprint/2",
+        ),
         (
             "report-seed-hex",
             "report.json",

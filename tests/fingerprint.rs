@@ -1,12 +1,23 @@
-//! Fingerprint vectors (from the independent reference scripts/fingerprint_ref.py),
-//! tag decoding, checking and classification on the CPU.
+//! The fingerprint (kvprobe.fingerprint/2, by head row): vectors of the independent reference
+//! scripts/fingerprint_ref.py, a re-implementation of csrc/fingerprint.h's comment, tags that
+//! name every row, checking, and classification on the CPU — unit by unit and row by row.
 
-use kvprobe::fingerprint::{self, BlockIdentity};
-use kvprobe::geometry::KvPart;
-use kvprobe::verify::{Class, classify};
+use kvprobe::fingerprint::{self, BlockIdentity, RowOrder, RowShape, SliceRows};
+use kvprobe::geometry::{Dtype, Geometry, KvPart, Layout};
+use kvprobe::verify::{Class, Displacement, classify};
 
 fn id(layer: u32, kv: KvPart, block: u32, generation: u32) -> BlockIdentity {
-    BlockIdentity { layer, kv, block, generation }
+    BlockIdentity::new(layer, kv, block, generation)
+}
+
+/// The rows of `slice` (tokens from `tb`, heads from `hb`) in a slice of `bs` tokens × `heads`
+/// heads of `rb`-byte rows in `order`.
+#[allow(clippy::too_many_arguments)]
+fn rows(slice: BlockIdentity, order: RowOrder, bs: u32, heads: u32, rb: u32, tb: u32, hb: u32) -> SliceRows {
+    SliceRows {
+        slice: BlockIdentity { token_base: tb, ..slice },
+        shape: RowShape { order, block_size: bs, heads, head_base: hb, row_bytes: rb },
+    }
 }
 
 /// Issue 13.7: generations computed in a scenario run wrap from SKIP_GEN − 1 to 1, never
@@ -20,7 +31,6 @@ fn generations_wrap_past_the_skip_marker_to_one() {
     assert_eq!(next_generation(u32::MAX - 2), u32::MAX - 1);
     assert_eq!(next_generation(u32::MAX - 1), 1, "SKIP_GEN - 1 wraps to 1");
     assert_eq!(next_generation(u32::MAX), 1, "even from SKIP_GEN itself");
-    // Walk across the boundary: every value produced is in 1..SKIP_GEN.
     let mut g = u32::MAX - 5;
     for _ in 0..10 {
         g = next_generation(g);
@@ -31,63 +41,167 @@ fn generations_wrap_past_the_skip_marker_to_one() {
 
 #[test]
 fn vectors_match_the_python_reference() {
-    // scripts/fingerprint_ref.py 1 3 1 17 5 4096
-    let a = fingerprint::expected(4096, 1, id(3, KvPart::V, 17, 5));
-    assert_eq!(fingerprint::digest(&a), "8e1b8e3c987ede63422b233ffc953101351c3e697cf59615548653a307a068a9");
-    // scripts/fingerprint_ref.py 0xdeadbeefcafef00d 60 2 4000000000 4294967294 73728
-    let b = fingerprint::expected(73728, 0xdead_beef_cafe_f00d, id(60, KvPart::Latent, 4_000_000_000, 4_294_967_294));
-    assert_eq!(fingerprint::digest(&b), "d7326cd89fbe8e2a85cdab76230a0d5d9c214660fd08371c87423368cd5be992");
-    // scripts/fingerprint_ref.py 1 3 1 17 5 32 (bytes shown by xxd)
-    let c = fingerprint::expected(32, 1, id(3, KvPart::V, 17, 5));
+    // scripts/fingerprint_ref.py SEED LAYER KV BLOCK GENERATION ORDER BLOCK_SIZE HEADS ROW_BYTES TOKEN_BASE HEAD_BASE
+    let big = id(60, KvPart::Latent, 4_000_000_000, 4_294_967_294);
+    let cases: Vec<(u64, SliceRows, &str)> = vec![
+        (
+            1,
+            rows(id(3, KvPart::V, 17, 5), RowOrder::Nhd, 16, 2, 128, 0, 0),
+            "12ddf30d7560af11af2f2ca82326db74424c0b1ea120dd83f5f207adfe733d13",
+        ),
+        (
+            1,
+            rows(id(3, KvPart::V, 17, 5), RowOrder::Hnd, 16, 2, 128, 0, 0),
+            "f5e485aadb0c937c68443a025d26798cb3d6b3bc5bf4deac8c7ae037b4f19811",
+        ),
+        (
+            0xdead_beef_cafe_f00d,
+            rows(big, RowOrder::Mla, 64, 1, 1152, 0, 0),
+            "3ed27f5ed7ab782d09c6242610487f9982a47522482445880bddc750cf39740d",
+        ),
+        (
+            9,
+            rows(id(0, KvPart::K, 5, 1), RowOrder::Nhd, 8, 4, 32, 24, 12),
+            "eb42ce255f44836cd42ee919e9fd913e49bd5c07954f2ac502cf5062a2927cc7",
+        ),
+        (
+            9,
+            rows(id(0, KvPart::K, 5, 1), RowOrder::Hnd, 4, 3, 2080, 32, 4),
+            "e052d71658a1f3d0a9f08fc4bcd904e9f7273ba29475f58bb188fa779d225c57",
+        ),
+    ];
+    for (seed, r, digest) in cases {
+        assert_eq!(fingerprint::digest(&fingerprint::expected(seed, &r)), digest, "{r:?}");
+    }
+    // scripts/fingerprint_ref.py 1 3 V 17 5 nhd 1 1 32 2 1 - | xxd -i: the tag (block 17;
+    // layer 3, V, unit 0, 0x4C; generation 5; token 2, head 1), then group 1: its hash h (the
+    // check word), h × 0x85EBCA6B, h × 0xC2B2AE35, h × 0x27D4EB2F.
     assert_eq!(
-        c,
+        fingerprint::expected(1, &rows(id(3, KvPart::V, 17, 5), RowOrder::Nhd, 1, 1, 32, 2, 1)),
         [
-            0x11, 0, 0, 0, 0x03, 0x00, 0x01, 0x4b, 0x05, 0, 0, 0, 0xf1, 0x54, 0x36, 0x23, 0xc6, 0xee, 0x0e, 0x26, 0xa4, 0xe8,
-            0x75, 0xbd, 0x99, 0x1d, 0xd1, 0x14, 0xad, 0x7f, 0x05, 0xf8
+            0x11, 0, 0, 0, 0x03, 0x00, 0x01, 0x4c, 0x05, 0, 0, 0, 0x02, 0x00, 0x01, 0x00, 0xd5, 0x9d, 0x04, 0x57, 0x07, 0x0a,
+            0xff, 0x8e, 0x19, 0x73, 0x55, 0x4f, 0x1b, 0x81, 0x1f, 0x5e
         ]
     );
 }
 
 #[test]
-fn every_input_changes_the_bytes_but_not_the_slot() {
-    let base = id(1, KvPart::K, 9, 2);
-    let a = fingerprint::expected(1024, 7, base);
-    for other in [id(2, KvPart::K, 9, 2), id(1, KvPart::V, 9, 2), id(1, KvPart::K, 10, 2), id(1, KvPart::K, 9, 3)] {
-        assert_ne!(a, fingerprint::expected(1024, 7, other), "{other:?}");
+fn the_cpu_reference_equals_the_spec_and_the_python_script_on_random_shapes() {
+    let mut x = 0x1234_5678_9abc_def0u64;
+    let mut next = move |n: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % n
+    };
+    for case in 0..60 {
+        let order = [RowOrder::Nhd, RowOrder::Hnd, RowOrder::Mla][case % 3];
+        let kv = if order == RowOrder::Mla { KvPart::Latent } else { [KvPart::K, KvPart::V][next(2) as usize] };
+        let slice = id(next(65536) as u32, kv, next(1 << 32) as u32, next(1 << 32) as u32);
+        let bs = 1 + next(40) as u32;
+        let heads = if order == RowOrder::Mla { 1 } else { 1 + next(9) as u32 };
+        // Rows of one unit, of several (512-byte units, the last shorter) and the shortest.
+        let rb = [32, 48, 128, 256, 512, 544, 1152, 2080][next(8) as usize];
+        let (tb, hb) = (next(1000) as u32, if order == RowOrder::Mla { 0 } else { next(100) as u32 });
+        let seed = next(u64::MAX);
+        let r = rows(slice, order, bs, heads, rb, tb, hb);
+        r.validate().unwrap();
+        let got = fingerprint::expected(seed, &r);
+        let name = order_name(order);
+        let want = spec::rows(seed, slice.layer, kv.code(), slice.block, slice.generation, name, bs, heads, rb, tb, hb);
+        assert_eq!(got, want, "case {case}: {r:?} seed {seed}");
+        assert_eq!(fingerprint::check(&got, seed, &r), (0, got.len() as u64));
+        if case % 12 == 0 {
+            let args: Vec<String> = [
+                seed.to_string(),
+                slice.layer.to_string(),
+                kv.to_string(),
+                slice.block.to_string(),
+                slice.generation.to_string(),
+                name.into(),
+                bs.to_string(),
+                heads.to_string(),
+                rb.to_string(),
+                tb.to_string(),
+                hb.to_string(),
+            ]
+            .into();
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let (code, out, err) = fingerprint_ref(&args);
+            assert_eq!((code, out.trim()), (0, fingerprint::digest(&got).as_str()), "{args:?}: {err}");
+        }
     }
-    assert_ne!(a, fingerprint::expected(1024, 8, base), "seed");
-    // The same inputs give the same bytes (no hidden slot or address input).
-    assert_eq!(a, fingerprint::expected(1024, 7, base));
+}
+
+fn order_name(o: RowOrder) -> &'static str {
+    match o {
+        RowOrder::Nhd => "nhd",
+        RowOrder::Hnd => "hnd",
+        RowOrder::Mla => "mla",
+    }
 }
 
 #[test]
-fn tags_decode_in_every_sector_and_only_with_the_right_seed() {
-    let want = id(12, KvPart::V, 123_456, 77);
-    let s = fingerprint::expected(512 * 5 + 48, 99, want);
-    for sector in 0..6 {
-        assert_eq!(fingerprint::decode_tag(&s, 99, sector), Some(want), "sector {sector}");
-        assert_eq!(fingerprint::decode_tag(&s, 98, sector), None, "wrong seed, sector {sector}");
+fn every_input_changes_the_bytes_but_not_the_slot() {
+    let at = |s: BlockIdentity| rows(s, RowOrder::Nhd, 4, 2, 128, 0, 0);
+    let base = id(1, KvPart::K, 9, 2);
+    let a = fingerprint::expected(7, &at(base));
+    for other in [id(2, KvPart::K, 9, 2), id(1, KvPart::V, 9, 2), id(1, KvPart::K, 10, 2), id(1, KvPart::K, 9, 3)] {
+        assert_ne!(a, fingerprint::expected(7, &at(other)), "{other:?}");
     }
-    assert_eq!(fingerprint::decode_tag(&s, 99, 6), None, "past the end");
-    let mut p = vec![0u8; 1024];
-    fingerprint::poison(&mut p, 5, 3);
-    assert_eq!(fingerprint::decode_tag(&p, 99, 0), None);
+    assert_ne!(a, fingerprint::expected(8, &at(base)), "seed");
+    assert_ne!(a, fingerprint::expected(7, &rows(base, RowOrder::Nhd, 4, 2, 128, 4, 0)), "token base");
+    assert_ne!(a, fingerprint::expected(7, &rows(base, RowOrder::Nhd, 4, 2, 128, 0, 2)), "head base");
+    // The same inputs give the same bytes (no hidden slot or address input).
+    assert_eq!(a, fingerprint::expected(7, &at(base)));
+}
+
+#[test]
+fn every_unit_names_its_row_and_unit() {
+    for (order, bs, heads, rb) in [
+        (RowOrder::Nhd, 16, 4, 256),
+        (RowOrder::Hnd, 16, 4, 256),
+        (RowOrder::Mla, 8, 1, 1152),
+        (RowOrder::Nhd, 2, 3, 32),
+        (RowOrder::Hnd, 3, 2, 2080),
+    ] {
+        let kv = if order == RowOrder::Mla { KvPart::Latent } else { KvPart::V };
+        let r = rows(id(7, kv, 99, 4), order, bs, heads, rb, 32, if order == RowOrder::Mla { 0 } else { 8 });
+        let bytes = fingerprint::expected(42, &r);
+        let units: Vec<_> = r.shape.units().collect();
+        assert_eq!(units.len() as u32, bs * heads * rb.div_ceil(512));
+        for (row, unit, range) in units {
+            assert_eq!(
+                fingerprint::decode_tag(&bytes, 42, range.start as u64, rb),
+                Some((r.row(row), unit)),
+                "{order:?} row {row} unit {unit}"
+            );
+            assert_eq!(fingerprint::decode_tag(&bytes, 41, range.start as u64, rb), None, "another seed");
+        }
+        let seen = fingerprint::observed_rows(&bytes, 42, rb);
+        assert_eq!(seen, (0..bs * heads).map(|i| Some(r.row(i))).collect::<Vec<_>>());
+        assert_eq!(fingerprint::observed_identity(&bytes, 42, &r.shape, 0), Some(r.slice));
+    }
+    // The positions: NHD row t·heads+h, HND row h·block_size+t, both offset by the bases.
+    let nhd = rows(id(0, KvPart::K, 1, 1), RowOrder::Nhd, 16, 4, 128, 32, 8);
+    assert_eq!((nhd.row(4 * 3 + 2).token, nhd.row(4 * 3 + 2).head), (32 + 3, 8 + 2));
+    let hnd = rows(id(0, KvPart::K, 1, 1), RowOrder::Hnd, 16, 4, 128, 32, 8);
+    assert_eq!((hnd.row(16 * 2 + 3).token, hnd.row(16 * 2 + 3).head), (32 + 3, 8 + 2));
 }
 
 #[test]
 fn check_counts_bad_bytes_and_the_first_offset() {
-    let want = id(0, KvPart::K, 1, 1);
-    let mut s = fingerprint::expected(2048, 1, want);
-    assert_eq!(fingerprint::check(&s, 1, want), (0, 2048));
+    let want = rows(id(0, KvPart::K, 1, 1), RowOrder::Nhd, 4, 2, 256, 0, 0);
+    let mut s = fingerprint::expected(1, &want);
+    assert_eq!(fingerprint::check(&s, 1, &want), (0, 2048));
     s[700] ^= 0x10;
     s[1500] ^= 0xff;
-    assert_eq!(fingerprint::check(&s, 1, want), (2, 700));
+    assert_eq!(fingerprint::check(&s, 1, &want), (2, 700));
 }
 
 #[test]
 fn check_agrees_with_a_byte_by_byte_comparison() {
-    // Tags, bodies and short last sectors: the sector-wise check must count exactly.
-    let want = id(4, KvPart::V, 99, 3);
+    // Tags, check words, bodies and short last units: the row-wise check must count exactly.
     let mut x = 0x9E37_79B9_7F4A_7C15u64;
     let mut next = || {
         x ^= x << 13;
@@ -95,8 +209,10 @@ fn check_agrees_with_a_byte_by_byte_comparison() {
         x ^= x << 17;
         x
     };
-    for len in [16usize, 48, 512, 528, 4096 + 16] {
-        let good = fingerprint::expected(len, 5, want);
+    for (bs, heads, rb) in [(1, 1, 32), (3, 1, 48), (1, 1, 512), (2, 2, 544), (1, 3, 4096 + 32)] {
+        let want = rows(id(4, KvPart::V, 99, 3), RowOrder::Hnd, bs, heads, rb, 0, 0);
+        let good = fingerprint::expected(5, &want);
+        let len = good.len();
         for hits in 1..=6 {
             let mut s = good.clone();
             for _ in 0..hits {
@@ -105,7 +221,7 @@ fn check_agrees_with_a_byte_by_byte_comparison() {
             }
             let bad = good.iter().zip(&s).filter(|(a, b)| a != b).count() as u64;
             let first = good.iter().zip(&s).position(|(a, b)| a != b).map_or(len as u64, |p| p as u64);
-            assert_eq!(fingerprint::check(&s, 5, want), (bad, first), "len {len}, {hits} flips");
+            assert_eq!(fingerprint::check(&s, 5, &want), (bad, first), "rows of {rb}, {hits} flips");
         }
     }
 }
@@ -123,91 +239,244 @@ fn poison_is_unique_to_iteration_and_slot() {
     assert_eq!(&a[0..8], &[5, 0, 0, 0, 1, 0, 0, 0x5a]);
 }
 
-const SEED: u64 = 42;
-const LEN: usize = 4096;
+#[test]
+fn tags_are_not_confused_with_poison_other_seeds_or_flipped_bits() {
+    for rb in [32u32, 256, 544] {
+        let r = rows(id(5, KvPart::K, 1000, 9), RowOrder::Nhd, 4, 2, rb, 0, 0);
+        let bytes = fingerprint::expected(77, &r);
+        // Poison, whatever the slot and iteration, is never a tag.
+        for (slot, it) in [(0u32, 0u32), (1, 1), (0x4C00_0000, 3), (u32::MAX - 1, 0xFF_FFFF)] {
+            let mut p = vec![0u8; bytes.len()];
+            fingerprint::poison(&mut p, slot, it);
+            assert!(fingerprint::observed_rows(&p, 77, rb).iter().all(Option::is_none), "poison {slot} {it}");
+        }
+        // Another seed's row is no valid tag (the check word binds the seed).
+        assert!(fingerprint::observed_rows(&bytes, 78, rb).iter().all(Option::is_none));
+        // A single flipped bit in a tag or its check word never names another row, in every
+        // unit (rows of 544 bytes: a 32-byte last unit).
+        for (row, _, range) in r.shape.units() {
+            for bit in 0..160 {
+                let mut b = bytes.clone();
+                b[range.start + bit / 8] ^= 1 << (bit % 8);
+                assert_eq!(fingerprint::decode_tag(&b, 77, range.start as u64, rb), None, "rows of {rb}: row {row} bit {bit}");
+            }
+        }
+    }
+}
 
-fn want() -> BlockIdentity {
-    id(2, KvPart::K, 1000, 9)
+#[test]
+fn what_the_fingerprint_cannot_encode_is_refused() {
+    let ok = rows(id(0, KvPart::K, 0, 0), RowOrder::Nhd, 16, 8, 256, 0, 0);
+    ok.validate().unwrap();
+    let with = |f: &dyn Fn(&mut SliceRows)| {
+        let mut r = ok;
+        f(&mut r);
+        r
+    };
+    for (bad, why) in [
+        (with(&|r| r.shape.row_bytes = 16), "from 32 to 32768"),
+        (with(&|r| r.shape.row_bytes = 40), "multiple of 16"),
+        (with(&|r| r.shape.row_bytes = 528), "not 16 more than a multiple of 512"),
+        (with(&|r| r.shape.row_bytes = fingerprint::MAX_ROW_BYTES + 32), "from 32 to 32768"),
+        (with(&|r| r.slice.token_base = 65530), "16-bit token"),
+        (with(&|r| r.shape.head_base = 65530), "16-bit head"),
+        (with(&|r| r.shape.heads = 0), "at least one"),
+        (with(&|r| r.shape.order = RowOrder::Mla), "one latent row per token"),
+        (
+            with(&|r| {
+                r.shape.order = RowOrder::Mla;
+                r.shape.heads = 1;
+                r.shape.head_base = 3
+            }),
+            "head 0",
+        ),
+    ] {
+        let e = bad.validate().unwrap_err().to_string();
+        assert!(e.contains(why), "{bad:?}: {e}");
+    }
+    // The geometry refuses the same rows, with its flags' names.
+    let g = Geometry {
+        num_layers: 1,
+        num_kv_heads: 1,
+        head_size: 8,
+        block_size: 1,
+        num_blocks: 4,
+        dtype: Dtype::Bf16,
+        layout: Layout::Nhd,
+        mla: false,
+    };
+    assert!(g.validate().unwrap_err().to_string().contains("a head row is 16 bytes"));
+    assert!(Geometry { head_size: 264, ..g.clone() }.validate().unwrap_err().to_string().contains("528"));
+    assert!(
+        Geometry { block_size: 65537, head_size: 16, ..g.clone() }
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("--block-size 65537")
+    );
+    Geometry { head_size: 16, ..g }.validate().unwrap();
+}
+
+const SEED: u64 = 42;
+
+fn want() -> SliceRows {
+    rows(id(2, KvPart::K, 1000, 9), RowOrder::Nhd, 4, 4, 256, 0, 0)
+}
+
+fn with_slice(s: BlockIdentity) -> SliceRows {
+    SliceRows { slice: s, ..want() }
 }
 
 #[test]
 fn classify_bitflip_counts_bits() {
-    let mut s = fingerprint::expected(LEN, SEED, want());
+    let mut s = fingerprint::expected(SEED, &want());
     s[100] ^= 0b101;
     s[3000] ^= 0x80;
-    let v = classify(&s, want(), SEED, 7, 9);
+    let v = classify(&s, &want(), SEED, 7, 9);
     assert_eq!(v.class, Class::Bitflip);
     assert_eq!(v.bit_flips, Some(3));
-    assert_eq!(v.observed, Some(want()));
+    assert_eq!(v.observed, Some(want().slice));
 }
 
 #[test]
 fn classify_unwritten_is_this_iterations_poison() {
-    let mut s = vec![0u8; LEN];
+    let mut s = vec![0u8; 4096];
     fingerprint::poison(&mut s, 7, 9);
-    assert_eq!(classify(&s, want(), SEED, 7, 9).class, Class::Unwritten);
+    assert_eq!(classify(&s, &want(), SEED, 7, 9).class, Class::Unwritten);
     // Another slot's poison is not this slot's: nothing recognisable.
     fingerprint::poison(&mut s, 8, 9);
-    assert_eq!(classify(&s, want(), SEED, 7, 9).class, Class::Garbage);
+    assert_eq!(classify(&s, &want(), SEED, 7, 9).class, Class::Garbage);
 }
 
 #[test]
 fn classify_stale_and_misplaced_name_what_arrived() {
-    let old = BlockIdentity { generation: 8, ..want() };
-    let v = classify(&fingerprint::expected(LEN, SEED, old), want(), SEED, 7, 9);
+    let old = BlockIdentity { generation: 8, ..want().slice };
+    let v = classify(&fingerprint::expected(SEED, &with_slice(old)), &want(), SEED, 7, 9);
     assert_eq!((v.class, v.observed), (Class::Stale, Some(old)));
-    let other = BlockIdentity { block: 1001, ..want() };
-    let v = classify(&fingerprint::expected(LEN, SEED, other), want(), SEED, 7, 9);
+    let other = BlockIdentity { block: 1001, ..want().slice };
+    let v = classify(&fingerprint::expected(SEED, &with_slice(other)), &want(), SEED, 7, 9);
     assert_eq!((v.class, v.observed), (Class::Misplaced, Some(other)));
-    let other_layer = BlockIdentity { layer: 3, ..want() };
-    assert_eq!(classify(&fingerprint::expected(LEN, SEED, other_layer), want(), SEED, 7, 9).class, Class::Misplaced);
+    let other_layer = BlockIdentity { layer: 3, ..want().slice };
+    assert_eq!(classify(&fingerprint::expected(SEED, &with_slice(other_layer)), &want(), SEED, 7, 9).class, Class::Misplaced);
 }
 
 #[test]
-fn classify_torn_gives_the_sector_map() {
-    let mut s = fingerprint::expected(LEN, SEED, want());
-    let mut p = vec![0u8; LEN];
+fn classify_torn_gives_the_unit_map() {
+    let mut s = fingerprint::expected(SEED, &want());
+    let mut p = vec![0u8; 4096];
     fingerprint::poison(&mut p, 7, 9);
     s[1024..].copy_from_slice(&p[1024..]);
-    let v = classify(&s, want(), SEED, 7, 9);
+    let v = classify(&s, &want(), SEED, 7, 9);
     assert_eq!(v.class, Class::Torn);
+    // 256-byte rows: units 0..=3 arrived, 4..=15 are poison.
     let map: Vec<(u32, u32, String)> = v.sectors.unwrap().into_iter().map(|r| (r.first, r.last, r.source)).collect();
-    assert_eq!(map, vec![(0, 1, "expected".to_string()), (2, 7, "poison".to_string())]);
+    assert_eq!(map, vec![(0, 3, "expected".to_string()), (4, 15, "poison".to_string())]);
     // A mix of two blocks names the foreign one.
-    let other = BlockIdentity { block: 5, ..want() };
-    let o = fingerprint::expected(LEN, SEED, other);
-    let mut s = fingerprint::expected(LEN, SEED, want());
+    let other = BlockIdentity { block: 5, ..want().slice };
+    let o = fingerprint::expected(SEED, &with_slice(other));
+    let mut s = fingerprint::expected(SEED, &want());
     s[2048..].copy_from_slice(&o[2048..]);
-    let v = classify(&s, want(), SEED, 7, 9);
+    let v = classify(&s, &want(), SEED, 7, 9);
     assert_eq!((v.class, v.observed), (Class::Torn, Some(other)));
+    let map: Vec<String> = v.sectors.unwrap().into_iter().map(|r| r.source).collect();
+    assert_eq!(map, ["expected", "layer 2 K block 5 gen 9"]);
 }
 
 #[test]
 fn classify_garbage_when_nothing_matches() {
-    let s: Vec<u8> = (0..LEN).map(|i| (i * 7 + 3) as u8).collect();
-    let v = classify(&s, want(), SEED, 7, 9);
+    let s: Vec<u8> = (0..4096).map(|i| (i * 7 + 3) as u8).collect();
+    let v = classify(&s, &want(), SEED, 7, 9);
     assert_eq!((v.class, v.observed), (Class::Garbage, None));
+    // Rows of another seed are not recognised as rows.
+    let v = classify(&fingerprint::expected(SEED + 1, &want()), &want(), SEED, 7, 9);
+    assert_eq!(v.class, Class::Garbage);
 }
 
 #[test]
-fn classify_torn_inside_one_sector() {
-    // Slices of 512 bytes or less are one sector: a tear inside it is still torn.
-    for (len, cut) in [(512usize, 272usize), (64, 32), (4096, 1030)] {
-        let mut s = fingerprint::expected(len, SEED, want());
-        let mut p = vec![0u8; len];
+fn classify_torn_inside_one_unit() {
+    // A tear inside a row (or inside a 512-byte unit of a longer row) is still torn.
+    for (rb, cut) in [(512u32, 272usize), (64, 32), (1152, 1030), (32, 16)] {
+        let r = rows(id(1, KvPart::V, 3, 2), RowOrder::Nhd, 1, 1, rb, 0, 0);
+        let mut s = fingerprint::expected(SEED, &r);
+        let mut p = vec![0u8; s.len()];
         fingerprint::poison(&mut p, 7, 9);
         s[cut..].copy_from_slice(&p[cut..]);
-        let v = classify(&s, want(), SEED, 7, 9);
-        assert_eq!(v.class, Class::Torn, "len {len} cut {cut}");
+        let v = classify(&s, &r, SEED, 7, 9);
+        assert_eq!(v.class, Class::Torn, "rows of {rb} cut {cut}");
     }
 }
 
-/// Every slice size the geometry accepts up to two sectors and a bit (16, 32, …, 1056 bytes:
-/// one partial sector, one full sector, a full sector plus a 16-byte tail, …), every
-/// injection class, seeds 1..=30, and poison slots chosen to coincide with the small
-/// integers of the tag (block id, generation): each simulated fault is classified as its
-/// injection predicts. (Issue 12.3: a stale 16-byte slice whose old generation equalled
-/// the slot number was read as "expected+poison within the sector", i.e. torn.)
+/// Issue 18: NHD rows read as HND are `layout`, transposed, with the rows' identities.
+#[test]
+fn nhd_bytes_read_as_hnd_are_layout_transposed_with_row_identities() {
+    let slice = id(2, KvPart::V, 4242, 9);
+    let nhd = rows(slice, RowOrder::Nhd, 16, 4, 128, 0, 0);
+    let hnd = rows(slice, RowOrder::Hnd, 16, 4, 128, 0, 0);
+    let copied = fingerprint::expected(SEED, &nhd);
+    let (bad, first) = fingerprint::check(&copied, SEED, &hnd);
+    assert!(bad > 0, "a verbatim NHD → HND copy must not verify");
+    // Row 0 (token 0, head 0) is the same in both orders; row 1 is not, and its tag's first
+    // three words (block, layer/K/V/unit, generation) agree: the position word (bytes 12..16)
+    // is the first to differ.
+    assert_eq!(first, 128 + 12);
+    let v = classify(&copied, &hnd, SEED, 7, 1);
+    assert_eq!((v.class, v.displacement, v.observed), (Class::Layout, Some(Displacement::Transposed), Some(slice)));
+    let listed = v.rows.unwrap();
+    assert_eq!(listed.len(), kvprobe::verify::MAX_LISTED_ROWS);
+    // Slot 1 of the HND slice is due (token 1, head 0) and holds NHD's row 1 (token 0, head 1).
+    let w = listed[0];
+    assert_eq!((w.row, w.due_token, w.due_head, w.token, w.head), (1, 1, 0, 0, 1));
+    // Of 64 rows only those with t·4 + h = h·16 + t (t = 5h) stay in place.
+    let held = fingerprint::observed_rows(&copied, SEED, 128);
+    let moved = (0..64).filter(|&r| held[r as usize] != Some(hnd.row(r))).count();
+    assert_eq!(moved, 64 - 4);
+    // With one head NHD and HND are the same bytes.
+    let one = |o| rows(slice, o, 16, 1, 128, 0, 0);
+    assert_eq!(fingerprint::check(&fingerprint::expected(SEED, &one(RowOrder::Nhd)), SEED, &one(RowOrder::Hnd)).0, 0);
+}
+
+#[test]
+fn a_wrong_head_or_token_offset_is_named() {
+    let slice = id(0, KvPart::K, 77, 3);
+    // TP: rank 1 of 2 is due heads 4..8 and got rank 0's heads 0..4.
+    let due = rows(slice, RowOrder::Hnd, 16, 4, 256, 0, 4);
+    let got = fingerprint::expected(SEED, &rows(slice, RowOrder::Hnd, 16, 4, 256, 0, 0));
+    let v = classify(&got, &due, SEED, 0, 1);
+    assert_eq!((v.class, v.displacement), (Class::Layout, Some(Displacement::HeadOffset(-4))));
+    // Block sizes: the second half (tokens 16..32) of a 32-token prefill block was due, the
+    // first half came.
+    let due = rows(slice, RowOrder::Nhd, 16, 4, 256, 16, 0);
+    let got = fingerprint::expected(SEED, &rows(slice, RowOrder::Nhd, 16, 4, 256, 0, 0));
+    let v = classify(&got, &due, SEED, 0, 1);
+    assert_eq!((v.class, v.displacement), (Class::Layout, Some(Displacement::TokenOffset(-16))));
+    assert_eq!(v.displacement.unwrap().to_string(), "token offset -16");
+    // MLA rows shifted by one token.
+    let mla = rows(id(5, KvPart::Latent, 1, 1), RowOrder::Mla, 8, 1, 1152, 1, 0);
+    let got = fingerprint::expected(SEED, &rows(id(5, KvPart::Latent, 1, 1), RowOrder::Mla, 8, 1, 1152, 0, 0));
+    let v = classify(&got, &mla, SEED, 0, 1);
+    assert_eq!((v.class, v.displacement), (Class::Layout, Some(Displacement::TokenOffset(-1))));
+    // A decode block holding tokens 16..32 of a 32-token prefill block: cut from prefill's
+    // rows as a heterogeneous block-size READ would, it verifies.
+    let prefill = rows(slice, RowOrder::Nhd, 32, 8, 256, 0, 0);
+    let bytes = fingerprint::expected(11, &prefill);
+    let decode = rows(slice, RowOrder::Nhd, 16, 4, 256, 16, 4);
+    let mut gathered = Vec::new();
+    for t in 16..32u32 {
+        for h in 4..8u32 {
+            let r = (t * 8 + h) as usize * 256;
+            gathered.extend_from_slice(&bytes[r..r + 256]);
+        }
+    }
+    assert_eq!(fingerprint::check(&gathered, 11, &decode), (0, gathered.len() as u64));
+}
+
+/// Every row length the geometry accepts up to two units and a bit (32, 48, …, 1056 bytes, not
+/// 528: one partial unit, one full unit, a full unit plus a 32-byte tail, …) in slices of one
+/// row and of 2 tokens × 2 heads, every injection class, seeds 1..=30, and poison slots chosen
+/// to coincide with the small integers of the tag (block id, generation, token, head): each
+/// simulated fault is classified as its injection predicts. (Issue 12.3: a stale 16-byte
+/// slice whose old generation equalled the slot number was read as torn; rows of 16 bytes,
+/// whose tag would have no check word, are refused since fingerprint version 2.)
 #[test]
 fn every_class_is_classified_as_predicted_on_the_smallest_slices() {
     let mut x = 0x2545_F491_4F6C_DD1Du64;
@@ -218,17 +487,20 @@ fn every_class_is_classified_as_predicted_on_the_smallest_slices() {
         x
     };
     let mut failures = Vec::new();
-    for len in (16..=1056usize).step_by(16) {
+    for rb in (32..=1056u32).step_by(16).filter(|rb| rb % 512 != 16) {
         for seed in 1..=30u64 {
             let kv = if seed % 2 == 0 { KvPart::K } else { KvPart::V };
+            let (bs, heads) = if seed % 4 == 0 { (2, 2) } else { (1, 1) };
             // Small logical ids collide with slot numbers; large ones are the usual case.
             let block = if seed % 3 == 0 { kvprobe::run::logical_block(seed, seed as u32) } else { (seed % 5) as u32 };
             for it in 1..=4u32 {
+                let shape = |s: BlockIdentity| rows(s, RowOrder::Nhd, bs, heads, rb, 0, 0);
                 let want = id(0, kv, block, it);
                 let stale = BlockIdentity { generation: it - 1, ..want };
                 let other = BlockIdentity { block: block.wrapping_add(1), ..want };
                 for slot in [it - 1, it, it + 1, block, block.wrapping_add(1), 1000] {
-                    let good = fingerprint::expected(len, seed, want);
+                    let good = fingerprint::expected(seed, &shape(want));
+                    let len = good.len();
                     let mut poison = vec![0u8; len];
                     fingerprint::poison(&mut poison, slot, it);
                     let mut cases: Vec<(&str, Vec<u8>, Class, Option<BlockIdentity>)> = Vec::new();
@@ -236,21 +508,19 @@ fn every_class_is_classified_as_predicted_on_the_smallest_slices() {
                     flipped[(next() % len as u64) as usize] ^= 1 << (next() % 8);
                     cases.push(("bitflip", flipped, Class::Bitflip, Some(want)));
                     cases.push(("drop", poison.clone(), Class::Unwritten, None));
-                    cases.push(("misroute", fingerprint::expected(len, seed, other), Class::Misplaced, Some(other)));
-                    cases.push(("stale", fingerprint::expected(len, seed, stale), Class::Stale, Some(stale)));
-                    if len >= 32 {
-                        // As inject::plan: a prefix of 16 * [1, len / 16) bytes arrived.
-                        let cut = 16 * (1 + (next() % (len as u64 / 16 - 1)) as usize);
-                        let mut torn = good.clone();
-                        torn[cut..].copy_from_slice(&poison[cut..]);
-                        cases.push(("torn", torn, Class::Torn, None));
-                    }
+                    cases.push(("misroute", fingerprint::expected(seed, &shape(other)), Class::Misplaced, Some(other)));
+                    cases.push(("stale", fingerprint::expected(seed, &shape(stale)), Class::Stale, Some(stale)));
+                    // As inject::plan: a prefix of 16 * [1, len / 16) bytes arrived.
+                    let cut = 16 * (1 + (next() % (len as u64 / 16 - 1)) as usize);
+                    let mut torn = good.clone();
+                    torn[cut..].copy_from_slice(&poison[cut..]);
+                    cases.push(("torn", torn, Class::Torn, None));
                     for (kind, bytes, class, observed) in cases {
-                        let v = classify(&bytes, want, seed, slot, it);
+                        let v = classify(&bytes, &shape(want), seed, slot, it);
                         let observed_ok = observed.is_none() || v.observed == observed;
                         if v.class != class || !observed_ok {
                             failures.push(format!(
-                                "len {len} seed {seed} iteration {it} slot {slot} {kind}: {} (observed {:?}, sectors {:?})",
+                                "rows {rb} seed {seed} iteration {it} slot {slot} {kind}: {} (observed {:?}, units {:?})",
                                 v.class, v.observed, v.sectors
                             ));
                         }
@@ -262,7 +532,7 @@ fn every_class_is_classified_as_predicted_on_the_smallest_slices() {
     let mut by: std::collections::BTreeMap<String, usize> = std::collections::BTreeMap::new();
     for f in &failures {
         let w: Vec<&str> = f.split(' ').collect();
-        *by.entry(format!("len {} {}", w[1], w[8].trim_end_matches(':'))).or_default() += 1;
+        *by.entry(format!("rows {} {}", w[1], w[8].trim_end_matches(':'))).or_default() += 1;
     }
     assert!(
         failures.is_empty(),
@@ -284,19 +554,47 @@ pub(crate) mod spec {
         h ^ (h >> 16)
     }
 
-    /// The fingerprint of (seed, layer, kv code, logical block, generation), `len` bytes.
-    pub fn fingerprint(seed: u64, layer: u32, kv: u32, block: u32, generation: u32, len: usize) -> Vec<u8> {
+    /// The fingerprint of the slice of (seed, layer, kv code, logical block, generation) cut
+    /// into `bs × heads` rows of `rb` bytes in `order`, naming tokens `tb..` and heads `hb..`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rows(
+        seed: u64,
+        layer: u32,
+        kv: u32,
+        block: u32,
+        gen_: u32,
+        order: &str,
+        bs: u32,
+        heads: u32,
+        rb: u32,
+        tb: u32,
+        hb: u32,
+    ) -> Vec<u8> {
         let seed32 = fmix32(seed as u32 ^ fmix32((seed >> 32) as u32 ^ 0x6B76_7062));
-        let lkv = layer | kv << 16 | 0x4B << 24;
-        let key = fmix32(seed32 ^ fmix32(block ^ fmix32(lkv ^ fmix32(generation ^ 0x9E37_79B9))));
-        let elem = |e: u32| match e % 128 {
-            0 => block,
-            1 => lkv,
-            2 => generation,
-            3 => fmix32(key ^ (e / 128).wrapping_mul(0x85EB_CA77)),
-            _ => fmix32(key ^ e.wrapping_mul(0x9E37_79B9)),
-        };
-        (0..len as u32 / 4).flat_map(|e| elem(e).to_le_bytes()).collect()
+        let mut out = Vec::new();
+        for r in 0..bs * heads {
+            let (t, h) = match order {
+                "nhd" => (r / heads, r % heads),
+                "hnd" => (r % bs, r / bs),
+                _ => (r, 0),
+            };
+            let pos = (tb + t) | (hb + h) << 16;
+            let lkv = |u: u32| layer | kv << 16 | u << 18 | 0x4C << 24;
+            let rkey = fmix32(seed32 ^ fmix32(block ^ fmix32(lkv(0) ^ fmix32(pos ^ fmix32(gen_ ^ 0x9E37_79B9)))));
+            for i in 0..rb / 4 {
+                let (u, w) = (i / 128, i % 128);
+                let v = match w {
+                    0 => block,
+                    1 => lkv(u),
+                    2 => gen_,
+                    3 => pos,
+                    _ => fmix32(rkey ^ (i / 4).wrapping_mul(0x9E37_79B9))
+                        .wrapping_mul([1, 0x85EB_CA6B, 0xC2B2_AE35, 0x27D4_EB2F][i as usize % 4]),
+                };
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        out
     }
 
     /// The poison of `slot` in `iteration`, `len` bytes.
@@ -351,6 +649,9 @@ fn check_report_against_the_spec(r: &serde_json::Value, ctx: &str) -> std::colle
     let len = field("slice_bytes") as usize;
     let heads = if mla { 1 } else { field("num_kv_heads") };
     assert_eq!(len as u64, field("block_size") * heads * field("head_size") * dtype, "{ctx}: slice_bytes");
+    assert_eq!(c["fingerprint"], "kvprobe.fingerprint/2", "{ctx}");
+    let order = if mla { "mla" } else { g["layout"].as_str().unwrap() };
+    let (bs, rb) = (field("block_size") as u32, (field("head_size") * dtype) as u32);
     let scenario = !r["scenario"].is_null();
     let mut checked = std::collections::BTreeMap::new();
     for f in r["failures"].as_array().unwrap() {
@@ -364,8 +665,10 @@ fn check_report_against_the_spec(r: &serde_json::Value, ctx: &str) -> std::colle
             assert_eq!(f["expected"]["generation"].as_u64(), Some(n("iteration") as u64), "{ctx}: {f}");
         }
         let ident = |i: &serde_json::Value| {
-            let m = |k: &str| i[k].as_u64().unwrap() as u32;
-            spec::fingerprint(seed, m("layer"), spec::kv_code(i["kv"].as_str().unwrap()), m("block"), m("generation"), len)
+            let m = |k: &str| i[k].as_u64().unwrap_or(0) as u32;
+            let kv = spec::kv_code(i["kv"].as_str().unwrap());
+            let tb = m("token_base");
+            spec::rows(seed, m("layer"), kv, m("block"), m("generation"), order, bs, heads as u32, rb, tb, 0)
         };
         let want = ident(&f["expected"]);
         assert_eq!(spec::sha256(&want), f["expected_digest"], "{ctx}: {f}");
@@ -403,10 +706,14 @@ fn the_readmes_spec_reproduces_the_reports_bytes() {
         let want: std::collections::BTreeMap<String, usize> =
             [("misplaced", 3), ("stale", 3), ("unwritten", 9)].into_iter().map(|(k, v)| (k.to_string(), v)).collect();
         assert_eq!(checked, want, "{layout}: {log}");
-        // Torn failures: their sector map in the documented format.
+        // Torn failures: their unit map in the documented format (rows of at most 512 bytes
+        // here: one unit per row).
         for f in r["failures"].as_array().unwrap().iter().filter(|f| f["class"] == "torn") {
             let runs = f["sectors"].as_array().unwrap();
-            let sectors = (r["config"]["geometry"]["slice_bytes"].as_u64().unwrap()).div_ceil(512);
+            let g = &r["config"]["geometry"];
+            let row_bytes = g["head_size"].as_u64().unwrap() * 2;
+            assert!(row_bytes <= 512, "{g}");
+            let sectors = g["slice_bytes"].as_u64().unwrap() / row_bytes;
             assert_eq!(runs[0]["first"], 0, "{f}");
             assert_eq!(runs.last().unwrap()["last"], sectors - 1, "{f}");
             for w in runs.windows(2) {
@@ -451,21 +758,34 @@ fn fingerprint_ref(args: &[&str]) -> (i32, String, String) {
 fn fingerprint_ref_refuses_bad_arguments_and_agrees_with_kvprobe() {
     for (args, needle) in [
         (&[][..], "no arguments"),
-        (&["1", "3", "1", "17", "5", "0"][..], "SLICE_BYTES must be from 16"),
-        (&["1", "3", "1", "17", "5", "4095"][..], "multiple of 16"),
-        (&["1", "3", "1", "17", "5", "8"][..], "SLICE_BYTES must be from 16"),
-        (&["1", "3", "1", "17", "5", "4294967296"][..], "SLICE_BYTES must be from 16"),
-        (&["18446744073709551616", "3", "1", "17", "5", "32"][..], "SEED must be from 0 to 18446744073709551615"),
-        (&["0x10000000000000000", "3", "1", "17", "5", "32"][..], "SEED must be from 0"),
-        (&["-1", "3", "1", "17", "5", "32"][..], "SEED must be a non-negative"),
-        (&["1.5", "3", "1", "17", "5", "32"][..], "SEED must be a non-negative"),
-        (&["1", "65536", "1", "17", "5", "32"][..], "LAYER must be from 0 to 65535"),
-        (&["1", "-3", "1", "17", "5", "32"][..], "LAYER must be a non-negative"),
-        (&["1", "3", "3", "17", "5", "32"][..], "KV must be one of"),
-        (&["1", "3", "1", "4294967296", "5", "32"][..], "BLOCK must be from 0 to 4294967295"),
-        (&["1", "3", "1", "17", "4294967296", "32"][..], "GENERATION must be from 0 to 4294967295"),
-        (&["1", "3", "1", "17", "5"][..], "expected SEED"),
-        (&["1", "3", "1", "17", "5", "32", "out", "extra"][..], "expected SEED"),
+        (&["1", "3", "V", "17", "5", "nhd", "16", "2", "16", "0", "0"][..], "ROW_BYTES must be from 32"),
+        (&["1", "3", "V", "17", "5", "nhd", "16", "2", "40", "0", "0"][..], "multiple of 16"),
+        (&["1", "3", "V", "17", "5", "nhd", "16", "2", "528", "0", "0"][..], "not 16 more than a multiple of 512"),
+        (&["1", "3", "V", "17", "5", "nhd", "16", "2", "32784", "0", "0"][..], "ROW_BYTES must be from 32"),
+        (&["1", "3", "V", "17", "5", "xyz", "16", "2", "32", "0", "0"][..], "ORDER must be"),
+        (&["1", "3", "V", "17", "5", "nhd", "0", "2", "32", "0", "0"][..], "BLOCK_SIZE must be from 1"),
+        (&["1", "3", "V", "17", "5", "nhd", "16", "2", "32", "65530", "0"][..], "TOKEN_BASE must be from 0 to 65520"),
+        (&["1", "3", "V", "17", "5", "nhd", "16", "2", "32", "0", "65535"][..], "HEAD_BASE must be from 0 to 65534"),
+        (&["1", "3", "latent", "17", "5", "mla", "16", "2", "32", "0", "0"][..], "HEADS must be from 1 to 1"),
+        (&["1", "3", "K", "17", "5", "mla", "16", "1", "32", "0", "0"][..], "KV must be one of latent"),
+        (&["1", "3", "latent", "17", "5", "hnd", "16", "1", "32", "0", "0"][..], "KV must be one of K, V"),
+        (&["1", "3", "V", "17", "5", "nhd", "65536", "2", "32768", "0", "0"][..], "more than 2^31 bytes"),
+        (
+            &["18446744073709551616", "3", "V", "17", "5", "nhd", "1", "1", "32", "0", "0"][..],
+            "SEED must be from 0 to 18446744073709551615",
+        ),
+        (&["0x10000000000000000", "3", "V", "17", "5", "nhd", "1", "1", "32", "0", "0"][..], "SEED must be from 0"),
+        (&["-1", "3", "V", "17", "5", "nhd", "1", "1", "32", "0", "0"][..], "SEED must be a non-negative"),
+        (&["1.5", "3", "V", "17", "5", "nhd", "1", "1", "32", "0", "0"][..], "SEED must be a non-negative"),
+        (&["1", "65536", "V", "17", "5", "nhd", "1", "1", "32", "0", "0"][..], "LAYER must be from 0 to 65535"),
+        (&["1", "-3", "V", "17", "5", "nhd", "1", "1", "32", "0", "0"][..], "LAYER must be a non-negative"),
+        (&["1", "3", "3", "17", "5", "nhd", "1", "1", "32", "0", "0"][..], "KV must be one of"),
+        (&["1", "3", "V", "4294967296", "5", "nhd", "1", "1", "32", "0", "0"][..], "BLOCK must be from 0 to 4294967295"),
+        (&["1", "3", "V", "17", "4294967296", "nhd", "1", "1", "32", "0", "0"][..], "GENERATION must be from 0 to 4294967295"),
+        (&["1", "3", "V", "17", "5", "nhd", "1", "1", "32", "0"][..], "expected SEED"),
+        (&["1", "3", "V", "17", "5", "nhd", "1", "1", "32", "0", "0", "out", "extra"][..], "expected SEED"),
+        (&["poison", "1", "1", "0"][..], "SLICE_BYTES must be from 16"),
+        (&["poison", "1", "1", "4294967296"][..], "SLICE_BYTES must be from 16"),
         (&["poison", "4294967295", "1", "32"][..], "SLOT must be from 0 to 4294967294"),
         (&["poison", "1", "-1", "32"][..], "ITERATION must be a non-negative"),
         (&["poison", "1", "1", "20"][..], "multiple of 16"),
@@ -482,8 +802,9 @@ fn fingerprint_ref_refuses_bad_arguments_and_agrees_with_kvprobe() {
     }
     // Accepted arguments: the same bytes as kvprobe's own fingerprint and poison.
     let seed = u64::MAX - 14;
-    let want = fingerprint::expected(528, seed, id(65535, KvPart::Latent, u32::MAX, 3));
-    let (code, out, err) = fingerprint_ref(&["0xfffffffffffffff1", "65535", "latent", "0xffffffff", "3", "528"]);
+    let want = fingerprint::expected(seed, &rows(id(65535, KvPart::Latent, u32::MAX, 3), RowOrder::Mla, 3, 1, 544, 65533, 0));
+    let args = ["0xfffffffffffffff1", "65535", "latent", "0xffffffff", "3", "mla", "3", "1", "544", "65533", "0"];
+    let (code, out, err) = fingerprint_ref(&args);
     assert_eq!((code, out.trim()), (0, fingerprint::digest(&want).as_str()), "{err}");
     let mut p = vec![0u8; 48];
     fingerprint::poison(&mut p, 4_294_967_294, 0x0123_4567);

@@ -25,12 +25,12 @@ fn geometries() -> Vec<Geometry> {
         g(2, 8, 128, 16, 33, Dtype::Bf16, Layout::Nhd, false),
         g(3, 5, 72, 3, 7, Dtype::Fp16, Layout::Hnd, false),
         g(2, 1, 576, 64, 5, Dtype::Bf16, Layout::Nhd, true),
-        g(1, 1, 16, 1, 1, Dtype::Fp8, Layout::Nhd, false),
+        g(1, 1, 32, 1, 1, Dtype::Fp8, Layout::Nhd, false),
     ]
 }
 
 fn table(g: &Geometry, generation: u32) -> Vec<TableEntry> {
-    (0..g.num_blocks).map(|i| TableEntry { block: i * 7 + 3, generation: generation + i % 3 }).collect()
+    (0..g.num_blocks).map(|i| TableEntry::new(i * 7 + 3, generation + i % 3)).collect()
 }
 
 #[test]
@@ -49,7 +49,7 @@ fn kernels_match_the_cpu_reference_bit_for_bit() {
         let mut buf = vec![0u8; sb];
         for c in g.coords() {
             pool.read_slice(c, &mut buf).unwrap();
-            let want = fingerprint::expected(sb, seed, t[c.block as usize].identity(c));
+            let want = fingerprint::expected(seed, &pool.rows_of(&t[c.block as usize], c));
             assert!(buf == want, "{g:?}: fill kernel differs from the CPU reference at {c:?}");
         }
         assert!(pool.verify(&t).unwrap().is_empty(), "{g:?}: verify kernel flags a correct pool");
@@ -84,7 +84,7 @@ fn verify_kernel_reports_what_the_cpu_reports() {
             buf[(n * 131 + j * 977) % sb] ^= 0x41;
         }
         pool.write_slice(c, &buf).unwrap();
-        let (bad, first) = fingerprint::check(&buf, seed, t[c.block as usize].identity(c));
+        let (bad, first) = fingerprint::check(&buf, seed, &pool.rows_of(&t[c.block as usize], c));
         damaged.push((g.global_slice(c), bad, first));
     }
     damaged.sort();
@@ -92,11 +92,11 @@ fn verify_kernel_reports_what_the_cpu_reports() {
     assert_eq!(got, damaged);
 }
 
-/// Geometries for the verify-detection tests: every one [`geometries`] lists (two 16 KiB
-/// parts, 2160-byte slices, MLA 72 KiB = 4.5 parts, 16-byte slices) plus MLA 72 KiB with
-/// enough slices for one damage per slice, 1.4 parts (23040 B, non-MLA, NHD), 4 KiB and
-/// 512 B slices (one part, smaller than it), 8 parts (128 KiB, HND) and 16-byte slices
-/// with one damage per slice.
+/// Geometries for the verify-detection tests: every one [`geometries`] lists (32 KiB slices =
+/// one 32 KiB part, 2160-byte slices, MLA 72 KiB = 2.25 parts, 32-byte slices) plus MLA 72 KiB
+/// with enough slices for one damage per slice, 0.7 parts (23040 B, non-MLA, NHD), 4 KiB and
+/// 512 B slices (smaller than a part), 4 parts (128 KiB, HND) and 32-byte slices with one
+/// damage per slice.
 fn detection_geometries() -> Vec<Geometry> {
     let g = |layers, heads, head, bs, blocks, dtype, layout, mla| Geometry {
         num_layers: layers,
@@ -115,16 +115,16 @@ fn detection_geometries() -> Vec<Geometry> {
         g(2, 8, 128, 2, 4, Dtype::Bf16, Layout::Nhd, false),
         g(2, 2, 64, 2, 5, Dtype::Fp16, Layout::Hnd, false),
         g(2, 8, 128, 64, 6, Dtype::Bf16, Layout::Hnd, false),
-        g(1, 1, 16, 1, 3, Dtype::Fp8, Layout::Nhd, false),
+        g(1, 1, 32, 1, 3, Dtype::Fp8, Layout::Nhd, false),
     ]);
     v
 }
 
 /// Bytes of one work item of the kernels (csrc/kernels.cu KVP_PART_CHUNKS * 16), written
 /// out here rather than taken from the code under test.
-const PART_BYTES: usize = 16384;
+const PART_BYTES: usize = 32768;
 
-/// Flips (XOR 0x41) the first byte of every 16 KiB part and the last byte of every part of
+/// Flips (XOR 0x41) the first byte of every 32 KiB part and the last byte of every part of
 /// `pool`'s slices, each edge in its own slice where the pool has enough (spread from the
 /// first global slice to the last), and in one more slice every edge together. Returns what
 /// the damage alone predicts, as (global slice, bad bytes, first bad byte) sorted by slice —
@@ -160,7 +160,7 @@ fn damage_part_edges(pool: &mut KvPool, g: &Geometry) -> Vec<(u32, u64, u64)> {
 }
 
 /// Fills `pool` (of `g`), then damages, each in its own slice where the pool has enough
-/// (spread from the first global slice to the last), the first byte of every 16 KiB part,
+/// (spread from the first global slice to the last), the first byte of every 32 KiB part,
 /// the last byte of every part (the slice's last byte for the last, possibly partial,
 /// part), and in one more slice the first and last byte of every part together; then
 /// verifies. The expected failures come from the damage alone — a slice with k distinct
@@ -491,15 +491,7 @@ fn block_poison_and_block_copies_match_the_cpu_reference() {
         dram.fill(&t).unwrap();
         // Poison every other block only.
         let sel: Vec<TableEntry> =
-            (0..g.num_blocks)
-                .map(|b| {
-                    if b % 2 == 0 {
-                        TableEntry { block: 1, generation: 1 }
-                    } else {
-                        TableEntry { block: 0, generation: u32::MAX }
-                    }
-                })
-                .collect();
+            (0..g.num_blocks).map(|b| if b % 2 == 0 { TableEntry::new(1, 1) } else { TableEntry::new(0, u32::MAX) }).collect();
         vram.poison_blocks(&sel, 9).unwrap();
         dram.poison_blocks(&sel, 9).unwrap();
         let sb = g.slice_bytes().unwrap() as usize;
@@ -512,7 +504,7 @@ fn block_poison_and_block_copies_match_the_cpu_reference() {
             if c.block % 2 == 0 {
                 fingerprint::poison(&mut want, g.global_slice(c), 9);
             } else {
-                fingerprint::fill(&mut want, seed, t[c.block as usize].identity(c));
+                fingerprint::fill(&mut want, seed, &dram.rows_of(&t[c.block as usize], c));
             }
             assert!(a == want, "{g:?}: block poison wrong at {c:?}");
         }
@@ -529,7 +521,7 @@ fn block_poison_and_block_copies_match_the_cpu_reference() {
             if last % 2 == 0 {
                 fingerprint::poison(&mut want, g.global_slice(from), 9);
             } else {
-                fingerprint::fill(&mut want, seed, t[last as usize].identity(c));
+                fingerprint::fill(&mut want, seed, &dram.rows_of(&t[last as usize], c));
             }
             assert!(a == want, "{g:?}: block {last} copied into block 0 differs at {c:?}");
         }

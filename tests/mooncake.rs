@@ -119,9 +119,12 @@ fn worker_moves_blocks_between_a_shared_pool_and_the_store() {
     w.map_shared(&pool).unwrap();
     // A "block" of two slices that are not adjacent in the pool, as a block's K and V are.
     let sb = 4096usize;
-    let id = |kv| BlockIdentity { layer: 0, kv, block: 77, generation: 3 };
-    fingerprint::fill_span(&mut pool.span_mut(0, sb).unwrap(), 9, id(KvPart::K));
-    fingerprint::fill_span(&mut pool.span_mut(65536, sb).unwrap(), 9, id(KvPart::V));
+    // One K or V slice of 4 tokens × 4 heads × 256-byte rows.
+    let shape =
+        fingerprint::RowShape { order: fingerprint::RowOrder::Nhd, block_size: 4, heads: 4, head_base: 0, row_bytes: 256 };
+    let id = |kv| shape.slice(BlockIdentity::new(0, kv, 77, 3));
+    fingerprint::fill_span(&mut pool.span_mut(0, sb).unwrap(), 9, &id(KvPart::K));
+    fingerprint::fill_span(&mut pool.span_mut(65536, sb).unwrap(), 9, &id(KvPart::V));
     let key = mooncake::block_key("test", 77, 3);
     assert_eq!(key, "kvprobe/test/0000004d/3");
     assert_eq!(w.exists(std::slice::from_ref(&key)).unwrap(), vec![0]);
@@ -132,8 +135,8 @@ fn worker_moves_blocks_between_a_shared_pool_and_the_store() {
     let dst = vec![(131072u64, sb as u64), (262144, sb as u64)];
     let got = w.get(0, std::slice::from_ref(&key), std::slice::from_ref(&dst)).unwrap();
     assert_eq!(got, vec![2 * sb as i64], "bytes read");
-    assert_eq!(fingerprint::check_span(pool.span(131072, sb).unwrap(), 9, id(KvPart::K)).0, 0);
-    assert_eq!(fingerprint::check_span(pool.span(262144, sb).unwrap(), 9, id(KvPart::V)).0, 0);
+    assert_eq!(fingerprint::check_span(pool.span(131072, sb).unwrap(), 9, &id(KvPart::K)).0, 0);
+    assert_eq!(fingerprint::check_span(pool.span(262144, sb).unwrap(), 9, &id(KvPart::V)).0, 0);
     // A missing key is an error code, not bytes.
     let missing = mooncake::block_key("test", 78, 1);
     assert!(w.get(0, std::slice::from_ref(&missing), std::slice::from_ref(&dst)).unwrap()[0] < 0);

@@ -366,7 +366,7 @@ fn pair_serve_bounds_frames_and_takes_one_client_at_a_time() {
     let mut c = std::net::TcpStream::connect(&s.addr).unwrap();
     let challenge = read_frame(&mut c).expect("a challenge");
     assert_eq!(challenge["type"], "challenge");
-    assert_eq!(challenge["protocol"], 1);
+    assert_eq!(challenge["protocol"], kvprobe::peer::PROTOCOL);
     c.write_all(&(1u32 << 30).to_be_bytes()).unwrap();
     let refused = read_frame(&mut c).expect("a refusal");
     assert_eq!(refused["type"], "refused", "{refused}");
@@ -646,7 +646,7 @@ fn pair_handshake_bound_is_for_the_whole_hello_not_each_read() {
     let s = Serve::start(&[]);
     let mut c = std::net::TcpStream::connect(&s.addr).unwrap();
     assert_eq!(read_frame(&mut c).expect("a challenge")["type"], "challenge");
-    let hello = serde_json::json!({"type": "hello", "kvprobe": "x", "protocol": 1, "run_id": "r", "proof": "00".repeat(32)});
+    let hello = serde_json::json!({"type": "hello", "kvprobe": "x", "protocol": kvprobe::peer::PROTOCOL, "run_id": "r", "proof": "00".repeat(32)});
     let body = serde_json::to_vec(&hello).unwrap();
     let mut bytes = (body.len() as u32).to_be_bytes().to_vec();
     bytes.extend_from_slice(&body);
@@ -1065,7 +1065,7 @@ fn a_prefill_that_breaks_the_scenario_protocol_ends_the_run_with_exit_3() {
     let counts = |step: u64| PrefillCounters { steps: step, admitted: 1, ..Default::default() };
     let handed = |blocks: Vec<u32>| Handed {
         req: 0,
-        promised: blocks.iter().map(|&b| TableEntry { block: b + 100, generation: 1 }).collect(),
+        promised: blocks.iter().map(|&b| TableEntry::new(b + 100, 1)).collect(),
         blocks,
         tier: Vec::new(),
         planted: Vec::new(),

@@ -773,14 +773,16 @@ mod attribution {
     use kvprobe::tier::Content;
 
     const SEED: u64 = 7;
-    const SLICE: usize = 2048; // four sectors
+    const SLICE: usize = 2048; // 4 tokens × 2 heads × 256-byte rows
+    const SHAPE: fingerprint::RowShape =
+        fingerprint::RowShape { order: fingerprint::RowOrder::Nhd, block_size: 4, heads: 2, head_base: 0, row_bytes: 256 };
     const C: SliceCoord = SliceCoord { layer: 1, kv: KvPart::V, block: 3 };
 
     fn id(t: TableEntry) -> BlockIdentity {
-        BlockIdentity { layer: C.layer, kv: C.kv, block: t.block, generation: t.generation }
+        BlockIdentity::new(C.layer, C.kv, t.block, t.generation)
     }
     fn print(t: TableEntry) -> Vec<u8> {
-        fingerprint::expected(SLICE, SEED, id(t))
+        fingerprint::expected(SEED, &SHAPE.slice(id(t)))
     }
     fn poison() -> Vec<u8> {
         let mut p = vec![0u8; SLICE];
@@ -791,14 +793,14 @@ mod attribution {
     fn tear(a: &[u8], b: &[u8], at: usize) -> Vec<u8> {
         [&a[..at], &b[at..]].concat()
     }
-    const E: TableEntry = TableEntry { block: 0x1111, generation: 5 };
-    const X: TableEntry = TableEntry { block: 0x2222, generation: 6 };
-    const Y: TableEntry = TableEntry { block: 0x3333, generation: 7 };
+    const E: TableEntry = TableEntry { block: 0x1111, generation: 5, token_base: 0 };
+    const X: TableEntry = TableEntry { block: 0x2222, generation: 6, token_base: 0 };
+    const Y: TableEntry = TableEntry { block: 0x3333, generation: 7, token_base: 0 };
     fn content(t: TableEntry, cause: Option<Mechanism>) -> Content {
         Content { id: t, cause }
     }
     fn verdict(actual: &[u8], window: &[Content]) -> (Option<Mechanism>, TableEntry) {
-        attribute(actual, &print(E), SEED, C, window)
+        attribute(actual, &print(E), SEED, &SHAPE, C, window)
     }
 
     const LIR: Option<Mechanism> = Some(Mechanism::LoadIntoReading);
@@ -850,15 +852,14 @@ mod attribution {
     #[test]
     fn attribution_after_many_rewrites_still_checks_every_element() {
         // 100 rewrites during one READ (the old rule attributed anything after 32).
-        let window: Vec<Content> = std::iter::once(content(E, None))
-            .chain((1..=100).map(|g| content(TableEntry { block: 0x4444, generation: g }, LIR)))
-            .collect();
-        let first = TableEntry { block: 0x4444, generation: 1 };
+        let window: Vec<Content> =
+            std::iter::once(content(E, None)).chain((1..=100).map(|g| content(TableEntry::new(0x4444, g), LIR))).collect();
+        let first = TableEntry::new(0x4444, 1);
         assert_eq!(verdict(&print(first), &window), (LIR, first), "the earliest rewrite is remembered");
         for (what, slice) in [
             ("poison", poison()),
             ("garbage", vec![0x5A; SLICE]),
-            ("a never-written generation", print(TableEntry { block: 0x4444, generation: 101 })),
+            ("a never-written generation", print(TableEntry::new(0x4444, 101))),
             ("the expected data with a flipped bit", {
                 let mut b = print(E);
                 b[40] ^= 4;
@@ -986,7 +987,7 @@ mod shadow_events {
     use kvprobe::tier::Content;
 
     fn t(block: u32, generation: u32) -> TableEntry {
-        TableEntry { block, generation }
+        TableEntry::new(block, generation)
     }
     fn c(block: u32, generation: u32, cause: Option<Mechanism>) -> Content {
         Content { id: t(block, generation), cause }

@@ -14,7 +14,6 @@ mod docker;
 mod dram;
 mod dump;
 mod fingerprint;
-mod fingerprint_v2;
 mod geometry;
 mod gpu;
 mod inspect;

@@ -72,7 +72,7 @@ fn race_flags_parse_and_resolve() {
 }
 
 fn te(block: u32, generation: u32) -> TableEntry {
-    TableEntry { block, generation }
+    TableEntry::new(block, generation)
 }
 
 #[test]

@@ -253,10 +253,10 @@ fn prepared_indices_are_global_slice_indices_and_runs_expand() {
 
 #[test]
 fn a_pool_beyond_32_bit_indices_needs_create_requests() {
-    // 40000 layers x K/V x 32768 blocks = 2 621 440 000 slices of 16 bytes: more than
+    // 40000 layers x K/V x 32768 blocks = 2 621 440 000 slices of 32 bytes: more than
     // makeXferReq's int indices reach. Refused before anything is allocated, naming the way
     // out; with --xfer-req create this check passes (the run then stops on host memory).
-    let geo = ["--layers", "40000", "--blocks", "32768", "--kv-heads", "1", "--head-size", "8", "--block-size", "1"];
+    let geo = ["--layers", "40000", "--blocks", "32768", "--kv-heads", "1", "--head-size", "16", "--block-size", "1"];
     let mut args = vec!["run", "--memory", "dram", "--iterations", "1"];
     args.extend(geo);
     let (code, _, err) = kvprobe(&args);

@@ -52,7 +52,8 @@ pub mod client;
 pub mod steps;
 
 /// The protocol version both sides must speak (in [`Msg::Challenge`] and [`Msg::Hello`]).
-pub const PROTOCOL: u32 = 1;
+/// 2: the slices follow fingerprint version 2 (`kvprobe.fingerprint/2`), by head row.
+pub const PROTOCOL: u32 = 2;
 
 /// Largest frame before the token check (bytes): a HELLO is a few hundred bytes.
 pub const MAX_HELLO_FRAME: usize = 4096;

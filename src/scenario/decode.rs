@@ -279,8 +279,7 @@ impl<'a> Decode<'a> {
         let n = sides.decode.pool.geometry().num_blocks;
         // Genesis: every prefill block holds a fingerprint no request asks for (prefill's
         // first fill, `PrefillEngine::start`).
-        let genesis: Vec<TableEntry> =
-            (0..n).map(|i| TableEntry { block: fingerprint::logical_block(seed, i), generation: 0 }).collect();
+        let genesis: Vec<TableEntry> = (0..n).map(|i| TableEntry::new(fingerprint::logical_block(seed, i), 0)).collect();
         Decode {
             cfg: cfg.clone(),
             races: cfg.races(),
@@ -995,7 +994,7 @@ impl<'a> Decode<'a> {
     fn start_decode(&mut self, report: &mut Report) -> Result<()> {
         let sc = self.cfg.scenario;
         let n = self.ep.pool.geometry().num_blocks as usize;
-        let mut table = vec![TableEntry { block: 0, generation: SKIP_GEN }; n];
+        let mut table = vec![TableEntry::new(0, SKIP_GEN); n];
         let mut starting = Vec::new();
         for &id in &self.order {
             let p = &self.pulls[&id];
@@ -1006,7 +1005,7 @@ impl<'a> Decode<'a> {
                 break; // decode is full; keep order
             };
             for &s in &d {
-                table[s as usize] = TableEntry { block: 1, generation: 1 };
+                table[s as usize] = TableEntry::new(1, 1);
             }
             starting.push((id, d));
         }
@@ -1097,7 +1096,7 @@ impl<'a> Decode<'a> {
         }
         let g = self.ep.pool.geometry().clone();
         let n = g.num_blocks as usize;
-        let mut table = vec![TableEntry { block: 0, generation: SKIP_GEN }; n];
+        let mut table = vec![TableEntry::new(0, SKIP_GEN); n];
         // decode slot -> (request, block index)
         let mut owner: HashMap<u32, (u64, usize)> = HashMap::new();
         for &id in &ids {
@@ -1127,8 +1126,9 @@ impl<'a> Decode<'a> {
             let expected_t = table[c.block as usize];
             let expected = ident(expected_t, c);
             self.ep.pool.read_slice(c, &mut buf)?;
-            let want = fingerprint::expected(sb, self.seed, expected);
-            let v = verify::classify_against(&buf, &want, expected, self.seed, f.slice, p.poison_iter);
+            let due = self.ep.pool.shape().slice(expected);
+            let want = fingerprint::expected(self.seed, &due);
+            let v = verify::classify_against(&buf, &want, &due, self.seed, f.slice, p.poison_iter);
             // What the source block held during the READ window: its content when the READ
             // was posted, then every write before the READ completed (tier-only: the entry
             // decode loaded).
@@ -1154,7 +1154,7 @@ impl<'a> Decode<'a> {
             } else if p.unwritten.contains(&i) && v.class == crate::verify::Class::Unwritten {
                 (Some(Mechanism::FailedAsComplete), expected_t)
             } else {
-                attribute(&buf, &want, self.seed, c, &written)
+                attribute(&buf, &want, self.seed, self.ep.pool.shape(), c, &written)
             };
             if planted != Some(v.class) {
                 self.shadow.count(cause, v.class);

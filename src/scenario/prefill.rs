@@ -153,8 +153,7 @@ impl<'a> PrefillEngine<'a> {
             false => (None, None),
         };
         let detail = tier.as_ref().map_or_else(|| "none".to_string(), |t| t.detail());
-        let genesis: Vec<TableEntry> =
-            (0..n).map(|i| TableEntry { block: fingerprint::logical_block(seed, i), generation: 0 }).collect();
+        let genesis: Vec<TableEntry> = (0..n).map(|i| TableEntry::new(fingerprint::logical_block(seed, i), 0)).collect();
         ep.pool.fill(&genesis)?;
         let mut device = device;
         if let Some(d) = device.as_mut() {
@@ -341,7 +340,7 @@ impl<'a> PrefillEngine<'a> {
             }
             Kind::Stale => {
                 let old = TableEntry { generation: promised.generation.wrapping_sub(1), ..promised };
-                fingerprint::expected(sb as usize, self.seed, old.identity(c))
+                fingerprint::expected(self.seed, &self.ep.pool.rows_of(&old, c))
             }
             _ => unreachable!("prefill plants bitflip and stale only"),
         };
@@ -712,7 +711,7 @@ impl<'a> PrefillEngine<'a> {
             return Ok(());
         }
         let n = self.blocks.blocks.len();
-        let mut table = vec![TableEntry { block: 0, generation: SKIP_GEN }; n];
+        let mut table = vec![TableEntry::new(0, SKIP_GEN); n];
         for op in &due {
             if let OpKind::Fill { id } = op.kind {
                 table[op.slot as usize] = id;
@@ -1192,7 +1191,7 @@ impl<'a> PrefillEngine<'a> {
                 // Generations run 1..SKIP_GEN (exclusive): 0 is never computed and SKIP_GEN marks
                 // "neither fill nor verify" in the kernels' tables.
                 self.next_gen = fingerprint::next_generation(self.next_gen);
-                let t = TableEntry { block: r.spec.hashes[i], generation: self.next_gen };
+                let t = TableEntry::new(r.spec.hashes[i], self.next_gen);
                 promised.push(t);
                 let mut due = self.lag(2).max(self.compute.back().map_or(0, |o| o.due));
                 // --host-staging: chunked prefill, two computed blocks per chunk, each chunk

@@ -254,7 +254,14 @@ pub(crate) fn ident(t: TableEntry, c: SliceCoord) -> BlockIdentity {
 /// mechanism stamped on the content that supplies most of the wrong elements (the latest on
 /// a tie; when it carries none, the latest other supplier's, else the content at post's),
 /// and that content is the prediction.
-pub fn attribute(actual: &[u8], want: &[u8], seed: u64, c: SliceCoord, written: &[Content]) -> (Option<Mechanism>, TableEntry) {
+pub fn attribute(
+    actual: &[u8],
+    want: &[u8],
+    seed: u64,
+    shape: &crate::fingerprint::RowShape,
+    c: SliceCoord,
+    written: &[Content],
+) -> (Option<Mechanism>, TableEntry) {
     let pre = written.first().copied().unwrap_or_default();
     // One fingerprint per distinct identity (a window may hold the same one several times).
     let mut ids: Vec<TableEntry> = Vec::new();
@@ -263,7 +270,7 @@ pub fn attribute(actual: &[u8], want: &[u8], seed: u64, c: SliceCoord, written: 
             ids.push(w.id);
         }
     }
-    let prints: Vec<Vec<u8>> = ids.iter().map(|&t| fingerprint::expected(actual.len(), seed, ident(t, c))).collect();
+    let prints: Vec<Vec<u8>> = ids.iter().map(|&t| fingerprint::expected(seed, &shape.slice(ident(t, c)))).collect();
     let Some(used) = verify::explained_by(actual, want, &prints) else {
         return (None, pre.id);
     };
