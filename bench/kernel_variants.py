@@ -108,9 +108,12 @@ def main():
     sb = 32 << 10  # llama3-8b: 16 tokens x 8 heads x 256-byte rows
     nslices = size // sb
     nblocks = nslices // 2
-    region, other, table, fails, counters = (ctypes.c_ulonglong() for _ in range(5))
-    for p, n in ((region, size), (other, size), (table, 16 * nblocks), (fails, 16 * nslices * 4), (counters, 16 + 256 * 16)):
+    region, other, table, fails, counters, bases = (ctypes.c_ulonglong() for _ in range(6))
+    for p, n in ((region, size), (other, size), (table, 16 * nblocks), (fails, 16 * nslices * 4), (counters, 16 + 256 * 16),
+                 (bases, 8)):
         ck(cuda.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(n)), "cuMemAlloc")
+    # The kernels run over a range of layers (region bases in a device array): here one layer.
+    ck(cuda.cuMemcpyHtoD_v2(bases, ctypes.byref(ctypes.c_ulonglong(region.value)), ctypes.c_size_t(8)), "bases")
     tab = (ctypes.c_uint * (4 * nblocks))()
     for b in range(nblocks):
         tab[4 * b], tab[4 * b + 1] = (b * 2654435761) & 0xFFFFFFFF, 1
@@ -155,8 +158,8 @@ def main():
             arr = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
             ck(cuda.cuLaunchKernel(f, grid, 1, 1, 256, 1, 1, 0, None, arr, None), "cuLaunchKernel")
 
-        fill_args = [region, u(sb), u(0), u(nblocks), u(3), u(0x1234567), table, u(nslices), rows]
-        verify_args = [region, u(sb), u(0), u(nblocks), u(3), u(0x1234567), table, u(nslices), u(0), fails, counters,
+        fill_args = [bases, u(0), u(1), u(sb), u(0), u(nblocks), u(0x1234567), table, u(nslices), rows]
+        verify_args = [bases, u(0), u(1), u(sb), u(0), u(nblocks), u(0x1234567), table, u(nslices), fails, counters,
                        u(nslices * 4), ctypes.c_ulonglong(counters.value + 16), rows]
         count = ctypes.c_uint()
 

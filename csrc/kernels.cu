@@ -1,10 +1,13 @@
 /*
- * kvprobe CUDA kernels: fill, poison, verify and poison-check block slices of one layer's region.
+ * kvprobe CUDA kernels: fill, poison, verify and poison-check the block slices of a range of layers.
  * Compiled at run time by NVRTC with fingerprint.h prepended (src/fingerprint.rs,
  * KERNEL_SOURCE), so the kernels and the CPU reference share one definition.
  *
- * Every kernel takes one layer's region as uint4 (16-byte) chunks; slice q of the region
- * starts at q * slice_bytes. Work items are parts of slices: part p of slice q covers chunks
+ * Every kernel runs over the regions of layers layer0 .. layer0 + num_layers - 1 in one launch
+ * (`bases[layer]`: the device address of layer `layer`'s region; one launch per pass, not per
+ * layer: the gaps between 32 launches of ~33 us cost verify 4 % on an H200), each region read
+ * as uint4 (16-byte) chunks; slice q of a region starts at q * slice_bytes and is global slice
+ * layer * num_slices + q. Work items are parts of slices: part p of slice q covers chunks
  * [p * KVP_PART_CHUNKS, (p + 1) * KVP_PART_CHUNKS) (32 KiB), so a region of few large slices
  * (2 MiB with block_size 1024) still spreads over every SM. One thread block (KVP_THREADS
  * threads) handles one part at a time (grid-stride over parts); thread t takes chunks
@@ -44,6 +47,18 @@ struct kvp_fail {
 #define KVP_CMP_SLOTS 256u
 
 __device__ __forceinline__ unsigned kvp_parts(unsigned chunks) { return (chunks + KVP_PART_CHUNKS - 1u) / KVP_PART_CHUNKS; }
+
+/* Work item `it` of a launch over num_layers layers of num_slices slices of `parts` parts:
+ * its layer, slice q in the layer and first chunk c0. */
+__device__ __forceinline__ void kvp_item(unsigned long long it, unsigned layer0, unsigned num_slices, unsigned parts,
+                                         unsigned *layer, unsigned *q, unsigned *c0) {
+    const unsigned long long per_layer = (unsigned long long)num_slices * parts;
+    const unsigned li = (unsigned)(it / per_layer);
+    const unsigned long long rest = it - (unsigned long long)li * per_layer;
+    *layer = layer0 + li;
+    *q = (unsigned)(rest / parts);
+    *c0 = (unsigned)(rest % parts) * KVP_PART_CHUNKS;
+}
 
 /* How a region's slices are cut into rows (kernel parameters, src/cuda.rs RegionArgs). */
 struct kvp_rows {
@@ -100,14 +115,15 @@ __device__ __forceinline__ uint4 kvp2_chunk(unsigned key, unsigned pos, unsigned
 }
 
 extern "C" __global__ void __launch_bounds__(KVP_THREADS)
-kvp_fill(uint4 *region, unsigned slice_bytes, unsigned layout, unsigned num_blocks, unsigned layer, unsigned seed32,
-         const uint4 *table, unsigned num_slices, kvp_rows R) {
+kvp_fill(const unsigned long long *bases, unsigned layer0, unsigned num_layers, unsigned slice_bytes, unsigned layout,
+         unsigned num_blocks, unsigned seed32, const uint4 *table, unsigned num_slices, kvp_rows R) {
     __shared__ kvp_part_rows pr;
     const unsigned chunks = slice_bytes / 16u, parts = kvp_parts(chunks);
     const unsigned q_step = KVP_THREADS / R.rc, w_step = KVP_THREADS - q_step * R.rc;
-    const unsigned long long items = (unsigned long long)num_slices * parts;
+    const unsigned long long items = (unsigned long long)num_layers * num_slices * parts;
     for (unsigned long long it = blockIdx.x; it < items; it += gridDim.x) {
-        const unsigned q = (unsigned)(it / parts), c0 = (unsigned)(it % parts) * KVP_PART_CHUNKS;
+        unsigned layer, q, c0;
+        kvp_item(it, layer0, num_slices, parts, &layer, &q, &c0);
         const unsigned c1 = min(c0 + KVP_PART_CHUNKS, chunks);
         unsigned blk, kv;
         kvp_slice_coords(layout, num_blocks, q, &blk, &kv);
@@ -116,7 +132,7 @@ kvp_fill(uint4 *region, unsigned slice_bytes, unsigned layout, unsigned num_bloc
         const unsigned lkv0 = kvp2_lkvu(layer, kv, 0u);
         __syncthreads(); /* the previous part's rows are no longer read */
         const unsigned r0 = kvp_load_rows(&pr, R, seed32, ent.x, lkv0, ent.y, ent.z, c0, c1);
-        uint4 *s = region + (size_t)q * chunks;
+        uint4 *s = (uint4 *)bases[layer] + (size_t)q * chunks;
         unsigned c = c0 + threadIdx.x, r = c / R.rc, w = c - r * R.rc;
 #pragma unroll
         for (unsigned k = 0; k < KVP_PER_THREAD; k++) {
@@ -129,28 +145,29 @@ kvp_fill(uint4 *region, unsigned slice_bytes, unsigned layout, unsigned num_bloc
     }
 }
 
-/* Poisons every slice of a region, or, when `table` is not null, only the slices of blocks
+/* Poisons every slice of the layers, or, when `table` is not null, only the slices of blocks
  * whose table entry is not KVP_SKIP_GEN. */
-extern "C" __global__ void kvp_poison(uint4 *region, unsigned slice_bytes, unsigned layout,
-                                      unsigned num_blocks, unsigned num_slices,
-                                      unsigned slice_base, unsigned iteration, const uint4 *table) {
+extern "C" __global__ void kvp_poison(const unsigned long long *bases, unsigned layer0, unsigned num_layers,
+                                      unsigned slice_bytes, unsigned layout, unsigned num_blocks, unsigned num_slices,
+                                      unsigned iteration, const uint4 *table) {
     const unsigned chunks = slice_bytes / 16u, parts = kvp_parts(chunks);
-    const unsigned long long items = (unsigned long long)num_slices * parts;
-    for (unsigned long long w = blockIdx.x; w < items; w += gridDim.x) {
-        const unsigned q = (unsigned)(w / parts), c0 = (unsigned)(w % parts) * KVP_PART_CHUNKS;
+    const unsigned long long items = (unsigned long long)num_layers * num_slices * parts;
+    for (unsigned long long it = blockIdx.x; it < items; it += gridDim.x) {
+        unsigned layer, q, c0;
+        kvp_item(it, layer0, num_slices, parts, &layer, &q, &c0);
         const unsigned c1 = min(c0 + KVP_PART_CHUNKS, chunks);
         if (table) {
             unsigned blk, kv;
             kvp_slice_coords(layout, num_blocks, q, &blk, &kv);
             if (table[blk].y == KVP_SKIP_GEN) continue;
         }
-        const unsigned slot = slice_base + q;
+        const unsigned slot = layer * num_slices + q;
         uint4 v;
         v.x = kvp_poison_elem(slot, iteration, 0u);
         v.y = kvp_poison_elem(slot, iteration, 1u);
         v.z = v.x;
         v.w = v.y;
-        uint4 *s = region + (size_t)q * chunks;
+        uint4 *s = (uint4 *)bases[layer] + (size_t)q * chunks;
         for (unsigned c = c0 + threadIdx.x; c < c1; c += blockDim.x) s[c] = v;
     }
 }
@@ -195,9 +212,9 @@ __device__ __forceinline__ void kvp_append_fail(kvp_fail *fails, unsigned *count
  * slice once when its part 0 was compared; at the end the block adds its sums (two global
  * atomics) to `compared[2 * (b % KVP_CMP_SLOTS)]` (slices) and `[... + 1]` (bytes). */
 extern "C" __global__ void __launch_bounds__(KVP_THREADS)
-kvp_verify(const uint4 *__restrict__ region, unsigned slice_bytes, unsigned layout, unsigned num_blocks,
-           unsigned layer, unsigned seed32, const uint4 *table, unsigned num_slices, unsigned slice_base,
-           kvp_fail *fails, unsigned *fail_count, unsigned fail_cap, unsigned long long *compared, kvp_rows R) {
+kvp_verify(const unsigned long long *bases, unsigned layer0, unsigned num_layers, unsigned slice_bytes, unsigned layout,
+           unsigned num_blocks, unsigned seed32, const uint4 *table, unsigned num_slices, kvp_fail *fails,
+           unsigned *fail_count, unsigned fail_cap, unsigned long long *compared, kvp_rows R) {
     __shared__ kvp_part_rows pr;
     __shared__ unsigned s_bad, s_first;
     /* Thread 0 only; 32-bit (a block covers far fewer than 2^32 chunks): 64-bit counters cost
@@ -205,16 +222,17 @@ kvp_verify(const uint4 *__restrict__ region, unsigned slice_bytes, unsigned layo
     unsigned my_chunks = 0u, my_slices = 0u;
     const unsigned chunks = slice_bytes / 16u, parts = kvp_parts(chunks);
     const unsigned q_step = KVP_THREADS / R.rc, w_step = KVP_THREADS - q_step * R.rc;
-    const unsigned long long items = (unsigned long long)num_slices * parts;
+    const unsigned long long items = (unsigned long long)num_layers * num_slices * parts;
     for (unsigned long long it = blockIdx.x; it < items; it += gridDim.x) {
-        const unsigned q = (unsigned)(it / parts), c0 = (unsigned)(it % parts) * KVP_PART_CHUNKS;
+        unsigned layer, q, c0;
+        kvp_item(it, layer0, num_slices, parts, &layer, &q, &c0);
         const unsigned c1 = min(c0 + KVP_PART_CHUNKS, chunks);
         unsigned blk, kv;
         kvp_slice_coords(layout, num_blocks, q, &blk, &kv);
         const uint4 ent = table[blk];
         if (ent.y == KVP_SKIP_GEN) continue; /* uniform across the block */
         const unsigned lkv0 = kvp2_lkvu(layer, kv, 0u);
-        const uint4 *s = region + (size_t)q * chunks;
+        const uint4 *s = (const uint4 *)bases[layer] + (size_t)q * chunks;
         /* The loads first (all four in flight), then the rows' keys, then the compare. */
         uint4 got[KVP_PER_THREAD];
 #pragma unroll
@@ -266,7 +284,7 @@ kvp_verify(const uint4 *__restrict__ region, unsigned slice_bytes, unsigned layo
         }
         if (bad) { atomicAdd(&s_bad, bad); atomicMin(&s_first, first); }
         __syncthreads();
-        if (threadIdx.x == 0 && s_bad) kvp_append_fail(fails, fail_count, fail_cap, slice_base + q, s_bad, s_first);
+        if (threadIdx.x == 0 && s_bad) kvp_append_fail(fails, fail_count, fail_cap, layer * num_slices + q, s_bad, s_first);
         __syncthreads();
     }
     if (threadIdx.x == 0) {
@@ -276,32 +294,33 @@ kvp_verify(const uint4 *__restrict__ region, unsigned slice_bytes, unsigned layo
     }
 }
 
-/* Checks that every slice of a region still holds the poison of (slot, iteration)
- * (kvp_poison_elem; slot = slice_base + q): the sweep's stray-write check, run on a stage
+/* Checks that every slice of the layers still holds the poison of (slot, iteration)
+ * (kvp_poison_elem; slot = layer * num_slices + q): the sweep's stray-write check, run on a stage
  * right before it is posted again. Kept apart from kvp_verify so the hot verify kernel's
  * registers and bandwidth are untouched. Failing parts are appended to `fails` exactly as
  * kvp_verify appends them ({slice, bad bytes, first bad byte, 0}; past `fail_cap` counted in
  * `*fail_count` but not written). Each thread block counts the slices whose part 0 it
  * checked and adds the sum to `*checked` (one global atomic per block). */
-extern "C" __global__ void kvp_check_poison(const uint4 *region, unsigned slice_bytes, unsigned num_slices,
-                                            unsigned slice_base, unsigned iteration, kvp_fail *fails,
-                                            unsigned *fail_count, unsigned fail_cap,
+extern "C" __global__ void kvp_check_poison(const unsigned long long *bases, unsigned layer0, unsigned num_layers,
+                                            unsigned slice_bytes, unsigned num_slices, unsigned iteration,
+                                            kvp_fail *fails, unsigned *fail_count, unsigned fail_cap,
                                             unsigned long long *checked) {
     __shared__ unsigned s_bad, s_first;
     unsigned my_slices = 0u;
     const unsigned chunks = slice_bytes / 16u, parts = kvp_parts(chunks);
-    const unsigned long long items = (unsigned long long)num_slices * parts;
+    const unsigned long long items = (unsigned long long)num_layers * num_slices * parts;
     for (unsigned long long w = blockIdx.x; w < items; w += gridDim.x) {
-        const unsigned q = (unsigned)(w / parts), c0 = (unsigned)(w % parts) * KVP_PART_CHUNKS;
+        unsigned layer, q, c0;
+        kvp_item(w, layer0, num_slices, parts, &layer, &q, &c0);
         const unsigned c1 = min(c0 + KVP_PART_CHUNKS, chunks);
-        const unsigned slot = slice_base + q;
+        const unsigned slot = layer * num_slices + q;
         /* Chunk c holds elements 4c (even) .. 4c + 3: even, odd, even, odd. */
         uint4 want;
         want.x = kvp_poison_elem(slot, iteration, 0u);
         want.y = kvp_poison_elem(slot, iteration, 1u);
         want.z = want.x;
         want.w = want.y;
-        const uint4 *s = region + (size_t)q * chunks;
+        const uint4 *s = (const uint4 *)bases[layer] + (size_t)q * chunks;
         unsigned acc = 0u;
         for (unsigned c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
             const uint4 got = s[c];

@@ -184,8 +184,18 @@ fn coherence(sec: &Value, failures: &[Value], dumped: usize, say: &mut dyn FnMut
         say(format!("report: summary.blocks_corrupt: {corrupt}, but {} failures listed", failures.len()));
     }
     for (i, f) in failures.iter().enumerate() {
-        if f.get("request").is_none_or(Value::is_null) && f["iteration"].as_u64().is_some_and(|n| n < 1) {
+        let sweep = f.get("request").is_none_or(Value::is_null);
+        if sweep && f["iteration"].as_u64().is_some_and(|n| n < 1) {
             say(format!("report: failures[{i}].iteration: {}, sweeps count from 1", show(&f["iteration"])));
+        }
+        // A sweep poisons iteration n's slots with n; a scenario with its step mod 2^24.
+        let (it, pi) = (f["iteration"].as_u64(), f["poison_iteration"].as_u64());
+        if (sweep && pi != it) || pi.is_some_and(|p| p >= 1 << 24) {
+            say(format!(
+                "report: failures[{i}].poison_iteration: {}, {}",
+                show(&f["poison_iteration"]),
+                if sweep { format!("a sweep's is its iteration ({})", show(&f["iteration"])) } else { "below 2^24".into() }
+            ));
         }
     }
 }
@@ -288,6 +298,13 @@ fn check_section(
     }
     let mut say = |s: String| problems.push(format!("{label}{s}"));
     let config = &sec["config"];
+    if config["fingerprint"] != json!(index.fingerprint) {
+        say(format!(
+            "report: config.fingerprint: report {}, {dir}index.json {}",
+            show(&config["fingerprint"]),
+            index.fingerprint
+        ));
+    }
     if config["seed"].as_u64() != Some(index.seed) {
         say(format!("{dir}index.json: seed: report {}, index {}", show(&config["seed"]), index.seed));
     }
@@ -370,6 +387,10 @@ fn check_section(
             continue;
         }
         let Some(g) = &geometry else { continue };
+        if let Err(err) = RowShape::of(g).validate(e.failure.expected.token_base) {
+            say(format!("{name}: expected.token_base {}: {err}", e.failure.expected.token_base));
+            continue;
+        }
         let fname = e.file.rsplit('/').next().unwrap_or(&e.file);
         let want_cmd = crate::dump::regenerate_command(&e.failure, index.seed, &RowShape::of(g), e.bytes, fname);
         if e.regenerate != want_cmd {
@@ -399,6 +420,9 @@ fn check_section(
             ));
         }
         let derived = derive(e, index.seed, &RowShape::of(g), actual);
+        if derived.get("bad_bytes") == Some(&json!(0)) {
+            say(format!("{name}: bytes: the slice equals what it had to hold ({file} is intact): a dumped slice is a failure"));
+        }
         for (k, v) in &derived {
             let got = ev.get(*k).cloned().unwrap_or(Value::Null);
             if &got != v {

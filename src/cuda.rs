@@ -560,23 +560,25 @@ pub fn copy_pieces_on_stream(dev: &Arc<Device>, pairs: &[(&DeviceBuffer, &Device
     r
 }
 
-/// Region parameters shared by the kernels (see csrc/kernels.cu).
+/// Region parameters shared by the kernels (see csrc/kernels.cu): one launch runs over the
+/// regions of layers `layer0 .. layer0 + num_layers`.
 #[derive(Clone, Copy, Debug)]
 pub struct RegionArgs {
-    /// Base address of the layer's region.
-    pub region: u64,
+    /// Device address of the pool's array of region base addresses (a u64 per layer, in layer
+    /// order).
+    pub bases: u64,
+    /// First layer of the launch.
+    pub layer0: u32,
+    /// Layers of the launch.
+    pub num_layers: u32,
     /// Bytes per block slice (multiple of 16).
     pub slice_bytes: u32,
     /// `KVP_LAYOUT_*` code.
     pub layout: u32,
     /// Blocks per layer.
     pub num_blocks: u32,
-    /// Layer index.
-    pub layer: u32,
-    /// Slices in the region.
+    /// Slices in a layer's region (global slice index = layer × num_slices + index in the region).
     pub num_slices: u32,
-    /// Global index of the region's first slice.
-    pub slice_base: u32,
     /// Bytes per head row (`head_size × dtype bytes`; [`crate::fingerprint::RowShape`]).
     pub row_bytes: u32,
     /// Head positions per slice.
@@ -671,7 +673,7 @@ pub fn parts_per_slice(slice_bytes: u64) -> u64 {
 }
 
 fn grid(r: &RegionArgs) -> u32 {
-    (r.num_slices as u64 * parts_per_slice(r.slice_bytes as u64)).clamp(1, 1 << 20) as u32
+    (r.num_layers as u64 * r.num_slices as u64 * parts_per_slice(r.slice_bytes as u64)).clamp(1, 1 << 20) as u32
 }
 
 /// Where the PTX NVRTC made for `arch` is kept between runs:
@@ -758,29 +760,29 @@ impl Kernels {
             .map_err(|e| derr("cuLaunchKernel", e))
     }
 
-    /// Fills every slice of a region with the fingerprint of `table[block]` (asynchronous).
+    /// Fills every slice of the layers of `r` with the fingerprint of `table[block]` (asynchronous).
     /// `table` holds `num_blocks` `{logical block, generation, token_base, 0}` u32 quadruples.
     pub fn fill(&self, r: RegionArgs, seed32: u32, table: &DeviceBuffer) -> Result<()> {
         kernel_params!(
             params;
-            p = r.region, sb = r.slice_bytes, lo = r.layout, nb = r.num_blocks, l = r.layer, s = seed32,
-            t = table.ptr(), n = r.num_slices, rows = r.rows()
+            b = r.bases, l0 = r.layer0, nl = r.num_layers, sb = r.slice_bytes, lo = r.layout, nb = r.num_blocks,
+            s = seed32, t = table.ptr(), n = r.num_slices, rows = r.rows()
         );
         self.launch(self.fill, &r, &mut params)
     }
 
-    /// Writes the poison of (slot, iteration) into every slice of a region, or only into
+    /// Writes the poison of (slot, iteration) into every slice of the layers of `r`, or only into
     /// the slices of blocks whose `table` entry is not SKIP_GEN (asynchronous).
     pub fn poison(&self, r: RegionArgs, iteration: u32, table: Option<&DeviceBuffer>) -> Result<()> {
         kernel_params!(
             params;
-            p = r.region, sb = r.slice_bytes, lo = r.layout, nb = r.num_blocks, n = r.num_slices,
-            base = r.slice_base, it = iteration, t = table.map_or(0u64, |t| t.ptr())
+            b = r.bases, l0 = r.layer0, nl = r.num_layers, sb = r.slice_bytes, lo = r.layout, nb = r.num_blocks,
+            n = r.num_slices, it = iteration, t = table.map_or(0u64, |t| t.ptr())
         );
         self.launch(self.poison, &r, &mut params)
     }
 
-    /// Verifies every slice of a region against `table`; each failing part of a slice
+    /// Verifies every slice of the layers of `r` against `table`; each failing part of a slice
     /// ([`PART_CHUNKS`] chunks) appends one 16-byte record {slice, bad bytes, first bad
     /// byte, 0} to `fails` and counts it in the u32 at offset 0 of `counters`
     /// ([`VERIFY_COUNTERS_BYTES`], zeroed by the caller); the caller merges a slice's parts.
@@ -804,8 +806,8 @@ impl Kernels {
         }
         kernel_params!(
             params;
-            p = r.region, sb = r.slice_bytes, lo = r.layout, nb = r.num_blocks, l = r.layer, s = seed32,
-            t = table.ptr(), n = r.num_slices, base = r.slice_base, f = fails.ptr(), c = counters.ptr(),
+            b = r.bases, l0 = r.layer0, nl = r.num_layers, sb = r.slice_bytes, lo = r.layout, nb = r.num_blocks,
+            s = seed32, t = table.ptr(), n = r.num_slices, f = fails.ptr(), c = counters.ptr(),
             cap = u32::try_from(fails.len() / 16).unwrap_or(u32::MAX), cmp = counters.ptr() + 16, rows = r.rows()
         );
         self.launch(self.verify, &r, &mut params)
@@ -817,7 +819,7 @@ impl Kernels {
 pub const CHECK_COUNTERS_BYTES: usize = 16;
 
 impl Kernels {
-    /// Checks that every slice of a region still holds the poison of (slot, `iteration`)
+    /// Checks that every slice of the layers of `r` still holds the poison of (slot, `iteration`)
     /// (csrc/kernels.cu `kvp_check_poison`): each failing part of a slice appends one 16-byte
     /// record {slice, bad bytes, first bad byte, 0} to `fails`, as [`Kernels::verify`] does,
     /// counted in the u32 at offset 0 of `counters` ([`CHECK_COUNTERS_BYTES`], zeroed by the
@@ -832,7 +834,7 @@ impl Kernels {
         }
         kernel_params!(
             params;
-            p = r.region, sb = r.slice_bytes, n = r.num_slices, base = r.slice_base, it = iteration,
+            b = r.bases, l0 = r.layer0, nl = r.num_layers, sb = r.slice_bytes, n = r.num_slices, it = iteration,
             f = fails.ptr(), c = counters.ptr(), cap = u32::try_from(fails.len() / 16).unwrap_or(u32::MAX),
             chk = counters.ptr() + 8
         );

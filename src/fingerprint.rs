@@ -504,11 +504,19 @@ pub fn observed_rows(src: &[u8], seed: u64, row_bytes: u32) -> Vec<Option<RowIde
 /// `token_base` is the decoded token less the row's token position (0 when that is
 /// negative). `None` when no unit's tag decodes.
 pub fn observed_identity(src: &[u8], seed: u64, shape: &RowShape, from: u64) -> Option<BlockIdentity> {
-    let units: Vec<(u32, u32, Range<usize>)> = shape.units().filter(|(_, _, r)| r.end <= src.len()).collect();
-    let start = units.iter().position(|(_, _, r)| r.end as u64 > from).unwrap_or(units.len());
-    units[start..].iter().chain(&units[..start]).find_map(|(r, _, range)| {
-        let (id, _) = decode_tag(src, seed, range.start as u64, shape.row_bytes)?;
-        let (t, _) = shape.coords(*r);
+    let rb = shape.row_bytes as u64;
+    if rb == 0 {
+        return None;
+    }
+    let rows = (src.len() as u64 / rb).min(shape.rows());
+    let per_row = rb.div_ceil(UNIT_BYTES as u64);
+    let units = rows * per_row;
+    // Unit k is unit k % per_row of row k / per_row; the search starts at the unit holding `from`.
+    let start = (from / rb).saturating_mul(per_row).saturating_add((from % rb) / UNIT_BYTES as u64).min(units);
+    (start..units).chain(0..start).find_map(|k| {
+        let (r, u) = (k / per_row, k % per_row);
+        let (id, _) = decode_tag(src, seed, r * rb + u * UNIT_BYTES as u64, shape.row_bytes)?;
+        let (t, _) = shape.coords(r as u32);
         Some(BlockIdentity { token_base: id.token.saturating_sub(t), ..id.slice })
     })
 }

@@ -134,6 +134,9 @@ enum Backing {
     Device {
         kernels: Arc<Kernels>,
         regions: Vec<DeviceBuffer>,
+        /// The regions' base addresses (a u64 per layer): the kernels run over several layers
+        /// in one launch.
+        bases: DeviceBuffer,
         table: DeviceBuffer,
         fails: DeviceBuffer,
         /// The verify kernel's failure count and compared-work counters
@@ -334,6 +337,8 @@ impl KvPool {
     ) -> Result<KvPool> {
         let fails_len = geom.total_slices()? * crate::cuda::parts_per_slice(geom.slice_bytes()?) * 16;
         let table = DeviceBuffer::alloc(dev, 16 * geom.num_blocks as usize)?;
+        let bases = DeviceBuffer::alloc(dev, 8 * regions.len())?;
+        bases.write(0, &regions.iter().flat_map(|r| r.ptr().to_le_bytes()).collect::<Vec<u8>>())?;
         let fails = DeviceBuffer::alloc(dev, fails_len as usize)?;
         let counters = DeviceBuffer::alloc(dev, crate::cuda::VERIFY_COUNTERS_BYTES)?;
         // cuMemAlloc may hand back a freed buffer's bytes (seen on an H200): a stale count
@@ -351,6 +356,7 @@ impl KvPool {
             backing: Backing::Device {
                 kernels,
                 regions,
+                bases,
                 table,
                 fails,
                 counters,
@@ -537,12 +543,11 @@ impl KvPool {
                     fingerprint::fill_span(s, seed, &shape.slice(e.identity(c)));
                 }
             }),
-            Backing::Device { kernels, regions, table: t, .. } => {
+            Backing::Device { kernels, regions, bases, table: t, .. } => {
                 let s32 = fingerprint::seed32(seed);
                 let timer = GpuTimer::start(regions[0].device())?;
-                for layer in layers {
-                    let args = Self::region_args_of(&self.geom, &shape, layer, regions[layer as usize].ptr());
-                    kernels.fill(args, s32, t)?;
+                if !layers.is_empty() {
+                    kernels.fill(Self::region_args_of(&self.geom, &shape, layers, bases.ptr()), s32, t)?;
                 }
                 self.timers.push((Pass::Fill, timer.end()?));
                 Ok(())
@@ -566,10 +571,10 @@ impl KvPool {
                     }
                 })
             }
-            Backing::Device { kernels, regions, table: t, .. } => {
+            Backing::Device { kernels, regions, bases, table: t, .. } => {
                 let timer = GpuTimer::start(regions[0].device())?;
-                for layer in layers {
-                    let args = Self::region_args_of(&self.geom, &self.shape, layer, regions[layer as usize].ptr());
+                if !layers.is_empty() {
+                    let args = Self::region_args_of(&self.geom, &self.shape, layers, bases.ptr());
                     kernels.poison(args, iteration, by_table.then_some(&*t))?;
                 }
                 self.timers.push((Pass::Poison, timer.end()?));
@@ -611,11 +616,11 @@ impl KvPool {
                 self.host_compared.bytes += n_bytes.into_inner();
                 Ok(())
             }
-            Backing::Device { kernels, regions, table: t, fails, counters, .. } => {
+            Backing::Device { kernels, regions, bases, table: t, fails, counters, .. } => {
                 let s32 = fingerprint::seed32(seed);
                 let timer = GpuTimer::start(regions[0].device())?;
-                for layer in layers {
-                    let args = Self::region_args_of(&self.geom, &self.shape, layer, regions[layer as usize].ptr());
+                if !layers.is_empty() {
+                    let args = Self::region_args_of(&self.geom, &self.shape, layers, bases.ptr());
                     kernels.verify(args, s32, t, fails, counters)?;
                 }
                 self.timers.push((Pass::Verify, timer.end()?));
@@ -722,10 +727,10 @@ impl KvPool {
                 self.check.slices += n_slices.into_inner();
                 Ok(())
             }
-            Backing::Device { kernels, regions, check, .. } => {
+            Backing::Device { kernels, regions, bases, check, .. } => {
                 let timer = GpuTimer::start(regions[0].device())?;
-                for layer in layers {
-                    let args = Self::region_args_of(&self.geom, &self.shape, layer, regions[layer as usize].ptr());
+                if !layers.is_empty() {
+                    let args = Self::region_args_of(&self.geom, &self.shape, layers, bases.ptr());
                     kernels.check_poison(args, iteration, &check.fails, &check.counters)?;
                 }
                 self.timers.push((Pass::Check, timer.end()?));
@@ -780,20 +785,21 @@ impl KvPool {
         self.finish().map(|_| ())
     }
 
-    fn region_args_of(geom: &Geometry, shape: &RowShape, layer: u32, base: u64) -> RegionArgs {
-        let per = geom.slices_per_layer() as u32;
+    /// The kernels' arguments for one launch over `layers` (`bases`: the device array of the
+    /// regions' base addresses).
+    fn region_args_of(geom: &Geometry, shape: &RowShape, layers: Range<u32>, bases: u64) -> RegionArgs {
         RegionArgs {
             row_bytes: shape.row_bytes,
             heads: shape.heads,
             block_size: shape.block_size,
             head_base: shape.head_base,
-            region: base,
+            bases,
+            layer0: layers.start,
+            num_layers: layers.end - layers.start,
             slice_bytes: geom.slice_bytes().unwrap_or(0) as u32,
             layout: geom.layout_code(),
             num_blocks: geom.num_blocks,
-            layer,
-            num_slices: per,
-            slice_base: layer * per,
+            num_slices: geom.slices_per_layer() as u32,
         }
     }
 

@@ -965,6 +965,29 @@ fn check_finds_report_and_index_that_disagree_on_seed_geometry_dump_and_outcome(
             2,
             "index.json: fingerprint \"kvprobe.fingerprint/1\": this kvprobe checks kvprobe.fingerprint/2",
         ),
+        // The report and its dump agree on the fingerprint (a report of an older kvprobe has none).
+        (
+            "report-fingerprint",
+            "report.json",
+            Box::new(|v| v["config"]["fingerprint"] = "kvprobe.fingerprint/1".into()),
+            1,
+            "report: config.fingerprint: report kvprobe.fingerprint/1, dump/index.json kvprobe.fingerprint/2",
+        ),
+        (
+            "report-poison-iteration",
+            "report.json",
+            Box::new(|v| v["failures"][0]["poison_iteration"] = (1u64 << 24).into()),
+            1,
+            "poison_iteration: 16777216, a sweep's is its iteration",
+        ),
+        // A token_base the fingerprint cannot name is a disagreement, never a panic.
+        (
+            "index-token-base",
+            "dump/index.json",
+            Box::new(|v| v["slices"][0]["expected"]["token_base"] = 65521.into()),
+            1,
+            "expected.token_base 65521: invalid geometry: tokens 65521..",
+        ),
         (
             "report-seed-hex",
             "report.json",

@@ -189,6 +189,26 @@ fn every_unit_names_its_row_and_unit() {
     assert_eq!((hnd.row(16 * 2 + 3).token, hnd.row(16 * 2 + 3).head), (32 + 3, 8 + 2));
 }
 
+/// The stray-write checks name what landed by the first tag from the first bad byte on, then
+/// from the start: a slice half poison, half another block's rows (token_base derived from the
+/// row's position).
+#[test]
+fn observed_identity_searches_from_the_first_bad_byte_and_wraps() {
+    let shape = RowShape { order: RowOrder::Hnd, block_size: 8, heads: 2, head_base: 0, row_bytes: 544 };
+    let other = id(1, KvPart::V, 77, 4);
+    let mut bytes = fingerprint::expected(3, &shape.slice(BlockIdentity { token_base: 8, ..other }));
+    let half = bytes.len() / 2;
+    let mut p = vec![0u8; half];
+    fingerprint::poison(&mut p, 5, 1);
+    bytes[..half].copy_from_slice(&p);
+    let want = Some(BlockIdentity { token_base: 8, ..other });
+    for from in [0, 1, half as u64 - 1, half as u64, bytes.len() as u64 - 1, bytes.len() as u64, u64::MAX] {
+        assert_eq!(fingerprint::observed_identity(&bytes, 3, &shape, from), want, "from {from}");
+    }
+    bytes[half..].copy_from_slice(&p);
+    assert_eq!(fingerprint::observed_identity(&bytes, 3, &shape, 0), None);
+}
+
 #[test]
 fn check_counts_bad_bytes_and_the_first_offset() {
     let want = rows(id(0, KvPart::K, 1, 1), RowOrder::Nhd, 4, 2, 256, 0, 0);
