@@ -464,10 +464,12 @@ fn request_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
         let pairs: Vec<Pair> = (0..g.num_layers)
             .flat_map(|layer| g.parts().iter().map(move |&kv| (layer, kv)))
             .flat_map(|(layer, kv)| {
-                runs.iter().enumerate().map(move |(i, &r)| Pair {
-                    src: SliceCoord { layer, kv, block: i as u32 * n },
-                    dst: SliceCoord { layer, kv, block: r * n },
-                    len: sb * n as u64,
+                runs.iter().enumerate().map(move |(i, &r)| {
+                    Pair::slice(
+                        SliceCoord { layer, kv, block: i as u32 * n },
+                        SliceCoord { layer, kv, block: r * n },
+                        sb * n as u64,
+                    )
                 })
             })
             .collect();
@@ -507,6 +509,8 @@ fn breakdown(
         preset: None,
         model: None,
         geometry: g.clone(),
+        decode_geometry: None,
+        permute_local_kv: false,
         fingerprint: Default::default(),
         op: crate::transport::Op::Read,
         iterations: cfg.iterations,

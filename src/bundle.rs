@@ -260,8 +260,9 @@ fn section_files(dir: &Path, sec: &serde_json::Value, label: &str) -> Result<Vec
             config["seed"], index.seed
         )));
     }
-    if config["geometry"] != index.geometry {
-        return Err(usage(format!("another run's dump: geometry: report {}, dump {}", config["geometry"], index.geometry)));
+    let dumped = crate::dump::dumped_geometry(config);
+    if *dumped != index.geometry {
+        return Err(usage(format!("another run's dump: geometry: report {dumped}, dump {}", index.geometry)));
     }
     match sec["dump"]["slices_written"].as_u64() {
         None => return Err(usage("another run's dump: the report records no dump".into())),

@@ -319,8 +319,9 @@ fn check_section(
     if index.seed_hex != want {
         say(format!("{dir}index.json: seed_hex: index {}, seed {} is {want}", index.seed_hex, index.seed));
     }
-    if index.geometry != config["geometry"] {
-        say(format!("{dir}index.json: geometry: report {}, index {}", show(&config["geometry"]), show(&index.geometry)));
+    let dumped = crate::dump::dumped_geometry(config);
+    if index.geometry != *dumped {
+        say(format!("{dir}index.json: geometry: report {}, index {}", show(dumped), show(&index.geometry)));
     }
     // The report's dump block and the index say the same.
     match sec.get("dump").filter(|d| !d.is_null()) {
@@ -344,25 +345,17 @@ fn check_section(
             }
         }
     }
-    let slice_bytes = config["geometry"]["slice_bytes"].as_u64();
+    let slice_bytes = dumped["slice_bytes"].as_u64();
     if slice_bytes != Some(index.slice_bytes) {
-        say(format!(
-            "{dir}index.json: slice_bytes: report {}, index {}",
-            show(&config["geometry"]["slice_bytes"]),
-            index.slice_bytes
-        ));
+        say(format!("{dir}index.json: slice_bytes: report {}, index {}", show(&dumped["slice_bytes"]), index.slice_bytes));
     }
-    let geometry = Some(
-        geometry_of(&config["geometry"]).map_err(|e| Error::Usage(format!("{bundle}: {label}report: config.geometry: {e}")))?,
-    );
+    let field = if dumped == &config["geometry"] { "geometry" } else { "decode_geometry" };
+    let geometry = Some(geometry_of(dumped).map_err(|e| Error::Usage(format!("{bundle}: {label}report: config.{field}: {e}")))?);
     if let Some(g) = &geometry
         && let Ok(n) = g.slice_bytes()
     {
         if slice_bytes != Some(n) {
-            say(format!(
-                "report: config.geometry.slice_bytes: report {}, geometry {n}",
-                show(&config["geometry"]["slice_bytes"])
-            ));
+            say(format!("report: config.{field}.slice_bytes: report {}, geometry {n}", show(&dumped["slice_bytes"])));
         }
         if index.slice_bytes != n {
             say(format!("{dir}index.json: slice_bytes: index {}, geometry {n}", index.slice_bytes));

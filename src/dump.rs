@@ -84,7 +84,8 @@ pub struct DumpIndex {
     pub seed: u64,
     /// The same seed as `"0x"` + 16 hex digits.
     pub seed_hex: String,
-    /// The run's geometry, as `config.geometry` of the report.
+    /// The geometry of the dumped (decode) slices, as the report's
+    /// `config.decode_geometry`, else `config.geometry` ([`dumped_geometry`]).
     pub geometry: serde_json::Value,
     /// Bytes per slice file.
     pub slice_bytes: u64,
@@ -475,5 +476,14 @@ pub fn keep(
                 l.push(rec);
             }
         }
+    }
+}
+
+/// The geometry of a run's decode slices in its report `config`: `decode_geometry` when
+/// the two sides differ ([`crate::pairing`]), else `geometry`. Dumped slices are decode's.
+pub fn dumped_geometry(config: &serde_json::Value) -> &serde_json::Value {
+    match config.get("decode_geometry") {
+        Some(g) if !g.is_null() => g,
+        _ => &config["geometry"],
     }
 }

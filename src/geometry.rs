@@ -334,6 +334,14 @@ pub fn serialize_with_slice_bytes<S: serde::Serializer>(g: &Geometry, s: S) -> R
     v.serialize(s)
 }
 
+/// [`serialize_with_slice_bytes`] for an optional geometry (reports' `config.decode_geometry`).
+pub fn serialize_opt_with_slice_bytes<S: serde::Serializer>(g: &Option<Geometry>, s: S) -> Result<S::Ok, S::Error> {
+    match g {
+        Some(g) => serialize_with_slice_bytes(g, s),
+        None => s.serialize_none(),
+    }
+}
+
 /// Named geometries (`--preset`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]

@@ -11,6 +11,8 @@
 //! | `misroute` | pair source slice a with b's destination slot (a's and b's own descriptors dropped) | `misplaced` at b's slot, `unwritten` at a's |
 //! | `stale`    | leave the source slice at the previous generation | `stale` |
 //! | `torn`     | transfer only a prefix of the slice (a multiple of 16 bytes) | `torn` |
+//! | `head-offset` | move the slice's rows with a wrong head offset: every row but the last head's takes the next head's row of the same slice (a TP rank's wrong head offset) | `layout` (displacement head offset +1) |
+//! | `token-offset` | the same with a token offset: every row but the last token's takes the next token's row (a block-size conversion cut one token off) | `layout` (displacement token offset +1) |
 //! | `stray`    | one request carries an extra descriptor into another stage's decode slot (needs ≥ 3 pipeline stages): stage 0's, into a slot of stage ≥ 2 before that stage is posted; in the last iteration with ≥ 4 stages, the last stage's, into a slot of stage 0 after it verified | `stray` (found by the poison check before the post; by the re-verify after the last iteration) |
 
 use crate::error::{Error, Result};
@@ -23,7 +25,7 @@ use std::ops::Range;
 
 /// An injection kind.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "kebab-case")]
 pub enum Kind {
     /// Flip a bit in a source slice after the fill.
     Bitflip,
@@ -37,6 +39,10 @@ pub enum Kind {
     Torn,
     /// Write a slice into a decode slot of a later pipeline stage, outside its transfer.
     Stray,
+    /// Move a slice's rows with a wrong head offset ([`crate::pairing::Plant::HeadOffset`]).
+    HeadOffset,
+    /// Move a slice's rows with a wrong token offset ([`crate::pairing::Plant::TokenOffset`]).
+    TokenOffset,
 }
 
 impl Kind {
@@ -49,6 +55,8 @@ impl Kind {
             Kind::Stale => "stale",
             Kind::Torn => "torn",
             Kind::Stray => "stray",
+            Kind::HeadOffset => "head-offset",
+            Kind::TokenOffset => "token-offset",
         }
     }
 }
@@ -64,7 +72,8 @@ pub struct Spec {
 
 impl std::str::FromStr for Spec {
     type Err = String;
-    /// Parses `CLASS` or `CLASS:COUNT`, CLASS one of bitflip, drop, misroute, stale, torn, stray.
+    /// Parses `CLASS` or `CLASS:COUNT`, CLASS one of bitflip, drop, misroute, stale, torn, stray,
+    /// head-offset, token-offset.
     fn from_str(s: &str) -> std::result::Result<Spec, String> {
         let (name, count) = match s.split_once(':') {
             Some((n, c)) => {
@@ -83,8 +92,12 @@ impl std::str::FromStr for Spec {
             "stale" => Kind::Stale,
             "torn" => Kind::Torn,
             "stray" => Kind::Stray,
+            "head-offset" => Kind::HeadOffset,
+            "token-offset" => Kind::TokenOffset,
             _ => {
-                return Err(format!("unknown injection {name:?} (expected bitflip, drop, misroute, stale, torn or stray)"));
+                return Err(format!(
+                    "unknown injection {name:?} (expected bitflip, drop, misroute, stale, torn, stray, head-offset or token-offset)"
+                ));
             }
         };
         Ok(Spec { kind, count })
@@ -143,6 +156,16 @@ pub enum Action {
         /// The pipeline stage whose request carries the stray descriptor.
         carrier: u32,
     },
+    /// Move source slice `at`'s rows with a wrong head offset.
+    HeadOffset {
+        /// Source slice.
+        at: SliceCoord,
+    },
+    /// Move source slice `at`'s rows with a wrong token offset.
+    TokenOffset {
+        /// Source slice.
+        at: SliceCoord,
+    },
 }
 
 /// Checks that the injections fit the geometry and the sweep's pipeline `stages` (the layer
@@ -151,13 +174,21 @@ pub enum Action {
 /// completed) and at most as many as the slices of stages 2 and later (and, with 4 stages or
 /// more, of stage 0, where the last iteration's strays land); misroute pairs two
 /// slices of one (layer, K/V), so each needs a group with two free blocks (a stray takes
-/// one); all injections need distinct slices.
+/// one); head-offset needs two KV heads (not MLA); all injections need distinct slices.
+/// (token-offset's need of two tokens per prefill block is checked with the sides:
+/// `g` here may be a group of several prefill blocks, [`crate::pairing::Sides::planning`].)
 pub fn check(specs: &[Spec], g: &Geometry, stages: &[Range<u32>]) -> Result<()> {
     let sb = g.slice_bytes()?;
     let (mut pairs, mut singles, mut strays): (u64, u64, u64) = (0, 0, 0);
     for s in specs {
         if s.kind == Kind::Torn && sb < 32 {
             return Err(Error::Usage(format!("--inject torn needs block slices of at least 32 bytes (they are {sb})")));
+        }
+        if s.kind == Kind::HeadOffset && (g.mla || g.num_kv_heads < 2) {
+            return Err(Error::Usage(
+                "--inject head-offset needs at least 2 KV heads in a block slice (MLA and one head have no head to shift by)"
+                    .into(),
+            ));
         }
         match s.kind {
             Kind::Misroute => pairs += s.count as u64,
@@ -299,6 +330,8 @@ pub fn plan(specs: &[Spec], g: &Geometry, stages: &[Range<u32>], last: bool, rng
                 Kind::Drop => Action::Drop { at: a },
                 Kind::Stale => Action::Stale { at: a },
                 Kind::Torn => Action::Torn { at: a, len: 16 * rng.random_range(1..sb / 16) },
+                Kind::HeadOffset => Action::HeadOffset { at: a },
+                Kind::TokenOffset => Action::TokenOffset { at: a },
                 Kind::Misroute | Kind::Stray => unreachable!("partitioned above"),
             });
         }
@@ -316,6 +349,8 @@ impl Action {
             Action::Stale { .. } => Kind::Stale,
             Action::Torn { .. } => Kind::Torn,
             Action::Stray { .. } => Kind::Stray,
+            Action::HeadOffset { .. } => Kind::HeadOffset,
+            Action::TokenOffset { .. } => Kind::TokenOffset,
         }
     }
 
@@ -328,6 +363,7 @@ impl Action {
             Action::Stale { at } => vec![(at, Class::Stale)],
             Action::Torn { at, .. } => vec![(at, Class::Torn)],
             Action::Stray { at, .. } => vec![(at, Class::Stray)],
+            Action::HeadOffset { at } | Action::TokenOffset { at } => vec![(at, Class::Layout)],
         }
     }
 }

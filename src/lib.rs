@@ -5,6 +5,7 @@
 //! cycles):
 //! [`geometry`] (vLLM paged layout, block slices, descriptors) →
 //! [`fingerprint`] (what every byte must be; shared with the CUDA kernels) →
+//! [`pairing`] (how two sides that differ in layout or block size line up) →
 //! [`pool`] (fill / poison / verify on VRAM or DRAM) →
 //! [`transport`] (prefill and decode NIXL roles; [`ucx`] reads which path UCX chose) and
 //! [`peer`] (the protocol between a decode and a prefill side: in-process, child or remote;
@@ -49,6 +50,7 @@ pub mod junit;
 pub mod model_config;
 pub mod mooncake;
 pub mod nixl;
+pub mod pairing;
 pub mod par;
 pub mod peer;
 pub mod phase;

@@ -461,13 +461,23 @@ struct RunArgs {
     /// Sweep: run the two NIXL agents in two kvprobe processes (as vLLM's engines run), so UCX sees two processes (cuda_ipc between them on VRAM). kvprobe stays decode; prefill's agent and pool (on --memory and --prefill-device) live in a child `kvprobe serve`, driven over the same protocol as --peer.
     #[arg(long)]
     decode_process: bool,
-    /// Sweep: plant a fault per iteration: bitflip, drop, misroute, stale, torn or stray (a write into another
-    /// pipeline stage's slot; needs --pipeline-stages 3 or more), optionally :COUNT. Repeatable.
+    /// Sweep: plant a fault per iteration: bitflip, drop, misroute, stale, torn, stray (a write into another
+    /// pipeline stage's slot; needs --pipeline-stages 3 or more), head-offset or token-offset (a slice's rows moved one
+    /// head or one token off: class layout), optionally :COUNT. Repeatable.
     #[arg(long, value_name = "CLASS[:N]")]
     inject: Vec<Spec>,
     /// Exit 5 when the transfer rate (GB/s = 1e9 B/s) is below this.
     #[arg(long)]
     min_gbps: Option<f64>,
+    /// Sweep: decode's KV-cache layout when it differs from prefill's (--layout). The bytes travel verbatim (vLLM's NixlConnector); without --permute-local-kv an NHD/HND pair holds the right rows at the wrong positions (class layout, exit 1).
+    #[arg(long, value_enum, value_name = "LAYOUT")]
+    decode_layout: Option<kvprobe::geometry::Layout>,
+    /// Sweep: decode's tokens per block when they differ from prefill's (--block-size); one must be a multiple of the other, and decode's pool holds prefill's tokens (--blocks × prefill's / decode's block size). Decode blocks a multiple of prefill's follow vLLM (block_size_ratio); prefill blocks cut into smaller decode blocks are kvprobe's own rule (vLLM refuses them).
+    #[arg(long, value_name = "TOKENS")]
+    decode_block_size: Option<u32>,
+    /// Sweep: decode converts each received slice from prefill's layout into its own, as vLLM's enable_permute_local_kv (kv_postprocess_layout_on_receive).
+    #[arg(long)]
+    permute_local_kv: bool,
     #[command(flatten)]
     pair: PeerArgs,
     /// Request-level load instead of the sweep: which connectors move the blocks.
@@ -556,7 +566,15 @@ const LOAD_FLAGS: &[&str] = &[
 ];
 
 /// `run` flags of the whole-pool sweep only.
-const SWEEP_FLAGS: &[&str] = &["iterations", "descriptor_blocks", "pipeline_stages", "decode_process"];
+const SWEEP_FLAGS: &[&str] = &[
+    "iterations",
+    "descriptor_blocks",
+    "pipeline_stages",
+    "decode_process",
+    "decode_layout",
+    "decode_block_size",
+    "permute_local_kv",
+];
 
 /// `run` flags whose use `--peer` checks (clap ids).
 const PEER_FLAGS: &[&str] = &["prefill_device"];
@@ -638,6 +656,8 @@ impl PoolArgs {
             preset: if self.geo.model_config.is_some() { None } else { Some(self.geo.preset.unwrap_or(Preset::Small)) },
             model,
             geometry: g,
+            decode_geometry: None,
+            permute_local_kv: false,
             op: Op::Read,
             iterations: 1,
             fingerprint: Default::default(),
@@ -706,6 +726,11 @@ impl RunArgs {
         self.pair.apply(&mut c, typed)?;
         c.inject = self.inject.clone();
         c.min_gbps = self.min_gbps;
+        let sides =
+            kvprobe::pairing::Sides::derive(&c.geometry, self.decode_layout, self.decode_block_size, self.permute_local_kv)
+                .map_err(Error::Usage)?;
+        c.decode_geometry = (!sides.equal()).then_some(sides.decode);
+        c.permute_local_kv = self.permute_local_kv;
         let flag = |id: &str| format!("--{}", id.replace('_', "-"));
         let scenario = match (self.scenario, self.race.is_empty()) {
             (Some(s), true) => Some(s),
@@ -1264,9 +1289,9 @@ fn start_dump(pool: &PoolArgs, cfg: &RunConfig, row: Option<&str>) -> Result<Opt
     if row.is_some() {
         return Ok(None);
     }
-    let geometry = serde_json::to_value(cfg).ok().and_then(|v| v.get("geometry").cloned()).unwrap_or_default();
-    let sb = cfg.geometry.slice_bytes()?;
-    let shape = kvprobe::fingerprint::RowShape::of(&cfg.geometry);
+    let geometry = serde_json::to_value(cfg).map(|v| kvprobe::dump::dumped_geometry(&v).clone()).unwrap_or_default();
+    let sb = cfg.decode_geom().slice_bytes()?;
+    let shape = kvprobe::fingerprint::RowShape::of(cfg.decode_geom());
     kvprobe::dump::Dumper::new(&dir, pool.dump_max_bytes, cfg.seed, geometry, sb, shape).map(Some)
 }
 

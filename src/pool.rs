@@ -823,8 +823,9 @@ impl KvPool {
     /// `kvprobe bench` rates the kernels against and `run` the transfer. Errors: usage when the
     /// geometries or memory kinds differ; device when a copy fails.
     pub fn copy_pool_from(&mut self, src: &KvPool) -> Result<f64> {
-        if self.geom != src.geom {
-            return Err(Error::Usage("copy_pool_from needs two pools of one geometry".into()));
+        // Two sides that differ in layout or block size hold the same bytes per layer region.
+        if self.geom.num_layers != src.geom.num_layers || self.geom.region_bytes()? != src.geom.region_bytes()? {
+            return Err(Error::Usage("copy_pool_from needs two pools of equal layer regions".into()));
         }
         match (&mut self.backing, &src.backing) {
             (Backing::Device { regions: d, .. }, Backing::Device { regions: s, .. }) => {

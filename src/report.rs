@@ -809,6 +809,27 @@ pub fn render(r: &Report) -> String {
             g.pool_bytes().map(|b| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)).unwrap_or_default(),
             if r.config["decode_process"] == true { "; prefill in a second process (--decode-process)" } else { "" }
         );
+        if let Ok(d) = serde_json::from_value::<crate::geometry::Geometry>(r.config["decode_geometry"].clone()) {
+            let lay = |g: &crate::geometry::Geometry| {
+                if g.mla {
+                    "MLA"
+                } else if g.layout == crate::geometry::Layout::Hnd {
+                    "HND"
+                } else {
+                    "NHD"
+                }
+            };
+            out += &format!(
+                "sides:             prefill {} blocks of {} tokens {}, decode {} blocks of {} tokens {}{}\n",
+                g.num_blocks,
+                g.block_size,
+                lay(&g),
+                d.num_blocks,
+                d.block_size,
+                lay(&d),
+                if r.config["permute_local_kv"] == true { ", decode converts on receive (--permute-local-kv)" } else { "" }
+            );
+        }
     }
     if let Some(p) = &r.peer {
         let mem = match p.memory {
@@ -1006,7 +1027,7 @@ pub fn render(r: &Report) -> String {
             None => format!("iter {}", f.iteration),
         };
         out += &format!(
-            "  {at} layer {} {} block {}: {} (first bad byte {}, {} bad byte{}){}{}\n",
+            "  {at} layer {} {} block {}: {} (first bad byte {}, {} bad byte{}){}{}{}\n",
             f.layer,
             f.kv,
             f.block,
@@ -1014,6 +1035,20 @@ pub fn render(r: &Report) -> String {
             f.first_bad_offset,
             f.bad_bytes,
             if f.bad_bytes == 1 { "" } else { "s" },
+            // A layout slice: how its rows are displaced and the first wrong row.
+            match (&f.displacement, f.rows.as_ref().and_then(|r| r.first())) {
+                (d, Some(w)) => format!(
+                    ", {}row {} holds token {} head {} (due token {} head {})",
+                    d.as_ref().map(|d| format!("{d}; ")).unwrap_or_default(),
+                    w.row,
+                    w.token,
+                    w.head,
+                    w.due_token,
+                    w.due_head
+                ),
+                (Some(d), None) => format!(", {d}"),
+                (None, None) => String::new(),
+            },
             // The identity its tags name, when it is another one than it should hold (a bit flip
             // still names its own).
             f.observed

@@ -159,7 +159,7 @@ impl Probe {
             (link, addr)
         };
         let decode_side = crate::peer::Side {
-            geometry: cfg.geometry.clone(),
+            geometry: cfg.decode_geom().clone(),
             memory: cfg.memory,
             device: if cfg.memory == MemoryKind::Vram { cfg.decode_device } else { 0 },
             host: crate::peer::host_name(),
@@ -167,6 +167,15 @@ impl Probe {
         let config = serde_json::to_value(cfg).map_err(|e| Error::Io(e.to_string()))?;
         let (link, side, section) =
             crate::peer::client::PrefillPeer::configure(link, config, decode_side, environment, &addr, &run_id)?;
+        // Each side announces its geometry (as vLLM's NixlAgentMetadata carries block_size,
+        // block_lens and kv_cache_layout): prefill's must be the run's.
+        if side.geometry != cfg.geometry {
+            return Err(Error::Transport(format!(
+                "prefill at {addr} announced a geometry other than the run's (prefill {}, run {})",
+                serde_json::to_string(&side.geometry).unwrap_or_default(),
+                serde_json::to_string(&cfg.geometry).unwrap_or_default()
+            )));
+        }
         let pool = match decode_pool {
             Some(d) => {
                 crate::phase::announce(&format!("setup: registering the pools with NIXL (backend {})", cfg.backend));
@@ -175,7 +184,7 @@ impl Probe {
             None => {
                 crate::phase::announce(&format!(
                     "setup: allocating decode's pool ({} {}), registering it with NIXL (backend {}); prefill on {} ({})",
-                    cfg.geometry.pool_bytes().map(crate::units::bytes_binary).unwrap_or_default(),
+                    cfg.decode_geom().pool_bytes().map(crate::units::bytes_binary).unwrap_or_default(),
                     if cfg.memory == MemoryKind::Vram { "VRAM" } else { "DRAM" },
                     cfg.backend,
                     side.host,
@@ -195,6 +204,12 @@ impl Probe {
         let mut peer = crate::peer::client::PrefillPeer::connect_agents(link, info, side, section)?;
         if let Some(l) = handoff.prefill_lease.lock().unwrap_or_else(|p| p.into_inner()).take() {
             peer.info.lease = l;
+        }
+        if peer.info.geometry.as_ref().is_some_and(|g| *g != cfg.geometry) {
+            return Err(Error::Transport(format!(
+                "prefill's NIXL agent {} announced a pool geometry other than the run's",
+                peer.info.agent
+            )));
         }
         // A peer whose metadata NIXL cannot load is the peer's fault (transport, exit 3), not a
         // backend that cannot serve this side's pools.
@@ -324,7 +339,7 @@ fn record_strays(
     report: &mut Report,
     dump: &mut Option<&mut crate::dump::Dumper>,
 ) -> Result<u64> {
-    let g = &cfg.geometry;
+    let g = cfg.decode_geom();
     let sb = g.slice_bytes()? as usize;
     let mut buf = vec![0u8; sb];
     let mut n = 0;
@@ -530,6 +545,31 @@ fn time_copy(cfg: &RunConfig, src: &mut KvPool, dst: &mut KvPool, plan: &Plan) -
     Ok(cfg.geometry.pool_bytes()? as f64 / secs.max(1e-12) / 1e9)
 }
 
+/// Decode's conversion on receive ([`crate::pairing::Sides::convert`]: vLLM's
+/// `kv_postprocess_*_on_receive`) of every slice of `layers` in `pool` after iteration
+/// `iteration`'s transfer, on the host (each slice read, rearranged and written back; what
+/// still holds the iteration's poison stays poison). Errors: a CUDA error (VRAM pools).
+fn convert_received(sides: &crate::pairing::Sides, pool: &mut KvPool, layers: Range<u32>, iteration: u32) -> Result<()> {
+    let g = sides.decode.clone();
+    let sb = g.slice_bytes()? as usize;
+    let (mut got, mut out, mut pz) = (vec![0u8; sb], vec![0u8; sb], vec![0u8; sb]);
+    for layer in layers {
+        for &kv in g.parts() {
+            for block in 0..g.num_blocks {
+                let c = SliceCoord { layer, kv, block };
+                pool.read_slice(c, &mut got)?;
+                fingerprint::poison(&mut pz, g.global_slice(c), iteration);
+                if got == pz {
+                    continue; // nothing arrived
+                }
+                sides.convert(&got, Some(&pz), &mut out);
+                pool.write_slice(c, &out)?;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// How long `run --peer` waits for prefill's side of the report after telling it the outcome.
 pub const PEER_BYE_BOUND: Duration = Duration::from_secs(5);
 
@@ -725,7 +765,11 @@ fn sweep(
     started: Instant,
     ucx_mark: u64,
 ) -> Result<()> {
-    let g = cfg.geometry.clone();
+    let g = cfg.decode_geom().clone();
+    let sides = cfg.sides()?;
+    for why in sides.vllm_refuses() {
+        crate::phase::announce(&format!("note: {why}"));
+    }
     let sb = g.slice_bytes()? as usize;
     let total = g.total_slices()?;
     let pool_bytes = g.pool_bytes()?;
@@ -883,8 +927,12 @@ fn sweep(
                 }
             }
             crate::trace!("iteration {it}: stage {k} complete");
-            // Stage k's probe passes: verify, classify, then refill and re-poison for it + 1.
+            // Stage k's probe passes: decode's conversion on receive, verify, classify, then
+            // refill and re-poison for it + 1.
             let t = Instant::now();
+            if sides.converts() {
+                convert_received(&sides, &mut probe.decode.pool, layers.clone(), it)?;
+            }
             probe.decode.pool.verify_layers(layers.clone())?;
             let fails = probe.decode.pool.take_failures()?;
             for f in &fails {
@@ -995,12 +1043,9 @@ fn sweep(
             judge_path(cfg, &mut p, report.environment.as_ref());
             report.summary.transport_path = Some(p);
         }
-        for a in &cur.actions {
-            let hits: Vec<PredictedHit> = a
-                .predicted()
-                .into_iter()
-                .map(|(src, class)| PredictedHit { layer: src.layer, kv: src.kv, block: cur.perm[src.block as usize], class })
-                .collect();
+        for (a, hits) in cur.actions.iter().zip(&cur.hits) {
+            let hits: Vec<PredictedHit> =
+                hits.iter().map(|&(d, class)| PredictedHit { layer: d.layer, kv: d.kv, block: d.block, class }).collect();
             let detected =
                 hits.iter().all(|h| seen.get(&SliceCoord { layer: h.layer, kv: h.kv, block: h.block }) == Some(&h.class));
             report.summary.injections_planted += 1;

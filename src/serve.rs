@@ -273,13 +273,13 @@ fn check_config(
             return Err((
                 Some(format!("geometry.{f}")),
                 format!(
-                    "{} (kvprobe moves blocks between equal geometries only: give both sides the same geometry flags)",
+                    "{} (serve's geometry flags pin prefill's geometry: give the run the same flags; decode's may differ only by --decode-layout and --decode-block-size)",
                     all.join("; ")
                 ),
             ));
         }
     }
-    if let Some((f, a, b)) = peer::first_difference(&geo(&decode.geometry), &geo(&rc.geometry)) {
+    if let Some((f, a, b)) = peer::first_difference(&geo(&decode.geometry), &geo(rc.decode_geom())) {
         return Err((Some(format!("geometry.{f}")), format!("decode announced geometry.{f} {a} but configured {b}")));
     }
     if rc.decode_process != (cfg.mode == SessionMode::Child) {

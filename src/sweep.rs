@@ -10,6 +10,7 @@ use crate::error::{Error, Result};
 use crate::fingerprint::{self, logical_block, seed_hex};
 use crate::geometry::{Geometry, Preset, SliceCoord};
 use crate::inject::{self, Action, Spec};
+use crate::pairing::{Plant, Sides};
 use crate::pool::{KvPool, MemoryKind, TableEntry};
 use crate::scenario::config::ScenarioConfig;
 use crate::transport::{Op, Pair};
@@ -38,9 +39,23 @@ pub struct RunConfig {
     /// absent without it. The geometry below is one TP rank's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<crate::model_config::ModelInfo>,
-    /// KV geometry (the same on both sides); reports add its `slice_bytes`.
+    /// Prefill's KV geometry (decode's too unless `decode_geometry` is set); reports add its
+    /// `slice_bytes`.
     #[serde(serialize_with = "crate::geometry::serialize_with_slice_bytes")]
     pub geometry: Geometry,
+    /// Decode's KV geometry when it differs from prefill's (`--decode-layout`,
+    /// `--decode-block-size`; [`crate::pairing`]): layout, block size and the number of
+    /// blocks holding prefill's tokens. Absent: both sides have `geometry`.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "crate::geometry::serialize_opt_with_slice_bytes"
+    )]
+    pub decode_geometry: Option<Geometry>,
+    /// `--permute-local-kv`: decode converts received slices from prefill's layout into its
+    /// own, as vLLM's `enable_permute_local_kv` ([`crate::pairing::Sides::convert`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub permute_local_kv: bool,
     /// READ (decode pulls) or WRITE (prefill pushes).
     pub op: Op,
     /// Iterations (≥ 1).
@@ -119,13 +134,62 @@ pub fn deserialize_seed<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::
     Ok(<Seed as serde::Deserialize>::deserialize(d)?.seed)
 }
 
+impl RunConfig {
+    /// Decode's geometry: `decode_geometry`, or prefill's.
+    pub fn decode_geom(&self) -> &Geometry {
+        self.decode_geometry.as_ref().unwrap_or(&self.geometry)
+    }
+
+    /// The two sides ([`crate::pairing::Sides`]). Errors: usage (exit 2) when decode's
+    /// geometry differs from prefill's in more than layout and block size.
+    pub fn sides(&self) -> Result<crate::pairing::Sides> {
+        crate::pairing::Sides::check(&self.geometry, self.decode_geom(), self.permute_local_kv).map_err(Error::Usage)
+    }
+}
+
+/// Checks a run's two sides: what kvprobe refuses of unequal geometries (the scenarios,
+/// `--descriptor-blocks`, injections into a pair that corrupts every slice already).
+fn check_sides(cfg: &RunConfig) -> Result<crate::pairing::Sides> {
+    let s = cfg.sides()?;
+    if cfg.geometry.block_size < 2 && cfg.inject.iter().any(|i| i.kind == inject::Kind::TokenOffset) {
+        return Err(Error::Usage("--inject token-offset needs prefill blocks of at least 2 tokens (--block-size)".into()));
+    }
+    if s.equal() {
+        return Ok(s);
+    }
+    if cfg.scenario.is_some() {
+        return Err(Error::Usage(
+            "--decode-layout and --decode-block-size apply to the whole-pool sweep (scenarios move blocks between equal geometries)".into(),
+        ));
+    }
+    if cfg.descriptor_blocks != 1 {
+        return Err(Error::Usage(
+            "--descriptor-blocks applies to equal geometries: with --decode-layout or --decode-block-size the descriptors follow vLLM's per-block rules".into(),
+        ));
+    }
+    if s.mismatched() && !cfg.inject.is_empty() {
+        return Err(Error::Usage(
+            "--inject needs a pair that is clean without it: prefill's and decode's layouts differ and nothing converts (add --permute-local-kv)".into(),
+        ));
+    }
+    Ok(s)
+}
+
 /// Checks a run's configuration (flags, geometry, injections). Errors: usage (exit 2).
 pub(crate) fn check_config(cfg: &RunConfig) -> Result<()> {
     cfg.geometry.validate()?;
+    let sides = check_sides(cfg)?;
     // A sweep plants COUNT per iteration into the pool; a scenario COUNT in all, one per
     // request's READ ([`crate::scenario::config::check`]).
     if cfg.scenario.is_none() {
-        inject::check(&cfg.inject, &cfg.geometry, &sweep_stages(cfg))?;
+        inject::check(&cfg.inject, &sides.planning(), &sweep_stages(cfg)).map_err(|e| match e {
+            Error::Usage(m) if !sides.equal() => Error::Usage(format!(
+                "{m} (between unequal sides an injection takes a group of {} tokens, whole blocks on both sides: the pool has {} groups per layer and K/V)",
+                sides.group_tokens(),
+                sides.groups()
+            )),
+            e => e,
+        })?;
     } else if cfg.inject.iter().any(|s| s.kind == inject::Kind::Torn) && cfg.geometry.slice_bytes()? < 32 {
         return Err(Error::Usage(format!(
             "--inject torn needs block slices of at least 32 bytes (they are {})",
@@ -258,26 +322,26 @@ pub(crate) fn check_host_memory(cfg: &RunConfig) -> Result<()> {
     Ok(())
 }
 
-/// A DRAM pool of `cfg`: shareable (memfd-backed) when a scenario's Mooncake store client
-/// maps it, else private.
-fn host_pool(cfg: &RunConfig) -> Result<KvPool> {
+/// A DRAM pool of geometry `g` for `cfg`: shareable (memfd-backed) when a scenario's
+/// Mooncake store client maps it, else private.
+fn host_pool(cfg: &RunConfig, g: &Geometry) -> Result<KvPool> {
     match cfg.scenario.as_ref().is_some_and(|s| s.tier == crate::tier::TierKind::Mooncake) {
-        true => KvPool::host_shareable(&cfg.geometry, cfg.seed),
-        false => KvPool::host(&cfg.geometry, cfg.seed),
+        true => KvPool::host_shareable(g, cfg.seed),
+        false => KvPool::host(g, cfg.seed),
     }
 }
 
 /// Decode's pool alone (`run --peer`, `run --decode-process`: prefill's is on the other side).
 pub(crate) fn build_decode_pool(cfg: &RunConfig) -> Result<KvPool> {
     match cfg.memory {
-        MemoryKind::Dram => host_pool(cfg),
+        MemoryKind::Dram => host_pool(cfg, cfg.decode_geom()),
         MemoryKind::Vram => {
             if cuda::device_count() == 0 {
                 return Err(Error::Environment("--memory vram needs a CUDA GPU and none was found (use --memory dram)".into()));
             }
             let d = Device::open(cfg.decode_device)?;
             let k = Arc::new(Kernels::compile(&d)?);
-            KvPool::device(&d, k, &cfg.geometry, cfg.seed)
+            KvPool::device(&d, k, cfg.decode_geom(), cfg.seed)
         }
     }
 }
@@ -285,7 +349,7 @@ pub(crate) fn build_decode_pool(cfg: &RunConfig) -> Result<KvPool> {
 /// Prefill's pool alone, on `memory` and `device` (`serve`).
 pub(crate) fn build_prefill_pool(cfg: &RunConfig, memory: MemoryKind, device: usize) -> Result<KvPool> {
     match memory {
-        MemoryKind::Dram => host_pool(cfg),
+        MemoryKind::Dram => host_pool(cfg, &cfg.geometry),
         MemoryKind::Vram => {
             if cuda::device_count() == 0 {
                 return Err(Error::Environment("serve --memory vram needs a CUDA GPU and none was found".into()));
@@ -317,7 +381,7 @@ pub(crate) fn build_pools(cfg: &RunConfig) -> Result<(KvPool, KvPool)> {
     let g = &cfg.geometry;
     match cfg.memory {
         // Each engine's Mooncake store client maps its pool: with that tier, shareable.
-        MemoryKind::Dram => Ok((host_pool(cfg)?, host_pool(cfg)?)),
+        MemoryKind::Dram => Ok((host_pool(cfg, g)?, host_pool(cfg, cfg.decode_geom())?)),
         MemoryKind::Vram => {
             if cuda::device_count() == 0 {
                 return Err(Error::Environment("--memory vram needs a CUDA GPU and none was found (use --memory dram)".into()));
@@ -327,69 +391,260 @@ pub(crate) fn build_pools(cfg: &RunConfig) -> Result<(KvPool, KvPool)> {
             let p = KvPool::device(&pd, pk.clone(), g, cfg.seed)?;
             let dd = if cfg.decode_device == cfg.prefill_device { pd.clone() } else { Device::open(cfg.decode_device)? };
             let dk = if Arc::ptr_eq(&pd, &dd) { pk } else { Arc::new(Kernels::compile(&dd)?) };
-            let d = KvPool::device(&dd, dk, g, cfg.seed)?;
+            let d = KvPool::device(&dd, dk, cfg.decode_geom(), cfg.seed)?;
             Ok((p, d))
         }
     }
 }
 
-/// What each prefill slot holds in generation `generation`: slot `i` holds logical block
-/// [`logical_block`]`(seed, i)`.
-fn source_table(cfg: &RunConfig, generation: u32) -> Vec<TableEntry> {
-    (0..cfg.geometry.num_blocks).map(|i| TableEntry::new(logical_block(cfg.seed, i), generation)).collect()
+/// What prefill slot `i` holds in generation `generation`: a part of group `i / (G / Bp)`'s
+/// logical block [`logical_block`]`(seed, group)`, from token `(i mod G / Bp) × Bp`
+/// ([`crate::pairing`]; equal sides: block `i` is its own group).
+fn source_table(cfg: &RunConfig, sides: &Sides, generation: u32) -> Vec<TableEntry> {
+    let (kp, bp) = (sides.prefill_per_group(), sides.prefill.block_size);
+    (0..cfg.geometry.num_blocks)
+        .map(|i| TableEntry { token_base: (i % kp) * bp, ..TableEntry::new(logical_block(cfg.seed, i / kp), generation) })
+        .collect()
 }
 
-/// Plans sweep iteration `it`: the block map (a seeded random permutation of runs of
-/// `descriptor_blocks` consecutive blocks; runs of one block for vLLM's per-block
-/// descriptors), the injections, and the tables both sides check against. A function of
-/// the configuration alone, so that both sides of a node pair plan the same iteration.
+/// Plans sweep iteration `it`: the block map (a seeded random permutation of groups —
+/// blocks between equal sides — in runs of `descriptor_blocks`; runs of one block for vLLM's
+/// per-block descriptors), the injections (on groups: [`Sides::planning`]), the transfer
+/// pairs they change, the tables both sides check against and the class each injection
+/// must show at each decode slice it reaches. A function of the configuration alone, so that
+/// both sides of a node pair plan the same iteration.
 pub(crate) fn plan(cfg: &RunConfig, it: u32) -> Result<Plan> {
-    let g = &cfg.geometry;
+    let sides = cfg.sides()?;
+    let pg = sides.planning();
+    let (kp, kd) = (sides.prefill_per_group(), sides.decode_per_group());
     let n = cfg.descriptor_blocks.max(1);
     let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ (it as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
-    let mut runs: Vec<u32> = (0..g.num_blocks / n).collect();
+    let mut runs: Vec<u32> = (0..pg.num_blocks / n).collect();
     runs.shuffle(&mut rng);
-    let perm: Vec<u32> = (0..g.num_blocks).map(|b| runs[(b / n) as usize] * n + b % n).collect();
-    let actions = inject::plan(&cfg.inject, g, &sweep_stages(cfg), it == cfg.iterations, &mut rng);
-    let src_table = source_table(cfg, it);
-    let mut dst_table = vec![TableEntry::default(); g.num_blocks as usize];
-    let mut src_of = vec![0u32; g.num_blocks as usize];
-    for (i, &d) in perm.iter().enumerate() {
-        dst_table[d as usize] = src_table[i];
-        src_of[d as usize] = i as u32;
+    let perm: Vec<u32> = (0..pg.num_blocks).map(|b| runs[(b / n) as usize] * n + b % n).collect();
+    let actions = inject::plan(&cfg.inject, &pg, &sweep_stages(cfg), it == cfg.iterations, &mut rng);
+    let src_table = source_table(cfg, &sides, it);
+    let nd = sides.decode.num_blocks as usize;
+    let mut dst_table = vec![TableEntry::default(); nd];
+    let mut src_of = vec![0u32; nd];
+    let bd = sides.decode.block_size;
+    for (group, &to) in perm.iter().enumerate() {
+        for j in 0..kd {
+            let d = (to * kd + j) as usize;
+            dst_table[d] = TableEntry { token_base: j * bd, ..TableEntry::new(logical_block(cfg.seed, group as u32), it) };
+            src_of[d] = group as u32 * kp + j * bd / sides.prefill.block_size;
+        }
     }
-    let sb = g.slice_bytes()?;
-    let dst_of = |c: SliceCoord| SliceCoord { block: perm[c.block as usize], ..c };
-    let mut special: HashMap<SliceCoord, Option<Pair>> = HashMap::new();
-    for a in &actions {
+    let mut p = Plan {
+        it,
+        perm,
+        kp,
+        kd,
+        templates: (0..kp).map(|q| sides.chunks(q, Plant::None)).collect(),
+        actions,
+        src_table,
+        dst_table,
+        src_of,
+        special: HashMap::new(),
+        predicted: HashMap::new(),
+        hits: Vec::new(),
+        strays: Vec::new(),
+    };
+    let prefill_slices = |g: SliceCoord| (0..kp).map(move |q| SliceCoord { block: g.block * kp + q, ..g });
+    let mut special = HashMap::new();
+    let mut strays = Vec::new();
+    let mut displaced = std::collections::HashSet::new();
+    for a in &p.actions {
         match *a {
-            Action::Drop { at } => {
-                special.insert(at, None);
-            }
+            Action::Drop { at } => prefill_slices(at).for_each(|c| drop(special.insert(c, Vec::new()))),
             Action::Torn { at, len } => {
-                special.insert(at, Some(Pair { src: at, dst: dst_of(at), len }));
+                let sb = sides.prefill.slice_bytes()?;
+                for (q, c) in prefill_slices(at).enumerate() {
+                    let keep = len.saturating_sub(q as u64 * sb).min(sb);
+                    let cut = p
+                        .pairs_of(c)
+                        .into_iter()
+                        .filter(|x| x.src_off < keep)
+                        .map(|x| Pair { len: x.len.min(keep - x.src_off), ..x });
+                    special.insert(c, cut.collect());
+                }
             }
             Action::Misroute { from, to } => {
-                special.insert(from, Some(Pair { src: from, dst: dst_of(to), len: sb }));
-                special.insert(to, None);
+                for (f, t) in prefill_slices(from).zip(prefill_slices(to)) {
+                    special.insert(f, p.redirect(f, t));
+                    special.insert(t, Vec::new());
+                }
             }
-            Action::Bitflip { .. } | Action::Stale { .. } | Action::Stray { .. } => {}
+            Action::Stray { from, at, carrier } => {
+                for (f, t) in prefill_slices(from).zip(prefill_slices(at)) {
+                    strays.extend(p.redirect(f, t).into_iter().map(|x| (carrier as usize, x)));
+                }
+            }
+            Action::HeadOffset { at } | Action::TokenOffset { at } => {
+                let plant = if matches!(a, Action::HeadOffset { .. }) { Plant::HeadOffset } else { Plant::TokenOffset };
+                for (q, c) in prefill_slices(at).enumerate() {
+                    let chunks = sides.chunks(q as u32, plant);
+                    displaced.extend(chunks.iter().filter(|ch| ch.displaced).map(|ch| {
+                        let x = p.pair(c, ch);
+                        (x.src, x.dst, x.dst_off)
+                    }));
+                    special.insert(c, chunks.iter().map(|ch| p.pair(c, ch)).collect());
+                }
+            }
+            Action::Bitflip { .. } | Action::Stale { .. } => {}
         }
     }
-    let strays = actions
+    p.special = special;
+    p.strays = strays;
+    predict(&sides, &mut p, &displaced)?;
+    Ok(p)
+}
+
+/// What arrives in a decode slice, by source, for [`predict`].
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Piece {
+    /// The rows due, intact.
+    Expected,
+    /// Rows of the right block at other positions (a planted offset).
+    Displaced,
+    /// The rows due with a flipped bit.
+    Flipped,
+    /// The right rows of the previous generation.
+    Stale,
+    /// Another group's rows (a misroute).
+    Foreign(SliceCoord),
+}
+
+/// Fills `p.predicted` and `p.hits` (`displaced`: the planted offsets' pairs, by source
+/// slice, destination slice and destination offset): for every decode slice an injection reaches, the class
+/// the verifier must report, from what lands there (README "Injections"): nothing →
+/// `unwritten`; part of the slice → `torn`; a stray write → `stray`; the rows due with a
+/// flipped bit → `bitflip`, displaced → `layout`, of the previous generation → `stale`;
+/// one other group's rows → `misplaced`; any other mix → `torn`. A slice whose rows all
+/// arrive intact is not listed.
+fn predict(sides: &Sides, p: &mut Plan, displaced: &std::collections::HashSet<(SliceCoord, SliceCoord, u64)>) -> Result<()> {
+    let (kp, kd) = (p.kp, p.kd);
+    let sbd = sides.decode.slice_bytes()?;
+    let sbp = sides.prefill.slice_bytes()?;
+    let group_of = |c: SliceCoord| SliceCoord { block: c.block / kp, ..c };
+    let decode_slices = |g: SliceCoord, perm: &[u32]| -> Vec<SliceCoord> {
+        (0..kd).map(|j| SliceCoord { block: perm[g.block as usize] * kd + j, ..g }).collect()
+    };
+    let mut groups: Vec<SliceCoord> = Vec::new();
+    let (mut stale, mut flip) = (Vec::new(), Vec::new());
+    for a in &p.actions {
+        match *a {
+            Action::Misroute { from, to } => groups.extend([from, to]),
+            Action::Stray { at, .. } => groups.push(at),
+            Action::Stale { at } => {
+                groups.push(at);
+                stale.push(at);
+            }
+            Action::Bitflip { at, offset, .. } => {
+                groups.push(at);
+                flip.push((SliceCoord { block: at.block * kp + (offset / sbp) as u32, ..at }, offset % sbp));
+            }
+            Action::Drop { at } | Action::Torn { at, .. } | Action::HeadOffset { at } | Action::TokenOffset { at } => {
+                groups.push(at)
+            }
+        }
+    }
+    // Every pair that lands in a decode slice of these groups.
+    let mut landing: HashMap<SliceCoord, Vec<(Pair, bool)>> = HashMap::new();
+    for g in &groups {
+        for d in decode_slices(*g, &p.perm) {
+            landing.entry(d).or_default();
+        }
+    }
+    let sources: std::collections::BTreeSet<(u32, u32, u32)> = groups
         .iter()
-        .filter_map(|a| match *a {
-            Action::Stray { from, at, carrier } => Some((carrier as usize, Pair { src: from, dst: dst_of(at), len: sb })),
-            _ => None,
+        .flat_map(|g| (0..kp).map(move |q| (g.layer, g.kv.code(), g.block * kp + q)))
+        .chain(p.special.keys().map(|c| (c.layer, c.kv.code(), c.block)))
+        .collect();
+    for &(layer, code, block) in &sources {
+        let c = SliceCoord { layer, kv: crate::geometry::KvPart::from_code(code).unwrap_or(crate::geometry::KvPart::K), block };
+        for x in p.pairs_of(c) {
+            if let Some(v) = landing.get_mut(&x.dst) {
+                v.push((x, false));
+            }
+        }
+    }
+    for (_, x) in &p.strays {
+        if let Some(v) = landing.get_mut(&x.dst) {
+            v.push((*x, true));
+        }
+    }
+    let mut predicted = HashMap::new();
+    for (d, pieces) in &landing {
+        let due = group_of(SliceCoord { block: p.src_of[d.block as usize], ..*d });
+        let mut covered = 0;
+        let mut kinds = Vec::new();
+        let mut stray = false;
+        for (x, is_stray) in pieces {
+            if *is_stray {
+                stray = true;
+                continue;
+            }
+            covered += x.len;
+            let g = group_of(x.src);
+            let shifted = displaced.contains(&(x.src, x.dst, x.dst_off));
+            kinds.push(if g != due {
+                Piece::Foreign(g)
+            } else if stale.contains(&g) {
+                Piece::Stale
+            } else if shifted {
+                Piece::Displaced
+            } else if flip.iter().any(|&(c, o)| c == x.src && (x.src_off..x.src_off + x.len).contains(&o)) {
+                Piece::Flipped
+            } else {
+                Piece::Expected
+            });
+        }
+        let all = |k: Piece| kinds.iter().all(|x| *x == k || *x == Piece::Expected);
+        let class = if stray {
+            Some(Class::Stray)
+        } else if covered == 0 {
+            Some(Class::Unwritten)
+        } else if covered < sbd {
+            Some(Class::Torn)
+        } else if kinds.iter().all(|k| *k == Piece::Expected) {
+            None
+        } else if all(Piece::Flipped) {
+            Some(Class::Bitflip)
+        } else if all(Piece::Displaced) {
+            Some(Class::Layout)
+        } else if kinds.iter().all(|k| *k == Piece::Stale) {
+            Some(Class::Stale)
+        } else if let Some(Piece::Foreign(g)) = kinds.first().copied()
+            && kinds.iter().all(|k| *k == Piece::Foreign(g))
+        {
+            Some(Class::Misplaced)
+        } else {
+            Some(Class::Torn)
+        };
+        if let Some(class) = class {
+            predicted.insert(*d, class);
+        }
+    }
+    p.hits = p
+        .actions
+        .iter()
+        .map(|a| {
+            let gs = match *a {
+                Action::Misroute { from, to } => vec![to, from],
+                Action::Stray { at, .. }
+                | Action::Stale { at }
+                | Action::Bitflip { at, .. }
+                | Action::Drop { at }
+                | Action::Torn { at, .. }
+                | Action::HeadOffset { at }
+                | Action::TokenOffset { at } => vec![at],
+            };
+            gs.into_iter().flat_map(|g| decode_slices(g, &p.perm)).filter_map(|d| predicted.get(&d).map(|c| (d, *c))).collect()
         })
         .collect();
-    let mut predicted = HashMap::new();
-    for a in &actions {
-        for (src, class) in a.predicted() {
-            predicted.insert(dst_of(src), class);
-        }
-    }
-    Ok(Plan { it, perm, actions, src_table, dst_table, src_of, special, predicted, strays })
+    p.predicted = predicted;
+    Ok(())
 }
 
 /// Prefill's part of a sweep iteration on `pool`: fills `stage` of `stages` (every layer:
@@ -416,21 +671,28 @@ pub(crate) fn fill_stage(
 }
 
 /// Applies the prefill-side faults of `plan` (stale, bitflip) that fall in `layers` to
-/// prefill's `pool`, after their fill: the side that owns a fault plants it.
+/// prefill's `pool`, after their fill: the side that owns a fault plants it. A fault names a
+/// group ([`Sides::planning`]): stale rewrites each of its prefill slices with the previous
+/// generation; bitflip's offset counts the group's prefill slices back to back.
 fn apply_source_faults(cfg: &RunConfig, pool: &mut KvPool, plan: &Plan, layers: &Range<u32>) -> Result<()> {
     let sb = cfg.geometry.slice_bytes()? as usize;
+    let kp = plan.kp;
     for a in &plan.actions {
         match *a {
             Action::Stale { at } if layers.contains(&at.layer) => {
-                let id = fingerprint::BlockIdentity::new(at.layer, at.kv, logical_block(cfg.seed, at.block), plan.it - 1);
-                let bytes = fingerprint::expected(cfg.seed, &pool.shape().slice(id));
-                pool.write_slice(at, &bytes)?;
+                for q in 0..kp {
+                    let c = SliceCoord { block: at.block * kp + q, ..at };
+                    let e = TableEntry { generation: plan.it - 1, ..plan.src_table[c.block as usize] };
+                    let bytes = fingerprint::expected(cfg.seed, &pool.rows_of(&e, c));
+                    pool.write_slice(c, &bytes)?;
+                }
             }
             Action::Bitflip { at, offset, bit } if layers.contains(&at.layer) => {
+                let c = SliceCoord { block: at.block * kp + (offset / sb as u64) as u32, ..at };
                 let mut buf = vec![0u8; sb];
-                pool.read_slice(at, &mut buf)?;
-                buf[offset as usize] ^= 1 << bit;
-                pool.write_slice(at, &buf)?;
+                pool.read_slice(c, &mut buf)?;
+                buf[(offset % sb as u64) as usize] ^= 1 << bit;
+                pool.write_slice(c, &buf)?;
             }
             _ => {}
         }
@@ -438,20 +700,17 @@ fn apply_source_faults(cfg: &RunConfig, pool: &mut KvPool, plan: &Plan, layers: 
     Ok(())
 }
 
-/// The transfer pairs of `layers` under `plan` (injected drops, tears and misroutes
-/// applied), in descriptor order; with `descriptor_blocks` > 1, the slices of each run
-/// that are contiguous on both sides become one descriptor ([`coalesce`]).
+/// The transfer pairs of `layers` under `plan` (injected drops, tears, misroutes and planted
+/// offsets applied), in descriptor order: each prefill slice's chunks ([`Plan::pairs_of`]);
+/// with `descriptor_blocks` > 1, the slices of each run that are contiguous on both sides
+/// become one descriptor ([`coalesce`]).
 pub(crate) fn stage_pairs(cfg: &RunConfig, plan: &Plan, layers: Range<u32>) -> Result<Vec<Pair>> {
     let g = &cfg.geometry;
-    let sb = g.slice_bytes()?;
     let mut pairs: Vec<Pair> = layers
         .flat_map(|layer| {
             g.parts().iter().flat_map(move |&kv| (0..g.num_blocks).map(move |block| SliceCoord { layer, kv, block }))
         })
-        .filter_map(|c| match plan.special.get(&c) {
-            Some(p) => *p,
-            None => Some(Pair { src: c, dst: SliceCoord { block: plan.perm[c.block as usize], ..c }, len: sb }),
-        })
+        .flat_map(|c| plan.pairs_of(c))
         .collect();
     if cfg.descriptor_blocks > 1 {
         pairs = coalesce(g, pairs, cfg.descriptor_blocks);
@@ -471,22 +730,53 @@ pub(crate) fn stage_request(cfg: &RunConfig, plan: &Plan, stages: &[Range<u32>],
 /// previous iteration's transfer is in flight).
 pub(crate) struct Plan {
     pub(crate) it: u32,
-    /// Prefill slot → decode slot.
+    /// Prefill group → decode group ([`crate::pairing`]; equal sides: block → block).
     pub(crate) perm: Vec<u32>,
+    /// Prefill blocks per group.
+    pub(crate) kp: u32,
+    /// Decode blocks per group.
+    pub(crate) kd: u32,
+    /// The chunks of a prefill slice by its position in its group ([`Sides::chunks`]).
+    templates: Vec<Vec<crate::pairing::Chunk>>,
+    /// The injections, on groups ([`Sides::planning`]).
     pub(crate) actions: Vec<Action>,
     /// What each prefill slot holds.
     pub(crate) src_table: Vec<TableEntry>,
     /// What each decode slot must hold after the transfer.
     pub(crate) dst_table: Vec<TableEntry>,
-    /// Decode slot → prefill slot.
+    /// Decode slot → the first prefill slot it takes rows from.
     pub(crate) src_of: Vec<u32>,
-    /// Injected pairs by source slice (`None`: not sent).
-    pub(crate) special: HashMap<SliceCoord, Option<Pair>>,
+    /// Injected pairs by source slice (empty: nothing of it is sent).
+    pub(crate) special: HashMap<SliceCoord, Vec<Pair>>,
     /// Decode slices where an injection must show, with its class.
     pub(crate) predicted: HashMap<SliceCoord, Class>,
+    /// Per action (in `actions` order), the decode slices it reaches and their classes.
+    pub(crate) hits: Vec<Vec<(SliceCoord, Class)>>,
     /// Injected stray writes (`--inject stray`): extra pairs, by the stage whose request
     /// carries them.
     pub(crate) strays: Vec<(usize, Pair)>,
+}
+
+impl Plan {
+    /// The pair of prefill slice `c` moved by chunk `ch` under this plan's block map.
+    fn pair(&self, c: SliceCoord, ch: &crate::pairing::Chunk) -> Pair {
+        let dst = SliceCoord { block: self.perm[(c.block / self.kp) as usize] * self.kd + ch.dst_block, ..c };
+        Pair { src: c, dst, len: ch.len, src_off: ch.src_off, dst_off: ch.dst_off }
+    }
+
+    /// The pairs prefill slice `c` travels in: the injected ones, or its chunks.
+    pub(crate) fn pairs_of(&self, c: SliceCoord) -> Vec<Pair> {
+        match self.special.get(&c) {
+            Some(v) => v.clone(),
+            None => self.templates[(c.block % self.kp) as usize].iter().map(|ch| self.pair(c, ch)).collect(),
+        }
+    }
+
+    /// Prefill slice `from`'s chunks into the decode places of prefill slice `to` (the same
+    /// position in another group).
+    fn redirect(&self, from: SliceCoord, to: SliceCoord) -> Vec<Pair> {
+        self.templates[(to.block % self.kp) as usize].iter().map(|ch| Pair { src: from, ..self.pair(to, ch) }).collect()
+    }
 }
 
 /// Merges full-slice pairs that are contiguous on both sides, within one layer and one run

@@ -120,6 +120,11 @@ pub struct PeerInfo {
     pub memory: MemoryKind,
     /// GPU ordinal (0 for DRAM).
     pub device_id: u64,
+    /// The geometry of the role's pool, as vLLM's `NixlAgentMetadata` carries `block_lens`,
+    /// `block_size` and `kv_cache_layout`: the peer builds its descriptors of this pool from
+    /// it. Absent from a sender that did not say (then the receiver's own).
+    #[serde(default)]
+    pub geometry: Option<Geometry>,
     /// The role's registrations when it lives in this process (empty once serialized): a
     /// request takes shares of them ([`Lease`]) so the peer's pool outlives it too.
     #[serde(skip)]
@@ -131,15 +136,29 @@ pub struct PeerInfo {
     pub tier_region: Option<(u64, u64)>,
 }
 
-/// One block slice to move: prefill `src` to decode `dst`, `len` bytes from the slice start.
+/// One descriptor to move: `len` bytes from `src_off` of prefill slice `src` to `dst_off`
+/// of decode slice `dst` (offsets are 0 between equal sides; a run of
+/// `--descriptor-blocks` slices may span the next contiguous slices of one layer).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Pair {
     /// Prefill-side slice.
     pub src: SliceCoord,
     /// Decode-side slice.
     pub dst: SliceCoord,
-    /// Bytes to move (the slice size, or less for an injected tear).
+    /// Bytes to move (the slice size, or less for an injected tear or a chunk of a slice
+    /// between unequal sides, [`crate::pairing`]).
     pub len: u64,
+    /// Byte offset in the prefill slice.
+    pub src_off: u64,
+    /// Byte offset in the decode slice.
+    pub dst_off: u64,
+}
+
+impl Pair {
+    /// `len` bytes from the start of `src` to the start of `dst`.
+    pub fn slice(src: SliceCoord, dst: SliceCoord, len: u64) -> Pair {
+        Pair { src, dst, len, src_off: 0, dst_off: 0 }
+    }
 }
 
 fn mem_type(m: MemoryKind) -> MemType {
@@ -260,6 +279,7 @@ impl Endpoint {
                 region_len: self.pool.geometry().region_bytes().unwrap_or(0),
                 memory: self.pool.memory(),
                 device_id: self.pool.device_id(),
+                geometry: Some(self.pool.geometry().clone()),
                 lease: self.pool.lease().downgrade(),
                 tier_region: self.tier.as_ref().map(|t| t.region()),
             }),
@@ -283,15 +303,23 @@ impl Endpoint {
     /// list cannot be prepared; usage (exit 2) for a pool of more than
     /// [`MAX_PREPARED_SLICES`] slices with prepared requests.
     pub fn connect(&mut self, peer: PeerInfo) -> Result<()> {
-        let g = self.pool.geometry();
+        let own = self.pool.geometry();
+        let g = peer.geometry.as_ref().unwrap_or(own);
+        g.validate().map_err(|e| {
+            crate::error::Error::Transport(format!("agent {} announced a geometry that is not valid: {e}", peer.agent))
+        })?;
         let len = g.region_bytes()?;
-        if peer.region_bases.len() != g.num_layers as usize || (peer.region_len != 0 && peer.region_len != len) {
+        if peer.region_bases.len() != g.num_layers as usize
+            || (peer.region_len != 0 && peer.region_len != len)
+            || g.num_layers != own.num_layers
+        {
             return Err(crate::error::Error::Transport(format!(
-                "agent {} announced {} regions of {} bytes; this side has {} layers of {len} bytes",
+                "agent {} announced {} regions of {} bytes; its geometry has {} layers of {len} bytes and this side {} layers",
                 peer.agent,
                 peer.region_bases.len(),
                 peer.region_len,
-                g.num_layers
+                g.num_layers,
+                own.num_layers
             )));
         }
         let agent = self.local()?;
@@ -326,13 +354,13 @@ impl Endpoint {
             )));
         }
         if self.xfer_req == XferReq::Prepared {
-            let total = g.total_slices()?;
+            let total = g.total_slices()?.max(own.total_slices()?);
             if total > MAX_PREPARED_SLICES {
                 return Err(crate::error::Error::Usage(format!(
                     "--xfer-req prepared: the pool has {total} block slices, and NIXL's makeXferReq indexes at most {MAX_PREPARED_SLICES}; use --xfer-req create"
                 )));
             }
-            let local = all_slices(g, &self.pool.region_addrs());
+            let local = all_slices(own, &self.pool.region_addrs());
             let local = agent.prepare(None, (&local, mem_type(self.pool.memory()), self.pool.device_id()))?;
             let remote = agent.prepare(Some(&peer.agent), remote_side)?;
             crate::trace!("{}: prepared {} local and {} remote descriptors", agent.name(), local.len(), remote.len());
@@ -357,14 +385,18 @@ impl Endpoint {
     pub fn post_as_initiator(&self, op: Op, pairs: &[Pair], tag: &str, deadline: Deadline) -> Result<Posted> {
         let agent = self.local()?;
         let keep = self.keep()?;
+        // (local slice and offset, remote slice and offset, bytes)
         let side = |p: &Pair| {
-            if op == Op::Write { (p.src, p.dst) } else { (p.dst, p.src) }
+            if op == Op::Write {
+                ((p.src, p.src_off), (p.dst, p.dst_off), p.len)
+            } else {
+                ((p.dst, p.dst_off), (p.src, p.src_off), p.len)
+            }
         };
         let peer = self.peer();
         let xop = if op == Op::Write { XferOp::Write } else { XferOp::Read };
         if let Some(prep) = &self.prepared {
-            let g = self.pool.geometry();
-            match indices(g, pairs.iter().map(|p| (side(p).0, side(p).1, p.len))) {
+            match indices((self.pool.geometry(), self.peer_geometry()), pairs.iter().map(&side)) {
                 Ok((li, ri, bytes)) => {
                     self.pool.bind()?;
                     let descs =
@@ -374,8 +406,8 @@ impl Endpoint {
                 Err(why) => crate::trace!("request {tag}: {why}: no prepared index names it, so it is built with createXferReq"),
             }
         }
-        let local = self.descs(&self.pool.region_addrs(), pairs.iter().map(|p| (side(p).0, p.len)));
-        let remote = self.descs(&peer.region_bases, pairs.iter().map(|p| (side(p).1, p.len)));
+        let local = descs(self.pool.geometry(), &self.pool.region_addrs(), pairs.iter().map(|p| (side(p).0, side(p).2)));
+        let remote = descs(self.peer_geometry(), &peer.region_bases, pairs.iter().map(|p| (side(p).1, side(p).2)));
         self.pool.bind()?;
         let descs = Descs::Fresh {
             local: (&local, mem_type(self.pool.memory()), self.pool.device_id()),
@@ -391,16 +423,20 @@ impl Endpoint {
     /// not whole slices.
     pub fn time_request(&self, op: Op, pairs: &[Pair], mode: XferReq) -> Result<f64> {
         let agent = self.local()?;
+        // (local slice and offset, remote slice and offset, bytes)
         let side = |p: &Pair| {
-            if op == Op::Write { (p.src, p.dst) } else { (p.dst, p.src) }
+            if op == Op::Write {
+                ((p.src, p.src_off), (p.dst, p.dst_off), p.len)
+            } else {
+                ((p.dst, p.dst_off), (p.src, p.src_off), p.len)
+            }
         };
         let peer = self.peer();
         let xop = if op == Op::Write { XferOp::Write } else { XferOp::Read };
         match (mode, &self.prepared) {
             (XferReq::Prepared, Some(prep)) => {
-                let g = self.pool.geometry();
                 let t = Instant::now();
-                let (li, ri, bytes) = indices(g, pairs.iter().map(|p| (side(p).0, side(p).1, p.len)))
+                let (li, ri, bytes) = indices((self.pool.geometry(), self.peer_geometry()), pairs.iter().map(&side))
                     .map_err(|w| crate::error::Error::Usage(format!("bench: {w}")))?;
                 let descs = Descs::Prepared { local: &prep.local, local_idx: &li, remote: &prep.remote, remote_idx: &ri, bytes };
                 let built = agent.time_request(xop, &descs, &peer.agent)?;
@@ -411,8 +447,8 @@ impl Endpoint {
             )),
             (XferReq::Create, _) => {
                 let t = Instant::now();
-                let local = self.descs(&self.pool.region_addrs(), pairs.iter().map(|p| (side(p).0, p.len)));
-                let remote = self.descs(&peer.region_bases, pairs.iter().map(|p| (side(p).1, p.len)));
+                let local = descs(self.pool.geometry(), &self.pool.region_addrs(), pairs.iter().map(|p| (side(p).0, side(p).2)));
+                let remote = descs(self.peer_geometry(), &peer.region_bases, pairs.iter().map(|p| (side(p).1, side(p).2)));
                 let descs = Descs::Fresh {
                     local: (&local, mem_type(self.pool.memory()), self.pool.device_id()),
                     remote: (&remote, mem_type(peer.memory), peer.device_id),
@@ -481,10 +517,16 @@ impl Endpoint {
         self.peer.as_ref().expect("connect() before transfers")
     }
 
-    fn descs(&self, bases: &[u64], coords: impl Iterator<Item = (SliceCoord, u64)>) -> Vec<(u64, u64)> {
-        let g = self.pool.geometry();
-        coords.map(|(c, len)| (g.descriptor(bases, c).0, len)).collect()
+    /// The peer pool's geometry: as it announced it, else this side's.
+    fn peer_geometry(&self) -> &Geometry {
+        self.peer().geometry.as_ref().unwrap_or(self.pool.geometry())
     }
+}
+
+/// The NIXL descriptors `(address, length)` of `(slice, byte offset in it)` and lengths in a
+/// pool of geometry `g` whose layer regions start at `bases`.
+fn descs(g: &Geometry, bases: &[u64], coords: impl Iterator<Item = ((SliceCoord, u64), u64)>) -> Vec<(u64, u64)> {
+    coords.map(|((c, off), len)| (g.descriptor(bases, c).0 + off, len)).collect()
 }
 
 /// A role's two prepared descriptor lists ([`Endpoint::connect`]): every block slice of its
@@ -504,26 +546,30 @@ pub fn all_slices(g: &Geometry, bases: &[u64]) -> Vec<(u64, u64)> {
     bases.iter().flat_map(|&b| (0..per).map(move |q| (b + q * sb, sb))).collect()
 }
 
-/// The prepared-list indices of `pairs` given as (local slice, remote slice, bytes from the
-/// slice start): a whole slice is its global slice index ([`Geometry::global_slice`]); a run
-/// of k whole slices (`--descriptor-blocks`) the k consecutive indices from its first slice,
-/// as long as it stays within its layer region on both sides. Returns the local and remote
-/// indices and the bytes they move. Errors: why a pair has no indices (a torn pair, shorter
-/// than a slice or not a whole number of slices; a run past its region's end): the caller
-/// then builds the request from descriptors.
+/// The prepared-list indices of `pairs` given as ((local slice, byte offset), (remote slice,
+/// byte offset), bytes), the local pool of geometry `geoms.0` and the remote of `geoms.1`: a
+/// whole slice (offset 0, the slice's bytes on both sides) is its global slice index
+/// ([`Geometry::global_slice`]); a run of k whole slices (`--descriptor-blocks`) the k
+/// consecutive indices from its first slice, as long as it stays within its layer region on
+/// both sides. Returns the local and remote indices and the bytes they move. Errors: why a
+/// pair has no indices (a torn pair, a chunk of a slice between unequal block sizes, a run
+/// past its region's end): the caller then builds the request from descriptors.
 pub fn indices(
-    g: &Geometry,
-    pairs: impl Iterator<Item = (SliceCoord, SliceCoord, u64)>,
+    geoms: (&Geometry, &Geometry),
+    pairs: impl Iterator<Item = ((SliceCoord, u64), (SliceCoord, u64), u64)>,
 ) -> std::result::Result<(Vec<i32>, Vec<i32>, u64), String> {
-    let sb = g.slice_bytes().map_err(|e| e.to_string())?.max(1);
-    let per = g.slices_per_layer();
+    let sb = geoms.0.slice_bytes().map_err(|e| e.to_string())?.max(1);
+    if geoms.1.slice_bytes().map_err(|e| e.to_string())? != sb {
+        return Err(format!("the two pools' block slices differ ({sb} and {} bytes)", geoms.1.slice_bytes().unwrap_or(0)));
+    }
     let (mut li, mut ri, mut bytes) = (Vec::new(), Vec::new(), 0u64);
-    for (l, r, len) in pairs {
-        if len == 0 || !len.is_multiple_of(sb) {
-            return Err(format!("a pair moves {len} bytes, not whole block slices of {sb} bytes"));
+    for ((l, lo), (r, ro), len) in pairs {
+        if len == 0 || !len.is_multiple_of(sb) || lo != 0 || ro != 0 {
+            return Err(format!("a pair moves {len} bytes at offsets {lo} and {ro}, not whole block slices of {sb} bytes"));
         }
         let k = len / sb;
-        for (c, out) in [(l, &mut li), (r, &mut ri)] {
+        for (g, c, out) in [(geoms.0, l, &mut li), (geoms.1, r, &mut ri)] {
+            let per = g.slices_per_layer();
             let first = g.global_slice(c) as u64;
             if first % per + k > per {
                 return Err(format!(

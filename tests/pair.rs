@@ -153,6 +153,50 @@ fn assert_one_run(run: &serde_json::Value, serve: &serde_json::Value, exit: i64)
 }
 
 #[test]
+fn pair_sides_that_differ_announce_their_geometries_and_run_clean() {
+    // Serve pins prefill's geometry; decode's layout and block size differ (issue 18): each
+    // side announces its own, the descriptors follow both, decode converts on receive.
+    for op in ["read", "write"] {
+        let s = Serve::start(&["--block-size", "32", "--layout", "hnd"]);
+        let (code, r, out) = run_peer(
+            &s.addr,
+            &[
+                "--op",
+                op,
+                "--iterations",
+                "2",
+                "--block-size",
+                "32",
+                "--layout",
+                "hnd",
+                "--decode-block-size",
+                "16",
+                "--decode-layout",
+                "nhd",
+                "--permute-local-kv",
+                "--inject",
+                "token-offset",
+            ],
+        );
+        // The planted token offset (one group of two decode slices per iteration) and nothing else.
+        assert_eq!(code, 1, "{op}: {out}");
+        let (sc, sout, sr) = s.wait();
+        assert_eq!(sc, 1, "{op}: {sout}");
+        assert_one_run(&r, &sr.expect("serve wrote its report"), 1);
+        assert_eq!(r["config"]["decode_geometry"]["block_size"], 16);
+        assert_eq!(r["summary"]["by_class"]["layout"], 4, "{op}: {out}");
+        assert_eq!(r["summary"]["injections_detected"], 2);
+        assert_eq!(r["summary"]["unexpected_failures"], 0);
+    }
+    // Decode claims another prefill geometry than serve pins: refused, naming the field.
+    let s = Serve::start(&["--block-size", "32"]);
+    let (code, _, out) = run_peer(&s.addr, &["--block-size", "16", "--decode-block-size", "32"]);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("geometry.block_size: prefill 32, decode 16") && out.contains("--decode-block-size"), "{out}");
+    drop(s);
+}
+
+#[test]
 fn pair_read_and_write_are_clean_with_one_outcome_in_both_reports() {
     for op in ["read", "write"] {
         let s = Serve::start(&[]);

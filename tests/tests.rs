@@ -16,6 +16,7 @@ mod dump;
 mod fingerprint;
 mod geometry;
 mod gpu;
+mod hetero;
 mod inspect;
 mod junit;
 mod lanes;

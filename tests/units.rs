@@ -195,7 +195,7 @@ use kvprobe::sweep::{coalesce, stages};
 use kvprobe::transport::Pair;
 
 fn pair(g: &Geometry, layer: u32, kv: KvPart, src: u32, dst: u32) -> Pair {
-    Pair { src: SliceCoord { layer, kv, block: src }, dst: SliceCoord { layer, kv, block: dst }, len: g.slice_bytes().unwrap() }
+    Pair::slice(SliceCoord { layer, kv, block: src }, SliceCoord { layer, kv, block: dst }, g.slice_bytes().unwrap())
 }
 
 #[test]

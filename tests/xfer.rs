@@ -218,27 +218,30 @@ fn prepared_indices_are_global_slice_indices_and_runs_expand() {
     let sb = g.slice_bytes().unwrap();
     let c = |layer, kv, block| SliceCoord { layer, kv, block };
     // One slice each: vLLM's region * num_blocks + block (regions: layer-major K, V).
-    let (l, r, bytes) = indices(&g, [(c(0, KvPart::K, 5), c(2, KvPart::V, 7), sb)].into_iter()).unwrap();
+    let (l, r, bytes) = indices((&g, &g), [((c(0, KvPart::K, 5), 0), (c(2, KvPart::V, 7), 0), sb)].into_iter()).unwrap();
     assert_eq!((l, r, bytes), (vec![5], vec![(2 * 2 + 1) * 64 + 7], sb));
     // A run of 4 slices: 4 consecutive indices on both sides.
-    let (l, r, bytes) = indices(&g, [(c(1, KvPart::K, 8), c(3, KvPart::V, 60), 4 * sb)].into_iter()).unwrap();
+    let (l, r, bytes) = indices((&g, &g), [((c(1, KvPart::K, 8), 0), (c(3, KvPart::V, 60), 0), 4 * sb)].into_iter()).unwrap();
     assert_eq!(l, vec![128 + 8, 128 + 9, 128 + 10, 128 + 11]);
     assert_eq!(r, vec![7 * 64 + 60, 7 * 64 + 61, 7 * 64 + 62, 7 * 64 + 63]);
     assert_eq!(bytes, 4 * sb);
     // A run past its layer region's end has no indices (NHD: V's last block is the region's end).
-    assert!(indices(&g, [(c(1, KvPart::V, 62), c(0, KvPart::K, 0), 4 * sb)].into_iter()).is_err());
+    assert!(indices((&g, &g), [((c(1, KvPart::V, 62), 0), (c(0, KvPart::K, 0), 0), 4 * sb)].into_iter()).is_err());
     // A torn pair (less than a slice, or not whole slices) has none either.
-    let e = indices(&g, [(c(0, KvPart::K, 0), c(0, KvPart::K, 1), sb / 2)].into_iter()).unwrap_err();
+    let e = indices((&g, &g), [((c(0, KvPart::K, 0), 0), (c(0, KvPart::K, 1), 0), sb / 2)].into_iter()).unwrap_err();
     assert!(e.contains("not whole block slices"), "{e}");
-    assert!(indices(&g, [(c(0, KvPart::K, 0), c(0, KvPart::K, 1), sb + 16)].into_iter()).is_err());
-    assert!(indices(&g, [(c(0, KvPart::K, 0), c(0, KvPart::K, 1), 0)].into_iter()).is_err());
+    assert!(indices((&g, &g), [((c(0, KvPart::K, 0), 0), (c(0, KvPart::K, 1), 0), sb + 16)].into_iter()).is_err());
+    assert!(indices((&g, &g), [((c(0, KvPart::K, 0), 0), (c(0, KvPart::K, 1), 0), 0)].into_iter()).is_err());
+    // A whole slice's bytes at an offset (a chunk between unequal sides) has none.
+    assert!(indices((&g, &g), [((c(0, KvPart::K, 0), 16), (c(0, KvPart::K, 1), 0), sb)].into_iter()).is_err());
+    assert!(indices((&g, &g), [((c(0, KvPart::K, 0), 0), (c(0, KvPart::K, 1), 16), sb)].into_iter()).is_err());
     // HND: memory order, K and V of a block side by side; a run of 2 blocks, K and V
     // together, is 4 consecutive indices.
     let mut h = g.clone();
     h.layout = Layout::Hnd;
-    let (l, _, _) = indices(&h, [(c(2, KvPart::K, 10), c(0, KvPart::K, 0), 4 * sb)].into_iter()).unwrap();
+    let (l, _, _) = indices((&h, &h), [((c(2, KvPart::K, 10), 0), (c(0, KvPart::K, 0), 0), 4 * sb)].into_iter()).unwrap();
     assert_eq!(l, vec![256 + 20, 256 + 21, 256 + 22, 256 + 23]);
-    let (l, _, _) = indices(&h, [(c(0, KvPart::V, 3), c(0, KvPart::K, 0), sb)].into_iter()).unwrap();
+    let (l, _, _) = indices((&h, &h), [((c(0, KvPart::V, 3), 0), (c(0, KvPart::K, 0), 0), sb)].into_iter()).unwrap();
     assert_eq!(l, vec![7]);
     // The prepared list holds every slice at its index: entry i is slice coord_of(i).
     let bases = [0x1000_0000u64, 0x2000_0000, 0x3000_0000, 0x4000_0000];

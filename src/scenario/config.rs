@@ -230,6 +230,12 @@ pub fn check(cfg: &ScenarioConfig, num_blocks: u32) -> Result<()> {
                 "--inject stray under request load is not supported: stray needs the sweep's pipeline stages".into(),
             ));
         }
+        if matches!(s.kind, Kind::HeadOffset | Kind::TokenOffset) {
+            return Err(Error::Usage(format!(
+                "--inject {} under request load is not supported: the sweep plants it (run without --scenario)",
+                s.kind.name()
+            )));
+        }
         if !cfg.scenario.uses_nixl() {
             return Err(Error::Usage(format!(
                 "--inject {} plants faults on decode's NIXL READs and their source blocks; tier-only has none (use nixl-only or stacked)",

@@ -738,7 +738,9 @@ impl<'a> Decode<'a> {
                 pairs.remove(kj);
                 vec![(dst(j), Class::Misplaced), (dst(i), Class::Unwritten)]
             }
-            Kind::Bitflip | Kind::Stale | Kind::Stray => unreachable!("refused by scenario::config::check"),
+            Kind::Bitflip | Kind::Stale | Kind::Stray | Kind::HeadOffset | Kind::TokenOffset => {
+                unreachable!("refused by scenario::config::check")
+            }
         };
         eprintln!("inject: {} planted on request {id}'s READ at layer {layer} {kv}", kind.name());
         Ok(Some(Planted { kind, step: self.now, hits }))

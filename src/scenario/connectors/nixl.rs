@@ -47,7 +47,7 @@ impl NixlConnector {
         for layer in 0..g.num_layers {
             for &kv in g.parts() {
                 for (&s, &d) in src.iter().zip(dst) {
-                    pairs.push(Pair { src: SliceCoord { layer, kv, block: s }, dst: SliceCoord { layer, kv, block: d }, len });
+                    pairs.push(Pair::slice(SliceCoord { layer, kv, block: s }, SliceCoord { layer, kv, block: d }, len));
                 }
             }
         }

@@ -1,0 +1,432 @@
+//! Two sides that differ (issue 18 part 2) on DRAM: decode's layout and block size against
+//! prefill's, `--permute-local-kv`, every injection between unequal sides, the planted head
+//! and token offsets, and the refusals. The expected counts here are the tests' own,
+//! from the block arithmetic, not read back from kvprobe's prediction.
+
+use crate::common::*;
+use kvprobe::fingerprint::RowOrder;
+use kvprobe::geometry::{Dtype, Geometry, Layout};
+use kvprobe::pairing::{Plant, Sides, row_position};
+
+/// Decode slices a sweep of `iterations` checks: layers × K/V × prefill's tokens / decode's
+/// block size.
+fn decode_slices(layers: u64, blocks: u64, bp: u64, bd: u64, iterations: u64) -> u64 {
+    layers * 2 * (blocks * bp / bd) * iterations
+}
+
+#[test]
+fn nhd_to_hnd_copied_verbatim_is_layout_corruption_naming_the_rows() {
+    nhd_to_hnd_copied_verbatim_is_layout_corruption_naming_the_rows_on("dram");
+}
+
+#[test]
+fn vram_nhd_to_hnd_copied_verbatim_is_layout_corruption_naming_the_rows() {
+    if crate::common::gpu_or_skip("vram_nhd_to_hnd_copied_verbatim_is_layout_corruption_naming_the_rows") {
+        nhd_to_hnd_copied_verbatim_is_layout_corruption_naming_the_rows_on("vram");
+    }
+}
+
+fn nhd_to_hnd_copied_verbatim_is_layout_corruption_naming_the_rows_on(memory: &str) {
+    for (lp, ld) in [("nhd", "hnd"), ("hnd", "nhd")] {
+        let (code, r, out) = run_with_report(
+            "hetero-verbatim",
+            memory,
+            &["--iterations", "2", "--layout", lp, "--decode-layout", ld, "--max-failures", "5000"],
+        );
+        assert_eq!(code, 1, "{lp} -> {ld}: {out}");
+        // small preset: 4 layers, 64 blocks of 16 tokens, 2 KV heads: every slice's rows move.
+        let total = decode_slices(4, 64, 16, 16, 2);
+        assert_eq!(r["summary"]["blocks_checked"], total, "{out}");
+        assert_eq!(r["summary"]["blocks_corrupt"], total, "{out}");
+        assert_eq!(r["summary"]["by_class"]["layout"], total, "{out}");
+        assert_eq!(r["config"]["decode_geometry"]["layout"], ld);
+        for f in r["failures"].as_array().unwrap() {
+            assert_eq!(f["class"], "layout");
+            assert!(f["displacement"].as_str().unwrap().starts_with("transposed"), "{f}");
+            // Row 1 of the slice: NHD's (token 0, head 1) and HND's (token 1, head 0).
+            let w = &f["rows"][0];
+            assert_eq!(w["row"], 1, "{f}");
+            let (due, holds) = if lp == "nhd" { ((1, 0), (0, 1)) } else { ((0, 1), (1, 0)) };
+            assert_eq!((w["due_token"].as_u64().unwrap(), w["due_head"].as_u64().unwrap()), due, "{f}");
+            assert_eq!((w["token"].as_u64().unwrap(), w["head"].as_u64().unwrap()), holds, "{f}");
+        }
+        assert!(out.contains("transposed") && out.contains("enable_permute_local_kv"), "{out}");
+    }
+}
+
+#[test]
+fn permute_local_kv_makes_a_layout_pair_clean() {
+    permute_local_kv_makes_a_layout_pair_clean_on("dram");
+}
+
+#[test]
+fn vram_permute_local_kv_makes_a_layout_pair_clean() {
+    if crate::common::gpu_or_skip("vram_permute_local_kv_makes_a_layout_pair_clean") {
+        permute_local_kv_makes_a_layout_pair_clean_on("vram");
+    }
+}
+
+fn permute_local_kv_makes_a_layout_pair_clean_on(memory: &str) {
+    for (lp, ld) in [("nhd", "hnd"), ("hnd", "nhd")] {
+        let (code, r, out) = run_with_report(
+            "hetero-permute",
+            memory,
+            &["--iterations", "2", "--layout", lp, "--decode-layout", ld, "--permute-local-kv"],
+        );
+        assert_eq!(code, 0, "{lp} -> {ld}: {out}");
+        assert_eq!(r["summary"]["blocks_checked"], decode_slices(4, 64, 16, 16, 2));
+        assert_eq!(r["summary"]["blocks_corrupt"], 0);
+        assert_eq!(r["config"]["permute_local_kv"], true);
+    }
+}
+
+#[test]
+fn unequal_block_sizes_are_clean_both_ways() {
+    unequal_block_sizes_are_clean_both_ways_on("dram");
+}
+
+#[test]
+fn vram_unequal_block_sizes_are_clean_both_ways() {
+    if crate::common::gpu_or_skip("vram_unequal_block_sizes_are_clean_both_ways") {
+        unequal_block_sizes_are_clean_both_ways_on("vram");
+    }
+}
+
+fn unequal_block_sizes_are_clean_both_ways_on(memory: &str) {
+    // (prefill block, decode block, prefill layout, decode layout, permute)
+    let cases: [(u64, u64, &str, &str, bool); 7] = [
+        (32, 16, "nhd", "nhd", false), // the issue's pair: kvprobe's own cut
+        (32, 16, "hnd", "hnd", false), // one descriptor per head
+        (16, 32, "nhd", "nhd", false), // vLLM's block_size_ratio 2
+        (16, 64, "hnd", "hnd", false), // vLLM's kv_postprocess_blksize_on_receive
+        (16, 32, "hnd", "nhd", true),  // vLLM's _blksize_and_layout_on_receive
+        (64, 16, "nhd", "hnd", true),
+        (8, 8, "hnd", "nhd", true),
+    ];
+    for (bp, bd, lp, ld, permute) in cases {
+        let (bps, bds) = (bp.to_string(), bd.to_string());
+        let mut a = vec!["--iterations", "2", "--block-size", &bps, "--decode-block-size", &bds, "--layout", lp];
+        a.extend_from_slice(&["--decode-layout", ld]);
+        if permute {
+            a.push("--permute-local-kv");
+        }
+        let (code, r, out) = run_with_report("hetero-blocks", memory, &a);
+        let ctx = format!("{bp}/{lp} -> {bd}/{ld} permute {permute}");
+        assert_eq!(code, 0, "{ctx}: {out}");
+        assert_eq!(r["summary"]["blocks_checked"], decode_slices(4, 64, bp, bd, 2), "{ctx}");
+        assert_eq!(r["config"]["decode_geometry"]["num_blocks"], 64 * bp / bd, "{ctx}");
+        // One side's block a multiple of the other's: each slice's bytes moved once.
+        assert_eq!(r["summary"]["bytes_transferred"], 2 * 4 * 2 * 64 * bp * 2 * 64 * 2, "{ctx}");
+    }
+}
+
+#[test]
+fn unequal_sides_run_with_a_prefill_process_and_with_write() {
+    unequal_sides_run_with_a_prefill_process_and_with_write_on("dram");
+}
+
+#[test]
+fn vram_unequal_sides_run_with_a_prefill_process_and_with_write() {
+    if crate::common::gpu_or_skip("vram_unequal_sides_run_with_a_prefill_process_and_with_write") {
+        unequal_sides_run_with_a_prefill_process_and_with_write_on("vram");
+    }
+}
+
+fn unequal_sides_run_with_a_prefill_process_and_with_write_on(memory: &str) {
+    for extra in
+        [&["--decode-process"][..], &["--op", "write"], &["--decode-process", "--op", "write"], &["--xfer-req", "create"]]
+    {
+        let mut a = vec!["--iterations", "2", "--block-size", "32", "--decode-block-size", "16", "--layout", "hnd"];
+        a.extend_from_slice(&["--decode-layout", "nhd", "--permute-local-kv"]);
+        a.extend_from_slice(extra);
+        let (code, r, out) = run_with_report("hetero-process", memory, &a);
+        assert_eq!(code, 0, "{extra:?}: {out}");
+        assert_eq!(r["summary"]["blocks_checked"], decode_slices(4, 64, 32, 16, 2), "{extra:?}");
+    }
+}
+
+/// What one fault of `kind` must show between unequal sides whose group holds `kd` decode
+/// blocks: (class, decode slices). A fault takes a whole group ([`Sides::planning`]): each of
+/// its decode slices shows, except a bitflip (one byte of one slice) and a tear (checked
+/// apart).
+fn classes_between(kind: &str, kd: u64) -> Vec<(&'static str, u64)> {
+    match kind {
+        "bitflip" => vec![("bitflip", 1)],
+        "drop" => vec![("unwritten", kd)],
+        "misroute" => vec![("misplaced", kd), ("unwritten", kd)],
+        "stale" => vec![("stale", kd)],
+        "head-offset" | "token-offset" => vec![("layout", kd)],
+        "stray" => vec![("stray", kd)],
+        k => panic!("no table entry for {k}"),
+    }
+}
+
+#[test]
+fn every_injection_is_found_as_predicted_between_unequal_sides() {
+    every_injection_is_found_as_predicted_between_unequal_sides_on("dram");
+}
+
+#[test]
+fn vram_every_injection_is_found_as_predicted_between_unequal_sides() {
+    if crate::common::gpu_or_skip("vram_every_injection_is_found_as_predicted_between_unequal_sides") {
+        every_injection_is_found_as_predicted_between_unequal_sides_on("vram");
+    }
+}
+
+fn every_injection_is_found_as_predicted_between_unequal_sides_on(memory: &str) {
+    // (prefill block, decode block, layouts and flags, decode blocks per group)
+    let pairs: [(&str, &str, &[&str], u64); 3] = [
+        ("32", "16", &["--layout", "nhd"], 2),
+        ("16", "32", &["--layout", "hnd"], 1),
+        ("64", "16", &["--layout", "hnd", "--decode-layout", "nhd", "--permute-local-kv"], 4),
+    ];
+    for (bp, bd, flags, kd) in pairs {
+        for kind in ["bitflip", "drop", "misroute", "stale", "torn", "head-offset", "token-offset", "stray"] {
+            let mut a = vec!["--iterations", "3", "--block-size", bp, "--decode-block-size", bd, "--inject", kind];
+            a.extend_from_slice(flags);
+            a.extend_from_slice(&["--pipeline-stages", "4", "--max-failures", "100000", "--seed", "11"]);
+            let (code, r, out) = run_with_report("hetero-inject", memory, &a);
+            let ctx = format!("{bp} -> {bd} {flags:?} --inject {kind}");
+            assert_eq!(code, 1, "{ctx}: {out}");
+            assert_eq!(r["summary"]["injections_planted"], 3, "{ctx}");
+            assert_eq!(r["summary"]["injections_detected"], 3, "{ctx}: {out}");
+            assert_eq!(r["summary"]["unexpected_failures"], 0, "{ctx}");
+            assert_eq!(failure_set(&r), predicted_set(&r), "{ctx}");
+            let by = &r["summary"]["by_class"];
+            if kind == "torn" {
+                // A prefix of the group's bytes: each decode slice it reaches in part is torn,
+                // each it misses unwritten (prefill HND cut by head: the prefix spreads over
+                // every decode slice); at least one slice, at most the group, nothing else.
+                let (t, u) = (by["torn"].as_u64().unwrap(), by["unwritten"].as_u64().unwrap());
+                assert!(t >= 1 && t + u >= 3 && t + u <= 3 * kd, "{ctx}: {by}");
+                assert_eq!(r["summary"]["blocks_corrupt"], t + u, "{ctx}: {by}");
+                continue;
+            }
+            for (class, n) in classes_between(kind, kd) {
+                assert_eq!(by[class], 3 * n, "{ctx}: {by}");
+            }
+            let total: u64 = classes_between(kind, kd).iter().map(|(_, n)| 3 * n).sum();
+            assert_eq!(r["summary"]["blocks_corrupt"], total, "{ctx}");
+            if kind.ends_with("-offset") {
+                let want = if kind == "head-offset" { "head offset +1" } else { "token offset +1" };
+                for f in r["failures"].as_array().unwrap() {
+                    assert_eq!(f["displacement"], want, "{ctx}: {f}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn planted_offsets_are_found_between_equal_sides_too() {
+    let (code, r, out) = run_with_report(
+        "hetero-offsets",
+        "dram",
+        &["--iterations", "2", "--inject", "head-offset:2", "--inject", "token-offset:3"],
+    );
+    assert_eq!(code, 1, "{out}");
+    assert_eq!(r["summary"]["by_class"]["layout"], 10, "{out}");
+    assert_eq!(r["summary"]["injections_detected"], 10);
+    assert_eq!(failure_set(&r), predicted_set(&r));
+    let displaced: Vec<&str> = r["failures"].as_array().unwrap().iter().map(|f| f["displacement"].as_str().unwrap()).collect();
+    assert_eq!(displaced.iter().filter(|d| **d == "head offset +1").count(), 4, "{displaced:?}");
+    assert_eq!(displaced.iter().filter(|d| **d == "token offset +1").count(), 6, "{displaced:?}");
+}
+
+#[test]
+fn a_dump_of_unequal_sides_is_checked_against_decodes_geometry() {
+    let d = tmpdir("hetero-dump");
+    let (dump, rp, b) = (d.join("D"), d.join("r.json"), d.join("b.tar.gz"));
+    let (code, out, err) = kvprobe(&[
+        "run",
+        "--memory",
+        "dram",
+        "--iterations",
+        "1",
+        "--block-size",
+        "32",
+        "--decode-block-size",
+        "16",
+        "--inject",
+        "token-offset",
+        "--inject",
+        "torn",
+        "--dump",
+        dump.to_str().unwrap(),
+        "--report",
+        rp.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 1, "{out}{err}");
+    let index: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dump.join("index.json")).unwrap()).unwrap();
+    assert_eq!(index["geometry"]["block_size"], 16);
+    assert_eq!(index["slice_bytes"], 16 * 2 * 64 * 2); // decode's: 16 tokens x 2 heads x 64 x bf16
+    let (code, out, err) = kvprobe(&["bundle", "--report", rp.to_str().unwrap(), "-o", b.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}{err}");
+    let (code, out, err) = kvprobe(&["report", "check", b.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("everything agrees"), "{out}");
+}
+
+#[test]
+fn what_kvprobe_refuses_of_unequal_sides_exits_2_with_the_reason() {
+    let cases: [(&[&str], &str); 8] = [
+        (&["--decode-block-size", "24"], "do not divide"),
+        (&["--block-size", "16", "--decode-block-size", "64", "--blocks", "6"], "multiple of 4"),
+        (&["--decode-layout", "hnd", "--inject", "drop"], "--permute-local-kv"),
+        (&["--decode-block-size", "32", "--descriptor-blocks", "2"], "--descriptor-blocks"),
+        (&["--decode-layout", "hnd", "--scenario", "nixl-only", "--requests", "4"], "whole-pool sweep"),
+        (&["--kv-heads", "1", "--inject", "head-offset"], "2 KV heads"),
+        (&["--block-size", "1", "--inject", "token-offset"], "at least 2 tokens"),
+        (&["--block-size", "16", "--decode-block-size", "64", "--blocks", "4", "--inject", "misroute"], "groups"),
+    ];
+    for (args, why) in cases {
+        let (code, _, out) = run_with_report("hetero-refused", "dram", args);
+        assert_eq!(code, 2, "{args:?}: {out}");
+        assert!(out.contains(why), "{args:?}: wanted {why:?} in {out}");
+    }
+}
+
+fn geometry(bs: u32, layout: Layout, heads: u32, mla: bool) -> Geometry {
+    Geometry {
+        num_layers: 2,
+        num_kv_heads: heads,
+        head_size: if mla { 576 } else { 32 },
+        block_size: bs,
+        num_blocks: 64,
+        dtype: Dtype::Fp16,
+        layout,
+        mla,
+    }
+}
+
+/// The chunks of every prefill slice of a group, applied to labelled rows and then decode's
+/// conversion, put every row of the group's tokens at its place in decode's layout, once —
+/// for every pair of block sizes and layouts (the tests' own placement, from the layouts'
+/// definitions).
+#[test]
+fn chunks_and_conversion_put_every_row_in_its_place() {
+    let sizes = [1u32, 2, 4, 16, 64];
+    for &bp in &sizes {
+        for &bd in &sizes {
+            for lp in [Layout::Nhd, Layout::Hnd] {
+                for ld in [Layout::Nhd, Layout::Hnd] {
+                    for (heads, mla) in [(1, false), (3, false), (1, true)] {
+                        let p = geometry(bp, lp, heads, mla);
+                        let s = Sides::derive(&p, Some(ld), Some(bd), true).unwrap();
+                        check_placement(&s, bp, bd, heads);
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn check_placement(s: &Sides, bp: u32, bd: u32, heads: u32) {
+    let rb = (s.prefill.head_size as u64 * 2) as usize;
+    let order = |g: &Geometry| RowOrder::of(g);
+    let g_tokens = bp.max(bd);
+    let (kp, kd) = (g_tokens / bp, g_tokens / bd);
+    assert_eq!((s.prefill_per_group(), s.decode_per_group()), (kp, kd));
+    // Decode's group, as received: kd slices.
+    let sbd = s.decode.slice_bytes().unwrap() as usize;
+    let mut got = vec![vec![0xFFu8; sbd]; kd as usize];
+    let mut written = vec![vec![0u32; sbd]; kd as usize];
+    for q in 0..kp {
+        // Prefill slice q: row (t, h) labelled with its group token and head.
+        let sbp = s.prefill.slice_bytes().unwrap() as usize;
+        let mut src = vec![0u8; sbp];
+        for t in 0..bp {
+            for h in 0..heads {
+                let at = row_position(order(&s.prefill), bp, heads, t, h) as usize * rb;
+                src[at..at + 4].copy_from_slice(&(q * bp + t).to_le_bytes());
+                src[at + 4..at + 8].copy_from_slice(&h.to_le_bytes());
+            }
+        }
+        let chunks = s.chunks(q, Plant::None);
+        assert!(chunks.iter().all(|c| !c.displaced));
+        assert_eq!(chunks.iter().map(|c| c.len).sum::<u64>(), sbp as u64, "{bp}->{bd}: the slice moves once");
+        for c in chunks {
+            let (d, so, dof, n) = (c.dst_block as usize, c.src_off as usize, c.dst_off as usize, c.len as usize);
+            got[d][dof..dof + n].copy_from_slice(&src[so..so + n]);
+            written[d][dof..dof + n].iter_mut().for_each(|w| *w += 1);
+        }
+    }
+    assert!(written.iter().all(|w| w.iter().all(|&n| n == 1)), "{bp}->{bd}: every decode byte written once");
+    for (j, slice) in got.iter().enumerate() {
+        let mut out = slice.clone();
+        if s.converts() {
+            s.convert(slice, None, &mut out);
+        }
+        for t in 0..bd {
+            for h in 0..heads {
+                let at = row_position(order(&s.decode), bd, heads, t, h) as usize * rb;
+                let token = u32::from_le_bytes(out[at..at + 4].try_into().unwrap());
+                let head = u32::from_le_bytes(out[at + 4..at + 8].try_into().unwrap());
+                assert_eq!(
+                    (token, head),
+                    (j as u32 * bd + t, h),
+                    "{bp} {:?} -> {bd} {:?}, {heads} heads: decode slice {j} row (t {t}, h {h})",
+                    s.prefill.layout,
+                    s.decode.layout
+                );
+            }
+        }
+    }
+}
+
+/// Without --permute-local-kv two layouts are not converted (only vLLM's block-size
+/// rearrangement within one layout is); with equal orders nothing is left mismatched.
+#[test]
+fn conversion_follows_vllms_rules() {
+    let p = geometry(16, Layout::Nhd, 4, false);
+    let s = Sides::derive(&p, Some(Layout::Hnd), None, false).unwrap();
+    assert!(s.mismatched() && !s.converts());
+    let s = Sides::derive(&p, Some(Layout::Hnd), None, true).unwrap();
+    assert!(!s.mismatched() && s.converts());
+    // HND 16 -> HND 32: vLLM's kv_postprocess_blksize_on_receive, without the flag.
+    let h = geometry(16, Layout::Hnd, 4, false);
+    let s = Sides::derive(&h, None, Some(32), false).unwrap();
+    assert!(s.converts() && !s.mismatched());
+    assert!(s.vllm_refuses().is_empty());
+    // NHD 16 -> NHD 64: bytes in place, nothing to convert.
+    let s = Sides::derive(&p, None, Some(64), false).unwrap();
+    assert!(!s.converts() && !s.mismatched());
+    // One head (or MLA): both orders are one order.
+    let one = geometry(16, Layout::Nhd, 1, false);
+    assert!(!Sides::derive(&one, Some(Layout::Hnd), None, false).unwrap().mismatched());
+    // What vLLM refuses is said: prefill's block larger, a layout pair without the flag.
+    let s = Sides::derive(&p, Some(Layout::Hnd), Some(8), false).unwrap();
+    assert_eq!(s.vllm_refuses().len(), 2, "{:?}", s.vllm_refuses());
+}
+
+/// A planted head offset moves every row but the last head's by one head; a token offset
+/// every row but the last token's by one token; each chunk that moves other rows is marked.
+#[test]
+fn planted_offsets_shift_rows_by_one() {
+    for lp in [Layout::Nhd, Layout::Hnd] {
+        let p = geometry(8, lp, 4, false);
+        let s = Sides::derive(&p, None, None, false).unwrap();
+        let rb = 64u64;
+        let pos = |t, h| row_position(RowOrder::of(&p), 8, 4, t, h) * rb;
+        for (plant, from) in
+            [(Plant::HeadOffset, (|t, h| (t, h + 1)) as fn(u32, u32) -> (u32, u32)), (Plant::TokenOffset, |t, h| (t + 1, h))]
+        {
+            let chunks = s.chunks(0, plant);
+            assert_eq!(chunks.iter().map(|c| c.len).sum::<u64>(), 8 * 4 * rb);
+            for t in 0..8u32 {
+                for h in 0..4u32 {
+                    let dst = pos(t, h);
+                    let c = chunks.iter().find(|c| (c.dst_off..c.dst_off + c.len).contains(&dst)).unwrap();
+                    let src = c.src_off + (dst - c.dst_off);
+                    let last = match plant {
+                        Plant::HeadOffset => h == 3,
+                        _ => t == 7,
+                    };
+                    let (st, sh) = if last { (t, h) } else { from(t, h) };
+                    assert_eq!(src, pos(st, sh), "{lp:?} {plant:?} row ({t}, {h})");
+                    assert_eq!(c.displaced, !last);
+                }
+            }
+        }
+    }
+}
