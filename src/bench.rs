@@ -511,6 +511,7 @@ fn breakdown(
         geometry: g.clone(),
         decode_geometry: None,
         permute_local_kv: false,
+        tp: None,
         fingerprint: Default::default(),
         op: crate::transport::Op::Read,
         iterations: cfg.iterations,

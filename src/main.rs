@@ -478,6 +478,12 @@ struct RunArgs {
     /// Sweep: decode converts each received slice from prefill's layout into its own, as vLLM's enable_permute_local_kv (kv_postprocess_layout_on_receive).
     #[arg(long)]
     permute_local_kv: bool,
+    /// Sweep: prefill's tensor-parallel size: one NIXL agent and pool per TP rank, each holding its KV heads (the geometry's --kv-heads, or the model's, are the model's total; above the KV heads each head is replicated, as vLLM's get_num_kv_heads). Decode's ranks read by vLLM NixlConnector's TP rules.
+    #[arg(long, value_name = "N")]
+    prefill_tp: Option<u32>,
+    /// Sweep: decode's tensor-parallel size (see --prefill-tp).
+    #[arg(long, value_name = "N")]
+    decode_tp: Option<u32>,
     #[command(flatten)]
     pair: PeerArgs,
     /// Request-level load instead of the sweep: which connectors move the blocks.
@@ -574,6 +580,8 @@ const SWEEP_FLAGS: &[&str] = &[
     "decode_layout",
     "decode_block_size",
     "permute_local_kv",
+    "prefill_tp",
+    "decode_tp",
 ];
 
 /// `run` flags whose use `--peer` checks (clap ids).
@@ -658,6 +666,7 @@ impl PoolArgs {
             geometry: g,
             decode_geometry: None,
             permute_local_kv: false,
+            tp: None,
             op: Op::Read,
             iterations: 1,
             fingerprint: Default::default(),
@@ -726,10 +735,26 @@ impl RunArgs {
         self.pair.apply(&mut c, typed)?;
         c.inject = self.inject.clone();
         c.min_gbps = self.min_gbps;
-        let sides =
+        let mut sides =
             kvprobe::pairing::Sides::derive(&c.geometry, self.decode_layout, self.decode_block_size, self.permute_local_kv)
                 .map_err(Error::Usage)?;
-        c.decode_geometry = (!sides.equal()).then_some(sides.decode);
+        if self.prefill_tp.is_some() || self.decode_tp.is_some() {
+            if self.pool.geo.tp.is_some() {
+                return Err(Error::Usage(
+                    "--tp gives one rank's geometry on both sides; with --prefill-tp/--decode-tp the model's whole KV cache is split by each side's TP size: give those alone".into(),
+                ));
+            }
+            let tp = kvprobe::pairing::tp::Tp {
+                prefill: self.prefill_tp.unwrap_or(1),
+                decode: self.decode_tp.unwrap_or(1),
+                total_kv_heads: if c.geometry.mla { 1 } else { c.geometry.num_kv_heads },
+                mla: c.geometry.mla,
+            };
+            sides = sides.with_tp(tp).map_err(Error::Usage)?;
+            c.tp = (!tp.is_single()).then_some(tp);
+            c.geometry = sides.prefill.clone();
+        }
+        c.decode_geometry = (sides.decode != sides.prefill).then_some(sides.decode);
         c.permute_local_kv = self.permute_local_kv;
         let flag = |id: &str| format!("--{}", id.replace('_', "-"));
         let scenario = match (self.scenario, self.race.is_empty()) {
@@ -1285,6 +1310,11 @@ fn start_dump(pool: &PoolArgs, cfg: &RunConfig, row: Option<&str>) -> Result<Opt
         kvprobe::report::check_writable_for(b, "--bundle")?;
     }
     let Some(dir) = dump_dir(pool)? else { return Ok(None) };
+    if cfg.tp.is_some() {
+        return Err(Error::Usage(
+            "--dump and --bundle with --prefill-tp/--decode-tp are not supported yet (a dump's slices regenerate from one rank's heads)".into(),
+        ));
+    }
     kvprobe::dump::check_dir(&dir)?;
     if row.is_some() {
         return Ok(None);

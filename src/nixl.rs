@@ -465,6 +465,11 @@ impl Lease {
 pub struct WeakLease(Vec<Weak<Registration>>);
 
 impl WeakLease {
+    /// Adds `other`'s references (the registrations of several TP ranks held as one).
+    pub fn join(&mut self, other: &WeakLease) {
+        self.0.extend(other.0.iter().cloned());
+    }
+
     /// The shares, if every registration still exists. Errors: transport (exit 3) when the
     /// peer's memory was deregistered.
     pub fn upgrade(&self) -> Result<Lease> {

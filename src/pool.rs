@@ -378,6 +378,12 @@ impl KvPool {
         &self.shape
     }
 
+    /// Makes this pool a TP rank's whose first KV head is global head `head_base`
+    /// ([`RowShape::head_base`]): its rows carry heads `head_base ..` in fills and verifies.
+    pub fn set_head_base(&mut self, head_base: u32) {
+        self.shape.head_base = head_base;
+    }
+
     /// The expected rows of the slice at `c` when the slot holds `e` (the fingerprint's input
     /// for this pool: its [`RowShape`] and the entry's identity).
     pub fn rows_of(&self, e: &TableEntry, c: SliceCoord) -> fingerprint::SliceRows {

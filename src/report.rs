@@ -41,6 +41,10 @@ pub struct Failure {
     pub kv: KvPart,
     /// Decode-side block id (the physical slot that was checked).
     pub block: u32,
+    /// With `--decode-tp` > 1: the decode TP rank whose pool holds the slot (absent: rank 0
+    /// of one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tp_rank: Option<u32>,
     /// The failure class.
     pub class: Class,
     /// The slot's global slice index in the decode pool (`layer * slices_per_layer +` the
@@ -125,6 +129,7 @@ impl Failure {
             layer: c.layer,
             kv: c.kv,
             block: c.block,
+            tp_rank: None,
             class: v.class,
             slot: raw.slice,
             poison_iteration: iteration,
@@ -828,6 +833,27 @@ pub fn render(r: &Report) -> String {
                 d.block_size,
                 lay(&d),
                 if r.config["permute_local_kv"] == true { ", decode converts on receive (--permute-local-kv)" } else { "" }
+            );
+        }
+        if let Ok(t) = serde_json::from_value::<crate::pairing::tp::Tp>(r.config["tp"].clone()) {
+            let side = |n: u32| {
+                let per = t.heads_per_rank(n);
+                let copies = if t.mla || n <= t.total_kv_heads {
+                    String::new()
+                } else {
+                    format!(", each head on {} ranks", n / t.total_kv_heads)
+                };
+                format!(
+                    "{n} rank{} ({per} KV head{} each{copies})",
+                    if n == 1 { "" } else { "s" },
+                    if per == 1 { "" } else { "s" }
+                )
+            };
+            out += &format!(
+                "tensor parallel:   prefill {}, decode {}; {} KV heads in all, one NIXL agent per rank\n",
+                side(t.prefill),
+                side(t.decode),
+                t.total_kv_heads
             );
         }
     }

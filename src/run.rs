@@ -18,7 +18,7 @@ use crate::report::{Failure, InjectionRecord, IterationTimes, Outcome, Predicted
 use crate::scenario::config::Progress;
 use crate::sweep::{
     Plan, RunConfig, backend_refusal, build_decode_pool, build_pools, build_prefill_pool, check_config, check_host_memory, plan,
-    stage_request, sweep_stages,
+    stage_requests, sweep_stages,
 };
 use crate::transport::{self, Endpoint, Op, Pair};
 use crate::verify::{self, Class};
@@ -78,6 +78,8 @@ pub(crate) struct Probe {
     /// thread of this process. Sweeps and scenarios drive all three with the same code.
     pub(crate) prefill: Box<crate::peer::client::PrefillPeer>,
     pub(crate) decode: Endpoint,
+    /// With `--decode-tp` > 1: decode's TP ranks 1.. (a pool and a NIXL agent each).
+    pub(crate) decode_ranks: Vec<Endpoint>,
     /// The copy ceiling (GB/s) timed at set-up (the plain sweep: on prefill's pool before it
     /// went to its thread); `None` when timed later or not at all.
     copy_gbps: Option<f64>,
@@ -127,7 +129,11 @@ impl Probe {
                 memory: cfg.memory,
                 device: if vram { cfg.prefill_device } else { 0 },
                 backend: Some(cfg.backend.clone()),
-                geometry: Some(cfg.geometry.clone()),
+                // The model's geometry (with TP, the run's is one rank's).
+                geometry: Some(crate::geometry::Geometry {
+                    num_kv_heads: cfg.tp.map_or(cfg.geometry.num_kv_heads, |t| t.total_kv_heads),
+                    ..cfg.geometry.clone()
+                }),
                 keep_serving: false,
                 idle_timeout: timeout,
                 mode: crate::serve::SessionMode::InProcess,
@@ -196,36 +202,82 @@ impl Probe {
         let opts = crate::transport::TransportOptions { xfer_req: cfg.xfer_req, backend_params: cfg.backend_params.clone() };
         let refusal = |e| backend_refusal(&cfg.backend, cfg.memory, e);
         crate::trace!("decode NIXL agent");
+        let tp = cfg.sides()?.tp;
+        // Decode's TP ranks 1.. (`--decode-tp`): pools like rank 0's, holding their heads.
+        let mut rank_pools = Vec::new();
+        for d in 1..tp.decode {
+            let mut p = pool.sibling()?;
+            p.set_head_base(tp.heads_of(tp.decode, d).start);
+            rank_pools.push(p);
+        }
         let mut decode = Endpoint::with_options("kvprobe-decode", &cfg.backend, pool, &opts).map_err(refusal)?;
+        let mut decode_ranks = Vec::new();
+        for (d, p) in rank_pools.into_iter().enumerate() {
+            decode_ranks
+                .push(Endpoint::with_options(&format!("kvprobe-decode-tp{}", d + 1), &cfg.backend, p, &opts).map_err(refusal)?);
+        }
         let info = decode.info().map_err(refusal)?;
+        let rank_infos = decode_ranks.iter().map(|e| e.info()).collect::<Result<Vec<_>>>().map_err(refusal)?;
         // In process, prefill's requests hold shares of decode's registrations and decode's of
         // prefill's (as between two agents of one process): neither pool is freed under them.
-        *handoff.decode_lease.lock().unwrap_or_else(|p| p.into_inner()) = Some(info.lease.clone());
-        let mut peer = crate::peer::client::PrefillPeer::connect_agents(link, info, side, section)?;
+        let mut lease = info.lease.clone();
+        rank_infos.iter().for_each(|r| lease.join(&r.lease));
+        *handoff.decode_lease.lock().unwrap_or_else(|p| p.into_inner()) = Some(lease);
+        let mut peer = crate::peer::client::PrefillPeer::connect_ranks(link, info, rank_infos, side, section)?;
+        if peer.ranks_info.len() + 1 != tp.prefill as usize {
+            return Err(Error::Transport(format!(
+                "prefill sent {} NIXL agents for prefill TP {} (a protocol error)",
+                peer.ranks_info.len() + 1,
+                tp.prefill
+            )));
+        }
         if let Some(l) = handoff.prefill_lease.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            peer.ranks_info.iter_mut().for_each(|r| r.lease = l.clone());
             peer.info.lease = l;
         }
-        if peer.info.geometry.as_ref().is_some_and(|g| *g != cfg.geometry) {
+        let prefill_infos: Vec<crate::transport::PeerInfo> =
+            std::iter::once(peer.info.clone()).chain(peer.ranks_info.iter().cloned()).collect();
+        if let Some(i) = prefill_infos.iter().find(|i| i.geometry.as_ref().is_some_and(|g| *g != cfg.geometry)) {
             return Err(Error::Transport(format!(
                 "prefill's NIXL agent {} announced a pool geometry other than the run's",
-                peer.info.agent
+                i.agent
             )));
         }
         // A peer whose metadata NIXL cannot load is the peer's fault (transport, exit 3), not a
-        // backend that cannot serve this side's pools.
+        // backend that cannot serve this side's pools. Each decode rank loads the prefill
+        // ranks it reads, in vLLM's get_target_remote_ranks order.
         crate::trace!("decode loads prefill's metadata");
-        decode.connect(peer.info.clone())?;
+        for (d, e) in std::iter::once(&mut decode).chain(decode_ranks.iter_mut()).enumerate() {
+            for p in tp.targets(d as u32) {
+                e.connect(prefill_infos[p as usize].clone())?;
+            }
+        }
         match holder {
             Some(h) => peer.adopt(h),
             None => peer.set_up(),
         }
         crate::trace!("connected to the prefill peer");
         let tier_arena = handoff.tier_arena.lock().unwrap_or_else(|p| p.into_inner()).take();
-        Ok(Probe { cfg: cfg.clone(), prefill: Box::new(peer), decode, copy_gbps, tier_arena })
+        Ok(Probe { cfg: cfg.clone(), prefill: Box::new(peer), decode, decode_ranks, copy_gbps, tier_arena })
     }
 
     fn plan(&self, it: u32) -> Result<Plan> {
         plan(&self.cfg, it)
+    }
+
+    /// Decode's TP rank `d` (0: [`Probe::decode`]).
+    pub(crate) fn rank(&self, d: u32) -> &Endpoint {
+        if d == 0 { &self.decode } else { &self.decode_ranks[d as usize - 1] }
+    }
+
+    /// Decode's TP rank `d`, mutably.
+    pub(crate) fn rank_mut(&mut self, d: u32) -> &mut Endpoint {
+        if d == 0 { &mut self.decode } else { &mut self.decode_ranks[d as usize - 1] }
+    }
+
+    /// Decode's TP ranks.
+    pub(crate) fn ranks(&self) -> u32 {
+        1 + self.decode_ranks.len() as u32
     }
 
     /// Prefill refills `stage` (every layer: `None`) with `plan`'s generation and plants its
@@ -244,14 +296,27 @@ impl Probe {
 
     /// Posts stage `k` of iteration `it` (`pairs`, notification `tag`) for `op`: READ, decode
     /// posts once prefill has filled the stage; WRITE, prefill is asked to post.
-    fn post(&self, op: Op, it: u32, k: usize, pairs: &[Pair], tag: &str, timeout: Duration) -> Result<SweepRequest> {
+    /// `link`: (prefill rank, decode rank, decode rank's peer index of that prefill rank); READ
+    /// only for TP ranks other than (0, 0).
+    #[allow(clippy::too_many_arguments)]
+    fn post(
+        &self,
+        op: Op,
+        it: u32,
+        k: usize,
+        link: (u32, u32, usize),
+        pairs: &[Pair],
+        tag: &str,
+        timeout: Duration,
+    ) -> Result<SweepRequest> {
         let p = &self.prefill;
         match op {
             Op::Read => {
                 p.await_filled(it, Some(k as u32))?;
                 let d = crate::deadline::Deadline::after(timeout);
                 // A failed post with prefill gone is prefill's death (as a failed poll).
-                Ok(SweepRequest::Nixl(self.decode.post_as_initiator(Op::Read, pairs, tag, d).map_err(|e| p.cause_of(e))?))
+                let e = self.rank(link.1);
+                Ok(SweepRequest::Nixl(e.post_to(link.2, Op::Read, pairs, tag, d).map_err(|e| p.cause_of(e))?))
             }
             Op::Write => {
                 let deadline = crate::deadline::Deadline::after(timeout);
@@ -263,12 +328,12 @@ impl Probe {
 
     /// Checks a stage's request once: `Some` when complete. A peer's liveness is checked too
     /// (a dead peer: transport, exit 3; a silent one: timeout, exit 4).
-    fn poll(&self, r: &mut SweepRequest) -> Result<Option<crate::nixl::XferResult>> {
+    fn poll(&self, d: u32, r: &mut SweepRequest) -> Result<Option<crate::nixl::XferResult>> {
         let p = &self.prefill;
         match r {
             SweepRequest::Nixl(r) => {
                 p.pump(Duration::ZERO)?;
-                self.decode.poll(r).map_err(|e| p.cause_of(e))
+                self.rank(d).poll(r).map_err(|e| p.cause_of(e))
             }
             SweepRequest::PeerWrite { tag, deadline, late_misses } => {
                 let asked = Instant::now();
@@ -332,10 +397,11 @@ pub use crate::report::StrayCheck;
 fn record_strays(
     cfg: &RunConfig,
     probe: &Probe,
+    d: u32,
     plan: &Plan,
     fails: &[crate::pool::RawFailure],
     check: StrayCheck,
-    seen: &mut HashMap<SliceCoord, Class>,
+    seen: &mut HashMap<(u32, SliceCoord), Class>,
     report: &mut Report,
     dump: &mut Option<&mut crate::dump::Dumper>,
 ) -> Result<u64> {
@@ -345,23 +411,24 @@ fn record_strays(
     let mut n = 0;
     for f in fails {
         let c = g.coord_of(f.slice);
-        if check == StrayCheck::Reverify && seen.contains_key(&c) {
+        if check == StrayCheck::Reverify && seen.contains_key(&(d, c)) {
             continue;
         }
         let expected = plan.dst_table[c.block as usize].identity(c);
-        probe.decode.pool.read_slice(c, &mut buf)?;
+        let pool = &probe.rank(d).pool;
+        pool.read_slice(c, &mut buf)?;
         let want = match check {
             StrayCheck::Poison => {
                 let mut p = vec![0u8; sb];
                 fingerprint::poison(&mut p, f.slice, plan.it);
                 p
             }
-            StrayCheck::Reverify => fingerprint::expected(cfg.seed, &probe.decode.pool.shape().slice(expected)),
+            StrayCheck::Reverify => fingerprint::expected(cfg.seed, &pool.shape().slice(expected)),
         };
-        let observed = fingerprint::observed_identity(&buf, cfg.seed, probe.decode.pool.shape(), f.first_bad);
+        let observed = fingerprint::observed_identity(&buf, cfg.seed, pool.shape(), f.first_bad);
         let v = verify::Verdict { class: Class::Stray, observed, bit_flips: None, sectors: None, displacement: None, rows: None };
-        seen.insert(c, Class::Stray);
-        if plan.predicted.get(&c) != Some(&Class::Stray) {
+        seen.insert((d, c), Class::Stray);
+        if d != 0 || plan.predicted.get(&c) != Some(&Class::Stray) {
             report.summary.unexpected_failures += 1;
         }
         n += 1;
@@ -373,6 +440,7 @@ fn record_strays(
         crate::dump::keep(dump.as_deref_mut(), listed.then_some(&mut report.failures), &buf, Class::Stray, || {
             let mut rec = Failure::new(plan.it, c, f, v, &want, &buf, expected, plan.src_of[c.block as usize]);
             rec.stray_check = Some(check);
+            rec.tp_rank = (probe.ranks() > 1).then_some(d);
             rec
         });
     }
@@ -389,14 +457,19 @@ fn poison_check(
     probe: &mut Probe,
     plan: &Plan,
     layers: Range<u32>,
-    seen: &mut HashMap<SliceCoord, Class>,
+    seen: &mut HashMap<(u32, SliceCoord), Class>,
     report: &mut Report,
     dump: &mut Option<&mut crate::dump::Dumper>,
 ) -> Result<u64> {
-    probe.decode.pool.check_poison_layers(layers, plan.it)?;
-    let (fails, slices) = probe.decode.pool.take_poison_failures()?;
-    report.summary.stray_poison_checked_slices += slices;
-    record_strays(cfg, probe, plan, &fails, StrayCheck::Poison, seen, report, dump)
+    let mut n = 0;
+    for d in 0..probe.ranks() {
+        let pool = &mut probe.rank_mut(d).pool;
+        pool.check_poison_layers(layers.clone(), plan.it)?;
+        let (fails, slices) = pool.take_poison_failures()?;
+        report.summary.stray_poison_checked_slices += slices;
+        n += record_strays(cfg, probe, d, plan, &fails, StrayCheck::Poison, seen, report, dump)?;
+    }
+    Ok(n)
 }
 
 /// The report of a run refused before it started (its outcome carries `e`).
@@ -701,8 +774,9 @@ pub(crate) fn in_process(cfg: &RunConfig) -> bool {
 enum Staged {
     /// The stage moves nothing (every pair dropped by an injection).
     Empty,
-    /// Posted with the stage's notification.
-    Posted(SweepRequest),
+    /// Posted with the stage's notification: one request per link (TP ranks), each with the
+    /// decode rank that polls it.
+    Posted(Vec<(u32, SweepRequest)>),
     /// Test-only ([`EARLY_NOTIFY_VAR`]): the stage's notification was sent alone; the transfer
     /// is posted after decode verified the stage.
     Deferred { pairs: Vec<Pair>, deadline: crate::deadline::Deadline },
@@ -771,7 +845,10 @@ fn sweep(
         crate::phase::announce(&format!("note: {why}"));
     }
     let sb = g.slice_bytes()? as usize;
-    let total = g.total_slices()?;
+    let ranks = probe.ranks();
+    let tp = sides.tp;
+    // Every decode rank's slices.
+    let total = g.total_slices()? * ranks as u64;
     let pool_bytes = g.pool_bytes()?;
     let timeout = Duration::from_secs_f64(cfg.timeout_secs);
     let stages = sweep_stages(cfg);
@@ -810,10 +887,13 @@ fn sweep(
     } else {
         probe.copy_gbps
     };
-    probe.decode.pool.poison_layers(all.clone(), 1, false)?;
-    probe.decode.pool.finish()?;
+    for d in 0..probe.ranks() {
+        let pool = &mut probe.rank_mut(d).pool;
+        pool.poison_layers(all.clone(), 1, false)?;
+        pool.finish()?;
+        pool.take_kernel_seconds();
+    }
     probe.prefill.take_fill_kernel_seconds();
-    probe.decode.pool.take_kernel_seconds();
     report.summary.setup_seconds = started.elapsed().as_secs_f64();
     report.summary.pipeline_stages = stages.len() as u32;
     crate::report::publish(report);
@@ -827,9 +907,11 @@ fn sweep(
         let mut times = IterationTimes { index: it, ..Default::default() };
         let classes_before = report.summary.by_class.clone();
         let more = it < cfg.iterations;
-        probe.decode.pool.load_table(&cur.dst_table)?;
+        for d in 0..probe.ranks() {
+            probe.rank_mut(d).pool.load_table(&cur.dst_table)?;
+        }
         let mut next: Option<Plan> = None;
-        let mut seen: HashMap<SliceCoord, Class> = HashMap::new();
+        let mut seen: HashMap<(u32, SliceCoord), Class> = HashMap::new();
         let mut corrupt = 0u64;
         let mut bytes = 0u64;
         let tag = |k: usize| format!("kvprobe:iter={it}:stage={k}");
@@ -839,20 +921,32 @@ fn sweep(
         let early = early_notify == Some(it);
         let mut inflight = std::collections::VecDeque::new();
         let mut post = |probe: &Probe, k: usize, inflight: &mut std::collections::VecDeque<Staged>| -> Result<()> {
-            let pairs = stage_request(cfg, &cur, &stages, k)?;
-            let staged = if pairs.is_empty() {
+            let mut per_link = stage_requests(cfg, &cur, &stages, k)?;
+            let staged = if per_link.iter().all(|p| p.is_empty()) {
                 Staged::Empty
             } else if early {
-                // Test-only: the notification now, the transfer after decode verified.
+                // Test-only: the notification now, the transfer after decode verified (WRITE:
+                // one rank each side).
                 let deadline = crate::deadline::Deadline::after(timeout);
                 probe.notify_decode(&tag(k))?;
-                Staged::Deferred { pairs, deadline }
+                Staged::Deferred { pairs: per_link.swap_remove(0), deadline }
             } else {
-                let p = probe.post(cfg.op, it, k, &pairs, &tag(k), timeout)?;
-                if cfg.op == Op::Read {
-                    tags.insert(tag(k), p.deadline());
+                let mut posted = Vec::new();
+                for (l, pairs) in per_link.iter().enumerate() {
+                    let (pr, dr) = cur.links[l];
+                    if pairs.is_empty() {
+                        continue;
+                    }
+                    // One request per (prefill rank, decode rank), tagged with both when TP.
+                    let t = if cur.links.len() > 1 { format!("{}:tp={pr}>{dr}", tag(k)) } else { tag(k) };
+                    let peer = tp.targets(dr).iter().position(|&x| x == pr).expect("a link's prefill rank is a target");
+                    let p = probe.post(cfg.op, it, k, (pr, dr, peer), pairs, &t, timeout)?;
+                    if cfg.op == Op::Read {
+                        tags.insert(t, p.deadline());
+                    }
+                    posted.push((dr, p));
                 }
-                Staged::Posted(p)
+                Staged::Posted(posted)
             };
             inflight.push_back(staged);
             Ok(())
@@ -884,18 +978,21 @@ fn sweep(
             let mut written = None;
             match (&mut staged, cfg.op) {
                 (Staged::Empty, _) => {}
-                (Staged::Posted(p), Op::Read) => {
-                    let r = wait(it, k, "transfer", || probe.poll(p))?;
-                    bytes += r.bytes;
+                (Staged::Posted(ps), Op::Read) => {
+                    for (d, p) in ps.iter_mut() {
+                        let r = wait(it, k, "transfer", || probe.poll(*d, p))?;
+                        bytes += r.bytes;
+                    }
                 }
-                (Staged::Posted(p), Op::Write) => {
+                (Staged::Posted(ps), Op::Write) => {
+                    let p = &mut ps[0].1;
                     // Prefill's status queries drive its progress (UCX sends the data and then
                     // the notification from the initiator's worker); its completion is kept
                     // but is not what the verify waits for.
                     let d = p.deadline();
                     wait(it, k, "notification", || {
                         if written.is_none() {
-                            written = probe.poll(p)?;
+                            written = probe.poll(0, p)?;
                         }
                         Ok(probe.poll_notification(&mut inbox, &tag(k), d)?.then_some(()))
                     })?;
@@ -930,49 +1027,54 @@ fn sweep(
             // Stage k's probe passes: decode's conversion on receive, verify, classify, then
             // refill and re-poison for it + 1.
             let t = Instant::now();
-            if sides.converts() {
-                convert_received(&sides, &mut probe.decode.pool, layers.clone(), it)?;
-            }
-            probe.decode.pool.verify_layers(layers.clone())?;
-            let fails = probe.decode.pool.take_failures()?;
-            for f in &fails {
-                let c = g.coord_of(f.slice);
-                let expected = cur.dst_table[c.block as usize].identity(c);
-                probe.decode.pool.read_slice(c, &mut buf)?;
-                let due = probe.decode.pool.shape().slice(expected);
-                let want = fingerprint::expected(cfg.seed, &due);
-                let v = verify::classify_against(&buf, &want, &due, cfg.seed, f.slice, it);
-                seen.insert(c, v.class);
-                if cur.predicted.get(&c) != Some(&v.class) {
-                    report.summary.unexpected_failures += 1;
+            for d in 0..ranks {
+                let pool = &mut probe.rank_mut(d).pool;
+                if sides.converts() {
+                    convert_received(&sides, pool, layers.clone(), it)?;
                 }
-                corrupt += 1;
-                *report.summary.by_class.entry(v.class.name().to_string()).or_default() += 1;
-                let listed = report.failures.len() < cfg.max_failures;
-                if !listed {
-                    report.summary.failures_omitted += 1;
+                pool.verify_layers(layers.clone())?;
+                let fails = pool.take_failures()?;
+                for f in &fails {
+                    let c = g.coord_of(f.slice);
+                    let expected = cur.dst_table[c.block as usize].identity(c);
+                    pool.read_slice(c, &mut buf)?;
+                    let due = pool.shape().slice(expected);
+                    let want = fingerprint::expected(cfg.seed, &due);
+                    let v = verify::classify_against(&buf, &want, &due, cfg.seed, f.slice, it);
+                    seen.insert((d, c), v.class);
+                    if d != 0 || cur.predicted.get(&c) != Some(&v.class) {
+                        report.summary.unexpected_failures += 1;
+                    }
+                    corrupt += 1;
+                    *report.summary.by_class.entry(v.class.name().to_string()).or_default() += 1;
+                    let listed = report.failures.len() < cfg.max_failures;
+                    if !listed {
+                        report.summary.failures_omitted += 1;
+                    }
+                    let class = v.class;
+                    crate::dump::keep(dump.as_deref_mut(), listed.then_some(&mut report.failures), &buf, class, || {
+                        let mut rec = Failure::new(it, c, f, v, &want, &buf, expected, cur.src_of[c.block as usize]);
+                        rec.tp_rank = (ranks > 1).then_some(d);
+                        rec
+                    });
                 }
-                let class = v.class;
-                crate::dump::keep(dump.as_deref_mut(), listed.then_some(&mut report.failures), &buf, class, || {
-                    Failure::new(it, c, f, v, &want, &buf, expected, cur.src_of[c.block as usize])
-                });
             }
             let verify_s = t.elapsed().as_secs_f64();
             verify_all += verify_s;
             // WRITE: prefill's request must be complete before its source is refilled (and a
             // deferred one, of the test-only fault, is posted now and waited for).
             match staged {
-                Staged::Posted(mut p) if cfg.op == Op::Write => {
+                Staged::Posted(mut ps) if cfg.op == Op::Write => {
                     let r = match written {
                         Some(r) => r,
-                        None => wait(it, k, "transfer", || probe.poll(&mut p))?,
+                        None => wait(it, k, "transfer", || probe.poll(0, &mut ps[0].1))?,
                     };
                     bytes += r.bytes;
                 }
                 Staged::Deferred { pairs, .. } => {
                     let late = format!("{}:late", tag(k));
-                    let mut p = probe.post(cfg.op, it, k, &pairs, &late, timeout)?;
-                    let r = wait(it, k, "transfer", || probe.poll(&mut p))?;
+                    let mut p = probe.post(cfg.op, it, k, (0, 0, 0), &pairs, &late, timeout)?;
+                    let r = wait(it, k, "transfer", || probe.poll(0, &mut p))?;
                     bytes += r.bytes;
                 }
                 _ => {}
@@ -985,14 +1087,18 @@ fn sweep(
             }
             let t = Instant::now();
             if more {
-                probe.decode.pool.poison_layers(layers.clone(), it + 1, false)?;
+                for d in 0..ranks {
+                    probe.rank_mut(d).pool.poison_layers(layers.clone(), it + 1, false)?;
+                }
             }
             let mut poison_s = t.elapsed().as_secs_f64();
             if last {
                 // Outside the window: the last stage's passes, waited for.
                 let t = Instant::now();
                 probe.finish_source()?;
-                probe.decode.pool.finish()?;
+                for d in 0..ranks {
+                    probe.rank_mut(d).pool.finish()?;
+                }
                 poison_s += t.elapsed().as_secs_f64();
                 times.verify += verify_s;
                 times.fill += fill_s;
@@ -1004,22 +1110,32 @@ fn sweep(
         probe.await_notifications(&mut tags)?;
         times.transfer = (window_end - window_start).as_secs_f64();
         let fill_kernels = probe.prefill.take_fill_kernel_seconds();
-        let kd = probe.decode.pool.take_kernel_seconds();
-        times.kernels = crate::report::KernelSeconds { fill: fill_kernels, poison: kd.poison, verify: kd.verify };
+        let (mut poison_k, mut verify_k) = (0.0, 0.0);
+        for d in 0..ranks {
+            let kd = probe.rank_mut(d).pool.take_kernel_seconds();
+            poison_k += kd.poison;
+            verify_k += kd.verify;
+        }
+        times.kernels = crate::report::KernelSeconds { fill: fill_kernels, poison: poison_k, verify: verify_k };
         report.summary.bytes_transferred += bytes;
         report.summary.blocks_checked += total;
-        let compared = probe.decode.pool.take_compared();
-        report.summary.slices_compared += compared.slices;
-        report.summary.bytes_compared += compared.bytes;
+        for d in 0..ranks {
+            let compared = probe.rank_mut(d).pool.take_compared();
+            report.summary.slices_compared += compared.slices;
+            report.summary.bytes_compared += compared.bytes;
+        }
         if stray_checks && !more {
             // Stages 0..n-2 were verified while later stages were in flight, and the last
             // iteration re-poisons nothing: verify them again now that nothing is in flight. A
             // slice that changed after it verified clean took a stray write.
             let t = Instant::now();
-            probe.decode.pool.verify_layers(0..stages[stages.len() - 1].start)?;
-            let fails = probe.decode.pool.take_failures()?;
-            report.summary.stray_reverified_slices += probe.decode.pool.take_compared().slices;
-            corrupt += record_strays(cfg, probe, &cur, &fails, StrayCheck::Reverify, &mut seen, report, &mut dump)?;
+            for d in 0..ranks {
+                let pool = &mut probe.rank_mut(d).pool;
+                pool.verify_layers(0..stages[stages.len() - 1].start)?;
+                let fails = pool.take_failures()?;
+                report.summary.stray_reverified_slices += pool.take_compared().slices;
+                corrupt += record_strays(cfg, probe, d, &cur, &fails, StrayCheck::Reverify, &mut seen, report, &mut dump)?;
+            }
             report.summary.stray_check_seconds += t.elapsed().as_secs_f64();
         }
         report.summary.blocks_corrupt += corrupt;
@@ -1047,7 +1163,7 @@ fn sweep(
             let hits: Vec<PredictedHit> =
                 hits.iter().map(|&(d, class)| PredictedHit { layer: d.layer, kv: d.kv, block: d.block, class }).collect();
             let detected =
-                hits.iter().all(|h| seen.get(&SliceCoord { layer: h.layer, kv: h.kv, block: h.block }) == Some(&h.class));
+                hits.iter().all(|h| seen.get(&(0, SliceCoord { layer: h.layer, kv: h.kv, block: h.block })) == Some(&h.class));
             report.summary.injections_planted += 1;
             report.summary.injections_detected += detected as u64;
             report.injections.push(InjectionRecord { iteration: it, kind: a.kind(), predicted: hits, detected });
@@ -1068,7 +1184,7 @@ fn sweep(
         s.transfer_seconds += times.transfer;
         s.verify_seconds += times.verify;
         s.overlapped_seconds += times.overlapped;
-        s.verify_gbps = pool_bytes as f64 * it as f64 / verify_all.max(1e-9) / 1e9;
+        s.verify_gbps = pool_bytes as f64 * ranks as f64 * it as f64 / verify_all.max(1e-9) / 1e9;
         s.iteration_seconds += times.iteration;
         s.kernel_seconds.fill += times.kernels.fill;
         s.kernel_seconds.poison += times.kernels.poison;

@@ -267,9 +267,14 @@ fn check_config(
     }
     let geo = |g: &crate::geometry::Geometry| serde_json::to_value(g).unwrap_or_default();
     if let Some(g) = &cfg.geometry {
-        let diff = peer::differences(&geo(g), &geo(&rc.geometry));
+        // With --prefill-tp the run's geometry is one rank's: serve's flags give the model's.
+        let mut model = rc.geometry.clone();
+        if let Some(t) = rc.tp {
+            model.num_kv_heads = t.total_kv_heads;
+        }
+        let diff = peer::differences(&geo(g), &geo(&model));
         if let Some((f, _, _)) = diff.first() {
-            let all: Vec<String> = diff.iter().map(|(f, a, b)| format!("geometry.{f}: prefill {a}, decode {b}")).collect();
+            let all: Vec<String> = diff.iter().map(|(f, a, b)| format!("geometry.{f}: serve {a}, run {b}")).collect();
             return Err((
                 Some(format!("geometry.{f}")),
                 format!(
@@ -297,7 +302,8 @@ fn check_config(
     sweep::check_config(&rc).map_err(|e| (None, e.detail().to_string()))?;
     // Prefill's pool on this host: DRAM pool bytes plus the per-slice bookkeeping.
     let g = &rc.geometry;
-    let pool = if cfg.memory == MemoryKind::Dram { g.pool_bytes().unwrap_or(u64::MAX) } else { 0 };
+    let ranks = rc.tp.map_or(1, |t| t.prefill as u64);
+    let pool = if cfg.memory == MemoryKind::Dram { g.pool_bytes().unwrap_or(u64::MAX).saturating_mul(ranks) } else { 0 };
     let need = pool.saturating_add(g.total_slices().unwrap_or(u64::MAX).saturating_mul(sweep::HOST_BYTES_PER_SLICE));
     if let Some(avail) = crate::hostmem::available_bytes()
         && need > avail
@@ -446,14 +452,32 @@ fn session_inner(
     let refusal = |e| sweep::backend_refusal(&rc.backend, cfg.memory, e);
     crate::trace!("prefill NIXL agent");
     let mut ep = Endpoint::with_options("kvprobe-prefill", &rc.backend, pool, &opts).map_err(refusal)?;
-    let mut decode_info = link.expect("decode's NIXL agent", |m| match m {
-        Msg::Connect { decode } => Ok(decode),
+    let (mut decode_info, mut decode_ranks) = link.expect("decode's NIXL agent", |m| match m {
+        Msg::Connect { decode, decode_ranks } => Ok((decode, decode_ranks)),
         m => Err(m.name()),
     })?;
+    let tp = rc.tp.unwrap_or(crate::pairing::tp::Tp::single(rc.geometry.num_kv_heads, rc.geometry.mla));
+    if decode_ranks.len() + 1 != tp.decode as usize {
+        return Err(Error::Transport(format!(
+            "decode sent {} NIXL agents for decode TP {} (a protocol error)",
+            decode_ranks.len() + 1,
+            tp.decode
+        )));
+    }
     if let Some(l) = handoff.and_then(|h| h.decode_lease.lock().unwrap_or_else(|p| p.into_inner()).take()) {
+        decode_ranks.iter_mut().for_each(|d| d.lease = l.clone());
         decode_info.lease = l;
     }
-    let decode_agent = decode_info.agent.clone();
+    let decode_agents: Vec<String> =
+        std::iter::once(decode_info.agent.clone()).chain(decode_ranks.iter().map(|d| d.agent.clone())).collect();
+    // Prefill's TP ranks 1.. (`--prefill-tp`): a pool and a NIXL agent each, on this side's
+    // memory and GPU, holding their heads.
+    let mut ranks = Vec::new();
+    for p in 1..tp.prefill {
+        let mut pool = ep.pool.sibling()?;
+        pool.set_head_base(tp.heads_of(tp.prefill, p).start);
+        ranks.push(Endpoint::with_options(&format!("kvprobe-prefill-tp{p}"), &rc.backend, pool, &opts).map_err(refusal)?);
+    }
     // Scenarios with the embedded tier: its arena lives with prefill for the whole session;
     // decode copies from it in this process, else READs it over NIXL.
     let arena = match rc.scenario.as_ref().filter(|sc| sc.tier == TierKind::Embedded && (sc.matrix || sc.scenario.uses_tier())) {
@@ -468,15 +492,28 @@ fn session_inner(
         None => None,
     };
     crate::trace!("prefill loads decode's metadata");
-    ep.connect(decode_info)?; // bad metadata is decode's fault: transport, exit 3
+    // Each prefill rank loads the agents of the decode ranks that read it (vLLM's
+    // get_target_remote_ranks, from decode's side). Bad metadata is decode's fault: transport,
+    // exit 3.
+    let all_decode: Vec<crate::transport::PeerInfo> = std::iter::once(decode_info).chain(decode_ranks).collect();
+    for (p, e) in std::iter::once(&mut ep).chain(ranks.iter_mut()).enumerate() {
+        for (d, info) in all_decode.iter().enumerate() {
+            if tp.targets(d as u32).contains(&(p as u32)) {
+                e.connect(info.clone())?;
+            }
+        }
+    }
     // Test-only (`KVPROBE_TEST_STALL_AGENT_START` in the prefill process of --decode-process):
     // a side that never says it is ready.
     crate::deadline::Stall::Start.here();
     let info = ep.info().map_err(refusal)?;
+    let rank_infos = ranks.iter().map(|e| e.info()).collect::<Result<Vec<_>>>().map_err(refusal)?;
     if let Some(h) = handoff {
-        *h.prefill_lease.lock().unwrap_or_else(|p| p.into_inner()) = Some(info.lease.clone());
+        let mut lease = info.lease.clone();
+        rank_infos.iter().for_each(|r| lease.join(&r.lease));
+        *h.prefill_lease.lock().unwrap_or_else(|p| p.into_inner()) = Some(lease);
     }
-    link.send(&Msg::Connected { prefill: info })?;
+    link.send(&Msg::Connected { prefill: info, prefill_ranks: rank_infos })?;
     crate::ucx::adopt();
     if let Some(e) = acc.report.environment.as_mut() {
         e.nixl.ucx_version = crate::nixl::loaded_ucx_version();
@@ -490,7 +527,10 @@ fn session_inner(
     // not waited for for ever.
     let idle_bound = (2 * timeout).max(IDLE_REQUESTS);
     let (exit, error, results) = match &rc.scenario {
-        None => sweep_requests(&rc, link, &mut ep, &decode_agent, &mut me, idle_bound, say)?,
+        None => {
+            let mut sides: Vec<Endpoint> = std::iter::once(ep).chain(ranks).collect();
+            sweep_requests(&rc, link, &mut sides, &decode_agents, &mut me, idle_bound, say)?
+        }
         Some(template) => {
             let place = TierPlace {
                 arena,
@@ -566,8 +606,8 @@ fn done(link: &Link, m: Msg) -> Result<Ending> {
 fn sweep_requests(
     rc: &RunConfig,
     link: &Link,
-    ep: &mut Endpoint,
-    decode_agent: &str,
+    ranks: &mut [Endpoint],
+    decode_agents: &[String],
     me: &mut PeerSide,
     idle_bound: Duration,
     say: &mut dyn FnMut(&str),
@@ -610,10 +650,13 @@ fn sweep_requests(
                 }
                 let t = Instant::now();
                 plan_for(rc, &mut plans, it)?;
-                // Filled means in memory: decode READs it next.
-                sweep::fill_stage(rc, &mut ep.pool, &plans[&it], &stages, stage.map(|k| k as usize), true)?;
+                // Filled means in memory: decode READs it next. Every TP rank's pool.
+                let mut kernel_seconds = 0.0;
+                for ep in ranks.iter_mut() {
+                    sweep::fill_stage(rc, &mut ep.pool, &plans[&it], &stages, stage.map(|k| k as usize), true)?;
+                    kernel_seconds += ep.pool.take_kernel_seconds().fill;
+                }
                 let seconds = t.elapsed().as_secs_f64();
-                let kernel_seconds = ep.pool.take_kernel_seconds().fill;
                 me.fill_seconds += seconds;
                 me.fills += 1;
                 link.send(&Msg::Filled { it, stage, seconds, kernel_seconds })?;
@@ -629,12 +672,14 @@ fn sweep_requests(
                     link.send(&Msg::Written { tag, bytes: 0, nanos: 0 })?;
                 } else {
                     let d = crate::deadline::Deadline::after(timeout);
-                    inflight
-                        .push((tag.clone(), ep.post_as_initiator(Op::Write, &pairs, &tag, d).map_err(|e| attribute(link, e))?));
+                    inflight.push((
+                        tag.clone(),
+                        ranks[0].post_as_initiator(Op::Write, &pairs, &tag, d).map_err(|e| attribute(link, e))?,
+                    ));
                     me.writes += 1;
                 }
             }
-            Some(Msg::Notify { tag }) => ep.notify_peer(&tag)?,
+            Some(Msg::Notify { tag }) => ranks[0].notify_peer(&tag)?,
             Some(Msg::Verified { it, gbps, .. }) if it == 0 || it > rc.iterations || !(gbps.is_finite() && gbps >= 0.0) => {
                 return Err(Error::Transport(format!(
                     "{} reported iteration {it} of {} at {gbps} GB/s (a protocol error)",
@@ -655,7 +700,7 @@ fn sweep_requests(
         }
         let mut i = 0;
         while i < inflight.len() {
-            if let Some(r) = ep.poll(&mut inflight[i].1).map_err(|e| attribute(link, e))? {
+            if let Some(r) = ranks[0].poll(&mut inflight[i].1).map_err(|e| attribute(link, e))? {
                 let (tag, _) = inflight.swap_remove(i);
                 me.bytes_written += r.bytes;
                 link.send(&Msg::Written { tag, bytes: r.bytes, nanos: r.elapsed.as_nanos() as u64 })?;
@@ -672,9 +717,12 @@ fn sweep_requests(
         // forwarded: the query's duration goes with it, so that decode judges a request whose
         // deadline passed while the query was in progress late, as it would its own query.
         let asked = Instant::now();
-        let got = ep.raw_notifications()?;
+        let mut got = Vec::new();
+        for ep in ranks.iter() {
+            got.extend(ep.raw_notifications()?);
+        }
         let query_ns = asked.elapsed().as_nanos().min(u64::MAX as u128) as u64;
-        let tags: Vec<String> = got.into_iter().filter(|(p, _)| *p == decode_agent).map(|(_, m)| m).collect();
+        let tags: Vec<String> = got.into_iter().filter(|(p, _)| decode_agents.contains(p)).map(|(_, m)| m).collect();
         if !tags.is_empty() {
             link.send(&Msg::Notified { tags, query_ns })?;
         }

@@ -56,6 +56,11 @@ pub struct RunConfig {
     /// own, as vLLM's `enable_permute_local_kv` ([`crate::pairing::Sides::convert`]).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub permute_local_kv: bool,
+    /// Tensor parallelism of the two sides (`--prefill-tp`, `--decode-tp`): one NIXL agent and
+    /// pool per rank; `geometry` and `decode_geometry` are then one rank's. Absent: one rank
+    /// each.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tp: Option<crate::pairing::tp::Tp>,
     /// READ (decode pulls) or WRITE (prefill pushes).
     pub op: Op,
     /// Iterations (≥ 1).
@@ -143,7 +148,7 @@ impl RunConfig {
     /// The two sides ([`crate::pairing::Sides`]). Errors: usage (exit 2) when decode's
     /// geometry differs from prefill's in more than layout and block size.
     pub fn sides(&self) -> Result<crate::pairing::Sides> {
-        crate::pairing::Sides::check(&self.geometry, self.decode_geom(), self.permute_local_kv).map_err(Error::Usage)
+        crate::pairing::Sides::check(&self.geometry, self.decode_geom(), self.permute_local_kv, self.tp).map_err(Error::Usage)
     }
 }
 
@@ -165,6 +170,18 @@ fn check_sides(cfg: &RunConfig) -> Result<crate::pairing::Sides> {
     if cfg.descriptor_blocks != 1 {
         return Err(Error::Usage(
             "--descriptor-blocks applies to equal geometries: with --decode-layout or --decode-block-size the descriptors follow vLLM's per-block rules".into(),
+        ));
+    }
+    if !s.tp.is_single() && !cfg.inject.is_empty() {
+        return Err(Error::Usage(
+            "--inject with --prefill-tp/--decode-tp is not supported yet: injections act between one prefill and one decode rank"
+                .into(),
+        ));
+    }
+    if !s.tp.is_single() && cfg.op == crate::transport::Op::Write {
+        return Err(Error::Usage(
+            "--op write with --prefill-tp/--decode-tp is not supported yet: decode's ranks READ from prefill's (vLLM's flow)"
+                .into(),
         ));
     }
     if s.mismatched() && !cfg.inject.is_empty() {
@@ -282,8 +299,11 @@ pub(crate) fn check_host_memory(cfg: &RunConfig) -> Result<()> {
     // DRAM: both pools on this host, or decode's alone across a node pair (`--peer`); with
     // --decode-process prefill's is in the child, and this process holds a scratch pool of the
     // same size while it times the copy ceiling ([`copy_ceiling_from_scratch`]).
-    let here = if cfg.peer.is_some() { 1 } else { 2 };
-    let mut pools = if cfg.memory == MemoryKind::Dram { g.pool_bytes()?.saturating_mul(here) } else { 0 };
+    // With TP, each side holds one pool per rank.
+    let (p_ranks, d_ranks) = cfg.tp.map_or((1, 1), |t| (t.prefill as u64, t.decode as u64));
+    let decode_bytes = cfg.decode_geom().pool_bytes()?.saturating_mul(d_ranks);
+    let prefill_bytes = if cfg.peer.is_some() { 0 } else { g.pool_bytes()?.saturating_mul(p_ranks) };
+    let mut pools = if cfg.memory == MemoryKind::Dram { decode_bytes.saturating_add(prefill_bytes) } else { 0 };
     if let Some(sc) = cfg.scenario.as_ref().filter(|s| s.scenario.uses_tier()) {
         let block = g.num_layers as u64 * g.kv_parts() as u64 * g.slice_bytes()?;
         let tier = block.saturating_mul(sc.tier_blocks as u64);
@@ -435,12 +455,17 @@ pub(crate) fn plan(cfg: &RunConfig, it: u32) -> Result<Plan> {
             src_of[d] = group as u32 * kp + j * bd / sides.prefill.block_size;
         }
     }
+    let links = sides.tp.links();
     let mut p = Plan {
         it,
         perm,
         kp,
         kd,
-        templates: (0..kp).map(|q| sides.chunks(q, Plant::None)).collect(),
+        templates: links
+            .iter()
+            .map(|&(pr, dr)| (0..kp).map(|q| sides.chunks_between(pr, dr, q, Plant::None)).collect())
+            .collect(),
+        links,
         actions,
         src_table,
         dst_table,
@@ -719,11 +744,29 @@ pub(crate) fn stage_pairs(cfg: &RunConfig, plan: &Plan, layers: Range<u32>) -> R
 }
 
 /// Stage `k`'s pairs of `plan` with its injected stray writes (`--inject stray`: after
-/// coalescing, so never merged with the stage's own pairs).
+/// coalescing, so never merged with the stage's own pairs): link 0's.
 pub(crate) fn stage_request(cfg: &RunConfig, plan: &Plan, stages: &[Range<u32>], k: usize) -> Result<Vec<Pair>> {
     let mut pairs = stage_pairs(cfg, plan, stages[k].clone())?;
     pairs.extend(plan.strays.iter().filter(|(c, _)| *c == k).map(|(_, p)| *p));
     Ok(pairs)
+}
+
+/// Stage `k`'s pairs of `plan`, one list per link ([`Plan::links`]): link 0's as
+/// [`stage_request`], the others' chunks alone (injections act on link 0).
+pub(crate) fn stage_requests(cfg: &RunConfig, plan: &Plan, stages: &[Range<u32>], k: usize) -> Result<Vec<Vec<Pair>>> {
+    let mut out = vec![stage_request(cfg, plan, stages, k)?];
+    let g = &cfg.geometry;
+    for l in 1..plan.links.len() {
+        let pairs = stages[k]
+            .clone()
+            .flat_map(|layer| {
+                g.parts().iter().flat_map(move |&kv| (0..g.num_blocks).map(move |block| SliceCoord { layer, kv, block }))
+            })
+            .flat_map(|c| plan.link_pairs(l, c))
+            .collect();
+        out.push(pairs);
+    }
+    Ok(out)
 }
 
 /// One sweep iteration's plan, made before its fill (which the pipeline runs while the
@@ -736,8 +779,12 @@ pub(crate) struct Plan {
     pub(crate) kp: u32,
     /// Decode blocks per group.
     pub(crate) kd: u32,
-    /// The chunks of a prefill slice by its position in its group ([`Sides::chunks`]).
-    templates: Vec<Vec<crate::pairing::Chunk>>,
+    /// The chunks of a prefill slice, by link and by the slice's position in its group
+    /// ([`Sides::chunks_between`]).
+    templates: Vec<Vec<Vec<crate::pairing::Chunk>>>,
+    /// The (prefill rank, decode rank) pairs blocks move between ([`crate::pairing::tp::Tp::links`];
+    /// one rank each: `[(0, 0)]`). Injections act on link 0.
+    pub(crate) links: Vec<(u32, u32)>,
     /// The injections, on groups ([`Sides::planning`]).
     pub(crate) actions: Vec<Action>,
     /// What each prefill slot holds.
@@ -764,18 +811,23 @@ impl Plan {
         Pair { src: c, dst, len: ch.len, src_off: ch.src_off, dst_off: ch.dst_off }
     }
 
-    /// The pairs prefill slice `c` travels in: the injected ones, or its chunks.
+    /// The pairs prefill slice `c` travels in over link 0: the injected ones, or its chunks.
     pub(crate) fn pairs_of(&self, c: SliceCoord) -> Vec<Pair> {
         match self.special.get(&c) {
             Some(v) => v.clone(),
-            None => self.templates[(c.block % self.kp) as usize].iter().map(|ch| self.pair(c, ch)).collect(),
+            None => self.link_pairs(0, c),
         }
+    }
+
+    /// Prefill slice `c`'s chunks over link `l` (no injection).
+    fn link_pairs(&self, l: usize, c: SliceCoord) -> Vec<Pair> {
+        self.templates[l][(c.block % self.kp) as usize].iter().map(|ch| self.pair(c, ch)).collect()
     }
 
     /// Prefill slice `from`'s chunks into the decode places of prefill slice `to` (the same
     /// position in another group).
     fn redirect(&self, from: SliceCoord, to: SliceCoord) -> Vec<Pair> {
-        self.templates[(to.block % self.kp) as usize].iter().map(|ch| Pair { src: from, ..self.pair(to, ch) }).collect()
+        self.templates[0][(to.block % self.kp) as usize].iter().map(|ch| Pair { src: from, ..self.pair(to, ch) }).collect()
     }
 }
 

@@ -179,12 +179,16 @@ pub struct Endpoint {
     // Field order is drop order: the prepared lists are released, then the agent gives up
     // its share of the registration before the pool's guard decides whether it holds the
     // last one.
-    /// The lists prepared at [`Endpoint::connect`] (`--xfer-req prepared`).
-    prepared: Option<Prepared>,
+    /// The peers connected ([`Endpoint::connect`]), in order: peer 0 is the one
+    /// [`Endpoint::post_as_initiator`] and [`Endpoint::notify_peer`] address; a TP rank
+    /// reading from several ranks of the other side has one per rank ([`Endpoint::post_to`]).
+    /// Each holds its prepared remote list (`--xfer-req prepared`).
+    peers: Vec<Peer>,
+    /// This role's own prepared list (`--xfer-req prepared`), made at the first connect.
+    prepared_local: Option<PreparedList>,
     xfer_req: XferReq,
     agent: Role,
     backend: String,
-    peer: Option<PeerInfo>,
     /// The role's KV pool, owned by its NIXL registration ([`Registered`]): freed only when no
     /// request may still move it (else kept until exit).
     pub pool: Registered<KvPool>,
@@ -212,11 +216,11 @@ impl Endpoint {
             .collect();
         let pool = Registered::new(&mut agent, pool, &regions)?;
         Ok(Endpoint {
-            prepared: None,
+            peers: Vec::new(),
+            prepared_local: None,
             xfer_req: opts.xfer_req,
             agent: Role::Local(agent),
             backend: backend.to_string(),
-            peer: None,
             pool,
             tier: None,
         })
@@ -353,6 +357,7 @@ impl Endpoint {
                 arena.0
             )));
         }
+        let mut prepared = None;
         if self.xfer_req == XferReq::Prepared {
             let total = g.total_slices()?.max(own.total_slices()?);
             if total > MAX_PREPARED_SLICES {
@@ -360,14 +365,33 @@ impl Endpoint {
                     "--xfer-req prepared: the pool has {total} block slices, and NIXL's makeXferReq indexes at most {MAX_PREPARED_SLICES}; use --xfer-req create"
                 )));
             }
-            let local = all_slices(own, &self.pool.region_addrs());
-            let local = agent.prepare(None, (&local, mem_type(self.pool.memory()), self.pool.device_id()))?;
+            let local = match self.prepared_local.is_none() {
+                true => {
+                    let local = all_slices(own, &self.pool.region_addrs());
+                    Some(agent.prepare(None, (&local, mem_type(self.pool.memory()), self.pool.device_id()))?)
+                }
+                false => None,
+            };
             let remote = agent.prepare(Some(&peer.agent), remote_side)?;
-            crate::trace!("{}: prepared {} local and {} remote descriptors", agent.name(), local.len(), remote.len());
-            self.prepared = Some(Prepared { local, remote });
+            crate::trace!(
+                "{}: prepared {} local and {} remote descriptors (of {})",
+                agent.name(),
+                own.total_slices()?,
+                remote.len(),
+                peer.agent
+            );
+            prepared = Some(remote);
+            if local.is_some() {
+                self.prepared_local = local;
+            }
         }
-        self.peer = Some(peer);
+        self.peers.push(Peer { prepared, info: peer });
         Ok(())
+    }
+
+    /// How many peers are connected.
+    pub fn peer_count(&self) -> usize {
+        self.peers.len()
     }
 
     /// NIXL backend in use.
@@ -383,7 +407,17 @@ impl Endpoint {
     /// descriptors built for it (module docs).
     /// Errors: transport (exit 3); timeout (exit 4).
     pub fn post_as_initiator(&self, op: Op, pairs: &[Pair], tag: &str, deadline: Deadline) -> Result<Posted> {
+        self.post_to(0, op, pairs, tag, deadline)
+    }
+
+    /// [`Endpoint::post_as_initiator`] to connected peer `k` (in [`Endpoint::connect`] order):
+    /// the remote slices of `pairs` are that peer's. Errors: as
+    /// [`Endpoint::post_as_initiator`]; transport when no peer `k` is connected.
+    pub fn post_to(&self, k: usize, op: Op, pairs: &[Pair], tag: &str, deadline: Deadline) -> Result<Posted> {
         let agent = self.local()?;
+        let Some(target) = self.peers.get(k) else {
+            return Err(crate::error::Error::Transport(format!("{}: no peer {k} connected", agent.name())));
+        };
         let keep = self.keep()?;
         // (local slice and offset, remote slice and offset, bytes)
         let side = |p: &Pair| {
@@ -393,21 +427,20 @@ impl Endpoint {
                 ((p.dst, p.dst_off), (p.src, p.src_off), p.len)
             }
         };
-        let peer = self.peer();
+        let peer = &target.info;
         let xop = if op == Op::Write { XferOp::Write } else { XferOp::Read };
-        if let Some(prep) = &self.prepared {
-            match indices((self.pool.geometry(), self.peer_geometry()), pairs.iter().map(&side)) {
+        if let (Some(local), Some(remote)) = (&self.prepared_local, &target.prepared) {
+            match indices((self.pool.geometry(), self.geometry_of(peer)), pairs.iter().map(&side)) {
                 Ok((li, ri, bytes)) => {
                     self.pool.bind()?;
-                    let descs =
-                        Descs::Prepared { local: &prep.local, local_idx: &li, remote: &prep.remote, remote_idx: &ri, bytes };
+                    let descs = Descs::Prepared { local, local_idx: &li, remote, remote_idx: &ri, bytes };
                     return agent.post(xop, descs, &peer.agent, tag.as_bytes(), deadline, keep);
                 }
                 Err(why) => crate::trace!("request {tag}: {why}: no prepared index names it, so it is built with createXferReq"),
             }
         }
         let local = descs(self.pool.geometry(), &self.pool.region_addrs(), pairs.iter().map(|p| (side(p).0, side(p).2)));
-        let remote = descs(self.peer_geometry(), &peer.region_bases, pairs.iter().map(|p| (side(p).1, side(p).2)));
+        let remote = descs(self.geometry_of(peer), &peer.region_bases, pairs.iter().map(|p| (side(p).1, side(p).2)));
         self.pool.bind()?;
         let descs = Descs::Fresh {
             local: (&local, mem_type(self.pool.memory()), self.pool.device_id()),
@@ -433,12 +466,13 @@ impl Endpoint {
         };
         let peer = self.peer();
         let xop = if op == Op::Write { XferOp::Write } else { XferOp::Read };
-        match (mode, &self.prepared) {
-            (XferReq::Prepared, Some(prep)) => {
+        let prepared = self.prepared_local.as_ref().zip(self.peers.first().and_then(|p| p.prepared.as_ref()));
+        match (mode, prepared) {
+            (XferReq::Prepared, Some((local, remote))) => {
                 let t = Instant::now();
-                let (li, ri, bytes) = indices((self.pool.geometry(), self.peer_geometry()), pairs.iter().map(&side))
+                let (li, ri, bytes) = indices((self.pool.geometry(), self.geometry_of(peer)), pairs.iter().map(&side))
                     .map_err(|w| crate::error::Error::Usage(format!("bench: {w}")))?;
-                let descs = Descs::Prepared { local: &prep.local, local_idx: &li, remote: &prep.remote, remote_idx: &ri, bytes };
+                let descs = Descs::Prepared { local, local_idx: &li, remote, remote_idx: &ri, bytes };
                 let built = agent.time_request(xop, &descs, &peer.agent)?;
                 Ok(t.elapsed().as_secs_f64().max(built))
             }
@@ -448,7 +482,7 @@ impl Endpoint {
             (XferReq::Create, _) => {
                 let t = Instant::now();
                 let local = descs(self.pool.geometry(), &self.pool.region_addrs(), pairs.iter().map(|p| (side(p).0, side(p).2)));
-                let remote = descs(self.peer_geometry(), &peer.region_bases, pairs.iter().map(|p| (side(p).1, side(p).2)));
+                let remote = descs(self.geometry_of(peer), &peer.region_bases, pairs.iter().map(|p| (side(p).1, side(p).2)));
                 let descs = Descs::Fresh {
                     local: (&local, mem_type(self.pool.memory()), self.pool.device_id()),
                     remote: (&remote, mem_type(peer.memory), peer.device_id),
@@ -494,8 +528,8 @@ impl Endpoint {
     /// peer's pool was already given up.
     fn keep(&self) -> Result<Lease> {
         let mut keep = self.pool.lease().clone();
-        if let Some(p) = &self.peer {
-            keep.join(&p.lease.upgrade()?);
+        for p in &self.peers {
+            keep.join(&p.info.lease.upgrade()?);
         }
         Ok(keep)
     }
@@ -507,19 +541,23 @@ impl Endpoint {
         self.local()?.poll(p)
     }
 
-    /// Notification messages that arrived from the peer since the last call.
+    /// Notification messages that arrived from the connected peers since the last call.
     pub fn notifications(&self) -> Result<Vec<String>> {
-        let peer = self.peer().agent.clone();
-        Ok(self.raw_notifications()?.into_iter().filter(|(p, _)| *p == peer).map(|(_, m)| m).collect())
+        Ok(self
+            .raw_notifications()?
+            .into_iter()
+            .filter(|(p, _)| self.peers.iter().any(|x| x.info.agent == *p))
+            .map(|(_, m)| m)
+            .collect())
     }
 
     fn peer(&self) -> &PeerInfo {
-        self.peer.as_ref().expect("connect() before transfers")
+        &self.peers.first().expect("connect() before transfers").info
     }
 
-    /// The peer pool's geometry: as it announced it, else this side's.
-    fn peer_geometry(&self) -> &Geometry {
-        self.peer().geometry.as_ref().unwrap_or(self.pool.geometry())
+    /// A peer pool's geometry: as it announced it, else this side's.
+    fn geometry_of<'a>(&'a self, peer: &'a PeerInfo) -> &'a Geometry {
+        peer.geometry.as_ref().unwrap_or(self.pool.geometry())
     }
 }
 
@@ -529,11 +567,12 @@ fn descs(g: &Geometry, bases: &[u64], coords: impl Iterator<Item = ((SliceCoord,
     coords.map(|((c, off), len)| (g.descriptor(bases, c).0 + off, len)).collect()
 }
 
-/// A role's two prepared descriptor lists ([`Endpoint::connect`]): every block slice of its
-/// own pool and of the peer's, each at its global slice index.
-struct Prepared {
-    local: PreparedList,
-    remote: PreparedList,
+/// A connected peer: what it announced, and its prepared descriptor list (every block slice
+/// of its pool at its global slice index; `--xfer-req prepared`).
+struct Peer {
+    // Field order is drop order: the list is released before the info's lease share.
+    prepared: Option<PreparedList>,
+    info: PeerInfo,
 }
 
 /// The descriptor of every block slice of a pool of geometry `g` whose layer regions start

@@ -430,3 +430,132 @@ fn planted_offsets_shift_rows_by_one() {
         }
     }
 }
+
+#[test]
+fn tensor_parallel_pairs_are_clean() {
+    tensor_parallel_pairs_are_clean_on("dram");
+}
+
+#[test]
+fn vram_tensor_parallel_pairs_are_clean() {
+    if crate::common::gpu_or_skip("vram_tensor_parallel_pairs_are_clean") {
+        tensor_parallel_pairs_are_clean_on("vram");
+    }
+}
+
+/// Heads per rank of a side of `tp` ranks over `h` KV heads (the tests' own reading of
+/// vLLM's get_num_kv_heads).
+fn per_rank(h: u64, tp: u64) -> u64 {
+    (h / tp).max(1)
+}
+
+fn tensor_parallel_pairs_are_clean_on(memory: &str) {
+    // (prefill TP, decode TP, KV heads, extra flags): the 1→2, 2→1, 2→4 with GQA
+    // replication (2 KV heads over 4 decode ranks), and more.
+    let cases: [(u64, u64, u64, &[&str]); 9] = [
+        (1, 2, 2, &[]),
+        (2, 1, 2, &[]),
+        (2, 4, 2, &[]),
+        (1, 4, 2, &[]),
+        (4, 2, 8, &["--decode-process"]),
+        (2, 2, 4, &["--pipeline-stages", "3"]),
+        (2, 1, 4, &["--decode-layout", "nhd", "--permute-local-kv"]),
+        (1, 2, 4, &["--block-size", "16", "--decode-block-size", "32"]),
+        (1, 8, 2, &["--xfer-req", "create"]),
+    ];
+    for (p, d, h, extra) in cases {
+        let (ps, ds, hs) = (p.to_string(), d.to_string(), h.to_string());
+        let mut a = vec!["--iterations", "2", "--layout", "hnd", "--kv-heads", &hs, "--prefill-tp", &ps, "--decode-tp", &ds];
+        a.extend_from_slice(extra);
+        let (code, r, out) = run_with_report("hetero-tp", memory, &a);
+        let ctx = format!("TP {p} -> {d}, {h} KV heads {extra:?}");
+        assert_eq!(code, 0, "{ctx}: {out}");
+        assert_eq!(r["config"]["tp"]["prefill"], p, "{ctx}");
+        assert_eq!(r["config"]["tp"]["decode"], d, "{ctx}");
+        assert_eq!(r["config"]["geometry"]["num_kv_heads"], per_rank(h, p), "{ctx}");
+        // small preset: 4 layers, 64 blocks of 16 tokens, head size 64, bf16. Every decode
+        // rank checks its slices and receives its whole pool.
+        let bd: u64 = if extra.contains(&"32") { 32 } else { 16 };
+        let slices = 4 * 2 * (64 * 16 / bd) * d * 2;
+        assert_eq!(r["summary"]["blocks_checked"], slices, "{ctx}");
+        let rank_pool = 4 * 2 * 64 * 16 * per_rank(h, d) * 64 * 2;
+        assert_eq!(r["summary"]["bytes_transferred"], rank_pool * d * 2, "{ctx}");
+        assert!(out.contains("tensor parallel:"), "{ctx}: {out}");
+    }
+    // MLA: every rank holds the latent; decode reads it whole from one prefill rank.
+    for (p, d) in [("4", "2"), ("1", "8")] {
+        let a = ["--iterations", "1", "--mla", "--kv-heads", "1", "--head-size", "576", "--prefill-tp", p, "--decode-tp", d];
+        let (code, r, out) = run_with_report("hetero-tp-mla", memory, &a);
+        assert_eq!(code, 0, "MLA {p} -> {d}: {out}");
+        assert_eq!(r["summary"]["blocks_checked"], 4 * 64 * d.parse::<u64>().unwrap(), "{out}");
+    }
+}
+
+#[test]
+fn what_kvprobe_refuses_of_tensor_parallel_pairs_exits_2_with_the_reason() {
+    let cases: [(&[&str], &str); 8] = [
+        (&["--prefill-tp", "2", "--decode-tp", "1"], "add --layout hnd"),
+        (&["--layout", "hnd", "--prefill-tp", "2", "--decode-layout", "nhd"], "--permute-local-kv"),
+        (&["--layout", "hnd", "--prefill-tp", "3", "--kv-heads", "6", "--decode-tp", "2"], "do not divide"),
+        (&["--layout", "hnd", "--prefill-tp", "4", "--decode-tp", "2", "--kv-heads", "2"], "_validate_remote_agent_handshake"),
+        (&["--layout", "hnd", "--prefill-tp", "3", "--kv-heads", "2"], "split evenly"),
+        (&["--layout", "hnd", "--prefill-tp", "2", "--block-size", "16", "--decode-block-size", "32"], "equal block sizes"),
+        (&["--layout", "hnd", "--decode-tp", "2", "--inject", "drop"], "not supported yet"),
+        (&["--layout", "hnd", "--decode-tp", "2", "--op", "write"], "not supported yet"),
+    ];
+    for (args, why) in cases {
+        let (code, _, out) = run_with_report("hetero-tp-refused", "dram", args);
+        assert_eq!(code, 2, "{args:?}: {out}");
+        assert!(out.contains(why), "{args:?}: wanted {why:?} in {out}");
+    }
+}
+
+/// Every decode rank's slice, assembled from the prefill ranks' slices by the chunks between
+/// them, holds each of its heads' rows — the global head vLLM's get_num_kv_heads gives the
+/// rank (the tests' own formula) — for TP sizes 1 to 8 on both sides.
+#[test]
+fn tensor_parallel_chunks_bring_each_rank_its_heads() {
+    use kvprobe::pairing::tp::Tp;
+    for h in [1u32, 2, 4, 8] {
+        for p in [1u32, 2, 4, 8] {
+            for d in [1u32, 2, 4, 8] {
+                let tp = Tp { prefill: p, decode: d, total_kv_heads: h, mla: false };
+                let g = geometry(4, Layout::Hnd, h, false);
+                let Ok(s) = Sides::derive(&g, None, None, false).unwrap().with_tp(tp) else {
+                    continue; // refused: the refusal tests above
+                };
+                let rb = 64usize;
+                let (hp, hd) = (s.prefill.num_kv_heads, s.decode.num_kv_heads);
+                let owns = |tp_size: u32, rank: u32, local: u32| {
+                    // The tests' own: ranks split the heads evenly, or hold one replica each.
+                    if tp_size <= h { rank * (h / tp_size) + local } else { rank / (tp_size / h) }
+                };
+                for dr in 0..d {
+                    let mut out = vec![0xFFu8; s.decode.slice_bytes().unwrap() as usize];
+                    for pr in 0..p {
+                        let mut src = vec![0u8; s.prefill.slice_bytes().unwrap() as usize];
+                        for t in 0..4 {
+                            for hl in 0..hp {
+                                let at = row_position(RowOrder::Hnd, 4, hp, t, hl) as usize * rb;
+                                src[at..at + 4].copy_from_slice(&owns(p, pr, hl).to_le_bytes());
+                                src[at + 4..at + 8].copy_from_slice(&t.to_le_bytes());
+                            }
+                        }
+                        for c in s.chunks_between(pr, dr, 0, Plant::None) {
+                            let (so, dof, n) = (c.src_off as usize, c.dst_off as usize, c.len as usize);
+                            out[dof..dof + n].copy_from_slice(&src[so..so + n]);
+                        }
+                    }
+                    for t in 0..4 {
+                        for hl in 0..hd {
+                            let at = row_position(RowOrder::Hnd, 4, hd, t, hl) as usize * rb;
+                            let head = u32::from_le_bytes(out[at..at + 4].try_into().unwrap());
+                            let token = u32::from_le_bytes(out[at + 4..at + 8].try_into().unwrap());
+                            assert_eq!((head, token), (owns(d, dr, hl), t), "{tp:?}: decode rank {dr} row (t {t}, h {hl})");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

@@ -188,11 +188,22 @@ fn pair_sides_that_differ_announce_their_geometries_and_run_clean() {
         assert_eq!(r["summary"]["injections_detected"], 2);
         assert_eq!(r["summary"]["unexpected_failures"], 0);
     }
+    // Tensor parallelism across the pair: serve pins the model (2 KV heads, HND), prefill's
+    // 2 ranks and decode's 4 (GQA replication) each have their NIXL agent.
+    let s = Serve::start(&["--kv-heads", "2", "--layout", "hnd"]);
+    let (code, r, out) =
+        run_peer(&s.addr, &["--iterations", "2", "--kv-heads", "2", "--layout", "hnd", "--prefill-tp", "2", "--decode-tp", "4"]);
+    assert_eq!(code, 0, "{out}");
+    let (sc, sout, sr) = s.wait();
+    assert_eq!(sc, 0, "{sout}");
+    assert_one_run(&r, &sr.expect("serve wrote its report"), 0);
+    assert_eq!(r["config"]["tp"]["decode"], 4);
+    assert_eq!(r["summary"]["blocks_checked"], 4 * 2 * 64 * 4 * 2);
     // Decode claims another prefill geometry than serve pins: refused, naming the field.
     let s = Serve::start(&["--block-size", "32"]);
     let (code, _, out) = run_peer(&s.addr, &["--block-size", "16", "--decode-block-size", "32"]);
     assert_eq!(code, 2, "{out}");
-    assert!(out.contains("geometry.block_size: prefill 32, decode 16") && out.contains("--decode-block-size"), "{out}");
+    assert!(out.contains("geometry.block_size: serve 32, run 16") && out.contains("--decode-block-size"), "{out}");
     drop(s);
 }
 
@@ -1085,7 +1096,7 @@ fn fake_prefill(
         link.send(&Msg::Accept { prefill: side, environment: None }).unwrap();
         let Ok(_) = link.expect("connect", |m| if let Msg::Connect { .. } = m { Ok(()) } else { Err(m.name()) }) else { return };
         let ep = kvprobe::transport::Endpoint::new("fake-prefill", "UCX", kvprobe::pool::KvPool::host(&g, 1).unwrap()).unwrap();
-        link.send(&Msg::Connected { prefill: ep.info().unwrap() }).unwrap();
+        link.send(&Msg::Connected { prefill: ep.info().unwrap(), prefill_ranks: Vec::new() }).unwrap();
         link.running();
         let Ok(row) = link.expect("begin", |m| if let Msg::Begin { begin } = m { Ok(begin.row) } else { Err(m.name()) }) else {
             return;
@@ -1189,7 +1200,7 @@ fn fake_decode(addr: &str, drive: impl FnOnce(&kvprobe::peer::Link, kvprobe::pee
     link.send(&Msg::Config { config, hash, decode: side, environment: None }).unwrap();
     link.expect("accept", |m| if let Msg::Accept { .. } = m { Ok(()) } else { Err(m.name()) }).unwrap();
     let ep = kvprobe::transport::Endpoint::new("fake-decode", "UCX", kvprobe::pool::KvPool::host(&g, 1).unwrap()).unwrap();
-    link.send(&Msg::Connect { decode: ep.info().unwrap() }).unwrap();
+    link.send(&Msg::Connect { decode: ep.info().unwrap(), decode_ranks: Vec::new() }).unwrap();
     link.expect("connected", |m| if let Msg::Connected { .. } = m { Ok(()) } else { Err(m.name()) }).unwrap();
     link.running();
     let begin = Begin {

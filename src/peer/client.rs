@@ -64,8 +64,10 @@ struct State {
 /// The prefill side of a node pair, reached over the peer protocol.
 pub struct PrefillPeer {
     link: Link,
-    /// Prefill's NIXL agent.
+    /// Prefill's NIXL agent (TP rank 0's).
     pub info: PeerInfo,
+    /// With `--prefill-tp` > 1: the agents of prefill's ranks 1.. .
+    pub ranks_info: Vec<PeerInfo>,
     /// What prefill announced (geometry, memory, GPU, host).
     pub side: Side,
     /// What the report says of prefill until its goodbye replaces it.
@@ -308,13 +310,25 @@ impl PrefillPeer {
 
     /// Exchanges NIXL agents: sends decode's, returns the peer with prefill's.
     pub fn connect_agents(link: Link, decode: PeerInfo, side: Side, section: PeerSide) -> Result<PrefillPeer> {
-        link.send(&Msg::Connect { decode })?;
-        let info = link.expect("prefill's NIXL agent", |m| match m {
-            Msg::Connected { prefill } => Ok(prefill),
+        Self::connect_ranks(link, decode, Vec::new(), side, section)
+    }
+
+    /// [`PrefillPeer::connect_agents`] with the agents of decode's TP ranks 1.. (`decode_ranks`);
+    /// prefill's ranks 1.. come back in [`PrefillPeer::ranks_info`].
+    pub fn connect_ranks(
+        link: Link,
+        decode: PeerInfo,
+        decode_ranks: Vec<PeerInfo>,
+        side: Side,
+        section: PeerSide,
+    ) -> Result<PrefillPeer> {
+        link.send(&Msg::Connect { decode, decode_ranks })?;
+        let (info, ranks_info) = link.expect("prefill's NIXL agent", |m| match m {
+            Msg::Connected { prefill, prefill_ranks } => Ok((prefill, prefill_ranks)),
             m => Err(m.name()),
         })?;
         link.running();
-        Ok(PrefillPeer { link, info, side, section, state: Mutex::new(State::default()), holder: None })
+        Ok(PrefillPeer { link, info, ranks_info, side, section, state: Mutex::new(State::default()), holder: None })
     }
 
     /// `--decode-process` and the plain sweep: takes charge of the child or thread prefill

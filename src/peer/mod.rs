@@ -148,15 +148,21 @@ pub enum Msg {
         /// Prefill's environment.
         environment: Option<crate::envinfo::Environment>,
     },
-    /// run → serve: decode's NIXL agent.
+    /// run → serve: decode's NIXL agent (TP rank 0's).
     Connect {
         /// Agent name, metadata and region bases.
         decode: crate::transport::PeerInfo,
+        /// With `--decode-tp` > 1: the agents of decode's ranks 1.. (one per TP rank).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        decode_ranks: Vec<crate::transport::PeerInfo>,
     },
-    /// serve → run: prefill's NIXL agent (it has loaded decode's metadata).
+    /// serve → run: prefill's NIXL agent (TP rank 0's; it has loaded decode's metadata).
     Connected {
         /// Agent name, metadata and region bases.
         prefill: crate::transport::PeerInfo,
+        /// With `--prefill-tp` > 1: the agents of prefill's ranks 1.. .
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        prefill_ranks: Vec<crate::transport::PeerInfo>,
     },
     /// run → serve: fill `stage` (all layers when `None`) with generation `it` and plant
     /// prefill's injected faults of iteration `it` there; answered by [`Msg::Filled`] once the

@@ -1,6 +1,7 @@
 //! Two sides that differ: how prefill's blocks line up with decode's when the two engines
-//! disagree on the KV-cache layout (NHD/HND) or the block size (tokens per block), and the
-//! descriptors and decode-side conversion that follow vLLM's NixlConnector.
+//! disagree on the KV-cache layout (NHD/HND), the block size (tokens per block) or the tensor
+//! parallelism ([`tp`]: which ranks hold which KV heads), and the descriptors and
+//! decode-side conversion that follow vLLM's NixlConnector.
 //!
 //! **Groups.** With prefill blocks of `Bp` tokens and decode blocks of `Bd` tokens (one a
 //! multiple of the other), a *group* is `G = max(Bp, Bd)` tokens: `G / Bp` consecutive
@@ -38,15 +39,20 @@
 use crate::fingerprint::RowOrder;
 use crate::geometry::{Geometry, Layout};
 
-/// A run's two sides: prefill's and decode's geometry and decode's conversion.
+pub mod tp;
+
+/// A run's two sides: prefill's and decode's geometry (one TP rank's each), their tensor
+/// parallelism and decode's conversion.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Sides {
-    /// Prefill's pool (the run's `config.geometry`).
+    /// A prefill rank's pool (the run's `config.geometry`).
     pub prefill: Geometry,
-    /// Decode's pool (`config.decode_geometry`, or prefill's when absent).
+    /// A decode rank's pool (`config.decode_geometry`, or prefill's when absent).
     pub decode: Geometry,
     /// `--permute-local-kv`: decode converts a received slice from prefill's layout to its own.
     pub permute_local_kv: bool,
+    /// The TP sizes ([`tp::Tp`]; one rank each without `--prefill-tp`/`--decode-tp`).
+    pub tp: tp::Tp,
 }
 
 /// One descriptor of a prefill slice's transfer: `len` bytes from `src_off` of the prefill
@@ -125,16 +131,72 @@ impl Sides {
         }
         let num_blocks = u32::try_from(tokens / bd as u64)
             .map_err(|_| format!("decode would need {} blocks of {bd} tokens (at most {})", tokens / bd as u64, u32::MAX))?;
-        let decode = Geometry { block_size: bd, num_blocks, layout: decode_layout.unwrap_or(prefill.layout), ..prefill.clone() };
-        decode.validate().map_err(|e| format!("decode's geometry: {e}"))?;
-        Ok(Sides { prefill: prefill.clone(), decode, permute_local_kv: permute })
+        // MLA has one latent row per token: a layout means nothing there.
+        let layout = if prefill.mla { prefill.layout } else { decode_layout.unwrap_or(prefill.layout) };
+        let decode = Geometry { block_size: bd, num_blocks, layout, ..prefill.clone() };
+        decode.validate().map_err(|e| format!("decode's geometry: {e}").replace("--block-size", "--decode-block-size"))?;
+        let tp = tp::Tp::single(prefill.num_kv_heads, prefill.mla);
+        Ok(Sides { prefill: prefill.clone(), decode, permute_local_kv: permute, tp })
+    }
+
+    /// These sides with tensor parallelism `tp`, whose model has `tp.total_kv_heads` KV heads:
+    /// each side's geometry becomes one rank's (`num_kv_heads` = [`tp::Tp::heads_per_rank`]).
+    /// Errors: [`tp::Tp::check`]'s; a head split between ranks (a decode rank reading part
+    /// of a prefill rank's heads, or from several prefill ranks) where prefill's layout is
+    /// not HND (vLLM's `get_required_kvcache_layout`: HND for heterogeneous TP) or decode's is
+    /// neither HND nor converted (`--permute-local-kv`); prefill with more ranks than decode
+    /// and unequal block sizes (vLLM reads several remote blocks into one local block only
+    /// with `block_size_ratio` 1).
+    pub fn with_tp(mut self, tp: tp::Tp) -> Result<Sides, String> {
+        tp.check()?;
+        self.prefill.num_kv_heads = tp.heads_per_rank(tp.prefill);
+        self.decode.num_kv_heads = tp.heads_per_rank(tp.decode);
+        self.prefill.validate().map_err(|e| format!("a prefill rank's geometry: {e}"))?;
+        self.decode.validate().map_err(|e| format!("a decode rank's geometry: {e}"))?;
+        self.tp = tp;
+        if tp.is_single() {
+            return Ok(self);
+        }
+        let split = !tp.mla && self.prefill.num_kv_heads != self.decode.num_kv_heads;
+        if split && self.prefill.layout != Layout::Hnd {
+            return Err(format!(
+                "prefill TP {} and decode TP {} split the KV heads differently: vLLM needs the HND layout for that \
+                 (get_required_kvcache_layout; a rank's heads are then one contiguous run): add --layout hnd",
+                tp.prefill, tp.decode
+            ));
+        }
+        if split && self.decode.layout != Layout::Hnd && !self.permute_local_kv {
+            return Err(
+                "decode's NHD layout with heads split between TP ranks needs --permute-local-kv (vLLM reads into HND and permutes on receive)".into(),
+            );
+        }
+        if tp.prefill > tp.decode && self.prefill.block_size != self.decode.block_size {
+            return Err(format!(
+                "prefill TP {} > decode TP {} needs equal block sizes (vLLM: block_size_ratio 1 when a decode block is read from several prefill ranks)",
+                tp.prefill, tp.decode
+            ));
+        }
+        Ok(self)
     }
 
     /// Checks two geometries announced for a pair (`config.geometry` and
     /// `config.decode_geometry`): they may differ only in layout, block size and the number
     /// of blocks that holds the same tokens. Errors: what else differs.
-    pub fn check(prefill: &Geometry, decode: &Geometry, permute: bool) -> Result<Sides, String> {
-        let s = Sides::derive(prefill, Some(decode.layout), Some(decode.block_size), permute)?;
+    pub fn check(prefill: &Geometry, decode: &Geometry, permute: bool, tp: Option<tp::Tp>) -> Result<Sides, String> {
+        let mut s = Sides::derive(prefill, Some(decode.layout), Some(decode.block_size), permute)?;
+        if let Some(tp) = tp {
+            // `prefill` is one rank's already: the sides' heads per rank come from `tp`.
+            if prefill.num_kv_heads != tp.heads_per_rank(tp.prefill) {
+                return Err(format!(
+                    "a prefill rank's geometry has {} KV heads; {} over prefill TP {} gives {}",
+                    prefill.num_kv_heads,
+                    tp.total_kv_heads,
+                    tp.prefill,
+                    tp.heads_per_rank(tp.prefill)
+                ));
+            }
+            s = s.with_tp(tp)?;
+        }
         if s.decode != *decode {
             return Err(format!(
                 "decode's geometry differs from prefill's in more than layout and block size (kvprobe pairs sides of one model: \
@@ -145,9 +207,10 @@ impl Sides {
         Ok(s)
     }
 
-    /// True when both sides have one geometry (the run is as before `--decode-*` existed).
+    /// True when both sides have one geometry and one rank (the run is as before `--decode-*`
+    /// and the TP flags existed).
     pub fn equal(&self) -> bool {
-        self.prefill == self.decode
+        self.prefill == self.decode && self.tp.is_single()
     }
 
     /// Tokens per group: the larger block size.
@@ -243,14 +306,29 @@ impl Sides {
     /// (`0 .. G / Bp`), with `plant` applied (module docs), coalesced where both sides are
     /// contiguous. Without a plant they cover the slice once; equal sides give one chunk.
     pub fn chunks(&self, pos: u32, plant: Plant) -> Vec<Chunk> {
+        self.chunks_between(0, 0, pos, plant)
+    }
+
+    /// [`Sides::chunks`] from prefill rank `p`'s slice into decode rank `d`'s: the rows of
+    /// the heads `d` reads from `p` ([`tp::Tp::sources`]), each to its head position in `d`'s
+    /// slice. Empty when `d` reads nothing from `p`.
+    pub fn chunks_between(&self, p: u32, d: u32, pos: u32, plant: Plant) -> Vec<Chunk> {
         let (bp, bd) = (self.prefill.block_size, self.decode.block_size);
         let heads = Sides::heads(&self.prefill);
         let lp = RowOrder::of(&self.prefill);
         let rb = self.row_bytes();
+        let first = self.tp.heads_of(self.tp.prefill, p).start;
+        let sources: Vec<tp::Source> = self.tp.sources(d).into_iter().filter(|s| s.prefill_rank == p).collect();
+        // Head position in p's slice → head position in d's slice.
+        let dst_head = |h: u32| {
+            let global = first + h;
+            sources.iter().find(|s| s.heads.contains(&global)).map(|s| s.dst_head + global - s.heads.start)
+        };
         let mut rows: Vec<(u32, u32)> = (0..bp).flat_map(|t| (0..heads).map(move |h| (t, h))).collect();
         rows.sort_by_key(|&(t, h)| row_position(lp, bp, heads, t, h));
         let mut out: Vec<Chunk> = Vec::new();
         for (t, h) in rows {
+            let Some(hd) = dst_head(h) else { continue };
             let token = pos * bp + t; // within the group
             let (dst_block, td) = (token / bd, token % bd);
             let (st, sh) = match plant {
@@ -261,7 +339,7 @@ impl Sides {
             let c = Chunk {
                 src_off: row_position(lp, bp, heads, st, sh) * rb,
                 dst_block,
-                dst_off: self.received_row(td, h) * rb,
+                dst_off: self.received_row(td, hd) * rb,
                 len: rb,
                 displaced: (st, sh) != (t, h),
             };

@@ -1,0 +1,225 @@
+//! Tensor parallelism on the two sides: which KV heads each TP rank holds and which
+//! prefill ranks a decode rank reads them from, by vLLM's rules.
+//!
+//! Sources: vLLM `ModelConfig.get_num_kv_heads` (each rank holds `max(1, H / tp)` KV heads; a
+//! TP size above the KV heads replicates each head on `tp / H` ranks), and NixlConnector's
+//! `TpKVTopology` (`vllm/distributed/kv_transfer/kv_connector/utils.py`): `tp_ratio` (from
+//! decode's view: `D / P` when decode has at least as many ranks, else `-(P / D)`),
+//! `is_kv_replicated` (`remote_tp > total_kv_heads`), `replicates_kv_cache` (MLA or
+//! replicated), `get_target_remote_ranks` (`[d / r]` for a positive ratio; `[d·|r| + i]`
+//! for a negative one), and `_validate_remote_agent_handshake`, which refuses a prefill with
+//! more ranks than decode when prefill's KV cache is replicated.
+//!
+//! Where a decode rank holds fewer heads than its prefill rank (decode TP > prefill TP),
+//! `NixlConnectorWorker.add_remote_agent` reads the chunk of the prefill block at
+//! `rank_offset = d mod r × local block length`; with GQA replication on decode (decode TP
+//! above the KV heads) that offset must count *heads*, not ranks: decode rank `d` holds head
+//! `d / (D / H)`, which sits at head `d / (D / H) − p · H / P` of prefill rank `p` — what
+//! [`Tp::sources`] gives (the missing head replication of field reports reads
+//! `d mod r` heads in, past the prefill block for `D / H > 1`).
+
+use std::ops::Range;
+
+/// The TP sizes of a pair and the model's KV heads (reports: `config.tp`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Tp {
+    /// Prefill's TP size (`--prefill-tp`).
+    pub prefill: u32,
+    /// Decode's TP size (`--decode-tp`).
+    pub decode: u32,
+    /// The model's KV heads (`num_key_value_heads`; 1 for MLA).
+    pub total_kv_heads: u32,
+    /// MLA: every rank holds the whole latent (never split).
+    pub mla: bool,
+}
+
+/// Where some of a decode rank's heads come from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Source {
+    /// The prefill rank read.
+    pub prefill_rank: u32,
+    /// The global KV heads read from it.
+    pub heads: Range<u32>,
+    /// The first of them as a head position in the prefill rank's slice.
+    pub src_head: u32,
+    /// The first of them as a head position in the decode rank's slice.
+    pub dst_head: u32,
+}
+
+impl Tp {
+    /// One rank on each side holding all `heads` (MLA: the latent).
+    pub fn single(heads: u32, mla: bool) -> Tp {
+        Tp { prefill: 1, decode: 1, total_kv_heads: if mla { 1 } else { heads }, mla }
+    }
+
+    /// True when both sides have one rank.
+    pub fn is_single(&self) -> bool {
+        self.prefill == 1 && self.decode == 1
+    }
+
+    /// The (prefill rank, decode rank) pairs a sweep moves blocks between, decode rank by
+    /// decode rank: each decode rank with the prefill ranks it reads ([`Tp::sources`]).
+    pub fn links(&self) -> Vec<(u32, u32)> {
+        let mut out = Vec::new();
+        for d in 0..self.decode {
+            for s in self.sources(d) {
+                if !out.contains(&(s.prefill_rank, d)) {
+                    out.push((s.prefill_rank, d));
+                }
+            }
+        }
+        out
+    }
+
+    /// Checks the sizes as vLLM does. Errors: a TP size of 0; KV heads that do not split
+    /// evenly (`H mod tp ≠ 0` for `tp ≤ H`, `tp mod H ≠ 0` above); one TP size not a multiple
+    /// of the other (`TpKVTopology.tp_ratio` asserts it); prefill with more ranks than decode
+    /// while prefill's KV cache is replicated and not MLA (`_validate_remote_agent_handshake`).
+    pub fn check(&self) -> Result<(), String> {
+        let h = self.total_kv_heads;
+        for (side, tp) in [("prefill", self.prefill), ("decode", self.decode)] {
+            if tp == 0 {
+                return Err(format!("--{side}-tp must be at least 1"));
+            }
+            if !self.mla && ((tp <= h && !h.is_multiple_of(tp)) || (tp > h && !tp.is_multiple_of(h))) {
+                return Err(format!(
+                    "--{side}-tp {tp}: the {h} KV heads do not split evenly over {tp} ranks (vLLM's get_num_kv_heads needs one to divide the other)"
+                ));
+            }
+        }
+        let (big, small) = (self.prefill.max(self.decode), self.prefill.min(self.decode));
+        if !big.is_multiple_of(small) {
+            return Err(format!(
+                "prefill TP {} and decode TP {} do not divide one another (vLLM's TpKVTopology.tp_ratio asserts it)",
+                self.prefill, self.decode
+            ));
+        }
+        if self.prefill > self.decode && !self.mla && self.prefill > h {
+            return Err(format!(
+                "prefill TP {} > decode TP {} with prefill's {h} KV heads replicated over its ranks: vLLM's \
+                 _validate_remote_agent_handshake refuses it (a decode rank would read one head from several copies)",
+                self.prefill, self.decode
+            ));
+        }
+        Ok(())
+    }
+
+    /// `TpKVTopology.tp_ratio` from decode's view: `D / P` when `D ≥ P`, else `−(P / D)`.
+    pub fn ratio(&self) -> i64 {
+        if self.decode >= self.prefill { (self.decode / self.prefill) as i64 } else { -((self.prefill / self.decode) as i64) }
+    }
+
+    /// KV heads per rank of a side of `tp` ranks (`get_num_kv_heads`: `max(1, H / tp)`; MLA 1).
+    pub fn heads_per_rank(&self, tp: u32) -> u32 {
+        if self.mla { 1 } else { (self.total_kv_heads / tp).max(1) }
+    }
+
+    /// The global KV heads rank `rank` of a side of `tp` ranks holds: `rank · H / tp ..` for
+    /// `tp ≤ H`; head `rank / (tp / H)` (a replica) above; MLA head 0 (the latent).
+    pub fn heads_of(&self, tp: u32, rank: u32) -> Range<u32> {
+        if self.mla {
+            return 0..1;
+        }
+        let h = self.total_kv_heads;
+        if tp <= h {
+            let n = h / tp;
+            rank * n..(rank + 1) * n
+        } else {
+            let head = rank / (tp / h);
+            head..head + 1
+        }
+    }
+
+    /// `get_target_remote_ranks` for decode rank `d`: the prefill ranks it hands off with
+    /// (and notifies).
+    pub fn targets(&self, d: u32) -> Vec<u32> {
+        match self.ratio() {
+            r if r > 0 => vec![d / r as u32],
+            r => {
+                let n = (-r) as u32;
+                (d * n..(d + 1) * n).collect()
+            }
+        }
+    }
+
+    /// Where decode rank `d` reads its heads from: for each head of `d`, the first target
+    /// rank that holds it (MLA and replicated heads: one read of the whole block from the
+    /// first target; vLLM reads replicated caches from one rank and notifies the others),
+    /// merged into runs of consecutive heads from one rank.
+    pub fn sources(&self, d: u32) -> Vec<Source> {
+        let mine = self.heads_of(self.decode, d);
+        let targets = self.targets(d);
+        let mut out: Vec<Source> = Vec::new();
+        for head in mine.clone() {
+            let p = *targets
+                .iter()
+                .find(|&&p| self.heads_of(self.prefill, p).contains(&head))
+                .expect("Tp::check: a target rank holds every head of its decode rank");
+            let src_head = head - self.heads_of(self.prefill, p).start;
+            match out.last_mut() {
+                Some(s) if s.prefill_rank == p && s.heads.end == head => s.heads.end += 1,
+                _ => out.push(Source { prefill_rank: p, heads: head..head + 1, src_head, dst_head: head - mine.start }),
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tp(prefill: u32, decode: u32, h: u32) -> Tp {
+        Tp { prefill, decode, total_kv_heads: h, mla: false }
+    }
+
+    #[test]
+    fn every_decode_head_comes_from_a_prefill_rank_that_holds_it() {
+        for h in [1u32, 2, 4, 8] {
+            for p in [1u32, 2, 4, 8, 16] {
+                for d in [1u32, 2, 4, 8, 16] {
+                    let t = tp(p, d, h);
+                    if t.check().is_err() {
+                        continue;
+                    }
+                    for dr in 0..d {
+                        let mut got = Vec::new();
+                        for s in t.sources(dr) {
+                            assert!(t.targets(dr).contains(&s.prefill_rank), "{t:?} d{dr}");
+                            let held = t.heads_of(p, s.prefill_rank);
+                            for head in s.heads.clone() {
+                                // The head sits at src_head + k in the prefill rank's slice.
+                                assert_eq!(held.start + s.src_head + (head - s.heads.start), head, "{t:?} d{dr}");
+                                got.push((head, s.dst_head + (head - s.heads.start)));
+                            }
+                        }
+                        let mine = t.heads_of(d, dr);
+                        let want: Vec<(u32, u32)> = mine.clone().map(|x| (x, x - mine.start)).collect();
+                        assert_eq!(got, want, "{t:?} decode rank {dr}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn vllms_ratios_targets_and_refusals() {
+        assert_eq!(tp(1, 2, 8).ratio(), 2);
+        assert_eq!(tp(2, 1, 8).ratio(), -2);
+        assert_eq!(tp(2, 1, 8).targets(0), vec![0, 1]);
+        assert_eq!(tp(2, 4, 8).targets(3), vec![1]);
+        // GQA replication: 2 KV heads over 4 decode ranks, from 2 prefill ranks.
+        let t = tp(2, 4, 2);
+        assert_eq!(t.heads_of(4, 1), 0..1);
+        assert_eq!(t.heads_of(4, 2), 1..2);
+        assert_eq!(t.sources(1), vec![Source { prefill_rank: 0, heads: 0..1, src_head: 0, dst_head: 0 }]);
+        // 2 KV heads, prefill TP 1, decode TP 4: rank 2 holds head 1, at head 1 of prefill's
+        // block (vLLM's rank_offset d mod r = 2 blocks in would be past it).
+        let t = tp(1, 4, 2);
+        assert_eq!(t.sources(2), vec![Source { prefill_rank: 0, heads: 1..2, src_head: 1, dst_head: 0 }]);
+        assert!(tp(4, 2, 2).check().unwrap_err().contains("_validate_remote_agent_handshake"));
+        assert!(tp(3, 2, 6).check().unwrap_err().contains("divide"));
+        assert!(tp(3, 3, 8).check().unwrap_err().contains("split evenly"));
+        assert!(Tp { prefill: 4, decode: 2, total_kv_heads: 1, mla: true }.check().is_ok());
+    }
+}
