@@ -585,3 +585,59 @@ fn tensor_parallel_chunks_bring_each_rank_its_heads() {
         }
     }
 }
+
+// vLLM's TP rules (kvprobe::pairing::tp).
+
+fn tp(prefill: u32, decode: u32, h: u32) -> kvprobe::pairing::tp::Tp {
+    kvprobe::pairing::tp::Tp { prefill, decode, total_kv_heads: h, mla: false }
+}
+
+#[test]
+fn tp_every_decode_head_comes_from_a_prefill_rank_that_holds_it() {
+    for h in [1u32, 2, 4, 8] {
+        for p in [1u32, 2, 4, 8, 16] {
+            for d in [1u32, 2, 4, 8, 16] {
+                let t = tp(p, d, h);
+                if t.check().is_err() {
+                    continue;
+                }
+                for dr in 0..d {
+                    let mut got = Vec::new();
+                    for s in t.sources(dr) {
+                        assert!(t.targets(dr).contains(&s.prefill_rank), "{t:?} d{dr}");
+                        let held = t.heads_of(p, s.prefill_rank);
+                        for head in s.heads.clone() {
+                            // The head sits at src_head + k in the prefill rank's slice.
+                            assert_eq!(held.start + s.src_head + (head - s.heads.start), head, "{t:?} d{dr}");
+                            got.push((head, s.dst_head + (head - s.heads.start)));
+                        }
+                    }
+                    let mine = t.heads_of(d, dr);
+                    let want: Vec<(u32, u32)> = mine.clone().map(|x| (x, x - mine.start)).collect();
+                    assert_eq!(got, want, "{t:?} decode rank {dr}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn tp_follows_vllms_ratios_targets_and_refusals() {
+    assert_eq!(tp(1, 2, 8).ratio(), 2);
+    assert_eq!(tp(2, 1, 8).ratio(), -2);
+    assert_eq!(tp(2, 1, 8).targets(0), vec![0, 1]);
+    assert_eq!(tp(2, 4, 8).targets(3), vec![1]);
+    // GQA replication: 2 KV heads over 4 decode ranks, from 2 prefill ranks.
+    let t = tp(2, 4, 2);
+    assert_eq!(t.heads_of(4, 1), 0..1);
+    assert_eq!(t.heads_of(4, 2), 1..2);
+    assert_eq!(t.sources(1), vec![kvprobe::pairing::tp::Source { prefill_rank: 0, heads: 0..1, src_head: 0, dst_head: 0 }]);
+    // 2 KV heads, prefill TP 1, decode TP 4: rank 2 holds head 1, at head 1 of prefill's
+    // block (vLLM's rank_offset d mod r = 2 blocks in would be past it).
+    let t = tp(1, 4, 2);
+    assert_eq!(t.sources(2), vec![kvprobe::pairing::tp::Source { prefill_rank: 0, heads: 1..2, src_head: 1, dst_head: 0 }]);
+    assert!(tp(4, 2, 2).check().unwrap_err().contains("_validate_remote_agent_handshake"));
+    assert!(tp(3, 2, 6).check().unwrap_err().contains("divide"));
+    assert!(tp(3, 3, 8).check().unwrap_err().contains("split evenly"));
+    assert!(kvprobe::pairing::tp::Tp { prefill: 4, decode: 2, total_kv_heads: 1, mla: true }.check().is_ok());
+}
