@@ -581,13 +581,13 @@ fn predict(sides: &Sides, p: &mut Plan, displaced: &std::collections::HashSet<(S
             landing.entry(d).or_default();
         }
     }
-    let sources: std::collections::BTreeSet<(u32, u32, u32)> = groups
+    // The prefill slices whose pairs may land there: the groups' own and every injected one.
+    let sources: std::collections::HashSet<SliceCoord> = groups
         .iter()
-        .flat_map(|g| (0..kp).map(move |q| (g.layer, g.kv.code(), g.block * kp + q)))
-        .chain(p.special.keys().map(|c| (c.layer, c.kv.code(), c.block)))
+        .flat_map(|g| (0..kp).map(move |q| SliceCoord { block: g.block * kp + q, ..*g }))
+        .chain(p.special.keys().copied())
         .collect();
-    for &(layer, code, block) in &sources {
-        let c = SliceCoord { layer, kv: crate::geometry::KvPart::from_code(code).unwrap_or(crate::geometry::KvPart::K), block };
+    for &c in &sources {
         for x in p.pairs_of(c) {
             if let Some(v) = landing.get_mut(&x.dst) {
                 v.push((x, false));
