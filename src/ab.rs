@@ -412,7 +412,15 @@ fn run_rows(
                 // The cap holds for the whole matrix: each row gets an equal share.
                 let share = cap / cases().len() as u64;
                 let shape = crate::fingerprint::RowShape::of(&cfg.geometry);
-                Some(crate::dump::Dumper::new(&dir.join(&name), share, cfg.seed, geometry, cfg.geometry.slice_bytes()?, shape)?)
+                Some(crate::dump::Dumper::new(
+                    &dir.join(&name),
+                    share,
+                    cfg.seed,
+                    geometry,
+                    cfg.geometry.slice_bytes()?,
+                    shape,
+                    serde_json::Value::Null,
+                )?)
             }
             None => None,
         };

@@ -506,6 +506,8 @@ fn breakdown(
         memory,
         prefill_device: device,
         decode_device: decode,
+        prefill_rank_devices: Vec::new(),
+        decode_rank_devices: Vec::new(),
         preset: None,
         model: None,
         geometry: g.clone(),

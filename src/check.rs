@@ -361,6 +361,17 @@ fn check_section(
             say(format!("{dir}index.json: slice_bytes: index {}, geometry {n}", index.slice_bytes));
         }
     }
+    // TP ranks (`config.tp`): each dumped slice's rows start at its decode rank's first head.
+    let tp: Option<crate::pairing::tp::Tp> = match config.get("tp").filter(|t| !t.is_null()) {
+        None => None,
+        Some(t) => match serde_json::from_value(t.clone()) {
+            Ok(t) => Some(t),
+            Err(err) => {
+                say(format!("report: config.tp: {err}"));
+                None
+            }
+        },
+    };
     let failures = sec["failures"].as_array().cloned().unwrap_or_default();
     coherence(sec, &failures, index.slices.len(), &mut say);
     let (mut bytes_total, mut per_class) = (0u64, BTreeMap::<String, u64>::new());
@@ -380,12 +391,22 @@ fn check_section(
             continue;
         }
         let Some(g) = &geometry else { continue };
-        if let Err(err) = RowShape::of(g).validate(e.failure.expected.token_base) {
+        if let Some(r) = e.failure.tp_rank
+            && tp.is_none_or(|t| r >= t.decode)
+        {
+            say(format!(
+                "{name}: tp_rank {r}: the report's config.tp has {}",
+                tp.map_or("no TP ranks".to_string(), |t| format!("{} decode ranks", t.decode))
+            ));
+            continue;
+        }
+        let shape = crate::dump::rank_shape(&RowShape::of(g), tp.as_ref(), e.failure.tp_rank);
+        if let Err(err) = shape.validate(e.failure.expected.token_base) {
             say(format!("{name}: expected.token_base {}: {err}", e.failure.expected.token_base));
             continue;
         }
         let fname = e.file.rsplit('/').next().unwrap_or(&e.file);
-        let want_cmd = crate::dump::regenerate_command(&e.failure, index.seed, &RowShape::of(g), e.bytes, fname);
+        let want_cmd = crate::dump::regenerate_command(&e.failure, index.seed, &shape, e.bytes, fname);
         if e.regenerate != want_cmd {
             say(format!("{name}: regenerate: index {:?}, expected {want_cmd:?}", e.regenerate));
         }
@@ -412,7 +433,7 @@ fn check_section(
                 e.failure.expected.layer, e.failure.expected.kv
             ));
         }
-        let derived = derive(e, index.seed, &RowShape::of(g), actual);
+        let derived = derive(e, index.seed, &shape, actual);
         if derived.get("bad_bytes") == Some(&json!(0)) {
             say(format!("{name}: bytes: the slice equals what it had to hold ({file} is intact): a dumped slice is a failure"));
         }

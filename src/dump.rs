@@ -16,6 +16,7 @@
 
 use crate::error::{Error, Result};
 use crate::fingerprint::{RowOrder, RowShape};
+use crate::pairing::tp::Tp;
 pub use crate::report::DumpSummary;
 use crate::report::Failure;
 use crate::verify::Class;
@@ -155,8 +156,11 @@ struct State {
     dir: PathBuf,
     index: DumpIndex,
     class_bytes: BTreeMap<Class, u64>,
-    /// The decode pool's rows.
+    /// The decode pool's rows (rank 0's with TP).
     shape: RowShape,
+    /// The run's TP sizes (`config.tp`), when it has TP ranks: each failure's rows start at
+    /// its decode rank's first head ([`rank_shape`]).
+    tp: Option<Tp>,
     names: HashSet<String>,
     /// The class of every failing slice offered or omitted, in the order found.
     found: Vec<Class>,
@@ -170,7 +174,8 @@ impl Dumper {
     /// A dump into `dir` (checked by [`check_dir`]; created when absent) of slices of
     /// `slice_bytes` bytes, capped at `max_bytes`; `geometry` is the report's
     /// `config.geometry` and `shape` the decode pool's rows (the `regenerate` commands name
-    /// them). Writes `scripts/fingerprint_ref.py` and creates `slices/`.
+    /// them); `config_tp` the report's `config.tp` (null without TP ranks). Writes
+    /// `scripts/fingerprint_ref.py` and creates `slices/`.
     pub fn new(
         dir: &Path,
         max_bytes: u64,
@@ -178,6 +183,7 @@ impl Dumper {
         geometry: serde_json::Value,
         slice_bytes: u64,
         shape: RowShape,
+        config_tp: serde_json::Value,
     ) -> Result<Dumper> {
         check_dir(dir)?;
         let io = |what: &str, e: std::io::Error| Error::Io(format!("--dump {}: {what}: {e}", dir.display()));
@@ -191,6 +197,7 @@ impl Dumper {
             std::fs::set_permissions(dir.join("scripts/fingerprint_ref.py"), std::fs::Permissions::from_mode(0o755))
                 .map_err(|e| io("chmod scripts/fingerprint_ref.py", e))?;
         }
+        let tp = serde_json::from_value::<Tp>(config_tp).ok();
         let state = Arc::new(Mutex::new(State {
             dir: dir.to_path_buf(),
             index: DumpIndex {
@@ -210,6 +217,7 @@ impl Dumper {
             },
             class_bytes: BTreeMap::new(),
             shape,
+            tp,
             names: HashSet::new(),
             found: Vec::new(),
             entry_at: Vec::new(),
@@ -312,7 +320,11 @@ impl State {
         if !self.wants(f.class, len) {
             return self.omit(f.class);
         }
-        let base = format!("{}-{}-{}-{}", f.iteration, f.layer, f.kv, f.block);
+        let base = match f.tp_rank {
+            // Two decode ranks fail at the same slot: the rank is part of the name.
+            Some(r) => format!("{}-{}-{}-{}-tp{r}", f.iteration, f.layer, f.kv, f.block),
+            None => format!("{}-{}-{}-{}", f.iteration, f.layer, f.kv, f.block),
+        };
         let mut name = format!("{base}.bin");
         let mut n = 2;
         while self.names.contains(&name) {
@@ -343,7 +355,7 @@ impl State {
             file: rel,
             bytes: len,
             report_index,
-            regenerate: regenerate_command(f, self.index.seed, &self.shape, len, &name),
+            regenerate: regenerate_command(f, self.index.seed, &rank_shape(&self.shape, self.tp.as_ref(), f.tp_rank), len, &name),
             failure: f.clone(),
         });
     }
@@ -476,6 +488,17 @@ pub fn keep(
                 l.push(rec);
             }
         }
+    }
+}
+
+/// The rows of a failing slice of decode TP rank `rank` (`Failure::tp_rank`): `shape` (the
+/// decode geometry's rows, [`RowShape::of`]) starting at the rank's first KV head
+/// ([`Tp::heads_of`]: vLLM's split of the model's heads over decode's ranks); `shape` itself
+/// without TP or rank.
+pub fn rank_shape(shape: &RowShape, tp: Option<&Tp>, rank: Option<u32>) -> RowShape {
+    match (tp, rank) {
+        (Some(t), Some(r)) if !t.mla => RowShape { head_base: t.heads_of(t.decode, r).start, ..*shape },
+        _ => *shape,
     }
 }
 

@@ -305,12 +305,12 @@ struct PoolArgs {
     /// Pool memory: vram (GPU) or dram (host). Default: vram when a GPU is present, else dram.
     #[arg(long, value_enum)]
     memory: Option<MemoryKind>,
-    /// GPU holding the prefill pool.
-    #[arg(long, default_value_t = 0)]
-    prefill_device: usize,
-    /// GPU holding the decode pool.
-    #[arg(long, default_value_t = 0)]
-    decode_device: usize,
+    /// GPU holding the prefill pool; with --prefill-tp, one GPU per rank as a comma list (rank 0 first; one GPU: every rank shares it).
+    #[arg(long, default_value = "0", value_delimiter = ',', num_args = 1)]
+    prefill_device: Vec<usize>,
+    /// GPU holding the decode pool; with --decode-tp, one GPU per rank as a comma list (rank 0 first; one GPU: every rank shares it).
+    #[arg(long, default_value = "0", value_delimiter = ',', num_args = 1)]
+    decode_device: Vec<usize>,
     #[command(flatten)]
     geo: GeometryArgs,
     /// Seed of fingerprints, block mapping, load and injections.
@@ -659,8 +659,10 @@ impl PoolArgs {
             self.memory.unwrap_or_else(|| if kvprobe::cuda::device_count() > 0 { MemoryKind::Vram } else { MemoryKind::Dram });
         RunConfig {
             memory,
-            prefill_device: self.prefill_device,
-            decode_device: self.decode_device,
+            prefill_device: self.prefill_device.first().copied().unwrap_or(0),
+            decode_device: self.decode_device.first().copied().unwrap_or(0),
+            prefill_rank_devices: if self.prefill_device.len() > 1 { self.prefill_device.clone() } else { Vec::new() },
+            decode_rank_devices: if self.decode_device.len() > 1 { self.decode_device.clone() } else { Vec::new() },
             preset: if self.geo.model_config.is_some() { None } else { Some(self.geo.preset.unwrap_or(Preset::Small)) },
             model,
             geometry: g,
@@ -738,6 +740,15 @@ impl RunArgs {
         let mut sides =
             kvprobe::pairing::Sides::derive(&c.geometry, self.decode_layout, self.decode_block_size, self.permute_local_kv)
                 .map_err(Error::Usage)?;
+        // Flags that change nothing here are said, not silently dropped.
+        if c.geometry.mla && self.decode_layout.is_some_and(|l| l != c.geometry.layout) {
+            eprintln!("note: --decode-layout changes nothing with --mla (one latent row per token: no layout to differ in)");
+        }
+        if self.permute_local_kv && sides.prefill.layout == sides.decode.layout && !c.geometry.mla {
+            eprintln!(
+                "note: --permute-local-kv changes nothing here: both sides have one layout (it converts between NHD and HND)"
+            );
+        }
         if self.prefill_tp.is_some() || self.decode_tp.is_some() {
             if self.pool.geo.tp.is_some() {
                 return Err(Error::Usage(
@@ -1310,19 +1321,15 @@ fn start_dump(pool: &PoolArgs, cfg: &RunConfig, row: Option<&str>) -> Result<Opt
         kvprobe::report::check_writable_for(b, "--bundle")?;
     }
     let Some(dir) = dump_dir(pool)? else { return Ok(None) };
-    if cfg.tp.is_some() {
-        return Err(Error::Usage(
-            "--dump and --bundle with --prefill-tp/--decode-tp are not supported yet (a dump's slices regenerate from one rank's heads)".into(),
-        ));
-    }
     kvprobe::dump::check_dir(&dir)?;
     if row.is_some() {
         return Ok(None);
     }
-    let geometry = serde_json::to_value(cfg).map(|v| kvprobe::dump::dumped_geometry(&v).clone()).unwrap_or_default();
+    let config = serde_json::to_value(cfg).unwrap_or_default();
+    let geometry = kvprobe::dump::dumped_geometry(&config).clone();
     let sb = cfg.decode_geom().slice_bytes()?;
     let shape = kvprobe::fingerprint::RowShape::of(cfg.decode_geom());
-    kvprobe::dump::Dumper::new(&dir, pool.dump_max_bytes, cfg.seed, geometry, sb, shape).map(Some)
+    kvprobe::dump::Dumper::new(&dir, pool.dump_max_bytes, cfg.seed, geometry, sb, shape, config["tp"].clone()).map(Some)
 }
 
 /// `--bundle` at the end of run and ab: the report `doc` (as `name`), the dump, and the

@@ -164,6 +164,21 @@ pub struct InjectionRecord {
     pub predicted: Vec<PredictedHit>,
     /// True when every predicted outcome was reported with its class.
     pub detected: bool,
+    /// With TP ranks (`--prefill-tp`/`--decode-tp`): the link the fault acted on (a sweep
+    /// draws one per injection with the seed; stale and bitflip are planted in its prefill
+    /// rank's pool, so every decode rank reading those rows sees them). Absent with one rank
+    /// each side.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub link: Option<TpLink>,
+}
+
+/// A (prefill TP rank, decode TP rank) pair that blocks move between.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct TpLink {
+    /// The prefill rank (source of the rows).
+    pub prefill_rank: u32,
+    /// The decode rank (destination).
+    pub decode_rank: u32,
 }
 
 /// One predicted outcome of an injection.
@@ -177,6 +192,9 @@ pub struct PredictedHit {
     pub block: u32,
     /// Predicted class.
     pub class: Class,
+    /// With TP: the decode rank whose slice it is (absent with one decode rank).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tp_rank: Option<u32>,
 }
 
 /// Totals over the run.
@@ -832,7 +850,21 @@ pub fn render(r: &Report) -> String {
                 d.num_blocks,
                 d.block_size,
                 lay(&d),
-                if r.config["permute_local_kv"] == true { ", decode converts on receive (--permute-local-kv)" } else { "" }
+                if r.config["permute_local_kv"] == true {
+                    ", decode converts on receive (--permute-local-kv)".to_string()
+                } else if !g.mla
+                    && g.layout == d.layout
+                    && g.block_size < d.block_size
+                    && g.layout == crate::geometry::Layout::Hnd
+                {
+                    // vLLM's kv_postprocess_blksize_on_receive, which kvprobe does too.
+                    format!(
+                        ", decode converts on receive (HND chunks of {} tokens into blocks of {})",
+                        g.block_size, d.block_size
+                    )
+                } else {
+                    String::new()
+                }
             );
         }
         if let Ok(t) = serde_json::from_value::<crate::pairing::tp::Tp>(r.config["tp"].clone()) {
@@ -849,8 +881,23 @@ pub fn render(r: &Report) -> String {
                     if per == 1 { "" } else { "s" }
                 )
             };
+            // Ranks on their own GPUs (`--prefill-device A,B`, `--decode-device A,B`).
+            let gpus = |k: &str| {
+                r.config[k].as_array().map(|v| {
+                    let l: Vec<String> = v.iter().map(|x| x.to_string()).collect();
+                    l.join(",")
+                })
+            };
+            let placed = match (gpus("prefill_rank_devices"), gpus("decode_rank_devices")) {
+                (None, None) => String::new(),
+                (p, d) => format!(
+                    "; GPUs by rank: prefill {}, decode {}",
+                    p.unwrap_or_else(|| r.config["prefill_device"].to_string()),
+                    d.unwrap_or_else(|| r.config["decode_device"].to_string())
+                ),
+            };
             out += &format!(
-                "tensor parallel:   prefill {}, decode {}; {} KV heads in all, one NIXL agent per rank\n",
+                "tensor parallel:   prefill {}, decode {}; {} KV heads in all, one NIXL agent per rank{placed}\n",
                 side(t.prefill),
                 side(t.decode),
                 t.total_kv_heads
@@ -1048,9 +1095,10 @@ pub fn render(r: &Report) -> String {
         );
     }
     for f in r.failures.iter().take(5) {
-        let at = match f.request {
-            Some(req) => format!("step {} request {req}", f.iteration),
-            None => format!("iter {}", f.iteration),
+        let at = match (f.request, f.tp_rank) {
+            (Some(req), _) => format!("step {} request {req}", f.iteration),
+            (None, Some(r)) => format!("iter {} decode TP rank {r}", f.iteration),
+            (None, None) => format!("iter {}", f.iteration),
         };
         out += &format!(
             "  {at} layer {} {} block {}: {} (first bad byte {}, {} bad byte{}){}{}{}\n",

@@ -206,7 +206,11 @@ impl Probe {
         // Decode's TP ranks 1.. (`--decode-tp`): pools like rank 0's, holding their heads.
         let mut rank_pools = Vec::new();
         for d in 1..tp.decode {
-            let mut p = pool.sibling()?;
+            let dev = cfg.decode_device_of(d);
+            let mut p = match cfg.memory {
+                MemoryKind::Vram if dev != cfg.decode_device => crate::sweep::vram_pool_on(dev, cfg.decode_geom(), cfg.seed)?,
+                _ => pool.sibling()?,
+            };
             p.set_head_base(tp.heads_of(tp.decode, d).start);
             rank_pools.push(p);
         }
@@ -361,11 +365,20 @@ impl Probe {
         }
     }
 
-    /// WRITE: checks once whether decode has stage `tag`'s notification from prefill.
-    fn poll_notification(&self, inbox: &mut transport::Inbox, tag: &str, d: crate::deadline::Deadline) -> Result<bool> {
+    /// WRITE: checks once whether decode's TP rank `rank` has notification `tag` from a
+    /// prefill rank (`inbox`: that rank's).
+    fn poll_notification(
+        &self,
+        inbox: &mut transport::Inbox,
+        rank: u32,
+        tag: &str,
+        d: crate::deadline::Deadline,
+    ) -> Result<bool> {
         let p = &self.prefill;
         p.pump(Duration::ZERO)?;
-        transport::poll_notification_from(&self.decode, &p.info.agent, inbox, tag, d).map_err(|e| match p.cause_of(e) {
+        let from: Vec<String> =
+            std::iter::once(p.info.agent.clone()).chain(p.ranks_info.iter().map(|r| r.agent.clone())).collect();
+        transport::poll_notification_from(self.rank(rank), &from, inbox, tag, d).map_err(|e| match p.cause_of(e) {
             // Name where prefill is, not only its agent.
             Error::Timeout(m) => Error::Timeout(format!("{m}; prefill is {}", p.who())),
             e => e,
@@ -428,7 +441,7 @@ fn record_strays(
         let observed = fingerprint::observed_identity(&buf, cfg.seed, pool.shape(), f.first_bad);
         let v = verify::Verdict { class: Class::Stray, observed, bit_flips: None, sectors: None, displacement: None, rows: None };
         seen.insert((d, c), Class::Stray);
-        if d != 0 || plan.predicted.get(&c) != Some(&Class::Stray) {
+        if plan.predicted.get(&(d, c)) != Some(&Class::Stray) {
             report.summary.unexpected_failures += 1;
         }
         n += 1;
@@ -774,9 +787,12 @@ pub(crate) fn in_process(cfg: &RunConfig) -> bool {
 enum Staged {
     /// The stage moves nothing (every pair dropped by an injection).
     Empty,
-    /// Posted with the stage's notification: one request per link (TP ranks), each with the
-    /// decode rank that polls it.
+    /// READ, posted with the stage's notification: one request per link (TP ranks), each
+    /// with the decode rank that polls it.
     Posted(Vec<(u32, SweepRequest)>),
+    /// WRITE: prefill was asked to post the stage (one request per link, on its side); decode
+    /// waits for each link's notification (decode rank, tag).
+    Written { request: SweepRequest, notes: Vec<(u32, String)> },
     /// Test-only ([`EARLY_NOTIFY_VAR`]): the stage's notification was sent alone; the transfer
     /// is posted after decode verified the stage.
     Deferred { pairs: Vec<Pair>, deadline: crate::deadline::Deadline },
@@ -924,6 +940,15 @@ fn sweep(
             let mut per_link = stage_requests(cfg, &cur, &stages, k)?;
             let staged = if per_link.iter().all(|p| p.is_empty()) {
                 Staged::Empty
+            } else if cfg.op == Op::Write && !early {
+                // Prefill posts every link's WRITE (its TP ranks to decode's); decode waits for
+                // each link's notification on the decode rank it lands in.
+                let p = probe.post(cfg.op, it, k, (0, 0, 0), &[], &tag(k), timeout)?;
+                let notes = (0..per_link.len())
+                    .filter(|&l| !per_link[l].is_empty())
+                    .map(|l| (cur.links[l].1, crate::sweep::link_tag(&tag(k), &cur, l)))
+                    .collect();
+                Staged::Written { request: p, notes }
             } else if early {
                 // Test-only: the notification now, the transfer after decode verified (WRITE:
                 // one rank each side).
@@ -938,12 +963,10 @@ fn sweep(
                         continue;
                     }
                     // One request per (prefill rank, decode rank), tagged with both when TP.
-                    let t = if cur.links.len() > 1 { format!("{}:tp={pr}>{dr}", tag(k)) } else { tag(k) };
+                    let t = crate::sweep::link_tag(&tag(k), &cur, l);
                     let peer = tp.targets(dr).iter().position(|&x| x == pr).expect("a link's prefill rank is a target");
                     let p = probe.post(cfg.op, it, k, (pr, dr, peer), pairs, &t, timeout)?;
-                    if cfg.op == Op::Read {
-                        tags.insert(t, p.deadline());
-                    }
+                    tags.insert(t, p.deadline());
                     posted.push((dr, p));
                 }
                 Staged::Posted(posted)
@@ -961,7 +984,7 @@ fn sweep(
         }
         // The transfer window: from building the first request's descriptors to the last
         // request's completion.
-        let mut inbox = transport::Inbox::default();
+        let mut inboxes: Vec<transport::Inbox> = (0..ranks).map(|_| transport::Inbox::default()).collect();
         let window_start = Instant::now();
         crate::trace!("iteration {it}: posting");
         for k in 0..stages.len().min(2) {
@@ -984,22 +1007,24 @@ fn sweep(
                         bytes += r.bytes;
                     }
                 }
-                (Staged::Posted(ps), Op::Write) => {
-                    let p = &mut ps[0].1;
+                (Staged::Posted(_), Op::Write) => unreachable!("a WRITE stage is Staged::Written"),
+                (Staged::Written { request, notes }, _) => {
                     // Prefill's status queries drive its progress (UCX sends the data and then
                     // the notification from the initiator's worker); its completion is kept
                     // but is not what the verify waits for.
-                    let d = p.deadline();
-                    wait(it, k, "notification", || {
-                        if written.is_none() {
-                            written = probe.poll(0, p)?;
-                        }
-                        Ok(probe.poll_notification(&mut inbox, &tag(k), d)?.then_some(()))
-                    })?;
+                    let d = request.deadline();
+                    for (dr, t) in notes.iter() {
+                        wait(it, k, "notification", || {
+                            if written.is_none() {
+                                written = probe.poll(0, request)?;
+                            }
+                            Ok(probe.poll_notification(&mut inboxes[*dr as usize], *dr, t, d)?.then_some(()))
+                        })?;
+                    }
                 }
                 (Staged::Deferred { deadline, .. }, _) => {
                     let d = *deadline;
-                    wait(it, k, "notification", || Ok(probe.poll_notification(&mut inbox, &tag(k), d)?.then_some(())))?;
+                    wait(it, k, "notification", || Ok(probe.poll_notification(&mut inboxes[0], 0, &tag(k), d)?.then_some(())))?;
                 }
             }
             if k + 2 < stages.len() {
@@ -1042,7 +1067,7 @@ fn sweep(
                     let want = fingerprint::expected(cfg.seed, &due);
                     let v = verify::classify_against(&buf, &want, &due, cfg.seed, f.slice, it);
                     seen.insert((d, c), v.class);
-                    if d != 0 || cur.predicted.get(&c) != Some(&v.class) {
+                    if cur.predicted.get(&(d, c)) != Some(&v.class) {
                         report.summary.unexpected_failures += 1;
                     }
                     corrupt += 1;
@@ -1064,10 +1089,10 @@ fn sweep(
             // WRITE: prefill's request must be complete before its source is refilled (and a
             // deferred one, of the test-only fault, is posted now and waited for).
             match staged {
-                Staged::Posted(mut ps) if cfg.op == Op::Write => {
+                Staged::Written { mut request, .. } => {
                     let r = match written {
                         Some(r) => r,
-                        None => wait(it, k, "transfer", || probe.poll(0, &mut ps[0].1))?,
+                        None => wait(it, k, "transfer", || probe.poll(0, &mut request))?,
                     };
                     bytes += r.bytes;
                 }
@@ -1159,14 +1184,18 @@ fn sweep(
             judge_path(cfg, &mut p, report.environment.as_ref());
             report.summary.transport_path = Some(p);
         }
-        for (a, hits) in cur.actions.iter().zip(&cur.hits) {
-            let hits: Vec<PredictedHit> =
-                hits.iter().map(|&(d, class)| PredictedHit { layer: d.layer, kv: d.kv, block: d.block, class }).collect();
-            let detected =
-                hits.iter().all(|h| seen.get(&(0, SliceCoord { layer: h.layer, kv: h.kv, block: h.block })) == Some(&h.class));
+        for ((a, hits), &l) in cur.actions.iter().zip(&cur.hits).zip(&cur.action_links) {
+            let detected = hits.iter().all(|(r, c, class)| seen.get(&(*r, *c)) == Some(class));
+            let tp_rank = |r: u32| (ranks > 1).then_some(r);
+            let hits: Vec<PredictedHit> = hits
+                .iter()
+                .map(|&(r, d, class)| PredictedHit { layer: d.layer, kv: d.kv, block: d.block, class, tp_rank: tp_rank(r) })
+                .collect();
+            let link = (cur.links.len() > 1)
+                .then(|| crate::report::TpLink { prefill_rank: cur.links[l].0, decode_rank: cur.links[l].1 });
             report.summary.injections_planted += 1;
             report.summary.injections_detected += detected as u64;
-            report.injections.push(InjectionRecord { iteration: it, kind: a.kind(), predicted: hits, detected });
+            report.injections.push(InjectionRecord { iteration: it, kind: a.kind(), predicted: hits, detected, link });
         }
         report.summary.iterations = it;
         times.corrupt = corrupt;

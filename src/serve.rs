@@ -474,7 +474,12 @@ fn session_inner(
     // memory and GPU, holding their heads.
     let mut ranks = Vec::new();
     for p in 1..tp.prefill {
-        let mut pool = ep.pool.sibling()?;
+        // Rank p's GPU: the run's list (in process, --decode-process), else serve's --device.
+        let dev = rc.prefill_rank_devices.get(p as usize).copied().unwrap_or(cfg.device);
+        let mut pool = match cfg.memory {
+            MemoryKind::Vram if dev != cfg.device => sweep::vram_pool_on(dev, &rc.geometry, rc.seed)?,
+            _ => ep.pool.sibling()?,
+        };
         pool.set_head_base(tp.heads_of(tp.prefill, p).start);
         ranks.push(Endpoint::with_options(&format!("kvprobe-prefill-tp{p}"), &rc.backend, pool, &opts).map_err(refusal)?);
     }
@@ -614,7 +619,11 @@ fn sweep_requests(
 ) -> Result<Ending> {
     let stages = sweep::sweep_stages(rc);
     let mut plans: BTreeMap<u32, sweep::Plan> = BTreeMap::new();
-    let mut inflight: Vec<(String, crate::nixl::Posted)> = Vec::new();
+    // WRITEs in flight: (stage tag, prefill rank, request); per stage tag, the requests
+    // still in flight, their bytes and the longest post-to-completion time (ns).
+    let mut inflight: Vec<(String, usize, crate::nixl::Posted)> = Vec::new();
+    let mut writes: std::collections::HashMap<String, (u32, u64, u64)> = std::collections::HashMap::new();
+    let tp = rc.tp.unwrap_or(crate::pairing::tp::Tp::single(rc.geometry.num_kv_heads, rc.geometry.mla));
     let check_it = |it: u32| {
         if it == 0 || it > rc.iterations.saturating_add(1) {
             return Err(Error::Transport(format!("decode asked for iteration {it} of {} (a protocol error)", rc.iterations)));
@@ -652,8 +661,8 @@ fn sweep_requests(
                 plan_for(rc, &mut plans, it)?;
                 // Filled means in memory: decode READs it next. Every TP rank's pool.
                 let mut kernel_seconds = 0.0;
-                for ep in ranks.iter_mut() {
-                    sweep::fill_stage(rc, &mut ep.pool, &plans[&it], &stages, stage.map(|k| k as usize), true)?;
+                for (p, ep) in ranks.iter_mut().enumerate() {
+                    sweep::fill_stage(rc, &mut ep.pool, p as u32, &plans[&it], &stages, stage.map(|k| k as usize), true)?;
                     kernel_seconds += ep.pool.take_kernel_seconds().fill;
                 }
                 let seconds = t.elapsed().as_secs_f64();
@@ -667,15 +676,25 @@ fn sweep_requests(
                     return Err(Error::Transport(format!("decode asked for a WRITE of stage {stage} (a protocol error)")));
                 }
                 plan_for(rc, &mut plans, it)?;
-                let pairs = sweep::stage_request(rc, &plans[&it], &stages, stage as usize)?;
-                if pairs.is_empty() {
+                let plan = &plans[&it];
+                let per_link = sweep::stage_requests(rc, plan, &stages, stage as usize)?;
+                if per_link.iter().all(|p| p.is_empty()) {
                     link.send(&Msg::Written { tag, bytes: 0, nanos: 0 })?;
                 } else {
+                    // One WRITE per link (prefill rank → decode rank), notified with the
+                    // link's tag; decode hears of the stage once all are complete.
                     let d = crate::deadline::Deadline::after(timeout);
-                    inflight.push((
-                        tag.clone(),
-                        ranks[0].post_as_initiator(Op::Write, &pairs, &tag, d).map_err(|e| attribute(link, e))?,
-                    ));
+                    let mut n = 0;
+                    for (l, pairs) in per_link.iter().enumerate().filter(|(_, p)| !p.is_empty()) {
+                        let (pr, dr) = plan.links[l];
+                        // Prefill rank pr connected the decode ranks that read it, in rank order.
+                        let peer = (0..dr).filter(|&x| tp.targets(x).contains(&pr)).count();
+                        let t = sweep::link_tag(&tag, plan, l);
+                        let posted = ranks[pr as usize].post_to(peer, Op::Write, pairs, &t, d).map_err(|e| attribute(link, e))?;
+                        inflight.push((tag.clone(), pr as usize, posted));
+                        n += 1;
+                    }
+                    writes.insert(tag.clone(), (n, 0u64, 0u64));
                     me.writes += 1;
                 }
             }
@@ -700,10 +719,16 @@ fn sweep_requests(
         }
         let mut i = 0;
         while i < inflight.len() {
-            if let Some(r) = ranks[0].poll(&mut inflight[i].1).map_err(|e| attribute(link, e))? {
-                let (tag, _) = inflight.swap_remove(i);
+            let (_, pr, posted) = &mut inflight[i];
+            if let Some(r) = ranks[*pr].poll(posted).map_err(|e| attribute(link, e))? {
+                let (tag, _, _) = inflight.swap_remove(i);
                 me.bytes_written += r.bytes;
-                link.send(&Msg::Written { tag, bytes: r.bytes, nanos: r.elapsed.as_nanos() as u64 })?;
+                let w = writes.get_mut(&tag).expect("a posted stage is counted");
+                *w = (w.0 - 1, w.1 + r.bytes, w.2.max(r.elapsed.as_nanos() as u64));
+                if w.0 == 0 {
+                    let (_, bytes, nanos) = writes.remove(&tag).expect("present");
+                    link.send(&Msg::Written { tag, bytes, nanos })?;
+                }
             } else {
                 i += 1;
             }

@@ -1,7 +1,7 @@
 //! The whole-pool sweep's plan, shared by both roles: the run's configuration
 //! ([`RunConfig`]) and its checks, the pools it allocates, each iteration's block map and
 //! injections (`plan`), prefill's fill of a stage (`fill_stage`) and the transfer pairs of
-//! a stage (`stage_request`). Everything here is a function of the configuration alone, so
+//! a stage (`stage_requests`). Everything here is a function of the configuration alone, so
 //! decode (`kvprobe run`, crate `run`) and prefill (`kvprobe serve`, crate `serve`, on this
 //! host or another) plan the same iteration without sending it to each other.
 
@@ -16,7 +16,7 @@ use crate::scenario::config::ScenarioConfig;
 use crate::transport::{Op, Pair};
 use crate::verify::Class;
 use rand::SeedableRng;
-use rand::seq::SliceRandom;
+use rand::seq::{IndexedRandom, SliceRandom};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 use std::collections::HashMap;
@@ -33,6 +33,13 @@ pub struct RunConfig {
     pub prefill_device: usize,
     /// GPU of the decode pool (VRAM).
     pub decode_device: usize,
+    /// With `--prefill-tp`: the GPU of each prefill rank, rank 0 first (`--prefill-device
+    /// A,B,...`; `prefill_device` is rank 0's). Empty: every rank on `prefill_device`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub prefill_rank_devices: Vec<usize>,
+    /// With `--decode-tp`: the GPU of each decode rank, as `prefill_rank_devices`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub decode_rank_devices: Vec<usize>,
     /// The preset the geometry started from, if any.
     pub preset: Option<Preset>,
     /// What `--model-config` resolved to (the model, `--tp`'s split, `--kv-cache-dtype`);
@@ -140,6 +147,17 @@ pub fn deserialize_seed<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::
 }
 
 impl RunConfig {
+    /// The GPU of prefill TP rank `rank` (VRAM): its entry of `prefill_rank_devices`, else
+    /// `prefill_device`.
+    pub fn prefill_device_of(&self, rank: u32) -> usize {
+        self.prefill_rank_devices.get(rank as usize).copied().unwrap_or(self.prefill_device)
+    }
+
+    /// The GPU of decode TP rank `rank` (VRAM), as [`RunConfig::prefill_device_of`].
+    pub fn decode_device_of(&self, rank: u32) -> usize {
+        self.decode_rank_devices.get(rank as usize).copied().unwrap_or(self.decode_device)
+    }
+
     /// Decode's geometry: `decode_geometry`, or prefill's.
     pub fn decode_geom(&self) -> &Geometry {
         self.decode_geometry.as_ref().unwrap_or(&self.geometry)
@@ -172,18 +190,6 @@ fn check_sides(cfg: &RunConfig) -> Result<crate::pairing::Sides> {
             "--descriptor-blocks applies to equal geometries: with --decode-layout or --decode-block-size the descriptors follow vLLM's per-block rules".into(),
         ));
     }
-    if !s.tp.is_single() && !cfg.inject.is_empty() {
-        return Err(Error::Usage(
-            "--inject with --prefill-tp/--decode-tp is not supported yet: injections act between one prefill and one decode rank"
-                .into(),
-        ));
-    }
-    if !s.tp.is_single() && cfg.op == crate::transport::Op::Write {
-        return Err(Error::Usage(
-            "--op write with --prefill-tp/--decode-tp is not supported yet: decode's ranks READ from prefill's (vLLM's flow)"
-                .into(),
-        ));
-    }
     if s.mismatched() && !cfg.inject.is_empty() {
         return Err(Error::Usage(
             "--inject needs a pair that is clean without it: prefill's and decode's layouts differ and nothing converts (add --permute-local-kv)".into(),
@@ -200,10 +206,14 @@ pub(crate) fn check_config(cfg: &RunConfig) -> Result<()> {
     // request's READ ([`crate::scenario::config::check`]).
     if cfg.scenario.is_none() {
         inject::check(&cfg.inject, &sides.planning(), &sweep_stages(cfg)).map_err(|e| match e {
-            Error::Usage(m) if !sides.equal() => Error::Usage(format!(
+            Error::Usage(m) if sides.prefill.block_size != sides.decode.block_size => Error::Usage(format!(
                 "{m} (between unequal sides an injection takes a group of {} tokens, whole blocks on both sides: the pool has {} groups per layer and K/V)",
                 sides.group_tokens(),
                 sides.groups()
+            )),
+            Error::Usage(m) if !sides.tp.is_single() && m.contains("KV heads") => Error::Usage(format!(
+                "{m}: with TP an injection acts on one prefill rank's slice, and a prefill rank holds {} of the model's {} KV heads (--prefill-tp {})",
+                sides.prefill.num_kv_heads, sides.tp.total_kv_heads, sides.tp.prefill
             )),
             e => e,
         })?;
@@ -213,7 +223,25 @@ pub(crate) fn check_config(cfg: &RunConfig) -> Result<()> {
             cfg.geometry.slice_bytes()?
         )));
     }
-    if cfg.memory == MemoryKind::Dram && (cfg.prefill_device != 0 || cfg.decode_device != 0) {
+    for (side, list, n) in
+        [("prefill", &cfg.prefill_rank_devices, sides.tp.prefill), ("decode", &cfg.decode_rank_devices, sides.tp.decode)]
+    {
+        if !list.is_empty() && list.len() != n as usize {
+            return Err(Error::Usage(format!(
+                "--{side}-device lists {} GPUs for {side} TP {n}: give one GPU (every rank shares it) or one per rank",
+                list.len()
+            )));
+        }
+        if !list.is_empty() && cfg.scenario.is_some() {
+            return Err(Error::Usage(format!("--{side}-device takes one GPU with --scenario")));
+        }
+    }
+    if cfg.memory == MemoryKind::Dram
+        && (cfg.prefill_device != 0
+            || cfg.decode_device != 0
+            || !cfg.prefill_rank_devices.is_empty()
+            || !cfg.decode_rank_devices.is_empty())
+    {
         return Err(Error::Usage("--prefill-device and --decode-device apply to --memory vram only".into()));
     }
     if cfg.max_failures > 1_000_000 {
@@ -396,6 +424,18 @@ pub(crate) fn backend_refusal(backend: &str, memory: MemoryKind, e: Error) -> Er
     }
 }
 
+/// A VRAM pool of geometry `g` on GPU `device`, with its own kernels: a TP rank placed on its
+/// own GPU (`--prefill-device A,B`, `--decode-device A,B`). Errors: environment (no GPU), as
+/// [`KvPool::device`].
+pub(crate) fn vram_pool_on(device: usize, g: &Geometry, seed: u64) -> Result<KvPool> {
+    if cuda::device_count() == 0 {
+        return Err(Error::Environment("--memory vram needs a CUDA GPU and none was found (use --memory dram)".into()));
+    }
+    let d = Device::open(device)?;
+    let k = Arc::new(Kernels::compile(&d)?);
+    KvPool::device(&d, k, g, seed)
+}
+
 /// Both pools, in this process.
 pub(crate) fn build_pools(cfg: &RunConfig) -> Result<(KvPool, KvPool)> {
     let g = &cfg.geometry;
@@ -456,6 +496,7 @@ pub(crate) fn plan(cfg: &RunConfig, it: u32) -> Result<Plan> {
         }
     }
     let links = sides.tp.links();
+    let action_links = pick_links(cfg, &sides, &links, &actions, it);
     let mut p = Plan {
         it,
         perm,
@@ -467,6 +508,7 @@ pub(crate) fn plan(cfg: &RunConfig, it: u32) -> Result<Plan> {
             .collect(),
         links,
         actions,
+        action_links,
         src_table,
         dst_table,
         src_of,
@@ -479,41 +521,66 @@ pub(crate) fn plan(cfg: &RunConfig, it: u32) -> Result<Plan> {
     let mut special = HashMap::new();
     let mut strays = Vec::new();
     let mut displaced = std::collections::HashSet::new();
-    for a in &p.actions {
+    for (a, &l) in p.actions.iter().zip(&p.action_links) {
         match *a {
-            Action::Drop { at } => prefill_slices(at).for_each(|c| drop(special.insert(c, Vec::new()))),
+            Action::Drop { at } => prefill_slices(at).for_each(|c| drop(special.insert((l, c), Vec::new()))),
+            Action::Torn { at, len } if p.links.len() > 1 => {
+                // With TP a link moves part of the group's bytes (its decode rank's heads):
+                // the tear keeps the same share of what the link moves (a multiple of 16
+                // bytes, at least 16, at most all but 16), in source order.
+                let group = sides.prefill.slice_bytes()? * kp as u64;
+                let moved: Vec<(SliceCoord, Vec<Pair>)> = prefill_slices(at).map(|c| (c, p.link_pairs(l, c))).collect();
+                let total: u64 = moved.iter().flat_map(|(_, v)| v.iter().map(|x| x.len)).sum();
+                let mut keep = match total {
+                    t if t >= 32 => ((len as u128 * t as u128 / group as u128) as u64 / 16 * 16).clamp(16, t - 16),
+                    t => t / 2,
+                };
+                for (c, mut pairs) in moved {
+                    pairs.sort_by_key(|x| x.src_off);
+                    let mut cut = Vec::new();
+                    for x in pairs {
+                        if keep == 0 {
+                            break;
+                        }
+                        cut.push(Pair { len: x.len.min(keep), ..x });
+                        keep -= x.len.min(keep);
+                    }
+                    special.insert((l, c), cut);
+                }
+            }
             Action::Torn { at, len } => {
                 let sb = sides.prefill.slice_bytes()?;
                 for (q, c) in prefill_slices(at).enumerate() {
                     let keep = len.saturating_sub(q as u64 * sb).min(sb);
                     let cut = p
-                        .pairs_of(c)
+                        .link_pairs(l, c)
                         .into_iter()
                         .filter(|x| x.src_off < keep)
                         .map(|x| Pair { len: x.len.min(keep - x.src_off), ..x });
-                    special.insert(c, cut.collect());
+                    special.insert((l, c), cut.collect());
                 }
             }
             Action::Misroute { from, to } => {
                 for (f, t) in prefill_slices(from).zip(prefill_slices(to)) {
-                    special.insert(f, p.redirect(f, t));
-                    special.insert(t, Vec::new());
+                    special.insert((l, f), p.redirect(l, f, t));
+                    special.insert((l, t), Vec::new());
                 }
             }
             Action::Stray { from, at, carrier } => {
                 for (f, t) in prefill_slices(from).zip(prefill_slices(at)) {
-                    strays.extend(p.redirect(f, t).into_iter().map(|x| (carrier as usize, x)));
+                    strays.extend(p.redirect(l, f, t).into_iter().map(|x| (carrier as usize, l, x)));
                 }
             }
             Action::HeadOffset { at } | Action::TokenOffset { at } => {
                 let plant = if matches!(a, Action::HeadOffset { .. }) { Plant::HeadOffset } else { Plant::TokenOffset };
+                let (pr, dr) = p.links[l];
                 for (q, c) in prefill_slices(at).enumerate() {
-                    let chunks = sides.chunks(q as u32, plant);
+                    let chunks = sides.chunks_between(pr, dr, q as u32, plant);
                     displaced.extend(chunks.iter().filter(|ch| ch.displaced).map(|ch| {
                         let x = p.pair(c, ch);
-                        (x.src, x.dst, x.dst_off)
+                        (l, x.src, x.dst, x.dst_off)
                     }));
-                    special.insert(c, chunks.iter().map(|ch| p.pair(c, ch)).collect());
+                    special.insert((l, c), chunks.iter().map(|ch| p.pair(c, ch)).collect());
                 }
             }
             Action::Bitflip { .. } | Action::Stale { .. } => {}
@@ -524,6 +591,33 @@ pub(crate) fn plan(cfg: &RunConfig, it: u32) -> Result<Plan> {
     predict(&sides, &mut p, &displaced)?;
     Ok(p)
 }
+
+/// The link ([`Plan::links`]) each of `actions` acts on: with one rank each side, link 0;
+/// with TP, one drawn per action with the seed (its own stream, so the block map and the
+/// injections' places are those of the same run without TP), among the links where the
+/// fault changes something (a head offset needs a decode rank reading a prefill head that
+/// has a next head in its rank's slice).
+fn pick_links(cfg: &RunConfig, sides: &Sides, links: &[(u32, u32)], actions: &[Action], it: u32) -> Vec<usize> {
+    if links.len() == 1 {
+        return vec![0; actions.len()];
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ 0x4C49_4E4B_5F54_5021 ^ (it as u64).wrapping_mul(0xD1B5_4A32_D192_ED03));
+    let shifts = |l: usize| {
+        let (pr, dr) = links[l];
+        (0..sides.prefill_per_group()).any(|q| sides.chunks_between(pr, dr, q, Plant::HeadOffset).iter().any(|c| c.displaced))
+    };
+    actions
+        .iter()
+        .map(|a| {
+            let ok: Vec<usize> = (0..links.len()).filter(|&l| !matches!(a, Action::HeadOffset { .. }) || shifts(l)).collect();
+            ok.choose(&mut rng).copied().unwrap_or(0)
+        })
+        .collect()
+}
+
+/// A pair landing in a decode slice, for [`predict`]: the pair, its link, and whether it is
+/// an injected stray write.
+type Landed = (Pair, usize, bool);
 
 /// What arrives in a decode slice, by source, for [`predict`].
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -540,14 +634,20 @@ enum Piece {
     Foreign(SliceCoord),
 }
 
-/// Fills `p.predicted` and `p.hits` (`displaced`: the planted offsets' pairs, by source
-/// slice, destination slice and destination offset): for every decode slice an injection reaches, the class
-/// the verifier must report, from what lands there (README "Injections"): nothing →
-/// `unwritten`; part of the slice → `torn`; a stray write → `stray`; the rows due with a
-/// flipped bit → `bitflip`, displaced → `layout`, of the previous generation → `stale`;
-/// one other group's rows → `misplaced`; any other mix → `torn`. A slice whose rows all
-/// arrive intact is not listed.
-fn predict(sides: &Sides, p: &mut Plan, displaced: &std::collections::HashSet<(SliceCoord, SliceCoord, u64)>) -> Result<()> {
+/// Fills `p.predicted` and `p.hits` (`displaced`: the planted offsets' pairs, by link,
+/// source slice, destination slice and destination offset): for every decode slice (on its
+/// TP rank) an injection reaches, the class the verifier must report, from what lands there
+/// over every link into that rank (README "Injections"): nothing → `unwritten`; part of the
+/// slice → `torn`; a stray write → `stray`; the rows due with a flipped bit → `bitflip`,
+/// displaced → `layout`, of the previous generation → `stale`; one other group's rows →
+/// `misplaced`; any other mix → `torn`. A slice whose rows all arrive intact is not listed.
+/// Stale and bitflip are planted in the pool of their link's prefill rank, so every decode
+/// rank reading those rows sees them.
+fn predict(
+    sides: &Sides,
+    p: &mut Plan,
+    displaced: &std::collections::HashSet<(usize, SliceCoord, SliceCoord, u64)>,
+) -> Result<()> {
     let (kp, kd) = (p.kp, p.kd);
     let sbd = sides.decode.slice_bytes()?;
     let sbp = sides.prefill.slice_bytes()?;
@@ -555,71 +655,79 @@ fn predict(sides: &Sides, p: &mut Plan, displaced: &std::collections::HashSet<(S
     let decode_slices = |g: SliceCoord, perm: &[u32]| -> Vec<SliceCoord> {
         (0..kd).map(|j| SliceCoord { block: perm[g.block as usize] * kd + j, ..g }).collect()
     };
+    let ranks = sides.tp.decode;
     let mut groups: Vec<SliceCoord> = Vec::new();
+    // (prefill rank, group) and (prefill rank, prefill slice, byte offset).
     let (mut stale, mut flip) = (Vec::new(), Vec::new());
-    for a in &p.actions {
+    for (a, &l) in p.actions.iter().zip(&p.action_links) {
+        let pr = p.links[l].0;
         match *a {
             Action::Misroute { from, to } => groups.extend([from, to]),
             Action::Stray { at, .. } => groups.push(at),
             Action::Stale { at } => {
                 groups.push(at);
-                stale.push(at);
+                stale.push((pr, at));
             }
             Action::Bitflip { at, offset, .. } => {
                 groups.push(at);
-                flip.push((SliceCoord { block: at.block * kp + (offset / sbp) as u32, ..at }, offset % sbp));
+                flip.push((pr, SliceCoord { block: at.block * kp + (offset / sbp) as u32, ..at }, offset % sbp));
             }
             Action::Drop { at } | Action::Torn { at, .. } | Action::HeadOffset { at } | Action::TokenOffset { at } => {
                 groups.push(at)
             }
         }
     }
-    // Every pair that lands in a decode slice of these groups.
-    let mut landing: HashMap<SliceCoord, Vec<(Pair, bool)>> = HashMap::new();
+    // Every pair that lands in a decode slice of these groups, on any decode rank, with its link.
+    let mut landing: HashMap<(u32, SliceCoord), Vec<Landed>> = HashMap::new();
     for g in &groups {
         for d in decode_slices(*g, &p.perm) {
-            landing.entry(d).or_default();
-        }
-    }
-    // The prefill slices whose pairs may land there: the groups' own and every injected one.
-    let sources: std::collections::HashSet<SliceCoord> = groups
-        .iter()
-        .flat_map(|g| (0..kp).map(move |q| SliceCoord { block: g.block * kp + q, ..*g }))
-        .chain(p.special.keys().copied())
-        .collect();
-    for &c in &sources {
-        for x in p.pairs_of(c) {
-            if let Some(v) = landing.get_mut(&x.dst) {
-                v.push((x, false));
+            for r in 0..ranks {
+                landing.entry((r, d)).or_default();
             }
         }
     }
-    for (_, x) in &p.strays {
-        if let Some(v) = landing.get_mut(&x.dst) {
-            v.push((*x, true));
+    // The prefill slices whose pairs may land there: the groups' own over every link, and
+    // every injected one.
+    let sources: std::collections::HashSet<(usize, SliceCoord)> = groups
+        .iter()
+        .flat_map(|g| (0..kp).map(move |q| SliceCoord { block: g.block * kp + q, ..*g }))
+        .flat_map(|c| (0..p.links.len()).map(move |l| (l, c)))
+        .chain(p.special.keys().copied())
+        .collect();
+    for &(l, c) in &sources {
+        for x in p.pairs_of(l, c) {
+            if let Some(v) = landing.get_mut(&(p.links[l].1, x.dst)) {
+                v.push((x, l, false));
+            }
+        }
+    }
+    for &(_, l, x) in &p.strays {
+        if let Some(v) = landing.get_mut(&(p.links[l].1, x.dst)) {
+            v.push((x, l, true));
         }
     }
     let mut predicted = HashMap::new();
-    for (d, pieces) in &landing {
-        let due = group_of(SliceCoord { block: p.src_of[d.block as usize], ..*d });
+    for (&(r, d), pieces) in &landing {
+        let due = group_of(SliceCoord { block: p.src_of[d.block as usize], ..d });
         let mut covered = 0;
         let mut kinds = Vec::new();
         let mut stray = false;
-        for (x, is_stray) in pieces {
-            if *is_stray {
+        for &(x, l, is_stray) in pieces {
+            if is_stray {
                 stray = true;
                 continue;
             }
             covered += x.len;
             let g = group_of(x.src);
-            let shifted = displaced.contains(&(x.src, x.dst, x.dst_off));
+            let pr = p.links[l].0;
+            let shifted = displaced.contains(&(l, x.src, x.dst, x.dst_off));
             kinds.push(if g != due {
                 Piece::Foreign(g)
-            } else if stale.contains(&g) {
+            } else if stale.contains(&(pr, g)) {
                 Piece::Stale
             } else if shifted {
                 Piece::Displaced
-            } else if flip.iter().any(|&(c, o)| c == x.src && (x.src_off..x.src_off + x.len).contains(&o)) {
+            } else if flip.iter().any(|&(fr, c, o)| fr == pr && c == x.src && (x.src_off..x.src_off + x.len).contains(&o)) {
                 Piece::Flipped
             } else {
                 Piece::Expected
@@ -648,7 +756,7 @@ fn predict(sides: &Sides, p: &mut Plan, displaced: &std::collections::HashSet<(S
             Some(Class::Torn)
         };
         if let Some(class) = class {
-            predicted.insert(*d, class);
+            predicted.insert((r, d), class);
         }
     }
     p.hits = p
@@ -665,20 +773,24 @@ fn predict(sides: &Sides, p: &mut Plan, displaced: &std::collections::HashSet<(S
                 | Action::HeadOffset { at }
                 | Action::TokenOffset { at } => vec![at],
             };
-            gs.into_iter().flat_map(|g| decode_slices(g, &p.perm)).filter_map(|d| predicted.get(&d).map(|c| (d, *c))).collect()
+            gs.into_iter()
+                .flat_map(|g| decode_slices(g, &p.perm))
+                .flat_map(|d| (0..ranks).filter_map(|r| predicted.get(&(r, d)).map(|c| (r, d, *c))).collect::<Vec<_>>())
+                .collect()
         })
         .collect();
     p.predicted = predicted;
     Ok(())
 }
 
-/// Prefill's part of a sweep iteration on `pool`: fills `stage` of `stages` (every layer:
-/// `None`) with `plan`'s generation — loading `plan`'s table first when the stage is the
-/// iteration's first — waits for the fill when `wait`, and plants `plan`'s prefill-side faults
-/// there. The in-process sweep and `serve` both fill through it.
+/// Prefill's part of a sweep iteration on `pool`, prefill TP rank `rank`'s: fills `stage` of
+/// `stages` (every layer: `None`) with `plan`'s generation — loading `plan`'s table first when
+/// the stage is the iteration's first — waits for the fill when `wait`, and plants `plan`'s
+/// prefill-side faults of that rank there. The in-process sweep and `serve` both fill through it.
 pub(crate) fn fill_stage(
     cfg: &RunConfig,
     pool: &mut KvPool,
+    rank: u32,
     plan: &Plan,
     stages: &[Range<u32>],
     stage: Option<usize>,
@@ -692,17 +804,21 @@ pub(crate) fn fill_stage(
     if wait {
         pool.finish()?;
     }
-    apply_source_faults(cfg, pool, plan, &layers)
+    apply_source_faults(cfg, pool, rank, plan, &layers)
 }
 
 /// Applies the prefill-side faults of `plan` (stale, bitflip) that fall in `layers` to
-/// prefill's `pool`, after their fill: the side that owns a fault plants it. A fault names a
-/// group ([`Sides::planning`]): stale rewrites each of its prefill slices with the previous
-/// generation; bitflip's offset counts the group's prefill slices back to back.
-fn apply_source_faults(cfg: &RunConfig, pool: &mut KvPool, plan: &Plan, layers: &Range<u32>) -> Result<()> {
+/// prefill TP rank `rank`'s `pool`, after their fill: the side that owns a fault plants it,
+/// in the prefill rank of the fault's link. A fault names a group ([`Sides::planning`]):
+/// stale rewrites each of its prefill slices with the previous generation; bitflip's offset
+/// counts the group's prefill slices back to back.
+fn apply_source_faults(cfg: &RunConfig, pool: &mut KvPool, rank: u32, plan: &Plan, layers: &Range<u32>) -> Result<()> {
     let sb = cfg.geometry.slice_bytes()? as usize;
     let kp = plan.kp;
-    for a in &plan.actions {
+    for (a, &l) in plan.actions.iter().zip(&plan.action_links) {
+        if plan.links[l].0 != rank {
+            continue;
+        }
         match *a {
             Action::Stale { at } if layers.contains(&at.layer) => {
                 for q in 0..kp {
@@ -725,17 +841,17 @@ fn apply_source_faults(cfg: &RunConfig, pool: &mut KvPool, plan: &Plan, layers: 
     Ok(())
 }
 
-/// The transfer pairs of `layers` under `plan` (injected drops, tears, misroutes and planted
-/// offsets applied), in descriptor order: each prefill slice's chunks ([`Plan::pairs_of`]);
-/// with `descriptor_blocks` > 1, the slices of each run that are contiguous on both sides
-/// become one descriptor ([`coalesce`]).
-pub(crate) fn stage_pairs(cfg: &RunConfig, plan: &Plan, layers: Range<u32>) -> Result<Vec<Pair>> {
+/// The transfer pairs of `layers` over link `l` under `plan` (injected drops, tears,
+/// misroutes and planted offsets applied), in descriptor order: each prefill slice's chunks
+/// ([`Plan::pairs_of`]); with `descriptor_blocks` > 1, the slices of each run that are
+/// contiguous on both sides become one descriptor ([`coalesce`]).
+fn stage_pairs(cfg: &RunConfig, plan: &Plan, l: usize, layers: Range<u32>) -> Result<Vec<Pair>> {
     let g = &cfg.geometry;
     let mut pairs: Vec<Pair> = layers
         .flat_map(|layer| {
             g.parts().iter().flat_map(move |&kv| (0..g.num_blocks).map(move |block| SliceCoord { layer, kv, block }))
         })
-        .flat_map(|c| plan.pairs_of(c))
+        .flat_map(|c| plan.pairs_of(l, c))
         .collect();
     if cfg.descriptor_blocks > 1 {
         pairs = coalesce(g, pairs, cfg.descriptor_blocks);
@@ -743,30 +859,27 @@ pub(crate) fn stage_pairs(cfg: &RunConfig, plan: &Plan, layers: Range<u32>) -> R
     Ok(pairs)
 }
 
-/// Stage `k`'s pairs of `plan` with its injected stray writes (`--inject stray`: after
-/// coalescing, so never merged with the stage's own pairs): link 0's.
-pub(crate) fn stage_request(cfg: &RunConfig, plan: &Plan, stages: &[Range<u32>], k: usize) -> Result<Vec<Pair>> {
-    let mut pairs = stage_pairs(cfg, plan, stages[k].clone())?;
-    pairs.extend(plan.strays.iter().filter(|(c, _)| *c == k).map(|(_, p)| *p));
-    Ok(pairs)
+/// Stage `k`'s pairs of `plan`, one list per link ([`Plan::links`]; one rank each side: one
+/// list), each with its link's injected stray writes (`--inject stray`: after coalescing,
+/// so never merged with the stage's own pairs).
+pub(crate) fn stage_requests(cfg: &RunConfig, plan: &Plan, stages: &[Range<u32>], k: usize) -> Result<Vec<Vec<Pair>>> {
+    (0..plan.links.len())
+        .map(|l| {
+            let mut pairs = stage_pairs(cfg, plan, l, stages[k].clone())?;
+            pairs.extend(plan.strays.iter().filter(|(c, sl, _)| *c == k && *sl == l).map(|(_, _, p)| *p));
+            Ok(pairs)
+        })
+        .collect()
 }
 
-/// Stage `k`'s pairs of `plan`, one list per link ([`Plan::links`]): link 0's as
-/// [`stage_request`], the others' chunks alone (injections act on link 0).
-pub(crate) fn stage_requests(cfg: &RunConfig, plan: &Plan, stages: &[Range<u32>], k: usize) -> Result<Vec<Vec<Pair>>> {
-    let mut out = vec![stage_request(cfg, plan, stages, k)?];
-    let g = &cfg.geometry;
-    for l in 1..plan.links.len() {
-        let pairs = stages[k]
-            .clone()
-            .flat_map(|layer| {
-                g.parts().iter().flat_map(move |&kv| (0..g.num_blocks).map(move |block| SliceCoord { layer, kv, block }))
-            })
-            .flat_map(|c| plan.link_pairs(l, c))
-            .collect();
-        out.push(pairs);
+/// The notification tag of link `l`'s request of a stage tagged `tag`: `tag` with one rank
+/// each side, else `tag:tp=P>D` (prefill rank P, decode rank D), so that each TP rank's
+/// request is notified on its own.
+pub(crate) fn link_tag(tag: &str, plan: &Plan, l: usize) -> String {
+    match plan.links.len() {
+        1 => tag.to_string(),
+        _ => format!("{tag}:tp={}>{}", plan.links[l].0, plan.links[l].1),
     }
-    Ok(out)
 }
 
 /// One sweep iteration's plan, made before its fill (which the pipeline runs while the
@@ -783,25 +896,28 @@ pub(crate) struct Plan {
     /// ([`Sides::chunks_between`]).
     templates: Vec<Vec<Vec<crate::pairing::Chunk>>>,
     /// The (prefill rank, decode rank) pairs blocks move between ([`crate::pairing::tp::Tp::links`];
-    /// one rank each: `[(0, 0)]`). Injections act on link 0.
+    /// one rank each: `[(0, 0)]`).
     pub(crate) links: Vec<(u32, u32)>,
     /// The injections, on groups ([`Sides::planning`]).
     pub(crate) actions: Vec<Action>,
+    /// The link each injection acts on (index into `links`, in `actions` order; [`pick_links`]).
+    pub(crate) action_links: Vec<usize>,
     /// What each prefill slot holds.
     pub(crate) src_table: Vec<TableEntry>,
     /// What each decode slot must hold after the transfer.
     pub(crate) dst_table: Vec<TableEntry>,
     /// Decode slot → the first prefill slot it takes rows from.
     pub(crate) src_of: Vec<u32>,
-    /// Injected pairs by source slice (empty: nothing of it is sent).
-    pub(crate) special: HashMap<SliceCoord, Vec<Pair>>,
-    /// Decode slices where an injection must show, with its class.
-    pub(crate) predicted: HashMap<SliceCoord, Class>,
-    /// Per action (in `actions` order), the decode slices it reaches and their classes.
-    pub(crate) hits: Vec<Vec<(SliceCoord, Class)>>,
+    /// Injected pairs by link and source slice (empty: nothing of it is sent over that link).
+    pub(crate) special: HashMap<(usize, SliceCoord), Vec<Pair>>,
+    /// Decode slices (by decode TP rank) where an injection must show, with its class.
+    pub(crate) predicted: HashMap<(u32, SliceCoord), Class>,
+    /// Per action (in `actions` order), the decode slices (decode TP rank, slice) it reaches
+    /// and their classes.
+    pub(crate) hits: Vec<Vec<(u32, SliceCoord, Class)>>,
     /// Injected stray writes (`--inject stray`): extra pairs, by the stage whose request
-    /// carries them.
-    pub(crate) strays: Vec<(usize, Pair)>,
+    /// carries them and the link.
+    pub(crate) strays: Vec<(usize, usize, Pair)>,
 }
 
 impl Plan {
@@ -811,11 +927,11 @@ impl Plan {
         Pair { src: c, dst, len: ch.len, src_off: ch.src_off, dst_off: ch.dst_off }
     }
 
-    /// The pairs prefill slice `c` travels in over link 0: the injected ones, or its chunks.
-    pub(crate) fn pairs_of(&self, c: SliceCoord) -> Vec<Pair> {
-        match self.special.get(&c) {
+    /// The pairs prefill slice `c` travels in over link `l`: the injected ones, or its chunks.
+    pub(crate) fn pairs_of(&self, l: usize, c: SliceCoord) -> Vec<Pair> {
+        match self.special.get(&(l, c)) {
             Some(v) => v.clone(),
-            None => self.link_pairs(0, c),
+            None => self.link_pairs(l, c),
         }
     }
 
@@ -824,10 +940,10 @@ impl Plan {
         self.templates[l][(c.block % self.kp) as usize].iter().map(|ch| self.pair(c, ch)).collect()
     }
 
-    /// Prefill slice `from`'s chunks into the decode places of prefill slice `to` (the same
-    /// position in another group).
-    fn redirect(&self, from: SliceCoord, to: SliceCoord) -> Vec<Pair> {
-        self.templates[0][(to.block % self.kp) as usize].iter().map(|ch| Pair { src: from, ..self.pair(to, ch) }).collect()
+    /// Prefill slice `from`'s chunks over link `l` into the decode places of prefill slice
+    /// `to` (the same position in another group).
+    fn redirect(&self, l: usize, from: SliceCoord, to: SliceCoord) -> Vec<Pair> {
+        self.templates[l][(to.block % self.kp) as usize].iter().map(|ch| Pair { src: from, ..self.pair(to, ch) }).collect()
     }
 }
 

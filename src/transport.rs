@@ -747,12 +747,19 @@ pub fn poll_notification(
     deadline: Deadline,
 ) -> Result<bool> {
     let (init, other) = roles(op, prefill, decode);
-    poll_notification_from(other, &init.name(), inbox, tag, deadline)
+    poll_notification_from(other, &[init.name()], inbox, tag, deadline)
 }
 
-/// [`poll_notification`] for a receiving role `receiver` whose initiator is the agent named
-/// `from` (it may live in another process or host: `run --peer`).
-pub fn poll_notification_from(receiver: &Endpoint, from: &str, inbox: &mut Inbox, tag: &str, deadline: Deadline) -> Result<bool> {
+/// [`poll_notification`] for a receiving role `receiver` whose initiators are the agents
+/// named in `from` (they may live in another process or host: `run --peer`; several with
+/// prefill TP ranks; notifications of other agents are dropped).
+pub fn poll_notification_from(
+    receiver: &Endpoint,
+    from: &[String],
+    inbox: &mut Inbox,
+    tag: &str,
+    deadline: Deadline,
+) -> Result<bool> {
     let other = receiver;
     if inbox.got.remove(tag) {
         inbox.late_misses = 0;
@@ -762,9 +769,9 @@ pub fn poll_notification_from(receiver: &Endpoint, from: &str, inbox: &mut Inbox
     let got = other.raw_notifications()?;
     let returned = Instant::now();
     if crate::deadline::crossed(&deadline, asked, returned) {
-        return Err(query_crossed(tag, from, &deadline, asked, returned));
+        return Err(query_crossed(tag, &from.join(" or "), &deadline, asked, returned));
     }
-    inbox.got.extend(got.into_iter().filter(|(peer, _)| *peer == from).map(|(_, m)| m));
+    inbox.got.extend(got.into_iter().filter(|(peer, _)| from.contains(peer)).map(|(_, m)| m));
     if inbox.got.remove(tag) {
         inbox.late_misses = 0;
         return Ok(true);
@@ -773,7 +780,8 @@ pub fn poll_notification_from(receiver: &Endpoint, from: &str, inbox: &mut Inbox
         inbox.late_misses += 1;
         if inbox.late_misses >= 2 {
             return Err(crate::error::Error::Timeout(format!(
-                "no notification {tag} from {from} within --timeout {:.6} s ({:.3} s since its request was posted)",
+                "no notification {tag} from {} within --timeout {:.6} s ({:.3} s since its request was posted)",
+                from.join(" or "),
                 deadline.limit_secs(),
                 deadline.elapsed_secs()
             )));

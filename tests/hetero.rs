@@ -519,21 +519,211 @@ fn tensor_parallel_pairs_are_clean_on(memory: &str) {
 
 #[test]
 fn what_kvprobe_refuses_of_tensor_parallel_pairs_exits_2_with_the_reason() {
-    let cases: [(&[&str], &str); 8] = [
+    let cases: [(&[&str], &str); 9] = [
         (&["--prefill-tp", "2", "--decode-tp", "1"], "add --layout hnd"),
         (&["--layout", "hnd", "--prefill-tp", "2", "--decode-layout", "nhd"], "--permute-local-kv"),
         (&["--layout", "hnd", "--prefill-tp", "3", "--kv-heads", "6", "--decode-tp", "2"], "do not divide"),
         (&["--layout", "hnd", "--prefill-tp", "4", "--decode-tp", "2", "--kv-heads", "2"], "_validate_remote_agent_handshake"),
         (&["--layout", "hnd", "--prefill-tp", "3", "--kv-heads", "2"], "split evenly"),
         (&["--layout", "hnd", "--prefill-tp", "2", "--block-size", "16", "--decode-block-size", "32"], "equal block sizes"),
-        (&["--layout", "hnd", "--decode-tp", "2", "--inject", "drop"], "not supported yet"),
-        (&["--layout", "hnd", "--decode-tp", "2", "--op", "write"], "not supported yet"),
+        (
+            &["--layout", "hnd", "--prefill-tp", "2", "--inject", "head-offset"],
+            "a prefill rank holds 1 of the model's 2 KV heads",
+        ),
+        (&["--layout", "hnd", "--decode-tp", "2", "--inject", "token-offset", "--block-size", "1"], "at least 2 tokens"),
+        (&["--layout", "hnd", "--decode-tp", "2", "--decode-device", "0,1,2"], "lists 3 GPUs for decode TP 2"),
     ];
     for (args, why) in cases {
         let (code, _, out) = run_with_report("hetero-tp-refused", "dram", args);
         assert_eq!(code, 2, "{args:?}: {out}");
         assert!(out.contains(why), "{args:?}: wanted {why:?} in {out}");
     }
+}
+
+/// What one injection on link (prefill rank `p`, decode rank `d`) of a TP pair shows, by
+/// class and decode rank, per iteration — the tests' own table from vLLM's head split (not
+/// kvprobe's prediction): `kd` decode blocks per group; `tp` (P, D, KV heads). A decode rank
+/// reading from several prefill ranks (P > D) gets the rest of its slice intact, so what
+/// would be unwritten, misplaced or stale there is torn; a fault in prefill's pool (stale,
+/// bitflip) reaches every decode rank reading those rows.
+fn classes_across(kind: &str, p: u64, d: u64, tp: (u64, u64, u64), kd: u64) -> Vec<(&'static str, u64, u64)> {
+    let (pp, dd, h) = tp;
+    let several = pp > dd; // decode rank d reads from several prefill ranks
+    match kind {
+        "drop" => vec![(if several { "torn" } else { "unwritten" }, d, kd)],
+        "misroute" if several => vec![("torn", d, 2 * kd)],
+        "misroute" => vec![("misplaced", d, kd), ("unwritten", d, kd)],
+        "stray" => vec![("stray", d, kd)],
+        "head-offset" | "token-offset" => vec![("layout", d, kd)],
+        // Every decode rank that reads prefill rank p (vLLM's get_target_remote_ranks).
+        "stale" if several => vec![("stale-or-torn", p * dd / pp, kd)],
+        "stale" => (p * (dd / pp)..(p + 1) * (dd / pp)).map(|r| ("stale", r, kd)).collect(),
+        // One byte of one head: on each decode rank holding that head (GQA replication puts
+        // a head on D / H ranks).
+        "bitflip" => vec![("bitflip", u64::MAX, (dd / h).max(1))],
+        k => panic!("no table entry for {k}"),
+    }
+}
+
+#[test]
+fn every_injection_is_found_as_predicted_across_tp_ranks() {
+    every_injection_is_found_as_predicted_across_tp_ranks_on("dram");
+}
+
+#[test]
+fn vram_every_injection_is_found_as_predicted_across_tp_ranks() {
+    if crate::common::gpu_or_skip("vram_every_injection_is_found_as_predicted_across_tp_ranks") {
+        every_injection_is_found_as_predicted_across_tp_ranks_on("vram");
+    }
+}
+
+fn every_injection_is_found_as_predicted_across_tp_ranks_on(memory: &str) {
+    // (prefill TP, decode TP, KV heads, decode blocks per group, extra flags)
+    let all: [(u64, u64, u64, u64, &[&str]); 7] = [
+        (1, 2, 2, 1, &[]),
+        (2, 1, 4, 1, &[]),
+        (2, 4, 2, 1, &["--op", "write"]),
+        (1, 4, 2, 1, &["--decode-process"]),
+        (4, 2, 8, 1, &["--decode-layout", "nhd", "--permute-local-kv"]),
+        (1, 2, 4, 1, &["--block-size", "32", "--decode-block-size", "16", "--blocks", "32"]),
+        (2, 2, 4, 1, &["--op", "write", "--decode-process"]),
+    ];
+    // VRAM: fewer pairs (the GPU lane's whole test binary has a time bound).
+    let cases = if memory == "vram" { &all[2..5] } else { &all[..] };
+    for &(p, d, h, kd, extra) in cases {
+        let kd = if extra.contains(&"32") { 2 } else { kd };
+        for kind in ["bitflip", "drop", "misroute", "stale", "torn", "head-offset", "token-offset", "stray"] {
+            if kind == "head-offset" && per_rank(h, p) < 2 {
+                continue; // refused: a prefill rank's slice has one head (the refusal tests)
+            }
+            let (ps, ds, hs) = (p.to_string(), d.to_string(), h.to_string());
+            let its: u64 = 2;
+            let mut a = vec!["--iterations", "2", "--layout", "hnd", "--kv-heads", &hs, "--prefill-tp", &ps, "--decode-tp", &ds];
+            a.extend_from_slice(extra);
+            a.extend_from_slice(&["--inject", kind, "--pipeline-stages", "4", "--max-failures", "100000", "--seed", "5"]);
+            let (code, r, out) = run_with_report("hetero-tp-inject", memory, &a);
+            let ctx = format!("TP {p} -> {d}, {h} KV heads {extra:?} --inject {kind}");
+            assert_eq!(code, 1, "{ctx}: {out}");
+            assert_eq!(r["summary"]["injections_planted"], its, "{ctx}");
+            assert_eq!(r["summary"]["injections_detected"], its, "{ctx}: {out}");
+            assert_eq!(r["summary"]["unexpected_failures"], 0, "{ctx}");
+            assert_eq!(failure_set(&r), predicted_set(&r), "{ctx}");
+            let fails = r["failures"].as_array().unwrap();
+            for inj in r["injections"].as_array().unwrap() {
+                let it = inj["iteration"].as_u64().unwrap();
+                let (lp, ld) = (inj["link"]["prefill_rank"].as_u64().unwrap(), inj["link"]["decode_rank"].as_u64().unwrap());
+                assert!(lp < p && ld < d, "{ctx}: link {inj}");
+                // The tests' own reading of vLLM's targets: decode rank ld reads prefill rank lp.
+                let reads = if d >= p { ld / (d / p) == lp } else { (ld * (p / d)..(ld + 1) * (p / d)).contains(&lp) };
+                assert!(reads, "{ctx}: decode rank {ld} does not read prefill rank {lp}");
+                let got: Vec<(&str, u64)> = fails
+                    .iter()
+                    .filter(|f| f["iteration"] == it)
+                    .map(|f| (f["class"].as_str().unwrap(), f["tp_rank"].as_u64().unwrap_or(0)))
+                    .collect();
+                if kind == "torn" {
+                    // A prefix of the group's bytes on link (lp, ld): torn or unwritten there,
+                    // on rank ld only.
+                    assert!(
+                        !got.is_empty() && got.iter().all(|(c, r)| (*c == "torn" || *c == "unwritten") && *r == ld),
+                        "{ctx}: {got:?}"
+                    );
+                    continue;
+                }
+                let want = classes_across(kind, lp, ld, (p, d, h), kd);
+                let total: u64 = want.iter().map(|w| w.2).sum();
+                assert_eq!(got.len() as u64, total, "{ctx} iteration {it}: {got:?}, wanted {want:?}");
+                for (class, rank, n) in want {
+                    let matching = got
+                        .iter()
+                        .filter(|(c, r)| {
+                            (rank == u64::MAX || *r == rank)
+                                && (*c == class || (class == "stale-or-torn" && (*c == "stale" || *c == "torn")))
+                        })
+                        .count() as u64;
+                    assert_eq!(matching, n, "{ctx} iteration {it}: {got:?}, wanted {class} x{n} on rank {rank}");
+                }
+            }
+        }
+    }
+}
+
+/// TP ranks on their own GPUs (two-GPU host): decode's ranks split over GPUs 0 and 1, and
+/// both sides' ranks crossed (prefill rank 0 on GPU 0 reads into decode rank 0 on GPU 1), in
+/// one process and with a prefill process, clean and with faults on links.
+#[test]
+fn vram_tp_ranks_on_their_own_gpus() {
+    if !crate::common::two_gpus_or_skip("vram_tp_ranks_on_their_own_gpus") {
+        return;
+    }
+    let cases: [&[&str]; 4] = [
+        &["--prefill-tp", "1", "--decode-tp", "2", "--decode-device", "0,1"],
+        &["--prefill-tp", "2", "--decode-tp", "2", "--prefill-device", "0,1", "--decode-device", "1,0", "--decode-process"],
+        &["--prefill-tp", "2", "--decode-tp", "4", "--prefill-device", "1,0", "--decode-device", "0,0,1,1", "--op", "write"],
+        &["--prefill-tp", "4", "--decode-tp", "2", "--prefill-device", "0,1,0,1", "--decode-device", "1,0"],
+    ];
+    for c in cases {
+        for inject in [&[][..], &["--inject", "drop", "--inject", "stale", "--inject", "head-offset"][..]] {
+            let mut a = vec!["--iterations", "2", "--layout", "hnd", "--kv-heads", "8"];
+            a.extend_from_slice(c);
+            a.extend_from_slice(inject);
+            let (code, r, out) = run_with_report("hetero-tp-gpus", "vram", &a);
+            let ctx = format!("{c:?} {inject:?}");
+            assert_eq!(code, if inject.is_empty() { 0 } else { 1 }, "{ctx}: {out}");
+            assert_eq!(r["summary"]["injections_detected"], r["summary"]["injections_planted"], "{ctx}: {out}");
+            assert_eq!(r["summary"]["unexpected_failures"], 0, "{ctx}: {out}");
+            assert!(out.contains("GPUs by rank:"), "{ctx}: {out}");
+        }
+    }
+}
+
+#[test]
+fn a_dump_of_tp_ranks_regenerates_each_ranks_heads() {
+    let d = tmpdir("hetero-tp-dump");
+    let (dump, rp, b) = (d.join("D"), d.join("r.json"), d.join("b.tar.gz"));
+    let (code, out, err) = kvprobe(&[
+        "run",
+        "--memory",
+        "dram",
+        "--iterations",
+        "1",
+        "--layout",
+        "hnd",
+        "--kv-heads",
+        "4",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "4",
+        "--inject",
+        "stale:2",
+        "--inject",
+        "head-offset",
+        "--dump",
+        dump.to_str().unwrap(),
+        "--report",
+        rp.to_str().unwrap(),
+        "--seed",
+        "3",
+    ]);
+    assert_eq!(code, 1, "{out}{err}");
+    let index: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dump.join("index.json")).unwrap()).unwrap();
+    let slices = index["slices"].as_array().unwrap();
+    assert!(!slices.is_empty());
+    for e in slices {
+        // Decode rank r of 4 over 4 KV heads holds head r: the regenerate command names it
+        // as the slice's first head (the last argument before the output file).
+        let r = e["tp_rank"].as_u64().expect("a TP failure names its decode rank");
+        let cmd = e["regenerate"].as_str().unwrap();
+        let words: Vec<&str> = cmd.split_whitespace().collect();
+        assert_eq!(words[words.len() - 2], r.to_string(), "{cmd}");
+        assert!(e["file"].as_str().unwrap().ends_with(&format!("-tp{r}.bin")), "{e}");
+    }
+    let (code, out, err) = kvprobe(&["bundle", "--report", rp.to_str().unwrap(), "-o", b.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}{err}");
+    let (code, out, err) = kvprobe(&["report", "check", b.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("everything agrees"), "{out}");
 }
 
 /// Every decode rank's slice, assembled from the prefill ranks' slices by the chunks between

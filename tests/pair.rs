@@ -189,16 +189,34 @@ fn pair_sides_that_differ_announce_their_geometries_and_run_clean() {
         assert_eq!(r["summary"]["unexpected_failures"], 0);
     }
     // Tensor parallelism across the pair: serve pins the model (2 KV heads, HND), prefill's
-    // 2 ranks and decode's 4 (GQA replication) each have their NIXL agent.
-    let s = Serve::start(&["--kv-heads", "2", "--layout", "hnd"]);
-    let (code, r, out) =
-        run_peer(&s.addr, &["--iterations", "2", "--kv-heads", "2", "--layout", "hnd", "--prefill-tp", "2", "--decode-tp", "4"]);
-    assert_eq!(code, 0, "{out}");
-    let (sc, sout, sr) = s.wait();
-    assert_eq!(sc, 0, "{sout}");
-    assert_one_run(&r, &sr.expect("serve wrote its report"), 0);
-    assert_eq!(r["config"]["tp"]["decode"], 4);
-    assert_eq!(r["summary"]["blocks_checked"], 4 * 2 * 64 * 4 * 2);
+    // 2 ranks and decode's 4 (GQA replication) each have their NIXL agent; READ (decode's
+    // ranks pull) and WRITE (prefill's ranks push), clean and with a fault on one link.
+    for op in ["read", "write"] {
+        let s = Serve::start(&["--kv-heads", "2", "--layout", "hnd"]);
+        let a = ["--op", op, "--iterations", "2", "--kv-heads", "2", "--layout", "hnd", "--prefill-tp", "2", "--decode-tp", "4"];
+        let (code, r, out) = run_peer(&s.addr, &a);
+        assert_eq!(code, 0, "{op}: {out}");
+        let (sc, sout, sr) = s.wait();
+        assert_eq!(sc, 0, "{op}: {sout}");
+        assert_one_run(&r, &sr.expect("serve wrote its report"), 0);
+        assert_eq!(r["config"]["tp"]["decode"], 4);
+        assert_eq!(r["summary"]["blocks_checked"], 4 * 2 * 64 * 4 * 2);
+        // Faults planted on links: a drop (one decode rank's slice unwritten) and a stale
+        // block (planted by serve in its prefill rank: both decode ranks reading it see it).
+        let s = Serve::start(&["--kv-heads", "2", "--layout", "hnd"]);
+        let mut a = a.to_vec();
+        a.extend_from_slice(&["--inject", "drop", "--inject", "stale"]);
+        let (code, r, out) = run_peer(&s.addr, &a);
+        assert_eq!(code, 1, "{op}: {out}");
+        let (sc, sout, sr) = s.wait();
+        assert_eq!(sc, 1, "{op}: {sout}");
+        assert_one_run(&r, &sr.expect("serve wrote its report"), 1);
+        assert_eq!(r["summary"]["injections_detected"], 4, "{op}: {out}");
+        assert_eq!(r["summary"]["unexpected_failures"], 0, "{op}: {out}");
+        // Per iteration: 1 unwritten slice, 2 stale ones (prefill rank's head on 2 decode ranks).
+        assert_eq!(r["summary"]["by_class"]["unwritten"], 2, "{op}: {out}");
+        assert_eq!(r["summary"]["by_class"]["stale"], 4, "{op}: {out}");
+    }
     // Decode claims another prefill geometry than serve pins: refused, naming the field.
     let s = Serve::start(&["--block-size", "32"]);
     let (code, _, out) = run_peer(&s.addr, &["--block-size", "16", "--decode-block-size", "32"]);

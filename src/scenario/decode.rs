@@ -1209,9 +1209,11 @@ impl<'a> Decode<'a> {
                             kv: at.kv,
                             block: at.block,
                             class: *class,
+                            tp_rank: None,
                         })
                         .collect(),
                     detected,
+                    link: None,
                 });
             }
             self.verified += 1;

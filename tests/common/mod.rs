@@ -127,8 +127,8 @@ pub fn two_gpus_or_skip(test: &str) -> bool {
     gpus_or_skip(test, 2)
 }
 
-/// The (iteration, layer, kv, block, class) tuples of a report's failures.
-pub fn failure_set(r: &serde_json::Value) -> std::collections::BTreeSet<(u64, u64, String, u64, String)> {
+/// The (iteration, layer, kv, block, class, decode TP rank) tuples of a report's failures.
+pub fn failure_set(r: &serde_json::Value) -> std::collections::BTreeSet<(u64, u64, String, u64, String, Option<u64>)> {
     r["failures"]
         .as_array()
         .unwrap()
@@ -140,13 +140,14 @@ pub fn failure_set(r: &serde_json::Value) -> std::collections::BTreeSet<(u64, u6
                 f["kv"].as_str().unwrap().to_string(),
                 f["block"].as_u64().unwrap(),
                 f["class"].as_str().unwrap().to_string(),
+                f["tp_rank"].as_u64(),
             )
         })
         .collect()
 }
 
 /// The outcomes the report's injections predicted, in the same form as [`failure_set`].
-pub fn predicted_set(r: &serde_json::Value) -> std::collections::BTreeSet<(u64, u64, String, u64, String)> {
+pub fn predicted_set(r: &serde_json::Value) -> std::collections::BTreeSet<(u64, u64, String, u64, String, Option<u64>)> {
     let mut s = std::collections::BTreeSet::new();
     for inj in r["injections"].as_array().unwrap() {
         for p in inj["predicted"].as_array().unwrap() {
@@ -156,6 +157,7 @@ pub fn predicted_set(r: &serde_json::Value) -> std::collections::BTreeSet<(u64, 
                 p["kv"].as_str().unwrap().to_string(),
                 p["block"].as_u64().unwrap(),
                 p["class"].as_str().unwrap().to_string(),
+                p["tp_rank"].as_u64(),
             ));
         }
     }
