@@ -247,7 +247,7 @@ fn derive(e: &DumpEntry, seed: u64, shape: &RowShape, actual: &[u8]) -> BTreeMap
 }
 
 /// Fields that must agree between the index's record and the report's.
-const RECORD_FIELDS: [&str; 18] = [
+const RECORD_FIELDS: [&str; 19] = [
     "iteration",
     "layer",
     "kv",
@@ -266,6 +266,7 @@ const RECORD_FIELDS: [&str; 18] = [
     "displacement",
     "rows",
     "stray_check",
+    "tp_rank",
 ];
 
 fn show(v: &Value) -> String {
@@ -364,14 +365,29 @@ fn check_section(
     // TP ranks (`config.tp`): each dumped slice's rows start at its decode rank's first head.
     let tp: Option<crate::pairing::tp::Tp> = match config.get("tp").filter(|t| !t.is_null()) {
         None => None,
-        Some(t) => match serde_json::from_value(t.clone()) {
-            Ok(t) => Some(t),
-            Err(err) => {
-                say(format!("report: config.tp: {err}"));
-                None
-            }
-        },
+        Some(t) => Some(
+            serde_json::from_value(t.clone())
+                .map_err(|e| Error::Usage(format!("{bundle}: {label}report: config.tp: not TP sizes: {e}")))?,
+        ),
     };
+    if let Some(t) = tp {
+        t.check().map_err(|e| Error::Usage(format!("{bundle}: {label}report: config.tp: not TP sizes kvprobe runs: {e}")))?;
+    }
+    // Prefill's geometry is the report's too when decode's is what was dumped; the two sides
+    // and the TP sizes must be one pair kvprobe would run (pairing::Sides::check).
+    if field == "decode_geometry" {
+        let p = geometry_of(&config["geometry"])
+            .map_err(|e| Error::Usage(format!("{bundle}: {label}report: config.geometry: {e}")))?;
+        if let Some(d) = &geometry
+            && let Err(why) = crate::pairing::Sides::check(&p, d, config["permute_local_kv"] == true, tp)
+        {
+            say(format!("report: config.geometry, config.decode_geometry and config.tp are not one pair: {why}"));
+        }
+    } else if let (Some(t), Some(g)) = (tp, &geometry)
+        && let Err(why) = crate::pairing::Sides::check(g, g, config["permute_local_kv"] == true, Some(t))
+    {
+        say(format!("report: config.geometry and config.tp are not one pair: {why}"));
+    }
     let failures = sec["failures"].as_array().cloned().unwrap_or_default();
     coherence(sec, &failures, index.slices.len(), &mut say);
     let (mut bytes_total, mut per_class) = (0u64, BTreeMap::<String, u64>::new());
@@ -406,6 +422,13 @@ fn check_section(
             continue;
         }
         let fname = e.file.rsplit('/').next().unwrap_or(&e.file);
+        // A TP slice's file name ends with its rank (`-tpR.bin`).
+        let named_rank = fname.split_once("-tp").map(|(_, r)| r.chars().take_while(char::is_ascii_digit).collect::<String>());
+        if let Some(r) = &named_rank
+            && Some(r.as_str()) != e.failure.tp_rank.map(|x| x.to_string()).as_deref()
+        {
+            say(format!("{name}: tp_rank: index {}, file name {fname}", show(&json!(e.failure.tp_rank))));
+        }
         let want_cmd = crate::dump::regenerate_command(&e.failure, index.seed, &shape, e.bytes, fname);
         if e.regenerate != want_cmd {
             say(format!("{name}: regenerate: index {:?}, expected {want_cmd:?}", e.regenerate));

@@ -875,6 +875,9 @@ pub fn render(r: &Report) -> String {
                 } else {
                     format!(", each head on {} ranks", n / t.total_kv_heads)
                 };
+                if t.mla {
+                    return format!("{n} rank{} (the MLA latent on each)", if n == 1 { "" } else { "s" });
+                }
                 format!(
                     "{n} rank{} ({per} KV head{} each{copies})",
                     if n == 1 { "" } else { "s" },
@@ -896,11 +899,11 @@ pub fn render(r: &Report) -> String {
                     d.unwrap_or_else(|| r.config["decode_device"].to_string())
                 ),
             };
+            let heads = if t.mla { "MLA".to_string() } else { format!("{} KV heads in all", t.total_kv_heads) };
             out += &format!(
-                "tensor parallel:   prefill {}, decode {}; {} KV heads in all, one NIXL agent per rank{placed}\n",
+                "tensor parallel:   prefill {}, decode {}; {heads}, one NIXL agent per rank{placed}\n",
                 side(t.prefill),
                 side(t.decode),
-                t.total_kv_heads
             );
         }
     }
@@ -1041,6 +1044,12 @@ pub fn render(r: &Report) -> String {
             out += &format!("                   transfer = {r} of a same-run copy of the pool ({c:.1} GB/s)\n");
         } else if r.scenario.is_none() && p.copy_gbps.is_none() && r.config["peer"].is_string() {
             out += "                   transfer not rated against a copy: the pools are on the two sides of a node pair (no copy between them to time)\n";
+        } else if r.scenario.is_none()
+            && p.copy_gbps.is_none()
+            && r.config["decode_geometry"].is_object()
+            && r.config["decode_geometry"]["num_kv_heads"] != r.config["geometry"]["num_kv_heads"]
+        {
+            out += "                   transfer not rated against a copy: a prefill rank's pool and a decode rank's differ in size (TP ranks hold different KV heads): no whole-pool copy to time\n";
         } else if r.scenario.is_none() && p.copy_gbps.is_none() {
             let pool = serde_json::from_value::<crate::geometry::Geometry>(r.config["geometry"].clone())
                 .ok()

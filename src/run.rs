@@ -116,7 +116,7 @@ impl Probe {
                 if cfg.memory == MemoryKind::Vram { "VRAM" } else { "DRAM" }
             ));
             let (mut p, mut d) = build_pools(cfg)?;
-            if cfg.scenario.is_none() && cfg.geometry.pool_bytes()? >= crate::pool::MIN_CEILING_BYTES {
+            if cfg.scenario.is_none() && cfg.geometry.pool_bytes()? >= crate::pool::MIN_CEILING_BYTES && same_regions(cfg)? {
                 crate::phase::announce("setup: timing a copy of the prefill pool to the decode pool (the ceiling)");
                 copy_gbps = Some(time_copy(cfg, &mut p, &mut d, &plan(cfg, 1)?)?);
             }
@@ -602,6 +602,13 @@ pub fn run(cfg: &RunConfig, hooks: &mut Hooks<'_>) -> (Report, Exit) {
 /// prefill's own pool) ([`time_copy`]: GB/s); the scratch pool is freed on return. Errors: the
 /// scratch pool cannot be allocated (e.g. prefill's GPU has no room for a second pool), a CUDA
 /// error.
+/// True when a prefill rank's pool and a decode rank's have layer regions of one size, so
+/// that one can be copied whole into the other (the copy ceiling, [`time_copy`]): not when TP
+/// gives the two sides' ranks different numbers of KV heads.
+fn same_regions(cfg: &RunConfig) -> Result<bool> {
+    Ok(cfg.geometry.region_bytes()? == cfg.decode_geom().region_bytes()?)
+}
+
 fn copy_ceiling_from_scratch(cfg: &RunConfig, decode: &mut Endpoint, plan: &Plan) -> Result<f64> {
     crate::trace!("copy ceiling from a scratch pool on prefill's side");
     let mut src = build_prefill_pool(cfg, cfg.memory, cfg.prefill_device)?;
@@ -876,7 +883,7 @@ fn sweep(
     let early_notify = early_notify_fault(cfg.op)?;
 
     // Setup: iteration 1's fill and faults, the copy ceiling, iteration 1's poison.
-    let scratch_ceiling = cfg.decode_process && pool_bytes >= crate::pool::MIN_CEILING_BYTES;
+    let scratch_ceiling = cfg.decode_process && pool_bytes >= crate::pool::MIN_CEILING_BYTES && same_regions(cfg)?;
     crate::phase::announce(&format!(
         "setup: filling the prefill pool{}, poisoning the decode pool",
         if scratch_ceiling { ", timing a copy of it (the ceiling)" } else { "" }
@@ -1191,8 +1198,8 @@ fn sweep(
                 .iter()
                 .map(|&(r, d, class)| PredictedHit { layer: d.layer, kv: d.kv, block: d.block, class, tp_rank: tp_rank(r) })
                 .collect();
-            let link = (cur.links.len() > 1)
-                .then(|| crate::report::TpLink { prefill_rank: cur.links[l].0, decode_rank: cur.links[l].1 });
+            let link =
+                (!tp.is_single()).then(|| crate::report::TpLink { prefill_rank: cur.links[l].0, decode_rank: cur.links[l].1 });
             report.summary.injections_planted += 1;
             report.summary.injections_detected += detected as u64;
             report.injections.push(InjectionRecord { iteration: it, kind: a.kind(), predicted: hits, detected, link });

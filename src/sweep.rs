@@ -211,7 +211,7 @@ pub(crate) fn check_config(cfg: &RunConfig) -> Result<()> {
                 sides.group_tokens(),
                 sides.groups()
             )),
-            Error::Usage(m) if !sides.tp.is_single() && m.contains("KV heads") => Error::Usage(format!(
+            Error::Usage(m) if !sides.tp.is_single() && !sides.prefill.mla && m.contains("KV heads") => Error::Usage(format!(
                 "{m}: with TP an injection acts on one prefill rank's slice, and a prefill rank holds {} of the model's {} KV heads (--prefill-tp {})",
                 sides.prefill.num_kv_heads, sides.tp.total_kv_heads, sides.tp.prefill
             )),

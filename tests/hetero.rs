@@ -724,6 +724,58 @@ fn a_dump_of_tp_ranks_regenerates_each_ranks_heads() {
     let (code, out, err) = kvprobe(&["report", "check", b.to_str().unwrap()]);
     assert_eq!(code, 0, "{out}{err}");
     assert!(out.contains("everything agrees"), "{out}");
+    // What check must catch in a TP bundle whose manifest was updated to the edit.
+    use crate::dump::{check, edit_json, retar, untar};
+    let files = untar(&b);
+    type Edit = Box<dyn Fn(&mut serde_json::Value)>;
+    let cases: Vec<(&str, Edit, i32, &str)> = vec![
+        ("report.json", Box::new(|v| v["failures"][0]["tp_rank"] = 9.into()), 1, "tp_rank: report 9, index"),
+        (
+            "dump/index.json",
+            Box::new(|v| {
+                let r = v["slices"][0]["tp_rank"].as_u64().unwrap();
+                v["slices"][0]["tp_rank"] = ((r + 1) % 4).into()
+            }),
+            1,
+            ", file name 1-",
+        ),
+        ("report.json", Box::new(|v| v["config"]["tp"]["decode"] = 2.into()), 1, "are not one pair"),
+        ("report.json", Box::new(|v| v["config"]["tp"]["decode"] = 0.into()), 2, "config.tp: not TP sizes kvprobe runs"),
+        ("report.json", Box::new(|v| v["config"]["tp"]["decode"] = "two".into()), 2, "config.tp: not TP sizes"),
+        ("report.json", Box::new(|v| v["config"]["geometry"]["num_layers"] = "x".into()), 2, "config.geometry: not a geometry"),
+    ];
+    for (i, (file, edit, want, line)) in cases.into_iter().enumerate() {
+        let t = d.join(format!("t{i}.tar.gz"));
+        retar(&t, &edit_json(&files, file, &*edit));
+        let (code, out, err) = check(&t);
+        assert_eq!(code, want, "case {i} ({file}): {out}{err}");
+        assert!(format!("{out}{err}").contains(line), "case {i}: wanted {line:?} in {out}{err}");
+    }
+}
+
+#[test]
+fn tp_ranks_of_unequal_heads_run_without_a_copy_ceiling_and_mla_names_its_link() {
+    // Pools of 64 MiB and more time a copy of prefill's pool into decode's; a prefill rank
+    // (4 heads) and a decode rank (2 heads) differ in size: no such copy, and the summary says
+    // why (128 MiB prefill pool, 2 decode ranks of 64 MiB).
+    let a =
+        ["--iterations", "1", "--layers", "2", "--kv-heads", "4", "--head-size", "128", "--blocks", "2048", "--layout", "hnd"];
+    let mut tp = a.to_vec();
+    tp.extend_from_slice(&["--prefill-tp", "1", "--decode-tp", "2"]);
+    let (code, r, out) = run_with_report("hetero-tp-ceiling", "dram", &tp);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("differ in size (TP ranks hold different KV heads)"), "{out}");
+    assert!(r["summary"]["transport_path"]["copy_gbps"].is_null(), "{out}");
+    // MLA prefill TP 2 into one decode rank: one link, still named.
+    let a = ["--iterations", "1", "--mla", "--kv-heads", "1", "--head-size", "576", "--prefill-tp", "2", "--inject", "drop"];
+    let (code, r, out) = run_with_report("hetero-tp-mla-link", "dram", &a);
+    assert_eq!(code, 1, "{out}");
+    assert_eq!(r["injections"][0]["link"]["decode_rank"], 0, "{out}");
+    assert_eq!(r["summary"]["injections_detected"], 1, "{out}");
+    // More than 64 ranks a side is refused.
+    let (code, _, out) = run_with_report("hetero-tp-many", "dram", &["--layout", "hnd", "--kv-heads", "1", "--decode-tp", "128"]);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("at most 64 ranks"), "{out}");
 }
 
 /// Every decode rank's slice, assembled from the prefill ranks' slices by the chunks between

@@ -20,6 +20,10 @@
 
 use std::ops::Range;
 
+/// The most TP ranks a side may have (`--prefill-tp`, `--decode-tp`): each rank is a pool and
+/// a NIXL agent of one kvprobe process, and an agent takes about a second to start.
+pub const MAX_RANKS: u32 = 64;
+
 /// The TP sizes of a pair and the model's KV heads (reports: `config.tp`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Tp {
@@ -71,7 +75,7 @@ impl Tp {
         out
     }
 
-    /// Checks the sizes as vLLM does. Errors: a TP size of 0; KV heads that do not split
+    /// Checks the sizes as vLLM does. Errors: a TP size of 0 or above [`MAX_RANKS`]; KV heads that do not split
     /// evenly (`H mod tp ≠ 0` for `tp ≤ H`, `tp mod H ≠ 0` above); one TP size not a multiple
     /// of the other (`TpKVTopology.tp_ratio` asserts it); prefill with more ranks than decode
     /// while prefill's KV cache is replicated and not MLA (`_validate_remote_agent_handshake`).
@@ -80,6 +84,11 @@ impl Tp {
         for (side, tp) in [("prefill", self.prefill), ("decode", self.decode)] {
             if tp == 0 {
                 return Err(format!("--{side}-tp must be at least 1"));
+            }
+            if tp > MAX_RANKS {
+                return Err(format!(
+                    "--{side}-tp {tp}: at most {MAX_RANKS} ranks per side (each is a pool and a NIXL agent in one process)"
+                ));
             }
             if !self.mla && ((tp <= h && !h.is_multiple_of(tp)) || (tp > h && !tp.is_multiple_of(h))) {
                 return Err(format!(
