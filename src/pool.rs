@@ -934,6 +934,38 @@ impl KvPool {
         (c.layer as usize, self.geom.slice_offset(c.kv, c.block) as usize, sb)
     }
 
+    fn check_span(&self, layer: u32, off: usize, len: usize) -> Result<usize> {
+        let rb = self.geom.region_bytes().unwrap_or(0) as usize;
+        if layer >= self.geom.num_layers || off.checked_add(len).is_none_or(|end| end > rb) {
+            return Err(Error::Usage(format!(
+                "bytes {off}..+{len} of layer {layer}: the pool has {} layers of {rb} bytes",
+                self.geom.num_layers
+            )));
+        }
+        Ok(rb)
+    }
+
+    /// Copies `buf.len()` bytes of layer `layer`'s region from byte `off` to `buf` (VRAM: one
+    /// device-to-host copy), for passes over many slices at once. Errors: usage when the span
+    /// is outside the region or there is no such layer; CUDA.
+    pub fn read_span(&self, layer: u32, off: usize, buf: &mut [u8]) -> Result<()> {
+        let rb = self.check_span(layer, off, buf.len())?;
+        match &self.backing {
+            Backing::Host(b) => b.read_at(layer as usize * rb + off, buf),
+            Backing::Device { regions, .. } => regions[layer as usize].read(off, buf),
+        }
+    }
+
+    /// Overwrites `bytes.len()` bytes of layer `layer`'s region from byte `off` (VRAM: one
+    /// host-to-device copy). Errors: as [`KvPool::read_span`].
+    pub fn write_span(&mut self, layer: u32, off: usize, bytes: &[u8]) -> Result<()> {
+        let rb = self.check_span(layer, off, bytes.len())?;
+        match &mut self.backing {
+            Backing::Host(b) => b.write_at(layer as usize * rb + off, bytes),
+            Backing::Device { regions, .. } => regions[layer as usize].write(off, bytes),
+        }
+    }
+
     /// Copies one slice to `buf` (which must be slice-sized).
     pub fn read_slice(&self, c: SliceCoord, buf: &mut [u8]) -> Result<()> {
         let (layer, off, sb) = self.locate(c);

@@ -640,28 +640,47 @@ fn time_copy(cfg: &RunConfig, src: &mut KvPool, dst: &mut KvPool, plan: &Plan) -
 
 /// Decode's conversion on receive ([`crate::pairing::Sides::convert`]: vLLM's
 /// `kv_postprocess_*_on_receive`) of every slice of `layers` in `pool` after iteration
-/// `iteration`'s transfer, on the host (each slice read, rearranged and written back; what
-/// still holds the iteration's poison stays poison). Errors: a CUDA error (VRAM pools).
+/// `iteration`'s transfer, on the host (spans of slices read, each slice rearranged, written
+/// back; what still holds the iteration's poison stays poison). Errors: a CUDA error (VRAM
+/// pools).
 fn convert_received(sides: &crate::pairing::Sides, pool: &mut KvPool, layers: Range<u32>, iteration: u32) -> Result<()> {
     let g = sides.decode.clone();
     let sb = g.slice_bytes()? as usize;
-    let (mut got, mut out, mut pz) = (vec![0u8; sb], vec![0u8; sb], vec![0u8; sb]);
+    let per_layer = g.slices_per_layer();
+    // Spans of whole slices, up to CONVERT_SPAN_BYTES (VRAM: one copy each way over PCIe per
+    // span, not one per slice); a layer region is its slices in slice-index order.
+    let per_span = (CONVERT_SPAN_BYTES / sb as u64).clamp(1, per_layer);
+    let mut span = vec![0u8; per_span as usize * sb];
+    let (mut out, mut pz) = (vec![0u8; sb], vec![0u8; sb]);
     for layer in layers {
-        for &kv in g.parts() {
-            for block in 0..g.num_blocks {
-                let c = SliceCoord { layer, kv, block };
-                pool.read_slice(c, &mut got)?;
-                fingerprint::poison(&mut pz, g.global_slice(c), iteration);
-                if got == pz {
+        let mut first = 0u64;
+        while first < per_layer {
+            let n = per_span.min(per_layer - first);
+            let buf = &mut span[..n as usize * sb];
+            pool.read_span(layer, first as usize * sb, buf)?;
+            let mut changed = false;
+            for (i, got) in buf.chunks_exact_mut(sb).enumerate() {
+                let slot = (layer as u64 * per_layer + first + i as u64) as u32;
+                fingerprint::poison(&mut pz, slot, iteration);
+                if *got == *pz {
                     continue; // nothing arrived
                 }
-                sides.convert(&got, Some(&pz), &mut out);
-                pool.write_slice(c, &out)?;
+                sides.convert(got, Some(&pz), &mut out);
+                got.copy_from_slice(&out);
+                changed = true;
             }
+            if changed {
+                pool.write_span(layer, first as usize * sb, buf)?;
+            }
+            first += n;
         }
     }
     Ok(())
 }
+
+/// Bytes of decode's pool the conversion on receive moves to the host at once (VRAM: one
+/// copy each way per span of whole slices).
+const CONVERT_SPAN_BYTES: u64 = 16 << 20;
 
 /// How long `run --peer` waits for prefill's side of the report after telling it the outcome.
 pub const PEER_BYE_BOUND: Duration = Duration::from_secs(5);
