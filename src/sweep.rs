@@ -187,7 +187,7 @@ fn check_sides(cfg: &RunConfig) -> Result<crate::pairing::Sides> {
     }
     if cfg.descriptor_blocks != 1 {
         return Err(Error::Usage(
-            "--descriptor-blocks applies to equal geometries: with --decode-layout or --decode-block-size the descriptors follow vLLM's per-block rules".into(),
+            "--descriptor-blocks applies to equal sides: with --decode-layout, --decode-block-size or --prefill-tp/--decode-tp the descriptors follow vLLM's per-block rules".into(),
         ));
     }
     if s.mismatched() && !cfg.inject.is_empty() {
@@ -596,7 +596,8 @@ pub(crate) fn plan(cfg: &RunConfig, it: u32) -> Result<Plan> {
 /// with TP, one drawn per action with the seed (its own stream, so the block map and the
 /// injections' places are those of the same run without TP), among the links where the
 /// fault changes something (a head offset needs a decode rank reading a prefill head that
-/// has a next head in its rank's slice).
+/// has a next head in its rank's slice; a bitflip, a decode rank whose link moves the flipped
+/// byte).
 fn pick_links(cfg: &RunConfig, sides: &Sides, links: &[(u32, u32)], actions: &[Action], it: u32) -> Vec<usize> {
     if links.len() == 1 {
         return vec![0; actions.len()];
@@ -606,10 +607,24 @@ fn pick_links(cfg: &RunConfig, sides: &Sides, links: &[(u32, u32)], actions: &[A
         let (pr, dr) = links[l];
         (0..sides.prefill_per_group()).any(|q| sides.chunks_between(pr, dr, q, Plant::HeadOffset).iter().any(|c| c.displaced))
     };
+    // A bitflip at `offset` of the group's prefill slices (back to back) is seen by the
+    // decode ranks whose links move that byte.
+    let sbp = sides.prefill.slice_bytes().unwrap_or(1).max(1);
+    let moves = |l: usize, offset: u64| {
+        let (pr, dr) = links[l];
+        let (q, at) = ((offset / sbp) as u32, offset % sbp);
+        sides.chunks_between(pr, dr, q, Plant::None).iter().any(|c| (c.src_off..c.src_off + c.len).contains(&at))
+    };
     actions
         .iter()
         .map(|a| {
-            let ok: Vec<usize> = (0..links.len()).filter(|&l| !matches!(a, Action::HeadOffset { .. }) || shifts(l)).collect();
+            let ok: Vec<usize> = (0..links.len())
+                .filter(|&l| match *a {
+                    Action::HeadOffset { .. } => shifts(l),
+                    Action::Bitflip { offset, .. } => moves(l, offset),
+                    _ => true,
+                })
+                .collect();
             ok.choose(&mut rng).copied().unwrap_or(0)
         })
         .collect()

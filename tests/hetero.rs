@@ -559,7 +559,7 @@ fn classes_across(kind: &str, p: u64, d: u64, tp: (u64, u64, u64), kd: u64) -> V
         "stale" if several => vec![("stale-or-torn", p * dd / pp, kd)],
         "stale" => (p * (dd / pp)..(p + 1) * (dd / pp)).map(|r| ("stale", r, kd)).collect(),
         // One byte of one head: on each decode rank holding that head (GQA replication puts
-        // a head on D / H ranks).
+        // a head on D / H ranks), the link's decode rank among them.
         "bitflip" => vec![("bitflip", u64::MAX, (dd / h).max(1))],
         k => panic!("no table entry for {k}"),
     }
@@ -642,6 +642,9 @@ fn every_injection_is_found_as_predicted_across_tp_ranks_on(memory: &str) {
                         })
                         .count() as u64;
                     assert_eq!(matching, n, "{ctx} iteration {it}: {got:?}, wanted {class} x{n} on rank {rank}");
+                }
+                if kind == "bitflip" {
+                    assert!(got.iter().any(|(_, r)| *r == ld), "{ctx} iteration {it}: the link's rank {ld} is not hit: {got:?}");
                 }
             }
         }
