@@ -1,10 +1,11 @@
 /*
- * kvprobe CUDA kernels: fill, poison, verify and poison-check the block slices of a range of layers.
+ * kvprobe CUDA kernels: fill, poison, verify and poison-check the block slices of a range of layers, and
+ * rearrange the head rows of received slices (decode's conversion on receive, kvp_permute_rows).
  * Compiled at run time by NVRTC with fingerprint.h prepended (src/fingerprint.rs,
  * KERNEL_SOURCE), so the kernels and the CPU reference share one definition.
  *
- * Every kernel runs over the regions of layers layer0 .. layer0 + num_layers - 1 in one launch
- * (`bases[layer]`: the device address of layer `layer`'s region; one launch per pass, not per
+ * Every kernel but kvp_permute_rows runs over the regions of layers layer0 .. layer0 +
+ * num_layers - 1 in one launch (`bases[layer]`: the device address of layer `layer`'s region; one launch per pass, not per
  * layer: the gaps between 32 launches of ~33 us cost verify 4 % on an H200), each region read
  * as uint4 (16-byte) chunks; slice q of a region starts at q * slice_bytes and is global slice
  * layer * num_slices + q. Work items are parts of slices: part p of slice q covers chunks
@@ -342,4 +343,21 @@ extern "C" __global__ void kvp_check_poison(const unsigned long long *bases, uns
         __syncthreads();
     }
     if (threadIdx.x == 0 && my_slices) atomicAdd(checked, (unsigned long long)my_slices);
+}
+
+/* Decode's conversion on receive (src/run.rs, src/pairing Sides::row_permutation): writes into
+ * `dst` the `num_slices` consecutive slices that start at `src` (one layer region's), each with
+ * its head rows rearranged: chunk w of row r comes from chunk w of row perm[r] of the same slice
+ * (`row_chunks` 16-byte chunks per row, `slice_chunks` per slice). Poison needs no care: a
+ * slice's poison is the same in every 16-byte chunk, so rows that hold it still do. */
+extern "C" __global__ void kvp_permute_rows(const uint4 *src, uint4 *dst, unsigned num_slices, unsigned slice_chunks,
+                                            unsigned row_chunks, const unsigned *perm) {
+    const unsigned long long n = (unsigned long long)num_slices * slice_chunks;
+    const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) {
+        const unsigned long long s = i / slice_chunks;
+        const unsigned c = (unsigned)(i - s * slice_chunks);
+        const unsigned r = c / row_chunks, w = c - r * row_chunks;
+        dst[i] = src[s * slice_chunks + (unsigned long long)perm[r] * row_chunks + w];
+    }
 }

@@ -486,6 +486,19 @@ impl DeviceBuffer {
             .map_err(|e| derr("cuMemcpyDtoDAsync", e))
     }
 
+    /// Queues a copy of the first `len` bytes of `src` to offset `off` of this buffer on the
+    /// default stream (cuMemcpyDtoDAsync; asynchronous). Errors: a range outside either
+    /// buffer, or the driver refuses (device).
+    pub fn copy_range_from(&self, off: usize, src: &DeviceBuffer, len: usize) -> Result<()> {
+        self.check(off, len)?;
+        src.check(0, len)?;
+        self.dev.bind()?;
+        // SAFETY: both ranges were bounds-checked against live allocations; the default
+        // stream orders the copy after earlier work on it.
+        unsafe { result::memcpy_dtod_async(self.ptr + off as u64, src.ptr, len, std::ptr::null_mut()) }
+            .map_err(|e| derr("cuMemcpyDtoDAsync", e))
+    }
+
     /// Sets every byte to zero (synchronous).
     pub fn zero(&self) -> Result<()> {
         self.dev.bind()?;
@@ -626,7 +639,8 @@ pub struct KernelFail {
     pub pad: u32,
 }
 
-/// The fill, poison and verify kernels, compiled by NVRTC for one device.
+/// The fill, poison, verify, poison-check and row-permutation kernels, compiled by NVRTC for
+/// one device.
 #[derive(Debug)]
 pub struct Kernels {
     dev: Arc<Device>,
@@ -635,6 +649,7 @@ pub struct Kernels {
     poison: sys::CUfunction,
     verify: sys::CUfunction,
     check_poison: sys::CUfunction,
+    permute_rows: sys::CUfunction,
 }
 
 // SAFETY: module and function handles are context-bound, not thread-bound; every launch
@@ -748,6 +763,7 @@ impl Kernels {
             poison: get("kvp_poison")?,
             verify: get("kvp_verify")?,
             check_poison: get("kvp_check_poison")?,
+            permute_rows: get("kvp_permute_rows")?,
         })
     }
 
@@ -839,6 +855,51 @@ impl Kernels {
             chk = counters.ptr() + 8
         );
         self.launch(self.check_poison, &r, &mut params)
+    }
+}
+
+impl Kernels {
+    /// Writes into `dst` the `num_slices` slices of `slice_bytes` that start at device address
+    /// `src`, each slice's head rows of `row_bytes` rearranged by `perm` (a u32 per row: row
+    /// `r` of a slice comes from row `perm[r]`; csrc/kernels.cu `kvp_permute_rows`). `src`
+    /// and `dst` must not overlap; `perm` holds `slice_bytes / row_bytes` entries, each below
+    /// that. Errors: sizes that are not whole 16-byte chunks and rows, a `dst` too short
+    /// (device). Asynchronous, on the default stream.
+    pub fn permute_rows(
+        &self,
+        src: u64,
+        dst: &DeviceBuffer,
+        num_slices: u32,
+        slice_bytes: u32,
+        row_bytes: u32,
+        perm: &DeviceBuffer,
+    ) -> Result<()> {
+        let rows = slice_bytes.checked_div(row_bytes).unwrap_or(0);
+        if row_bytes == 0
+            || !row_bytes.is_multiple_of(16)
+            || !slice_bytes.is_multiple_of(row_bytes)
+            || perm.len() < rows as usize * 4
+            || (dst.len() as u64) < num_slices as u64 * slice_bytes as u64
+        {
+            return Err(Error::Device(format!(
+                "row permutation of {num_slices} slices of {slice_bytes} bytes in rows of {row_bytes} (permutation of {} bytes, destination of {} bytes)",
+                perm.len(),
+                dst.len()
+            )));
+        }
+        let n = num_slices as u64 * (slice_bytes / 16) as u64;
+        kernel_params!(
+            params;
+            s = src, d = dst.ptr(), ns = num_slices, sc = slice_bytes / 16, rc = row_bytes / 16, p = perm.ptr()
+        );
+        self.dev.bind()?;
+        let blocks = n.div_ceil(THREADS as u64).clamp(1, 1 << 20) as u32;
+        // SAFETY: `permute_rows` belongs to this loaded module; `params` points at locals that
+        // match kvp_permute_rows's signature and outlive this call; the kernel reads
+        // `num_slices × slice_bytes` bytes from `src` (the caller's live region) and writes as
+        // many into `dst`, checked above to hold them, and reads `rows` entries of `perm`.
+        unsafe { result::launch_kernel(self.permute_rows, (blocks, 1, 1), (THREADS, 1, 1), 0, std::ptr::null_mut(), &mut params) }
+            .map_err(|e| derr("cuLaunchKernel(kvp_permute_rows)", e))
     }
 }
 

@@ -97,7 +97,7 @@ pub fn show(doc: &Document) -> Result<String> {
     Ok(match doc.kind {
         Kind::Run => {
             let r: crate::report::Report = serde_json::from_value(doc.json.clone()).map_err(bad)?;
-            let mut s = crate::report::render(&r);
+            let mut s = crate::report::render_with(&r, Some("this document"));
             if let Some(e) = &r.outcome.error {
                 s += &format!("error:             {}\n", e.message);
             }

@@ -421,6 +421,17 @@ struct PeerArgs {
     token: Option<String>,
 }
 
+/// Refuses a GPU flag typed with `--memory dram` (even `--prefill-device 0`, which equals the
+/// default: the user meant a GPU the pools will not be on). Errors: usage (exit 2).
+fn dram_takes_no_device(c: &RunConfig, typed: &[&str]) -> Result<(), Error> {
+    match typed.iter().find(|f| **f == "prefill_device" || **f == "decode_device") {
+        Some(f) if c.memory == MemoryKind::Dram => {
+            Err(Error::Usage(format!("--{} applies to --memory vram only (the pools are in host memory)", f.replace('_', "-"))))
+        }
+        _ => Ok(()),
+    }
+}
+
 impl PeerArgs {
     /// Places prefill at `--peer` in `c` (with its token). `typed`: the flags given on the
     /// command line (clap ids). Errors (usage): `--decode-process` or `--prefill-device` with
@@ -587,6 +598,10 @@ const SWEEP_FLAGS: &[&str] = &[
 /// `run` flags whose use `--peer` checks (clap ids).
 const PEER_FLAGS: &[&str] = &["prefill_device"];
 
+/// Flags whose presence on the command line matters though they have defaults (a GPU with
+/// `--memory dram` is refused even when it is the default one).
+const DEVICE_FLAGS: &[&str] = &["prefill_device", "decode_device"];
+
 /// Parses `--backend-param KEY=VALUE` (a non-empty key of letters, digits and `_`; the
 /// value may be empty and may hold `=`).
 fn parse_backend_param(s: &str) -> Result<(String, String), String> {
@@ -734,6 +749,7 @@ impl RunArgs {
         c.descriptor_blocks = self.descriptor_blocks;
         c.stages = self.pipeline_stages;
         c.decode_process = self.decode_process;
+        dram_takes_no_device(&c, typed)?;
         self.pair.apply(&mut c, typed)?;
         c.inject = self.inject.clone();
         c.min_gbps = self.min_gbps;
@@ -835,6 +851,18 @@ fn out(text: &str) {
 }
 
 /// True when a `--report`/`--json` path is `-`: the JSON goes to stdout.
+/// Where a run's JSON report will be, in the words of the summary's pointer to its full
+/// list of failures ([`kvprobe::report::render_with`]): the `--report` file, the JSON on
+/// stdout, or the bundle's report.json; `None` when the run writes none.
+fn json_named(report: &Option<PathBuf>, bundle: &Option<PathBuf>) -> Option<String> {
+    match (report, bundle) {
+        (Some(p), _) if is_stdout(p) => Some("on stdout".into()),
+        (Some(p), _) => Some(p.display().to_string()),
+        (None, Some(b)) => Some(format!("report.json in {}", b.display())),
+        (None, None) => None,
+    }
+}
+
 fn is_stdout(p: &Path) -> bool {
     p.as_os_str() == "-"
 }
@@ -1227,6 +1255,8 @@ fn run(args: RunArgs, typed: &[&str]) -> Exit {
     };
     let mut display = Display::new();
     let stall_cfg = cfg.clone();
+    let json_at = json_named(&args.pool.report, &args.pool.bundle);
+    let json_at_end = json_at.clone();
     on_stall(
         display.bar.clone(),
         args.pool.report.clone(),
@@ -1234,7 +1264,11 @@ fn run(args: RunArgs, typed: &[&str]) -> Exit {
         "report:            ",
         move |e| {
             let (r, exit) = kvprobe::run::expired_report(&stall_cfg, e);
-            let text = if r.summary.iterations > 0 || r.scenario.is_some() { kvprobe::report::render(&r) } else { String::new() };
+            let text = if r.summary.iterations > 0 || r.scenario.is_some() {
+                kvprobe::report::render_with(&r, json_at.as_deref())
+            } else {
+                String::new()
+            };
             (r, exit, text)
         },
     );
@@ -1274,7 +1308,7 @@ fn run(args: RunArgs, typed: &[&str]) -> Exit {
     display.finish();
     let lost = args.pool.report.as_ref().and_then(|p| write_json(p, &report).err());
     if report.summary.iterations > 0 || report.outcome.error.is_none() || report.scenario.is_some() {
-        out(&kvprobe::report::render(&report));
+        out(&kvprobe::report::render_with(&report, json_at_end.as_deref()));
     }
     report_error(&report.outcome);
     let exit = report_outcome(&args.pool.report, lost, &report, exit, "report:            ");
@@ -1508,7 +1542,7 @@ fn ab(args: AbArgs, typed: &[&str]) -> Exit {
         }
     };
     cfg.scenario = Some(ScenarioConfig { matrix: true, ..args.load.config(Scenario::Stacked, Vec::new(), &cfg.geometry) });
-    if let Err(e) = args.pair.apply(&mut cfg, typed) {
+    if let Err(e) = dram_takes_no_device(&cfg, typed).and_then(|_| args.pair.apply(&mut cfg, typed)) {
         return refused(&args.pool, &kvprobe::ab::expired_report(&cfg, &e).0, kvprobe::junit::from_ab, &e);
     }
     let dir = match start_dump(&args.pool, &cfg, Some("ab")).and_then(|_| dump_dir(&args.pool)) {
@@ -1744,12 +1778,16 @@ fn main() {
             .iter()
             .chain(SWEEP_FLAGS)
             .chain(PEER_FLAGS)
+            .chain(DEVICE_FLAGS)
             .copied()
             .filter(|f| m.value_source(f) == Some(clap::parser::ValueSource::CommandLine))
             .collect(),
-        Some(("ab", m)) => {
-            PEER_FLAGS.iter().copied().filter(|f| m.value_source(f) == Some(clap::parser::ValueSource::CommandLine)).collect()
-        }
+        Some(("ab", m)) => PEER_FLAGS
+            .iter()
+            .chain(DEVICE_FLAGS)
+            .copied()
+            .filter(|f| m.value_source(f) == Some(clap::parser::ValueSource::CommandLine))
+            .collect(),
         _ => Vec::new(),
     };
     let cli = match Cli::from_arg_matches(&matches) {
@@ -1898,7 +1936,9 @@ fn serve(a: ServeArgs) -> Exit {
                 outcome: r.outcome.clone(),
                 peer: None,
             })),
-            None if r.summary.iterations > 0 || r.scenario.is_some() => out(&kvprobe::report::render(r)),
+            None if r.summary.iterations > 0 || r.scenario.is_some() => {
+                out(&kvprobe::report::render_with(r, json_named(&report_path, &None).as_deref()))
+            }
             None => {}
         }
         report_error(&r.outcome);

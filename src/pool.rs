@@ -203,6 +203,10 @@ enum Pass {
     Check,
 }
 
+/// Bytes of the scratch buffer [`KvPool::permute_rows`] rearranges VRAM slices into, at
+/// most (whole slices; at least one).
+pub const PERMUTE_SPAN_BYTES: u64 = 64 << 20;
+
 /// The device table: per block `{logical block, generation, token_base, 0}` as little-endian
 /// u32 (a `uint4` in csrc/kernels.cu).
 fn table_bytes(table: &[TableEntry]) -> Vec<u8> {
@@ -934,35 +938,58 @@ impl KvPool {
         (c.layer as usize, self.geom.slice_offset(c.kv, c.block) as usize, sb)
     }
 
-    fn check_span(&self, layer: u32, off: usize, len: usize) -> Result<usize> {
-        let rb = self.geom.region_bytes().unwrap_or(0) as usize;
-        if layer >= self.geom.num_layers || off.checked_add(len).is_none_or(|end| end > rb) {
+    /// Rearranges the head rows of every slice of `layers` by `perm` (one u32 per row of
+    /// `slice_bytes / perm.len()` bytes: row `r` of a slice becomes what row `perm[r]` of it
+    /// held): decode's conversion on receive ([`crate::pairing::Sides::row_permutation`], vLLM's
+    /// `kv_postprocess_*_on_receive`). VRAM: on the GPU (`kvp_permute_rows` into a scratch
+    /// buffer of up to [`PERMUTE_SPAN_BYTES`] of whole slices, copied back; waited for);
+    /// DRAM: on the host threads, slice by slice. No transfer may be writing the slices.
+    /// Errors: usage for a permutation that does not fit the slices (rows not a whole number
+    /// of 16-byte chunks, an entry out of range) or layers out of range; CUDA errors.
+    pub fn permute_rows(&mut self, layers: Range<u32>, perm: &[u32]) -> Result<()> {
+        self.check_layers(&layers)?;
+        let sb = self.geom.slice_bytes()? as usize;
+        let rows = perm.len();
+        if rows == 0 || !sb.is_multiple_of(rows) || !(sb / rows).is_multiple_of(16) || perm.iter().any(|&p| p as usize >= rows) {
             return Err(Error::Usage(format!(
-                "bytes {off}..+{len} of layer {layer}: the pool has {} layers of {rb} bytes",
-                self.geom.num_layers
+                "a row permutation of {rows} entries does not fit slices of {sb} bytes (rows of whole 16-byte chunks, entries below {rows})"
             )));
         }
-        Ok(rb)
-    }
-
-    /// Copies `buf.len()` bytes of layer `layer`'s region from byte `off` to `buf` (VRAM: one
-    /// device-to-host copy), for passes over many slices at once. Errors: usage when the span
-    /// is outside the region or there is no such layer; CUDA.
-    pub fn read_span(&self, layer: u32, off: usize, buf: &mut [u8]) -> Result<()> {
-        let rb = self.check_span(layer, off, buf.len())?;
-        match &self.backing {
-            Backing::Host(b) => b.read_at(layer as usize * rb + off, buf),
-            Backing::Device { regions, .. } => regions[layer as usize].read(off, buf),
-        }
-    }
-
-    /// Overwrites `bytes.len()` bytes of layer `layer`'s region from byte `off` (VRAM: one
-    /// host-to-device copy). Errors: as [`KvPool::read_span`].
-    pub fn write_span(&mut self, layer: u32, off: usize, bytes: &[u8]) -> Result<()> {
-        let rb = self.check_span(layer, off, bytes.len())?;
+        let rb = sb / rows;
+        let per_layer = self.geom.slices_per_layer() as usize;
         match &mut self.backing {
-            Backing::Host(b) => b.write_at(layer as usize * rb + off, bytes),
-            Backing::Device { regions, .. } => regions[layer as usize].write(off, bytes),
+            Backing::Host(buf) => Self::host_each(&self.geom, buf, layers, None, |_, s| {
+                let mut got = vec![0u8; sb];
+                if s.as_span().read_at(0, &mut got).is_err() {
+                    return;
+                }
+                let mut out = vec![0u8; sb];
+                for (to, &from) in perm.iter().enumerate() {
+                    let from = from as usize * rb;
+                    out[to * rb..(to + 1) * rb].copy_from_slice(&got[from..from + rb]);
+                }
+                let _ = s.write_at(0, &out);
+            }),
+            Backing::Device { kernels, regions, .. } => {
+                let dev = regions[0].device().clone();
+                let per_span = (PERMUTE_SPAN_BYTES as usize / sb).clamp(1, per_layer);
+                let scratch = crate::cuda::DeviceBuffer::alloc(&dev, per_span * sb)?;
+                let p = crate::cuda::DeviceBuffer::alloc(&dev, rows * 4)?;
+                p.write(0, &perm.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>())?;
+                for layer in layers {
+                    let region = &regions[layer as usize];
+                    let mut first = 0;
+                    while first < per_layer {
+                        let n = per_span.min(per_layer - first);
+                        let src = region.ptr() + (first * sb) as u64;
+                        kernels.permute_rows(src, &scratch, n as u32, sb as u32, rb as u32, &p)?;
+                        region.copy_range_from(first * sb, &scratch, n * sb)?;
+                        first += n;
+                    }
+                }
+                // The scratch and the permutation are freed on return: the queued work ends first.
+                dev.synchronize()
+            }
         }
     }
 

@@ -789,8 +789,17 @@ fn wall_gbps(bytes: u64, secs: f64) -> f64 {
     if secs > 0.0 { bytes as f64 / secs / 1e9 } else { 0.0 }
 }
 
-/// The human summary printed on stdout.
+/// The human summary printed on stdout, for a run that wrote no JSON report
+/// ([`render_with`]`(r, None)`).
 pub fn render(r: &Report) -> String {
+    render_with(r, None)
+}
+
+/// The human summary printed on stdout. `json` names where the run's JSON report is (e.g.
+/// "kvprobe-report.json", "report.json in the bundle"): the summary shows at most 5 failures
+/// and points there for the rest; `None` when there is none (it says `--report FILE` would
+/// list them).
+pub fn render_with(r: &Report, json: Option<&str>) -> String {
     let s = &r.summary;
     let mut out = String::new();
     if let Some(lib) = r.environment.as_ref().and_then(|e| e.nixl.library.as_ref()) {
@@ -1152,8 +1161,12 @@ pub fn render(r: &Report) -> String {
         out += &format!("  {} corrupt slices, listed in decode's report (run --peer --report)\n", s.blocks_corrupt);
     } else if s.blocks_corrupt > shown {
         out += &format!(
-            "  ... {} more corrupt slices; the JSON report (--report) lists {}{}\n",
+            "  ... {} more corrupt slices; {} {}{}\n",
             s.blocks_corrupt - shown,
+            match json {
+                Some(at) => format!("the JSON report ({at}) lists"),
+                None => "--report FILE would list".to_string(),
+            },
             r.failures.len(),
             if s.failures_omitted > 0 { format!(" ({} left out by --max-failures)", s.failures_omitted) } else { String::new() }
         );

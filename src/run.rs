@@ -202,7 +202,8 @@ impl Probe {
         let opts = crate::transport::TransportOptions { xfer_req: cfg.xfer_req, backend_params: cfg.backend_params.clone() };
         let refusal = |e| backend_refusal(&cfg.backend, cfg.memory, e);
         crate::trace!("decode NIXL agent");
-        let tp = cfg.sides()?.tp;
+        let sides = cfg.sides()?;
+        let tp = sides.tp;
         // Decode's TP ranks 1.. (`--decode-tp`): pools like rank 0's, holding their heads.
         let mut rank_pools = Vec::new();
         for d in 1..tp.decode {
@@ -253,7 +254,7 @@ impl Probe {
         crate::trace!("decode loads prefill's metadata");
         for (d, e) in std::iter::once(&mut decode).chain(decode_ranks.iter_mut()).enumerate() {
             for p in tp.targets(d as u32) {
-                e.connect(prefill_infos[p as usize].clone())?;
+                e.connect_link(prefill_infos[p as usize].clone(), link_cuts(&sides, p, d as u32).swapped())?;
             }
         }
         match holder {
@@ -597,6 +598,17 @@ pub fn run(cfg: &RunConfig, hooks: &mut Hooks<'_>) -> (Report, Exit) {
     (report, exit)
 }
 
+/// How link (prefill rank `p`, decode rank `d`)'s descriptors cut block slices, seen from
+/// prefill ([`crate::transport::Cuts`]: own = prefill's, peer = decode's;
+/// [`crate::pairing::Sides::cuts`]); whole slices when the sides cannot be prepared in
+/// pieces (requests are then created per request).
+pub(crate) fn link_cuts(sides: &crate::pairing::Sides, p: u32, d: u32) -> crate::transport::Cuts {
+    match sides.cuts(p, d) {
+        Some((own, peer)) => crate::transport::Cuts { own, peer },
+        None => crate::transport::Cuts::whole(),
+    }
+}
+
 /// `--decode-process`: times the copy ceiling of `decode`'s pool from a scratch pool of the
 /// same geometry that this process allocates on prefill's memory and GPU (the child holds
 /// prefill's own pool) ([`time_copy`]: GB/s); the scratch pool is freed on return. Errors: the
@@ -638,49 +650,13 @@ fn time_copy(cfg: &RunConfig, src: &mut KvPool, dst: &mut KvPool, plan: &Plan) -
     Ok(cfg.geometry.pool_bytes()? as f64 / secs.max(1e-12) / 1e9)
 }
 
-/// Decode's conversion on receive ([`crate::pairing::Sides::convert`]: vLLM's
-/// `kv_postprocess_*_on_receive`) of every slice of `layers` in `pool` after iteration
-/// `iteration`'s transfer, on the host (spans of slices read, each slice rearranged, written
-/// back; what still holds the iteration's poison stays poison). Errors: a CUDA error (VRAM
-/// pools).
-fn convert_received(sides: &crate::pairing::Sides, pool: &mut KvPool, layers: Range<u32>, iteration: u32) -> Result<()> {
-    let g = sides.decode.clone();
-    let sb = g.slice_bytes()? as usize;
-    let per_layer = g.slices_per_layer();
-    // Spans of whole slices, up to CONVERT_SPAN_BYTES (VRAM: one copy each way over PCIe per
-    // span, not one per slice); a layer region is its slices in slice-index order.
-    let per_span = (CONVERT_SPAN_BYTES / sb as u64).clamp(1, per_layer);
-    let mut span = vec![0u8; per_span as usize * sb];
-    let (mut out, mut pz) = (vec![0u8; sb], vec![0u8; sb]);
-    for layer in layers {
-        let mut first = 0u64;
-        while first < per_layer {
-            let n = per_span.min(per_layer - first);
-            let buf = &mut span[..n as usize * sb];
-            pool.read_span(layer, first as usize * sb, buf)?;
-            let mut changed = false;
-            for (i, got) in buf.chunks_exact_mut(sb).enumerate() {
-                let slot = (layer as u64 * per_layer + first + i as u64) as u32;
-                fingerprint::poison(&mut pz, slot, iteration);
-                if *got == *pz {
-                    continue; // nothing arrived
-                }
-                sides.convert(got, Some(&pz), &mut out);
-                got.copy_from_slice(&out);
-                changed = true;
-            }
-            if changed {
-                pool.write_span(layer, first as usize * sb, buf)?;
-            }
-            first += n;
-        }
-    }
-    Ok(())
+/// Decode's conversion on receive ([`crate::pairing::Sides::row_permutation`]: vLLM's
+/// `kv_postprocess_*_on_receive`) of every slice of `layers` in `pool` after a transfer:
+/// on the GPU for VRAM pools, on the host threads for DRAM ([`KvPool::permute_rows`]); what
+/// still holds the iteration's poison stays poison. Errors: a CUDA error (VRAM pools).
+fn convert_received(sides: &crate::pairing::Sides, pool: &mut KvPool, layers: Range<u32>) -> Result<()> {
+    pool.permute_rows(layers, &sides.row_permutation())
 }
-
-/// Bytes of decode's pool the conversion on receive moves to the host at once (VRAM: one
-/// copy each way per span of whole slices).
-const CONVERT_SPAN_BYTES: u64 = 16 << 20;
 
 /// How long `run --peer` waits for prefill's side of the report after telling it the outcome.
 pub const PEER_BYE_BOUND: Duration = Duration::from_secs(5);
@@ -1081,7 +1057,7 @@ fn sweep(
             for d in 0..ranks {
                 let pool = &mut probe.rank_mut(d).pool;
                 if sides.converts() {
-                    convert_received(&sides, pool, layers.clone(), it)?;
+                    convert_received(&sides, pool, layers.clone())?;
                 }
                 pool.verify_layers(layers.clone())?;
                 let fails = pool.take_failures()?;

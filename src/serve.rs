@@ -456,7 +456,8 @@ fn session_inner(
         Msg::Connect { decode, decode_ranks } => Ok((decode, decode_ranks)),
         m => Err(m.name()),
     })?;
-    let tp = rc.tp.unwrap_or(crate::pairing::tp::Tp::single(rc.geometry.num_kv_heads, rc.geometry.mla));
+    let sides = rc.sides()?;
+    let tp = sides.tp;
     if decode_ranks.len() + 1 != tp.decode as usize {
         return Err(Error::Transport(format!(
             "decode sent {} NIXL agents for decode TP {} (a protocol error)",
@@ -504,7 +505,7 @@ fn session_inner(
     for (p, e) in std::iter::once(&mut ep).chain(ranks.iter_mut()).enumerate() {
         for (d, info) in all_decode.iter().enumerate() {
             if tp.targets(d as u32).contains(&(p as u32)) {
-                e.connect(info.clone())?;
+                e.connect_link(info.clone(), crate::run::link_cuts(&sides, p as u32, d as u32))?;
             }
         }
     }

@@ -31,13 +31,16 @@
 //!   sides) is expanded to its slices' consecutive indices. NIXL's `makeXferReq` merges
 //!   consecutive indices of contiguous memory back into one descriptor
 //!   (src/core/nixl_agent.cpp), so the request moves the run as one descriptor, as
-//!   `createXferReq` does, from the same two prepared lists. vLLM prepares an additional
-//!   list only where one side's unit is *smaller* than the other's (its block-size
-//!   mismatch: `src_xfer_handles_by_block_size`), which no index of the per-block list can
-//!   name; a run is a whole number of slices, which indices can;
-//! - a torn pair (an injected fault moving less than a slice) cannot be named by any index:
-//!   that request is built with `createXferReq` instead, and a trace line
-//!   (`KVPROBE_TRACE=1`) says so.
+//!   `createXferReq` does, from the same two prepared lists;
+//! - between unequal sides (block sizes, TP head splits) a link's descriptors move pieces
+//!   of slices ([`Cuts`], [`crate::pairing::Sides::cuts`]): that link's lists are prepared
+//!   in those pieces, as vLLM prepares a decode rank's part of each remote block
+//!   (`add_remote_agent`: `rank_offset`, its own `block_len`) and a decode block of
+//!   `block_size_ratio` remote blocks in pieces (`src_xfer_handles_by_block_size`); a
+//!   pair is then the indices of the pieces it covers on each side ([`indices`]);
+//! - a torn pair (an injected fault moving less than its descriptor) or a planted offset
+//!   cannot be named by any index: that request is built with `createXferReq` instead,
+//!   and a trace line (`KVPROBE_TRACE=1`) says so.
 
 use crate::deadline::Deadline;
 use crate::error::Result;
@@ -159,6 +162,40 @@ impl Pair {
     pub fn slice(src: SliceCoord, dst: SliceCoord, len: u64) -> Pair {
         Pair { src, dst, len, src_off: 0, dst_off: 0 }
     }
+}
+
+/// How one link's descriptors cut every block slice of each side: (byte offset in the slice,
+/// bytes) ranges, sorted and disjoint, the same for every slice of the pool; empty = the
+/// whole slice. Between equal sides both are whole. Between unequal sides (block sizes, TP
+/// head splits: [`crate::pairing::Sides::cuts`]) they are the pieces a descriptor of that
+/// link moves, as vLLM's NixlConnector prepares them: a decode TP rank reading part of a
+/// prefill rank's heads prepares the remote blocks at its `rank_offset` with its own
+/// `block_len` (`add_remote_agent`), a decode block of `block_size_ratio` prefill blocks is
+/// prepared in that many pieces (`src_xfer_handles_by_block_size`), a decode rank reading
+/// several prefill ranks prepares each one's part of its blocks.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Cuts {
+    /// This role's slices.
+    pub own: Vec<(u64, u64)>,
+    /// The peer's slices.
+    pub peer: Vec<(u64, u64)>,
+}
+
+impl Cuts {
+    /// Whole slices on both sides (equal sides).
+    pub fn whole() -> Cuts {
+        Cuts::default()
+    }
+
+    /// The cuts seen from the other role (own and peer swapped).
+    pub fn swapped(&self) -> Cuts {
+        Cuts { own: self.peer.clone(), peer: self.own.clone() }
+    }
+}
+
+/// `cuts` of a slice of `sb` bytes, with empty meaning the whole slice.
+fn cuts_of(cuts: &[(u64, u64)], sb: u64) -> Vec<(u64, u64)> {
+    if cuts.is_empty() { vec![(0, sb)] } else { cuts.to_vec() }
 }
 
 fn mem_type(m: MemoryKind) -> MemType {
@@ -307,6 +344,13 @@ impl Endpoint {
     /// list cannot be prepared; usage (exit 2) for a pool of more than
     /// [`MAX_PREPARED_SLICES`] slices with prepared requests.
     pub fn connect(&mut self, peer: PeerInfo) -> Result<()> {
+        self.connect_link(peer, Cuts::whole())
+    }
+
+    /// [`Endpoint::connect`] for a link whose descriptors cut block slices as `cuts` says
+    /// (unequal sides, [`Cuts`]): the prepared lists hold those pieces. Errors: as
+    /// [`Endpoint::connect`], counting pieces against [`MAX_PREPARED_SLICES`].
+    pub fn connect_link(&mut self, peer: PeerInfo, cuts: Cuts) -> Result<()> {
         let own = self.pool.geometry();
         let g = peer.geometry.as_ref().unwrap_or(own);
         g.validate().map_err(|e| {
@@ -357,35 +401,48 @@ impl Endpoint {
                 arena.0
             )));
         }
-        let mut prepared = None;
+        let (mut prepared, mut own_prepared) = (None, None);
         if self.xfer_req == XferReq::Prepared {
-            let total = g.total_slices()?.max(own.total_slices()?);
+            let pieces = |g: &Geometry, c: &[(u64, u64)]| -> Result<u64> { Ok(g.total_slices()? * c.len().max(1) as u64) };
+            let total = pieces(g, &cuts.peer)?.max(pieces(own, &cuts.own)?);
             if total > MAX_PREPARED_SLICES {
                 return Err(crate::error::Error::Usage(format!(
-                    "--xfer-req prepared: the pool has {total} block slices, and NIXL's makeXferReq indexes at most {MAX_PREPARED_SLICES}; use --xfer-req create"
+                    "--xfer-req prepared: the pool has {total} block slices (or pieces of them that one descriptor moves), and NIXL's makeXferReq indexes at most {MAX_PREPARED_SLICES}; use --xfer-req create"
                 )));
             }
-            let local = match self.prepared_local.is_none() {
-                true => {
-                    let local = all_slices(own, &self.pool.region_addrs());
-                    Some(agent.prepare(None, (&local, mem_type(self.pool.memory()), self.pool.device_id()))?)
-                }
-                false => None,
+            let own_list = |cuts: &[(u64, u64)]| {
+                let local = all_cuts(own, &self.pool.region_addrs(), cuts);
+                agent.prepare(None, (&local, mem_type(self.pool.memory()), self.pool.device_id()))
             };
-            let remote = agent.prepare(Some(&peer.agent), remote_side)?;
+            let local = match (cuts.own.is_empty(), self.prepared_local.is_none()) {
+                (true, true) => Some(own_list(&[])?),
+                (false, _) => {
+                    own_prepared = Some(own_list(&cuts.own)?);
+                    None
+                }
+                (true, false) => None,
+            };
+            let remote = if cuts.peer.is_empty() {
+                agent.prepare(Some(&peer.agent), remote_side)?
+            } else {
+                let pieces = all_cuts(g, &bases, &cuts.peer);
+                agent.prepare(Some(&peer.agent), (pieces.as_slice(), mem_type(peer.memory), peer.device_id))?
+            };
             crate::trace!(
-                "{}: prepared {} local and {} remote descriptors (of {})",
+                "{}: prepared {} local and {} remote descriptors (of {}; {} and {} per block slice)",
                 agent.name(),
-                own.total_slices()?,
+                pieces(own, &cuts.own)?,
                 remote.len(),
-                peer.agent
+                peer.agent,
+                cuts.own.len().max(1),
+                cuts.peer.len().max(1)
             );
             prepared = Some(remote);
             if local.is_some() {
                 self.prepared_local = local;
             }
         }
-        self.peers.push(Peer { prepared, info: peer });
+        self.peers.push(Peer { prepared, own_prepared, cuts, info: peer });
         Ok(())
     }
 
@@ -429,8 +486,9 @@ impl Endpoint {
         };
         let peer = &target.info;
         let xop = if op == Op::Write { XferOp::Write } else { XferOp::Read };
-        if let (Some(local), Some(remote)) = (&self.prepared_local, &target.prepared) {
-            match indices((self.pool.geometry(), self.geometry_of(peer)), pairs.iter().map(&side)) {
+        let local = target.own_prepared.as_ref().or(self.prepared_local.as_ref());
+        if let (Some(local), Some(remote)) = (local, &target.prepared) {
+            match indices((self.pool.geometry(), self.geometry_of(peer)), &target.cuts, pairs.iter().map(&side)) {
                 Ok((li, ri, bytes)) => {
                     self.pool.bind()?;
                     let descs = Descs::Prepared { local, local_idx: &li, remote, remote_idx: &ri, bytes };
@@ -466,11 +524,14 @@ impl Endpoint {
         };
         let peer = self.peer();
         let xop = if op == Op::Write { XferOp::Write } else { XferOp::Read };
-        let prepared = self.prepared_local.as_ref().zip(self.peers.first().and_then(|p| p.prepared.as_ref()));
+        let first = self.peers.first();
+        let own = first.and_then(|p| p.own_prepared.as_ref()).or(self.prepared_local.as_ref());
+        let prepared = own.zip(first.and_then(|p| p.prepared.as_ref()));
+        let cuts = first.map(|p| p.cuts.clone()).unwrap_or_default();
         match (mode, prepared) {
             (XferReq::Prepared, Some((local, remote))) => {
                 let t = Instant::now();
-                let (li, ri, bytes) = indices((self.pool.geometry(), self.geometry_of(peer)), pairs.iter().map(&side))
+                let (li, ri, bytes) = indices((self.pool.geometry(), self.geometry_of(peer)), &cuts, pairs.iter().map(&side))
                     .map_err(|w| crate::error::Error::Usage(format!("bench: {w}")))?;
                 let descs = Descs::Prepared { local, local_idx: &li, remote, remote_idx: &ri, bytes };
                 let built = agent.time_request(xop, &descs, &peer.agent)?;
@@ -567,11 +628,15 @@ fn descs(g: &Geometry, bases: &[u64], coords: impl Iterator<Item = ((SliceCoord,
     coords.map(|((c, off), len)| (g.descriptor(bases, c).0 + off, len)).collect()
 }
 
-/// A connected peer: what it announced, and its prepared descriptor list (every block slice
-/// of its pool at its global slice index; `--xfer-req prepared`).
+/// A connected peer: what it announced, how the link cuts slices ([`Cuts`]) and its
+/// prepared descriptor lists (`--xfer-req prepared`): the peer's pool (every cut of every
+/// block slice at `global slice × cuts + cut`), and this role's own when the link cuts its
+/// slices (else the endpoint's list of whole slices serves).
 struct Peer {
-    // Field order is drop order: the list is released before the info's lease share.
+    // Field order is drop order: the lists are released before the info's lease share.
     prepared: Option<PreparedList>,
+    own_prepared: Option<PreparedList>,
+    cuts: Cuts,
     info: PeerInfo,
 }
 
@@ -580,44 +645,88 @@ struct Peer {
 /// slice's place in its region): vLLM's per-block descriptors
 /// (`register_local_xfer_handler`, `add_remote_agent`).
 pub fn all_slices(g: &Geometry, bases: &[u64]) -> Vec<(u64, u64)> {
+    all_cuts(g, bases, &[])
+}
+
+/// [`all_slices`] with every slice cut into `cuts` ([`Cuts`]; empty: whole slices): cut `i`
+/// of the slice at global index `q` is descriptor `q × cuts.len() + i`.
+pub fn all_cuts(g: &Geometry, bases: &[u64], cuts: &[(u64, u64)]) -> Vec<(u64, u64)> {
     let sb = g.slice_bytes().unwrap_or(0);
     let per = g.slices_per_layer();
-    bases.iter().flat_map(|&b| (0..per).map(move |q| (b + q * sb, sb))).collect()
+    let cuts = cuts_of(cuts, sb);
+    let mut out = Vec::with_capacity(bases.len() * per as usize * cuts.len());
+    for &b in bases {
+        for q in 0..per {
+            out.extend(cuts.iter().map(|&(off, len)| (b + q * sb + off, len)));
+        }
+    }
+    out
 }
 
 /// The prepared-list indices of `pairs` given as ((local slice, byte offset), (remote slice,
-/// byte offset), bytes), the local pool of geometry `geoms.0` and the remote of `geoms.1`: a
-/// whole slice (offset 0, the slice's bytes on both sides) is its global slice index
-/// ([`Geometry::global_slice`]); a run of k whole slices (`--descriptor-blocks`) the k
-/// consecutive indices from its first slice, as long as it stays within its layer region on
-/// both sides. Returns the local and remote indices and the bytes they move. Errors: why a
-/// pair has no indices (a torn pair, a chunk of a slice between unequal block sizes, a run
-/// past its region's end): the caller then builds the request from descriptors.
+/// byte offset), bytes), the local pool of geometry `geoms.0` cut by `cuts.own` and the
+/// remote of `geoms.1` cut by `cuts.peer` ([`Cuts`], [`all_cuts`]). A pair is walked on
+/// both sides at once, one cut at a time: each piece must start at a cut and be that cut's
+/// length on both sides (cut `i` of the slice at global index `q`, [`Geometry::global_slice`],
+/// is index `q × cuts + i`). With whole slices, a whole slice is its global slice index and a
+/// run of k slices (`--descriptor-blocks`) the k consecutive indices from its first, as
+/// long as it stays within its layer region on both sides. Returns the local and remote
+/// indices and the bytes they move. Errors: why a pair has no indices (a torn pair, a planted
+/// offset, a run past its region's end): the caller then builds the request from
+/// descriptors.
 pub fn indices(
     geoms: (&Geometry, &Geometry),
+    cuts: &Cuts,
     pairs: impl Iterator<Item = ((SliceCoord, u64), (SliceCoord, u64), u64)>,
 ) -> std::result::Result<(Vec<i32>, Vec<i32>, u64), String> {
-    let sb = geoms.0.slice_bytes().map_err(|e| e.to_string())?.max(1);
-    if geoms.1.slice_bytes().map_err(|e| e.to_string())? != sb {
-        return Err(format!("the two pools' block slices differ ({sb} and {} bytes)", geoms.1.slice_bytes().unwrap_or(0)));
+    struct Side {
+        sb: u64,
+        per: u64,
+        cuts: Vec<(u64, u64)>,
     }
+    let side = |g: &Geometry, c: &[(u64, u64)]| -> std::result::Result<Side, String> {
+        let sb = g.slice_bytes().map_err(|e| e.to_string())?.max(1);
+        Ok(Side { sb, per: g.slices_per_layer(), cuts: cuts_of(c, sb) })
+    };
+    let sides = [side(geoms.0, &cuts.own)?, side(geoms.1, &cuts.peer)?];
     let (mut li, mut ri, mut bytes) = (Vec::new(), Vec::new(), 0u64);
     for ((l, lo), (r, ro), len) in pairs {
-        if len == 0 || !len.is_multiple_of(sb) || lo != 0 || ro != 0 {
-            return Err(format!("a pair moves {len} bytes at offsets {lo} and {ro}, not whole block slices of {sb} bytes"));
+        if len == 0 {
+            return Err("a pair moves 0 bytes".into());
         }
-        let k = len / sb;
-        for (g, c, out) in [(geoms.0, l, &mut li), (geoms.1, r, &mut ri)] {
-            let per = g.slices_per_layer();
-            let first = g.global_slice(c) as u64;
-            if first % per + k > per {
+        let firsts = [geoms.0.global_slice(l) as u64, geoms.1.global_slice(r) as u64];
+        // (slice at its global index, byte offset in it) on each side
+        let mut at = [(firsts[0], lo), (firsts[1], ro)];
+        let mut left = len;
+        while left > 0 {
+            let mut piece = [(0u64, 0u64); 2]; // (index, bytes)
+            for k in 0..2 {
+                let s = &sides[k];
+                let (q, off) = (at[k].0 + at[k].1 / s.sb, at[k].1 % s.sb);
+                at[k] = (q, off);
+                if q / s.per != firsts[k] / s.per {
+                    return Err(format!("a pair of {len} bytes from slice {} runs past its layer region", firsts[k] % s.per));
+                }
+                let Ok(i) = s.cuts.binary_search_by_key(&off, |c| c.0) else {
+                    return Err(format!(
+                        "a pair of {len} bytes at offsets {lo} and {ro} has a piece at byte {off} of a slice of {} bytes where no descriptor of the link starts",
+                        s.sb
+                    ));
+                };
+                piece[k] = (q * s.cuts.len() as u64 + i as u64, s.cuts[i].1);
+            }
+            let n = piece[0].1;
+            if piece[1].1 != n || n > left {
                 return Err(format!(
-                    "a pair of {k} slices from layer {} slice {} runs past its layer region",
-                    c.layer,
-                    first % per
+                    "a pair moves {len} bytes at offsets {lo} and {ro}, not whole descriptors of the link ({} and {} bytes)",
+                    piece[0].1, piece[1].1
                 ));
             }
-            out.extend((first..first + k).map(|i| i as i32));
+            li.push(piece[0].0 as i32);
+            ri.push(piece[1].0 as i32);
+            at[0].1 += n;
+            at[1].1 += n;
+            left -= n;
         }
         bytes += len;
     }

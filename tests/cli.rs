@@ -393,3 +393,36 @@ fn json_to_a_stdout_that_cannot_take_it_is_refused() {
     let (code, err) = closed(&run, &[], Stdio::piped());
     assert_eq!(code, Some(0), "{err}");
 }
+
+#[test]
+fn a_gpu_flag_with_dram_pools_is_refused_even_when_it_names_the_default_gpu() {
+    for cmd in ["run", "ab"] {
+        for flag in ["--prefill-device", "--decode-device"] {
+            let (code, _, err) = kvprobe(&[cmd, "--memory", "dram", flag, "0", "--layers", "1", "--blocks", "4"]);
+            assert_eq!(code, 2, "{cmd} {flag} 0: {err}");
+            assert!(err.contains(&format!("{flag} applies to --memory vram only")), "{cmd} {flag}: {err}");
+        }
+    }
+}
+
+#[test]
+fn the_summary_points_to_where_the_full_list_of_failures_is() {
+    // 8 dropped block slices: more than the summary's five.
+    let args = ["run", "--memory", "dram", "--layers", "1", "--blocks", "16", "--iterations", "1", "--inject", "drop:8"];
+    let (code, out, err) = kvprobe(&args);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(out.contains("more corrupt slices; --report FILE would list 8"), "{out}");
+    let dir = tmpdir("summary-points");
+    let path = dir.join("r.json");
+    let mut with = args.to_vec();
+    with.extend(["--report", path.to_str().unwrap()]);
+    let (code, out, err) = kvprobe(&with);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(out.contains(&format!("the JSON report ({}) lists 8", path.display())), "{out}");
+    let bundle = dir.join("b.tar.gz");
+    let mut with = args.to_vec();
+    with.extend(["--bundle", bundle.to_str().unwrap()]);
+    let (code, out, err) = kvprobe(&with);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(out.contains(&format!("the JSON report (report.json in {}) lists 8", bundle.display())), "{out}");
+}

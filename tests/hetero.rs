@@ -145,6 +145,48 @@ fn unequal_sides_run_with_a_prefill_process_and_with_write_on(memory: &str) {
     }
 }
 
+#[test]
+fn unequal_sides_make_every_request_from_prepared_lists() {
+    unequal_sides_make_every_request_from_prepared_lists_on("dram");
+}
+
+#[test]
+fn vram_unequal_sides_make_every_request_from_prepared_lists() {
+    if crate::common::gpu_or_skip("vram_unequal_sides_make_every_request_from_prepared_lists") {
+        unequal_sides_make_every_request_from_prepared_lists_on("vram");
+    }
+}
+
+/// Between unequal sides (block sizes, TP head splits, both) every link prepares the pieces
+/// its descriptors move (vLLM's rank_offset and block_size_ratio pieces), so that no clean
+/// request falls back to createXferReq: each agent says what it prepared, per link (trace),
+/// and no request says it was built from fresh descriptors.
+fn unequal_sides_make_every_request_from_prepared_lists_on(memory: &str) {
+    let cases: [(&[&str], usize, &str); 8] = [
+        (&["--decode-tp", "2"], 4, "1 and 1 per block slice"),
+        (&["--prefill-tp", "2"], 4, "1 and 1 per block slice"),
+        (&["--prefill-tp", "2", "--decode-tp", "4", "--op", "write"], 8, "1 and 1 per block slice"),
+        (&["--prefill-tp", "4", "--decode-tp", "2"], 8, "1 and 1 per block slice"),
+        (&["--decode-block-size", "32"], 2, "2 and 1 per block slice"),
+        // kvprobe's own rule (vLLM refuses this direction): one piece per head and decode block.
+        (&["--block-size", "32", "--decode-block-size", "16"], 2, "16 and 8 per block slice"),
+        (&["--decode-tp", "2", "--decode-block-size", "32", "--decode-layout", "nhd", "--permute-local-kv"], 4, "2 and 1"),
+        (&["--block-size", "32", "--decode-block-size", "16", "--prefill-tp", "2", "--decode-tp", "4"], 8, "4 and 2"),
+    ];
+    for (extra, lists, pieces) in cases {
+        let mut a = vec!["run", "--memory", memory, "--layers", "2", "--blocks", "64", "--kv-heads", "8", "--layout", "hnd"];
+        a.extend_from_slice(&["--iterations", "2"]);
+        a.extend_from_slice(extra);
+        let (code, out, err) = kvprobe_env(&a, &[("KVPROBE_TRACE", "1")]);
+        assert_eq!(code, 0, "{extra:?}: {out}{err}");
+        let prepared: Vec<&str> = err.lines().filter(|l| l.contains(" remote descriptors (of ")).collect();
+        assert_eq!(prepared.len(), lists, "{extra:?}: one per agent and link it loaded: {prepared:#?}");
+        assert!(prepared.iter().any(|l| l.contains(pieces)), "{extra:?}: wanted {pieces:?} in {prepared:#?}");
+        assert!(!err.contains("built with createXferReq"), "{extra:?}: {err}");
+        assert!(out.contains("prepared requests"), "{extra:?}: {out}");
+    }
+}
+
 /// What one fault of `kind` must show between unequal sides whose group holds `kd` decode
 /// blocks: (class, decode slices). A fault takes a whole group ([`Sides::planning`]): each of
 /// its decode slices shows, except a bitflip (one byte of one slice) and a tear (checked
@@ -381,7 +423,7 @@ fn check_placement(s: &Sides, bp: u32, bd: u32, heads: u32) {
     for (j, slice) in got.iter().enumerate() {
         let mut out = slice.clone();
         if s.converts() {
-            s.convert(slice, None, &mut out);
+            s.convert(slice, &mut out);
         }
         for t in 0..bd {
             for h in 0..heads {
@@ -531,13 +573,17 @@ fn what_kvprobe_refuses_of_tensor_parallel_pairs_exits_2_with_the_reason() {
             "a prefill rank holds 1 of the model's 2 KV heads",
         ),
         (&["--layout", "hnd", "--decode-tp", "2", "--inject", "token-offset", "--block-size", "1"], "at least 2 tokens"),
-        (&["--layout", "hnd", "--decode-tp", "2", "--decode-device", "0,1,2"], "lists 3 GPUs for decode TP 2"),
+        (&["--layout", "hnd", "--decode-tp", "2", "--decode-device", "0,1"], "--decode-device applies to --memory vram only"),
     ];
     for (args, why) in cases {
         let (code, _, out) = run_with_report("hetero-tp-refused", "dram", args);
         assert_eq!(code, 2, "{args:?}: {out}");
         assert!(out.contains(why), "{args:?}: wanted {why:?} in {out}");
     }
+    // A device list of another length than the TP size: refused before any GPU is touched.
+    let (code, _, err) = kvprobe(&["run", "--memory", "vram", "--layout", "hnd", "--decode-tp", "2", "--decode-device", "0,1,2"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("lists 3 GPUs for decode TP 2"), "{err}");
 }
 
 /// What one injection on link (prefill rank `p`, decode rank `d`) of a TP pair shows, by

@@ -502,9 +502,9 @@ fn pair_run_refuses_bad_peer_flags_before_connecting() {
     let (code, _, err) = kvprobe_env(&["run", "--peer", "127.0.0.1:1", "--memory", "dram"], &[("KVPROBE_TOKEN", "")]);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("KVPROBE_TOKEN"), "{err}");
-    let (code, _, err) = kvprobe(&["ab", "--peer", "127.0.0.1:1", "--memory", "dram", "--prefill-device", "1", "--token", "x"]);
+    let (code, _, err) = kvprobe(&["ab", "--peer", "127.0.0.1:1", "--memory", "vram", "--prefill-device", "1", "--token", "x"]);
     assert_eq!(code, 2, "{err}");
-    assert!(err.contains("--prefill-device"), "{err}");
+    assert!(err.contains("--prefill-device does not apply to --peer"), "{err}");
     let (_keep, addr) = refusing_addr();
     let (code, _, err) = kvprobe(&["run", "--peer", &addr.to_string(), "--memory", "dram", "--token", "x"]);
     assert_eq!(code, 2, "nothing listens there: {err}");

@@ -4,7 +4,7 @@
 
 use crate::common::{EVERY_INJECTION, assert_found_exactly, kvprobe, kvprobe_env, read_report, tmpdir};
 use kvprobe::geometry::{KvPart, Layout, Preset, SliceCoord};
-use kvprobe::transport::{XferReq, indices};
+use kvprobe::transport::{Cuts, XferReq, indices};
 use serde_json::Value;
 
 /// `kvprobe run --memory dram --report <tmp> ARGS` with `env`: (exit code, report, stdout +
@@ -218,30 +218,39 @@ fn prepared_indices_are_global_slice_indices_and_runs_expand() {
     let sb = g.slice_bytes().unwrap();
     let c = |layer, kv, block| SliceCoord { layer, kv, block };
     // One slice each: vLLM's region * num_blocks + block (regions: layer-major K, V).
-    let (l, r, bytes) = indices((&g, &g), [((c(0, KvPart::K, 5), 0), (c(2, KvPart::V, 7), 0), sb)].into_iter()).unwrap();
+    let (l, r, bytes) =
+        indices((&g, &g), &Cuts::whole(), [((c(0, KvPart::K, 5), 0), (c(2, KvPart::V, 7), 0), sb)].into_iter()).unwrap();
     assert_eq!((l, r, bytes), (vec![5], vec![(2 * 2 + 1) * 64 + 7], sb));
     // A run of 4 slices: 4 consecutive indices on both sides.
-    let (l, r, bytes) = indices((&g, &g), [((c(1, KvPart::K, 8), 0), (c(3, KvPart::V, 60), 0), 4 * sb)].into_iter()).unwrap();
+    let (l, r, bytes) =
+        indices((&g, &g), &Cuts::whole(), [((c(1, KvPart::K, 8), 0), (c(3, KvPart::V, 60), 0), 4 * sb)].into_iter()).unwrap();
     assert_eq!(l, vec![128 + 8, 128 + 9, 128 + 10, 128 + 11]);
     assert_eq!(r, vec![7 * 64 + 60, 7 * 64 + 61, 7 * 64 + 62, 7 * 64 + 63]);
     assert_eq!(bytes, 4 * sb);
     // A run past its layer region's end has no indices (NHD: V's last block is the region's end).
-    assert!(indices((&g, &g), [((c(1, KvPart::V, 62), 0), (c(0, KvPart::K, 0), 0), 4 * sb)].into_iter()).is_err());
+    assert!(
+        indices((&g, &g), &Cuts::whole(), [((c(1, KvPart::V, 62), 0), (c(0, KvPart::K, 0), 0), 4 * sb)].into_iter()).is_err()
+    );
     // A torn pair (less than a slice, or not whole slices) has none either.
-    let e = indices((&g, &g), [((c(0, KvPart::K, 0), 0), (c(0, KvPart::K, 1), 0), sb / 2)].into_iter()).unwrap_err();
-    assert!(e.contains("not whole block slices"), "{e}");
-    assert!(indices((&g, &g), [((c(0, KvPart::K, 0), 0), (c(0, KvPart::K, 1), 0), sb + 16)].into_iter()).is_err());
-    assert!(indices((&g, &g), [((c(0, KvPart::K, 0), 0), (c(0, KvPart::K, 1), 0), 0)].into_iter()).is_err());
+    let e =
+        indices((&g, &g), &Cuts::whole(), [((c(0, KvPart::K, 0), 0), (c(0, KvPart::K, 1), 0), sb / 2)].into_iter()).unwrap_err();
+    assert!(e.contains("not whole descriptors of the link"), "{e}");
+    assert!(
+        indices((&g, &g), &Cuts::whole(), [((c(0, KvPart::K, 0), 0), (c(0, KvPart::K, 1), 0), sb + 16)].into_iter()).is_err()
+    );
+    assert!(indices((&g, &g), &Cuts::whole(), [((c(0, KvPart::K, 0), 0), (c(0, KvPart::K, 1), 0), 0)].into_iter()).is_err());
     // A whole slice's bytes at an offset (a chunk between unequal sides) has none.
-    assert!(indices((&g, &g), [((c(0, KvPart::K, 0), 16), (c(0, KvPart::K, 1), 0), sb)].into_iter()).is_err());
-    assert!(indices((&g, &g), [((c(0, KvPart::K, 0), 0), (c(0, KvPart::K, 1), 16), sb)].into_iter()).is_err());
+    assert!(indices((&g, &g), &Cuts::whole(), [((c(0, KvPart::K, 0), 16), (c(0, KvPart::K, 1), 0), sb)].into_iter()).is_err());
+    assert!(indices((&g, &g), &Cuts::whole(), [((c(0, KvPart::K, 0), 0), (c(0, KvPart::K, 1), 16), sb)].into_iter()).is_err());
     // HND: memory order, K and V of a block side by side; a run of 2 blocks, K and V
     // together, is 4 consecutive indices.
     let mut h = g.clone();
     h.layout = Layout::Hnd;
-    let (l, _, _) = indices((&h, &h), [((c(2, KvPart::K, 10), 0), (c(0, KvPart::K, 0), 0), 4 * sb)].into_iter()).unwrap();
+    let (l, _, _) =
+        indices((&h, &h), &Cuts::whole(), [((c(2, KvPart::K, 10), 0), (c(0, KvPart::K, 0), 0), 4 * sb)].into_iter()).unwrap();
     assert_eq!(l, vec![256 + 20, 256 + 21, 256 + 22, 256 + 23]);
-    let (l, _, _) = indices((&h, &h), [((c(0, KvPart::V, 3), 0), (c(0, KvPart::K, 0), 0), sb)].into_iter()).unwrap();
+    let (l, _, _) =
+        indices((&h, &h), &Cuts::whole(), [((c(0, KvPart::V, 3), 0), (c(0, KvPart::K, 0), 0), sb)].into_iter()).unwrap();
     assert_eq!(l, vec![7]);
     // The prepared list holds every slice at its index: entry i is slice coord_of(i).
     let bases = [0x1000_0000u64, 0x2000_0000, 0x3000_0000, 0x4000_0000];
@@ -252,6 +261,70 @@ fn prepared_indices_are_global_slice_indices_and_runs_expand() {
             assert_eq!(*d, geo.descriptor(&bases, geo.coord_of(i as u32)), "{i}");
         }
     }
+}
+
+#[test]
+fn prepared_lists_of_unequal_sides_hold_the_pieces_each_link_moves() {
+    use kvprobe::pairing::{Sides, tp::Tp};
+    // 2 layers, 4 KV heads of 16 bf16 elements (32-byte rows), HND, 8 blocks of 4 tokens:
+    // 512-byte slices, 128 bytes per head.
+    let g = kvprobe::geometry::Geometry {
+        num_layers: 2,
+        num_kv_heads: 4,
+        head_size: 16,
+        block_size: 4,
+        num_blocks: 8,
+        dtype: kvprobe::geometry::Dtype::Bf16,
+        layout: Layout::Hnd,
+        mla: false,
+    };
+    let tp = |p, d| Tp { prefill: p, decode: d, total_kv_heads: 4, mla: false };
+    let c = |layer, kv, block| SliceCoord { layer, kv, block };
+    // Decode TP 2 reads half of each prefill block (vLLM's rank_offset): rank 1's piece is
+    // bytes 256.. of prefill's 512-byte slice, its own slice whole.
+    let s = Sides::derive(&g, None, None, false).unwrap().with_tp(tp(1, 2)).unwrap();
+    assert_eq!(s.cuts(0, 0), Some((vec![(0, 256)], vec![])));
+    assert_eq!(s.cuts(0, 1), Some((vec![(256, 256)], vec![])));
+    let cuts = Cuts { own: vec![], peer: vec![(256, 256)] }; // decode rank 1 READs
+    let (l, r, bytes) =
+        indices((&s.decode, &s.prefill), &cuts, [((c(1, KvPart::V, 3), 0), (c(0, KvPart::K, 5), 256), 256)].into_iter()).unwrap();
+    let (gl, gr) = (s.decode.global_slice(c(1, KvPart::V, 3)) as i32, s.prefill.global_slice(c(0, KvPart::K, 5)) as i32);
+    assert_eq!((l, r, bytes), (vec![gl], vec![gr], 256));
+    // The other half of the prefill slice is not this link's: no index names it.
+    assert!(
+        indices((&s.decode, &s.prefill), &cuts, [((c(1, KvPart::V, 3), 0), (c(0, KvPart::K, 5), 0), 256)].into_iter()).is_err()
+    );
+    // Prefill TP 2 into decode TP 1: each prefill rank fills its heads' part of decode's slice.
+    let s = Sides::derive(&g, None, None, false).unwrap().with_tp(tp(2, 1)).unwrap();
+    assert_eq!(s.cuts(1, 0), Some((vec![], vec![(256, 256)])));
+    // Decode blocks of 8 tokens = 2 prefill blocks (vLLM's block_size_ratio 2): decode's
+    // slices come in two pieces, one per prefill block; a pair of two prefill slices that
+    // are contiguous is two pieces on each side.
+    let s = Sides::derive(&g, None, Some(8), false).unwrap();
+    assert_eq!(s.cuts(0, 0), Some((vec![], vec![(0, 512), (512, 512)])));
+    let cuts = Cuts { own: vec![(0, 512), (512, 512)], peer: vec![] };
+    let (l, r, _) =
+        indices((&s.decode, &s.prefill), &cuts, [((c(0, KvPart::K, 1), 0), (c(1, KvPart::K, 2), 0), 1024)].into_iter()).unwrap();
+    let (gl, gr) = (s.decode.global_slice(c(0, KvPart::K, 1)) as i32, s.prefill.global_slice(c(1, KvPart::K, 2)) as i32);
+    assert_eq!((l, r), (vec![2 * gl, 2 * gl + 1], vec![gr, gr + 1]));
+    let (l, _, _) =
+        indices((&s.decode, &s.prefill), &cuts, [((c(0, KvPart::K, 1), 512), (c(1, KvPart::K, 2), 0), 512)].into_iter()).unwrap();
+    assert_eq!(l, vec![2 * gl + 1]);
+    // A piece that starts inside a cut (a tear, a planted offset) has none.
+    assert!(
+        indices((&s.decode, &s.prefill), &cuts, [((c(0, KvPart::K, 1), 256), (c(1, KvPart::K, 2), 0), 512)].into_iter()).is_err()
+    );
+    // The prepared list: cut i of the slice at global index q is entry q x cuts + i.
+    let bases = [0x1000_0000u64, 0x2000_0000];
+    let all = kvprobe::transport::all_cuts(&s.decode, &bases, &cuts.own);
+    assert_eq!(all.len() as u64, 2 * s.decode.total_slices().unwrap());
+    for (i, d) in all.iter().enumerate() {
+        let (start, len) = s.decode.descriptor(&bases, s.decode.coord_of(i as u32 / 2));
+        assert_eq!(len, 1024);
+        assert_eq!(*d, (start + (i as u64 % 2) * 512, 512), "{i}");
+    }
+    // Equal sides: whole slices.
+    assert_eq!(Sides::derive(&g, None, None, false).unwrap().cuts(0, 0), Some((vec![], vec![])));
 }
 
 #[test]

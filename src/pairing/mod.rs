@@ -87,6 +87,10 @@ pub enum Plant {
     TokenOffset,
 }
 
+/// Pieces of a block slice: (byte offset, bytes) ranges, sorted and disjoint; empty = the
+/// whole slice ([`Sides::cuts`]).
+pub type Pieces = Vec<(u64, u64)>;
+
 /// Position of row (token `t`, head `h`) in a slice of `order` with `block` tokens and
 /// `heads` heads (NHD: token-major; HND: head-major; MLA: one row per token).
 pub fn row_position(order: RowOrder, block: u32, heads: u32, t: u32, h: u32) -> u64 {
@@ -275,30 +279,32 @@ impl Sides {
         (0..bd).all(|t| (0..heads).all(|h| self.received_row(t, h) == row_position(ld, bd, heads, t, h)))
     }
 
-    /// Rearranges a received decode slice (`received`) into decode's row order (`out`, the
-    /// same length): row (t, h) from [`Sides::received_row`] to its place in decode's
-    /// layout. With `poison` (the slot's poison, slice-sized), every 16-byte group of a row
-    /// that still holds the poison of its received offset becomes the poison of its new
-    /// offset: nothing arrived there, and kvprobe's marker of that is not data to move (a
-    /// dropped or torn transfer stays `unwritten` or `torn`). Call only when
-    /// [`Sides::converts`].
-    pub fn convert(&self, received: &[u8], poison: Option<&[u8]>, out: &mut [u8]) {
-        let rb = self.row_bytes() as usize;
+    /// Decode's conversion on receive as a permutation of a slice's head rows: entry `r` is
+    /// the row (in the received slice, [`Sides::received_row`]) that becomes row `r` of
+    /// decode's order ([`row_position`]); `block_size × heads` entries. The GPU kernel
+    /// (`kvp_permute_rows`) and the host apply it to every slice ([`crate::pool::KvPool::permute_rows`]).
+    pub fn row_permutation(&self) -> Vec<u32> {
         let (bd, heads, ld) = (self.decode.block_size, Sides::heads(&self.decode), RowOrder::of(&self.decode));
+        let mut perm = vec![0u32; (bd * heads) as usize];
         for t in 0..bd {
             for h in 0..heads {
-                let from = self.received_row(t, h) as usize * rb;
-                let to = row_position(ld, bd, heads, t, h) as usize * rb;
-                out[to..to + rb].copy_from_slice(&received[from..from + rb]);
-                if let Some(pz) = poison {
-                    for i in (0..rb).step_by(16) {
-                        let n = 16.min(rb - i);
-                        if received[from + i..from + i + n] == pz[from + i..from + i + n] {
-                            out[to + i..to + i + n].copy_from_slice(&pz[to + i..to + i + n]);
-                        }
-                    }
-                }
+                perm[row_position(ld, bd, heads, t, h) as usize] = self.received_row(t, h) as u32;
             }
+        }
+        perm
+    }
+
+    /// Rearranges a received decode slice (`received`) into decode's row order (`out`, the
+    /// same length): row (t, h) from [`Sides::received_row`] to its place in decode's
+    /// layout ([`Sides::row_permutation`]). What still holds poison stays poison: the poison
+    /// of a slice is the same in every 16-byte chunk ([`crate::fingerprint::poison`]) and a
+    /// row is a whole number of chunks, so a dropped or torn transfer stays `unwritten` or
+    /// `torn`. Call only when [`Sides::converts`].
+    pub fn convert(&self, received: &[u8], out: &mut [u8]) {
+        let rb = self.row_bytes() as usize;
+        for (to, &from) in self.row_permutation().iter().enumerate() {
+            let from = from as usize * rb;
+            out[to * rb..(to + 1) * rb].copy_from_slice(&received[from..from + rb]);
         }
     }
 
@@ -356,6 +362,40 @@ impl Sides {
             }
         }
         out
+    }
+
+    /// The pieces of a block slice that the descriptors of link (prefill rank `p`, decode
+    /// rank `d`) move, as (byte offset, bytes), sorted: on prefill's slices and on decode's
+    /// (empty: the whole slice). They are what [`Sides::chunks_between`] moves without a
+    /// plant, over every prefill slice of a group; the transport prepares its descriptor
+    /// lists with them ([`crate::transport::Cuts`]), as vLLM's NixlConnector prepares a
+    /// decode rank's part of each remote block (`add_remote_agent`: `rank_offset`,
+    /// `block_len`) and a block of `block_size_ratio` remote blocks in pieces. `None` when
+    /// `d` reads nothing from `p`, or when pieces of different slices overlap (no prepared
+    /// list can name both: requests are then built with createXferReq).
+    pub fn cuts(&self, p: u32, d: u32) -> Option<(Pieces, Pieces)> {
+        let (mut pc, mut dc) = (Vec::new(), Vec::new());
+        for pos in 0..self.prefill_per_group() {
+            for c in self.chunks_between(p, d, pos, Plant::None) {
+                pc.push((c.src_off, c.len));
+                dc.push((c.dst_off, c.len));
+            }
+        }
+        if pc.is_empty() {
+            return None;
+        }
+        let norm = |mut v: Vec<(u64, u64)>, sb: u64| -> Option<Vec<(u64, u64)>> {
+            v.sort_unstable();
+            v.dedup();
+            if v.windows(2).any(|w| w[0].0 + w[0].1 > w[1].0) {
+                return None;
+            }
+            if v == [(0, sb)] {
+                v.clear();
+            }
+            Some(v)
+        };
+        Some((norm(pc, self.prefill.slice_bytes().ok()?)?, norm(dc, self.decode.slice_bytes().ok()?)?))
     }
 
     /// Why vLLM's NixlConnector would not run this pair as kvprobe does, if it would not
