@@ -31,6 +31,8 @@ pub struct Document {
     pub kind: Kind,
     /// Its JSON, as written.
     pub json: Value,
+    /// The path it was read from, as given (a run's summary names its `--report` file so).
+    pub path: String,
 }
 
 /// Reads `path` and tells what it is by its `schema`. Errors (usage, exit 2): unreadable, not
@@ -63,7 +65,7 @@ pub fn load(path: &Path) -> Result<Document> {
             )));
         }
     };
-    Ok(Document { kind, json })
+    Ok(Document { kind, json, path: path.display().to_string() })
 }
 
 /// Documents larger than this are refused ([`load`]; a regular file unread): kvprobe's reports are kilobytes
@@ -97,7 +99,7 @@ pub fn show(doc: &Document) -> Result<String> {
     Ok(match doc.kind {
         Kind::Run => {
             let r: crate::report::Report = serde_json::from_value(doc.json.clone()).map_err(bad)?;
-            let mut s = crate::report::render_with(&r, Some("this document"));
+            let mut s = crate::report::render_with(&r, Some(&doc.path));
             if let Some(e) = &r.outcome.error {
                 s += &format!("error:             {}\n", e.message);
             }
