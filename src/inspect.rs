@@ -31,7 +31,8 @@ pub struct Document {
     pub kind: Kind,
     /// Its JSON, as written.
     pub json: Value,
-    /// The path it was read from, as given (a run's summary names its `--report` file so).
+    /// Where it was read from, as given (a run's summary names its `--report` file so):
+    /// the path, or `report.json in BUNDLE` for a bundle's report.
     pub path: String,
 }
 
@@ -40,10 +41,12 @@ pub struct Document {
 pub fn load(path: &Path) -> Result<Document> {
     let bad = |why: String| Error::Usage(format!("{}: {why}", path.display()));
     let mut bytes = read_bounded(path).map_err(bad)?;
+    let mut named = path.display().to_string();
     if bytes.starts_with(&[0x1f, 0x8b]) {
         // A bundle (`--bundle`, `kvprobe bundle`): its report.
         // Only the manifest and the report entry are read (bounded; see [`crate::bundle`]).
         bytes = crate::bundle::read_report(path)?;
+        named = format!("report.json in {named}");
     }
     let json: Value = serde_json::from_slice(&bytes).map_err(|e| bad(format!("not a kvprobe JSON document: {e}")))?;
     let schema = match json.get("schema") {
@@ -65,7 +68,7 @@ pub fn load(path: &Path) -> Result<Document> {
             )));
         }
     };
-    Ok(Document { kind, json, path: path.display().to_string() })
+    Ok(Document { kind, json, path: named })
 }
 
 /// Documents larger than this are refused ([`load`]; a regular file unread): kvprobe's reports are kilobytes

@@ -760,7 +760,9 @@ impl RunArgs {
         if c.geometry.mla && self.decode_layout.is_some_and(|l| l != c.geometry.layout) {
             eprintln!("note: --decode-layout changes nothing with --mla (one latent row per token: no layout to differ in)");
         }
-        if self.permute_local_kv && sides.prefill.layout == sides.decode.layout && !c.geometry.mla {
+        if self.permute_local_kv && c.geometry.mla {
+            eprintln!("note: --permute-local-kv changes nothing with --mla (one latent row per token: no layout to convert)");
+        } else if self.permute_local_kv && sides.prefill.layout == sides.decode.layout {
             eprintln!(
                 "note: --permute-local-kv changes nothing here: both sides have one layout (it converts between NHD and HND)"
             );
@@ -1596,9 +1598,13 @@ fn ab(args: AbArgs, typed: &[&str]) -> Exit {
     write_junit(&args.pool.junit, kvprobe::junit::from_ab, &ab, exit)
 }
 
-fn bench(a: BenchArgs) -> Exit {
+fn bench(a: BenchArgs, typed: &[&str]) -> Exit {
     if !(a.timeout.is_finite() && a.timeout > 0.0) {
         err("kvprobe: --timeout must be a positive number of seconds");
+        return Exit::Usage;
+    }
+    if a.memory == Some(MemoryKind::Dram) && typed.contains(&"device") {
+        err("kvprobe: --device and --decode-device apply to --memory vram only");
         return Exit::Usage;
     }
     let cfg = kvprobe::bench::BenchConfig {
@@ -1782,6 +1788,10 @@ fn main() {
             .copied()
             .filter(|f| m.value_source(f) == Some(clap::parser::ValueSource::CommandLine))
             .collect(),
+        // A GPU typed with --memory dram is refused even when it is the default one.
+        Some(("bench" | "serve", m)) => {
+            ["device"].into_iter().filter(|f| m.value_source(f) == Some(clap::parser::ValueSource::CommandLine)).collect()
+        }
         Some(("ab", m)) => PEER_FLAGS
             .iter()
             .chain(DEVICE_FLAGS)
@@ -1802,10 +1812,10 @@ fn main() {
     let exit = match cli.command {
         Command::Run(a) => run(a, &typed),
         Command::Ab(a) => ab(a, &typed),
-        Command::Bench(a) => bench(a),
+        Command::Bench(a) => bench(a, &typed),
         Command::Env { json, no_probe } => env(json, !no_probe),
         Command::Geometry { geo, json } => geometry_command(&geo, json),
-        Command::Serve(a) => serve(a),
+        Command::Serve(a) => serve(a, &typed),
         Command::Report(c) => report_command(c),
         Command::Bundle { report, dump, redact, output } => bundle_command(&report, dump.as_deref(), redact, &output),
     };
@@ -1814,7 +1824,7 @@ fn main() {
 }
 
 /// `kvprobe serve`: the prefill side of a node pair ([`kvprobe::serve`]).
-fn serve(a: ServeArgs) -> Exit {
+fn serve(a: ServeArgs, typed: &[&str]) -> Exit {
     if a.fd.is_some() {
         // The prefill process of `run --decode-process`: its parent decides when to stop (a
         // Ctrl-C reaches the whole process group), and its test-only stall hooks are
@@ -1835,8 +1845,8 @@ fn serve(a: ServeArgs) -> Exit {
         return fail(Error::Usage("--timeout must be a positive number of seconds (at most 1e9)".into()));
     }
     let memory = a.memory.unwrap_or_else(|| if kvprobe::cuda::device_count() > 0 { MemoryKind::Vram } else { MemoryKind::Dram });
-    if memory == MemoryKind::Dram && a.device != 0 {
-        return fail(Error::Usage("--device applies to --memory vram only".into()));
+    if memory == MemoryKind::Dram && (a.device != 0 || typed.contains(&"device")) {
+        return fail(Error::Usage("--device applies to --memory vram only (the pool is in host memory)".into()));
     }
     if memory == MemoryKind::Vram && a.device >= kvprobe::cuda::device_count() {
         return fail(Error::Environment(format!(

@@ -859,20 +859,26 @@ pub fn render_with(r: &Report, json: Option<&str>) -> String {
                 d.num_blocks,
                 d.block_size,
                 lay(&d),
-                if r.config["permute_local_kv"] == true {
-                    ", decode converts on receive (--permute-local-kv)".to_string()
-                } else if !g.mla
-                    && g.layout == d.layout
-                    && g.block_size < d.block_size
-                    && g.layout == crate::geometry::Layout::Hnd
                 {
-                    // vLLM's kv_postprocess_blksize_on_receive, which kvprobe does too.
-                    format!(
-                        ", decode converts on receive (HND chunks of {} tokens into blocks of {})",
-                        g.block_size, d.block_size
-                    )
-                } else {
-                    String::new()
+                    // What decode's conversion on receive does, when it does anything
+                    // (crate::pairing::Sides::converts; vLLM's kv_postprocess_*_on_receive).
+                    let tp = serde_json::from_value::<crate::pairing::tp::Tp>(r.config["tp"].clone()).ok();
+                    let permute = r.config["permute_local_kv"] == true;
+                    let converts = crate::pairing::Sides::check(&g, &d, permute, tp).map(|s| s.converts()).unwrap_or(false);
+                    let chunks = (g.block_size < d.block_size)
+                        .then(|| format!("chunks of {} tokens into blocks of {}", g.block_size, d.block_size));
+                    match (converts, lay(&g) != lay(&d), chunks) {
+                        (false, ..) => String::new(),
+                        (true, true, c) => format!(
+                            ", decode converts on receive (--permute-local-kv: {} into {}{})",
+                            lay(&g),
+                            lay(&d),
+                            c.map(|c| format!(", {c}")).unwrap_or_default()
+                        ),
+                        (true, false, c) => {
+                            format!(", decode converts on receive ({} {})", lay(&g), c.unwrap_or_else(|| "rows".into()))
+                        }
+                    }
                 }
             );
         }
@@ -1160,9 +1166,12 @@ pub fn render_with(r: &Report, json: Option<&str>) -> String {
         // serve's report: decode verified, and its report lists the slices.
         out += &format!("  {} corrupt slices, listed in decode's report (run --peer --report)\n", s.blocks_corrupt);
     } else if s.blocks_corrupt > shown {
+        let n = s.blocks_corrupt - shown;
         out += &format!(
-            "  ... {} more corrupt slices; {} {}{}\n",
-            s.blocks_corrupt - shown,
+            "  {} corrupt slice{}{}; {} {}{}\n",
+            if shown == 0 { n.to_string() } else { format!("... {n} more") },
+            if n == 1 { "" } else { "s" },
+            if shown == 0 { " not listed" } else { "" },
             match json {
                 Some(at) => format!("the JSON report ({at}) lists"),
                 None => "--report FILE would list".to_string(),

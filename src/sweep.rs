@@ -206,10 +206,13 @@ pub(crate) fn check_config(cfg: &RunConfig) -> Result<()> {
     // request's READ ([`crate::scenario::config::check`]).
     if cfg.scenario.is_none() {
         inject::check(&cfg.inject, &sides.planning(), &sweep_stages(cfg)).map_err(|e| match e {
+            // Planned on groups ([`crate::pairing::Sides::planning`]): its "blocks" are groups.
             Error::Usage(m) if sides.prefill.block_size != sides.decode.block_size => Error::Usage(format!(
-                "{m} (between unequal sides an injection takes a group of {} tokens, whole blocks on both sides: the pool has {} groups per layer and K/V)",
+                "{} (between unequal sides an injection takes a group of {} tokens, whole blocks on both sides: the pool has {} group{} per layer and K/V)",
+                m.replace("block slices", "group slices").replace("blocks", "groups"),
                 sides.group_tokens(),
-                sides.groups()
+                sides.groups(),
+                if sides.groups() == 1 { "" } else { "s" }
             )),
             Error::Usage(m) if !sides.tp.is_single() && !sides.prefill.mla && m.contains("KV heads") => Error::Usage(format!(
                 "{m}: with TP an injection acts on one prefill rank's slice, and a prefill rank holds {} of the model's {} KV heads (--prefill-tp {})",

@@ -356,6 +356,18 @@ impl Endpoint {
         g.validate().map_err(|e| {
             crate::error::Error::Transport(format!("agent {} announced a geometry that is not valid: {e}", peer.agent))
         })?;
+        for (c, geo, whose) in [(&cuts.own, own, "this side's"), (&cuts.peer, g, "the peer's")] {
+            let sb = geo.slice_bytes()?;
+            let mut end = 0;
+            for &(off, len) in c.iter() {
+                if len == 0 || off < end || off.checked_add(len).is_none_or(|e| e > sb) {
+                    return Err(crate::error::Error::Usage(format!(
+                        "pieces {c:?} of {whose} block slices of {sb} bytes are not sorted, disjoint and inside the slice"
+                    )));
+                }
+                end = off + len;
+            }
+        }
         let len = g.region_bytes()?;
         if peer.region_bases.len() != g.num_layers as usize
             || (peer.region_len != 0 && peer.region_len != len)

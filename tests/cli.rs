@@ -403,6 +403,14 @@ fn a_gpu_flag_with_dram_pools_is_refused_even_when_it_names_the_default_gpu() {
             assert!(err.contains(&format!("{flag} applies to --memory vram only")), "{cmd} {flag}: {err}");
         }
     }
+    // serve and bench: their --device, typed with DRAM, refused before listening or timing.
+    let (code, out, err) = kvprobe(&["serve", "--memory", "dram", "--device", "0", "--listen", "127.0.0.1:0"]);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(err.contains("--device applies to --memory vram only"), "{err}");
+    assert!(!out.contains("listening"), "{out}");
+    let (code, out, err) = kvprobe(&["bench", "--memory", "dram", "--device", "0", "--host-bytes", "1MiB"]);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(err.contains("--device and --decode-device apply to --memory vram only"), "{err}");
 }
 
 #[test]

@@ -187,6 +187,76 @@ fn unequal_sides_make_every_request_from_prepared_lists_on(memory: &str) {
     }
 }
 
+#[test]
+fn mla_tp_ranks_read_one_prefill_rank_whatever_the_block_sizes() {
+    // Prefill TP > decode TP with unequal block sizes: refused for split heads, run for MLA
+    // (a decode rank reads its whole latent from one prefill rank; vLLM checks only
+    // block_len // block_size_ratio there).
+    let mla = ["--mla", "--kv-heads", "1", "--head-size", "576", "--iterations", "2"];
+    for (bp, bd) in [("16", "32"), ("32", "16")] {
+        let mut a = mla.to_vec();
+        a.extend_from_slice(&["--prefill-tp", "4", "--decode-tp", "2", "--block-size", bp, "--decode-block-size", bd]);
+        let (code, r, out) = run_with_report("hetero-mla-tp-blocks", "dram", &a);
+        assert_eq!(code, 0, "{bp}->{bd}: {out}");
+        let (bp, bd) = (bp.parse::<u64>().unwrap(), bd.parse::<u64>().unwrap());
+        // Each of the 2 decode ranks holds the whole latent (one slice per block, where
+        // decode_slices counts K and V): 2 ranks x 1 slice = decode_slices' count.
+        assert_eq!(r["summary"]["blocks_checked"], decode_slices(4, 64, bp, bd, 2), "{out}");
+        a.extend_from_slice(&["--inject", "drop", "--inject", "stale", "--inject", "token-offset"]);
+        let (code, r, out) = run_with_report("hetero-mla-tp-blocks", "dram", &a);
+        assert_eq!(code, 1, "{out}");
+        assert_eq!(r["summary"]["unexpected_failures"], 0, "{out}");
+        assert!(out.contains("6 planted, 6 detected as predicted"), "{out}");
+    }
+}
+
+#[test]
+fn the_sides_line_says_what_decode_converts_and_notes_flags_that_change_nothing() {
+    let base = ["run", "--memory", "dram", "--layers", "2", "--blocks", "16", "--iterations", "1"];
+    let cases: [(&[&str], &str, Option<&str>); 5] = [
+        (
+            &["--layout", "hnd", "--decode-block-size", "64"],
+            "converts on receive (HND chunks of 16 tokens into blocks of 64)",
+            None,
+        ),
+        (
+            &["--layout", "hnd", "--decode-block-size", "64", "--permute-local-kv"],
+            "converts on receive (HND chunks of 16 tokens into blocks of 64)",
+            Some("--permute-local-kv changes nothing here"),
+        ),
+        (
+            &["--layout", "hnd", "--decode-layout", "nhd", "--permute-local-kv", "--decode-block-size", "64"],
+            "converts on receive (--permute-local-kv: HND into NHD, chunks of 16 tokens into blocks of 64)",
+            None,
+        ),
+        (
+            &["--decode-block-size", "64", "--permute-local-kv"],
+            "decode 4 blocks of 64 tokens NHD\n",
+            Some("changes nothing here"),
+        ),
+        (
+            &["--mla", "--kv-heads", "1", "--head-size", "576", "--decode-block-size", "64", "--permute-local-kv"],
+            "decode 4 blocks of 64 tokens MLA\n",
+            Some("--permute-local-kv changes nothing with --mla"),
+        ),
+    ];
+    for (extra, sides, note) in cases {
+        let mut a = base.to_vec();
+        if !extra.contains(&"--mla") {
+            a.extend_from_slice(&["--kv-heads", "2"]);
+        }
+        a.extend_from_slice(extra);
+        let (code, out, err) = kvprobe(&a);
+        assert_eq!(code, 0, "{extra:?}: {out}{err}");
+        let line = out.lines().find(|l| l.starts_with("sides:")).map(|l| format!("{l}\n")).unwrap_or_default();
+        assert!(line.contains(sides), "{extra:?}: wanted {sides:?} in {line:?}");
+        match note {
+            Some(n) => assert!(err.contains(n), "{extra:?}: wanted the note {n:?} in {err}"),
+            None => assert!(!err.contains("note:"), "{extra:?}: {err}"),
+        }
+    }
+}
+
 /// What one fault of `kind` must show between unequal sides whose group holds `kd` decode
 /// blocks: (class, decode slices). A fault takes a whole group ([`Sides::planning`]): each of
 /// its decode slices shows, except a bitflip (one byte of one slice) and a tear (checked
@@ -345,7 +415,10 @@ fn what_kvprobe_refuses_of_unequal_sides_exits_2_with_the_reason() {
         (&["--decode-layout", "hnd", "--scenario", "nixl-only", "--requests", "4"], "whole-pool sweep"),
         (&["--kv-heads", "1", "--inject", "head-offset"], "2 KV heads"),
         (&["--block-size", "1", "--inject", "token-offset"], "at least 2 tokens"),
-        (&["--block-size", "16", "--decode-block-size", "64", "--blocks", "4", "--inject", "misroute"], "groups"),
+        (
+            &["--block-size", "16", "--decode-block-size", "64", "--blocks", "4", "--inject", "misroute"],
+            "misroute needs at least 2 groups (between unequal sides an injection takes a group of 64 tokens, whole blocks on both sides: the pool has 1 group per layer",
+        ),
     ];
     for (args, why) in cases {
         let (code, _, out) = run_with_report("hetero-refused", "dram", args);

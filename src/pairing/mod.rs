@@ -150,7 +150,7 @@ impl Sides {
     /// not HND (vLLM's `get_required_kvcache_layout`: HND for heterogeneous TP) or decode's is
     /// neither HND nor converted (`--permute-local-kv`); prefill with more ranks than decode
     /// and unequal block sizes (vLLM reads several remote blocks into one local block only
-    /// with `block_size_ratio` 1).
+    /// with `block_size_ratio` 1; MLA excepted: a decode rank reads one prefill rank).
     pub fn with_tp(mut self, tp: tp::Tp) -> Result<Sides, String> {
         tp.check()?;
         self.prefill.num_kv_heads = tp.heads_per_rank(tp.prefill);
@@ -174,7 +174,9 @@ impl Sides {
                 "decode's NHD layout with heads split between TP ranks needs --permute-local-kv (vLLM reads into HND and permutes on receive)".into(),
             );
         }
-        if tp.prefill > tp.decode && self.prefill.block_size != self.decode.block_size {
+        // MLA: a decode rank reads its whole latent from one prefill rank (vLLM checks only
+        // `block_len // block_size_ratio` there).
+        if tp.prefill > tp.decode && !tp.mla && self.prefill.block_size != self.decode.block_size {
             return Err(format!(
                 "prefill TP {} > decode TP {} needs equal block sizes (vLLM: block_size_ratio 1 when a decode block is read from several prefill ranks)",
                 tp.prefill, tp.decode
