@@ -852,7 +852,6 @@ fn out(text: &str) {
     }
 }
 
-/// True when a `--report`/`--json` path is `-`: the JSON goes to stdout.
 /// Where a run's JSON report will be, in the words of the summary's pointer to its full
 /// list of failures ([`kvprobe::report::render_with`]): the `--report` file, the JSON on
 /// stdout, or the bundle's report.json; `None` when the run writes none.
@@ -865,6 +864,12 @@ fn json_named(report: &Option<PathBuf>, bundle: &Option<PathBuf>) -> Option<Stri
     }
 }
 
+/// The clap ids among `flags` that were typed on the command line (not defaults).
+fn typed_flags<'a>(m: &clap::ArgMatches, flags: impl Iterator<Item = &'a &'static str>) -> Vec<&'static str> {
+    flags.copied().filter(|f| m.value_source(f) == Some(clap::parser::ValueSource::CommandLine)).collect()
+}
+
+/// True when a `--report`/`--json` path is `-`: the JSON goes to stdout.
 fn is_stdout(p: &Path) -> bool {
     p.as_os_str() == "-"
 }
@@ -1780,24 +1785,10 @@ fn main() {
     // Flags typed on the command line (not defaults): load flags make no sense in a sweep,
     // nor sweep flags in a scenario.
     let typed: Vec<&'static str> = match matches.subcommand() {
-        Some(("run", m)) => LOAD_FLAGS
-            .iter()
-            .chain(SWEEP_FLAGS)
-            .chain(PEER_FLAGS)
-            .chain(DEVICE_FLAGS)
-            .copied()
-            .filter(|f| m.value_source(f) == Some(clap::parser::ValueSource::CommandLine))
-            .collect(),
+        Some(("run", m)) => typed_flags(m, LOAD_FLAGS.iter().chain(SWEEP_FLAGS).chain(PEER_FLAGS).chain(DEVICE_FLAGS)),
         // A GPU typed with --memory dram is refused even when it is the default one.
-        Some(("bench" | "serve", m)) => {
-            ["device"].into_iter().filter(|f| m.value_source(f) == Some(clap::parser::ValueSource::CommandLine)).collect()
-        }
-        Some(("ab", m)) => PEER_FLAGS
-            .iter()
-            .chain(DEVICE_FLAGS)
-            .copied()
-            .filter(|f| m.value_source(f) == Some(clap::parser::ValueSource::CommandLine))
-            .collect(),
+        Some(("bench" | "serve", m)) => typed_flags(m, ["device"].iter()),
+        Some(("ab", m)) => typed_flags(m, PEER_FLAGS.iter().chain(DEVICE_FLAGS)),
         _ => Vec::new(),
     };
     let cli = match Cli::from_arg_matches(&matches) {

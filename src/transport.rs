@@ -539,11 +539,12 @@ impl Endpoint {
         let first = self.peers.first();
         let own = first.and_then(|p| p.own_prepared.as_ref()).or(self.prepared_local.as_ref());
         let prepared = own.zip(first.and_then(|p| p.prepared.as_ref()));
-        let cuts = first.map(|p| p.cuts.clone()).unwrap_or_default();
+        let whole = Cuts::whole();
+        let cuts = first.map_or(&whole, |p| &p.cuts);
         match (mode, prepared) {
             (XferReq::Prepared, Some((local, remote))) => {
                 let t = Instant::now();
-                let (li, ri, bytes) = indices((self.pool.geometry(), self.geometry_of(peer)), &cuts, pairs.iter().map(&side))
+                let (li, ri, bytes) = indices((self.pool.geometry(), self.geometry_of(peer)), cuts, pairs.iter().map(&side))
                     .map_err(|w| crate::error::Error::Usage(format!("bench: {w}")))?;
                 let descs = Descs::Prepared { local, local_idx: &li, remote, remote_idx: &ri, bytes };
                 let built = agent.time_request(xop, &descs, &peer.agent)?;
