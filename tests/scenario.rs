@@ -32,6 +32,10 @@ fn assert_clean(r: &Value, requests: u64, log: &str) {
     // Each verified request contributes 4 layers x K/V x 2..=8 blocks.
     let checked = r["summary"]["blocks_checked"].as_u64().unwrap();
     assert!(checked >= verified * 8 * 2 && checked <= verified * 8 * 8, "{checked} slices for {verified} requests");
+    // What the verify passes counted, not the geometry: each slice of the small preset is 16
+    // tokens x 2 KV heads x 64 x bf16 (4096 bytes).
+    assert_eq!(r["summary"]["slices_compared"], checked, "slices compared");
+    assert_eq!(r["summary"]["bytes_compared"], checked * 4096, "bytes compared");
     for o in sc["races"].as_array().unwrap() {
         assert_eq!(o["fencing"], "fenced");
         assert_eq!(o["verdict"], "clean");

@@ -2,7 +2,7 @@
 //! loading the peer's (`checkRemoteMD`), and `--backend-param`: real NIXL (UCX) on DRAM
 //! pools. Needs the NIXL libraries (scripts/install-deps.sh).
 
-use crate::common::{EVERY_INJECTION, assert_found_exactly, kvprobe, kvprobe_env, read_report, tmpdir};
+use crate::common::{EVERY_INJECTION, assert_compared, assert_found_exactly, kvprobe, kvprobe_env, read_report, tmpdir};
 use kvprobe::geometry::{KvPart, Layout, Preset, SliceCoord};
 use kvprobe::transport::{Cuts, XferReq, indices};
 use serde_json::Value;
@@ -50,7 +50,13 @@ fn sweeps_and_scenarios_are_clean_with_prepared_and_created_requests() {
             assert_eq!(r["config"]["xfer_req"], mode, "{mode} {extra:?}");
             assert!(log.contains(&format!("(backend UCX, {mode} requests)\n")), "{mode} {extra:?}: {log}");
             assert_eq!(r["summary"]["blocks_corrupt"], 0, "{mode} {extra:?}");
-            assert!(r["summary"]["blocks_checked"].as_u64().unwrap() > 0, "{mode} {extra:?}");
+            // What the verify passes counted: a sweep's 512 slices of 4096 bytes (16 tokens x 2
+            // KV heads x 64 x bf16) an iteration; a scenario's verified requests' slices.
+            let slices = match extra[..2] {
+                ["--iterations", n] => 512 * n.parse::<u64>().unwrap(),
+                _ => r["summary"]["blocks_checked"].as_u64().filter(|&n| n > 0).expect("a scenario verified slices"),
+            };
+            assert_compared(&r, slices, 4096, &format!("{mode} {extra:?}"));
             // Prepared: both roles (prefill in its own process with --decode-process)
             // prepared their lists; create: none did. Nothing fell back.
             assert_eq!(prepared_lines(&log, 512), if mode == "prepared" { 2 } else { 0 }, "{mode} {extra:?}: {log}");

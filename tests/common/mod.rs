@@ -291,6 +291,18 @@ pub fn assert_found_exactly(report: &serde_json::Value, planted: u64, ctx: &str)
     assert_classes_match_table(report, ctx);
 }
 
+/// Asserts a report compared exactly `slices` decode block slices of `slice_bytes` bytes each
+/// (`summary.slices_compared`, `summary.bytes_compared`: what the verify passes counted), and
+/// that `blocks_checked` says the same. `slices` and `slice_bytes` are the test's own
+/// arithmetic (layers × K/V × blocks × iterations × ranks; block_size × heads × head_size ×
+/// dtype bytes), not read back from kvprobe; a run that compares nothing fails here.
+pub fn assert_compared(report: &serde_json::Value, slices: u64, slice_bytes: u64, ctx: &str) {
+    let s = &report["summary"];
+    assert_eq!(s["slices_compared"], slices, "{ctx}: slices compared");
+    assert_eq!(s["bytes_compared"], slices * slice_bytes, "{ctx}: bytes compared");
+    assert_eq!(s["blocks_checked"], slices, "{ctx}: blocks_checked");
+}
+
 /// Reads `child`'s stderr until a line contains `marker` (the run is under way: e.g.
 /// "iteration 1/"), then keeps draining it on a thread so the child never blocks on a full
 /// pipe. Panics with what was read when the child closes stderr first. No time limit: a
