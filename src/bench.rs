@@ -630,7 +630,6 @@ pub fn check(cfg: &BenchConfig) -> Result<()> {
 
 /// An empty report for `cfg`, with the environment (and NIXL loaded, if it can be).
 pub fn start(cfg: &BenchConfig) -> BenchReport {
-    crate::nixl::prepare_ucx_env(cfg.memory == MemoryKind::Vram);
     let _ = crate::nixl::load();
     BenchReport {
         schema: SCHEMA.to_string(),

@@ -385,17 +385,14 @@ impl Worker {
         let log = crate::scratch::anonymous_file().map_err(|e| env_err("log", e))?;
         let mut cmd = Command::new(&install.python);
         let inherited: Vec<i32> = shared.iter().filter_map(|b| b.shared_fd()).collect();
-        for &fd in &inherited {
-            crate::child::keep_fd(&mut cmd, fd);
-        }
         cmd.arg("-u")
             .arg(script.path())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(log.try_clone().map_err(|e| env_err("log", e))?)
             .process_group(0);
-        let mut child =
-            crate::child::spawn(cmd).map_err(|e| env_err(&format!("cannot start {}", install.python.display()), e))?;
+        let mut child = crate::child::spawn_keeping(cmd, &inherited)
+            .map_err(|e| env_err(&format!("cannot start {}", install.python.display()), e))?;
         let stdin = child.stdin.take().expect("piped");
         let stdout = child.stdout.take().expect("piped");
         let (tx, rx) = std::sync::mpsc::channel();

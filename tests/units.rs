@@ -366,14 +366,44 @@ fn impossible_failure_records_are_device_errors_not_panics() {
 /// The `ls -l /proc/self/fd` of a child started through kvprobe's spawner, given `keep` (a
 /// descriptor to inherit).
 fn child_fds(keep: Option<i32>) -> String {
+    use std::process::Stdio;
     let mut cmd = std::process::Command::new("sh");
-    cmd.args(["-c", "ls -l /proc/self/fd"]);
-    if let Some(fd) = keep {
-        kvprobe::child::keep_fd(&mut cmd, fd);
-    }
-    let out = kvprobe::child::output(cmd).unwrap();
+    cmd.args(["-c", "ls -l /proc/self/fd"]).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let child = kvprobe::child::spawn_keeping(cmd, keep.as_slice()).unwrap();
+    let out = child.wait_with_output().unwrap();
     assert!(out.status.success(), "{out:?}");
     String::from_utf8(out.stdout).unwrap()
+}
+
+/// The descriptor numbers `ls -l /proc/self/fd` lists as sockets.
+fn socket_fds(ls: &str) -> Vec<i32> {
+    ls.lines()
+        .filter(|l| l.contains("-> socket:"))
+        .filter_map(|l| l.split(" -> ").next()?.split_whitespace().last()?.parse().ok())
+        .collect()
+}
+
+#[test]
+fn a_child_inherits_no_descriptor_a_library_opened_without_close_on_exec() {
+    // As UCX opens its sockets: no SOCK_CLOEXEC. Two of them, one given to the child.
+    // SAFETY: socket(2) with constant arguments; the descriptors are closed below.
+    let (leaked, given) =
+        unsafe { (libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0), libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0)) };
+    assert!(leaked >= 3 && given >= 3, "socket(2) failed");
+    // SAFETY: fcntl(2) F_GETFD on descriptors just opened.
+    let flags = unsafe { (libc::fcntl(leaked, libc::F_GETFD), libc::fcntl(given, libc::F_GETFD)) };
+    assert_eq!((flags.0 & libc::FD_CLOEXEC, flags.1 & libc::FD_CLOEXEC), (0, 0), "the sockets are not close-on-exec");
+    let plain = socket_fds(&child_fds(None));
+    let kept = socket_fds(&child_fds(Some(given)));
+    // SAFETY: closes the two descriptors this test opened.
+    unsafe {
+        libc::close(leaked);
+        libc::close(given);
+    }
+    // The child's own standard streams are pipes here, so any socket it holds came from
+    // this process (other tests' sockets included: none may reach it).
+    assert_eq!(plain, Vec::<i32>::new(), "a child inherited sockets it was not given");
+    assert_eq!(kept, vec![given], "the child given descriptor {given} holds these sockets");
 }
 
 #[test]

@@ -237,9 +237,9 @@ pub fn start_child(cfg: &crate::sweep::RunConfig, silence: Duration, run_id: &st
         cmd.env_remove("UCX_LOG_FILE").env_remove("UCX_PROTO_INFO");
     }
     // The child's end of the pair (close-on-exec here) is inherited by this child alone.
-    crate::child::keep_fd(&mut cmd, fd);
     let t0 = Instant::now();
-    let child = crate::child::spawn(cmd).map_err(|e| Error::Environment(format!("cannot start the prefill process: {e}")))?;
+    let child = crate::child::spawn_keeping(cmd, &[fd])
+        .map_err(|e| Error::Environment(format!("cannot start the prefill process: {e}")))?;
     drop(theirs);
     let child = PrefillChild { child };
     let who = format!("the prefill process (pid {})", child.id());

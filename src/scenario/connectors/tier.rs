@@ -108,7 +108,7 @@ impl TierConnector {
     pub(crate) fn save(&mut self, pool: &mut KvPool, slot: u32, entry: EntryId) -> Result<()> {
         let store = &mut self.store;
         match self.mooncake.as_mut() {
-            None => store.with_bytes(entry, |b| pool.read_block(slot, b)),
+            None => store.save_block(entry, pool, slot),
             Some(mc) => {
                 let key = mc.key(store.key_of(entry));
                 let rc = mc.worker.put(0, std::slice::from_ref(&key), &[pool.block_ranges(slot)]);
@@ -126,7 +126,7 @@ impl TierConnector {
     pub(crate) fn load(&mut self, pool: &mut KvPool, slot: u32, entry: EntryId) -> Result<()> {
         let store = &self.store;
         match self.mooncake.as_mut() {
-            None => store.with_bytes(entry, |b| pool.write_block(slot, b)),
+            None => store.load_block(entry, pool, slot),
             Some(mc) => {
                 let key = mc.key(store.key_of(entry));
                 mc.worker.get_block(&key, pool, slot).map_err(|e| mc.explain(e))
@@ -223,7 +223,7 @@ impl TierReader {
         match self {
             TierReader::Direct(arena) => {
                 for (slot, entry) in loads {
-                    arena.with_entry(entry.entry, |b| ep.pool.write_block(*slot, b))?;
+                    arena.read_entry(entry.entry, |b| ep.pool.write_block_from(*slot, b))??;
                 }
                 Ok(0)
             }
