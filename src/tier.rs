@@ -139,15 +139,23 @@ impl TierArena {
     /// Calls `f` with entry `id`'s bytes for reading, the arena locked. Errors (usage): `id`
     /// is past the capacity (a caller's bug: entry ids come from the store).
     pub fn read_entry<R>(&self, id: EntryId, f: impl FnOnce(Span<'_>) -> R) -> Result<R> {
+        let off = self.offset_of(id)?;
         let m = self.mem.lock().unwrap_or_else(|p| p.into_inner());
-        Ok(f(m.buffer().span(id as usize * self.block_bytes, self.block_bytes)?))
+        Ok(f(m.buffer().span(off, self.block_bytes)?))
     }
 
     /// Calls `f` with entry `id`'s bytes for writing (entry `id` only: no other entry is
     /// covered), the arena locked. Errors (usage): `id` is past the capacity.
     pub fn write_entry<R>(&self, id: EntryId, f: impl FnOnce(SpanMut<'_>) -> R) -> Result<R> {
+        let off = self.offset_of(id)?;
         let mut m = self.mem.lock().unwrap_or_else(|p| p.into_inner());
-        Ok(f(m.buffer_mut().span_mut(id as usize * self.block_bytes, self.block_bytes)?))
+        Ok(f(m.buffer_mut().span_mut(off, self.block_bytes)?))
+    }
+
+    fn offset_of(&self, id: EntryId) -> Result<usize> {
+        (id as usize)
+            .checked_mul(self.block_bytes)
+            .ok_or_else(|| Error::Usage(format!("tier entry {id} is past the arena's {} entries", self.capacity)))
     }
 }
 

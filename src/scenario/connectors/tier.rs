@@ -346,13 +346,20 @@ impl MooncakeTier {
         })?;
         worker.set_timeout(timeout);
         let fingerprint = format!("{:08x}-{:08x}", crate::fingerprint::seed32(seed), rand::rng().random::<u32>());
+        // The store client's Transfer Engine listens on every interface (Mooncake binds its
+        // handshake and TCP-transport ports to 0.0.0.0 / [::] with no setting to narrow them):
+        // said, as README "Network exposure" does.
+        let exposed = crate::mooncake::listening(worker.pid())
+            .map(|a| a.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(", "))
+            .unwrap_or_default();
         let detail = format!(
-            "mooncake {} {}, tcp, master {} ({}), metadata {}, prefill's pool shared with its store client by {sharing}",
+            "mooncake {} {}, tcp, master {} ({}), metadata {}, prefill's pool shared with its store client by {sharing}{}",
             install.wheel,
             install.version,
             master.rpc(),
             if master.is_started() { format!("started by {by}") } else { "existing deployment".into() },
-            master.metadata_url()
+            master.metadata_url(),
+            if exposed.is_empty() { String::new() } else { format!("; its store client listens on {exposed}") }
         );
         Ok(MooncakeTier { master, worker, fingerprint, detail, doomed: Vec::new() })
     }
