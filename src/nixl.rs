@@ -134,7 +134,8 @@ fn nvidia_driver_present() -> bool {
 ///   `UCX_CUDA_IPC_ENABLE_SAME_PROCESS=y` when `plan.same_gpu_in_process`: on hosts with an
 ///   NVIDIA driver, and on others when kvprobe captures UCX's log (it drops UCX's warning that
 ///   they went unused there, [`crate::ucx::messages`]);
-/// - with `plan.diagnosis`: `UCX_PROTO_INFO=y` and `UCX_LOG_FILE` (see [`EnvPlan::diagnosis`]);
+/// - with `plan.diagnosis` (and an open-file limit NIXL can run with, [`ensure_open_files`],
+///   which raises a low soft limit): `UCX_PROTO_INFO=y` and `UCX_LOG_FILE` (see [`EnvPlan::diagnosis`]);
 ///   and UCX's shared-memory segments (`UCX_POSIX_DIR`) in kvprobe's private directory in
 ///   /dev/shm ([`crate::scratch::shm_dir`]): UCX unlinks each right after creating it, and one
 ///   a kill catches in between is removed with the directory (at exit, or at the next
@@ -153,9 +154,9 @@ pub fn set_process_env(plan: EnvPlan) {
     let mut set = Vec::new();
     let mut default = |key: &str, value: &std::ffi::OsStr| {
         if std::env::var_os(key).is_none_or(|v| v.is_empty()) {
-            // SAFETY: this process has one thread (checked above: kvprobe's main calls this
-            // before it starts any, and before NIXL or CUDA is loaded), so nothing reads the
-            // environment concurrently.
+            // SAFETY: this process has one thread (checked above where /proc tells; kvprobe's
+            // main calls this before it starts any, and before NIXL or CUDA is loaded, which
+            // start theirs), so nothing reads the environment concurrently.
             unsafe { std::env::set_var(key, value) };
             set.push(key.to_string());
         }
@@ -165,7 +166,9 @@ pub fn set_process_env(plan: EnvPlan) {
     }
     default(DEBUG_SIGNO_ENV, "0".as_ref());
     let mut captured = false;
-    if plan.diagnosis {
+    // The capture's private directories hold a descriptor each (their lock): under an
+    // open-file limit NIXL cannot run with (which `load` then reports), none is made.
+    if plan.diagnosis && ensure_open_files().is_ok() {
         let off = std::env::var(crate::ucx::DIAG_ENV).is_ok_and(|v| v == "0")
             || ["UCX_PROTO_INFO", "UCX_LOG_FILE"].iter().any(|k| std::env::var_os(k).is_some_and(|v| !v.is_empty()));
         let log = if off {
