@@ -369,9 +369,7 @@ pub fn drop_unused_defaults(text: &str, defaults: &[String]) -> String {
     let mut out = String::with_capacity(text.len());
     let mut dropped = false;
     for l in text.lines() {
-        let unused = ["unused environment variables: ", "unused environment variable: "]
-            .iter()
-            .find_map(|p| l.split_once(p).map(|(head, names)| (head, names)));
+        let unused = ["unused environment variables: ", "unused environment variable: "].iter().find_map(|p| l.split_once(p));
         if let Some((head, names)) = unused {
             let kept: Vec<&str> = names.split_whitespace().filter(|n| !defaults.iter().any(|d| d == n)).collect();
             dropped = kept.is_empty();
