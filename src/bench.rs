@@ -177,6 +177,32 @@ pub struct Breakdown {
     /// Whether `probe_share` ≤ [`GOAL_PROBE_SHARE`]; `None` where the transfer is below
     /// [`OVERHEAD_APPLIES_GBPS`] (the goal does not apply).
     pub meets: Option<bool>,
+    /// The UCX path the sweep's READs took, in words ([`crate::ucx::describe`] of its run's
+    /// `summary.transport_path`, with `UCX_CUDA_IPC_ENABLE_GET_ZCOPY` and who set it for VRAM);
+    /// `None` when unknown. Absent in results written before it.
+    #[serde(default)]
+    pub path: Option<String>,
+    /// True when UCX moved the sweep's READs by software emulation (its slow fallback):
+    /// `transfer_gbps` is then emulation's rate, not the hardware's, and the table says
+    /// EMULATED beside it. False in results written before it.
+    #[serde(default)]
+    pub emulated: bool,
+}
+
+/// A sweep's path fields ([`Breakdown::path`], [`Breakdown::emulated`]) from its run's
+/// `summary.transport_path`.
+pub fn path_of(p: Option<&crate::ucx::TransportPath>) -> (Option<String>, bool) {
+    (p.map(crate::ucx::describe), p.is_some_and(|p| p.emulated))
+}
+
+/// A sweep's transfer rate as the table gives it: "N GB/s", marked when it was measured on
+/// UCX's software emulation (not the hardware's rate).
+pub fn rate_words(gbps: f64, emulated: bool) -> String {
+    if emulated {
+        format!("{gbps:.2} GB/s EMULATED (UCX's software emulation, not the hardware's transfer rate)")
+    } else {
+        format!("{gbps:.2} GB/s")
+    }
 }
 
 /// The `kvprobe bench` result (`schema` = [`SCHEMA`]).
@@ -548,7 +574,10 @@ fn breakdown(
     let pool_bytes = g.pool_bytes().unwrap_or(0);
     let transfer_gbps = if transfer > 0.0 { pool_bytes as f64 / transfer / 1e9 } else { 0.0 };
     let probe_share = if iteration > 0.0 { 1.0 - transfer / iteration } else { 0.0 };
+    let (path, emulated) = path_of(s.transport_path.as_ref());
     Breakdown {
+        path,
+        emulated,
         label: label.into(),
         memory,
         slice_bytes: g.slice_bytes().unwrap_or(0),
@@ -630,7 +659,6 @@ pub fn check(cfg: &BenchConfig) -> Result<()> {
 
 /// An empty report for `cfg`, with the environment (and NIXL loaded, if it can be).
 pub fn start(cfg: &BenchConfig) -> BenchReport {
-    crate::nixl::prepare_ucx_env(cfg.memory == MemoryKind::Vram);
     let _ = crate::nixl::load();
     BenchReport {
         schema: SCHEMA.to_string(),
@@ -797,9 +825,12 @@ pub fn render(r: &BenchReport) -> String {
                 b.kernel_s.fill, b.kernel_s.poison, b.kernel_s.verify
             );
         }
+        if let Some(p) = &b.path {
+            s += &format!("  path: {p}\n");
+        }
         s += &format!(
-            "  transfer {:.2} GB/s{}; probe share {:.1} % ({}); start to first transfer {:.2} s\n",
-            b.transfer_gbps,
+            "  transfer {}{}; probe share {:.1} % ({}); start to first transfer {:.2} s\n",
+            rate_words(b.transfer_gbps, b.emulated),
             b.transfer_ratio.map(|r| format!(" = {r:.3} of the one-way copy rate")).unwrap_or_default(),
             100.0 * b.probe_share,
             match b.meets {

@@ -15,11 +15,14 @@
 //! [`spawn`] hands the [`Command`] to that thread and waits for the [`Child`]; the child's
 //! pipes and handle work from any thread as usual.
 //!
-//! Descriptors: kvprobe opens everything close-on-exec (Rust's std does; the memfd of a
-//! shareable pool is created with `MFD_CLOEXEC`), so a child inherits only stdin, stdout,
-//! stderr and the descriptors named with [`keep_fd`] — cleared of close-on-exec in that
-//! child alone, after the fork, so no other child (spawned at the same time or later) can
-//! see them.
+//! Descriptors: a child inherits only stdin, stdout, stderr and the descriptors its spawn
+//! names ([`spawn_keeping`]), whatever the parent holds. Rust's std and kvprobe open theirs
+//! close-on-exec, but libraries do not all do so (UCX opens its listening and connected
+//! sockets without `SOCK_CLOEXEC`, and they would reach the Mooncake master and worker). So
+//! in the forked child, before exec, every descriptor from 3 up is marked close-on-exec
+//! (`close_range(3, ~0, CLOSE_RANGE_CLOEXEC)`, Linux 5.11; older kernels: `fcntl` on each
+//! descriptor below the open-file limit), and only then is the flag cleared on the ones kept
+//! — in that child alone, so no other child (spawned at the same time or later) sees them.
 
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Output};
@@ -50,8 +53,18 @@ fn spawner() -> std::io::Result<Sender<Request>> {
 
 /// Starts `cmd` from kvprobe's spawner thread (see the module documentation) with
 /// `PR_SET_PDEATHSIG = SIGKILL`: the child is killed when kvprobe exits, however it exits.
-/// Errors: the spawner thread cannot start, or the spawn failed (`Command::spawn`'s error).
-pub fn spawn(mut cmd: Command) -> std::io::Result<Child> {
+/// It inherits no descriptor but its standard streams. Errors: the spawner thread cannot
+/// start, or the spawn failed (`Command::spawn`'s error).
+pub fn spawn(cmd: Command) -> std::io::Result<Child> {
+    spawn_keeping(cmd, &[])
+}
+
+/// [`spawn`], the child inheriting descriptors `keep` (same numbers) besides its standard
+/// streams: kvprobe holds them close-on-exec, and the flag is cleared in the forked child
+/// only. The caller keeps them open until this returns. Errors: as [`spawn`]; a kept
+/// descriptor that is not open fails the spawn.
+pub fn spawn_keeping(mut cmd: Command, keep: &[i32]) -> std::io::Result<Child> {
+    inherit_only(&mut cmd, keep.to_vec());
     die_with_parent(&mut cmd);
     let (tx, rx) = channel();
     spawner()?.send((cmd, tx)).map_err(|_| std::io::Error::other("the spawner thread is gone"))?;
@@ -66,18 +79,38 @@ pub fn output(mut cmd: Command) -> std::io::Result<Output> {
     spawn(cmd)?.wait_with_output()
 }
 
-/// Makes the child `cmd` starts inherit descriptor `fd` (same number), which kvprobe holds
-/// close-on-exec: the flag is cleared in the forked child only, so no other child sees it.
-/// The caller keeps `fd` open until the spawn returned.
-pub fn keep_fd(cmd: &mut Command, fd: i32) -> &mut Command {
-    // SAFETY: the closure runs in the forked child before exec and calls only fcntl(2),
-    // which is async-signal-safe; it allocates nothing and touches no locks. It changes the
-    // child's copy of the descriptor table only.
+/// Makes the child `cmd` starts inherit descriptors `keep` and no other but 0, 1 and 2: in
+/// the forked child, every descriptor from 3 up is marked close-on-exec, then the flag is
+/// cleared on `keep`.
+fn inherit_only(cmd: &mut Command, keep: Vec<i32>) -> &mut Command {
+    // SAFETY: the closure runs in the forked child before exec and calls only close_range(2)
+    // (through syscall(2)), getrlimit(2) and fcntl(2), which are async-signal-safe system
+    // calls; it allocates nothing (`keep` was allocated before the fork) and touches no
+    // locks. It changes the child's copy of the descriptor table only.
     unsafe {
         cmd.pre_exec(move || {
-            let flags = libc::fcntl(fd, libc::F_GETFD);
-            if flags < 0 || libc::fcntl(fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC) != 0 {
-                return Err(std::io::Error::last_os_error());
+            let all = libc::syscall(libc::SYS_close_range, 3 as libc::c_uint, libc::c_uint::MAX, libc::CLOSE_RANGE_CLOEXEC);
+            if all != 0 {
+                // Before Linux 5.11 (ENOSYS, or EINVAL for the flag): each descriptor number
+                // below the open-file limit, one by one (EBADF for those not open).
+                let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+                let top = if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && r.rlim_cur != libc::RLIM_INFINITY {
+                    r.rlim_cur.min(i32::MAX as libc::rlim_t) as i32
+                } else {
+                    1 << 20
+                };
+                for fd in 3..top {
+                    let flags = libc::fcntl(fd, libc::F_GETFD);
+                    if flags >= 0 && flags & libc::FD_CLOEXEC == 0 {
+                        libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC);
+                    }
+                }
+            }
+            for &fd in &keep {
+                let flags = libc::fcntl(fd, libc::F_GETFD);
+                if flags < 0 || libc::fcntl(fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
             }
             Ok(())
         })
@@ -106,7 +139,7 @@ fn die_with_parent(cmd: &mut Command) -> &mut Command {
 }
 
 /// Takes over the Unix socket this process inherited as descriptor `fd` (the prefill process
-/// of `run --decode-process`, started with [`keep_fd`]) and marks it close-on-exec again, so
+/// of `run --decode-process`, started with [`spawn_keeping`]) and marks it close-on-exec again, so
 /// nothing this process starts inherits it. Errors: `fd` is not open, or not a socket (a
 /// `kvprobe serve --fd N` started by hand with a wrong N); the descriptor is then left alone.
 pub fn inherited_socket(fd: i32) -> std::io::Result<std::os::unix::net::UnixStream> {
@@ -131,13 +164,13 @@ pub fn inherited_socket(fd: i32) -> std::io::Result<std::os::unix::net::UnixStre
     // SAFETY: as above; sets FD_CLOEXEC on a descriptor just checked to be open.
     unsafe { libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC) };
     // SAFETY: `fd` is open and a socket (checked above) and was handed to this process for
-    // its sole use by its parent (`keep_fd`); nothing else in this process owns or closes it,
+    // its sole use by its parent (`spawn_keeping`); nothing else in this process owns or closes it,
     // so the stream becomes its only owner.
     Ok(unsafe { std::os::unix::net::UnixStream::from_raw_fd(fd) })
 }
 
-/// Makes this process ignore SIGINT and SIGTERM (the prefill process of `run
-/// --decode-process`: a Ctrl-C in the terminal reaches the whole process group, and kvprobe,
+/// Makes this process ignore SIGINT, SIGTERM and SIGHUP (the prefill process of `run
+/// --decode-process`: a Ctrl-C or a hangup of the terminal reaches the whole process group, and kvprobe,
 /// not the child, decides how to stop; it ends the child's session over their socket, or by
 /// dying — see [`spawn`]).
 pub fn ignore_interrupts() {
@@ -145,6 +178,7 @@ pub fn ignore_interrupts() {
     unsafe {
         libc::signal(libc::SIGINT, libc::SIG_IGN);
         libc::signal(libc::SIGTERM, libc::SIG_IGN);
+        libc::signal(libc::SIGHUP, libc::SIG_IGN);
     }
 }
 

@@ -472,6 +472,36 @@ impl DeviceBuffer {
         w.check()
     }
 
+    /// Copies `dst.len()` bytes from offset `off` into the host span `dst` (synchronous):
+    /// through its raw pointer, so `dst` may lie in memory a transfer engine reads (the tier
+    /// arena, [`crate::tier::TierArena`]), which a `&mut [u8]` must not cover.
+    pub fn read_into(&self, off: usize, mut dst: crate::hostmem::SpanMut<'_>) -> Result<()> {
+        self.check(off, dst.len())?;
+        self.dev.bind()?;
+        let w = crate::deadline::watch(|| format!("CUDA copy of {} bytes to the host", dst.len()).into());
+        // SAFETY: the device range was bounds-checked against this live allocation; `dst`
+        // points at `dst.len()` writable host bytes that the span holds exclusively on the
+        // Rust side (no transfer writes them: the hostmem contract).
+        unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr() as *mut c_void, self.ptr + off as u64, dst.len()) }
+            .result()
+            .map_err(|e| derr("cuMemcpyDtoH", e))?;
+        w.check()
+    }
+
+    /// Copies the host span `src` to offset `off` (synchronous), reading it through its raw
+    /// pointer (see [`DeviceBuffer::read_into`]).
+    pub fn write_from(&self, off: usize, src: crate::hostmem::Span<'_>) -> Result<()> {
+        self.check(off, src.len())?;
+        self.dev.bind()?;
+        let w = crate::deadline::watch(|| format!("CUDA copy of {} bytes to the device", src.len()).into());
+        // SAFETY: the device range was bounds-checked against this live allocation; `src`
+        // points at `src.len()` readable host bytes, valid while the span's borrow lives.
+        unsafe { sys::cuMemcpyHtoD_v2(self.ptr + off as u64, src.as_ptr() as *const c_void, src.len()) }
+            .result()
+            .map_err(|e| derr("cuMemcpyHtoD", e))?;
+        w.check()
+    }
+
     /// Queues a copy of `src` (same length, any device: unified addressing) into this buffer
     /// on the default stream (cuMemcpyDtoDAsync; asynchronous — time it with [`GpuTimer`]).
     /// Errors: lengths differ, or the driver refuses.
@@ -914,15 +944,17 @@ impl Drop for Kernels {
 
 /// A host buffer page-locked for the GPU (`cuMemHostRegister`), so copies between it and
 /// device memory run as DMA at full PCIe/C2C rate. Unregistered before the buffer is freed.
+/// A [`crate::hostmem::HostBuffer`] (no Rust references into it): the tier arena it holds is
+/// also registered with NIXL and read by remote READs.
 pub struct PinnedHost {
     dev: Arc<Device>,
-    buf: crate::hostmem::PrivateBuffer,
+    buf: crate::hostmem::HostBuffer,
 }
 
 impl PinnedHost {
     /// Page-locks `buf` for `dev`'s context. Errors: the driver refuses (e.g. the
     /// memlock limit).
-    pub fn new(dev: &Arc<Device>, buf: crate::hostmem::PrivateBuffer) -> Result<PinnedHost> {
+    pub fn new(dev: &Arc<Device>, buf: crate::hostmem::HostBuffer) -> Result<PinnedHost> {
         dev.bind()?;
         // SAFETY: `buf` is a live mapping of `buf.len()` bytes that this struct owns and
         // keeps until Drop unregisters it.
@@ -933,12 +965,12 @@ impl PinnedHost {
     }
 
     /// The buffer.
-    pub fn buffer(&self) -> &crate::hostmem::PrivateBuffer {
+    pub fn buffer(&self) -> &crate::hostmem::HostBuffer {
         &self.buf
     }
 
     /// The buffer, mutably.
-    pub fn buffer_mut(&mut self) -> &mut crate::hostmem::PrivateBuffer {
+    pub fn buffer_mut(&mut self) -> &mut crate::hostmem::HostBuffer {
         &mut self.buf
     }
 }

@@ -66,6 +66,11 @@ pub struct Environment {
     pub nixl: NixlInfo,
     /// UCX_* and NIXL_* variables in effect (they steer transport selection).
     pub transport_env: std::collections::BTreeMap<String, String>,
+    /// The names in `transport_env` whose values are kvprobe's defaults, set because the user
+    /// had not set them ([`crate::nixl::set_process_env`]: e.g. `UCX_CUDA_IPC_ENABLE_GET_ZCOPY`,
+    /// `UCX_DEBUG_SIGNO`); the others are the user's. Empty in reports written before it.
+    #[serde(default)]
+    pub transport_env_defaults: Vec<String>,
     /// Mooncake Store (`--tier mooncake`): the installation found, or why none is usable.
     pub mooncake: MooncakeInfo,
     /// `kvprobe env` only: the paths UCX selected for small probe transfers
@@ -324,7 +329,7 @@ pub fn gather(nixl: NixlInfo) -> Environment {
     let n = cuda::device_count();
     let gpus: Vec<GpuInfo> = (0..n).filter_map(|i| cuda::gpu_info(i).ok()).collect();
     let rdma = crate::rdma::gather(&gpus);
-    let transport_env = std::env::vars_os()
+    let transport_env: std::collections::BTreeMap<String, String> = std::env::vars_os()
         .map(|(k, v)| (k.to_string_lossy().into_owned(), v.to_string_lossy().into_owned()))
         .filter(|(k, _)| k.starts_with("UCX_") || k.starts_with("NIXL_"))
         .collect();
@@ -337,6 +342,11 @@ pub fn gather(nixl: NixlInfo) -> Environment {
         cuda: if n > 0 { cuda::driver_version().ok() } else { None },
         nvrtc: cuda::nvrtc_version(),
         nixl,
+        transport_env_defaults: crate::nixl::kvprobe_defaults()
+            .iter()
+            .filter(|k| transport_env.contains_key(*k))
+            .cloned()
+            .collect(),
         transport_env,
         mooncake: match crate::mooncake::find() {
             Ok(i) => MooncakeInfo { install: Some(i), error: None },
@@ -410,7 +420,8 @@ pub fn render(e: &Environment) -> String {
         (None, None) => {}
     }
     for (k, v) in &e.transport_env {
-        s += &format!("{k}={v}\n");
+        let own = if e.transport_env_defaults.contains(k) { " (kvprobe's default)" } else { "" };
+        s += &format!("{k}={v}{own}\n");
     }
     s += &crate::rdma::render(&e.rdma);
     if !e.transport_probes.is_empty() {

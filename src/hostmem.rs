@@ -5,17 +5,18 @@
 //!
 //! Two types, by who else may write the memory:
 //!
-//! - [`HostBuffer`]: memory a transfer engine may write while kvprobe runs — a DRAM pool,
-//!   whose address NIXL registers (UCX's progress thread writes it) and whose memfd the
-//!   Mooncake worker maps. It hands out **no Rust reference**
+//! - [`HostBuffer`]: memory a transfer engine may read or write while kvprobe runs — a DRAM
+//!   pool, whose address NIXL registers (UCX's progress thread writes it) and whose memfd the
+//!   Mooncake worker maps; the embedded tier's arena ([`crate::tier::TierArena`]), which
+//!   prefill registers with NIXL for decode's remote READs. It hands out **no Rust reference**
 //!   (`&[u8]` / `&mut [u8]`) into the mapping: a reference asserts that nothing else writes
 //!   any of its bytes while it lives, which a transfer into a neighbouring block would break
 //!   (undefined behaviour even when the bytes touched differ). Access goes through
 //!   range-checked copies ([`HostBuffer::read_at`], [`HostBuffer::write_at`]) and through
 //!   [`Span`] / [`SpanMut`], a raw pointer and a length that the CPU passes (the fingerprint
 //!   reference in C, memcpy) access only for the duration of one call.
-//! - [`PrivateBuffer`]: memory nothing but its owner touches (the tier arena, the bench's
-//!   buffers): plain slices. Its address is never given to a transfer engine.
+//! - [`PrivateBuffer`]: memory nothing but its owner touches (the bench's copy buffers):
+//!   plain slices. Its address is never given to a transfer engine.
 //!
 //! The contract of every [`HostBuffer`] access: **no transfer is in flight into the range
 //! accessed** (the sweep and the scenario engine fill, poison and verify only slices whose
@@ -30,7 +31,7 @@ use std::marker::PhantomData;
 /// may write (see the module documentation: no references into it). A buffer from
 /// [`HostBuffer::alloc_shareable`] is backed by a close-on-exec memfd that a chosen child
 /// process (the Mooncake worker) maps through
-/// [`crate::child::keep_fd`].
+/// [`crate::child::spawn_keeping`].
 #[derive(Debug)]
 pub struct HostBuffer {
     ptr: *mut u8,
@@ -85,7 +86,7 @@ impl HostBuffer {
     }
 
     /// Maps `len` bytes backed by a memfd (`memfd:kvprobe-pool`, close-on-exec: no child
-    /// inherits it unless its spawn names it with [`crate::child::keep_fd`]); that child maps
+    /// inherits it unless its spawn names it with [`crate::child::spawn_keeping`]); that child maps
     /// the same pages through `/proc/self/fd/N` ([`HostBuffer::shared_fd`]). Errors:
     /// memfd_create, ftruncate or mmap failed.
     pub fn alloc_shareable(len: usize) -> Result<HostBuffer> {
@@ -93,7 +94,7 @@ impl HostBuffer {
         let n = len.max(1);
         let err = |what: &str| Error::Environment(format!("{what} ({len} bytes): {}", std::io::Error::last_os_error()));
         // SAFETY: the name is a valid NUL-terminated string. MFD_CLOEXEC: children started
-        // with exec do not inherit the descriptor (crate::child::keep_fd opts one in).
+        // with exec do not inherit the descriptor (crate::child::spawn_keeping opts one in).
         let raw = unsafe { libc::memfd_create(c"kvprobe-pool".as_ptr(), libc::MFD_CLOEXEC) };
         if raw < 0 {
             return Err(err("memfd_create"));
@@ -115,7 +116,7 @@ impl HostBuffer {
     }
 
     /// The descriptor number of a shareable buffer's memfd (None otherwise): the child that
-    /// was given it ([`crate::child::keep_fd`]) maps the buffer from `/proc/self/fd/N`.
+    /// was given it ([`crate::child::spawn_keeping`]) maps the buffer from `/proc/self/fd/N`.
     pub fn shared_fd(&self) -> Option<i32> {
         use std::os::fd::AsRawFd;
         self.fd.as_ref().map(|f| f.as_raw_fd())
@@ -315,10 +316,9 @@ impl<'a> SpanMut<'a> {
     }
 }
 
-/// Page-aligned host memory that nothing but its owner touches (the tier arena, the bench's
-/// buffers): plain slices. Never give its address to a transfer engine — use
-/// [`HostBuffer`] for that; page-locking it for the GPU (`cuda::PinnedHost`) is
-/// fine, as the copies into it are kvprobe's own, synchronous ones.
+/// Page-aligned host memory that nothing but its owner touches (the bench's copy buffers):
+/// plain slices. Never give its address to a transfer engine — use [`HostBuffer`] for that
+/// (the tier arena, page-locked or not, is one).
 #[derive(Debug)]
 pub struct PrivateBuffer(HostBuffer);
 

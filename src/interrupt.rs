@@ -1,4 +1,4 @@
-//! SIGINT/SIGTERM handling: the first signal asks the run to stop at the next iteration
+//! SIGINT/SIGTERM/SIGHUP handling: the first signal asks the run to stop at the next iteration
 //! boundary (a sweep's transfer in flight gets up to [`GRACE`] after the signal to complete,
 //! and its iteration is then verified; one still incomplete is abandoned unverified; a
 //! scenario stops at its next engine step); the partial report is written and marked
@@ -8,6 +8,11 @@
 //! write is held up. A repeat within a second counts as the same request: `timeout(1)` sends
 //! its signal to kvprobe and again to the process group, and two Ctrl-C presses that close are
 //! one impatient user.
+//!
+//! SIGHUP (a closed terminal, an ssh hangup, `kill -HUP`) counts as SIGTERM: the run stops
+//! with its report. UCX would take SIGHUP for its debug handler (`UCX_DEBUG_SIGNO` defaults
+//! to it) and swallow it; kvprobe sets `UCX_DEBUG_SIGNO=0` where the user has not
+//! ([`crate::nixl::set_process_env`]). A user who sets it to SIGHUP gives SIGHUP to UCX.
 //!
 //! SIGXFSZ (a write past the file-size limit, `ulimit -f`) is ignored ([`ignore_file_size_signal`]):
 //! the write then fails with EFBIG, an error kvprobe handles like a full disk, instead of
@@ -48,7 +53,7 @@ pub fn install() -> std::io::Result<()> {
     if INSTALLED.get().is_some() {
         return Ok(());
     }
-    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM, signal_hook::consts::SIGHUP] {
         // SAFETY: `on_signal` only touches atomics, clock_gettime and _exit, all
         // async-signal-safe; it allocates nothing and takes no lock.
         unsafe { signal_hook::low_level::register(sig, on_signal) }?;
@@ -61,7 +66,7 @@ pub fn install() -> std::io::Result<()> {
 /// iteration is then verified and reported); README "Exit codes" states the same.
 pub const GRACE: std::time::Duration = std::time::Duration::from_secs(1);
 
-/// Time since the first SIGINT/SIGTERM, or `None` when none arrived.
+/// Time since the first SIGINT/SIGTERM/SIGHUP, or `None` when none arrived.
 pub fn since_requested() -> Option<std::time::Duration> {
     if !requested() {
         return None;
@@ -70,13 +75,13 @@ pub fn since_requested() -> Option<std::time::Duration> {
     Some(std::time::Duration::from_millis(now_ms().saturating_sub(first)))
 }
 
-/// True once a second SIGINT/SIGTERM arrived, a second or more after the first: the run
+/// True once a second SIGINT/SIGTERM/SIGHUP arrived, a second or more after the first: the run
 /// ends at once (the watchdog writes the report so far).
 pub fn second_requested() -> bool {
     SECOND.load(Ordering::SeqCst)
 }
 
-/// True once SIGINT or SIGTERM arrived.
+/// True once SIGINT, SIGTERM or SIGHUP arrived.
 pub fn requested() -> bool {
     FLAG.load(Ordering::SeqCst)
 }

@@ -1795,6 +1795,11 @@ fn main() {
         Ok(c) => c,
         Err(e) => e.exit(),
     };
+    // The environment NIXL and UCX read, set while this process has one thread (the
+    // watchdog, the spinner, CUDA and UCX start theirs later).
+    if let Some(plan) = env_plan(&cli.command) {
+        kvprobe::nixl::set_process_env(plan);
+    }
     if !matches!(&cli.command, Command::Serve(a) if a.fd.is_some()) {
         // What killed kvprobes left in their private directories (SIGKILL, a crash); the
         // prefill process of --decode-process leaves that to its parent.
@@ -1812,6 +1817,24 @@ fn main() {
     };
     // Not a plain return: see `exit_now` (library destructors can crash at exit).
     kvprobe::nixl::exit_now(exit as u8)
+}
+
+/// What the NIXL agents of `command` need from the environment ([`kvprobe::nixl::EnvPlan`]),
+/// from its flags alone; `None` for the subcommands that load no NIXL.
+fn env_plan(command: &Command) -> Option<kvprobe::nixl::EnvPlan> {
+    use kvprobe::nixl::EnvPlan;
+    // Both pools on one GPU of this process: VRAM, or a default memory that may be VRAM.
+    let same_gpu = |p: &PoolArgs, decode_process: bool| {
+        p.memory != Some(MemoryKind::Dram) && p.prefill_device.first() == p.decode_device.first() && !decode_process
+    };
+    match command {
+        Command::Run(a) => Some(EnvPlan { same_gpu_in_process: same_gpu(&a.pool, a.decode_process), diagnosis: true }),
+        Command::Ab(a) => Some(EnvPlan { same_gpu_in_process: same_gpu(&a.pool, false), diagnosis: true }),
+        Command::Bench(a) => Some(EnvPlan { same_gpu_in_process: a.memory != Some(MemoryKind::Dram), diagnosis: true }),
+        Command::Serve(_) => Some(EnvPlan { same_gpu_in_process: false, diagnosis: true }),
+        Command::Env { .. } => Some(EnvPlan { same_gpu_in_process: false, diagnosis: false }),
+        _ => None,
+    }
 }
 
 /// `kvprobe serve`: the prefill side of a node pair ([`kvprobe::serve`]).
@@ -1856,7 +1879,6 @@ fn serve(a: ServeArgs, typed: &[&str]) -> Exit {
         return fail(Error::Usage(e.to_string()));
     }
     // Everything a run needs on this side, checked before listening.
-    kvprobe::nixl::prepare_ucx_env(false);
     if let Err(e) = kvprobe::nixl::check_ucx_log_file().and_then(|_| kvprobe::nixl::load().map(|_| ())) {
         return fail(e);
     }

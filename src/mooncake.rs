@@ -25,6 +25,11 @@ pub const LEASE_EXPIRED: i64 = -707;
 /// Attempts [`Worker::get_block`] makes when a get fails with [`LEASE_EXPIRED`].
 pub const GET_ATTEMPTS: u32 = 8;
 
+/// The metadata setting of the store clients of a master kvprobe starts: Mooncake's
+/// peer-to-peer handshake (each client's Transfer Engine answers for its own segments), so no
+/// metadata server runs at all.
+pub const P2P_METADATA: &str = "P2PHANDSHAKE";
+
 /// Environment variable naming a Mooncake virtual environment (overrides the install dir).
 pub const VENV_ENV: &str = "KVPROBE_MOONCAKE_VENV";
 
@@ -97,6 +102,79 @@ fn free_ports<const N: usize>(host: IpAddr) -> Result<[u16; N]> {
         *p = l.local_addr().map_err(err)?.port();
     }
     Ok(ports)
+}
+
+/// The TCP addresses process `pid` listens on: its socket descriptors (`/proc/PID/fd`,
+/// `socket:[INODE]`) matched with the listening sockets of its network namespace
+/// (`/proc/PID/net/tcp` and `tcp6`, state `0A`). Errors: /proc unreadable (the process is
+/// gone, or another user's).
+pub fn listening(pid: u32) -> std::io::Result<Vec<SocketAddr>> {
+    let mut inodes = std::collections::HashSet::new();
+    for e in std::fs::read_dir(format!("/proc/{pid}/fd"))?.flatten() {
+        if let Ok(t) = std::fs::read_link(e.path())
+            && let Some(n) = t.to_str().and_then(|t| t.strip_prefix("socket:[")).and_then(|t| t.strip_suffix(']'))
+            && let Ok(n) = n.parse::<u64>()
+        {
+            inodes.insert(n);
+        }
+    }
+    let mut out = Vec::new();
+    for table in ["tcp", "tcp6"] {
+        let text = match std::fs::read_to_string(format!("/proc/{pid}/net/{table}")) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue, // no IPv6
+            Err(e) => return Err(e),
+        };
+        for line in text.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if f.len() < 10 || f[3] != "0A" || !f[9].parse::<u64>().is_ok_and(|i| inodes.contains(&i)) {
+                continue;
+            }
+            if let Some(a) = proc_net_addr(f[1]) {
+                out.push(a);
+            }
+        }
+    }
+    out.sort();
+    out.dedup();
+    Ok(out)
+}
+
+/// An address of /proc/net/tcp{,6} (`0100007F:1F90`: the address as 32-bit words in host byte
+/// order, then the port), as a socket address.
+pub fn proc_net_addr(s: &str) -> Option<SocketAddr> {
+    let (a, p) = s.split_once(':')?;
+    let port = u16::from_str_radix(p, 16).ok()?;
+    let words: Vec<u32> =
+        (0..a.len() / 8).map(|i| u32::from_str_radix(a.get(8 * i..8 * i + 8)?, 16).ok()).collect::<Option<_>>()?;
+    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_ne_bytes()).collect();
+    let ip = match bytes.len() {
+        4 => IpAddr::from(<[u8; 4]>::try_from(bytes).ok()?),
+        16 => IpAddr::from(<[u8; 16]>::try_from(bytes).ok()?),
+        _ => return None,
+    };
+    Some(SocketAddr::new(ip, port))
+}
+
+/// Checks that every TCP socket process `pid` (`what`, e.g. "mooncake_master") listens on is
+/// bound to `host`, the address kvprobe asked it to listen on (an IPv4-mapped IPv6 form of
+/// it counts as the same); an unspecified `host` (0.0.0.0, ::) allows any. Returns the
+/// addresses. Errors: environment (exit 2) naming each wider or other address: a server that
+/// ignored what it was asked is not run; /proc unreadable.
+pub fn check_listening(what: &str, pid: u32, host: IpAddr) -> Result<Vec<SocketAddr>> {
+    let addrs = listening(pid).map_err(|e| Error::Environment(format!("cannot read what {what} (pid {pid}) listens on: {e}")))?;
+    let same = |ip: IpAddr| match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4) == Some(host) || ip == host,
+        _ => ip == host,
+    };
+    let wrong: Vec<String> = addrs.iter().filter(|a| !host.is_unspecified() && !same(a.ip())).map(|a| a.to_string()).collect();
+    if !wrong.is_empty() {
+        return Err(Error::Environment(format!(
+            "{what} listens on {}, wider than {host}, the address kvprobe asked for: not running it (README, \"Network exposure\")",
+            wrong.join(", ")
+        )));
+    }
+    Ok(addrs)
 }
 
 /// An existing Mooncake deployment (`--mooncake-master`, `--mooncake-metadata`): kvprobe's
@@ -218,7 +296,8 @@ pub struct Master {
     child: Child,
     /// RPC address, `HOST:PORT`.
     pub rpc: SocketAddr,
-    /// HTTP metadata server URL, `http://HOST:PORT/metadata`.
+    /// The store clients' metadata setting: [`P2P_METADATA`] (the master runs no metadata
+    /// server).
     pub metadata_url: String,
     /// The master's stdout and stderr: an anonymous file ([`crate::scratch::anonymous_file`]).
     log: std::fs::File,
@@ -250,16 +329,18 @@ impl Master {
     }
 
     fn start_once(install: &Install, timeout: Duration, host: IpAddr) -> Result<Master> {
-        let [rpc_port, http_port, metrics_port] = free_ports::<3>(host)?;
+        let [rpc_port, metrics_port] = free_ports::<2>(host)?;
         let log = crate::scratch::anonymous_file().map_err(|e| Error::Environment(format!("master log file: {e}")))?;
         let out = log.try_clone().map_err(|e| Error::Environment(format!("master log file: {e}")))?;
         let err = log.try_clone().map_err(|e| Error::Environment(format!("master log file: {e}")))?;
         let mut cmd = Command::new(&install.master);
         cmd.arg(format!("--rpc_port={rpc_port}"))
             .arg(format!("--rpc_address={host}"))
-            .arg("--enable_http_metadata_server=true")
-            .arg(format!("--http_metadata_server_host={host}"))
-            .arg(format!("--http_metadata_server_port={http_port}"))
+            // No embedded HTTP metadata server: it binds all interfaces whatever
+            // --http_metadata_server_host says (Mooncake 0.3.13: the host is never passed to
+            // its HTTP server). The store clients exchange their metadata peer to peer
+            // (P2PHANDSHAKE) instead.
+            .arg("--enable_http_metadata_server=false")
             .arg(format!("--metrics_host={host}"))
             .arg(format!("--metrics_port={metrics_port}"))
             // A read lease must outlast one get (shorter ones fail it: LEASE_EXPIRED), but the
@@ -274,9 +355,8 @@ impl Master {
         let child = crate::child::spawn(cmd)
             .map_err(|e| Error::Environment(format!("cannot start {}: {e}", install.master.display())))?;
         let rpc = SocketAddr::new(host, rpc_port);
-        let http = SocketAddr::new(host, http_port);
         let metrics = SocketAddr::new(host, metrics_port);
-        let mut m = Master { child, rpc, metadata_url: format!("http://{http}/metadata"), log };
+        let mut m = Master { child, rpc, metadata_url: P2P_METADATA.to_string(), log };
         let t0 = Instant::now();
         loop {
             m.alive()?;
@@ -285,14 +365,15 @@ impl Master {
             }
             let up = |a: &SocketAddr| TcpStream::connect_timeout(a, Duration::from_millis(100)).is_ok();
             // The admin (metrics) server starts last, about a second after the others.
-            if up(&m.rpc) && up(&http) && up(&metrics) {
+            if up(&m.rpc) && up(&metrics) {
+                // Every port it opened is on `host`, as asked (Drop stops it otherwise).
+                check_listening("mooncake_master", m.pid(), host)?;
                 return Ok(m);
             }
             if t0.elapsed() > timeout {
                 return Err(Error::Transport(format!(
-                    "mooncake_master did not answer on {}, {} and {} within {:.1} s; its log ends:\n{}",
+                    "mooncake_master did not answer on {} and {} within {:.1} s; its log ends:\n{}",
                     m.rpc,
-                    http,
                     metrics,
                     timeout.as_secs_f64(),
                     m.log_tail(20)
@@ -385,17 +466,14 @@ impl Worker {
         let log = crate::scratch::anonymous_file().map_err(|e| env_err("log", e))?;
         let mut cmd = Command::new(&install.python);
         let inherited: Vec<i32> = shared.iter().filter_map(|b| b.shared_fd()).collect();
-        for &fd in &inherited {
-            crate::child::keep_fd(&mut cmd, fd);
-        }
         cmd.arg("-u")
             .arg(script.path())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(log.try_clone().map_err(|e| env_err("log", e))?)
             .process_group(0);
-        let mut child =
-            crate::child::spawn(cmd).map_err(|e| env_err(&format!("cannot start {}", install.python.display()), e))?;
+        let mut child = crate::child::spawn_keeping(cmd, &inherited)
+            .map_err(|e| env_err(&format!("cannot start {}", install.python.display()), e))?;
         let stdin = child.stdin.take().expect("piped");
         let stdout = child.stdout.take().expect("piped");
         let (tx, rx) = std::sync::mpsc::channel();

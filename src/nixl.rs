@@ -59,37 +59,116 @@ pub fn find() -> Option<(PathBuf, &'static str)> {
 
 static LOADED: OnceLock<std::result::Result<NixlLibrary, String>> = OnceLock::new();
 
-/// Finds and loads the real NIXL C API library (once per process). Also sets, when unset,
-/// `NIXL_PLUGIN_DIR` to the library's `plugins/`.
+/// Finds and loads the real NIXL C API library (once per process). `NIXL_PLUGIN_DIR` is set
+/// before, by [`set_process_env`].
 ///
 /// Errors (exit 2): not found, fails to load, or nixl-sys still reports its stub.
 pub fn load() -> Result<NixlLibrary> {
     LOADED.get_or_init(load_once).clone().map_err(Error::Environment)
 }
 
-/// The NIXL library this process already loaded, if [`load`] succeeded; never loads it
-/// (loading sets environment variables, which is only safe before kvprobe starts threads).
+/// The NIXL library this process already loaded, if [`load`] succeeded; never loads it.
 pub fn loaded() -> Option<NixlLibrary> {
     LOADED.get().and_then(|r| r.as_ref().ok()).cloned()
 }
 
-/// Chooses UCX's CUDA IPC mode for two agents in this process, before NIXL starts: when both
-/// pools are on the same GPU, `UCX_CUDA_IPC_ENABLE_SAME_PROCESS=y` (without it UCX will not
-/// use CUDA IPC within one process); across GPUs it is left unset, because with it UCX opens
-/// the peer GPU's IPC handle in this process and fails ("cuIpcOpenMemHandle() failed:
-/// invalid device context", seen on two H200s). A value the user set is kept. Call before
-/// [`load`], while kvprobe has no other threads.
+/// What kvprobe's NIXL agents need from the process environment, decided from the command
+/// line alone ([`set_process_env`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EnvPlan {
+    /// Both pools of the run may be on one GPU in this process (VRAM or a default memory that
+    /// may be VRAM, the same `--prefill-device` and `--decode-device`, no `--decode-process`):
+    /// `UCX_CUDA_IPC_ENABLE_SAME_PROCESS=y`, without which UCX will not use CUDA IPC within one
+    /// process. Across GPUs it stays unset: with it UCX opens the peer GPU's IPC handle in this
+    /// process and fails ("cuIpcOpenMemHandle() failed: invalid device context", seen on two
+    /// H200s).
+    pub same_gpu_in_process: bool,
+    /// Turn on the transport diagnosis ([`crate::ucx`]): UCX's protocol tables
+    /// (`UCX_PROTO_INFO=y`) written to a log file in kvprobe's private temporary directory
+    /// ([`crate::scratch::dir`], `UCX_LOG_FILE`), unless the user set either or
+    /// `KVPROBE_UCX_DIAG=0`. Not for `kvprobe env`, which makes no transfer itself.
+    pub diagnosis: bool,
+}
+
+/// `UCX_CUDA_IPC_ENABLE_GET_ZCOPY`: without it UCX serves a READ of CUDA memory from another
+/// agent on the same GPU by software emulation over tcp (0.33-0.45 GB/s on an H100, against
+/// 3.9 GB/s with it; issue 33); kvprobe turns it on for its own agents unless the user set it.
+pub const GET_ZCOPY_ENV: &str = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY";
+
+/// `UCX_DEBUG_SIGNO`: the signal UCX's debug handler takes (SIGHUP by default, which would
+/// swallow a closed terminal's hangup); kvprobe sets 0 (no debug signal) unless the user set it.
+pub const DEBUG_SIGNO_ENV: &str = "UCX_DEBUG_SIGNO";
+
+/// The variables [`set_process_env`] set (the user had not): kvprobe's defaults.
+static DEFAULTS: OnceLock<Vec<String>> = OnceLock::new();
+
+/// The names of the UCX_*/NIXL_* variables whose values are kvprobe's defaults, set by
+/// [`set_process_env`] because the user had not set them (the report's
+/// `environment.transport_env_defaults`). Empty before it ran.
+pub fn kvprobe_defaults() -> &'static [String] {
+    DEFAULTS.get().map(|v| v.as_slice()).unwrap_or(&[])
+}
+
+/// Threads of this process (`Threads:` in /proc/self/status); `None` without /proc.
+fn thread_count() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    s.lines().find_map(|l| l.strip_prefix("Threads:"))?.trim().parse().ok()
+}
+
+/// True when an NVIDIA driver is present (its device node or /proc entry): UCX's CUDA
+/// transports can load. Looks at files only (no CUDA call, which could start threads).
+fn nvidia_driver_present() -> bool {
+    ["/dev/nvidiactl", "/proc/driver/nvidia/version", "/dev/dxg"].iter().any(|p| Path::new(p).exists())
+}
+
+/// Sets, where the user has not, the environment kvprobe's NIXL agents read (UCX and NIXL
+/// read it with `getenv` from their own threads): call first thing in `main`, while the
+/// process has one thread, since changing the environment while another thread may read it
+/// is undefined behaviour (`std::env::set_var`). Sets nothing (and says so in a trace line)
+/// when the process already has other threads.
 ///
-/// Also turns on the transport diagnosis ([`crate::ucx`]) on the first call: UCX's protocol
-/// tables (`UCX_PROTO_INFO=y`) written to a log file in kvprobe's private temporary directory
-/// ([`crate::scratch::dir`], `UCX_LOG_FILE`), unless the user set either or
-/// `KVPROBE_UCX_DIAG=0`; and points UCX's shared-memory segments (`UCX_POSIX_DIR`, unless set)
-/// to kvprobe's private directory in /dev/shm ([`crate::scratch::shm_dir`]).
-pub fn prepare_ucx_env(vram_same_gpu: bool) {
-    if vram_same_gpu {
-        set_default_env("UCX_CUDA_IPC_ENABLE_SAME_PROCESS", Path::new("y"));
+/// - `NIXL_PLUGIN_DIR`: the `plugins/` beside the NIXL library found ([`find`]);
+/// - `UCX_DEBUG_SIGNO=0` ([`DEBUG_SIGNO_ENV`]): UCX installs no handler for SIGHUP, which then
+///   stops a run as SIGTERM does ([`crate::interrupt`]);
+/// - `UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y` ([`GET_ZCOPY_ENV`]), and
+///   `UCX_CUDA_IPC_ENABLE_SAME_PROCESS=y` when `plan.same_gpu_in_process`: on hosts with an
+///   NVIDIA driver, and on others when kvprobe captures UCX's log (it drops UCX's warning that
+///   they went unused there, [`crate::ucx::messages`]);
+/// - with `plan.diagnosis` (and an open-file limit NIXL can run with, [`ensure_open_files`],
+///   which raises a low soft limit): `UCX_PROTO_INFO=y` and `UCX_LOG_FILE` (see [`EnvPlan::diagnosis`]);
+///   and UCX's shared-memory segments (`UCX_POSIX_DIR`) in kvprobe's private directory in
+///   /dev/shm ([`crate::scratch::shm_dir`]): UCX unlinks each right after creating it, and one
+///   a kill catches in between is removed with the directory (at exit, or at the next
+///   kvprobe's start).
+///
+/// The names set are [`kvprobe_defaults`].
+pub fn set_process_env(plan: EnvPlan) {
+    if DEFAULTS.get().is_some() {
+        return;
     }
-    if crate::ucx::log_path().is_none() && LOADED.get().is_none() {
+    if thread_count().is_some_and(|n| n != 1) {
+        crate::trace!("the environment was not set: the process already has other threads");
+        let _ = DEFAULTS.set(Vec::new());
+        return;
+    }
+    let mut set = Vec::new();
+    let mut default = |key: &str, value: &std::ffi::OsStr| {
+        if std::env::var_os(key).is_none_or(|v| v.is_empty()) {
+            // SAFETY: this process has one thread (checked above where /proc tells; kvprobe's
+            // main calls this before it starts any, and before NIXL or CUDA is loaded, which
+            // start theirs), so nothing reads the environment concurrently.
+            unsafe { std::env::set_var(key, value) };
+            set.push(key.to_string());
+        }
+    };
+    if let Some((dir, _)) = find() {
+        default("NIXL_PLUGIN_DIR", dir.join("plugins").as_os_str());
+    }
+    default(DEBUG_SIGNO_ENV, "0".as_ref());
+    let mut captured = false;
+    // The capture's private directories hold a descriptor each (their lock): under an
+    // open-file limit NIXL cannot run with (which `load` then reports), none is made.
+    if plan.diagnosis && ensure_open_files().is_ok() {
         let off = std::env::var(crate::ucx::DIAG_ENV).is_ok_and(|v| v == "0")
             || ["UCX_PROTO_INFO", "UCX_LOG_FILE"].iter().any(|k| std::env::var_os(k).is_some_and(|v| !v.is_empty()));
         let log = if off {
@@ -107,19 +186,26 @@ pub fn prepare_ucx_env(vram_same_gpu: bool) {
             }
         };
         if let Some(l) = &log {
-            set_default_env("UCX_PROTO_INFO", Path::new("y"));
-            set_default_env("UCX_LOG_FILE", l);
+            default("UCX_PROTO_INFO", "y".as_ref());
+            default("UCX_LOG_FILE", l.as_os_str());
+            captured = true;
         }
         crate::ucx::set_log_path(log);
-        // UCX's shared-memory segments (posix transport) in kvprobe's private /dev/shm
-        // directory: UCX unlinks each right after creating it, and one a kill catches in
-        // between is removed with the directory (at exit, or at the next kvprobe's start).
         if std::env::var_os("UCX_POSIX_DIR").is_none_or(|v| v.is_empty())
             && let Ok(d) = crate::scratch::shm_dir()
         {
-            set_default_env("UCX_POSIX_DIR", d);
+            default("UCX_POSIX_DIR", d.as_os_str());
         }
     }
+    // UCX's CUDA transport reads these; where it does not load (no NVIDIA driver) UCX warns
+    // that they went unused, which kvprobe drops from the log it captures.
+    if captured || nvidia_driver_present() {
+        if plan.same_gpu_in_process {
+            default("UCX_CUDA_IPC_ENABLE_SAME_PROCESS", "y".as_ref());
+        }
+        default(GET_ZCOPY_ENV, "y".as_ref());
+    }
+    let _ = DEFAULTS.set(set);
 }
 
 /// Refuses a user-set `UCX_LOG_FILE` that UCX could not open (a directory, a missing or
@@ -144,14 +230,6 @@ pub fn check_ucx_log_file() -> Result<()> {
         return bad(format!("cannot create files in {}: {e}", dir.display()));
     }
     Ok(())
-}
-
-fn set_default_env(key: &str, value: &Path) {
-    if std::env::var_os(key).is_none_or(|v| v.is_empty()) {
-        // SAFETY: called from `prepare_ucx_env` or `load_once`, before NIXL is loaded, so no
-        // NIXL/UCX thread exists, and kvprobe has spawned none of its own yet.
-        unsafe { std::env::set_var(key, value) };
-    }
 }
 
 /// The fewest open file descriptors kvprobe starts NIXL with (`ulimit -n`): the UCX backend
@@ -234,9 +312,11 @@ fn load_once() -> std::result::Result<NixlLibrary, String> {
         format!("NIXL library libnixl_capi.so not found (looked in: {}); {INSTALL_HINT}", looked.join(", "))
     })?;
     let lib = dir.join("libnixl_capi.so");
+    // NIXL_PLUGIN_DIR is set by `set_process_env` (kvprobe's main), not here: this process
+    // may have threads by now. Where it is unset (a library caller), NIXL looks in the
+    // `plugins/` beside its own library (found with dladdr), the same directory here.
     let plugin_dir =
         std::env::var_os("NIXL_PLUGIN_DIR").filter(|v| !v.is_empty()).map(PathBuf::from).unwrap_or_else(|| dir.join("plugins"));
-    set_default_env("NIXL_PLUGIN_DIR", &plugin_dir);
     let c = std::ffi::CString::new(lib.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
     // SAFETY: dlopen of a regular file by absolute path; the handle is intentionally never
     // closed (the library stays loaded for the life of the process, as nixl-sys expects).

@@ -11,7 +11,7 @@ use crate::cuda::{Device, DeviceBuffer, GpuTimer, Kernels, PendingTime, RegionAr
 use crate::error::{Error, Result};
 use crate::fingerprint::{self, BlockIdentity, RowShape, SKIP_GEN};
 use crate::geometry::{Geometry, SliceCoord};
-use crate::hostmem::{HostBuffer, SpanMut};
+use crate::hostmem::{HostBuffer, Span, SpanMut};
 use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -907,6 +907,45 @@ impl KvPool {
         }
         for (c, chunk) in self.block_slices(slot).zip(dst.chunks_exact_mut(sb)) {
             self.read_slice(c, chunk)?;
+        }
+        Ok(())
+    }
+
+    /// [`KvPool::read_block`] into host memory a transfer engine may read (the tier arena,
+    /// [`crate::tier::TierArena`]): written through the span's raw pointer, never a `&mut
+    /// [u8]` over it. Synchronous. Errors: as `read_block`; CUDA errors.
+    pub fn read_block_into(&self, slot: u32, mut dst: SpanMut<'_>) -> Result<()> {
+        let sb = self.geom.slice_bytes()? as usize;
+        if dst.len() as u64 != self.block_bytes() || slot >= self.geom.num_blocks {
+            return Err(Error::Usage(format!("read_block: block {slot} into {} bytes", dst.len())));
+        }
+        for (k, c) in self.block_slices(slot).enumerate() {
+            let (layer, off, _) = self.locate(c);
+            let mut piece = dst.sub_mut(k * sb, sb)?;
+            match &self.backing {
+                Backing::Host(b) => piece.copy_from(b.span(layer * self.geom.region_bytes()? as usize + off, sb)?)?,
+                Backing::Device { regions, .. } => regions[layer].read_into(off, piece)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// [`KvPool::write_block`] from host memory a transfer engine may read (the tier arena),
+    /// read through the span's raw pointer. Synchronous. Errors: as `write_block`; CUDA errors.
+    pub fn write_block_from(&mut self, slot: u32, src: Span<'_>) -> Result<()> {
+        let sb = self.geom.slice_bytes()? as usize;
+        if src.len() as u64 != self.block_bytes() || slot >= self.geom.num_blocks {
+            return Err(Error::Usage(format!("write_block: block {slot} from {} bytes", src.len())));
+        }
+        let region = self.geom.region_bytes()? as usize;
+        let coords: Vec<SliceCoord> = self.block_slices(slot).collect();
+        for (k, c) in coords.into_iter().enumerate() {
+            let (layer, off, _) = self.locate(c);
+            let piece = src.sub(k * sb, sb)?;
+            match &mut self.backing {
+                Backing::Host(b) => b.span_mut(layer * region + off, sb)?.copy_from(piece)?,
+                Backing::Device { regions, .. } => regions[layer].write_from(off, piece)?,
+            }
         }
         Ok(())
     }

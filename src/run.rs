@@ -691,9 +691,6 @@ pub(crate) fn prepare(cfg: &RunConfig, report: &mut Report) -> Result<()> {
     if config.is_ok() {
         crate::phase::announce("setup: loading NIXL, checking the environment");
     }
-    crate::nixl::prepare_ucx_env(
-        cfg.memory == MemoryKind::Vram && cfg.prefill_device == cfg.decode_device && !cfg.decode_process,
-    );
     crate::nixl::check_ucx_log_file()?;
     let lib = crate::nixl::load();
     report.environment = Some(crate::envinfo::gather(crate::envinfo::nixl_info()));

@@ -13,7 +13,7 @@
 //! save that copied the wrong block is attributable when a later load delivers it.
 
 use crate::error::{Error, Result};
-use crate::hostmem::PrivateBuffer;
+use crate::hostmem::{HostBuffer, Span, SpanMut};
 use crate::pool::TableEntry;
 use crate::race::Mechanism;
 use std::collections::HashMap;
@@ -56,7 +56,13 @@ struct Entry {
 /// Shared (`Arc`) by the store that fills it and, in one process, by decode's tier reader
 /// (`kvprobe run --scenario tier-only` with prefill on a thread); across processes prefill
 /// registers it with its NIXL agent and decode READs entries from it
-/// ([`crate::transport::Endpoint::register_tier`]). Each copy holds the arena's lock.
+/// ([`crate::transport::Endpoint::register_tier`]), so UCX's progress thread may read any
+/// entry while kvprobe copies into another. The memory is therefore a [`HostBuffer`], which
+/// hands out no Rust reference (a `&mut [u8]` over the arena would assert that nothing else
+/// touches any of its bytes): callers get one entry at a time as a [`Span`] or [`SpanMut`]
+/// ([`TierArena::read_entry`], [`TierArena::write_entry`]), under the arena's lock. The entry
+/// a remote READ is reading is pinned by its pending load (the store evicts and refills only
+/// unpinned entries), so no copy writes bytes a transfer is reading.
 pub struct TierArena {
     mem: std::sync::Mutex<ArenaMem>,
     addr: u64,
@@ -65,15 +71,22 @@ pub struct TierArena {
 }
 
 enum ArenaMem {
-    Host(PrivateBuffer),
+    Host(HostBuffer),
     Pinned(crate::cuda::PinnedHost),
 }
 
 impl ArenaMem {
-    fn bytes(&mut self) -> &mut [u8] {
+    fn buffer(&self) -> &HostBuffer {
         match self {
-            ArenaMem::Host(b) => b.as_mut_slice(),
-            ArenaMem::Pinned(p) => p.buffer_mut().as_mut_slice(),
+            ArenaMem::Host(b) => b,
+            ArenaMem::Pinned(p) => p.buffer(),
+        }
+    }
+
+    fn buffer_mut(&mut self) -> &mut HostBuffer {
+        match self {
+            ArenaMem::Host(b) => b,
+            ArenaMem::Pinned(p) => p.buffer_mut(),
         }
     }
 }
@@ -94,7 +107,7 @@ impl TierArena {
                 crate::units::bytes_exact(avail)
             )));
         }
-        let buf = PrivateBuffer::alloc(bytes as usize)?;
+        let buf = HostBuffer::alloc(bytes as usize)?;
         let addr = buf.addr();
         let mem = match device {
             Some(d) => ArenaMem::Pinned(crate::cuda::PinnedHost::new(d, buf)?),
@@ -123,12 +136,26 @@ impl TierArena {
         id as u64 * self.block_bytes as u64
     }
 
-    /// Calls `f` with entry `id`'s bytes, the arena locked. Panics when `id` is past the
-    /// capacity (a caller's bug: entry ids come from the store).
-    pub fn with_entry<R>(&self, id: EntryId, f: impl FnOnce(&mut [u8]) -> R) -> R {
+    /// Calls `f` with entry `id`'s bytes for reading, the arena locked. Errors (usage): `id`
+    /// is past the capacity (a caller's bug: entry ids come from the store).
+    pub fn read_entry<R>(&self, id: EntryId, f: impl FnOnce(Span<'_>) -> R) -> Result<R> {
+        let off = self.offset_of(id)?;
+        let m = self.mem.lock().unwrap_or_else(|p| p.into_inner());
+        Ok(f(m.buffer().span(off, self.block_bytes)?))
+    }
+
+    /// Calls `f` with entry `id`'s bytes for writing (entry `id` only: no other entry is
+    /// covered), the arena locked. Errors (usage): `id` is past the capacity.
+    pub fn write_entry<R>(&self, id: EntryId, f: impl FnOnce(SpanMut<'_>) -> R) -> Result<R> {
+        let off = self.offset_of(id)?;
         let mut m = self.mem.lock().unwrap_or_else(|p| p.into_inner());
-        let bb = self.block_bytes;
-        f(&mut m.bytes()[id as usize * bb..(id as usize + 1) * bb])
+        Ok(f(m.buffer_mut().span_mut(off, self.block_bytes)?))
+    }
+
+    fn offset_of(&self, id: EntryId) -> Result<usize> {
+        (id as usize)
+            .checked_mul(self.block_bytes)
+            .ok_or_else(|| Error::Usage(format!("tier entry {id} is past the arena's {} entries", self.capacity)))
     }
 }
 
@@ -314,17 +341,27 @@ impl Store {
     }
 
     /// Marks a reserved entry's put done: it holds `content` (bytes already copied with
-    /// [`Store::with_bytes`]) and becomes visible to lookups.
+    /// [`Store::save_block`]) and becomes visible to lookups.
     pub fn complete(&mut self, id: EntryId, content: Content) {
         self.entry_mut(id).content = Some(content);
     }
 
-    /// Calls `f` with the bytes of entry `id` (empty for a metadata-only store), the arena
-    /// locked.
-    pub fn with_bytes<R>(&self, id: EntryId, f: impl FnOnce(&mut [u8]) -> R) -> R {
+    /// A save into the embedded arena: copies block `slot` of `pool` into entry `id`. Errors:
+    /// usage for a metadata-only store (its bytes live in Mooncake) or an entry past the
+    /// capacity; the pool's copy errors.
+    pub fn save_block(&self, id: EntryId, pool: &crate::pool::KvPool, slot: u32) -> Result<()> {
         match &self.arena {
-            Some(a) => a.with_entry(id, f),
-            None => f(&mut []),
+            Some(a) => a.write_entry(id, |e| pool.read_block_into(slot, e))?,
+            None => Err(Error::Usage("a metadata-only store holds no bytes".into())),
+        }
+    }
+
+    /// A load from the embedded arena: copies entry `id` into block `slot` of `pool`. Errors:
+    /// as [`Store::save_block`].
+    pub fn load_block(&self, id: EntryId, pool: &mut crate::pool::KvPool, slot: u32) -> Result<()> {
+        match &self.arena {
+            Some(a) => a.read_entry(id, |e| pool.write_block_from(slot, e))?,
+            None => Err(Error::Usage("a metadata-only store holds no bytes".into())),
         }
     }
 

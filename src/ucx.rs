@@ -6,7 +6,7 @@
 //! description such as "zero-copy" or "software emulation", and config such as
 //! "cuda_ipc/cuda" or "tcp/lo"). kvprobe turns that on for its own process (unless the user
 //! set `UCX_PROTO_INFO` or `UCX_LOG_FILE`, or `KVPROBE_UCX_DIAG=0`) with the log going to a
-//! file (`nixl::prepare_ucx_env`), reads back the tables of each run, and reports
+//! file (`nixl::set_process_env`), reads back the tables of each run, and reports
 //! the selection for the memory types of the run, flagging software emulation.
 //!
 //! UCX's own messages go to that file too while it is on; a sweep's are handed back in
@@ -24,7 +24,7 @@ pub const DIAG_ENV: &str = "KVPROBE_UCX_DIAG";
 static LOG: OnceLock<Option<PathBuf>> = OnceLock::new();
 
 /// The UCX log file kvprobe asked for, if the capture is on (set once, by
-/// `nixl::prepare_ucx_env`).
+/// `nixl::set_process_env`).
 pub fn log_path() -> Option<&'static PathBuf> {
     LOG.get().and_then(|p| p.as_ref())
 }
@@ -94,6 +94,48 @@ pub struct TransportPath {
     /// another. Absent when empty (and in reports written before it existed).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub flags: Vec<PathFlag>,
+    /// VRAM runs: `UCX_CUDA_IPC_ENABLE_GET_ZCOPY` as the agents of this process had it, and who
+    /// set it ([`crate::nixl::GET_ZCOPY_ENV`]: with it off UCX serves a READ of CUDA memory on
+    /// one GPU by software emulation over tcp). Absent for DRAM runs and in reports written
+    /// before it existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub get_zcopy: Option<EnvSetting>,
+}
+
+/// An environment variable as this process had it, and who set it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct EnvSetting {
+    /// The variable, e.g. "UCX_CUDA_IPC_ENABLE_GET_ZCOPY".
+    pub name: String,
+    /// Its value; `None` when unset (UCX's own default applies).
+    pub value: Option<String>,
+    /// "kvprobe" (kvprobe's default: the user had not set it, [`crate::nixl::kvprobe_defaults`]),
+    /// "user" (set before kvprobe started), or "unset".
+    pub set_by: String,
+}
+
+impl EnvSetting {
+    /// Variable `name` as this process has it now.
+    pub fn of(name: &str) -> EnvSetting {
+        let value = std::env::var_os(name).filter(|v| !v.is_empty()).map(|v| v.to_string_lossy().into_owned());
+        let set_by = match &value {
+            None => "unset",
+            Some(_) if crate::nixl::kvprobe_defaults().iter().any(|d| d == name) => "kvprobe",
+            Some(_) => "user",
+        };
+        EnvSetting { name: name.to_string(), value, set_by: set_by.to_string() }
+    }
+}
+
+impl std::fmt::Display for EnvSetting {
+    /// `NAME=VALUE, kvprobe's default` / `NAME=VALUE, set by the user` / `NAME unset`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (&self.value, self.set_by.as_str()) {
+            (Some(v), "kvprobe") => write!(f, "{}={v}, kvprobe's default", self.name),
+            (Some(v), _) => write!(f, "{}={v}, set by the user", self.name),
+            (None, _) => write!(f, "{} unset", self.name),
+        }
+    }
 }
 
 /// One problem with the path UCX selected, judged against the host's RDMA facts.
@@ -232,6 +274,9 @@ pub fn path_since(from: u64, backend: &str, op: &str, vram: bool) -> TransportPa
         p.unknown_because = Some(format!("backend {backend}: only UCX's choice is read"));
         return p;
     }
+    if vram {
+        p.get_zcopy = Some(EnvSetting::of(crate::nixl::GET_ZCOPY_ENV));
+    }
     let Some(text) = read_since(from) else {
         p.unknown_because = Some(match log_path() {
             None => OFF_BECAUSE
@@ -242,7 +287,7 @@ pub fn path_since(from: u64, backend: &str, op: &str, vram: bool) -> TransportPa
         });
         return p;
     };
-    classify(&text, p, op, vram)
+    classify(&drop_unused_defaults(&text, crate::nixl::kvprobe_defaults()), p, op, vram)
 }
 
 /// Fills `p` from UCX log `text`: the selections of `op` ("READ"/"WRITE") between two
@@ -271,11 +316,14 @@ pub fn classify(text: &str, mut p: TransportPath, op: &str, vram: bool) -> Trans
     }
     p.emulated = p.selections.iter().any(|s| s.rows.iter().any(|r| r.description.contains("emulation")));
     if p.emulated && vram && op != "WRITE" {
-        p.warning = Some(
-            "UCX moves this VRAM READ by software emulation (cuda_ipc get zero-copy is off): \
+        let now = match &p.get_zcopy {
+            Some(g @ EnvSetting { value: Some(_), .. }) => format!(" ({g})"),
+            _ => String::new(),
+        };
+        p.warning = Some(format!(
+            "UCX moves this VRAM READ by software emulation (cuda_ipc get zero-copy is off{now}): \
              set UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y (README, \"Running on a GPU host\")"
-                .into(),
-        );
+        ));
     } else if p.emulated {
         p.warning = Some("UCX moves these transfers by software emulation (slow fallback); see UCX_PROTO_INFO".into());
     }
@@ -285,7 +333,8 @@ pub fn classify(text: &str, mut p: TransportPath, op: &str, vram: bool) -> Trans
 /// One line for the human summary: the transports and protocols of the selections.
 pub fn describe(p: &TransportPath) -> String {
     if p.selections.is_empty() {
-        return format!("{} (protocol unknown: {})", p.backend, p.unknown_because.as_deref().unwrap_or("not seen"));
+        let zcopy = p.get_zcopy.as_ref().map(|g| format!("; {g}")).unwrap_or_default();
+        return format!("{} (protocol unknown: {}{zcopy})", p.backend, p.unknown_because.as_deref().unwrap_or("not seen"));
     }
     let mut seen: Vec<String> = Vec::new();
     for s in &p.selections {
@@ -296,7 +345,8 @@ pub fn describe(p: &TransportPath) -> String {
             }
         }
     }
-    format!("{} {}", p.backend, seen.join("; "))
+    let zcopy = p.get_zcopy.as_ref().map(|g| format!(" ({g})")).unwrap_or_default();
+    format!("{} {}{zcopy}", p.backend, seen.join("; "))
 }
 
 /// UCX's messages in kvprobe's log other than the protocol tables (warnings, errors, and what
@@ -304,8 +354,40 @@ pub fn describe(p: &TransportPath) -> String {
 /// hides nothing. Messages that differ only in their time stamp, thread and addresses (UCX
 /// warns once per object, e.g. thousands of "object 0x… was not returned to mpool" after an
 /// interrupted transfer) are given once, with how many more there were.
+///
+/// UCX's warning that a variable went unused is kept only for the user's variables: one
+/// kvprobe set itself ([`crate::nixl::kvprobe_defaults`], e.g. `UCX_CUDA_IPC_ENABLE_GET_ZCOPY`
+/// on a host where UCX's CUDA transport does not load) is dropped from it.
 pub fn messages() -> Vec<String> {
-    read_since(0).map(|t| collapse_messages(&t)).unwrap_or_default()
+    read_since(0).map(|t| collapse_messages(&drop_unused_defaults(&t, crate::nixl::kvprobe_defaults()))).unwrap_or_default()
+}
+
+/// `text` (a UCX log) with the variables named in `defaults` taken out of UCX's "unused
+/// environment variable(s): A B" warnings; a warning left naming none goes, with the
+/// "(set UCX_WARN_UNUSED_ENV_VARS=n ...)" line that follows it.
+pub fn drop_unused_defaults(text: &str, defaults: &[String]) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut dropped = false;
+    for l in text.lines() {
+        let unused = ["unused environment variables: ", "unused environment variable: "].iter().find_map(|p| l.split_once(p));
+        if let Some((head, names)) = unused {
+            let kept: Vec<&str> = names.split_whitespace().filter(|n| !defaults.iter().any(|d| d == n)).collect();
+            dropped = kept.is_empty();
+            if !dropped {
+                let s = if kept.len() > 1 { "s" } else { "" };
+                out += &format!("{head}unused environment variable{s}: {}\n", kept.join(" "));
+            }
+            continue;
+        }
+        if dropped && l.contains("UCX_WARN_UNUSED_ENV_VARS") {
+            dropped = false;
+            continue;
+        }
+        dropped = false;
+        out += l;
+        out.push('\n');
+    }
+    out
 }
 
 /// [`messages`] of a UCX log `text`: its message lines (not the protocol tables), each kind once

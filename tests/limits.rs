@@ -391,3 +391,73 @@ fn an_open_file_limit_too_low_is_raised_or_refused_up_front() {
     let o = c.output().unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
 }
+
+#[test]
+fn sighup_stops_a_run_as_sigterm_does_with_its_report() {
+    // A closed terminal: UCX's debug handler took SIGHUP (UCX_DEBUG_SIGNO defaults to it) and
+    // the run went on. Now kvprobe sets UCX_DEBUG_SIGNO=0 and treats SIGHUP as SIGTERM.
+    let d = tmpdir("sighup");
+    let p = d.join("r.json");
+    let mut child = Command::new(bin())
+        .args(["run", "--memory", "dram", "--iterations", "1000000", "--report", p.to_str().unwrap()])
+        .env_remove("UCX_DEBUG_SIGNO")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // UCX is loaded once the first iteration is done (it would have installed its handler).
+    crate::common::wait_for_stderr_line(&mut child, "iteration 1/");
+    // SAFETY: signalling our own child process.
+    unsafe { libc::kill(child.id() as i32, libc::SIGHUP) };
+    // A generous bound that only a run ignoring the signal reaches (a million iterations).
+    let t0 = std::time::Instant::now();
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if t0.elapsed() > Duration::from_secs(300) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("SIGHUP did not stop the run");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(status.code(), Some(130), "{status:?}");
+    let r: Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+    assert_eq!(r["outcome"]["status"], "interrupted");
+    assert!(r["summary"]["iterations"].as_u64().unwrap() >= 1);
+    assert_eq!(r["environment"]["transport_env"]["UCX_DEBUG_SIGNO"], "0");
+}
+
+#[test]
+fn kvprobe_turns_on_cuda_ipc_get_zero_copy_unless_the_user_set_it() {
+    let run = |name: &str, user: Option<&str>| {
+        let d = tmpdir(name);
+        let p = d.join("r.json");
+        let mut c = Command::new(bin());
+        c.args(["run", "--memory", "dram", "--iterations", "1", "--report", p.to_str().unwrap()]);
+        match user {
+            Some(v) => c.env("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", v),
+            None => c.env_remove("UCX_CUDA_IPC_ENABLE_GET_ZCOPY"),
+        };
+        let out = c.env_remove("UCX_LOG_FILE").env_remove("UCX_PROTO_INFO").env_remove("KVPROBE_UCX_DIAG").output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(out.status.code(), Some(0), "{err}");
+        let r: Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+        (r["environment"].clone(), err)
+    };
+    let defaults = |e: &Value| -> Vec<String> {
+        e["transport_env_defaults"].as_array().unwrap().iter().map(|v| v.as_str().unwrap().to_string()).collect()
+    };
+    // Unset: kvprobe's default for its agents, named as such.
+    let (e, err) = run("zcopy-default", None);
+    assert_eq!(e["transport_env"]["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"], "y", "{e}");
+    assert!(defaults(&e).contains(&"UCX_CUDA_IPC_ENABLE_GET_ZCOPY".to_string()), "{e}");
+    // UCX's warning that its CUDA transport (absent without a GPU) left it unused is kvprobe's
+    // own business, not the user's.
+    assert!(!err.contains("unused environment variable: UCX_CUDA_IPC_ENABLE_GET_ZCOPY"), "{err}");
+    // The user's value is left alone and not called kvprobe's.
+    let (e, _) = run("zcopy-user", Some("n"));
+    assert_eq!(e["transport_env"]["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"], "n", "{e}");
+    assert!(!defaults(&e).contains(&"UCX_CUDA_IPC_ENABLE_GET_ZCOPY".to_string()), "{e}");
+}

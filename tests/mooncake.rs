@@ -23,6 +23,59 @@ fn pool_memfds(pid: u32) -> usize {
         .count()
 }
 
+/// The socket inodes process `pid` holds (`socket:[N]` links in /proc/PID/fd).
+fn socket_inodes(pid: u32) -> std::collections::BTreeSet<u64> {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter_map(|t| t.to_str()?.strip_prefix("socket:[")?.strip_suffix(']')?.parse().ok())
+        .collect()
+}
+
+/// The IPv4 and IPv6 listening addresses of process `pid`, read here from
+/// /proc/PID/net/tcp{,6} (not with kvprobe's reader): "a.b.c.d:port" or "[hex words]:port".
+fn listeners(pid: u32) -> Vec<String> {
+    let own = socket_inodes(pid);
+    let mut out = Vec::new();
+    for (table, v6) in [("tcp", false), ("tcp6", true)] {
+        let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/net/{table}")) else { continue };
+        for l in text.lines().skip(1) {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            if f[3] != "0A" || !own.contains(&f[9].parse().unwrap()) {
+                continue;
+            }
+            let (addr, port) = f[1].split_once(':').unwrap();
+            let port = u16::from_str_radix(port, 16).unwrap();
+            if v6 {
+                out.push(format!("[{addr}]:{port}"));
+            } else {
+                // One 32-bit word in host byte order (x86 and arm64 Linux: little-endian).
+                let b = u32::from_str_radix(addr, 16).unwrap().to_le_bytes();
+                out.push(format!("{}.{}.{}.{}:{port}", b[0], b[1], b[2], b[3]));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn the_master_listens_on_loopback_only() {
+    if !mooncake_or_skip("the_master_listens_on_loopback_only") {
+        return;
+    }
+    let install = mooncake::find().expect("Mooncake installed by scripts/install-deps.sh");
+    let m = Master::start(&install, Duration::from_secs(300), LOOPBACK).unwrap();
+    let l = listeners(m.pid());
+    // Its RPC and metrics ports, and no metadata server on 0.0.0.0 (Mooncake 0.3.13 binds
+    // its embedded one to all interfaces whatever it is asked).
+    assert!(l.len() >= 2, "{l:?}");
+    assert!(l.iter().all(|a| a.starts_with("127.0.0.1:")), "mooncake_master listens on {l:?}");
+    assert!(l.contains(&format!("127.0.0.1:{}", m.rpc.port())), "{l:?}");
+    // kvprobe's own reader agrees.
+    let mine = kvprobe::mooncake::check_listening("mooncake_master", m.pid(), LOOPBACK).unwrap();
+    assert_eq!(mine.len(), l.len(), "{mine:?} vs {l:?}");
+}
+
 #[test]
 fn env_reports_the_mooncake_install() {
     if !mooncake_or_skip("env_reports_the_mooncake_install") {
@@ -66,7 +119,7 @@ fn master_starts_answers_and_is_always_stopped() {
     drop(pool);
     m.alive().unwrap();
     assert!(std::net::TcpStream::connect(m.rpc).is_ok());
-    assert!(m.metadata_url.starts_with("http://127.0.0.1:") && m.metadata_url.ends_with("/metadata"));
+    assert_eq!(m.metadata_url, "P2PHANDSHAKE", "the store clients exchange metadata peer to peer: no metadata server");
     drop(m);
     assert!(!running(pid), "the master outlived its handle");
 }
@@ -248,6 +301,17 @@ fn a_master_killed_mid_run_is_exit_3_and_nothing_is_left_running() {
     // maps them, holds their memfds.
     assert_eq!(pool_memfds(master), 0, "mooncake_master inherited a pool's memfd");
     assert!(pool_memfds(worker) >= 2, "the worker holds both pools' memfds: {}", pool_memfds(worker));
+    // Nor any of kvprobe's sockets (UCX opens them without close-on-exec): a socket held by
+    // kvprobe and a helper alike is one the helper inherited.
+    let ours = socket_inodes(child.id());
+    assert!(!ours.is_empty(), "kvprobe holds no socket mid-run?");
+    for (who, pid) in [("mooncake_master", master), ("the worker", worker)] {
+        let shared: Vec<u64> = socket_inodes(pid).intersection(&ours).copied().collect();
+        assert!(shared.is_empty(), "{who} inherited kvprobe's sockets {shared:?}");
+    }
+    // The master listens on loopback only, as asked.
+    let l = listeners(master);
+    assert!(!l.is_empty() && l.iter().all(|a| a.starts_with("127.0.0.1:")), "mooncake_master listens on {l:?}");
     assert!(std::process::Command::new("kill").args(["-KILL", &master.to_string()]).status().unwrap().success());
     let out = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);

@@ -81,7 +81,7 @@ fn store_reserves_completes_pins_and_evicts_lru() {
     let a = s.reserve(10, te(10, 1)).unwrap();
     assert!(s.reserve(10, te(10, 2)).is_none(), "a pending key is not saved twice");
     assert!(s.lookup_prefix(&[10]).is_empty(), "pending entries are invisible");
-    s.with_bytes(a, |b| b.fill(0xAB));
+    s.arena().unwrap().write_entry(a, |mut b| b.write_at(0, &[0xAB; 64])).unwrap().unwrap();
     s.complete(a, Content { id: te(10, 1), cause: None });
     s.unpin(a);
     assert_eq!(s.lookup_prefix(&[10, 11]), vec![a], "longest complete prefix");
@@ -100,7 +100,7 @@ fn store_reserves_completes_pins_and_evicts_lru() {
     assert!(s.reserve(13, te(13, 1)).is_none());
     assert_eq!(s.full_skips, 1);
     assert_eq!(s.promised(b), te(11, 1));
-    assert_eq!(s.with_bytes(b, |b| b.len()), 64);
+    assert_eq!(s.arena().unwrap().read_entry(b, |b| b.len()).unwrap(), 64);
 }
 
 fn row(unfenced: Option<Mechanism>, corrupt: u64, verdict: &str, pass: bool, unexplained: u64) -> AbRow {
@@ -188,6 +188,45 @@ fn ucx_tables_are_parsed_and_emulation_is_flagged() {
     assert_eq!(parse(&twice).len(), 4);
     assert_eq!(classify(&twice, base(), "WRITE", false).selections.len(), 1);
     assert_eq!(classify(&twice, base(), "READ", true).selections.len(), 1);
+}
+
+#[test]
+fn a_bench_sweep_on_an_emulated_path_is_marked_not_given_as_the_transfer_rate() {
+    use kvprobe::bench::{path_of, rate_words};
+    use kvprobe::ucx::{TransportPath, classify};
+    let base = || TransportPath { backend: "UCX".into(), ..Default::default() };
+    // The VRAM READ of UCX_EMULATION_LOG: software emulation over tcp/lo.
+    let emulated = classify(UCX_EMULATION_LOG, base(), "READ", true);
+    let (path, flag) = path_of(Some(&emulated));
+    assert!(flag);
+    assert_eq!(path.as_deref(), Some("UCX 0..inf software emulation via tcp/lo"));
+    assert_eq!(rate_words(0.33, flag), "0.33 GB/s EMULATED (UCX's software emulation, not the hardware's transfer rate)");
+    // A zero-copy path (the host WRITE table): the plain rate.
+    let (path, flag) = path_of(Some(&classify(UCX_EMULATION_LOG, base(), "WRITE", false)));
+    assert!(!flag);
+    assert_eq!(path.as_deref(), Some("UCX 0..inf zero-copy via cma/memory"));
+    assert_eq!(rate_words(3.9, flag), "3.90 GB/s");
+    // No path known: not marked, nothing claimed.
+    assert_eq!(path_of(None), (None, false));
+}
+
+#[test]
+fn ucx_unused_variable_warnings_drop_only_kvprobes_own_defaults() {
+    use kvprobe::ucx::drop_unused_defaults;
+    let mine = vec!["UCX_CUDA_IPC_ENABLE_GET_ZCOPY".to_string()];
+    let log = "\
+[1] [vm:1:0]   parser.c:2578 UCX  WARN  unused environment variable: UCX_CUDA_IPC_ENABLE_GET_ZCOPY
+[1] [vm:1:0]   parser.c:2578 UCX  WARN  (set UCX_WARN_UNUSED_ENV_VARS=n to suppress this warning)
+[2] [vm:1:0]   ucp_worker.c:1 UCX  WARN  something else
+";
+    assert_eq!(drop_unused_defaults(log, &mine), "[2] [vm:1:0]   ucp_worker.c:1 UCX  WARN  something else\n");
+    // A user's variable in the same warning stays, with the hint.
+    let both = log.replace("variable: UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "variables: UCX_CUDA_IPC_ENABLE_GET_ZCOPY UCX_TYPO");
+    let kept = drop_unused_defaults(&both, &mine);
+    assert!(kept.contains("UCX  WARN  unused environment variable: UCX_TYPO\n"), "{kept}");
+    assert!(kept.contains("UCX_WARN_UNUSED_ENV_VARS") && !kept.contains("GET_ZCOPY"), "{kept}");
+    // Nothing kvprobe set: untouched.
+    assert_eq!(drop_unused_defaults(log, &[]), log);
 }
 
 use kvprobe::geometry::{Geometry, KvPart, Layout, SliceCoord};
@@ -366,14 +405,44 @@ fn impossible_failure_records_are_device_errors_not_panics() {
 /// The `ls -l /proc/self/fd` of a child started through kvprobe's spawner, given `keep` (a
 /// descriptor to inherit).
 fn child_fds(keep: Option<i32>) -> String {
+    use std::process::Stdio;
     let mut cmd = std::process::Command::new("sh");
-    cmd.args(["-c", "ls -l /proc/self/fd"]);
-    if let Some(fd) = keep {
-        kvprobe::child::keep_fd(&mut cmd, fd);
-    }
-    let out = kvprobe::child::output(cmd).unwrap();
+    cmd.args(["-c", "ls -l /proc/self/fd"]).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let child = kvprobe::child::spawn_keeping(cmd, keep.as_slice()).unwrap();
+    let out = child.wait_with_output().unwrap();
     assert!(out.status.success(), "{out:?}");
     String::from_utf8(out.stdout).unwrap()
+}
+
+/// The descriptor numbers `ls -l /proc/self/fd` lists as sockets.
+fn socket_fds(ls: &str) -> Vec<i32> {
+    ls.lines()
+        .filter(|l| l.contains("-> socket:"))
+        .filter_map(|l| l.split(" -> ").next()?.split_whitespace().last()?.parse().ok())
+        .collect()
+}
+
+#[test]
+fn a_child_inherits_no_descriptor_a_library_opened_without_close_on_exec() {
+    // As UCX opens its sockets: no SOCK_CLOEXEC. Two of them, one given to the child.
+    // SAFETY: socket(2) with constant arguments; the descriptors are closed below.
+    let (leaked, given) =
+        unsafe { (libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0), libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0)) };
+    assert!(leaked >= 3 && given >= 3, "socket(2) failed");
+    // SAFETY: fcntl(2) F_GETFD on descriptors just opened.
+    let flags = unsafe { (libc::fcntl(leaked, libc::F_GETFD), libc::fcntl(given, libc::F_GETFD)) };
+    assert_eq!((flags.0 & libc::FD_CLOEXEC, flags.1 & libc::FD_CLOEXEC), (0, 0), "the sockets are not close-on-exec");
+    let plain = socket_fds(&child_fds(None));
+    let kept = socket_fds(&child_fds(Some(given)));
+    // SAFETY: closes the two descriptors this test opened.
+    unsafe {
+        libc::close(leaked);
+        libc::close(given);
+    }
+    // The child's own standard streams are pipes here, so any socket it holds came from
+    // this process (other tests' sockets included: none may reach it).
+    assert_eq!(plain, Vec::<i32>::new(), "a child inherited sockets it was not given");
+    assert_eq!(kept, vec![given], "the child given descriptor {given} holds these sockets");
 }
 
 #[test]
@@ -478,7 +547,10 @@ fn every_child_process_in_src_is_started_by_the_spawner() {
                 assert!(!line.contains(call), "{}:{}: {call} outside src/child.rs: {line}", path.display(), i + 1);
             }
         }
-        seen += text.matches("crate::child::spawn(").count() + text.matches("crate::child::output(").count();
+        seen += ["crate::child::spawn(", "crate::child::spawn_keeping(", "crate::child::output("]
+            .iter()
+            .map(|c| text.matches(c).count())
+            .sum::<usize>();
     }
     // The master, the worker, the prefill process of --decode-process, env's probe runs and
     // nvidia-smi.
@@ -613,4 +685,71 @@ fn repeated_ucx_messages_are_given_once_with_their_count() {
     assert_eq!(m.len(), 2, "{m:?}");
     assert!(m[0].contains("0x7f3218243a00") && m[0].ends_with("ucp_requests (and 2 more like it)"), "{m:?}");
     assert!(m[1].ends_with("unused environment variable: UCX_FOO"), "{m:?}");
+}
+
+#[test]
+fn proc_net_addresses_are_read_as_the_kernel_writes_them() {
+    use kvprobe::mooncake::proc_net_addr;
+    // /proc/net/tcp on little-endian Linux: 127.0.0.1:8080, 0.0.0.0:15128, 192.0.2.2:49737.
+    assert_eq!(proc_net_addr("0100007F:1F90"), Some("127.0.0.1:8080".parse().unwrap()));
+    assert_eq!(proc_net_addr("00000000:3B18"), Some("0.0.0.0:15128".parse().unwrap()));
+    assert_eq!(proc_net_addr("020200C0:C249"), Some("192.0.2.2:49737".parse().unwrap()));
+    // tcp6: [::]:15115, [::1]:80, [::ffff:127.0.0.1]:80.
+    assert_eq!(proc_net_addr("00000000000000000000000000000000:3B0B"), Some("[::]:15115".parse().unwrap()));
+    assert_eq!(proc_net_addr("00000000000000000000000001000000:0050"), Some("[::1]:80".parse().unwrap()));
+    assert_eq!(proc_net_addr("0000000000000000FFFF00000100007F:0050"), Some("[::ffff:127.0.0.1]:80".parse().unwrap()));
+    assert_eq!(proc_net_addr("0100007F"), None);
+    assert_eq!(proc_net_addr("01007F:0050"), None);
+}
+
+#[test]
+fn a_server_listening_wider_than_asked_is_refused() {
+    use kvprobe::mooncake::check_listening;
+    let lo = std::net::IpAddr::from([127, 0, 0, 1]);
+    // A child listening on every interface, as Mooncake's metadata server did.
+    let wide = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+    let port = wide.local_addr().unwrap().port();
+    let me = std::process::id();
+    let e = check_listening("the test", me, lo).unwrap_err();
+    assert_eq!(e.exit(), kvprobe::error::Exit::Usage, "{e:?}");
+    assert!(e.to_string().contains(&format!("0.0.0.0:{port}")) && e.to_string().contains("wider than 127.0.0.1"), "{e}");
+    // Asked for every interface, it is what was asked.
+    assert!(check_listening("the test", me, std::net::IpAddr::from([0, 0, 0, 0])).unwrap().iter().any(|a| a.port() == port));
+    drop(wide);
+}
+
+#[test]
+fn tier_entries_are_copied_one_at_a_time_through_spans() {
+    use kvprobe::pool::KvPool;
+    use kvprobe::tier::TierArena;
+    let g = kvprobe::geometry::Preset::Small.geometry();
+    let mut src = KvPool::host(&g, 1).unwrap();
+    let mut dst = KvPool::host(&g, 2).unwrap();
+    let bb = src.block_bytes() as usize;
+    // A block of known bytes (not the fingerprint: independent of the code copying it).
+    let pattern: Vec<u8> = (0..bb).map(|i| (i * 7 + 3) as u8).collect();
+    src.write_block(5, &pattern).unwrap();
+    let arena = TierArena::new(3, bb as u64, None).unwrap();
+    // A save into entry 1 covers entry 1 only: its span is one block long.
+    arena
+        .write_entry(1, |e| {
+            assert_eq!(e.len(), bb);
+            src.read_block_into(5, e)
+        })
+        .unwrap()
+        .unwrap();
+    // A load from entry 1 into another pool's block 2 delivers the same bytes.
+    arena.read_entry(1, |e| dst.write_block_from(2, e)).unwrap().unwrap();
+    let mut got = vec![0u8; bb];
+    dst.read_block(2, &mut got).unwrap();
+    assert!(got == pattern, "the block came back changed");
+    // Its neighbours were not written.
+    for id in [0, 2] {
+        let mut n = vec![1u8; bb];
+        arena.read_entry(id, |e| e.read_at(0, &mut n)).unwrap().unwrap();
+        assert!(n.iter().all(|&b| b == 0), "entry {id} was written");
+    }
+    // An entry past the capacity is an error, not a panic.
+    assert!(arena.read_entry(3, |_| ()).is_err());
+    assert!(arena.write_entry(u32::MAX, |_| ()).is_err());
 }

@@ -229,17 +229,16 @@ pub fn start_child(cfg: &crate::sweep::RunConfig, silence: Duration, run_id: &st
         cmd.args(["--device", &cfg.prefill_device.to_string()]);
     }
     cmd.env(crate::peer::TOKEN_VAR, &token).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::inherit());
-    // kvprobe's own UCX capture file is private to this process (and already unlinked):
-    // the child makes its own.
-    if let Some(own) = crate::ucx::log_path()
-        && std::env::var_os("UCX_LOG_FILE").is_some_and(|v| v == own.as_os_str())
-    {
-        cmd.env_remove("UCX_LOG_FILE").env_remove("UCX_PROTO_INFO");
+    // The child sets kvprobe's defaults itself (as its own, so its report and its UCX
+    // messages tell them from the user's): this process's UCX capture file and shared-memory
+    // directory are private to it (the file already unlinked), and the rest it recomputes.
+    for k in crate::nixl::kvprobe_defaults() {
+        cmd.env_remove(k);
     }
     // The child's end of the pair (close-on-exec here) is inherited by this child alone.
-    crate::child::keep_fd(&mut cmd, fd);
     let t0 = Instant::now();
-    let child = crate::child::spawn(cmd).map_err(|e| Error::Environment(format!("cannot start the prefill process: {e}")))?;
+    let child = crate::child::spawn_keeping(cmd, &[fd])
+        .map_err(|e| Error::Environment(format!("cannot start the prefill process: {e}")))?;
     drop(theirs);
     let child = PrefillChild { child };
     let who = format!("the prefill process (pid {})", child.id());

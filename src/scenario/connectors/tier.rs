@@ -108,7 +108,7 @@ impl TierConnector {
     pub(crate) fn save(&mut self, pool: &mut KvPool, slot: u32, entry: EntryId) -> Result<()> {
         let store = &mut self.store;
         match self.mooncake.as_mut() {
-            None => store.with_bytes(entry, |b| pool.read_block(slot, b)),
+            None => store.save_block(entry, pool, slot),
             Some(mc) => {
                 let key = mc.key(store.key_of(entry));
                 let rc = mc.worker.put(0, std::slice::from_ref(&key), &[pool.block_ranges(slot)]);
@@ -126,7 +126,7 @@ impl TierConnector {
     pub(crate) fn load(&mut self, pool: &mut KvPool, slot: u32, entry: EntryId) -> Result<()> {
         let store = &self.store;
         match self.mooncake.as_mut() {
-            None => store.with_bytes(entry, |b| pool.write_block(slot, b)),
+            None => store.load_block(entry, pool, slot),
             Some(mc) => {
                 let key = mc.key(store.key_of(entry));
                 mc.worker.get_block(&key, pool, slot).map_err(|e| mc.explain(e))
@@ -223,7 +223,7 @@ impl TierReader {
         match self {
             TierReader::Direct(arena) => {
                 for (slot, entry) in loads {
-                    arena.with_entry(entry.entry, |b| ep.pool.write_block(*slot, b))?;
+                    arena.read_entry(entry.entry, |b| ep.pool.write_block_from(*slot, b))??;
                 }
                 Ok(0)
             }
@@ -346,13 +346,20 @@ impl MooncakeTier {
         })?;
         worker.set_timeout(timeout);
         let fingerprint = format!("{:08x}-{:08x}", crate::fingerprint::seed32(seed), rand::rng().random::<u32>());
+        // The store client's Transfer Engine listens on every interface (Mooncake binds its
+        // handshake and TCP-transport ports to 0.0.0.0 / [::] with no setting to narrow them):
+        // said, as README "Network exposure" does.
+        let exposed = crate::mooncake::listening(worker.pid())
+            .map(|a| a.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(", "))
+            .unwrap_or_default();
         let detail = format!(
-            "mooncake {} {}, tcp, master {} ({}), metadata {}, prefill's pool shared with its store client by {sharing}",
+            "mooncake {} {}, tcp, master {} ({}), metadata {}, prefill's pool shared with its store client by {sharing}{}",
             install.wheel,
             install.version,
             master.rpc(),
             if master.is_started() { format!("started by {by}") } else { "existing deployment".into() },
-            master.metadata_url()
+            master.metadata_url(),
+            if exposed.is_empty() { String::new() } else { format!("; its store client listens on {exposed}") }
         );
         Ok(MooncakeTier { master, worker, fingerprint, detail, doomed: Vec::new() })
     }
