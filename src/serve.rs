@@ -474,6 +474,8 @@ fn session_inner(
         Msg::Config { config, hash, decode, environment } => Ok((config, hash, decode, environment)),
         m => Err(m.name()),
     })?;
+    // Decode's words reach serve's output and report: escaped.
+    let (decode, decode_env) = (peer::escaped(decode), peer::escaped(decode_env));
     acc.side.host = decode.host.clone();
     acc.side.memory = Some(decode.memory);
     acc.side.device = decode.device;
@@ -482,6 +484,8 @@ fn session_inner(
     let rc = match check_config(cfg, &value, &hash, &decode) {
         Ok(rc) => rc,
         Err((field, reason)) => {
+            // The reason quotes decode's configuration: escaped for serve's output.
+            let reason = crate::text::escape_control(&reason).into_owned();
             let _ = link.send(&Msg::Refused { reason: reason.clone(), field, exit: 2 });
             say(&format!("kvprobe serve: refused run {run_id}: {reason}"));
             return Ok((Exit::Usage, Some(Error::Usage(format!("refused the run's configuration: {reason}")))));
@@ -658,12 +662,17 @@ type Ending = (Exit, Option<String>, crate::peer::Results);
 /// The run's end as decode said it ([`Msg::Done`]). Errors: transport (exit 3) for an exit
 /// code kvprobe never uses (a protocol error).
 fn done(link: &Link, m: Msg) -> Result<Ending> {
-    let Msg::Done { exit, error, summary, scenario, rows } = m else {
+    let Msg::Done { exit, error, mut summary, mut scenario, mut rows } = m else {
         return Err(Error::Transport(format!("{} sent {} to end the run (a protocol error)", link.who(), m.name())));
     };
     match Exit::from_code(exit) {
         Some(x) => {
             let error = if x == Exit::Clean { None } else { error }; // a clean run has no error
+            // Decode's words reach serve's output: escaped.
+            let error = error.map(|e| crate::text::escape_control(&e).into_owned());
+            for v in [&mut summary, &mut scenario, &mut rows].into_iter().flatten() {
+                peer::escape_strings(v);
+            }
             Ok((x, error, crate::peer::Results { summary, scenario, rows }))
         }
         None => Err(Error::Transport(format!(

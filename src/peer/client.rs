@@ -295,6 +295,8 @@ impl PrefillPeer {
             Msg::Accept { prefill, environment } => Ok((prefill, environment)),
             m => Err(m.name()),
         })?;
+        // Prefill's words (host name, environment) reach this side's output: escaped.
+        let (side, env) = (super::escaped(side), super::escaped(env));
         let section = PeerSide {
             role: "prefill".into(),
             address: address.into(),
@@ -392,7 +394,7 @@ impl PrefillPeer {
                     let began = now.checked_sub(Duration::from_nanos(query_ns)).unwrap_or(now);
                     s.notified.extend(tags.into_iter().map(|t| (t, (began, now))))
                 }
-                Msg::Bye { side } => s.bye = Some(*side),
+                Msg::Bye { side } => s.bye = Some(super::escaped(*side)),
                 m => {
                     return Err(Error::Transport(format!(
                         "{} sent {} during the run (a protocol error)",
@@ -643,7 +645,9 @@ impl PrefillPeer {
             ),
         )));
         let got = self.link.expect("prefill's start of the scenario", |m| match m {
-            Msg::Begun { row: r, tier, tier_detail } if r == row => Ok((tier, tier_detail)),
+            Msg::Begun { row: r, tier, tier_detail } if r == row => {
+                Ok((tier, crate::text::escape_control(&tier_detail).into_owned()))
+            }
             m => Err(m.name()),
         });
         self.link.set_deadline(None);

@@ -536,10 +536,10 @@ impl FrameReader {
                     };
                     // serde's error quotes the peer's bytes: escaped before it reaches a terminal.
                     return serde_json::from_slice::<Msg>(body).map_err(|e| {
-                        ReadEnd::Bad(crate::text::escape_control(&format!(
-                            "a frame that is not a message of protocol {PROTOCOL}: {e}"
-                        ))
-                        .into_owned())
+                        ReadEnd::Bad(
+                            crate::text::escape_control(&format!("a frame that is not a message of protocol {PROTOCOL}: {e}"))
+                                .into_owned(),
+                        )
                     });
                 }
                 Ok(None) => {}
@@ -578,8 +578,7 @@ fn write_tagged(stream: &mut Stream, msg: &Msg, tags: Option<&mut FrameTags>) ->
         let tag = t.seal(&body);
         body.extend_from_slice(&tag);
     }
-    let mut codec =
-        LengthDelimitedCodec::builder().length_field_length(4).max_frame_length(MAX_FRAME + TAG_BYTES).new_codec();
+    let mut codec = LengthDelimitedCodec::builder().length_field_length(4).max_frame_length(MAX_FRAME + TAG_BYTES).new_codec();
     let mut out = BytesMut::with_capacity(body.len() + 4);
     codec
         .encode(Bytes::from(body), &mut out)
@@ -792,6 +791,32 @@ pub fn check_hello(msg: &Msg, nonce: &str, token: &str) -> std::result::Result<(
 /// A nonce's bytes from its hex: `None` unless exactly [`NONCE_BYTES`] bytes.
 fn nonce_bytes(hex: &str) -> Option<Vec<u8>> {
     hex_decode(hex).filter(|b| b.len() == NONCE_BYTES)
+}
+
+/// Escapes every string in `v` ([`crate::text::escape_control`]): JSON a peer sent, before
+/// any of it can reach a terminal (keys are left as they are: the types that read them know
+/// their names).
+pub fn escape_strings(v: &mut serde_json::Value) {
+    use serde_json::Value;
+    match v {
+        Value::String(s) => {
+            if let std::borrow::Cow::Owned(e) = crate::text::escape_control(s) {
+                *s = e;
+            }
+        }
+        Value::Array(a) => a.iter_mut().for_each(escape_strings),
+        Value::Object(o) => o.values_mut().for_each(escape_strings),
+        _ => {}
+    }
+}
+
+/// `t` (something a peer sent: its side, environment, report section) with every string in
+/// it escaped ([`escape_strings`]); `t` unchanged if it does not survive the trip through
+/// JSON (it then holds no string that could).
+pub fn escaped<T: Serialize + serde::de::DeserializeOwned>(t: T) -> T {
+    let Ok(mut v) = serde_json::to_value(&t) else { return t };
+    escape_strings(&mut v);
+    serde_json::from_value(v).unwrap_or(t)
 }
 
 /// The error that stands for the run's end as the peer said it ([`Msg::Done`]): its exit
@@ -1075,9 +1100,9 @@ impl Link {
             Msg::Failed { exit, message } => Some({
                 let message = esc(message);
                 match exit {
-                2 => Error::Environment(format!("{}: {message}", self.who)),
-                4 => Error::Timeout(format!("{}: {message}", self.who)),
-                130 => Error::Interrupted(format!("{} was interrupted: {message}", self.who)),
+                    2 => Error::Environment(format!("{}: {message}", self.who)),
+                    4 => Error::Timeout(format!("{}: {message}", self.who)),
+                    130 => Error::Interrupted(format!("{} was interrupted: {message}", self.who)),
                     _ => Error::Transport(format!("{} failed: {message}", self.who)),
                 }
             }),
