@@ -1,5 +1,6 @@
 //! `kvprobe serve`: the prefill side of a node pair. It listens where told, authenticates
-//! one client at a time (`kvprobe run --peer`) with a shared token, takes the run's
+//! its clients (`kvprobe run --peer`) with a shared token, both ways, behind a gate that slows
+//! token guessing ([`peer::gate`]), serves one run at a time, takes the run's
 //! configuration from it, and then does what the decode side asks over the peer protocol
 //! ([`crate::peer`]): fill stages of its pool with fingerprinted generations (planting the
 //! prefill-side faults of `--inject`), post WRITEs, forward the NIXL notifications its

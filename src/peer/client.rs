@@ -255,8 +255,9 @@ pub fn start_child(cfg: &crate::sweep::RunConfig, silence: Duration, run_id: &st
 
 /// Connects to `serve` at `addr` (HOST:PORT) and authenticates with `token`; `silence` is
 /// the run's `--timeout` (heartbeat bound). Errors: environment (the address does not resolve
-/// or nothing listens there: exit 2), transport (the connection broke, not a kvprobe serve:
-/// exit 3), usage (refused: version or token, exit 2), timeout (exit 4).
+/// or nothing listens there: exit 2), transport (the connection broke, not a kvprobe serve, or
+/// a serve that cannot prove the token: exit 3), usage (refused: version or token, exit 2),
+/// timeout (exit 4).
 pub fn connect(addr: &str, token: &str, run_id: &str, silence: Duration) -> Result<Link> {
     use std::net::ToSocketAddrs;
     let who = format!("the prefill peer at {addr}");
