@@ -273,7 +273,7 @@ suite_sustained() {
 # listens (fails the lane when it does not within 60 s).
 pair_serve() {
   rm -f "$out/$1-serve.txt"
-  UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y "$kv" serve --listen 127.0.0.1:0 --memory vram --device 0 --token lane \
+  UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y "$kv" serve --listen 127.0.0.1:0 --memory vram --device 0 --token gpu-lane-pair-token \
     --report "$out/$1-serve.json" > "$out/$1-serve.txt" 2>&1 &
   serve_pid=$!
   addr=
@@ -299,14 +299,14 @@ suite_pair() {
   for t in embedded mooncake; do
     step "ab --peer, --tier $t: serve on GPU 0, ab on GPU $dev (two processes, cuda_ipc), 1000 requests a row"
     pair_serve "pair-ab-$t"
-    KVPROBE_TOKEN=lane UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y ab_bg "pair-ab-$t" --peer "$addr" --memory vram --decode-device "$dev" \
+    KVPROBE_TOKEN=gpu-lane-pair-token UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y ab_bg "pair-ab-$t" --peer "$addr" --memory vram --decode-device "$dev" \
       --tier "$t" --requests 1000
     ab_check "pair-ab-$t"
     pair_end "pair-ab-$t"
   done
   step "stacked, --tier $tier, llama3-8b across the pair (serve on GPU 0, run on GPU $dev), $dur, 60 s intervals"
   pair_serve pair-stacked
-  KVPROBE_TOKEN=lane UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y "$kv" run --peer "$addr" --memory vram --decode-device "$dev" \
+  KVPROBE_TOKEN=gpu-lane-pair-token UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y "$kv" run --peer "$addr" --memory vram --decode-device "$dev" \
     --preset llama3-8b --scenario stacked --tier "$tier" --duration "$dur" --interval 60s --report "$out/pair-stacked.json" \
     2> "$out/progress.txt" | tee -a "$log"
   expect 0 "${PIPESTATUS[0]}" "stacked across the pair, --tier $tier, $dur"

@@ -23,7 +23,8 @@
 //! ceilings). [`deadline`] bounds every wait of a run (`--timeout`) and ends a run whose call
 //! never returns. [`scratch`] keeps the files kvprobe needs while it runs in private
 //! directories that never outlive it. [`capture`] writes a bundle's environment capture and
-//! [`redact`] its `--redact` replacements; [`units`] words byte counts.
+//! [`redact`] its `--redact` replacements; [`units`] words byte counts; [`text`] escapes text
+//! that came from outside (a peer, a foreign report) before it reaches a terminal.
 //!
 //! `unsafe` lives only in the fenced FFI modules [`cuda`], [`hostmem`], [`nixl`], [`child`],
 //! [`interrupt`] (the signal handler) and the C bridge inside [`fingerprint`].
@@ -64,6 +65,7 @@ pub mod scenario;
 pub mod scratch;
 pub mod serve;
 pub mod sweep;
+pub mod text;
 pub mod tier;
 pub mod transport;
 pub mod ucx;

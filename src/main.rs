@@ -416,7 +416,7 @@ struct PeerArgs {
     /// Node pair: prefill is `kvprobe serve` at HOST:PORT (another host, or another process); this side is decode and drives the run (a sweep, a scenario, or ab's matrix). Every flag of the run applies; --memory and --decode-device are decode's (serve's --memory and --device are prefill's).
     #[arg(long, value_name = "HOST:PORT")]
     peer: Option<String>,
-    /// With --peer: the token serve printed or was given (default: $KVPROBE_TOKEN). Visible to other users in the process list: prefer KVPROBE_TOKEN.
+    /// With --peer: the token serve printed or was given, at least 16 characters (default: $KVPROBE_TOKEN). Visible to other users in the process list: prefer KVPROBE_TOKEN.
     #[arg(long, value_name = "T", requires = "peer")]
     token: Option<String>,
 }
@@ -445,11 +445,14 @@ impl PeerArgs {
             return Err(Error::Usage("--prefill-device does not apply to --peer: prefill's GPU is serve's --device".into()));
         }
         c.peer = Some(addr.clone());
+        let source = if self.token.is_some() { "--token".to_string() } else { kvprobe::peer::TOKEN_VAR.to_string() };
         c.peer_token = self.token.clone().or_else(|| std::env::var(kvprobe::peer::TOKEN_VAR).ok());
-        if c.peer_token.as_deref().is_none_or(str::is_empty) {
-            return Err(Error::Usage(format!("--peer needs the token serve printed: --token T or {}", kvprobe::peer::TOKEN_VAR)));
+        match c.peer_token.as_deref() {
+            None | Some("") => {
+                Err(Error::Usage(format!("--peer needs the token serve printed: --token T or {}", kvprobe::peer::TOKEN_VAR)))
+            }
+            Some(t) => kvprobe::peer::check_token(t, &source),
         }
-        Ok(())
     }
 }
 
@@ -517,7 +520,7 @@ struct ServeArgs {
     /// Internal (the prefill process of `run --decode-process`): serve one session on the Unix socket inherited as descriptor N, token from $KVPROBE_TOKEN; nothing on stdout, no report.
     #[arg(long, value_name = "N", hide = true, conflicts_with_all = ["listen", "keep_serving", "report"])]
     fd: Option<i32>,
-    /// Shared token the run must prove (default: $KVPROBE_TOKEN; with neither, serve makes one and prints it).
+    /// Shared token the run must prove, at least 16 characters (default: $KVPROBE_TOKEN; with neither, serve makes a random one and prints it).
     #[arg(long, value_name = "T")]
     token: Option<String>,
     /// Prefill's pool memory: vram (GPU) or dram (host). Default: vram when a GPU is present, else dram.
@@ -1910,7 +1913,13 @@ fn serve(a: ServeArgs, typed: &[&str]) -> Exit {
         Err(e) => return fail(e),
     };
     let (token, made) = match a.token.clone().or_else(|| std::env::var(kvprobe::peer::TOKEN_VAR).ok()).filter(|t| !t.is_empty()) {
-        Some(t) => (t, false),
+        Some(t) => {
+            let source = if a.token.is_some() { "--token" } else { kvprobe::peer::TOKEN_VAR };
+            if let Err(e) = kvprobe::peer::check_token(&t, source) {
+                return fail(e);
+            }
+            (t, false)
+        }
         None => match kvprobe::peer::random_hex(16) {
             Ok(t) => (t, true),
             Err(e) => return fail(e),

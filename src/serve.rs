@@ -1,5 +1,6 @@
 //! `kvprobe serve`: the prefill side of a node pair. It listens where told, authenticates
-//! one client at a time (`kvprobe run --peer`) with a shared token, takes the run's
+//! its clients (`kvprobe run --peer`) with a shared token, both ways, behind a gate that slows
+//! token guessing ([`peer::gate`]), serves one run at a time, takes the run's
 //! configuration from it, and then does what the decode side asks over the peer protocol
 //! ([`crate::peer`]): fill stages of its pool with fingerprinted generations (planting the
 //! prefill-side faults of `--inject`), post WRITEs, forward the NIXL notifications its
@@ -30,7 +31,6 @@ use crate::transport::{Endpoint, Op};
 use std::collections::BTreeMap;
 use std::net::TcpListener;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{RecvTimeoutError, channel};
 use std::time::{Duration, Instant};
 
@@ -111,67 +111,135 @@ pub fn bind(listen: &str) -> Result<TcpListener> {
     TcpListener::bind(listen).map_err(|e| Error::Usage(format!("--listen {listen}: cannot listen there: {e}")))
 }
 
+/// What the accept side tells the session loop of [`serve`].
+enum Event {
+    /// A client proved the token and took the session: its link, run id and address.
+    Session(Link, String, String),
+    /// A client was refused (its address, why).
+    Refused(String, String),
+    /// A connection ended before its hello (its address, the error).
+    Dropped(String, Error),
+    /// A source failed its handshake too often: (source, failures, refused for).
+    Blocked(std::net::IpAddr, u32, Duration),
+}
+
 /// Serves sessions on `listener` until one run has ended (every run with `keep_serving`),
 /// calling `ended` with each session's end (to print and write its report) and `say` with
-/// status lines. Returns the last session's exit code; 130 when interrupted while waiting.
+/// status lines (peer text in them escaped). Returns the last session's exit code; 130 when
+/// interrupted while waiting.
+///
+/// Connections are let in by a [`peer::gate::Gate`]: handshakes run on their own threads,
+/// side by side, so that a client that stalls or fails its handshake does not keep the real
+/// client out; a source that keeps failing is refused at once for a growing while (token
+/// guessing); one session runs at a time, on this thread, and connections that come during it
+/// are told serve is busy.
 pub fn serve(
     cfg: &ServeConfig,
     listener: TcpListener,
     say: &mut dyn FnMut(&str),
     ended: &mut dyn FnMut(&SessionEnd) -> Exit,
 ) -> Exit {
-    let busy = Arc::new(AtomicBool::new(false));
-    let (tx, rx) = channel::<std::net::TcpStream>();
+    let gate = Arc::new(std::sync::Mutex::new(peer::gate::Gate::new()));
+    let (tx, rx) = channel::<Event>();
     {
-        let busy = busy.clone();
+        let gate = gate.clone();
+        let (token, idle) = (cfg.token.clone(), cfg.idle_timeout);
         std::thread::spawn(move || {
             for s in listener.incoming() {
                 let Ok(s) = s else { continue };
                 let _ = s.set_nodelay(true);
-                // One client at a time: the others are told so at once.
-                if busy.swap(true, Ordering::SeqCst) {
-                    peer::refuse_busy(Stream::Tcp(s), "this kvprobe serve is busy with another client");
+                let Ok(addr) = s.peer_addr() else { continue };
+                let ip = addr.ip();
+                let door = gate.lock().unwrap_or_else(|p| p.into_inner()).arrive(ip, Instant::now());
+                let refusal = match door {
+                    peer::gate::Door::Open => None,
+                    // One client at a time: the others are told so at once.
+                    peer::gate::Door::Busy => Some("this kvprobe serve is busy with another client".to_string()),
+                    peer::gate::Door::Blocked(left) => Some(format!(
+                        "too many failed handshakes from {}: its connections are refused for {:.0} s more",
+                        peer::gate::source(ip),
+                        left.as_secs_f64().ceil()
+                    )),
+                    peer::gate::Door::Crowded => {
+                        Some("this kvprobe serve has too many handshakes in progress; try again".to_string())
+                    }
+                };
+                if let Some(reason) = refusal {
+                    peer::refuse_busy(Stream::Tcp(s), &reason);
                     continue;
                 }
-                if tx.send(s).is_err() {
-                    return;
-                }
+                let (gate, tx, token) = (gate.clone(), tx.clone(), token.clone());
+                std::thread::spawn(move || {
+                    let from = addr.to_string();
+                    let failed = |gate: &std::sync::Mutex<peer::gate::Gate>| {
+                        let mut g = gate.lock().unwrap_or_else(|p| p.into_inner());
+                        if let Some(block) = g.failed(ip, Instant::now()) {
+                            let _ = tx.send(Event::Blocked(peer::gate::source(ip), g.failures(ip), block));
+                        }
+                    };
+                    // The failure is counted before the refusal is sent (`gate(false)`).
+                    let check = |proven: bool| match proven {
+                        true => gate.lock().unwrap_or_else(|p| p.into_inner()).claim(ip),
+                        false => {
+                            failed(&gate);
+                            Ok(())
+                        }
+                    };
+                    let event = match peer::server_gated(Stream::Tcp(s), &token, idle, &check) {
+                        Ok(Accepted::Link(link, run_id)) => Event::Session(link, run_id, from),
+                        Ok(Accepted::Refused(why)) => Event::Refused(from, why),
+                        Err(e) => {
+                            // A client that held its handshake for the whole bound counts as
+                            // a failure; one that just closed (a port scan) does not.
+                            if matches!(e, Error::Timeout(_)) {
+                                failed(&gate);
+                            }
+                            Event::Dropped(from, e)
+                        }
+                    };
+                    gate.lock().unwrap_or_else(|p| p.into_inner()).leave(ip);
+                    let _ = tx.send(event);
+                });
             }
         });
     }
+    let mut say = |l: &str| say(&crate::text::escape_control(l));
     loop {
-        let s = match rx.recv_timeout(Duration::from_millis(100)) {
-            Ok(s) => s,
+        let event = match rx.recv_timeout(Duration::from_millis(100)) {
+            Ok(e) => e,
             Err(RecvTimeoutError::Timeout) if crate::interrupt::requested() => return Exit::Interrupted,
             Err(RecvTimeoutError::Timeout) => continue,
             Err(RecvTimeoutError::Disconnected) => return Exit::Transport,
         };
-        let from = s.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());
-        let end = match peer::server(Stream::Tcp(s), &cfg.token, cfg.idle_timeout) {
-            Ok(Accepted::Link(link, run_id)) => {
-                say(&format!("kvprobe serve: run {run_id} from {from}"));
-                session(cfg, link, &run_id, &from, say, None)
-            }
-            Ok(Accepted::Refused(why)) => {
-                // Not a run (no token proven): serve keeps listening, so a client with a wrong
-                // token or another protocol version cannot end it.
+        let (link, run_id, from) = match event {
+            Event::Session(link, run_id, from) => (link, run_id, from),
+            Event::Refused(from, why) => {
+                // Not a run (no token proven, or busy): serve keeps listening, so a client
+                // with a wrong token or another protocol version cannot end it.
                 say(&format!("kvprobe serve: refused the client at {from}: {why}"));
-                busy.store(false, Ordering::SeqCst);
                 continue;
             }
-            Err(e) => {
+            Event::Dropped(from, e) => {
                 // A connection that never completed its hello (a port scan, a health check):
                 // not a run; keep listening.
                 say(&format!("kvprobe serve: dropped the connection from {from}: {e}"));
-                busy.store(false, Ordering::SeqCst);
+                continue;
+            }
+            Event::Blocked(src, n, block) => {
+                say(&format!(
+                    "kvprobe serve: {n} failed handshakes from {src}: its connections are refused for {:.0} s (other addresses are served)",
+                    block.as_secs_f64()
+                ));
                 continue;
             }
         };
+        say(&format!("kvprobe serve: run {run_id} from {from}"));
+        let end = session(cfg, link, &run_id, &from, &mut say, None);
         let exit = ended(&end);
-        busy.store(false, Ordering::SeqCst);
         if !cfg.keep_serving {
             return exit;
         }
+        gate.lock().unwrap_or_else(|p| p.into_inner()).session_over();
         if crate::interrupt::requested() {
             return Exit::Interrupted; // --keep-serving ends only by a signal: say so
         }
@@ -407,6 +475,8 @@ fn session_inner(
         Msg::Config { config, hash, decode, environment } => Ok((config, hash, decode, environment)),
         m => Err(m.name()),
     })?;
+    // Decode's words reach serve's output and report: escaped.
+    let (decode, decode_env) = (peer::escaped(decode), peer::escaped(decode_env));
     acc.side.host = decode.host.clone();
     acc.side.memory = Some(decode.memory);
     acc.side.device = decode.device;
@@ -415,6 +485,8 @@ fn session_inner(
     let rc = match check_config(cfg, &value, &hash, &decode) {
         Ok(rc) => rc,
         Err((field, reason)) => {
+            // The reason quotes decode's configuration: escaped for serve's output.
+            let reason = crate::text::escape_control(&reason).into_owned();
             let _ = link.send(&Msg::Refused { reason: reason.clone(), field, exit: 2 });
             say(&format!("kvprobe serve: refused run {run_id}: {reason}"));
             return Ok((Exit::Usage, Some(Error::Usage(format!("refused the run's configuration: {reason}")))));
@@ -591,12 +663,17 @@ type Ending = (Exit, Option<String>, crate::peer::Results);
 /// The run's end as decode said it ([`Msg::Done`]). Errors: transport (exit 3) for an exit
 /// code kvprobe never uses (a protocol error).
 fn done(link: &Link, m: Msg) -> Result<Ending> {
-    let Msg::Done { exit, error, summary, scenario, rows } = m else {
+    let Msg::Done { exit, error, mut summary, mut scenario, mut rows } = m else {
         return Err(Error::Transport(format!("{} sent {} to end the run (a protocol error)", link.who(), m.name())));
     };
     match Exit::from_code(exit) {
         Some(x) => {
             let error = if x == Exit::Clean { None } else { error }; // a clean run has no error
+            // Decode's words reach serve's output: escaped.
+            let error = error.map(|e| crate::text::escape_control(&e).into_owned());
+            for v in [&mut summary, &mut scenario, &mut rows].into_iter().flatten() {
+                peer::escape_strings(v);
+            }
             Ok((x, error, crate::peer::Results { summary, scenario, rows }))
         }
         None => Err(Error::Transport(format!(

@@ -6,14 +6,15 @@ use std::io::{BufRead, Read, Write};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 
-const TOKEN: &str = "pair-test-token";
+/// At least `kvprobe::peer::MIN_TOKEN_CHARS` characters: shorter tokens are refused.
+pub(crate) const TOKEN: &str = "pair-test-token-0123";
 
 /// A running `kvprobe serve`: its address, its output so far (drained on a thread) and its
 /// report path. Killed if still running when dropped.
-struct Serve {
+pub(crate) struct Serve {
     child: Child,
-    addr: String,
-    out: std::sync::Arc<std::sync::Mutex<String>>,
+    pub(crate) addr: String,
+    pub(crate) out: std::sync::Arc<std::sync::Mutex<String>>,
     report: PathBuf,
 }
 
@@ -75,12 +76,12 @@ impl Serve {
         Serve { child, addr: addr.unwrap(), out, report }
     }
 
-    fn start(extra: &[&str]) -> Serve {
+    pub(crate) fn start(extra: &[&str]) -> Serve {
         Serve::start_in(&[], "127.0.0.1", extra)
     }
 
     /// Waits for serve to exit: (exit code, its output, its report if written).
-    fn wait(mut self) -> (i32, String, Option<serde_json::Value>) {
+    pub(crate) fn wait(mut self) -> (i32, String, Option<serde_json::Value>) {
         let st = self.child.wait().unwrap();
         // The drain threads finish once the pipes close.
         std::thread::sleep(std::time::Duration::from_millis(50));
@@ -100,7 +101,7 @@ impl Drop for Serve {
 
 /// `kvprobe run --peer ADDR --token TOKEN --memory dram --report R ARGS` (prefixed by `wrap`):
 /// (exit code, report, output).
-fn run_peer_in(wrap: &[&str], addr: &str, token: &str, args: &[&str]) -> (i32, serde_json::Value, String) {
+pub(crate) fn run_peer_in(wrap: &[&str], addr: &str, token: &str, args: &[&str]) -> (i32, serde_json::Value, String) {
     run_peer_with(wrap, addr, token, &["--memory", "dram"], &[], args)
 }
 
@@ -127,7 +128,7 @@ fn run_peer_with(
     (o.status.code().unwrap_or(-1), read_report(&p), out)
 }
 
-fn run_peer(addr: &str, args: &[&str]) -> (i32, serde_json::Value, String) {
+pub(crate) fn run_peer(addr: &str, args: &[&str]) -> (i32, serde_json::Value, String) {
     run_peer_in(&[], addr, TOKEN, args)
 }
 
@@ -304,7 +305,7 @@ fn pair_sides_make_requests_as_run_says_and_take_its_backend_params() {
 #[test]
 fn pair_wrong_token_is_refused_on_both_sides() {
     let s = Serve::start(&[]);
-    let (code, r, out) = run_peer_in(&[], &s.addr, "not-the-token", &["--iterations", "1"]);
+    let (code, r, out) = run_peer_in(&[], &s.addr, "not-the-token-of-serve", &["--iterations", "1"]);
     assert_eq!(code, 2, "{out}");
     assert!(out.contains("wrong token"), "{out}");
     assert_eq!(r["outcome"]["exit_code"], 2);
@@ -427,7 +428,7 @@ fn pair_ctrl_c_on_either_side_ends_both_as_interrupted() {
 }
 
 /// Reads one frame (4-byte big-endian length, JSON) from `s`.
-fn read_frame(s: &mut std::net::TcpStream) -> Option<serde_json::Value> {
+pub(crate) fn read_frame(s: &mut std::net::TcpStream) -> Option<serde_json::Value> {
     let mut len = [0u8; 4];
     s.read_exact(&mut len).ok()?;
     let mut body = vec![0u8; u32::from_be_bytes(len) as usize];
@@ -509,7 +510,7 @@ fn pair_run_refuses_bad_peer_flags_before_connecting() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("--prefill-device does not apply to --peer"), "{err}");
     let (_keep, addr) = refusing_addr();
-    let (code, _, err) = kvprobe(&["run", "--peer", &addr.to_string(), "--memory", "dram", "--token", "x"]);
+    let (code, _, err) = kvprobe(&["run", "--peer", &addr.to_string(), "--memory", "dram", "--token", TOKEN]);
     assert_eq!(code, 2, "nothing listens there: {err}");
     assert!(err.contains("cannot connect"), "{err}");
     let (code, _, err) = kvprobe(&["serve", "--listen", "not-an-address", "--memory", "dram"]);

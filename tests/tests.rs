@@ -24,6 +24,7 @@ mod limits;
 mod model_config;
 mod mooncake;
 mod pair;
+mod peer_auth;
 mod rdma;
 mod redact;
 mod scenario;

@@ -254,8 +254,9 @@ pub fn start_child(cfg: &crate::sweep::RunConfig, silence: Duration, run_id: &st
 
 /// Connects to `serve` at `addr` (HOST:PORT) and authenticates with `token`; `silence` is
 /// the run's `--timeout` (heartbeat bound). Errors: environment (the address does not resolve
-/// or nothing listens there: exit 2), transport (the connection broke, not a kvprobe serve:
-/// exit 3), usage (refused: version or token, exit 2), timeout (exit 4).
+/// or nothing listens there: exit 2), transport (the connection broke, not a kvprobe serve, or
+/// a serve that cannot prove the token: exit 3), usage (refused: version or token, exit 2),
+/// timeout (exit 4).
 pub fn connect(addr: &str, token: &str, run_id: &str, silence: Duration) -> Result<Link> {
     use std::net::ToSocketAddrs;
     let who = format!("the prefill peer at {addr}");
@@ -294,6 +295,8 @@ impl PrefillPeer {
             Msg::Accept { prefill, environment } => Ok((prefill, environment)),
             m => Err(m.name()),
         })?;
+        // Prefill's words (host name, environment) reach this side's output: escaped.
+        let (side, env) = (super::escaped(side), super::escaped(env));
         let section = PeerSide {
             role: "prefill".into(),
             address: address.into(),
@@ -391,7 +394,7 @@ impl PrefillPeer {
                     let began = now.checked_sub(Duration::from_nanos(query_ns)).unwrap_or(now);
                     s.notified.extend(tags.into_iter().map(|t| (t, (began, now))))
                 }
-                Msg::Bye { side } => s.bye = Some(*side),
+                Msg::Bye { side } => s.bye = Some(super::escaped(*side)),
                 m => {
                     return Err(Error::Transport(format!(
                         "{} sent {} during the run (a protocol error)",
@@ -642,7 +645,9 @@ impl PrefillPeer {
             ),
         )));
         let got = self.link.expect("prefill's start of the scenario", |m| match m {
-            Msg::Begun { row: r, tier, tier_detail } if r == row => Ok((tier, tier_detail)),
+            Msg::Begun { row: r, tier, tier_detail } if r == row => {
+                Ok((tier, crate::text::escape_control(&tier_detail).into_owned()))
+            }
             m => Err(m.name()),
         });
         self.link.set_deadline(None);

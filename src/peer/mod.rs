@@ -10,8 +10,8 @@
 //! | step | decode (`run --peer`, client) | prefill (`serve`) |
 //! |---|---|---|
 //! | 1 | | [`Msg::Challenge`]: kvprobe and protocol version, a fresh nonce |
-//! | 2 | [`Msg::Hello`]: versions, run id, proof = SHA-256(nonce ‖ token) | checks version and proof ([`check_hello`]) before anything else |
-//! | 3 | | [`Msg::Welcome`] or [`Msg::Refused`] (reason; both sides exit 2) |
+//! | 2 | [`Msg::Hello`]: versions, run id, its own fresh nonce, decode's proof ([`proof`]) | checks version and proof ([`check_hello`]) before anything else |
+//! | 3 | checks prefill's proof before it sends anything about itself | [`Msg::Welcome`] with prefill's proof, or [`Msg::Refused`] (reason; both sides exit 2) |
 //! | 4 | [`Msg::Config`]: the run's configuration, its hash ([`config_hash`]), decode's side (geometry, memory, GPU) and environment | re-hashes it, checks it against its own flags |
 //! | 5 | | [`Msg::Accept`] (prefill's side and environment) or [`Msg::Refused`] naming the field |
 //! | 6 | [`Msg::Connect`]: decode's NIXL agent metadata and region bases | loads them (`load_remote_md`) |
@@ -25,6 +25,17 @@
 //! 3). [`Msg::Interrupt`] carries Ctrl-C to the other side (both exit 130), [`Msg::Failed`] an
 //! error with its exit code. NIXL notifications stay the completion signal of transfers, as in
 //! vLLM's NixlConnector: the protocol carries only control.
+//!
+//! Authentication is mutual and bound to the session: each side proves the shared token with
+//! HMAC-SHA256 (RFC 2104) over both nonces, the run id, the protocol number and its own role
+//! ([`proof`]), so a proof is good for one session and one direction only (a side cannot be
+//! answered with its own proof, nor a proof replayed into another session). Decode proves
+//! first but says nothing about itself (configuration, environment, NIXL agent, host name)
+//! until prefill has proven the token too. Every frame after the welcome carries an
+//! HMAC-SHA256 tag under a key derived from the token and the session ([`session_key`]) over
+//! its direction, its sequence number and its bytes: a relay between the two sides can pass
+//! frames on unchanged, and nothing else (an altered, dropped, reordered or injected frame
+//! ends the session as a protocol error, exit 3). Frames are not encrypted.
 //!
 //! Bounds: a frame before the token check is at most [`MAX_HELLO_FRAME`] bytes, a set-up frame
 //! (configuration, NIXL metadata) at most [`MAX_FRAME`], a frame once the agents are connected
@@ -49,11 +60,37 @@ use tokio_util::codec::{Decoder, Encoder, LengthDelimitedCodec};
 pub const TOKEN_VAR: &str = "KVPROBE_TOKEN";
 
 pub mod client;
+pub mod gate;
 pub mod steps;
 
 /// The protocol version both sides must speak (in [`Msg::Challenge`] and [`Msg::Hello`]).
 /// 2: the slices follow fingerprint version 2 (`kvprobe.fingerprint/2`), by head row.
-pub const PROTOCOL: u32 = 2;
+/// 3: mutual authentication (HMAC-SHA256 proofs of both sides over both nonces) and a MAC on
+/// every frame after the welcome.
+pub const PROTOCOL: u32 = 3;
+
+/// Shortest token `serve` and `run`/`ab --peer` take (characters): a shorter one falls to
+/// guessing (the random default has 32 hex digits, 128 bits).
+pub const MIN_TOKEN_CHARS: usize = 16;
+
+/// Bytes of a nonce ([`Msg::Challenge`], [`Msg::Hello`]) and of a proof or frame tag
+/// (HMAC-SHA256's output).
+pub const NONCE_BYTES: usize = 32;
+
+/// Bytes of the tag at the end of every frame after the welcome (HMAC-SHA256).
+pub const TAG_BYTES: usize = 32;
+
+/// Checks a shared token given by `source` (`--token`, or [`TOKEN_VAR`]): at least
+/// [`MIN_TOKEN_CHARS`] characters. Errors: usage (exit 2) saying the minimum.
+pub fn check_token(token: &str, source: &str) -> Result<()> {
+    let n = token.chars().count();
+    if n < MIN_TOKEN_CHARS {
+        return Err(Error::Usage(format!(
+            "{source}: the token has {n} characters; at least {MIN_TOKEN_CHARS} are needed, so that it cannot be guessed (give a longer one, or let serve make a random one: give serve neither --token nor {TOKEN_VAR})"
+        )));
+    }
+    Ok(())
+}
 
 /// Largest frame before the token check (bytes): a HELLO is a few hundred bytes.
 pub const MAX_HELLO_FRAME: usize = 4096;
@@ -103,7 +140,7 @@ pub enum Msg {
         /// 32 random bytes, hex.
         nonce: String,
     },
-    /// run → serve: versions, the run id, and SHA-256(nonce ‖ token) in hex.
+    /// run → serve: versions, the run id, decode's nonce and decode's proof of the token.
     Hello {
         /// kvprobe version.
         kvprobe: String,
@@ -111,13 +148,21 @@ pub enum Msg {
         protocol: u32,
         /// The run's id (16 hex digits), in both sides' reports.
         run_id: String,
-        /// SHA-256 of the nonce's bytes followed by the token's bytes, hex.
+        /// Decode's nonce: [`NONCE_BYTES`] random bytes, hex (absent from a hello of protocol
+        /// 2 and older, which is then refused by its version).
+        #[serde(default)]
+        nonce: String,
+        /// [`proof`] with role [`Role::Decode`], hex.
         proof: String,
     },
-    /// serve → run: the token matched.
+    /// serve → run: decode's proof verified; prefill's own proof, which decode checks before
+    /// it sends anything about itself.
     Welcome {
         /// The run id, echoed.
         run_id: String,
+        /// [`proof`] with role [`Role::Prefill`], hex.
+        #[serde(default)]
+        proof: String,
     },
     /// Either way: the session is refused (version, token, configuration, busy); both sides
     /// exit with `exit` (2).
@@ -449,6 +494,8 @@ struct FrameReader {
     /// The handshake's end: every read of a frame must be done by then (a peer that sends a
     /// byte at a time cannot stretch it); `None` once the link runs.
     until: Option<Instant>,
+    /// Once authenticated: the peer's frame tags, checked on every frame.
+    tags: Option<FrameTags>,
 }
 
 /// Why reading a frame stopped.
@@ -464,15 +511,36 @@ enum ReadEnd {
 impl FrameReader {
     fn new(stream: Stream, max: usize) -> FrameReader {
         let codec = LengthDelimitedCodec::builder().length_field_length(4).max_frame_length(max).new_codec();
-        FrameReader { stream, codec, buf: BytesMut::with_capacity(64 << 10), until: None }
+        FrameReader { stream, codec, buf: BytesMut::with_capacity(64 << 10), until: None, tags: None }
     }
 
     fn next(&mut self) -> std::result::Result<Msg, ReadEnd> {
         loop {
             match self.codec.decode(&mut self.buf) {
                 Ok(Some(frame)) => {
-                    return serde_json::from_slice::<Msg>(&frame)
-                        .map_err(|e| ReadEnd::Bad(format!("a frame that is not a message of protocol {PROTOCOL}: {e}")));
+                    let body: &[u8] = match &mut self.tags {
+                        None => &frame,
+                        Some(t) => {
+                            let Some(cut) = frame.len().checked_sub(TAG_BYTES) else {
+                                return Err(ReadEnd::Bad("a frame without its tag (not a frame of this session)".into()));
+                            };
+                            let (body, tag) = frame.split_at(cut);
+                            if !t.open(body, tag) {
+                                return Err(ReadEnd::Bad(
+                                    "a frame whose tag does not verify (altered, replayed or injected on the way, or not from the authenticated peer)"
+                                        .into(),
+                                ));
+                            }
+                            body
+                        }
+                    };
+                    // serde's error quotes the peer's bytes: escaped before it reaches a terminal.
+                    return serde_json::from_slice::<Msg>(body).map_err(|e| {
+                        ReadEnd::Bad(
+                            crate::text::escape_control(&format!("a frame that is not a message of protocol {PROTOCOL}: {e}"))
+                                .into_owned(),
+                        )
+                    });
                 }
                 Ok(None) => {}
                 Err(e) => return Err(ReadEnd::Bad(format!("a frame over the size bound: {e}"))),
@@ -500,8 +568,17 @@ impl FrameReader {
 /// Writes one frame (serialized here). Errors: transport when the connection is gone, timeout
 /// when the peer took nothing for the stream's write timeout.
 fn write_frame(stream: &mut Stream, msg: &Msg) -> Result<()> {
-    let body = serde_json::to_vec(msg).map_err(|e| Error::Io(format!("peer protocol: {e}")))?;
-    let mut codec = LengthDelimitedCodec::builder().length_field_length(4).max_frame_length(MAX_FRAME).new_codec();
+    write_tagged(stream, msg, None)
+}
+
+/// [`write_frame`], the frame's tag appended when `tags` is given (after the welcome).
+fn write_tagged(stream: &mut Stream, msg: &Msg, tags: Option<&mut FrameTags>) -> Result<()> {
+    let mut body = serde_json::to_vec(msg).map_err(|e| Error::Io(format!("peer protocol: {e}")))?;
+    if let Some(t) = tags {
+        let tag = t.seal(&body);
+        body.extend_from_slice(&tag);
+    }
+    let mut codec = LengthDelimitedCodec::builder().length_field_length(4).max_frame_length(MAX_FRAME + TAG_BYTES).new_codec();
     let mut out = BytesMut::with_capacity(body.len() + 4);
     codec
         .encode(Bytes::from(body), &mut out)
@@ -514,9 +591,116 @@ fn write_frame(stream: &mut Stream, msg: &Msg) -> Result<()> {
     })
 }
 
-/// SHA-256 of `nonce` (hex-decoded) followed by `token`, hex: the proof in [`Msg::Hello`].
-pub fn proof(nonce_hex: &str, token: &str) -> String {
-    crate::fingerprint::digest(&[hex_decode(nonce_hex).unwrap_or_default(), token.as_bytes().to_vec()].concat())
+type HmacSha256 = hmac::Hmac<sha2::Sha256>;
+
+/// Who proves the token (in [`proof`]'s message, so one side's proof is never the other's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// The client (`run --peer`, `ab --peer`, a `--decode-process` parent).
+    Decode,
+    /// The server (`serve`).
+    Prefill,
+}
+
+impl Role {
+    fn label(self) -> &'static [u8] {
+        match self {
+            Role::Decode => b"decode",
+            Role::Prefill => b"prefill",
+        }
+    }
+}
+
+/// One session's handshake values, which every proof and the session key cover.
+#[derive(Clone, Debug)]
+pub struct Session<'a> {
+    /// Prefill's nonce ([`Msg::Challenge`]), [`NONCE_BYTES`] bytes.
+    pub prefill_nonce: &'a [u8],
+    /// Decode's nonce ([`Msg::Hello`]), [`NONCE_BYTES`] bytes.
+    pub decode_nonce: &'a [u8],
+    /// The run id ([`Msg::Hello`]).
+    pub run_id: &'a str,
+}
+
+/// HMAC-SHA256 keyed by `key` over kvprobe's label, [`PROTOCOL`] and `parts`, each part
+/// preceded by its length (4 bytes big-endian), so that no two different inputs share bytes.
+fn mac(key: &[u8], parts: &[&[u8]]) -> HmacSha256 {
+    use hmac::{KeyInit, Mac};
+    // HMAC takes a key of any length (RFC 2104 §2): this cannot fail.
+    let mut m = <HmacSha256 as KeyInit>::new_from_slice(key).expect("HMAC takes keys of any length");
+    for p in [b"kvprobe peer".as_slice(), &PROTOCOL.to_be_bytes()].into_iter().chain(parts.iter().copied()) {
+        m.update(&(p.len() as u32).to_be_bytes());
+        m.update(p);
+    }
+    m
+}
+
+fn session_parts<'a>(what: &'a [u8], s: &Session<'a>) -> [&'a [u8]; 4] {
+    [what, s.prefill_nonce, s.decode_nonce, s.run_id.as_bytes()]
+}
+
+/// `role`'s proof that it knows `token` in session `s`: HMAC-SHA256 (RFC 2104) keyed by the
+/// token over "kvprobe peer", [`PROTOCOL`], the role ("decode" or "prefill"), prefill's
+/// nonce, decode's nonce and the run id (each length-prefixed), hex (64 digits).
+pub fn proof(token: &str, role: Role, s: &Session) -> String {
+    use hmac::Mac;
+    hex(&mac(token.as_bytes(), &session_parts(role.label(), s)).finalize().into_bytes())
+}
+
+/// Whether `got` (hex) is `role`'s proof of `token` in session `s`, compared in constant time
+/// (the MAC's `verify_slice`).
+pub fn proof_holds(got: &str, token: &str, role: Role, s: &Session) -> bool {
+    use hmac::Mac;
+    let Some(got) = hex_decode(got) else { return false };
+    mac(token.as_bytes(), &session_parts(role.label(), s)).verify_slice(&got).is_ok()
+}
+
+/// The key of session `s`'s frame tags: HMAC-SHA256 keyed by `token` over "kvprobe peer",
+/// [`PROTOCOL`], "session key", both nonces and the run id (as in [`proof`]).
+pub fn session_key(token: &str, s: &Session) -> [u8; 32] {
+    use hmac::Mac;
+    mac(token.as_bytes(), &session_parts(b"session key", s)).finalize().into_bytes().into()
+}
+
+/// The tags of one direction of a session's frames: HMAC-SHA256 keyed by the session key
+/// ([`session_key`]) over "kvprobe peer", [`PROTOCOL`], the direction (who sends), the
+/// frame's sequence number in that direction (from 0, 8 bytes big-endian) and its JSON
+/// bytes; the tag ([`TAG_BYTES`]) follows the JSON in the frame.
+#[derive(Clone)]
+pub struct FrameTags {
+    key: [u8; 32],
+    from: Role,
+    seq: u64,
+}
+
+impl FrameTags {
+    /// Tags of frames sent by `from` under session key `key`, from sequence number 0.
+    pub fn new(key: [u8; 32], from: Role) -> FrameTags {
+        FrameTags { key, from, seq: 0 }
+    }
+
+    fn mac(&self, body: &[u8]) -> HmacSha256 {
+        mac(&self.key, &[b"frame from", self.from.label(), &self.seq.to_be_bytes(), body])
+    }
+
+    /// The next frame's tag over `body` (and the sequence number moves on).
+    pub fn seal(&mut self, body: &[u8]) -> [u8; TAG_BYTES] {
+        use hmac::Mac;
+        let t = self.mac(body).finalize().into_bytes().into();
+        self.seq += 1;
+        t
+    }
+
+    /// Whether `tag` is the next frame's tag over `body` (constant-time compare); the sequence
+    /// number moves on only when it is.
+    pub fn open(&mut self, body: &[u8], tag: &[u8]) -> bool {
+        use hmac::Mac;
+        let ok = self.mac(body).verify_slice(tag).is_ok();
+        if ok {
+            self.seq += 1;
+        }
+        ok
+    }
 }
 
 /// Lowercase hex of `b`.
@@ -576,35 +760,71 @@ pub fn first_difference(a: &serde_json::Value, b: &serde_json::Value) -> Option<
     differences(a, b).into_iter().next()
 }
 
-/// Checks a [`Msg::Hello`] against this side's version and `token` (constant-time compare
-/// of the proof). Returns the run id. Errors: the reason to send back in [`Msg::Refused`].
-pub fn check_hello(msg: &Msg, nonce: &str, token: &str) -> std::result::Result<String, String> {
-    let Msg::Hello { kvprobe, protocol, run_id, proof: got } = msg else {
+/// Checks a [`Msg::Hello`] against this side's version, the challenge's `nonce` (hex) and
+/// `token` (decode's [`proof`], compared in constant time). Returns the run id and decode's
+/// nonce (bytes). Errors: the reason to send back in [`Msg::Refused`] (peer text in it
+/// escaped: [`crate::text::escape_control`]).
+pub fn check_hello(msg: &Msg, nonce: &str, token: &str) -> std::result::Result<(String, Vec<u8>), String> {
+    let Msg::Hello { kvprobe, protocol, run_id, nonce: decode_nonce, proof: got } = msg else {
         return Err(format!("expected hello, got {}", msg.name()));
     };
     if *protocol != PROTOCOL {
         return Err(format!(
-            "protocol version mismatch: this kvprobe {} speaks peer protocol {PROTOCOL}, the peer (kvprobe {kvprobe}) speaks {protocol}",
-            env!("CARGO_PKG_VERSION")
+            "protocol version mismatch: this kvprobe {} speaks peer protocol {PROTOCOL}, the peer (kvprobe {}) speaks {protocol}: run the same kvprobe version on both hosts",
+            env!("CARGO_PKG_VERSION"),
+            crate::text::escape_control(kvprobe)
         ));
     }
-    let want = proof(nonce, token);
-    let same = want.len() == got.len() && want.bytes().zip(got.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0;
-    if !same {
+    let (Some(prefill_nonce), Some(decode_nonce)) = (nonce_bytes(nonce), nonce_bytes(decode_nonce)) else {
+        return Err(format!("not a hello of protocol {PROTOCOL}: its nonce is not {NONCE_BYTES} bytes in hex"));
+    };
+    let s = Session { prefill_nonce: &prefill_nonce, decode_nonce: &decode_nonce, run_id };
+    if !proof_holds(got, token, Role::Decode, &s) {
         return Err("wrong token (the token given to run --peer is not serve's)".into());
     }
     if run_id.is_empty() || run_id.len() > 64 || !run_id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') {
         return Err("a run id must be 1 to 64 letters, digits or dashes".into());
     }
-    Ok(run_id.clone())
+    Ok((run_id.clone(), decode_nonce))
+}
+
+/// A nonce's bytes from its hex: `None` unless exactly [`NONCE_BYTES`] bytes.
+fn nonce_bytes(hex: &str) -> Option<Vec<u8>> {
+    hex_decode(hex).filter(|b| b.len() == NONCE_BYTES)
+}
+
+/// Escapes every string in `v` ([`crate::text::escape_control`]): JSON a peer sent, before
+/// any of it can reach a terminal (keys are left as they are: the types that read them know
+/// their names).
+pub fn escape_strings(v: &mut serde_json::Value) {
+    use serde_json::Value;
+    match v {
+        Value::String(s) => {
+            if let std::borrow::Cow::Owned(e) = crate::text::escape_control(s) {
+                *s = e;
+            }
+        }
+        Value::Array(a) => a.iter_mut().for_each(escape_strings),
+        Value::Object(o) => o.values_mut().for_each(escape_strings),
+        _ => {}
+    }
+}
+
+/// `t` (something a peer sent: its side, environment, report section) with every string in
+/// it escaped ([`escape_strings`]); `t` unchanged if it does not survive the trip through
+/// JSON (it then holds no string that could).
+pub fn escaped<T: Serialize + serde::de::DeserializeOwned>(t: T) -> T {
+    let Ok(mut v) = serde_json::to_value(&t) else { return t };
+    escape_strings(&mut v);
+    serde_json::from_value(v).unwrap_or(t)
 }
 
 /// The error that stands for the run's end as the peer said it ([`Msg::Done`]): its exit
 /// code's kind (130 interrupted, 4 timeout, 2 usage, 1 corrupt, else transport), with `who`
 /// and its message; a clean or other normal end while this side failed is a transport error
-/// naming it.
+/// naming it. The peer's message is escaped ([`crate::text::escape_control`]).
 pub fn ended_with(who: &str, exit: u8, error: Option<String>) -> Error {
-    let m = error.unwrap_or_default();
+    let m = crate::text::escape_control(&error.unwrap_or_default()).into_owned();
     match exit {
         130 => Error::Interrupted(format!("{who} was interrupted: {m}")),
         4 => Error::Timeout(format!("{who}: {m}")),
@@ -626,7 +846,7 @@ enum Incoming {
 /// lock, heartbeats from their own thread. Dropping it stops the heartbeat and closes the
 /// connection.
 pub struct Link {
-    out: Arc<Mutex<Stream>>,
+    out: Arc<Mutex<Out>>,
     rx: Mutex<Receiver<Incoming>>,
     /// Milliseconds since `epoch` when the peer was last heard (any frame).
     heard: Arc<AtomicU64>,
@@ -645,6 +865,18 @@ pub struct Link {
     deadline: Mutex<Option<(Instant, String)>>,
     /// Set by the reader thread once the peer ended the run or went away ([`Link::ended`]).
     ended: Arc<AtomicBool>,
+}
+
+/// The sending half of a [`Link`]: the stream and this side's frame tags.
+struct Out {
+    stream: Stream,
+    tags: FrameTags,
+}
+
+impl Out {
+    fn send(&mut self, msg: &Msg) -> Result<()> {
+        write_tagged(&mut self.stream, msg, Some(&mut self.tags))
+    }
 }
 
 /// How long a failed [`Link::send`] reads what the peer sent before it closed, for the reason
@@ -671,18 +903,21 @@ pub fn silence_bound(timeout: Duration) -> Duration {
 impl Link {
     /// Starts the reader and heartbeat threads on an authenticated `stream`. `reader` is the
     /// handshake's reader (its buffered bytes are kept); `silence` is how long the peer may say
-    /// nothing (`--timeout`); `who` names the peer in errors.
-    fn start(reader: FrameReader, silence: Duration, who: String) -> Result<Link> {
+    /// nothing (`--timeout`); `who` names the peer in errors; `me` is this side's role and
+    /// `key` the session's key ([`session_key`]): every frame from here on is tagged.
+    fn start(reader: FrameReader, silence: Duration, who: String, me: Role, key: [u8; 32]) -> Result<Link> {
         let silence = silence_bound(silence);
         let mut reader = reader;
         reader.until = None;
-        reader.codec.set_max_frame_length(MAX_FRAME);
+        let them = if me == Role::Decode { Role::Prefill } else { Role::Decode };
+        reader.tags = Some(FrameTags::new(key, them));
+        reader.codec.set_max_frame_length(MAX_FRAME + TAG_BYTES);
         let io = |e: std::io::Error| Error::Transport(format!("{who}: {e}"));
         reader.stream.set_read_timeout(None).map_err(io)?;
         let out = reader.stream.try_clone().map_err(io)?;
         // A peer that stops reading (SIGSTOP) must not block this side's writes for ever.
         out.set_write_timeout(Some(silence.max(Duration::from_millis(100)))).map_err(io)?;
-        let out = Arc::new(Mutex::new(out));
+        let out = Arc::new(Mutex::new(Out { stream: out, tags: FrameTags::new(key, me) }));
         let (tx, rx): (SyncSender<Incoming>, _) = sync_channel(MAX_QUEUED);
         let epoch = Instant::now();
         let heard = Arc::new(AtomicU64::new(0));
@@ -696,7 +931,7 @@ impl Link {
             let ended = ended.clone();
             std::thread::spawn(move || {
                 loop {
-                    reader.codec.set_max_frame_length(max_frame.load(Ordering::Relaxed) as usize);
+                    reader.codec.set_max_frame_length(max_frame.load(Ordering::Relaxed) as usize + TAG_BYTES);
                     let m = reader.next();
                     heard.store(epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
                     let (msg, end) = match m {
@@ -729,7 +964,7 @@ impl Link {
                         return;
                     }
                     let Ok(mut s) = out.lock() else { return };
-                    if write_frame(&mut s, &Msg::Heartbeat).is_err() {
+                    if s.send(&Msg::Heartbeat).is_err() {
                         return;
                     }
                 }
@@ -754,7 +989,7 @@ impl Link {
     /// `--timeout` is known); heartbeats follow it.
     pub fn set_silence(&self, timeout: Duration) {
         self.silence_ms.store(silence_bound(timeout).as_millis() as u64, Ordering::Relaxed);
-        let _ = self.out.lock().map(|s| s.set_write_timeout(Some(silence_bound(timeout))));
+        let _ = self.out.lock().map(|s| s.stream.set_write_timeout(Some(silence_bound(timeout))));
     }
 
     /// Set-up is over (both agents connected): later frames are bounded by [`MAX_RUN_FRAME`].
@@ -805,7 +1040,7 @@ impl Link {
     /// This side's address of the connection (what the peer reached it on): `None` for a
     /// Unix socket (a child or a thread of the same host).
     pub fn local_ip(&self) -> Option<std::net::IpAddr> {
-        self.out.lock().unwrap_or_else(|p| p.into_inner()).local_ip()
+        self.out.lock().unwrap_or_else(|p| p.into_inner()).stream.local_ip()
     }
 
     /// What the peer is called in errors.
@@ -821,7 +1056,7 @@ impl Link {
     pub fn send(&self, msg: &Msg) -> Result<()> {
         let sent = {
             let mut s = self.out.lock().unwrap_or_else(|p| p.into_inner());
-            write_frame(&mut s, msg)
+            s.send(msg)
         };
         let Err(e) = sent else { return Ok(()) };
         let broke = match e {
@@ -857,17 +1092,22 @@ impl Link {
     }
 
     /// The error a message from the peer means, if it is one ([`Msg::Failed`],
-    /// [`Msg::Interrupt`], [`Msg::Refused`]).
+    /// [`Msg::Interrupt`], [`Msg::Refused`]), the peer's words escaped
+    /// ([`crate::text::escape_control`]).
     fn error_of(&self, m: &Msg) -> Option<Error> {
+        use crate::text::escape_control as esc;
         match m {
-            Msg::Failed { exit, message } => Some(match exit {
-                2 => Error::Environment(format!("{}: {message}", self.who)),
-                4 => Error::Timeout(format!("{}: {message}", self.who)),
-                130 => Error::Interrupted(format!("{} was interrupted: {message}", self.who)),
-                _ => Error::Transport(format!("{} failed: {message}", self.who)),
+            Msg::Failed { exit, message } => Some({
+                let message = esc(message);
+                match exit {
+                    2 => Error::Environment(format!("{}: {message}", self.who)),
+                    4 => Error::Timeout(format!("{}: {message}", self.who)),
+                    130 => Error::Interrupted(format!("{} was interrupted: {message}", self.who)),
+                    _ => Error::Transport(format!("{} failed: {message}", self.who)),
+                }
             }),
-            Msg::Interrupt { why } => Some(Error::Interrupted(format!("{} was interrupted ({why})", self.who))),
-            Msg::Refused { reason, .. } => Some(Error::Usage(format!("{} refused: {reason}", self.who))),
+            Msg::Interrupt { why } => Some(Error::Interrupted(format!("{} was interrupted ({})", self.who, esc(why)))),
+            Msg::Refused { reason, .. } => Some(Error::Usage(format!("{} refused: {}", self.who, esc(reason)))),
             _ => None,
         }
     }
@@ -954,7 +1194,7 @@ impl Link {
     /// Stops heartbeats and closes the connection (the peer sees it closed).
     pub fn close(&self) {
         self.stop.store(true, Ordering::Relaxed);
-        self.out.lock().unwrap_or_else(|p| p.into_inner()).shutdown();
+        self.out.lock().unwrap_or_else(|p| p.into_inner()).stream.shutdown();
     }
 }
 
@@ -970,10 +1210,11 @@ impl Drop for Link {
     }
 }
 
-/// The client side of the handshake (`run --peer`): reads the challenge, sends the hello,
-/// waits for the welcome. `silence` is the run's `--timeout`. Errors: transport (the peer is
-/// not a kvprobe serve, or closed), usage (refused: version or token), timeout (no answer
-/// within [`HANDSHAKE_BOUND`]).
+/// The client side of the handshake (`run --peer`): reads the challenge, sends the hello
+/// (decode's proof over both nonces), waits for the welcome and checks prefill's proof in it
+/// before anything about this side is sent. `silence` is the run's `--timeout`. Errors:
+/// transport (the peer is not a kvprobe serve, closed, or could not prove the token: exit 3),
+/// usage (refused: version or token, exit 2), timeout (no answer within [`HANDSHAKE_BOUND`]).
 pub fn client(stream: Stream, token: &str, run_id: &str, silence: Duration, who: String) -> Result<Link> {
     client_within(stream, token, run_id, silence, who, HANDSHAKE_BOUND)
 }
@@ -982,6 +1223,7 @@ pub fn client(stream: Stream, token: &str, run_id: &str, silence: Duration, who:
 /// (`run --decode-process`: the child's challenge comes once it has started and loaded NIXL,
 /// within the child's start bound).
 pub fn client_within(stream: Stream, token: &str, run_id: &str, silence: Duration, who: String, bound: Duration) -> Result<Link> {
+    use crate::text::escape_control as esc;
     let io = |e: std::io::Error| Error::Transport(format!("{who}: {e}"));
     stream.set_read_timeout(Some(bound)).map_err(io)?;
     stream.set_write_timeout(Some(bound)).map_err(io)?;
@@ -995,33 +1237,51 @@ pub fn client_within(stream: Stream, token: &str, run_id: &str, silence: Duratio
             ReadEnd::Bad(w2) => Error::Transport(format!("{who} is not a kvprobe serve of protocol {PROTOCOL}: it sent {w2}")),
         })
     };
-    let nonce = match next(&mut r)? {
+    let prefill_nonce = match next(&mut r)? {
         Msg::Challenge { nonce, protocol, kvprobe } => {
             if protocol != PROTOCOL {
                 let reason = format!(
-                    "protocol version mismatch: this kvprobe {} speaks peer protocol {PROTOCOL}, {who} (kvprobe {kvprobe}) speaks {protocol}",
-                    env!("CARGO_PKG_VERSION")
+                    "protocol version mismatch: this kvprobe {} speaks peer protocol {PROTOCOL}, {who} (kvprobe {}) speaks {protocol}: run the same kvprobe version on both hosts",
+                    env!("CARGO_PKG_VERSION"),
+                    esc(&kvprobe)
                 );
                 let _ = write_frame(&mut w, &Msg::Refused { reason: reason.clone(), field: None, exit: 2 });
                 return Err(Error::Usage(reason));
             }
-            nonce
+            nonce_bytes(&nonce).ok_or_else(|| {
+                Error::Transport(format!(
+                    "{who} is not a kvprobe serve of protocol {PROTOCOL}: its challenge's nonce is not {NONCE_BYTES} bytes in hex"
+                ))
+            })?
         }
-        Msg::Refused { reason, .. } => return Err(Error::Usage(format!("{who} refused: {reason}"))),
+        Msg::Refused { reason, .. } => return Err(Error::Usage(format!("{who} refused: {}", esc(&reason)))),
         m => return Err(Error::Transport(format!("{who} sent {} instead of a challenge", m.name()))),
     };
+    let decode_nonce = hex_decode(&random_hex(NONCE_BYTES)?).unwrap_or_default();
+    let session = Session { prefill_nonce: &prefill_nonce, decode_nonce: &decode_nonce, run_id };
     write_frame(
         &mut w,
         &Msg::Hello {
             kvprobe: env!("CARGO_PKG_VERSION").into(),
             protocol: PROTOCOL,
             run_id: run_id.into(),
-            proof: proof(&nonce, token),
+            nonce: hex(&decode_nonce),
+            proof: proof(token, Role::Decode, &session),
         },
     )?;
     match next(&mut r)? {
-        Msg::Welcome { .. } => Link::start(r, silence, who),
-        Msg::Refused { reason, .. } => Err(Error::Usage(format!("{who} refused the run: {reason}"))),
+        Msg::Welcome { run_id: echoed, proof: got } => {
+            if echoed != run_id || !proof_holds(&got, token, Role::Prefill, &session) {
+                let reason = "serve did not prove the token".to_string();
+                let _ = write_frame(&mut w, &Msg::Refused { reason, field: None, exit: 3 });
+                r.stream.shutdown();
+                return Err(Error::Transport(format!(
+                    "{who} did not prove that it knows the token (its welcome carries no valid proof): it is not the kvprobe serve that was given this token (another process at that address, or a relay); nothing about this run was sent to it"
+                )));
+            }
+            Link::start(r, silence, who, Role::Decode, session_key(token, &session))
+        }
+        Msg::Refused { reason, .. } => Err(Error::Usage(format!("{who} refused the run: {}", esc(&reason)))),
         m => Err(Error::Transport(format!("{who} sent {} instead of a welcome", m.name()))),
     }
 }
@@ -1030,48 +1290,68 @@ pub fn client_within(stream: Stream, token: &str, run_id: &str, silence: Duratio
 pub enum Accepted {
     /// Authenticated: the link and the run id.
     Link(Link, String),
-    /// Refused (reason sent to the client): version, token or a malformed hello.
+    /// Refused (reason sent to the client): version, token, a malformed hello, or the gate's
+    /// reason ([`server_gated`]).
     Refused(String),
 }
 
 /// The server side of the handshake (`serve`): sends the challenge, checks the hello
-/// ([`check_hello`]) — the token before anything else — and answers welcome or refused.
-/// `silence` is the heartbeat bound for the session once authenticated. Errors: transport
-/// when the client vanished or sent no hello within [`HANDSHAKE_BOUND`].
+/// ([`check_hello`]) — the token before anything else — and answers welcome (with prefill's
+/// own proof) or refused. `silence` is the heartbeat bound for the session once
+/// authenticated. Errors: transport when the client vanished or sent no hello within
+/// [`HANDSHAKE_BOUND`].
 pub fn server(stream: Stream, token: &str, silence: Duration) -> Result<Accepted> {
+    server_gated(stream, token, silence, &|_| Ok(()))
+}
+
+/// [`server`] with a gate: `gate(false)` is called when the hello fails (not a hello, wrong
+/// version or token) before the refusal is sent, `gate(true)` once decode's proof holds and
+/// before the welcome; an `Err(reason)` from it refuses the session with that reason (serve:
+/// busy with another client).
+pub fn server_gated(
+    stream: Stream,
+    token: &str,
+    silence: Duration,
+    gate: &dyn Fn(bool) -> std::result::Result<(), String>,
+) -> Result<Accepted> {
     let who = format!("the decode peer at {}", stream.peer_label());
     let io = |e: std::io::Error| Error::Transport(format!("{who}: {e}"));
     stream.set_read_timeout(Some(HANDSHAKE_BOUND)).map_err(io)?;
     stream.set_write_timeout(Some(HANDSHAKE_BOUND)).map_err(io)?;
     let mut w = stream.try_clone().map_err(io)?;
-    let nonce = random_hex(32)?;
+    let nonce = random_hex(NONCE_BYTES)?;
     write_frame(&mut w, &Msg::Challenge { kvprobe: env!("CARGO_PKG_VERSION").into(), protocol: PROTOCOL, nonce: nonce.clone() })?;
     let mut r = FrameReader::new(stream, MAX_HELLO_FRAME);
     r.until = Some(Instant::now() + HANDSHAKE_BOUND); // the whole hello, not each read
+    let refuse = |w: &mut Stream, reason: String| {
+        let _ = gate(false);
+        let _ = write_frame(w, &Msg::Refused { reason: reason.clone(), field: None, exit: 2 });
+        Ok(Accepted::Refused(reason))
+    };
     let hello = match r.next() {
         Ok(m) => m,
         Err(ReadEnd::Closed(w2)) => return Err(Error::Transport(format!("{who}: {w2} during the handshake"))),
         Err(ReadEnd::TimedOut) => {
-            return Err(Error::Transport(format!("{who} sent no hello within {} s", HANDSHAKE_BOUND.as_secs())));
+            return Err(Error::Timeout(format!("{who} sent no hello within {} s", HANDSHAKE_BOUND.as_secs())));
         }
-        Err(ReadEnd::Bad(w2)) => {
-            let reason = format!("not a kvprobe hello: {w2}");
-            let _ = write_frame(&mut w, &Msg::Refused { reason: reason.clone(), field: None, exit: 2 });
-            return Ok(Accepted::Refused(reason));
-        }
+        Err(ReadEnd::Bad(w2)) => return refuse(&mut w, format!("not a kvprobe hello: {w2}")),
     };
     if let Msg::Refused { reason, .. } = &hello {
-        return Ok(Accepted::Refused(format!("the client refused: {reason}")));
+        return Ok(Accepted::Refused(format!("the client refused: {}", crate::text::escape_control(reason))));
     }
     match check_hello(&hello, &nonce, token) {
-        Ok(run_id) => {
-            write_frame(&mut w, &Msg::Welcome { run_id: run_id.clone() })?;
-            Ok(Accepted::Link(Link::start(r, silence, who)?, run_id))
+        Ok((run_id, decode_nonce)) => {
+            if let Err(reason) = gate(true) {
+                let _ = write_frame(&mut w, &Msg::Refused { reason: reason.clone(), field: None, exit: 2 });
+                return Ok(Accepted::Refused(reason));
+            }
+            let prefill_nonce = nonce_bytes(&nonce).unwrap_or_default();
+            let session = Session { prefill_nonce: &prefill_nonce, decode_nonce: &decode_nonce, run_id: &run_id };
+            write_frame(&mut w, &Msg::Welcome { run_id: run_id.clone(), proof: proof(token, Role::Prefill, &session) })?;
+            let key = session_key(token, &session);
+            Ok(Accepted::Link(Link::start(r, silence, who, Role::Prefill, key)?, run_id))
         }
-        Err(reason) => {
-            let _ = write_frame(&mut w, &Msg::Refused { reason: reason.clone(), field: None, exit: 2 });
-            Ok(Accepted::Refused(reason))
-        }
+        Err(reason) => refuse(&mut w, reason),
     }
 }
 
