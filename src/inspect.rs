@@ -433,7 +433,7 @@ pub struct Row {
 /// fields), then the fields they share. Returns (differences, same).
 ///
 /// A path met more than once in one document (an ab report whose rows repeat, a bench
-/// figure given twice) is numbered from its second occurrence on (`rows.NAME#2.verdict`), so
+/// figure given twice) is numbered from its second occurrence on (`rows.NAME.verdict#2`), so
 /// repeated or extra rows are differences, never folded into one.
 pub fn diff(a: &Document, b: &Document) -> (Vec<Row>, Vec<Row>) {
     let fa = numbered(fields(a));
@@ -453,8 +453,8 @@ pub fn diff(a: &Document, b: &Document) -> (Vec<Row>, Vec<Row>) {
     (differ, same)
 }
 
-/// `fields` with the n-th occurrence (n >= 2) of a path renamed `PATH#n`: the first
-/// component after the section that repeats (`rows.NAME#2.verdict`), or the path's end.
+/// `fields` with the n-th occurrence (n >= 2) of a path renamed `PATH#n`
+/// (`rows.NAME.verdict#2`).
 fn numbered(fields: Vec<(String, String)>) -> Vec<(String, String)> {
     let mut seen = std::collections::HashMap::<String, usize>::new();
     fields
