@@ -305,17 +305,18 @@ fn report_checks(sec: &Value, say: &mut dyn FnMut(String)) {
 }
 
 /// The sweep plans of a report's iterations ([`crate::sweep::plan`] of its `config`), made
-/// as failures ask for them; `None` (said once) when the config is not one kvprobe runs.
+/// as failures ask for them (the last one kept: failures are listed in iteration order, and a
+/// plan holds tables of the pool's size); said once when the config is not one kvprobe runs.
 struct Plans {
     cfg: std::result::Result<crate::sweep::RunConfig, String>,
-    made: BTreeMap<u32, std::result::Result<crate::sweep::Plan, String>>,
+    made: Option<(u32, std::result::Result<crate::sweep::Plan, String>)>,
     said: bool,
 }
 
 impl Plans {
     fn new(config: &Value) -> Plans {
         let cfg = serde_json::from_value::<crate::sweep::RunConfig>(config.clone()).map_err(|e| e.to_string());
-        Plans { cfg, made: BTreeMap::new(), said: false }
+        Plans { cfg, made: None, said: false }
     }
 
     /// Says where the failure record `f` (named `name`) has another expected identity or
@@ -337,7 +338,10 @@ impl Plans {
             return;
         }
         let it = it as u32;
-        let plan = self.made.entry(it).or_insert_with(|| crate::sweep::plan(cfg, it).map_err(|e| e.to_string()));
+        if self.made.as_ref().is_none_or(|(n, _)| *n != it) {
+            self.made = Some((it, crate::sweep::plan(cfg, it).map_err(|e| e.to_string())));
+        }
+        let Some((_, plan)) = &self.made else { return };
         let plan = match plan {
             Ok(p) => p,
             Err(e) => {
