@@ -483,79 +483,270 @@ pub const MAX_MANIFEST_BYTES: u64 = 64 << 20;
 /// one more is malformed (exit 2), so a stream of tiny entries cannot grow the list unbounded.
 pub const MAX_UNLISTED: usize = 1000;
 
-/// A bundle read back, boundedly: the manifest (the first entry), the bodies of the entries it
-/// lists (each read up to its listed size + 1 byte, so a longer entry shows as a size
-/// disagreement without being read whole), and the names of the entries it does not list
-/// (their bodies are skipped, never held).
+/// Most entries a bundle may hold before its `manifest.json` (a bundle re-packed with `tar
+/// czf`, whose order is the directory's): their names are kept until the manifest says which
+/// are listed, so a stream of tiny entries ahead of it cannot grow that list unbounded.
+pub const MAX_BEFORE_MANIFEST: usize = 100_000;
+
+/// Size and SHA-256 of one listed entry, hashed as it streamed past ([`read`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EntryDigest {
+    /// Bytes read: the entry's size, or its listed size + 1 when it is longer (never more).
+    pub bytes: u64,
+    /// SHA-256 of those bytes, lowercase hex.
+    pub sha256: String,
+}
+
+/// Where a bundle's entries are read from.
+#[derive(Clone, Debug)]
+enum Origin {
+    /// A `.tar.gz` file (written by kvprobe, or re-packed with `tar czf`).
+    Archive(PathBuf),
+    /// An unpacked bundle: the folder holding `manifest.json` (the folder given, or its
+    /// [`TOP`] folder).
+    Dir(PathBuf),
+}
+
+/// A bundle read back, boundedly: the manifest, the bodies of the entries that are held (see
+/// [`read`], [`read_entry`]), the size and SHA-256 of every listed entry (hashed as it
+/// streamed past, each read up to its listed size + 1 byte, so a longer entry shows as a size
+/// disagreement without being read whole), and the names of the entries the manifest does not
+/// list (their bodies are skipped, never held).
 pub struct Bundle {
-    /// Listed files read, by path below [`TOP`] (`manifest.json` included).
+    /// Listed files held, by path below [`TOP`] (`manifest.json` included).
     pub files: BTreeMap<String, Vec<u8>>,
+    /// Size and SHA-256 of every listed entry found ([`read`] only), by path below [`TOP`].
+    pub digests: BTreeMap<String, EntryDigest>,
     /// The manifest ([`manifest`]).
     pub manifest: Manifest,
     /// Entries the manifest does not list (paths below [`TOP`]), in archive order; not read.
     pub unlisted: Vec<String>,
+    /// Where it was read from (for [`Bundle::for_each_listed`]).
+    origin: Origin,
+    /// The path given, for messages.
+    path: PathBuf,
 }
 
 /// Which listed entries [`read_bounded`] reads besides the manifest.
 #[derive(Clone, Copy)]
 enum Only<'a> {
+    /// Every listed entry is hashed; the report and the dump indexes (`dump/…index.json`)
+    /// are held ([`held`]), the rest (slices, the capture) never.
     All,
     Entry(&'a str),
     Report,
 }
 
+/// Whether [`read`] holds the body of the listed entry `rel` (the report `report` and the
+/// dump indexes, which are JSON the check parses; at most
+/// [`crate::inspect::MAX_DOCUMENT_BYTES`] each).
+fn held(rel: &str, report: &str) -> bool {
+    rel == report || (rel.starts_with("dump/") && (rel == "dump/index.json" || rel.ends_with("/index.json")))
+}
+
+/// Opens `path` for reading without blocking (a FIFO with no writer, a device) and refuses
+/// anything but a regular file, its type checked on the open file (as `--model-config` does):
+/// a file swapped for a FIFO after a check cannot hang the read. `what` names it in messages.
+pub fn open_regular(path: &Path, what: &str) -> Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| Error::Usage(format!("{}: cannot read it: {e}", path.display())))?;
+    let m = f.metadata().map_err(|e| Error::Usage(format!("{}: cannot read it: {e}", path.display())))?;
+    if !m.is_file() {
+        return Err(Error::Usage(format!("{}: not a regular file{what} (a FIFO, device or socket is not read)", path.display())));
+    }
+    Ok(f)
+}
+
+/// Where the bundle `path` is: a regular file (a `.tar.gz`) or a directory holding
+/// `manifest.json` or `kvprobe-bundle/manifest.json` (an unpacked bundle).
+fn origin(path: &Path) -> Result<Origin> {
+    let m = std::fs::metadata(path).map_err(|e| Error::Usage(format!("{}: cannot read it: {e}", path.display())))?;
+    if m.is_dir() {
+        for top in [path.to_path_buf(), path.join(TOP)] {
+            if std::fs::symlink_metadata(top.join("manifest.json")).is_ok_and(|m| m.is_file()) {
+                return Ok(Origin::Dir(top));
+            }
+        }
+        return Err(Error::Usage(format!(
+            "{}: not a kvprobe bundle: a directory holding no manifest.json (nor {TOP}/manifest.json)",
+            path.display()
+        )));
+    }
+    open_regular(path, " or a directory")?;
+    Ok(Origin::Archive(path.to_path_buf()))
+}
+
+/// `name` with any leading `./` removed (`tar czf B -C DIR .` writes `./kvprobe-bundle/…`).
+fn plain_name(name: &str) -> &str {
+    let mut n = name;
+    while let Some(r) = n.strip_prefix("./") {
+        n = r;
+    }
+    n
+}
+
+/// Calls `f(rel, body)` for every regular file of the bundle at `path`, `rel` being its path
+/// below [`TOP`]: an archive's entries in archive order (directory entries of `.`, [`TOP`]
+/// and folders below it skipped, leading `./` removed), an unpacked bundle's files sorted by
+/// path with `manifest.json` first. `f` returns false to stop. Errors (usage, exit 2, naming
+/// `path`): not gzip or tar, an entry that is not a regular file or a directory (a symbolic
+/// link), or one outside [`TOP`] or with `..` or empty components.
+fn each_entry(path: &Path, o: &Origin, f: &mut dyn FnMut(&str, &mut dyn Read) -> Result<bool>) -> Result<()> {
+    let bad = |why: String| Error::Usage(format!("{}: not a kvprobe bundle: {why}", path.display()));
+    let plain = |rel: &str| !rel.split('/').any(|c| c == ".." || c == "." || c.is_empty());
+    match o {
+        Origin::Archive(p) => {
+            let file = open_regular(p, " or a directory")?;
+            let mut magic = [0u8; 2];
+            let _ = (&file).read(&mut magic);
+            if magic != [0x1f, 0x8b] {
+                return Err(bad("not a gzip file".into()));
+            }
+            let file = open_regular(p, " or a directory")?;
+            let mut ar = tar::Archive::new(flate2::read::MultiGzDecoder::new(std::io::BufReader::new(file)));
+            let entries = ar.entries().map_err(|e| bad(format!("not a gzip-compressed tar archive: {e}")))?;
+            for e in entries {
+                let mut e = e.map_err(|e| bad(format!("not a gzip-compressed tar archive: {e}")))?;
+                let raw = e.path().map_err(|e| bad(format!("an entry's name: {e}")))?.to_string_lossy().into_owned();
+                let name = plain_name(&raw);
+                let t = e.header().entry_type();
+                if t.is_dir() {
+                    // `tar czf` writes the folders too: `./`, `kvprobe-bundle/`, `kvprobe-bundle/dump/`.
+                    let d = name.trim_end_matches('/');
+                    if d.is_empty() || d == "." || d == TOP || d.strip_prefix(&format!("{TOP}/")).is_some_and(plain) {
+                        continue;
+                    }
+                    return Err(bad(format!("{raw} is a directory outside {TOP}/")));
+                }
+                if !t.is_file() {
+                    return Err(bad(format!("{raw} is not a regular file")));
+                }
+                let Some(rel) = name.strip_prefix(&format!("{TOP}/")) else {
+                    return Err(bad(format!("{raw} is outside {TOP}/")));
+                };
+                if !plain(rel) {
+                    return Err(bad(format!("{raw}: not a plain relative path")));
+                }
+                if !f(rel, &mut e)? {
+                    break;
+                }
+            }
+        }
+        Origin::Dir(top) => {
+            let mut found = Vec::new();
+            let mut stack = vec![top.clone()];
+            while let Some(d) = stack.pop() {
+                let rd = std::fs::read_dir(&d).map_err(|e| bad(format!("cannot read {}: {e}", d.display())))?;
+                for e in rd {
+                    let e = e.map_err(|e| bad(format!("cannot read {}: {e}", d.display())))?;
+                    let p = e.path();
+                    let rel = p.strip_prefix(top).unwrap_or(&p).to_string_lossy().into_owned();
+                    let t = e.file_type().map_err(|e| bad(format!("{rel}: {e}")))?;
+                    if t.is_dir() {
+                        stack.push(p);
+                    } else if t.is_file() {
+                        found.push(rel);
+                    } else {
+                        return Err(bad(format!("{rel} is not a regular file (a symbolic link, FIFO or device)")));
+                    }
+                }
+            }
+            found.sort_by(|a, b| (a != "manifest.json", a).cmp(&(b != "manifest.json", b)));
+            for rel in found {
+                let mut file = open_regular(&top.join(&rel), "")?;
+                if !f(&rel, &mut file)? {
+                    break;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Reads the bundle at `path`, reading only what the manifest lists (all of it, or only the
-/// entry `only` and the manifest). Errors (usage, exit 2: a malformed bundle, each naming
-/// `path`): unreadable, not gzip or not tar, the first entry not `manifest.json` (or no
-/// entry), a manifest that is not one of [`MANIFEST_SCHEMA`] or larger than
-/// [`MAX_MANIFEST_BYTES`], listed sizes totalling over [`MAX_TOTAL_BYTES`] ("too large"), more
-/// than [`MAX_UNLISTED`] unlisted entries, an
-/// entry that is not a regular file (a directory included) or lies outside [`TOP`], a path
-/// given twice, or memory running out while reading ("out of memory").
+/// entry `only` and the manifest). The manifest may come anywhere (a bundle re-packed with
+/// `tar czf`): the entries before it are read in a second pass. Errors (usage, exit 2: a
+/// malformed bundle, each naming `path`): unreadable, not a regular file or a directory, not
+/// gzip or not tar, no `manifest.json`, a manifest that is not one of [`MANIFEST_SCHEMA`] or
+/// larger than [`MAX_MANIFEST_BYTES`], listed sizes totalling over [`MAX_TOTAL_BYTES`] ("too
+/// large"), a held entry listed over [`crate::inspect::MAX_DOCUMENT_BYTES`], more than
+/// [`MAX_UNLISTED`] unlisted entries or [`MAX_BEFORE_MANIFEST`] entries before the manifest,
+/// an entry that is not a regular file or a directory or lies outside [`TOP`], a path given
+/// twice, or memory running out while reading ("out of memory").
 fn read_bounded(path: &Path, only: Only<'_>) -> Result<Bundle> {
     let bad = |why: String| Error::Usage(format!("{}: not a kvprobe bundle: {why}", path.display()));
-    let oom = |name: &str, n: u64| Error::Usage(format!("{}: out of memory reading {name} ({n} bytes)", path.display()));
-    let f = std::fs::File::open(path).map_err(|e| Error::Usage(format!("{}: cannot read it: {e}", path.display())))?;
-    let mut magic = [0u8; 2];
-    let _ = (&f).read(&mut magic);
-    if magic != [0x1f, 0x8b] {
-        return Err(bad("not a gzip file".into()));
-    }
-    let f = std::fs::File::open(path).map_err(|e| bad(format!("cannot read it: {e}")))?;
-    let mut ar = tar::Archive::new(flate2::read::MultiGzDecoder::new(std::io::BufReader::new(f)));
+    let oom = |name: &str, n: u64| Error::Usage(format!("{}: out of memory reading {TOP}/{name} ({n} bytes)", path.display()));
+    let o = origin(path)?;
     let mut files = BTreeMap::new();
+    let mut digests = BTreeMap::new();
     let mut unlisted = Vec::new();
-    // Every name seen, for "appears twice": at most the listed ones and MAX_UNLISTED more.
+    // Every name seen, for "appears twice": at most the listed ones, MAX_UNLISTED and
+    // MAX_BEFORE_MANIFEST more.
     let mut seen = std::collections::BTreeSet::new();
+    let mut before = Vec::new();
     let mut manifest: Option<Manifest> = None;
     let mut listed = BTreeMap::<String, u64>::new();
-    let entries = ar.entries().map_err(|e| bad(format!("not a gzip-compressed tar archive: {e}")))?;
-    for e in entries {
-        let mut e = e.map_err(|e| bad(format!("not a gzip-compressed tar archive: {e}")))?;
-        let name = e.path().map_err(|e| bad(format!("an entry's name: {e}")))?.to_string_lossy().into_owned();
-        let t = e.header().entry_type();
-        if !t.is_file() {
-            let what = if t.is_dir() { "a directory" } else { "not a regular file" };
-            return Err(bad(format!("{name} is {what}")));
-        }
-        let Some(rel) = name.strip_prefix(&format!("{TOP}/")) else {
-            return Err(bad(format!("{name} is outside {TOP}/")));
-        };
-        if rel.split('/').any(|c| c == ".." || c.is_empty()) {
-            return Err(bad(format!("{name}: not a plain relative path")));
-        }
-        let rel = rel.to_string();
-        if files.contains_key(&rel) || !seen.insert(rel.clone()) {
-            return Err(bad(format!("{name} appears twice")));
-        }
-        if manifest.is_none() {
-            if rel != "manifest.json" {
-                return Err(bad(format!("the first entry is {name}, not {TOP}/manifest.json")));
+    // One listed or unlisted entry, once the manifest is known.
+    let mut take = |rel: &str,
+                    r: &mut dyn Read,
+                    m: &Manifest,
+                    listed: &BTreeMap<String, u64>,
+                    files: &mut BTreeMap<String, Vec<u8>>,
+                    unlisted: &mut Vec<String>|
+     -> Result<()> {
+        let Some(&n) = listed.get(rel) else {
+            if unlisted.len() >= MAX_UNLISTED {
+                return Err(bad(format!("more than {MAX_UNLISTED} entries the manifest does not list")));
             }
-            let body = read_capped(&mut e, MAX_MANIFEST_BYTES + 1).map_err(|n| oom(&name, n))?;
-            let body = body.map_err(|e| bad(format!("reading {name}: {e}")))?;
+            unlisted.push(rel.to_string());
+            return Ok(());
+        };
+        let hold = match only {
+            Only::All => held(rel, &m.report),
+            Only::Entry(o) => o == rel,
+            Only::Report => m.report == rel,
+        };
+        if hold {
+            if matches!(only, Only::All) && n > crate::inspect::MAX_DOCUMENT_BYTES {
+                return Err(Error::Usage(format!(
+                    "{}: too large: the manifest lists {TOP}/{rel} at {n} bytes, over the {} MiB a report or dump index is read to",
+                    path.display(),
+                    crate::inspect::MAX_DOCUMENT_BYTES >> 20
+                )));
+            }
+            let body = read_capped(r, n.saturating_add(1)).map_err(|n| oom(rel, n))?;
+            let body = body.map_err(|e| bad(format!("reading {TOP}/{rel}: {e}")))?;
+            if matches!(only, Only::All) {
+                digests
+                    .insert(rel.to_string(), EntryDigest { bytes: body.len() as u64, sha256: sha_hex(&Sha256::digest(&body)) });
+            }
+            files.insert(rel.to_string(), body);
+        } else if matches!(only, Only::All) {
+            let d = hash_capped(r, n.saturating_add(1)).map_err(|e| bad(format!("reading {TOP}/{rel}: {e}")))?;
+            digests.insert(rel.to_string(), d);
+        }
+        Ok(())
+    };
+    each_entry(path, &o, &mut |rel, r| {
+        if !seen.insert(rel.to_string()) {
+            return Err(bad(format!("{TOP}/{rel} appears twice")));
+        }
+        let Some(m) = &manifest else {
+            if rel != "manifest.json" {
+                if before.len() >= MAX_BEFORE_MANIFEST {
+                    return Err(bad(format!("more than {MAX_BEFORE_MANIFEST} entries before {TOP}/manifest.json")));
+                }
+                before.push(rel.to_string());
+                return Ok(true);
+            }
+            let body = read_capped(r, MAX_MANIFEST_BYTES + 1).map_err(|n| oom(rel, n))?;
+            let body = body.map_err(|e| bad(format!("reading {TOP}/{rel}: {e}")))?;
             if body.len() as u64 > MAX_MANIFEST_BYTES {
-                return Err(bad(format!("{name} is larger than {MAX_MANIFEST_BYTES} bytes")));
+                return Err(bad(format!("{TOP}/{rel} is larger than {MAX_MANIFEST_BYTES} bytes")));
             }
             let m: Manifest = serde_json::from_slice(&body)
                 .map_err(|e| Error::Usage(format!("{}: {TOP}/manifest.json is not a manifest: {e}", path.display())))?;
@@ -572,37 +763,54 @@ fn read_bounded(path: &Path, only: Only<'_>) -> Result<Bundle> {
             for f in &m.files {
                 listed.entry(f.path.clone()).or_insert(f.bytes);
             }
-            files.insert(rel, body);
+            files.insert(rel.to_string(), body);
             manifest = Some(m);
-            continue;
-        }
-        let Some(&n) = listed.get(&rel) else {
-            if unlisted.len() >= MAX_UNLISTED {
-                return Err(bad(format!("more than {MAX_UNLISTED} entries the manifest does not list")));
-            }
-            unlisted.push(rel);
-            continue;
+            return Ok(true);
         };
-        let wanted = match only {
-            Only::All => true,
-            Only::Entry(o) => o == rel,
-            Only::Report => manifest.as_ref().is_some_and(|m| m.report == rel),
-        };
-        if !wanted {
-            continue;
-        }
-        let body = read_capped(&mut e, n.saturating_add(1)).map_err(|n| oom(&name, n))?;
-        files.insert(rel, body.map_err(|e| bad(format!("reading {name}: {e}")))?);
-    }
+        take(rel, r, m, &listed, &mut files, &mut unlisted)?;
+        Ok(true)
+    })?;
     let Some(manifest) = manifest else {
         return Err(Error::Usage(format!("{}: no {TOP}/manifest.json", path.display())));
     };
-    Ok(Bundle { files, manifest, unlisted })
+    if !before.is_empty() {
+        // The entries ahead of the manifest, now that it says which are listed.
+        let before: std::collections::BTreeSet<String> = before.into_iter().collect();
+        each_entry(path, &o, &mut |rel, r| {
+            if rel == "manifest.json" {
+                return Ok(false);
+            }
+            if before.contains(rel) {
+                take(rel, r, &manifest, &listed, &mut files, &mut unlisted)?;
+            }
+            Ok(true)
+        })?;
+    }
+    Ok(Bundle { files, digests, manifest, unlisted, origin: o, path: path.to_path_buf() })
+}
+
+/// Size and SHA-256 of up to `cap` bytes of `r`, streamed (nothing held).
+fn hash_capped(r: &mut dyn Read, cap: u64) -> std::io::Result<EntryDigest> {
+    let mut h = Sha256::new();
+    let mut r = r.take(cap);
+    let mut buf = vec![0u8; 1 << 16];
+    let mut n = 0u64;
+    loop {
+        match r.read(&mut buf) {
+            Ok(0) => return Ok(EntryDigest { bytes: n, sha256: sha_hex(&h.finalize()) }),
+            Ok(k) => {
+                h.update(&buf[..k]);
+                n += k as u64;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 /// Up to `cap` bytes of `r`, the room reserved first: `Err(bytes)` when memory for them
 /// cannot be had (reported as "out of memory", not as a malformed bundle).
-fn read_capped(r: &mut impl Read, cap: u64) -> std::result::Result<std::io::Result<Vec<u8>>, u64> {
+fn read_capped(r: &mut dyn Read, cap: u64) -> std::result::Result<std::io::Result<Vec<u8>>, u64> {
     let mut body = Vec::new();
     // Reserve at most 1 MiB ahead; the rest grows as the bytes arrive (a listed size is a
     // claim, not a promise), each growth checked the same way.
@@ -623,8 +831,34 @@ fn read_capped(r: &mut impl Read, cap: u64) -> std::result::Result<std::io::Resu
     }
 }
 
-/// Reads the bundle at `path`: the manifest and every entry it lists (see [`Bundle`]).
-/// Errors: as [`read_bounded`] describes (usage, exit 2, naming `path`).
+impl Bundle {
+    /// Reads the bundle again and calls `f(rel, body)` for each listed entry in `wanted`
+    /// whose size is the one the manifest lists (its digest from [`read`]), one at a time,
+    /// in archive order: only one such body is held at once (the slices of `report check`).
+    /// Errors: as [`read`], or memory running out ("out of memory").
+    pub fn for_each_listed(&self, wanted: &std::collections::BTreeSet<String>, f: &mut dyn FnMut(&str, &[u8])) -> Result<()> {
+        let path = &self.path;
+        let sizes: BTreeMap<&str, u64> = self.manifest.files.iter().map(|m| (m.path.as_str(), m.bytes)).collect();
+        let mut left = wanted.len();
+        each_entry(path, &self.origin, &mut |rel, r| {
+            let Some(&n) = sizes.get(rel) else { return Ok(true) };
+            if !wanted.contains(rel) || self.digests.get(rel).is_none_or(|d| d.bytes != n) {
+                return Ok(true);
+            }
+            let body = read_capped(r, n)
+                .map_err(|k| Error::Usage(format!("{}: out of memory reading {TOP}/{rel} ({k} bytes)", path.display())))?
+                .map_err(|e| Error::Usage(format!("{}: not a kvprobe bundle: reading {TOP}/{rel}: {e}", path.display())))?;
+            f(rel, &body);
+            left -= 1;
+            Ok(left > 0)
+        })
+    }
+}
+
+/// Reads the bundle at `path` (a `.tar.gz`, or a directory holding an unpacked bundle): the
+/// manifest, the size and SHA-256 of every entry it lists (streamed), and the bodies of the
+/// report and the dump indexes (see [`Bundle`]). Errors: as [`read_bounded`] describes
+/// (usage, exit 2, naming `path`).
 pub fn read(path: &Path) -> Result<Bundle> {
     read_bounded(path, Only::All)
 }

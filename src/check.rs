@@ -36,9 +36,14 @@ pub struct Checked {
     pub slices: usize,
 }
 
-/// Checks the bundle at `path`. Returns the disagreements and what was checked.
-/// Errors (usage, exit 2): a malformed bundle — unreadable, not gzip or tar, no manifest, a
-/// manifest, report or index that is not valid JSON of its schema.
+/// Checks the bundle at `path` (a `.tar.gz`, or a directory holding an unpacked bundle).
+/// Returns the disagreements and what was checked. Errors (usage, exit 2): a malformed
+/// bundle — unreadable, not gzip or tar, no manifest, a manifest, report or index that is not
+/// valid JSON of its schema.
+///
+/// Reading is bounded ([`crate::bundle::read`]): the entries are hashed as they stream past;
+/// only the report and the dump indexes are held, and each dumped slice is read again, one at
+/// a time, for its re-derivation.
 pub fn check(path: &Path) -> Result<Checked> {
     let mut b = crate::bundle::read(path)?;
     let m = crate::bundle::manifest(&b)?;
@@ -49,36 +54,27 @@ pub fn check(path: &Path) -> Result<Checked> {
             problems.push(format!("{}: listed twice in the manifest", f.path));
             continue;
         }
-        match b.files.get(&f.path) {
+        match b.digests.get(&f.path) {
             None => problems.push(format!("{}: in the manifest but not in the bundle", f.path)),
-            Some(body) => {
+            Some(d) => {
                 // Read up to the listed size + 1 byte: "more" means the entry is longer.
-                if body.len() as u64 != f.bytes {
-                    let more = if body.len() as u64 > f.bytes { "more than " } else { "" };
-                    problems.push(format!(
-                        "{}: bytes: manifest {}, file {more}{}",
-                        f.path,
-                        f.bytes,
-                        body.len().min(f.bytes as usize)
-                    ));
+                if d.bytes != f.bytes {
+                    let more = if d.bytes > f.bytes { "more than " } else { "" };
+                    problems.push(format!("{}: bytes: manifest {}, file {more}{}", f.path, f.bytes, d.bytes.min(f.bytes)));
                 }
-                let d = fingerprint::digest(body);
-                if d != f.sha256 {
-                    problems.push(format!("{}: sha256: manifest {}, file {d}", f.path, f.sha256));
+                if d.sha256 != f.sha256 {
+                    problems.push(format!("{}: sha256: manifest {}, file {}", f.path, f.sha256, d.sha256));
                 }
             }
         }
     }
     // An entry of the wrong size was read only to its listed size + 1: its bytes are not the
     // file's, so nothing else is derived from them (it counts as absent below).
-    let wrong_size: Vec<String> = m
-        .files
-        .iter()
-        .filter(|f| b.files.get(&f.path).is_some_and(|body| body.len() as u64 != f.bytes))
-        .map(|f| f.path.clone())
-        .collect();
+    let wrong_size: Vec<String> =
+        m.files.iter().filter(|f| b.digests.get(&f.path).is_some_and(|d| d.bytes != f.bytes)).map(|f| f.path.clone()).collect();
     for p in &wrong_size {
         b.files.remove(p);
+        b.digests.remove(p);
     }
     for p in &b.unlisted {
         problems.push(format!("{p}: in the bundle but not in the manifest (not read)"));
@@ -128,13 +124,18 @@ pub fn check(path: &Path) -> Result<Checked> {
     } else {
         return Err(Error::Usage(format!("{}: {} has schema {schema:?}, not a run or ab report", path.display(), m.report)));
     };
-    let mut indexed = BTreeSet::new();
+    // Each section's checks that need no slice bytes, then one more pass over the bundle
+    // for the slices (one held at a time), then what the slices add up to.
+    let mut secs = Vec::new();
     for (label, dir, sec) in sections {
+        let mut head = Vec::new();
+        report_checks(sec, &mut |s| head.push(format!("{label}{s}")));
         let index_path = format!("{dir}index.json");
         let Some(ib) = b.files.get(&index_path) else {
             if sec.get("dump").is_some_and(|d| d["slices_written"].as_u64() > Some(0)) {
-                problems.push(format!("{index_path}: missing, but the report says slices were dumped"));
+                head.push(format!("{label}{index_path}: missing, but the report says slices were dumped"));
             }
+            problems.append(&mut head);
             continue;
         };
         let index: DumpIndex = serde_json::from_slice(ib)
@@ -147,14 +148,52 @@ pub fn check(path: &Path) -> Result<Checked> {
                 crate::dump::SCHEMA
             )));
         }
-        check_section(&label, &dir, &index, sec, &b.files, &mut indexed, &mut problems, path)?;
+        let s = section_head(label, dir, index, sec, path, &mut head)?;
+        secs.push((s, head));
     }
-    for p in b.files.keys() {
+    // Every slice file an index names, once, with the (section, entry) that name it.
+    let mut wanted = BTreeMap::<String, Vec<(usize, usize)>>::new();
+    for (k, (s, _)) in secs.iter().enumerate() {
+        for (i, e) in s.index.slices.iter().enumerate() {
+            if s.shapes[i].is_some() {
+                wanted.entry(format!("{}{}", s.dir, e.file)).or_default().push((k, i));
+            }
+        }
+    }
+    let mut said: Vec<Vec<Vec<String>>> = secs.iter().map(|(s, _)| vec![Vec::new(); s.index.slices.len()]).collect();
+    let mut met = BTreeSet::new();
+    let names: BTreeSet<String> = wanted.keys().cloned().collect();
+    if !names.is_empty() {
+        b.for_each_listed(&names, &mut |rel, actual| {
+            met.insert(rel.to_string());
+            for &(k, i) in wanted.get(rel).into_iter().flatten() {
+                let s = &secs[k].0;
+                said[k][i] = check_slice(s, i, actual);
+            }
+        })?;
+    }
+    let mut indexed = BTreeSet::new();
+    for (k, (s, head)) in secs.iter_mut().enumerate() {
+        problems.append(head);
+        for (i, e) in s.index.slices.iter().enumerate() {
+            let file = format!("{}{}", s.dir, e.file);
+            indexed.insert(file.clone());
+            if s.shapes[i].is_some() && !met.contains(&file) {
+                // Absent, or of another size than listed (said with the manifest).
+                problems.push(format!("{}{}: {file} is not in the bundle", s.label, slice_name(e)));
+                continue;
+            }
+            problems.append(&mut said[k][i]);
+        }
+        let size_of = |f: &str| b.digests.get(f).map(|d| d.bytes);
+        section_tail(s, &size_of, &mut problems);
+    }
+    for p in b.digests.keys() {
         if p.starts_with("dump/") && p.contains("slices/") && !indexed.contains(p) {
             problems.push(format!("{p}: a slice file no index.json lists"));
         }
     }
-    Ok(Checked { problems, files: m.files.len(), slices: indexed.len() })
+    Ok(Checked { problems, files: m.files.len(), slices: met.len() })
 }
 
 /// The report's geometry, validated ([`Geometry::validate`]).
@@ -164,25 +203,79 @@ fn geometry_of(v: &Value) -> std::result::Result<Geometry, String> {
     Ok(g)
 }
 
-/// Outcome coherence of one report (or ab section): failures listed (or slices dumped) mean
-/// the run was not clean and `summary.blocks_corrupt` counts at least that many; sweep
-/// failures carry `iteration` >= 1 (scenario failures, with `request`, count engine steps from 0).
-fn coherence(sec: &Value, failures: &[Value], dumped: usize, say: &mut dyn FnMut(String)) {
+/// The report's own claims, checked against each other and re-derived from its
+/// configuration (one report, or one ab section), before any dump is looked at:
+///
+/// - failures listed (or slices dumped) mean the run was not clean and
+///   `summary.blocks_corrupt` counts at least that many; each class's listed failures are at
+///   most its `summary.by_class` count (over every class either names);
+/// - a run that says clean (status `clean` or exit 0) has no corrupt slice (`blocks_corrupt`
+///   0, every `by_class` count 0) and compared every slice it checked, at least one
+///   (`slices_compared` = `blocks_checked` > 0, when the report has `slices_compared`);
+/// - sweep failures carry `iteration` >= 1 (scenario failures, with `request`, count engine
+///   steps from 0) and `poison_iteration` = `iteration`;
+/// - sweeps: each failure's `expected` identity and `prefill_block` are what the sweep plan of
+///   its iteration says for its slot ([`crate::sweep::plan`] of the report's `config`: the
+///   logical block id and token base of the slot's group, generation = iteration), its
+///   iteration one the run had; each injection reported `detected` has, at every predicted
+///   slice, a listed failure of the predicted class (when no failure was left out).
+fn report_checks(sec: &Value, say: &mut dyn FnMut(String)) {
+    let failures = sec["failures"].as_array().map(Vec::as_slice).unwrap_or_default();
+    let dumped = sec["dump"]["slices_written"].as_u64().unwrap_or(0) as usize;
     let outcome = &sec["outcome"];
-    if (!failures.is_empty() || dumped > 0) && !outcome.is_null() {
+    let summary = &sec["summary"];
+    let clean = !outcome.is_null() && (outcome["status"] == "clean" || outcome["exit_code"].as_u64() == Some(0));
+    if clean {
         let status = outcome["status"].as_str().unwrap_or("");
-        if status == "clean" || outcome["exit_code"].as_u64() == Some(0) {
+        let exit = show(&outcome["exit_code"]);
+        if !failures.is_empty() || dumped > 0 {
             say(format!(
-                "report: outcome: status {status:?} exit {}, but {} failures listed and {dumped} slices dumped",
-                show(&outcome["exit_code"]),
+                "report: outcome: status {status:?} exit {exit}, but {} failures listed and {dumped} slices dumped",
                 failures.len()
             ));
         }
+        if let Some(n) = summary["blocks_corrupt"].as_u64().filter(|&n| n > 0) {
+            say(format!("report: outcome: status {status:?} exit {exit}, but summary.blocks_corrupt is {n}"));
+        }
+        for (class, n) in summary["by_class"].as_object().into_iter().flatten() {
+            if n.as_u64() != Some(0) {
+                say(format!("report: outcome: status {status:?} exit {exit}, but summary.by_class.{class} is {}", show(n)));
+            }
+        }
+        if let Some(compared) = summary.get("slices_compared").filter(|v| !v.is_null()) {
+            let checked = &summary["blocks_checked"];
+            if compared != checked || compared.as_u64() == Some(0) {
+                say(format!(
+                    "report: outcome: status {status:?} exit {exit}, but summary.slices_compared is {} of {} slices checked: \
+                     a clean run compared every slice it checked, at least one",
+                    show(compared),
+                    show(checked)
+                ));
+            }
+        }
     }
-    let corrupt = sec["summary"]["blocks_corrupt"].as_u64().unwrap_or(0);
+    let corrupt = summary["blocks_corrupt"].as_u64().unwrap_or(0);
     if corrupt < failures.len() as u64 {
         say(format!("report: summary.blocks_corrupt: {corrupt}, but {} failures listed", failures.len()));
     }
+    // Each class's listed failures against its count, over the classes either names.
+    let mut listed = BTreeMap::<String, u64>::new();
+    for f in failures {
+        *listed.entry(show(&f["class"])).or_default() += 1;
+    }
+    let by_class = summary["by_class"].as_object();
+    let classes: BTreeSet<String> = listed.keys().cloned().chain(by_class.into_iter().flat_map(|m| m.keys().cloned())).collect();
+    for class in classes {
+        let n = listed.get(&class).copied().unwrap_or(0);
+        let counted = by_class.and_then(|m| m.get(&class)).and_then(Value::as_u64);
+        if counted.unwrap_or(0) < n {
+            say(format!(
+                "report: summary.by_class.{class}: {}, but {n} {class} failures listed",
+                counted.map_or("absent".to_string(), |c| c.to_string())
+            ));
+        }
+    }
+    let mut sweep_failures = Vec::new();
     for (i, f) in failures.iter().enumerate() {
         let sweep = f.get("request").is_none_or(Value::is_null);
         if sweep && f["iteration"].as_u64().is_some_and(|n| n < 1) {
@@ -196,6 +289,135 @@ fn coherence(sec: &Value, failures: &[Value], dumped: usize, say: &mut dyn FnMut
                 show(&f["poison_iteration"]),
                 if sweep { format!("a sweep's is its iteration ({})", show(&f["iteration"])) } else { "below 2^24".into() }
             ));
+        }
+        if sweep {
+            sweep_failures.push((format!("report: failures[{i}]"), f));
+        }
+    }
+    let config = &sec["config"];
+    if config.get("scenario").is_none_or(Value::is_null) {
+        let mut plans = Plans::new(config);
+        for (name, f) in &sweep_failures {
+            plans.check_identity(name, f, say);
+        }
+        injections(sec, failures, say);
+    }
+}
+
+/// The sweep plans of a report's iterations ([`crate::sweep::plan`] of its `config`), made
+/// as failures ask for them (the last one kept: failures are listed in iteration order, and a
+/// plan holds tables of the pool's size); said once when the config is not one kvprobe runs.
+struct Plans {
+    cfg: std::result::Result<crate::sweep::RunConfig, String>,
+    made: Option<(u32, std::result::Result<crate::sweep::Plan, String>)>,
+    said: bool,
+}
+
+impl Plans {
+    fn new(config: &Value) -> Plans {
+        let cfg = serde_json::from_value::<crate::sweep::RunConfig>(config.clone()).map_err(|e| e.to_string());
+        Plans { cfg, made: None, said: false }
+    }
+
+    /// Says where the failure record `f` (named `name`) has another expected identity or
+    /// prefill block than the plan of its iteration gives its decode slot, or an iteration
+    /// the run never had.
+    fn check_identity(&mut self, name: &str, f: &Value, say: &mut dyn FnMut(String)) {
+        let cfg = match &self.cfg {
+            Ok(c) => c,
+            Err(e) => {
+                if !std::mem::replace(&mut self.said, true) {
+                    say(format!("report: config: not a run configuration, so no expected identity is re-derived: {e}"));
+                }
+                return;
+            }
+        };
+        let (Some(it), Some(block)) = (f["iteration"].as_u64(), f["block"].as_u64()) else { return };
+        if it < 1 || it > cfg.iterations as u64 {
+            say(format!("{name}: iteration {it}: the run has iterations 1..={}", cfg.iterations));
+            return;
+        }
+        let it = it as u32;
+        if self.made.as_ref().is_none_or(|(n, _)| *n != it) {
+            self.made = Some((it, crate::sweep::plan(cfg, it).map_err(|e| e.to_string())));
+        }
+        let Some((_, plan)) = &self.made else { return };
+        let plan = match plan {
+            Ok(p) => p,
+            Err(e) => {
+                if !std::mem::replace(&mut self.said, true) {
+                    say(format!("report: config: the sweep plan cannot be made, so no expected identity is re-derived: {e}"));
+                }
+                return;
+            }
+        };
+        let Some(entry) = plan.dst_table.get(block as usize) else {
+            say(format!("{name}: block {block}: decode has {} blocks", plan.dst_table.len()));
+            return;
+        };
+        let (Ok(layer), Ok(kv)) = (
+            serde_json::from_value::<u32>(f["layer"].clone()),
+            serde_json::from_value::<crate::geometry::KvPart>(f["kv"].clone()),
+        ) else {
+            return;
+        };
+        let c = SliceCoord { layer, kv, block: block as u32 };
+        let want = json!(entry.identity(c));
+        if f["expected"] != want {
+            say(format!(
+                "{name}: expected: {}, but the sweep plan of iteration {it} (seed, config) puts {want} in that slot",
+                show(&f["expected"])
+            ));
+        }
+        let src = plan.src_of[block as usize];
+        if f["prefill_block"].as_u64() != Some(src as u64) {
+            say(format!(
+                "{name}: prefill_block: {}, but the sweep plan of iteration {it} moves prefill block {src} there",
+                show(&f["prefill_block"])
+            ));
+        }
+    }
+}
+
+/// The report's `injections` against its failures: an injection reported `detected` has, at
+/// each slice it predicts, a listed failure of its iteration of the predicted class; checked
+/// only when no failure was left out of the list (`--max-failures`).
+fn injections(sec: &Value, failures: &[Value], say: &mut dyn FnMut(String)) {
+    let omitted = sec["summary"]["failures_omitted"].as_u64().unwrap_or(0);
+    if omitted > 0 {
+        return;
+    }
+    let at = |v: &Value| ["layer", "kv", "block", "tp_rank"].map(|k| v.get(k).cloned().unwrap_or(Value::Null));
+    for (k, inj) in sec["injections"].as_array().into_iter().flatten().enumerate() {
+        if inj["detected"] != true {
+            continue;
+        }
+        for h in inj["predicted"].as_array().into_iter().flatten() {
+            let here: Vec<&Value> = failures
+                .iter()
+                .filter(|f| f["iteration"] == inj["iteration"] && at(f) == at(h) && f["stray_check"].is_null())
+                .collect();
+            let slice = format!(
+                "iteration {} layer {} {} block {}",
+                show(&inj["iteration"]),
+                show(&h["layer"]),
+                show(&h["kv"]),
+                show(&h["block"])
+            );
+            if here.is_empty() {
+                say(format!(
+                    "report: injections[{k}] ({}): detected, but no failure is listed at {slice}, where it predicts {}",
+                    show(&inj["kind"]),
+                    show(&h["class"])
+                ));
+            } else if !here.iter().any(|f| f["class"] == h["class"]) {
+                say(format!(
+                    "report: injections[{k}] ({}): detected, but the failure at {slice} is {}, not the predicted {}",
+                    show(&inj["kind"]),
+                    show(&here[0]["class"]),
+                    show(&h["class"])
+                ));
+            }
         }
     }
 }
@@ -277,17 +499,46 @@ fn show(v: &Value) -> String {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn check_section(
-    label: &str,
-    dir: &str,
-    index: &DumpIndex,
+/// One dump folder and its report section, as [`section_head`] found them.
+struct Section {
+    /// `row NAME: ` in an ab bundle, else empty.
+    label: String,
+    /// The dump folder in the bundle (`dump/`, `dump/NAME/`).
+    dir: String,
+    index: DumpIndex,
+    /// The report's failures.
+    failures: Vec<Value>,
+    /// Per index entry: its rows ([`crate::dump::rank_shape`]), or `None` when its bytes
+    /// are not re-derived (why was said: a rank or token base the geometry cannot name, a
+    /// file outside `slices/` or named twice, a size not the slices').
+    shapes: Vec<Option<RowShape>>,
+    /// Per index entry: its record in the report's failures (`report_index`, or the failure
+    /// with its coordinates when it has none).
+    rec_of: Vec<Option<usize>>,
+    /// The report's `summary.by_class`.
+    by_class: BTreeMap<String, u64>,
+}
+
+/// A failure record's coordinates, as the report and the index write them: two records with
+/// the same are the same failing slice.
+fn coordinates(v: &Value) -> [Value; 7] {
+    ["iteration", "layer", "kv", "block", "tp_rank", "stray_check", "request"].map(|k| v.get(k).cloned().unwrap_or(Value::Null))
+}
+
+/// Checks a dump folder's `index.json` against its report section `sec` without the slice
+/// bytes: seed, geometry, fingerprint, the `dump` block, TP sizes; each entry's file (in
+/// `slices/`, named by one entry only), size, slot, rank, `regenerate` command, expected
+/// coordinates, the report's record (`report_index` unique; an entry without one is in no
+/// listed failure, and the list was full) field by field, and the entry's record re-derived
+/// from the sweep plan. Disagreements go to `said`.
+fn section_head(
+    label: String,
+    dir: String,
+    index: DumpIndex,
     sec: &Value,
-    files: &BTreeMap<String, Vec<u8>>,
-    indexed: &mut BTreeSet<String>,
-    problems: &mut Vec<String>,
     bundle: &Path,
-) -> Result<()> {
+    said: &mut Vec<String>,
+) -> Result<Section> {
     let bundle = bundle.display();
     if index.fingerprint != fingerprint::FORMAT {
         return Err(Error::Usage(format!(
@@ -297,7 +548,7 @@ fn check_section(
             fingerprint::FORMAT
         )));
     }
-    let mut say = |s: String| problems.push(format!("{label}{s}"));
+    let mut say = |s: String| said.push(format!("{label}{s}"));
     let config = &sec["config"];
     if config["fingerprint"] != json!(index.fingerprint) {
         say(format!(
@@ -351,10 +602,8 @@ fn check_section(
         say(format!("{dir}index.json: slice_bytes: report {}, index {}", show(&dumped["slice_bytes"]), index.slice_bytes));
     }
     let field = if dumped == &config["geometry"] { "geometry" } else { "decode_geometry" };
-    let geometry = Some(geometry_of(dumped).map_err(|e| Error::Usage(format!("{bundle}: {label}report: config.{field}: {e}")))?);
-    if let Some(g) = &geometry
-        && let Ok(n) = g.slice_bytes()
-    {
+    let geometry = geometry_of(dumped).map_err(|e| Error::Usage(format!("{bundle}: {label}report: config.{field}: {e}")))?;
+    if let Ok(n) = geometry.slice_bytes() {
         if slice_bytes != Some(n) {
             say(format!("report: config.{field}.slice_bytes: report {}, geometry {n}", show(&dumped["slice_bytes"])));
         }
@@ -378,35 +627,83 @@ fn check_section(
     if field == "decode_geometry" {
         let p = geometry_of(&config["geometry"])
             .map_err(|e| Error::Usage(format!("{bundle}: {label}report: config.geometry: {e}")))?;
-        if let Some(d) = &geometry
-            && let Err(why) = crate::pairing::Sides::check(&p, d, config["permute_local_kv"] == true, tp)
-        {
+        if let Err(why) = crate::pairing::Sides::check(&p, &geometry, config["permute_local_kv"] == true, tp) {
             say(format!("report: config.geometry, config.decode_geometry and config.tp are not one pair: {why}"));
         }
-    } else if let (Some(t), Some(g)) = (tp, &geometry)
-        && let Err(why) = crate::pairing::Sides::check(g, g, config["permute_local_kv"] == true, Some(t))
+    } else if let Some(t) = tp
+        && let Err(why) = crate::pairing::Sides::check(&geometry, &geometry, config["permute_local_kv"] == true, Some(t))
     {
         say(format!("report: config.geometry and config.tp are not one pair: {why}"));
     }
     let failures = sec["failures"].as_array().cloned().unwrap_or_default();
-    coherence(sec, &failures, index.slices.len(), &mut say);
-    let (mut bytes_total, mut per_class) = (0u64, BTreeMap::<String, u64>::new());
+    let max_failures = config["max_failures"].as_u64();
+    let sweep = config.get("scenario").is_none_or(Value::is_null);
+    let mut plans = Plans::new(config);
+    let (mut shapes, mut rec_of) = (Vec::new(), Vec::new());
+    // report_index -> the entry that gave it; file -> the entry that named it.
+    let (mut pointed, mut files) = (BTreeMap::<usize, String>::new(), BTreeMap::<&str, String>::new());
     for e in &index.slices {
         let name = slice_name(e);
-        let file = format!("{dir}{}", e.file);
-        indexed.insert(file.clone());
         let ev = serde_json::to_value(&e.failure).unwrap_or(Value::Null);
-        let Some(actual) = files.get(&file) else {
-            say(format!("{name}: {file} is not in the bundle"));
-            continue;
-        };
-        bytes_total += actual.len() as u64;
-        *per_class.entry(e.failure.class.name().to_string()).or_default() += 1;
-        if actual.len() as u64 != index.slice_bytes || e.bytes != index.slice_bytes {
-            say(format!("{name}: bytes: index {} (slice_bytes {}), file {}", e.bytes, index.slice_bytes, actual.len()));
-            continue;
+        let mut readable = true;
+        // Slice files lie in `slices/`, one file per entry.
+        let in_slices =
+            e.file.strip_prefix("slices/").is_some_and(|f| !f.is_empty() && !f.contains('/') && f != "." && f != "..");
+        if !in_slices {
+            say(format!("{name}: file {:?}: not a file in {dir}slices/", e.file));
+            readable = false;
         }
-        let Some(g) = &geometry else { continue };
+        if let Some(other) = files.insert(&e.file, name.clone()) {
+            say(format!("{name}: file {}: also named by {other}", e.file));
+            readable = false;
+        }
+        // Its record in the report: report_index, given to one entry only; without one, no
+        // listed failure is this slice, and the list was full when it was found.
+        let found = failures.iter().position(|r| coordinates(r) == coordinates(&ev));
+        let rec = match (e.report_index, found) {
+            (Some(i), _) => {
+                if let Some(other) = pointed.insert(i, name.clone()) {
+                    say(format!("{name}: report_index {i}: also given to {other}"));
+                }
+                if i >= failures.len() {
+                    say(format!("{name}: report_index {i}: the report lists {} failures", failures.len()));
+                    None
+                } else {
+                    Some(i)
+                }
+            }
+            (None, Some(j)) => {
+                say(format!("{name}: report_index: none, but the report's failures[{j}] is this slice"));
+                Some(j)
+            }
+            (None, None) => {
+                if max_failures.is_some_and(|m| (failures.len() as u64) < m) {
+                    say(format!(
+                        "{name}: report_index: none, but the report lists {} failures of --max-failures {}: \
+                         a slice found while the list had room is listed",
+                        failures.len(),
+                        show(&config["max_failures"])
+                    ));
+                }
+                None
+            }
+        };
+        if let Some(i) = rec {
+            for k in RECORD_FIELDS {
+                let (r, x) = (failures[i].get(k).cloned().unwrap_or(Value::Null), ev.get(k).cloned().unwrap_or(Value::Null));
+                if r != x {
+                    say(format!("{name}: {k}: report {}, index {}", show(&r), show(&x)));
+                }
+            }
+        } else if sweep {
+            // Not in the report: its own record against the plan.
+            plans.check_identity(&format!("{dir}index.json: {name}"), &ev, &mut say);
+        }
+        rec_of.push(rec);
+        if e.bytes != index.slice_bytes {
+            say(format!("{name}: bytes: index {} (slice_bytes {})", e.bytes, index.slice_bytes));
+            readable = false;
+        }
         if let Some(r) = e.failure.tp_rank
             && tp.is_none_or(|t| r >= t.decode)
         {
@@ -414,11 +711,13 @@ fn check_section(
                 "{name}: tp_rank {r}: the report's config.tp has {}",
                 tp.map_or("no TP ranks".to_string(), |t| format!("{} decode ranks", t.decode))
             ));
+            shapes.push(None);
             continue;
         }
-        let shape = crate::dump::rank_shape(&RowShape::of(g), tp.as_ref(), e.failure.tp_rank);
+        let shape = crate::dump::rank_shape(&RowShape::of(&geometry), tp.as_ref(), e.failure.tp_rank);
         if let Err(err) = shape.validate(e.failure.expected.token_base) {
             say(format!("{name}: expected.token_base {}: {err}", e.failure.expected.token_base));
+            shapes.push(None);
             continue;
         }
         let fname = e.file.rsplit('/').next().unwrap_or(&e.file);
@@ -434,6 +733,7 @@ fn check_section(
             say(format!("{name}: regenerate: index {:?}, expected {want_cmd:?}", e.regenerate));
         }
         {
+            let g = &geometry;
             let c = SliceCoord { layer: e.failure.layer, kv: e.failure.kv, block: e.failure.block };
             let in_pool = c.layer < g.num_layers && c.block < g.num_blocks && g.parts().contains(&c.kv);
             // u64: a pool of 2^31 blocks has global slices past u32.
@@ -446,56 +746,105 @@ fn check_section(
                 ));
             }
         }
-        let expected_ok = {
-            let x: &BlockIdentity = &e.failure.expected;
-            x.layer == e.failure.layer && x.kv == e.failure.kv
-        };
-        if !expected_ok {
-            say(format!(
-                "{name}: expected: identity {} {} is not the slot's layer and K/V",
-                e.failure.expected.layer, e.failure.expected.kv
-            ));
+        let x: &BlockIdentity = &e.failure.expected;
+        if x.layer != e.failure.layer || x.kv != e.failure.kv {
+            say(format!("{name}: expected: identity {} {} is not the slot's layer and K/V", x.layer, x.kv));
         }
-        let derived = derive(e, index.seed, &shape, actual);
-        if derived.get("bad_bytes") == Some(&json!(0)) {
-            say(format!("{name}: bytes: the slice equals what it had to hold ({file} is intact): a dumped slice is a failure"));
+        shapes.push(readable.then_some(shape));
+    }
+    let by_class =
+        sec["summary"]["by_class"].as_object().into_iter().flatten().map(|(k, v)| (k.clone(), v.as_u64().unwrap_or(0))).collect();
+    Ok(Section { label, dir, index, failures, shapes, rec_of, by_class })
+}
+
+/// Re-derives one dumped slice from its bytes `actual` (the slice file, of the listed size)
+/// and compares the result with its record in the index and in the report.
+fn check_slice(s: &Section, i: usize, actual: &[u8]) -> Vec<String> {
+    let mut out = Vec::new();
+    let e = &s.index.slices[i];
+    let Some(shape) = &s.shapes[i] else { return out };
+    let name = format!("{}{}", s.label, slice_name(e));
+    if actual.len() as u64 != s.index.slice_bytes {
+        out.push(format!("{name}: bytes: index {} (slice_bytes {}), file {}", e.bytes, s.index.slice_bytes, actual.len()));
+        return out;
+    }
+    let ev = serde_json::to_value(&e.failure).unwrap_or(Value::Null);
+    let derived = derive(e, s.index.seed, shape, actual);
+    if derived.get("bad_bytes") == Some(&json!(0)) {
+        out.push(format!(
+            "{name}: bytes: the slice equals what it had to hold ({}{} is intact): a dumped slice is a failure",
+            s.dir, e.file
+        ));
+    }
+    for (k, v) in &derived {
+        let got = ev.get(*k).cloned().unwrap_or(Value::Null);
+        if &got != v {
+            out.push(format!("{name}: {k}: index {}, bytes {}", show(&got), show(v)));
         }
-        for (k, v) in &derived {
-            let got = ev.get(*k).cloned().unwrap_or(Value::Null);
-            if &got != v {
-                say(format!("{name}: {k}: index {}, bytes {}", show(&got), show(v)));
-            }
-        }
-        let Some(i) = e.report_index else { continue };
-        let Some(rec) = failures.get(i) else {
-            say(format!("{name}: report_index {i}: the report lists {} failures", failures.len()));
-            continue;
-        };
+    }
+    if let Some(rec) = s.rec_of[i].and_then(|r| s.failures.get(r)) {
         for k in RECORD_FIELDS {
-            let (r, x) = (rec.get(k).cloned().unwrap_or(Value::Null), ev.get(k).cloned().unwrap_or(Value::Null));
-            if r != x {
-                say(format!("{name}: {k}: report {}, index {}", show(&r), show(&x)));
-            }
+            let r = rec.get(k).cloned().unwrap_or(Value::Null);
             if let Some(v) = derived.get(k)
                 && &r != v
             {
-                say(format!("{name}: {k}: report {}, bytes {}", show(&r), show(v)));
+                out.push(format!("{name}: {k}: report {}, bytes {}", show(&r), show(v)));
             }
+        }
+    }
+    out
+}
+
+/// What a dump folder's slices add up to: `bytes_written` (the sizes of the slice files
+/// present, `size_of`), each class's written count against the slices listed and written +
+/// omitted against the report's `summary.by_class` (over every class the index, the slices or
+/// the report names: a class missing on one side counts 0 there), and the report's failures
+/// no entry is: at most the class's omitted count.
+fn section_tail(s: &Section, size_of: &dyn Fn(&str) -> Option<u64>, problems: &mut Vec<String>) {
+    let (label, dir, index) = (&s.label, &s.dir, &s.index);
+    let mut say = |m: String| problems.push(format!("{label}{m}"));
+    let (mut bytes_total, mut per_class) = (0u64, BTreeMap::<String, u64>::new());
+    for e in &index.slices {
+        if let Some(n) = size_of(&format!("{dir}{}", e.file)) {
+            bytes_total += n;
+            *per_class.entry(e.failure.class.name().to_string()).or_default() += 1;
         }
     }
     if bytes_total != index.bytes_written {
         say(format!("{dir}index.json: bytes_written: index {}, slice files {bytes_total}", index.bytes_written));
     }
-    let by_class = &sec["summary"]["by_class"];
-    for (class, c) in &index.by_class {
-        let n = per_class.get(class).copied().unwrap_or(0);
-        if c.written != n {
-            say(format!("{dir}index.json: by_class.{class}.written: index {}, slices listed {n}", c.written));
-        }
-        let r = by_class[class].as_u64().unwrap_or(0);
-        if c.written + c.omitted != r {
-            say(format!("{dir}index.json: by_class.{class}: report {r}, index written {} + omitted {}", c.written, c.omitted));
+    let by_class = &s.by_class;
+    let mut in_report = BTreeMap::<String, u64>::new();
+    let dumped: BTreeSet<usize> = s.rec_of.iter().flatten().copied().collect();
+    for (j, f) in s.failures.iter().enumerate() {
+        if !dumped.contains(&j) {
+            *in_report.entry(show(&f["class"])).or_default() += 1;
         }
     }
-    Ok(())
+    let classes: BTreeSet<String> =
+        index.by_class.keys().chain(per_class.keys()).chain(by_class.keys()).chain(in_report.keys()).cloned().collect();
+    let absent = |c: Option<u64>| c.map_or("absent".to_string(), |n| n.to_string());
+    for class in classes {
+        let c = index.by_class.get(&class);
+        let n = per_class.get(&class).copied().unwrap_or(0);
+        let (written, omitted) = (c.map_or(0, |c| c.written), c.map_or(0, |c| c.omitted));
+        if written != n || (c.is_none() && n > 0) {
+            say(format!("{dir}index.json: by_class.{class}.written: index {}, slices listed {n}", absent(c.map(|c| c.written))));
+        }
+        let r = by_class.get(&class).copied();
+        if written + omitted != r.unwrap_or(0) || (c.is_none() != r.is_none() && written + omitted + r.unwrap_or(0) > 0) {
+            say(format!(
+                "{dir}index.json: by_class.{class}: report {}, index written {} + omitted {}",
+                absent(r),
+                absent(c.map(|c| c.written)),
+                absent(c.map(|c| c.omitted))
+            ));
+        }
+        let undumped = in_report.get(&class).copied().unwrap_or(0);
+        if undumped > omitted {
+            say(format!(
+                "report: {undumped} listed {class} failures are in no {dir}index.json entry, but the index omitted {omitted} {class} slices"
+            ));
+        }
+    }
 }

@@ -36,9 +36,21 @@ pub struct Document {
     pub path: String,
 }
 
-/// Reads `path` and tells what it is by its `schema`. Errors (usage, exit 2): unreadable, not
-/// JSON (the parser's line and column), or a schema this version does not know (named).
+/// Reads `path` and tells what it is by its `schema`. Every string of the document comes
+/// back escaped for a terminal ([`escape_json_strings`]). Errors (usage, exit 2): unreadable,
+/// not a regular file, device or pipe with content, not JSON (the parser's line and column),
+/// or a schema this version does not know (named).
 pub fn load(path: &Path) -> Result<Document> {
+    let (bytes, named, kind) = read_document(path)?;
+    let json: Value = serde_json::from_slice(&bytes)
+        .map_err(|e| Error::Usage(format!("{}: not a kvprobe JSON document: {e}", path.display())))?;
+    Ok(Document { kind, json, path: named })
+}
+
+/// The document at `path` (a bundle's report for a bundle) with every string escaped
+/// ([`escape_json_strings`]), the name it is shown under, and its kind (from its `schema`
+/// alone: nothing else is parsed here).
+fn read_document(path: &Path) -> Result<(Vec<u8>, String, Kind)> {
     let bad = |why: String| Error::Usage(format!("{}: {why}", path.display()));
     let mut bytes = read_bounded(path).map_err(bad)?;
     let mut named = path.display().to_string();
@@ -48,8 +60,14 @@ pub fn load(path: &Path) -> Result<Document> {
         bytes = crate::bundle::read_report(path)?;
         named = format!("report.json in {named}");
     }
-    let json: Value = serde_json::from_slice(&bytes).map_err(|e| bad(format!("not a kvprobe JSON document: {e}")))?;
-    let schema = match json.get("schema") {
+    let bytes = escape_json_strings(&bytes);
+    /// The `schema` field alone (the rest skipped unparsed).
+    #[derive(serde::Deserialize)]
+    struct Head {
+        schema: Option<Value>,
+    }
+    let head: Head = serde_json::from_slice(&bytes).map_err(|e| bad(format!("not a kvprobe JSON document: {e}")))?;
+    let schema = match &head.schema {
         None => "",
         Some(Value::String(s)) => s.as_str(),
         Some(other) => return Err(bad(format!("its \"schema\" is {other}, not a string: not a kvprobe document"))),
@@ -68,7 +86,127 @@ pub fn load(path: &Path) -> Result<Document> {
             )));
         }
     };
-    Ok(Document { kind, json, path: named })
+    Ok((bytes, named, kind))
+}
+
+/// The human summary of the document at `path` ([`show`]), parsed straight into its type
+/// (no [`Value`] tree in between: a report of 244 MB held as a tree took 4.4 GB). Errors:
+/// as [`load`] and [`show`].
+pub fn show_file(path: &Path) -> Result<String> {
+    let (bytes, named, kind) = read_document(path)?;
+    let bad = |e: serde_json::Error| Error::Usage(format!("{}: the document does not fit its schema: {e}", path.display()));
+    Ok(match kind {
+        Kind::Run => render_run(&serde_json::from_slice(&bytes).map_err(bad)?, &named),
+        Kind::Ab => crate::ab::render(&serde_json::from_slice(&bytes).map_err(bad)?),
+        Kind::Bench => render_bench(&serde_json::from_slice(&bytes).map_err(bad)?),
+    })
+}
+
+fn render_run(r: &crate::report::Report, named: &str) -> String {
+    let mut s = crate::report::render_with(r, Some(named));
+    if let Some(e) = &r.outcome.error {
+        s += &format!("error:             {}\n", escape_for_terminal(&e.message));
+    }
+    s
+}
+
+fn render_bench(b: &crate::bench::BenchReport) -> String {
+    format!("{}result: {} (exit {})\n", crate::bench::render(b), escape_for_terminal(&b.outcome.status), b.outcome.exit_code)
+}
+
+/// Whether `c` must not reach a terminal as it is: a control character (C0, DEL, C1: ESC
+/// starts CSI and OSC sequences, CR overwrites a line, a newline forges one) or a
+/// bidirectional-text override (which reorders what is shown).
+fn unsafe_for_terminal(c: char) -> bool {
+    c.is_control() || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+}
+
+/// `s` with every character that must not reach a terminal raw ([`unsafe_for_terminal`])
+/// written as Rust writes it escaped (`\n`, `\r`, `\t`, `\u{1b}`, `\u{202e}`); every other
+/// character as it is. For strings that came from outside kvprobe (a report read back, a
+/// bundle): nothing in them can move the cursor, clear the screen, set a window title or
+/// forge a line of output.
+pub fn escape_for_terminal(s: &str) -> String {
+    if !s.chars().any(unsafe_for_terminal) {
+        return s.to_string();
+    }
+    s.chars().map(|c| if unsafe_for_terminal(c) { c.escape_default().to_string() } else { c.to_string() }).collect()
+}
+
+/// The JSON text `b` with every string (keys too) escaped for a terminal: a character of a
+/// string that [`escape_for_terminal`] would escape — written as a JSON escape (`\n`,
+/// `\u001b`) or raw (DEL, C1 and bidirectional controls in UTF-8) — is replaced by the JSON
+/// text of its escaped form, so the parsed string holds `\u{1b}` as six visible characters.
+/// Everything else is copied byte for byte (invalid JSON stays invalid, for the parser to
+/// name).
+pub fn escape_json_strings(b: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(b.len());
+    let put = |out: &mut Vec<u8>, c: char| {
+        // The escaped text, as JSON string content: its backslash doubled.
+        out.extend_from_slice(escape_for_terminal(&c.to_string()).replace('\\', "\\\\").as_bytes())
+    };
+    let (mut i, mut in_string) = (0, false);
+    while i < b.len() {
+        let c = b[i];
+        if !in_string {
+            in_string = c == b'"';
+            out.push(c);
+            i += 1;
+            continue;
+        }
+        match c {
+            b'"' => {
+                in_string = false;
+                out.push(c);
+                i += 1;
+            }
+            b'\\' if i + 1 < b.len() => {
+                let (ch, len) = match b[i + 1] {
+                    b'n' => (Some('\n'), 2),
+                    b'r' => (Some('\r'), 2),
+                    b't' => (Some('\t'), 2),
+                    b'b' => (Some('\u{8}'), 2),
+                    b'f' => (Some('\u{c}'), 2),
+                    b'u' if i + 6 <= b.len() => (
+                        std::str::from_utf8(&b[i + 2..i + 6])
+                            .ok()
+                            .and_then(|h| u32::from_str_radix(h, 16).ok())
+                            .and_then(char::from_u32),
+                        6,
+                    ),
+                    _ => (None, 2),
+                };
+                match ch {
+                    Some(ch) if unsafe_for_terminal(ch) => put(&mut out, ch),
+                    _ => out.extend_from_slice(&b[i..i + len]),
+                }
+                i += len;
+            }
+            0x7f.. => {
+                let len = match c {
+                    0xf0.. => 4,
+                    0xe0.. => 3,
+                    0xc0.. => 2,
+                    _ => 1,
+                };
+                match b.get(i..i + len).and_then(|x| std::str::from_utf8(x).ok()).and_then(|x| x.chars().next()) {
+                    Some(ch) if unsafe_for_terminal(ch) => put(&mut out, ch),
+                    Some(_) => out.extend_from_slice(&b[i..i + len]),
+                    None => {
+                        out.push(c);
+                        i += 1;
+                        continue;
+                    }
+                }
+                i += len;
+            }
+            _ => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    out
 }
 
 /// Documents larger than this are refused ([`load`]; a regular file unread): kvprobe's reports are kilobytes
@@ -80,17 +218,41 @@ pub const MAX_DOCUMENT_BYTES: u64 = 256 << 20;
 /// file that grows is never read whole). Errors: unreadable, or larger than the bound.
 fn read_bounded(path: &Path) -> std::result::Result<Vec<u8>, String> {
     use std::io::Read;
-    let f = std::fs::File::open(path).map_err(|e| format!("cannot read it: {e}"))?;
+    use std::os::unix::fs::OpenOptionsExt;
+    // Opened without blocking: a FIFO with no writer would hang open(2) (as `--model-config`
+    // opens its file).
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| format!("cannot read it: {e}"))?;
     let too_large = || format!("larger than {} MiB: not a kvprobe report, ab report or bench result", MAX_DOCUMENT_BYTES >> 20);
     // A regular file says its size: refused unread. Anything else (a device, a pipe) is read up
     // to the bound.
-    if f.metadata().is_ok_and(|m| m.is_file() && m.len() > MAX_DOCUMENT_BYTES) {
+    let regular = f.metadata().is_ok_and(|m| m.is_file());
+    if regular && f.metadata().is_ok_and(|m| m.len() > MAX_DOCUMENT_BYTES) {
         return Err(too_large());
     }
     let mut bytes = Vec::new();
-    f.take(MAX_DOCUMENT_BYTES + 1).read_to_end(&mut bytes).map_err(|e| format!("cannot read it: {e}"))?;
-    if bytes.len() as u64 > MAX_DOCUMENT_BYTES {
-        return Err(too_large());
+    let mut buf = vec![0u8; 1 << 16];
+    loop {
+        match f.read(&mut buf) {
+            // End of file; for a FIFO or pipe, no writer (left, or never there).
+            Ok(0) => break,
+            Ok(k) => {
+                bytes.extend_from_slice(&buf[..k]);
+                if bytes.len() as u64 > MAX_DOCUMENT_BYTES {
+                    return Err(too_large());
+                }
+            }
+            // A pipe whose writer has sent nothing yet: its writer decides when it ends.
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(std::time::Duration::from_millis(5)),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(format!("cannot read it: {e}")),
+        }
+    }
+    if bytes.is_empty() && !regular {
+        return Err("nothing to read: not a regular file, and no writer sent anything (a FIFO with no writer?)".into());
     }
     Ok(bytes)
 }
@@ -100,19 +262,9 @@ fn read_bounded(path: &Path) -> std::result::Result<Vec<u8>, String> {
 pub fn show(doc: &Document) -> Result<String> {
     let bad = |e: serde_json::Error| Error::Usage(format!("the document does not fit its schema: {e}"));
     Ok(match doc.kind {
-        Kind::Run => {
-            let r: crate::report::Report = serde_json::from_value(doc.json.clone()).map_err(bad)?;
-            let mut s = crate::report::render_with(&r, Some(&doc.path));
-            if let Some(e) = &r.outcome.error {
-                s += &format!("error:             {}\n", e.message);
-            }
-            s
-        }
+        Kind::Run => render_run(&serde_json::from_value(doc.json.clone()).map_err(bad)?, &doc.path),
         Kind::Ab => crate::ab::render(&serde_json::from_value(doc.json.clone()).map_err(bad)?),
-        Kind::Bench => {
-            let b: crate::bench::BenchReport = serde_json::from_value(doc.json.clone()).map_err(bad)?;
-            format!("{}result: {} (exit {})\n", crate::bench::render(&b), b.outcome.status, b.outcome.exit_code)
-        }
+        Kind::Bench => render_bench(&serde_json::from_value(doc.json.clone()).map_err(bad)?),
     })
 }
 
@@ -279,9 +431,13 @@ pub struct Row {
 
 /// The fields of `a` and `b` ([`fields`]), differences first (in A's order, then B's extra
 /// fields), then the fields they share. Returns (differences, same).
+///
+/// A path met more than once in one document (an ab report whose rows repeat, a bench
+/// figure given twice) is numbered from its second occurrence on (`rows.NAME.verdict#2`), so
+/// repeated or extra rows are differences, never folded into one.
 pub fn diff(a: &Document, b: &Document) -> (Vec<Row>, Vec<Row>) {
-    let fa = fields(a);
-    let fb = fields(b);
+    let fa = numbered(fields(a));
+    let fb = numbered(fields(b));
     let mb: std::collections::HashMap<&str, &str> = fb.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     let ma: std::collections::HashMap<&str, &str> = fa.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     let (mut differ, mut same) = (Vec::new(), Vec::new());
@@ -297,6 +453,20 @@ pub fn diff(a: &Document, b: &Document) -> (Vec<Row>, Vec<Row>) {
     (differ, same)
 }
 
+/// `fields` with the n-th occurrence (n >= 2) of a path renamed `PATH#n`
+/// (`rows.NAME.verdict#2`).
+fn numbered(fields: Vec<(String, String)>) -> Vec<(String, String)> {
+    let mut seen = std::collections::HashMap::<String, usize>::new();
+    fields
+        .into_iter()
+        .map(|(k, v)| {
+            let n = seen.entry(k.clone()).or_default();
+            *n += 1;
+            if *n == 1 { (k, v) } else { (format!("{k}#{n}"), v) }
+        })
+        .collect()
+}
+
 /// The text of [`diff`]: a header per file, the differences as a three-column table (field,
 /// A, B; "(absent)" where a side lacks the field; long values cut at 60 characters with "…"),
 /// then the fields that are the same (field, value).
@@ -305,18 +475,18 @@ pub fn render_diff(pa: &Path, a: &Document, pb: &Path, b: &Document) -> String {
     let cut = |s: &Option<String>| -> String {
         match s {
             None => "(absent)".into(),
-            Some(s) if s.chars().count() > 60 => format!("{}…", s.chars().take(59).collect::<String>()),
-            Some(s) => s.clone(),
+            Some(s) if s.chars().count() > 60 => format!("{}…", escape_for_terminal(&s.chars().take(59).collect::<String>())),
+            Some(s) => escape_for_terminal(s),
         }
     };
     let head = |p: &Path, d: &Document| {
-        format!(
+        escape_for_terminal(&format!(
             "{} ({}, {} exit {})",
             p.display(),
             d.json["schema"].as_str().unwrap_or("?"),
             d.json["outcome"]["status"].as_str().unwrap_or("?"),
             d.json["outcome"]["exit_code"]
-        )
+        ))
     };
     let mut s = format!("A: {}\nB: {}\n", head(pa, a), head(pb, b));
     if a.kind != b.kind {
@@ -328,7 +498,7 @@ pub fn render_diff(pa: &Path, a: &Document, pb: &Path, b: &Document) -> String {
         let wa = differ.iter().map(|r| cut(&r.a).chars().count()).max().unwrap_or(1).max(1);
         s += &format!("  {:<w$}  {:<wa$}  {}\n", "field", "A", "B");
         for r in &differ {
-            s += &format!("  {:<w$}  {:<wa$}  {}\n", r.path, cut(&r.a), cut(&r.b));
+            s += &format!("  {:<w$}  {:<wa$}  {}\n", escape_for_terminal(&r.path), cut(&r.a), cut(&r.b));
         }
     }
     let (ra, rb) = (rates(a), rates(b));
@@ -336,12 +506,13 @@ pub fn render_diff(pa: &Path, a: &Document, pb: &Path, b: &Document) -> String {
         let mb: std::collections::HashMap<&str, &str> = rb.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
         s += "\nrates (shown, not compared: they differ on every run):\n";
         for (k, v) in &ra {
-            s += &format!("  {:<w$}  {:<12}  {}\n", k, v, mb.get(k.as_str()).unwrap_or(&"(absent)"));
+            let vb = mb.get(k.as_str()).unwrap_or(&"(absent)");
+            s += &format!("  {:<w$}  {:<12}  {}\n", escape_for_terminal(k), escape_for_terminal(v), escape_for_terminal(vb));
         }
     }
     s += &format!("\nsame ({}):\n", same.len());
     for r in &same {
-        s += &format!("  {:<w$}  {}\n", r.path, cut(&r.a));
+        s += &format!("  {:<w$}  {}\n", escape_for_terminal(&r.path), cut(&r.a));
     }
     s
 }

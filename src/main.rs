@@ -1714,8 +1714,9 @@ fn env(json: bool, probe: bool) -> Exit {
     }
 }
 
-/// `--race`'s long help: each mechanism with what its unfenced variant does.
-/// `kvprobe report show|diff` ([`kvprobe::inspect`]).
+/// `kvprobe report show|diff|check` ([`kvprobe::inspect`], [`kvprobe::check`]). What they
+/// print is their result: stdout that cannot take it (a full disk, `> /dev/full`) is said on
+/// stderr and exits 7, as a report that cannot be written ([`report_out`]).
 fn report_command(c: ReportCommand) -> Exit {
     let load = |p: &Path| {
         kvprobe::inspect::load(p).map_err(|e| {
@@ -1724,35 +1725,31 @@ fn report_command(c: ReportCommand) -> Exit {
         })
     };
     match c {
-        ReportCommand::Show { file } => match load(&file).and_then(|d| {
-            kvprobe::inspect::show(&d).map_err(|e| {
-                err(&format!("kvprobe: {}: {e}", file.display()));
+        ReportCommand::Show { file } => match kvprobe::inspect::show_file(&file) {
+            Ok(text) => report_out(&text, Exit::Clean),
+            Err(e) => {
+                err(&format!("kvprobe: {e}"));
                 e.exit()
-            })
-        }) {
-            Ok(text) => {
-                out(&text);
-                Exit::Clean
             }
-            Err(x) => x,
         },
         ReportCommand::Check { bundle } => match kvprobe::check::check(&bundle) {
-            Ok(c) if c.problems.is_empty() => {
-                out(&format!(
+            Ok(c) if c.problems.is_empty() => report_out(
+                &format!(
                     "{}: everything agrees ({} files match the manifest; {} dumped slices re-derived, as the report says)\n",
                     bundle.display(),
                     c.files,
                     c.slices
-                ));
-                Exit::Clean
-            }
+                ),
+                Exit::Clean,
+            ),
             Ok(c) => {
-                out(&c.problems.iter().map(|p| format!("{p}\n")).collect::<String>());
-                out(&format!("{}: {} disagreement(s)\n", bundle.display(), c.problems.len()));
-                Exit::Corrupt
+                let mut text: String =
+                    c.problems.iter().map(|p| format!("{}\n", kvprobe::inspect::escape_for_terminal(p))).collect();
+                text += &format!("{}: {} disagreement(s)\n", bundle.display(), c.problems.len());
+                report_out(&text, Exit::Corrupt)
             }
             Err(e) => {
-                err(&format!("kvprobe: {e}"));
+                err(&format!("kvprobe: {}", kvprobe::inspect::escape_for_terminal(&e.to_string())));
                 Exit::Usage
             }
         },
@@ -1761,12 +1758,26 @@ fn report_command(c: ReportCommand) -> Exit {
                 (Ok(x), Ok(y)) => (x, y),
                 (Err(x), _) | (_, Err(x)) => return x,
             };
-            out(&kvprobe::inspect::render_diff(&a, &da, &b, &db));
-            if kvprobe::inspect::diff(&da, &db).0.is_empty() { Exit::Clean } else { Exit::Corrupt }
+            let exit = if kvprobe::inspect::diff(&da, &db).0.is_empty() { Exit::Clean } else { Exit::Corrupt };
+            report_out(&kvprobe::inspect::render_diff(&a, &da, &b, &db), exit)
         }
     }
 }
 
+/// Writes `text` to stdout and flushes it: `exit` when it all went out, else (a full disk,
+/// `> /dev/full`, a closed pipe) the failure said on stderr and exit 7 (README "Exit codes").
+fn report_out(text: &str, exit: Exit) -> Exit {
+    let mut o = std::io::stdout().lock();
+    match o.write_all(text.as_bytes()).and_then(|_| o.flush()) {
+        Ok(()) => exit,
+        Err(e) => {
+            err(&format!("kvprobe: stdout: {e}: the output was not written"));
+            Exit::ReportNotWritten
+        }
+    }
+}
+
+/// `--race`'s long help: each mechanism with what its unfenced variant does.
 fn race_help() -> String {
     let mut h = String::from(
         "Leave a race mechanism unfenced (the bug) or keep it fenced (the correct protocol); implies --scenario stacked (those marked \"also in nixl-only\" run with --scenario nixl-only too). Repeatable; MECHANISM alone means unfenced. Every mechanism not named is fenced.\n",

@@ -1160,14 +1160,18 @@ fn check_and_show_read_a_bundle_boundedly() {
     let (code, out, err) = kvprobe_limited(limit, &["report", "check", long.to_str().unwrap()]);
     assert_eq!(code, 1, "{out}{err}");
     assert!(out.contains("env/huge.bin: bytes: manifest 10, file more than 10"), "{out}");
-    // Listed at its true 1 GiB under a 512 MiB limit: "out of memory", exit 2.
+    // Listed at its true 1 GiB under a 512 MiB limit: hashed as it streams past, never held
+    // (a 2 MB bundle listing a 2 GiB entry once grew to 2.1 GB), so its digest is compared.
     mv["files"].as_array_mut().unwrap().last_mut().unwrap()["bytes"] = GIB.into();
     fs[0].1 = serde_json::to_vec(&mv).unwrap();
-    let oom = d.join("oom.tar.gz");
-    retar_with_zeros(&oom, &fs, "kvprobe-bundle/env/huge.bin", GIB);
-    let (code, out, err) = kvprobe_limited(limit, &["report", "check", oom.to_str().unwrap()]);
-    assert_eq!(code, 2, "{out}{err}");
-    assert!(err.contains(&format!("{}: out of memory reading kvprobe-bundle/env/huge.bin", oom.display())), "{err}");
+    let listed = d.join("listed.tar.gz");
+    retar_with_zeros(&listed, &fs, "kvprobe-bundle/env/huge.bin", GIB);
+    let (code, out, err) = kvprobe_limited(limit, &["report", "check", listed.to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}{err}");
+    // SHA-256 of 1 GiB of zeros.
+    let zeros = "49bc20df15e412a64472421e13fe86ff1c5165e18b2afccf160d4dc19fe68a14";
+    assert!(out.contains(&format!("env/huge.bin: sha256: manifest 00, file {zeros}")), "{out}");
+    assert!(!out.contains("env/huge.bin: bytes"), "{out}");
     // Listed sizes over the 16 GiB cap: too large, before any body is read.
     mv["files"].as_array_mut().unwrap().last_mut().unwrap()["bytes"] = (17 * GIB).into();
     fs[0].1 = serde_json::to_vec(&mv).unwrap();
@@ -1179,24 +1183,31 @@ fn check_and_show_read_a_bundle_boundedly() {
 }
 
 #[test]
-fn a_bundle_with_a_directory_a_late_manifest_or_none_is_malformed_naming_it() {
+fn a_bundle_with_no_manifest_a_foreign_directory_or_too_many_entries_is_malformed_naming_it() {
     let d = tmpdir("bundle-shape");
     let files = [
         ("kvprobe-bundle/manifest.json".to_string(), b"{}".to_vec()),
         ("kvprobe-bundle/report.json".to_string(), b"{}".to_vec()),
     ];
-    // A directory entry (the README: "not a regular file").
-    let dir = d.join("dir.tar.gz");
-    {
-        let gz = flate2::write::GzEncoder::new(std::fs::File::create(&dir).unwrap(), flate2::Compression::fast());
+    // Directory entries (as `tar czf` writes them) are skipped inside kvprobe-bundle/; one
+    // outside it is not a bundle's.
+    let with_dirs = |p: &Path, dirs: &[&str]| {
+        let gz = flate2::write::GzEncoder::new(std::fs::File::create(p).unwrap(), flate2::Compression::fast());
         let mut t = tar::Builder::new(gz);
-        let mut h = tar::Header::new_gnu();
-        h.set_size(0);
-        h.set_mode(0o755);
-        h.set_entry_type(tar::EntryType::Directory);
-        t.append_data(&mut h, "kvprobe-bundle/", std::io::empty()).unwrap();
+        for dir in dirs {
+            let mut h = tar::Header::new_gnu();
+            h.set_size(0);
+            h.set_mode(0o755);
+            h.set_entry_type(tar::EntryType::Directory);
+            t.append_data(&mut h, dir, std::io::empty()).unwrap();
+        }
         t.into_inner().unwrap().finish().unwrap();
-    }
+    };
+    let dir = d.join("dir.tar.gz");
+    with_dirs(&dir, &["./", "kvprobe-bundle/"]);
+    let outside = d.join("outside.tar.gz");
+    with_dirs(&outside, &["kvprobe-bundle/", "etc/"]);
+    // A late manifest is read (a second pass), and judged as any manifest.
     let late = d.join("late.tar.gz");
     retar(&late, &[files[1].clone(), files[0].clone()]);
     let empty = d.join("empty.tar.gz");
@@ -1209,8 +1220,9 @@ fn a_bundle_with_a_directory_a_late_manifest_or_none_is_malformed_naming_it() {
     retar(&many, &fs);
     for (p, line) in [
         (&many, "more than 1000 entries the manifest does not list".to_string()),
-        (&dir, "kvprobe-bundle/ is a directory".to_string()),
-        (&late, "the first entry is kvprobe-bundle/report.json, not kvprobe-bundle/manifest.json".into()),
+        (&dir, format!("{}: no kvprobe-bundle/manifest.json", dir.display())),
+        (&outside, "etc/ is a directory outside kvprobe-bundle/".to_string()),
+        (&late, "kvprobe-bundle/manifest.json is not a manifest".into()),
         (&empty, format!("{}: no kvprobe-bundle/manifest.json", empty.display())),
     ] {
         for cmd in ["check", "show"] {
@@ -1230,4 +1242,287 @@ fn names(text: &str, host: &str) -> bool {
         let after = text[i + host.len()..].chars().next();
         !before.is_some_and(word) && !after.is_some_and(word)
     })
+}
+
+/// The base bundle of the 2026-12 audit (M3): `run --memory dram --iterations 1 --inject
+/// torn:2 --inject bitflip --inject misroute --dump D --bundle B`, in a fresh directory
+/// `name`; asserts exit 1 and that `report check` passes it. Returns (the directory, the bundle).
+fn injected_bundle(name: &str) -> (PathBuf, PathBuf) {
+    let d = tmpdir(name);
+    let (b, dd) = (d.join("b.tar.gz"), d.join("D"));
+    let (code, out, err) = kvprobe(&[
+        "run",
+        "--memory",
+        "dram",
+        "--iterations",
+        "1",
+        "--inject",
+        "torn:2",
+        "--inject",
+        "bitflip",
+        "--inject",
+        "misroute",
+        "--dump",
+        dd.to_str().unwrap(),
+        "--bundle",
+        b.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 1, "{out}{err}");
+    let (code, out, err) = check(&b);
+    assert_eq!(code, 0, "{out}{err}");
+    (d, b)
+}
+
+/// A JSON entry of `files` (path below `kvprobe-bundle/`).
+fn json_of(files: &[(String, Vec<u8>)], name: &str) -> Value {
+    serde_json::from_slice(&files.iter().find(|f| f.0 == format!("kvprobe-bundle/{name}")).unwrap().1).unwrap()
+}
+
+/// `files` with every field `report check` derives from the slice bytes set to what it
+/// derives (as the audit's `tools/fixup.py` did): check's `NAME: FIELD: index|report A, bytes
+/// B` lines are applied to the index entry or report failure of that slice, until none is
+/// left, so a forged bundle disagrees only where the bytes cannot tell.
+fn fixup(dir: &Path, files: &[(String, Vec<u8>)]) -> Vec<(String, Vec<u8>)> {
+    let re = regex::Regex::new(r"^(iteration \d+ layer \d+ \w+ block \d+): (\w+): (index|report) .*, (?:bytes|expected) (.*)$")
+        .unwrap();
+    let name = |v: &Value| {
+        format!("iteration {} layer {} {} block {}", v["iteration"], v["layer"], v["kv"].as_str().unwrap_or("?"), v["block"])
+    };
+    let mut fs = files.to_vec();
+    for _ in 0..3 {
+        let t = dir.join("fixup.tar.gz");
+        retar(&t, &fs);
+        let (_, out, _) = check(&t);
+        let fixes: Vec<(String, String, String, Value)> = out
+            .lines()
+            .filter_map(|l| re.captures(l))
+            .map(|c| {
+                let (field, raw) = (c[2].to_string(), c[4].to_string());
+                let v = match (field.as_str(), raw.as_str()) {
+                    (_, "none") => Value::Null,
+                    ("class" | "expected_digest" | "actual_digest" | "displacement", _) => raw.clone().into(),
+                    // Written as Rust's Debug of a string: JSON for these ASCII commands.
+                    ("regenerate", _) => serde_json::from_str(&raw).unwrap(),
+                    _ => serde_json::from_str(&raw).unwrap_or(raw.into()),
+                };
+                (c[1].to_string(), field, c[3].to_string(), v)
+            })
+            .collect();
+        if fixes.is_empty() {
+            return fs;
+        }
+        fs = edit_json(&fs, "dump/index.json", &|x| {
+            for e in x["slices"].as_array_mut().unwrap() {
+                for (n, k, _, v) in fixes.iter().filter(|f| f.2 == "index") {
+                    if *n == name(e) {
+                        e[k] = v.clone();
+                    }
+                }
+            }
+        });
+        fs = edit_json(&fs, "report.json", &|x| {
+            for e in x["failures"].as_array_mut().unwrap() {
+                for (n, k, _, v) in fixes.iter().filter(|f| f.2 == "report") {
+                    if *n == name(e) {
+                        e[k] = v.clone();
+                    }
+                }
+            }
+        });
+    }
+    fs
+}
+
+/// Expects the slice record `e` to hold what it observed, of generation 2.
+fn relabel(e: &mut Value) {
+    let mut x = e["observed"].clone();
+    x["generation"] = 2.into();
+    e["expected"] = x;
+}
+
+#[test]
+fn check_rederives_links_counts_identities_and_the_clean_outcome() {
+    let (d, b) = injected_bundle("bundle-m3");
+    let files = untar(&b);
+    let index = json_of(&files, "dump/index.json");
+    let slices = index["slices"].as_array().unwrap();
+    let of = |class: &str| slices.iter().position(|e| e["class"] == class).unwrap_or_else(|| panic!("a {class} slice"));
+    let (torn, misplaced) = (of("torn"), of("misplaced"));
+    type Edit = Box<dyn Fn(&[(String, Vec<u8>)]) -> Vec<(String, Vec<u8>)>>;
+    let cases: Vec<(&str, Edit, Vec<String>)> = vec![
+        // (a) No entry tied to the report, and the report's torn failure now says bitflip.
+        (
+            "report-index-null",
+            Box::new(move |f| {
+                let f = edit_json(f, "dump/index.json", &|v| {
+                    v["slices"].as_array_mut().unwrap().iter_mut().for_each(|e| e["report_index"] = Value::Null)
+                });
+                edit_json(&f, "report.json", &|v| {
+                    v["failures"][torn]["class"] = "bitflip".into();
+                    v["failures"][torn]["bad_bytes"] = 1.into();
+                })
+            }),
+            vec![
+                format!("report_index: none, but the report's failures[{torn}] is this slice"),
+                "class: report bitflip, index torn".into(),
+                "bad_bytes: report 1, index".into(),
+            ],
+        ),
+        // (a) One report_index given to two entries; one file named by two entries; a file
+        // outside slices/.
+        (
+            "report-index-twice",
+            Box::new(move |f| edit_json(f, "dump/index.json", &|v| v["slices"][1]["report_index"] = 0.into())),
+            vec!["report_index 0: also given to".into()],
+        ),
+        (
+            "file-twice",
+            Box::new(move |f| {
+                edit_json(f, "dump/index.json", &|v| {
+                    let first = v["slices"][0]["file"].clone();
+                    v["slices"][1]["file"] = first;
+                })
+            }),
+            vec![format!("file {}: also named by", slices[0]["file"].as_str().unwrap())],
+        ),
+        (
+            "file-outside-slices",
+            Box::new(move |f| edit_json(f, "dump/index.json", &|v| v["slices"][0]["file"] = "scripts/fingerprint_ref.py".into())),
+            vec!["file \"scripts/fingerprint_ref.py\": not a file in dump/slices/".into()],
+        ),
+        // (b) The report counts 0 torn and 2 garbage; the index names neither class.
+        (
+            "by-class-union",
+            Box::new(move |f| {
+                let f = edit_json(f, "report.json", &|v| {
+                    v["summary"]["by_class"]["torn"] = 0.into();
+                    v["summary"]["by_class"]["garbage"] = 2.into();
+                });
+                edit_json(&f, "dump/index.json", &|v| {
+                    let m = v["by_class"].as_object_mut().unwrap();
+                    m.remove("torn");
+                    m.remove("garbage");
+                })
+            }),
+            vec![
+                "dump/index.json: by_class.torn.written: index absent, slices listed 2".into(),
+                "dump/index.json: by_class.garbage: report 2, index written absent + omitted absent".into(),
+            ],
+        ),
+        // (c) The misplaced slice relabelled as stale: expected = what it holds, of a
+        // generation the 1-iteration run never had; every derived field made to agree.
+        (
+            "misplaced-as-stale",
+            Box::new({
+                let d = d.clone();
+                move |f| {
+                    let f = edit_json(f, "dump/index.json", &|v| relabel(&mut v["slices"][misplaced]));
+                    let f = edit_json(&f, "report.json", &|v| relabel(&mut v["failures"][misplaced]));
+                    let f = fixup(&d, &f);
+                    // The counts follow the new class.
+                    let f = edit_json(&f, "report.json", &|v| {
+                        v["summary"]["by_class"]["misplaced"] = 0.into();
+                        v["summary"]["by_class"]["stale"] = 1.into();
+                    });
+                    edit_json(&f, "dump/index.json", &|v| {
+                        v["by_class"]["misplaced"]["written"] = 0.into();
+                        v["by_class"]["stale"]["written"] = 1.into();
+                    })
+                }
+            }),
+            vec![
+                "but the sweep plan of iteration 1 (seed, config) puts".into(),
+                "detected, but the failure at iteration 1 layer".into(),
+            ],
+        ),
+    ];
+    for (what, edit, lines) in cases {
+        let t = d.join(format!("{what}.tar.gz"));
+        let edited = edit(&files);
+        retar(&t, &edited);
+        let (code, out, err) = check(&t);
+        assert_eq!(code, 1, "{what}: {out}{err}");
+        for l in &lines {
+            assert!(out.contains(l.as_str()), "{what}: {l:?} in {out}{err}");
+        }
+        if what == "misplaced-as-stale" {
+            // Only what the plan and the injections re-derive can see it.
+            let idx = json_of(&edited, "dump/index.json");
+            assert_eq!(idx["slices"][misplaced]["class"], "stale", "{out}");
+            assert!(
+                out.lines().all(|l| l.contains("sweep plan") || l.contains("injections[") || l.contains("disagreement")),
+                "{out}"
+            );
+        }
+    }
+}
+
+#[test]
+fn check_finds_a_clean_outcome_with_corrupt_or_uncompared_slices() {
+    let d = tmpdir("bundle-clean-lie");
+    let b = d.join("b.tar.gz");
+    let (code, out, err) = kvprobe(&["run", "--memory", "dram", "--iterations", "1", "--bundle", b.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert_eq!(check(&b).0, 0);
+    let files = untar(&b);
+    let t = d.join("lie.tar.gz");
+    retar(
+        &t,
+        &edit_json(&files, "report.json", &|v| {
+            v["summary"]["blocks_corrupt"] = 7.into();
+            v["summary"]["by_class"]["garbage"] = 7.into();
+            v["summary"]["slices_compared"] = 0.into();
+            v["summary"]["bytes_compared"] = 0.into();
+        }),
+    );
+    let (code, out, err) = check(&t);
+    assert_eq!(code, 1, "{out}{err}");
+    for l in [
+        "report: outcome: status \"clean\" exit 0, but summary.blocks_corrupt is 7",
+        "report: outcome: status \"clean\" exit 0, but summary.by_class.garbage is 7",
+        "report: outcome: status \"clean\" exit 0, but summary.slices_compared is 0 of",
+    ] {
+        assert!(out.contains(l), "{l:?} in {out}");
+    }
+    // Fewer compared than checked, nothing else changed.
+    retar(&t, &edit_json(&files, "report.json", &|v| v["summary"]["slices_compared"] = 511.into()));
+    let (code, out, _) = check(&t);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("summary.slices_compared is 511 of 512 slices checked"), "{out}");
+}
+
+#[test]
+fn check_reads_a_bundle_repacked_with_tar_and_an_unpacked_one() {
+    let (d, b) = injected_bundle("bundle-repack");
+    let x = d.join("x");
+    std::fs::create_dir_all(&x).unwrap();
+    let tar = |args: &[&str], at: &Path| {
+        let s = std::process::Command::new("tar").args(args).current_dir(at).status().unwrap();
+        assert!(s.success(), "tar {args:?}");
+    };
+    tar(&["xzf", b.to_str().unwrap()], &x);
+    // Directory entries, a late manifest, and `./` prefixes: still a bundle.
+    for (name, what) in [("top.tar.gz", "kvprobe-bundle"), ("dot.tar.gz", ".")] {
+        let p = d.join(name);
+        tar(&["czf", p.to_str().unwrap(), what], &x);
+        let (code, out, err) = check(&p);
+        assert_eq!(code, 0, "{name}: {out}{err}");
+        assert!(out.contains("5 dumped slices re-derived"), "{name}: {out}");
+    }
+    // The unpacked folder, given as its parent or as kvprobe-bundle/ itself.
+    for p in [x.clone(), x.join("kvprobe-bundle")] {
+        let (code, out, err) = check(&p);
+        assert_eq!(code, 0, "{}: {out}{err}", p.display());
+        assert!(out.contains("5 dumped slices re-derived"), "{out}");
+    }
+    // The folder is checked, not only read: one changed byte of a slice is seen.
+    let slices = x.join("kvprobe-bundle/dump/slices");
+    let first = std::fs::read_dir(&slices).unwrap().next().unwrap().unwrap().path();
+    let mut body = std::fs::read(&first).unwrap();
+    body[100] ^= 0x40;
+    std::fs::write(&first, body).unwrap();
+    let (code, out, _) = check(&x);
+    assert_eq!(code, 1, "{out}");
+    let rel = first.strip_prefix(x.join("kvprobe-bundle")).unwrap().to_str().unwrap().to_string();
+    assert!(out.contains(&format!("{rel}: sha256: manifest")), "{out}");
 }
