@@ -107,6 +107,13 @@ pub struct Failure {
     /// verified clean; checked after the last iteration).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stray_check: Option<StrayCheck>,
+    /// Class `late` only: the class of the bytes the verify pass judged (the slice's bytes
+    /// changed after the verdict; `actual_digest`, `bad_bytes`, `first_bad_offset` and a
+    /// dump's slice are those judged bytes). Absent when the judged bytes were not kept (a
+    /// VRAM verify pass, or past [`crate::pool::JUDGED_MAX_BYTES`]): the slice was then read
+    /// again and found intact.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub judged_class: Option<Class>,
 }
 
 impl Failure {
@@ -149,6 +156,7 @@ impl Failure {
             attributed_to: None,
             injected: false,
             stray_check: None,
+            judged_class: None,
         }
     }
 }

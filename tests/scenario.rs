@@ -6,7 +6,7 @@
 use crate::common::{kvprobe, read_report, tmpdir};
 use serde_json::Value;
 
-const RACE_CLASSES: [&str; 3] = ["misplaced", "stale", "torn"];
+const RACE_CLASSES: [&str; 4] = ["misplaced", "stale", "overwritten", "torn"];
 
 fn scenario_report(name: &str, args: &[&str]) -> (i32, Value, String) {
     crate::common::run_with_report(name, "dram", args)
