@@ -155,6 +155,9 @@ enum Backing {
         counters: DeviceBuffer,
         /// The poison-check kernel's buffers (boxed: a pool's backing stays small).
         check: Box<CheckBuffers>,
+        /// The verify kernel's capture of failing parts' judged bytes ([`CAPTURE_MAX_BYTES`]
+        /// at most: one [`crate::cuda::PART_BYTES`] slot per failure record).
+        capture: DeviceBuffer,
     },
 }
 
@@ -203,6 +206,59 @@ pub struct KvPool {
 /// bytes are read again when asked for ([`KvPool::judged_slice`] says so), so a pass where
 /// every slice fails does not double the pool's memory.
 pub const JUDGED_MAX_BYTES: u64 = 256 << 20;
+
+/// Bytes of a VRAM pool's capture buffer, at most: the verify kernel copies the bytes each
+/// failing slice part (32 KiB) was judged on into it, for the first 512 failing parts of a
+/// pass; a slice with a part past them is read again when classified
+/// ([`KvPool::judged_slice`]).
+pub const CAPTURE_MAX_BYTES: u64 = 16 << 20;
+
+/// The judged bytes of the failing slices the verify kernel captured in full: `raw` is its
+/// failure list (checked by [`decode_device_failures`]), `capture` its capture buffer. A
+/// slice's bytes are its expected fingerprint (what the kernel judged every part without a
+/// record equal to) with each failing part's captured bytes over it; a slice with a part
+/// past the capture is left out.
+fn captured_slices(
+    raw: &[u8],
+    capture: &DeviceBuffer,
+    geom: &Geometry,
+    shape: &RowShape,
+    seed: u64,
+    table: &[TableEntry],
+) -> Result<std::collections::HashMap<u32, Vec<u8>>> {
+    let mut out = std::collections::HashMap::new();
+    let (sb, pb) = (geom.slice_bytes()? as usize, crate::cuda::PART_BYTES as usize);
+    let used = (raw.len() / 16).min(capture.len() / pb);
+    if used == 0 {
+        return Ok(out);
+    }
+    let mut bytes = vec![0u8; used * pb];
+    capture.read(0, &mut bytes)?;
+    // slice -> (its records, its captured parts (offset in the slice, record index))
+    let mut parts: std::collections::HashMap<u32, (usize, Vec<(usize, usize)>)> = std::collections::HashMap::new();
+    for (i, c) in raw.chunks_exact(16).enumerate() {
+        let w = |k: usize| u32::from_le_bytes([c[4 * k], c[4 * k + 1], c[4 * k + 2], c[4 * k + 3]]);
+        let e = parts.entry(w(0)).or_default();
+        e.0 += 1;
+        if i < used {
+            e.1.push((w(2) as usize / pb * pb, i));
+        }
+    }
+    for (slice, (records, got)) in parts {
+        let c = geom.coord_of(slice);
+        let Some(entry) = table.get(c.block as usize) else { continue };
+        if got.len() != records || entry.generation == SKIP_GEN {
+            continue;
+        }
+        let mut b = fingerprint::expected(seed, &shape.slice(entry.identity(c)));
+        for (off, i) in got {
+            let len = pb.min(sb.saturating_sub(off));
+            b[off..off + len].copy_from_slice(&bytes[i * pb..i * pb + len]);
+        }
+        out.insert(slice, b);
+    }
+    Ok(out)
+}
 
 /// Failing slices' bytes as the verify pass judged them: `pending` since the last
 /// [`KvPool::take_failures`], `taken` those of the failures it returned last.
@@ -402,6 +458,11 @@ impl KvPool {
         // would report phantom failures. The list is zeroed too, so nothing stale is ever read.
         counters.zero()?;
         fails.zero()?;
+        let parts = geom.total_slices()? * crate::cuda::parts_per_slice(geom.slice_bytes()?);
+        let capture = DeviceBuffer::alloc(
+            dev,
+            (parts.min(CAPTURE_MAX_BYTES / crate::cuda::PART_BYTES) * crate::cuda::PART_BYTES) as usize,
+        )?;
         let check_fails = DeviceBuffer::alloc(dev, fails_len as usize)?;
         let check_counters = DeviceBuffer::alloc(dev, crate::cuda::CHECK_COUNTERS_BYTES)?;
         check_counters.zero()?;
@@ -418,6 +479,7 @@ impl KvPool {
                 fails,
                 counters,
                 check: Box::new(CheckBuffers { fails: check_fails, counters: check_counters }),
+                capture,
             },
             last_kernel_secs: None,
             table: Vec::new(),
@@ -696,12 +758,12 @@ impl KvPool {
                 self.host_compared.bytes += n_bytes.into_inner();
                 Ok(())
             }
-            Backing::Device { kernels, regions, bases, table: t, fails, counters, .. } => {
+            Backing::Device { kernels, regions, bases, table: t, fails, counters, capture, .. } => {
                 let s32 = fingerprint::seed32(seed);
                 let timer = GpuTimer::start(regions[0].device())?;
                 if !layers.is_empty() {
                     let args = Self::region_args_of(&self.geom, &self.shape, layers, bases.ptr());
-                    kernels.verify(args, s32, t, fails, counters)?;
+                    kernels.verify(args, s32, t, fails, counters, capture)?;
                 }
                 self.timers.push((Pass::Verify, timer.end()?));
                 Ok(())
@@ -758,7 +820,7 @@ impl KvPool {
                 self.compared_acc.bytes += c.bytes;
                 std::mem::take(&mut self.host_fails)
             }
-            Backing::Device { fails, counters, .. } => {
+            Backing::Device { fails, counters, capture, .. } => {
                 let mut head = vec![0u8; crate::cuda::VERIFY_COUNTERS_BYTES];
                 counters.read(0, &mut head)?;
                 // Zeroed before the list is checked, so an error leaves the next pass clean.
@@ -772,7 +834,9 @@ impl KvPool {
                 let cap = fails.len() / 16;
                 let mut raw = vec![0u8; (n as usize).min(cap) * 16];
                 fails.read(0, &mut raw)?;
-                decode_device_failures(&raw, n, &self.geom)?
+                let out = decode_device_failures(&raw, n, &self.geom)?;
+                self.judged.taken = captured_slices(&raw, capture, &self.geom, &self.shape, self.seed, &self.table)?;
+                out
             }
         };
         out.sort_by_key(|f| f.slice);
@@ -862,11 +926,13 @@ impl KvPool {
     /// Copies into `buf` (slice-sized) the bytes the verify pass judged of slice `c` (global
     /// index `slice`), one of the failures the last [`KvPool::take_failures`] returned.
     /// Returns true when they are exactly the judged bytes: DRAM, the copy the pass compared
-    /// (up to [`JUDGED_MAX_BYTES`] per pass); a failure of
-    /// [`KvPool::verify_layers_then_poison`] on VRAM, the slice read right after its verify
-    /// kernel and before its poison. Otherwise (VRAM verify passes: the kernel keeps no copy;
-    /// DRAM past the bound) the slice is read now and false is returned: data that landed
-    /// between the verify and this read is then classified, not what the verify judged.
+    /// (up to [`JUDGED_MAX_BYTES`] per pass); VRAM, the expected bytes with the failing parts'
+    /// bytes the verify kernel captured from its own loads over them (the first
+    /// [`CAPTURE_MAX_BYTES`] of failing parts per pass). Otherwise (past those bounds) the
+    /// slice is read now and false is returned: data that landed between the verify and this
+    /// read is then classified, not what the verify judged (a failure of
+    /// [`KvPool::verify_layers_then_poison`] on VRAM past the capture: the slice read right
+    /// after its verify kernel and before its poison, true).
     /// Errors: as [`KvPool::read_slice`].
     pub fn judged_slice(&self, c: SliceCoord, slice: u32, buf: &mut [u8]) -> Result<bool> {
         match self.judged.taken.get(&slice) {
@@ -893,6 +959,10 @@ impl KvPool {
             let fails = self.take_failures()?;
             let sb = self.geom.slice_bytes()? as usize;
             for f in &fails {
+                if self.judged.taken.contains_key(&f.slice) {
+                    continue;
+                }
+                // Not captured by the kernel: read before the poison overwrites it.
                 let mut b = vec![0u8; sb];
                 self.read_slice(self.geom.coord_of(f.slice), &mut b)?;
                 self.judged.taken.insert(f.slice, b);

@@ -109,9 +109,9 @@ pub struct Failure {
     pub stray_check: Option<StrayCheck>,
     /// Class `late` only: the class of the bytes the verify pass judged (the slice's bytes
     /// changed after the verdict; `actual_digest`, `bad_bytes`, `first_bad_offset` and a
-    /// dump's slice are those judged bytes). Absent when the judged bytes were not kept (a
-    /// VRAM verify pass, or past [`crate::pool::JUDGED_MAX_BYTES`]): the slice was then read
-    /// again and found intact.
+    /// dump's slice are those judged bytes). Absent when the judged bytes were not kept (past
+    /// [`crate::pool::JUDGED_MAX_BYTES`] on DRAM or [`crate::pool::CAPTURE_MAX_BYTES`] on
+    /// VRAM): the slice was then read again and found intact.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub judged_class: Option<Class>,
 }
