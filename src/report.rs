@@ -1108,8 +1108,11 @@ pub fn render_with(r: &Report, json: Option<&str>) -> String {
                 "pipeline:          {} stages; {:.3} s of probe work hidden inside the transfers\n",
                 s.pipeline_stages, s.overlapped_seconds
             );
+        }
+        // Sweeps check for stray and late writes whatever the stage count.
+        if s.pipeline_stages > 0 {
             out += &format!(
-                "stray writes:      {} found; {} block slices checked for their poison before their post, {} verified again at the end ({:.3} s outside the transfers)\n",
+                "stray writes:      {} found; {} block slices checked for their poison before their post, {} verified again before their re-poison or at the end ({:.3} s outside the transfers)\n",
                 s.by_class.get(crate::verify::Class::Stray.name()).copied().unwrap_or(0),
                 s.stray_poison_checked_slices,
                 s.stray_reverified_slices,

@@ -686,11 +686,17 @@ fn sha256_hex(b: &[u8]) -> String {
 /// The bundle's `report check` re-derives it. One stage (READ) and two stages (WRITE).
 #[test]
 fn data_landing_between_the_verify_and_the_classification_is_late_with_the_judged_class() {
+    late_data_is_classified_from_the_judged_bytes("dram");
+}
+
+/// [`data_landing_between_the_verify_and_the_classification_is_late_with_the_judged_class`]
+/// on `memory` (also run on VRAM by tests/gpu.rs: the verify kernel's capture).
+pub fn late_data_is_classified_from_the_judged_bytes(memory: &str) {
     // (flags, layers of stage 0): README "pipeline stages", 4 layers.
     for (extra, stage0) in [(&[][..], 0..4u64), (&["--pipeline-stages", "2", "--op", "write"][..], 0..2)] {
         let d = crate::common::tmpdir("late-classify");
         let (p, b) = (d.join("report.json"), d.join("b.tgz"));
-        let mut a = vec!["run", "--memory", "dram", "--iterations", "3", "--inject", "drop:2", "--max-failures", "100"];
+        let mut a = vec!["run", "--memory", memory, "--iterations", "3", "--inject", "drop:2", "--max-failures", "100"];
         a.extend(["--report", p.to_str().unwrap(), "--bundle", b.to_str().unwrap()]);
         a.extend(extra);
         let (code, out, err) = crate::common::kvprobe_env(&a, &[("KVPROBE_TEST_LATE_WRITE", "classify:2")]);

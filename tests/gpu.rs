@@ -441,7 +441,20 @@ fn vram_stray_writes_are_found_as_stray() {
         assert_eq!(code, 0, "{extra:?}: {log}");
         assert_eq!(r["summary"]["blocks_corrupt"], 0, "{extra:?}");
         assert_eq!(r["summary"]["stray_poison_checked_slices"], 3 * slices, "{extra:?}: counted by the kernel");
+        assert_eq!(r["summary"]["stray_reverified_slices"], 3 * slices, "{extra:?}: before each re-poison, after the last");
     }
+}
+
+/// Issue 33 items 1 and 5 on VRAM: data landing between the verify kernel and the
+/// classification is `late` (the kernel's capture holds what it judged), and a write after
+/// the verdict with one stage is found before the re-poison or after the last iteration.
+#[test]
+fn vram_late_data_and_writes_after_the_verdict_are_found() {
+    if !gpu_or_skip("vram_late_data_and_writes_after_the_verdict_are_found") {
+        return;
+    }
+    crate::dram::late_data_is_classified_from_the_judged_bytes("vram");
+    crate::stray::a_write_after_the_verdict_is_found("vram");
 }
 
 fn vram_report(name: &str, args: &[&str]) -> (i32, Value, String) {

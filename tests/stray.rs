@@ -187,11 +187,17 @@ fn strays_combine_with_every_other_injection_and_two_processes() {
 /// overwritten unseen by the next re-poison. Three stages too.
 #[test]
 fn a_write_after_the_verdict_is_found_with_one_stage_before_the_repoison_and_after_the_last_iteration() {
+    a_write_after_the_verdict_is_found("dram");
+}
+
+/// [`a_write_after_the_verdict_is_found_with_one_stage_before_the_repoison_and_after_the_last_iteration`]
+/// on `memory` (also run on VRAM by tests/gpu.rs).
+pub fn a_write_after_the_verdict_is_found(memory: &str) {
     for (extra, n) in [(&[][..], 1u64), (&["--pipeline-stages", "3"][..], 3), (&[][..], 3), (&["--op", "write"][..], 2)] {
         let d = crate::common::tmpdir("late-repoison");
         let p = d.join("report.json");
         let at = format!("repoison:{n}");
-        let mut a = vec!["run", "--memory", "dram", "--iterations", "3", "--report", p.to_str().unwrap()];
+        let mut a = vec!["run", "--memory", memory, "--iterations", "3", "--report", p.to_str().unwrap()];
         a.extend(extra);
         let (code, out, err) = crate::common::kvprobe_env(&a, &[("KVPROBE_TEST_LATE_WRITE", at.as_str())]);
         let ctx = format!("{extra:?} {at}: {out}{err}");
