@@ -450,9 +450,24 @@ fn duration_run_records_intervals() {
     let sc = &r["scenario"];
     assert!(sc["seconds"].as_f64().unwrap() >= 2.0);
     let iv = sc["intervals"].as_array().unwrap();
-    assert!(iv.len() >= 4, "{iv:?}");
+    // Audit T8: no count that depends on how fast a loaded machine steps. The intervals tile
+    // the run from 0 s, each closed one at least --interval long, the last open one ending
+    // within the run's seconds.
+    let f = |i: &Value, k: &str| i[k].as_f64().unwrap();
+    assert!(!iv.is_empty() && f(&iv[0], "start_s") == 0.0, "{iv:?}");
+    for w in iv.windows(2) {
+        assert_eq!(f(&w[1], "start_s"), f(&w[0], "end_s"), "{iv:?}");
+        assert!(f(&w[0], "end_s") - f(&w[0], "start_s") >= 0.5, "{iv:?}");
+    }
+    assert!(f(iv.last().unwrap(), "end_s") <= sc["seconds"].as_f64().unwrap(), "{iv:?}");
     let sum: u64 = iv.iter().map(|i| i["slices_checked"].as_u64().unwrap()).sum();
     assert_eq!(sum, r["summary"]["blocks_checked"].as_u64().unwrap());
+    // Audit T8: the intervals' sum and blocks_checked come from one loop; what the verify
+    // pass itself counted as compared must agree, slices and bytes.
+    let sb = r["config"]["geometry"]["slice_bytes"].as_u64().unwrap();
+    assert!(sum > 0, "{log}");
+    assert_eq!(r["summary"]["slices_compared"].as_u64(), Some(sum), "{log}");
+    assert_eq!(r["summary"]["bytes_compared"].as_u64(), Some(sum * sb), "{log}");
     let reqs: u64 = iv.iter().map(|i| i["requests"].as_u64().unwrap()).sum();
     assert_eq!(reqs, sc["requests_verified"].as_u64().unwrap());
     assert!(log.contains("error rate:"), "{log}");
