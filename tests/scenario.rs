@@ -1067,3 +1067,23 @@ mod shadow_events {
         assert_eq!(s.content(1), c(9, 9, None));
     }
 }
+
+/// Issue 33 item 4 in scenarios: the test hook makes the DRAM verify pass skip global slice 0
+/// (layer 0, K, decode block 0, which the first requests get): the scenario stops with an
+/// internal error (exit 3) as soon as a verify step compares one slice fewer than its plan,
+/// both counts named (4096-byte slices: the default geometry's).
+#[test]
+fn a_scenario_verify_that_skips_a_slice_is_an_internal_error() {
+    let d = tmpdir("scenario-verify-skip");
+    let p = d.join("report.json");
+    let a = ["run", "--memory", "dram", "--scenario", "stacked", "--requests", "50", "--report", p.to_str().unwrap()];
+    let (code, out, err) = crate::common::kvprobe_env(&a, &[("KVPROBE_TEST_VERIFY_SKIP", "0")]);
+    assert_eq!(code, 3, "{out}{err}");
+    let m = err.split("the verify pass compared ").nth(1).unwrap_or_else(|| panic!("{err}"));
+    let n: Vec<u64> =
+        m.split(|c: char| !c.is_ascii_digit()).filter(|w| !w.is_empty()).take(4).map(|w| w.parse().unwrap()).collect();
+    // compared slices, compared bytes, planned slices, planned bytes
+    assert_eq!((n[0] + 1, n[1], n[3]), (n[2], n[0] * 4096, n[2] * 4096), "{err}");
+    assert!(m.contains("block slices and") && m.contains("but the plan is"), "{err}");
+    assert_eq!(read_report(&p)["outcome"]["error"]["kind"], "internal");
+}
