@@ -156,8 +156,8 @@ enum Backing {
         /// The poison-check kernel's buffers (boxed: a pool's backing stays small).
         check: Box<CheckBuffers>,
         /// The verify kernel's capture of failing parts' judged bytes ([`CAPTURE_MAX_BYTES`]
-        /// at most: one [`crate::cuda::PART_BYTES`] slot per failure record).
-        capture: DeviceBuffer,
+        /// at most: one [`crate::cuda::PART_BYTES`] slot per failure record; boxed as `check`).
+        capture: Box<DeviceBuffer>,
     },
 }
 
@@ -479,7 +479,7 @@ impl KvPool {
                 fails,
                 counters,
                 check: Box::new(CheckBuffers { fails: check_fails, counters: check_counters }),
-                capture,
+                capture: Box::new(capture),
             },
             last_kernel_secs: None,
             table: Vec::new(),
