@@ -848,7 +848,7 @@ fn late_write_fault() -> Result<Option<LateWrite>> {
     Ok(Some(f))
 }
 
-/// The check of item "compared counts" (README "Every slice compared"): the verify passes of
+/// The compared-counts check (README "What an iteration does"): the verify passes of
 /// decode rank `d` in iteration `it` compared `got`; the plan is every slice of the rank's
 /// pool (`slices` of `slice_bytes`). Errors (internal, exit 3): they differ.
 fn check_compared(it: u32, d: u32, got: crate::pool::Compared, slices: u64, slice_bytes: u64) -> Result<()> {
