@@ -191,9 +191,9 @@ __device__ __forceinline__ void kvp_cmp4(uint4 want, uint4 got, unsigned off, un
 }
 
 /* Appends one failure record (a failing part of `slice`): counted always, written only below
- * `cap` (the host treats a count above it as an error). */
-__device__ __forceinline__ void kvp_append_fail(kvp_fail *fails, unsigned *count, unsigned cap, unsigned slice,
-                                                unsigned bad, unsigned first) {
+ * `cap` (the host treats a count above it as an error). Returns the record's index. */
+__device__ __forceinline__ unsigned kvp_append_fail(kvp_fail *fails, unsigned *count, unsigned cap, unsigned slice,
+                                                    unsigned bad, unsigned first) {
     const unsigned i = atomicAdd(count, 1u);
     kvp_fail f;
     f.slice = slice;
@@ -201,6 +201,7 @@ __device__ __forceinline__ void kvp_append_fail(kvp_fail *fails, unsigned *count
     f.first_bad = first;
     f.pad = 0u;
     if (i < cap) fails[i] = f;
+    return i;
 }
 
 /* Verifies every part; a failing part appends one kvp_fail (its slice, its bad bytes, its
@@ -211,13 +212,18 @@ __device__ __forceinline__ void kvp_append_fail(kvp_fail *fails, unsigned *count
  * What was compared is counted as it is compared, not derived from the geometry: each thread
  * block counts the 16-byte chunks of every part its loop compared (the loop's bounds), and a
  * slice once when its part 0 was compared; at the end the block adds its sums (two global
- * atomics) to `compared[2 * (b % KVP_CMP_SLOTS)]` (slices) and `[... + 1]` (bytes). */
+ * atomics) to `compared[2 * (b % KVP_CMP_SLOTS)]` (slices) and `[... + 1]` (bytes).
+ * The bytes a failing part was judged on (its loads, not a second read of the slice) are
+ * copied to `capture`: record i's part to chunks [i * KVP_PART_CHUNKS, i * KVP_PART_CHUNKS +
+ * c1 - c0) when i < `capture_cap` (in parts); past it nothing is captured (the host reads the
+ * slice again, and says so). */
 extern "C" __global__ void __launch_bounds__(KVP_THREADS)
 kvp_verify(const unsigned long long *bases, unsigned layer0, unsigned num_layers, unsigned slice_bytes, unsigned layout,
            unsigned num_blocks, unsigned seed32, const uint4 *table, unsigned num_slices, kvp_fail *fails,
-           unsigned *fail_count, unsigned fail_cap, unsigned long long *compared, kvp_rows R) {
+           unsigned *fail_count, unsigned fail_cap, unsigned long long *compared, kvp_rows R, uint4 *capture,
+           unsigned capture_cap) {
     __shared__ kvp_part_rows pr;
-    __shared__ unsigned s_bad, s_first;
+    __shared__ unsigned s_bad, s_first, s_slot;
     /* Thread 0 only; 32-bit (a block covers far fewer than 2^32 chunks): 64-bit counters cost
      * registers, occupancy and so a tenth of the kernel's bandwidth on the H200. */
     unsigned my_chunks = 0u, my_slices = 0u;
@@ -285,8 +291,19 @@ kvp_verify(const unsigned long long *bases, unsigned layer0, unsigned num_layers
         }
         if (bad) { atomicAdd(&s_bad, bad); atomicMin(&s_first, first); }
         __syncthreads();
-        if (threadIdx.x == 0 && s_bad) kvp_append_fail(fails, fail_count, fail_cap, layer * num_slices + q, s_bad, s_first);
+        if (threadIdx.x == 0)
+            s_slot = s_bad ? kvp_append_fail(fails, fail_count, fail_cap, layer * num_slices + q, s_bad, s_first)
+                           : 0xFFFFFFFFu;
         __syncthreads();
+        if (s_slot < capture_cap) { /* uniform: s_slot is shared */
+            uint4 *dst = capture + (size_t)s_slot * KVP_PART_CHUNKS;
+#pragma unroll
+            for (unsigned k = 0; k < KVP_PER_THREAD; k++) {
+                const unsigned c = c0 + threadIdx.x + k * KVP_THREADS;
+                if (c < c1) dst[c - c0] = got[k];
+            }
+        }
+        __syncthreads(); /* s_slot is read before the next part's thread 0 writes it */
     }
     if (threadIdx.x == 0) {
         unsigned long long *slot = compared + 2u * (blockIdx.x % KVP_CMP_SLOTS);

@@ -704,6 +704,9 @@ macro_rules! kernel_params {
 /// each thread block handles 32 KiB of one slice at a time.
 pub const PART_CHUNKS: u64 = 2048;
 
+/// Bytes of one work item (a slice part): [`PART_CHUNKS`] × 16.
+pub const PART_BYTES: u64 = PART_CHUNKS * 16;
+
 /// Slots of the verify kernel's compared-work counters (`KVP_CMP_SLOTS` in csrc/kernels.cu):
 /// the kernel adds to this many {slices, bytes} u64 pairs (16 bytes each), which the host sums.
 pub const CMP_SLOTS: usize = 256;
@@ -834,8 +837,10 @@ impl Kernels {
     /// ([`VERIFY_COUNTERS_BYTES`], zeroed by the caller); the caller merges a slice's parts.
     /// Records past `fails.len() / 16` are not written but still counted, so a count above
     /// that capacity reveals an overflow. The kernel also adds the slices and bytes it
-    /// compared to the [`CMP_SLOTS`] pairs at offset 16 of `counters` (sum them).
-    /// Errors: a counter buffer too short (device). Asynchronous.
+    /// compared to the [`CMP_SLOTS`] pairs at offset 16 of `counters` (sum them). The bytes a
+    /// failing part was judged on (the kernel's own loads) go to `capture`: record i's part
+    /// at byte `i * PART_BYTES`, for the records below `capture.len() / PART_BYTES`; past it
+    /// nothing is captured. Errors: a counter buffer too short (device). Asynchronous.
     pub fn verify(
         &self,
         r: RegionArgs,
@@ -843,6 +848,7 @@ impl Kernels {
         table: &DeviceBuffer,
         fails: &DeviceBuffer,
         counters: &DeviceBuffer,
+        capture: &DeviceBuffer,
     ) -> Result<()> {
         if counters.len() < VERIFY_COUNTERS_BYTES {
             return Err(Error::Device(format!(
@@ -854,7 +860,8 @@ impl Kernels {
             params;
             b = r.bases, l0 = r.layer0, nl = r.num_layers, sb = r.slice_bytes, lo = r.layout, nb = r.num_blocks,
             s = seed32, t = table.ptr(), n = r.num_slices, f = fails.ptr(), c = counters.ptr(),
-            cap = u32::try_from(fails.len() / 16).unwrap_or(u32::MAX), cmp = counters.ptr() + 16, rows = r.rows()
+            cap = u32::try_from(fails.len() / 16).unwrap_or(u32::MAX), cmp = counters.ptr() + 16, rows = r.rows(),
+            cb = capture.ptr(), cn = u32::try_from(capture.len() as u64 / PART_BYTES).unwrap_or(u32::MAX)
         );
         self.launch(self.verify, &r, &mut params)
     }

@@ -86,6 +86,10 @@ pub enum Error {
     /// A run that a larger job drives (a `kvprobe bench` sweep) found corruption (exit 1).
     #[error("corruption found: {0}")]
     Corrupt(String),
+    /// The run's own accounting does not hold: what the verify passes compared differs from
+    /// the plan the verdict rests on, or a test-only fault found nowhere to act (exit 3).
+    #[error("internal error: {0}")]
+    Internal(String),
 }
 
 impl Error {
@@ -99,7 +103,8 @@ impl Error {
             | Error::Timeout(m)
             | Error::Io(m)
             | Error::Interrupted(m)
-            | Error::Corrupt(m) => m,
+            | Error::Corrupt(m)
+            | Error::Internal(m) => m,
         }
     }
 
@@ -107,7 +112,7 @@ impl Error {
     pub fn exit(&self) -> Exit {
         match self {
             Error::Usage(_) | Error::Environment(_) | Error::Io(_) => Exit::Usage,
-            Error::Transport(_) | Error::Device(_) => Exit::Transport,
+            Error::Transport(_) | Error::Device(_) | Error::Internal(_) => Exit::Transport,
             Error::Timeout(_) => Exit::Timeout,
             Error::Interrupted(_) => Exit::Interrupted,
             Error::Corrupt(_) => Exit::Corrupt,
@@ -125,6 +130,7 @@ impl Error {
             Error::Io(_) => "io",
             Error::Interrupted(_) => "interrupted",
             Error::Corrupt(_) => "corrupt",
+            Error::Internal(_) => "internal",
         }
     }
 }

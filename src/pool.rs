@@ -78,6 +78,17 @@ pub struct RawFailure {
     pub first_bad: u64,
 }
 
+impl RawFailure {
+    /// The failure record of slice `slice` recounted from bytes at hand: `actual` against
+    /// `want` (same length) — for a slice whose judged bytes were not kept and was read again
+    /// ([`KvPool::judged_slice`]), so the record describes the bytes classified and dumped.
+    pub fn recount(slice: u32, actual: &[u8], want: &[u8]) -> RawFailure {
+        let bad_bytes = actual.iter().zip(want).filter(|(a, b)| a != b).count() as u64;
+        let first_bad = actual.iter().zip(want).position(|(a, b)| a != b).unwrap_or(actual.len()) as u64;
+        RawFailure { slice, bad_bytes, first_bad }
+    }
+}
+
 /// Decodes and checks the verify kernel's failure list (csrc/kernels.cu `kvp_fail`: four
 /// little-endian u32 — slice, bad bytes, first bad byte, pad — per failing slice part): `raw`
 /// holds the first `min(n, capacity)` records of the `n` the kernel counted. Returns the
@@ -144,6 +155,9 @@ enum Backing {
         counters: DeviceBuffer,
         /// The poison-check kernel's buffers (boxed: a pool's backing stays small).
         check: Box<CheckBuffers>,
+        /// The verify kernel's capture of failing parts' judged bytes ([`CAPTURE_MAX_BYTES`]
+        /// at most: one [`crate::cuda::PART_BYTES`] slot per failure record; boxed as `check`).
+        capture: Box<DeviceBuffer>,
     },
 }
 
@@ -183,6 +197,99 @@ pub struct KvPool {
     /// Poison checks ([`KvPool::check_poison_layers`]): DRAM failures and slices checked
     /// since the last [`KvPool::take_poison_failures`].
     check: CheckState,
+    /// The bytes the verify passes judged of failing slices ([`KvPool::judged_slice`]).
+    judged: Judged,
+}
+
+/// At most this many bytes of failing slices' judged bytes are kept per
+/// [`KvPool::take_failures`] (DRAM: the verify pass's snapshots); past it a failing slice's
+/// bytes are read again when asked for ([`KvPool::judged_slice`] says so), so a pass where
+/// every slice fails does not double the pool's memory.
+pub const JUDGED_MAX_BYTES: u64 = 256 << 20;
+
+/// Bytes of a VRAM pool's capture buffer, at most: the verify kernel copies the bytes each
+/// failing slice part (32 KiB) was judged on into it, for the first 512 failing parts of a
+/// pass; a slice with a part past them is read again when classified
+/// ([`KvPool::judged_slice`]).
+pub const CAPTURE_MAX_BYTES: u64 = 16 << 20;
+
+/// The judged bytes of the failing slices the verify kernel captured in full: `raw` is its
+/// failure list (checked by [`decode_device_failures`]), `capture` its capture buffer. A
+/// slice's bytes are its expected fingerprint (what the kernel judged every part without a
+/// record equal to) with each failing part's captured bytes over it; a slice with a part
+/// past the capture is left out.
+fn captured_slices(
+    raw: &[u8],
+    capture: &DeviceBuffer,
+    geom: &Geometry,
+    shape: &RowShape,
+    seed: u64,
+    table: &[TableEntry],
+) -> Result<std::collections::HashMap<u32, Vec<u8>>> {
+    let mut out = std::collections::HashMap::new();
+    let (sb, pb) = (geom.slice_bytes()? as usize, crate::cuda::PART_BYTES as usize);
+    let used = (raw.len() / 16).min(capture.len() / pb);
+    if used == 0 {
+        return Ok(out);
+    }
+    let mut bytes = vec![0u8; used * pb];
+    capture.read(0, &mut bytes)?;
+    // slice -> (its records, its captured parts (offset in the slice, record index))
+    let mut parts: std::collections::HashMap<u32, (usize, Vec<(usize, usize)>)> = std::collections::HashMap::new();
+    for (i, c) in raw.chunks_exact(16).enumerate() {
+        let w = |k: usize| u32::from_le_bytes([c[4 * k], c[4 * k + 1], c[4 * k + 2], c[4 * k + 3]]);
+        let e = parts.entry(w(0)).or_default();
+        e.0 += 1;
+        if i < used {
+            e.1.push((w(2) as usize / pb * pb, i));
+        }
+    }
+    for (slice, (records, got)) in parts {
+        let c = geom.coord_of(slice);
+        let Some(entry) = table.get(c.block as usize) else { continue };
+        if got.len() != records || entry.generation == SKIP_GEN {
+            continue;
+        }
+        let mut b = fingerprint::expected(seed, &shape.slice(entry.identity(c)));
+        for (off, i) in got {
+            let len = pb.min(sb.saturating_sub(off));
+            b[off..off + len].copy_from_slice(&bytes[i * pb..i * pb + len]);
+        }
+        out.insert(slice, b);
+    }
+    Ok(out)
+}
+
+/// Failing slices' bytes as the verify pass judged them: `pending` since the last
+/// [`KvPool::take_failures`], `taken` those of the failures it returned last.
+#[derive(Default)]
+struct Judged {
+    pending: Vec<(u32, Vec<u8>)>,
+    pending_bytes: u64,
+    taken: std::collections::HashMap<u32, Vec<u8>>,
+}
+
+/// Test-only fault hook: `KVPROBE_TEST_VERIFY_SKIP=N` makes every verify pass of a DRAM pool
+/// skip global slice `N` (neither compared nor counted), so a test can show that the run
+/// refuses a verdict whose compared counts fall short of its plan (exit 3).
+pub const VERIFY_SKIP_VAR: &str = "KVPROBE_TEST_VERIFY_SKIP";
+
+fn verify_skip() -> Option<u32> {
+    static V: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var(VERIFY_SKIP_VAR).ok().and_then(|v| v.parse().ok()))
+}
+
+/// Verifies one DRAM slice from a copy taken first (`snap`, resized to the slice): the
+/// bytes compared are exactly the copy's, so a failing slice's judged bytes are known even
+/// when the slice changes afterwards. Returns (bad bytes, first bad offset).
+fn check_snapshot(s: crate::hostmem::Span<'_>, snap: &mut Vec<u8>, seed: u64, rows: &fingerprint::SliceRows) -> (u64, u64) {
+    snap.resize(s.len(), 0);
+    if s.read_at(0, snap).is_err() {
+        // Cannot happen (the copy is the span's length); judged as entirely bad rather than
+        // passed.
+        return (s.len() as u64, 0);
+    }
+    fingerprint::check(snap, seed, rows)
 }
 
 /// DRAM poison checks' findings until [`KvPool::take_poison_failures`] (kept apart from the
@@ -235,6 +342,7 @@ impl KvPool {
             compared_acc: Compared::default(),
             host_compared: Compared::default(),
             check: CheckState::default(),
+            judged: Judged::default(),
         })
     }
 
@@ -271,6 +379,7 @@ impl KvPool {
             compared_acc: Compared::default(),
             host_compared: Compared::default(),
             check: CheckState::default(),
+            judged: Judged::default(),
         })
     }
 
@@ -349,6 +458,11 @@ impl KvPool {
         // would report phantom failures. The list is zeroed too, so nothing stale is ever read.
         counters.zero()?;
         fails.zero()?;
+        let parts = geom.total_slices()? * crate::cuda::parts_per_slice(geom.slice_bytes()?);
+        let capture = DeviceBuffer::alloc(
+            dev,
+            (parts.min(CAPTURE_MAX_BYTES / crate::cuda::PART_BYTES) * crate::cuda::PART_BYTES) as usize,
+        )?;
         let check_fails = DeviceBuffer::alloc(dev, fails_len as usize)?;
         let check_counters = DeviceBuffer::alloc(dev, crate::cuda::CHECK_COUNTERS_BYTES)?;
         check_counters.zero()?;
@@ -365,6 +479,7 @@ impl KvPool {
                 fails,
                 counters,
                 check: Box::new(CheckBuffers { fails: check_fails, counters: check_counters }),
+                capture: Box::new(capture),
             },
             last_kernel_secs: None,
             table: Vec::new(),
@@ -374,6 +489,7 @@ impl KvPool {
             compared_acc: Compared::default(),
             host_compared: Compared::default(),
             check: CheckState::default(),
+            judged: Judged::default(),
         })
     }
 
@@ -608,30 +724,46 @@ impl KvPool {
             Backing::Host(buf) => {
                 let found = std::sync::Mutex::new(Vec::new());
                 let (n_slices, n_bytes) = (AtomicU64::new(0), AtomicU64::new(0));
+                let kept = AtomicU64::new(self.judged.pending_bytes);
                 let g = &self.geom;
+                let skip = verify_skip();
                 Self::host_each(g, buf, layers, Some(table), |c, s| {
                     let e = table[c.block as usize];
-                    if e.generation == SKIP_GEN {
+                    if e.generation == SKIP_GEN || skip == Some(g.global_slice(c)) {
                         return;
                     }
-                    let (bad, first) = fingerprint::check_span(s.as_span(), seed, &shape.slice(e.identity(c)));
-                    n_slices.fetch_add(1, Ordering::Relaxed);
-                    n_bytes.fetch_add(s.len() as u64, Ordering::Relaxed);
-                    if bad > 0 {
-                        found.lock().unwrap().push(RawFailure { slice: g.global_slice(c), bad_bytes: bad, first_bad: first });
-                    }
+                    // The slice is judged from a copy (one read of decode's memory), so the
+                    // bytes classified later are those judged here.
+                    thread_local! { static SNAP: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) }; }
+                    SNAP.with_borrow_mut(|snap| {
+                        let (bad, first) = check_snapshot(s.as_span(), snap, seed, &shape.slice(e.identity(c)));
+                        n_slices.fetch_add(1, Ordering::Relaxed);
+                        n_bytes.fetch_add(s.len() as u64, Ordering::Relaxed);
+                        if bad > 0 {
+                            let f = RawFailure { slice: g.global_slice(c), bad_bytes: bad, first_bad: first };
+                            let keep =
+                                kept.fetch_add(snap.len() as u64, Ordering::Relaxed) + snap.len() as u64 <= JUDGED_MAX_BYTES;
+                            found.lock().unwrap_or_else(|p| p.into_inner()).push((f, keep.then(|| snap.clone())));
+                        }
+                    });
                 })?;
-                self.host_fails.append(&mut found.into_inner().unwrap());
+                for (f, snap) in found.into_inner().unwrap_or_else(|p| p.into_inner()) {
+                    if let Some(b) = snap {
+                        self.judged.pending_bytes += b.len() as u64;
+                        self.judged.pending.push((f.slice, b));
+                    }
+                    self.host_fails.push(f);
+                }
                 self.host_compared.slices += n_slices.into_inner();
                 self.host_compared.bytes += n_bytes.into_inner();
                 Ok(())
             }
-            Backing::Device { kernels, regions, bases, table: t, fails, counters, .. } => {
+            Backing::Device { kernels, regions, bases, table: t, fails, counters, capture, .. } => {
                 let s32 = fingerprint::seed32(seed);
                 let timer = GpuTimer::start(regions[0].device())?;
                 if !layers.is_empty() {
                     let args = Self::region_args_of(&self.geom, &self.shape, layers, bases.ptr());
-                    kernels.verify(args, s32, t, fails, counters)?;
+                    kernels.verify(args, s32, t, fails, counters, capture)?;
                 }
                 self.timers.push((Pass::Verify, timer.end()?));
                 Ok(())
@@ -679,6 +811,8 @@ impl KvPool {
     /// `decode_device_failures`); the device counter is reset either way.
     pub fn take_failures(&mut self) -> Result<Vec<RawFailure>> {
         self.finish()?;
+        self.judged.taken = std::mem::take(&mut self.judged.pending).into_iter().collect();
+        self.judged.pending_bytes = 0;
         let mut out = match &mut self.backing {
             Backing::Host(_) => {
                 let c = std::mem::take(&mut self.host_compared);
@@ -686,7 +820,7 @@ impl KvPool {
                 self.compared_acc.bytes += c.bytes;
                 std::mem::take(&mut self.host_fails)
             }
-            Backing::Device { fails, counters, .. } => {
+            Backing::Device { fails, counters, capture, .. } => {
                 let mut head = vec![0u8; crate::cuda::VERIFY_COUNTERS_BYTES];
                 counters.read(0, &mut head)?;
                 // Zeroed before the list is checked, so an error leaves the next pass clean.
@@ -700,7 +834,9 @@ impl KvPool {
                 let cap = fails.len() / 16;
                 let mut raw = vec![0u8; (n as usize).min(cap) * 16];
                 fails.read(0, &mut raw)?;
-                decode_device_failures(&raw, n, &self.geom)?
+                let out = decode_device_failures(&raw, n, &self.geom)?;
+                self.judged.taken = captured_slices(&raw, capture, &self.geom, &self.shape, self.seed, &self.table)?;
+                out
             }
         };
         out.sort_by_key(|f| f.slice);
@@ -785,6 +921,92 @@ impl KvPool {
     /// the sum. A pass whose failures were not yet taken is not included.
     pub fn take_compared(&mut self) -> Compared {
         std::mem::take(&mut self.compared_acc)
+    }
+
+    /// Copies into `buf` (slice-sized) the bytes the verify pass judged of slice `c` (global
+    /// index `slice`), one of the failures the last [`KvPool::take_failures`] returned.
+    /// Returns true when they are exactly the judged bytes: DRAM, the copy the pass compared
+    /// (up to [`JUDGED_MAX_BYTES`] per pass); VRAM, the expected bytes with the failing parts'
+    /// bytes the verify kernel captured from its own loads over them (the first
+    /// [`CAPTURE_MAX_BYTES`] of failing parts per pass). Otherwise (past those bounds) the
+    /// slice is read now and false is returned: data that landed between the verify and this
+    /// read is then classified, not what the verify judged (a failure of
+    /// [`KvPool::verify_layers_then_poison`] on VRAM past the capture: the slice read right
+    /// after its verify kernel and before its poison, true).
+    /// Errors: as [`KvPool::read_slice`].
+    pub fn judged_slice(&self, c: SliceCoord, slice: u32, buf: &mut [u8]) -> Result<bool> {
+        match self.judged.taken.get(&slice) {
+            Some(b) if b.len() == buf.len() => {
+                buf.copy_from_slice(b);
+                Ok(true)
+            }
+            _ => self.read_slice(c, buf).map(|_| false),
+        }
+    }
+
+    /// The check before a re-poison (README "Stray and late writes"): verifies every slice of `layers`
+    /// against the loaded table, as [`KvPool::verify_layers`], and then writes the poison of
+    /// (slot, `iteration`) into all of them; returns the failing slices (their judged bytes
+    /// through [`KvPool::judged_slice`]). DRAM: one pass, each slice checked from its copy
+    /// and poisoned right after; VRAM: the verify kernel, waited for, the failing slices read
+    /// to the host, then the poison kernel (queued). The compared work goes to
+    /// [`KvPool::take_compared`] as a verify pass's does: take it apart. Errors: as
+    /// [`KvPool::verify_layers`] and [`KvPool::take_failures`].
+    pub fn verify_layers_then_poison(&mut self, layers: Range<u32>, iteration: u32) -> Result<Vec<RawFailure>> {
+        self.check_layers(&layers)?;
+        if let Backing::Device { .. } = self.backing {
+            self.verify_layers(layers.clone())?;
+            let fails = self.take_failures()?;
+            let sb = self.geom.slice_bytes()? as usize;
+            for f in &fails {
+                if self.judged.taken.contains_key(&f.slice) {
+                    continue;
+                }
+                // Not captured by the kernel: read before the poison overwrites it.
+                let mut b = vec![0u8; sb];
+                self.read_slice(self.geom.coord_of(f.slice), &mut b)?;
+                self.judged.taken.insert(f.slice, b);
+            }
+            self.poison_layers(layers, iteration, false)?;
+            return Ok(fails);
+        }
+        let seed = self.seed;
+        let table = &self.table;
+        let shape = self.shape;
+        let Backing::Host(buf) = &mut self.backing else { unreachable!("device pools returned above") };
+        let found = std::sync::Mutex::new(Vec::new());
+        let (n_slices, n_bytes, kept) = (AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0));
+        let g = &self.geom;
+        Self::host_each(g, buf, layers, None, |c, s| {
+            let e = table[c.block as usize];
+            let slot = g.global_slice(c);
+            if e.generation != SKIP_GEN {
+                thread_local! { static SNAP: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) }; }
+                SNAP.with_borrow_mut(|snap| {
+                    let (bad, first) = check_snapshot(s.as_span(), snap, seed, &shape.slice(e.identity(c)));
+                    n_slices.fetch_add(1, Ordering::Relaxed);
+                    n_bytes.fetch_add(s.len() as u64, Ordering::Relaxed);
+                    if bad > 0 {
+                        let f = RawFailure { slice: slot, bad_bytes: bad, first_bad: first };
+                        let keep = kept.fetch_add(snap.len() as u64, Ordering::Relaxed) + snap.len() as u64 <= JUDGED_MAX_BYTES;
+                        found.lock().unwrap_or_else(|p| p.into_inner()).push((f, keep.then(|| snap.clone())));
+                    }
+                });
+            }
+            fingerprint::poison_span(s, slot, iteration);
+        })?;
+        self.compared_acc.slices += n_slices.into_inner();
+        self.compared_acc.bytes += n_bytes.into_inner();
+        let mut fails = Vec::new();
+        self.judged.taken.clear();
+        for (f, snap) in found.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            if let Some(b) = snap {
+                self.judged.taken.insert(f.slice, b);
+            }
+            fails.push(f);
+        }
+        fails.sort_by_key(|f| f.slice);
+        Ok(fails)
     }
 
     /// Writes the fingerprint of `table[block]` into every slice (table has one entry per

@@ -107,6 +107,13 @@ pub struct Failure {
     /// verified clean; checked after the last iteration).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stray_check: Option<StrayCheck>,
+    /// Class `late` only: the class of the bytes the verify pass judged (the slice's bytes
+    /// changed after the verdict; `actual_digest`, `bad_bytes`, `first_bad_offset` and a
+    /// dump's slice are those judged bytes). Absent when the judged bytes were not kept (past
+    /// [`crate::pool::JUDGED_MAX_BYTES`] on DRAM or [`crate::pool::CAPTURE_MAX_BYTES`] on
+    /// VRAM): the slice was then read again and found intact.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub judged_class: Option<Class>,
 }
 
 impl Failure {
@@ -149,6 +156,7 @@ impl Failure {
             attributed_to: None,
             injected: false,
             stray_check: None,
+            judged_class: None,
         }
     }
 }
@@ -1100,8 +1108,11 @@ pub fn render_with(r: &Report, json: Option<&str>) -> String {
                 "pipeline:          {} stages; {:.3} s of probe work hidden inside the transfers\n",
                 s.pipeline_stages, s.overlapped_seconds
             );
+        }
+        // Sweeps check for stray and late writes whatever the stage count.
+        if s.pipeline_stages > 0 {
             out += &format!(
-                "stray writes:      {} found; {} block slices checked for their poison before their post, {} verified again at the end ({:.3} s outside the transfers)\n",
+                "stray writes:      {} found; {} block slices checked for their poison before their post, {} verified again before their re-poison or at the end ({:.3} s outside the transfers)\n",
                 s.by_class.get(crate::verify::Class::Stray.name()).copied().unwrap_or(0),
                 s.stray_poison_checked_slices,
                 s.stray_reverified_slices,

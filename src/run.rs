@@ -430,7 +430,12 @@ fn record_strays(
         }
         let expected = plan.dst_table[c.block as usize].identity(c);
         let pool = &probe.rank(d).pool;
-        pool.read_slice(c, &mut buf)?;
+        match check {
+            // The bytes the re-verify judged (its snapshot on DRAM; on VRAM read before the
+            // re-poison, [`KvPool::verify_layers_then_poison`]).
+            StrayCheck::Reverify => pool.judged_slice(c, f.slice, &mut buf).map(|_| ())?,
+            StrayCheck::Poison => pool.read_slice(c, &mut buf)?,
+        }
         let want = match check {
             StrayCheck::Poison => {
                 let mut p = vec![0u8; sb];
@@ -791,7 +796,9 @@ enum Staged {
     Posted(Vec<(u32, SweepRequest)>),
     /// WRITE: prefill was asked to post the stage (one request per link, on its side); decode
     /// waits for each link's notification (decode rank, tag).
-    Written { request: SweepRequest, notes: Vec<(u32, String)> },
+    /// `bytes`: what decode's own plan moves in the stage (the rate decode reports is its own
+    /// measurement, not prefill's word).
+    Written { request: SweepRequest, notes: Vec<(u32, String)>, bytes: u64 },
     /// Test-only ([`EARLY_NOTIFY_VAR`]): the stage's notification was sent alone; the transfer
     /// is posted after decode verified the stage.
     Deferred { pairs: Vec<Pair>, deadline: crate::deadline::Deadline },
@@ -803,6 +810,55 @@ enum Staged {
 /// the data has landed would. Decode verifies on the notification, so every slice of
 /// iteration N must be reported `unwritten` (exit 1). WRITE only.
 pub const EARLY_NOTIFY_VAR: &str = "KVPROBE_TEST_EARLY_NOTIFY";
+
+/// Test-only fault hook: `KVPROBE_TEST_LATE_WRITE=WHEN:N` writes into decode's pool (TP
+/// rank 0) in sweep iteration N, as data landing after the verify pass judged it would:
+/// `classify` — into each slice stage 0's verify found failing, its expected fingerprint,
+/// between the verify and the classification (the slice must come out `late`, its
+/// `judged_class` what the verify judged); `repoison` — into the first slice of stage 0
+/// (layer 0, K or latent, slot 0) the fingerprint another block's slot is due, between the
+/// verify (and classification) and the re-poison, or after the last iteration's verify (the
+/// slice must come out `stray`, `stray_check` `reverify`). Errors (usage, exit 2): a value
+/// of another form.
+pub const LATE_WRITE_VAR: &str = "KVPROBE_TEST_LATE_WRITE";
+
+/// Where [`LATE_WRITE_VAR`] writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum LateWrite {
+    Classify(u32),
+    Repoison(u32),
+}
+
+/// Reads [`LATE_WRITE_VAR`].
+fn late_write_fault() -> Result<Option<LateWrite>> {
+    let Some(v) = std::env::var_os(LATE_WRITE_VAR) else { return Ok(None) };
+    let bad = || Error::Usage(format!("{LATE_WRITE_VAR} must be classify:N or repoison:N (N ≥ 1); got {v:?}"));
+    let s = v.to_str().ok_or_else(bad)?;
+    let (when, n) = s.split_once(':').ok_or_else(bad)?;
+    let n = n.parse::<u32>().ok().filter(|n| *n >= 1).ok_or_else(bad)?;
+    let f = match when {
+        "classify" => LateWrite::Classify(n),
+        "repoison" => LateWrite::Repoison(n),
+        _ => return Err(bad()),
+    };
+    eprintln!("test fault: a late write into decode's pool ({s})");
+    Ok(Some(f))
+}
+
+/// The compared-counts check (README "What an iteration does"): the verify passes of
+/// decode rank `d` in iteration `it` compared `got`; the plan is every slice of the rank's
+/// pool (`slices` of `slice_bytes`). Errors (internal, exit 3): they differ.
+fn check_compared(it: u32, d: u32, got: crate::pool::Compared, slices: u64, slice_bytes: u64) -> Result<()> {
+    let bytes = slices * slice_bytes;
+    if got.slices != slices || got.bytes != bytes {
+        return Err(Error::Internal(format!(
+            "iteration {it}: decode rank {d}'s verify passes compared {} block slices and {} bytes, but the plan is {slices} \
+             block slices and {bytes} bytes: the verdict would rest on slices never compared",
+            got.slices, got.bytes
+        )));
+    }
+    Ok(())
+}
 
 /// Reads [`EARLY_NOTIFY_VAR`]. Errors (usage, exit 2): not a positive iteration number, or
 /// set with `--op read` (READ completes at decode, its initiator).
@@ -867,12 +923,12 @@ fn sweep(
     let pool_bytes = g.pool_bytes()?;
     let timeout = Duration::from_secs_f64(cfg.timeout_secs);
     let stages = sweep_stages(cfg);
-    // With one stage nothing is in flight between a stage's re-poison and its next post.
-    let stray_checks = stages.len() > 1;
     let all = 0..g.num_layers;
     let mut buf = vec![0u8; sb];
     let mut verify_all = 0.0;
     let early_notify = early_notify_fault(cfg.op)?;
+    let late_write = late_write_fault()?;
+    let mut now = vec![0u8; sb];
 
     // Setup: iteration 1's fill and faults, the copy ceiling, iteration 1's poison.
     let scratch_ceiling = cfg.decode_process && pool_bytes >= crate::pool::MIN_CEILING_BYTES && same_regions(cfg)?;
@@ -929,6 +985,8 @@ fn sweep(
         let mut seen: HashMap<(u32, SliceCoord), Class> = HashMap::new();
         let mut corrupt = 0u64;
         let mut bytes = 0u64;
+        // What each decode rank's verify passes compared in this iteration (item: counts).
+        let mut compared = vec![crate::pool::Compared::default(); ranks as usize];
         let tag = |k: usize| format!("kvprobe:iter={it}:stage={k}");
         // READ: the notifications prefill must get (awaited after the last stage); WRITE:
         // each stage is verified when decode has its notification ([`Staged`]).
@@ -947,7 +1005,8 @@ fn sweep(
                     .filter(|&l| !per_link[l].is_empty())
                     .map(|l| (cur.links[l].1, crate::sweep::link_tag(&tag(k), &cur, l)))
                     .collect();
-                Staged::Written { request: p, notes }
+                let bytes = per_link.iter().flatten().map(|p| p.len).sum();
+                Staged::Written { request: p, notes, bytes }
             } else if early {
                 // Test-only: the notification now, the transfer after decode verified (WRITE:
                 // one rank each side).
@@ -973,8 +1032,9 @@ fn sweep(
             inflight.push_back(staged);
             Ok(())
         };
-        // Stray-write check of the stages posted first, before the window (nothing in flight).
-        if stray_checks {
+        // Stray-write check of the stages posted first, before the window (nothing in flight):
+        // whatever the stage count, a write that landed after the re-poison is found here.
+        {
             let t = Instant::now();
             for layers in stages.iter().take(2) {
                 corrupt += poison_check(cfg, probe, &cur, layers.clone(), &mut seen, report, &mut dump)?;
@@ -1007,7 +1067,7 @@ fn sweep(
                     }
                 }
                 (Staged::Posted(_), Op::Write) => unreachable!("a WRITE stage is Staged::Written"),
-                (Staged::Written { request, notes }, _) => {
+                (Staged::Written { request, notes, .. }, _) => {
                     // Prefill's status queries drive its progress (UCX sends the data and then
                     // the notification from the initiator's worker); its completion is kept
                     // but is not what the verify waits for.
@@ -1027,12 +1087,10 @@ fn sweep(
                 }
             }
             if k + 2 < stages.len() {
-                if stray_checks {
-                    // Stray-write check right before the post (later stages are in flight).
-                    let t = Instant::now();
-                    corrupt += poison_check(cfg, probe, &cur, stages[k + 2].clone(), &mut seen, report, &mut dump)?;
-                    times.overlapped += t.elapsed().as_secs_f64();
-                }
+                // Stray-write check right before the post (later stages are in flight).
+                let t = Instant::now();
+                corrupt += poison_check(cfg, probe, &cur, stages[k + 2].clone(), &mut seen, report, &mut dump)?;
+                times.overlapped += t.elapsed().as_secs_f64();
                 post(probe, k + 2, &mut inflight)?;
             }
             let last = k + 1 == stages.len();
@@ -1058,13 +1116,36 @@ fn sweep(
                 }
                 pool.verify_layers(layers.clone())?;
                 let fails = pool.take_failures()?;
+                let done = pool.take_compared();
+                compared[d as usize].slices += done.slices;
+                compared[d as usize].bytes += done.bytes;
+                if late_write == Some(LateWrite::Classify(it)) && k == 0 && d == 0 {
+                    // Test-only: the right data lands after the verify judged these slices.
+                    for f in &fails {
+                        let c = g.coord_of(f.slice);
+                        let due = pool.shape().slice(cur.dst_table[c.block as usize].identity(c));
+                        pool.write_slice(c, &fingerprint::expected(cfg.seed, &due))?;
+                    }
+                }
                 for f in &fails {
                     let c = g.coord_of(f.slice);
                     let expected = cur.dst_table[c.block as usize].identity(c);
-                    pool.read_slice(c, &mut buf)?;
+                    // Classified: the bytes the verify pass judged (its snapshot on DRAM).
+                    // Then the slice is read again: bytes that changed after the verdict make
+                    // it `late`, the judged bytes' class kept in `judged_class`.
+                    let kept = pool.judged_slice(c, f.slice, &mut buf)?;
                     let due = pool.shape().slice(expected);
                     let want = fingerprint::expected(cfg.seed, &due);
-                    let v = verify::classify_against(&buf, &want, &due, cfg.seed, f.slice, it);
+                    // Not kept (VRAM): the record describes the bytes read again.
+                    let f = &if kept { *f } else { crate::pool::RawFailure::recount(f.slice, &buf, &want) };
+                    let judged = verify::classify_against(&buf, &want, &due, cfg.seed, f.slice, it);
+                    pool.read_slice(c, &mut now)?;
+                    let (v, judged_class) = if now != buf {
+                        let j = judged.class;
+                        (verify::Verdict { class: Class::Late, ..judged }, Some(j))
+                    } else {
+                        (judged, None)
+                    };
                     seen.insert((d, c), v.class);
                     if cur.predicted.get(&(d, c)) != Some(&v.class) {
                         report.summary.unexpected_failures += 1;
@@ -1079,6 +1160,7 @@ fn sweep(
                     crate::dump::keep(dump.as_deref_mut(), listed.then_some(&mut report.failures), &buf, class, || {
                         let mut rec = Failure::new(it, c, f, v, &want, &buf, expected, cur.src_of[c.block as usize]);
                         rec.tp_rank = (ranks > 1).then_some(d);
+                        rec.judged_class = judged_class;
                         rec
                     });
                 }
@@ -1088,18 +1170,19 @@ fn sweep(
             // WRITE: prefill's request must be complete before its source is refilled (and a
             // deferred one, of the test-only fault, is posted now and waited for).
             match staged {
-                Staged::Written { mut request, .. } => {
-                    let r = match written {
-                        Some(r) => r,
-                        None => wait(it, k, "transfer", || probe.poll(0, &mut request))?,
-                    };
-                    bytes += r.bytes;
+                Staged::Written { mut request, bytes: planned, .. } => {
+                    if written.is_none() {
+                        wait(it, k, "transfer", || probe.poll(0, &mut request))?;
+                    }
+                    // Decode's own count: prefill's `written` report of its bytes is not
+                    // what the rate rests on.
+                    bytes += planned;
                 }
                 Staged::Deferred { pairs, .. } => {
                     let late = format!("{}:late", tag(k));
                     let mut p = probe.post(cfg.op, it, k, (0, 0, 0), &pairs, &late, timeout)?;
-                    let r = wait(it, k, "transfer", || probe.poll(0, &mut p))?;
-                    bytes += r.bytes;
+                    wait(it, k, "transfer", || probe.poll(0, &mut p))?;
+                    bytes += pairs.iter().map(|p| p.len).sum::<u64>();
                 }
                 _ => {}
             }
@@ -1109,10 +1192,24 @@ fn sweep(
                 probe.fill_source(n, Some(k))?;
                 fill_s = t.elapsed().as_secs_f64();
             }
+            if late_write == Some(LateWrite::Repoison(it)) && k == 0 {
+                // Test-only: a write after the verdict, into a slice that verified clean.
+                let c = SliceCoord { layer: layers.start, kv: g.parts()[0], block: 0 };
+                let other = cur.dst_table[1 % cur.dst_table.len()].identity(c);
+                let pool = &mut probe.rank_mut(0).pool;
+                let bytes = fingerprint::expected(cfg.seed, &pool.shape().slice(other));
+                pool.write_slice(c, &bytes)?;
+            }
             let t = Instant::now();
             if more {
+                // Before the re-poison, whatever the stage count: each slice must still hold
+                // what its verify judged (a slice that verified clean, its fingerprint; one
+                // already failing is not judged again). One that changed took a write after
+                // the verdict (a late or stray write): class `stray`, check `reverify`.
                 for d in 0..ranks {
-                    probe.rank_mut(d).pool.poison_layers(layers.clone(), it + 1, false)?;
+                    let fails = probe.rank_mut(d).pool.verify_layers_then_poison(layers.clone(), it + 1)?;
+                    report.summary.stray_reverified_slices += probe.rank_mut(d).pool.take_compared().slices;
+                    corrupt += record_strays(cfg, probe, d, &cur, &fails, StrayCheck::Reverify, &mut seen, report, &mut dump)?;
                 }
             }
             let mut poison_s = t.elapsed().as_secs_f64();
@@ -1143,19 +1240,22 @@ fn sweep(
         times.kernels = crate::report::KernelSeconds { fill: fill_kernels, poison: poison_k, verify: verify_k };
         report.summary.bytes_transferred += bytes;
         report.summary.blocks_checked += total;
-        for d in 0..ranks {
-            let compared = probe.rank_mut(d).pool.take_compared();
-            report.summary.slices_compared += compared.slices;
-            report.summary.bytes_compared += compared.bytes;
+        // What the verdict rests on is what the verify passes compared: every slice of every
+        // rank, every byte, or the run is an internal error (exit 3).
+        for (d, done) in compared.iter().enumerate() {
+            check_compared(it, d as u32, *done, g.total_slices()?, sb as u64)?;
+            report.summary.slices_compared += done.slices;
+            report.summary.bytes_compared += done.bytes;
         }
-        if stray_checks && !more {
-            // Stages 0..n-2 were verified while later stages were in flight, and the last
-            // iteration re-poisons nothing: verify them again now that nothing is in flight. A
-            // slice that changed after it verified clean took a stray write.
+        if !more {
+            // The last iteration re-poisons nothing: verify every stage again now that nothing
+            // is in flight (earlier stages were verified while later ones were in flight, the
+            // last one may take a late write after its verify). A slice that changed after it
+            // verified clean took a stray or late write.
             let t = Instant::now();
             for d in 0..ranks {
                 let pool = &mut probe.rank_mut(d).pool;
-                pool.verify_layers(0..stages[stages.len() - 1].start)?;
+                pool.verify_layers(all.clone())?;
                 let fails = pool.take_failures()?;
                 report.summary.stray_reverified_slices += pool.take_compared().slices;
                 corrupt += record_strays(cfg, probe, d, &cur, &fails, StrayCheck::Reverify, &mut seen, report, &mut dump)?;
@@ -1184,7 +1284,8 @@ fn sweep(
             report.summary.transport_path = Some(p);
         }
         for ((a, hits), &l) in cur.actions.iter().zip(&cur.hits).zip(&cur.action_links) {
-            let detected = hits.iter().all(|(r, c, class)| seen.get(&(*r, *c)) == Some(class));
+            // An injection that reached no slice is not detected (`all` of nothing is true).
+            let detected = !hits.is_empty() && hits.iter().all(|(r, c, class)| seen.get(&(*r, *c)) == Some(class));
             let tp_rank = |r: u32| (ranks > 1).then_some(r);
             let hits: Vec<PredictedHit> = hits
                 .iter()

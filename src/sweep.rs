@@ -499,7 +499,7 @@ pub(crate) fn plan(cfg: &RunConfig, it: u32) -> Result<Plan> {
         }
     }
     let links = sides.tp.links();
-    let action_links = pick_links(cfg, &sides, &links, &actions, it);
+    let action_links = pick_links(cfg, &sides, &links, &actions, it)?;
     let mut p = Plan {
         it,
         perm,
@@ -600,10 +600,11 @@ pub(crate) fn plan(cfg: &RunConfig, it: u32) -> Result<Plan> {
 /// injections' places are those of the same run without TP), among the links where the
 /// fault changes something (a head offset needs a decode rank reading a prefill head that
 /// has a next head in its rank's slice; a bitflip, a decode rank whose link moves the flipped
-/// byte).
-fn pick_links(cfg: &RunConfig, sides: &Sides, links: &[(u32, u32)], actions: &[Action], it: u32) -> Vec<usize> {
+/// byte). Errors (internal, exit 3): no link where an action changes anything (the
+/// injection checks refuse such runs; no silent fallback to link 0).
+fn pick_links(cfg: &RunConfig, sides: &Sides, links: &[(u32, u32)], actions: &[Action], it: u32) -> Result<Vec<usize>> {
     if links.len() == 1 {
-        return vec![0; actions.len()];
+        return Ok(vec![0; actions.len()]);
     }
     let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ 0x4C49_4E4B_5F54_5021 ^ (it as u64).wrapping_mul(0xD1B5_4A32_D192_ED03));
     let shifts = |l: usize| {
@@ -628,7 +629,9 @@ fn pick_links(cfg: &RunConfig, sides: &Sides, links: &[(u32, u32)], actions: &[A
                     _ => true,
                 })
                 .collect();
-            ok.choose(&mut rng).copied().unwrap_or(0)
+            ok.choose(&mut rng).copied().ok_or_else(|| {
+                Error::Internal(format!("iteration {it}: no TP link where the injection {} changes anything", a.kind().name()))
+            })
         })
         .collect()
 }

@@ -25,9 +25,12 @@
 //! `unwritten`; every unit that is not expected a row of the expected slice (layer, K/V,
 //! logical block, generation) at another position → `layout`, with the rows' displacement
 //! when they share one (transposed NHD/HND, a head offset, a token offset) and the first wrong
-//! rows; every unit one other slice's rows → `stale` (same layer, K/V and logical block, other
-//! generation) or `misplaced` (another block); several sources → `torn` (with the unit map);
-//! nothing recognisable → `garbage`.
+//! rows; every unit one other slice's rows → `stale` (same layer, K/V and logical block, an
+//! older generation), `overwritten` (the same block's newer generation: the source was
+//! rewritten before the transfer read it) or `misplaced` (another block); several sources →
+//! `torn` (with the unit map); nothing recognisable → `garbage`. Bytes that equal the expected
+//! fingerprint in every unit are never `bitflip` (0 bits): they are `late` — the slice failed
+//! the verify pass but the bytes classified are intact, so they changed after the verdict.
 
 use crate::fingerprint::{self, BlockIdentity, RowIdentity, RowOrder, SliceRows};
 use serde::{Deserialize, Serialize};
@@ -48,6 +51,10 @@ pub enum Class {
     Unwritten,
     /// The right block from an older generation.
     Stale,
+    /// The right block from a newer generation than the one due: its source was overwritten
+    /// (with the next generation) before the transfer read it — an overwrite race, not old
+    /// data.
+    Overwritten,
     /// Another block's intact fingerprint.
     Misplaced,
     /// The right block's rows at the wrong positions: the two sides disagree on the layout
@@ -64,19 +71,29 @@ pub enum Class {
     /// poison right before its stage was posted again, or no longer held the fingerprint it
     /// had verified clean while later stages were still in flight.
     Stray,
+    /// The slice's bytes changed after the verify pass judged them: data that landed after
+    /// its completion or notification, or a write after the verdict. The run classifies the
+    /// bytes the verify pass judged (its snapshot); when the slice read again right after
+    /// differs from them, the slice is `late` and the failure's `judged_class` keeps the class
+    /// of the judged bytes. [`classify`] also returns it for bytes equal to the expected
+    /// fingerprint (a slice that failed the verify but is intact when classified), never
+    /// `bitflip` with 0 bits.
+    Late,
 }
 
 impl Class {
     /// All classes, in report order.
-    pub const ALL: [Class; 8] = [
+    pub const ALL: [Class; 10] = [
         Class::Unwritten,
         Class::Stale,
+        Class::Overwritten,
         Class::Misplaced,
         Class::Layout,
         Class::Torn,
         Class::Bitflip,
         Class::Garbage,
         Class::Stray,
+        Class::Late,
     ];
 
     /// The class's name as used in reports and `--inject`.
@@ -84,12 +101,14 @@ impl Class {
         match self {
             Class::Unwritten => "unwritten",
             Class::Stale => "stale",
+            Class::Overwritten => "overwritten",
             Class::Misplaced => "misplaced",
             Class::Layout => "layout",
             Class::Torn => "torn",
             Class::Bitflip => "bitflip",
             Class::Garbage => "garbage",
             Class::Stray => "stray",
+            Class::Late => "late",
         }
     }
 }
@@ -308,6 +327,10 @@ pub fn verdict(sources: &[Source], unit_rows: &[u32], due: &SliceRows) -> Verdic
         ([], _) => return plain(Class::Garbage, None),
         ([Source::Expected(_)], false) => {
             let bits: u64 = sources.iter().map(|s| if let Source::Expected(n) = s { *n as u64 } else { 0 }).sum();
+            if bits == 0 {
+                // Intact bytes in a slice the verify pass failed: they changed after the verdict.
+                return plain(Class::Late, Some(expected));
+            }
             return Verdict { bit_flips: Some(bits), ..plain(Class::Bitflip, Some(expected)) };
         }
         ([Source::Poison], false) => return plain(Class::Unwritten, None),
@@ -317,7 +340,14 @@ pub fn verdict(sources: &[Source], unit_rows: &[u32], due: &SliceRows) -> Verdic
                 return layout(sources, unit_rows, due);
             }
             let same_block = i.layer == expected.layer && i.kv == expected.kv && i.block == expected.block;
-            return plain(if same_block { Class::Stale } else { Class::Misplaced }, first_other);
+            // Generations only grow within a run (they wrap after 2^32 - 2, far beyond any run):
+            // an older one is stale data, a newer one an overwrite of the source.
+            let class = match (same_block, i.generation > expected.generation) {
+                (false, _) => Class::Misplaced,
+                (true, false) => Class::Stale,
+                (true, true) => Class::Overwritten,
+            };
+            return plain(class, first_other);
         }
         _ => {}
     }

@@ -2,7 +2,7 @@
 //! injection classified exactly. Needs the NIXL libraries (scripts/install-deps.sh).
 
 use crate::common::{assert_exact_injection, read_report};
-use serde_json::Value;
+use serde_json::{Value, json};
 
 fn run_report(name: &str, args: &[&str]) -> (i32, Value, String) {
     crate::common::run_with_report(name, "dram", args)
@@ -665,4 +665,93 @@ fn the_early_notification_fault_is_refused_where_it_cannot_apply() {
         assert_eq!(code, 2, "{op} {value}: {out}{err}");
         assert!(err.contains("KVPROBE_TEST_EARLY_NOTIFY") && err.contains(needle), "{err}");
     }
+}
+
+/// The README's poison of (slot, iteration): little-endian u32 elements, `slot` at even
+/// indices and 0x5A000000 | iteration at odd ones.
+fn readme_poison(len: usize, slot: u32, iteration: u32) -> Vec<u8> {
+    (0..len / 4).flat_map(|e| if e % 2 == 0 { slot } else { 0x5A00_0000 | iteration }.to_le_bytes()).collect()
+}
+
+fn sha256_hex(b: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(b).iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Issue 33 item 1 (audit W1): data that lands between the verify pass and the
+/// classification (the test hook writes each failing slice's expected fingerprint into
+/// stage 0 of iteration 2, right after its verify) is classified from the bytes the verify
+/// judged — still the poison of (slot, 2) — and reported `late` with `judged_class`
+/// `unwritten`, never `bitflip` with 0 bits (what a second read of the now intact slice gave).
+/// The bundle's `report check` re-derives it. One stage (READ) and two stages (WRITE).
+#[test]
+fn data_landing_between_the_verify_and_the_classification_is_late_with_the_judged_class() {
+    late_data_is_classified_from_the_judged_bytes("dram");
+}
+
+/// [`data_landing_between_the_verify_and_the_classification_is_late_with_the_judged_class`]
+/// on `memory` (also run on VRAM by tests/gpu.rs: the verify kernel's capture).
+pub fn late_data_is_classified_from_the_judged_bytes(memory: &str) {
+    // (flags, layers of stage 0): README "pipeline stages", 4 layers.
+    for (extra, stage0) in [(&[][..], 0..4u64), (&["--pipeline-stages", "2", "--op", "write"][..], 0..2)] {
+        let d = crate::common::tmpdir("late-classify");
+        let (p, b) = (d.join("report.json"), d.join("b.tgz"));
+        let mut a = vec!["run", "--memory", memory, "--iterations", "3", "--inject", "drop:2", "--max-failures", "100"];
+        a.extend(["--report", p.to_str().unwrap(), "--bundle", b.to_str().unwrap()]);
+        a.extend(extra);
+        let (code, out, err) = crate::common::kvprobe_env(&a, &[("KVPROBE_TEST_LATE_WRITE", "classify:2")]);
+        let ctx = format!("{extra:?}: {out}{err}");
+        assert_eq!(code, 1, "{ctx}");
+        let r = read_report(&p);
+        let sb = r["config"]["geometry"]["slice_bytes"].as_u64().unwrap() as usize;
+        let f = r["failures"].as_array().unwrap();
+        assert_eq!(f.len(), 6, "two drops per iteration: {ctx}");
+        let mut late = 0;
+        for x in f {
+            assert_ne!(x["class"], "bitflip", "{x}");
+            let (it, layer) = (x["iteration"].as_u64().unwrap(), x["layer"].as_u64().unwrap());
+            if it == 2 && stage0.contains(&layer) {
+                late += 1;
+                assert_eq!((&x["class"], &x["judged_class"]), (&json!("late"), &json!("unwritten")), "{x}");
+                // The judged bytes, not the intact ones read later: this iteration's poison.
+                let poison = readme_poison(sb, x["slot"].as_u64().unwrap() as u32, 2);
+                assert_eq!(x["actual_digest"], sha256_hex(&poison), "{x}");
+            } else {
+                assert_eq!(x["class"], "unwritten", "{x}");
+                assert!(x.get("judged_class").is_none(), "{x}");
+            }
+        }
+        if stage0 == (0..4) {
+            assert_eq!(late, 2, "one stage: both drops of iteration 2 are late: {ctx}");
+        }
+        assert_eq!(r["summary"]["by_class"]["late"], late, "{ctx}");
+        let (code, out, err) = crate::common::kvprobe(&["report", "check", b.to_str().unwrap()]);
+        assert_eq!(code, 0, "{extra:?}: {out}{err}");
+        assert!(out.contains("everything agrees"), "{out}{err}");
+    }
+}
+
+/// Issue 33 item 4 (audit M1): the slices and bytes the verify passes compared must be the
+/// plan. The test hook makes the DRAM verify pass skip global slice 5: the run is an internal
+/// error (exit 3) naming both counts — the plan computed here from the default geometry
+/// (4 layers × K/V × 64 blocks of 4096-byte slices), not taken from the report.
+#[test]
+fn a_verify_that_skips_a_slice_is_an_internal_error_naming_both_counts() {
+    let d = crate::common::tmpdir("verify-skip");
+    let p = d.join("report.json");
+    let (slices, sb) = (4 * 2 * 64u64, 4096u64);
+    let a = ["run", "--memory", "dram", "--iterations", "2", "--report", p.to_str().unwrap()];
+    let (code, out, err) = crate::common::kvprobe_env(&a, &[("KVPROBE_TEST_VERIFY_SKIP", "5")]);
+    assert_eq!(code, 3, "{out}{err}");
+    let want = format!(
+        "compared {} block slices and {} bytes, but the plan is {slices} block slices and {} bytes",
+        slices - 1,
+        (slices - 1) * sb,
+        slices * sb
+    );
+    assert!(err.contains(&want), "{want}\n{out}{err}");
+    let r = read_report(&p);
+    assert_eq!(r["outcome"]["exit_code"], 3);
+    assert_eq!(r["outcome"]["error"]["kind"], "internal");
+    assert_ne!(r["outcome"]["status"], "clean");
 }

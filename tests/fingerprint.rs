@@ -380,6 +380,36 @@ fn classify_stale_and_misplaced_name_what_arrived() {
     assert_eq!(classify(&fingerprint::expected(SEED, &with_slice(other_layer)), &want(), SEED, 7, 9).class, Class::Misplaced);
 }
 
+/// Issue 33 item 8: `stale` is an older generation of the right block; a newer one (its
+/// source rewritten before the transfer read it) is an overwrite race, `overwritten`.
+#[test]
+fn a_newer_generation_of_the_right_block_is_overwritten_not_stale() {
+    for (generation, class) in [(8, Class::Stale), (1, Class::Stale), (10, Class::Overwritten), (1000, Class::Overwritten)] {
+        let g = BlockIdentity { generation, ..want().slice };
+        let v = classify(&fingerprint::expected(SEED, &with_slice(g)), &want(), SEED, 7, 9);
+        assert_eq!((v.class, v.observed), (class, Some(g)), "generation {generation} where 9 is due");
+    }
+}
+
+/// Issue 33 item 1: the expected bytes themselves (a slice that failed the verify but holds
+/// the right rows when classified: it changed after the verdict) are `late`, never `bitflip`
+/// with 0 bits — on every shape, order and seed tried here.
+#[test]
+fn the_expected_bytes_are_late_never_a_bitflip_of_zero_bits() {
+    for seed in [1u64, 42, 0xFFFF_FFFF_FFFF_FFFF] {
+        for order in [RowOrder::Nhd, RowOrder::Hnd, RowOrder::Mla] {
+            for (bs, heads, rb) in [(1, 1, 32), (4, 4, 256), (2, 3, 1056), (16, 8, 128)] {
+                let heads = if order == RowOrder::Mla { 1 } else { heads };
+                let kv = if order == RowOrder::Mla { KvPart::Latent } else { KvPart::V };
+                let due = rows(id(1, kv, 77, 3), order, bs, heads, rb, 0, 0);
+                let v = classify(&fingerprint::expected(seed, &due), &due, seed, 5, 3);
+                assert_eq!(v.class, Class::Late, "seed {seed} {order:?} {bs}x{heads}x{rb}");
+                assert_eq!(v.bit_flips, None, "seed {seed} {order:?} {bs}x{heads}x{rb}");
+            }
+        }
+    }
+}
+
 #[test]
 fn classify_torn_gives_the_unit_map() {
     let mut s = fingerprint::expected(SEED, &want());
@@ -530,6 +560,9 @@ fn every_class_is_classified_as_predicted_on_the_smallest_slices() {
                     cases.push(("drop", poison.clone(), Class::Unwritten, None));
                     cases.push(("misroute", fingerprint::expected(seed, &shape(other)), Class::Misplaced, Some(other)));
                     cases.push(("stale", fingerprint::expected(seed, &shape(stale)), Class::Stale, Some(stale)));
+                    let newer = BlockIdentity { generation: it + 1, ..want };
+                    cases.push(("overwritten", fingerprint::expected(seed, &shape(newer)), Class::Overwritten, Some(newer)));
+                    cases.push(("late", good.clone(), Class::Late, Some(want)));
                     // As inject::plan: a prefix of 16 * [1, len / 16) bytes arrived.
                     let cut = 16 * (1 + (next() % (len as u64 / 16 - 1)) as usize);
                     let mut torn = good.clone();

@@ -220,6 +220,89 @@ fn cpu_verify_finds_the_first_and_last_byte_of_every_part_and_counts_what_it_com
     }
 }
 
+/// Issue 33 item 1: the verify pass keeps the bytes it judged of each failing slice. Every
+/// [`detection_geometries`] pool is filled, some slices damaged (a byte flipped in every other
+/// 32 KiB part, so multi-part slices have intact parts between damaged ones), verified, and
+/// then made intact again (data landing after the verdict): `judged_slice` must still give
+/// the damaged bytes, as written here, and say they are the judged ones; the slice itself now
+/// reads intact. Returns the slices whose judged bytes were kept.
+fn judged_bytes_are_the_damaged_ones(pool: &mut KvPool, g: &Geometry, every: usize) -> usize {
+    let t = table(g, 2);
+    pool.fill(&t).unwrap();
+    let sb = g.slice_bytes().unwrap() as usize;
+    let part = 32 << 10;
+    let mut damaged = std::collections::BTreeMap::new();
+    for (n, c) in g.coords().enumerate().filter(|(n, _)| n % every == 0) {
+        let mut buf = vec![0u8; sb];
+        pool.read_slice(c, &mut buf).unwrap();
+        let good = buf.clone();
+        for p in (0..sb.div_ceil(part)).step_by(2) {
+            buf[(p * part + n * 13) % sb] ^= 0x24;
+        }
+        pool.write_slice(c, &buf).unwrap();
+        damaged.insert(g.global_slice(c), (c, buf, good));
+    }
+    let fails = pool.verify(&t).unwrap();
+    assert_eq!(fails.iter().map(|f| f.slice).collect::<Vec<_>>(), damaged.keys().copied().collect::<Vec<_>>(), "{g:?}");
+    let mut kept = 0;
+    for (slice, (c, bad, good)) in &damaged {
+        pool.write_slice(*c, good).unwrap();
+        let mut judged = vec![0u8; sb];
+        if pool.judged_slice(*c, *slice, &mut judged).unwrap() {
+            kept += 1;
+            assert!(judged == *bad, "{g:?}: slice {slice}: the judged bytes are not those the verify saw");
+        } else {
+            assert!(judged == *good, "{g:?}: slice {slice}: not kept, so read again");
+        }
+    }
+    kept
+}
+
+#[test]
+fn cpu_verify_keeps_the_bytes_it_judged() {
+    for g in detection_geometries() {
+        let mut pool = KvPool::host(&g, 5).unwrap();
+        let n = g.coords().step_by(3).count();
+        assert_eq!(judged_bytes_are_the_damaged_ones(&mut pool, &g, 3), n, "{g:?}: every failing slice's bytes kept");
+    }
+}
+
+/// The verify kernel's capture: each failing part's loaded bytes, for the first 512 failing
+/// parts of a pass (16 MiB, `pool::CAPTURE_MAX_BYTES`); slices with a part past it are read
+/// again. 800 one-part slices all damaged: exactly 512 kept.
+#[test]
+fn verify_kernel_captures_the_bytes_it_judged() {
+    if !gpu_or_skip("verify_kernel_captures_the_bytes_it_judged") {
+        return;
+    }
+    let dev = Device::open(0).unwrap();
+    let k = Arc::new(Kernels::compile(&dev).unwrap());
+    for g in detection_geometries() {
+        let mut pool = KvPool::device(&dev, k.clone(), &g, 5).unwrap();
+        let n = g.coords().step_by(3).count();
+        let parts_per_slice = (g.slice_bytes().unwrap() as usize).div_ceil(32 << 10);
+        let failing_parts = n * parts_per_slice.div_ceil(2);
+        if failing_parts <= 512 {
+            assert_eq!(judged_bytes_are_the_damaged_ones(&mut pool, &g, 3), n, "{g:?}: every failing slice captured");
+        } else {
+            judged_bytes_are_the_damaged_ones(&mut pool, &g, 3);
+        }
+    }
+    // 4 layers × K/V × 100 blocks of 32 KiB slices (one part each), every slice damaged.
+    let g = Geometry {
+        num_layers: 4,
+        num_kv_heads: 8,
+        head_size: 128,
+        block_size: 16,
+        num_blocks: 100,
+        dtype: Dtype::Bf16,
+        layout: Layout::Nhd,
+        mla: false,
+    };
+    let mut pool = KvPool::device(&dev, k, &g, 5).unwrap();
+    assert_eq!(judged_bytes_are_the_damaged_ones(&mut pool, &g, 1), 512, "{g:?}");
+}
+
 #[test]
 fn verify_kernel_finds_the_first_and_last_byte_of_every_part_and_counts_what_it_compared() {
     if !gpu_or_skip("verify_kernel_finds_the_first_and_last_byte_of_every_part_and_counts_what_it_compared") {
@@ -358,7 +441,20 @@ fn vram_stray_writes_are_found_as_stray() {
         assert_eq!(code, 0, "{extra:?}: {log}");
         assert_eq!(r["summary"]["blocks_corrupt"], 0, "{extra:?}");
         assert_eq!(r["summary"]["stray_poison_checked_slices"], 3 * slices, "{extra:?}: counted by the kernel");
+        assert_eq!(r["summary"]["stray_reverified_slices"], 3 * slices, "{extra:?}: before each re-poison, after the last");
     }
+}
+
+/// Issue 33 items 1 and 5 on VRAM: data landing between the verify kernel and the
+/// classification is `late` (the kernel's capture holds what it judged), and a write after
+/// the verdict with one stage is found before the re-poison or after the last iteration.
+#[test]
+fn vram_late_data_and_writes_after_the_verdict_are_found() {
+    if !gpu_or_skip("vram_late_data_and_writes_after_the_verdict_are_found") {
+        return;
+    }
+    crate::dram::late_data_is_classified_from_the_judged_bytes("vram");
+    crate::stray::a_write_after_the_verdict_is_found("vram");
 }
 
 fn vram_report(name: &str, args: &[&str]) -> (i32, Value, String) {

@@ -1117,7 +1117,23 @@ impl<'a> Decode<'a> {
             ids.iter().map(|id| self.pulls[id].dslots.len() as u64).sum::<u64>() * g.num_layers as u64 * g.kv_parts() as u64;
         report.summary.blocks_checked += slices;
         let sb = g.slice_bytes()? as usize;
+        // The verdict rests on what the pass compared: the slices of every verified request,
+        // every byte, or the run is an internal error (exit 3).
+        let done = self.ep.pool.take_compared();
+        report.summary.slices_compared += done.slices;
+        report.summary.bytes_compared += done.bytes;
+        if done.slices != slices || done.bytes != slices * sb as u64 {
+            return Err(Error::Internal(format!(
+                "step {}: the verify pass compared {} block slices and {} bytes, but the plan is {slices} block slices and {} \
+                 bytes: the verdict would rest on slices never compared",
+                self.now,
+                done.slices,
+                done.bytes,
+                slices * sb as u64
+            )));
+        }
         let mut buf = vec![0u8; sb];
+        let mut now = vec![0u8; sb];
         let nixl = self.cfg.scenario.uses_nixl();
         for f in &fails {
             let c = g.coord_of(f.slice);
@@ -1127,10 +1143,21 @@ impl<'a> Decode<'a> {
             let p = &self.pulls[&id];
             let expected_t = table[c.block as usize];
             let expected = ident(expected_t, c);
-            self.ep.pool.read_slice(c, &mut buf)?;
+            // The bytes the verify pass judged (its snapshot on DRAM), then the slice again:
+            // bytes that changed after the verdict make it `late` (as the sweep's).
+            let kept = self.ep.pool.judged_slice(c, f.slice, &mut buf)?;
             let due = self.ep.pool.shape().slice(expected);
             let want = fingerprint::expected(self.seed, &due);
-            let v = verify::classify_against(&buf, &want, &due, self.seed, f.slice, p.poison_iter);
+            // Not kept (VRAM): the record describes the bytes read again.
+            let f = &if kept { *f } else { crate::pool::RawFailure::recount(f.slice, &buf, &want) };
+            let judged = verify::classify_against(&buf, &want, &due, self.seed, f.slice, p.poison_iter);
+            self.ep.pool.read_slice(c, &mut now)?;
+            let (v, judged_class) = if now != buf {
+                let j = judged.class;
+                (verify::Verdict { class: verify::Class::Late, ..judged }, Some(j))
+            } else {
+                (judged, None)
+            };
             // What the source block held during the READ window: its content when the READ
             // was posted, then every write before the READ completed (tier-only: the entry
             // decode loaded).
@@ -1186,6 +1213,7 @@ impl<'a> Decode<'a> {
                 failure.predicted = Some(ident(predicted, c));
                 failure.attributed_to = cause;
                 failure.injected = planted == Some(class);
+                failure.judged_class = judged_class;
                 failure
             });
         }
@@ -1195,7 +1223,8 @@ impl<'a> Decode<'a> {
             // Each planted fault is detected when every slice it predicts was found with its
             // class (as the sweep's injections).
             for x in &p.planted {
-                let detected = x.hits.iter().all(|(at, class)| seen.get(at) == Some(class));
+                // An injection that reached no slice is not detected (`all` of nothing is true).
+                let detected = !x.hits.is_empty() && x.hits.iter().all(|(at, class)| seen.get(at) == Some(class));
                 report.summary.injections_planted += 1;
                 report.summary.injections_detected += detected as u64;
                 report.injections.push(crate::report::InjectionRecord {

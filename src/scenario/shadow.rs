@@ -29,8 +29,9 @@ use std::collections::BTreeMap;
 pub use crate::tier::Content;
 
 /// Classes an unfenced mechanism may produce at decode: another block's data (misplaced),
-/// the same block's older data (stale), or a mix when the write lands during a READ (torn).
-pub const RACE_CLASSES: [Class; 3] = [Class::Misplaced, Class::Stale, Class::Torn];
+/// the same block's older data (stale) or newer data (overwritten: its source rewritten before
+/// the READ read it), or a mix when the write lands during a READ (torn).
+pub const RACE_CLASSES: [Class; 4] = [Class::Misplaced, Class::Stale, Class::Overwritten, Class::Torn];
 
 /// The classes unfenced mechanism `m` may produce at decode: [`RACE_CLASSES`] for an ordering
 /// that lets another write reach a block; `unwritten` (this pull's poison) for

@@ -178,7 +178,8 @@ pub const CLASSES_PER_FAULT: [(&str, &[(&str, u64)]); 6] = [
 ];
 
 /// Every failure class a report's `summary.by_class` carries.
-pub const ALL_CLASSES: [&str; 8] = ["bitflip", "garbage", "layout", "misplaced", "stale", "stray", "torn", "unwritten"];
+pub const ALL_CLASSES: [&str; 10] =
+    ["bitflip", "garbage", "late", "layout", "misplaced", "overwritten", "stale", "stray", "torn", "unwritten"];
 
 /// The table's classes for one fault of `kind` (panics on a kind the table does not know).
 pub fn classes_of(kind: &str) -> &'static [(&'static str, u64)] {
