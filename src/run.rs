@@ -400,6 +400,11 @@ impl Probe {
 
 pub use crate::report::StrayCheck;
 
+/// The slices of a sweep iteration found corrupt, by (decode TP rank, slice): the class found
+/// and whether the slice is exactly as an injection predicts it
+/// ([`crate::inject::matches_prediction`]).
+type Seen = HashMap<(u32, SliceCoord), (Class, bool)>;
+
 /// Records the slices a stray-write check of iteration `plan.it` found changed (`fails`,
 /// from [`KvPool::take_poison_failures`] or a re-verify's [`KvPool::take_failures`]) as
 /// class `stray` failures: what the slot should have held (its poison, or `plan`'s expected
@@ -415,7 +420,7 @@ fn record_strays(
     plan: &Plan,
     fails: &[crate::pool::RawFailure],
     check: StrayCheck,
-    seen: &mut HashMap<(u32, SliceCoord), Class>,
+    seen: &mut Seen,
     report: &mut Report,
     dump: &mut Option<&mut crate::dump::Dumper>,
 ) -> Result<u64> {
@@ -441,8 +446,9 @@ fn record_strays(
         };
         let observed = fingerprint::observed_identity(&buf, cfg.seed, pool.shape(), f.first_bad);
         let v = verify::Verdict { class: Class::Stray, observed, bit_flips: None, sectors: None, displacement: None, rows: None };
-        seen.insert((d, c), Class::Stray);
-        if plan.predicted.get(&(d, c)) != Some(&Class::Stray) {
+        let as_predicted = crate::inject::matches_prediction(plan.predicted.get(&(d, c)), Class::Stray, cfg.seed, &buf);
+        seen.insert((d, c), (Class::Stray, as_predicted));
+        if !as_predicted {
             report.summary.unexpected_failures += 1;
         }
         n += 1;
@@ -471,7 +477,7 @@ fn poison_check(
     probe: &mut Probe,
     plan: &Plan,
     layers: Range<u32>,
-    seen: &mut HashMap<(u32, SliceCoord), Class>,
+    seen: &mut Seen,
     report: &mut Report,
     dump: &mut Option<&mut crate::dump::Dumper>,
 ) -> Result<u64> {
@@ -929,7 +935,7 @@ fn sweep(
             probe.rank_mut(d).pool.load_table(&cur.dst_table)?;
         }
         let mut next: Option<Plan> = None;
-        let mut seen: HashMap<(u32, SliceCoord), Class> = HashMap::new();
+        let mut seen: Seen = HashMap::new();
         let mut corrupt = 0u64;
         let mut bytes = 0u64;
         let tag = |k: usize| format!("kvprobe:iter={it}:stage={k}");
@@ -1068,8 +1074,9 @@ fn sweep(
                     let due = pool.shape().slice(expected);
                     let want = fingerprint::expected(cfg.seed, &due);
                     let v = verify::classify_against(&buf, &want, &due, cfg.seed, f.slice, it);
-                    seen.insert((d, c), v.class);
-                    if cur.predicted.get(&(d, c)) != Some(&v.class) {
+                    let as_predicted = crate::inject::matches_prediction(cur.predicted.get(&(d, c)), v.class, cfg.seed, &buf);
+                    seen.insert((d, c), (v.class, as_predicted));
+                    if !as_predicted {
                         report.summary.unexpected_failures += 1;
                     }
                     corrupt += 1;
@@ -1186,18 +1193,38 @@ fn sweep(
             judge_path(cfg, &mut p, report.environment.as_ref());
             report.summary.transport_path = Some(p);
         }
-        for ((a, hits), &l) in cur.actions.iter().zip(&cur.hits).zip(&cur.action_links) {
-            let detected = hits.iter().all(|(r, c, class)| seen.get(&(*r, *c)) == Some(class));
+        for (((a, hits), &l), &torn_bytes) in cur.actions.iter().zip(&cur.hits).zip(&cur.action_links).zip(&cur.torn_bytes) {
+            // Detected as predicted: every slice it reaches found with its class and exactly
+            // the predicted bytes.
+            let detected = hits.iter().all(|(r, c, class)| seen.get(&(*r, *c)) == Some(&(*class, true)));
             let tp_rank = |r: u32| (ranks > 1).then_some(r);
             let hits: Vec<PredictedHit> = hits
                 .iter()
-                .map(|&(r, d, class)| PredictedHit { layer: d.layer, kv: d.kv, block: d.block, class, tp_rank: tp_rank(r) })
+                .map(|&(r, d, class)| {
+                    let pred = cur.predicted.get(&(r, d));
+                    PredictedHit {
+                        layer: d.layer,
+                        kv: d.kv,
+                        block: d.block,
+                        class,
+                        tp_rank: tp_rank(r),
+                        digest: pred.map(|x| x.digest(cfg.seed)),
+                        written: pred.and_then(|x| x.written()),
+                    }
+                })
                 .collect();
             let link =
                 (!tp.is_single()).then(|| crate::report::TpLink { prefill_rank: cur.links[l].0, decode_rank: cur.links[l].1 });
             report.summary.injections_planted += 1;
             report.summary.injections_detected += detected as u64;
-            report.injections.push(InjectionRecord { iteration: it, kind: a.kind(), predicted: hits, detected, link });
+            report.injections.push(InjectionRecord {
+                iteration: it,
+                kind: a.kind(),
+                predicted: hits,
+                detected,
+                link,
+                torn_bytes,
+            });
         }
         report.summary.iterations = it;
         times.corrupt = corrupt;
