@@ -829,6 +829,73 @@ fn early_notify_fault(op: Op) -> Result<Option<u32>> {
     Ok(Some(n))
 }
 
+/// Test-only fault hook: `KVPROBE_TEST_DAMAGE_TORN=tail|prefix|foreign` adds damage to every
+/// decode slice an `--inject torn` tears, after its stage's transfer and before decode
+/// verifies it, as a stack defect hitting an injected slice would: `tail` writes 16 bytes of
+/// garbage where the tear left the poison, `prefix` flips a bit of the delivered prefix,
+/// `foreign` replaces the delivered bytes with another block's rows. The slice stays `torn`,
+/// but not the predicted bytes: each must count as an unexpected failure and its injection
+/// as not detected as predicted (exit 1).
+pub const DAMAGE_TORN_VAR: &str = "KVPROBE_TEST_DAMAGE_TORN";
+
+/// The damage of [`DAMAGE_TORN_VAR`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TornDamage {
+    Tail,
+    Prefix,
+    Foreign,
+}
+
+/// Reads [`DAMAGE_TORN_VAR`]. Errors (usage, exit 2): another value.
+fn torn_damage() -> Result<Option<TornDamage>> {
+    let Some(v) = std::env::var_os(DAMAGE_TORN_VAR) else { return Ok(None) };
+    let d = match v.to_str() {
+        Some("tail") => TornDamage::Tail,
+        Some("prefix") => TornDamage::Prefix,
+        Some("foreign") => TornDamage::Foreign,
+        _ => return Err(Error::Usage(format!("{DAMAGE_TORN_VAR} must be tail, prefix or foreign; got {v:?}"))),
+    };
+    eprintln!("test fault: torn slices get extra damage ({d:?})");
+    Ok(Some(d))
+}
+
+/// Plants [`DAMAGE_TORN_VAR`]'s damage in the torn slices of `plan` in `layers`, on every
+/// decode rank, as received (before any conversion).
+fn damage_torn(cfg: &RunConfig, probe: &mut Probe, plan: &Plan, layers: Range<u32>, how: TornDamage) -> Result<()> {
+    let sb = cfg.decode_geom().slice_bytes()? as usize;
+    let mut buf = vec![0u8; sb];
+    for (&(r, c), pred) in &plan.predicted {
+        let Some(first) = pred.landed.first().filter(|_| pred.class == Class::Torn && layers.contains(&c.layer)) else {
+            continue;
+        };
+        let pool = &mut probe.rank_mut(r).pool;
+        pool.read_slice(c, &mut buf)?;
+        match how {
+            TornDamage::Tail => {
+                // The last 16 bytes nothing lands on (torn: a multiple of 16 is missing).
+                let hit =
+                    |o: usize| pred.landed.iter().any(|l| (l.dst_off as usize) < o + 16 && o < (l.dst_off + l.len) as usize);
+                let Some(o) = (0..sb / 16).rev().map(|k| k * 16).find(|&o| !hit(o)) else { continue };
+                for (i, b) in buf[o..o + 16].iter_mut().enumerate() {
+                    *b = 0xC3 ^ i as u8;
+                }
+            }
+            TornDamage::Prefix => buf[first.dst_off as usize] ^= 0x10,
+            TornDamage::Foreign => {
+                let mut rows = first.rows;
+                rows.slice.block ^= 0x5555;
+                let other = fingerprint::expected(cfg.seed, &rows);
+                for l in &pred.landed {
+                    let (s, d, n) = (l.src_off as usize, l.dst_off as usize, l.len as usize);
+                    buf[d..d + n].copy_from_slice(&other[s..s + n]);
+                }
+            }
+        }
+        pool.write_slice(c, &buf)?;
+    }
+    Ok(())
+}
+
 /// Spins on `check` until it yields a value (stage `k` of iteration `it` waiting for its
 /// `what`). A signal lets the wait go on for up to `interrupt::GRACE` after it (then the
 /// report says interrupted rather than waiting out --timeout on a stalled transfer); `check`
@@ -882,6 +949,7 @@ fn sweep(
     let mut buf = vec![0u8; sb];
     let mut verify_all = 0.0;
     let early_notify = early_notify_fault(cfg.op)?;
+    let damage = torn_damage()?;
 
     // Setup: iteration 1's fill and faults, the copy ceiling, iteration 1's poison.
     let scratch_ceiling = cfg.decode_process && pool_bytes >= crate::pool::MIN_CEILING_BYTES && same_regions(cfg)?;
@@ -1057,6 +1125,9 @@ fn sweep(
                 }
             }
             crate::trace!("iteration {it}: stage {k} complete");
+            if let Some(how) = damage {
+                damage_torn(cfg, probe, &cur, layers.clone(), how)?;
+            }
             // Stage k's probe passes: decode's conversion on receive, verify, classify, then
             // refill and re-poison for it + 1.
             let t = Instant::now();

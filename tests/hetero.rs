@@ -325,6 +325,9 @@ fn every_injection_is_found_as_predicted_between_unequal_sides_on(memory: &str) 
                 let (t, u) = (by["torn"].as_u64().unwrap(), by["unwritten"].as_u64().unwrap());
                 assert!(t >= 1 && t + u >= its && t + u <= its * kd, "{ctx}: {by}");
                 assert_eq!(r["summary"]["blocks_corrupt"], t + u, "{ctx}: {by}");
+                // Byte for byte: each of those slices holds the rows of the planted prefix
+                // (placed by the layouts' own arithmetic) and the slot's poison elsewhere.
+                assert_eq!(crate::common::assert_torn_bytes_exact(&r, &ctx), t + u, "{ctx}");
                 continue;
             }
             for (class, n) in classes_between(kind, kd) {

@@ -1307,14 +1307,33 @@ impl<'a> Decode<'a> {
                     None => continue,
                 },
                 TestFault::EarlyFree => unreachable!("filtered above: prefill plants it"),
+                // A slice an `--inject torn` tore.
+                TestFault::TornTail => usize::MAX,
             };
-            let c = SliceCoord { layer: 0, kv: g.parts()[0], block: p.dslots[i] };
+            let torn = p
+                .planted
+                .iter()
+                .flat_map(|x| x.hits.iter().zip(&x.predictions))
+                .find(|((_, class), _)| *class == crate::verify::Class::Torn)
+                .map(|((at, _), x)| (*at, x.landed.iter().map(|l| l.dst_off + l.len).max().unwrap_or(0) as usize));
+            let c = match (kind, torn) {
+                (TestFault::TornTail, Some((at, _))) => at,
+                (TestFault::TornTail, None) => continue,
+                _ => SliceCoord { layer: 0, kv: g.parts()[0], block: p.dslots[i] },
+            };
             let mut buf = vec![0u8; sb];
             self.ep.pool.read_slice(c, &mut buf)?;
             match kind {
                 // Bit 0 of sector 0's check word (a 32-bit hash of the identity).
                 TestFault::Bitflip => buf[12] ^= 1,
                 TestFault::EarlyFree => unreachable!("filtered above: prefill plants it"),
+                // The last 16 bytes: the tear (a multiple of 16 bytes short) left poison there.
+                TestFault::TornTail => {
+                    debug_assert!(torn.is_some_and(|(_, end)| end <= sb - 16));
+                    for (k, b) in buf[sb - 16..].iter_mut().enumerate() {
+                        *b = 0xC3 ^ k as u8;
+                    }
+                }
                 TestFault::Poison => {
                     let from = sb / 2 / 16 * 16;
                     let mut q = vec![0u8; sb];
@@ -1323,7 +1342,13 @@ impl<'a> Decode<'a> {
                 }
             }
             self.ep.pool.write_slice(c, &buf)?;
-            eprintln!("test fault: {} planted in request {id} at layer 0 {} decode block {}", kind.name(), c.kv, c.block);
+            eprintln!(
+                "test fault: {} planted in request {id} at layer {} {} decode block {}",
+                kind.name(),
+                c.layer,
+                c.kv,
+                c.block
+            );
             left -= 1;
         }
         self.fault = Some((kind, left));
