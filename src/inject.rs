@@ -14,6 +14,10 @@
 //! | `head-offset` | move the slice's rows with a wrong head offset: every row but the last head's takes the next head's row of the same slice (a TP rank's wrong head offset) | `layout` (displacement head offset +1) |
 //! | `token-offset` | the same with a token offset: every row but the last token's takes the next token's row (a block-size conversion cut one token off) | `layout` (displacement token offset +1) |
 //! | `stray`    | one request carries an extra descriptor into another stage's decode slot (needs ≥ 3 pipeline stages): stage 0's, into a slot of stage ≥ 2 before that stage is posted; in the last iteration with ≥ 4 stages, the last stage's, into a slot of stage 0 after it verified | `stray` (found by the poison check before the post; by the re-verify after the last iteration) |
+//!
+//! Beyond the class, each slice an injection reaches has exact predicted bytes
+//! ([`Prediction`], made by the sweep's plan and by a scenario's decode engine): a failure
+//! counts as predicted only when its bytes are those ([`matches_prediction`]).
 
 use crate::error::{Error, Result};
 use crate::geometry::{Geometry, SliceCoord};
@@ -434,9 +438,9 @@ impl Prediction {
             Under::Due(rows) => crate::fingerprint::fill(&mut out, seed, &rows),
         }
         // Source slices, generated once each (a slice cut by head lands in several runs).
-        let mut sources: Vec<(crate::fingerprint::SliceRows, Option<(u64, u8)>, Vec<u8>)> = Vec::new();
+        let mut sources: Vec<(Landing, Vec<u8>)> = Vec::new();
         for l in &self.landed {
-            let k = match sources.iter().position(|(r, f, _)| *r == l.rows && *f == l.flip) {
+            let k = match sources.iter().position(|(x, _)| x.rows == l.rows && x.flip == l.flip) {
                 Some(k) => k,
                 None => {
                     let mut b = crate::fingerprint::expected(seed, &l.rows);
@@ -445,11 +449,11 @@ impl Prediction {
                     {
                         *x ^= 1 << bit;
                     }
-                    sources.push((l.rows, l.flip, b));
+                    sources.push((*l, b));
                     sources.len() - 1
                 }
             };
-            let src = &sources[k].2;
+            let src = &sources[k].1;
             let (s, d, len) = (l.src_off as usize, l.dst_off as usize, l.len as usize);
             out[d..d + len].copy_from_slice(&src[s..s + len]);
         }
