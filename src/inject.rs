@@ -14,6 +14,10 @@
 //! | `head-offset` | move the slice's rows with a wrong head offset: every row but the last head's takes the next head's row of the same slice (a TP rank's wrong head offset) | `layout` (displacement head offset +1) |
 //! | `token-offset` | the same with a token offset: every row but the last token's takes the next token's row (a block-size conversion cut one token off) | `layout` (displacement token offset +1) |
 //! | `stray`    | one request carries an extra descriptor into another stage's decode slot (needs ≥ 3 pipeline stages): stage 0's, into a slot of stage ≥ 2 before that stage is posted; in the last iteration with ≥ 4 stages, the last stage's, into a slot of stage 0 after it verified | `stray` (found by the poison check before the post; by the re-verify after the last iteration) |
+//!
+//! Beyond the class, each slice an injection reaches has exact predicted bytes
+//! ([`Prediction`], made by the sweep's plan and by a scenario's decode engine): a failure
+//! counts as predicted only when its bytes are those ([`matches_prediction`]).
 
 use crate::error::{Error, Result};
 use crate::geometry::{Geometry, SliceCoord};
@@ -366,4 +370,147 @@ impl Action {
             Action::HeadOffset { at } | Action::TokenOffset { at } => vec![(at, Class::Layout)],
         }
     }
+}
+
+/// Bytes that land in a decode slice an injection reaches ([`Prediction`]): `len` bytes from
+/// `src_off` of a source slice — the fingerprint of `rows` ([`crate::fingerprint::expected`]),
+/// with bit `flip.1` of byte `flip.0` flipped when set (a planted bitflip) — to `dst_off` of
+/// the decode slice, before decode's conversion on receive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Landing {
+    /// The source slice's rows (its identity — which block, which generation — and its side's
+    /// row shape, a TP rank's heads included).
+    pub rows: crate::fingerprint::SliceRows,
+    /// A flipped bit of the source slice: (byte offset in the slice, bit 0..8).
+    pub flip: Option<(u64, u8)>,
+    /// Byte offset in the source slice.
+    pub src_off: u64,
+    /// Byte offset in the decode slice (received order: before any conversion).
+    pub dst_off: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// What a decode slice holds before an injection's bytes land on it ([`Prediction`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Under {
+    /// The poison of (slot, iteration) ([`crate::fingerprint::poison`]): what the transfer
+    /// writes over, and what a stray write finds before the slot's own stage is posted.
+    Poison {
+        /// The slot's global slice index in decode's pool.
+        slot: u32,
+        /// The poison's iteration.
+        iteration: u32,
+    },
+    /// The fingerprint of these rows: the slice as it verified, which a stray write of the
+    /// last iteration overwrites after the verify.
+    Due(crate::fingerprint::SliceRows),
+}
+
+/// Exactly what an injected decode slice must hold, described rather than stored: `under`,
+/// then every `landed` run copied over it in order, then (with `convert`) decode's conversion
+/// on receive ([`crate::pairing::Sides::convert`]: row `r` of the result is row `perm[r]` of
+/// the received slice, rows of `row_bytes`). A slice the injection reached is "as
+/// predicted" only when its bytes equal these byte for byte ([`matches_prediction`]): the
+/// class alone (`torn`, `misplaced`, `stale` are broad) would excuse real damage inside it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Prediction {
+    /// The class the verifier must report.
+    pub class: Class,
+    /// Bytes of the decode slice.
+    pub slice_bytes: u64,
+    /// What the slice holds before anything lands.
+    pub under: Under,
+    /// What lands, in order (a later run overwrites an earlier one where they overlap).
+    pub landed: Vec<Landing>,
+    /// Decode's conversion on receive: (row permutation, row bytes); `None`: none.
+    pub convert: Option<(std::sync::Arc<[u32]>, u32)>,
+}
+
+impl Prediction {
+    /// The predicted bytes of the slice (`slice_bytes` of them), fingerprints generated with
+    /// `seed`.
+    pub fn bytes(&self, seed: u64) -> Vec<u8> {
+        let n = self.slice_bytes as usize;
+        let mut out = vec![0u8; n];
+        match self.under {
+            Under::Poison { slot, iteration } => crate::fingerprint::poison(&mut out, slot, iteration),
+            Under::Due(rows) => crate::fingerprint::fill(&mut out, seed, &rows),
+        }
+        // Source slices, generated once each (a slice cut by head lands in several runs).
+        let mut sources: Vec<(Landing, Vec<u8>)> = Vec::new();
+        for l in &self.landed {
+            let k = match sources.iter().position(|(x, _)| x.rows == l.rows && x.flip == l.flip) {
+                Some(k) => k,
+                None => {
+                    let mut b = crate::fingerprint::expected(seed, &l.rows);
+                    if let Some((at, bit)) = l.flip
+                        && let Some(x) = b.get_mut(at as usize)
+                    {
+                        *x ^= 1 << bit;
+                    }
+                    sources.push((*l, b));
+                    sources.len() - 1
+                }
+            };
+            let src = &sources[k].1;
+            let (s, d, len) = (l.src_off as usize, l.dst_off as usize, l.len as usize);
+            out[d..d + len].copy_from_slice(&src[s..s + len]);
+        }
+        self.permute(out)
+    }
+
+    fn permute(&self, received: Vec<u8>) -> Vec<u8> {
+        let Some((perm, rb)) = &self.convert else { return received };
+        let rb = *rb as usize;
+        let mut out = vec![0u8; received.len()];
+        for (to, &from) in perm.iter().enumerate() {
+            let from = from as usize * rb;
+            out[to * rb..(to + 1) * rb].copy_from_slice(&received[from..from + rb]);
+        }
+        out
+    }
+
+    /// SHA-256 of [`Prediction::bytes`] ([`crate::fingerprint::digest`]): what the failure's
+    /// `actual_digest` must be.
+    pub fn digest(&self, seed: u64) -> String {
+        crate::fingerprint::digest(&self.bytes(seed))
+    }
+
+    /// The byte ranges `[offset, bytes]` of the slice (decode's layout, after any conversion)
+    /// that its transfer wrote, sorted and merged, when that is not the whole slice: the rest
+    /// holds the slot's poison. `None` for a whole slice written, and for a stray write
+    /// (which lands on a slice its transfer wrote or will write).
+    pub fn written(&self) -> Option<Vec<[u64; 2]>> {
+        if self.class == Class::Stray || !matches!(self.under, Under::Poison { .. }) {
+            return None;
+        }
+        let mut mask = vec![0u8; self.slice_bytes as usize];
+        for l in &self.landed {
+            mask[l.dst_off as usize..(l.dst_off + l.len) as usize].fill(1);
+        }
+        let mask = self.permute(mask);
+        if mask.iter().all(|&m| m == 1) {
+            return None;
+        }
+        let mut out: Vec<[u64; 2]> = Vec::new();
+        for (i, &m) in mask.iter().enumerate() {
+            if m == 0 {
+                continue;
+            }
+            match out.last_mut() {
+                Some(r) if r[0] + r[1] == i as u64 => r[1] += 1,
+                _ => out.push([i as u64, 1]),
+            }
+        }
+        Some(out)
+    }
+}
+
+/// True when a failing slice was found as an injection predicts it: there is a prediction
+/// (`pred`), the verifier's class is its class, and the slice's `bytes` (the bytes that were
+/// classified) are exactly the predicted ones ([`Prediction::bytes`] with `seed`). Anything
+/// else is an unexpected failure, and the injection is then not detected as predicted.
+pub fn matches_prediction(pred: Option<&Prediction>, class: Class, seed: u64, bytes: &[u8]) -> bool {
+    pred.is_some_and(|p| p.class == class && p.slice_bytes == bytes.len() as u64 && p.bytes(seed) == bytes)
 }

@@ -178,6 +178,11 @@ pub struct InjectionRecord {
     /// each side.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub link: Option<TpLink>,
+    /// `torn`: the planted tear, in bytes sent of the group's prefill slices back to back in
+    /// source order (a group: [`crate::pairing::Sides::planning`]; equal sides: the slice's
+    /// prefix; with TP: of the bytes the fault's link moves). Absent for other kinds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub torn_bytes: Option<u64>,
 }
 
 /// A (prefill TP rank, decode TP rank) pair that blocks move between.
@@ -203,6 +208,17 @@ pub struct PredictedHit {
     /// With TP: the decode rank whose slice it is (absent with one decode rank).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tp_rank: Option<u32>,
+    /// SHA-256 of the exact bytes the injection must leave in the slice
+    /// ([`crate::inject::Prediction`]): a failure there is "as predicted" only when its
+    /// `actual_digest` equals it (and its class is `class`). Absent in older reports.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
+    /// The byte ranges `[offset, bytes]` of the slice (decode's layout, after any conversion
+    /// on receive) that its transfer wrote, when not the whole slice (a tear, a drop: `[]`):
+    /// there the fingerprint due, everywhere else the slot's poison of the iteration. Absent
+    /// for a slice written whole, a stray write and in older reports.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub written: Option<Vec<[u64; 2]>>,
 }
 
 /// Totals over the run.

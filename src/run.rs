@@ -400,6 +400,11 @@ impl Probe {
 
 pub use crate::report::StrayCheck;
 
+/// The slices of a sweep iteration found corrupt, by (decode TP rank, slice): the class found
+/// and whether the slice is exactly as an injection predicts it
+/// ([`crate::inject::matches_prediction`]).
+type Seen = HashMap<(u32, SliceCoord), (Class, bool)>;
+
 /// Records the slices a stray-write check of iteration `plan.it` found changed (`fails`,
 /// from [`KvPool::take_poison_failures`] or a re-verify's [`KvPool::take_failures`]) as
 /// class `stray` failures: what the slot should have held (its poison, or `plan`'s expected
@@ -415,7 +420,7 @@ fn record_strays(
     plan: &Plan,
     fails: &[crate::pool::RawFailure],
     check: StrayCheck,
-    seen: &mut HashMap<(u32, SliceCoord), Class>,
+    seen: &mut Seen,
     report: &mut Report,
     dump: &mut Option<&mut crate::dump::Dumper>,
 ) -> Result<u64> {
@@ -446,8 +451,9 @@ fn record_strays(
         };
         let observed = fingerprint::observed_identity(&buf, cfg.seed, pool.shape(), f.first_bad);
         let v = verify::Verdict { class: Class::Stray, observed, bit_flips: None, sectors: None, displacement: None, rows: None };
-        seen.insert((d, c), Class::Stray);
-        if plan.predicted.get(&(d, c)) != Some(&Class::Stray) {
+        let as_predicted = crate::inject::matches_prediction(plan.predicted.get(&(d, c)), Class::Stray, cfg.seed, &buf);
+        seen.insert((d, c), (Class::Stray, as_predicted));
+        if !as_predicted {
             report.summary.unexpected_failures += 1;
         }
         n += 1;
@@ -476,7 +482,7 @@ fn poison_check(
     probe: &mut Probe,
     plan: &Plan,
     layers: Range<u32>,
-    seen: &mut HashMap<(u32, SliceCoord), Class>,
+    seen: &mut Seen,
     report: &mut Report,
     dump: &mut Option<&mut crate::dump::Dumper>,
 ) -> Result<u64> {
@@ -876,6 +882,73 @@ fn early_notify_fault(op: Op) -> Result<Option<u32>> {
     Ok(Some(n))
 }
 
+/// Test-only fault hook: `KVPROBE_TEST_DAMAGE_TORN=tail|prefix|foreign` adds damage to every
+/// decode slice an `--inject torn` tears, after its stage's transfer and before decode
+/// verifies it, as a stack defect hitting an injected slice would: `tail` writes 16 bytes of
+/// garbage where the tear left the poison, `prefix` flips a bit of the delivered prefix,
+/// `foreign` replaces the delivered bytes with another block's rows. The slice stays `torn`,
+/// but not the predicted bytes: each must count as an unexpected failure and its injection
+/// as not detected as predicted (exit 1).
+pub const DAMAGE_TORN_VAR: &str = "KVPROBE_TEST_DAMAGE_TORN";
+
+/// The damage of [`DAMAGE_TORN_VAR`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TornDamage {
+    Tail,
+    Prefix,
+    Foreign,
+}
+
+/// Reads [`DAMAGE_TORN_VAR`]. Errors (usage, exit 2): another value.
+fn torn_damage() -> Result<Option<TornDamage>> {
+    let Some(v) = std::env::var_os(DAMAGE_TORN_VAR) else { return Ok(None) };
+    let d = match v.to_str() {
+        Some("tail") => TornDamage::Tail,
+        Some("prefix") => TornDamage::Prefix,
+        Some("foreign") => TornDamage::Foreign,
+        _ => return Err(Error::Usage(format!("{DAMAGE_TORN_VAR} must be tail, prefix or foreign; got {v:?}"))),
+    };
+    eprintln!("test fault: torn slices get extra damage ({d:?})");
+    Ok(Some(d))
+}
+
+/// Plants [`DAMAGE_TORN_VAR`]'s damage in the torn slices of `plan` in `layers`, on every
+/// decode rank, as received (before any conversion).
+fn damage_torn(cfg: &RunConfig, probe: &mut Probe, plan: &Plan, layers: Range<u32>, how: TornDamage) -> Result<()> {
+    let sb = cfg.decode_geom().slice_bytes()? as usize;
+    let mut buf = vec![0u8; sb];
+    for (&(r, c), pred) in &plan.predicted {
+        let Some(first) = pred.landed.first().filter(|_| pred.class == Class::Torn && layers.contains(&c.layer)) else {
+            continue;
+        };
+        let pool = &mut probe.rank_mut(r).pool;
+        pool.read_slice(c, &mut buf)?;
+        match how {
+            TornDamage::Tail => {
+                // The last 16 bytes nothing lands on (torn: a multiple of 16 is missing).
+                let hit =
+                    |o: usize| pred.landed.iter().any(|l| (l.dst_off as usize) < o + 16 && o < (l.dst_off + l.len) as usize);
+                let Some(o) = (0..sb / 16).rev().map(|k| k * 16).find(|&o| !hit(o)) else { continue };
+                for (i, b) in buf[o..o + 16].iter_mut().enumerate() {
+                    *b = 0xC3 ^ i as u8;
+                }
+            }
+            TornDamage::Prefix => buf[first.dst_off as usize] ^= 0x10,
+            TornDamage::Foreign => {
+                let mut rows = first.rows;
+                rows.slice.block ^= 0x5555;
+                let other = fingerprint::expected(cfg.seed, &rows);
+                for l in &pred.landed {
+                    let (s, d, n) = (l.src_off as usize, l.dst_off as usize, l.len as usize);
+                    buf[d..d + n].copy_from_slice(&other[s..s + n]);
+                }
+            }
+        }
+        pool.write_slice(c, &buf)?;
+    }
+    Ok(())
+}
+
 /// Spins on `check` until it yields a value (stage `k` of iteration `it` waiting for its
 /// `what`). A signal lets the wait go on for up to `interrupt::GRACE` after it (then the
 /// report says interrupted rather than waiting out --timeout on a stalled transfer); `check`
@@ -929,6 +1002,7 @@ fn sweep(
     let early_notify = early_notify_fault(cfg.op)?;
     let late_write = late_write_fault()?;
     let mut now = vec![0u8; sb];
+    let damage = torn_damage()?;
 
     // Setup: iteration 1's fill and faults, the copy ceiling, iteration 1's poison.
     let scratch_ceiling = cfg.decode_process && pool_bytes >= crate::pool::MIN_CEILING_BYTES && same_regions(cfg)?;
@@ -982,7 +1056,7 @@ fn sweep(
             probe.rank_mut(d).pool.load_table(&cur.dst_table)?;
         }
         let mut next: Option<Plan> = None;
-        let mut seen: HashMap<(u32, SliceCoord), Class> = HashMap::new();
+        let mut seen: Seen = HashMap::new();
         let mut corrupt = 0u64;
         let mut bytes = 0u64;
         // What each decode rank's verify passes compared in this iteration (item: counts).
@@ -1106,6 +1180,9 @@ fn sweep(
                 }
             }
             crate::trace!("iteration {it}: stage {k} complete");
+            if let Some(how) = damage {
+                damage_torn(cfg, probe, &cur, layers.clone(), how)?;
+            }
             // Stage k's probe passes: decode's conversion on receive, verify, classify, then
             // refill and re-poison for it + 1.
             let t = Instant::now();
@@ -1146,8 +1223,9 @@ fn sweep(
                     } else {
                         (judged, None)
                     };
-                    seen.insert((d, c), v.class);
-                    if cur.predicted.get(&(d, c)) != Some(&v.class) {
+                    let as_predicted = crate::inject::matches_prediction(cur.predicted.get(&(d, c)), v.class, cfg.seed, &buf);
+                    seen.insert((d, c), (v.class, as_predicted));
+                    if !as_predicted {
                         report.summary.unexpected_failures += 1;
                     }
                     corrupt += 1;
@@ -1283,19 +1361,39 @@ fn sweep(
             judge_path(cfg, &mut p, report.environment.as_ref());
             report.summary.transport_path = Some(p);
         }
-        for ((a, hits), &l) in cur.actions.iter().zip(&cur.hits).zip(&cur.action_links) {
+        for (((a, hits), &l), &torn_bytes) in cur.actions.iter().zip(&cur.hits).zip(&cur.action_links).zip(&cur.torn_bytes) {
+            // Detected as predicted: every slice it reaches found with its class and exactly
+            // the predicted bytes.
             // An injection that reached no slice is not detected (`all` of nothing is true).
-            let detected = !hits.is_empty() && hits.iter().all(|(r, c, class)| seen.get(&(*r, *c)) == Some(class));
+            let detected = !hits.is_empty() && hits.iter().all(|(r, c, class)| seen.get(&(*r, *c)) == Some(&(*class, true)));
             let tp_rank = |r: u32| (ranks > 1).then_some(r);
             let hits: Vec<PredictedHit> = hits
                 .iter()
-                .map(|&(r, d, class)| PredictedHit { layer: d.layer, kv: d.kv, block: d.block, class, tp_rank: tp_rank(r) })
+                .map(|&(r, d, class)| {
+                    let pred = cur.predicted.get(&(r, d));
+                    PredictedHit {
+                        layer: d.layer,
+                        kv: d.kv,
+                        block: d.block,
+                        class,
+                        tp_rank: tp_rank(r),
+                        digest: pred.map(|x| x.digest(cfg.seed)),
+                        written: pred.and_then(|x| x.written()),
+                    }
+                })
                 .collect();
             let link =
                 (!tp.is_single()).then(|| crate::report::TpLink { prefill_rank: cur.links[l].0, decode_rank: cur.links[l].1 });
             report.summary.injections_planted += 1;
             report.summary.injections_detected += detected as u64;
-            report.injections.push(InjectionRecord { iteration: it, kind: a.kind(), predicted: hits, detected, link });
+            report.injections.push(InjectionRecord {
+                iteration: it,
+                kind: a.kind(),
+                predicted: hits,
+                detected,
+                link,
+                torn_bytes,
+            });
         }
         report.summary.iterations = it;
         times.corrupt = corrupt;

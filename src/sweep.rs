@@ -517,6 +517,7 @@ pub(crate) fn plan(cfg: &RunConfig, it: u32) -> Result<Plan> {
         src_of,
         special: HashMap::new(),
         predicted: HashMap::new(),
+        torn_bytes: Vec::new(),
         hits: Vec::new(),
         strays: Vec::new(),
     };
@@ -524,7 +525,8 @@ pub(crate) fn plan(cfg: &RunConfig, it: u32) -> Result<Plan> {
     let mut special = HashMap::new();
     let mut strays = Vec::new();
     let mut displaced = std::collections::HashSet::new();
-    for (a, &l) in p.actions.iter().zip(&p.action_links) {
+    let mut torn_bytes = vec![None; p.actions.len()];
+    for (i, (a, &l)) in p.actions.iter().zip(&p.action_links).enumerate() {
         match *a {
             Action::Drop { at } => prefill_slices(at).for_each(|c| drop(special.insert((l, c), Vec::new()))),
             Action::Torn { at, len } if p.links.len() > 1 => {
@@ -538,6 +540,7 @@ pub(crate) fn plan(cfg: &RunConfig, it: u32) -> Result<Plan> {
                     t if t >= 32 => ((len as u128 * t as u128 / group as u128) as u64 / 16 * 16).clamp(16, t - 16),
                     t => t / 2,
                 };
+                torn_bytes[i] = Some(keep);
                 for (c, mut pairs) in moved {
                     pairs.sort_by_key(|x| x.src_off);
                     let mut cut = Vec::new();
@@ -552,6 +555,7 @@ pub(crate) fn plan(cfg: &RunConfig, it: u32) -> Result<Plan> {
                 }
             }
             Action::Torn { at, len } => {
+                torn_bytes[i] = Some(len);
                 let sb = sides.prefill.slice_bytes()?;
                 for (q, c) in prefill_slices(at).enumerate() {
                     let keep = len.saturating_sub(q as u64 * sb).min(sb);
@@ -591,6 +595,7 @@ pub(crate) fn plan(cfg: &RunConfig, it: u32) -> Result<Plan> {
     }
     p.special = special;
     p.strays = strays;
+    p.torn_bytes = torn_bytes;
     predict(&sides, &mut p, &displaced)?;
     Ok(p)
 }
@@ -636,9 +641,9 @@ fn pick_links(cfg: &RunConfig, sides: &Sides, links: &[(u32, u32)], actions: &[A
         .collect()
 }
 
-/// A pair landing in a decode slice, for [`predict`]: the pair, its link, and whether it is
-/// an injected stray write.
-type Landed = (Pair, usize, bool);
+/// A pair landing in a decode slice, for [`predict`]: the pair, its link, and, for an
+/// injected stray write, the pipeline stage whose request carries it.
+type Landed = (Pair, usize, Option<usize>);
 
 /// What arrives in a decode slice, by source, for [`predict`].
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -664,6 +669,14 @@ enum Piece {
 /// `misplaced`; any other mix → `torn`. A slice whose rows all arrive intact is not listed.
 /// Stale and bitflip are planted in the pool of their link's prefill rank, so every decode
 /// rank reading those rows sees them.
+///
+/// With the class, the slice's exact bytes ([`inject::Prediction`]):
+/// the slot's poison of this iteration, then every pair that lands there copied from its
+/// source slice as prefill's rank holds it (this iteration's generation, the previous one
+/// where stale was planted, the planted bit flipped), then decode's conversion on receive. A
+/// stray write lands on the poison when its carrier is stage 0 (the poison check before the
+/// slot's post finds it) and on the slice as it verified otherwise (the last iteration's
+/// re-verify), unconverted.
 fn predict(
     sides: &Sides,
     p: &mut Plan,
@@ -678,7 +691,7 @@ fn predict(
     };
     let ranks = sides.tp.decode;
     let mut groups: Vec<SliceCoord> = Vec::new();
-    // (prefill rank, group) and (prefill rank, prefill slice, byte offset).
+    // (prefill rank, group) and (prefill rank, prefill slice, byte offset, bit).
     let (mut stale, mut flip) = (Vec::new(), Vec::new());
     for (a, &l) in p.actions.iter().zip(&p.action_links) {
         let pr = p.links[l].0;
@@ -689,9 +702,9 @@ fn predict(
                 groups.push(at);
                 stale.push((pr, at));
             }
-            Action::Bitflip { at, offset, .. } => {
+            Action::Bitflip { at, offset, bit } => {
                 groups.push(at);
-                flip.push((pr, SliceCoord { block: at.block * kp + (offset / sbp) as u32, ..at }, offset % sbp));
+                flip.push((pr, SliceCoord { block: at.block * kp + (offset / sbp) as u32, ..at }, offset % sbp, bit));
             }
             Action::Drop { at } | Action::Torn { at, .. } | Action::HeadOffset { at } | Action::TokenOffset { at } => {
                 groups.push(at)
@@ -718,26 +731,56 @@ fn predict(
     for &(l, c) in &sources {
         for x in p.pairs_of(l, c) {
             if let Some(v) = landing.get_mut(&(p.links[l].1, x.dst)) {
-                v.push((x, l, false));
+                v.push((x, l, None));
             }
         }
     }
-    for &(_, l, x) in &p.strays {
+    for &(carrier, l, x) in &p.strays {
         if let Some(v) = landing.get_mut(&(p.links[l].1, x.dst)) {
-            v.push((x, l, true));
+            v.push((x, l, Some(carrier)));
         }
     }
+    // The rows a prefill rank's slice holds, and a decode rank's slice must hold (their
+    // shapes: a TP rank's heads), and decode's conversion on receive.
+    let prefill_rows = |pr: u32, e: TableEntry, c: SliceCoord| {
+        let mut shape = fingerprint::RowShape::of(&sides.prefill);
+        shape.head_base = sides.tp.heads_of(sides.tp.prefill, pr).start;
+        shape.slice(e.identity(c))
+    };
+    let decode_rows = |r: u32, c: SliceCoord| {
+        let mut shape = fingerprint::RowShape::of(&sides.decode);
+        shape.head_base = sides.tp.heads_of(sides.tp.decode, r).start;
+        shape.slice(p.dst_table[c.block as usize].identity(c))
+    };
+    let convert: Option<(Arc<[u32]>, u32)> =
+        sides.converts().then(|| (sides.row_permutation().into(), fingerprint::RowShape::of(&sides.decode).row_bytes));
+    // What prefill rank `pr`'s slice `c` holds when it is sent, by landing run.
+    let landed = |pr: u32, x: &Pair| {
+        let g = group_of(x.src);
+        let e = p.src_table[x.src.block as usize];
+        let e = if stale.contains(&(pr, g)) { TableEntry { generation: p.it - 1, ..e } } else { e };
+        inject::Landing {
+            rows: prefill_rows(pr, e, x.src),
+            flip: flip.iter().find(|&&(fr, c, _, _)| fr == pr && c == x.src).map(|&(_, _, o, b)| (o, b)),
+            src_off: x.src_off,
+            dst_off: x.dst_off,
+            len: x.len,
+        }
+    };
     let mut predicted = HashMap::new();
     for (&(r, d), pieces) in &landing {
         let due = group_of(SliceCoord { block: p.src_of[d.block as usize], ..d });
         let mut covered = 0;
         let mut kinds = Vec::new();
-        let mut stray = false;
-        for &(x, l, is_stray) in pieces {
-            if is_stray {
-                stray = true;
+        let mut stray = None;
+        let (mut runs, mut stray_runs) = (Vec::new(), Vec::new());
+        for &(x, l, carrier) in pieces {
+            if let Some(k) = carrier {
+                stray = Some(k);
+                stray_runs.push(landed(p.links[l].0, &x));
                 continue;
             }
+            runs.push(landed(p.links[l].0, &x));
             covered += x.len;
             let g = group_of(x.src);
             let pr = p.links[l].0;
@@ -748,14 +791,14 @@ fn predict(
                 Piece::Stale
             } else if shifted {
                 Piece::Displaced
-            } else if flip.iter().any(|&(fr, c, o)| fr == pr && c == x.src && (x.src_off..x.src_off + x.len).contains(&o)) {
+            } else if flip.iter().any(|&(fr, c, o, _)| fr == pr && c == x.src && (x.src_off..x.src_off + x.len).contains(&o)) {
                 Piece::Flipped
             } else {
                 Piece::Expected
             });
         }
         let all = |k: Piece| kinds.iter().all(|x| *x == k || *x == Piece::Expected);
-        let class = if stray {
+        let class = if stray.is_some() {
             Some(Class::Stray)
         } else if covered == 0 {
             Some(Class::Unwritten)
@@ -776,9 +819,20 @@ fn predict(
         } else {
             Some(Class::Torn)
         };
-        if let Some(class) = class {
-            predicted.insert((r, d), class);
-        }
+        let Some(class) = class else { continue };
+        let poison = inject::Under::Poison { slot: sides.decode.global_slice(d), iteration: p.it };
+        let prediction = match stray {
+            // Before the slot's own transfer (stage 0 carried it), or after its verify.
+            Some(carrier) => inject::Prediction {
+                class,
+                slice_bytes: sbd,
+                under: if carrier == 0 { poison } else { inject::Under::Due(decode_rows(r, d)) },
+                landed: stray_runs,
+                convert: None,
+            },
+            None => inject::Prediction { class, slice_bytes: sbd, under: poison, landed: runs, convert: convert.clone() },
+        };
+        predicted.insert((r, d), prediction);
     }
     p.hits = p
         .actions
@@ -796,7 +850,7 @@ fn predict(
             };
             gs.into_iter()
                 .flat_map(|g| decode_slices(g, &p.perm))
-                .flat_map(|d| (0..ranks).filter_map(|r| predicted.get(&(r, d)).map(|c| (r, d, *c))).collect::<Vec<_>>())
+                .flat_map(|d| (0..ranks).filter_map(|r| predicted.get(&(r, d)).map(|x| (r, d, x.class))).collect::<Vec<_>>())
                 .collect()
         })
         .collect();
@@ -931,8 +985,13 @@ pub(crate) struct Plan {
     pub(crate) src_of: Vec<u32>,
     /// Injected pairs by link and source slice (empty: nothing of it is sent over that link).
     pub(crate) special: HashMap<(usize, SliceCoord), Vec<Pair>>,
-    /// Decode slices (by decode TP rank) where an injection must show, with its class.
-    pub(crate) predicted: HashMap<(u32, SliceCoord), Class>,
+    /// Decode slices (by decode TP rank) where an injection must show: the class and the
+    /// exact bytes ([`inject::Prediction`]).
+    pub(crate) predicted: HashMap<(u32, SliceCoord), inject::Prediction>,
+    /// Per action (in `actions` order), a tear's planted length: the bytes sent of the
+    /// group's prefill slices back to back, in source order (with TP, of the bytes its link
+    /// moves); `None` for other kinds.
+    pub(crate) torn_bytes: Vec<Option<u64>>,
     /// Per action (in `actions` order), the decode slices (decode TP rank, slice) it reaches
     /// and their classes.
     pub(crate) hits: Vec<Vec<(u32, SliceCoord, Class)>>,

@@ -130,6 +130,49 @@ fn inject_stale_is_classified_stale() {
 #[test]
 fn inject_torn_is_classified_torn() {
     injection("torn", "torn");
+    // Byte for byte: the planted prefix, then the slot's poison (computed here).
+    let (_, r, log) = run_report("torn", &["--iterations", "3", "--inject", "torn:3", "--seed", "11"]);
+    assert_eq!(crate::common::assert_torn_bytes_exact(&r, &log), 9);
+}
+
+#[test]
+fn inject_torn_with_extra_damage_is_an_unexpected_failure() {
+    // Test-only damage over each torn slice after its transfer (KVPROBE_TEST_DAMAGE_TORN):
+    // garbage where the tear left poison, a flipped bit in the delivered prefix, another
+    // block's rows as the prefix. Each slice is still classified torn — the class the tear
+    // predicts, which is all a class-only match compares — but holds bytes the tear cannot
+    // leave: an unexpected failure, and its injection is not detected as predicted.
+    let cases: [(&str, &[&str]); 4] = [
+        ("tail", &[]),
+        ("prefix", &[]),
+        ("foreign", &[]),
+        // Unequal sides, HND chunks converted on receive: the prefix spreads over the slice.
+        ("prefix", &["--layout", "hnd", "--block-size", "16", "--decode-block-size", "32"]),
+    ];
+    for (how, extra) in cases {
+        let p = crate::common::tmpdir(&format!("torn-damage-{how}")).join("r.json");
+        let mut a = vec!["run", "--memory", "dram", "--iterations", "2", "--inject", "torn", "--seed", "11"];
+        a.extend_from_slice(extra);
+        a.extend_from_slice(&["--report", p.to_str().unwrap()]);
+        let (code, out, err) = crate::common::kvprobe_env(&a, &[("KVPROBE_TEST_DAMAGE_TORN", how)]);
+        let ctx = format!("{how} {extra:?}: {out}{err}");
+        assert_eq!(code, 1, "{ctx}");
+        let r = crate::common::read_report(&p);
+        let s = &r["summary"];
+        assert_eq!(s["injections_planted"], 2, "{ctx}");
+        // One torn slice per tear here (the decode block holds the group: 2 prefill blocks
+        // of 16 tokens, or one of the same size).
+        assert_eq!(s["by_class"]["torn"], 2, "{ctx}: still torn");
+        assert_eq!(s["blocks_corrupt"], 2, "{ctx}");
+        assert_eq!(s["unexpected_failures"], 2, "{ctx}");
+        assert_eq!(s["injections_detected"], 0, "{ctx}");
+        assert!(out.contains("2 planted, 0 detected as predicted, 2 unexpected failures"), "{ctx}");
+        for inj in r["injections"].as_array().unwrap() {
+            assert_eq!(inj["detected"], false, "{ctx}: {inj}");
+            let f = r["failures"].as_array().unwrap().iter().find(|f| f["iteration"] == inj["iteration"]).unwrap();
+            assert_ne!(f["actual_digest"], inj["predicted"][0]["digest"], "{ctx}");
+        }
+    }
 }
 
 #[test]

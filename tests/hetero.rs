@@ -216,6 +216,18 @@ fn mla_tp_ranks_read_one_prefill_rank_whatever_the_block_sizes() {
         assert_eq!(code, 1, "{out}");
         assert_eq!(r["summary"]["unexpected_failures"], 0, "{out}");
         assert!(out.contains("6 planted, 6 detected as predicted"), "{out}");
+        assert_eq!(r["summary"]["injections_detected"], 6, "{out}");
+        assert_eq!(failure_set(&r), predicted_set(&r), "{out}");
+        // Each fault acts on one link, and a decode rank reads its latent from one prefill
+        // rank (its first target), which no other decode rank reads: one decode rank sees
+        // each fault, in each of the group's G / Bd decode blocks (G = max(Bp, Bd)); over 2
+        // iterations.
+        let kd = bp.max(bd) / bd;
+        let by = &r["summary"]["by_class"];
+        for class in ["unwritten", "stale", "layout"] {
+            assert_eq!(by[class], 2 * kd, "{bp}->{bd} {class}: {by}");
+        }
+        assert_eq!(r["summary"]["blocks_corrupt"], 6 * kd, "{out}");
     }
 }
 
@@ -325,6 +337,9 @@ fn every_injection_is_found_as_predicted_between_unequal_sides_on(memory: &str) 
                 let (t, u) = (by["torn"].as_u64().unwrap(), by["unwritten"].as_u64().unwrap());
                 assert!(t >= 1 && t + u >= its && t + u <= its * kd, "{ctx}: {by}");
                 assert_eq!(r["summary"]["blocks_corrupt"], t + u, "{ctx}: {by}");
+                // Byte for byte: each of those slices holds the rows of the planted prefix
+                // (placed by the layouts' own arithmetic) and the slot's poison elsewhere.
+                assert_eq!(crate::common::assert_torn_bytes_exact(&r, &ctx), t + u, "{ctx}");
                 continue;
             }
             for (class, n) in classes_between(kind, kd) {

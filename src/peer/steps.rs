@@ -164,6 +164,11 @@ pub struct SourceFault {
     /// `bitflip` (one bit of the slice flipped) or `stale` (the slice holds the block's
     /// previous generation).
     pub kind: crate::inject::Kind,
+    /// `bitflip`: the flipped bit, as (byte offset in the slice, bit 0..8), so that decode
+    /// predicts the slice's bytes exactly ([`crate::inject::Prediction`]). Decode refuses a
+    /// bitflip without it, or outside the slice, as a protocol error.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flip: Option<(u64, u8)>,
 }
 
 /// Prefill's running counts, sent with every step.

@@ -591,6 +591,8 @@ impl<'a> Decode<'a> {
                 || !g.parts().contains(&f.kv)
                 || !self.cfg.inject.iter().any(|s| s.kind == f.kind)
                 || !matches!(f.kind, crate::inject::Kind::Bitflip | crate::inject::Kind::Stale)
+                || (f.kind == crate::inject::Kind::Bitflip)
+                    != f.flip.is_some_and(|(at, bit)| at < g.slice_bytes().unwrap_or(0) && bit < 8)
         }) {
             Some(format!("a planted {} fault it was not asked for or outside the request ({f:?})", f.kind.name()))
         } else {
@@ -717,14 +719,35 @@ impl<'a> Decode<'a> {
         let at = |i: usize| SliceCoord { layer, kv, block: p.pslots[i] };
         let dst = |i: usize| SliceCoord { layer, kv, block: p.dslots[i] };
         let k = pairs.iter().position(|x| x.src == at(i)).expect("a moved block has its descriptors");
-        let hits = match kind {
+        // What decode slice `d` must hold: its poison, then (`from`: the request block index,
+        // and the pair moving it) the source block's promised rows as the pair moves them.
+        let shape = *self.ep.pool.shape();
+        let predict = |class: Class, d: SliceCoord, from: Option<(usize, crate::transport::Pair)>| crate::inject::Prediction {
+            class,
+            slice_bytes: sb,
+            under: crate::inject::Under::Poison { slot: g.global_slice(d), iteration: p.poison_iter },
+            landed: from
+                .map(|(j, x)| crate::inject::Landing {
+                    rows: shape.slice(ident(p.promised[j], x.src)),
+                    flip: None,
+                    src_off: x.src_off,
+                    dst_off: x.dst_off,
+                    len: x.len,
+                })
+                .into_iter()
+                .collect(),
+            convert: None,
+        };
+        let mut torn_bytes = None;
+        let (hits, predictions) = match kind {
             Kind::Drop => {
                 pairs.remove(k);
-                vec![(dst(i), Class::Unwritten)]
+                (vec![(dst(i), Class::Unwritten)], vec![predict(Class::Unwritten, dst(i), None)])
             }
             Kind::Torn => {
                 pairs[k].len = 16 * self.inject_rng.random_range(1..sb / 16);
-                vec![(dst(i), Class::Torn)]
+                torn_bytes = Some(pairs[k].len);
+                (vec![(dst(i), Class::Torn)], vec![predict(Class::Torn, dst(i), Some((i, pairs[k])))])
             }
             Kind::Misroute => {
                 let j = loop {
@@ -734,16 +757,20 @@ impl<'a> Decode<'a> {
                     }
                 };
                 pairs[k].dst = dst(j);
+                let moved = pairs[k];
                 let kj = pairs.iter().position(|x| x.src == at(j)).expect("a moved block has its descriptors");
                 pairs.remove(kj);
-                vec![(dst(j), Class::Misplaced), (dst(i), Class::Unwritten)]
+                (
+                    vec![(dst(j), Class::Misplaced), (dst(i), Class::Unwritten)],
+                    vec![predict(Class::Misplaced, dst(j), Some((i, moved))), predict(Class::Unwritten, dst(i), None)],
+                )
             }
             Kind::Bitflip | Kind::Stale | Kind::Stray | Kind::HeadOffset | Kind::TokenOffset => {
                 unreachable!("refused by scenario::config::check")
             }
         };
         eprintln!("inject: {} planted on request {id}'s READ at layer {layer} {kv}", kind.name());
-        Ok(Some(Planted { kind, step: self.now, hits }))
+        Ok(Some(Planted { kind, step: self.now, hits, predictions, torn_bytes }))
     }
 
     /// Which of a request's `n` blocks its transfer fails to move: none, or (in a share
@@ -1045,13 +1072,39 @@ impl<'a> Decode<'a> {
             // planted: their blocks move, and no other fault is planted on them.
             let sourced: Vec<usize> = p.source_faults.iter().map(|f| f.index as usize).collect();
             p.failed.retain(|i| !sourced.contains(i));
+            let sb = g.slice_bytes()?;
             for f in std::mem::take(&mut p.source_faults) {
-                let class = match f.kind {
-                    crate::inject::Kind::Stale => crate::verify::Class::Stale,
-                    _ => crate::verify::Class::Bitflip,
+                let i = f.index as usize;
+                let (class, promised) = match f.kind {
+                    crate::inject::Kind::Stale => (
+                        crate::verify::Class::Stale,
+                        TableEntry { generation: p.promised[i].generation.wrapping_sub(1), ..p.promised[i] },
+                    ),
+                    _ => (crate::verify::Class::Bitflip, p.promised[i]),
                 };
-                let at = SliceCoord { layer: f.layer, kv: f.kv, block: p.dslots[f.index as usize] };
-                p.planted.push(Planted { kind: f.kind, step: self.now, hits: vec![(at, class)] });
+                let at = SliceCoord { layer: f.layer, kv: f.kv, block: p.dslots[i] };
+                // The source slice as prefill left it (the previous generation, or the bit
+                // flipped), moved whole.
+                let prediction = crate::inject::Prediction {
+                    class,
+                    slice_bytes: sb,
+                    under: crate::inject::Under::Poison { slot: g.global_slice(at), iteration: p.poison_iter },
+                    landed: vec![crate::inject::Landing {
+                        rows: self.ep.pool.shape().slice(ident(promised, at)),
+                        flip: f.flip,
+                        src_off: 0,
+                        dst_off: 0,
+                        len: sb,
+                    }],
+                    convert: None,
+                };
+                p.planted.push(Planted {
+                    kind: f.kind,
+                    step: self.now,
+                    hits: vec![(at, class)],
+                    predictions: vec![prediction],
+                    torn_bytes: None,
+                });
             }
             if sc.uses_nixl() {
                 // The failed blocks' descriptors are left out of the READ, as the backend
@@ -1109,8 +1162,9 @@ impl<'a> Decode<'a> {
             }
         }
         self.plant_faults(&ids)?;
-        // The `--inject` slices found corrupt, with the class found.
-        let mut seen: HashMap<SliceCoord, crate::verify::Class> = HashMap::new();
+        // The `--inject` slices found corrupt, with the class found and whether their bytes
+        // are exactly the predicted ones.
+        let mut seen: HashMap<SliceCoord, (crate::verify::Class, bool)> = HashMap::new();
         let t = Instant::now();
         let fails = self.ep.pool.verify(&table)?;
         let slices: u64 =
@@ -1170,22 +1224,26 @@ impl<'a> Decode<'a> {
             } else {
                 vec![p.delivered[i]]
             };
-            // An `--inject` fault planted on this slice, found with the class it predicts,
-            // is planted damage: neither attributed nor unexplained.
-            let planted = p.planted.iter().flat_map(|x| &x.hits).find(|(at, _)| *at == c).map(|&(_, class)| class);
+            // An `--inject` fault planted on this slice, found with the class it predicts and
+            // exactly the bytes it predicts, is planted damage: neither attributed nor
+            // unexplained. Anything else in it (a garbage tail, flipped bits in a delivered
+            // prefix, another block's rows) is not.
+            let plant = p.planted.iter().flat_map(|x| x.hits.iter().zip(&x.predictions)).find(|((at, _), _)| *at == c);
+            let planted = plant.map(|((_, class), _)| *class);
+            let as_predicted = crate::inject::matches_prediction(plant.map(|(_, x)| x), v.class, self.seed, &buf);
             if planted.is_some() {
-                seen.insert(c, v.class);
+                seen.insert(c, (v.class, as_predicted));
             }
             // A block counted delivered although its transfer failed still holds this
             // pull's poison: failed-as-complete's, and only that.
-            let (cause, predicted) = if planted == Some(v.class) {
+            let (cause, predicted) = if as_predicted {
                 (None, expected_t)
             } else if p.unwritten.contains(&i) && v.class == crate::verify::Class::Unwritten {
                 (Some(Mechanism::FailedAsComplete), expected_t)
             } else {
                 attribute(&buf, &want, self.seed, self.ep.pool.shape(), c, &written)
             };
-            if planted != Some(v.class) {
+            if !as_predicted {
                 self.shadow.count(cause, v.class);
             }
             report.summary.blocks_corrupt += 1;
@@ -1195,8 +1253,7 @@ impl<'a> Decode<'a> {
             }
             // Unexplained slices (defects of the stack under test) have their own budget, so
             // a flood of explained race corruption never hides them.
-            let listed =
-                if cause.is_some() || planted.is_some() { &mut self.listed_explained } else { &mut self.listed_unexplained };
+            let listed = if cause.is_some() || as_predicted { &mut self.listed_explained } else { &mut self.listed_unexplained };
             let list = *listed < self.max_failures as u64;
             if list {
                 *listed += 1;
@@ -1212,7 +1269,7 @@ impl<'a> Decode<'a> {
                 failure.poison_iteration = p.poison_iter;
                 failure.predicted = Some(ident(predicted, c));
                 failure.attributed_to = cause;
-                failure.injected = planted == Some(class);
+                failure.injected = as_predicted;
                 failure.judged_class = judged_class;
                 failure
             });
@@ -1224,7 +1281,7 @@ impl<'a> Decode<'a> {
             // class (as the sweep's injections).
             for x in &p.planted {
                 // An injection that reached no slice is not detected (`all` of nothing is true).
-                let detected = !x.hits.is_empty() && x.hits.iter().all(|(at, class)| seen.get(at) == Some(class));
+                let detected = !x.hits.is_empty() && x.hits.iter().all(|(at, class)| seen.get(at) == Some(&(*class, true)));
                 report.summary.injections_planted += 1;
                 report.summary.injections_detected += detected as u64;
                 report.injections.push(crate::report::InjectionRecord {
@@ -1233,16 +1290,20 @@ impl<'a> Decode<'a> {
                     predicted: x
                         .hits
                         .iter()
-                        .map(|(at, class)| crate::report::PredictedHit {
+                        .zip(&x.predictions)
+                        .map(|((at, class), pred)| crate::report::PredictedHit {
                             layer: at.layer,
                             kv: at.kv,
                             block: at.block,
                             class: *class,
                             tp_rank: None,
+                            digest: Some(pred.digest(self.seed)),
+                            written: pred.written(),
                         })
                         .collect(),
                     detected,
                     link: None,
+                    torn_bytes: x.torn_bytes,
                 });
             }
             self.verified += 1;
@@ -1275,14 +1336,33 @@ impl<'a> Decode<'a> {
                     None => continue,
                 },
                 TestFault::EarlyFree => unreachable!("filtered above: prefill plants it"),
+                // A slice an `--inject torn` tore.
+                TestFault::TornTail => usize::MAX,
             };
-            let c = SliceCoord { layer: 0, kv: g.parts()[0], block: p.dslots[i] };
+            let torn = p
+                .planted
+                .iter()
+                .flat_map(|x| x.hits.iter().zip(&x.predictions))
+                .find(|((_, class), _)| *class == crate::verify::Class::Torn)
+                .map(|((at, _), x)| (*at, x.landed.iter().map(|l| l.dst_off + l.len).max().unwrap_or(0) as usize));
+            let c = match (kind, torn) {
+                (TestFault::TornTail, Some((at, _))) => at,
+                (TestFault::TornTail, None) => continue,
+                _ => SliceCoord { layer: 0, kv: g.parts()[0], block: p.dslots[i] },
+            };
             let mut buf = vec![0u8; sb];
             self.ep.pool.read_slice(c, &mut buf)?;
             match kind {
                 // Bit 0 of sector 0's check word (a 32-bit hash of the identity).
                 TestFault::Bitflip => buf[12] ^= 1,
                 TestFault::EarlyFree => unreachable!("filtered above: prefill plants it"),
+                // The last 16 bytes: the tear (a multiple of 16 bytes short) left poison there.
+                TestFault::TornTail => {
+                    debug_assert!(torn.is_some_and(|(_, end)| end <= sb - 16));
+                    for (k, b) in buf[sb - 16..].iter_mut().enumerate() {
+                        *b = 0xC3 ^ k as u8;
+                    }
+                }
                 TestFault::Poison => {
                     let from = sb / 2 / 16 * 16;
                     let mut q = vec![0u8; sb];
@@ -1291,7 +1371,13 @@ impl<'a> Decode<'a> {
                 }
             }
             self.ep.pool.write_slice(c, &buf)?;
-            eprintln!("test fault: {} planted in request {id} at layer 0 {} decode block {}", kind.name(), c.kv, c.block);
+            eprintln!(
+                "test fault: {} planted in request {id} at layer {} {} decode block {}",
+                kind.name(),
+                c.layer,
+                c.kv,
+                c.block
+            );
             left -= 1;
         }
         self.fault = Some((kind, left));

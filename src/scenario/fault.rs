@@ -18,6 +18,10 @@ pub enum TestFault {
     /// over, before decode's READ, with no mechanism to blame: a block-ownership violation
     /// of a fenced run (it corrupts only when the blocks are reused before the READ).
     EarlyFree,
+    /// `torn-tail`: writes 16 bytes of garbage over the poison tail of a slice an
+    /// `--inject torn` tore (in the next requests verified that carry one): still `torn`,
+    /// but not the predicted bytes, so it must be reported unexplained.
+    TornTail,
 }
 
 impl TestFault {
@@ -30,19 +34,23 @@ impl TestFault {
             TestFault::Bitflip => "bitflip",
             TestFault::Poison => "poison",
             TestFault::EarlyFree => "early-free",
+            TestFault::TornTail => "torn-tail",
         }
     }
 
-    /// Reads `KVPROBE_TEST_FAULT` (`bitflip:N`, `poison:N` or `early-free:N`); errors
-    /// (exit 2) on another value.
+    /// Reads `KVPROBE_TEST_FAULT` (`bitflip:N`, `poison:N`, `early-free:N` or
+    /// `torn-tail:N`); errors (exit 2) on another value.
     pub fn from_env() -> Result<Option<(TestFault, u64)>> {
         let Ok(v) = std::env::var(Self::VAR) else { return Ok(None) };
-        let bad = || Error::Usage(format!("{}={v:?}: expected bitflip:N, poison:N or early-free:N (test-only)", Self::VAR));
+        let bad = || {
+            Error::Usage(format!("{}={v:?}: expected bitflip:N, poison:N, early-free:N or torn-tail:N (test-only)", Self::VAR))
+        };
         let (kind, n) = v.split_once(':').ok_or_else(bad)?;
         let kind = match kind {
             "bitflip" => TestFault::Bitflip,
             "poison" => TestFault::Poison,
             "early-free" => TestFault::EarlyFree,
+            "torn-tail" => TestFault::TornTail,
             _ => return Err(bad()),
         };
         Ok(Some((kind, n.trim().parse().map_err(|_| bad())?)))

@@ -331,11 +331,14 @@ impl<'a> PrefillEngine<'a> {
         let promised = r.promised[index];
         let sb = g.slice_bytes()?;
         let mut buf = vec![0u8; sb as usize];
+        let mut flip = None;
         let bytes = match kind {
             Kind::Bitflip => {
                 self.ep.pool.read_slice(c, &mut buf)?;
                 let at = self.inject_rng.random_range(0..buf.len());
-                buf[at] ^= 1 << self.inject_rng.random_range(0..8u32);
+                let bit = self.inject_rng.random_range(0..8u32);
+                buf[at] ^= 1 << bit;
+                flip = Some((at as u64, bit as u8));
                 buf
             }
             Kind::Stale => {
@@ -346,7 +349,7 @@ impl<'a> PrefillEngine<'a> {
         };
         self.ep.pool.write_slice(c, &bytes)?;
         self.to_plant.pop_front();
-        Ok(vec![crate::peer::steps::SourceFault { index: index as u32, layer, kv, kind }])
+        Ok(vec![crate::peer::steps::SourceFault { index: index as u32, layer, kv, kind, flip }])
     }
 
     /// Unfenced mechanism `m` let a conflicting copy happen once more.

@@ -140,6 +140,10 @@ pub(crate) struct Planted {
     pub(crate) step: u64,
     /// (decode slice, predicted class), as `inject::Action::predicted` says for the sweep.
     pub(crate) hits: Vec<(crate::geometry::SliceCoord, crate::verify::Class)>,
+    /// The exact bytes of each of `hits`, in its order.
+    pub(crate) predictions: Vec<crate::inject::Prediction>,
+    /// `torn`: the bytes of the slice its READ moved (the report's `torn_bytes`).
+    pub(crate) torn_bytes: Option<u64>,
 }
 
 /// One prefill block as the block manager tracks it.

@@ -393,3 +393,83 @@ pub fn exit_without_library_destructors() {
         assert_eq!(rc, 0, "on_exit failed");
     });
 }
+
+/// What a decode slice reached by an `--inject torn` of a sweep must hold, byte for byte,
+/// computed here from the tear alone and the fingerprint library (not from kvprobe's
+/// prediction): `torn_bytes` (the injection record's) is a prefix of the group's prefill
+/// slices back to back; each decode row whose prefill row starts inside it holds that row's
+/// bytes up to the prefix's end (rows move whole, so a row cut by the tear keeps its start),
+/// and everything else the slot's poison of `poison_iteration`. Rows are placed with the
+/// layouts' own arithmetic (NHD row `t × heads + h`, HND `h × block + t`, MLA `t`), decode's
+/// block at its group token `expected.token_base`. One rank each side (no TP); `r` is the
+/// report, `f` the failure record of the slice.
+pub fn torn_slice_bytes(r: &serde_json::Value, f: &serde_json::Value, torn_bytes: u64) -> Vec<u8> {
+    use kvprobe::fingerprint::{self, BlockIdentity, RowOrder, RowShape};
+    assert!(r["config"].get("tp").is_none_or(|t| t.is_null()), "torn_slice_bytes knows one rank each side");
+    let cfg = &r["config"];
+    let pg = &cfg["geometry"];
+    let dg = if cfg["decode_geometry"].is_object() { &cfg["decode_geometry"] } else { pg };
+    let mla = pg["mla"].as_bool().unwrap();
+    let heads = if mla { 1 } else { pg["num_kv_heads"].as_u64().unwrap() };
+    let (bp, bd) = (pg["block_size"].as_u64().unwrap(), dg["block_size"].as_u64().unwrap());
+    let rb = pg["slice_bytes"].as_u64().unwrap() / bp / heads;
+    let order = |g: &serde_json::Value| match (mla, g["layout"].as_str().unwrap()) {
+        (true, _) => RowOrder::Mla,
+        (false, "nhd") => RowOrder::Nhd,
+        _ => RowOrder::Hnd,
+    };
+    let (lp, ld) = (order(pg), order(dg));
+    let pos = |o: RowOrder, block: u64, t: u64, h: u64| match o {
+        RowOrder::Nhd => t * heads + h,
+        RowOrder::Hnd => h * block + t,
+        RowOrder::Mla => t,
+    };
+    let expected: BlockIdentity = serde_json::from_value(f["expected"].clone()).unwrap();
+    let shape = RowShape { order: ld, block_size: bd as u32, heads: heads as u32, head_base: 0, row_bytes: rb as u32 };
+    let due = fingerprint::expected(cfg["seed"].as_u64().unwrap(), &shape.slice(expected));
+    let sbd = (bd * heads * rb) as usize;
+    let mut out = vec![0u8; sbd];
+    fingerprint::poison(&mut out, f["slot"].as_u64().unwrap() as u32, f["poison_iteration"].as_u64().unwrap() as u32);
+    let sbp = bp * heads * rb;
+    for t in 0..bd {
+        for h in 0..heads {
+            let token = expected.token_base as u64 + t;
+            let at = (token / bp) * sbp + pos(lp, bp, token % bp, h) * rb;
+            if at < torn_bytes {
+                let n = rb.min(torn_bytes - at) as usize;
+                let d = (pos(ld, bd, t, h) * rb) as usize;
+                out[d..d + n].copy_from_slice(&due[d..d + n]);
+            }
+        }
+    }
+    out
+}
+
+/// Checks every slice an `--inject torn` of sweep report `r` reached against
+/// [`torn_slice_bytes`]: its failure's `actual_digest` (SHA-256 of the bytes classified) is
+/// the digest of those bytes, and so is the injection record's `digest`. Returns how many
+/// slices were checked.
+pub fn assert_torn_bytes_exact(r: &serde_json::Value, ctx: &str) -> u64 {
+    let mut n = 0;
+    for inj in r["injections"].as_array().unwrap().iter().filter(|i| i["kind"] == "torn") {
+        let len = inj["torn_bytes"].as_u64().unwrap_or_else(|| panic!("{ctx}: no torn_bytes in {inj}"));
+        for p in inj["predicted"].as_array().unwrap() {
+            let f = r["failures"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|f| {
+                    f["iteration"] == inj["iteration"]
+                        && f["layer"] == p["layer"]
+                        && f["kv"] == p["kv"]
+                        && f["block"] == p["block"]
+                })
+                .unwrap_or_else(|| panic!("{ctx}: no failure listed for {p}"));
+            let want = kvprobe::fingerprint::digest(&torn_slice_bytes(r, f, len));
+            assert_eq!(f["actual_digest"].as_str().unwrap(), want, "{ctx}: {len} bytes torn: {f}");
+            assert_eq!(p["digest"].as_str().unwrap(), want, "{ctx}: {p}");
+            n += 1;
+        }
+    }
+    n
+}
