@@ -395,6 +395,15 @@ fn check_section(
         let name = slice_name(e);
         let file = format!("{dir}{}", e.file);
         indexed.insert(file.clone());
+        // A converting run's received bytes: listed, hashed by the manifest, one slice long.
+        if let Some(r) = e.received_file.as_ref().map(|r| format!("{dir}{r}")) {
+            match files.get(&r) {
+                Some(b) if b.len() as u64 == index.slice_bytes => bytes_total += b.len() as u64,
+                Some(b) => say(format!("{name}: {r}: {} bytes, slice_bytes {}", b.len(), index.slice_bytes)),
+                None => say(format!("{name}: {r} is not in the bundle")),
+            }
+            indexed.insert(r);
+        }
         let ev = serde_json::to_value(&e.failure).unwrap_or(Value::Null);
         let Some(actual) = files.get(&file) else {
             say(format!("{name}: {file} is not in the bundle"));
