@@ -331,7 +331,7 @@ fn check_section(
         }
         None => {}
         Some(d) => {
-            let sum: u64 = index.slices.iter().map(|e| e.bytes).sum();
+            let sum: u64 = index.slices.iter().map(|e| e.bytes * (1 + e.received_file.is_some() as u64)).sum();
             let truncated = index.dump_truncated.as_ref().map_or(Value::Null, |t| json!(t));
             for (k, want) in [
                 ("slices_written", json!(index.slices.len() as u64)),
