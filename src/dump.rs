@@ -530,8 +530,10 @@ pub fn keep_converted(
         (list, dump) => {
             let rec = make();
             let at = list.as_ref().map(|l| l.len());
-            if let Some(d) = dump {
-                lock(&d.state).offer(&rec, actual, received, at);
+            match (dump, received) {
+                (Some(d), Some(r)) => d.offer_converted(&rec, actual, r, at),
+                (Some(d), None) => d.offer(&rec, actual, at),
+                (None, _) => {}
             }
             if let Some(l) = list {
                 l.push(rec);

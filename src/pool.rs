@@ -970,9 +970,9 @@ impl KvPool {
         let per_layer = self.geom.slices_per_layer() as usize;
         match &mut self.backing {
             Backing::Host(buf) => {
-                let failed = std::sync::Mutex::new(None);
+                let (stop, failed) = (std::sync::atomic::AtomicBool::new(false), std::sync::Mutex::new(None));
                 Self::host_each(&self.geom, buf, layers, None, |_, s| {
-                    if failed.lock().unwrap_or_else(|p| p.into_inner()).is_some() {
+                    if stop.load(std::sync::atomic::Ordering::Relaxed) {
                         return;
                     }
                     let mut got = vec![0u8; sb];
@@ -986,6 +986,7 @@ impl KvPool {
                     });
                     if let Err(e) = r {
                         failed.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
+                        stop.store(true, std::sync::atomic::Ordering::Relaxed);
                     }
                 })?;
                 match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
