@@ -13,8 +13,11 @@ usage: scripts/fingerprint_ref.py SEED LAYER KV BLOCK GENERATION ORDER BLOCK_SIZ
   and global heads HEAD_BASE.. . BLOCK, GENERATION and TOKEN_BASE are the *logical* block's
   (a failure's `expected.block`, `expected.generation`, `expected.token_base` or 0, or
   `observed.*`), not the slot `block`; ORDER, BLOCK_SIZE, HEADS and ROW_BYTES follow the
-  report's config.geometry (layout, or mla; block_size; num_kv_heads, or 1 with mla;
-  head_size x dtype bytes). A dump's `regenerate` commands spell them out.
+  decode side's geometry, the report's config.decode_geometry when present, else
+  config.geometry (mla when mla is true, else layout; block_size; num_kv_heads, or 1 with
+  mla; head_size x dtype bytes: bf16 and fp16 2, fp32 4, fp8 1), and HEAD_BASE is the first
+  KV head of the failure's decode TP rank (0 without one; README "Fingerprint format" gives
+  the recipe). A dump's `regenerate` commands spell them out.
   `poison` prints the SHA-256 of the poison of global slice index SLOT in ITERATION (an
   `unwritten` slice's actual_digest). `slot` prints the global slice index of a decode slot
   (a failure's layer, kv and block) in a pool of LAYOUT nhd, hnd or mla.
@@ -23,7 +26,7 @@ usage: scripts/fingerprint_ref.py SEED LAYER KV BLOCK GENERATION ORDER BLOCK_SIZ
 
   SEED: 0 to 2^64-1.  LAYER: 0 to 65535.  KV: K, V or latent (or 0, 1, 2; latent only with
   mla, K and V only without).  BLOCK, GENERATION, ITERATION: 0 to 2^32-1.  SLOT: 0 to 2^32-2.
-  SLICE_BYTES: a multiple of 16 from 16 to 2^31 (config.geometry.slice_bytes).
+  SLICE_BYTES: a multiple of 16 from 16 to 2^31 (the decode geometry's slice_bytes).
   ROW_BYTES: a multiple of 16 from 32 to 32768, not 16 more than a multiple of 512.
   BLOCK_SIZE, HEADS: from 1; TOKEN_BASE + BLOCK_SIZE and HEAD_BASE + HEADS at most 65536; the
   slice at most 2^31 bytes. ORDER mla goes with KV latent, HEADS 1 and HEAD_BASE 0 (one

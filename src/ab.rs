@@ -57,7 +57,8 @@ pub struct AbRow {
     pub verdict: String,
     /// Why an unfenced mechanism was not reproduced.
     pub why: Option<String>,
-    /// True when `verdict` meets `expect` and nothing is unexplained.
+    /// True when `verdict` meets `expect`, nothing is unexplained, the ownership checker
+    /// agrees, and no mechanism but the row's own has corruption attributed to it.
     pub pass: bool,
 }
 
@@ -121,7 +122,11 @@ pub fn cases() -> Vec<Case> {
     v
 }
 
-fn row_of(name: String, case: Case, r: &Report) -> AbRow {
+/// The row `name` of `case` as section report `r` shows it. An unfenced row passes only when
+/// its own mechanism is detected, nothing is unexplained, the ownership checker agrees, and
+/// no other mechanism had corruption attributed to it (such a cause cannot exist in that run:
+/// it would be another row's bug excusing this one's); a fenced row passes only clean.
+pub fn row_of(name: String, case: Case, r: &Report) -> AbRow {
     let Case { scenario, push, staging, unfenced } = case;
     let s = &r.summary;
     let sc = r.scenario.as_ref();
@@ -142,7 +147,18 @@ fn row_of(name: String, case: Case, r: &Report) -> AbRow {
         (Some(n), None) => n == 0,
         (Some(n), Some(m)) => n > 0 || !m.breaks_ownership(),
     };
-    // The mechanism's own reason first; the checker's when the row would pass without it.
+    // Corruption attributed to a mechanism other than the row's own.
+    let foreign: Vec<String> = sc
+        .map(|x| {
+            x.races
+                .iter()
+                .filter(|o| Some(o.mechanism) != unfenced && o.corrupt_attributed > 0)
+                .map(|o| format!("{} ({} slices)", o.mechanism, o.corrupt_attributed))
+                .collect()
+        })
+        .unwrap_or_default();
+    // The mechanism's own reason first; the checker's when the row would pass without it,
+    // then corruption attributed elsewhere.
     let why = match (ownership_ok, unfenced) {
         (false, None) if verdict == "clean" => {
             Some(format!("{} block-ownership violations in a fenced row", violations.unwrap_or(0)))
@@ -150,9 +166,12 @@ fn row_of(name: String, case: Case, r: &Report) -> AbRow {
         (false, Some(_)) if verdict == "detected" => {
             Some("the block-ownership checker saw no violation of the unfenced ordering".to_string())
         }
+        _ if !foreign.is_empty() && verdict == expect && ownership_ok => {
+            Some(format!("corruption attributed to another mechanism: {}", foreign.join(", ")))
+        }
         _ => why,
     };
-    let pass = verdict == expect && unexplained == 0 && ownership_ok;
+    let pass = verdict == expect && unexplained == 0 && ownership_ok && foreign.is_empty();
     AbRow {
         name,
         scenario,

@@ -164,7 +164,8 @@ fn redact_json_keeping(r: &mut crate::redact::Redactor, v: &mut serde_json::Valu
 }
 
 /// The files of the dump `dir` that belong in a bundle of `report` (a run or ab report, as
-/// JSON), as (path below `dump/`, path on disk): `index.json`, the slice files it lists and
+/// JSON), as (path below `dump/`, path on disk): `index.json`, the slice files it lists (and
+/// their `received_file`s) and
 /// `scripts/fingerprint_ref.py`; ab: the same under each row's folder (`rows[i].name`, for
 /// `sections[i]`). Nothing else found in the directory is ever packed.
 ///
@@ -277,20 +278,25 @@ fn section_files(dir: &Path, sec: &serde_json::Value, label: &str) -> Result<Vec
     let canon = dir.canonicalize().map_err(|e| usage(format!("cannot resolve it: {e}")))?;
     let failures = sec["failures"].as_array().map(Vec::as_slice).unwrap_or(&[]);
     let mut out = vec![("index.json".to_string(), dir.join("index.json"))];
-    for e in &index.slices {
-        let rel = Path::new(&e.file);
+    let listed = |file: &str| -> Result<PathBuf> {
+        let rel = Path::new(file);
         if rel.as_os_str().is_empty() || !rel.components().all(|c| matches!(c, std::path::Component::Normal(_))) {
-            return Err(usage(format!("index.json lists {:?}: not a plain path inside the dump", e.file)));
+            return Err(usage(format!("index.json lists {file:?}: not a plain path inside the dump")));
         }
         let p = dir.join(rel);
         match p.canonicalize() {
-            Ok(c) if c.starts_with(&canon) && c.is_file() => {}
+            Ok(c) if c.starts_with(&canon) && c.is_file() => Ok(p),
             Ok(c) if !c.starts_with(&canon) => {
-                return Err(usage(format!("index.json lists {}: it leads outside the dump (to {})", e.file, c.display())));
+                Err(usage(format!("index.json lists {file}: it leads outside the dump (to {})", c.display())))
             }
-            Ok(_) => return Err(usage(format!("index.json lists {}: not a regular file", e.file))),
-            Err(err) => return Err(usage(format!("index.json lists {}: {err}", e.file))),
+            Ok(_) => Err(usage(format!("index.json lists {file}: not a regular file"))),
+            Err(err) => Err(usage(format!("index.json lists {file}: {err}"))),
         }
+    };
+    for e in &index.slices {
+        let p = listed(&e.file)?;
+        // A converting run's received bytes travel with the slice (listed and hashed).
+        let received = e.received_file.as_ref().map(|r| listed(r).map(|rp| (r.clone(), rp))).transpose()?;
         let f = &e.failure;
         if let Some(i) = e.report_index {
             let ours = serde_json::to_value(f).unwrap_or_default();
@@ -310,9 +316,10 @@ fn section_files(dir: &Path, sec: &serde_json::Value, label: &str) -> Result<Vec
                 }
             }
         }
-        let r = rel.to_string_lossy().into_owned();
-        if !out.iter().any(|(x, _)| *x == r) {
-            out.push((r, p));
+        for (r, p) in std::iter::once((e.file.clone(), p)).chain(received) {
+            if !out.iter().any(|(x, _)| *x == r) {
+                out.push((r, p));
+            }
         }
     }
     let script = dir.join("scripts/fingerprint_ref.py");

@@ -178,6 +178,13 @@ pub fn check(path: &Path) -> Result<Checked> {
         for (i, e) in s.index.slices.iter().enumerate() {
             let file = format!("{}{}", s.dir, e.file);
             indexed.insert(file.clone());
+            // A converting run's received bytes: listed, and hashed by the manifest.
+            if let Some(r) = e.received_file.as_ref().map(|r| format!("{}{r}", s.dir)) {
+                if !b.digests.contains_key(&r) {
+                    problems.push(format!("{}{}: {r} is not in the bundle", s.label, slice_name(e)));
+                }
+                indexed.insert(r);
+            }
             if s.shapes[i].is_some() && !met.contains(&file) {
                 // Absent, or of another size than listed (said with the manifest).
                 problems.push(format!("{}{}: {file} is not in the bundle", s.label, slice_name(e)));
@@ -587,7 +594,7 @@ fn section_head(
         }
         None => {}
         Some(d) => {
-            let sum: u64 = index.slices.iter().map(|e| e.bytes).sum();
+            let sum: u64 = index.slices.iter().map(|e| e.bytes * (1 + e.received_file.is_some() as u64)).sum();
             let truncated = index.dump_truncated.as_ref().map_or(Value::Null, |t| json!(t));
             for (k, want) in [
                 ("slices_written", json!(index.slices.len() as u64)),
@@ -814,6 +821,15 @@ fn section_tail(s: &Section, size_of: &dyn Fn(&str) -> Option<u64>, problems: &m
         if let Some(n) = size_of(&format!("{dir}{}", e.file)) {
             bytes_total += n;
             *per_class.entry(e.failure.class.name().to_string()).or_default() += 1;
+        }
+        // A converting run's received bytes: one slice long, counted in bytes_written.
+        if let Some(r) = e.received_file.as_ref().map(|r| format!("{dir}{r}"))
+            && let Some(n) = size_of(&r)
+        {
+            bytes_total += n;
+            if n != index.slice_bytes {
+                say(format!("{}: {r}: {n} bytes, slice_bytes {}", slice_name(e), index.slice_bytes));
+            }
         }
     }
     if bytes_total != index.bytes_written {

@@ -4,7 +4,9 @@
 //! Layout (README "Dumps"): `DIR/index.json` ([`DumpIndex`], schema [`SCHEMA`]),
 //! `DIR/slices/<iteration>-<layer>-<K|V|latent>-<block>.bin` (one per dumped slice, the bytes
 //! the verify pass read back from the decode slot: on VRAM only that failing slice crosses to
-//! the host, the buffer the classification already reads), and `DIR/scripts/fingerprint_ref.py`
+//! the host, the buffer the classification already reads; in a run whose decode converts on
+//! receive, the converted bytes the verify judged, with the bytes NIXL delivered beside them as
+//! `<name>.received.bin`, [`DumpEntry::received_file`]), and `DIR/scripts/fingerprint_ref.py`
 //! (kvprobe's independent Python reference of the fingerprint, so each slice's `regenerate`
 //! command runs from `DIR` as written).
 //!
@@ -63,6 +65,16 @@ pub struct DumpEntry {
     pub file: String,
     /// Size of `file` (bytes; the geometry's `slice_bytes`).
     pub bytes: u64,
+    /// Runs whose decode converts on receive (`--decode-layout`/`--decode-block-size`,
+    /// `--permute-local-kv`: [`crate::pairing::Sides::converts`]) only: the slice as NIXL
+    /// delivered it, before decode's conversion, relative to the dump directory
+    /// (`slices/<name>.received.bin`, `bytes` long; `file` holds the converted bytes the verify
+    /// judged and the record describes). Recovered from the converted bytes by undoing the
+    /// conversion's row permutation ([`crate::pairing::Sides::unconvert`]), which moves whole
+    /// rows and is a bijection (checked before use), so no byte is lost or made up. Absent
+    /// elsewhere.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub received_file: Option<String>,
     /// Index of this slice's record in the report's `failures` (null: not listed there,
     /// `--max-failures`).
     pub report_index: Option<usize>,
@@ -98,7 +110,7 @@ pub struct DumpIndex {
     pub reserve_per_class_bytes: u64,
     /// [`RULE`].
     pub rule: String,
-    /// Bytes of slice files written.
+    /// Bytes of slice files written (`received_file`s included).
     pub bytes_written: u64,
     /// Per class (every class, zeros included): slices written and omitted.
     pub by_class: BTreeMap<String, ClassCount>,
@@ -242,7 +254,15 @@ impl Dumper {
     /// ([`Dumper::wants`]), else counts it as omitted. `report_index`: where `f` is listed in
     /// the report's failures, if it is. A write that fails stops the dump (`dump_truncated`).
     pub fn offer(&mut self, f: &Failure, actual: &[u8], report_index: Option<usize>) {
-        lock(&self.state).offer(f, actual, report_index)
+        lock(&self.state).offer(f, actual, None, report_index)
+    }
+
+    /// [`Dumper::offer`] for a run whose decode converts on receive: `actual` is the
+    /// converted slice the verify judged, `received` (the same length) the bytes NIXL
+    /// delivered, written beside it ([`DumpEntry::received_file`]); the two count against
+    /// the cap together.
+    pub fn offer_converted(&mut self, f: &Failure, actual: &[u8], received: &[u8], report_index: Option<usize>) {
+        lock(&self.state).offer(f, actual, Some(received), report_index)
     }
 
     /// Writes `index.json` (atomically) and returns what the report records. A failed write
@@ -312,12 +332,14 @@ impl State {
         self.count(class, false);
     }
 
-    fn offer(&mut self, f: &Failure, actual: &[u8], report_index: Option<usize>) {
+    fn offer(&mut self, f: &Failure, actual: &[u8], received: Option<&[u8]>, report_index: Option<usize>) {
         if self.finished.is_some() {
             return; // the watchdog ended the dump
         }
         let len = actual.len() as u64;
-        if !self.wants(f.class, len) {
+        // Both files of a converted slice count against the cap.
+        let cost = len + received.map_or(0, |r| r.len() as u64);
+        if !self.wants(f.class, cost) {
             return self.omit(f.class);
         }
         let base = match f.tp_rank {
@@ -334,26 +356,36 @@ impl State {
             n += 1;
         }
         let rel = format!("slices/{name}");
-        let path = self.dir.join(&rel);
-        let written = if full_after().is_some_and(|n| self.index.slices.len() as u64 >= n) {
-            Err(std::io::Error::from_raw_os_error(libc::ENOSPC))
-        } else {
-            std::fs::File::create_new(&path).and_then(|mut file| file.write_all(actual).and_then(|_| file.flush()))
+        let received_rel = received.map(|_| format!("slices/{}.received.bin", name.trim_end_matches(".bin")));
+        let full = full_after().is_some_and(|n| self.index.slices.len() as u64 >= n);
+        let write = |rel: &str, bytes: &[u8]| {
+            if full {
+                return Err(std::io::Error::from_raw_os_error(libc::ENOSPC));
+            }
+            std::fs::File::create_new(self.dir.join(rel)).and_then(|mut file| file.write_all(bytes).and_then(|_| file.flush()))
         };
-        if let Err(e) = written {
-            let _ = std::fs::remove_file(&path);
-            self.index.dump_truncated = Some(format!("writing {rel}: {e}; later slices were not written"));
+        let mut written = write(&rel, actual).map_err(|e| (rel.clone(), e));
+        if let (Ok(()), Some(r), Some(bytes)) = (&written, &received_rel, received) {
+            written = write(r, bytes).map_err(|e| (r.clone(), e));
+        }
+        if let Err((what, e)) = written {
+            let _ = std::fs::remove_file(self.dir.join(&rel));
+            if let Some(r) = &received_rel {
+                let _ = std::fs::remove_file(self.dir.join(r));
+            }
+            self.index.dump_truncated = Some(format!("writing {what}: {e}; later slices were not written"));
             return self.omit(f.class);
         }
         self.names.insert(name.clone());
         self.entry_at.push(self.found.len());
         self.found.push(f.class);
-        self.index.bytes_written += len;
-        *self.class_bytes.entry(f.class).or_default() += len;
+        self.index.bytes_written += cost;
+        *self.class_bytes.entry(f.class).or_default() += cost;
         self.count(f.class, true);
         self.index.slices.push(DumpEntry {
             file: rel,
             bytes: len,
+            received_file: received_rel,
             report_index,
             regenerate: regenerate_command(f, self.index.seed, &rank_shape(&self.shape, self.tp.as_ref(), f.tp_rank), len, &name),
             failure: f.clone(),
@@ -373,12 +405,15 @@ impl State {
                 self.entry_at.push(at);
             } else {
                 let _ = std::fs::remove_file(self.dir.join(&e.file));
+                if let Some(r) = &e.received_file {
+                    let _ = std::fs::remove_file(self.dir.join(r));
+                }
                 dropped += 1;
             }
         }
         self.index.slices = kept;
         self.found.truncate(n);
-        self.index.bytes_written = self.index.slices.iter().map(|e| e.bytes).sum();
+        self.index.bytes_written = self.index.slices.iter().map(|e| e.bytes * (1 + e.received_file.is_some() as u64)).sum();
         for c in self.index.by_class.values_mut() {
             *c = ClassCount::default();
         }
@@ -474,15 +509,31 @@ pub fn keep(
     class: Class,
     make: impl FnOnce() -> Failure,
 ) {
-    let dumping = dump.as_ref().is_some_and(|d| d.wants(class, actual.len() as u64));
+    keep_converted(dump, list, actual, None, class, make)
+}
+
+/// [`keep`] for a run whose decode converts on receive: `received` (when given) is the slice
+/// as NIXL delivered it, dumped beside `actual` ([`Dumper::offer_converted`]).
+pub fn keep_converted(
+    dump: Option<&mut Dumper>,
+    list: Option<&mut Vec<Failure>>,
+    actual: &[u8],
+    received: Option<&[u8]>,
+    class: Class,
+    make: impl FnOnce() -> Failure,
+) {
+    let cost = actual.len() as u64 + received.map_or(0, |r| r.len() as u64);
+    let dumping = dump.as_ref().is_some_and(|d| d.wants(class, cost));
     match (list, dump) {
         (None, Some(d)) if !dumping => d.omit(class),
         (None, None) => {}
         (list, dump) => {
             let rec = make();
             let at = list.as_ref().map(|l| l.len());
-            if let Some(d) = dump {
-                d.offer(&rec, actual, at);
+            match (dump, received) {
+                (Some(d), Some(r)) => d.offer_converted(&rec, actual, r, at),
+                (Some(d), None) => d.offer(&rec, actual, at),
+                (None, _) => {}
             }
             if let Some(l) = list {
                 l.push(rec);

@@ -1206,7 +1206,10 @@ impl KvPool {
     /// buffer of up to [`PERMUTE_SPAN_BYTES`] of whole slices, copied back; waited for);
     /// DRAM: on the host threads, slice by slice. No transfer may be writing the slices.
     /// Errors: usage for a permutation that does not fit the slices (rows not a whole number
-    /// of 16-byte chunks, an entry out of range) or layers out of range; CUDA errors.
+    /// of 16-byte chunks, an entry out of range) or is not a bijection (a row taken twice,
+    /// another never: checked before any slice is touched), or layers out of range; the first
+    /// read or write of a DRAM slice that fails (the pass stops early then; slices already
+    /// rearranged stay so); CUDA errors.
     pub fn permute_rows(&mut self, layers: Range<u32>, perm: &[u32]) -> Result<()> {
         self.check_layers(&layers)?;
         let sb = self.geom.slice_bytes()? as usize;
@@ -1216,21 +1219,42 @@ impl KvPool {
                 "a row permutation of {rows} entries does not fit slices of {sb} bytes (rows of whole 16-byte chunks, entries below {rows})"
             )));
         }
+        let mut taken = vec![false; rows];
+        for (to, &from) in perm.iter().enumerate() {
+            if std::mem::replace(&mut taken[from as usize], true) {
+                return Err(Error::Usage(format!(
+                    "a row permutation of {rows} entries is not a bijection: row {from} is taken twice (again for row {to})"
+                )));
+            }
+        }
         let rb = sb / rows;
         let per_layer = self.geom.slices_per_layer() as usize;
         match &mut self.backing {
-            Backing::Host(buf) => Self::host_each(&self.geom, buf, layers, None, |_, s| {
-                let mut got = vec![0u8; sb];
-                if s.as_span().read_at(0, &mut got).is_err() {
-                    return;
+            Backing::Host(buf) => {
+                let (stop, failed) = (std::sync::atomic::AtomicBool::new(false), std::sync::Mutex::new(None));
+                Self::host_each(&self.geom, buf, layers, None, |_, s| {
+                    if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        return;
+                    }
+                    let mut got = vec![0u8; sb];
+                    let mut out = vec![0u8; sb];
+                    let r = s.as_span().read_at(0, &mut got).and_then(|()| {
+                        for (to, &from) in perm.iter().enumerate() {
+                            let from = from as usize * rb;
+                            out[to * rb..(to + 1) * rb].copy_from_slice(&got[from..from + rb]);
+                        }
+                        s.write_at(0, &out)
+                    });
+                    if let Err(e) = r {
+                        failed.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
+                        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                    }
+                })?;
+                match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+                    Some(e) => Err(e),
+                    None => Ok(()),
                 }
-                let mut out = vec![0u8; sb];
-                for (to, &from) in perm.iter().enumerate() {
-                    let from = from as usize * rb;
-                    out[to * rb..(to + 1) * rb].copy_from_slice(&got[from..from + rb]);
-                }
-                let _ = s.write_at(0, &out);
-            }),
+            }
             Backing::Device { kernels, regions, .. } => {
                 let dev = regions[0].device().clone();
                 let per_span = (PERMUTE_SPAN_BYTES as usize / sb).clamp(1, per_layer);

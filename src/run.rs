@@ -1235,7 +1235,14 @@ fn sweep(
                         report.summary.failures_omitted += 1;
                     }
                     let class = v.class;
-                    crate::dump::keep(dump.as_deref_mut(), listed.then_some(&mut report.failures), &buf, class, || {
+                    // A converting run's dump keeps what NIXL delivered beside the converted bytes.
+                    let received = (dump.is_some() && sides.converts()).then(|| {
+                        let mut r = vec![0u8; buf.len()];
+                        sides.unconvert(&buf, &mut r);
+                        r
+                    });
+                    let list = listed.then_some(&mut report.failures);
+                    crate::dump::keep_converted(dump.as_deref_mut(), list, &buf, received.as_deref(), class, || {
                         let mut rec = Failure::new(it, c, f, v, &want, &buf, expected, cur.src_of[c.block as usize]);
                         rec.tp_rank = (ranks > 1).then_some(d);
                         rec.judged_class = judged_class;

@@ -1526,3 +1526,112 @@ fn check_reads_a_bundle_repacked_with_tar_and_an_unpacked_one() {
     let rel = first.strip_prefix(x.join("kvprobe-bundle")).unwrap().to_str().unwrap().to_string();
     assert!(out.contains(&format!("{rel}: sha256: manifest")), "{out}");
 }
+
+/// Issue 33 item 9: a run whose decode converts on receive (prefill NHD, decode HND with
+/// `--permute-local-kv`) dumps the bytes NIXL delivered beside the converted ones
+/// (`received_file`): each received file holds the converted slice's rows at their NHD places
+/// (the test's own placement), a stale slice's received bytes are the NHD fingerprint of the
+/// identity it holds (the README's spec, re-implemented in tests/fingerprint.rs), and the
+/// bundle lists and hashes both files and passes `report check`.
+#[test]
+fn a_converting_run_dumps_the_received_bytes_beside_the_converted_ones() {
+    let d = tmpdir("dump-received");
+    let (dump, b, r) = (d.join("D"), d.join("b.tar.gz"), d.join("r.json"));
+    let (code, out, err) = kvprobe(&[
+        "run",
+        "--memory",
+        "dram",
+        "--kv-heads",
+        "3",
+        "--decode-layout",
+        "hnd",
+        "--permute-local-kv",
+        "--iterations",
+        "2",
+        "--inject",
+        "stale",
+        "--inject",
+        "bitflip",
+        "--inject",
+        "torn",
+        "--dump",
+        dump.to_str().unwrap(),
+        "--bundle",
+        b.to_str().unwrap(),
+        "--report",
+        r.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 1, "{out}{err}");
+    let report = read_report(&r);
+    let index: Value = serde_json::from_str(&std::fs::read_to_string(dump.join("index.json")).unwrap()).unwrap();
+    let g = &report["config"]["geometry"];
+    let (heads, bs) = (g["num_kv_heads"].as_u64().unwrap() as usize, g["block_size"].as_u64().unwrap() as usize);
+    let rb = g["head_size"].as_u64().unwrap() as usize * 2; // bf16
+    let seed = report["config"]["seed"].as_u64().unwrap();
+    let slices = index["slices"].as_array().unwrap();
+    let classes: std::collections::BTreeSet<&str> = slices.iter().map(|s| s["class"].as_str().unwrap()).collect();
+    assert_eq!(classes, ["bitflip", "stale", "torn"].into(), "{index}");
+    let mut files = 0;
+    for s in slices {
+        let converted = std::fs::read(dump.join(s["file"].as_str().unwrap())).unwrap();
+        let name = s["received_file"].as_str().unwrap_or_else(|| panic!("no received_file: {s}"));
+        assert_eq!(name, s["file"].as_str().unwrap().replace(".bin", ".received.bin"));
+        let received = std::fs::read(dump.join(name)).unwrap();
+        assert_eq!(received.len(), converted.len());
+        // Decode's HND row (h, t) is the received NHD row (t, h).
+        for t in 0..bs {
+            for h in 0..heads {
+                let (n, x) = ((t * heads + h) * rb, (h * bs + t) * rb);
+                assert_eq!(received[n..n + rb], converted[x..x + rb], "{name}: token {t} head {h}");
+            }
+        }
+        if s["class"] == "stale" {
+            let o = &s["observed"];
+            let kv = crate::fingerprint::spec::kv_code(o["kv"].as_str().unwrap());
+            let (layer, block, generation) = (
+                o["layer"].as_u64().unwrap() as u32,
+                o["block"].as_u64().unwrap() as u32,
+                o["generation"].as_u64().unwrap() as u32,
+            );
+            let nhd = crate::fingerprint::spec::rows(
+                seed,
+                layer,
+                kv,
+                block,
+                generation,
+                "nhd",
+                bs as u32,
+                heads as u32,
+                rb as u32,
+                0,
+                0,
+            );
+            assert_eq!(received, nhd, "{name}: the stale generation as prefill's NHD rows");
+        }
+        files += 2;
+    }
+    let index_bytes: u64 = slices.iter().map(|s| s["bytes"].as_u64().unwrap() * 2).sum();
+    assert_eq!(index["bytes_written"].as_u64(), Some(index_bytes), "both files count");
+    assert_eq!(report["dump"]["bytes_written"], index["bytes_written"]);
+    let packed = untar(&b);
+    let dumped = packed.iter().filter(|(n, _)| n.starts_with("kvprobe-bundle/dump/slices/")).count();
+    assert_eq!(dumped, files, "both files of each slice are in the bundle");
+    let manifest: Value =
+        serde_json::from_slice(&packed.iter().find(|(n, _)| n == "kvprobe-bundle/manifest.json").unwrap().1).unwrap();
+    for (n, body) in packed.iter().filter(|(n, _)| n.ends_with(".received.bin")) {
+        let rel = n.strip_prefix("kvprobe-bundle/").unwrap();
+        let e = manifest["files"].as_array().unwrap().iter().find(|e| e["path"] == rel).unwrap_or_else(|| panic!("{rel}"));
+        assert_eq!(e["sha256"].as_str(), Some(sha256_hex(body).as_str()), "{rel}");
+    }
+    let (code, out, err) = check(&b);
+    assert_eq!(code, 0, "{out}{err}");
+    // A received file that is not the one packed fails the manifest.
+    let mut bad = packed.clone();
+    let f = bad.iter_mut().find(|(n, _)| n.ends_with(".received.bin")).unwrap();
+    f.1[0] ^= 1;
+    let tampered = d.join("t.tar.gz");
+    retar(&tampered, &bad);
+    let (code, out, err) = check(&tampered);
+    assert_ne!(code, 0, "{out}{err}");
+    assert!(out.contains(".received.bin"), "{out}{err}");
+}

@@ -886,3 +886,130 @@ fn fingerprint_ref_refuses_bad_arguments_and_agrees_with_kvprobe() {
         }
     }
 }
+
+/// The README's digest recipe as a program: the first ```python block after "To recompute a
+/// failure's `expected_digest`" in "Fingerprint format".
+fn readme_recipe() -> String {
+    let readme = include_str!("../README.md");
+    let at = readme.find("To recompute a failure's `expected_digest`").expect("README has the expected_digest recipe");
+    let rest = &readme[at..];
+    let start = rest.find("```python\n").expect("the recipe has a ```python block") + "```python\n".len();
+    let end = rest[start..].find("```").expect("the block ends");
+    rest[start..start + end].to_string()
+}
+
+/// Issue 33 (spec-2026-12 ambiguity 1 and 2): the README's expected-digest recipe, run as
+/// written, gives every failure's `expected_digest` through scripts/fingerprint_ref.py for runs
+/// whose sides differ in block size and TP (a decode block larger and smaller than prefill's,
+/// GQA replication, MLA with its `layout` left at nhd). The runs must tell a right recipe from
+/// the one that took `config.geometry` and head 0 (some failure's digest differs under it), and
+/// each failure's logical id follows the README's rule from `prefill_block`.
+#[test]
+fn the_readmes_digest_recipe_holds_between_unequal_sides_and_tp() {
+    let d = crate::common::tmpdir("recipe");
+    let recipe = d.join("recipe.py");
+    std::fs::write(&recipe, readme_recipe()).unwrap();
+    let inject = ["--inject", "drop", "--inject", "stale", "--inject", "misroute", "--inject", "bitflip", "--inject", "torn"];
+    let runs: [(&str, &[&str]); 3] = [
+        (
+            "bd>bp tp1>2",
+            &[
+                "--layout",
+                "hnd",
+                "--block-size",
+                "16",
+                "--decode-block-size",
+                "32",
+                "--prefill-tp",
+                "1",
+                "--decode-tp",
+                "2",
+                "--kv-heads",
+                "4",
+            ],
+        ),
+        (
+            "bp>bd tp2>4 gqa",
+            &[
+                "--layout",
+                "hnd",
+                "--block-size",
+                "32",
+                "--decode-block-size",
+                "16",
+                "--prefill-tp",
+                "2",
+                "--decode-tp",
+                "4",
+                "--kv-heads",
+                "2",
+                "--seed",
+                "0xfffffffffffffff1",
+            ],
+        ),
+        (
+            "mla tp2>2",
+            &["--mla", "--block-size", "16", "--decode-block-size", "8", "--prefill-tp", "2", "--decode-tp", "2", "--seed", "0"],
+        ),
+    ];
+    for (name, extra) in runs {
+        let mut args = vec!["--blocks", "16", "--layers", "2", "--iterations", "2"];
+        args.extend_from_slice(&inject);
+        args.extend_from_slice(extra);
+        let (code, r, log) = crate::common::run_with_report(&format!("recipe-{}", name.replace([' ', '>'], "-")), "dram", &args);
+        assert_eq!(code, 1, "{name}: {log}");
+        let report = d.join(format!("{}.json", name.replace([' ', '>'], "-")));
+        std::fs::write(&report, serde_json::to_vec(&r).unwrap()).unwrap();
+        let o = std::process::Command::new("python3").arg(&recipe).arg(&report).output().expect("python3 runs");
+        assert!(o.status.success(), "{name}: {}", String::from_utf8_lossy(&o.stderr));
+        let lines: Vec<String> = String::from_utf8(o.stdout).unwrap().lines().map(String::from).collect();
+        let failures = r["failures"].as_array().unwrap();
+        assert_eq!(lines.len(), failures.len(), "{name}: one line per failure");
+        let c = &r["config"];
+        let g = &c["geometry"];
+        let dg = &c["decode_geometry"];
+        assert!(dg.is_object() || c["tp"].is_object(), "{name}: {c}");
+        let mut naive_wrong = 0;
+        for (f, line) in failures.iter().zip(&lines) {
+            let a: Vec<&str> = line.split_whitespace().collect();
+            let (code, out, err) = fingerprint_ref(&a);
+            assert_eq!((code, out.trim()), (0, f["expected_digest"].as_str().unwrap()), "{name}: {line} for {f}: {err}");
+            // The recipe read as "config.geometry, head 0": another digest somewhere.
+            let mla = g["mla"] == true;
+            let dtype = if g["dtype"] == "fp32" {
+                4
+            } else if g["dtype"] == "fp8" {
+                1
+            } else {
+                2
+            };
+            let e = &f["expected"];
+            let naive = [
+                c["seed_hex"].as_str().unwrap().to_string(),
+                e["layer"].to_string(),
+                e["kv"].as_str().unwrap().to_string(),
+                e["block"].to_string(),
+                e["generation"].to_string(),
+                if mla { "mla".to_string() } else { g["layout"].as_str().unwrap().to_string() },
+                g["block_size"].to_string(),
+                if mla { "1".to_string() } else { g["num_kv_heads"].to_string() },
+                (g["head_size"].as_u64().unwrap() * dtype).to_string(),
+                e["token_base"].as_u64().unwrap_or(0).to_string(),
+                "0".to_string(),
+            ];
+            let naive: Vec<&str> = naive.iter().map(String::as_str).collect();
+            let (_, out, _) = fingerprint_ref(&naive);
+            naive_wrong += (out.trim() != f["expected_digest"].as_str().unwrap()) as usize;
+            // README "Logical block ids": prefill slot i holds f(i div (G/Bp)).
+            let (bp, bd) = (
+                g["block_size"].as_u64().unwrap(),
+                if dg.is_object() { dg["block_size"].as_u64().unwrap() } else { g["block_size"].as_u64().unwrap() },
+            );
+            let i = (f["prefill_block"].as_u64().unwrap() / (bp.max(bd) / bp)) as u32;
+            let seed = c["seed"].as_u64().unwrap();
+            let id = i.wrapping_mul(0x9E37_79B1) ^ (seed as u32).rotate_left(7);
+            assert_eq!(e["block"].as_u64(), Some(id as u64), "{name}: {f}");
+        }
+        assert!(naive_wrong > 0, "{name}: the run does not tell the decode geometry and head base from prefill's");
+    }
+}

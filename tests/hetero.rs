@@ -7,6 +7,7 @@ use crate::common::*;
 use kvprobe::fingerprint::RowOrder;
 use kvprobe::geometry::{Dtype, Geometry, Layout};
 use kvprobe::pairing::{Plant, Sides, row_position};
+use kvprobe::pool::KvPool;
 
 /// Decode slices a sweep of `iterations` checks: layers × K/V × prefill's tokens / decode's
 /// block size.
@@ -464,12 +465,53 @@ fn geometry(bs: u32, layout: Layout, heads: u32, mla: bool) -> Geometry {
     }
 }
 
+/// Decode's conversion on receive as a run applies it: the received slices of one decode group
+/// (`got[j]`: decode block `j`) written into every K/V part of a decode pool made by `pool`
+/// (one layer, the group's blocks), rearranged there by [`KvPool::permute_rows`] with
+/// [`Sides::row_permutation`] (`convert_received`'s call), and read back; every part must come
+/// out the same.
+fn convert_in_pool(s: &Sides, got: &[Vec<u8>], pool: &mut dyn FnMut(&Geometry) -> KvPool) -> Vec<Vec<u8>> {
+    let g = Geometry { num_layers: 1, num_blocks: got.len() as u32, ..s.decode.clone() };
+    let mut p = pool(&g);
+    for c in g.coords() {
+        p.write_slice(c, &got[c.block as usize]).unwrap();
+    }
+    p.permute_rows(0..1, &s.row_permutation()).unwrap();
+    let mut out = vec![Vec::new(); got.len()];
+    for c in g.coords() {
+        let mut b = vec![0u8; got[0].len()];
+        p.read_slice(c, &mut b).unwrap();
+        let o = &mut out[c.block as usize];
+        if o.is_empty() {
+            *o = b;
+        } else {
+            assert_eq!(*o, b, "{c:?}: every part of a block is rearranged alike");
+        }
+    }
+    out
+}
+
 /// The chunks of every prefill slice of a group, applied to labelled rows and then decode's
-/// conversion, put every row of the group's tokens at its place in decode's layout, once —
-/// for every pair of block sizes and layouts (the tests' own placement, from the layouts'
-/// definitions).
+/// conversion as the run applies it (`KvPool::permute_rows` on a DRAM pool), put every row of
+/// the group's tokens at its place in decode's layout, once — for every pair of block sizes
+/// and layouts (the tests' own placement, from the layouts' definitions).
 #[test]
 fn chunks_and_conversion_put_every_row_in_its_place() {
+    every_placement(&mut |g| KvPool::host(g, 1).unwrap());
+}
+
+/// The same on VRAM: the conversion runs in the `kvp_permute_rows` kernel.
+#[test]
+fn chunks_and_conversion_put_every_row_in_its_place_on_vram() {
+    if !gpu_or_skip("chunks_and_conversion_put_every_row_in_its_place_on_vram") {
+        return;
+    }
+    let dev = kvprobe::cuda::Device::open(0).unwrap();
+    let k = std::sync::Arc::new(kvprobe::cuda::Kernels::compile(&dev).unwrap());
+    every_placement(&mut |g| KvPool::device(&dev, k.clone(), g, 1).unwrap());
+}
+
+fn every_placement(pool: &mut dyn FnMut(&Geometry) -> KvPool) {
     let sizes = [1u32, 2, 4, 16, 64];
     for &bp in &sizes {
         for &bd in &sizes {
@@ -478,7 +520,7 @@ fn chunks_and_conversion_put_every_row_in_its_place() {
                     for (heads, mla) in [(1, false), (3, false), (1, true)] {
                         let p = geometry(bp, lp, heads, mla);
                         let s = Sides::derive(&p, Some(ld), Some(bd), true).unwrap();
-                        check_placement(&s, bp, bd, heads);
+                        check_placement(&s, bp, bd, heads, pool);
                     }
                 }
             }
@@ -486,7 +528,36 @@ fn chunks_and_conversion_put_every_row_in_its_place() {
     }
 }
 
-fn check_placement(s: &Sides, bp: u32, bd: u32, heads: u32) {
+/// A row permutation that is not a bijection (a row taken twice, another never) is refused
+/// before any slice is touched, on DRAM (issue 33 item 9); a bijection is applied.
+#[test]
+fn permute_rows_refuses_a_permutation_that_is_not_a_bijection() {
+    let g = geometry(4, Layout::Nhd, 2, false);
+    let mut p = KvPool::host(&g, 1).unwrap();
+    let sb = g.slice_bytes().unwrap() as usize;
+    // Rows of 64 bytes, 8 per slice, row r of every slice holding the byte r.
+    let labelled: Vec<u8> = (0..sb).map(|i| (i / 64) as u8).collect();
+    for c in g.coords() {
+        p.write_slice(c, &labelled).unwrap();
+    }
+    let twice = [1u32, 1, 2, 3, 4, 5, 6, 7];
+    let e = p.permute_rows(0..2, &twice).unwrap_err();
+    assert_eq!(e.exit(), kvprobe::Exit::Usage, "{e}");
+    assert!(e.to_string().contains("not a bijection") && e.to_string().contains("row 1"), "{e}");
+    let mut b = vec![0u8; sb];
+    for c in g.coords() {
+        p.read_slice(c, &mut b).unwrap();
+        assert_eq!(b, labelled, "{c:?}: untouched");
+    }
+    let reversed: Vec<u32> = (0..8).rev().collect();
+    p.permute_rows(0..2, &reversed).unwrap();
+    for c in g.coords() {
+        p.read_slice(c, &mut b).unwrap();
+        assert!(b.chunks(64).enumerate().all(|(r, row)| row.iter().all(|&x| x as usize == 7 - r)), "{c:?}");
+    }
+}
+
+fn check_placement(s: &Sides, bp: u32, bd: u32, heads: u32, pool: &mut dyn FnMut(&Geometry) -> KvPool) {
     let rb = (s.prefill.head_size as u64 * 2) as usize;
     let order = |g: &Geometry| RowOrder::of(g);
     let g_tokens = bp.max(bd);
@@ -517,11 +588,8 @@ fn check_placement(s: &Sides, bp: u32, bd: u32, heads: u32) {
         }
     }
     assert!(written.iter().all(|w| w.iter().all(|&n| n == 1)), "{bp}->{bd}: every decode byte written once");
-    for (j, slice) in got.iter().enumerate() {
-        let mut out = slice.clone();
-        if s.converts() {
-            s.convert(slice, &mut out);
-        }
+    let converted = if s.converts() { convert_in_pool(s, &got, pool) } else { got.clone() };
+    for (j, out) in converted.iter().enumerate() {
         for t in 0..bd {
             for h in 0..heads {
                 let at = row_position(order(&s.decode), bd, heads, t, h) as usize * rb;

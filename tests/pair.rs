@@ -1175,6 +1175,27 @@ fn a_prefill_that_breaks_the_scenario_protocol_ends_the_run_with_exit_3() {
             "event",
         ),
         (
+            // Issue 33 item 7: a fenced mechanism stamped on a write would excuse corruption.
+            "a write stamped with a fenced mechanism",
+            Box::new(move |k, _| StepOut {
+                events: vec![Event {
+                    engine: EngineId::Prefill,
+                    step: k,
+                    seq: 1,
+                    what: What::Write {
+                        block: 0,
+                        content: kvprobe::tier::Content {
+                            id: TableEntry::new(5, 1),
+                            cause: Some(kvprobe::race::Mechanism::SaveAfterFree),
+                        },
+                    },
+                }],
+                counters: counts(k),
+                ..Default::default()
+            }),
+            "save-after-free, which is fenced in this run",
+        ),
+        (
             "a hand-over of a block past the pool",
             Box::new(move |k, _| StepOut { handed: vec![handed(vec![3, 64])], counters: counts(k), ..Default::default() }),
             "block 64 of a pool of 64",

@@ -753,3 +753,69 @@ fn tier_entries_are_copied_one_at_a_time_through_spans() {
     assert!(arena.read_entry(3, |_| ()).is_err());
     assert!(arena.write_entry(u32::MAX, |_| ()).is_err());
 }
+
+/// Issue 33 item 7: the shadow takes a prefill write's cause only when it can exist in the run:
+/// a mechanism the run leaves unfenced, and never one of decode's own (failed-as-complete,
+/// decode-abort-free); anything else is a protocol error (exit 3) and the event is not
+/// applied.
+#[test]
+fn the_shadow_refuses_a_prefill_write_whose_cause_cannot_exist() {
+    use kvprobe::peer::steps::{EngineId, Event, What};
+    use kvprobe::scenario::shadow::Shadow;
+    let genesis = vec![TableEntry::new(7, 0); 4];
+    let write = |seq: u64, cause: Option<Mechanism>| Event {
+        engine: EngineId::Prefill,
+        step: 1,
+        seq,
+        what: What::Write { block: 1, content: Content { id: TableEntry::new(9, seq as u32), cause } },
+    };
+    let refused = |s: &mut Shadow, seq: u64, m: Mechanism, why: &str| {
+        let e = s.observe(write(seq, Some(m))).unwrap_err();
+        assert_eq!(e.exit(), Exit::Transport, "{m}: {e}");
+        let msg = e.to_string();
+        assert!(msg.contains("a protocol error") && msg.contains(m.name()) && msg.contains(why), "{m}: {msg}");
+    };
+    // All fenced: a write with no cause is taken; any cause is refused.
+    let mut s = Shadow::new(&genesis, Races::default());
+    s.observe(write(1, None)).unwrap();
+    for m in Mechanism::ALL {
+        refused(&mut s, 2, m, "fenced in this run");
+    }
+    // The refused events were not applied: block 1 still holds the first write, and the next
+    // event in sequence is 2.
+    assert_eq!(s.content(1), Content { id: TableEntry::new(9, 1), cause: None });
+    s.observe(write(2, None)).unwrap();
+    // save-after-free and failed-as-complete unfenced: save-after-free's writes are taken;
+    // failed-as-complete (decode's own) and a fenced mechanism are refused.
+    let races = Races::from_specs(&["save-after-free".parse().unwrap(), "failed-as-complete".parse().unwrap()]);
+    let mut s = Shadow::new(&genesis, races);
+    s.observe(write(1, Some(Mechanism::SaveAfterFree))).unwrap();
+    assert_eq!(s.content(1).cause, Some(Mechanism::SaveAfterFree));
+    refused(&mut s, 2, Mechanism::UnfencedLoad, "fenced in this run");
+    refused(&mut s, 2, Mechanism::FailedAsComplete, "decode's own");
+    let push = Races::from_specs(&["decode-abort-free".parse().unwrap()]);
+    refused(&mut Shadow::new(&genesis, push), 1, Mechanism::DecodeAbortFree, "decode's own");
+}
+
+/// Issue 33 item 7: a corrupt slice is attributed only to a mechanism stamped on a content
+/// that supplied its wrong data. Here an unstamped write during the READ window supplies all of
+/// it, and the content at post (stamped, but supplying nothing) lends no cause: unexplained.
+/// Stamped on the supplier instead, the same slice is explained by it.
+#[test]
+fn attribution_takes_no_cause_from_a_content_that_supplied_nothing() {
+    use kvprobe::fingerprint::{RowShape, expected};
+    use kvprobe::geometry::{KvPart, SliceCoord};
+    use kvprobe::scenario::shadow::attribute;
+    let g = kvprobe::geometry::Preset::Small.geometry();
+    let shape = RowShape::of(&g);
+    let seed = 11;
+    let c = SliceCoord { layer: 1, kv: KvPart::V, block: 5 };
+    let print = |t: TableEntry| expected(seed, &shape.slice(t.identity(c)));
+    let (due, at_post, during) = (TableEntry::new(100, 3), TableEntry::new(200, 2), TableEntry::new(300, 3));
+    let (want, actual) = (print(due), print(during));
+    let m = Mechanism::SaveAfterFree;
+    let written = [Content { id: at_post, cause: Some(m) }, Content { id: during, cause: None }];
+    assert_eq!(attribute(&actual, &want, seed, &shape, c, &written), (None, during));
+    let written = [Content { id: at_post, cause: None }, Content { id: during, cause: Some(m) }];
+    assert_eq!(attribute(&actual, &want, seed, &shape, c, &written), (Some(m), during));
+}

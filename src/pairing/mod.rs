@@ -310,6 +310,19 @@ impl Sides {
         }
     }
 
+    /// The inverse of [`Sides::convert`]: the received slice (`out`, the same length) that
+    /// converts to `converted` — each row `r` of `converted` back to row
+    /// `row_permutation()[r]`. Exact, because the permutation moves whole rows and is a
+    /// bijection ([`crate::pool::KvPool::permute_rows`] refuses any other): what a converting
+    /// run's dump keeps as the bytes NIXL delivered ([`crate::dump::DumpEntry::received_file`]).
+    pub fn unconvert(&self, converted: &[u8], out: &mut [u8]) {
+        let rb = self.row_bytes() as usize;
+        for (to, &from) in self.row_permutation().iter().enumerate() {
+            let from = from as usize * rb;
+            out[from..from + rb].copy_from_slice(&converted[to * rb..(to + 1) * rb]);
+        }
+    }
+
     /// The descriptors moving the prefill slice at position `pos` of its group
     /// (`0 .. G / Bp`), with `plant` applied (module docs), coalesced where both sides are
     /// contiguous. Without a plant they cover the slice once; equal sides give one chunk.

@@ -293,7 +293,7 @@ impl<'a> Decode<'a> {
             tier,
             tier_detail,
             nixl,
-            shadow: Shadow::new(&genesis),
+            shadow: Shadow::new(&genesis, cfg.races()),
             rng: ChaCha8Rng::seed_from_u64(seed ^ 0x6465_636F_6465),
             fail_rng: ChaCha8Rng::seed_from_u64(seed ^ 0x6661_696C_6564),
             transfers_failed: 0,

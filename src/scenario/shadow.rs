@@ -81,24 +81,31 @@ pub struct Shadow {
     pub(crate) unexplained: u64,
     /// The last sequence number seen from prefill and from decode.
     seen: [u64; 2],
+    /// The run's fencing: a prefill write may be stamped only with a mechanism unfenced
+    /// here ([`Shadow::observe`]).
+    races: Races,
 }
 
 impl Shadow {
-    /// A shadow of blocks holding `genesis` (by prefill block id), written by no mechanism.
-    pub fn new(genesis: &[TableEntry]) -> Shadow {
+    /// A shadow of blocks holding `genesis` (by prefill block id), written by no mechanism,
+    /// for a run whose fencing is `races` (the causes a prefill write may carry).
+    pub fn new(genesis: &[TableEntry], races: Races) -> Shadow {
         Shadow {
             blocks: genesis.iter().map(|&id| BlockShadow { content: Content { id, cause: None }, reads: Vec::new() }).collect(),
             windows: BTreeMap::new(),
             attributed: BTreeMap::new(),
             unexplained: 0,
             seen: [0, 0],
+            races,
         }
     }
 
     /// Applies event `e`, the next of its engine. Errors: transport (exit 3) when it is not
     /// the one after the last seen from that engine (an event lost or reordered on its way:
-    /// attributing past it could excuse what nothing wrote), or names a block the shadow does
-    /// not have.
+    /// attributing past it could excuse what nothing wrote), names a block the shadow does
+    /// not have, or is a prefill write stamped with a cause that cannot exist in this run
+    /// ([`prefill_may_stamp`]): a fenced mechanism would turn real corruption into
+    /// "explained", and a serve across hosts sends these events, so they are hostile input.
     pub fn observe(&mut self, e: Event) -> Result<Answer> {
         let k = e.engine as usize;
         if e.seq != self.seen[k] + 1 {
@@ -125,6 +132,15 @@ impl Shadow {
         }
         if let Some(&b) = blocks.iter().find(|&&b| b >= n) {
             return Err(bad(b));
+        }
+        if let What::Write { block, content: Content { cause: Some(m), .. } } = &e.what
+            && !prefill_may_stamp(*m, self.races)
+        {
+            let why = if self.races.unfenced(*m) { "a mechanism of decode's own" } else { "fenced in this run" };
+            return Err(Error::Transport(format!(
+                "shadow: event {} of {:?} (step {}) is a write into block {block} caused by {m}, which is {why} (a protocol error)",
+                e.seq, e.engine, e.step
+            )));
         }
         self.seen[k] = e.seq;
         Ok(match e.what {
@@ -237,6 +253,14 @@ impl Shadow {
     }
 }
 
+/// Whether a prefill write (a [`What::Write`] event) may carry cause `m` in a run fenced as
+/// `races`: only a mechanism this run leaves unfenced, and never one that acts on decode's
+/// side alone (failed-as-complete: decode counts a failed transfer delivered;
+/// decode-abort-free: decode frees its own blocks), which no prefill write can be caused by.
+pub fn prefill_may_stamp(m: Mechanism, races: Races) -> bool {
+    races.unfenced(m) && !matches!(m, Mechanism::FailedAsComplete | Mechanism::DecodeAbortFree)
+}
+
 pub(crate) fn ident(t: TableEntry, c: SliceCoord) -> BlockIdentity {
     t.identity(c)
 }
@@ -253,8 +277,10 @@ pub(crate) fn ident(t: TableEntry, c: SliceCoord) -> BlockIdentity {
 /// poison, a flipped bit, garbage or an identity never written in the window make the whole
 /// slice unexplained, however often the block was rewritten. It is then attributed to the
 /// mechanism stamped on the content that supplies most of the wrong elements (the latest on
-/// a tie; when it carries none, the latest other supplier's, else the content at post's),
-/// and that content is the prediction.
+/// a tie; when it carries none, the latest other supplier's), and that content is the
+/// prediction. A content that supplies none of the wrong elements (the content at post
+/// included) never lends its cause: when no supplier carries one, the slice is unexplained
+/// (wrong data that only unstamped writes put there is no unfenced mechanism's doing).
 pub fn attribute(
     actual: &[u8],
     want: &[u8],
@@ -281,7 +307,7 @@ pub fn attribute(
     let Some(best) = written.iter().filter(|w| supplied(w) > 0).max_by_key(|w| supplied(w)) else {
         return (None, pre.id);
     };
-    let cause = best.cause.or_else(|| written.iter().rev().filter(|w| supplied(w) > 0).find_map(|w| w.cause)).or(pre.cause);
+    let cause = best.cause.or_else(|| written.iter().rev().filter(|w| supplied(w) > 0).find_map(|w| w.cause));
     (cause, best.id)
 }
 
