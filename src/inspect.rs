@@ -114,23 +114,18 @@ fn render_bench(b: &crate::bench::BenchReport) -> String {
     format!("{}result: {} (exit {})\n", crate::bench::render(b), escape_for_terminal(&b.outcome.status), b.outcome.exit_code)
 }
 
-/// Whether `c` must not reach a terminal as it is: a control character (C0, DEL, C1: ESC
-/// starts CSI and OSC sequences, CR overwrites a line, a newline forges one) or a
-/// bidirectional-text override (which reorders what is shown).
-fn unsafe_for_terminal(c: char) -> bool {
-    c.is_control() || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+/// `s` with every character that must not reach a terminal raw written as a visible escape
+/// (`\n`, `\r`, `\t`, `\u{1b}`, `\u{202e}`): [`crate::text::escape_control`], the one rule
+/// for every string that came from outside kvprobe (a report read back, a bundle, a peer).
+/// Nothing in the result can move the cursor, clear the screen, set a window title or forge a
+/// line of output.
+pub fn escape_for_terminal(s: &str) -> String {
+    crate::text::escape_control(s).into_owned()
 }
 
-/// `s` with every character that must not reach a terminal raw ([`unsafe_for_terminal`])
-/// written as Rust writes it escaped (`\n`, `\r`, `\t`, `\u{1b}`, `\u{202e}`); every other
-/// character as it is. For strings that came from outside kvprobe (a report read back, a
-/// bundle): nothing in them can move the cursor, clear the screen, set a window title or
-/// forge a line of output.
-pub fn escape_for_terminal(s: &str) -> String {
-    if !s.chars().any(unsafe_for_terminal) {
-        return s.to_string();
-    }
-    s.chars().map(|c| if unsafe_for_terminal(c) { c.escape_default().to_string() } else { c.to_string() }).collect()
+/// True for the characters [`escape_for_terminal`] replaces.
+fn unsafe_for_terminal(c: char) -> bool {
+    crate::text::needs_escape(c)
 }
 
 /// The JSON text `b` with every string (keys too) escaped for a terminal: a character of a

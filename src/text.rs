@@ -39,8 +39,9 @@ pub fn escape_control(s: &str) -> Cow<'_, str> {
     Cow::Owned(out)
 }
 
-/// True for the characters [`escape_control`] replaces.
-fn needs_escape(c: char) -> bool {
+/// True for the characters [`escape_control`] replaces: control characters (C0, DEL, C1) and
+/// the bidirectional and line-separator controls that reorder or break what a terminal shows.
+pub fn needs_escape(c: char) -> bool {
     c.is_control()
         || matches!(
             c,
