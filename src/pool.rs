@@ -951,15 +951,23 @@ impl KvPool {
     /// and poisoned right after; VRAM: the verify kernel, waited for, the failing slices read
     /// to the host, then the poison kernel (queued). The compared work goes to
     /// [`KvPool::take_compared`] as a verify pass's does: take it apart. Errors: as
-    /// [`KvPool::verify_layers`] and [`KvPool::take_failures`].
-    pub fn verify_layers_then_poison(&mut self, layers: Range<u32>, iteration: u32) -> Result<Vec<RawFailure>> {
+    /// [`KvPool::verify_layers`] and [`KvPool::take_failures`]. `judged_before(slice)` (global
+    /// slice index) is true for slices whose failure the caller already recorded: they are
+    /// still returned, but their bytes are neither kept nor read back, so host memory stays
+    /// bounded however many slices failed (VRAM: one slice read per new failure only).
+    pub fn verify_layers_then_poison(
+        &mut self,
+        layers: Range<u32>,
+        iteration: u32,
+        judged_before: &(dyn Fn(u32) -> bool + Sync),
+    ) -> Result<Vec<RawFailure>> {
         self.check_layers(&layers)?;
         if let Backing::Device { .. } = self.backing {
             self.verify_layers(layers.clone())?;
             let fails = self.take_failures()?;
             let sb = self.geom.slice_bytes()? as usize;
             for f in &fails {
-                if self.judged.taken.contains_key(&f.slice) {
+                if judged_before(f.slice) || self.judged.taken.contains_key(&f.slice) {
                     continue;
                 }
                 // Not captured by the kernel: read before the poison overwrites it.
@@ -988,7 +996,8 @@ impl KvPool {
                     n_bytes.fetch_add(s.len() as u64, Ordering::Relaxed);
                     if bad > 0 {
                         let f = RawFailure { slice: slot, bad_bytes: bad, first_bad: first };
-                        let keep = kept.fetch_add(snap.len() as u64, Ordering::Relaxed) + snap.len() as u64 <= JUDGED_MAX_BYTES;
+                        let keep = !judged_before(slot)
+                            && kept.fetch_add(snap.len() as u64, Ordering::Relaxed) + snap.len() as u64 <= JUDGED_MAX_BYTES;
                         found.lock().unwrap_or_else(|p| p.into_inner()).push((f, keep.then(|| snap.clone())));
                     }
                 });

@@ -1292,7 +1292,9 @@ fn sweep(
                 // already failing is not judged again). One that changed took a write after
                 // the verdict (a late or stray write): class `stray`, check `reverify`.
                 for d in 0..ranks {
-                    let fails = probe.rank_mut(d).pool.verify_layers_then_poison(layers.clone(), it + 1)?;
+                    // Slices already recorded corrupt in this iteration are not judged again.
+                    let before = |slice: u32| seen.contains_key(&(d, g.coord_of(slice)));
+                    let fails = probe.rank_mut(d).pool.verify_layers_then_poison(layers.clone(), it + 1, &before)?;
                     report.summary.stray_reverified_slices += probe.rank_mut(d).pool.take_compared().slices;
                     corrupt += record_strays(cfg, probe, d, &cur, &fails, StrayCheck::Reverify, &mut seen, report, &mut dump)?;
                 }
