@@ -225,7 +225,10 @@ fn geometry_of(v: &Value) -> std::result::Result<Geometry, String> {
 ///   its iteration says for its slot ([`crate::sweep::plan`] of the report's `config`: the
 ///   logical block id and token base of the slot's group, generation = iteration), its
 ///   iteration one the run had; each injection reported `detected` has, at every predicted
-///   slice, a listed failure of the predicted class (when no failure was left out).
+///   slice, a listed failure of the predicted class (when no failure was left out);
+/// - scenarios: each failure's request is one the run admitted and its `expected` identity
+///   one of that request's logical blocks, at its own layer and K/V, of a computed generation
+///   ([`scenario_identities`]).
 fn report_checks(sec: &Value, say: &mut dyn FnMut(String)) {
     let failures = sec["failures"].as_array().map(Vec::as_slice).unwrap_or_default();
     let dumped = sec["dump"]["slices_written"].as_u64().unwrap_or(0) as usize;
@@ -308,6 +311,93 @@ fn report_checks(sec: &Value, say: &mut dyn FnMut(String)) {
             plans.check_identity(name, f, say);
         }
         injections(sec, failures, say);
+    } else {
+        scenario_identities(sec, failures, say);
+    }
+}
+
+/// Scenario failures against the seeded request load: each names a `request` the run
+/// admitted, and its `expected` identity is one of that request's logical blocks — the
+/// chained block hashes [`crate::workload::Workload`] draws from the report's `config.seed`
+/// and `config.scenario.workload` (prefill promises every block of a request under its
+/// hash, computed or loaded from the tier) — of the failure's own layer and K/V, with a
+/// generation prefill computes (1 up to, not including, the skip generation). The
+/// generation itself follows prefill's allocator over the run's steps and is not
+/// re-derived. Said once when the configuration has no seeded load kvprobe can replay.
+fn scenario_identities(sec: &Value, failures: &[Value], say: &mut dyn FnMut(String)) {
+    let config = &sec["config"];
+    let asked: Vec<(usize, u64)> =
+        failures.iter().enumerate().filter_map(|(i, f)| f["request"].as_u64().map(|r| (i, r))).collect();
+    if asked.is_empty() {
+        return;
+    }
+    let workload = serde_json::from_value::<crate::workload::WorkloadConfig>(config["scenario"]["workload"].clone());
+    let (Ok(workload), Some(seed)) = (workload, config["seed"].as_u64()) else {
+        say("report: config: no seeded request load (config.seed, config.scenario.workload), so no expected identity of a \
+             scenario failure is re-derived"
+            .into());
+        return;
+    };
+    let share = |x: f64| x.is_finite() && (0.0..=1.0).contains(&x);
+    let ok = workload.min_blocks >= 1
+        && workload.min_blocks <= workload.max_blocks
+        && workload.max_blocks <= 1 << 16
+        && share(workload.prefix_share)
+        && share(workload.abort_rate);
+    if !ok {
+        say(format!("report: config.scenario.workload: {workload:?} is not a load kvprobe runs, so no identity is re-derived"));
+        return;
+    }
+    let admitted = sec["scenario"]["requests_admitted"].as_u64();
+    let wanted: BTreeSet<u64> = asked.iter().map(|&(_, r)| r).filter(|&r| admitted.is_none_or(|a| r < a)).collect();
+    // The load is replayed up to the last request named (bounded by what the run admitted,
+    // and by REPLAY_BLOCKS drawn blocks so that a forged report cannot make the check spin).
+    const REPLAY_BLOCKS: u64 = 1 << 28;
+    let mut load = crate::workload::Workload::new(workload, seed);
+    let mut hashes: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
+    if let Some(&last) = wanted.last() {
+        if (last + 1).saturating_mul(workload.max_blocks as u64) > REPLAY_BLOCKS {
+            say(format!(
+                "report: failures name request {last}: replaying the seeded load that far (up to {} blocks) is more than \
+                 report check does ({REPLAY_BLOCKS} blocks), so no expected identity of a scenario failure is re-derived",
+                (last + 1).saturating_mul(workload.max_blocks as u64)
+            ));
+            return;
+        }
+        for id in 0..=last {
+            let spec = load.next_request();
+            if wanted.contains(&id) {
+                hashes.insert(id, spec.hashes);
+            }
+        }
+    }
+    for (i, r) in asked {
+        let f = &failures[i];
+        let name = format!("report: failures[{i}]");
+        let Some(h) = hashes.get(&r) else {
+            say(format!("{name}: request {r}: the run admitted {}", admitted.map_or("fewer".into(), |a| a.to_string())));
+            continue;
+        };
+        let e = &f["expected"];
+        if e["layer"] != f["layer"] || e["kv"] != f["kv"] {
+            say(format!(
+                "{name}: expected: {}, but the failure is at layer {} {}: a slice holds its own layer and K/V",
+                show(e),
+                show(&f["layer"]),
+                show(&f["kv"])
+            ));
+        }
+        match e["block"].as_u64() {
+            Some(b) if h.iter().any(|&x| x as u64 == b) => {}
+            _ => say(format!(
+                "{name}: expected: {}, but request {r} of the seeded load (seed, config.scenario.workload) has logical blocks {h:?}",
+                show(e)
+            )),
+        }
+        match e["generation"].as_u64() {
+            Some(g) if g >= 1 && g < fingerprint::SKIP_GEN as u64 => {}
+            _ => say(format!("{name}: expected: {}: a generation prefill computes is 1 up to 2^32 - 1 (exclusive)", show(e))),
+        }
     }
 }
 

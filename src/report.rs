@@ -476,7 +476,7 @@ pub struct RaceOutcome {
     pub corrupt_attributed: u64,
     /// Those slices by class.
     pub classes: BTreeMap<String, u64>,
-    /// Classes it predicts (`scenario::shadow::predicted_classes`: misplaced, stale, torn; unwritten for failed-as-complete).
+    /// Classes it predicts (`scenario::shadow::predicted_classes`: misplaced, stale, overwritten, torn; unwritten for failed-as-complete; stray too for decode-abort-free).
     pub predicted_classes: Vec<Class>,
     /// "detected", "not reproduced", or "clean" (fenced).
     pub verdict: String,

@@ -66,10 +66,10 @@ pub enum Class {
     Bitflip,
     /// None of the above.
     Garbage,
-    /// A write into a decode slot outside its own transfer, found by the pipelined sweep's
-    /// stray-write checks (never by the classification below): the slot no longer held its
-    /// poison right before its stage was posted again, or no longer held the fingerprint it
-    /// had verified clean while later stages were still in flight.
+    /// A write into a decode slot outside its own transfer, found by the stray-write checks
+    /// (never by the classification below): the slot no longer held its poison right before
+    /// its sweep stage was posted again, or no longer held the fingerprint it had verified
+    /// clean when judged again before its re-poison or at the end (sweeps and scenarios).
     Stray,
     /// The slice's bytes changed after the verify pass judged them: data that landed after
     /// its completion or notification, or a write after the verdict. The run classifies the

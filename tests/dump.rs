@@ -1635,3 +1635,54 @@ fn a_converting_run_dumps_the_received_bytes_beside_the_converted_ones() {
     assert_ne!(code, 0, "{out}{err}");
     assert!(out.contains(".received.bin"), "{out}{err}");
 }
+
+#[test]
+fn check_rederives_a_scenario_failures_identity_from_its_seeded_load() {
+    // Issue 33 item 6 for scenarios: a real scenario bundle with failures agrees; a failure
+    // whose expected block is no logical block of its request (or whose request the run never
+    // admitted, or whose expected layer is not its own) is a disagreement naming it.
+    let d = tmpdir("bundle-scenario-identity");
+    let (r, b) = (d.join("r.json"), d.join("b.tar.gz"));
+    let args = ["run", "--memory", "dram", "--scenario", "nixl-only", "--requests", "40", "--seed", "0x2a"];
+    let mut a = args.to_vec();
+    a.extend_from_slice(&["--report", r.to_str().unwrap(), "--bundle", b.to_str().unwrap()]);
+    let (code, out, err) = crate::common::kvprobe_env(&a, &[("KVPROBE_TEST_FAULT", "bitflip:2")]);
+    assert_eq!(code, 1, "{out}{err}");
+    let (code, out, err) = check(&b);
+    assert_eq!(code, 0, "a real scenario bundle with failures agrees: {out}{err}");
+    let files = untar(&b);
+    let rep = json_of(&files, "report.json");
+    let f = rep["failures"].as_array().unwrap();
+    assert_eq!(f.len(), 2, "{rep}");
+    // The forged block is the expected one with its low bit flipped: a 32-bit chain hash, so
+    // the chance that it is another of the request's (at most 8) blocks is 8 in 2^32.
+    let block = f[0]["expected"]["block"].as_u64().unwrap();
+    let admitted = rep["scenario"]["requests_admitted"].as_u64().unwrap();
+    type Edit = Box<dyn Fn(&mut Value)>;
+    let cases: Vec<(&str, Edit, &str)> = vec![
+        (
+            "block",
+            Box::new(move |v: &mut Value| v["failures"][0]["expected"]["block"] = (block ^ 1).into()),
+            "of the seeded load (seed, config.scenario.workload) has logical blocks",
+        ),
+        ("request", Box::new(move |v: &mut Value| v["failures"][0]["request"] = (admitted + 3).into()), ""),
+        (
+            "layer",
+            Box::new(|v: &mut Value| v["failures"][0]["expected"]["layer"] = 1.into()),
+            "a slice holds its own layer and K/V",
+        ),
+        (
+            "seed",
+            Box::new(|v: &mut Value| v["config"]["seed"] = 43.into()),
+            "of the seeded load (seed, config.scenario.workload) has logical blocks",
+        ),
+    ];
+    for (what, edit, line) in cases {
+        let t = d.join(format!("{what}.tar.gz"));
+        retar(&t, &edit_json(&files, "report.json", &|v| edit(v)));
+        let (code, out, err) = check(&t);
+        assert_eq!(code, 1, "{what}: {out}{err}");
+        let want = if what == "request" { format!("request {}: the run admitted {admitted}", admitted + 3) } else { line.into() };
+        assert!(out.contains(want.as_str()), "{what}: {want:?} in {out}{err}");
+    }
+}

@@ -117,7 +117,13 @@ fn assert_detected_in(mechanism: &str, seed: &str, scenario: &str) {
     let corrupt = total_corrupt(&r);
     assert!(corrupt > 0);
     assert_eq!(o["corrupt_attributed"].as_u64().unwrap(), corrupt, "all corruption is attributed to {mechanism}");
-    let predicted: &[&str] = if mechanism == "failed-as-complete" { &["unwritten"] } else { &RACE_CLASSES };
+    // decode-abort-free's late WRITE may also land in a freed block after its next request
+    // verified: the re-verify before the block's re-poison finds it as `stray`.
+    let predicted: &[&str] = match mechanism {
+        "failed-as-complete" => &["unwritten"],
+        "decode-abort-free" => &["misplaced", "stale", "overwritten", "torn", "stray"],
+        _ => &RACE_CLASSES,
+    };
     for (class, n) in r["summary"]["by_class"].as_object().unwrap() {
         if n.as_u64().unwrap() > 0 {
             assert!(predicted.contains(&class.as_str()), "{mechanism} produced {class}");
@@ -1081,6 +1087,39 @@ fn a_planted_partial_delivery_in_a_rewritten_block_is_unexplained() {
     assert!(code == 1 || code == 6, "{log}");
     assert_eq!(r["scenario"]["unexplained_corrupt"], 0, "{log}");
     assert!(planted(&log).is_empty());
+}
+
+#[test]
+fn a_write_after_the_verdict_into_a_freed_block_is_found_before_its_re_poison() {
+    // The hook writes another block's fingerprint into a slice right after it verified clean
+    // and its request freed the block: before this check, the next request's re-poison
+    // overwrote it unseen and the run was clean. Pull (nixl-only READs) and push (WRITEs).
+    for (name, extra) in
+        [("late-pull", vec!["--scenario", "nixl-only"]), ("late-push", vec!["--scenario", "stacked", "--op", "write"])]
+    {
+        let mut args = vec!["--requests", "300", "--seed", "0x5eed"];
+        args.extend(extra);
+        let (code, r, log) = scenario_env(name, &args, &[("KVPROBE_TEST_FAULT", "late-write:3")]);
+        assert_eq!(code, 1, "{name}: {log}");
+        let p = planted(&log);
+        assert_eq!(p.len(), 3, "{name}: {log}");
+        assert_eq!(r["summary"]["blocks_corrupt"], 3, "{name}: only the planted slices: {log}");
+        assert_eq!(r["summary"]["by_class"]["stray"], 3, "{name}: {}", r["summary"]);
+        assert_eq!(r["scenario"]["unexplained_corrupt"], 3, "{name}: no mechanism explains them: {log}");
+        assert_planted_unexplained(&r, &p, &log);
+        // Every verified block was judged again (at its re-poison, or at the end of the run).
+        let per_block = 4 * 2;
+        let again = r["summary"]["stray_reverified_slices"].as_u64().unwrap();
+        assert!(again >= 3 * per_block && again <= r["summary"]["blocks_checked"].as_u64().unwrap(), "{again}");
+        assert_eq!(again % per_block, 0, "whole blocks: {again}");
+        for f in r["failures"].as_array().unwrap() {
+            assert_eq!(f["class"], "stray", "{f}");
+            assert_eq!(f["stray_check"], "reverify", "{f}");
+            // What the block verified against is not what it holds now: the hook's block.
+            assert_ne!(f["expected_digest"], f["actual_digest"], "{f}");
+            assert_eq!(f["observed"]["block"].as_u64().unwrap() ^ f["expected"]["block"].as_u64().unwrap(), 0x5A5A, "{f}");
+        }
+    }
 }
 
 #[test]

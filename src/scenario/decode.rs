@@ -178,6 +178,23 @@ pub fn run_scenario(
     r
 }
 
+/// What a decode block held when its request was verified: the expected table entry of its
+/// slices, and where the verdict came from (for the failure record of a write after it).
+#[derive(Clone, Copy, Debug)]
+struct Held {
+    /// The table entry the block's slices verified against.
+    entry: TableEntry,
+    /// The request verified.
+    req: u64,
+    /// The request's pull poison iteration (its step mod 2^24).
+    poison_iter: u32,
+    /// The prefill block the request moved into it.
+    pslot: u32,
+    /// Push mode: how many writes had landed in the block by the verify (`dland`'s length);
+    /// those after it came after the verdict.
+    landed: usize,
+}
+
 /// A tier load on decode's load stream (tier-only).
 #[derive(Clone, Copy, Debug)]
 struct Load {
@@ -221,6 +238,12 @@ struct Decode<'a> {
     dland: Vec<Vec<(u64, Content)>>,
     /// Push mode: which request each decode block is allocated to.
     downer: Vec<Option<u64>>,
+    /// What each decode block held when its request was verified, until the block is
+    /// allocated again (re-verified right before its re-poison) or the run ends (re-verified
+    /// then): a write after the verdict must not be overwritten unseen.
+    held: Vec<Option<Held>>,
+    /// Slices of blocks in `held` that the verify already found corrupt (not judged again).
+    judged_corrupt: std::collections::HashSet<SliceCoord>,
     /// Push mode: requests decode aborted and freed before their WRITE landed (unfenced
     /// decode-abort-free), with the decode blocks the WRITE still targets.
     orphans: HashMap<u64, Vec<u32>>,
@@ -309,6 +332,8 @@ impl<'a> Decode<'a> {
             inject_rng: ChaCha8Rng::seed_from_u64(seed ^ 0x696E_6A65_6374),
             dland: vec![Vec::new(); n as usize],
             downer: vec![None; n as usize],
+            held: vec![None; n as usize],
+            judged_corrupt: std::collections::HashSet::new(),
             orphans: HashMap::new(),
             arrived: std::collections::HashSet::new(),
             daborted: 0,
@@ -440,6 +465,11 @@ impl<'a> Decode<'a> {
                 save(report);
             }
         }
+        // Nothing is in flight any more: every block still holding a verified request's data
+        // is judged again (a write after the last verdict shows now or never).
+        let all: Vec<u32> = (0..self.held.len() as u32).collect();
+        self.reverify_held(&all, report)?;
+        self.finish(report);
         progress(&self.progress(report));
         let asked: u64 = self.cfg.inject.iter().map(|s| s.count as u64).sum();
         let left = asked
@@ -1041,6 +1071,10 @@ impl<'a> Decode<'a> {
         if starting.is_empty() {
             return Ok(());
         }
+        // Before the re-poison: each block still holds what its last request verified (a
+        // write after that verdict would otherwise be overwritten unseen).
+        let reused: Vec<u32> = starting.iter().flat_map(|(_, d)| d.iter().copied()).collect();
+        self.reverify_held(&reused, report)?;
         let iter = (self.now & 0xFF_FFFF) as u32;
         let t = Instant::now();
         self.ep.pool.poison_blocks(&table, iter)?;
@@ -1275,6 +1309,27 @@ impl<'a> Decode<'a> {
             });
         }
         report.summary.verify_seconds += t.elapsed().as_secs_f64();
+        // What each verified block now holds, until it is re-poisoned; slices found corrupt
+        // are not judged again.
+        for f in &fails {
+            let c = g.coord_of(f.slice);
+            if owner.contains_key(&c.block) {
+                self.judged_corrupt.insert(c);
+            }
+        }
+        for &id in &ids {
+            let p = &self.pulls[&id];
+            for (i, &d) in p.dslots.iter().enumerate() {
+                self.held[d as usize] = Some(Held {
+                    entry: table[d as usize],
+                    req: id,
+                    poison_iter: p.poison_iter,
+                    pslot: p.pslots[i],
+                    landed: self.dland[d as usize].len(),
+                });
+            }
+        }
+        self.plant_late_writes(&ids)?;
         for id in ids {
             let p = self.release_pull(id);
             // Each planted fault is detected when every slice it predicts was found with its
@@ -1315,11 +1370,143 @@ impl<'a> Decode<'a> {
         Ok(())
     }
 
+    /// Judges again the blocks of `blocks` that hold a verified request's data ([`Held`]):
+    /// every slice must still be the fingerprint it verified clean against (slices the verify
+    /// found corrupt are not judged again). A slice that changed took a write after the
+    /// verdict — a late WRITE of an aborted request (unfenced decode-abort-free: attributed
+    /// when the writes that landed after the verdict explain it) or a defect of the stack
+    /// under test (unexplained) — and is recorded as class `stray`, `stray_check`
+    /// `reverify`, with the step of this check as its `iteration`. The blocks are then no
+    /// longer held. Counted in `summary.stray_reverified_slices` (not `slices_compared`).
+    /// Errors: internal (exit 3) when the pass compared other than every slice of them.
+    fn reverify_held(&mut self, blocks: &[u32], report: &mut Report) -> Result<()> {
+        let g = self.ep.pool.geometry().clone();
+        let mut table = vec![TableEntry::new(0, SKIP_GEN); g.num_blocks as usize];
+        let mut n = 0u64;
+        for &b in blocks {
+            if let Some(h) = self.held[b as usize] {
+                table[b as usize] = h.entry;
+                n += 1;
+            }
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let t = Instant::now();
+        let fails = self.ep.pool.verify(&table)?;
+        let sb = g.slice_bytes()? as usize;
+        let slices = n * g.num_layers as u64 * g.kv_parts() as u64;
+        let done = self.ep.pool.take_compared();
+        report.summary.stray_reverified_slices += done.slices;
+        if done.slices != slices || done.bytes != slices * sb as u64 {
+            return Err(Error::Internal(format!(
+                "step {}: the re-verify of {n} freed blocks compared {} block slices and {} bytes, but the plan is {slices} \
+                 block slices and {} bytes",
+                self.now,
+                done.slices,
+                done.bytes,
+                slices * sb as u64
+            )));
+        }
+        let mut buf = vec![0u8; sb];
+        for f in &fails {
+            let c = g.coord_of(f.slice);
+            let Some(h) = self.held[c.block as usize] else { continue };
+            if self.judged_corrupt.contains(&c) {
+                continue;
+            }
+            let expected = ident(h.entry, c);
+            let kept = self.ep.pool.judged_slice(c, f.slice, &mut buf)?;
+            let want = fingerprint::expected(self.seed, &self.ep.pool.shape().slice(expected));
+            let f = &if kept { *f } else { crate::pool::RawFailure::recount(f.slice, &buf, &want) };
+            // What landed after the verdict (push mode: late WRITEs of aborted requests).
+            let written: Vec<Content> = self.dland[c.block as usize].iter().skip(h.landed).map(|(_, c)| *c).collect();
+            let (cause, predicted) = if written.is_empty() {
+                (None, h.entry)
+            } else {
+                attribute(&buf, &want, self.seed, self.ep.pool.shape(), c, &written)
+            };
+            self.shadow.count(cause, verify::Class::Stray);
+            report.summary.blocks_corrupt += 1;
+            *report.summary.by_class.entry(verify::Class::Stray.name().to_string()).or_default() += 1;
+            if let Some(iv) = self.intervals.last_mut() {
+                iv.corrupt += 1;
+            }
+            let listed = if cause.is_some() { &mut self.listed_explained } else { &mut self.listed_unexplained };
+            let list = *listed < self.max_failures as u64;
+            if list {
+                *listed += 1;
+            } else {
+                report.summary.failures_omitted += 1;
+            }
+            let observed = fingerprint::observed_identity(&buf, self.seed, self.ep.pool.shape(), f.first_bad);
+            let v = verify::Verdict {
+                class: verify::Class::Stray,
+                observed,
+                bit_flips: None,
+                sectors: None,
+                displacement: None,
+                rows: None,
+            };
+            let step = self.now.min(u32::MAX as u64) as u32;
+            crate::dump::keep(self.dump.as_deref_mut(), list.then_some(&mut report.failures), &buf, v.class, || {
+                let mut failure = Failure::new(step, c, f, v, &want, &buf, expected, h.pslot);
+                failure.request = Some(h.req);
+                failure.poison_iteration = h.poison_iter;
+                failure.predicted = Some(ident(predicted, c));
+                failure.attributed_to = cause;
+                failure.stray_check = Some(crate::report::StrayCheck::Reverify);
+                failure
+            });
+        }
+        for &b in blocks {
+            if self.held[b as usize].take().is_some() {
+                for layer in 0..g.num_layers {
+                    for &kv in g.parts() {
+                        self.judged_corrupt.remove(&SliceCoord { layer, kv, block: b });
+                    }
+                }
+            }
+        }
+        report.summary.stray_check_seconds += t.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// Test-only (`KVPROBE_TEST_FAULT=late-write:N`): after the verify of the next N requests
+    /// whose first block verified clean, writes another block's fingerprint into that block's
+    /// first slice (layer 0, the first K/V part): a write after the verdict, which no
+    /// mechanism explains, so the re-verify before the block's re-poison (or at the end) must
+    /// report it unexplained, class `stray`.
+    fn plant_late_writes(&mut self, ids: &[u64]) -> Result<()> {
+        let Some((TestFault::LateWrite, mut left)) = self.fault else { return Ok(()) };
+        let g = self.ep.pool.geometry().clone();
+        for &id in ids {
+            if left == 0 {
+                break;
+            }
+            let Some(&d) = self.pulls[&id].dslots.first() else { continue };
+            let c = SliceCoord { layer: 0, kv: g.parts()[0], block: d };
+            if self.judged_corrupt.contains(&c) {
+                continue;
+            }
+            let Some(h) = self.held[d as usize] else { continue };
+            let other = TableEntry { block: h.entry.block ^ 0x5A5A, ..h.entry };
+            let bytes = fingerprint::expected(self.seed, &self.ep.pool.shape().slice(ident(other, c)));
+            self.ep.pool.write_slice(c, &bytes)?;
+            eprintln!("test fault: late-write planted in request {id} after its verify at layer 0 {} decode block {d}", c.kv);
+            left -= 1;
+        }
+        self.fault = Some((TestFault::LateWrite, left));
+        Ok(())
+    }
+
     /// Test-only (`KVPROBE_TEST_FAULT`, see [`TestFault`]): corrupts one decode slice (layer
     /// 0, the first K/V part) in each of the next requests about to be verified, after
     /// their READ or load completed, until the count is spent, and names each on stderr.
     fn plant_faults(&mut self, ids: &[u64]) -> Result<()> {
-        let Some((kind, mut left)) = self.fault.filter(|(k, _)| *k != TestFault::EarlyFree) else { return Ok(()) };
+        let Some((kind, mut left)) = self.fault.filter(|(k, _)| !matches!(k, TestFault::EarlyFree | TestFault::LateWrite)) else {
+            return Ok(());
+        };
         let g = self.ep.pool.geometry().clone();
         let sb = g.slice_bytes()? as usize;
         for &id in ids {
@@ -1335,7 +1522,7 @@ impl<'a> Decode<'a> {
                     Some(i) => i,
                     None => continue,
                 },
-                TestFault::EarlyFree => unreachable!("filtered above: prefill plants it"),
+                TestFault::EarlyFree | TestFault::LateWrite => unreachable!("filtered above: planted elsewhere"),
                 // A slice an `--inject torn` tore.
                 TestFault::TornTail => usize::MAX,
             };
@@ -1355,7 +1542,7 @@ impl<'a> Decode<'a> {
             match kind {
                 // Bit 0 of sector 0's check word (a 32-bit hash of the identity).
                 TestFault::Bitflip => buf[12] ^= 1,
-                TestFault::EarlyFree => unreachable!("filtered above: prefill plants it"),
+                TestFault::EarlyFree | TestFault::LateWrite => unreachable!("filtered above: planted elsewhere"),
                 // The last 16 bytes: the tear (a multiple of 16 bytes short) left poison there.
                 TestFault::TornTail => {
                     debug_assert!(torn.is_some_and(|(_, end)| end <= sb - 16));

@@ -22,6 +22,10 @@ pub enum TestFault {
     /// `--inject torn` tore (in the next requests verified that carry one): still `torn`,
     /// but not the predicted bytes, so it must be reported unexplained.
     TornTail,
+    /// `late-write`: after the verify of each of the next requests, writes another block's
+    /// fingerprint into the first slice of its first decode block (which verified clean): a
+    /// write after the verdict, found by the re-verify before the block's re-poison.
+    LateWrite,
 }
 
 impl TestFault {
@@ -35,15 +39,19 @@ impl TestFault {
             TestFault::Poison => "poison",
             TestFault::EarlyFree => "early-free",
             TestFault::TornTail => "torn-tail",
+            TestFault::LateWrite => "late-write",
         }
     }
 
-    /// Reads `KVPROBE_TEST_FAULT` (`bitflip:N`, `poison:N`, `early-free:N` or
-    /// `torn-tail:N`); errors (exit 2) on another value.
+    /// Reads `KVPROBE_TEST_FAULT` (`bitflip:N`, `poison:N`, `early-free:N`,
+    /// `torn-tail:N` or `late-write:N`); errors (exit 2) on another value.
     pub fn from_env() -> Result<Option<(TestFault, u64)>> {
         let Ok(v) = std::env::var(Self::VAR) else { return Ok(None) };
         let bad = || {
-            Error::Usage(format!("{}={v:?}: expected bitflip:N, poison:N, early-free:N or torn-tail:N (test-only)", Self::VAR))
+            Error::Usage(format!(
+                "{}={v:?}: expected bitflip:N, poison:N, early-free:N, torn-tail:N or late-write:N (test-only)",
+                Self::VAR
+            ))
         };
         let (kind, n) = v.split_once(':').ok_or_else(bad)?;
         let kind = match kind {
@@ -51,6 +59,7 @@ impl TestFault {
             "poison" => TestFault::Poison,
             "early-free" => TestFault::EarlyFree,
             "torn-tail" => TestFault::TornTail,
+            "late-write" => TestFault::LateWrite,
             _ => return Err(bad()),
         };
         Ok(Some((kind, n.trim().parse().map_err(|_| bad())?)))

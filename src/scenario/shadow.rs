@@ -35,10 +35,13 @@ pub const RACE_CLASSES: [Class; 4] = [Class::Misplaced, Class::Stale, Class::Ove
 
 /// The classes unfenced mechanism `m` may produce at decode: [`RACE_CLASSES`] for an ordering
 /// that lets another write reach a block; `unwritten` (this pull's poison) for
-/// failed-as-complete, whose failed blocks were never written.
+/// failed-as-complete, whose failed blocks were never written; for decode-abort-free also
+/// `stray`: an aborted request's late WRITE into a freed block after the block's next
+/// request verified, found by the re-verify before the block's re-poison.
 pub fn predicted_classes(m: Mechanism) -> &'static [Class] {
     match m {
         Mechanism::FailedAsComplete => &[Class::Unwritten],
+        Mechanism::DecodeAbortFree => &[Class::Misplaced, Class::Stale, Class::Overwritten, Class::Torn, Class::Stray],
         _ => &RACE_CLASSES,
     }
 }
