@@ -8,7 +8,7 @@
 # bench/NOTES.md were copied into bench/results by hand. Uses $KVPROBE_BIN when set (a GPU host
 # without cargo, see scripts/gpu-bundle.sh), else builds the release binary.
 # On a GPU host NIXL's UCX READ VRAM->VRAM on one GPU falls back to software emulation over
-# TCP unless UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y (README "Running on a GPU host"); the bench
+# TCP unless UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y (docs/gpu-hosts.md "Running on a GPU host"); the bench
 # measures the probe, so it sets that unless the caller chose otherwise.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -5,7 +5,7 @@
  * Included by the CUDA kernels (csrc/kernels.cu, compiled by NVRTC at run time) and by the
  * CPU reference (csrc/fingerprint_cpu.c, compiled by build.rs with cc), so VRAM and DRAM
  * pools hold bit-identical bytes for the same inputs. scripts/fingerprint_ref.py
- * re-implements it; README.md "Fingerprint format" quotes it.
+ * re-implements it; docs/fingerprint.md "Fingerprint format" quotes it.
  *
  * A block slice is the contiguous bytes of one (layer, K/V, block) of the paged KV cache. Its
  * unit is the head row: one token's one KV head, row_bytes = head_size * dtype bytes (MLA:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Independent reference of the kvprobe fingerprint (kvprobe.fingerprint/2) and poison (README
+"""Independent reference of the kvprobe fingerprint (kvprobe.fingerprint/2) and poison (docs/fingerprint.md
 "Fingerprint format"), for vendors who receive a report: recompute the expected bytes of any
 block slice, or the poison of any slot, and compare them with a dump, without kvprobe.
 
@@ -16,7 +16,7 @@ usage: scripts/fingerprint_ref.py SEED LAYER KV BLOCK GENERATION ORDER BLOCK_SIZ
   decode side's geometry, the report's config.decode_geometry when present, else
   config.geometry (mla when mla is true, else layout; block_size; num_kv_heads, or 1 with
   mla; head_size x dtype bytes: bf16 and fp16 2, fp32 4, fp8 1), and HEAD_BASE is the first
-  KV head of the failure's decode TP rank (0 without one; README "Fingerprint format" gives
+  KV head of the failure's decode TP rank (0 without one; docs/fingerprint.md "Fingerprint format" gives
   the recipe). A dump's `regenerate` commands spell them out.
   `poison` prints the SHA-256 of the poison of global slice index SLOT in ITERATION (an
   `unwritten` slice's actual_digest). `slot` prints the global slice index of a decode slot

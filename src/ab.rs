@@ -47,7 +47,7 @@ pub struct AbRow {
     pub classes: BTreeMap<String, u64>,
     /// Corrupt slices no unfenced mechanism explains.
     pub unexplained: u64,
-    /// Block-ownership violations (README "Block ownership"): 0 in a fenced row, more than 0
+    /// Block-ownership violations (docs/scenarios.md "Block ownership"): 0 in a fenced row, more than 0
     /// in the row of a mechanism that breaks ownership; absent from reports before the checker.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ownership_violations: Option<u64>,

@@ -1,7 +1,7 @@
 //! Bundles: one `.tar.gz` a vendor can receive (`--bundle FILE` on run and ab, `kvprobe
 //! bundle`), read back by `kvprobe report check` (`check`) and `kvprobe report show`.
 //!
-//! Layout (README "Dumps, bundles and `report check`"), all under the top folder [`TOP`]:
+//! Layout (docs/report.md "Dumps, bundles and `report check`"), all under the top folder [`TOP`]:
 //! `manifest.json` ([`Manifest`], schema [`MANIFEST_SCHEMA`]: every other file with its size
 //! and SHA-256), `report.json` (a run report) or `ab.json` (an ab report), `dump/…` (the
 //! dump's own files only, checked against the report ([`dump_files`]): `index.json`, the
@@ -15,6 +15,11 @@ use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
+
+/// Documents larger than this are refused (`report show|diff` and a bundle's held entries; a
+/// regular file unread): kvprobe's reports are kilobytes to tens of megabytes (an ab report
+/// with 8 full sections); a file of gigabytes (or `/dev/zero`) would only exhaust memory.
+pub const MAX_DOCUMENT_BYTES: u64 = 256 << 20;
 
 /// Schema of `manifest.json`.
 pub const MANIFEST_SCHEMA: &str = "kvprobe.manifest/1";
@@ -546,7 +551,7 @@ enum Only<'a> {
 
 /// Whether [`read`] holds the body of the listed entry `rel` (the report `report` and the
 /// dump indexes, which are JSON the check parses; at most
-/// [`crate::inspect::MAX_DOCUMENT_BYTES`] each).
+/// [`MAX_DOCUMENT_BYTES`] each).
 fn held(rel: &str, report: &str) -> bool {
     rel == report || (rel.starts_with("dump/") && (rel == "dump/index.json" || rel.ends_with("/index.json")))
 }
@@ -680,7 +685,7 @@ fn each_entry(path: &Path, o: &Origin, f: &mut dyn FnMut(&str, &mut dyn Read) ->
 /// malformed bundle, each naming `path`): unreadable, not a regular file or a directory, not
 /// gzip or not tar, no `manifest.json`, a manifest that is not one of [`MANIFEST_SCHEMA`] or
 /// larger than [`MAX_MANIFEST_BYTES`], listed sizes totalling over [`MAX_TOTAL_BYTES`] ("too
-/// large"), a held entry listed over [`crate::inspect::MAX_DOCUMENT_BYTES`], more than
+/// large"), a held entry listed over [`MAX_DOCUMENT_BYTES`], more than
 /// [`MAX_UNLISTED`] unlisted entries or [`MAX_BEFORE_MANIFEST`] entries before the manifest,
 /// an entry that is not a regular file or a directory or lies outside [`TOP`], a path given
 /// twice, or memory running out while reading ("out of memory").
@@ -718,11 +723,11 @@ fn read_bounded(path: &Path, only: Only<'_>) -> Result<Bundle> {
             Only::Report => m.report == rel,
         };
         if hold {
-            if matches!(only, Only::All) && n > crate::inspect::MAX_DOCUMENT_BYTES {
+            if matches!(only, Only::All) && n > MAX_DOCUMENT_BYTES {
                 return Err(Error::Usage(format!(
                     "{}: too large: the manifest lists {TOP}/{rel} at {n} bytes, over the {} MiB a report or dump index is read to",
                     path.display(),
-                    crate::inspect::MAX_DOCUMENT_BYTES >> 20
+                    MAX_DOCUMENT_BYTES >> 20
                 )));
             }
             let body = read_capped(r, n.saturating_add(1)).map_err(|n| oom(rel, n))?;

@@ -644,7 +644,7 @@ fn section_head(
     let bundle = bundle.display();
     if index.fingerprint != fingerprint::FORMAT {
         return Err(Error::Usage(format!(
-            "{bundle}: {label}{dir}index.json: fingerprint {:?}: this kvprobe checks {} (README \"Fingerprint format\"); \
+            "{bundle}: {label}{dir}index.json: fingerprint {:?}: this kvprobe checks {} (docs/fingerprint.md \"Fingerprint format\"); \
              the dump's own scripts/fingerprint_ref.py regenerates its slices",
             index.fingerprint,
             fingerprint::FORMAT

@@ -120,11 +120,11 @@ fn inherit_only(cmd: &mut Command, keep: Vec<i32>) -> &mut Command {
 /// Makes the process `cmd` starts receive SIGKILL when the thread that forks it exits (the
 /// spawner thread, which lives as long as kvprobe: only [`spawn`] calls this).
 fn die_with_parent(cmd: &mut Command) -> &mut Command {
+    let parent = std::process::id() as libc::pid_t;
     // SAFETY: the closure runs in the forked child before exec and calls only prctl(2),
     // getppid(2) and _exit(2), which are async-signal-safe; it allocates nothing and touches
     // no locks. If kvprobe already died between fork and prctl, the child exits at once
     // (its parent is no longer the spawner).
-    let parent = std::process::id() as libc::pid_t;
     unsafe {
         cmd.pre_exec(move || {
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {

@@ -1,7 +1,7 @@
 //! Deadlines for every wait of a run (`--timeout`), and the watchdog that ends a run whose
 //! call blocks past its deadline.
 //!
-//! What `--timeout` bounds (README, "What `--timeout` bounds"):
+//! What `--timeout` bounds (docs/guide.md, "What `--timeout` bounds"):
 //! - each NIXL request: from just before it is created (descriptor lists, `createXferReq`,
 //!   `postXferReq`) until the initiator sees it complete and the other role has its
 //!   notification ([`Deadline`], checked by `nixl::Agent::post` and
@@ -92,7 +92,7 @@ impl Deadline {
 /// True when a poll call (a NIXL status or notification query) for a request with deadline
 /// `d`, begun at `asked` and returned at `returned`, was in progress when `d` passed: the wait
 /// exceeded `--timeout` inside the call, whatever it found (a call begun after the deadline
-/// is the first check after kvprobe was busy elsewhere: README "What `--timeout` bounds").
+/// is the first check after kvprobe was busy elsewhere: docs/guide.md "What `--timeout` bounds").
 pub fn crossed(d: &Deadline, asked: Instant, returned: Instant) -> bool {
     !d.passed_at(asked) && d.passed_at(returned)
 }

@@ -1,7 +1,7 @@
 //! `--dump DIR`: the failing block slices exactly as they arrived, for a vendor to check
 //! without kvprobe's GPU or NIXL (`kvprobe report check`, `check`).
 //!
-//! Layout (README "Dumps"): `DIR/index.json` ([`DumpIndex`], schema [`SCHEMA`]),
+//! Layout (docs/report.md "Dumps"): `DIR/index.json` ([`DumpIndex`], schema [`SCHEMA`]),
 //! `DIR/slices/<iteration>-<layer>-<K|V|latent>-<block>.bin` (one per dumped slice, the bytes
 //! the verify pass read back from the decode slot: on VRAM only that failing slice crosses to
 //! the host, the buffer the classification already reads; in a run whose decode converts on
@@ -34,7 +34,7 @@ pub const SCHEMA: &str = "kvprobe.dump/1";
 /// Default cap of slice bytes written (`--dump-max-bytes`): 256 MiB.
 pub const DEFAULT_MAX_BYTES: u64 = 256 << 20;
 
-/// Which fingerprint definition the expected bytes follow (README "Fingerprint format",
+/// Which fingerprint definition the expected bytes follow (docs/fingerprint.md "Fingerprint format",
 /// `csrc/fingerprint.h`, `scripts/fingerprint_ref.py`).
 pub const FINGERPRINT: &str = crate::fingerprint::FORMAT;
 

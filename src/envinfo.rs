@@ -172,6 +172,11 @@ fn probe_one(mem: &str, op: &str, a: usize, b: usize, two: bool) -> crate::error
     }
     cmd.arg("--report").arg(&report);
     cmd.stdin(std::process::Stdio::null()).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped());
+    // The probe run sets kvprobe's defaults itself, as its own: its path line and report then
+    // tell them from the user's as `kvprobe env`'s own lines do.
+    for k in crate::nixl::kvprobe_defaults() {
+        cmd.env_remove(k);
+    }
     let mut child = crate::child::spawn(cmd).map_err(|e| Error::Environment(format!("cannot start a probe run: {e}")))?;
     let mut stderr = child.stderr.take();
     let reader = std::thread::spawn(move || {

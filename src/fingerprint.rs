@@ -8,7 +8,7 @@
 //! verifier can say "this slot holds token t, head h of block b; token t′, head h′ was due" —
 //! and a verbatim copy between two layouts (prefill NHD, decode HND) does not verify.
 //!
-//! The definition is `csrc/fingerprint.h` (quoted in README.md, "Fingerprint format"), shared
+//! The definition is `csrc/fingerprint.h` (quoted in docs/fingerprint.md, "Fingerprint format"), shared
 //! by the CUDA kernels ([`KERNEL_SOURCE`]) and the CPU reference (`csrc/fingerprint_cpu.c`,
 //! linked here), so VRAM and DRAM pools hold bit-identical bytes; `scripts/fingerprint_ref.py`
 //! re-implements it.
@@ -319,6 +319,7 @@ struct CSlice {
     row_bytes: u32,
 }
 
+#[allow(unsafe_code)] // the C bridge to csrc/fingerprint.h
 mod ffi {
     unsafe extern "C" {
         pub fn kvp2_cpu_fill(dst: *mut u8, len: u64, seed: u64, s: *const super::CSlice);
@@ -344,6 +345,7 @@ mod ffi {
 }
 
 /// The 32-bit folded seed the kernels take (`kvp_seed32` in fingerprint.h).
+#[allow(unsafe_code)] // the C bridge to csrc/fingerprint.h
 pub fn seed32(seed: u64) -> u32 {
     // SAFETY: a pure function of its argument.
     unsafe { ffi::kvp_cpu_seed32(seed) }
@@ -358,6 +360,7 @@ fn checked(rows: &SliceRows, len: usize) {
 ///
 /// Panics when `rows` does not validate or `dst` is not exactly `rows.len()` bytes (callers
 /// size the buffer from the same validated geometry).
+#[allow(unsafe_code)] // the C bridge to csrc/fingerprint.h
 pub fn fill(dst: &mut [u8], seed: u64, rows: &SliceRows) {
     checked(rows, dst.len());
     let c = rows.c();
@@ -375,6 +378,7 @@ pub fn expected(seed: u64, rows: &SliceRows) -> Vec<u8> {
 
 /// Compares `src` with the fingerprint of `rows`: `(bad_bytes, first_bad_offset)`,
 /// `first_bad_offset == src.len()` when intact. Panics as [`fill`].
+#[allow(unsafe_code)] // the C bridge to csrc/fingerprint.h
 pub fn check(src: &[u8], seed: u64, rows: &SliceRows) -> (u64, u64) {
     checked(rows, src.len());
     let c = rows.c();
@@ -387,6 +391,7 @@ pub fn check(src: &[u8], seed: u64, rows: &SliceRows) -> (u64, u64) {
 
 /// [`fill`] into a range of a DRAM pool (see [`crate::hostmem`]: no transfer may be in
 /// flight into it). Panics as [`fill`].
+#[allow(unsafe_code)] // the C bridge to csrc/fingerprint.h
 pub fn fill_span(dst: &mut crate::hostmem::SpanMut<'_>, seed: u64, rows: &SliceRows) {
     checked(rows, dst.len());
     let c = rows.c();
@@ -396,6 +401,7 @@ pub fn fill_span(dst: &mut crate::hostmem::SpanMut<'_>, seed: u64, rows: &SliceR
 }
 
 /// [`check`] of a range of a DRAM pool (no transfer may be writing it). Panics as [`fill`].
+#[allow(unsafe_code)] // the C bridge to csrc/fingerprint.h
 pub fn check_span(src: crate::hostmem::Span<'_>, seed: u64, rows: &SliceRows) -> (u64, u64) {
     checked(rows, src.len());
     let c = rows.c();
@@ -409,12 +415,14 @@ pub fn check_span(src: crate::hostmem::Span<'_>, seed: u64, rows: &SliceRows) ->
 /// Writes the poison of (slot, iteration) into `dst`: little-endian u32 elements, `slot` at
 /// even indices and `0x5A000000 | (iteration & 0xFFFFFF)` at odd ones; `slot` is the global
 /// slice index ([`crate::geometry::Geometry::global_slice`]).
+#[allow(unsafe_code)] // the C bridge to csrc/fingerprint.h
 pub fn poison(dst: &mut [u8], slot: u32, iteration: u32) {
     // SAFETY: writes exactly `dst.len()` bytes of the exclusively borrowed buffer.
     unsafe { ffi::kvp_cpu_poison(dst.as_mut_ptr(), dst.len() as u64, slot, iteration) }
 }
 
 /// [`poison`] into a range of a DRAM pool (no transfer may be in flight into it).
+#[allow(unsafe_code)] // the C bridge to csrc/fingerprint.h
 pub fn poison_span(dst: &mut crate::hostmem::SpanMut<'_>, slot: u32, iteration: u32) {
     let len = dst.len() as u64;
     // SAFETY: writes exactly `len` bytes of the exclusively held span (as fill_span).
@@ -424,6 +432,7 @@ pub fn poison_span(dst: &mut crate::hostmem::SpanMut<'_>, slot: u32, iteration: 
 /// Compares `src` with the poison of (`slot`, `iteration`) ([`poison`]): returns
 /// `(bad_bytes, first_bad_offset)`, bytes counted one by one; `first_bad_offset == src.len()`
 /// when `src` still holds its poison. The sweep's stray-write check.
+#[allow(unsafe_code)] // the C bridge to csrc/fingerprint.h
 pub fn check_poison(src: &[u8], slot: u32, iteration: u32) -> (u64, u64) {
     let mut first = 0u64;
     // SAFETY: reads exactly `src.len()` bytes of the borrowed buffer; `first` is a valid
@@ -433,6 +442,7 @@ pub fn check_poison(src: &[u8], slot: u32, iteration: u32) -> (u64, u64) {
 }
 
 /// [`check_poison`] of a range of a DRAM pool (no transfer may be writing it).
+#[allow(unsafe_code)] // the C bridge to csrc/fingerprint.h
 pub fn check_poison_span(src: crate::hostmem::Span<'_>, slot: u32, iteration: u32) -> (u64, u64) {
     let mut first = 0u64;
     // SAFETY: reads exactly `src.len()` bytes, valid for the span's borrow; no writer touches
@@ -444,6 +454,7 @@ pub fn check_poison_span(src: crate::hostmem::Span<'_>, slot: u32, iteration: u3
 /// Decodes the tag of the unit starting at byte `off` of `src` (a row's start plus a multiple
 /// of [`UNIT_BYTES`]), in rows of `row_bytes`: the row it names and the unit index; `None`
 /// when it is not a valid tag for this seed (magic, K/V, a unit such a row has, check word).
+#[allow(unsafe_code)] // the C bridge to csrc/fingerprint.h
 pub fn decode_tag(src: &[u8], seed: u64, off: u64, row_bytes: u32) -> Option<(RowIdentity, u32)> {
     let (mut block, mut layer, mut kv, mut unit, mut generation, mut token, mut head) =
         (0u32, 0u32, 0u32, 0u32, 0u32, 0u32, 0u32);

@@ -204,10 +204,7 @@ pub fn escape_json_strings(b: &[u8]) -> Vec<u8> {
     out
 }
 
-/// Documents larger than this are refused ([`load`]; a regular file unread): kvprobe's reports are kilobytes
-/// to tens of megabytes (an ab report with 8 full sections); a file of gigabytes (or
-/// `/dev/zero`) would only exhaust memory.
-pub const MAX_DOCUMENT_BYTES: u64 = 256 << 20;
+pub use crate::bundle::MAX_DOCUMENT_BYTES;
 
 /// The file at `path`, at most [`MAX_DOCUMENT_BYTES`] (read through a bound, so a device or a
 /// file that grows is never read whole). Errors: unreadable, or larger than the bound.

@@ -2,7 +2,7 @@
 //! Actions, GitLab and Jenkins render as test results, built with the quick-junit crate.
 //!
 //! Each document is made from the JSON report as written (`kvprobe.report/1`,
-//! `kvprobe.ab/1`, `kvprobe.bench/1`; README "Report format"), so a saved report gives the same
+//! `kvprobe.ab/1`, `kvprobe.bench/1`; docs/report.md "Report format"), so a saved report gives the same
 //! XML as the live run, and this module depends on nothing but the report's published fields.
 //! Cases:
 //! - `run`, sweep: one per iteration (`summary.per_iteration`: the first 1000, then one case for

@@ -1,4 +1,5 @@
 //! The `kvprobe` command line: a thin layer over the library.
+#![deny(unsafe_code)]
 
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use kvprobe::ab::AbReport;
@@ -203,7 +204,7 @@ struct GeometryArgs {
     /// Named geometry; the geometry flags below override its fields. run, ab: default small; serve: none (it takes the run's geometry unless one of these flags pins it).
     #[arg(long, value_enum, conflicts_with = "model_config")]
     preset: Option<Preset>,
-    /// Geometry of one TP rank of the model a Hugging Face config.json describes (layers, KV heads, head size or MLA latent, dtype; block size 16, MLA 64; blocks for a pool of about 1 GiB); --block-size, --blocks and --layout override. README "Geometry from a model's config.json".
+    /// Geometry of one TP rank of the model a Hugging Face config.json describes (layers, KV heads, head size or MLA latent, dtype; block size 16, MLA 64; blocks for a pool of about 1 GiB); --block-size, --blocks and --layout override. docs/geometry.md "Geometry from a model's config.json".
     #[arg(long, value_name = "PATH")]
     model_config: Option<PathBuf>,
     /// With --model-config: tensor-parallel size; the geometry is one rank's (KV heads / tp, each head replicated when tp exceeds them, MLA's latent whole on every rank).

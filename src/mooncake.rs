@@ -170,7 +170,7 @@ pub fn check_listening(what: &str, pid: u32, host: IpAddr) -> Result<Vec<SocketA
     let wrong: Vec<String> = addrs.iter().filter(|a| !host.is_unspecified() && !same(a.ip())).map(|a| a.to_string()).collect();
     if !wrong.is_empty() {
         return Err(Error::Environment(format!(
-            "{what} listens on {}, wider than {host}, the address kvprobe asked for: not running it (README, \"Network exposure\")",
+            "{what} listens on {}, wider than {host}, the address kvprobe asked for: not running it (docs/scenarios.md, \"Network exposure\")",
             wrong.join(", ")
         )));
     }

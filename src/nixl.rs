@@ -90,24 +90,7 @@ pub struct EnvPlan {
     pub diagnosis: bool,
 }
 
-/// `UCX_CUDA_IPC_ENABLE_GET_ZCOPY`: without it UCX serves a READ of CUDA memory from another
-/// agent on the same GPU by software emulation over tcp (0.33-0.45 GB/s on an H100, against
-/// 3.9 GB/s with it; issue 33); kvprobe turns it on for its own agents unless the user set it.
-pub const GET_ZCOPY_ENV: &str = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY";
-
-/// `UCX_DEBUG_SIGNO`: the signal UCX's debug handler takes (SIGHUP by default, which would
-/// swallow a closed terminal's hangup); kvprobe sets 0 (no debug signal) unless the user set it.
-pub const DEBUG_SIGNO_ENV: &str = "UCX_DEBUG_SIGNO";
-
-/// The variables [`set_process_env`] set (the user had not): kvprobe's defaults.
-static DEFAULTS: OnceLock<Vec<String>> = OnceLock::new();
-
-/// The names of the UCX_*/NIXL_* variables whose values are kvprobe's defaults, set by
-/// [`set_process_env`] because the user had not set them (the report's
-/// `environment.transport_env_defaults`). Empty before it ran.
-pub fn kvprobe_defaults() -> &'static [String] {
-    DEFAULTS.get().map(|v| v.as_slice()).unwrap_or(&[])
-}
+pub use crate::ucx::{DEBUG_SIGNO_ENV, GET_ZCOPY_ENV, kvprobe_defaults};
 
 /// Threads of this process (`Threads:` in /proc/self/status); `None` without /proc.
 fn thread_count() -> Option<u64> {
@@ -143,12 +126,12 @@ fn nvidia_driver_present() -> bool {
 ///
 /// The names set are [`kvprobe_defaults`].
 pub fn set_process_env(plan: EnvPlan) {
-    if DEFAULTS.get().is_some() {
+    if crate::ucx::defaults_recorded() {
         return;
     }
     if thread_count().is_some_and(|n| n != 1) {
         crate::trace!("the environment was not set: the process already has other threads");
-        let _ = DEFAULTS.set(Vec::new());
+        crate::ucx::record_defaults(Vec::new());
         return;
     }
     let mut set = Vec::new();
@@ -205,7 +188,7 @@ pub fn set_process_env(plan: EnvPlan) {
         }
         default(GET_ZCOPY_ENV, "y".as_ref());
     }
-    let _ = DEFAULTS.set(set);
+    crate::ucx::record_defaults(set);
 }
 
 /// Refuses a user-set `UCX_LOG_FILE` that UCX could not open (a directory, a missing or

@@ -944,7 +944,7 @@ impl KvPool {
         }
     }
 
-    /// The check before a re-poison (README "Stray and late writes"): verifies every slice of `layers`
+    /// The check before a re-poison (docs/guide.md "Stray and late writes"): verifies every slice of `layers`
     /// against the loaded table, as [`KvPool::verify_layers`], and then writes the poison of
     /// (slot, `iteration`) into all of them; returns the failing slices (their judged bytes
     /// through [`KvPool::judged_slice`]). DRAM: one pass, each slice checked from its copy

@@ -405,11 +405,11 @@ pub struct Report {
     /// Scenario runs (`--scenario`): load, tier, race outcomes, error rate over time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scenario: Option<ScenarioReport>,
-    /// `--dump DIR`: what was dumped (README "Dumps").
+    /// `--dump DIR`: what was dumped (docs/report.md "Dumps").
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dump: Option<DumpSummary>,
     /// Node-pair runs (`run --peer`, `serve`): the other side — its environment, the UCX
-    /// path its process saw, its timings (README "Two hosts").
+    /// path its process saw, its timings (docs/two-hosts.md "Two hosts").
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peer: Option<PeerSide>,
     /// Serve's report of an `ab --peer` session: the matrix's rows as decode's `kvprobe.ab/1`
@@ -499,7 +499,7 @@ pub struct Interval {
     pub corrupt: u64,
 }
 
-/// One block-ownership violation of a scenario (README "Block ownership").
+/// One block-ownership violation of a scenario (docs/scenarios.md "Block ownership").
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct OwnershipViolation {
     /// `double-free`, `free-in-flight` or `foreign-write`.

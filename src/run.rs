@@ -151,7 +151,13 @@ impl Probe {
                 "setup: starting the prefill process (kvprobe serve holding prefill's NIXL agent and pool, {})",
                 if cfg.memory == MemoryKind::Vram { format!("VRAM on GPU {}", cfg.prefill_device) } else { "DRAM".into() }
             ));
-            let (link, c) = crate::peer::client::start_child(cfg, timeout, &run_id)?;
+            let spec = crate::peer::client::ChildSpec {
+                memory: cfg.memory,
+                device: cfg.prefill_device,
+                backend: &cfg.backend,
+                timeout_secs: cfg.timeout_secs,
+            };
+            let (link, c) = crate::peer::client::start_child(&spec, timeout, &run_id)?;
             let addr = format!("child process {}", c.id());
             holder = Some(Holder::Child(c));
             environment = None;
@@ -254,7 +260,10 @@ impl Probe {
         crate::trace!("decode loads prefill's metadata");
         for (d, e) in std::iter::once(&mut decode).chain(decode_ranks.iter_mut()).enumerate() {
             for p in tp.targets(d as u32) {
-                e.connect_link(prefill_infos[p as usize].clone(), link_cuts(&sides, p, d as u32).swapped())?;
+                e.connect_link(
+                    prefill_infos[p as usize].clone(),
+                    crate::transport::Cuts::of_link(&sides, p, d as u32).swapped(),
+                )?;
             }
         }
         match holder {
@@ -609,17 +618,6 @@ pub fn run(cfg: &RunConfig, hooks: &mut Hooks<'_>) -> (Report, Exit) {
     (report, exit)
 }
 
-/// How link (prefill rank `p`, decode rank `d`)'s descriptors cut block slices, seen from
-/// prefill ([`crate::transport::Cuts`]: own = prefill's, peer = decode's;
-/// [`crate::pairing::Sides::cuts`]); whole slices when the sides cannot be prepared in
-/// pieces (requests are then created per request).
-pub(crate) fn link_cuts(sides: &crate::pairing::Sides, p: u32, d: u32) -> crate::transport::Cuts {
-    match sides.cuts(p, d) {
-        Some((own, peer)) => crate::transport::Cuts { own, peer },
-        None => crate::transport::Cuts::whole(),
-    }
-}
-
 /// `--decode-process`: times the copy ceiling of `decode`'s pool from a scratch pool of the
 /// same geometry that this process allocates on prefill's memory and GPU (the child holds
 /// prefill's own pool) ([`time_copy`]: GB/s); the scratch pool is freed on return. Errors: the
@@ -851,7 +849,7 @@ fn late_write_fault() -> Result<Option<LateWrite>> {
     Ok(Some(f))
 }
 
-/// The compared-counts check (README "What an iteration does"): the verify passes of
+/// The compared-counts check (docs/guide.md "What an iteration does"): the verify passes of
 /// decode rank `d` in iteration `it` compared `got`; the plan is every slice of the rank's
 /// pool (`slices` of `slice_bytes`). Errors (internal, exit 3): they differ.
 fn check_compared(it: u32, d: u32, got: crate::pool::Compared, slices: u64, slice_bytes: u64) -> Result<()> {

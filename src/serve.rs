@@ -577,7 +577,7 @@ fn session_inner(
     for (p, e) in std::iter::once(&mut ep).chain(ranks.iter_mut()).enumerate() {
         for (d, info) in all_decode.iter().enumerate() {
             if tp.targets(d as u32).contains(&(p as u32)) {
-                e.connect_link(info.clone(), crate::run::link_cuts(&sides, p as u32, d as u32))?;
+                e.connect_link(info.clone(), crate::transport::Cuts::of_link(&sides, p as u32, d as u32))?;
             }
         }
     }

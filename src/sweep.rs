@@ -663,7 +663,7 @@ enum Piece {
 /// Fills `p.predicted` and `p.hits` (`displaced`: the planted offsets' pairs, by link,
 /// source slice, destination slice and destination offset): for every decode slice (on its
 /// TP rank) an injection reaches, the class the verifier must report, from what lands there
-/// over every link into that rank (README "Injections"): nothing → `unwritten`; part of the
+/// over every link into that rank (docs/fingerprint.md "Failure classes"): nothing → `unwritten`; part of the
 /// slice → `torn`; a stray write → `stray`; the rows due with a flipped bit → `bitflip`,
 /// displaced → `layout`, of the previous generation → `stale`; one other group's rows →
 /// `misplaced`; any other mix → `torn`. A slice whose rows all arrive intact is not listed.

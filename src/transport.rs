@@ -187,6 +187,17 @@ impl Cuts {
         Cuts::default()
     }
 
+    /// How link (prefill rank `p`, decode rank `d`)'s descriptors cut block slices, seen from
+    /// prefill (own = prefill's, peer = decode's; [`crate::pairing::Sides::cuts`]); whole
+    /// slices when the sides cannot be prepared in pieces (requests are then created per
+    /// request).
+    pub fn of_link(sides: &crate::pairing::Sides, p: u32, d: u32) -> Cuts {
+        match sides.cuts(p, d) {
+            Some((own, peer)) => Cuts { own, peer },
+            None => Cuts::whole(),
+        }
+    }
+
     /// The cuts seen from the other role (own and peer swapped).
     pub fn swapped(&self) -> Cuts {
         Cuts { own: self.peer.clone(), peer: self.own.clone() }

@@ -18,6 +18,36 @@ use std::io::{Read, Seek, SeekFrom};
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
+/// `UCX_CUDA_IPC_ENABLE_GET_ZCOPY`: without it UCX serves a READ of CUDA memory from another
+/// agent on the same GPU by software emulation over tcp (0.33-0.45 GB/s on an H100, against
+/// 3.9 GB/s with it; issue 33); kvprobe turns it on for its own agents unless the user set it
+/// ([`crate::nixl::set_process_env`]).
+pub const GET_ZCOPY_ENV: &str = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY";
+
+/// `UCX_DEBUG_SIGNO`: the signal UCX's debug handler takes (SIGHUP by default, which would
+/// swallow a closed terminal's hangup); kvprobe sets 0 (no debug signal) unless the user set it.
+pub const DEBUG_SIGNO_ENV: &str = "UCX_DEBUG_SIGNO";
+
+/// The variables [`crate::nixl::set_process_env`] set (the user had not): kvprobe's defaults.
+static DEFAULTS: OnceLock<Vec<String>> = OnceLock::new();
+
+/// The names of the UCX_*/NIXL_* variables whose values are kvprobe's defaults, set by
+/// [`crate::nixl::set_process_env`] because the user had not set them (the report's
+/// `environment.transport_env_defaults`). Empty before it ran.
+pub fn kvprobe_defaults() -> &'static [String] {
+    DEFAULTS.get().map(|v| v.as_slice()).unwrap_or(&[])
+}
+
+/// Records the names [`crate::nixl::set_process_env`] set (once; later calls change nothing).
+pub fn record_defaults(names: Vec<String>) {
+    let _ = DEFAULTS.set(names);
+}
+
+/// True once [`record_defaults`] ran.
+pub fn defaults_recorded() -> bool {
+    DEFAULTS.get().is_some()
+}
+
 /// Environment variable that turns the capture off (`KVPROBE_UCX_DIAG=0`).
 pub const DIAG_ENV: &str = "KVPROBE_UCX_DIAG";
 
@@ -95,7 +125,7 @@ pub struct TransportPath {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub flags: Vec<PathFlag>,
     /// VRAM runs: `UCX_CUDA_IPC_ENABLE_GET_ZCOPY` as the agents of this process had it, and who
-    /// set it ([`crate::nixl::GET_ZCOPY_ENV`]: with it off UCX serves a READ of CUDA memory on
+    /// set it ([`GET_ZCOPY_ENV`]: with it off UCX serves a READ of CUDA memory on
     /// one GPU by software emulation over tcp). Absent for DRAM runs and in reports written
     /// before it existed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -109,7 +139,7 @@ pub struct EnvSetting {
     pub name: String,
     /// Its value; `None` when unset (UCX's own default applies).
     pub value: Option<String>,
-    /// "kvprobe" (kvprobe's default: the user had not set it, [`crate::nixl::kvprobe_defaults`]),
+    /// "kvprobe" (kvprobe's default: the user had not set it, [`kvprobe_defaults`]),
     /// "user" (set before kvprobe started), or "unset".
     pub set_by: String,
 }
@@ -120,7 +150,7 @@ impl EnvSetting {
         let value = std::env::var_os(name).filter(|v| !v.is_empty()).map(|v| v.to_string_lossy().into_owned());
         let set_by = match &value {
             None => "unset",
-            Some(_) if crate::nixl::kvprobe_defaults().iter().any(|d| d == name) => "kvprobe",
+            Some(_) if kvprobe_defaults().iter().any(|d| d == name) => "kvprobe",
             Some(_) => "user",
         };
         EnvSetting { name: name.to_string(), value, set_by: set_by.to_string() }
@@ -142,7 +172,7 @@ impl std::fmt::Display for EnvSetting {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct PathFlag {
     /// Stable short code: `tcp-with-rdma-present`, `rdma-port-down`, `no-gpudirect-rdma`,
-    /// `staged-through-host`, `nic-not-nearest` (README, "Which NIC carried the bytes").
+    /// `staged-through-host`, `nic-not-nearest` (docs/gpu-hosts.md, "Which NIC carried the bytes").
     pub code: String,
     /// One sentence saying what UCX did and why it matters.
     pub message: String,
@@ -275,7 +305,7 @@ pub fn path_since(from: u64, backend: &str, op: &str, vram: bool) -> TransportPa
         return p;
     }
     if vram {
-        p.get_zcopy = Some(EnvSetting::of(crate::nixl::GET_ZCOPY_ENV));
+        p.get_zcopy = Some(EnvSetting::of(GET_ZCOPY_ENV));
     }
     let Some(text) = read_since(from) else {
         p.unknown_because = Some(match log_path() {
@@ -287,7 +317,7 @@ pub fn path_since(from: u64, backend: &str, op: &str, vram: bool) -> TransportPa
         });
         return p;
     };
-    classify(&drop_unused_defaults(&text, crate::nixl::kvprobe_defaults()), p, op, vram)
+    classify(&drop_unused_defaults(&text, kvprobe_defaults()), p, op, vram)
 }
 
 /// Fills `p` from UCX log `text`: the selections of `op` ("READ"/"WRITE") between two
@@ -322,7 +352,7 @@ pub fn classify(text: &str, mut p: TransportPath, op: &str, vram: bool) -> Trans
         };
         p.warning = Some(format!(
             "UCX moves this VRAM READ by software emulation (cuda_ipc get zero-copy is off{now}): \
-             set UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y (README, \"Running on a GPU host\")"
+             set UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y (docs/gpu-hosts.md, \"Running on a GPU host\")"
         ));
     } else if p.emulated {
         p.warning = Some("UCX moves these transfers by software emulation (slow fallback); see UCX_PROTO_INFO".into());
@@ -356,10 +386,10 @@ pub fn describe(p: &TransportPath) -> String {
 /// interrupted transfer) are given once, with how many more there were.
 ///
 /// UCX's warning that a variable went unused is kept only for the user's variables: one
-/// kvprobe set itself ([`crate::nixl::kvprobe_defaults`], e.g. `UCX_CUDA_IPC_ENABLE_GET_ZCOPY`
+/// kvprobe set itself ([`kvprobe_defaults`], e.g. `UCX_CUDA_IPC_ENABLE_GET_ZCOPY`
 /// on a host where UCX's CUDA transport does not load) is dropped from it.
 pub fn messages() -> Vec<String> {
-    read_since(0).map(|t| collapse_messages(&drop_unused_defaults(&t, crate::nixl::kvprobe_defaults()))).unwrap_or_default()
+    read_since(0).map(|t| collapse_messages(&drop_unused_defaults(&t, kvprobe_defaults()))).unwrap_or_default()
 }
 
 /// `text` (a UCX log) with the variables named in `defaults` taken out of UCX's "unused

@@ -433,7 +433,7 @@ fn displacement(wrong: &[(u32, RowIdentity)], due: &SliceRows) -> Option<Displac
     }
 }
 
-/// Which written contents explain a corrupt slice (scenario attribution, README
+/// Which written contents explain a corrupt slice (scenario attribution, docs/scenarios.md
 /// "Attribution"). `actual` is the slice as decode holds it, `want` its expected bytes and
 /// `written` the fingerprints of every content its source block held during the READ window
 /// (the content when the READ was posted, then each write made before it completed; for a

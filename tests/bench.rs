@@ -221,7 +221,7 @@ fn bench_on_vram_rates_the_kernels_against_the_copy_ceiling() {
     assert_eq!(code, 0, "{out}{err}");
     check_figures(&r, &["gpu.copy", "gpu.fill", "gpu.verify", "gpu.poison", "gpu.copy_stream", "cpu.fill.all"]);
     let figs = r["figures"].as_array().unwrap();
-    // Request rows are a DRAM bench's (README "Benchmark"): not measured after VRAM sweeps.
+    // Request rows are a DRAM bench's (docs/gpu-hosts.md "Benchmark"): not measured after VRAM sweeps.
     assert!(figs.iter().all(|f| !f["name"].as_str().unwrap().starts_with("nixl.request.")), "request rows on a VRAM bench");
     let copy = figs.iter().find(|f| f["name"] == "gpu.copy").unwrap();
     assert_eq!(copy["counted"], "read+written");

@@ -434,3 +434,62 @@ fn the_summary_points_to_where_the_full_list_of_failures_is() {
     assert_eq!(code, 1, "{out}{err}");
     assert!(out.contains(&format!("the JSON report (report.json in {}) lists 8", bundle.display())), "{out}");
 }
+
+/// GitHub's anchor of a Markdown heading: lower case, punctuation but `-` and `_` dropped,
+/// spaces as `-`.
+fn heading_anchor(h: &str) -> String {
+    h.trim()
+        .to_lowercase()
+        .chars()
+        .filter(|c| c.is_alphanumeric() || matches!(c, '-' | '_' | ' '))
+        .collect::<String>()
+        .replace(' ', "-")
+}
+
+#[test]
+fn the_readme_is_short_and_every_link_of_the_docs_resolves() {
+    // Issue 34 item 7: a README a newcomer reads in five minutes, the rest in docs/; each link
+    // between them names a file that exists and, after `#`, one of its headings.
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    assert!(readme.lines().count() <= 250, "README.md has {} lines", readme.lines().count());
+    let mut pages = vec![root.join("README.md")];
+    for e in std::fs::read_dir(root.join("docs")).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "md") {
+            pages.push(p);
+        }
+    }
+    assert!(pages.len() >= 8, "{pages:?}");
+    let anchors = |p: &std::path::Path| -> Vec<String> {
+        let mut fence = false;
+        let mut v = Vec::new();
+        for l in std::fs::read_to_string(p).unwrap().lines() {
+            if l.starts_with("```") {
+                fence = !fence;
+            } else if !fence && l.starts_with('#') {
+                v.push(heading_anchor(l.trim_start_matches('#')));
+            }
+        }
+        v
+    };
+    let link = regex::Regex::new(r"\]\(([^)\s]+)\)").unwrap();
+    let mut checked = 0;
+    for page in &pages {
+        let text = std::fs::read_to_string(page).unwrap();
+        for c in link.captures_iter(&text) {
+            let target = &c[1];
+            if target.starts_with("http") {
+                continue;
+            }
+            let (file, anchor) = target.split_once('#').map_or((target, None), |(f, a)| (f, Some(a)));
+            let dest = if file.is_empty() { page.clone() } else { page.parent().unwrap().join(file) };
+            assert!(dest.exists(), "{}: link {target}: no file {}", page.display(), dest.display());
+            if let Some(a) = anchor {
+                assert!(anchors(&dest).iter().any(|x| x == a), "{}: link {target}: no such heading", page.display());
+            }
+            checked += 1;
+        }
+    }
+    assert!(checked >= 40, "only {checked} links");
+}

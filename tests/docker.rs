@@ -298,7 +298,7 @@ fn yaml(_test: &str, rel: &str) -> Option<serde_json::Value> {
 }
 
 /// Checks the shell lines of a CI job: the image is built from docker/Dockerfile, run with the
-/// README's flags on the output directory, and `env`, `run` and `ab` run with the JUnit and
+/// docs/container.md's flags on the output directory, and `env`, `run` and `ab` run with the JUnit and
 /// bundle paths the artifacts keep.
 fn assert_job_commands(ci: &str, lines: &str) {
     assert!(lines.contains("docker build -f docker/Dockerfile "), "{ci}: does not build docker/Dockerfile");
@@ -360,11 +360,8 @@ fn the_ci_examples_run_env_run_and_ab_and_keep_the_junit_and_the_bundle() {
 }
 
 #[test]
-fn the_readme_gives_the_build_command_and_each_run_flag() {
-    let readme = read("README.md");
-    let at = readme.find("## Container image (docker/)").expect("README has no \"Container image (docker/)\" section");
-    let section = &readme[at..];
-    let section = &section[..section[3..].find("\n## ").map_or(section.len(), |e| e + 3)];
+fn the_container_page_gives_the_build_command_and_each_run_flag() {
+    let section = read("docs/container.md");
     for s in [
         "docker build -f docker/Dockerfile -t kvprobe .",
         "--gpus all",
@@ -376,6 +373,6 @@ fn the_readme_gives_the_build_command_and_each_run_flag() {
         "docker/ci/github-actions.yml",
         "docker/ci/gitlab-ci.yml",
     ] {
-        assert!(section.contains(s), "the README's container section lacks `{s}`");
+        assert!(section.contains(s), "docs/container.md lacks `{s}`");
     }
 }

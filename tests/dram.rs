@@ -710,7 +710,7 @@ fn the_early_notification_fault_is_refused_where_it_cannot_apply() {
     }
 }
 
-/// The README's poison of (slot, iteration): little-endian u32 elements, `slot` at even
+/// docs/fingerprint.md's poison of (slot, iteration): little-endian u32 elements, `slot` at even
 /// indices and 0x5A000000 | iteration at odd ones.
 fn readme_poison(len: usize, slot: u32, iteration: u32) -> Vec<u8> {
     (0..len / 4).flat_map(|e| if e % 2 == 0 { slot } else { 0x5A00_0000 | iteration }.to_le_bytes()).collect()
@@ -735,7 +735,7 @@ fn data_landing_between_the_verify_and_the_classification_is_late_with_the_judge
 /// [`data_landing_between_the_verify_and_the_classification_is_late_with_the_judged_class`]
 /// on `memory` (also run on VRAM by tests/gpu.rs: the verify kernel's capture).
 pub fn late_data_is_classified_from_the_judged_bytes(memory: &str) {
-    // (flags, layers of stage 0): README "pipeline stages", 4 layers.
+    // (flags, layers of stage 0): docs/guide.md "--pipeline-stages", 4 layers.
     for (extra, stage0) in [(&[][..], 0..4u64), (&["--pipeline-stages", "2", "--op", "write"][..], 0..2)] {
         let d = crate::common::tmpdir("late-classify");
         let (p, b) = (d.join("report.json"), d.join("b.tgz"));

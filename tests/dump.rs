@@ -1531,7 +1531,7 @@ fn check_reads_a_bundle_repacked_with_tar_and_an_unpacked_one() {
 /// `--permute-local-kv`) dumps the bytes NIXL delivered beside the converted ones
 /// (`received_file`): each received file holds the converted slice's rows at their NHD places
 /// (the test's own placement), a stale slice's received bytes are the NHD fingerprint of the
-/// identity it holds (the README's spec, re-implemented in tests/fingerprint.rs), and the
+/// identity it holds (docs/fingerprint.md's spec, re-implemented in tests/fingerprint.rs), and the
 /// bundle lists and hashes both files and passes `report check`.
 #[test]
 fn a_converting_run_dumps_the_received_bytes_beside_the_converted_ones() {

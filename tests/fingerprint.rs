@@ -595,9 +595,9 @@ fn every_class_is_classified_as_predicted_on_the_smallest_slices() {
     );
 }
 
-// ---- Issue 12.6: the README's spec, re-implemented here from the README alone ----
+// ---- Issue 12.6: docs/fingerprint.md's spec, re-implemented here from it alone ----
 
-/// README "Fingerprint format", independently of csrc/fingerprint.h.
+/// docs/fingerprint.md "Fingerprint format", independently of csrc/fingerprint.h.
 pub(crate) mod spec {
     pub fn fmix32(mut h: u32) -> u32 {
         h ^= h >> 16;
@@ -655,7 +655,7 @@ pub(crate) mod spec {
         (0..len / 4).flat_map(|e| if e % 2 == 0 { slot } else { 0x5A00_0000 | (iteration & 0xFF_FFFF) }.to_le_bytes()).collect()
     }
 
-    /// The global slice index of decode slot (layer, kv, block) in the README's table.
+    /// The global slice index of decode slot (layer, kv, block) in docs/fingerprint.md's table.
     pub fn slot(layout: &str, mla: bool, num_blocks: u32, layer: u32, kv: u32, block: u32) -> u32 {
         let (per_layer, q) = match (mla, layout) {
             (true, _) => (num_blocks, block),
@@ -681,7 +681,7 @@ pub(crate) mod spec {
     }
 }
 
-/// Checks every failure of `r` against the README's spec: the slot formula, both digests
+/// Checks every failure of `r` against docs/fingerprint.md's spec: the slot formula, both digests
 /// (the actual one where the class says what arrived), `first_bad_offset` and `bad_bytes`.
 /// Returns how many failures of each class were checked in full.
 fn check_report_against_the_spec(r: &serde_json::Value, ctx: &str) -> std::collections::BTreeMap<String, usize> {
@@ -740,7 +740,7 @@ fn check_report_against_the_spec(r: &serde_json::Value, ctx: &str) -> std::colle
     checked
 }
 
-/// Issue 12.6: a re-implementation written from the README alone reproduces the bytes
+/// Issue 12.6: a re-implementation written from docs/fingerprint.md alone reproduces the bytes
 /// kvprobe writes — fingerprints, poison (global slice index in NHD, HND and MLA decode
 /// pools), `first_bad_offset` and `bad_bytes` — from the report's fields (`seed_hex`,
 /// `geometry.slice_bytes`, a failure's identities, `slot`, `poison_iteration`), for a seed
@@ -887,23 +887,24 @@ fn fingerprint_ref_refuses_bad_arguments_and_agrees_with_kvprobe() {
     }
 }
 
-/// The README's digest recipe as a program: the first ```python block after "To recompute a
+/// docs/fingerprint.md's digest recipe as a program: the first ```python block after "To recompute a
 /// failure's `expected_digest`" in "Fingerprint format".
 fn readme_recipe() -> String {
-    let readme = include_str!("../README.md");
-    let at = readme.find("To recompute a failure's `expected_digest`").expect("README has the expected_digest recipe");
+    let readme = include_str!("../docs/fingerprint.md");
+    let at =
+        readme.find("To recompute a failure's `expected_digest`").expect("docs/fingerprint.md has the expected_digest recipe");
     let rest = &readme[at..];
     let start = rest.find("```python\n").expect("the recipe has a ```python block") + "```python\n".len();
     let end = rest[start..].find("```").expect("the block ends");
     rest[start..start + end].to_string()
 }
 
-/// Issue 33 (spec-2026-12 ambiguity 1 and 2): the README's expected-digest recipe, run as
+/// Issue 33 (spec-2026-12 ambiguity 1 and 2): docs/fingerprint.md's expected-digest recipe, run as
 /// written, gives every failure's `expected_digest` through scripts/fingerprint_ref.py for runs
 /// whose sides differ in block size and TP (a decode block larger and smaller than prefill's,
 /// GQA replication, MLA with its `layout` left at nhd). The runs must tell a right recipe from
 /// the one that took `config.geometry` and head 0 (some failure's digest differs under it), and
-/// each failure's logical id follows the README's rule from `prefill_block`.
+/// each failure's logical id follows docs/fingerprint.md's rule from `prefill_block`.
 #[test]
 fn the_readmes_digest_recipe_holds_between_unequal_sides_and_tp() {
     let d = crate::common::tmpdir("recipe");
@@ -1000,7 +1001,7 @@ fn the_readmes_digest_recipe_holds_between_unequal_sides_and_tp() {
             let naive: Vec<&str> = naive.iter().map(String::as_str).collect();
             let (_, out, _) = fingerprint_ref(&naive);
             naive_wrong += (out.trim() != f["expected_digest"].as_str().unwrap()) as usize;
-            // README "Logical block ids": prefill slot i holds f(i div (G/Bp)).
+            // docs/fingerprint.md "Logical block ids": prefill slot i holds f(i div (G/Bp)).
             let (bp, bd) = (
                 g["block_size"].as_u64().unwrap(),
                 if dg.is_object() { dg["block_size"].as_u64().unwrap() } else { g["block_size"].as_u64().unwrap() },

@@ -942,7 +942,7 @@ fn vram_dump_host_memory_is_bounded_by_the_cap() {
         let d = tmpdir(name);
         let (r, dump) = (d.join("r.json"), d.join("D"));
         let inject = format!("bitflip:{per_iteration}");
-        // cuda_ipc get zero-copy on (README "Running on a GPU host"): emulated over TCP, a 1 GiB
+        // cuda_ipc get zero-copy on (docs/gpu-hosts.md "Running on a GPU host"): emulated over TCP, a 1 GiB
         // READ's post call took over --timeout while other GPU tests loaded the host (H200 lane,
         // 2026-12-01), and this test is about the dump's host memory, not that path.
         let (code, out, err) = crate::common::kvprobe_env(
@@ -977,4 +977,33 @@ fn vram_dump_host_memory_is_bounded_by_the_cap() {
     // The cap (1 MiB) plus the report's own list (--max-failures 1000 records) and slack for
     // allocator noise: not 10 000 slices (320 MiB at 32 KiB).
     assert!(big <= small + (1 << 20) + (48 << 20), "host_peak_bytes {small} with 10 failing slices, {big} with 10 000");
+}
+
+#[test]
+fn env_probe_transfers_name_who_set_get_zcopy() {
+    // The VRAM probe transfers run in child processes: their get_zcopy setting is kvprobe's
+    // default when the user set nothing, the user's when the user set it (the child once
+    // called kvprobe's own default the user's, having inherited it).
+    if !gpu_or_skip("env_probe_transfers_name_who_set_get_zcopy") {
+        return;
+    }
+    for (user, want) in [(None, "kvprobe"), (Some("y"), "user")] {
+        let mut c = std::process::Command::new(crate::common::bin());
+        c.args(["env", "--json"]);
+        match user {
+            Some(v) => c.env("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", v),
+            None => c.env_remove("UCX_CUDA_IPC_ENABLE_GET_ZCOPY"),
+        };
+        let o = c.output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(0), "{err}");
+        let e: Value = serde_json::from_slice(&o.stdout).unwrap();
+        let vram: Vec<&Value> =
+            e["transport_probes"].as_array().unwrap().iter().filter(|p| p["what"].as_str().unwrap().contains("VRAM")).collect();
+        assert!(!vram.is_empty(), "no VRAM probe: {e}");
+        for p in vram {
+            assert_eq!(p["path"]["get_zcopy"]["set_by"], want, "{user:?}: {p}");
+            assert_eq!(p["path"]["get_zcopy"]["value"], "y", "{user:?}: {p}");
+        }
+    }
 }

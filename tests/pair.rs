@@ -630,7 +630,7 @@ fn gpu_pair_llama3_read_and_write_are_clean_and_find_every_injection() {
     let (p, d) = vram_sides();
     let serve_mem = ["--memory", "vram", "--device", p.as_str()];
     let run_mem = ["--memory", "vram", "--decode-device", d.as_str()];
-    // cuda_ipc READs between processes need get zero-copy on (README "Running on a GPU host");
+    // cuda_ipc READs between processes need get zero-copy on (docs/gpu-hosts.md "Running on a GPU host");
     // without it UCX emulates them over TCP at a tenth of the rate.
     let env = [("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")];
     for op in ["read", "write"] {

@@ -1,7 +1,7 @@
 //! The node pair's authentication and exposure (issue 33 items 2, 14, 15): an impostor serve
 //! that does not know the token, a relay that alters a frame, short tokens, hostile text from
 //! a peer, and a token guesser next to the real client. The impostors and the relay are written
-//! here, speaking the frame protocol (4-byte big-endian length, JSON) from the README, not
+//! here, speaking the frame protocol (4-byte big-endian length, JSON) from docs/two-hosts.md, not
 //! kvprobe's own code.
 
 use crate::common::*;

@@ -76,7 +76,7 @@ fn assert_detected(mechanism: &str, seed: &str) {
 }
 
 /// [`assert_detected`] with `--scenario scenario`. Every mechanism but save-before-write and
-/// failed-as-complete breaks a block's ownership, and the checker must have seen it (README
+/// failed-as-complete breaks a block's ownership, and the checker must have seen it (docs/scenarios.md
 /// "Block ownership"). failed-as-complete's corruption is this pull's poison (unwritten),
 /// every other's another write's data.
 fn assert_detected_in(mechanism: &str, seed: &str, scenario: &str) {
@@ -917,7 +917,7 @@ fn race_help_explains_every_mechanism() {
     assert!(ab.contains("6  an unfenced race mechanism was not detected (ab; run --race MECHANISM: not reproduced)"), "{ab}");
 }
 
-// ---- attribution (README "Attribution"): a slice is excused by a race only when every
+// ---- attribution (docs/scenarios.md "Attribution"): a slice is excused by a race only when every
 // 4-byte element of it is what a content written into its block during the READ window put
 // there. The slices below are built from the fingerprint and poison definitions directly.
 

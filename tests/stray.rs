@@ -2,7 +2,7 @@
 //! own transfer — into a stage re-poisoned while later stages are in flight, or into a stage
 //! already verified — is reported as class `stray`. DRAM with the real NIXL library.
 //!
-//! The expectations are computed here from the README's definitions (the stage split, the
+//! The expectations are computed here from the docs' definitions (docs/guide.md, docs/fingerprint.md) (the stage split, the
 //! pool's slice count), not with the code's own functions.
 
 use crate::common::{assert_found_exactly, run_with_report};
@@ -15,12 +15,12 @@ fn layers_and_slices_per_layer(r: &Value) -> (u64, u64) {
     (g["num_layers"].as_u64().unwrap(), parts * g["num_blocks"].as_u64().unwrap())
 }
 
-/// README "pipeline stages": stage i of S over L layers is layers [floor(i·L/S), floor((i+1)·L/S)).
+/// docs/guide.md "--pipeline-stages": stage i of S over L layers is layers [floor(i·L/S), floor((i+1)·L/S)).
 fn stage_ranges(layers: u64, stages: u64) -> Vec<std::ops::Range<u64>> {
     (0..stages).map(|i| i * layers / stages..(i + 1) * layers / stages).collect()
 }
 
-/// The README's poison of (slot, iteration): little-endian u32 elements, `slot` at even
+/// docs/fingerprint.md's poison of (slot, iteration): little-endian u32 elements, `slot` at even
 /// indices and 0x5A000000 | iteration at odd ones.
 fn readme_poison(len: usize, slot: u32, iteration: u32) -> Vec<u8> {
     (0..len / 4).flat_map(|e| if e % 2 == 0 { slot } else { 0x5A00_0000 | iteration }.to_le_bytes()).collect()

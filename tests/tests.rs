@@ -17,6 +17,7 @@ mod fingerprint;
 mod geometry;
 mod gpu;
 mod hetero;
+mod house;
 mod inspect;
 mod junit;
 mod lanes;

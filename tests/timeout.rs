@@ -1,4 +1,4 @@
-//! `--timeout` bounds every wait (README, `--timeout` and exit code 4): each NIXL request from
+//! `--timeout` bounds every wait (docs/guide.md "What `--timeout` bounds", and exit code 4): each NIXL request from
 //! just before it is built — the post call included — to its completion and notification, and
 //! every other blocking call; a call that blocks past its deadline still ends the run with
 //! exit 4 and a report. Real NIXL on DRAM.

@@ -557,7 +557,7 @@ fn every_child_process_in_src_is_started_by_the_spawner() {
     assert!(seen >= 5, "{seen} spawns through kvprobe::child");
 }
 
-/// The README's poison of (slot, iteration): little-endian u32 elements, `slot` at even
+/// docs/fingerprint.md's poison of (slot, iteration): little-endian u32 elements, `slot` at even
 /// element indices and 0x5A000000 | (iteration & 0xFFFFFF) at odd ones (written here from
 /// the definition, not with the code under test).
 fn readme_poison(len: usize, slot: u32, iteration: u32) -> Vec<u8> {
@@ -584,7 +584,7 @@ fn cpu_poison_check_counts_exactly_the_planted_bytes() {
         let mut s = readme_poison(len, slot, iteration);
         let mut mine = vec![0u8; len];
         poison(&mut mine, slot, iteration);
-        assert_eq!(mine, s, "the code's poison is the README's");
+        assert_eq!(mine, s, "the code's poison is docs/fingerprint.md's");
         assert_eq!(check_poison(&s, slot, iteration), (0, len as u64), "intact {len}");
         // Another iteration's or slot's poison differs in their bytes only.
         let other_it = readme_poison(len, slot, iteration ^ 1);

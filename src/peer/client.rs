@@ -141,7 +141,7 @@ pub const EXIT_GRACE: Duration = Duration::from_secs(5);
 
 /// [`EXIT_GRACE`] after SIGINT/SIGTERM: a child that is stuck or stopped is killed after this,
 /// so an interrupted run exits within [`crate::deadline::INTERRUPT_GRACE`] of the signal plus
-/// `run::PEER_BYE_BOUND` and this (README "What `--timeout` bounds").
+/// `run::PEER_BYE_BOUND` and this (docs/guide.md "What `--timeout` bounds").
 pub const EXIT_GRACE_INTERRUPTED: Duration = Duration::from_secs(1);
 
 /// How long the prefill process of `--decode-process` has to become ready — from its start to
@@ -203,6 +203,21 @@ impl Drop for PrefillChild {
     }
 }
 
+/// What the prefill child of `run --decode-process` is started with: the run's `--memory`,
+/// `--prefill-device`, `--backend` and `--timeout` (seconds). The peer protocol knows no run
+/// configuration beyond these.
+#[derive(Clone, Copy, Debug)]
+pub struct ChildSpec<'a> {
+    /// Prefill's pool memory.
+    pub memory: crate::pool::MemoryKind,
+    /// Prefill's GPU (VRAM).
+    pub device: usize,
+    /// The NIXL backend plugin.
+    pub backend: &'a str,
+    /// `--timeout`, seconds.
+    pub timeout_secs: f64,
+}
+
 /// `run --decode-process`: starts prefill's side as a child `kvprobe serve --fd N` on one end
 /// of a Unix socket pair (its pool on the run's `--memory` and `--prefill-device`, the run's
 /// `--backend`) and authenticates with a fresh random token, handed to the child in its
@@ -211,7 +226,7 @@ impl Drop for PrefillChild {
 /// [`START_BOUND`] (120 s, [`super::Link::set_deadline`]; lifted by
 /// [`PrefillPeer::adopt`]), and the child. Errors: environment (the child cannot be
 /// started), transport (it died or closed the socket), timeout (exit 4: not ready in time).
-pub fn start_child(cfg: &crate::sweep::RunConfig, silence: Duration, run_id: &str) -> Result<(Link, PrefillChild)> {
+pub fn start_child(cfg: &ChildSpec<'_>, silence: Duration, run_id: &str) -> Result<(Link, PrefillChild)> {
     let token = super::random_hex(16)?;
     let (mine, theirs) = std::os::unix::net::UnixStream::pair()
         .map_err(|e| Error::Environment(format!("cannot make a socket pair for the prefill process: {e}")))?;
@@ -221,12 +236,12 @@ pub fn start_child(cfg: &crate::sweep::RunConfig, silence: Duration, run_id: &st
     let mut cmd = Command::new(exe);
     cmd.args(["serve", "--fd", &fd.to_string(), "--memory", if vram { "vram" } else { "dram" }]).args([
         "--backend",
-        &cfg.backend,
+        cfg.backend,
         "--timeout",
         &cfg.timeout_secs.to_string(),
     ]);
     if vram {
-        cmd.args(["--device", &cfg.prefill_device.to_string()]);
+        cmd.args(["--device", &cfg.device.to_string()]);
     }
     cmd.env(crate::peer::TOKEN_VAR, &token).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::inherit());
     // The child sets kvprobe's defaults itself (as its own, so its report and its UCX

@@ -1,5 +1,5 @@
 //! The shadow: what every prefill block and tier entry holds as far as the engines' own
-//! writes say, and the attribution of each corrupt slice decode finds (README
+//! writes say, and the attribution of each corrupt slice decode finds (docs/scenarios.md
 //! "Attribution").
 //!
 //! Every write into a prefill block (a computed fill, a tier load) is recorded here as a
@@ -268,7 +268,7 @@ pub(crate) fn ident(t: TableEntry, c: SliceCoord) -> BlockIdentity {
     t.identity(c)
 }
 
-/// The attribution of a corrupt slice (README "Attribution"): `actual` is the slice at
+/// The attribution of a corrupt slice (docs/scenarios.md "Attribution"): `actual` is the slice at
 /// coordinate `c` as decode holds it, `want` its expected bytes, and `written` what the
 /// engine's shadow says its source held during the READ window, in order (first: the
 /// content when the READ was posted; then each write made before it completed; for a tier

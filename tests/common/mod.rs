@@ -165,7 +165,7 @@ pub fn predicted_set(r: &serde_json::Value) -> std::collections::BTreeSet<(u64, 
 }
 
 /// The tests' own table of what ONE planted fault of each `--inject` kind must cause at the
-/// decode side, by failure class (README "Fault injection"), written here independently of
+/// decode side, by failure class (docs/guide.md "--inject"), written here independently of
 /// `src/inject.rs` so that a wrong prediction there cannot pass by agreeing with itself.
 pub const CLASSES_PER_FAULT: [(&str, &[(&str, u64)]); 6] = [
     ("bitflip", &[("bitflip", 1)]),
@@ -173,7 +173,7 @@ pub const CLASSES_PER_FAULT: [(&str, &[(&str, u64)]); 6] = [
     ("misroute", &[("misplaced", 1), ("unwritten", 1)]),
     ("stale", &[("stale", 1)]),
     ("torn", &[("torn", 1)]),
-    // A write into another stage's decode slot outside its transfer (README "Fault injection").
+    // A write into another stage's decode slot outside its transfer (docs/guide.md "--inject").
     ("stray", &[("stray", 1)]),
 ];
 

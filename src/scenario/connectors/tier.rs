@@ -348,7 +348,7 @@ impl MooncakeTier {
         let fingerprint = format!("{:08x}-{:08x}", crate::fingerprint::seed32(seed), rand::rng().random::<u32>());
         // The store client's Transfer Engine listens on every interface (Mooncake binds its
         // handshake and TCP-transport ports to 0.0.0.0 / [::] with no setting to narrow them):
-        // said, as README "Network exposure" does.
+        // said, as docs/scenarios.md "Network exposure" does.
         let exposed = crate::mooncake::listening(worker.pid())
             .map(|a| a.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(", "))
             .unwrap_or_default();

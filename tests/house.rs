@@ -1,0 +1,163 @@
+//! The house's rules, read from the source (issue 34): no import cycle between kvprobe's
+//! modules, and `unsafe` only where the crate root allows it. Each rule's checker is also run
+//! on a planted graph or file, so the rule can fail.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+/// Every `.rs` file under `dir`.
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            rust_files(&p, out);
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            out.push(p);
+        }
+    }
+}
+
+/// The source without comments (`//` to the end of a line, outside string literals that
+/// hold `://`, as URLs do).
+fn code_of(text: &str) -> String {
+    text.lines()
+        .map(|l| {
+            let mut cut = l.len();
+            let mut from = 0;
+            while let Some(i) = l[from..].find("//") {
+                let at = from + i;
+                if at > 0 && l.as_bytes()[at - 1] == b':' {
+                    from = at + 2;
+                    continue;
+                }
+                cut = at;
+                break;
+            }
+            &l[..cut]
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// The top-level module a file of `src/` belongs to (`src/scenario/decode.rs` → `scenario`),
+/// `None` for the crate roots.
+fn module_of(src: &Path, file: &Path) -> Option<String> {
+    let rel = file.strip_prefix(src).unwrap();
+    let first = rel.components().next()?.as_os_str().to_string_lossy().trim_end_matches(".rs").to_string();
+    (!matches!(first.as_str(), "lib" | "main")).then_some(first)
+}
+
+/// Module → the other modules it names as `crate::NAME`.
+fn module_graph(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
+    let mut files = Vec::new();
+    rust_files(src, &mut files);
+    let re = regex::Regex::new(r"crate::([a-z_][a-z0-9_]*)").unwrap();
+    let mut g: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for f in &files {
+        let Some(m) = module_of(src, f) else { continue };
+        let code = code_of(&std::fs::read_to_string(f).unwrap());
+        let e = g.entry(m.clone()).or_default();
+        for c in re.captures_iter(&code) {
+            if c[1] != *m {
+                e.insert(c[1].to_string());
+            }
+        }
+    }
+    let known: BTreeSet<String> = g.keys().cloned().collect();
+    for v in g.values_mut() {
+        v.retain(|x| known.contains(x));
+    }
+    g
+}
+
+/// A cycle of `g` as the modules along it (first = last), or `None`.
+fn find_cycle(g: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
+    // Depth-first search with colours: 1 on the path, 2 done.
+    fn dfs(
+        v: &str,
+        g: &BTreeMap<String, BTreeSet<String>>,
+        colour: &mut BTreeMap<String, u8>,
+        path: &mut Vec<String>,
+    ) -> Option<Vec<String>> {
+        colour.insert(v.to_string(), 1);
+        path.push(v.to_string());
+        for w in g.get(v).into_iter().flatten() {
+            match colour.get(w.as_str()).copied().unwrap_or(0) {
+                1 => {
+                    let at = path.iter().position(|x| x == w).unwrap();
+                    let mut c = path[at..].to_vec();
+                    c.push(w.clone());
+                    return Some(c);
+                }
+                0 => {
+                    if let Some(c) = dfs(w, g, colour, path) {
+                        return Some(c);
+                    }
+                }
+                _ => {}
+            }
+        }
+        path.pop();
+        colour.insert(v.to_string(), 2);
+        None
+    }
+    let mut colour = BTreeMap::new();
+    for v in g.keys() {
+        if colour.get(v.as_str()).copied().unwrap_or(0) == 0 {
+            if let Some(c) = dfs(v, g, &mut colour, &mut Vec::new()) {
+                return Some(c);
+            }
+        }
+    }
+    None
+}
+
+#[test]
+fn no_module_imports_a_module_that_imports_it_back() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let g = module_graph(&src);
+    assert!(g.len() >= 30 && g.contains_key("scenario") && g["run"].contains("pool"), "{g:?}");
+    assert_eq!(find_cycle(&g), None, "an import cycle between kvprobe's modules");
+    // The checker finds a planted cycle: the report naming the run (report → run → report).
+    let mut planted = g.clone();
+    planted.get_mut("report").unwrap().insert("run".into());
+    let c = find_cycle(&planted).expect("the planted cycle is found");
+    assert!(c.contains(&"report".to_string()) && c.first() == c.last(), "{c:?}");
+}
+
+#[test]
+fn the_report_depends_on_nothing_that_drives_a_run() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let g = module_graph(&src);
+    // Everything the report reaches, directly or not.
+    let mut seen = BTreeSet::new();
+    let mut todo = vec!["report".to_string()];
+    while let Some(v) = todo.pop() {
+        for w in &g[&v] {
+            if seen.insert(w.clone()) {
+                todo.push(w.clone());
+            }
+        }
+    }
+    for driver in ["run", "serve", "ab", "bench", "scenario", "peer", "check", "bundle", "inspect"] {
+        assert!(!seen.contains(driver), "report reaches {driver}: {seen:?}");
+    }
+}
+
+#[test]
+fn unsafe_code_is_denied_at_the_crate_roots_and_every_block_says_why() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let lib = std::fs::read_to_string(root.join("src/lib.rs")).unwrap();
+    let main = std::fs::read_to_string(root.join("src/main.rs")).unwrap();
+    assert!(lib.contains("#![deny(unsafe_code)]") && main.contains("#![deny(unsafe_code)]"));
+    assert!(lib.contains("#![deny(clippy::undocumented_unsafe_blocks)]"));
+    // The modules allowed: FFI and OS calls, each allow written on its `mod` line in lib.rs.
+    let allowed: BTreeSet<&str> = lib
+        .lines()
+        .collect::<Vec<_>>()
+        .windows(2)
+        .filter(|w| w[0].starts_with("#[allow(unsafe_code)]"))
+        .filter_map(|w| w[1].strip_prefix("pub mod ").map(|m| m.trim_end_matches(';')))
+        .collect();
+    assert_eq!(allowed, BTreeSet::from(["child", "cuda", "hostmem", "interrupt", "nixl"]));
+}
