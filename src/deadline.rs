@@ -331,7 +331,7 @@ pub fn set_position(it: u32, stage: u32) {
 /// before run unstalled, so that a stall can come after a verified iteration, or after a
 /// verified stage while the next is in flight, whichever thread makes the call. Unset: armed
 /// from the start.
-pub const STALL_FROM_VAR: &str = "KVPROBE_TEST_STALL_FROM_ITERATION";
+pub const STALL_FROM_VAR: &str = crate::test_hooks::STALL_FROM_ITERATION;
 
 /// Points where a test can make a call block (`KVPROBE_TEST_STALL_<NAME>=SECS` in kvprobe,
 /// `KVPROBE_TEST_STALL_AGENT_<NAME>=SECS` in the prefill process of `run --decode-process`;
@@ -366,7 +366,7 @@ impl Stall {
             Stall::Start => "START",
         };
         let agent = if AGENT_PROCESS.load(std::sync::atomic::Ordering::SeqCst) { "AGENT_" } else { "" };
-        format!("KVPROBE_TEST_STALL_{agent}{name}")
+        format!("{}{agent}{name}", crate::test_hooks::STALL_PREFIX)
     }
 
     /// The seconds its variable names (read once per process), if set and armed

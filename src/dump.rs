@@ -122,7 +122,7 @@ pub struct DumpIndex {
 
 /// Test-only fault hook: `KVPROBE_TEST_DUMP_FULL_AFTER=N` makes every slice write after the
 /// first N fail with ENOSPC (a full disk), to show that the dump stops and the run does not.
-pub const FULL_AFTER_VAR: &str = "KVPROBE_TEST_DUMP_FULL_AFTER";
+pub const FULL_AFTER_VAR: &str = crate::test_hooks::DUMP_FULL_AFTER;
 
 fn full_after() -> Option<u64> {
     static N: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();

@@ -74,6 +74,7 @@ pub mod scenario;
 pub mod scratch;
 pub mod serve;
 pub mod sweep;
+pub mod test_hooks;
 pub mod text;
 pub mod tier;
 pub mod transport;

@@ -587,7 +587,7 @@ static DRAINED_SAID: AtomicBool = AtomicBool::new(false);
 /// normal use.
 fn test_unrecallable() -> bool {
     static V: OnceLock<bool> = OnceLock::new();
-    *V.get_or_init(|| std::env::var("KVPROBE_TEST_UNRECALLABLE").is_ok_and(|v| v == "1"))
+    *V.get_or_init(|| crate::test_hooks::on(crate::test_hooks::UNRECALLABLE))
 }
 
 /// Memory `T` (a KV pool) registered with NIXL: the guard owns it, with a share of its

@@ -272,7 +272,7 @@ struct Judged {
 /// Test-only fault hook: `KVPROBE_TEST_VERIFY_SKIP=N` makes every verify pass of a DRAM pool
 /// skip global slice `N` (neither compared nor counted), so a test can show that the run
 /// refuses a verdict whose compared counts fall short of its plan (exit 3).
-pub const VERIFY_SKIP_VAR: &str = "KVPROBE_TEST_VERIFY_SKIP";
+pub const VERIFY_SKIP_VAR: &str = crate::test_hooks::VERIFY_SKIP;
 
 fn verify_skip() -> Option<u32> {
     static V: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();

@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 /// instead of `/sys`, so the CLI can be tested against a constructed tree. Under it, GPUs
 /// come from that tree (vendor/class), not from CUDA, whose addresses belong to the real
 /// machine. Not for production use.
-pub const TEST_SYSFS_ENV: &str = "KVPROBE_TEST_SYSFS_ROOT";
+pub const TEST_SYSFS_ENV: &str = crate::test_hooks::SYSFS_ROOT;
 
 /// The `UCX_TLS` kvprobe suggests with a pinned RDMA device: rc over the NIC, cuda_copy
 /// (staging and small copies), cuda_ipc (GPUs of the same host).

@@ -813,7 +813,7 @@ enum Staged {
 /// WRITE posted only after decode verified the stage), as a transport that notifies before
 /// the data has landed would. Decode verifies on the notification, so every slice of
 /// iteration N must be reported `unwritten` (exit 1). WRITE only.
-pub const EARLY_NOTIFY_VAR: &str = "KVPROBE_TEST_EARLY_NOTIFY";
+pub const EARLY_NOTIFY_VAR: &str = crate::test_hooks::EARLY_NOTIFY;
 
 /// Test-only fault hook: `KVPROBE_TEST_LATE_WRITE=WHEN:N` writes into decode's pool (TP
 /// rank 0) in sweep iteration N, as data landing after the verify pass judged it would:
@@ -824,7 +824,7 @@ pub const EARLY_NOTIFY_VAR: &str = "KVPROBE_TEST_EARLY_NOTIFY";
 /// verify (and classification) and the re-poison, or after the last iteration's verify (the
 /// slice must come out `stray`, `stray_check` `reverify`). Errors (usage, exit 2): a value
 /// of another form.
-pub const LATE_WRITE_VAR: &str = "KVPROBE_TEST_LATE_WRITE";
+pub const LATE_WRITE_VAR: &str = crate::test_hooks::LATE_WRITE;
 
 /// Where [`LATE_WRITE_VAR`] writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -887,7 +887,7 @@ fn early_notify_fault(op: Op) -> Result<Option<u32>> {
 /// `foreign` replaces the delivered bytes with another block's rows. The slice stays `torn`,
 /// but not the predicted bytes: each must count as an unexpected failure and its injection
 /// as not detected as predicted (exit 1).
-pub const DAMAGE_TORN_VAR: &str = "KVPROBE_TEST_DAMAGE_TORN";
+pub const DAMAGE_TORN_VAR: &str = crate::test_hooks::DAMAGE_TORN;
 
 /// The damage of [`DAMAGE_TORN_VAR`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

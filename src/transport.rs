@@ -761,7 +761,7 @@ pub fn indices(
 /// descriptors one region further than the addresses it sent (as a wrong exchange would
 /// name them), so tests can show `checkRemoteMD` refuses them. Never set in normal use.
 fn test_wrong_peer_bases() -> bool {
-    std::env::var("KVPROBE_TEST_WRONG_PEER_BASES").is_ok_and(|v| v == "1")
+    crate::test_hooks::on(crate::test_hooks::WRONG_PEER_BASES)
 }
 
 /// The role that posts requests for `op` (decode for READ, prefill for WRITE) and the other.

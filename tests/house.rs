@@ -103,10 +103,10 @@ fn find_cycle(g: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
     }
     let mut colour = BTreeMap::new();
     for v in g.keys() {
-        if colour.get(v.as_str()).copied().unwrap_or(0) == 0 {
-            if let Some(c) = dfs(v, g, &mut colour, &mut Vec::new()) {
-                return Some(c);
-            }
+        if colour.get(v.as_str()).copied().unwrap_or(0) == 0
+            && let Some(c) = dfs(v, g, &mut colour, &mut Vec::new())
+        {
+            return Some(c);
         }
     }
     None
@@ -160,4 +160,35 @@ fn unsafe_code_is_denied_at_the_crate_roots_and_every_block_says_why() {
         .filter_map(|w| w[1].strip_prefix("pub mod ").map(|m| m.trim_end_matches(';')))
         .collect();
     assert_eq!(allowed, BTreeSet::from(["child", "cuda", "hostmem", "interrupt", "nixl"]));
+}
+
+/// The `KVPROBE_TEST_*` string literals of `text`'s code (comments left out).
+fn test_hook_literals(text: &str) -> Vec<String> {
+    let re = regex::Regex::new(r#""(KVPROBE_TEST_[A-Z_]*)"#).unwrap();
+    re.captures_iter(&code_of(text)).map(|c| c[1].to_string()).collect()
+}
+
+#[test]
+fn every_test_hook_is_named_in_the_registry_only() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    let registry = src.join("test_hooks.rs");
+    for f in &files {
+        if *f != registry {
+            let found = test_hook_literals(&std::fs::read_to_string(f).unwrap());
+            assert!(found.is_empty(), "{}: names {found:?} outside src/test_hooks.rs", f.display());
+        }
+    }
+    // The registry lists each name it defines, and documents each in its table.
+    let text = std::fs::read_to_string(&registry).unwrap();
+    let defined: BTreeSet<String> = test_hook_literals(&text).into_iter().collect();
+    let listed: BTreeSet<String> = kvprobe::test_hooks::ALL.iter().map(|s| s.to_string()).collect();
+    assert_eq!(defined, listed);
+    for name in &listed {
+        let stem = name.trim_end_matches('_');
+        assert!(text.lines().any(|l| l.starts_with("//! | `") && l.contains(stem)), "{name} not in the table");
+    }
+    // The checker sees a planted literal.
+    assert_eq!(test_hook_literals("let v = std::env::var(\"KVPROBE_TEST_NEW\"); // \"KVPROBE_TEST_NOT\""), ["KVPROBE_TEST_NEW"]);
 }

@@ -151,8 +151,7 @@ pub const START_BOUND: Duration = Duration::from_secs(120);
 /// Test-only: `KVPROBE_TEST_AGENT_START_SECS=SECS` replaces [`START_BOUND`], so a test of a
 /// child that never becomes ready does not take two minutes. Never set in normal use.
 fn start_bound() -> Duration {
-    std::env::var("KVPROBE_TEST_AGENT_START_SECS")
-        .ok()
+    crate::test_hooks::value(crate::test_hooks::AGENT_START_SECS)
         .and_then(|v| v.trim().parse::<f64>().ok())
         .and_then(|s| Duration::try_from_secs_f64(s).ok())
         .unwrap_or(START_BOUND)
