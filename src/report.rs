@@ -576,6 +576,26 @@ pub struct ScenarioReport {
 }
 
 impl Report {
+    /// A report with no results yet, started now: `config` as the run resolved it (JSON;
+    /// `Null` for a session refused before its configuration was known), status `running`,
+    /// exit code 0 until [`Report::finish`].
+    pub fn start(config: serde_json::Value) -> Report {
+        Report {
+            schema: SCHEMA.to_string(),
+            started_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+            config,
+            environment: None,
+            summary: Summary::new(),
+            failures: Vec::new(),
+            injections: Vec::new(),
+            scenario: None,
+            dump: None,
+            peer: None,
+            matrix: None,
+            outcome: Outcome { exit_code: 0, status: "running".into(), error: None },
+        }
+    }
+
     /// Sets the outcome from the final exit code and error.
     pub fn finish(&mut self, exit: Exit, error: Option<&Error>) {
         self.outcome = Outcome::of(exit, error);

@@ -14,7 +14,7 @@ use crate::error::{Error, Exit, Result};
 use crate::fingerprint;
 use crate::geometry::SliceCoord;
 use crate::pool::{KvPool, MemoryKind};
-use crate::report::{Failure, InjectionRecord, IterationTimes, Outcome, PredictedHit, Report, Summary};
+use crate::report::{Failure, InjectionRecord, IterationTimes, PredictedHit, Report};
 use crate::scenario::config::Progress;
 use crate::sweep::{
     Plan, RunConfig, backend_refusal, build_decode_pool, build_pools, build_prefill_pool, check_config, check_host_memory, plan,
@@ -515,20 +515,7 @@ pub fn failed_report(cfg: &RunConfig, e: &Error) -> Report {
 
 /// A report with no results yet (status "running").
 pub(crate) fn empty_report(cfg: &RunConfig) -> Report {
-    Report {
-        schema: crate::report::SCHEMA.to_string(),
-        started_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
-        config: serde_json::to_value(cfg).unwrap_or(serde_json::Value::Null),
-        environment: None,
-        summary: Summary::new(),
-        failures: Vec::new(),
-        injections: Vec::new(),
-        scenario: None,
-        dump: None,
-        peer: None,
-        matrix: None,
-        outcome: Outcome { exit_code: 0, status: "running".into(), error: None },
-    }
+    Report::start(serde_json::to_value(cfg).unwrap_or(serde_json::Value::Null))
 }
 
 /// The report to write when a call blocked past its deadline (`e`, a timeout) and the run

@@ -283,20 +283,7 @@ pub fn serve_in_process(cfg: &ServeConfig, stream: std::os::unix::net::UnixStrea
 
 /// A report for a session refused before its configuration was known.
 fn refused_report(e: &Error) -> Report {
-    let mut r = Report {
-        schema: crate::report::SCHEMA.to_string(),
-        started_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
-        config: serde_json::Value::Null,
-        environment: None,
-        summary: crate::report::Summary::new(),
-        failures: Vec::new(),
-        injections: Vec::new(),
-        scenario: None,
-        dump: None,
-        peer: None,
-        matrix: None,
-        outcome: crate::report::Outcome { exit_code: 0, status: "running".into(), error: None },
-    };
+    let mut r = Report::start(serde_json::Value::Null);
     r.finish(e.exit(), Some(e));
     r
 }
