@@ -192,3 +192,11 @@ fn every_test_hook_is_named_in_the_registry_only() {
     // The checker sees a planted literal.
     assert_eq!(test_hook_literals("let v = std::env::var(\"KVPROBE_TEST_NEW\"); // \"KVPROBE_TEST_NOT\""), ["KVPROBE_TEST_NEW"]);
 }
+
+#[test]
+fn main_rs_is_thin() {
+    // Parse, set the environment, dispatch, exit: the subcommands live in src/cli/.
+    let main = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("src/main.rs")).unwrap();
+    assert!(main.lines().count() <= 250, "src/main.rs has {} lines", main.lines().count());
+    assert!(main.contains("mod cli;"));
+}
