@@ -135,11 +135,5 @@ impl Error {
     }
 }
 
-impl From<crate::geometry::GeometryError> for Error {
-    fn from(e: crate::geometry::GeometryError) -> Self {
-        Error::Usage(e.to_string())
-    }
-}
-
 /// Result with [`Error`].
 pub type Result<T> = std::result::Result<T, Error>;

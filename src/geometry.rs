@@ -398,3 +398,10 @@ impl Preset {
         }
     }
 }
+
+/// A geometry kvprobe cannot lay out is a usage error (exit 2).
+impl From<GeometryError> for crate::error::Error {
+    fn from(e: GeometryError) -> Self {
+        crate::error::Error::Usage(e.to_string())
+    }
+}

@@ -1,33 +1,30 @@
 //! kvprobe: proves that KV-cache blocks moved between a prefill and a decode engine arrive
 //! intact.
 //!
-//! The pipeline, one module per stage, each depending only on the ones before it (no import
-//! cycles):
-//! [`geometry`] (vLLM paged layout, block slices, descriptors) →
-//! [`fingerprint`] (what every byte must be; shared with the CUDA kernels) →
-//! [`pairing`] (how two sides that differ in layout or block size line up) →
-//! [`pool`] (fill / poison / verify on VRAM or DRAM) →
-//! [`transport`] (prefill and decode NIXL roles; [`ucx`] reads which path UCX chose) and
-//! [`peer`] (the protocol between a decode and a prefill side: in-process, child or remote;
-//! a sweep's requests, or a scenario's steps between its two engines) →
-//! [`tier`] / [`race`] (a KV tier on the same blocks, and the orderings between them) →
-//! [`scenario`] (request load: scheduler, connectors, shadow, the prefill engine and the
-//! decode engine, which talk only by messages) over a [`workload`] →
-//! [`inject`] (faults planted through the real path) →
-//! [`verify`] (classifying corrupt slices) →
-//! [`report`] (versioned JSON and the human summary; it depends on nothing that drives a run).
-//! The drivers sit on top: [`sweep`] (the whole-pool sweep's plan, shared by both roles),
-//! [`serve`] (the prefill side: a sweep's fills, or a scenario's prefill engine), [`run`] (the
-//! decode side: one scenario or the sweep),
-//! [`ab`] (the isolation matrix) and [`bench`](mod@bench) (the probe's own speed against same-run
-//! ceilings). [`deadline`] bounds every wait of a run (`--timeout`) and ends a run whose call
-//! never returns. [`scratch`] keeps the files kvprobe needs while it runs in private
-//! directories that never outlive it. [`capture`] writes a bundle's environment capture and
-//! [`redact`] its `--redact` replacements; [`units`] words byte counts; [`text`] escapes text
-//! that came from outside (a peer, a foreign report) before it reaches a terminal.
+//! The modules stand on floors ([`FLOORS`], lowest first); a module imports only modules of
+//! its own floor or the floors below it, and no two modules import each other, directly or
+//! not (`tests/house.rs` reads every `crate::` path of `src/` and holds both rules):
 //!
-//! `unsafe` lives only in the fenced FFI modules [`cuda`], [`hostmem`], [`nixl`], [`child`],
-//! [`interrupt`] (the signal handler) and the C bridge inside [`fingerprint`].
+//! | floor | modules | concern |
+//! |---|---|---|
+//! | sys | [`error`], [`child`], [`interrupt`], [`scratch`], [`deadline`], [`hostmem`], [`units`], [`text`], [`par`], [`phase`], [`test_hooks`] | the process: errors and exit codes, children, signals, temporary files, deadlines, host memory, CPU threads, progress phases, test hooks |
+//! | core | [`geometry`], [`model_config`], [`fingerprint`], [`pairing`], [`verify`], [`inject`], [`race`], [`workload`] | what a KV cache is and what every byte must be: vLLM's paged layout, a model's KV cache, the fingerprint (shared with the CUDA kernels), two sides that differ, classification, injections, the race vocabulary, the request load |
+//! | gpu | [`cuda`] | CUDA devices, memory, kernels |
+//! | mem | [`pool`], [`tier`], [`mooncake`] | KV cache pools on VRAM or DRAM, the KV tier, Mooncake Store |
+//! | xfer | [`nixl`], [`transport`], [`ucx`], [`rdma`] | NIXL agents and requests, prefill and decode roles, which path UCX chose, RDMA NICs |
+//! | env | [`envinfo`] | the environment a run records |
+//! | report | [`report`], [`junit`], [`dump`] | the versioned JSON report, JUnit, `--dump` (nothing that drives a run) |
+//! | peer | [`peer`] | the protocol between decode and a prefill side (it carries data and knows no engine) |
+//! | scenario | [`scenario`] | request-level load: scheduler, connectors, shadow, the two engines |
+//! | sweep | [`sweep`] | the whole-pool sweep's configuration and plan |
+//! | drive | [`run`], [`serve`], [`ab`], [`bench`](mod@bench) | decode's side, prefill's side, the isolation matrix, the probe's own speed |
+//! | evidence | [`bundle`], [`check`], [`inspect`], [`capture`], [`redact`] | bundles, `report check`, `report show/diff`, the environment capture, `--redact` |
+//!
+//! The binary's command line (`src/main.rs`, `src/cli/`) stands on all of them.
+//!
+//! `unsafe` lives only in the FFI and OS modules [`cuda`], [`hostmem`], [`nixl`], [`child`],
+//! [`interrupt`] (the signal handler) and the C bridge inside [`fingerprint`]: the crate
+//! denies it everywhere else.
 #![deny(missing_docs)]
 // Unsafe code only where the compiler is told it may be (the FFI and OS modules below, and the
 // C bridge's calls in `fingerprint`), each block with a `// SAFETY:` comment.
@@ -101,3 +98,20 @@ macro_rules! trace {
         }
     };
 }
+
+/// The floors of the modules, lowest first: (floor, its modules). A module imports only
+/// modules of its own floor or below (the table above; `tests/house.rs`).
+pub const FLOORS: &[(&str, &[&str])] = &[
+    ("sys", &["error", "child", "interrupt", "scratch", "deadline", "hostmem", "units", "text", "par", "phase", "test_hooks"]),
+    ("core", &["geometry", "model_config", "fingerprint", "pairing", "verify", "inject", "race", "workload"]),
+    ("gpu", &["cuda"]),
+    ("mem", &["pool", "tier", "mooncake"]),
+    ("xfer", &["nixl", "transport", "ucx", "rdma"]),
+    ("env", &["envinfo"]),
+    ("report", &["report", "junit", "dump"]),
+    ("peer", &["peer"]),
+    ("scenario", &["scenario"]),
+    ("sweep", &["sweep"]),
+    ("drive", &["run", "serve", "ab", "bench"]),
+    ("evidence", &["bundle", "check", "inspect", "capture", "redact"]),
+];

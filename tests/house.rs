@@ -200,3 +200,36 @@ fn main_rs_is_thin() {
     assert!(main.lines().count() <= 250, "src/main.rs has {} lines", main.lines().count());
     assert!(main.contains("mod cli;"));
 }
+
+/// The imports of `g` that run up a floor of `floors`: (module, module it imports).
+fn upward(g: &BTreeMap<String, BTreeSet<String>>, floors: &[(&str, &[&str])]) -> Vec<(String, String)> {
+    let floor: BTreeMap<&str, usize> =
+        floors.iter().enumerate().flat_map(|(i, (_, ms))| ms.iter().map(move |m| (*m, i))).collect();
+    let mut up = Vec::new();
+    for (a, bs) in g {
+        for b in bs {
+            if floor[a.as_str()] < floor[b.as_str()] {
+                up.push((a.clone(), b.clone()));
+            }
+        }
+    }
+    up
+}
+
+#[test]
+fn every_module_stands_on_a_floor_and_imports_nothing_above_it() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut g = module_graph(&src);
+    g.remove("cli"); // the binary's command line stands on every floor
+    let floors = kvprobe::FLOORS;
+    let assigned: Vec<&str> = floors.iter().flat_map(|(_, ms)| ms.iter().copied()).collect();
+    let unique: BTreeSet<&str> = assigned.iter().copied().collect();
+    assert_eq!(unique.len(), assigned.len(), "a module on two floors: {assigned:?}");
+    let modules: BTreeSet<&str> = g.keys().map(String::as_str).collect();
+    assert_eq!(modules, unique, "every module of src/ on exactly one floor of kvprobe::FLOORS");
+    assert_eq!(upward(&g, floors), Vec::<(String, String)>::new(), "imports running up a floor");
+    // A planted upward import is found: the fingerprint (core) naming the pool (mem).
+    let mut planted = g.clone();
+    planted.get_mut("fingerprint").unwrap().insert("pool".into());
+    assert_eq!(upward(&planted, floors), [("fingerprint".to_string(), "pool".to_string())]);
+}
