@@ -16,13 +16,16 @@ fn main() {
     let matches = cmd.get_matches();
     // Flags typed on the command line (not defaults): load flags make no sense in a sweep,
     // nor sweep flags in a scenario.
-    let typed: Vec<&'static str> = match matches.subcommand() {
-        Some(("run", m)) => typed_flags(m, LOAD_FLAGS.iter().chain(SWEEP_FLAGS).chain(PEER_FLAGS).chain(DEVICE_FLAGS)),
+    let typed: Vec<String> = match matches.subcommand() {
+        Some(("run", m)) => {
+            typed_flags(m, [group_ids("run", "LoadArgs"), group_ids("run", "sweep"), group_ids("run", "device")].concat())
+        }
         // A GPU typed with --memory dram is refused even when it is the default one.
-        Some(("bench" | "serve", m)) => typed_flags(m, ["device"].iter()),
-        Some(("ab", m)) => typed_flags(m, PEER_FLAGS.iter().chain(DEVICE_FLAGS)),
+        Some(("bench" | "serve", m)) => typed_flags(m, ["device".to_string()]),
+        Some(("ab", m)) => typed_flags(m, group_ids("ab", "device")),
         _ => Vec::new(),
     };
+    let typed: Vec<&str> = typed.iter().map(String::as_str).collect();
     let cli = match Cli::from_arg_matches(&matches) {
         Ok(c) => c,
         Err(e) => e.exit(),

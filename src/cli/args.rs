@@ -177,15 +177,16 @@ impl GeometryArgs {
 
 #[derive(Args)]
 #[command(next_help_heading = "Pools and transport")]
+#[command(group(clap::ArgGroup::new("device").multiple(true)))]
 pub(crate) struct PoolArgs {
     /// Pool memory: vram (GPU) or dram (host). Default: vram when a GPU is present, else dram.
     #[arg(long, value_enum)]
     pub(crate) memory: Option<MemoryKind>,
     /// GPU holding the prefill pool; with --prefill-tp, one GPU per rank as a comma list (rank 0 first; one GPU: every rank shares it).
-    #[arg(long, default_value = "0", value_delimiter = ',', num_args = 1)]
+    #[arg(group = "device", long, default_value = "0", value_delimiter = ',', num_args = 1)]
     pub(crate) prefill_device: Vec<usize>,
     /// GPU holding the decode pool; with --decode-tp, one GPU per rank as a comma list (rank 0 first; one GPU: every rank shares it).
-    #[arg(long, default_value = "0", value_delimiter = ',', num_args = 1)]
+    #[arg(group = "device", long, default_value = "0", value_delimiter = ',', num_args = 1)]
     pub(crate) decode_device: Vec<usize>,
     #[command(flatten)]
     pub(crate) geo: GeometryArgs,
@@ -333,6 +334,7 @@ impl PeerArgs {
 }
 
 #[derive(Args)]
+#[command(group(clap::ArgGroup::new("sweep").multiple(true)))]
 pub(crate) struct RunArgs {
     #[command(flatten)]
     pub(crate) pool: PoolArgs,
@@ -340,16 +342,16 @@ pub(crate) struct RunArgs {
     #[arg(long, value_enum, default_value = "read")]
     pub(crate) op: Op,
     /// Sweep iterations (each: refill, re-poison, transfer, verify everything).
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, group = "sweep", default_value_t = 5)]
     pub(crate) iterations: u32,
     /// Sweep: blocks per NIXL descriptor. The block map moves runs of N consecutive blocks together and each run's contiguous slices travel as one descriptor; 1 = vLLM NixlConnector's per-block descriptors. Must divide the number of blocks.
-    #[arg(long, default_value_t = 1, value_name = "N")]
+    #[arg(long, group = "sweep", default_value_t = 1, value_name = "N")]
     pub(crate) descriptor_blocks: u32,
     /// Sweep: pipeline stages (consecutive layer ranges, one NIXL request each; while one is in flight the finished ones are verified, refilled and re-poisoned). Default: 8 with VRAM pools on two GPUs (the passes use each GPU's memory while the transfer uses the link), else 1 (the transfer measured alone: on one GPU the passes compete with it for memory bandwidth and slow it by more than they hide; bench/NOTES.md); more when a stage would exceed 65536 descriptors; at most the number of layers.
-    #[arg(long, value_name = "N")]
+    #[arg(long, group = "sweep", value_name = "N")]
     pub(crate) pipeline_stages: Option<u32>,
     /// Sweep: run the two NIXL agents in two kvprobe processes (as vLLM's engines run), so UCX sees two processes (cuda_ipc between them on VRAM). kvprobe stays decode; prefill's agent and pool (on --memory and --prefill-device) live in a child `kvprobe serve`, driven over the same protocol as --peer.
-    #[arg(long)]
+    #[arg(long, group = "sweep")]
     pub(crate) decode_process: bool,
     /// Sweep: plant a fault per iteration: bitflip, drop, misroute, stale, torn, stray (a write into another
     /// pipeline stage's slot; needs --pipeline-stages 3 or more), head-offset or token-offset (a slice's rows moved one
@@ -360,19 +362,19 @@ pub(crate) struct RunArgs {
     #[arg(long)]
     pub(crate) min_gbps: Option<f64>,
     /// Sweep: decode's KV-cache layout when it differs from prefill's (--layout). The bytes travel verbatim (vLLM's NixlConnector); without --permute-local-kv an NHD/HND pair holds the right rows at the wrong positions (class layout, exit 1).
-    #[arg(long, value_enum, value_name = "LAYOUT")]
+    #[arg(long, group = "sweep", value_enum, value_name = "LAYOUT")]
     pub(crate) decode_layout: Option<kvprobe::geometry::Layout>,
     /// Sweep: decode's tokens per block when they differ from prefill's (--block-size); one must be a multiple of the other, and decode's pool holds prefill's tokens (--blocks × prefill's / decode's block size). Decode blocks a multiple of prefill's follow vLLM (block_size_ratio); prefill blocks cut into smaller decode blocks are kvprobe's own rule (vLLM refuses them).
-    #[arg(long, value_name = "TOKENS")]
+    #[arg(long, group = "sweep", value_name = "TOKENS")]
     pub(crate) decode_block_size: Option<u32>,
     /// Sweep: decode converts each received slice from prefill's layout into its own, as vLLM's enable_permute_local_kv (kv_postprocess_layout_on_receive).
-    #[arg(long)]
+    #[arg(long, group = "sweep")]
     pub(crate) permute_local_kv: bool,
     /// Sweep: prefill's tensor-parallel size: one NIXL agent and pool per TP rank, each holding its KV heads (the geometry's --kv-heads, or the model's, are the model's total; above the KV heads each head is replicated, as vLLM's get_num_kv_heads). Decode's ranks read by vLLM NixlConnector's TP rules.
-    #[arg(long, value_name = "N")]
+    #[arg(long, group = "sweep", value_name = "N")]
     pub(crate) prefill_tp: Option<u32>,
     /// Sweep: decode's tensor-parallel size (see --prefill-tp).
-    #[arg(long, value_name = "N")]
+    #[arg(long, group = "sweep", value_name = "N")]
     pub(crate) decode_tp: Option<u32>,
     #[command(flatten)]
     pub(crate) pair: PeerArgs,
@@ -439,47 +441,17 @@ pub(crate) struct AbArgs {
     pub(crate) scenario: Option<String>,
 }
 
-/// `run` flags that shape a request-level load (clap ids).
-pub(crate) const LOAD_FLAGS: &[&str] = &[
-    "requests",
-    "duration",
-    "concurrency",
-    "prompt_blocks",
-    "prefix_share",
-    "abort_rate",
-    "tier",
-    "tier_blocks",
-    "mooncake_master",
-    "mooncake_metadata",
-    "interval",
-    "lockstep",
-    "checkpoint",
-    "lease",
-    "decode_delay",
-    "preempt_rate",
-    "fail_rate",
-    "host_staging",
-];
-
-/// `run` flags of the whole-pool sweep only.
-pub(crate) const SWEEP_FLAGS: &[&str] = &[
-    "iterations",
-    "descriptor_blocks",
-    "pipeline_stages",
-    "decode_process",
-    "decode_layout",
-    "decode_block_size",
-    "permute_local_kv",
-    "prefill_tp",
-    "decode_tp",
-];
-
-/// `run` flags whose use `--peer` checks (clap ids).
-pub(crate) const PEER_FLAGS: &[&str] = &["prefill_device"];
-
-/// Flags whose presence on the command line matters though they have defaults (a GPU with
-/// `--memory dram` is refused even when it is the default one).
-pub(crate) const DEVICE_FLAGS: &[&str] = &["prefill_device", "decode_device"];
+/// The clap ids of the flags in `group` of subcommand `sub`, as the flags' own attributes
+/// define them: `LoadArgs` (every request-load flag: clap's group of that struct), `sweep`
+/// (flags of the whole-pool sweep only, `group = "sweep"` on `RunArgs`), `device` (the GPUs
+/// of the two pools, `group = "device"` on `PoolArgs`).
+pub(crate) fn group_ids(sub: &str, group: &str) -> Vec<String> {
+    // Built, so that each flag's `group = ...` is listed in its group.
+    let mut cmd = <Cli as clap::CommandFactory>::command();
+    cmd.build();
+    let Some(c) = cmd.find_subcommand(sub) else { return Vec::new() };
+    c.get_groups().filter(|g| g.get_id() == group).flat_map(|g| g.get_args().map(|a| a.to_string())).collect()
+}
 
 /// Parses `--backend-param KEY=VALUE` (a non-empty key of letters, digits and `_`; the
 /// value may be empty and may hold `=`).
@@ -682,7 +654,8 @@ impl RunArgs {
         };
         match scenario {
             Some(s) => {
-                if let Some(f) = typed.iter().find(|f| SWEEP_FLAGS.contains(f)) {
+                let sweep = group_ids("run", "sweep");
+                if let Some(f) = typed.iter().find(|f| sweep.iter().any(|s| s == *f)) {
                     return Err(Error::Usage(format!(
                         "{} applies to the whole-pool sweep; a scenario runs --requests or --duration",
                         flag(f)
@@ -704,7 +677,8 @@ impl RunArgs {
                 });
             }
             None => {
-                if let Some(f) = typed.iter().find(|f| LOAD_FLAGS.contains(f)) {
+                let load = group_ids("run", "LoadArgs");
+                if let Some(f) = typed.iter().find(|f| load.iter().any(|s| s == *f)) {
                     return Err(Error::Usage(format!(
                         "{} shapes a request-level load: add --scenario {} (or --race)",
                         flag(f),

@@ -26,8 +26,8 @@ pub(crate) fn json_named(report: &Option<PathBuf>, bundle: &Option<PathBuf>) -> 
 }
 
 /// The clap ids among `flags` that were typed on the command line (not defaults).
-pub(crate) fn typed_flags<'a>(m: &clap::ArgMatches, flags: impl Iterator<Item = &'a &'static str>) -> Vec<&'static str> {
-    flags.copied().filter(|f| m.value_source(f) == Some(clap::parser::ValueSource::CommandLine)).collect()
+pub(crate) fn typed_flags(m: &clap::ArgMatches, flags: impl IntoIterator<Item = String>) -> Vec<String> {
+    flags.into_iter().filter(|f| m.value_source(f) == Some(clap::parser::ValueSource::CommandLine)).collect()
 }
 
 /// True when a `--report`/`--json` path is `-`: the JSON goes to stdout.
