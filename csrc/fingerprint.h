@@ -42,7 +42,7 @@ typedef uint64_t kvp_u64;
 /* A table entry whose generation is KVP_SKIP_GEN is neither filled nor verified. */
 #define KVP_SKIP_GEN 0xFFFFFFFFu
 
-/* Layouts of a layer's region (see src/geometry.rs for the vLLM shapes). */
+/* Layouts of a layer's region (see src/core/geometry.rs for the vLLM shapes). */
 #define KVP_LAYOUT_NHD 0u /* (2, num_blocks, ...): slice q = kv * num_blocks + block */
 #define KVP_LAYOUT_HND 1u /* (num_blocks, 2, ...): slice q = block * 2 + kv        */
 #define KVP_LAYOUT_MLA 2u /* (num_blocks, ...):    slice q = block, kv = 2         */
@@ -110,7 +110,7 @@ KVP_FN void kvp_slice_coords(kvp_u32 layout, kvp_u32 num_blocks, kvp_u32 q, kvp_
  * (before tensor parallelism splits the heads; MLA: 0).
  *
  * A block slice holds block_size * heads rows in the order of its layout (the vLLM tensor
- * shapes in src/geometry.rs): NHD [token][head] (row r = t * heads + h), HND [head][token]
+ * shapes in src/core/geometry.rs): NHD [token][head] (row r = t * heads + h), HND [head][token]
  * (r = h * block_size + t), MLA [token] (r = t, head 0). A slice's rows name tokens
  * token_base + t and heads head_base + h: a decode block that holds part of a larger prefill
  * block, or a TP rank holding heads head_base.., names the rows it must hold.

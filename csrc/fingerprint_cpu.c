@@ -69,7 +69,7 @@ uint64_t kvp_cpu_check_poison(const uint8_t *src, uint64_t len, uint32_t slot, u
 /* ---- A slice of head rows (fingerprint.h, "The rows") ---- */
 
 /* A block slice's rows: what it must hold and in which order (layout shared with
- * src/fingerprint.rs, SliceRows and RowShape). The slice is block_size * heads * row_bytes long. */
+ * src/core/fingerprint.rs, SliceRows and RowShape). The slice is block_size * heads * row_bytes long. */
 typedef struct {
     uint32_t block, layer, kv, gen; /* logical block, layer, 0 K / 1 V / 2 latent, generation */
     uint32_t token_base, head_base; /* the first row's token in the logical block, global head */

@@ -1,7 +1,7 @@
 /*
  * kvprobe CUDA kernels: fill, poison, verify and poison-check the block slices of a range of layers, and
  * rearrange the head rows of received slices (decode's conversion on receive, kvp_permute_rows).
- * Compiled at run time by NVRTC with fingerprint.h prepended (src/fingerprint.rs,
+ * Compiled at run time by NVRTC with fingerprint.h prepended (src/core/fingerprint.rs,
  * KERNEL_SOURCE), so the kernels and the CPU reference share one definition.
  *
  * Every kernel but kvp_permute_rows runs over the regions of layers layer0 .. layer0 +
@@ -16,7 +16,7 @@
  * in flight at once (verify: streaming loads, __ldcs, the bytes are read once). Measured on an
  * H200 (bench/NOTES.md, v8): 32 KiB parts and streaming loads took verify from 0.96 to 0.98 of
  * the copy ceiling. `table[block]` = {logical block id, generation, token_base, 0} names what a
- * slot must hold. src/cuda.rs computes the same part count (PART_CHUNKS) for grids and the
+ * slot must hold. src/gpu/cuda.rs computes the same part count (PART_CHUNKS) for grids and the
  * failure list.
  *
  * Rows (fingerprint.h, "The rows"): chunk c of a slice is chunk w = c % rc of row r = c / rc,
@@ -29,7 +29,7 @@
 #include "fingerprint.h"
 #endif
 
-/* One failing slice, appended by kvp_verify (layout shared with src/cuda.rs). */
+/* One failing slice, appended by kvp_verify (layout shared with src/gpu/cuda.rs). */
 struct kvp_fail {
     unsigned int slice;     /* global slice index */
     unsigned int bad_bytes; /* bytes that differ from the fingerprint */
@@ -44,7 +44,7 @@ struct kvp_fail {
 
 /* Slots of kvp_verify's compared-work counters: thread block b adds to slot b % KVP_CMP_SLOTS
  * (spreads the atomics over addresses); each slot is {slices, bytes} as two u64, the host
- * sums them (src/cuda.rs CMP_SLOTS). */
+ * sums them (src/gpu/cuda.rs CMP_SLOTS). */
 #define KVP_CMP_SLOTS 256u
 
 __device__ __forceinline__ unsigned kvp_parts(unsigned chunks) { return (chunks + KVP_PART_CHUNKS - 1u) / KVP_PART_CHUNKS; }
@@ -61,7 +61,7 @@ __device__ __forceinline__ void kvp_item(unsigned long long it, unsigned layer0,
     *c0 = (unsigned)(rest % parts) * KVP_PART_CHUNKS;
 }
 
-/* How a region's slices are cut into rows (kernel parameters, src/cuda.rs RegionArgs). */
+/* How a region's slices are cut into rows (kernel parameters, src/gpu/cuda.rs RegionArgs). */
 struct kvp_rows {
     unsigned rc;         /* chunks per row: row_bytes / 16, at least 2 */
     unsigned heads;      /* head positions per slice */
@@ -208,7 +208,7 @@ __device__ __forceinline__ unsigned kvp_append_fail(kvp_fail *fails, unsigned *c
  * first bad byte within the slice) — the host merges the parts of a slice. The fast path
  * only ORs the differences; a part that differs is counted again byte by byte. `fails` holds
  * `fail_cap` records: a record past it is not written, but `fail_count` still counts it, so
- * the host sees the overflow (src/pool.rs treats `*fail_count > fail_cap` as a device error).
+ * the host sees the overflow (src/mem/pool.rs treats `*fail_count > fail_cap` as a device error).
  * What was compared is counted as it is compared, not derived from the geometry: each thread
  * block counts the 16-byte chunks of every part its loop compared (the loop's bounds), and a
  * slice once when its part 0 was compared; at the end the block adds its sums (two global
@@ -362,7 +362,7 @@ extern "C" __global__ void kvp_check_poison(const unsigned long long *bases, uns
     if (threadIdx.x == 0 && my_slices) atomicAdd(checked, (unsigned long long)my_slices);
 }
 
-/* Decode's conversion on receive (src/run.rs, src/pairing Sides::row_permutation): writes into
+/* Decode's conversion on receive (src/drive/run.rs, src/pairing Sides::row_permutation): writes into
  * `dst` the `num_slices` consecutive slices that start at `src` (one layer region's), each with
  * its head rows rearranged: chunk w of row r comes from chunk w of row perm[r] of the same slice
  * (`row_chunks` 16-byte chunks per row, `slice_chunks` per slice). Poison needs no care: a

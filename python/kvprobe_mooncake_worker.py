@@ -2,7 +2,7 @@
 
 Mooncake exports no C API in its released packages, so kvprobe runs this program in the
 Mooncake virtual environment and talks to it over stdin/stdout, one JSON object per line
-(protocol `kvprobe-mooncake/1`, src/mooncake.rs is the other end):
+(protocol `kvprobe-mooncake/1`, src/mem/mooncake.rs is the other end):
 
   request:  {"v": 1, "id": N, "op": OP, ...arguments}
   reply:    {"v": 1, "id": N, "ok": true, ...results}  or  {"v": 1, "id": N, "ok": false, "error": TEXT}

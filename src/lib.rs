@@ -20,7 +20,9 @@
 //! | drive | [`run`], [`serve`], [`ab`], [`bench`](mod@bench) | decode's side, prefill's side, the isolation matrix, the probe's own speed |
 //! | evidence | [`bundle`], [`check`], [`inspect`], [`capture`], [`redact`] | bundles, `report check`, `report show/diff`, the environment capture, `--redact` |
 //!
-//! The binary's command line (`src/main.rs`, `src/cli/`) stands on all of them.
+//! Each floor is a folder of `src/` (a module of the same name); every module is also
+//! re-exported here under its own name (`crate::geometry` is [`core::geometry`]). The binary's
+//! command line (`src/main.rs`, `src/cli/`) stands on all of them.
 //!
 //! `unsafe` lives only in the FFI and OS modules [`cuda`], [`hostmem`], [`nixl`], [`child`],
 //! [`interrupt`] (the signal handler) and the C bridge inside [`fingerprint`]: the crate
@@ -31,56 +33,32 @@
 #![deny(unsafe_code)]
 #![deny(clippy::undocumented_unsafe_blocks)]
 
-pub mod ab;
-pub mod bench;
-pub mod bundle;
-pub mod capture;
-pub mod check;
-#[allow(unsafe_code)] // FFI / OS calls
-pub mod child;
-#[allow(unsafe_code)] // FFI / OS calls
-pub mod cuda;
-pub mod deadline;
-pub mod dump;
-pub mod envinfo;
+pub mod core;
+pub mod drive;
+pub mod env;
 pub mod error;
-pub mod fingerprint;
-pub mod geometry;
-#[allow(unsafe_code)] // FFI / OS calls
-pub mod hostmem;
-pub mod inject;
-pub mod inspect;
-#[allow(unsafe_code)] // FFI / OS calls
-pub mod interrupt;
-pub mod junit;
-pub mod model_config;
-pub mod mooncake;
-#[allow(unsafe_code)] // FFI / OS calls
-pub mod nixl;
-pub mod pairing;
-pub mod par;
+pub mod evidence;
+pub mod gpu;
+pub mod mem;
 pub mod peer;
-pub mod phase;
-pub mod pool;
-pub mod race;
-pub mod rdma;
-pub mod redact;
 pub mod report;
-pub mod run;
 pub mod scenario;
-pub mod scratch;
-pub mod serve;
 pub mod sweep;
-pub mod test_hooks;
-pub mod text;
-pub mod tier;
-pub mod transport;
-pub mod ucx;
-pub mod units;
-pub mod verify;
-pub mod workload;
+pub mod sys;
+pub mod xfer;
 
+// Each module by its own name too (`crate::geometry`, `kvprobe::pool`): the paths the code and
+// its users name, whichever folder holds the file.
+pub use self::core::{fingerprint, geometry, inject, model_config, pairing, race, verify, workload};
+pub use drive::{ab, bench, run, serve};
+pub use env::envinfo;
 pub use error::{Error, Exit, Result};
+pub use evidence::{bundle, capture, check, inspect, redact};
+pub use gpu::cuda;
+pub use mem::{mooncake, pool, tier};
+pub use report::{dump, junit};
+pub use sys::{child, deadline, hostmem, interrupt, par, phase, scratch, test_hooks, text, units};
+pub use xfer::{nixl, rdma, transport, ucx};
 
 /// True when `KVPROBE_TRACE=1`: kvprobe then prints each setup step to stderr, so a crash
 /// inside NIXL, UCX or the CUDA driver (which leaves no report) is located by the last line.

@@ -281,13 +281,30 @@ fn every_copy_source_is_in_the_build_context() {
     for need in ["Cargo.toml", "Cargo.lock", "build.rs", "src", "csrc", "scripts", "tests"] {
         assert!(copied.iter().any(|c| c == need), "the image never copies {need}");
     }
-    for entry in std::fs::read_dir(repo().join("src")).unwrap() {
-        let text = std::fs::read_to_string(entry.unwrap().path()).unwrap_or_default();
-        for part in text.split("include_str!(\"../").skip(1) {
-            let top = part.split('/').next().unwrap();
-            assert!(copied.iter().any(|c| c == top), "src/ embeds ../{top}/..., which the image does not copy");
+    // Every file of src/, at any depth: an include_str! path climbs out of src/ and names a
+    // folder at the top of the repository.
+    let mut todo = vec![repo().join("src")];
+    let mut embeds = 0;
+    while let Some(d) = todo.pop() {
+        for entry in std::fs::read_dir(d).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                todo.push(path);
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            for part in text.split("include_str!(\"").skip(1) {
+                let rel = &part[..part.find('"').unwrap()];
+                let at = path.parent().unwrap().join(rel);
+                let inside = at.canonicalize().unwrap_or_else(|e| panic!("{}: include_str!({rel}): {e}", path.display()));
+                let top = inside.strip_prefix(repo().canonicalize().unwrap()).unwrap().components().next().unwrap();
+                let top = top.as_os_str().to_string_lossy().to_string();
+                assert!(copied.contains(&top), "src/ embeds {top}/..., which the image does not copy");
+                embeds += 1;
+            }
         }
     }
+    assert!(embeds >= 4, "{embeds} include_str! found in src/");
 }
 
 /// A YAML file as JSON, read with the serde_yaml_ng crate (no python needed: GPU lanes fail

@@ -39,12 +39,37 @@ fn code_of(text: &str) -> String {
         .join("\n")
 }
 
-/// The top-level module a file of `src/` belongs to (`src/scenario/decode.rs` → `scenario`),
-/// `None` for the crate roots.
+/// The module of kvprobe's a file of `src/` belongs to, by its place: `src/FLOOR/NAME.rs` or
+/// `src/FLOOR/NAME/...` is module NAME; a floor's folder that is itself a module (its name in
+/// [`kvprobe::FLOORS`]: `report`, `sweep`, `peer`, `scenario`) owns its `mod.rs` and every
+/// file below it that is not a module of its own (`report/junit.rs` is `junit`;
+/// `scenario/connectors/tier.rs` is `scenario`); `src/error.rs` is `error`. `None` for the
+/// crate roots, the binary's `cli/` and a floor's `mod.rs` that only declares its modules.
 fn module_of(src: &Path, file: &Path) -> Option<String> {
     let rel = file.strip_prefix(src).unwrap();
-    let first = rel.components().next()?.as_os_str().to_string_lossy().trim_end_matches(".rs").to_string();
-    (!matches!(first.as_str(), "lib" | "main")).then_some(first)
+    let parts: Vec<String> =
+        rel.components().map(|c| c.as_os_str().to_string_lossy().trim_end_matches(".rs").to_string()).collect();
+    let modules: BTreeSet<&str> = kvprobe::FLOORS.iter().flat_map(|(_, ms)| ms.iter().copied()).collect();
+    match parts.as_slice() {
+        [one] => (one == "error").then(|| one.clone()),
+        [top, ..] if top == "cli" => None,
+        [top, rest @ ..] => {
+            if matches!(top.as_str(), "peer" | "scenario")
+                || rest.len() == 1 && rest[0] == "mod" && modules.contains(top.as_str())
+            {
+                return Some(top.clone());
+            }
+            if rest[0] == "mod" {
+                return None;
+            }
+            if modules.contains(rest[0].as_str()) {
+                Some(rest[0].clone())
+            } else {
+                modules.contains(top.as_str()).then(|| top.clone())
+            }
+        }
+        [] => None,
+    }
 }
 
 /// Module → the other modules it names as `crate::NAME`.
@@ -151,14 +176,21 @@ fn unsafe_code_is_denied_at_the_crate_roots_and_every_block_says_why() {
     let main = std::fs::read_to_string(root.join("src/main.rs")).unwrap();
     assert!(lib.contains("#![deny(unsafe_code)]") && main.contains("#![deny(unsafe_code)]"));
     assert!(lib.contains("#![deny(clippy::undocumented_unsafe_blocks)]"));
-    // The modules allowed: FFI and OS calls, each allow written on its `mod` line in lib.rs.
-    let allowed: BTreeSet<&str> = lib
-        .lines()
-        .collect::<Vec<_>>()
-        .windows(2)
-        .filter(|w| w[0].starts_with("#[allow(unsafe_code)]"))
-        .filter_map(|w| w[1].strip_prefix("pub mod ").map(|m| m.trim_end_matches(';')))
-        .collect();
+    // The modules allowed: FFI and OS calls, each allow written on its `mod` line in a
+    // folder's mod.rs.
+    let mut files = Vec::new();
+    rust_files(&root.join("src"), &mut files);
+    let mut allowed = BTreeSet::new();
+    for f in files.iter().filter(|f| f.ends_with("mod.rs") || f.ends_with("lib.rs")) {
+        let text = std::fs::read_to_string(f).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        for w in lines.windows(2) {
+            if w[0].starts_with("#[allow(unsafe_code)]") {
+                allowed.insert(w[1].strip_prefix("pub mod ").expect("an allow on a module").trim_end_matches(';').to_string());
+            }
+        }
+    }
+    let allowed: BTreeSet<&str> = allowed.iter().map(String::as_str).collect();
     assert_eq!(allowed, BTreeSet::from(["child", "cuda", "hostmem", "interrupt", "nixl"]));
 }
 
@@ -173,11 +205,11 @@ fn every_test_hook_is_named_in_the_registry_only() {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let mut files = Vec::new();
     rust_files(&src, &mut files);
-    let registry = src.join("test_hooks.rs");
+    let registry = src.join("sys/test_hooks.rs");
     for f in &files {
         if *f != registry {
             let found = test_hook_literals(&std::fs::read_to_string(f).unwrap());
-            assert!(found.is_empty(), "{}: names {found:?} outside src/test_hooks.rs", f.display());
+            assert!(found.is_empty(), "{}: names {found:?} outside src/sys/test_hooks.rs", f.display());
         }
     }
     // The registry lists each name it defines, and documents each in its table.
@@ -232,4 +264,41 @@ fn every_module_stands_on_a_floor_and_imports_nothing_above_it() {
     let mut planted = g.clone();
     planted.get_mut("fingerprint").unwrap().insert("pool".into());
     assert_eq!(upward(&planted, floors), [("fingerprint".to_string(), "pool".to_string())]);
+}
+
+#[test]
+fn each_floor_is_a_folder_holding_its_modules() {
+    // Only lib.rs, main.rs and error.rs at the top of src/; each module's file in the folder
+    // of its floor; every file of src/ (but the roots, the binary's cli/ and the floors' own
+    // mod.rs) belongs to a module of FLOORS.
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let top: BTreeSet<String> = std::fs::read_dir(&src)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_file())
+        .map(|p| p.file_name().unwrap().to_string_lossy().to_string())
+        .collect();
+    assert_eq!(top, BTreeSet::from(["error.rs".to_string(), "lib.rs".to_string(), "main.rs".to_string()]));
+    let floor_of: BTreeMap<&str, &str> = kvprobe::FLOORS.iter().flat_map(|(f, ms)| ms.iter().map(move |m| (*m, *f))).collect();
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    let mut found = BTreeSet::new();
+    for f in &files {
+        let rel = f.strip_prefix(&src).unwrap();
+        let first = rel.components().next().unwrap().as_os_str().to_string_lossy().to_string();
+        match module_of(&src, f) {
+            Some(m) if m == "error" => {}
+            Some(m) => {
+                assert_eq!(first, floor_of[m.as_str()], "{}: module {m} outside its floor's folder", rel.display());
+                found.insert(m);
+            }
+            None => assert!(
+                matches!(rel.to_str().unwrap(), "lib.rs" | "main.rs") || first == "cli" || rel.ends_with("mod.rs"),
+                "{}: a file of no module",
+                rel.display()
+            ),
+        }
+    }
+    found.insert("error".into());
+    assert_eq!(found.len(), floor_of.len(), "modules with a file: {found:?}");
 }

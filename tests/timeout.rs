@@ -4,7 +4,7 @@
 //! exit 4 and a report. Real NIXL on DRAM.
 //!
 //! Nothing here depends on the machine's speed: a microsecond limit is shorter than any real
-//! post call, and the stalls (test-only hooks `KVPROBE_TEST_STALL_*`, see src/deadline.rs)
+//! post call, and the stalls (test-only hooks `KVPROBE_TEST_STALL_*`, see src/sys/deadline.rs)
 //! block for an hour, far past the limit; durations are asserted only as "does not hang".
 
 use crate::common::{bin, kvprobe_env, read_report, tmpdir};
@@ -439,7 +439,7 @@ fn a_prefill_process_that_never_becomes_ready_is_a_timeout() {
 }
 
 /// What kvprobe says when requests it dropped in flight were confirmed finished before their
-/// pools were freed (src/nixl.rs, `Registered`).
+/// pools were freed (src/xfer/nixl.rs, `Registered`).
 const DRAINED: &str = "in flight when the run stopped were drained (confirmed finished) before the pools were freed";
 /// What kvprobe says when a request could not be confirmed finished: its pools are kept.
 const KEPT: &str =

@@ -166,7 +166,7 @@ pub fn predicted_set(r: &serde_json::Value) -> std::collections::BTreeSet<(u64, 
 
 /// The tests' own table of what ONE planted fault of each `--inject` kind must cause at the
 /// decode side, by failure class (docs/guide.md "--inject"), written here independently of
-/// `src/inject.rs` so that a wrong prediction there cannot pass by agreeing with itself.
+/// `src/core/inject.rs` so that a wrong prediction there cannot pass by agreeing with itself.
 pub const CLASSES_PER_FAULT: [(&str, &[(&str, u64)]); 6] = [
     ("bitflip", &[("bitflip", 1)]),
     ("drop", &[("unwritten", 1)]),

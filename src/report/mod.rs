@@ -1233,3 +1233,6 @@ pub fn render_with(r: &Report, json: Option<&str>) -> String {
     out += &format!("result:            {} (exit {})\n", r.outcome.status, r.outcome.exit_code);
     out
 }
+
+pub mod dump;
+pub mod junit;

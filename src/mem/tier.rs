@@ -22,7 +22,7 @@ use std::collections::HashMap;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum TierKind {
-    /// The built-in store (src/tier.rs): block-hash keyed entries in host memory.
+    /// The built-in store (src/mem/tier.rs): block-hash keyed entries in host memory.
     Embedded,
     /// A real Mooncake Store (master started by kvprobe, or `--mooncake-master`; Python store
     /// client as a worker) on DRAM or VRAM pools.

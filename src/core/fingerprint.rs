@@ -52,7 +52,7 @@ pub fn seed_hex(seed: u64) -> String {
 /// CUDA source of the fill, poison and verify kernels: `fingerprint.h` followed by
 /// `kernels.cu`, compiled by NVRTC at run time.
 pub const KERNEL_SOURCE: &str =
-    concat!("#define KVP_NVRTC 1\n", include_str!("../csrc/fingerprint.h"), "\n", include_str!("../csrc/kernels.cu"));
+    concat!("#define KVP_NVRTC 1\n", include_str!("../../csrc/fingerprint.h"), "\n", include_str!("../../csrc/kernels.cu"));
 
 /// A report's `config.fingerprint`: the definition its digests and dumps follow. Written as
 /// [`FORMAT`] by this kvprobe; a report without it is read as `kvprobe.fingerprint/1` (the

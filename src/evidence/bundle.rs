@@ -110,8 +110,8 @@ fn walk(dir: &Path) -> Result<Vec<(String, PathBuf)>> {
 }
 
 /// Report fields whose string values `--redact` never changes: fixed vocabularies (the
-/// values of enums in `src/report.rs`, `src/ab.rs`, `src/verify.rs`, `src/race.rs`,
-/// `src/geometry.rs`, `src/sweep.rs`, `src/tier.rs`, `src/inject.rs`) and hashes. A user or
+/// values of enums in `src/report/mod.rs`, `src/drive/ab.rs`, `src/core/verify.rs`, `src/core/race.rs`,
+/// `src/core/geometry.rs`, `src/sweep/mod.rs`, `src/mem/tier.rs`, `src/core/inject.rs`) and hashes. A user or
 /// host name equal to one of their values (`USER=torn`) must not rename them: the redacted
 /// report would no longer be a report. Any key ending in `_digest` is kept too.
 pub const KEPT_FIELDS: &[&str] = &[

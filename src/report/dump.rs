@@ -39,7 +39,7 @@ pub const DEFAULT_MAX_BYTES: u64 = 256 << 20;
 pub const FINGERPRINT: &str = crate::fingerprint::FORMAT;
 
 /// The fingerprint's Python reference, copied into every dump as `scripts/fingerprint_ref.py`.
-pub const REF_SCRIPT: &str = include_str!("../scripts/fingerprint_ref.py");
+pub const REF_SCRIPT: &str = include_str!("../../scripts/fingerprint_ref.py");
 
 /// The cap's rule, as written into `index.json`.
 pub const RULE: &str = "a slice is written while bytes_written + its size <= max_bytes, and then: into its class's \

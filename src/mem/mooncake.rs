@@ -416,7 +416,7 @@ impl Drop for Master {
 }
 
 /// Source of the store worker (python/kvprobe_mooncake_worker.py), run in the Mooncake venv.
-pub const WORKER_SOURCE: &str = include_str!("../python/kvprobe_mooncake_worker.py");
+pub const WORKER_SOURCE: &str = include_str!("../../python/kvprobe_mooncake_worker.py");
 
 /// The worker's protocol name.
 pub const PROTOCOL: &str = "kvprobe-mooncake/1";
