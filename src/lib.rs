@@ -7,7 +7,7 @@
 //!
 //! | floor | modules | concern |
 //! |---|---|---|
-//! | sys | [`error`], [`child`], [`interrupt`], [`scratch`], [`deadline`], [`hostmem`], [`units`], [`text`], [`par`], [`phase`], [`test_hooks`] | the process: errors and exit codes, children, signals, temporary files, deadlines, host memory, CPU threads, progress phases, test hooks |
+//! | sys | [`error`], [`child`], [`interrupt`], [`scratch`], [`deadline`], [`hostmem`], [`units`], [`text`], [`par`], [`phase`], [`test_hooks`], [`sys::trace`] | the process: errors and exit codes, children, signals, temporary files, deadlines, host memory, CPU threads, progress phases, test hooks, `KVPROBE_TRACE` |
 //! | core | [`geometry`], [`model_config`], [`fingerprint`], [`pairing`], [`verify`], [`inject`], [`race`], [`workload`] | what a KV cache is and what every byte must be: vLLM's paged layout, a model's KV cache, the fingerprint (shared with the CUDA kernels), two sides that differ, classification, injections, the race vocabulary, the request load |
 //! | gpu | [`cuda`] | CUDA devices, memory, kernels |
 //! | mem | [`pool`], [`tier`], [`mooncake`] | KV cache pools on VRAM or DRAM, the KV tier, Mooncake Store |
@@ -57,30 +57,30 @@ pub use evidence::{bundle, capture, check, inspect, redact};
 pub use gpu::cuda;
 pub use mem::{mooncake, pool, tier};
 pub use report::{dump, junit};
+pub use sys::trace::tracing;
 pub use sys::{child, deadline, hostmem, interrupt, par, phase, scratch, test_hooks, text, units};
 pub use xfer::{nixl, rdma, transport, ucx};
-
-/// True when `KVPROBE_TRACE=1`: kvprobe then prints each setup step to stderr, so a crash
-/// inside NIXL, UCX or the CUDA driver (which leaves no report) is located by the last line.
-pub fn tracing() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("KVPROBE_TRACE").is_ok_and(|v| v == "1"))
-}
-
-/// Prints `kvprobe trace [pid]: <message>` to stderr when [`tracing`] is on.
-#[macro_export]
-macro_rules! trace {
-    ($($t:tt)*) => {
-        if $crate::tracing() {
-            eprintln!("kvprobe trace [{}]: {}", std::process::id(), format!($($t)*));
-        }
-    };
-}
 
 /// The floors of the modules, lowest first: (floor, its modules). A module imports only
 /// modules of its own floor or below (the table above; `tests/house.rs`).
 pub const FLOORS: &[(&str, &[&str])] = &[
-    ("sys", &["error", "child", "interrupt", "scratch", "deadline", "hostmem", "units", "text", "par", "phase", "test_hooks"]),
+    (
+        "sys",
+        &[
+            "error",
+            "child",
+            "interrupt",
+            "scratch",
+            "deadline",
+            "hostmem",
+            "units",
+            "text",
+            "par",
+            "phase",
+            "test_hooks",
+            "trace",
+        ],
+    ),
     ("core", &["geometry", "model_config", "fingerprint", "pairing", "verify", "inject", "race", "workload"]),
     ("gpu", &["cuda"]),
     ("mem", &["pool", "tier", "mooncake"]),

@@ -72,25 +72,35 @@ fn module_of(src: &Path, file: &Path) -> Option<String> {
     }
 }
 
-/// Module → the other modules it names as `crate::NAME`.
+/// The module a path `crate::A::B...` names: `B` where `A` is a floor's folder (or the
+/// `report` module holding `junit` and `dump`) and `B` one of its modules, else `A` when it
+/// is a module (a name re-exported at the crate root), else none.
+fn named_module(a: &str, b: Option<&str>, modules: &BTreeSet<&str>, floors: &BTreeSet<&str>) -> Option<String> {
+    match b {
+        Some(b) if (floors.contains(a) || a == "report") && modules.contains(b) => Some(b.to_string()),
+        _ => modules.contains(a).then(|| a.to_string()),
+    }
+}
+
+/// Module → the other modules it names as `crate::NAME` or `crate::FLOOR::NAME`.
 fn module_graph(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
     let mut files = Vec::new();
     rust_files(src, &mut files);
-    let re = regex::Regex::new(r"crate::([a-z_][a-z0-9_]*)").unwrap();
+    let re = regex::Regex::new(r"crate::([a-z_][a-z0-9_]*)(?:::([a-z_][a-z0-9_]*))?").unwrap();
+    let modules: BTreeSet<&str> = kvprobe::FLOORS.iter().flat_map(|(_, ms)| ms.iter().copied()).collect();
+    let floors: BTreeSet<&str> = kvprobe::FLOORS.iter().map(|(f, _)| *f).collect();
     let mut g: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     for f in &files {
         let Some(m) = module_of(src, f) else { continue };
         let code = code_of(&std::fs::read_to_string(f).unwrap());
         let e = g.entry(m.clone()).or_default();
         for c in re.captures_iter(&code) {
-            if c[1] != *m {
-                e.insert(c[1].to_string());
+            if let Some(n) = named_module(&c[1], c.get(2).map(|x| x.as_str()), &modules, &floors)
+                && n != m
+            {
+                e.insert(n);
             }
         }
-    }
-    let known: BTreeSet<String> = g.keys().cloned().collect();
-    for v in g.values_mut() {
-        v.retain(|x| known.contains(x));
     }
     g
 }

@@ -14,16 +14,16 @@
 //! re-implements it.
 //!
 //! A slice holds `block_size × heads` rows in its layout's order, after the per-layer vLLM
-//! tensor shapes of [`crate::geometry`]: NHD `[token][head]` (FlashAttention's
+//! tensor shapes of [`crate::core::geometry`]: NHD `[token][head]` (FlashAttention's
 //! `(2, num_blocks, block_size, num_kv_heads, head_size)`), HND `[head][token]` (FlashInfer's
 //! HND stride order), MLA `[token]`. A slice's rows name tokens `token_base + t` and heads
 //! `head_base + h`, so a decode block holding part of a larger prefill block (heterogeneous
 //! block sizes), or a TP rank holding the heads from `head_base` on, names exactly the rows it
-//! must hold. [`crate::verify`] classifies a corrupt slice unit by unit and row by row.
+//! must hold. [`crate::core::verify`] classifies a corrupt slice unit by unit and row by row.
 //!
 //! Digests for reports are SHA-256 of the slice bytes, hex (`sha256sum` recomputes them).
 
-use crate::geometry::{Geometry, GeometryError, KvPart, Layout};
+use crate::core::geometry::{Geometry, GeometryError, KvPart, Layout};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::ops::Range;
@@ -31,7 +31,7 @@ use std::ops::Range;
 /// The version string reports (`config.fingerprint`), dumps and bundles carry.
 pub const FORMAT: &str = "kvprobe.fingerprint/2";
 
-pub use crate::geometry::{MAX_POSITION, MAX_ROW_BYTES, MIN_ROW_BYTES, UNIT_BYTES};
+pub use crate::core::geometry::{MAX_POSITION, MAX_ROW_BYTES, MIN_ROW_BYTES, UNIT_BYTES};
 
 /// Generation value that marks a table entry "neither fill nor verify".
 pub const SKIP_GEN: u32 = u32::MAX;
@@ -200,7 +200,7 @@ impl RowShape {
     /// heads; MLA with more than one head or a head other than 0; more than 2^31 bytes.
     pub fn validate(&self, max_token_base: u32) -> Result<(), GeometryError> {
         let bad = |m: String| Err(GeometryError::Invalid(m));
-        crate::geometry::check_row_bytes(self.row_bytes as u64)?;
+        crate::core::geometry::check_row_bytes(self.row_bytes as u64)?;
         if self.block_size == 0 || self.heads == 0 {
             return bad("a slice needs at least one token and one head".into());
         }
@@ -224,11 +224,11 @@ impl RowShape {
                 self.head_base as u64 + self.heads as u64
             ));
         }
-        if self.slice_bytes() > crate::geometry::MAX_SLICE_BYTES {
+        if self.slice_bytes() > crate::core::geometry::MAX_SLICE_BYTES {
             return bad(format!(
                 "a block slice is {} bytes; at most {} are supported",
                 self.slice_bytes(),
-                crate::geometry::MAX_SLICE_BYTES
+                crate::core::geometry::MAX_SLICE_BYTES
             ));
         }
         Ok(())
@@ -389,10 +389,10 @@ pub fn check(src: &[u8], seed: u64, rows: &SliceRows) -> (u64, u64) {
     (bad, first)
 }
 
-/// [`fill`] into a range of a DRAM pool (see [`crate::hostmem`]: no transfer may be in
+/// [`fill`] into a range of a DRAM pool (see [`crate::sys::hostmem`]: no transfer may be in
 /// flight into it). Panics as [`fill`].
 #[allow(unsafe_code)] // the C bridge to csrc/fingerprint.h
-pub fn fill_span(dst: &mut crate::hostmem::SpanMut<'_>, seed: u64, rows: &SliceRows) {
+pub fn fill_span(dst: &mut crate::sys::hostmem::SpanMut<'_>, seed: u64, rows: &SliceRows) {
     checked(rows, dst.len());
     let c = rows.c();
     // SAFETY: the C function writes exactly `len` bytes at the pointer; the span is valid for
@@ -402,7 +402,7 @@ pub fn fill_span(dst: &mut crate::hostmem::SpanMut<'_>, seed: u64, rows: &SliceR
 
 /// [`check`] of a range of a DRAM pool (no transfer may be writing it). Panics as [`fill`].
 #[allow(unsafe_code)] // the C bridge to csrc/fingerprint.h
-pub fn check_span(src: crate::hostmem::Span<'_>, seed: u64, rows: &SliceRows) -> (u64, u64) {
+pub fn check_span(src: crate::sys::hostmem::Span<'_>, seed: u64, rows: &SliceRows) -> (u64, u64) {
     checked(rows, src.len());
     let c = rows.c();
     let mut first = 0u64;
@@ -414,7 +414,7 @@ pub fn check_span(src: crate::hostmem::Span<'_>, seed: u64, rows: &SliceRows) ->
 
 /// Writes the poison of (slot, iteration) into `dst`: little-endian u32 elements, `slot` at
 /// even indices and `0x5A000000 | (iteration & 0xFFFFFF)` at odd ones; `slot` is the global
-/// slice index ([`crate::geometry::Geometry::global_slice`]).
+/// slice index ([`crate::core::geometry::Geometry::global_slice`]).
 #[allow(unsafe_code)] // the C bridge to csrc/fingerprint.h
 pub fn poison(dst: &mut [u8], slot: u32, iteration: u32) {
     // SAFETY: writes exactly `dst.len()` bytes of the exclusively borrowed buffer.
@@ -423,7 +423,7 @@ pub fn poison(dst: &mut [u8], slot: u32, iteration: u32) {
 
 /// [`poison`] into a range of a DRAM pool (no transfer may be in flight into it).
 #[allow(unsafe_code)] // the C bridge to csrc/fingerprint.h
-pub fn poison_span(dst: &mut crate::hostmem::SpanMut<'_>, slot: u32, iteration: u32) {
+pub fn poison_span(dst: &mut crate::sys::hostmem::SpanMut<'_>, slot: u32, iteration: u32) {
     let len = dst.len() as u64;
     // SAFETY: writes exactly `len` bytes of the exclusively held span (as fill_span).
     unsafe { ffi::kvp_cpu_poison(dst.as_mut_ptr(), len, slot, iteration) }
@@ -443,7 +443,7 @@ pub fn check_poison(src: &[u8], slot: u32, iteration: u32) -> (u64, u64) {
 
 /// [`check_poison`] of a range of a DRAM pool (no transfer may be writing it).
 #[allow(unsafe_code)] // the C bridge to csrc/fingerprint.h
-pub fn check_poison_span(src: crate::hostmem::Span<'_>, slot: u32, iteration: u32) -> (u64, u64) {
+pub fn check_poison_span(src: crate::sys::hostmem::Span<'_>, slot: u32, iteration: u32) -> (u64, u64) {
     let mut first = 0u64;
     // SAFETY: reads exactly `src.len()` bytes, valid for the span's borrow; no writer touches
     // them (the span's contract); `first` is a valid out-pointer.

@@ -111,7 +111,7 @@ pub enum GeometryError {
 /// Block-slice size limit: slice byte offsets are 32-bit in the kernels.
 pub const MAX_SLICE_BYTES: u64 = 1 << 31;
 
-/// Bytes of a tagged unit of a head row in the fingerprint ([`crate::fingerprint`]); the last
+/// Bytes of a tagged unit of a head row in the fingerprint ([`crate::core::fingerprint`]); the last
 /// unit of a row may be shorter, at least [`MIN_ROW_BYTES`].
 pub const UNIT_BYTES: u32 = 512;
 

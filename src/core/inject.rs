@@ -19,9 +19,9 @@
 //! ([`Prediction`], made by the sweep's plan and by a scenario's decode engine): a failure
 //! counts as predicted only when its bytes are those ([`matches_prediction`]).
 
+use crate::core::geometry::{Geometry, SliceCoord};
+use crate::core::verify::Class;
 use crate::error::{Error, Result};
-use crate::geometry::{Geometry, SliceCoord};
-use crate::verify::Class;
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, HashSet};
@@ -43,9 +43,9 @@ pub enum Kind {
     Torn,
     /// Write a slice into a decode slot of a later pipeline stage, outside its transfer.
     Stray,
-    /// Move a slice's rows with a wrong head offset ([`crate::pairing::Plant::HeadOffset`]).
+    /// Move a slice's rows with a wrong head offset ([`crate::core::pairing::Plant::HeadOffset`]).
     HeadOffset,
-    /// Move a slice's rows with a wrong token offset ([`crate::pairing::Plant::TokenOffset`]).
+    /// Move a slice's rows with a wrong token offset ([`crate::core::pairing::Plant::TokenOffset`]).
     TokenOffset,
 }
 
@@ -180,7 +180,7 @@ pub enum Action {
 /// slices of one (layer, K/V), so each needs a group with two free blocks (a stray takes
 /// one); head-offset needs two KV heads (not MLA); all injections need distinct slices.
 /// (token-offset's need of two tokens per prefill block is checked with the sides:
-/// `g` here may be a group of several prefill blocks, [`crate::pairing::Sides::planning`].)
+/// `g` here may be a group of several prefill blocks, [`crate::core::pairing::Sides::planning`].)
 pub fn check(specs: &[Spec], g: &Geometry, stages: &[Range<u32>]) -> Result<()> {
     let sb = g.slice_bytes()?;
     let (mut pairs, mut singles, mut strays): (u64, u64, u64) = (0, 0, 0);
@@ -373,14 +373,14 @@ impl Action {
 }
 
 /// Bytes that land in a decode slice an injection reaches ([`Prediction`]): `len` bytes from
-/// `src_off` of a source slice — the fingerprint of `rows` ([`crate::fingerprint::expected`]),
+/// `src_off` of a source slice — the fingerprint of `rows` ([`crate::core::fingerprint::expected`]),
 /// with bit `flip.1` of byte `flip.0` flipped when set (a planted bitflip) — to `dst_off` of
 /// the decode slice, before decode's conversion on receive.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Landing {
     /// The source slice's rows (its identity — which block, which generation — and its side's
     /// row shape, a TP rank's heads included).
-    pub rows: crate::fingerprint::SliceRows,
+    pub rows: crate::core::fingerprint::SliceRows,
     /// A flipped bit of the source slice: (byte offset in the slice, bit 0..8).
     pub flip: Option<(u64, u8)>,
     /// Byte offset in the source slice.
@@ -394,7 +394,7 @@ pub struct Landing {
 /// What a decode slice holds before an injection's bytes land on it ([`Prediction`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Under {
-    /// The poison of (slot, iteration) ([`crate::fingerprint::poison`]): what the transfer
+    /// The poison of (slot, iteration) ([`crate::core::fingerprint::poison`]): what the transfer
     /// writes over, and what a stray write finds before the slot's own stage is posted.
     Poison {
         /// The slot's global slice index in decode's pool.
@@ -404,12 +404,12 @@ pub enum Under {
     },
     /// The fingerprint of these rows: the slice as it verified, which a stray write of the
     /// last iteration overwrites after the verify.
-    Due(crate::fingerprint::SliceRows),
+    Due(crate::core::fingerprint::SliceRows),
 }
 
 /// Exactly what an injected decode slice must hold, described rather than stored: `under`,
 /// then every `landed` run copied over it in order, then (with `convert`) decode's conversion
-/// on receive ([`crate::pairing::Sides::convert`]: row `r` of the result is row `perm[r]` of
+/// on receive ([`crate::core::pairing::Sides::convert`]: row `r` of the result is row `perm[r]` of
 /// the received slice, rows of `row_bytes`). A slice the injection reached is "as
 /// predicted" only when its bytes equal these byte for byte ([`matches_prediction`]): the
 /// class alone (`torn`, `misplaced`, `stale` are broad) would excuse real damage inside it.
@@ -434,8 +434,8 @@ impl Prediction {
         let n = self.slice_bytes as usize;
         let mut out = vec![0u8; n];
         match self.under {
-            Under::Poison { slot, iteration } => crate::fingerprint::poison(&mut out, slot, iteration),
-            Under::Due(rows) => crate::fingerprint::fill(&mut out, seed, &rows),
+            Under::Poison { slot, iteration } => crate::core::fingerprint::poison(&mut out, slot, iteration),
+            Under::Due(rows) => crate::core::fingerprint::fill(&mut out, seed, &rows),
         }
         // Source slices, generated once each (a slice cut by head lands in several runs).
         let mut sources: Vec<(Landing, Vec<u8>)> = Vec::new();
@@ -443,7 +443,7 @@ impl Prediction {
             let k = match sources.iter().position(|(x, _)| x.rows == l.rows && x.flip == l.flip) {
                 Some(k) => k,
                 None => {
-                    let mut b = crate::fingerprint::expected(seed, &l.rows);
+                    let mut b = crate::core::fingerprint::expected(seed, &l.rows);
                     if let Some((at, bit)) = l.flip
                         && let Some(x) = b.get_mut(at as usize)
                     {
@@ -471,10 +471,10 @@ impl Prediction {
         out
     }
 
-    /// SHA-256 of [`Prediction::bytes`] ([`crate::fingerprint::digest`]): what the failure's
+    /// SHA-256 of [`Prediction::bytes`] ([`crate::core::fingerprint::digest`]): what the failure's
     /// `actual_digest` must be.
     pub fn digest(&self, seed: u64) -> String {
-        crate::fingerprint::digest(&self.bytes(seed))
+        crate::core::fingerprint::digest(&self.bytes(seed))
     }
 
     /// The byte ranges `[offset, bytes]` of the slice (decode's layout, after any conversion)

@@ -35,7 +35,7 @@
 //! (`swa_num_key_value_heads`, `swa_head_dim`), or a per-layer list of KV heads, is refused
 //! with the reason.
 
-use crate::geometry::{Dtype, Geometry, Layout};
+use crate::core::geometry::{Dtype, Geometry, Layout};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use std::fmt;

@@ -1,6 +1,6 @@
 //! Classifying a corrupt block slice: what it holds instead of the expected rows.
 //!
-//! The pool's verify pass ([`crate::pool::KvPool::verify`]) finds slices whose bytes differ
+//! The pool's verify pass ([`crate::mem::pool::KvPool::verify`]) finds slices whose bytes differ
 //! from the fingerprint; this module looks at one such slice on the host and attributes each
 //! tagged **unit** — a head row, or 512 bytes of a longer row (the last unit of a row may be
 //! as short as 32 bytes) — to the first of these sources that fits, exact matches before
@@ -32,7 +32,7 @@
 //! fingerprint in every unit are never `bitflip` (0 bits): they are `late` — the slice failed
 //! the verify pass but the bytes classified are intact, so they changed after the verdict.
 
-use crate::fingerprint::{self, BlockIdentity, RowIdentity, RowOrder, SliceRows};
+use crate::core::fingerprint::{self, BlockIdentity, RowIdentity, RowOrder, SliceRows};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::fmt;

@@ -6,11 +6,11 @@
 //! unfenced row must be detected and attributed to its mechanism (else kvprobe could not
 //! have seen that bug on this setup: exit 6).
 
-use crate::envinfo::Environment;
+use crate::core::race::{Mechanism, Scenario};
+use crate::drive::run::Probe;
+use crate::env::envinfo::Environment;
 use crate::error::{Error, Exit, Result};
-use crate::race::{Mechanism, Scenario};
 use crate::report::{Outcome, Report, RunError};
-use crate::run::Probe;
 use crate::scenario::config::{Progress, ScenarioConfig};
 use crate::sweep::RunConfig;
 use serde::Serialize;
@@ -273,7 +273,7 @@ fn start(cfg: &RunConfig) -> AbReport {
 /// Runs the matrix. `cfg.scenario` carries the load (its scenario and unfenced set are
 /// replaced row by row). `after_row` is called with the report so far after each row
 /// (for checkpoints and the table). `dump`: `--dump DIR` and its cap (bytes) — each row's
-/// failing slices go to `DIR/<row name>/` ([`crate::dump`]), each row capped at an equal share
+/// failing slices go to `DIR/<row name>/` ([`crate::report::dump`]), each row capped at an equal share
 /// of it. Never panics on bad input.
 pub fn run_ab(
     cfg: &RunConfig,
@@ -294,7 +294,7 @@ pub fn run_ab(
             scenario: None,
             rows: serde_json::to_value(&ab.rows).ok(),
         };
-        let side = p.prefill.finish(exit as u8, err.map(|e| e.to_string()), results, crate::run::PEER_BYE_BOUND);
+        let side = p.prefill.finish(exit as u8, err.map(|e| e.to_string()), results, crate::drive::run::PEER_BYE_BOUND);
         if cfg.peer.is_some() {
             ab.peer = Some(side);
         }
@@ -356,14 +356,14 @@ fn publish(ab: &AbReport, row: Option<RowName>) {
 }
 
 /// The matrix to write when a call blocked past its deadline (`e`, a timeout; see
-/// [`crate::deadline`]): the rows so far, the row in progress cut short with `e` (its
-/// section as last published, [`crate::run::expired_report`]), and the outcome.
+/// [`crate::sys::deadline`]): the rows so far, the row in progress cut short with `e` (its
+/// section as last published, [`crate::drive::run::expired_report`]), and the outcome.
 pub fn expired_report(cfg: &RunConfig, e: &Error) -> (AbReport, Exit) {
     let shadow = SHADOW.lock().unwrap_or_else(|p| p.into_inner()).clone();
     let (mut ab, row) = shadow.unwrap_or_else(|| (start(cfg), None));
     if let Some((name, case)) = row {
         let row_cfg = RunConfig { scenario: cfg.scenario.clone().map(|sc| case_config(case, &sc)), ..cfg.clone() };
-        let (mut rep, _) = crate::run::expired_report(&row_cfg, e);
+        let (mut rep, _) = crate::drive::run::expired_report(&row_cfg, e);
         rep.environment = None; // recorded once, at the top
         push_row(&mut ab, name, case, rep, Some(e));
     }
@@ -405,21 +405,21 @@ fn run_rows(
     dump: Option<(&std::path::Path, u64)>,
 ) -> Result<()> {
     let template = cfg.scenario.clone().ok_or_else(|| Error::Usage("kvprobe ab needs a load (scenario config)".into()))?;
-    let mut head = crate::run::empty_report(cfg);
+    let mut head = crate::drive::run::empty_report(cfg);
     publish(ab, None);
-    crate::run::prepare(cfg, &mut head)?;
+    crate::drive::run::prepare(cfg, &mut head)?;
     ab.environment = head.environment.clone();
     let timeout = Duration::from_secs_f64(cfg.timeout_secs);
-    crate::deadline::set_limit(Some(timeout));
+    crate::sys::deadline::set_limit(Some(timeout));
     publish(ab, None);
-    let ucx_mark = crate::ucx::mark();
+    let ucx_mark = crate::xfer::ucx::mark();
     let probe = slot.insert(Probe::setup_peer(cfg, ab.environment.clone())?);
-    crate::ucx::adopt();
+    crate::xfer::ucx::adopt();
     for (row, case) in cases().into_iter().enumerate() {
         let name = row_name(case);
         let sc = case_config(case, &template);
         let row_cfg = RunConfig { scenario: Some(sc.clone()), ..cfg.clone() };
-        let mut rep = crate::run::empty_report(&row_cfg);
+        let mut rep = crate::drive::run::empty_report(&row_cfg);
         rep.environment = None; // recorded once, at the top
         crate::report::publish(&rep);
         publish(ab, Some((name.clone(), case)));
@@ -430,8 +430,8 @@ fn run_rows(
                 let geometry = rep.config.get("geometry").cloned().unwrap_or_default();
                 // The cap holds for the whole matrix: each row gets an equal share.
                 let share = cap / cases().len() as u64;
-                let shape = crate::fingerprint::RowShape::of(&cfg.geometry);
-                Some(crate::dump::Dumper::new(
+                let shape = crate::core::fingerprint::RowShape::of(&cfg.geometry);
+                Some(crate::report::dump::Dumper::new(
                     &dir.join(&name),
                     share,
                     cfg.seed,
@@ -463,7 +463,7 @@ fn run_rows(
         if let Some(d) = dumper.as_mut() {
             rep.dump = Some(d.finish());
         }
-        rep.summary.transport_path = Some(crate::run::scenario_path(cfg, probe, ucx_mark, ab.environment.as_ref()));
+        rep.summary.transport_path = Some(crate::drive::run::scenario_path(cfg, probe, ucx_mark, ab.environment.as_ref()));
         let exit = match (&r, rep.summary.blocks_corrupt > 0) {
             (_, true) => Exit::Corrupt,
             (Err(e), false) => e.exit(),

@@ -29,11 +29,11 @@
 //!
 //! GB/s = 1e9 B/s throughout. The goals come from the performance issue (bench/NOTES.md).
 
+use crate::core::fingerprint::{self, BlockIdentity};
+use crate::core::geometry::{Geometry, KvPart, Preset};
+use crate::drive::run::Hooks;
 use crate::error::{Error, Result};
-use crate::fingerprint::{self, BlockIdentity};
-use crate::geometry::{Geometry, KvPart, Preset};
-use crate::pool::{KvPool, MemoryKind, TableEntry};
-use crate::run::Hooks;
+use crate::mem::pool::{KvPool, MemoryKind, TableEntry};
 use crate::sweep::RunConfig;
 use serde::Serialize;
 use std::time::Instant;
@@ -177,7 +177,7 @@ pub struct Breakdown {
     /// Whether `probe_share` ≤ [`GOAL_PROBE_SHARE`]; `None` where the transfer is below
     /// [`OVERHEAD_APPLIES_GBPS`] (the goal does not apply).
     pub meets: Option<bool>,
-    /// The UCX path the sweep's READs took, in words ([`crate::ucx::describe`] of its run's
+    /// The UCX path the sweep's READs took, in words ([`crate::xfer::ucx::describe`] of its run's
     /// `summary.transport_path`, with `UCX_CUDA_IPC_ENABLE_GET_ZCOPY` and who set it for VRAM);
     /// `None` when unknown. Absent in results written before it.
     #[serde(default)]
@@ -191,8 +191,8 @@ pub struct Breakdown {
 
 /// A sweep's path fields ([`Breakdown::path`], [`Breakdown::emulated`]) from its run's
 /// `summary.transport_path`.
-pub fn path_of(p: Option<&crate::ucx::TransportPath>) -> (Option<String>, bool) {
-    (p.map(crate::ucx::describe), p.is_some_and(|p| p.emulated))
+pub fn path_of(p: Option<&crate::xfer::ucx::TransportPath>) -> (Option<String>, bool) {
+    (p.map(crate::xfer::ucx::describe), p.is_some_and(|p| p.emulated))
 }
 
 /// A sweep's transfer rate as the table gives it: "N GB/s", marked when it was measured on
@@ -215,7 +215,7 @@ pub struct BenchReport {
     /// What was asked.
     pub config: BenchConfig,
     /// Hosts, GPUs, driver, NIXL, UCX settings in effect.
-    pub environment: crate::envinfo::Environment,
+    pub environment: crate::env::envinfo::Environment,
     /// The rates.
     pub figures: Vec<Figure>,
     /// The sweep breakdowns.
@@ -238,7 +238,7 @@ fn median(mut v: Vec<f64>) -> (f64, f64, f64) {
 fn timed(repeats: u32, mut pass: impl FnMut() -> Result<f64>) -> Result<(f64, f64, f64)> {
     let mut v = Vec::with_capacity(repeats as usize);
     for i in 0..=repeats.max(1) {
-        if crate::interrupt::requested() {
+        if crate::sys::interrupt::requested() {
             return Err(Error::Interrupted("during the bench; the figures measured so far are kept".into()));
         }
         let t = pass()?;
@@ -284,15 +284,17 @@ fn llama_pool_geometry(bytes: u64) -> Result<Geometry> {
 }
 
 fn gpu_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
-    let dev = crate::cuda::Device::open(cfg.device)?;
-    let kernels = std::sync::Arc::new(crate::cuda::Kernels::compile(&dev)?);
+    let dev = crate::gpu::cuda::Device::open(cfg.device)?;
+    let kernels = std::sync::Arc::new(crate::gpu::cuda::Kernels::compile(&dev)?);
     let g = llama_pool_geometry(cfg.gpu_bytes)?;
     let bytes = g.pool_bytes()?;
     let mut src = KvPool::device(&dev, kernels.clone(), &g, cfg.seed)?;
     let mut dst = KvPool::device(&dev, kernels, &g, cfg.seed)?;
-    let table: Vec<TableEntry> = (0..g.num_blocks).map(|i| TableEntry::new(crate::run::logical_block(cfg.seed, i), 1)).collect();
+    let table: Vec<TableEntry> =
+        (0..g.num_blocks).map(|i| TableEntry::new(crate::drive::run::logical_block(cfg.seed, i), 1)).collect();
     let kernel_secs = |p: &KvPool| p.last_kernel_seconds().ok_or_else(|| Error::Device("no kernel time recorded".into()));
-    let m = |name: &str| crate::phase::announce(&format!("bench: measuring {name} ({} passes after a warm-up)", cfg.repeats));
+    let m =
+        |name: &str| crate::sys::phase::announce(&format!("bench: measuring {name} ({} passes after a warm-up)", cfg.repeats));
     m("gpu.fill");
     let fill = timed(cfg.repeats, || {
         src.fill(&table)?;
@@ -323,8 +325,8 @@ fn gpu_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
     if let Some(d) = cfg.decode_device.filter(|&d| d != cfg.device) {
         // Cross-device ceiling: the pool copied into a pool on the decode GPU (cuMemcpyDtoD
         // with unified addressing, peer access enabled for the copy: NVLink or PCIe P2P).
-        let dev2 = crate::cuda::Device::open(d)?;
-        let k2 = std::sync::Arc::new(crate::cuda::Kernels::compile(&dev2)?);
+        let dev2 = crate::gpu::cuda::Device::open(d)?;
+        let k2 = std::sync::Arc::new(crate::gpu::cuda::Kernels::compile(&dev2)?);
         let mut far = KvPool::device(&dev2, k2, &g, cfg.seed)?;
         m("gpu.peer_copy");
         let peer = dev2.with_peer_access(&dev, || timed(cfg.repeats, || far.copy_pool_from(&src)))?;
@@ -364,20 +366,20 @@ fn gpu_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
 fn par_slices(buf: &mut [u8], sb: usize, threads: usize, f: impl Fn(usize, &mut [u8]) + Sync) {
     let slices = buf.len() / sb;
     let per = slices.div_ceil(threads.max(1)).max(1);
-    crate::par::for_each(buf.chunks_mut(per * sb).enumerate(), threads, |(t, part)| f(t * per, part));
+    crate::sys::par::for_each(buf.chunks_mut(per * sb).enumerate(), threads, |(t, part)| f(t * per, part));
 }
 
 /// Slice `i` of the CPU figures: a llama3-8b K slice (16 tokens × 8 heads × 256-byte rows).
 fn identity(i: usize) -> fingerprint::SliceRows {
-    let shape = fingerprint::RowShape::of(&crate::geometry::Preset::Llama3_8b.geometry());
+    let shape = fingerprint::RowShape::of(&crate::core::geometry::Preset::Llama3_8b.geometry());
     shape.slice(BlockIdentity::new((i % 32) as u32, KvPart::K, (i / 32) as u32, 1))
 }
 
 fn host_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
     const SB: usize = 32 << 10; // one llama3-8b block slice
     let n = (cfg.host_bytes as usize / SB).max(1) * SB;
-    let mut src = crate::hostmem::PrivateBuffer::alloc(n)?;
-    let mut dst = crate::hostmem::PrivateBuffer::alloc(n)?;
+    let mut src = crate::sys::hostmem::PrivateBuffer::alloc(n)?;
+    let mut dst = crate::sys::hostmem::PrivateBuffer::alloc(n)?;
     let all = std::thread::available_parallelism().map(|x| x.get()).unwrap_or(1);
     let seed = cfg.seed;
     let fill_pass = |buf: &mut [u8], threads: usize| {
@@ -392,7 +394,7 @@ fn host_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
     let copy_pass = |dst: &mut [u8], src: &[u8], threads: usize| {
         let t = Instant::now();
         let per = n.div_ceil(threads).div_ceil(SB) * SB;
-        crate::par::for_each(dst.chunks_mut(per).zip(src.chunks(per)), threads, |(d, s)| d.copy_from_slice(s));
+        crate::sys::par::for_each(dst.chunks_mut(per).zip(src.chunks(per)), threads, |(d, s)| d.copy_from_slice(s));
         t.elapsed().as_secs_f64()
     };
     let verify_pass = |buf: &mut [u8], threads: usize| -> Result<f64> {
@@ -415,7 +417,8 @@ fn host_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
     // source is filled first so every copy moves fingerprinted bytes.
     let bytes = n as u64;
     let size = if bytes >= 1 << 20 { format!("{} MiB", bytes >> 20) } else { format!("{} KiB", bytes >> 10) };
-    let m = |name: &str| crate::phase::announce(&format!("bench: measuring {name} ({} passes after a warm-up)", cfg.repeats));
+    let m =
+        |name: &str| crate::sys::phase::announce(&format!("bench: measuring {name} ({} passes after a warm-up)", cfg.repeats));
     fill_pass(src.as_mut_slice(), all);
     m("cpu.memcpy.1");
     let c1 = figure(
@@ -467,14 +470,14 @@ const MERGED_BLOCKS: u32 = 16;
 /// the descriptor lists (create) or indices (prepared) to the request built. Each row goes
 /// into `out` as it is measured. Errors: NIXL (transport, exit 3; environment, exit 2).
 fn request_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
-    use crate::geometry::SliceCoord;
-    use crate::transport::{Endpoint, Op, Pair, TransportOptions, XferReq};
+    use crate::core::geometry::SliceCoord;
+    use crate::xfer::transport::{Endpoint, Op, Pair, TransportOptions, XferReq};
     use rand::SeedableRng;
     use rand::seq::SliceRandom;
     let g = llama_pool_geometry(cfg.sweep_bytes)?;
     let sb = g.slice_bytes()?;
     let bytes = g.pool_bytes()?;
-    crate::phase::announce(&format!("bench: NIXL request rows: two DRAM pools of {} MiB", bytes >> 20));
+    crate::sys::phase::announce(&format!("bench: NIXL request rows: two DRAM pools of {} MiB", bytes >> 20));
     let opts = TransportOptions { xfer_req: XferReq::Prepared, backend_params: cfg.backend_params.clone() };
     let prefill = Endpoint::with_options("kvprobe-bench-prefill", &cfg.backend, KvPool::host(&g, cfg.seed)?, &opts)?;
     let mut decode = Endpoint::with_options("kvprobe-bench-decode", &cfg.backend, KvPool::host(&g, cfg.seed)?, &opts)?;
@@ -501,7 +504,7 @@ fn request_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
             .collect();
         for mode in [XferReq::Create, XferReq::Prepared] {
             let name = format!("nixl.request.{}.{shape}", mode.name());
-            crate::phase::announce(&format!("bench: measuring {name} ({} passes after a warm-up)", cfg.repeats));
+            crate::sys::phase::announce(&format!("bench: measuring {name} ({} passes after a warm-up)", cfg.repeats));
             let t = timed(cfg.repeats, || decode.time_request(Op::Read, &pairs, mode))?;
             let how = match mode {
                 XferReq::Create => "createXferReq",
@@ -541,13 +544,13 @@ fn breakdown(
         permute_local_kv: false,
         tp: None,
         fingerprint: Default::default(),
-        op: crate::transport::Op::Read,
+        op: crate::xfer::transport::Op::Read,
         iterations: cfg.iterations,
         seed: cfg.seed,
         inject: Vec::new(),
         backend: cfg.backend.clone(),
         backend_params: cfg.backend_params.clone(),
-        xfer_req: crate::transport::XferReq::Prepared,
+        xfer_req: crate::xfer::transport::XferReq::Prepared,
         timeout_secs: cfg.timeout_secs,
         min_gbps: None,
         max_failures: 100,
@@ -561,7 +564,7 @@ fn breakdown(
     let (mut line, mut progress, mut ckpt) =
         (|_: &str| {}, |_: &crate::scenario::config::Progress| {}, |_: &crate::report::Report| {});
     let mut hooks = Hooks { line: &mut line, progress: &mut progress, checkpoint_secs: 0.0, checkpoint: &mut ckpt, dump: None };
-    let (report, exit) = crate::run::run(&rc, &mut hooks);
+    let (report, exit) = crate::drive::run::run(&rc, &mut hooks);
     let s = &report.summary;
     // The first iteration warms up (page faults, UCX connections and registration caches).
     // One representative iteration, not per-part medians (which need not add up).
@@ -622,36 +625,36 @@ pub fn representative(per_iteration: &[crate::report::IterationTimes]) -> Option
 /// iterations, sizes too small or too large for host memory, `--device` with DRAM, no GPU
 /// for VRAM; (environment, exit 2) NIXL not usable (the sweeps need it).
 pub fn check(cfg: &BenchConfig) -> Result<()> {
-    crate::nixl::check_ucx_log_file()?;
+    crate::xfer::nixl::check_ucx_log_file()?;
     if cfg.repeats == 0 || cfg.iterations == 0 {
         return Err(Error::Usage("--repeats and --iterations must be at least 1".into()));
     }
     if cfg.host_bytes < 32 << 10 || cfg.gpu_bytes < 4 << 20 || cfg.sweep_bytes < 4 << 20 {
         return Err(Error::Usage("--host-bytes must be at least 32 KiB, --gpu-bytes and --sweep-bytes at least 4 MiB".into()));
     }
-    if let Some(avail) = crate::hostmem::available_bytes()
+    if let Some(avail) = crate::sys::hostmem::available_bytes()
         && cfg.host_bytes.saturating_mul(2) > avail / 2
     {
         return Err(Error::Usage(format!(
             "--host-bytes {}: the bench needs twice that, and {} are available (use at most a quarter)",
-            crate::units::bytes_exact(cfg.host_bytes),
-            crate::units::bytes_exact(avail)
+            crate::sys::units::bytes_exact(cfg.host_bytes),
+            crate::sys::units::bytes_exact(avail)
         )));
     }
-    if let Some(avail) = crate::hostmem::available_bytes()
+    if let Some(avail) = crate::sys::hostmem::available_bytes()
         && cfg.memory == MemoryKind::Dram
         && cfg.sweep_bytes.saturating_mul(2) > avail / 2
     {
         return Err(Error::Usage(format!(
             "--sweep-bytes {}: the DRAM sweeps need two pools of that, and {} are available (use at most a quarter)",
-            crate::units::bytes_exact(cfg.sweep_bytes),
-            crate::units::bytes_exact(avail)
+            crate::sys::units::bytes_exact(cfg.sweep_bytes),
+            crate::sys::units::bytes_exact(avail)
         )));
     }
     if cfg.memory == MemoryKind::Dram && (cfg.device != 0 || cfg.decode_device.is_some()) {
         return Err(Error::Usage("--device and --decode-device apply to --memory vram only".into()));
     }
-    if cfg.memory == MemoryKind::Vram && crate::cuda::device_count() == 0 {
+    if cfg.memory == MemoryKind::Vram && crate::gpu::cuda::device_count() == 0 {
         return Err(Error::Usage("--memory vram: no CUDA GPU present (use --memory dram)".into()));
     }
     Ok(())
@@ -659,12 +662,12 @@ pub fn check(cfg: &BenchConfig) -> Result<()> {
 
 /// An empty report for `cfg`, with the environment (and NIXL loaded, if it can be).
 pub fn start(cfg: &BenchConfig) -> BenchReport {
-    let _ = crate::nixl::load();
+    let _ = crate::xfer::nixl::load();
     BenchReport {
         schema: SCHEMA.to_string(),
         started_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
         config: cfg.clone(),
-        environment: crate::envinfo::gather(crate::envinfo::nixl_info()),
+        environment: crate::env::envinfo::gather(crate::env::envinfo::nixl_info()),
         figures: Vec::new(),
         breakdowns: Vec::new(),
         outcome: crate::report::Outcome { exit_code: 0, status: "clean".into(), error: None },
@@ -678,7 +681,7 @@ pub fn start(cfg: &BenchConfig) -> BenchReport {
 /// error (its row is kept, with `exit_code` and `error`).
 pub fn run(cfg: &BenchConfig, r: &mut BenchReport) -> Result<()> {
     check(cfg)?;
-    crate::nixl::load()?;
+    crate::xfer::nixl::load()?;
     if cfg.memory == MemoryKind::Vram {
         gpu_figures(cfg, &mut r.figures)?;
     }
@@ -729,7 +732,7 @@ pub fn run(cfg: &BenchConfig, r: &mut BenchReport) -> Result<()> {
         if let Some(d) = cfg.decode_device.filter(|&d| d != cfg.device && cfg.memory == MemoryKind::Vram) {
             label += &format!(", GPU {} -> GPU {d}", cfg.device);
         }
-        crate::phase::announce(&format!("bench: sweep {}/{count}: {label} ({} iterations)", k + 1, cfg.iterations));
+        crate::sys::phase::announce(&format!("bench: sweep {}/{count}: {label} ({} iterations)", k + 1, cfg.iterations));
         let b = breakdown(cfg, &label, cfg.memory, g, (n, stages), one_way);
         let failed = (b.exit_code != 0).then(|| (b.exit_code, b.error.clone().unwrap_or_default(), b.label.clone()));
         r.breakdowns.push(b);
@@ -756,7 +759,9 @@ pub fn run(cfg: &BenchConfig, r: &mut BenchReport) -> Result<()> {
     if cfg.memory == MemoryKind::Dram {
         request_figures(cfg, &mut r.figures)?;
     } else {
-        crate::phase::announce("bench: NIXL request rows: measured by `kvprobe bench --memory dram` (not after VRAM sweeps)");
+        crate::sys::phase::announce(
+            "bench: NIXL request rows: measured by `kvprobe bench --memory dram` (not after VRAM sweeps)",
+        );
     }
     Ok(())
 }

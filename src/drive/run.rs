@@ -1,6 +1,6 @@
 //! `kvprobe run`: fingerprinted KV blocks → NIXL → per-block verification, iterated.
 //!
-//! Setup: both pools are allocated and registered, the roles exchange [`crate::transport::PeerInfo`], and
+//! Setup: both pools are allocated and registered, the roles exchange [`crate::xfer::transport::PeerInfo`], and
 //! the prefill pool gets generation 0. Each iteration `g` (1-based):
 //! 1. prefill refills every slice with generation `g` (fill kernel or CPU reference);
 //!    injected faults on the prefill side are applied;
@@ -8,20 +8,20 @@
 //! 3. a seeded random permutation maps prefill blocks to decode blocks (block ids differ
 //!    between engines, as in vLLM); one NIXL request moves every block slice;
 //! 4. decode verifies every slice in full against the logical block it should hold;
-//!    failing slices are classified ([`crate::verify`]) and recorded.
+//!    failing slices are classified ([`crate::core::verify`]) and recorded.
 
+use crate::core::fingerprint;
+use crate::core::geometry::SliceCoord;
+use crate::core::verify::{self, Class};
 use crate::error::{Error, Exit, Result};
-use crate::fingerprint;
-use crate::geometry::SliceCoord;
-use crate::pool::{KvPool, MemoryKind};
+use crate::mem::pool::{KvPool, MemoryKind};
 use crate::report::{Failure, InjectionRecord, IterationTimes, PredictedHit, Report};
 use crate::scenario::config::Progress;
 use crate::sweep::{
     Plan, RunConfig, backend_refusal, build_decode_pool, build_pools, build_prefill_pool, check_config, check_host_memory, plan,
     stage_requests, sweep_stages,
 };
-use crate::transport::{self, Endpoint, Op, Pair};
-use crate::verify::{self, Class};
+use crate::xfer::transport::{self, Endpoint, Op, Pair};
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
@@ -37,29 +37,29 @@ pub struct Hooks<'a> {
     pub checkpoint_secs: f64,
     /// Scenario runs: called with the report so far at each checkpoint.
     pub checkpoint: &'a mut dyn FnMut(&Report),
-    /// `--dump DIR`: where failing slices go as they are classified ([`crate::dump`]).
-    pub dump: Option<&'a mut crate::dump::Dumper>,
+    /// `--dump DIR`: where failing slices go as they are classified ([`crate::report::dump`]).
+    pub dump: Option<&'a mut crate::report::dump::Dumper>,
 }
 
-pub use crate::fingerprint::{logical_block, seed_hex};
+pub use crate::core::fingerprint::{logical_block, seed_hex};
 
 /// A sweep stage's request, as decode tracks it.
 pub(crate) enum SweepRequest {
     /// A NIXL request of this process.
-    Nixl(crate::nixl::Posted),
+    Nixl(crate::xfer::nixl::Posted),
     /// A WRITE the prefill peer posted under `tag` (`run --peer`, `run --decode-process`).
     PeerWrite {
         /// Notification tag.
         tag: String,
         /// `--timeout` from just before the request was sent to prefill.
-        deadline: crate::deadline::Deadline,
+        deadline: crate::sys::deadline::Deadline,
         /// Checks begun after the deadline that found it incomplete.
         late_misses: u8,
     },
 }
 
 impl SweepRequest {
-    fn deadline(&self) -> crate::deadline::Deadline {
+    fn deadline(&self) -> crate::sys::deadline::Deadline {
         match self {
             SweepRequest::Nixl(r) => r.deadline(),
             SweepRequest::PeerWrite { deadline, .. } => *deadline,
@@ -85,7 +85,7 @@ pub(crate) struct Probe {
     copy_gbps: Option<f64>,
     /// Scenarios with the embedded tier and prefill on a thread of this process: the tier's
     /// arena, which decode's tier-only loads copy from.
-    pub(crate) tier_arena: Option<Arc<crate::tier::TierArena>>,
+    pub(crate) tier_arena: Option<Arc<crate::mem::tier::TierArena>>,
 }
 
 impl Probe {
@@ -100,7 +100,7 @@ impl Probe {
     /// side's (sent to prefill for its report; not to a child or thread, which write none).
     /// Errors: environment (cannot connect or start the child), usage (refused: version, token,
     /// configuration), transport, timeout (a child not ready within its start bound too).
-    pub(crate) fn setup_peer(cfg: &RunConfig, environment: Option<crate::envinfo::Environment>) -> Result<Probe> {
+    pub(crate) fn setup_peer(cfg: &RunConfig, environment: Option<crate::env::envinfo::Environment>) -> Result<Probe> {
         use crate::peer::client::Holder;
         let timeout = Duration::from_secs_f64(cfg.timeout_secs);
         let run_id = crate::peer::random_hex(8)?;
@@ -108,46 +108,46 @@ impl Probe {
         let mut environment = environment;
         let mut decode_pool = None;
         let mut copy_gbps = None;
-        let handoff = Arc::new(crate::serve::Handoff::default());
+        let handoff = Arc::new(crate::drive::serve::Handoff::default());
         let (link, addr) = if cfg.peer.is_none() && !cfg.decode_process {
-            crate::phase::announce(&format!(
+            crate::sys::phase::announce(&format!(
                 "setup: allocating pools ({} {} per side)",
-                cfg.geometry.pool_bytes().map(crate::units::bytes_binary).unwrap_or_default(),
+                cfg.geometry.pool_bytes().map(crate::sys::units::bytes_binary).unwrap_or_default(),
                 if cfg.memory == MemoryKind::Vram { "VRAM" } else { "DRAM" }
             ));
             let (mut p, mut d) = build_pools(cfg)?;
-            if cfg.scenario.is_none() && cfg.geometry.pool_bytes()? >= crate::pool::MIN_CEILING_BYTES && same_regions(cfg)? {
-                crate::phase::announce("setup: timing a copy of the prefill pool to the decode pool (the ceiling)");
+            if cfg.scenario.is_none() && cfg.geometry.pool_bytes()? >= crate::mem::pool::MIN_CEILING_BYTES && same_regions(cfg)? {
+                crate::sys::phase::announce("setup: timing a copy of the prefill pool to the decode pool (the ceiling)");
                 copy_gbps = Some(time_copy(cfg, &mut p, &mut d, &plan(cfg, 1)?)?);
             }
             *handoff.pool.lock().unwrap_or_else(|p| p.into_inner()) = Some(p);
             decode_pool = Some(d);
             let vram = cfg.memory == MemoryKind::Vram;
-            let serve = crate::serve::ServeConfig {
+            let serve = crate::drive::serve::ServeConfig {
                 listen: "in-process".into(),
                 token: String::new(),
                 memory: cfg.memory,
                 device: if vram { cfg.prefill_device } else { 0 },
                 backend: Some(cfg.backend.clone()),
                 // The model's geometry (with TP, the run's is one rank's).
-                geometry: Some(crate::geometry::Geometry {
+                geometry: Some(crate::core::geometry::Geometry {
                     num_kv_heads: cfg.tp.map_or(cfg.geometry.num_kv_heads, |t| t.total_kv_heads),
                     ..cfg.geometry.clone()
                 }),
                 keep_serving: false,
                 idle_timeout: timeout,
-                mode: crate::serve::SessionMode::InProcess,
+                mode: crate::drive::serve::SessionMode::InProcess,
             };
             let h = handoff.clone();
             let (link, thread) = crate::peer::client::start_thread(timeout, &run_id, move |stream, token| {
-                crate::serve::serve_in_process(&crate::serve::ServeConfig { token, ..serve }, stream, &h)
+                crate::drive::serve::serve_in_process(&crate::drive::serve::ServeConfig { token, ..serve }, stream, &h)
             })?;
             link.bound_setup(timeout);
             holder = Some(Holder::Thread(thread));
             environment = None;
             (link, "in-process".to_string())
         } else if cfg.decode_process {
-            crate::phase::announce(&format!(
+            crate::sys::phase::announce(&format!(
                 "setup: starting the prefill process (kvprobe serve holding prefill's NIXL agent and pool, {})",
                 if cfg.memory == MemoryKind::Vram { format!("VRAM on GPU {}", cfg.prefill_device) } else { "DRAM".into() }
             ));
@@ -164,7 +164,7 @@ impl Probe {
             (link, addr)
         } else {
             let addr = cfg.peer.clone().unwrap_or_default();
-            crate::phase::announce(&format!("setup: connecting to the prefill peer at {addr}"));
+            crate::sys::phase::announce(&format!("setup: connecting to the prefill peer at {addr}"));
             let token = cfg.peer_token.clone().unwrap_or_default();
             let link = crate::peer::client::connect(&addr, &token, &run_id, timeout)?;
             link.bound_setup(timeout);
@@ -190,13 +190,13 @@ impl Probe {
         }
         let pool = match decode_pool {
             Some(d) => {
-                crate::phase::announce(&format!("setup: registering the pools with NIXL (backend {})", cfg.backend));
+                crate::sys::phase::announce(&format!("setup: registering the pools with NIXL (backend {})", cfg.backend));
                 d
             }
             None => {
-                crate::phase::announce(&format!(
+                crate::sys::phase::announce(&format!(
                     "setup: allocating decode's pool ({} {}), registering it with NIXL (backend {}); prefill on {} ({})",
-                    cfg.decode_geom().pool_bytes().map(crate::units::bytes_binary).unwrap_or_default(),
+                    cfg.decode_geom().pool_bytes().map(crate::sys::units::bytes_binary).unwrap_or_default(),
                     if cfg.memory == MemoryKind::Vram { "VRAM" } else { "DRAM" },
                     cfg.backend,
                     side.host,
@@ -205,9 +205,10 @@ impl Probe {
                 build_decode_pool(cfg)?
             }
         };
-        let opts = crate::transport::TransportOptions { xfer_req: cfg.xfer_req, backend_params: cfg.backend_params.clone() };
+        let opts =
+            crate::xfer::transport::TransportOptions { xfer_req: cfg.xfer_req, backend_params: cfg.backend_params.clone() };
         let refusal = |e| backend_refusal(&cfg.backend, cfg.memory, e);
-        crate::trace!("decode NIXL agent");
+        crate::sys::trace::trace!("decode NIXL agent");
         let sides = cfg.sides()?;
         let tp = sides.tp;
         // Decode's TP ranks 1.. (`--decode-tp`): pools like rank 0's, holding their heads.
@@ -246,7 +247,7 @@ impl Probe {
             peer.ranks_info.iter_mut().for_each(|r| r.lease = l.clone());
             peer.info.lease = l;
         }
-        let prefill_infos: Vec<crate::transport::PeerInfo> =
+        let prefill_infos: Vec<crate::xfer::transport::PeerInfo> =
             std::iter::once(peer.info.clone()).chain(peer.ranks_info.iter().cloned()).collect();
         if let Some(i) = prefill_infos.iter().find(|i| i.geometry.as_ref().is_some_and(|g| *g != cfg.geometry)) {
             return Err(Error::Transport(format!(
@@ -257,12 +258,12 @@ impl Probe {
         // A peer whose metadata NIXL cannot load is the peer's fault (transport, exit 3), not a
         // backend that cannot serve this side's pools. Each decode rank loads the prefill
         // ranks it reads, in vLLM's get_target_remote_ranks order.
-        crate::trace!("decode loads prefill's metadata");
+        crate::sys::trace::trace!("decode loads prefill's metadata");
         for (d, e) in std::iter::once(&mut decode).chain(decode_ranks.iter_mut()).enumerate() {
             for p in tp.targets(d as u32) {
                 e.connect_link(
                     prefill_infos[p as usize].clone(),
-                    crate::transport::Cuts::of_link(&sides, p, d as u32).swapped(),
+                    crate::xfer::transport::Cuts::of_link(&sides, p, d as u32).swapped(),
                 )?;
             }
         }
@@ -270,7 +271,7 @@ impl Probe {
             Some(h) => peer.adopt(h),
             None => peer.set_up(),
         }
-        crate::trace!("connected to the prefill peer");
+        crate::sys::trace::trace!("connected to the prefill peer");
         let tier_arena = handoff.tier_arena.lock().unwrap_or_else(|p| p.into_inner()).take();
         Ok(Probe { cfg: cfg.clone(), prefill: Box::new(peer), decode, decode_ranks, copy_gbps, tier_arena })
     }
@@ -327,13 +328,13 @@ impl Probe {
         match op {
             Op::Read => {
                 p.await_filled(it, Some(k as u32))?;
-                let d = crate::deadline::Deadline::after(timeout);
+                let d = crate::sys::deadline::Deadline::after(timeout);
                 // A failed post with prefill gone is prefill's death (as a failed poll).
                 let e = self.rank(link.1);
                 Ok(SweepRequest::Nixl(e.post_to(link.2, Op::Read, pairs, tag, d).map_err(|e| p.cause_of(e))?))
             }
             Op::Write => {
-                let deadline = crate::deadline::Deadline::after(timeout);
+                let deadline = crate::sys::deadline::Deadline::after(timeout);
                 p.post_write(it, k as u32, tag)?;
                 Ok(SweepRequest::PeerWrite { tag: tag.into(), deadline, late_misses: 0 })
             }
@@ -342,7 +343,7 @@ impl Probe {
 
     /// Checks a stage's request once: `Some` when complete. A peer's liveness is checked too
     /// (a dead peer: transport, exit 3; a silent one: timeout, exit 4).
-    fn poll(&self, d: u32, r: &mut SweepRequest) -> Result<Option<crate::nixl::XferResult>> {
+    fn poll(&self, d: u32, r: &mut SweepRequest) -> Result<Option<crate::xfer::nixl::XferResult>> {
         let p = &self.prefill;
         match r {
             SweepRequest::Nixl(r) => {
@@ -382,7 +383,7 @@ impl Probe {
         inbox: &mut transport::Inbox,
         rank: u32,
         tag: &str,
-        d: crate::deadline::Deadline,
+        d: crate::sys::deadline::Deadline,
     ) -> Result<bool> {
         let p = &self.prefill;
         p.pump(Duration::ZERO)?;
@@ -396,7 +397,7 @@ impl Probe {
     }
 
     /// READ: waits until prefill has every notification in `tags`.
-    fn await_notifications(&self, tags: &mut HashMap<String, crate::deadline::Deadline>) -> Result<()> {
+    fn await_notifications(&self, tags: &mut HashMap<String, crate::sys::deadline::Deadline>) -> Result<()> {
         let p = &self.prefill;
         p.await_notifications(tags).map_err(|e| p.cause_of(e))
     }
@@ -411,7 +412,7 @@ pub use crate::report::StrayCheck;
 
 /// The slices of a sweep iteration found corrupt, by (decode TP rank, slice): the class found
 /// and whether the slice is exactly as an injection predicts it
-/// ([`crate::inject::matches_prediction`]).
+/// ([`crate::core::inject::matches_prediction`]).
 type Seen = HashMap<(u32, SliceCoord), (Class, bool)>;
 
 /// Records the slices a stray-write check of iteration `plan.it` found changed (`fails`,
@@ -427,11 +428,11 @@ fn record_strays(
     probe: &Probe,
     d: u32,
     plan: &Plan,
-    fails: &[crate::pool::RawFailure],
+    fails: &[crate::mem::pool::RawFailure],
     check: StrayCheck,
     seen: &mut Seen,
     report: &mut Report,
-    dump: &mut Option<&mut crate::dump::Dumper>,
+    dump: &mut Option<&mut crate::report::dump::Dumper>,
 ) -> Result<u64> {
     let g = cfg.decode_geom();
     let sb = g.slice_bytes()? as usize;
@@ -460,7 +461,7 @@ fn record_strays(
         };
         let observed = fingerprint::observed_identity(&buf, cfg.seed, pool.shape(), f.first_bad);
         let v = verify::Verdict { class: Class::Stray, observed, bit_flips: None, sectors: None, displacement: None, rows: None };
-        let as_predicted = crate::inject::matches_prediction(plan.predicted.get(&(d, c)), Class::Stray, cfg.seed, &buf);
+        let as_predicted = crate::core::inject::matches_prediction(plan.predicted.get(&(d, c)), Class::Stray, cfg.seed, &buf);
         seen.insert((d, c), (Class::Stray, as_predicted));
         if !as_predicted {
             report.summary.unexpected_failures += 1;
@@ -471,7 +472,7 @@ fn record_strays(
         if !listed {
             report.summary.failures_omitted += 1;
         }
-        crate::dump::keep(dump.as_deref_mut(), listed.then_some(&mut report.failures), &buf, Class::Stray, || {
+        crate::report::dump::keep(dump.as_deref_mut(), listed.then_some(&mut report.failures), &buf, Class::Stray, || {
             let mut rec = Failure::new(plan.it, c, f, v, &want, &buf, expected, plan.src_of[c.block as usize]);
             rec.stray_check = Some(check);
             rec.tp_rank = (probe.ranks() > 1).then_some(d);
@@ -493,7 +494,7 @@ fn poison_check(
     layers: Range<u32>,
     seen: &mut Seen,
     report: &mut Report,
-    dump: &mut Option<&mut crate::dump::Dumper>,
+    dump: &mut Option<&mut crate::report::dump::Dumper>,
 ) -> Result<u64> {
     let mut n = 0;
     for d in 0..probe.ranks() {
@@ -521,15 +522,15 @@ pub(crate) fn empty_report(cfg: &RunConfig) -> Report {
 /// The report to write when a call blocked past its deadline (`e`, a timeout) and the run
 /// cannot end normally: the last published report of `cfg`'s run (or an empty one), its
 /// outcome `e` — exit 4, or 1 when corruption was already found. A dump in progress (`--dump`)
-/// is finished against it ([`crate::dump::finish_active`]).
+/// is finished against it ([`crate::report::dump::finish_active`]).
 pub fn expired_report(cfg: &RunConfig, e: &Error) -> (Report, Exit) {
     let mut r = empty_report(cfg);
     if let Some(s) = crate::report::last_published().filter(|s| s.config == r.config) {
         r = s;
     }
     // The dump in progress (--dump) ends with this report: the slices it counts.
-    r.dump = crate::dump::finish_active(r.summary.by_class.values().sum());
-    r.summary.host_peak_bytes = crate::hostmem::peak_resident_bytes();
+    r.dump = crate::report::dump::finish_active(r.summary.by_class.values().sum());
+    r.summary.host_peak_bytes = crate::sys::hostmem::peak_resident_bytes();
     let exit = if r.summary.blocks_corrupt > 0 { Exit::Corrupt } else { e.exit() };
     r.finish(exit, Some(e));
     (r, exit)
@@ -542,7 +543,7 @@ pub fn run(cfg: &RunConfig, hooks: &mut Hooks<'_>) -> (Report, Exit) {
     let mut report = empty_report(cfg);
     let mut probe = None;
     let mut result = run_inner(cfg, &mut report, hooks, &mut probe);
-    report.summary.host_peak_bytes = crate::hostmem::peak_resident_bytes();
+    report.summary.host_peak_bytes = crate::sys::hostmem::peak_resident_bytes();
     // A fenced run breaks no block's ownership: a violation there is a defect of the stack
     // under test, as corruption is, even where the bytes survived.
     if let (Ok(()), Some(n)) = (&result, fenced_violations(&report)) {
@@ -618,7 +619,7 @@ fn same_regions(cfg: &RunConfig) -> Result<bool> {
 }
 
 fn copy_ceiling_from_scratch(cfg: &RunConfig, decode: &mut Endpoint, plan: &Plan) -> Result<f64> {
-    crate::trace!("copy ceiling from a scratch pool on prefill's side");
+    crate::sys::trace::trace!("copy ceiling from a scratch pool on prefill's side");
     let mut src = build_prefill_pool(cfg, cfg.memory, cfg.prefill_device)?;
     time_copy(cfg, &mut src, &mut decode.pool, plan)
 }
@@ -646,11 +647,11 @@ fn time_copy(cfg: &RunConfig, src: &mut KvPool, dst: &mut KvPool, plan: &Plan) -
     Ok(cfg.geometry.pool_bytes()? as f64 / secs.max(1e-12) / 1e9)
 }
 
-/// Decode's conversion on receive ([`crate::pairing::Sides::row_permutation`]: vLLM's
+/// Decode's conversion on receive ([`crate::core::pairing::Sides::row_permutation`]: vLLM's
 /// `kv_postprocess_*_on_receive`) of every slice of `layers` in `pool` after a transfer:
 /// on the GPU for VRAM pools, on the host threads for DRAM ([`KvPool::permute_rows`]); what
 /// still holds the iteration's poison stays poison. Errors: a CUDA error (VRAM pools).
-fn convert_received(sides: &crate::pairing::Sides, pool: &mut KvPool, layers: Range<u32>) -> Result<()> {
+fn convert_received(sides: &crate::core::pairing::Sides, pool: &mut KvPool, layers: Range<u32>) -> Result<()> {
     pool.permute_rows(layers, &sides.row_permutation())
 }
 
@@ -661,18 +662,18 @@ pub const PEER_BYE_BOUND: Duration = Duration::from_secs(5);
 /// there are any (`None` for sweeps, unfenced runs and clean ones).
 pub fn fenced_violations(report: &Report) -> Option<u64> {
     let sc = report.scenario.as_ref()?;
-    let fenced = sc.races.iter().all(|o| o.fencing == crate::race::Fencing::Fenced);
+    let fenced = sc.races.iter().all(|o| o.fencing == crate::core::race::Fencing::Fenced);
     let n = sc.ownership_violations.unwrap_or(0);
     (fenced && n > 0).then_some(n)
 }
 
 /// The unfenced race mechanisms of a scenario run whose verdict is not `detected` (empty
 /// for sweeps and fenced runs).
-pub fn unfenced_not_reproduced(report: &Report) -> Vec<crate::race::Mechanism> {
+pub fn unfenced_not_reproduced(report: &Report) -> Vec<crate::core::race::Mechanism> {
     report.scenario.as_ref().map_or_else(Vec::new, |sc| {
         sc.races
             .iter()
-            .filter(|o| o.fencing == crate::race::Fencing::Unfenced && o.verdict != "detected")
+            .filter(|o| o.fencing == crate::core::race::Fencing::Unfenced && o.verdict != "detected")
             .map(|o| o.mechanism)
             .collect()
     })
@@ -685,11 +686,11 @@ pub(crate) fn prepare(cfg: &RunConfig, report: &mut Report) -> Result<()> {
     // environment).
     let config = check_config(cfg);
     if config.is_ok() {
-        crate::phase::announce("setup: loading NIXL, checking the environment");
+        crate::sys::phase::announce("setup: loading NIXL, checking the environment");
     }
-    crate::nixl::check_ucx_log_file()?;
-    let lib = crate::nixl::load();
-    report.environment = Some(crate::envinfo::gather(crate::envinfo::nixl_info()));
+    crate::xfer::nixl::check_ucx_log_file()?;
+    let lib = crate::xfer::nixl::load();
+    report.environment = Some(crate::env::envinfo::gather(crate::env::envinfo::nixl_info()));
     config?;
     check_host_memory(cfg)?;
     lib?;
@@ -700,18 +701,18 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>, slot: 
     let started = Instant::now();
     crate::report::publish(report);
     prepare(cfg, report)?;
-    crate::deadline::set_limit(Some(Duration::from_secs_f64(cfg.timeout_secs)));
+    crate::sys::deadline::set_limit(Some(Duration::from_secs_f64(cfg.timeout_secs)));
     crate::report::publish(report);
-    let ucx_mark = crate::ucx::mark();
+    let ucx_mark = crate::xfer::ucx::mark();
     // Prefill is a peer wherever it is (another host, a child, a thread of this process).
     let probe = slot.insert(Probe::setup_peer(cfg, report.environment.clone())?);
     if !in_process(cfg) {
         report.peer = Some(probe.prefill.section.clone());
     }
-    crate::ucx::adopt();
+    crate::xfer::ucx::adopt();
     // The agents have started their UCX backends: the UCX library is loaded now.
     if let Some(e) = report.environment.as_mut() {
-        e.nixl.ucx_version = crate::nixl::loaded_ucx_version();
+        e.nixl.ucx_version = crate::xfer::nixl::loaded_ucx_version();
     }
     if let Some(sc) = &cfg.scenario {
         let timeout = Duration::from_secs_f64(cfg.timeout_secs);
@@ -742,9 +743,9 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>, slot: 
 /// Adds what this host's facts say of a sweep's UCX path `p` (this side's, or in process the
 /// prefill thread's): the warning for emulated VRAM transfers between two GPUs of one process,
 /// and the flags of a TCP path where an RDMA NIC exists, no GPUDirect RDMA, a NIC that is not
-/// the GPU's nearest ([`crate::ucx::flag_path`]; a peer on another host or process flags its
+/// the GPU's nearest ([`crate::xfer::ucx::flag_path`]; a peer on another host or process flags its
 /// own path).
-fn judge_path(cfg: &RunConfig, p: &mut crate::ucx::TransportPath, env: Option<&crate::envinfo::Environment>) {
+fn judge_path(cfg: &RunConfig, p: &mut crate::xfer::ucx::TransportPath, env: Option<&crate::env::envinfo::Environment>) {
     if p.emulated && cfg.memory == MemoryKind::Vram && cfg.prefill_device != cfg.decode_device && in_process(cfg) {
         p.warning = Some(
             "UCX does not use cuda_ipc between two GPUs of one process (cuda_ipc reaches other processes \
@@ -755,18 +756,18 @@ fn judge_path(cfg: &RunConfig, p: &mut crate::ucx::TransportPath, env: Option<&c
     if let Some(env) = env {
         let initiator = if cfg.op == Op::Write && cfg.peer.is_none() { cfg.prefill_device } else { cfg.decode_device };
         let gpu = (cfg.memory == MemoryKind::Vram).then_some(initiator);
-        crate::ucx::flag_path(p, &env.rdma, gpu);
+        crate::xfer::ucx::flag_path(p, &env.rdma, gpu);
     }
 }
 
 /// The UCX path of a scenario's READs, as decode's agent (their initiator) logged it since
-/// `mark` ([`crate::ucx::path_since`]), judged as a sweep's ([`judge_path`]).
+/// `mark` ([`crate::xfer::ucx::path_since`]), judged as a sweep's ([`judge_path`]).
 pub(crate) fn scenario_path(
     cfg: &RunConfig,
     probe: &Probe,
     mark: u64,
-    env: Option<&crate::envinfo::Environment>,
-) -> crate::ucx::TransportPath {
+    env: Option<&crate::env::envinfo::Environment>,
+) -> crate::xfer::ucx::TransportPath {
     let mut p = probe.decode.transport_path(mark, Op::Read, cfg.memory == MemoryKind::Vram);
     judge_path(cfg, &mut p, env);
     p
@@ -792,7 +793,7 @@ enum Staged {
     Written { request: SweepRequest, notes: Vec<(u32, String)>, bytes: u64 },
     /// Test-only ([`EARLY_NOTIFY_VAR`]): the stage's notification was sent alone; the transfer
     /// is posted after decode verified the stage.
-    Deferred { pairs: Vec<Pair>, deadline: crate::deadline::Deadline },
+    Deferred { pairs: Vec<Pair>, deadline: crate::sys::deadline::Deadline },
 }
 
 /// Test-only fault hook: `KVPROBE_TEST_EARLY_NOTIFY=N` makes prefill deliver each stage's
@@ -800,7 +801,7 @@ enum Staged {
 /// WRITE posted only after decode verified the stage), as a transport that notifies before
 /// the data has landed would. Decode verifies on the notification, so every slice of
 /// iteration N must be reported `unwritten` (exit 1). WRITE only.
-pub const EARLY_NOTIFY_VAR: &str = crate::test_hooks::EARLY_NOTIFY;
+pub const EARLY_NOTIFY_VAR: &str = crate::sys::test_hooks::EARLY_NOTIFY;
 
 /// Test-only fault hook: `KVPROBE_TEST_LATE_WRITE=WHEN:N` writes into decode's pool (TP
 /// rank 0) in sweep iteration N, as data landing after the verify pass judged it would:
@@ -811,7 +812,7 @@ pub const EARLY_NOTIFY_VAR: &str = crate::test_hooks::EARLY_NOTIFY;
 /// verify (and classification) and the re-poison, or after the last iteration's verify (the
 /// slice must come out `stray`, `stray_check` `reverify`). Errors (usage, exit 2): a value
 /// of another form.
-pub const LATE_WRITE_VAR: &str = crate::test_hooks::LATE_WRITE;
+pub const LATE_WRITE_VAR: &str = crate::sys::test_hooks::LATE_WRITE;
 
 /// Where [`LATE_WRITE_VAR`] writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -839,7 +840,7 @@ fn late_write_fault() -> Result<Option<LateWrite>> {
 /// The compared-counts check (docs/guide.md "What an iteration does"): the verify passes of
 /// decode rank `d` in iteration `it` compared `got`; the plan is every slice of the rank's
 /// pool (`slices` of `slice_bytes`). Errors (internal, exit 3): they differ.
-fn check_compared(it: u32, d: u32, got: crate::pool::Compared, slices: u64, slice_bytes: u64) -> Result<()> {
+fn check_compared(it: u32, d: u32, got: crate::mem::pool::Compared, slices: u64, slice_bytes: u64) -> Result<()> {
     let bytes = slices * slice_bytes;
     if got.slices != slices || got.bytes != bytes {
         return Err(Error::Internal(format!(
@@ -874,7 +875,7 @@ fn early_notify_fault(op: Op) -> Result<Option<u32>> {
 /// `foreign` replaces the delivered bytes with another block's rows. The slice stays `torn`,
 /// but not the predicted bytes: each must count as an unexpected failure and its injection
 /// as not detected as predicted (exit 1).
-pub const DAMAGE_TORN_VAR: &str = crate::test_hooks::DAMAGE_TORN;
+pub const DAMAGE_TORN_VAR: &str = crate::sys::test_hooks::DAMAGE_TORN;
 
 /// The damage of [`DAMAGE_TORN_VAR`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -943,11 +944,11 @@ fn wait<T>(it: u32, k: usize, what: &str, mut check: impl FnMut() -> Result<Opti
         if let Some(v) = check()? {
             return Ok(v);
         }
-        if crate::interrupt::since_requested().is_some_and(|d| d > crate::interrupt::GRACE) {
+        if crate::sys::interrupt::since_requested().is_some_and(|d| d > crate::sys::interrupt::GRACE) {
             return Err(Error::Interrupted(format!(
                 "in iteration {it} while stage {k}'s {what} was awaited (incomplete {} s after the signal; \
                  this iteration is not verified)",
-                crate::interrupt::GRACE.as_secs()
+                crate::sys::interrupt::GRACE.as_secs()
             )));
         }
         std::hint::spin_loop();
@@ -964,14 +965,14 @@ fn sweep(
     probe: &mut Probe,
     report: &mut Report,
     progress: &mut dyn FnMut(&str),
-    mut dump: Option<&mut crate::dump::Dumper>,
+    mut dump: Option<&mut crate::report::dump::Dumper>,
     started: Instant,
     ucx_mark: u64,
 ) -> Result<()> {
     let g = cfg.decode_geom().clone();
     let sides = cfg.sides()?;
     for why in sides.vllm_refuses() {
-        crate::phase::announce(&format!("note: {why}"));
+        crate::sys::phase::announce(&format!("note: {why}"));
     }
     let sb = g.slice_bytes()? as usize;
     let ranks = probe.ranks();
@@ -990,8 +991,8 @@ fn sweep(
     let damage = torn_damage()?;
 
     // Setup: iteration 1's fill and faults, the copy ceiling, iteration 1's poison.
-    let scratch_ceiling = cfg.decode_process && pool_bytes >= crate::pool::MIN_CEILING_BYTES && same_regions(cfg)?;
-    crate::phase::announce(&format!(
+    let scratch_ceiling = cfg.decode_process && pool_bytes >= crate::mem::pool::MIN_CEILING_BYTES && same_regions(cfg)?;
+    crate::sys::phase::announce(&format!(
         "setup: filling the prefill pool{}, poisoning the decode pool",
         if scratch_ceiling { ", timing a copy of it (the ceiling)" } else { "" }
     ));
@@ -999,13 +1000,13 @@ fn sweep(
     probe.fill_source(&cur, None)?;
     probe.finish_source()?;
     // The ceiling the transfer rate is compared to ([`time_copy`]). A pool below
-    // crate::pool::MIN_CEILING_BYTES copies in the time of the copy's fixed costs (threads, launches): no
+    // crate::mem::pool::MIN_CEILING_BYTES copies in the time of the copy's fixed costs (threads, launches): no
     // ceiling is measured, and the summary says so instead of a ratio. In process it was timed
     // at set-up, on prefill's own pool. Across a node pair the pools are on two hosts: no copy
     // between them to time. With --decode-process both are on this host, prefill's in the
     // child: the copy comes from a scratch pool of the same geometry on prefill's memory and GPU.
     let copy_gbps = if scratch_ceiling {
-        crate::trace!("copy ceiling");
+        crate::sys::trace::trace!("copy ceiling");
         match copy_ceiling_from_scratch(cfg, &mut probe.decode, &cur) {
             Ok(gbps) => Some(gbps),
             // Not the run's failure: the run goes on without a ceiling, and says why.
@@ -1029,10 +1030,10 @@ fn sweep(
     crate::report::publish(report);
 
     for it in 1..=cfg.iterations {
-        if crate::interrupt::requested() {
+        if crate::sys::interrupt::requested() {
             return Err(Error::Interrupted(format!("after {} complete iterations", it - 1)));
         }
-        crate::deadline::set_position(it, 0);
+        crate::sys::deadline::set_position(it, 0);
         let iteration_start = Instant::now();
         let mut times = IterationTimes { index: it, ..Default::default() };
         let classes_before = report.summary.by_class.clone();
@@ -1045,7 +1046,7 @@ fn sweep(
         let mut corrupt = 0u64;
         let mut bytes = 0u64;
         // What each decode rank's verify passes compared in this iteration (item: counts).
-        let mut compared = vec![crate::pool::Compared::default(); ranks as usize];
+        let mut compared = vec![crate::mem::pool::Compared::default(); ranks as usize];
         let tag = |k: usize| format!("kvprobe:iter={it}:stage={k}");
         // READ: the notifications prefill must get (awaited after the last stage); WRITE:
         // each stage is verified when decode has its notification ([`Staged`]).
@@ -1069,7 +1070,7 @@ fn sweep(
             } else if early {
                 // Test-only: the notification now, the transfer after decode verified (WRITE:
                 // one rank each side).
-                let deadline = crate::deadline::Deadline::after(timeout);
+                let deadline = crate::sys::deadline::Deadline::after(timeout);
                 probe.notify_decode(&tag(k))?;
                 Staged::Deferred { pairs: per_link.swap_remove(0), deadline }
             } else {
@@ -1104,7 +1105,7 @@ fn sweep(
         // request's completion.
         let mut inboxes: Vec<transport::Inbox> = (0..ranks).map(|_| transport::Inbox::default()).collect();
         let window_start = Instant::now();
-        crate::trace!("iteration {it}: posting");
+        crate::sys::trace::trace!("iteration {it}: posting");
         for k in 0..stages.len().min(2) {
             post(probe, k, &mut inflight)?;
         }
@@ -1114,7 +1115,7 @@ fn sweep(
             // WRITE, decode's notification of it, as decode knows nothing else of a push (the
             // initiator's completion is waited for after the verify, before prefill refills
             // the source) — so a notification that comes before the data is caught.
-            crate::deadline::set_position(it, k as u32);
+            crate::sys::deadline::set_position(it, k as u32);
             let mut staged = inflight.pop_front().expect("one request per stage");
             let mut written = None;
             match (&mut staged, cfg.op) {
@@ -1164,7 +1165,7 @@ fn sweep(
                     times.overlapped += t.elapsed().as_secs_f64(); // else it is host work after the window
                 }
             }
-            crate::trace!("iteration {it}: stage {k} complete");
+            crate::sys::trace::trace!("iteration {it}: stage {k} complete");
             if let Some(how) = damage {
                 damage_torn(cfg, probe, &cur, layers.clone(), how)?;
             }
@@ -1199,7 +1200,7 @@ fn sweep(
                     let due = pool.shape().slice(expected);
                     let want = fingerprint::expected(cfg.seed, &due);
                     // Not kept (VRAM): the record describes the bytes read again.
-                    let f = &if kept { *f } else { crate::pool::RawFailure::recount(f.slice, &buf, &want) };
+                    let f = &if kept { *f } else { crate::mem::pool::RawFailure::recount(f.slice, &buf, &want) };
                     let judged = verify::classify_against(&buf, &want, &due, cfg.seed, f.slice, it);
                     pool.read_slice(c, &mut now)?;
                     let (v, judged_class) = if now != buf {
@@ -1208,7 +1209,8 @@ fn sweep(
                     } else {
                         (judged, None)
                     };
-                    let as_predicted = crate::inject::matches_prediction(cur.predicted.get(&(d, c)), v.class, cfg.seed, &buf);
+                    let as_predicted =
+                        crate::core::inject::matches_prediction(cur.predicted.get(&(d, c)), v.class, cfg.seed, &buf);
                     seen.insert((d, c), (v.class, as_predicted));
                     if !as_predicted {
                         report.summary.unexpected_failures += 1;
@@ -1227,7 +1229,7 @@ fn sweep(
                         r
                     });
                     let list = listed.then_some(&mut report.failures);
-                    crate::dump::keep_converted(dump.as_deref_mut(), list, &buf, received.as_deref(), class, || {
+                    crate::report::dump::keep_converted(dump.as_deref_mut(), list, &buf, received.as_deref(), class, || {
                         let mut rec = Failure::new(it, c, f, v, &want, &buf, expected, cur.src_of[c.block as usize]);
                         rec.tp_rank = (ranks > 1).then_some(d);
                         rec.judged_class = judged_class;
@@ -1338,7 +1340,7 @@ fn sweep(
         if it == 1 {
             let mut p = match cfg.op {
                 // Replaced by prefill's own table when its report part arrives ([`run`]).
-                Op::Write => crate::ucx::TransportPath {
+                Op::Write => crate::xfer::ucx::TransportPath {
                     backend: cfg.backend.clone(),
                     unknown_because: Some(if in_process(cfg) {
                         "prefill initiates WRITEs on its thread, which sent no report part at the end".into()

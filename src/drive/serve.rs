@@ -16,18 +16,18 @@
 //! Both sides plan each iteration from the configuration alone (`sweep::plan`: block
 //! map, injections), so the protocol never carries block lists.
 
+use crate::core::race::Scenario;
 use crate::error::{Error, Exit, Result};
+use crate::mem::pool::MemoryKind;
+use crate::mem::tier::TierKind;
 use crate::peer::steps::TierAccess;
 use crate::peer::{self, Accepted, Link, Msg, Side, Stream};
-use crate::pool::MemoryKind;
-use crate::race::Scenario;
 use crate::report::{PeerSide, Report};
 use crate::scenario::config::ScenarioConfig;
 use crate::scenario::connectors::tier::TierPlace;
 use crate::scenario::prefill::PrefillEngine;
 use crate::sweep::{self, RunConfig};
-use crate::tier::TierKind;
-use crate::transport::{Endpoint, Op};
+use crate::xfer::transport::{Endpoint, Op};
 use std::collections::BTreeMap;
 use std::net::TcpListener;
 use std::sync::Arc;
@@ -53,7 +53,7 @@ pub struct ServeConfig {
     pub backend: Option<String>,
     /// Prefill's geometry when pinned by flags (`--preset`, `--layers`, …): the run's must
     /// equal it field by field.
-    pub geometry: Option<crate::geometry::Geometry>,
+    pub geometry: Option<crate::core::geometry::Geometry>,
     /// Serve another run after each one (`--keep-serving`).
     pub keep_serving: bool,
     /// How long a client may stay silent before its configuration arrives (then the run's
@@ -83,18 +83,18 @@ pub struct Handoff {
     /// Prefill's pool, allocated by the decode side (which timed the copy ceiling on it); the
     /// session takes it instead of allocating one (it must be on the session's `--memory` and
     /// GPU).
-    pub pool: std::sync::Mutex<Option<crate::pool::KvPool>>,
+    pub pool: std::sync::Mutex<Option<crate::mem::pool::KvPool>>,
     /// Prefill's registrations, set before the session says its agent is connected: decode's
     /// requests take shares of them, as requests between two agents of one process always do
-    /// ([`crate::transport::PeerInfo::lease`]), so that prefill's pool outlives every request
+    /// ([`crate::xfer::transport::PeerInfo::lease`]), so that prefill's pool outlives every request
     /// that may still move it, whenever the session ends.
-    pub prefill_lease: std::sync::Mutex<Option<crate::nixl::WeakLease>>,
+    pub prefill_lease: std::sync::Mutex<Option<crate::xfer::nixl::WeakLease>>,
     /// Decode's registrations, set before decode sends its agent: prefill's requests (WRITE)
     /// take shares of them.
-    pub decode_lease: std::sync::Mutex<Option<crate::nixl::WeakLease>>,
+    pub decode_lease: std::sync::Mutex<Option<crate::xfer::nixl::WeakLease>>,
     /// Scenarios with the embedded tier: its arena, set before the session says its agent is
     /// connected, so that decode's tier-only loads copy from it directly.
-    pub tier_arena: std::sync::Mutex<Option<Arc<crate::tier::TierArena>>>,
+    pub tier_arena: std::sync::Mutex<Option<Arc<crate::mem::tier::TierArena>>>,
 }
 
 /// One session's end: the report serve writes and its exit code.
@@ -203,11 +203,11 @@ pub fn serve(
             }
         });
     }
-    let mut say = |l: &str| say(&crate::text::escape_control(l));
+    let mut say = |l: &str| say(&crate::sys::text::escape_control(l));
     loop {
         let event = match rx.recv_timeout(Duration::from_millis(100)) {
             Ok(e) => e,
-            Err(RecvTimeoutError::Timeout) if crate::interrupt::requested() => return Exit::Interrupted,
+            Err(RecvTimeoutError::Timeout) if crate::sys::interrupt::requested() => return Exit::Interrupted,
             Err(RecvTimeoutError::Timeout) => continue,
             Err(RecvTimeoutError::Disconnected) => return Exit::Transport,
         };
@@ -240,7 +240,7 @@ pub fn serve(
             return exit;
         }
         gate.lock().unwrap_or_else(|p| p.into_inner()).session_over();
-        if crate::interrupt::requested() {
+        if crate::sys::interrupt::requested() {
             return Exit::Interrupted; // --keep-serving ends only by a signal: say so
         }
     }
@@ -320,7 +320,7 @@ fn check_config(
     {
         return Err((Some("backend".into()), format!("backend: prefill (serve --backend) {b}, decode {}", rc.backend)));
     }
-    let geo = |g: &crate::geometry::Geometry| serde_json::to_value(g).unwrap_or_default();
+    let geo = |g: &crate::core::geometry::Geometry| serde_json::to_value(g).unwrap_or_default();
     if let Some(g) = &cfg.geometry {
         // With --prefill-tp the run's geometry is one rank's: serve's flags give the model's.
         let mut model = rc.geometry.clone();
@@ -360,15 +360,15 @@ fn check_config(
     let ranks = rc.tp.map_or(1, |t| t.prefill as u64);
     let pool = if cfg.memory == MemoryKind::Dram { g.pool_bytes().unwrap_or(u64::MAX).saturating_mul(ranks) } else { 0 };
     let need = pool.saturating_add(g.total_slices().unwrap_or(u64::MAX).saturating_mul(sweep::HOST_BYTES_PER_SLICE));
-    if let Some(avail) = crate::hostmem::available_bytes()
+    if let Some(avail) = crate::sys::hostmem::available_bytes()
         && need > avail
     {
         return Err((
             None,
             format!(
                 "prefill's side needs about {} of host memory on this host; {} are available",
-                crate::units::bytes_exact(need),
-                crate::units::bytes_exact(avail)
+                crate::sys::units::bytes_exact(need),
+                crate::sys::units::bytes_exact(avail)
             ),
         ));
     }
@@ -405,7 +405,7 @@ fn session(
     link.close();
     let mut report = acc.report;
     report.peer = Some(acc.side);
-    report.summary.host_peak_bytes = crate::hostmem::peak_resident_bytes();
+    report.summary.host_peak_bytes = crate::sys::hostmem::peak_resident_bytes();
     report.finish(exit, err.as_ref());
     SessionEnd { report, exit }
 }
@@ -473,7 +473,7 @@ fn session_inner(
         Ok(rc) => rc,
         Err((field, reason)) => {
             // The reason quotes decode's configuration: escaped for serve's output.
-            let reason = crate::text::escape_control(&reason).into_owned();
+            let reason = crate::sys::text::escape_control(&reason).into_owned();
             let _ = link.send(&Msg::Refused { reason: reason.clone(), field, exit: 2 });
             say(&format!("kvprobe serve: refused run {run_id}: {reason}"));
             return Ok((Exit::Usage, Some(Error::Usage(format!("refused the run's configuration: {reason}")))));
@@ -482,9 +482,9 @@ fn session_inner(
     let timeout = Duration::from_secs_f64(rc.timeout_secs);
     link.set_silence(timeout);
     link.bound_setup(timeout);
-    crate::deadline::set_limit(Some(timeout));
+    crate::sys::deadline::set_limit(Some(timeout));
     // In process: the decode side's environment is this one (and its report the only one).
-    let env = (cfg.mode != SessionMode::InProcess).then(|| crate::envinfo::gather(crate::envinfo::nixl_info()));
+    let env = (cfg.mode != SessionMode::InProcess).then(|| crate::env::envinfo::gather(crate::env::envinfo::nixl_info()));
     acc.report.environment = env.clone();
     let vram = cfg.memory == MemoryKind::Vram;
     let prefill = Side {
@@ -494,10 +494,10 @@ fn session_inner(
         host: peer::host_name(),
     };
     link.send(&Msg::Accept { prefill, environment: env })?;
-    let mark = crate::ucx::mark();
+    let mark = crate::xfer::ucx::mark();
     say(&format!(
         "kvprobe serve: prefill pool {} {}, backend {}",
-        rc.geometry.pool_bytes().map(crate::units::bytes_binary).unwrap_or_default(),
+        rc.geometry.pool_bytes().map(crate::sys::units::bytes_binary).unwrap_or_default(),
         if vram { format!("VRAM on GPU {}", cfg.device) } else { "DRAM".into() },
         rc.backend
     ));
@@ -507,9 +507,9 @@ fn session_inner(
         None => sweep::build_prefill_pool(&rc, cfg.memory, cfg.device)?,
     };
     // The run's --xfer-req and --backend-param apply to both sides.
-    let opts = crate::transport::TransportOptions { xfer_req: rc.xfer_req, backend_params: rc.backend_params.clone() };
+    let opts = crate::xfer::transport::TransportOptions { xfer_req: rc.xfer_req, backend_params: rc.backend_params.clone() };
     let refusal = |e| sweep::backend_refusal(&rc.backend, cfg.memory, e);
-    crate::trace!("prefill NIXL agent");
+    crate::sys::trace::trace!("prefill NIXL agent");
     let mut ep = Endpoint::with_options("kvprobe-prefill", &rc.backend, pool, &opts).map_err(refusal)?;
     let (mut decode_info, mut decode_ranks) = link.expect("decode's NIXL agent", |m| match m {
         Msg::Connect { decode, decode_ranks } => Ok((decode, decode_ranks)),
@@ -547,7 +547,7 @@ fn session_inner(
     // decode copies from it in this process, else READs it over NIXL.
     let arena = match rc.scenario.as_ref().filter(|sc| sc.tier == TierKind::Embedded && (sc.matrix || sc.scenario.uses_tier())) {
         Some(sc) => {
-            let a = Arc::new(crate::tier::TierArena::new(sc.tier_blocks, ep.pool.block_bytes(), ep.pool.gpu().as_ref())?);
+            let a = Arc::new(crate::mem::tier::TierArena::new(sc.tier_blocks, ep.pool.block_bytes(), ep.pool.gpu().as_ref())?);
             match handoff {
                 Some(h) => *h.tier_arena.lock().unwrap_or_else(|p| p.into_inner()) = Some(a.clone()),
                 None => ep.register_tier(a.clone()).map_err(refusal)?,
@@ -556,21 +556,21 @@ fn session_inner(
         }
         None => None,
     };
-    crate::trace!("prefill loads decode's metadata");
+    crate::sys::trace::trace!("prefill loads decode's metadata");
     // Each prefill rank loads the agents of the decode ranks that read it (vLLM's
     // get_target_remote_ranks, from decode's side). Bad metadata is decode's fault: transport,
     // exit 3.
-    let all_decode: Vec<crate::transport::PeerInfo> = std::iter::once(decode_info).chain(decode_ranks).collect();
+    let all_decode: Vec<crate::xfer::transport::PeerInfo> = std::iter::once(decode_info).chain(decode_ranks).collect();
     for (p, e) in std::iter::once(&mut ep).chain(ranks.iter_mut()).enumerate() {
         for (d, info) in all_decode.iter().enumerate() {
             if tp.targets(d as u32).contains(&(p as u32)) {
-                e.connect_link(info.clone(), crate::transport::Cuts::of_link(&sides, p as u32, d as u32))?;
+                e.connect_link(info.clone(), crate::xfer::transport::Cuts::of_link(&sides, p as u32, d as u32))?;
             }
         }
     }
     // Test-only (`KVPROBE_TEST_STALL_AGENT_START` in the prefill process of --decode-process):
     // a side that never says it is ready.
-    crate::deadline::Stall::Start.here();
+    crate::sys::deadline::Stall::Start.here();
     let info = ep.info().map_err(refusal)?;
     let rank_infos = ranks.iter().map(|e| e.info()).collect::<Result<Vec<_>>>().map_err(refusal)?;
     if let Some(h) = handoff {
@@ -579,9 +579,9 @@ fn session_inner(
         *h.prefill_lease.lock().unwrap_or_else(|p| p.into_inner()) = Some(lease);
     }
     link.send(&Msg::Connected { prefill: info, prefill_ranks: rank_infos })?;
-    crate::ucx::adopt();
+    crate::xfer::ucx::adopt();
     if let Some(e) = acc.report.environment.as_mut() {
-        e.nixl.ucx_version = crate::nixl::loaded_ucx_version();
+        e.nixl.ucx_version = crate::xfer::nixl::loaded_ucx_version();
     }
     let mut me = PeerSide { setup_seconds: started.elapsed().as_secs_f64(), ..Default::default() };
 
@@ -615,14 +615,14 @@ fn session_inner(
     acc.report.matrix = results.rows;
     acc.side.exit_code = Some(exit as u8); // one outcome for the pair: decode's is the run's
     let op = if rc.op == Op::Write { "WRITE" } else { "READ" };
-    let mut path = crate::ucx::path_since(mark, &rc.backend, op, vram);
+    let mut path = crate::xfer::ucx::path_since(mark, &rc.backend, op, vram);
     if path.selections.is_empty() && rc.op == Op::Read {
         // The target of a READ logs no table of it: the initiator, decode, does.
         path.unknown_because =
             Some("decode initiates the READs: their UCX tables are decode's (summary.transport_path of decode's report, peer.transport_path of serve's)".into());
     }
     if let Some(env) = acc.report.environment.as_ref() {
-        crate::ucx::flag_path(&mut path, &env.rdma, vram.then_some(cfg.device));
+        crate::xfer::ucx::flag_path(&mut path, &env.rdma, vram.then_some(cfg.device));
     }
     acc.report.summary.transport_path = Some(path.clone());
     me.role = "prefill".into();
@@ -657,7 +657,7 @@ fn done(link: &Link, m: Msg) -> Result<Ending> {
         Some(x) => {
             let error = if x == Exit::Clean { None } else { error }; // a clean run has no error
             // Decode's words reach serve's output: escaped.
-            let error = error.map(|e| crate::text::escape_control(&e).into_owned());
+            let error = error.map(|e| crate::sys::text::escape_control(&e).into_owned());
             for v in [&mut summary, &mut scenario, &mut rows].into_iter().flatten() {
                 peer::escape_strings(v);
             }
@@ -686,9 +686,9 @@ fn sweep_requests(
     let mut plans: BTreeMap<u32, sweep::Plan> = BTreeMap::new();
     // WRITEs in flight: (stage tag, prefill rank, request); per stage tag, the requests
     // still in flight, their bytes and the longest post-to-completion time (ns).
-    let mut inflight: Vec<(String, usize, crate::nixl::Posted)> = Vec::new();
+    let mut inflight: Vec<(String, usize, crate::xfer::nixl::Posted)> = Vec::new();
     let mut writes: std::collections::HashMap<String, (u32, u64, u64)> = std::collections::HashMap::new();
-    let tp = rc.tp.unwrap_or(crate::pairing::tp::Tp::single(rc.geometry.num_kv_heads, rc.geometry.mla));
+    let tp = rc.tp.unwrap_or(crate::core::pairing::tp::Tp::single(rc.geometry.num_kv_heads, rc.geometry.mla));
     let check_it = |it: u32| {
         if it == 0 || it > rc.iterations.saturating_add(1) {
             return Err(Error::Transport(format!("decode asked for iteration {it} of {} (a protocol error)", rc.iterations)));
@@ -698,7 +698,7 @@ fn sweep_requests(
     let mut last_request = Instant::now();
     let timeout = Duration::from_secs_f64(rc.timeout_secs);
     let out = loop {
-        if crate::interrupt::requested() {
+        if crate::sys::interrupt::requested() {
             return Err(Error::Interrupted("serve was interrupted".into()));
         }
         let m = link.recv(if inflight.is_empty() { Duration::from_millis(1) } else { Duration::ZERO })?;
@@ -748,7 +748,7 @@ fn sweep_requests(
                 } else {
                     // One WRITE per link (prefill rank → decode rank), notified with the
                     // link's tag; decode hears of the stage once all are complete.
-                    let d = crate::deadline::Deadline::after(timeout);
+                    let d = crate::sys::deadline::Deadline::after(timeout);
                     let mut n = 0;
                     for (l, pairs) in per_link.iter().enumerate().filter(|(_, p)| !p.is_empty()) {
                         let (pr, dr) = plan.links[l];

@@ -1,9 +1,9 @@
 //! What the machine offers: GPUs, driver, CUDA, NVRTC, NIXL library and plugins, RDMA NICs
-//! and their distance to the GPUs ([`crate::rdma`]).
+//! and their distance to the GPUs ([`crate::xfer::rdma`]).
 //!
 //! Printed by `kvprobe env` and embedded in every report's `environment`.
 
-use crate::cuda::{self, GpuInfo};
+use crate::gpu::cuda::{self, GpuInfo};
 use serde::Serialize;
 use std::path::PathBuf;
 
@@ -23,12 +23,12 @@ pub struct NixlInfo {
     pub stub: Option<bool>,
     /// Why NIXL is unusable, when it is.
     pub error: Option<String>,
-    /// The NIXL wheel and version installed (`nixl-cu13 1.5.1`; [`crate::nixl::installed_version`]),
+    /// The NIXL wheel and version installed (`nixl-cu13 1.5.1`; [`crate::xfer::nixl::installed_version`]),
     /// when known.
     #[serde(default)]
     pub version: Option<String>,
     /// The version of the UCX library loaded with NIXL's UCX plugin
-    /// ([`crate::nixl::loaded_ucx_version`]); null when UCX was not loaded in this process
+    /// ([`crate::xfer::nixl::loaded_ucx_version`]); null when UCX was not loaded in this process
     /// (e.g. `kvprobe env --no-probe` before any agent starts).
     #[serde(default)]
     pub ucx_version: Option<String>,
@@ -67,7 +67,7 @@ pub struct Environment {
     /// UCX_* and NIXL_* variables in effect (they steer transport selection).
     pub transport_env: std::collections::BTreeMap<String, String>,
     /// The names in `transport_env` whose values are kvprobe's defaults, set because the user
-    /// had not set them ([`crate::nixl::set_process_env`]: e.g. `UCX_CUDA_IPC_ENABLE_GET_ZCOPY`,
+    /// had not set them ([`crate::xfer::nixl::set_process_env`]: e.g. `UCX_CUDA_IPC_ENABLE_GET_ZCOPY`,
     /// `UCX_DEBUG_SIGNO`); the others are the user's. Empty in reports written before it.
     #[serde(default)]
     pub transport_env_defaults: Vec<String>,
@@ -78,9 +78,9 @@ pub struct Environment {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub transport_probes: Vec<PathProbe>,
     /// RDMA devices and ports, each GPU's PCIe distance to each device and its nearest one
-    /// with the UCX settings that pin it, GPUDirect RDMA status ([`crate::rdma`]).
+    /// with the UCX settings that pin it, GPUDirect RDMA status ([`crate::xfer::rdma`]).
     #[serde(default)]
-    pub rdma: crate::rdma::RdmaFacts,
+    pub rdma: crate::xfer::rdma::RdmaFacts,
 }
 
 /// One probe transfer of `kvprobe env`: a short sweep in a child `kvprobe run` (llama3-8b
@@ -93,7 +93,7 @@ pub struct PathProbe {
     /// The child run's exit code (0 clean; see `kvprobe run --help`).
     pub exit_code: i32,
     /// The path its report names (backend, UCX protocol rows, emulation flag, warning).
-    pub path: Option<crate::ucx::TransportPath>,
+    pub path: Option<crate::xfer::ucx::TransportPath>,
     /// Its transfer rate (GB/s = 1e9 B/s) — tiny transfers: an indication, not a measurement.
     pub transfer_gbps: Option<f64>,
     /// Why it failed, when it did.
@@ -107,9 +107,9 @@ const PROBE_SECS: u64 = 90;
 /// WRITE on GPU 0; with two, READ from GPU 0 to GPU 1 in one process and with prefill's agent
 /// in a second process (`run --decode-process`). Each is `kvprobe run` in a child
 /// process (killed after 90 s or when kvprobe dies); failures are recorded, not raised.
-/// Each path is flagged against `rdma` ([`crate::ucx::flag_path`]; VRAM probes for the
+/// Each path is flagged against `rdma` ([`crate::xfer::ucx::flag_path`]; VRAM probes for the
 /// prefill GPU).
-pub fn probe_paths(gpus: usize, rdma: &crate::rdma::RdmaFacts) -> Vec<PathProbe> {
+pub fn probe_paths(gpus: usize, rdma: &crate::xfer::rdma::RdmaFacts) -> Vec<PathProbe> {
     let mut plan = vec![("dram", "read", 0, 0, false)];
     if gpus > 0 {
         plan.push(("vram", "read", 0, 0, false));
@@ -149,9 +149,9 @@ impl PathProbe {
         self
     }
 
-    fn flagged(mut self, rdma: &crate::rdma::RdmaFacts, gpu: Option<usize>) -> PathProbe {
+    fn flagged(mut self, rdma: &crate::xfer::rdma::RdmaFacts, gpu: Option<usize>) -> PathProbe {
         if let Some(p) = self.path.as_mut() {
-            crate::ucx::flag_path(p, rdma, gpu);
+            crate::xfer::ucx::flag_path(p, rdma, gpu);
         }
         self
     }
@@ -160,7 +160,7 @@ impl PathProbe {
 fn probe_one(mem: &str, op: &str, a: usize, b: usize, two: bool) -> crate::error::Result<PathProbe> {
     use crate::error::Error;
     let exe = std::env::current_exe().map_err(|e| Error::Environment(format!("cannot find kvprobe's own executable: {e}")))?;
-    let dir = tempfile::tempdir_in(crate::scratch::dir()?).map_err(|e| Error::Io(format!("temporary directory: {e}")))?;
+    let dir = tempfile::tempdir_in(crate::sys::scratch::dir()?).map_err(|e| Error::Io(format!("temporary directory: {e}")))?;
     let report = dir.path().join("probe.json");
     let mut cmd = std::process::Command::new(exe);
     cmd.args(["run", "--memory", mem, "--preset", "llama3-8b", "--blocks", "16", "--iterations", "2", "--op", op]);
@@ -174,10 +174,10 @@ fn probe_one(mem: &str, op: &str, a: usize, b: usize, two: bool) -> crate::error
     cmd.stdin(std::process::Stdio::null()).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped());
     // The probe run sets kvprobe's defaults itself, as its own: its path line and report then
     // tell them from the user's as `kvprobe env`'s own lines do.
-    for k in crate::nixl::kvprobe_defaults() {
+    for k in crate::xfer::nixl::kvprobe_defaults() {
         cmd.env_remove(k);
     }
-    let mut child = crate::child::spawn(cmd).map_err(|e| Error::Environment(format!("cannot start a probe run: {e}")))?;
+    let mut child = crate::sys::child::spawn(cmd).map_err(|e| Error::Environment(format!("cannot start a probe run: {e}")))?;
     let mut stderr = child.stderr.take();
     let reader = std::thread::spawn(move || {
         let mut s = String::new();
@@ -191,7 +191,7 @@ fn probe_one(mem: &str, op: &str, a: usize, b: usize, two: bool) -> crate::error
         if let Some(st) = child.try_wait().map_err(|e| Error::Environment(format!("probe run: {e}")))? {
             break Some(st);
         }
-        if t0.elapsed().as_secs() > PROBE_SECS || crate::interrupt::requested() {
+        if t0.elapsed().as_secs() > PROBE_SECS || crate::sys::interrupt::requested() {
             let _ = child.kill();
             let _ = child.wait();
             break None;
@@ -200,7 +200,7 @@ fn probe_one(mem: &str, op: &str, a: usize, b: usize, two: bool) -> crate::error
     };
     let err_text = reader.join().unwrap_or_default();
     let Some(status) = status else {
-        return Err(if crate::interrupt::requested() {
+        return Err(if crate::sys::interrupt::requested() {
             Error::Interrupted("during the probe transfers".into())
         } else {
             Error::Timeout(format!("the probe run did not finish in {PROBE_SECS} s"))
@@ -234,7 +234,7 @@ fn probe_one(mem: &str, op: &str, a: usize, b: usize, two: bool) -> crate::error
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct MooncakeInfo {
     /// The installation, when found.
-    pub install: Option<crate::mooncake::Install>,
+    pub install: Option<crate::mem::mooncake::Install>,
     /// Why it is not usable, otherwise.
     pub error: Option<String>,
 }
@@ -254,7 +254,7 @@ fn kernel_driver() -> Option<String> {
 fn topology_matrix() -> Option<Vec<Vec<String>>> {
     let mut cmd = std::process::Command::new("nvidia-smi");
     cmd.args(["topo", "-m"]);
-    let out = crate::child::output(cmd).ok()?;
+    let out = crate::sys::child::output(cmd).ok()?;
     if !out.status.success() {
         return None;
     }
@@ -291,14 +291,14 @@ fn gpu_links(n: usize) -> Vec<GpuLink> {
 
 /// Probes NIXL: loads the library (which also sets its default environment) and lists plugins.
 pub fn nixl_info() -> NixlInfo {
-    match crate::nixl::load() {
+    match crate::xfer::nixl::load() {
         Ok(lib) => {
-            let (plugins, error) = match crate::nixl::available_plugins() {
+            let (plugins, error) = match crate::xfer::nixl::available_plugins() {
                 Ok(p) if p.is_empty() => (p, Some(format!("no NIXL backend plugin loads from {}", lib.plugin_dir.display()))),
                 Ok(p) => (p, None),
                 Err(e) => (Vec::new(), Some(e.to_string())),
             };
-            let version = lib.library.parent().and_then(crate::nixl::installed_version);
+            let version = lib.library.parent().and_then(crate::xfer::nixl::installed_version);
             NixlInfo {
                 library: Some(lib.library),
                 found_via: Some(lib.found_via),
@@ -307,7 +307,7 @@ pub fn nixl_info() -> NixlInfo {
                 stub: Some(lib.stub),
                 error,
                 version,
-                ucx_version: crate::nixl::loaded_ucx_version(),
+                ucx_version: crate::xfer::nixl::loaded_ucx_version(),
             }
         }
         Err(e) => NixlInfo {
@@ -333,7 +333,7 @@ pub fn hostname() -> String {
 pub fn gather(nixl: NixlInfo) -> Environment {
     let n = cuda::device_count();
     let gpus: Vec<GpuInfo> = (0..n).filter_map(|i| cuda::gpu_info(i).ok()).collect();
-    let rdma = crate::rdma::gather(&gpus);
+    let rdma = crate::xfer::rdma::gather(&gpus);
     let transport_env: std::collections::BTreeMap<String, String> = std::env::vars_os()
         .map(|(k, v)| (k.to_string_lossy().into_owned(), v.to_string_lossy().into_owned()))
         .filter(|(k, _)| k.starts_with("UCX_") || k.starts_with("NIXL_"))
@@ -347,13 +347,13 @@ pub fn gather(nixl: NixlInfo) -> Environment {
         cuda: if n > 0 { cuda::driver_version().ok() } else { None },
         nvrtc: cuda::nvrtc_version(),
         nixl,
-        transport_env_defaults: crate::nixl::kvprobe_defaults()
+        transport_env_defaults: crate::xfer::nixl::kvprobe_defaults()
             .iter()
             .filter(|k| transport_env.contains_key(*k))
             .cloned()
             .collect(),
         transport_env,
-        mooncake: match crate::mooncake::find() {
+        mooncake: match crate::mem::mooncake::find() {
             Ok(i) => MooncakeInfo { install: Some(i), error: None },
             Err(e) => MooncakeInfo { install: None, error: Some(e.to_string()) },
         },
@@ -428,14 +428,15 @@ pub fn render(e: &Environment) -> String {
         let own = if e.transport_env_defaults.contains(k) { " (kvprobe's default)" } else { "" };
         s += &format!("{k}={v}{own}\n");
     }
-    s += &crate::rdma::render(&e.rdma);
+    s += &crate::xfer::rdma::render(&e.rdma);
     if !e.transport_probes.is_empty() {
         s += "transport (probe transfers, 32 MiB per side, 32 KiB descriptors):\n";
     }
     for p in &e.transport_probes {
         match (&p.path, p.exit_code) {
             (Some(path), 0) => {
-                s += &format!("  {}: {} ({:.2} GB/s)\n", p.what, crate::ucx::describe(path), p.transfer_gbps.unwrap_or(0.0));
+                s +=
+                    &format!("  {}: {} ({:.2} GB/s)\n", p.what, crate::xfer::ucx::describe(path), p.transfer_gbps.unwrap_or(0.0));
                 if let Some(w) = &path.warning {
                     s += &format!("    warning: {w}\n");
                 }

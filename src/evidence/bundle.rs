@@ -69,7 +69,7 @@ pub struct Contents<'a> {
     pub dump: Option<&'a Path>,
     /// `run` or `bundle` ([`Manifest::capture_made`]).
     pub capture_made: &'static str,
-    /// The run's UCX log for the capture ([`crate::capture::capture`]); `None`: this
+    /// The run's UCX log for the capture ([`crate::evidence::capture::capture`]); `None`: this
     /// process's own (a run-time bundle), recorded missing when there is none (`kvprobe
     /// bundle`).
     pub ucx_log: Option<&'a Path>,
@@ -148,16 +148,16 @@ fn kept(key: &str) -> bool {
 }
 
 /// Redacts a report in place: every string value (in arrays too) passes through `r`
-/// ([`crate::redact::Redactor::text`]), except those of [`KEPT_FIELDS`]; object keys are
+/// ([`crate::evidence::redact::Redactor::text`]), except those of [`KEPT_FIELDS`]; object keys are
 /// never changed.
-pub fn redact_json(r: &mut crate::redact::Redactor, v: &mut serde_json::Value) {
+pub fn redact_json(r: &mut crate::evidence::redact::Redactor, v: &mut serde_json::Value) {
     redact_json_keeping(r, v, kept)
 }
 
 /// Redacts JSON in place: every string value (in arrays too) passes through `r`, except the
 /// values of fields for which `keep(key)` is true; object keys are never changed.
-fn redact_json_keeping(r: &mut crate::redact::Redactor, v: &mut serde_json::Value, keep: fn(&str) -> bool) {
-    fn walk(r: &mut crate::redact::Redactor, v: &mut serde_json::Value, kept: bool, keep: fn(&str) -> bool) {
+fn redact_json_keeping(r: &mut crate::evidence::redact::Redactor, v: &mut serde_json::Value, keep: fn(&str) -> bool) {
+    fn walk(r: &mut crate::evidence::redact::Redactor, v: &mut serde_json::Value, kept: bool, keep: fn(&str) -> bool) {
         match v {
             serde_json::Value::String(s) if !kept => *s = r.text(s),
             serde_json::Value::Array(a) => a.iter_mut().for_each(|x| walk(r, x, kept, keep)),
@@ -175,7 +175,7 @@ fn redact_json_keeping(r: &mut crate::redact::Redactor, v: &mut serde_json::Valu
 /// `sections[i]`). Nothing else found in the directory is ever packed.
 ///
 /// Errors ([`Error::Usage`], exit 2), each naming what differs: `dir` is not a kvprobe dump
-/// (no `index.json` of schema [`crate::dump::SCHEMA`]; ab: no row folder holding one), or a
+/// (no `index.json` of schema [`crate::report::dump::SCHEMA`]; ab: no row folder holding one), or a
 /// dump of the other kind (a run's dump for an ab report, or the reverse); the index's seed or
 /// geometry is not the report's `config`; a listed slice file is absolute, has `..`, leaves
 /// `dir` through a symbolic link, or is not a regular file; the report records no dump or
@@ -192,7 +192,7 @@ pub fn dump_files(dir: &Path, report: &serde_json::Value) -> Result<Vec<(String,
     // written) gives no files, unless the report says slices were dumped.
     let empty = std::fs::read_dir(dir).is_ok_and(|mut it| it.next().is_none());
     let said = |sec: &serde_json::Value| sec["dump"]["slices_written"].as_u64().unwrap_or(0);
-    let dumped = if schema == crate::ab::AB_SCHEMA {
+    let dumped = if schema == crate::drive::ab::AB_SCHEMA {
         report["sections"].as_array().into_iter().flatten().map(said).sum()
     } else {
         said(report)
@@ -200,7 +200,7 @@ pub fn dump_files(dir: &Path, report: &serde_json::Value) -> Result<Vec<(String,
     if empty && dumped == 0 {
         return Ok(Vec::new());
     }
-    if schema == crate::ab::AB_SCHEMA {
+    if schema == crate::drive::ab::AB_SCHEMA {
         if has_index(dir) {
             return Err(usage("a run's dump (index.json at its top), but the report is an ab report".into()));
         }
@@ -238,7 +238,7 @@ pub fn dump_files(dir: &Path, report: &serde_json::Value) -> Result<Vec<(String,
             return Err(usage(if ab {
                 "an ab dump (row folders), but the report is a run report".into()
             } else {
-                format!("not a kvprobe dump: no index.json (schema {})", crate::dump::SCHEMA)
+                format!("not a kvprobe dump: no index.json (schema {})", crate::report::dump::SCHEMA)
             }));
         }
         section_files(dir, report, "")
@@ -254,10 +254,14 @@ fn section_files(dir: &Path, sec: &serde_json::Value, label: &str) -> Result<Vec
     let body = std::fs::read(dir.join("index.json")).map_err(|e| usage(format!("index.json: cannot read it: {e}")))?;
     let v: serde_json::Value =
         serde_json::from_slice(&body).map_err(|e| usage(format!("index.json is not JSON, not a kvprobe dump: {e}")))?;
-    if v["schema"].as_str() != Some(crate::dump::SCHEMA) {
-        return Err(usage(format!("index.json has schema {}, not {}: not a kvprobe dump", v["schema"], crate::dump::SCHEMA)));
+    if v["schema"].as_str() != Some(crate::report::dump::SCHEMA) {
+        return Err(usage(format!(
+            "index.json has schema {}, not {}: not a kvprobe dump",
+            v["schema"],
+            crate::report::dump::SCHEMA
+        )));
     }
-    let index: crate::dump::DumpIndex =
+    let index: crate::report::dump::DumpIndex =
         serde_json::from_value(v).map_err(|e| usage(format!("index.json is not a dump index: {e}")))?;
     let config = &sec["config"];
     if config["seed"].as_u64() != Some(index.seed) {
@@ -266,7 +270,7 @@ fn section_files(dir: &Path, sec: &serde_json::Value, label: &str) -> Result<Vec
             config["seed"], index.seed
         )));
     }
-    let dumped = crate::dump::dumped_geometry(config);
+    let dumped = crate::report::dump::dumped_geometry(config);
     if *dumped != index.geometry {
         return Err(usage(format!("another run's dump: geometry: report {dumped}, dump {}", index.geometry)));
     }
@@ -369,12 +373,12 @@ pub fn check_output(out: &Path, report: &Path, dump: Option<&Path>) -> Result<()
 }
 
 /// Writes the bundle `out` (atomically) holding `c`, with the environment captured now
-/// ([`crate::capture::capture`]) into a scratch directory; with `c.redact`, the report and the
-/// capture pass through one [`crate::redact::Redactor`]. Returns its manifest. Errors: [`Error::Io`] (the dump or capture
+/// ([`crate::evidence::capture::capture`]) into a scratch directory; with `c.redact`, the report and the
+/// capture pass through one [`crate::evidence::redact::Redactor`]. Returns its manifest. Errors: [`Error::Io`] (the dump or capture
 /// cannot be read, the bundle cannot be written).
 pub fn write(out: &Path, c: &Contents<'_>) -> Result<Manifest> {
     // One redactor for the whole bundle: the same name gets the same token in every file.
-    let mut redactor = c.redact.then(crate::redact::Redactor::new);
+    let mut redactor = c.redact.then(crate::evidence::redact::Redactor::new);
     let report: Option<serde_json::Value> = serde_json::from_slice(&c.report).ok();
     // The dump is checked against the report before anything is written, and only its own
     // files are packed (never anything else found in the directory).
@@ -401,9 +405,9 @@ pub fn write(out: &Path, c: &Contents<'_>) -> Result<Manifest> {
     }
     let scratch = tempfile::Builder::new()
         .prefix("bundle-env.")
-        .tempdir_in(crate::scratch::dir()?)
+        .tempdir_in(crate::sys::scratch::dir()?)
         .map_err(|e| Error::Io(format!("bundle: scratch directory: {e}")))?;
-    crate::capture::capture(scratch.path(), c.ucx_log)?;
+    crate::evidence::capture::capture(scratch.path(), c.ucx_log)?;
     for (rel, p) in walk(scratch.path())? {
         let body = std::fs::read(&p).map_err(|e| Error::Io(format!("bundle: read {}: {e}", p.display())))?;
         // JSON files (`capture.json`) are redacted value by value, never their keys; only

@@ -8,20 +8,20 @@
 //! | `uname.txt` | `uname -a` |
 //! | `ucx-info-v.txt` | `ucx_info -v` (UCX's own tool; the NIXL wheel bundles UCX without it, so often missing: `versions.txt` then names the UCX libraries) |
 //! | `env-vars.txt` | every `UCX_*` / `NIXL_*` variable of this process, `NAME=value`, sorted |
-//! | `ucx-protocols.txt` | the run's UCX log (protocol tables, UCX's messages): the file given, verbatim, else this process's own log ([`crate::ucx::log_text`]) |
+//! | `ucx-protocols.txt` | the run's UCX log (protocol tables, UCX's messages): the file given, verbatim, else this process's own log ([`crate::xfer::ucx::log_text`]) |
 //! | `infiniband.txt` | `/sys/class/infiniband/*/ports/*/{state,phys_state,rate,link_layer}` |
 //! | `ibv_devinfo.txt` | `ibv_devinfo` |
 //! | `gpudirect.txt` | `/proc/modules` (nvidia_peermem, nv_peer_mem, nvidia, ib_core), kernel release, `/sys/module/nvidia/parameters/*` |
 //! | `pcie.txt` | `/sys/bus/pci/devices/*/{class,vendor,device,numa_node}` of GPUs and NICs, then `lspci -tv` |
 //! | `kernel-gpu.txt` | lines of the kernel log with `NVRM` or `Xid`: `dmesg`, else `/dev/kmsg` |
-//! | `versions.txt` | [`crate::envinfo`]'s driver, CUDA, NVRTC, NIXL library and plugins, and the UCX libraries |
+//! | `versions.txt` | [`crate::env::envinfo`]'s driver, CUDA, NVRTC, NIXL library and plugins, and the UCX libraries |
 //! | `capture.json` | schema `kvprobe.capture/1`: per file, its source, status, reason, seconds |
 //!
 //! A missing tool or an unreadable file is a status in `capture.json` (`missing`,
 //! `unreadable`, `timed-out`, `failed`, with the reason), never an error: every file of the
 //! table is written (empty when its source gave nothing). Every command runs with a bound
 //! ([`DEFAULT_BOUND`], `KVPROBE_CAPTURE_TIMEOUT` seconds overrides it), is killed when it
-//! exceeds it, and dies with kvprobe ([`crate::child`]); the commands run side by side, so a
+//! exceeds it, and dies with kvprobe ([`crate::sys::child`]); the commands run side by side, so a
 //! capture takes about one bound at worst.
 
 use crate::error::{Error, Result};
@@ -102,7 +102,7 @@ pub struct Manifest {
 /// returns the paths of the files written, **relative to `out`** (bare file names, the
 /// module's table, `capture.json` last). `ucx_log`: the run's UCX log (a file kvprobe's UCX
 /// wrote with `UCX_PROTO_INFO=y`), copied verbatim into `ucx-protocols.txt`; `None`: this
-/// process's own UCX log when kvprobe's capture is on ([`crate::ucx`]), else that file is
+/// process's own UCX log when kvprobe's capture is on ([`crate::xfer::ucx`]), else that file is
 /// recorded `missing`.
 ///
 /// Errors: only [`Error::Io`], when `out` cannot be created or a file in it written. Every
@@ -190,7 +190,7 @@ pub fn capture(out: &Path, ucx_log: Option<&Path>) -> Result<Vec<PathBuf>> {
     let p = out.join("capture.json");
     std::fs::write(&p, json).map_err(|e| io_err(&p, e))?;
     written.push(PathBuf::from("capture.json"));
-    crate::trace!("environment capture: {} files in {:.1} s", written.len(), t0.elapsed().as_secs_f64());
+    crate::sys::trace::trace!("environment capture: {} files in {:.1} s", written.len(), t0.elapsed().as_secs_f64());
     Ok(written)
 }
 
@@ -266,10 +266,10 @@ fn command_line(prog: &str, args: &[&str]) -> String {
     std::iter::once(prog).chain(args.iter().copied()).collect::<Vec<_>>().join(" ")
 }
 
-/// Starts `cmd` through kvprobe's spawner thread ([`crate::child::spawn`]: it dies with kvprobe). Its
+/// Starts `cmd` through kvprobe's spawner thread ([`crate::sys::child::spawn`]: it dies with kvprobe). Its
 /// stdout and stderr are anonymous files opened close-on-exec, stdin is /dev/null.
 fn spawn(cmd: Command) -> std::io::Result<std::process::Child> {
-    crate::child::spawn(cmd)
+    crate::sys::child::spawn(cmd)
 }
 
 /// Runs `prog args` (found on `PATH`) with `LC_ALL=C`, killed after `bound`.
@@ -315,7 +315,7 @@ fn run_bounded(prog: &str, args: &[&str], bound: Duration) -> Ran {
             Ok(None) => {}
             Err(err) => break Err(format!("waiting for it failed: {err}")),
         }
-        let interrupted = crate::interrupt::requested();
+        let interrupted = crate::sys::interrupt::requested();
         if t0.elapsed() >= bound || interrupted {
             kill_group(child.id());
             let _ = child.kill();
@@ -422,7 +422,7 @@ fn ucx_protocols(ucx_log: Option<&Path>) -> (String, Source) {
                 (String::new(), source(p.display().to_string(), st, Some(e.to_string()), t0))
             }
         },
-        None => match crate::ucx::log_text() {
+        None => match crate::xfer::ucx::log_text() {
             Some(t) => (t, source("kvprobe's own UCX log (UCX_PROTO_INFO=y, UCX_LOG_FILE)", Status::Ok, None, t0)),
             None => (
                 String::new(),
@@ -670,19 +670,19 @@ fn read_kmsg() -> std::io::Result<Vec<String>> {
     Ok(out)
 }
 
-/// `versions.txt`: [`crate::envinfo`]'s view (driver, CUDA, NVRTC, NIXL library and plugins,
+/// `versions.txt`: [`crate::env::envinfo`]'s view (driver, CUDA, NVRTC, NIXL library and plugins,
 /// Mooncake), and the UCX libraries: those mapped into this process, and those beside the
 /// NIXL library found. NIXL is not loaded here: when this process loaded it, its agent lists
-/// the plugins ([`crate::envinfo::nixl_info`]); otherwise the plugin files are listed.
+/// the plugins ([`crate::env::envinfo::nixl_info`]); otherwise the plugin files are listed.
 fn versions() -> (String, Source) {
     let t0 = Instant::now();
-    let nixl = match crate::nixl::loaded() {
-        Some(_) => crate::envinfo::nixl_info(),
+    let nixl = match crate::xfer::nixl::loaded() {
+        Some(_) => crate::env::envinfo::nixl_info(),
         None => nixl_unloaded(),
     };
-    let env = crate::envinfo::gather(nixl);
-    let mut s = crate::envinfo::render(&env);
-    if let Err(e) = crate::cuda::try_device_count() {
+    let env = crate::env::envinfo::gather(nixl);
+    let mut s = crate::env::envinfo::render(&env);
+    if let Err(e) = crate::gpu::cuda::try_device_count() {
         let _ = writeln!(s, "CUDA device count: {e}");
     }
     let _ = writeln!(s, "\n# UCX libraries mapped into kvprobe's process (/proc/self/maps)");
@@ -693,7 +693,7 @@ fn versions() -> (String, Source) {
     for m in mapped {
         let _ = writeln!(s, "{m}");
     }
-    if let Some(lib) = env.nixl.library.as_ref().or(crate::nixl::find().map(|(d, _)| d.join("libnixl_capi.so")).as_ref()) {
+    if let Some(lib) = env.nixl.library.as_ref().or(crate::xfer::nixl::find().map(|(d, _)| d.join("libnixl_capi.so")).as_ref()) {
         let _ = writeln!(s, "\n# UCX libraries installed with NIXL");
         for l in ucx_beside(lib) {
             let _ = writeln!(s, "{}", l.display());
@@ -702,8 +702,8 @@ fn versions() -> (String, Source) {
     (s, source("kvprobe's environment (envinfo), /proc/self/maps", Status::Ok, None, t0))
 }
 
-fn nixl_unloaded() -> crate::envinfo::NixlInfo {
-    match crate::nixl::find() {
+fn nixl_unloaded() -> crate::env::envinfo::NixlInfo {
+    match crate::xfer::nixl::find() {
         Some((dir, via)) => {
             let plugin_dir = std::env::var_os("NIXL_PLUGIN_DIR")
                 .filter(|v| !v.is_empty())
@@ -714,24 +714,24 @@ fn nixl_unloaded() -> crate::envinfo::NixlInfo {
                 .into_iter()
                 .filter_map(|f| f.strip_prefix("libplugin_").and_then(|r| r.strip_suffix(".so")).map(str::to_string))
                 .collect();
-            crate::envinfo::NixlInfo {
+            crate::env::envinfo::NixlInfo {
                 library: Some(dir.join("libnixl_capi.so")),
                 found_via: Some(via.to_string()),
                 plugin_dir: Some(plugin_dir),
                 plugins,
                 stub: None,
                 error: Some("not loaded by this process: the plugins are the files in the plugin directory".into()),
-                version: crate::nixl::installed_version(&dir),
-                ucx_version: crate::nixl::loaded_ucx_version(),
+                version: crate::xfer::nixl::installed_version(&dir),
+                ucx_version: crate::xfer::nixl::loaded_ucx_version(),
             }
         }
-        None => crate::envinfo::NixlInfo {
+        None => crate::env::envinfo::NixlInfo {
             library: None,
             found_via: None,
             plugin_dir: None,
             plugins: Vec::new(),
             stub: None,
-            error: Some(format!("libnixl_capi.so not found; {}", crate::nixl::INSTALL_HINT)),
+            error: Some(format!("libnixl_capi.so not found; {}", crate::xfer::nixl::INSTALL_HINT)),
             version: None,
             ucx_version: None,
         },

@@ -1,13 +1,13 @@
-//! `kvprobe report check BUNDLE`: the receiver's side of a bundle ([`crate::bundle`]), with
+//! `kvprobe report check BUNDLE`: the receiver's side of a bundle ([`crate::evidence::bundle`]), with
 //! no GPU and no NIXL.
 //!
 //! 1. The manifest: every file it lists is in the bundle with its size and SHA-256, and no
 //!    other file is (besides `manifest.json`).
 //! 2. Every dumped slice (`dump/index.json`; ab: `dump/<row>/index.json`): the expected bytes
-//!    are regenerated from the fingerprint definition ([`crate::fingerprint::expected`], or the
+//!    are regenerated from the fingerprint definition ([`crate::core::fingerprint::expected`], or the
 //!    poison for a `stray` slice found by the poison check) and their digest compared with
 //!    `expected_digest`; the `regenerate` command must be the one kvprobe writes for that
-//!    record; from the dumped bytes, the class ([`crate::verify::classify_against`]),
+//!    record; from the dumped bytes, the class ([`crate::core::verify::classify_against`]),
 //!    `first_bad_offset` and `bad_bytes` (byte by byte against the expected bytes), the sector
 //!    map, `bit_flips`, the observed identity and `actual_digest` are derived again and
 //!    compared with the slice's record in `index.json` and in the report; coordinates,
@@ -17,10 +17,10 @@
 //! Every disagreement is one line naming the slice (`iteration 2 layer 1 K block 17`, with
 //! `row NAME:` before it in an ab bundle) or the file, the field, and both values.
 
-use crate::dump::{DumpEntry, DumpIndex};
+use crate::core::fingerprint::{self, BlockIdentity, RowShape};
+use crate::core::geometry::{Geometry, SliceCoord};
 use crate::error::{Error, Result};
-use crate::fingerprint::{self, BlockIdentity, RowShape};
-use crate::geometry::{Geometry, SliceCoord};
+use crate::report::dump::{DumpEntry, DumpIndex};
 use serde_json::{Value, json};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -41,12 +41,12 @@ pub struct Checked {
 /// bundle — unreadable, not gzip or tar, no manifest, a manifest, report or index that is not
 /// valid JSON of its schema.
 ///
-/// Reading is bounded ([`crate::bundle::read`]): the entries are hashed as they stream past;
+/// Reading is bounded ([`crate::evidence::bundle::read`]): the entries are hashed as they stream past;
 /// only the report and the dump indexes are held, and each dumped slice is read again, one at
 /// a time, for its re-derivation.
 pub fn check(path: &Path) -> Result<Checked> {
-    let mut b = crate::bundle::read(path)?;
-    let m = crate::bundle::manifest(&b)?;
+    let mut b = crate::evidence::bundle::read(path)?;
+    let m = crate::evidence::bundle::manifest(&b)?;
     let mut problems = Vec::new();
     let mut listed = BTreeSet::new();
     for f in &m.files {
@@ -93,8 +93,8 @@ pub fn check(path: &Path) -> Result<Checked> {
     // (label prefix, dump folder in the bundle, report section)
     let sections: Vec<(String, String, &Value)> = if schema == crate::report::SCHEMA {
         vec![(String::new(), "dump/".into(), &report)]
-    } else if schema == crate::ab::AB_SCHEMA {
-        let ab: crate::ab::AbReport = serde_json::from_value(report.clone())
+    } else if schema == crate::drive::ab::AB_SCHEMA {
+        let ab: crate::drive::ab::AbReport = serde_json::from_value(report.clone())
             .map_err(|e| Error::Usage(format!("{}: {} is not an ab report: {e}", path.display(), m.report)))?;
         let secs = report["sections"].as_array().map(Vec::as_slice).unwrap_or_default();
         if ab.sections.len() != ab.rows.len() {
@@ -110,7 +110,7 @@ pub fn check(path: &Path) -> Result<Checked> {
                 continue;
             }
             let (Some(sec), Some(sv)) = (ab.sections.get(i), secs.get(i)) else { continue };
-            problems.extend(crate::ab::row_disagreements(row, sec).into_iter().map(|l| format!("{label}{l}")));
+            problems.extend(crate::drive::ab::row_disagreements(row, sec).into_iter().map(|l| format!("{label}{l}")));
             v.push((label, format!("dump/{}/", row.name), sv));
         }
         for p in b.files.keys() {
@@ -140,12 +140,12 @@ pub fn check(path: &Path) -> Result<Checked> {
         };
         let index: DumpIndex = serde_json::from_slice(ib)
             .map_err(|e| Error::Usage(format!("{}: {index_path} is not a dump index: {e}", path.display())))?;
-        if index.schema != crate::dump::SCHEMA {
+        if index.schema != crate::report::dump::SCHEMA {
             return Err(Error::Usage(format!(
                 "{}: {index_path}: schema {:?} is not {}",
                 path.display(),
                 index.schema,
-                crate::dump::SCHEMA
+                crate::report::dump::SCHEMA
             )));
         }
         let s = section_head(label, dir, index, sec, path, &mut head)?;
@@ -318,7 +318,7 @@ fn report_checks(sec: &Value, say: &mut dyn FnMut(String)) {
 
 /// Scenario failures against the seeded request load: each names a `request` the run
 /// admitted, and its `expected` identity is one of that request's logical blocks — the
-/// chained block hashes [`crate::workload::Workload`] draws from the report's `config.seed`
+/// chained block hashes [`crate::core::workload::Workload`] draws from the report's `config.seed`
 /// and `config.scenario.workload` (prefill promises every block of a request under its
 /// hash, computed or loaded from the tier) — of the failure's own layer and K/V, with a
 /// generation prefill computes (1 up to, not including, the skip generation). The
@@ -331,7 +331,7 @@ fn scenario_identities(sec: &Value, failures: &[Value], say: &mut dyn FnMut(Stri
     if asked.is_empty() {
         return;
     }
-    let workload = serde_json::from_value::<crate::workload::WorkloadConfig>(config["scenario"]["workload"].clone());
+    let workload = serde_json::from_value::<crate::core::workload::WorkloadConfig>(config["scenario"]["workload"].clone());
     let (Ok(workload), Some(seed)) = (workload, config["seed"].as_u64()) else {
         say("report: config: no seeded request load (config.seed, config.scenario.workload), so no expected identity of a \
              scenario failure is re-derived"
@@ -353,7 +353,7 @@ fn scenario_identities(sec: &Value, failures: &[Value], say: &mut dyn FnMut(Stri
     // The load is replayed up to the last request named (bounded by what the run admitted,
     // and by REPLAY_BLOCKS drawn blocks so that a forged report cannot make the check spin).
     const REPLAY_BLOCKS: u64 = 1 << 28;
-    let mut load = crate::workload::Workload::new(workload, seed);
+    let mut load = crate::core::workload::Workload::new(workload, seed);
     let mut hashes: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
     if let Some(&last) = wanted.last() {
         if (last + 1).saturating_mul(workload.max_blocks as u64) > REPLAY_BLOCKS {
@@ -454,7 +454,7 @@ impl Plans {
         };
         let (Ok(layer), Ok(kv)) = (
             serde_json::from_value::<u32>(f["layer"].clone()),
-            serde_json::from_value::<crate::geometry::KvPart>(f["kv"].clone()),
+            serde_json::from_value::<crate::core::geometry::KvPart>(f["kv"].clone()),
         ) else {
             return;
         };
@@ -544,7 +544,7 @@ fn derive(e: &DumpEntry, seed: u64, shape: &RowShape, actual: &[u8]) -> BTreeMap
     d.insert("actual_digest", json!(fingerprint::digest(actual)));
     d.insert("first_bad_offset", json!(first));
     d.insert("bad_bytes", json!(bad));
-    if f.class == crate::verify::Class::Stray {
+    if f.class == crate::core::verify::Class::Stray {
         // The stray-write checks name no class beyond `stray`: what landed is the first tag
         // that decodes from the first bad byte on.
         d.insert("class", json!("stray"));
@@ -554,10 +554,10 @@ fn derive(e: &DumpEntry, seed: u64, shape: &RowShape, actual: &[u8]) -> BTreeMap
         d.insert("displacement", Value::Null);
         d.insert("rows", Value::Null);
     } else {
-        let v = crate::verify::classify_against(actual, &want, &shape.slice(f.expected), seed, f.slot, f.poison_iteration);
+        let v = crate::core::verify::classify_against(actual, &want, &shape.slice(f.expected), seed, f.slot, f.poison_iteration);
         // A `late` slice's dump holds the bytes the verify judged: they derive its
         // `judged_class` (the slice changed only after the verdict).
-        let late = crate::verify::Class::Late;
+        let late = crate::core::verify::Class::Late;
         let class = if f.class == late && f.judged_class == Some(v.class) { late } else { v.class };
         d.insert("class", json!(class));
         d.insert("observed", json!(v.observed));
@@ -610,7 +610,7 @@ struct Section {
     index: DumpIndex,
     /// The report's failures.
     failures: Vec<Value>,
-    /// Per index entry: its rows ([`crate::dump::rank_shape`]), or `None` when its bytes
+    /// Per index entry: its rows ([`crate::report::dump::rank_shape`]), or `None` when its bytes
     /// are not re-derived (why was said: a rank or token base the geometry cannot name, a
     /// file outside `slices/` or named twice, a size not the slices').
     shapes: Vec<Option<RowShape>>,
@@ -673,7 +673,7 @@ fn section_head(
     if index.seed_hex != want {
         say(format!("{dir}index.json: seed_hex: index {}, seed {} is {want}", index.seed_hex, index.seed));
     }
-    let dumped = crate::dump::dumped_geometry(config);
+    let dumped = crate::report::dump::dumped_geometry(config);
     if index.geometry != *dumped {
         say(format!("{dir}index.json: geometry: report {}, index {}", show(dumped), show(&index.geometry)));
     }
@@ -714,7 +714,7 @@ fn section_head(
         }
     }
     // TP ranks (`config.tp`): each dumped slice's rows start at its decode rank's first head.
-    let tp: Option<crate::pairing::tp::Tp> = match config.get("tp").filter(|t| !t.is_null()) {
+    let tp: Option<crate::core::pairing::tp::Tp> = match config.get("tp").filter(|t| !t.is_null()) {
         None => None,
         Some(t) => Some(
             serde_json::from_value(t.clone())
@@ -729,11 +729,11 @@ fn section_head(
     if field == "decode_geometry" {
         let p = geometry_of(&config["geometry"])
             .map_err(|e| Error::Usage(format!("{bundle}: {label}report: config.geometry: {e}")))?;
-        if let Err(why) = crate::pairing::Sides::check(&p, &geometry, config["permute_local_kv"] == true, tp) {
+        if let Err(why) = crate::core::pairing::Sides::check(&p, &geometry, config["permute_local_kv"] == true, tp) {
             say(format!("report: config.geometry, config.decode_geometry and config.tp are not one pair: {why}"));
         }
     } else if let Some(t) = tp
-        && let Err(why) = crate::pairing::Sides::check(&geometry, &geometry, config["permute_local_kv"] == true, Some(t))
+        && let Err(why) = crate::core::pairing::Sides::check(&geometry, &geometry, config["permute_local_kv"] == true, Some(t))
     {
         say(format!("report: config.geometry and config.tp are not one pair: {why}"));
     }
@@ -816,7 +816,7 @@ fn section_head(
             shapes.push(None);
             continue;
         }
-        let shape = crate::dump::rank_shape(&RowShape::of(&geometry), tp.as_ref(), e.failure.tp_rank);
+        let shape = crate::report::dump::rank_shape(&RowShape::of(&geometry), tp.as_ref(), e.failure.tp_rank);
         if let Err(err) = shape.validate(e.failure.expected.token_base) {
             say(format!("{name}: expected.token_base {}: {err}", e.failure.expected.token_base));
             shapes.push(None);
@@ -830,7 +830,7 @@ fn section_head(
         {
             say(format!("{name}: tp_rank: index {}, file name {fname}", show(&json!(e.failure.tp_rank))));
         }
-        let want_cmd = crate::dump::regenerate_command(&e.failure, index.seed, &shape, e.bytes, fname);
+        let want_cmd = crate::report::dump::regenerate_command(&e.failure, index.seed, &shape, e.bytes, fname);
         if e.regenerate != want_cmd {
             say(format!("{name}: regenerate: index {:?}, expected {want_cmd:?}", e.regenerate));
         }
@@ -873,7 +873,7 @@ fn check_slice(s: &Section, i: usize, actual: &[u8]) -> Vec<String> {
     let ev = serde_json::to_value(&e.failure).unwrap_or(Value::Null);
     let derived = derive(e, s.index.seed, shape, actual);
     // A `late` slice whose judged bytes were not kept was read again, intact.
-    if derived.get("bad_bytes") == Some(&json!(0)) && e.failure.class != crate::verify::Class::Late {
+    if derived.get("bad_bytes") == Some(&json!(0)) && e.failure.class != crate::core::verify::Class::Late {
         out.push(format!(
             "{name}: bytes: the slice equals what it had to hold ({}{} is intact): a dumped slice is a failure",
             s.dir, e.file

@@ -3,7 +3,7 @@
 //! without a GPU or NIXL.
 //!
 //! `show` prints the same human summary the command printed at the end of its run (the same
-//! render functions: [`crate::report::render`], [`crate::ab::render`], [`crate::bench::render`]).
+//! render functions: [`crate::report::render`], [`crate::drive::ab::render`], [`crate::drive::bench::render`]).
 //! `diff` sets two documents side by side, field by field, differences first: the fields that
 //! say what changed between a clean and a corrupt node pair — the configuration (geometry,
 //! settings), the environment (driver, CUDA, NIXL, UCX, GPUs), the UCX path of the transfers,
@@ -18,9 +18,9 @@ use std::path::Path;
 pub enum Kind {
     /// `kvprobe run` ([`crate::report::SCHEMA`]).
     Run,
-    /// `kvprobe ab` ([`crate::ab::AB_SCHEMA`]).
+    /// `kvprobe ab` ([`crate::drive::ab::AB_SCHEMA`]).
     Ab,
-    /// `kvprobe bench` ([`crate::bench::SCHEMA`]).
+    /// `kvprobe bench` ([`crate::drive::bench::SCHEMA`]).
     Bench,
 }
 
@@ -56,8 +56,8 @@ fn read_document(path: &Path) -> Result<(Vec<u8>, String, Kind)> {
     let mut named = path.display().to_string();
     if bytes.starts_with(&[0x1f, 0x8b]) {
         // A bundle (`--bundle`, `kvprobe bundle`): its report.
-        // Only the manifest and the report entry are read (bounded; see [`crate::bundle`]).
-        bytes = crate::bundle::read_report(path)?;
+        // Only the manifest and the report entry are read (bounded; see [`crate::evidence::bundle`]).
+        bytes = crate::evidence::bundle::read_report(path)?;
         named = format!("report.json in {named}");
     }
     let bytes = escape_json_strings(&bytes);
@@ -74,15 +74,15 @@ fn read_document(path: &Path) -> Result<(Vec<u8>, String, Kind)> {
     };
     let kind = match schema {
         s if s == crate::report::SCHEMA => Kind::Run,
-        s if s == crate::ab::AB_SCHEMA => Kind::Ab,
-        s if s == crate::bench::SCHEMA => Kind::Bench,
+        s if s == crate::drive::ab::AB_SCHEMA => Kind::Ab,
+        s if s == crate::drive::bench::SCHEMA => Kind::Bench,
         "" => return Err(bad("no \"schema\" field: not a kvprobe report, ab report or bench result".into())),
         other => {
             return Err(bad(format!(
                 "schema {other:?} is not one this version reads ({}, {}, {})",
                 crate::report::SCHEMA,
-                crate::ab::AB_SCHEMA,
-                crate::bench::SCHEMA
+                crate::drive::ab::AB_SCHEMA,
+                crate::drive::bench::SCHEMA
             )));
         }
     };
@@ -97,7 +97,7 @@ pub fn show_file(path: &Path) -> Result<String> {
     let bad = |e: serde_json::Error| Error::Usage(format!("{}: the document does not fit its schema: {e}", path.display()));
     Ok(match kind {
         Kind::Run => render_run(&serde_json::from_slice(&bytes).map_err(bad)?, &named),
-        Kind::Ab => crate::ab::render(&serde_json::from_slice(&bytes).map_err(bad)?),
+        Kind::Ab => crate::drive::ab::render(&serde_json::from_slice(&bytes).map_err(bad)?),
         Kind::Bench => render_bench(&serde_json::from_slice(&bytes).map_err(bad)?),
     })
 }
@@ -110,22 +110,27 @@ fn render_run(r: &crate::report::Report, named: &str) -> String {
     s
 }
 
-fn render_bench(b: &crate::bench::BenchReport) -> String {
-    format!("{}result: {} (exit {})\n", crate::bench::render(b), escape_for_terminal(&b.outcome.status), b.outcome.exit_code)
+fn render_bench(b: &crate::drive::bench::BenchReport) -> String {
+    format!(
+        "{}result: {} (exit {})\n",
+        crate::drive::bench::render(b),
+        escape_for_terminal(&b.outcome.status),
+        b.outcome.exit_code
+    )
 }
 
 /// `s` with every character that must not reach a terminal raw written as a visible escape
-/// (`\n`, `\r`, `\t`, `\u{1b}`, `\u{202e}`): [`crate::text::escape_control`], the one rule
+/// (`\n`, `\r`, `\t`, `\u{1b}`, `\u{202e}`): [`crate::sys::text::escape_control`], the one rule
 /// for every string that came from outside kvprobe (a report read back, a bundle, a peer).
 /// Nothing in the result can move the cursor, clear the screen, set a window title or forge a
 /// line of output.
 pub fn escape_for_terminal(s: &str) -> String {
-    crate::text::escape_control(s).into_owned()
+    crate::sys::text::escape_control(s).into_owned()
 }
 
 /// True for the characters [`escape_for_terminal`] replaces.
 fn unsafe_for_terminal(c: char) -> bool {
-    crate::text::needs_escape(c)
+    crate::sys::text::needs_escape(c)
 }
 
 /// The JSON text `b` with every string (keys too) escaped for a terminal: a character of a
@@ -204,7 +209,7 @@ pub fn escape_json_strings(b: &[u8]) -> Vec<u8> {
     out
 }
 
-pub use crate::bundle::MAX_DOCUMENT_BYTES;
+pub use crate::evidence::bundle::MAX_DOCUMENT_BYTES;
 
 /// The file at `path`, at most [`MAX_DOCUMENT_BYTES`] (read through a bound, so a device or a
 /// file that grows is never read whole). Errors: unreadable, or larger than the bound.
@@ -255,7 +260,7 @@ pub fn show(doc: &Document) -> Result<String> {
     let bad = |e: serde_json::Error| Error::Usage(format!("the document does not fit its schema: {e}"));
     Ok(match doc.kind {
         Kind::Run => render_run(&serde_json::from_value(doc.json.clone()).map_err(bad)?, &doc.path),
-        Kind::Ab => crate::ab::render(&serde_json::from_value(doc.json.clone()).map_err(bad)?),
+        Kind::Ab => crate::drive::ab::render(&serde_json::from_value(doc.json.clone()).map_err(bad)?),
         Kind::Bench => render_bench(&serde_json::from_value(doc.json.clone()).map_err(bad)?),
     })
 }
@@ -361,7 +366,7 @@ fn volatile(path: &str) -> bool {
 }
 
 /// `s` with the names of kvprobe's private scratch directories (`kvprobe-PID.RANDOM`, see
-/// [`crate::scratch`]) replaced by `kvprobe-*`: they differ on every run (e.g. the UCX_LOG_FILE
+/// [`crate::sys::scratch`]) replaced by `kvprobe-*`: they differ on every run (e.g. the UCX_LOG_FILE
 /// and UCX_POSIX_DIR kvprobe sets) and say nothing about the node pair.
 fn unscratch(s: &str) -> String {
     let mut out = String::with_capacity(s.len());

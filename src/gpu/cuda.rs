@@ -253,11 +253,11 @@ impl Device {
     }
 
     /// Waits for all work queued on this device; in a run, bounded by `--timeout`
-    /// ([`crate::deadline::watch`]).
+    /// ([`crate::sys::deadline::watch`]).
     pub fn synchronize(&self) -> Result<()> {
         self.bind()?;
-        let w = crate::deadline::watch(|| format!("CUDA synchronisation of GPU {}", self.ordinal()).into());
-        crate::deadline::Stall::Sync.here();
+        let w = crate::sys::deadline::watch(|| format!("CUDA synchronisation of GPU {}", self.ordinal()).into());
+        crate::sys::deadline::Stall::Sync.here();
         result::ctx::synchronize().map_err(|e| derr("kernel or copy failed (cuCtxSynchronize)", e))?;
         w.check()
     }
@@ -320,8 +320,8 @@ impl PendingTime {
     pub fn seconds(&self) -> Result<f64> {
         let t = &self.0;
         t.dev.bind()?;
-        let w = crate::deadline::watch(|| format!("CUDA event wait on GPU {}", t.dev.ordinal()).into());
-        crate::deadline::Stall::Sync.here();
+        let w = crate::sys::deadline::watch(|| format!("CUDA event wait on GPU {}", t.dev.ordinal()).into());
+        crate::sys::deadline::Stall::Sync.here();
         // SAFETY: both events are live events of this context, both recorded.
         let ms = unsafe {
             sys::cuEventSynchronize(t.end).result().map_err(|e| derr("kernel or copy failed (cuEventSynchronize)", e))?;
@@ -456,7 +456,7 @@ impl DeviceBuffer {
     pub fn read(&self, off: usize, dst: &mut [u8]) -> Result<()> {
         self.check(off, dst.len())?;
         self.dev.bind()?;
-        let w = crate::deadline::watch(|| format!("CUDA copy of {} bytes to the host", dst.len()).into());
+        let w = crate::sys::deadline::watch(|| format!("CUDA copy of {} bytes to the host", dst.len()).into());
         // SAFETY: the range was bounds-checked against this live allocation.
         unsafe { result::memcpy_dtoh_sync(dst, self.ptr + off as u64) }.map_err(|e| derr("cuMemcpyDtoH", e))?;
         w.check()
@@ -466,7 +466,7 @@ impl DeviceBuffer {
     pub fn write(&self, off: usize, src: &[u8]) -> Result<()> {
         self.check(off, src.len())?;
         self.dev.bind()?;
-        let w = crate::deadline::watch(|| format!("CUDA copy of {} bytes to the device", src.len()).into());
+        let w = crate::sys::deadline::watch(|| format!("CUDA copy of {} bytes to the device", src.len()).into());
         // SAFETY: the range was bounds-checked against this live allocation.
         unsafe { result::memcpy_htod_sync(self.ptr + off as u64, src) }.map_err(|e| derr("cuMemcpyHtoD", e))?;
         w.check()
@@ -474,11 +474,11 @@ impl DeviceBuffer {
 
     /// Copies `dst.len()` bytes from offset `off` into the host span `dst` (synchronous):
     /// through its raw pointer, so `dst` may lie in memory a transfer engine reads (the tier
-    /// arena, [`crate::tier::TierArena`]), which a `&mut [u8]` must not cover.
-    pub fn read_into(&self, off: usize, mut dst: crate::hostmem::SpanMut<'_>) -> Result<()> {
+    /// arena, [`crate::mem::tier::TierArena`]), which a `&mut [u8]` must not cover.
+    pub fn read_into(&self, off: usize, mut dst: crate::sys::hostmem::SpanMut<'_>) -> Result<()> {
         self.check(off, dst.len())?;
         self.dev.bind()?;
-        let w = crate::deadline::watch(|| format!("CUDA copy of {} bytes to the host", dst.len()).into());
+        let w = crate::sys::deadline::watch(|| format!("CUDA copy of {} bytes to the host", dst.len()).into());
         // SAFETY: the device range was bounds-checked against this live allocation; `dst`
         // points at `dst.len()` writable host bytes that the span holds exclusively on the
         // Rust side (no transfer writes them: the hostmem contract).
@@ -490,10 +490,10 @@ impl DeviceBuffer {
 
     /// Copies the host span `src` to offset `off` (synchronous), reading it through its raw
     /// pointer (see [`DeviceBuffer::read_into`]).
-    pub fn write_from(&self, off: usize, src: crate::hostmem::Span<'_>) -> Result<()> {
+    pub fn write_from(&self, off: usize, src: crate::sys::hostmem::Span<'_>) -> Result<()> {
         self.check(off, src.len())?;
         self.dev.bind()?;
-        let w = crate::deadline::watch(|| format!("CUDA copy of {} bytes to the device", src.len()).into());
+        let w = crate::sys::deadline::watch(|| format!("CUDA copy of {} bytes to the device", src.len()).into());
         // SAFETY: the device range was bounds-checked against this live allocation; `src`
         // points at `src.len()` readable host bytes, valid while the span's borrow lives.
         unsafe { sys::cuMemcpyHtoD_v2(self.ptr + off as u64, src.as_ptr() as *const c_void, src.len()) }
@@ -622,7 +622,7 @@ pub struct RegionArgs {
     pub num_blocks: u32,
     /// Slices in a layer's region (global slice index = layer × num_slices + index in the region).
     pub num_slices: u32,
-    /// Bytes per head row (`head_size × dtype bytes`; [`crate::fingerprint::RowShape`]).
+    /// Bytes per head row (`head_size × dtype bytes`; [`crate::core::fingerprint::RowShape`]).
     pub row_bytes: u32,
     /// Head positions per slice.
     pub heads: u32,
@@ -729,8 +729,9 @@ fn grid(r: &RegionArgs) -> u32 {
 /// NVRTC (the driver's own JIT cache then skips ptxas).
 fn ptx_cache_path(arch: &str) -> PathBuf {
     let nvrtc = nvrtc_version().unwrap_or_default();
-    let key = crate::fingerprint::digest(format!("{}\0{arch}\0{nvrtc}", crate::fingerprint::KERNEL_SOURCE).as_bytes());
-    crate::scratch::kvprobe_home().join("kernels").join(format!("{}-{arch}.ptx", &key[..32]))
+    let key =
+        crate::core::fingerprint::digest(format!("{}\0{arch}\0{nvrtc}", crate::core::fingerprint::KERNEL_SOURCE).as_bytes());
+    crate::sys::scratch::kvprobe_home().join("kernels").join(format!("{}-{arch}.ptx", &key[..32]))
 }
 
 fn cached_ptx(arch: &str) -> Option<String> {
@@ -753,7 +754,7 @@ fn store_ptx(arch: &str, ptx: &str) {
 }
 
 impl Kernels {
-    /// Compiles [`crate::fingerprint::KERNEL_SOURCE`] with NVRTC for `dev`'s architecture
+    /// Compiles [`crate::core::fingerprint::KERNEL_SOURCE`] with NVRTC for `dev`'s architecture
     /// and loads it. Errors: NVRTC missing, compile or load failure.
     pub fn compile(dev: &Arc<Device>) -> Result<Kernels> {
         if !nvrtc_present() {
@@ -772,7 +773,7 @@ impl Kernels {
                     name: Some("kvprobe_kernels.cu".into()),
                     ..Default::default()
                 };
-                let ptx = cudarc::nvrtc::compile_ptx_with_opts(crate::fingerprint::KERNEL_SOURCE, opts)
+                let ptx = cudarc::nvrtc::compile_ptx_with_opts(crate::core::fingerprint::KERNEL_SOURCE, opts)
                     .map_err(|e| Error::Device(format!("NVRTC compile failed: {e:?}")))?
                     .to_src();
                 store_ptx(&arch, &ptx);
@@ -951,17 +952,17 @@ impl Drop for Kernels {
 
 /// A host buffer page-locked for the GPU (`cuMemHostRegister`), so copies between it and
 /// device memory run as DMA at full PCIe/C2C rate. Unregistered before the buffer is freed.
-/// A [`crate::hostmem::HostBuffer`] (no Rust references into it): the tier arena it holds is
+/// A [`crate::sys::hostmem::HostBuffer`] (no Rust references into it): the tier arena it holds is
 /// also registered with NIXL and read by remote READs.
 pub struct PinnedHost {
     dev: Arc<Device>,
-    buf: crate::hostmem::HostBuffer,
+    buf: crate::sys::hostmem::HostBuffer,
 }
 
 impl PinnedHost {
     /// Page-locks `buf` for `dev`'s context. Errors: the driver refuses (e.g. the
     /// memlock limit).
-    pub fn new(dev: &Arc<Device>, buf: crate::hostmem::HostBuffer) -> Result<PinnedHost> {
+    pub fn new(dev: &Arc<Device>, buf: crate::sys::hostmem::HostBuffer) -> Result<PinnedHost> {
         dev.bind()?;
         // SAFETY: `buf` is a live mapping of `buf.len()` bytes that this struct owns and
         // keeps until Drop unregisters it.
@@ -972,12 +973,12 @@ impl PinnedHost {
     }
 
     /// The buffer.
-    pub fn buffer(&self) -> &crate::hostmem::HostBuffer {
+    pub fn buffer(&self) -> &crate::sys::hostmem::HostBuffer {
         &self.buf
     }
 
     /// The buffer, mutably.
-    pub fn buffer_mut(&mut self) -> &mut crate::hostmem::HostBuffer {
+    pub fn buffer_mut(&mut self) -> &mut crate::sys::hostmem::HostBuffer {
         &mut self.buf
     }
 }

@@ -55,7 +55,7 @@ pub struct Install {
 pub fn venv_dir() -> PathBuf {
     match std::env::var_os(VENV_ENV).filter(|v| !v.is_empty()) {
         Some(v) => PathBuf::from(v),
-        None => crate::scratch::kvprobe_home().join("mooncake/venv"),
+        None => crate::sys::scratch::kvprobe_home().join("mooncake/venv"),
     }
 }
 
@@ -299,7 +299,7 @@ pub struct Master {
     /// The store clients' metadata setting: [`P2P_METADATA`] (the master runs no metadata
     /// server).
     pub metadata_url: String,
-    /// The master's stdout and stderr: an anonymous file ([`crate::scratch::anonymous_file`]).
+    /// The master's stdout and stderr: an anonymous file ([`crate::sys::scratch::anonymous_file`]).
     log: std::fs::File,
 }
 
@@ -320,7 +320,7 @@ impl Master {
         loop {
             match Master::start_once(install, timeout, host) {
                 Err(Error::Transport(m)) if attempt < 3 && m.starts_with("mooncake_master exited") => {
-                    crate::trace!("mooncake_master attempt {attempt} failed: {m}");
+                    crate::sys::trace::trace!("mooncake_master attempt {attempt} failed: {m}");
                     attempt += 1
                 }
                 r => return r,
@@ -330,7 +330,7 @@ impl Master {
 
     fn start_once(install: &Install, timeout: Duration, host: IpAddr) -> Result<Master> {
         let [rpc_port, metrics_port] = free_ports::<2>(host)?;
-        let log = crate::scratch::anonymous_file().map_err(|e| Error::Environment(format!("master log file: {e}")))?;
+        let log = crate::sys::scratch::anonymous_file().map_err(|e| Error::Environment(format!("master log file: {e}")))?;
         let out = log.try_clone().map_err(|e| Error::Environment(format!("master log file: {e}")))?;
         let err = log.try_clone().map_err(|e| Error::Environment(format!("master log file: {e}")))?;
         let mut cmd = Command::new(&install.master);
@@ -352,7 +352,7 @@ impl Master {
             .stderr(err)
             // Its own process group: a terminal's Ctrl-C reaches kvprobe, which stops it.
             .process_group(0);
-        let child = crate::child::spawn(cmd)
+        let child = crate::sys::child::spawn(cmd)
             .map_err(|e| Error::Environment(format!("cannot start {}: {e}", install.master.display())))?;
         let rpc = SocketAddr::new(host, rpc_port);
         let metrics = SocketAddr::new(host, metrics_port);
@@ -360,7 +360,7 @@ impl Master {
         let t0 = Instant::now();
         loop {
             m.alive()?;
-            if crate::interrupt::requested() {
+            if crate::sys::interrupt::requested() {
                 return Err(Error::Interrupted("while starting mooncake_master".into()));
             }
             let up = |a: &SocketAddr| TcpStream::connect_timeout(a, Duration::from_millis(100)).is_ok();
@@ -436,7 +436,7 @@ pub struct Worker {
     timeout: Duration,
     /// The worker's stderr: an anonymous file.
     log: std::fs::File,
-    /// The worker's script, in kvprobe's private directory ([`crate::scratch::dir`]).
+    /// The worker's script, in kvprobe's private directory ([`crate::sys::scratch::dir`]).
     _script: tempfile::NamedTempFile,
     /// The descriptors it inherited ([`Worker::start`]'s shareable buffers).
     inherited: Vec<i32>,
@@ -453,17 +453,17 @@ impl Worker {
     ///
     /// Errors: [`Error::Environment`] when it cannot start, [`Error::Transport`] when it
     /// dies, answers out of protocol, or not in time.
-    pub fn start(install: &Install, timeout: Duration, shared: &[&crate::hostmem::HostBuffer]) -> Result<Worker> {
+    pub fn start(install: &Install, timeout: Duration, shared: &[&crate::sys::hostmem::HostBuffer]) -> Result<Worker> {
         use std::io::{BufRead, Write};
         let env_err = |w: &str, e: std::io::Error| Error::Environment(format!("Mooncake worker: {w}: {e}"));
-        let dir = crate::scratch::dir()?;
+        let dir = crate::sys::scratch::dir()?;
         let mut script = tempfile::Builder::new()
             .prefix("kvprobe-mooncake-worker.")
             .suffix(".py")
             .tempfile_in(dir)
             .map_err(|e| env_err("script", e))?;
         script.write_all(WORKER_SOURCE.as_bytes()).map_err(|e| env_err("script", e))?;
-        let log = crate::scratch::anonymous_file().map_err(|e| env_err("log", e))?;
+        let log = crate::sys::scratch::anonymous_file().map_err(|e| env_err("log", e))?;
         let mut cmd = Command::new(&install.python);
         let inherited: Vec<i32> = shared.iter().filter_map(|b| b.shared_fd()).collect();
         cmd.arg("-u")
@@ -472,7 +472,7 @@ impl Worker {
             .stdout(Stdio::piped())
             .stderr(log.try_clone().map_err(|e| env_err("log", e))?)
             .process_group(0);
-        let mut child = crate::child::spawn_keeping(cmd, &inherited)
+        let mut child = crate::sys::child::spawn_keeping(cmd, &inherited)
             .map_err(|e| env_err(&format!("cannot start {}", install.python.display()), e))?;
         let stdin = child.stdin.take().expect("piped");
         let stdout = child.stdout.take().expect("piped");
@@ -527,9 +527,9 @@ impl Worker {
         req.insert("op".into(), op.into());
         let line = serde_json::to_string(&req).map_err(|e| Error::Transport(e.to_string()))?;
         // The deadline starts before the request is written: a worker that stops reading
-        // fills the pipe and blocks the write (the watchdog ends that, crate::deadline).
-        let deadline = crate::deadline::Deadline::after(self.timeout);
-        let w = crate::deadline::watch_until(deadline, || format!("writing `{op}` to the Mooncake worker").into());
+        // fills the pipe and blocks the write (the watchdog ends that, crate::sys::deadline).
+        let deadline = crate::sys::deadline::Deadline::after(self.timeout);
+        let w = crate::sys::deadline::watch_until(deadline, || format!("writing `{op}` to the Mooncake worker").into());
         if writeln!(self.stdin, "{line}").and_then(|_| self.stdin.flush()).is_err() {
             return Err(self.dead(&format!("did not take `{op}`")));
         }
@@ -542,7 +542,7 @@ impl Worker {
             match self.replies.recv_timeout(left.min(Duration::from_millis(100))) {
                 Ok(r) => break r,
                 Err(std::sync::mpsc::RecvTimeoutError::Timeout) if left > Duration::from_millis(100) => {
-                    if crate::interrupt::requested() && op != "quit" {
+                    if crate::sys::interrupt::requested() && op != "quit" {
                         return Err(Error::Interrupted(format!("while waiting for the Mooncake worker's `{op}`")));
                     }
                     if self.abort.as_ref().is_some_and(|a| a.load(std::sync::atomic::Ordering::SeqCst)) && op != "quit" {
@@ -588,12 +588,12 @@ impl Worker {
         Ok(())
     }
 
-    /// Maps a shareable host buffer ([`crate::hostmem::HostBuffer::alloc_shareable`]) in the
+    /// Maps a shareable host buffer ([`crate::sys::hostmem::HostBuffer::alloc_shareable`]) in the
     /// worker and registers it with the store; later ranges are offsets into it. The buffer
     /// must have been passed to [`Worker::start`] (the worker inherits its memfd then, and
     /// only then). Errors: usage when it was not, or is not shareable; transport when the
     /// worker cannot map it.
-    pub fn map_shared(&mut self, buf: &crate::hostmem::HostBuffer) -> Result<()> {
+    pub fn map_shared(&mut self, buf: &crate::sys::hostmem::HostBuffer) -> Result<()> {
         let fd = buf.shared_fd().ok_or_else(|| Error::Usage("the pool is not shareable with the Mooncake worker".into()))?;
         if !self.inherited.contains(&fd) {
             return Err(Error::Usage(format!(
@@ -606,7 +606,7 @@ impl Worker {
     }
 
     /// Opens a VRAM pool in the worker by CUDA IPC: `handles` are its layer regions'
-    /// handles ([`crate::pool::KvPool::ipc_handles`]), each region `region_bytes` long, on GPU
+    /// handles ([`crate::mem::pool::KvPool::ipc_handles`]), each region `region_bytes` long, on GPU
     /// `device` (the ordinal under the same CUDA_VISIBLE_DEVICES). Later ranges are offsets
     /// `layer * region_bytes + offset`, the DRAM pool's layout. Errors: transport (exit 3)
     /// when the worker cannot open or register a region.
@@ -642,13 +642,13 @@ impl Worker {
     }
 
     /// Loads the object `key` into block `slot` of `pool`, the first pool mapped in this
-    /// worker (its slices back to back, [`crate::pool::KvPool::block_ranges`]). A get whose
+    /// worker (its slices back to back, [`crate::mem::pool::KvPool::block_ranges`]). A get whose
     /// read lease ran out before its transfer completed ([`LEASE_EXPIRED`]: the master kvprobe
     /// starts gives 500 ms leases, which a loaded host can outlast) is tried again, up to
     /// [`GET_ATTEMPTS`] times in all: the object is still there, and a new get takes a new
     /// lease. Errors: transport (exit 3) when the store returns another length than the
     /// block's, or LEASE_EXPIRED at every attempt.
-    pub fn get_block(&mut self, key: &str, pool: &mut crate::pool::KvPool, slot: u32) -> Result<()> {
+    pub fn get_block(&mut self, key: &str, pool: &mut crate::mem::pool::KvPool, slot: u32) -> Result<()> {
         let want = pool.block_bytes() as i64;
         let mut tries = 0;
         loop {
@@ -689,7 +689,7 @@ impl Worker {
     }
 
     /// Sets how long each later call waits for its reply (set-up calls run with
-    /// [`crate::deadline::SETUP_FLOOR`] at least, the run's calls with `--timeout`).
+    /// [`crate::sys::deadline::SETUP_FLOOR`] at least, the run's calls with `--timeout`).
     pub fn set_timeout(&mut self, timeout: Duration) {
         self.timeout = timeout;
     }

@@ -7,11 +7,11 @@
 //! per-block table of `{logical block, generation, token_base}` ([`TableEntry`]) and the
 //! pool's [`RowShape`] (how its slices are cut into head rows).
 
-use crate::cuda::{Device, DeviceBuffer, GpuTimer, Kernels, PendingTime, RegionArgs};
+use crate::core::fingerprint::{self, BlockIdentity, RowShape, SKIP_GEN};
+use crate::core::geometry::{Geometry, SliceCoord};
 use crate::error::{Error, Result};
-use crate::fingerprint::{self, BlockIdentity, RowShape, SKIP_GEN};
-use crate::geometry::{Geometry, SliceCoord};
-use crate::hostmem::{HostBuffer, Span, SpanMut};
+use crate::gpu::cuda::{Device, DeviceBuffer, GpuTimer, Kernels, PendingTime, RegionArgs};
+use crate::sys::hostmem::{HostBuffer, Span, SpanMut};
 use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -132,7 +132,7 @@ pub fn decode_device_failures(raw: &[u8], n: u32, geom: &Geometry) -> Result<Vec
 }
 
 /// The poison-check kernel's failure list (as long as the verify kernel's) and counters
-/// ([`crate::cuda::CHECK_COUNTERS_BYTES`]).
+/// ([`crate::gpu::cuda::CHECK_COUNTERS_BYTES`]).
 struct CheckBuffers {
     fails: DeviceBuffer,
     counters: DeviceBuffer,
@@ -151,12 +151,12 @@ enum Backing {
         table: DeviceBuffer,
         fails: DeviceBuffer,
         /// The verify kernel's failure count and compared-work counters
-        /// ([`crate::cuda::VERIFY_COUNTERS_BYTES`]).
+        /// ([`crate::gpu::cuda::VERIFY_COUNTERS_BYTES`]).
         counters: DeviceBuffer,
         /// The poison-check kernel's buffers (boxed: a pool's backing stays small).
         check: Box<CheckBuffers>,
         /// The verify kernel's capture of failing parts' judged bytes ([`CAPTURE_MAX_BYTES`]
-        /// at most: one [`crate::cuda::PART_BYTES`] slot per failure record; boxed as `check`).
+        /// at most: one [`crate::gpu::cuda::PART_BYTES`] slot per failure record; boxed as `check`).
         capture: Box<DeviceBuffer>,
     },
 }
@@ -227,7 +227,7 @@ fn captured_slices(
     table: &[TableEntry],
 ) -> Result<std::collections::HashMap<u32, Vec<u8>>> {
     let mut out = std::collections::HashMap::new();
-    let (sb, pb) = (geom.slice_bytes()? as usize, crate::cuda::PART_BYTES as usize);
+    let (sb, pb) = (geom.slice_bytes()? as usize, crate::gpu::cuda::PART_BYTES as usize);
     let used = (raw.len() / 16).min(capture.len() / pb);
     if used == 0 {
         return Ok(out);
@@ -272,7 +272,7 @@ struct Judged {
 /// Test-only fault hook: `KVPROBE_TEST_VERIFY_SKIP=N` makes every verify pass of a DRAM pool
 /// skip global slice `N` (neither compared nor counted), so a test can show that the run
 /// refuses a verdict whose compared counts fall short of its plan (exit 3).
-pub const VERIFY_SKIP_VAR: &str = crate::test_hooks::VERIFY_SKIP;
+pub const VERIFY_SKIP_VAR: &str = crate::sys::test_hooks::VERIFY_SKIP;
 
 fn verify_skip() -> Option<u32> {
     static V: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
@@ -282,7 +282,7 @@ fn verify_skip() -> Option<u32> {
 /// Verifies one DRAM slice from a copy taken first (`snap`, resized to the slice): the
 /// bytes compared are exactly the copy's, so a failing slice's judged bytes are known even
 /// when the slice changes afterwards. Returns (bad bytes, first bad offset).
-fn check_snapshot(s: crate::hostmem::Span<'_>, snap: &mut Vec<u8>, seed: u64, rows: &fingerprint::SliceRows) -> (u64, u64) {
+fn check_snapshot(s: crate::sys::hostmem::Span<'_>, snap: &mut Vec<u8>, seed: u64, rows: &fingerprint::SliceRows) -> (u64, u64) {
     snap.resize(s.len(), 0);
     if s.read_at(0, snap).is_err() {
         // Cannot happen (the copy is the span's length); judged as entirely bad rather than
@@ -350,13 +350,13 @@ impl KvPool {
     fn host_bytes(geom: &Geometry) -> Result<usize> {
         geom.validate()?;
         let pool = geom.pool_bytes()?;
-        if let Some(avail) = crate::hostmem::available_bytes()
+        if let Some(avail) = crate::sys::hostmem::available_bytes()
             && pool > avail
         {
             return Err(Error::Usage(format!(
                 "a DRAM pool of {} exceeds the {} of available host memory",
-                crate::units::bytes_exact(pool),
-                crate::units::bytes_exact(avail)
+                crate::sys::units::bytes_exact(pool),
+                crate::sys::units::bytes_exact(avail)
             )));
         }
         Ok(pool as usize)
@@ -423,7 +423,7 @@ impl KvPool {
         // every layer cannot overflow the list; more passes before take_failures can, and that
         // is an error there (decode_device_failures), never a write past the list.
         let fails_len = slices
-            .checked_mul(crate::cuda::parts_per_slice(geom.slice_bytes()?))
+            .checked_mul(crate::gpu::cuda::parts_per_slice(geom.slice_bytes()?))
             .and_then(|n| n.checked_mul(16))
             .ok_or(Error::Usage("slice count overflows".into()))?;
         // Two lists: the verify kernel's and the poison check's.
@@ -432,8 +432,8 @@ impl KvPool {
         if need > free {
             return Err(Error::Usage(format!(
                 "a VRAM pool of {} (+ bookkeeping) exceeds the {} free on GPU {}",
-                crate::units::bytes_exact(pool),
-                crate::units::bytes_exact(free),
+                crate::sys::units::bytes_exact(pool),
+                crate::sys::units::bytes_exact(free),
                 dev.ordinal()
             )));
         }
@@ -448,23 +448,23 @@ impl KvPool {
         seed: u64,
         regions: Vec<DeviceBuffer>,
     ) -> Result<KvPool> {
-        let fails_len = geom.total_slices()? * crate::cuda::parts_per_slice(geom.slice_bytes()?) * 16;
+        let fails_len = geom.total_slices()? * crate::gpu::cuda::parts_per_slice(geom.slice_bytes()?) * 16;
         let table = DeviceBuffer::alloc(dev, 16 * geom.num_blocks as usize)?;
         let bases = DeviceBuffer::alloc(dev, 8 * regions.len())?;
         bases.write(0, &regions.iter().flat_map(|r| r.ptr().to_le_bytes()).collect::<Vec<u8>>())?;
         let fails = DeviceBuffer::alloc(dev, fails_len as usize)?;
-        let counters = DeviceBuffer::alloc(dev, crate::cuda::VERIFY_COUNTERS_BYTES)?;
+        let counters = DeviceBuffer::alloc(dev, crate::gpu::cuda::VERIFY_COUNTERS_BYTES)?;
         // cuMemAlloc may hand back a freed buffer's bytes (seen on an H200): a stale count
         // would report phantom failures. The list is zeroed too, so nothing stale is ever read.
         counters.zero()?;
         fails.zero()?;
-        let parts = geom.total_slices()? * crate::cuda::parts_per_slice(geom.slice_bytes()?);
+        let parts = geom.total_slices()? * crate::gpu::cuda::parts_per_slice(geom.slice_bytes()?);
         let capture = DeviceBuffer::alloc(
             dev,
-            (parts.min(CAPTURE_MAX_BYTES / crate::cuda::PART_BYTES) * crate::cuda::PART_BYTES) as usize,
+            (parts.min(CAPTURE_MAX_BYTES / crate::gpu::cuda::PART_BYTES) * crate::gpu::cuda::PART_BYTES) as usize,
         )?;
         let check_fails = DeviceBuffer::alloc(dev, fails_len as usize)?;
-        let check_counters = DeviceBuffer::alloc(dev, crate::cuda::CHECK_COUNTERS_BYTES)?;
+        let check_counters = DeviceBuffer::alloc(dev, crate::gpu::cuda::CHECK_COUNTERS_BYTES)?;
         check_counters.zero()?;
         check_fails.zero()?;
         Ok(KvPool {
@@ -586,7 +586,7 @@ impl KvPool {
     /// `f` gets one slice's [`SpanMut`] (raw pointer and length, never a reference into the
     /// pool: transfers may be writing other slices meanwhile) and must touch only it; the
     /// caller guarantees no transfer is in flight into the slices `f` is run on (see
-    /// [`crate::hostmem`]). Errors (usage): the layers lie outside the mapping.
+    /// [`crate::sys::hostmem`]). Errors (usage): the layers lie outside the mapping.
     fn host_each<F>(geom: &Geometry, buf: &mut HostBuffer, layers: Range<u32>, table: Option<&[TableEntry]>, f: F) -> Result<()>
     where
         F: Fn(SliceCoord, &mut SpanMut<'_>) + Sync,
@@ -618,7 +618,7 @@ impl KvPool {
             return Ok(());
         }
         let per = slices.div_ceil(threads()).max(1);
-        crate::par::for_each(bytes.into_chunks(per * sb).enumerate(), threads(), |(t, part)| {
+        crate::sys::par::for_each(bytes.into_chunks(per * sb).enumerate(), threads(), |(t, part)| {
             for (i, mut s) in part.into_chunks(sb).enumerate() {
                 let c = geom.coord_of((first + t * per + i) as u32);
                 if keep(c) {
@@ -821,7 +821,7 @@ impl KvPool {
                 std::mem::take(&mut self.host_fails)
             }
             Backing::Device { fails, counters, capture, .. } => {
-                let mut head = vec![0u8; crate::cuda::VERIFY_COUNTERS_BYTES];
+                let mut head = vec![0u8; crate::gpu::cuda::VERIFY_COUNTERS_BYTES];
                 counters.read(0, &mut head)?;
                 // Zeroed before the list is checked, so an error leaves the next pass clean.
                 counters.zero()?;
@@ -899,7 +899,7 @@ impl KvPool {
             }
             Backing::Device { check, .. } => {
                 let (check_fails, check_counters) = (&check.fails, &check.counters);
-                let mut head = vec![0u8; crate::cuda::CHECK_COUNTERS_BYTES];
+                let mut head = vec![0u8; crate::gpu::cuda::CHECK_COUNTERS_BYTES];
                 check_counters.read(0, &mut head)?;
                 check_counters.zero()?;
                 let n = u32::from_le_bytes([head[0], head[1], head[2], head[3]]);
@@ -1070,20 +1070,20 @@ impl KvPool {
         }
         match (&mut self.backing, &src.backing) {
             (Backing::Device { regions: d, .. }, Backing::Device { regions: s, .. }) => {
-                let timer = crate::cuda::GpuTimer::start(d[0].device())?;
+                let timer = crate::gpu::cuda::GpuTimer::start(d[0].device())?;
                 for (d, s) in d.iter().zip(s) {
                     d.copy_from(s)?;
                 }
                 timer.stop()
             }
             (Backing::Host(d), Backing::Host(s)) => {
-                // Raw spans, never slices: see crate::hostmem (no transfer may be in flight
+                // Raw spans, never slices: see crate::sys::hostmem (no transfer may be in flight
                 // into either pool meanwhile; run and bench copy before any transfer).
                 let t = std::time::Instant::now();
                 let per = d.len().div_ceil(threads()).max(1);
                 let (dst, src) = (d.span_mut(0, d.len())?, s.span(0, s.len())?);
                 let failed = std::sync::Mutex::new(None);
-                crate::par::for_each(dst.into_chunks(per).zip(src.chunks(per)), threads(), |(mut d, s)| {
+                crate::sys::par::for_each(dst.into_chunks(per).zip(src.chunks(per)), threads(), |(mut d, s)| {
                     if let Err(e) = d.copy_from(s) {
                         *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
                     }
@@ -1098,13 +1098,13 @@ impl KvPool {
     }
 
     /// Like [`KvPool::copy_pool_from`] on VRAM, but in pieces of `piece` bytes on a
-    /// non-blocking stream (see [`crate::cuda::copy_pieces_on_stream`]): the copy as UCX's
+    /// non-blocking stream (see [`crate::gpu::cuda::copy_pieces_on_stream`]): the copy as UCX's
     /// cuda_ipc issues it. Errors: DRAM pools or other geometries (usage), the driver (device).
     pub fn copy_pool_in_pieces(&mut self, src: &KvPool, piece: usize) -> Result<f64> {
         match (&self.backing, &src.backing) {
             (Backing::Device { regions: d, .. }, Backing::Device { regions: s, .. }) if self.geom == src.geom => {
                 let pairs: Vec<(&DeviceBuffer, &DeviceBuffer)> = d.iter().zip(s.iter()).collect();
-                crate::cuda::copy_pieces_on_stream(d[0].device(), &pairs, piece)
+                crate::gpu::cuda::copy_pieces_on_stream(d[0].device(), &pairs, piece)
             }
             _ => Err(Error::Usage("copy_pool_in_pieces needs two VRAM pools of one geometry".into())),
         }
@@ -1143,7 +1143,7 @@ impl KvPool {
     }
 
     /// [`KvPool::read_block`] into host memory a transfer engine may read (the tier arena,
-    /// [`crate::tier::TierArena`]): written through the span's raw pointer, never a `&mut
+    /// [`crate::mem::tier::TierArena`]): written through the span's raw pointer, never a `&mut
     /// [u8]` over it. Synchronous. Errors: as `read_block`; CUDA errors.
     pub fn read_block_into(&self, slot: u32, mut dst: SpanMut<'_>) -> Result<()> {
         let sb = self.geom.slice_bytes()? as usize;
@@ -1210,7 +1210,7 @@ impl KvPool {
 
     /// Rearranges the head rows of every slice of `layers` by `perm` (one u32 per row of
     /// `slice_bytes / perm.len()` bytes: row `r` of a slice becomes what row `perm[r]` of it
-    /// held): decode's conversion on receive ([`crate::pairing::Sides::row_permutation`], vLLM's
+    /// held): decode's conversion on receive ([`crate::core::pairing::Sides::row_permutation`], vLLM's
     /// `kv_postprocess_*_on_receive`). VRAM: on the GPU (`kvp_permute_rows` into a scratch
     /// buffer of up to [`PERMUTE_SPAN_BYTES`] of whole slices, copied back; waited for);
     /// DRAM: on the host threads, slice by slice. No transfer may be writing the slices.
@@ -1267,8 +1267,8 @@ impl KvPool {
             Backing::Device { kernels, regions, .. } => {
                 let dev = regions[0].device().clone();
                 let per_span = (PERMUTE_SPAN_BYTES as usize / sb).clamp(1, per_layer);
-                let scratch = crate::cuda::DeviceBuffer::alloc(&dev, per_span * sb)?;
-                let p = crate::cuda::DeviceBuffer::alloc(&dev, rows * 4)?;
+                let scratch = crate::gpu::cuda::DeviceBuffer::alloc(&dev, per_span * sb)?;
+                let p = crate::gpu::cuda::DeviceBuffer::alloc(&dev, rows * 4)?;
                 p.write(0, &perm.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>())?;
                 for layer in layers {
                     let region = &regions[layer as usize];

@@ -3,7 +3,7 @@
 //!
 //! Entries live in one host arena of `capacity` block-sized slots (page-locked for VRAM
 //! pools); an entry is the block's slices back to back in (layer, K/V) order
-//! ([`crate::pool::KvPool::read_block`]). A put first reserves an entry (invisible to
+//! ([`crate::mem::pool::KvPool::read_block`]). A put first reserves an entry (invisible to
 //! lookups) and fills it when the save executes; lookups see only complete entries.
 //! Entries in use by a pending load or save are pinned; a reservation evicts the least
 //! recently used unpinned entry when the arena is full.
@@ -12,10 +12,10 @@
 //! ([`Content`]): the identity its key promises and the identity actually copied in, so a
 //! save that copied the wrong block is attributable when a later load delivers it.
 
+use crate::core::race::Mechanism;
 use crate::error::{Error, Result};
-use crate::hostmem::{HostBuffer, Span, SpanMut};
-use crate::pool::TableEntry;
-use crate::race::Mechanism;
+use crate::mem::pool::TableEntry;
+use crate::sys::hostmem::{HostBuffer, Span, SpanMut};
 use std::collections::HashMap;
 
 /// The KV tier under the connectors.
@@ -56,7 +56,7 @@ struct Entry {
 /// Shared (`Arc`) by the store that fills it and, in one process, by decode's tier reader
 /// (`kvprobe run --scenario tier-only` with prefill on a thread); across processes prefill
 /// registers it with its NIXL agent and decode READs entries from it
-/// ([`crate::transport::Endpoint::register_tier`]), so UCX's progress thread may read any
+/// ([`crate::xfer::transport::Endpoint::register_tier`]), so UCX's progress thread may read any
 /// entry while kvprobe copies into another. The memory is therefore a [`HostBuffer`], which
 /// hands out no Rust reference (a `&mut [u8]` over the arena would assert that nothing else
 /// touches any of its bytes): callers get one entry at a time as a [`Span`] or [`SpanMut`]
@@ -72,7 +72,7 @@ pub struct TierArena {
 
 enum ArenaMem {
     Host(HostBuffer),
-    Pinned(crate::cuda::PinnedHost),
+    Pinned(crate::gpu::cuda::PinnedHost),
 }
 
 impl ArenaMem {
@@ -93,24 +93,24 @@ impl ArenaMem {
 
 impl TierArena {
     /// An arena of `capacity` entries of `block_bytes` each (`block_bytes` = a block's
-    /// slices back to back, [`crate::pool::KvPool::block_bytes`]), page-locked for `device`
+    /// slices back to back, [`crate::mem::pool::KvPool::block_bytes`]), page-locked for `device`
     /// when given. Errors: usage (exit 2) when it does not fit in the host memory available;
     /// device when it cannot be page-locked.
-    pub fn new(capacity: u32, block_bytes: u64, device: Option<&std::sync::Arc<crate::cuda::Device>>) -> Result<TierArena> {
+    pub fn new(capacity: u32, block_bytes: u64, device: Option<&std::sync::Arc<crate::gpu::cuda::Device>>) -> Result<TierArena> {
         let bytes = (capacity as u64).checked_mul(block_bytes).ok_or_else(|| Error::Usage("tier size overflows".into()))?;
-        if let Some(avail) = crate::hostmem::available_bytes()
+        if let Some(avail) = crate::sys::hostmem::available_bytes()
             && bytes > avail
         {
             return Err(Error::Usage(format!(
                 "the tier of {capacity} blocks needs {} of host memory; {} are available (lower --tier-blocks)",
-                crate::units::bytes_exact(bytes),
-                crate::units::bytes_exact(avail)
+                crate::sys::units::bytes_exact(bytes),
+                crate::sys::units::bytes_exact(avail)
             )));
         }
         let buf = HostBuffer::alloc(bytes as usize)?;
         let addr = buf.addr();
         let mem = match device {
-            Some(d) => ArenaMem::Pinned(crate::cuda::PinnedHost::new(d, buf)?),
+            Some(d) => ArenaMem::Pinned(crate::gpu::cuda::PinnedHost::new(d, buf)?),
             None => ArenaMem::Host(buf),
         };
         Ok(TierArena { mem: std::sync::Mutex::new(mem), addr, block_bytes: block_bytes as usize, capacity })
@@ -183,7 +183,7 @@ pub type EntryId = u32;
 impl Store {
     /// A store of `capacity` entries of `block_bytes` each in a new arena, page-locked for
     /// `device` when given. Errors: as [`TierArena::new`].
-    pub fn new(capacity: u32, block_bytes: u64, device: Option<&std::sync::Arc<crate::cuda::Device>>) -> Result<Store> {
+    pub fn new(capacity: u32, block_bytes: u64, device: Option<&std::sync::Arc<crate::gpu::cuda::Device>>) -> Result<Store> {
         Ok(Store::on(std::sync::Arc::new(TierArena::new(capacity, block_bytes, device)?)))
     }
 
@@ -349,7 +349,7 @@ impl Store {
     /// A save into the embedded arena: copies block `slot` of `pool` into entry `id`. Errors:
     /// usage for a metadata-only store (its bytes live in Mooncake) or an entry past the
     /// capacity; the pool's copy errors.
-    pub fn save_block(&self, id: EntryId, pool: &crate::pool::KvPool, slot: u32) -> Result<()> {
+    pub fn save_block(&self, id: EntryId, pool: &crate::mem::pool::KvPool, slot: u32) -> Result<()> {
         match &self.arena {
             Some(a) => a.write_entry(id, |e| pool.read_block_into(slot, e))?,
             None => Err(Error::Usage("a metadata-only store holds no bytes".into())),
@@ -358,7 +358,7 @@ impl Store {
 
     /// A load from the embedded arena: copies entry `id` into block `slot` of `pool`. Errors:
     /// as [`Store::save_block`].
-    pub fn load_block(&self, id: EntryId, pool: &mut crate::pool::KvPool, slot: u32) -> Result<()> {
+    pub fn load_block(&self, id: EntryId, pool: &mut crate::mem::pool::KvPool, slot: u32) -> Result<()> {
         match &self.arena {
             Some(a) => a.read_entry(id, |e| pool.write_block_from(slot, e))?,
             None => Err(Error::Usage("a metadata-only store holds no bytes".into())),

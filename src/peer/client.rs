@@ -4,11 +4,11 @@
 //! peer protocol ([`super::Msg`]).
 
 use super::{Link, Msg, Side};
-use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use crate::nixl::XferResult;
 use crate::report::PeerSide;
-use crate::transport::PeerInfo;
+use crate::sys::deadline::Deadline;
+use crate::xfer::nixl::XferResult;
+use crate::xfer::transport::PeerInfo;
 use std::collections::{HashMap, HashSet};
 use std::os::fd::AsRawFd;
 use std::process::{Child, Command, Stdio};
@@ -17,11 +17,11 @@ use std::time::{Duration, Instant};
 
 /// How long decode waits for prefill to start a scenario run ([`PrefillPeer::begin`]) with a
 /// silence bound of `silence` (the run's `--timeout`, at least 1 s): twice the set-up floor's
-/// share of it (`--timeout`, at least [`crate::deadline::SETUP_FLOOR`]: prefill's Mooncake
+/// share of it (`--timeout`, at least [`crate::sys::deadline::SETUP_FLOOR`]: prefill's Mooncake
 /// store client starting, then joining), plus the 30 s a master it starts may take, plus
-/// [`crate::deadline::GRACE`].
+/// [`crate::sys::deadline::GRACE`].
 pub fn begin_bound(silence: Duration) -> Duration {
-    2 * silence.max(crate::deadline::SETUP_FLOOR) + Duration::from_secs(30) + crate::deadline::GRACE
+    2 * silence.max(crate::sys::deadline::SETUP_FLOOR) + Duration::from_secs(30) + crate::sys::deadline::GRACE
 }
 
 /// How long connecting to `serve` may take (TCP connect), before the handshake's own bound.
@@ -100,7 +100,7 @@ impl Drop for PrefillThread {
     fn drop(&mut self) {
         let Some(h) = self.handle.take() else { return };
         let t0 = Instant::now();
-        let grace = if crate::interrupt::requested() { EXIT_GRACE_INTERRUPTED } else { EXIT_GRACE };
+        let grace = if crate::sys::interrupt::requested() { EXIT_GRACE_INTERRUPTED } else { EXIT_GRACE };
         while t0.elapsed() < grace {
             if h.is_finished() {
                 let _ = h.join();
@@ -140,7 +140,7 @@ pub fn start_thread(
 pub const EXIT_GRACE: Duration = Duration::from_secs(5);
 
 /// [`EXIT_GRACE`] after SIGINT/SIGTERM: a child that is stuck or stopped is killed after this,
-/// so an interrupted run exits within [`crate::deadline::INTERRUPT_GRACE`] of the signal plus
+/// so an interrupted run exits within [`crate::sys::deadline::INTERRUPT_GRACE`] of the signal plus
 /// `run::PEER_BYE_BOUND` and this (docs/guide.md "What `--timeout` bounds").
 pub const EXIT_GRACE_INTERRUPTED: Duration = Duration::from_secs(1);
 
@@ -151,16 +151,16 @@ pub const START_BOUND: Duration = Duration::from_secs(120);
 /// Test-only: `KVPROBE_TEST_AGENT_START_SECS=SECS` replaces [`START_BOUND`], so a test of a
 /// child that never becomes ready does not take two minutes. Never set in normal use.
 fn start_bound() -> Duration {
-    crate::test_hooks::value(crate::test_hooks::AGENT_START_SECS)
+    crate::sys::test_hooks::value(crate::sys::test_hooks::AGENT_START_SECS)
         .and_then(|v| v.trim().parse::<f64>().ok())
         .and_then(|s| Duration::try_from_secs_f64(s).ok())
         .unwrap_or(START_BOUND)
 }
 
 /// The prefill process of `run --decode-process` (a child `kvprobe serve --fd N`). It dies
-/// with kvprobe however kvprobe exits ([`crate::child::spawn`]); dropped, it is waited for
+/// with kvprobe however kvprobe exits ([`crate::sys::child::spawn`]); dropped, it is waited for
 /// ([`EXIT_GRACE`]) and killed if it has not exited — at once when a request of this process
-/// may still be moving its memory ([`crate::nixl::unconfirmed`]): told to end, the child would
+/// may still be moving its memory ([`crate::xfer::nixl::unconfirmed`]): told to end, the child would
 /// free that memory under it; killed, its memory is released only once nothing holds it.
 pub struct PrefillChild {
     child: Child,
@@ -176,7 +176,7 @@ impl PrefillChild {
 impl Drop for PrefillChild {
     fn drop(&mut self) {
         let c = &mut self.child;
-        if crate::nixl::unconfirmed() > 0 {
+        if crate::xfer::nixl::unconfirmed() > 0 {
             let _ = c.kill();
             let _ = c.wait();
             eprintln!(
@@ -186,7 +186,7 @@ impl Drop for PrefillChild {
         }
         let t0 = Instant::now();
         // After SIGINT/SIGTERM a stuck (or stopped) child must not hold up the exit.
-        let grace = if crate::interrupt::requested() { EXIT_GRACE_INTERRUPTED } else { EXIT_GRACE };
+        let grace = if crate::sys::interrupt::requested() { EXIT_GRACE_INTERRUPTED } else { EXIT_GRACE };
         while t0.elapsed() < grace {
             if let Ok(Some(_)) = c.try_wait() {
                 return;
@@ -208,7 +208,7 @@ impl Drop for PrefillChild {
 #[derive(Clone, Copy, Debug)]
 pub struct ChildSpec<'a> {
     /// Prefill's pool memory.
-    pub memory: crate::pool::MemoryKind,
+    pub memory: crate::mem::pool::MemoryKind,
     /// Prefill's GPU (VRAM).
     pub device: usize,
     /// The NIXL backend plugin.
@@ -231,7 +231,7 @@ pub fn start_child(cfg: &ChildSpec<'_>, silence: Duration, run_id: &str) -> Resu
         .map_err(|e| Error::Environment(format!("cannot make a socket pair for the prefill process: {e}")))?;
     let exe = std::env::current_exe().map_err(|e| Error::Environment(format!("cannot find kvprobe's executable: {e}")))?;
     let fd = theirs.as_raw_fd();
-    let vram = cfg.memory == crate::pool::MemoryKind::Vram;
+    let vram = cfg.memory == crate::mem::pool::MemoryKind::Vram;
     let mut cmd = Command::new(exe);
     cmd.args(["serve", "--fd", &fd.to_string(), "--memory", if vram { "vram" } else { "dram" }]).args([
         "--backend",
@@ -246,12 +246,12 @@ pub fn start_child(cfg: &ChildSpec<'_>, silence: Duration, run_id: &str) -> Resu
     // The child sets kvprobe's defaults itself (as its own, so its report and its UCX
     // messages tell them from the user's): this process's UCX capture file and shared-memory
     // directory are private to it (the file already unlinked), and the rest it recomputes.
-    for k in crate::nixl::kvprobe_defaults() {
+    for k in crate::xfer::nixl::kvprobe_defaults() {
         cmd.env_remove(k);
     }
     // The child's end of the pair (close-on-exec here) is inherited by this child alone.
     let t0 = Instant::now();
-    let child = crate::child::spawn_keeping(cmd, &[fd])
+    let child = crate::sys::child::spawn_keeping(cmd, &[fd])
         .map_err(|e| Error::Environment(format!("cannot start the prefill process: {e}")))?;
     drop(theirs);
     let child = PrefillChild { child };
@@ -299,7 +299,7 @@ impl PrefillPeer {
         link: Link,
         config: serde_json::Value,
         decode: Side,
-        environment: Option<crate::envinfo::Environment>,
+        environment: Option<crate::env::envinfo::Environment>,
         address: &str,
         run_id: &str,
     ) -> Result<(Link, Side, PeerSide)> {
@@ -433,13 +433,13 @@ impl PrefillPeer {
     }
 
     /// How long prefill may take to answer a fill: twice the silence bound (`--timeout`, at
-    /// least 1 s) plus [`crate::deadline::GRACE`] for a stage — a fill waits behind prefill's
+    /// least 1 s) plus [`crate::sys::deadline::GRACE`] for a stage — a fill waits behind prefill's
     /// other calls, and a call of prefill's blocked past its own `--timeout` is ended by
     /// prefill's watchdog within GRACE, which names it — at least
-    /// [`crate::deadline::SETUP_FLOOR`] for a whole pool (set-up).
+    /// [`crate::sys::deadline::SETUP_FLOOR`] for a whole pool (set-up).
     fn fill_bound(&self, stage: Option<u32>) -> Duration {
-        let b = 2 * super::silence_bound(self.link.silence()) + crate::deadline::GRACE;
-        if stage.is_none() { b.max(crate::deadline::SETUP_FLOOR) } else { b }
+        let b = 2 * super::silence_bound(self.link.silence()) + crate::sys::deadline::GRACE;
+        if stage.is_none() { b.max(crate::sys::deadline::SETUP_FLOOR) } else { b }
     }
 
     /// Errors (timeout, exit 4) when a fill sent has not been answered within its bound: a
@@ -489,7 +489,7 @@ impl PrefillPeer {
     }
 
     fn check_interrupt(&self, what: &str) -> Result<()> {
-        if crate::interrupt::since_requested().is_some_and(|d| d > crate::interrupt::GRACE) {
+        if crate::sys::interrupt::since_requested().is_some_and(|d| d > crate::sys::interrupt::GRACE) {
             return Err(Error::Interrupted(format!("while waiting for {what}")));
         }
         Ok(())
@@ -580,7 +580,7 @@ impl PrefillPeer {
         let super::Results { summary, scenario, rows } = results;
         // A child is not told to end while a request of this process may still move its
         // memory: it is killed instead ([`PrefillChild`]).
-        let sent = if matches!(self.holder, Some(Holder::Child(_))) && crate::nixl::unconfirmed() > 0 {
+        let sent = if matches!(self.holder, Some(Holder::Child(_))) && crate::xfer::nixl::unconfirmed() > 0 {
             Err(Error::Transport("requests in flight".into()))
         } else {
             self.link.send(&Msg::Done { exit, error, summary, scenario, rows })
@@ -660,7 +660,7 @@ impl PrefillPeer {
         )));
         let got = self.link.expect("prefill's start of the scenario", |m| match m {
             Msg::Begun { row: r, tier, tier_detail } if r == row => {
-                Ok((tier, crate::text::escape_control(&tier_detail).into_owned()))
+                Ok((tier, crate::sys::text::escape_control(&tier_detail).into_owned()))
             }
             m => Err(m.name()),
         });
@@ -669,11 +669,11 @@ impl PrefillPeer {
     }
 
     /// How long prefill may take to answer a step: twice the silence bound plus
-    /// [`crate::deadline::GRACE`] (each call of prefill's is bounded by `--timeout`, and one
+    /// [`crate::sys::deadline::GRACE`] (each call of prefill's is bounded by `--timeout`, and one
     /// blocked past it is ended by prefill's watchdog within GRACE, which names it), at least
-    /// [`crate::deadline::SETUP_FLOOR`] (a step may run many tier calls).
+    /// [`crate::sys::deadline::SETUP_FLOOR`] (a step may run many tier calls).
     fn step_bound(&self) -> Duration {
-        (2 * super::silence_bound(self.link.silence()) + crate::deadline::GRACE).max(crate::deadline::SETUP_FLOOR)
+        (2 * super::silence_bound(self.link.silence()) + crate::sys::deadline::GRACE).max(crate::sys::deadline::SETUP_FLOOR)
     }
 
     /// Scenarios: sends what decode did ([`Msg::Step`]) and waits for prefill's step `step` of

@@ -118,9 +118,9 @@ pub const MAX_DONE_INTERVALS: usize = 10_000;
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct Side {
     /// KV geometry of this side's pool.
-    pub geometry: crate::geometry::Geometry,
+    pub geometry: crate::core::geometry::Geometry,
     /// VRAM or DRAM.
-    pub memory: crate::pool::MemoryKind,
+    pub memory: crate::mem::pool::MemoryKind,
     /// GPU ordinal of the pool (VRAM; 0 for DRAM).
     pub device: usize,
     /// Host name of the side (as `gethostname` says).
@@ -184,30 +184,30 @@ pub enum Msg {
         /// Decode's side.
         decode: Side,
         /// Decode's environment (GPUs, driver, NIXL, UCX).
-        environment: Option<crate::envinfo::Environment>,
+        environment: Option<crate::env::envinfo::Environment>,
     },
     /// serve → run: configuration accepted; prefill's side.
     Accept {
         /// Prefill's side.
         prefill: Side,
         /// Prefill's environment.
-        environment: Option<crate::envinfo::Environment>,
+        environment: Option<crate::env::envinfo::Environment>,
     },
     /// run → serve: decode's NIXL agent (TP rank 0's).
     Connect {
         /// Agent name, metadata and region bases.
-        decode: crate::transport::PeerInfo,
+        decode: crate::xfer::transport::PeerInfo,
         /// With `--decode-tp` > 1: the agents of decode's ranks 1.. (one per TP rank).
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
-        decode_ranks: Vec<crate::transport::PeerInfo>,
+        decode_ranks: Vec<crate::xfer::transport::PeerInfo>,
     },
     /// serve → run: prefill's NIXL agent (TP rank 0's; it has loaded decode's metadata).
     Connected {
         /// Agent name, metadata and region bases.
-        prefill: crate::transport::PeerInfo,
+        prefill: crate::xfer::transport::PeerInfo,
         /// With `--prefill-tp` > 1: the agents of prefill's ranks 1.. .
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
-        prefill_ranks: Vec<crate::transport::PeerInfo>,
+        prefill_ranks: Vec<crate::xfer::transport::PeerInfo>,
     },
     /// run → serve: fill `stage` (all layers when `None`) with generation `it` and plant
     /// prefill's injected faults of iteration `it` there; answered by [`Msg::Filled`] once the
@@ -537,8 +537,10 @@ impl FrameReader {
                     // serde's error quotes the peer's bytes: escaped before it reaches a terminal.
                     return serde_json::from_slice::<Msg>(body).map_err(|e| {
                         ReadEnd::Bad(
-                            crate::text::escape_control(&format!("a frame that is not a message of protocol {PROTOCOL}: {e}"))
-                                .into_owned(),
+                            crate::sys::text::escape_control(&format!(
+                                "a frame that is not a message of protocol {PROTOCOL}: {e}"
+                            ))
+                            .into_owned(),
                         )
                     });
                 }
@@ -728,7 +730,7 @@ pub fn random_hex(n: usize) -> Result<String> {
 /// The configuration hash both sides compare: SHA-256 of `config`'s JSON (serde_json writes
 /// a struct's fields in declaration order, so equal configurations give equal bytes), hex.
 pub fn config_hash(config: &serde_json::Value) -> String {
-    crate::fingerprint::digest(&serde_json::to_vec(config).unwrap_or_default())
+    crate::core::fingerprint::digest(&serde_json::to_vec(config).unwrap_or_default())
 }
 
 /// Every field (dotted path) where `a` and `b` differ, with both values, in key order.
@@ -763,7 +765,7 @@ pub fn first_difference(a: &serde_json::Value, b: &serde_json::Value) -> Option<
 /// Checks a [`Msg::Hello`] against this side's version, the challenge's `nonce` (hex) and
 /// `token` (decode's [`proof`], compared in constant time). Returns the run id and decode's
 /// nonce (bytes). Errors: the reason to send back in [`Msg::Refused`] (peer text in it
-/// escaped: [`crate::text::escape_control`]).
+/// escaped: [`crate::sys::text::escape_control`]).
 pub fn check_hello(msg: &Msg, nonce: &str, token: &str) -> std::result::Result<(String, Vec<u8>), String> {
     let Msg::Hello { kvprobe, protocol, run_id, nonce: decode_nonce, proof: got } = msg else {
         return Err(format!("expected hello, got {}", msg.name()));
@@ -772,7 +774,7 @@ pub fn check_hello(msg: &Msg, nonce: &str, token: &str) -> std::result::Result<(
         return Err(format!(
             "protocol version mismatch: this kvprobe {} speaks peer protocol {PROTOCOL}, the peer (kvprobe {}) speaks {protocol}: run the same kvprobe version on both hosts",
             env!("CARGO_PKG_VERSION"),
-            crate::text::escape_control(kvprobe)
+            crate::sys::text::escape_control(kvprobe)
         ));
     }
     let (Some(prefill_nonce), Some(decode_nonce)) = (nonce_bytes(nonce), nonce_bytes(decode_nonce)) else {
@@ -793,14 +795,14 @@ fn nonce_bytes(hex: &str) -> Option<Vec<u8>> {
     hex_decode(hex).filter(|b| b.len() == NONCE_BYTES)
 }
 
-/// Escapes every string in `v` ([`crate::text::escape_control`]): JSON a peer sent, before
+/// Escapes every string in `v` ([`crate::sys::text::escape_control`]): JSON a peer sent, before
 /// any of it can reach a terminal (keys are left as they are: the types that read them know
 /// their names).
 pub fn escape_strings(v: &mut serde_json::Value) {
     use serde_json::Value;
     match v {
         Value::String(s) => {
-            if let std::borrow::Cow::Owned(e) = crate::text::escape_control(s) {
+            if let std::borrow::Cow::Owned(e) = crate::sys::text::escape_control(s) {
                 *s = e;
             }
         }
@@ -822,9 +824,9 @@ pub fn escaped<T: Serialize + serde::de::DeserializeOwned>(t: T) -> T {
 /// The error that stands for the run's end as the peer said it ([`Msg::Done`]): its exit
 /// code's kind (130 interrupted, 4 timeout, 2 usage, 1 corrupt, else transport), with `who`
 /// and its message; a clean or other normal end while this side failed is a transport error
-/// naming it. The peer's message is escaped ([`crate::text::escape_control`]).
+/// naming it. The peer's message is escaped ([`crate::sys::text::escape_control`]).
 pub fn ended_with(who: &str, exit: u8, error: Option<String>) -> Error {
-    let m = crate::text::escape_control(&error.unwrap_or_default()).into_owned();
+    let m = crate::sys::text::escape_control(&error.unwrap_or_default()).into_owned();
     match exit {
         130 => Error::Interrupted(format!("{who} was interrupted: {m}")),
         4 => Error::Timeout(format!("{who}: {m}")),
@@ -1015,10 +1017,10 @@ impl Link {
     }
 
     /// Bounds the set-up waits that follow (acceptance, the other side's agent) by `timeout`,
-    /// at least the set-up floor ([`crate::deadline::SETUP_FLOOR`]), whatever the heartbeats
+    /// at least the set-up floor ([`crate::sys::deadline::SETUP_FLOOR`]), whatever the heartbeats
     /// say ([`Link::set_deadline`]).
     pub fn bound_setup(&self, timeout: Duration) {
-        let bound = timeout.max(crate::deadline::SETUP_FLOOR);
+        let bound = timeout.max(crate::sys::deadline::SETUP_FLOOR);
         self.set_deadline(Some((
             Instant::now() + bound,
             format!(
@@ -1093,9 +1095,9 @@ impl Link {
 
     /// The error a message from the peer means, if it is one ([`Msg::Failed`],
     /// [`Msg::Interrupt`], [`Msg::Refused`]), the peer's words escaped
-    /// ([`crate::text::escape_control`]).
+    /// ([`crate::sys::text::escape_control`]).
     fn error_of(&self, m: &Msg) -> Option<Error> {
-        use crate::text::escape_control as esc;
+        use crate::sys::text::escape_control as esc;
         match m {
             Msg::Failed { exit, message } => Some({
                 let message = esc(message);
@@ -1168,7 +1170,7 @@ impl Link {
     /// the wait as interrupted.
     pub fn expect<T>(&self, what: &str, mut pick: impl FnMut(Msg) -> std::result::Result<T, &'static str>) -> Result<T> {
         loop {
-            if crate::interrupt::requested() {
+            if crate::sys::interrupt::requested() {
                 return Err(Error::Interrupted(format!("while waiting for {what} from {}", self.who)));
             }
             let bound = self.deadline.lock().unwrap_or_else(|p| p.into_inner()).clone();
@@ -1203,7 +1205,7 @@ impl Drop for Link {
         // A link given up because this side was interrupted (set-up included) tells the
         // peer, so that both sides end as interrupted (best effort: after a goodbye the
         // connection is already closed and this goes nowhere).
-        if crate::interrupt::requested() {
+        if crate::sys::interrupt::requested() {
             let _ = self.send(&Msg::Interrupt { why: "interrupted by a signal".into() });
         }
         self.close();
@@ -1223,7 +1225,7 @@ pub fn client(stream: Stream, token: &str, run_id: &str, silence: Duration, who:
 /// (`run --decode-process`: the child's challenge comes once it has started and loaded NIXL,
 /// within the child's start bound).
 pub fn client_within(stream: Stream, token: &str, run_id: &str, silence: Duration, who: String, bound: Duration) -> Result<Link> {
-    use crate::text::escape_control as esc;
+    use crate::sys::text::escape_control as esc;
     let io = |e: std::io::Error| Error::Transport(format!("{who}: {e}"));
     stream.set_read_timeout(Some(bound)).map_err(io)?;
     stream.set_write_timeout(Some(bound)).map_err(io)?;
@@ -1337,7 +1339,7 @@ pub fn server_gated(
         Err(ReadEnd::Bad(w2)) => return refuse(&mut w, format!("not a kvprobe hello: {w2}")),
     };
     if let Msg::Refused { reason, .. } = &hello {
-        return Ok(Accepted::Refused(format!("the client refused: {}", crate::text::escape_control(reason))));
+        return Ok(Accepted::Refused(format!("the client refused: {}", crate::sys::text::escape_control(reason))));
     }
     match check_hello(&hello, &nonce, token) {
         Ok((run_id, decode_nonce)) => {
@@ -1364,7 +1366,7 @@ pub fn refuse_busy(stream: Stream, reason: &str) {
     s.shutdown();
 }
 
-/// This host's name ([`crate::envinfo::hostname`]), or "?".
+/// This host's name ([`crate::env::envinfo::hostname`]), or "?".
 pub fn host_name() -> String {
-    Some(crate::envinfo::hostname()).filter(|h| !h.is_empty()).unwrap_or_else(|| "?".into())
+    Some(crate::env::envinfo::hostname()).filter(|h| !h.is_empty()).unwrap_or_else(|| "?".into())
 }

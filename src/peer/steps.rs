@@ -12,9 +12,9 @@
 //! and across two. NIXL moves every byte; these messages carry control, identities and the
 //! events the shadow needs.
 
-use crate::pool::TableEntry;
-use crate::race::{Mechanism, Scenario};
-use crate::tier::Content;
+use crate::core::race::{Mechanism, Scenario};
+use crate::mem::pool::TableEntry;
+use crate::mem::tier::Content;
 use serde::{Deserialize, Serialize};
 
 /// The engine an [`Event`] comes from.
@@ -160,12 +160,12 @@ pub struct SourceFault {
     /// Layer.
     pub layer: u32,
     /// K/V part.
-    pub kv: crate::geometry::KvPart,
+    pub kv: crate::core::geometry::KvPart,
     /// `bitflip` (one bit of the slice flipped) or `stale` (the slice holds the block's
     /// previous generation).
-    pub kind: crate::inject::Kind,
+    pub kind: crate::core::inject::Kind,
     /// `bitflip`: the flipped bit, as (byte offset in the slice, bit 0..8), so that decode
-    /// predicts the slice's bytes exactly ([`crate::inject::Prediction`]). Decode refuses a
+    /// predicts the slice's bytes exactly ([`crate::core::inject::Prediction`]). Decode refuses a
     /// bitflip without it, or outside the slice, as a protocol error.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub flip: Option<(u64, u8)>,

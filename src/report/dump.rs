@@ -16,12 +16,12 @@
 //! class are taken before more of any one class fill the other half. A write that fails
 //! (disk full) stops the dump (`dump_truncated`, with the reason) and never the run.
 
+use crate::core::fingerprint::{RowOrder, RowShape};
+use crate::core::pairing::tp::Tp;
+use crate::core::verify::Class;
 use crate::error::{Error, Result};
-use crate::fingerprint::{RowOrder, RowShape};
-use crate::pairing::tp::Tp;
 pub use crate::report::DumpSummary;
 use crate::report::Failure;
-use crate::verify::Class;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashSet};
 use std::io::Write;
@@ -36,7 +36,7 @@ pub const DEFAULT_MAX_BYTES: u64 = 256 << 20;
 
 /// Which fingerprint definition the expected bytes follow (docs/fingerprint.md "Fingerprint format",
 /// `csrc/fingerprint.h`, `scripts/fingerprint_ref.py`).
-pub const FINGERPRINT: &str = crate::fingerprint::FORMAT;
+pub const FINGERPRINT: &str = crate::core::fingerprint::FORMAT;
 
 /// The fingerprint's Python reference, copied into every dump as `scripts/fingerprint_ref.py`.
 pub const REF_SCRIPT: &str = include_str!("../../scripts/fingerprint_ref.py");
@@ -66,11 +66,11 @@ pub struct DumpEntry {
     /// Size of `file` (bytes; the geometry's `slice_bytes`).
     pub bytes: u64,
     /// Runs whose decode converts on receive (`--decode-layout`/`--decode-block-size`,
-    /// `--permute-local-kv`: [`crate::pairing::Sides::converts`]) only: the slice as NIXL
+    /// `--permute-local-kv`: [`crate::core::pairing::Sides::converts`]) only: the slice as NIXL
     /// delivered it, before decode's conversion, relative to the dump directory
     /// (`slices/<name>.received.bin`, `bytes` long; `file` holds the converted bytes the verify
     /// judged and the record describes). Recovered from the converted bytes by undoing the
-    /// conversion's row permutation ([`crate::pairing::Sides::unconvert`]), which moves whole
+    /// conversion's row permutation ([`crate::core::pairing::Sides::unconvert`]), which moves whole
     /// rows and is a bijection (checked before use), so no byte is lost or made up. Absent
     /// elsewhere.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -122,7 +122,7 @@ pub struct DumpIndex {
 
 /// Test-only fault hook: `KVPROBE_TEST_DUMP_FULL_AFTER=N` makes every slice write after the
 /// first N fail with ENOSPC (a full disk), to show that the dump stops and the run does not.
-pub const FULL_AFTER_VAR: &str = crate::test_hooks::DUMP_FULL_AFTER;
+pub const FULL_AFTER_VAR: &str = crate::sys::test_hooks::DUMP_FULL_AFTER;
 
 fn full_after() -> Option<u64> {
     static N: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
@@ -215,7 +215,7 @@ impl Dumper {
             index: DumpIndex {
                 schema: SCHEMA.into(),
                 seed,
-                seed_hex: crate::fingerprint::seed_hex(seed),
+                seed_hex: crate::core::fingerprint::seed_hex(seed),
                 geometry,
                 slice_bytes,
                 fingerprint: FINGERPRINT.into(),
@@ -485,7 +485,7 @@ pub fn regenerate_command(f: &Failure, seed: u64, shape: &RowShape, len: u64, na
         };
         format!(
             "mkdir -p expected && python3 scripts/fingerprint_ref.py {} {} {} {} {} {order} {} {} {} {} {} {out}",
-            crate::fingerprint::seed_hex(seed),
+            crate::core::fingerprint::seed_hex(seed),
             e.layer,
             e.kv,
             e.block,
@@ -554,7 +554,7 @@ pub fn rank_shape(shape: &RowShape, tp: Option<&Tp>, rank: Option<u32>) -> RowSh
 }
 
 /// The geometry of a run's decode slices in its report `config`: `decode_geometry` when
-/// the two sides differ ([`crate::pairing`]), else `geometry`. Dumped slices are decode's.
+/// the two sides differ ([`crate::core::pairing`]), else `geometry`. Dumped slices are decode's.
 pub fn dumped_geometry(config: &serde_json::Value) -> &serde_json::Value {
     match config.get("decode_geometry") {
         Some(g) if !g.is_null() => g,

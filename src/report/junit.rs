@@ -73,7 +73,7 @@ fn coordinates(f: &Value) -> String {
         text(&f["slot"]),
         text(&f["class"]),
         text(&f["first_bad_offset"]),
-        crate::units::plural(f["bad_bytes"].as_u64().unwrap_or(0), "bad byte")
+        crate::sys::units::plural(f["bad_bytes"].as_u64().unwrap_or(0), "bad byte")
     )
 }
 

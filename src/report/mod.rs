@@ -6,11 +6,11 @@
 //! an I/O error) the temporary file is removed and the report goes to stderr instead
 //! ([`print_fallback`]).
 
-use crate::envinfo::Environment;
+use crate::core::fingerprint::BlockIdentity;
+use crate::core::geometry::KvPart;
+use crate::core::verify::{Class, SectorRun, WrongRow};
+use crate::env::envinfo::Environment;
 use crate::error::{Error, Exit, Result};
-use crate::fingerprint::BlockIdentity;
-use crate::geometry::KvPart;
-use crate::verify::{Class, SectorRun, WrongRow};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -48,7 +48,7 @@ pub struct Failure {
     /// The failure class.
     pub class: Class,
     /// The slot's global slice index in the decode pool (`layer * slices_per_layer +` the
-    /// slice's index in its layer region; [`crate::geometry::Geometry::global_slice`]): the
+    /// slice's index in its layer region; [`crate::core::geometry::Geometry::global_slice`]): the
     /// `slot` of its poison.
     pub slot: u32,
     /// The iteration number the slot's poison was written with before the transfer (sweeps:
@@ -82,7 +82,7 @@ pub struct Failure {
     /// `token offset +N`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub displacement: Option<String>,
-    /// The first wrong rows (layout only, at most [`crate::verify::MAX_LISTED_ROWS`]): the
+    /// The first wrong rows (layout only, at most [`crate::core::verify::MAX_LISTED_ROWS`]): the
     /// row index, the token and head due there and the token and head it holds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rows: Option<Vec<WrongRow>>,
@@ -96,7 +96,7 @@ pub struct Failure {
     /// Scenario runs: the unfenced mechanism that explains this slice; absent when nothing
     /// the engine did explains it (a defect of the stack under test).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub attributed_to: Option<crate::race::Mechanism>,
+    pub attributed_to: Option<crate::core::race::Mechanism>,
     /// Scenario runs: the slice is an `--inject` fault found as predicted (see `injections`),
     /// neither attributed nor unexplained. Written only when set.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -110,7 +110,7 @@ pub struct Failure {
     /// Class `late` only: the class of the bytes the verify pass judged (the slice's bytes
     /// changed after the verdict; `actual_digest`, `bad_bytes`, `first_bad_offset` and a
     /// dump's slice are those judged bytes). Absent when the judged bytes were not kept (past
-    /// [`crate::pool::JUDGED_MAX_BYTES`] on DRAM or [`crate::pool::CAPTURE_MAX_BYTES`] on
+    /// [`crate::mem::pool::JUDGED_MAX_BYTES`] on DRAM or [`crate::mem::pool::CAPTURE_MAX_BYTES`] on
     /// VRAM): the slice was then read again and found intact.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub judged_class: Option<Class>,
@@ -123,9 +123,9 @@ impl Failure {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         iteration: u32,
-        c: crate::geometry::SliceCoord,
-        raw: &crate::pool::RawFailure,
-        v: crate::verify::Verdict,
+        c: crate::core::geometry::SliceCoord,
+        raw: &crate::mem::pool::RawFailure,
+        v: crate::core::verify::Verdict,
         want: &[u8],
         actual: &[u8],
         expected: BlockIdentity,
@@ -142,8 +142,8 @@ impl Failure {
             poison_iteration: iteration,
             first_bad_offset: raw.first_bad,
             bad_bytes: raw.bad_bytes,
-            expected_digest: crate::fingerprint::digest(want),
-            actual_digest: crate::fingerprint::digest(actual),
+            expected_digest: crate::core::fingerprint::digest(want),
+            actual_digest: crate::core::fingerprint::digest(actual),
             observed: v.observed,
             expected,
             prefill_block,
@@ -167,7 +167,7 @@ pub struct InjectionRecord {
     /// Iteration.
     pub iteration: u32,
     /// Injection kind.
-    pub kind: crate::inject::Kind,
+    pub kind: crate::core::inject::Kind,
     /// Predicted `(layer, kv, decode block, class)` outcomes.
     pub predicted: Vec<PredictedHit>,
     /// True when every predicted outcome was reported with its class.
@@ -179,7 +179,7 @@ pub struct InjectionRecord {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub link: Option<TpLink>,
     /// `torn`: the planted tear, in bytes sent of the group's prefill slices back to back in
-    /// source order (a group: [`crate::pairing::Sides::planning`]; equal sides: the slice's
+    /// source order (a group: [`crate::core::pairing::Sides::planning`]; equal sides: the slice's
     /// prefix; with TP: of the bytes the fault's link moves). Absent for other kinds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub torn_bytes: Option<u64>,
@@ -209,7 +209,7 @@ pub struct PredictedHit {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tp_rank: Option<u32>,
     /// SHA-256 of the exact bytes the injection must leave in the slice
-    /// ([`crate::inject::Prediction`]): a failure there is "as predicted" only when its
+    /// ([`crate::core::inject::Prediction`]): a failure there is "as predicted" only when its
     /// `actual_digest` equals it (and its class is `class`). Absent in older reports.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub digest: Option<String>,
@@ -230,7 +230,7 @@ pub struct Summary {
     pub blocks_checked: u64,
     /// Block slices the verify passes actually compared against their fingerprint, counted
     /// by the passes themselves (the verify kernel on VRAM, the CPU pass on DRAM; see
-    /// [`crate::pool::Compared`]), all iterations. Equals `blocks_checked` when every
+    /// [`crate::mem::pool::Compared`]), all iterations. Equals `blocks_checked` when every
     /// checked slice was compared.
     pub slices_compared: u64,
     /// Bytes those passes compared (all iterations): `slices_compared * slice bytes` when
@@ -299,7 +299,7 @@ pub struct Summary {
     pub kernel_seconds: KernelSeconds,
     /// What carried the transfers: NIXL backend, UCX's protocol selection for the run's
     /// memory types, and the transfer rate against a same-run copy of the pool (sweeps).
-    pub transport_path: Option<crate::ucx::TransportPath>,
+    pub transport_path: Option<crate::xfer::ucx::TransportPath>,
     /// Sweep: the times of each iteration, in order, for the first [`PER_ITERATION_MAX`]
     /// (`kvprobe bench` takes medians over all but the first, which warms up: page faults, UCX
     /// connection and registration caches). The totals above cover every iteration.
@@ -420,8 +420,8 @@ pub struct Report {
     pub outcome: Outcome,
 }
 
-pub use crate::pool::KernelSeconds;
-pub use crate::units::{bytes_binary, bytes_exact, plural};
+pub use crate::mem::pool::KernelSeconds;
+pub use crate::sys::units::{bytes_binary, bytes_exact, plural};
 
 /// One side of a node pair as the other side's report records it (`run --peer` records
 /// prefill's, `serve` records decode's).
@@ -436,14 +436,14 @@ pub struct PeerSide {
     /// The run's id (16 hex digits), the same in both reports.
     pub run_id: String,
     /// The side's pool memory.
-    pub memory: Option<crate::pool::MemoryKind>,
+    pub memory: Option<crate::mem::pool::MemoryKind>,
     /// The side's GPU (VRAM).
     pub device: usize,
     /// The side's machine, GPUs, driver, NIXL and UCX versions.
-    pub environment: Option<crate::envinfo::Environment>,
+    pub environment: Option<crate::env::envinfo::Environment>,
     /// UCX's protocol selections as the side's process logged them for this run (READ or
     /// WRITE, whichever it initiated or served).
-    pub transport_path: Option<crate::ucx::TransportPath>,
+    pub transport_path: Option<crate::xfer::ucx::TransportPath>,
     /// Seconds the side spent setting up (pool, NIXL agent), filling (prefill: every fill and
     /// planted fault, its clock) and, for WRITE, with its requests in flight.
     pub setup_seconds: f64,
@@ -467,9 +467,9 @@ pub struct PeerSide {
 #[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct RaceOutcome {
     /// The mechanism.
-    pub mechanism: crate::race::Mechanism,
+    pub mechanism: crate::core::race::Mechanism,
     /// Kept or left out in this run.
-    pub fencing: crate::race::Fencing,
+    pub fencing: crate::core::race::Fencing,
     /// Times the unfenced ordering let a conflicting copy happen.
     pub windows_opened: u64,
     /// Corrupt slices at decode explained by this mechanism.
@@ -530,9 +530,9 @@ impl OwnershipViolation {
 #[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct ScenarioReport {
     /// Scenario.
-    pub scenario: crate::race::Scenario,
+    pub scenario: crate::core::race::Scenario,
     /// Tier.
-    pub tier: crate::tier::TierKind,
+    pub tier: crate::mem::tier::TierKind,
     /// Engine steps run.
     pub steps: u64,
     /// Seconds from the first admission to the end of the drain.
@@ -694,7 +694,7 @@ pub const STALE_TMP_AGE: std::time::Duration = std::time::Duration::from_secs(60
 /// (see [`STALE_TMP_AGE`]); only this user's regular files. Best effort.
 fn sweep_stale_temps(dir: &Path) {
     use std::os::unix::fs::MetadataExt;
-    let (Ok(entries), Some(me)) = (std::fs::read_dir(dir), crate::scratch::own_uid()) else { return };
+    let (Ok(entries), Some(me)) = (std::fs::read_dir(dir), crate::sys::scratch::own_uid()) else { return };
     for e in entries.flatten() {
         let name = e.file_name();
         let Some(name) = name.to_str() else { continue };
@@ -874,7 +874,7 @@ pub fn render_with(r: &Report, json: Option<&str>) -> String {
             if groups > 1 { format!(", {groups} layer groups (every layer moved)") } else { String::new() }
         );
     }
-    if let Ok(g) = serde_json::from_value::<crate::geometry::Geometry>(r.config["geometry"].clone()) {
+    if let Ok(g) = serde_json::from_value::<crate::core::geometry::Geometry>(r.config["geometry"].clone()) {
         out += &format!(
             "pool:              {} per side, {} layers x {} x {} blocks, {}-byte block slices ({}){}\n",
             r.config["memory"].as_str().unwrap_or("?"),
@@ -885,11 +885,11 @@ pub fn render_with(r: &Report, json: Option<&str>) -> String {
             g.pool_bytes().map(|b| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)).unwrap_or_default(),
             if r.config["decode_process"] == true { "; prefill in a second process (--decode-process)" } else { "" }
         );
-        if let Ok(d) = serde_json::from_value::<crate::geometry::Geometry>(r.config["decode_geometry"].clone()) {
-            let lay = |g: &crate::geometry::Geometry| {
+        if let Ok(d) = serde_json::from_value::<crate::core::geometry::Geometry>(r.config["decode_geometry"].clone()) {
+            let lay = |g: &crate::core::geometry::Geometry| {
                 if g.mla {
                     "MLA"
-                } else if g.layout == crate::geometry::Layout::Hnd {
+                } else if g.layout == crate::core::geometry::Layout::Hnd {
                     "HND"
                 } else {
                     "NHD"
@@ -905,10 +905,10 @@ pub fn render_with(r: &Report, json: Option<&str>) -> String {
                 lay(&d),
                 {
                     // What decode's conversion on receive does, when it does anything
-                    // (crate::pairing::Sides::converts; vLLM's kv_postprocess_*_on_receive).
-                    let tp = serde_json::from_value::<crate::pairing::tp::Tp>(r.config["tp"].clone()).ok();
+                    // (crate::core::pairing::Sides::converts; vLLM's kv_postprocess_*_on_receive).
+                    let tp = serde_json::from_value::<crate::core::pairing::tp::Tp>(r.config["tp"].clone()).ok();
                     let permute = r.config["permute_local_kv"] == true;
-                    let converts = crate::pairing::Sides::check(&g, &d, permute, tp).map(|s| s.converts()).unwrap_or(false);
+                    let converts = crate::core::pairing::Sides::check(&g, &d, permute, tp).map(|s| s.converts()).unwrap_or(false);
                     let chunks = (g.block_size < d.block_size)
                         .then(|| format!("chunks of {} tokens into blocks of {}", g.block_size, d.block_size));
                     match (converts, lay(&g) != lay(&d), chunks) {
@@ -926,7 +926,7 @@ pub fn render_with(r: &Report, json: Option<&str>) -> String {
                 }
             );
         }
-        if let Ok(t) = serde_json::from_value::<crate::pairing::tp::Tp>(r.config["tp"].clone()) {
+        if let Ok(t) = serde_json::from_value::<crate::core::pairing::tp::Tp>(r.config["tp"].clone()) {
             let side = |n: u32| {
                 let per = t.heads_per_rank(n);
                 let copies = if t.mla || n <= t.total_kv_heads {
@@ -968,8 +968,8 @@ pub fn render_with(r: &Report, json: Option<&str>) -> String {
     }
     if let Some(p) = &r.peer {
         let mem = match p.memory {
-            Some(crate::pool::MemoryKind::Vram) => format!("VRAM on GPU {}", p.device),
-            Some(crate::pool::MemoryKind::Dram) => "DRAM".into(),
+            Some(crate::mem::pool::MemoryKind::Vram) => format!("VRAM on GPU {}", p.device),
+            Some(crate::mem::pool::MemoryKind::Dram) => "DRAM".into(),
             None => "?".into(),
         };
         out += &format!(
@@ -981,14 +981,18 @@ pub fn render_with(r: &Report, json: Option<&str>) -> String {
             if p.bye_missing { "; it sent no report at the end" } else { "" }
         );
         if let Some(t) = &p.transport_path {
-            out += &format!("                   its UCX path: {}\n", crate::ucx::describe(t));
+            out += &format!("                   its UCX path: {}\n", crate::xfer::ucx::describe(t));
         }
     }
     match &r.scenario {
         None => out += &format!("iterations:        {}\n", s.iterations),
         Some(sc) => {
-            let unf: Vec<&str> =
-                sc.races.iter().filter(|o| o.fencing == crate::race::Fencing::Unfenced).map(|o| o.mechanism.name()).collect();
+            let unf: Vec<&str> = sc
+                .races
+                .iter()
+                .filter(|o| o.fencing == crate::core::race::Fencing::Unfenced)
+                .map(|o| o.mechanism.name())
+                .collect();
             let tier = if sc.scenario.uses_tier() {
                 format!(
                     "tier {}",
@@ -1017,7 +1021,8 @@ pub fn render_with(r: &Report, json: Option<&str>) -> String {
             }
             if let Some(n) = sc.transfers_failed.filter(|&n| n > 0) {
                 let fenced = !sc.races.iter().any(|o| {
-                    o.mechanism == crate::race::Mechanism::FailedAsComplete && o.fencing == crate::race::Fencing::Unfenced
+                    o.mechanism == crate::core::race::Mechanism::FailedAsComplete
+                        && o.fencing == crate::core::race::Fencing::Unfenced
                 });
                 out += &format!(
                     "failed transfers:  {n} moved only some blocks (--fail-rate); {}\n",
@@ -1047,7 +1052,7 @@ pub fn render_with(r: &Report, json: Option<&str>) -> String {
         out += &format!("corrupt by class:  {}\n", parts.join(", "));
     }
     if let Some(sc) = &r.scenario {
-        for o in sc.races.iter().filter(|o| o.fencing == crate::race::Fencing::Unfenced || o.corrupt_attributed > 0) {
+        for o in sc.races.iter().filter(|o| o.fencing == crate::core::race::Fencing::Unfenced || o.corrupt_attributed > 0) {
             let classes: Vec<String> = o.classes.iter().map(|(k, n)| format!("{k} {n}")).collect();
             out += &format!(
                 "race:              {}: {} ({} windows opened, {} corrupt slices attributed{}){}\n",
@@ -1097,7 +1102,7 @@ pub fn render_with(r: &Report, json: Option<&str>) -> String {
         );
     }
     if let Some(p) = &s.transport_path {
-        out += &format!("path:              {}\n", crate::ucx::describe(p));
+        out += &format!("path:              {}\n", crate::xfer::ucx::describe(p));
         if let (Some(c), Some(r)) = (p.copy_gbps, p.ratio_to_copy) {
             let r = if r < 0.01 { format!("{r:.5}") } else { format!("{r:.3}") };
             out += &format!("                   transfer = {r} of a same-run copy of the pool ({c:.1} GB/s)\n");
@@ -1110,13 +1115,13 @@ pub fn render_with(r: &Report, json: Option<&str>) -> String {
         {
             out += "                   transfer not rated against a copy: a prefill rank's pool and a decode rank's differ in size (TP ranks hold different KV heads): no whole-pool copy to time\n";
         } else if r.scenario.is_none() && p.copy_gbps.is_none() {
-            let pool = serde_json::from_value::<crate::geometry::Geometry>(r.config["geometry"].clone())
+            let pool = serde_json::from_value::<crate::core::geometry::Geometry>(r.config["geometry"].clone())
                 .ok()
                 .and_then(|g| g.pool_bytes().ok());
             out += &format!(
                 "                   transfer not rated against a copy: a pool of {} is too small to time one (at least {} MiB per side)\n",
                 pool.map(bytes_exact).unwrap_or_else(|| "this size".into()),
-                crate::pool::MIN_CEILING_BYTES >> 20
+                crate::mem::pool::MIN_CEILING_BYTES >> 20
             );
         }
         if let Some(w) = &p.warning {
@@ -1149,7 +1154,7 @@ pub fn render_with(r: &Report, json: Option<&str>) -> String {
         if s.pipeline_stages > 0 {
             out += &format!(
                 "stray writes:      {} found; {} block slices checked for their poison before their post, {} verified again before their re-poison or at the end ({:.3} s outside the transfers)\n",
-                s.by_class.get(crate::verify::Class::Stray.name()).copied().unwrap_or(0),
+                s.by_class.get(crate::core::verify::Class::Stray.name()).copied().unwrap_or(0),
                 s.stray_poison_checked_slices,
                 s.stray_reverified_slices,
                 s.stray_check_seconds

@@ -3,10 +3,10 @@
 //! counters a run reports its progress with. Types only, so the sweep's configuration
 //! (`sweep::RunConfig`) and the report can carry them without the engine.
 
+use crate::core::race::{Fencing, Mechanism, Races, Scenario};
+use crate::core::workload::WorkloadConfig;
 use crate::error::{Error, Result};
-use crate::race::{Fencing, Mechanism, Races, Scenario};
-use crate::tier::TierKind;
-use crate::workload::WorkloadConfig;
+use crate::mem::tier::TierKind;
 
 /// Parameters of a scenario run.
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
@@ -28,7 +28,7 @@ pub struct ScenarioConfig {
     pub tier: TierKind,
     /// `--tier mooncake` with an existing master and metadata service instead of one kvprobe
     /// starts.
-    pub mooncake: Option<crate::mooncake::External>,
+    pub mooncake: Option<crate::mem::mooncake::External>,
     /// Tier entries (blocks).
     pub tier_blocks: u32,
     /// Seconds per error-rate interval in the report.
@@ -72,7 +72,7 @@ pub struct ScenarioConfig {
     /// misroute, torn: decode plants them) and in prefill's source blocks (bitflip, stale:
     /// prefill plants them and names them at the hand-over). Written only when set.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub inject: Vec<crate::inject::Spec>,
+    pub inject: Vec<crate::core::inject::Spec>,
     /// `kvprobe ab`'s load: the template of the matrix, whose rows each pick their scenario
     /// and unfenced mechanism (a prefill side then runs every row it is asked for, one after
     /// the other). Written only when set.
@@ -106,7 +106,7 @@ impl ScenarioConfig {
             &self
                 .unfenced
                 .iter()
-                .map(|&m| crate::race::RaceSpec { mechanism: m, fencing: Fencing::Unfenced })
+                .map(|&m| crate::core::race::RaceSpec { mechanism: m, fencing: Fencing::Unfenced })
                 .collect::<Vec<_>>(),
         )
     }
@@ -212,7 +212,7 @@ pub fn check(cfg: &ScenarioConfig, num_blocks: u32) -> Result<()> {
         ));
     }
     for s in &cfg.inject {
-        use crate::inject::Kind;
+        use crate::core::inject::Kind;
         // Prefill's faults stay in its block after the request: a mechanism that frees or
         // reuses blocks early, or leaves them unstaged, would carry them to another request
         // (or write over them) where the shadow cannot know them.

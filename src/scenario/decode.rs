@@ -50,17 +50,17 @@ use super::connectors::tier::TierReader;
 use super::fault::TestFault;
 use super::scheduler::{DecodeBlocks, Planted, Pull, PullState};
 use super::shadow::{Answer, Content, EngineId, Event, Shadow, What, attribute, ident};
+use crate::core::fingerprint::{self, SKIP_GEN};
+use crate::core::geometry::SliceCoord;
+use crate::core::race::{Mechanism, Races};
+use crate::core::verify;
 use crate::error::{Error, Result};
-use crate::fingerprint::{self, SKIP_GEN};
-use crate::geometry::SliceCoord;
+use crate::mem::pool::TableEntry;
+use crate::mem::tier::TierArena;
 use crate::peer::client::PrefillPeer;
 use crate::peer::steps::{Begin, Handed, PrefillCounters, StepIn, StepOut};
-use crate::pool::TableEntry;
-use crate::race::{Mechanism, Races};
 use crate::report::{Failure, Interval, Report, ScenarioReport};
-use crate::tier::TierArena;
-use crate::transport::Endpoint;
-use crate::verify;
+use crate::xfer::transport::Endpoint;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::{HashMap, VecDeque};
@@ -97,15 +97,15 @@ pub fn run_scenario(
     report: &mut Report,
     progress: &mut dyn FnMut(&Progress),
     checkpoint: (f64, &mut dyn FnMut(&Report)),
-    dump: Option<&mut crate::dump::Dumper>,
+    dump: Option<&mut crate::report::dump::Dumper>,
 ) -> Result<()> {
     let nixl = NixlConnector::new();
-    crate::phase::announce(&match (cfg.scenario.uses_tier(), cfg.tier) {
+    crate::sys::phase::announce(&match (cfg.scenario.uses_tier(), cfg.tier) {
         (false, _) => "setup: prefill fills its pool".to_string(),
-        (true, crate::tier::TierKind::Mooncake) => {
+        (true, crate::mem::tier::TierKind::Mooncake) => {
             "setup: prefill starts the Mooncake store (master, store client) and fills its pool".into()
         }
-        (true, crate::tier::TierKind::Embedded) => {
+        (true, crate::mem::tier::TierKind::Embedded) => {
             format!("setup: the tier ({} blocks), prefill fills its pool", cfg.tier_blocks)
         }
     });
@@ -171,7 +171,7 @@ pub fn run_scenario(
     if r.is_ok() && report.summary.blocks_checked == 0 {
         r = Err(Error::Usage(format!(
             "nothing was verified: {} admitted, {} aborted, none reached decode (raise --requests or --duration, lower --abort-rate)",
-            crate::units::plural(e.counters.admitted, "request"),
+            crate::sys::units::plural(e.counters.admitted, "request"),
             e.counters.aborted
         )));
     }
@@ -213,8 +213,8 @@ struct Decode<'a> {
     ep: &'a mut Endpoint,
     timeout: Duration,
     max_failures: usize,
-    /// `--dump`: where failing slices go ([`crate::dump`]).
-    dump: Option<&'a mut crate::dump::Dumper>,
+    /// `--dump`: where failing slices go ([`crate::report::dump`]).
+    dump: Option<&'a mut crate::report::dump::Dumper>,
     /// tier-only: how decode loads the entries prefill saved.
     tier: Option<TierReader>,
     /// The tier in words (from prefill).
@@ -231,7 +231,7 @@ struct Decode<'a> {
     transfers_failed: u64,
     /// `--inject` faults still to plant, in order (one per request's READ), and the draws
     /// of where.
-    to_plant: VecDeque<crate::inject::Kind>,
+    to_plant: VecDeque<crate::core::inject::Kind>,
     inject_rng: ChaCha8Rng,
     /// Push mode: what landed in each decode block since it was last allocated, with the
     /// step (a WRITE of its request, or a late one of an aborted request's).
@@ -325,7 +325,10 @@ impl<'a> Decode<'a> {
                 .inject
                 .iter()
                 .filter(|s| {
-                    matches!(s.kind, crate::inject::Kind::Drop | crate::inject::Kind::Misroute | crate::inject::Kind::Torn)
+                    matches!(
+                        s.kind,
+                        crate::core::inject::Kind::Drop | crate::core::inject::Kind::Misroute | crate::core::inject::Kind::Torn
+                    )
                 })
                 .flat_map(|s| std::iter::repeat_n(s.kind, s.count as usize))
                 .collect(),
@@ -379,7 +382,7 @@ impl<'a> Decode<'a> {
         self.finish(report);
         crate::report::publish(report);
         loop {
-            if crate::interrupt::requested() {
+            if crate::sys::interrupt::requested() {
                 return Err(Error::Interrupted(format!("after {} verified requests", self.verified)));
             }
             if let Some(d) = self.cfg.duration_secs
@@ -620,8 +623,8 @@ impl<'a> Decode<'a> {
                 || f.layer >= g.num_layers
                 || !g.parts().contains(&f.kv)
                 || !self.cfg.inject.iter().any(|s| s.kind == f.kind)
-                || !matches!(f.kind, crate::inject::Kind::Bitflip | crate::inject::Kind::Stale)
-                || (f.kind == crate::inject::Kind::Bitflip)
+                || !matches!(f.kind, crate::core::inject::Kind::Bitflip | crate::core::inject::Kind::Stale)
+                || (f.kind == crate::core::inject::Kind::Bitflip)
                     != f.flip.is_some_and(|(at, bit)| at < g.slice_bytes().unwrap_or(0) && bit < 8)
         }) {
             Some(format!("a planted {} fault it was not asked for or outside the request ({f:?})", f.kind.name()))
@@ -728,12 +731,12 @@ impl<'a> Decode<'a> {
     /// into the request's blocks): `drop` leaves the slice's descriptor out, `torn` moves
     /// only a prefix of it (a multiple of 16 bytes), `misroute` sends one block's slice to
     /// another block's decode slot of the same layer and K/V, both own descriptors left out
-    /// (the sweep's injections, `crate::inject`). Changes `pairs` (from
+    /// (the sweep's injections, `crate::core::inject`). Changes `pairs` (from
     /// [`NixlConnector::read_pairs`]) and returns where the fault must show at decode.
     /// Errors: a geometry whose slice size does not fit (usage).
-    fn plant(&mut self, pairs: &mut Vec<crate::transport::Pair>, moved: &[usize], id: u64) -> Result<Option<Planted>> {
-        use crate::inject::Kind;
-        use crate::verify::Class;
+    fn plant(&mut self, pairs: &mut Vec<crate::xfer::transport::Pair>, moved: &[usize], id: u64) -> Result<Option<Planted>> {
+        use crate::core::inject::Kind;
+        use crate::core::verify::Class;
         let Some(&kind) = self.to_plant.front() else { return Ok(None) };
         if self.inject_rng.random_range(0..4u32) != 0 || moved.is_empty() || kind == Kind::Misroute && moved.len() < 2 {
             return Ok(None);
@@ -752,22 +755,23 @@ impl<'a> Decode<'a> {
         // What decode slice `d` must hold: its poison, then (`from`: the request block index,
         // and the pair moving it) the source block's promised rows as the pair moves them.
         let shape = *self.ep.pool.shape();
-        let predict = |class: Class, d: SliceCoord, from: Option<(usize, crate::transport::Pair)>| crate::inject::Prediction {
-            class,
-            slice_bytes: sb,
-            under: crate::inject::Under::Poison { slot: g.global_slice(d), iteration: p.poison_iter },
-            landed: from
-                .map(|(j, x)| crate::inject::Landing {
-                    rows: shape.slice(ident(p.promised[j], x.src)),
-                    flip: None,
-                    src_off: x.src_off,
-                    dst_off: x.dst_off,
-                    len: x.len,
-                })
-                .into_iter()
-                .collect(),
-            convert: None,
-        };
+        let predict =
+            |class: Class, d: SliceCoord, from: Option<(usize, crate::xfer::transport::Pair)>| crate::core::inject::Prediction {
+                class,
+                slice_bytes: sb,
+                under: crate::core::inject::Under::Poison { slot: g.global_slice(d), iteration: p.poison_iter },
+                landed: from
+                    .map(|(j, x)| crate::core::inject::Landing {
+                        rows: shape.slice(ident(p.promised[j], x.src)),
+                        flip: None,
+                        src_off: x.src_off,
+                        dst_off: x.dst_off,
+                        len: x.len,
+                    })
+                    .into_iter()
+                    .collect(),
+                convert: None,
+            };
         let mut torn_bytes = None;
         let (hits, predictions) = match kind {
             Kind::Drop => {
@@ -885,7 +889,7 @@ impl<'a> Decode<'a> {
         }
         self.pulls.get_mut(&req).expect("own request").landed_at = Some(now);
         // Prefill's WRITE is complete: its notification follows at once.
-        let d = crate::deadline::Deadline::after(self.timeout);
+        let d = crate::sys::deadline::Deadline::after(self.timeout);
         while !self.arrived.contains(&req) {
             let asked = Instant::now();
             self.take_push_notifications()?;
@@ -1110,20 +1114,20 @@ impl<'a> Decode<'a> {
             for f in std::mem::take(&mut p.source_faults) {
                 let i = f.index as usize;
                 let (class, promised) = match f.kind {
-                    crate::inject::Kind::Stale => (
-                        crate::verify::Class::Stale,
+                    crate::core::inject::Kind::Stale => (
+                        crate::core::verify::Class::Stale,
                         TableEntry { generation: p.promised[i].generation.wrapping_sub(1), ..p.promised[i] },
                     ),
-                    _ => (crate::verify::Class::Bitflip, p.promised[i]),
+                    _ => (crate::core::verify::Class::Bitflip, p.promised[i]),
                 };
                 let at = SliceCoord { layer: f.layer, kv: f.kv, block: p.dslots[i] };
                 // The source slice as prefill left it (the previous generation, or the bit
                 // flipped), moved whole.
-                let prediction = crate::inject::Prediction {
+                let prediction = crate::core::inject::Prediction {
                     class,
                     slice_bytes: sb,
-                    under: crate::inject::Under::Poison { slot: g.global_slice(at), iteration: p.poison_iter },
-                    landed: vec![crate::inject::Landing {
+                    under: crate::core::inject::Under::Poison { slot: g.global_slice(at), iteration: p.poison_iter },
+                    landed: vec![crate::core::inject::Landing {
                         rows: self.ep.pool.shape().slice(ident(promised, at)),
                         flip: f.flip,
                         src_off: 0,
@@ -1198,7 +1202,7 @@ impl<'a> Decode<'a> {
         self.plant_faults(&ids)?;
         // The `--inject` slices found corrupt, with the class found and whether their bytes
         // are exactly the predicted ones.
-        let mut seen: HashMap<SliceCoord, (crate::verify::Class, bool)> = HashMap::new();
+        let mut seen: HashMap<SliceCoord, (crate::core::verify::Class, bool)> = HashMap::new();
         let t = Instant::now();
         let fails = self.ep.pool.verify(&table)?;
         let slices: u64 =
@@ -1237,7 +1241,7 @@ impl<'a> Decode<'a> {
             let due = self.ep.pool.shape().slice(expected);
             let want = fingerprint::expected(self.seed, &due);
             // Not kept (VRAM): the record describes the bytes read again.
-            let f = &if kept { *f } else { crate::pool::RawFailure::recount(f.slice, &buf, &want) };
+            let f = &if kept { *f } else { crate::mem::pool::RawFailure::recount(f.slice, &buf, &want) };
             let judged = verify::classify_against(&buf, &want, &due, self.seed, f.slice, p.poison_iter);
             self.ep.pool.read_slice(c, &mut now)?;
             let (v, judged_class) = if now != buf {
@@ -1264,7 +1268,7 @@ impl<'a> Decode<'a> {
             // prefix, another block's rows) is not.
             let plant = p.planted.iter().flat_map(|x| x.hits.iter().zip(&x.predictions)).find(|((at, _), _)| *at == c);
             let planted = plant.map(|((_, class), _)| *class);
-            let as_predicted = crate::inject::matches_prediction(plant.map(|(_, x)| x), v.class, self.seed, &buf);
+            let as_predicted = crate::core::inject::matches_prediction(plant.map(|(_, x)| x), v.class, self.seed, &buf);
             if planted.is_some() {
                 seen.insert(c, (v.class, as_predicted));
             }
@@ -1272,7 +1276,7 @@ impl<'a> Decode<'a> {
             // pull's poison: failed-as-complete's, and only that.
             let (cause, predicted) = if as_predicted {
                 (None, expected_t)
-            } else if p.unwritten.contains(&i) && v.class == crate::verify::Class::Unwritten {
+            } else if p.unwritten.contains(&i) && v.class == crate::core::verify::Class::Unwritten {
                 (Some(Mechanism::FailedAsComplete), expected_t)
             } else {
                 attribute(&buf, &want, self.seed, self.ep.pool.shape(), c, &written)
@@ -1297,7 +1301,7 @@ impl<'a> Decode<'a> {
             let step = self.now.min(u32::MAX as u64) as u32;
             let class = v.class;
             let pslot = p.pslots[i];
-            crate::dump::keep(self.dump.as_deref_mut(), list.then_some(&mut report.failures), &buf, class, || {
+            crate::report::dump::keep(self.dump.as_deref_mut(), list.then_some(&mut report.failures), &buf, class, || {
                 let mut failure = Failure::new(step, c, f, v, &want, &buf, expected, pslot);
                 failure.request = Some(id);
                 failure.poison_iteration = p.poison_iter;
@@ -1418,7 +1422,7 @@ impl<'a> Decode<'a> {
             let expected = ident(h.entry, c);
             let kept = self.ep.pool.judged_slice(c, f.slice, &mut buf)?;
             let want = fingerprint::expected(self.seed, &self.ep.pool.shape().slice(expected));
-            let f = &if kept { *f } else { crate::pool::RawFailure::recount(f.slice, &buf, &want) };
+            let f = &if kept { *f } else { crate::mem::pool::RawFailure::recount(f.slice, &buf, &want) };
             // What landed after the verdict (push mode: late WRITEs of aborted requests).
             let written: Vec<Content> = self.dland[c.block as usize].iter().skip(h.landed).map(|(_, c)| *c).collect();
             let (cause, predicted) = if written.is_empty() {
@@ -1449,7 +1453,7 @@ impl<'a> Decode<'a> {
                 rows: None,
             };
             let step = self.now.min(u32::MAX as u64) as u32;
-            crate::dump::keep(self.dump.as_deref_mut(), list.then_some(&mut report.failures), &buf, v.class, || {
+            crate::report::dump::keep(self.dump.as_deref_mut(), list.then_some(&mut report.failures), &buf, v.class, || {
                 let mut failure = Failure::new(step, c, f, v, &want, &buf, expected, h.pslot);
                 failure.request = Some(h.req);
                 failure.poison_iteration = h.poison_iter;
@@ -1530,7 +1534,7 @@ impl<'a> Decode<'a> {
                 .planted
                 .iter()
                 .flat_map(|x| x.hits.iter().zip(&x.predictions))
-                .find(|((_, class), _)| *class == crate::verify::Class::Torn)
+                .find(|((_, class), _)| *class == crate::core::verify::Class::Torn)
                 .map(|((at, _), x)| (*at, x.landed.iter().map(|l| l.dst_off + l.len).max().unwrap_or(0) as usize));
             let c = match (kind, torn) {
                 (TestFault::TornTail, Some((at, _))) => at,

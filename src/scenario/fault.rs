@@ -30,7 +30,7 @@ pub enum TestFault {
 
 impl TestFault {
     /// The environment variable.
-    pub const VAR: &'static str = crate::test_hooks::FAULT;
+    pub const VAR: &'static str = crate::sys::test_hooks::FAULT;
 
     /// The name in `KVPROBE_TEST_FAULT`.
     pub fn name(self) -> &'static str {

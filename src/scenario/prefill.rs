@@ -42,15 +42,15 @@ use super::connectors::multi::{Completions, MultiConnector, Verdict};
 use super::connectors::nixl::NixlConnector;
 use super::connectors::tier::{TierConnector, TierPlace};
 use super::scheduler::{BlockManager, Request, RequestState};
-use crate::deadline::Deadline;
+use crate::core::fingerprint::{self, SKIP_GEN};
+use crate::core::race::{Mechanism, Races};
+use crate::core::workload::Workload;
 use crate::error::{Error, Result};
-use crate::fingerprint::{self, SKIP_GEN};
+use crate::mem::pool::{KvPool, TableEntry};
+use crate::mem::tier::{Content, EntryId, Store};
 use crate::peer::steps::{EngineId, Event, Handed, PrefillCounters, StepIn, StepOut, TierAccess, TierRef, What};
-use crate::pool::{KvPool, TableEntry};
-use crate::race::{Mechanism, Races};
-use crate::tier::{Content, EntryId, Store};
-use crate::transport::Endpoint;
-use crate::workload::Workload;
+use crate::sys::deadline::Deadline;
+use crate::xfer::transport::Endpoint;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::{HashMap, VecDeque};
@@ -93,7 +93,7 @@ pub struct PrefillEngine<'a> {
     /// The run's seed (fingerprints).
     seed: u64,
     /// `--inject bitflip|stale` faults still to plant, in order, and the draws of where.
-    to_plant: VecDeque<crate::inject::Kind>,
+    to_plant: VecDeque<crate::core::inject::Kind>,
     inject_rng: ChaCha8Rng,
     /// Decides when a request's blocks may be freed.
     multi: MultiConnector,
@@ -127,7 +127,7 @@ pub struct PrefillEngine<'a> {
 impl<'a> PrefillEngine<'a> {
     /// Starts the prefill engine of `cfg` on `ep` (prefill's endpoint, connected to decode's):
     /// its tier at `place`, and the genesis fill — every block holds a fingerprint no request
-    /// asks for ([`crate::fingerprint::logical_block`] of the seed and the block, generation
+    /// asks for ([`crate::core::fingerprint::logical_block`] of the seed and the block, generation
     /// 0). `tag` is the prefix of decode's READ notifications. Returns the engine, how decode
     /// reaches the tier (`None` without one) and the tier in words.
     ///
@@ -172,7 +172,7 @@ impl<'a> PrefillEngine<'a> {
             to_plant: cfg
                 .inject
                 .iter()
-                .filter(|s| matches!(s.kind, crate::inject::Kind::Bitflip | crate::inject::Kind::Stale))
+                .filter(|s| matches!(s.kind, crate::core::inject::Kind::Bitflip | crate::core::inject::Kind::Stale))
                 .flat_map(|s| std::iter::repeat_n(s.kind, s.count as usize))
                 .collect(),
             inject_rng: ChaCha8Rng::seed_from_u64(seed ^ 0x7072_6566_696C),
@@ -313,7 +313,7 @@ impl<'a> PrefillEngine<'a> {
     /// pool decode reads is changed (the staging buffer with `--host-staging`), nothing else.
     /// Returns what was planted, for decode. Errors: device errors of the slice copies.
     fn plant_source_fault(&mut self, id: u64) -> Result<Vec<crate::peer::steps::SourceFault>> {
-        use crate::inject::Kind;
+        use crate::core::inject::Kind;
         let Some(&kind) = self.to_plant.front() else { return Ok(Vec::new()) };
         if self.inject_rng.random_range(0..4u32) != 0 || !self.cfg.scenario.uses_nixl() {
             return Ok(Vec::new());
@@ -327,7 +327,7 @@ impl<'a> PrefillEngine<'a> {
         let index = free[self.inject_rng.random_range(0..free.len())];
         let layer = self.inject_rng.random_range(0..g.num_layers);
         let kv = g.parts()[self.inject_rng.random_range(0..g.parts().len())];
-        let c = crate::geometry::SliceCoord { layer, kv, block: r.pslots[index] };
+        let c = crate::core::geometry::SliceCoord { layer, kv, block: r.pslots[index] };
         let promised = r.promised[index];
         let sb = g.slice_bytes()?;
         let mut buf = vec![0u8; sb as usize];
@@ -499,7 +499,7 @@ impl<'a> PrefillEngine<'a> {
             let (blocks, dst) = (r.pslots.clone(), r.push_dst.clone());
             let pairs = NixlConnector::read_pairs(&g, &blocks, &dst)?;
             let tag = format!("{}{id}", self.nixl.tag());
-            let x = self.ep.post_as_initiator(crate::transport::Op::Write, &pairs, &tag, Deadline::after(self.timeout))?;
+            let x = self.ep.post_as_initiator(crate::xfer::transport::Op::Write, &pairs, &tag, Deadline::after(self.timeout))?;
             posted.push((id, blocks, dst, x));
         }
         for (id, blocks, dst, mut x) in posted {
@@ -522,7 +522,7 @@ impl<'a> PrefillEngine<'a> {
     /// (`ids`) before the step goes on, so when a block is freed follows from the seed.
     fn await_notifications(&mut self, ids: &[u64]) -> Result<()> {
         while ids.iter().any(|id| self.reqs.get(id).is_some_and(|r| !r.read_notified)) {
-            if crate::interrupt::requested() {
+            if crate::sys::interrupt::requested() {
                 return Err(Error::Interrupted("while waiting for the notifications of decode's READs".into()));
             }
             if self.ended.load(std::sync::atomic::Ordering::SeqCst) {
@@ -560,7 +560,7 @@ impl<'a> PrefillEngine<'a> {
     /// Takes the agent's NIXL notifications (decode's READ of a request is done) and returns
     /// how many were for live requests of this run. A notification query still in progress
     /// when a pending READ's deadline passed is a timeout (exit 4), even if it brings that
-    /// notification ([`crate::deadline::crossed`]).
+    /// notification ([`crate::sys::deadline::crossed`]).
     fn take_notifications(&mut self) -> Result<usize> {
         let mut n = 0;
         let asked = Instant::now();
@@ -574,7 +574,7 @@ impl<'a> PrefillEngine<'a> {
         let returned = Instant::now();
         self.out.notify_query_secs += (returned - asked).as_secs_f64();
         if let Some((id, d)) = next
-            && crate::deadline::crossed(&d, asked, returned)
+            && crate::sys::deadline::crossed(&d, asked, returned)
         {
             return Err(Error::Timeout(format!(
                 "notification of request {id}'s READ: a notification query begun {:.3} s after prefill learnt it was posted \

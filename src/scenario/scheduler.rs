@@ -4,12 +4,12 @@
 //! list of blocks lent out before their READ completed (load-into-reading). It never moves
 //! bytes; the engine does, through the connectors.
 
-use crate::deadline::Deadline;
-use crate::nixl::Posted;
-use crate::pool::TableEntry;
-use crate::race::Mechanism;
-use crate::tier::{Content, EntryId};
-use crate::workload::RequestSpec;
+use crate::core::race::Mechanism;
+use crate::core::workload::RequestSpec;
+use crate::mem::pool::TableEntry;
+use crate::mem::tier::{Content, EntryId};
+use crate::sys::deadline::Deadline;
+use crate::xfer::nixl::Posted;
 
 /// Where a request is on prefill (vLLM's request states, with the connector's waits made
 /// explicit).
@@ -136,12 +136,12 @@ pub(crate) struct Pull {
 /// it is, the engine step its READ was posted in, and where it must show at decode.
 #[derive(Clone, Debug)]
 pub(crate) struct Planted {
-    pub(crate) kind: crate::inject::Kind,
+    pub(crate) kind: crate::core::inject::Kind,
     pub(crate) step: u64,
     /// (decode slice, predicted class), as `inject::Action::predicted` says for the sweep.
-    pub(crate) hits: Vec<(crate::geometry::SliceCoord, crate::verify::Class)>,
+    pub(crate) hits: Vec<(crate::core::geometry::SliceCoord, crate::core::verify::Class)>,
     /// The exact bytes of each of `hits`, in its order.
-    pub(crate) predictions: Vec<crate::inject::Prediction>,
+    pub(crate) predictions: Vec<crate::core::inject::Prediction>,
     /// `torn`: the bytes of the slice its READ moved (the report's `torn_bytes`).
     pub(crate) torn_bytes: Option<u64>,
 }

@@ -17,16 +17,16 @@
 //! reference into either engine, so the same stream can reach it from another thread, process
 //! or host, and a lost or reordered event is an error, never a silent misattribution.
 
+use crate::core::fingerprint::{self, BlockIdentity};
+use crate::core::geometry::SliceCoord;
+use crate::core::race::{Fencing, Mechanism, Races};
+use crate::core::verify::{self, Class};
 use crate::error::{Error, Result};
-use crate::fingerprint::{self, BlockIdentity};
-use crate::geometry::SliceCoord;
-use crate::pool::TableEntry;
-use crate::race::{Fencing, Mechanism, Races};
+use crate::mem::pool::TableEntry;
 use crate::report::RaceOutcome;
-use crate::verify::{self, Class};
 use std::collections::BTreeMap;
 
-pub use crate::tier::Content;
+pub use crate::mem::tier::Content;
 
 /// Classes an unfenced mechanism may produce at decode: another block's data (misplaced),
 /// the same block's older data (stale) or newer data (overwritten: its source rewritten before
@@ -288,7 +288,7 @@ pub fn attribute(
     actual: &[u8],
     want: &[u8],
     seed: u64,
-    shape: &crate::fingerprint::RowShape,
+    shape: &crate::core::fingerprint::RowShape,
     c: SliceCoord,
     written: &[Content],
 ) -> (Option<Mechanism>, TableEntry) {

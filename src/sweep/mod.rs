@@ -5,16 +5,16 @@
 //! decode (`kvprobe run`, crate `run`) and prefill (`kvprobe serve`, crate `serve`, on this
 //! host or another) plan the same iteration without sending it to each other.
 
-use crate::cuda::{self, Device, Kernels};
+use crate::core::fingerprint::{self, logical_block, seed_hex};
+use crate::core::geometry::{Geometry, Preset, SliceCoord};
+use crate::core::inject::{self, Action, Spec};
+use crate::core::pairing::{Plant, Sides};
+use crate::core::verify::Class;
 use crate::error::{Error, Result};
-use crate::fingerprint::{self, logical_block, seed_hex};
-use crate::geometry::{Geometry, Preset, SliceCoord};
-use crate::inject::{self, Action, Spec};
-use crate::pairing::{Plant, Sides};
-use crate::pool::{KvPool, MemoryKind, TableEntry};
+use crate::gpu::cuda::{self, Device, Kernels};
+use crate::mem::pool::{KvPool, MemoryKind, TableEntry};
 use crate::scenario::config::ScenarioConfig;
-use crate::transport::{Op, Pair};
-use crate::verify::Class;
+use crate::xfer::transport::{Op, Pair};
 use rand::SeedableRng;
 use rand::seq::{IndexedRandom, SliceRandom};
 use rand_chacha::ChaCha8Rng;
@@ -45,29 +45,29 @@ pub struct RunConfig {
     /// What `--model-config` resolved to (the model, `--tp`'s split, `--kv-cache-dtype`);
     /// absent without it. The geometry below is one TP rank's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub model: Option<crate::model_config::ModelInfo>,
+    pub model: Option<crate::core::model_config::ModelInfo>,
     /// Prefill's KV geometry (decode's too unless `decode_geometry` is set); reports add its
     /// `slice_bytes`.
-    #[serde(serialize_with = "crate::geometry::serialize_with_slice_bytes")]
+    #[serde(serialize_with = "crate::core::geometry::serialize_with_slice_bytes")]
     pub geometry: Geometry,
     /// Decode's KV geometry when it differs from prefill's (`--decode-layout`,
-    /// `--decode-block-size`; [`crate::pairing`]): layout, block size and the number of
+    /// `--decode-block-size`; [`crate::core::pairing`]): layout, block size and the number of
     /// blocks holding prefill's tokens. Absent: both sides have `geometry`.
     #[serde(
         default,
         skip_serializing_if = "Option::is_none",
-        serialize_with = "crate::geometry::serialize_opt_with_slice_bytes"
+        serialize_with = "crate::core::geometry::serialize_opt_with_slice_bytes"
     )]
     pub decode_geometry: Option<Geometry>,
     /// `--permute-local-kv`: decode converts received slices from prefill's layout into its
-    /// own, as vLLM's `enable_permute_local_kv` ([`crate::pairing::Sides::convert`]).
+    /// own, as vLLM's `enable_permute_local_kv` ([`crate::core::pairing::Sides::convert`]).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub permute_local_kv: bool,
     /// Tensor parallelism of the two sides (`--prefill-tp`, `--decode-tp`): one NIXL agent and
     /// pool per rank; `geometry` and `decode_geometry` are then one rank's. Absent: one rank
     /// each.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tp: Option<crate::pairing::tp::Tp>,
+    pub tp: Option<crate::core::pairing::tp::Tp>,
     /// READ (decode pulls) or WRITE (prefill pushes).
     pub op: Op,
     /// Iterations (≥ 1).
@@ -91,10 +91,10 @@ pub struct RunConfig {
     /// once per side, requests from slice indices, as vLLM's NixlConnector) or `create` (a
     /// descriptor list built per request). Absent in reports of kvprobes before the flag,
     /// which built every request with `createXferReq`: read as create.
-    #[serde(default = "crate::transport::XferReq::before_the_flag")]
-    pub xfer_req: crate::transport::XferReq,
+    #[serde(default = "crate::xfer::transport::XferReq::before_the_flag")]
+    pub xfer_req: crate::xfer::transport::XferReq,
     /// Bound of every wait, in seconds (`--timeout`): each transfer from just before it is
-    /// posted to its completion and notification, each other blocking call ([`crate::deadline`]).
+    /// posted to its completion and notification, each other blocking call ([`crate::sys::deadline`]).
     pub timeout_secs: f64,
     /// Minimum acceptable transfer rate (GB/s, 1e9 B/s), if any.
     pub min_gbps: Option<f64>,
@@ -163,16 +163,17 @@ impl RunConfig {
         self.decode_geometry.as_ref().unwrap_or(&self.geometry)
     }
 
-    /// The two sides ([`crate::pairing::Sides`]). Errors: usage (exit 2) when decode's
+    /// The two sides ([`crate::core::pairing::Sides`]). Errors: usage (exit 2) when decode's
     /// geometry differs from prefill's in more than layout and block size.
-    pub fn sides(&self) -> Result<crate::pairing::Sides> {
-        crate::pairing::Sides::check(&self.geometry, self.decode_geom(), self.permute_local_kv, self.tp).map_err(Error::Usage)
+    pub fn sides(&self) -> Result<crate::core::pairing::Sides> {
+        crate::core::pairing::Sides::check(&self.geometry, self.decode_geom(), self.permute_local_kv, self.tp)
+            .map_err(Error::Usage)
     }
 }
 
 /// Checks a run's two sides: what kvprobe refuses of unequal geometries (the scenarios,
 /// `--descriptor-blocks`, injections into a pair that corrupts every slice already).
-fn check_sides(cfg: &RunConfig) -> Result<crate::pairing::Sides> {
+fn check_sides(cfg: &RunConfig) -> Result<crate::core::pairing::Sides> {
     let s = cfg.sides()?;
     if cfg.geometry.block_size < 2 && cfg.inject.iter().any(|i| i.kind == inject::Kind::TokenOffset) {
         return Err(Error::Usage("--inject token-offset needs prefill blocks of at least 2 tokens (--block-size)".into()));
@@ -206,7 +207,7 @@ pub(crate) fn check_config(cfg: &RunConfig) -> Result<()> {
     // request's READ ([`crate::scenario::config::check`]).
     if cfg.scenario.is_none() {
         inject::check(&cfg.inject, &sides.planning(), &sweep_stages(cfg)).map_err(|e| match e {
-            // Planned on groups ([`crate::pairing::Sides::planning`]): its "blocks" are groups.
+            // Planned on groups ([`crate::core::pairing::Sides::planning`]): its "blocks" are groups.
             Error::Usage(m) if sides.prefill.block_size != sides.decode.block_size => Error::Usage(format!(
                 "{} (between unequal sides an injection takes a group of {} tokens, whole blocks on both sides: the pool has {} group{} per layer and K/V)",
                 m.replace("block slices", "group slices").replace("blocks", "groups"),
@@ -253,12 +254,13 @@ pub(crate) fn check_config(cfg: &RunConfig) -> Result<()> {
     if cfg.iterations == 0 {
         return Err(Error::Usage("--iterations must be at least 1".into()));
     }
-    if cfg.xfer_req == crate::transport::XferReq::Prepared && cfg.geometry.total_slices()? > crate::transport::MAX_PREPARED_SLICES
+    if cfg.xfer_req == crate::xfer::transport::XferReq::Prepared
+        && cfg.geometry.total_slices()? > crate::xfer::transport::MAX_PREPARED_SLICES
     {
         return Err(Error::Usage(format!(
             "--xfer-req prepared: the pool has {} block slices, and NIXL's makeXferReq indexes at most {}; use --xfer-req create",
             cfg.geometry.total_slices()?,
-            crate::transport::MAX_PREPARED_SLICES
+            crate::xfer::transport::MAX_PREPARED_SLICES
         )));
     }
     let n = cfg.descriptor_blocks;
@@ -296,15 +298,15 @@ pub(crate) fn check_config(cfg: &RunConfig) -> Result<()> {
     if let Some(sc) = &cfg.scenario {
         crate::scenario::config::check(sc, cfg.geometry.num_blocks)?;
         if let Some(ext) = &sc.mooncake {
-            if sc.tier != crate::tier::TierKind::Mooncake {
+            if sc.tier != crate::mem::tier::TierKind::Mooncake {
                 return Err(Error::Usage("--mooncake-master and --mooncake-metadata need --tier mooncake".into()));
             }
             ext.validate()?;
             // Up front, so `ab` does not find out at its first tier row.
             ext.reachable(std::time::Duration::from_secs(5))?;
         }
-        if sc.tier == crate::tier::TierKind::Mooncake {
-            crate::mooncake::find()?; // refuse up front, not at the first row that needs it
+        if sc.tier == crate::mem::tier::TierKind::Mooncake {
+            crate::mem::mooncake::find()?; // refuse up front, not at the first row that needs it
         }
         if cfg.min_gbps.is_some() && !sc.scenario.uses_nixl() {
             return Err(Error::Usage("--min-gbps measures NIXL transfers; tier-only moves nothing over NIXL".into()));
@@ -324,7 +326,7 @@ const _: () = assert!(MAX_ITERATIONS < 0x00FF_FFFF && MAX_ITERATIONS < fingerpri
 pub const HOST_BYTES_PER_SLICE: u64 = 512;
 
 /// Refuses, before allocating, a run whose host memory (DRAM pools plus per-slice
-/// bookkeeping) exceeds what this process may allocate ([`crate::hostmem::available_bytes`]).
+/// bookkeeping) exceeds what this process may allocate ([`crate::sys::hostmem::available_bytes`]).
 pub(crate) fn check_host_memory(cfg: &RunConfig) -> Result<()> {
     let g = &cfg.geometry;
     // DRAM: both pools on this host, or decode's alone across a node pair (`--peer`); with
@@ -339,27 +341,27 @@ pub(crate) fn check_host_memory(cfg: &RunConfig) -> Result<()> {
         let block = g.num_layers as u64 * g.kv_parts() as u64 * g.slice_bytes()?;
         let tier = block.saturating_mul(sc.tier_blocks as u64);
         pools = pools.saturating_add(tier);
-        if let Some(avail) = crate::hostmem::available_bytes()
+        if let Some(avail) = crate::sys::hostmem::available_bytes()
             && tier > avail / 2
         {
             return Err(Error::Usage(format!(
                 "the tier of {} blocks x {} = {} of host memory is more than half of the {} available; lower --tier-blocks (at least 2 x --concurrency x max --prompt-blocks = {} are needed)",
                 sc.tier_blocks,
-                crate::units::bytes_exact(block),
-                crate::units::bytes_exact(tier),
-                crate::units::bytes_exact(avail),
+                crate::sys::units::bytes_exact(block),
+                crate::sys::units::bytes_exact(tier),
+                crate::sys::units::bytes_exact(avail),
                 2 * sc.concurrency as u64 * sc.workload.max_blocks as u64
             )));
         }
     }
     let need = pools.saturating_add(g.total_slices()?.saturating_mul(HOST_BYTES_PER_SLICE));
-    if let Some(avail) = crate::hostmem::available_bytes()
+    if let Some(avail) = crate::sys::hostmem::available_bytes()
         && need > avail
     {
         return Err(Error::Usage(format!(
             "the run needs about {} of host memory ({} for {} + {HOST_BYTES_PER_SLICE} bytes per block slice); {} are available (MemAvailable / cgroup limit)",
-            crate::units::bytes_exact(need),
-            crate::units::bytes_exact(pools),
+            crate::sys::units::bytes_exact(need),
+            crate::sys::units::bytes_exact(pools),
             match (cfg.memory == MemoryKind::Dram, cfg.scenario.as_ref().is_some_and(|s| s.scenario.uses_tier())) {
                 (true, true) => "the DRAM pools and the tier",
                 (true, false) if cfg.peer.is_some() => "decode's DRAM pool",
@@ -367,7 +369,7 @@ pub(crate) fn check_host_memory(cfg: &RunConfig) -> Result<()> {
                 (false, true) => "the tier",
                 (false, false) => "host buffers",
             },
-            crate::units::bytes_exact(avail)
+            crate::sys::units::bytes_exact(avail)
         )));
     }
     Ok(())
@@ -376,7 +378,7 @@ pub(crate) fn check_host_memory(cfg: &RunConfig) -> Result<()> {
 /// A DRAM pool of geometry `g` for `cfg`: shareable (memfd-backed) when a scenario's
 /// Mooncake store client maps it, else private.
 fn host_pool(cfg: &RunConfig, g: &Geometry) -> Result<KvPool> {
-    match cfg.scenario.as_ref().is_some_and(|s| s.tier == crate::tier::TierKind::Mooncake) {
+    match cfg.scenario.as_ref().is_some_and(|s| s.tier == crate::mem::tier::TierKind::Mooncake) {
         true => KvPool::host_shareable(g, cfg.seed),
         false => KvPool::host(g, cfg.seed),
     }
@@ -462,7 +464,7 @@ pub(crate) fn build_pools(cfg: &RunConfig) -> Result<(KvPool, KvPool)> {
 
 /// What prefill slot `i` holds in generation `generation`: a part of group `i / (G / Bp)`'s
 /// logical block [`logical_block`]`(seed, group)`, from token `(i mod G / Bp) × Bp`
-/// ([`crate::pairing`]; equal sides: block `i` is its own group).
+/// ([`crate::core::pairing`]; equal sides: block `i` is its own group).
 fn source_table(cfg: &RunConfig, sides: &Sides, generation: u32) -> Vec<TableEntry> {
     let (kp, bp) = (sides.prefill_per_group(), sides.prefill.block_size);
     (0..cfg.geometry.num_blocks)
@@ -961,7 +963,7 @@ pub(crate) fn link_tag(tag: &str, plan: &Plan, l: usize) -> String {
 /// previous iteration's transfer is in flight).
 pub(crate) struct Plan {
     pub(crate) it: u32,
-    /// Prefill group → decode group ([`crate::pairing`]; equal sides: block → block).
+    /// Prefill group → decode group ([`crate::core::pairing`]; equal sides: block → block).
     pub(crate) perm: Vec<u32>,
     /// Prefill blocks per group.
     pub(crate) kp: u32,
@@ -969,8 +971,8 @@ pub(crate) struct Plan {
     pub(crate) kd: u32,
     /// The chunks of a prefill slice, by link and by the slice's position in its group
     /// ([`Sides::chunks_between`]).
-    templates: Vec<Vec<Vec<crate::pairing::Chunk>>>,
-    /// The (prefill rank, decode rank) pairs blocks move between ([`crate::pairing::tp::Tp::links`];
+    templates: Vec<Vec<Vec<crate::core::pairing::Chunk>>>,
+    /// The (prefill rank, decode rank) pairs blocks move between ([`crate::core::pairing::tp::Tp::links`];
     /// one rank each: `[(0, 0)]`).
     pub(crate) links: Vec<(u32, u32)>,
     /// The injections, on groups ([`Sides::planning`]).
@@ -1002,7 +1004,7 @@ pub(crate) struct Plan {
 
 impl Plan {
     /// The pair of prefill slice `c` moved by chunk `ch` under this plan's block map.
-    fn pair(&self, c: SliceCoord, ch: &crate::pairing::Chunk) -> Pair {
+    fn pair(&self, c: SliceCoord, ch: &crate::core::pairing::Chunk) -> Pair {
         let dst = SliceCoord { block: self.perm[(c.block / self.kp) as usize] * self.kd + ch.dst_block, ..c };
         Pair { src: c, dst, len: ch.len, src_off: ch.src_off, dst_off: ch.dst_off }
     }
@@ -1043,7 +1045,7 @@ pub fn coalesce(g: &Geometry, mut pairs: Vec<Pair>, run_blocks: u32) -> Vec<Pair
             && q.len.is_multiple_of(sb)
             && q.src.layer == p.src.layer
             && q.dst.layer == p.dst.layer
-            && (q.src.kv == p.src.kv || (g.layout == crate::geometry::Layout::Hnd && !g.mla))
+            && (q.src.kv == p.src.kv || (g.layout == crate::core::geometry::Layout::Hnd && !g.mla))
             && off(q.src) + q.len == off(p.src)
             && off(q.dst) + q.len == off(p.dst)
             && q.src.block / run_blocks == p.src.block / run_blocks

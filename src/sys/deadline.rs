@@ -21,10 +21,10 @@
 //! is found by the watchdog thread: [`GRACE`] after the deadline it hands the error to the
 //! handler the command installed ([`on_expiry`]; `kvprobe run` and `ab` write the report of
 //! the run so far, outcome `timeout`) and ends the process with exit 4 without joining the
-//! stuck call. Helper processes die with kvprobe (`PR_SET_PDEATHSIG`, [`crate::child`]).
+//! stuck call. Helper processes die with kvprobe (`PR_SET_PDEATHSIG`, [`crate::sys::child`]).
 //! The same thread keeps SIGINT/SIGTERM from being held up by a blocked call
 //! ([`INTERRUPT_GRACE`]: the report is then marked interrupted, exit 130), and ends the run at
-//! once on a second signal ([`crate::interrupt::second_requested`]) through the same handler,
+//! once on a second signal ([`crate::sys::interrupt::second_requested`]) through the same handler,
 //! so the report so far is still written.
 //!
 //! Test-only fault hooks: `KVPROBE_TEST_STALL_<POINT>=SECS` makes the call at `<POINT>` block
@@ -43,8 +43,8 @@ pub const GRACE: Duration = Duration::from_secs(5);
 /// How long after SIGINT/SIGTERM (or after it began, if later) a watched call may stay blocked
 /// and keep the run from stopping before the watchdog ends it with the report marked
 /// interrupted (exit 130): a second more than a transfer in flight is given
-/// ([`crate::interrupt::GRACE`]).
-pub const INTERRUPT_GRACE: Duration = Duration::from_secs(crate::interrupt::GRACE.as_secs() + 1);
+/// ([`crate::sys::interrupt::GRACE`]).
+pub const INTERRUPT_GRACE: Duration = Duration::from_secs(crate::sys::interrupt::GRACE.as_secs() + 1);
 
 /// The least bound of a set-up call (NIXL agent and backend start, registration, metadata
 /// exchange, the Mooncake worker's set-up): UCX, its transports and the store client take
@@ -244,7 +244,7 @@ fn watchdog() {
         let now = Instant::now();
         // A call blocked for INTERRUPT_GRACE since the signal (or since it began, if later)
         // keeps the run from stopping: end it here with the report marked interrupted (130).
-        let stuck = crate::interrupt::since_requested()
+        let stuck = crate::sys::interrupt::since_requested()
             .filter(|d| *d >= INTERRUPT_GRACE)
             .and_then(|_| s.armed.iter().find(|a| now.duration_since(a.armed_at) >= INTERRUPT_GRACE).map(|a| a.what.clone()));
         let due = s
@@ -254,7 +254,7 @@ fn watchdog() {
             .map(|a| (a.deadline.checked_add(GRACE).unwrap_or(a.deadline), a.limit, a.what.clone()));
         let fire = match (stuck, due) {
             // A second signal: the user wants out now, with the report so far.
-            _ if crate::interrupt::second_requested() => Some(Error::Interrupted(
+            _ if crate::sys::interrupt::second_requested() => Some(Error::Interrupted(
                 "a second signal: kvprobe ended the run at once, without waiting for the call or iteration in progress".into(),
             )),
             (Some(what), _) => Some(Error::Interrupted(format!(
@@ -331,7 +331,7 @@ pub fn set_position(it: u32, stage: u32) {
 /// before run unstalled, so that a stall can come after a verified iteration, or after a
 /// verified stage while the next is in flight, whichever thread makes the call. Unset: armed
 /// from the start.
-pub const STALL_FROM_VAR: &str = crate::test_hooks::STALL_FROM_ITERATION;
+pub const STALL_FROM_VAR: &str = crate::sys::test_hooks::STALL_FROM_ITERATION;
 
 /// Points where a test can make a call block (`KVPROBE_TEST_STALL_<NAME>=SECS` in kvprobe,
 /// `KVPROBE_TEST_STALL_AGENT_<NAME>=SECS` in the prefill process of `run --decode-process`;
@@ -366,7 +366,7 @@ impl Stall {
             Stall::Start => "START",
         };
         let agent = if AGENT_PROCESS.load(std::sync::atomic::Ordering::SeqCst) { "AGENT_" } else { "" };
-        format!("{}{agent}{name}", crate::test_hooks::STALL_PREFIX)
+        format!("{}{agent}{name}", crate::sys::test_hooks::STALL_PREFIX)
     }
 
     /// The seconds its variable names (read once per process), if set and armed

@@ -7,7 +7,7 @@
 //!
 //! - [`HostBuffer`]: memory a transfer engine may read or write while kvprobe runs — a DRAM
 //!   pool, whose address NIXL registers (UCX's progress thread writes it) and whose memfd the
-//!   Mooncake worker maps; the embedded tier's arena ([`crate::tier::TierArena`]), which
+//!   Mooncake worker maps; the embedded tier's arena ([`crate::mem::tier::TierArena`]), which
 //!   prefill registers with NIXL for decode's remote READs. It hands out **no Rust reference**
 //!   (`&[u8]` / `&mut [u8]`) into the mapping: a reference asserts that nothing else writes
 //!   any of its bytes while it lives, which a transfer into a neighbouring block would break
@@ -31,7 +31,7 @@ use std::marker::PhantomData;
 /// may write (see the module documentation: no references into it). A buffer from
 /// [`HostBuffer::alloc_shareable`] is backed by a close-on-exec memfd that a chosen child
 /// process (the Mooncake worker) maps through
-/// [`crate::child::spawn_keeping`].
+/// [`crate::sys::child::spawn_keeping`].
 #[derive(Debug)]
 pub struct HostBuffer {
     ptr: *mut u8,
@@ -49,7 +49,7 @@ unsafe impl Send for HostBuffer {}
 unsafe impl Sync for HostBuffer {}
 
 fn mmap_err(what: &str, len: usize) -> Error {
-    Error::Environment(format!("{what} ({}): {}", crate::units::bytes_exact(len as u64), std::io::Error::last_os_error()))
+    Error::Environment(format!("{what} ({}): {}", crate::sys::units::bytes_exact(len as u64), std::io::Error::last_os_error()))
 }
 
 /// Maps `len` (at least 1) bytes of anonymous shared memory.
@@ -86,7 +86,7 @@ impl HostBuffer {
     }
 
     /// Maps `len` bytes backed by a memfd (`memfd:kvprobe-pool`, close-on-exec: no child
-    /// inherits it unless its spawn names it with [`crate::child::spawn_keeping`]); that child maps
+    /// inherits it unless its spawn names it with [`crate::sys::child::spawn_keeping`]); that child maps
     /// the same pages through `/proc/self/fd/N` ([`HostBuffer::shared_fd`]). Errors:
     /// memfd_create, ftruncate or mmap failed.
     pub fn alloc_shareable(len: usize) -> Result<HostBuffer> {
@@ -94,7 +94,7 @@ impl HostBuffer {
         let n = len.max(1);
         let err = |what: &str| Error::Environment(format!("{what} ({len} bytes): {}", std::io::Error::last_os_error()));
         // SAFETY: the name is a valid NUL-terminated string. MFD_CLOEXEC: children started
-        // with exec do not inherit the descriptor (crate::child::spawn_keeping opts one in).
+        // with exec do not inherit the descriptor (crate::sys::child::spawn_keeping opts one in).
         let raw = unsafe { libc::memfd_create(c"kvprobe-pool".as_ptr(), libc::MFD_CLOEXEC) };
         if raw < 0 {
             return Err(err("memfd_create"));
@@ -116,7 +116,7 @@ impl HostBuffer {
     }
 
     /// The descriptor number of a shareable buffer's memfd (None otherwise): the child that
-    /// was given it ([`crate::child::spawn_keeping`]) maps the buffer from `/proc/self/fd/N`.
+    /// was given it ([`crate::sys::child::spawn_keeping`]) maps the buffer from `/proc/self/fd/N`.
     pub fn shared_fd(&self) -> Option<i32> {
         use std::os::fd::AsRawFd;
         self.fd.as_ref().map(|f| f.as_raw_fd())

@@ -12,7 +12,7 @@
 //! SIGHUP (a closed terminal, an ssh hangup, `kill -HUP`) counts as SIGTERM: the run stops
 //! with its report. UCX would take SIGHUP for its debug handler (`UCX_DEBUG_SIGNO` defaults
 //! to it) and swallow it; kvprobe sets `UCX_DEBUG_SIGNO=0` where the user has not
-//! ([`crate::nixl::set_process_env`]). A user who sets it to SIGHUP gives SIGHUP to UCX.
+//! ([`crate::xfer::nixl::set_process_env`]). A user who sets it to SIGHUP gives SIGHUP to UCX.
 //!
 //! SIGXFSZ (a write past the file-size limit, `ulimit -f`) is ignored ([`ignore_file_size_signal`]):
 //! the write then fails with EFBIG, an error kvprobe handles like a full disk, instead of

@@ -13,4 +13,5 @@ pub mod phase;
 pub mod scratch;
 pub mod test_hooks;
 pub mod text;
+pub mod trace;
 pub mod units;

@@ -20,28 +20,28 @@
 
 /// Replaces [`crate::peer::client::START_BOUND`] (seconds).
 pub const AGENT_START_SECS: &str = "KVPROBE_TEST_AGENT_START_SECS";
-/// Damage to a torn slice beyond its tear (`tail`, `prefix`, `foreign`; [`crate::run`]).
+/// Damage to a torn slice beyond its tear (`tail`, `prefix`, `foreign`; [`crate::drive::run`]).
 pub const DAMAGE_TORN: &str = "KVPROBE_TEST_DAMAGE_TORN";
-/// A full disk for `--dump` after N slices ([`crate::dump`]).
+/// A full disk for `--dump` after N slices ([`crate::report::dump`]).
 pub const DUMP_FULL_AFTER: &str = "KVPROBE_TEST_DUMP_FULL_AFTER";
-/// Notifications before the data in WRITE sweep iteration N ([`crate::run`]).
+/// Notifications before the data in WRITE sweep iteration N ([`crate::drive::run`]).
 pub const EARLY_NOTIFY: &str = "KVPROBE_TEST_EARLY_NOTIFY";
 /// Faults planted in scenarios ([`crate::scenario::fault::TestFault`]).
 pub const FAULT: &str = "KVPROBE_TEST_FAULT";
-/// Writes after the verdict in sweeps ([`crate::run`]).
+/// Writes after the verdict in sweeps ([`crate::drive::run`]).
 pub const LATE_WRITE: &str = "KVPROBE_TEST_LATE_WRITE";
-/// Arms the stall points from an iteration ([`crate::deadline`]).
+/// Arms the stall points from an iteration ([`crate::sys::deadline`]).
 pub const STALL_FROM_ITERATION: &str = "KVPROBE_TEST_STALL_FROM_ITERATION";
 /// Prefix of the stall points' variables (`KVPROBE_TEST_STALL_POST`, ...;
-/// [`crate::deadline::Stall`]).
+/// [`crate::sys::deadline::Stall`]).
 pub const STALL_PREFIX: &str = "KVPROBE_TEST_STALL_";
-/// A constructed sysfs root ([`crate::rdma`]).
+/// A constructed sysfs root ([`crate::xfer::rdma`]).
 pub const SYSFS_ROOT: &str = "KVPROBE_TEST_SYSFS_ROOT";
-/// Requests dropped in flight counted as unconfirmed ([`crate::nixl`]).
+/// Requests dropped in flight counted as unconfirmed ([`crate::xfer::nixl`]).
 pub const UNRECALLABLE: &str = "KVPROBE_TEST_UNRECALLABLE";
-/// A slice the DRAM verify passes skip ([`crate::pool`]).
+/// A slice the DRAM verify passes skip ([`crate::mem::pool`]).
 pub const VERIFY_SKIP: &str = "KVPROBE_TEST_VERIFY_SKIP";
-/// The peer's descriptors checked one region off ([`crate::transport`]).
+/// The peer's descriptors checked one region off ([`crate::xfer::transport`]).
 pub const WRONG_PEER_BASES: &str = "KVPROBE_TEST_WRONG_PEER_BASES";
 
 /// Every hook above (the stall points by their prefix).

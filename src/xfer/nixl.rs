@@ -9,8 +9,8 @@
 //! only place looked at), else the directory the install step writes (`$KVPROBE_HOME/nixl/lib`, default
 //! `~/.local/share/kvprobe/nixl/lib`, see scripts/install-deps.sh).
 
-use crate::deadline::Deadline;
 use crate::error::{Error, Result};
+use crate::sys::deadline::Deadline;
 use nixl_sys::{MemType, MemoryRegion, NixlDescriptor, XferDescList, XferOp};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -26,7 +26,7 @@ pub const INSTALL_HINT: &str = "install it with `scripts/install-deps.sh` (PyPI 
 
 /// Where the install step puts the NIXL libraries.
 pub fn default_lib_dir() -> PathBuf {
-    crate::scratch::kvprobe_home().join("nixl/lib")
+    crate::sys::scratch::kvprobe_home().join("nixl/lib")
 }
 
 /// The NIXL library kvprobe loaded.
@@ -83,14 +83,14 @@ pub struct EnvPlan {
     /// process and fails ("cuIpcOpenMemHandle() failed: invalid device context", seen on two
     /// H200s).
     pub same_gpu_in_process: bool,
-    /// Turn on the transport diagnosis ([`crate::ucx`]): UCX's protocol tables
+    /// Turn on the transport diagnosis ([`crate::xfer::ucx`]): UCX's protocol tables
     /// (`UCX_PROTO_INFO=y`) written to a log file in kvprobe's private temporary directory
-    /// ([`crate::scratch::dir`], `UCX_LOG_FILE`), unless the user set either or
+    /// ([`crate::sys::scratch::dir`], `UCX_LOG_FILE`), unless the user set either or
     /// `KVPROBE_UCX_DIAG=0`. Not for `kvprobe env`, which makes no transfer itself.
     pub diagnosis: bool,
 }
 
-pub use crate::ucx::{DEBUG_SIGNO_ENV, GET_ZCOPY_ENV, kvprobe_defaults};
+pub use crate::xfer::ucx::{DEBUG_SIGNO_ENV, GET_ZCOPY_ENV, kvprobe_defaults};
 
 /// Threads of this process (`Threads:` in /proc/self/status); `None` without /proc.
 fn thread_count() -> Option<u64> {
@@ -112,26 +112,26 @@ fn nvidia_driver_present() -> bool {
 ///
 /// - `NIXL_PLUGIN_DIR`: the `plugins/` beside the NIXL library found ([`find`]);
 /// - `UCX_DEBUG_SIGNO=0` ([`DEBUG_SIGNO_ENV`]): UCX installs no handler for SIGHUP, which then
-///   stops a run as SIGTERM does ([`crate::interrupt`]);
+///   stops a run as SIGTERM does ([`crate::sys::interrupt`]);
 /// - `UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y` ([`GET_ZCOPY_ENV`]), and
 ///   `UCX_CUDA_IPC_ENABLE_SAME_PROCESS=y` when `plan.same_gpu_in_process`: on hosts with an
 ///   NVIDIA driver, and on others when kvprobe captures UCX's log (it drops UCX's warning that
-///   they went unused there, [`crate::ucx::messages`]);
+///   they went unused there, [`crate::xfer::ucx::messages`]);
 /// - with `plan.diagnosis` (and an open-file limit NIXL can run with, [`ensure_open_files`],
 ///   which raises a low soft limit): `UCX_PROTO_INFO=y` and `UCX_LOG_FILE` (see [`EnvPlan::diagnosis`]);
 ///   and UCX's shared-memory segments (`UCX_POSIX_DIR`) in kvprobe's private directory in
-///   /dev/shm ([`crate::scratch::shm_dir`]): UCX unlinks each right after creating it, and one
+///   /dev/shm ([`crate::sys::scratch::shm_dir`]): UCX unlinks each right after creating it, and one
 ///   a kill catches in between is removed with the directory (at exit, or at the next
 ///   kvprobe's start).
 ///
 /// The names set are [`kvprobe_defaults`].
 pub fn set_process_env(plan: EnvPlan) {
-    if crate::ucx::defaults_recorded() {
+    if crate::xfer::ucx::defaults_recorded() {
         return;
     }
     if thread_count().is_some_and(|n| n != 1) {
-        crate::trace!("the environment was not set: the process already has other threads");
-        crate::ucx::record_defaults(Vec::new());
+        crate::sys::trace::trace!("the environment was not set: the process already has other threads");
+        crate::xfer::ucx::record_defaults(Vec::new());
         return;
     }
     let mut set = Vec::new();
@@ -152,15 +152,15 @@ pub fn set_process_env(plan: EnvPlan) {
     // The capture's private directories hold a descriptor each (their lock): under an
     // open-file limit NIXL cannot run with (which `load` then reports), none is made.
     if plan.diagnosis && ensure_open_files().is_ok() {
-        let off = std::env::var(crate::ucx::DIAG_ENV).is_ok_and(|v| v == "0")
+        let off = std::env::var(crate::xfer::ucx::DIAG_ENV).is_ok_and(|v| v == "0")
             || ["UCX_PROTO_INFO", "UCX_LOG_FILE"].iter().any(|k| std::env::var_os(k).is_some_and(|v| !v.is_empty()));
         let log = if off {
             None
         } else {
-            match crate::scratch::dir() {
+            match crate::sys::scratch::dir() {
                 Ok(d) => Some(d.join("ucx.log")),
                 Err(e) => {
-                    crate::ucx::set_off_because(format!(
+                    crate::xfer::ucx::set_off_because(format!(
                         "capture off: no temporary directory for UCX's log ({e}; TMPDIR={})",
                         std::env::var("TMPDIR").unwrap_or_default()
                     ));
@@ -173,9 +173,9 @@ pub fn set_process_env(plan: EnvPlan) {
             default("UCX_LOG_FILE", l.as_os_str());
             captured = true;
         }
-        crate::ucx::set_log_path(log);
+        crate::xfer::ucx::set_log_path(log);
         if std::env::var_os("UCX_POSIX_DIR").is_none_or(|v| v.is_empty())
-            && let Ok(d) = crate::scratch::shm_dir()
+            && let Ok(d) = crate::sys::scratch::shm_dir()
         {
             default("UCX_POSIX_DIR", d.as_os_str());
         }
@@ -188,7 +188,7 @@ pub fn set_process_env(plan: EnvPlan) {
         }
         default(GET_ZCOPY_ENV, "y".as_ref());
     }
-    crate::ucx::record_defaults(set);
+    crate::xfer::ucx::record_defaults(set);
 }
 
 /// Refuses a user-set `UCX_LOG_FILE` that UCX could not open (a directory, a missing or
@@ -196,7 +196,7 @@ pub fn set_process_env(plan: EnvPlan) {
 /// environment (exit 2).
 pub fn check_ucx_log_file() -> Result<()> {
     let Some(v) = std::env::var_os("UCX_LOG_FILE").filter(|v| !v.is_empty()) else { return Ok(()) };
-    if crate::ucx::log_path().is_some_and(|p| p.as_os_str() == v) {
+    if crate::xfer::ucx::log_path().is_some_and(|p| p.as_os_str() == v) {
         return Ok(()); // kvprobe's own
     }
     let p = PathBuf::from(&v);
@@ -375,8 +375,8 @@ pub fn exit_now(code: u8) -> ! {
     let _ = std::io::stderr().flush();
     // UCX's diagnostics (UCX_PROTO_INFO, UCX_LOG_LEVEL) go through a buffered C stdout that
     // _exit would drop.
-    crate::child::flush_c_stdio();
-    let ucx = crate::ucx::messages();
+    crate::sys::child::flush_c_stdio();
+    let ucx = crate::xfer::ucx::messages();
     if !ucx.is_empty() {
         let mut e = std::io::stderr().lock();
         for m in ucx {
@@ -384,11 +384,11 @@ pub fn exit_now(code: u8) -> ! {
         }
         let _ = e.flush();
     }
-    crate::ucx::remove_log();
-    crate::scratch::remove_own();
+    crate::xfer::ucx::remove_log();
+    crate::sys::scratch::remove_own();
     // And what killed kvprobes left (a `--decode-process` child or a run killed hard): each start
     // sweeps too, but the last run on a host should not leave them until the next one.
-    crate::scratch::sweep_stale();
+    crate::sys::scratch::sweep_stale();
     // SAFETY: _exit(2) terminates the process at once; every file kvprobe wrote was synced
     // or closed before (reports are synced in `write_atomic`), and stdout/stderr were just
     // flushed. Nothing else needs the atexit handlers that are skipped.
@@ -557,14 +557,14 @@ impl std::fmt::Debug for WeakLease {
 pub const DRAIN_BOUND: Duration = Duration::from_secs(2);
 
 /// [`DRAIN_BOUND`] after SIGINT/SIGTERM: the request already had
-/// [`crate::interrupt::GRACE`] to complete, and a drain must end before the watchdog would
-/// take it for a call blocked past [`crate::deadline::INTERRUPT_GRACE`].
+/// [`crate::sys::interrupt::GRACE`] to complete, and a drain must end before the watchdog would
+/// take it for a call blocked past [`crate::sys::deadline::INTERRUPT_GRACE`].
 pub const DRAIN_BOUND_INTERRUPTED: Duration = Duration::from_secs(1);
-const _: () = assert!(DRAIN_BOUND_INTERRUPTED.as_secs() < crate::deadline::INTERRUPT_GRACE.as_secs());
+const _: () = assert!(DRAIN_BOUND_INTERRUPTED.as_secs() < crate::sys::deadline::INTERRUPT_GRACE.as_secs());
 
 /// The drain bound in force now ([`DRAIN_BOUND`], or [`DRAIN_BOUND_INTERRUPTED`] after a signal).
 fn drain_bound() -> Duration {
-    if crate::interrupt::requested() { DRAIN_BOUND_INTERRUPTED } else { DRAIN_BOUND }
+    if crate::sys::interrupt::requested() { DRAIN_BOUND_INTERRUPTED } else { DRAIN_BOUND }
 }
 
 /// Requests dropped in flight that NIXL confirmed finished within [`DRAIN_BOUND`].
@@ -587,7 +587,7 @@ static DRAINED_SAID: AtomicBool = AtomicBool::new(false);
 /// normal use.
 fn test_unrecallable() -> bool {
     static V: OnceLock<bool> = OnceLock::new();
-    *V.get_or_init(|| crate::test_hooks::on(crate::test_hooks::UNRECALLABLE))
+    *V.get_or_init(|| crate::sys::test_hooks::on(crate::sys::test_hooks::UNRECALLABLE))
 }
 
 /// Memory `T` (a KV pool) registered with NIXL: the guard owns it, with a share of its
@@ -705,7 +705,7 @@ impl Agent {
     /// [`Agent::new`]; usage for an unknown key, naming the valid ones.
     pub fn with_params(name: &str, backend: &str, params: &BTreeMap<String, String>) -> Result<Agent> {
         load()?;
-        let w = crate::deadline::watch_setup(|| format!("creating NIXL agent {name} with backend {backend}").into());
+        let w = crate::sys::deadline::watch_setup(|| format!("creating NIXL agent {name} with backend {backend}").into());
         let agent = nixl_sys::Agent::new(name).map_err(|e| terr("create NIXL agent", e))?;
         let plugins: Vec<String> = agent
             .get_available_plugins()
@@ -760,7 +760,7 @@ impl Agent {
     /// (a request that could not be confirmed finished keeps its share until exit).
     /// Errors: transport (exit 3), timeout (exit 4).
     pub unsafe fn register(&mut self, regions: &[Region]) -> Result<Lease> {
-        let w = crate::deadline::watch_setup(|| format!("registering {} regions with NIXL", regions.len()).into());
+        let w = crate::sys::deadline::watch_setup(|| format!("registering {} regions with NIXL", regions.len()).into());
         let mut opt = nixl_sys::OptArgs::new().map_err(|e| terr("opt args", e))?;
         opt.add_backend(&self.backend).map_err(|e| terr("opt args", e))?;
         let mut handles = Vec::with_capacity(regions.len());
@@ -775,7 +775,7 @@ impl Agent {
 
     /// This agent's metadata blob, for the peer's [`Agent::load_remote`].
     pub fn metadata(&self) -> Result<Vec<u8>> {
-        let w = crate::deadline::watch_setup(|| "NIXL getLocalMD".into());
+        let w = crate::sys::deadline::watch_setup(|| "NIXL getLocalMD".into());
         let md = self.agent.get_local_md().map_err(|e| terr("get local metadata", e))?;
         w.check()?;
         Ok(md)
@@ -783,7 +783,7 @@ impl Agent {
 
     /// Loads a peer's metadata; returns the peer's agent name.
     pub fn load_remote(&self, md: &[u8]) -> Result<String> {
-        let w = crate::deadline::watch_setup(|| "NIXL loadRemoteMD".into());
+        let w = crate::sys::deadline::watch_setup(|| "NIXL loadRemoteMD".into());
         let name = self.agent.load_remote_md(md).map_err(|e| terr("load remote metadata", e))?;
         w.check()?;
         Ok(name)
@@ -809,7 +809,8 @@ impl Agent {
     /// `add_remote_agent` having loaded it; kvprobe checks it once after loading, before the
     /// first transfer. Errors: transport (exit 3) when the list cannot be built.
     pub fn check_remote(&self, peer: &str, descs: (&[(u64, u64)], MemType, u64)) -> Result<bool> {
-        let _w = crate::deadline::watch_setup(|| format!("NIXL checkRemoteMD of {} descriptors of {peer}", descs.0.len()).into());
+        let _w =
+            crate::sys::deadline::watch_setup(|| format!("NIXL checkRemoteMD of {} descriptors of {peer}", descs.0.len()).into());
         let l = Self::dlist(descs.1, descs.0, descs.2)?;
         Ok(self.agent.check_remote_metadata(peer, Some(&l)))
     }
@@ -823,7 +824,8 @@ impl Agent {
     /// descriptor (outside registered memory).
     pub fn prepare(&self, peer: Option<&str>, descs: (&[(u64, u64)], MemType, u64)) -> Result<PreparedList> {
         let who = peer.unwrap_or("this agent");
-        let _w = crate::deadline::watch_setup(|| format!("NIXL prepXferDlist of {} descriptors of {who}", descs.0.len()).into());
+        let _w =
+            crate::sys::deadline::watch_setup(|| format!("NIXL prepXferDlist of {} descriptors of {who}", descs.0.len()).into());
         let l = Self::dlist(descs.1, descs.0, descs.2)?;
         let opt = self.backend_opt()?;
         let handle = self
@@ -888,11 +890,11 @@ impl Agent {
     ) -> Result<Posted> {
         let bytes = descs.bytes();
         let what = || format!("posting a NIXL {op:?} of {bytes} bytes ({} descriptors) with {peer}", descs.count()).into();
-        let _w = crate::deadline::watch_until(deadline, what);
+        let _w = crate::sys::deadline::watch_until(deadline, what);
         let opt = self.notif_opt(notif)?;
         let req = self.request(op, &descs, peer, &opt)?;
         let mut pending = self.agent.post_xfer_req(&req, Some(&opt)).map_err(|e| terr("post transfer", e))?;
-        if let Some(stall) = crate::deadline::Stall::Post.secs() {
+        if let Some(stall) = crate::sys::deadline::Stall::Post.secs() {
             // Test-only: a post call that completes its request inside it, then blocks.
             while pending {
                 pending = matches!(
@@ -913,7 +915,7 @@ impl Agent {
             deadline,
             // Test-only: with the status stall set, a request that completed inside the post
             // call is still queried (so the stall happens whatever the machine's speed).
-            done: (!pending && crate::deadline::Stall::Status.secs().is_none()).then(|| deadline.start.elapsed()),
+            done: (!pending && crate::sys::deadline::Stall::Status.secs().is_none()).then(|| deadline.start.elapsed()),
             late_misses: 0,
         };
         if deadline.passed_at(returned) {
@@ -930,22 +932,22 @@ impl Agent {
     /// progress at two checks that began after its deadline has timed out (the first check
     /// after kvprobe was busy elsewhere drives NIXL's progress; a request found complete is
     /// never late by this rule: when it completed is not known); so has one whose status
-    /// query began before its deadline and returned after it ([`crate::deadline::crossed`]).
+    /// query began before its deadline and returned after it ([`crate::sys::deadline::crossed`]).
     /// Errors: [`Error::Transport`] when NIXL reports it failed, [`Error::Timeout`] (exit 4).
     pub fn poll(&self, p: &mut Posted) -> Result<Option<XferResult>> {
         if p.done.is_none() {
             let asked = Instant::now();
             let status = {
                 // A static name: this runs in the wait's spin loop.
-                let _w = crate::deadline::watch_until(p.deadline, || "a NIXL transfer status query".into());
-                crate::deadline::Stall::Status.here();
+                let _w = crate::sys::deadline::watch_until(p.deadline, || "a NIXL transfer status query".into());
+                crate::sys::deadline::Stall::Status.here();
                 let Some(req) = &p.req else { return Ok(None) };
                 self.agent.get_xfer_status(req).map_err(|e| terr("transfer failed", e))?
             };
             // A query that was still blocked when the deadline passed: the wait exceeded
             // --timeout, whatever the query found.
             let returned = Instant::now();
-            if crate::deadline::crossed(&p.deadline, asked, returned) {
+            if crate::sys::deadline::crossed(&p.deadline, asked, returned) {
                 return Err(p.timeout(&format!(
                     "a status query begun {:.3} s after it was posted returned {:.3} s after it was posted",
                     (asked - p.deadline.start).as_secs_f64(),
@@ -972,18 +974,18 @@ impl Agent {
     /// test-only faults use it to deliver a transfer's notification before its data.
     /// Errors: [`Error::Transport`] when NIXL refuses it.
     pub fn notify(&self, peer: &str, msg: &[u8]) -> Result<()> {
-        let _w = crate::deadline::watch(|| "sending a NIXL notification".into());
+        let _w = crate::sys::deadline::watch(|| "sending a NIXL notification".into());
         self.agent.send_notification(peer, msg, Some(&self.backend)).map_err(|e| terr("send notification", e))
     }
 
     /// Takes every notification that has arrived, as `(peer agent, message)` pairs. The
     /// callers check the query against the deadlines of the requests they wait for
-    /// ([`crate::deadline::crossed`]).
+    /// ([`crate::sys::deadline::crossed`]).
     pub fn take_notifications(&self) -> Result<Vec<(String, String)>> {
         // A poll for requests that carry their own deadlines (checked by the callers): only a
         // query that never returns needs the watchdog.
-        let _w = crate::deadline::watch(|| "a NIXL notification query".into());
-        crate::deadline::Stall::Notifications.here();
+        let _w = crate::sys::deadline::watch(|| "a NIXL notification query".into());
+        crate::sys::deadline::Stall::Notifications.here();
         let mut map = nixl_sys::NotificationMap::new().map_err(|e| terr("notification map", e))?;
         self.agent.get_notifications(&mut map, None).map_err(|e| terr("get notifications", e))?;
         let got = map.take_notifs().map_err(|e| terr("read notifications", e))?;
@@ -1116,7 +1118,7 @@ impl Posted {
             return false;
         }
         let bound = Deadline::after(drain_bound());
-        let _w = crate::deadline::watch_until(bound, || "a NIXL status query draining a request left in flight".into());
+        let _w = crate::sys::deadline::watch_until(bound, || "a NIXL status query draining a request left in flight".into());
         loop {
             match self.agent.get_xfer_status(req) {
                 Ok(nixl_sys::XferStatus::InProgress)

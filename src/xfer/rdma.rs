@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 /// instead of `/sys`, so the CLI can be tested against a constructed tree. Under it, GPUs
 /// come from that tree (vendor/class), not from CUDA, whose addresses belong to the real
 /// machine. Not for production use.
-pub const TEST_SYSFS_ENV: &str = crate::test_hooks::SYSFS_ROOT;
+pub const TEST_SYSFS_ENV: &str = crate::sys::test_hooks::SYSFS_ROOT;
 
 /// The `UCX_TLS` kvprobe suggests with a pinned RDMA device: rc over the NIC, cuda_copy
 /// (staging and small copies), cuda_ipc (GPUs of the same host).
@@ -428,7 +428,7 @@ pub fn gather_from(sys: &Path, gpus: &[GpuPci]) -> RdmaFacts {
 /// Reads this host's RDMA facts: sysfs at `/sys` (or the test-only [`TEST_SYSFS_ENV`]), the
 /// GPUs CUDA lists (`cuda_gpus`, with their dma-buf attribute), or, without CUDA (or under
 /// the test root), the NVIDIA GPUs on the PCI bus.
-pub fn gather(cuda_gpus: &[crate::cuda::GpuInfo]) -> RdmaFacts {
+pub fn gather(cuda_gpus: &[crate::gpu::cuda::GpuInfo]) -> RdmaFacts {
     let test_root = std::env::var_os(TEST_SYSFS_ENV).filter(|v| !v.is_empty()).map(PathBuf::from);
     let sys = test_root.clone().unwrap_or_else(|| PathBuf::from("/sys"));
     let gpus: Vec<GpuPci> = if !cuda_gpus.is_empty() && test_root.is_none() {
@@ -437,7 +437,7 @@ pub fn gather(cuda_gpus: &[crate::cuda::GpuInfo]) -> RdmaFacts {
             .map(|g| GpuPci {
                 ordinal: Some(g.ordinal),
                 pci_address: g.pci_bus_id.clone(),
-                dma_buf: crate::cuda::gpudirect_attrs(g.ordinal).ok().map(|(_, d)| d),
+                dma_buf: crate::gpu::cuda::gpudirect_attrs(g.ordinal).ok().map(|(_, d)| d),
             })
             .collect()
     } else {

@@ -18,7 +18,7 @@
 //! and one over every slice of the peer's (`add_remote_agent`:
 //! `prep_xfer_dlist(remote_agent, ...)`); a request is then `makeXferReq` from slice indices
 //! on both sides (`_read_blocks` with `_get_block_descs_ids`, `make_prepped_xfer`). A
-//! slice's index is its global slice index, [`crate::geometry::Geometry::global_slice`]
+//! slice's index is its global slice index, [`crate::core::geometry::Geometry::global_slice`]
 //! (layer-major, then the slice's place in its layer region): for NHD and MLA the same index
 //! as vLLM's `region * num_blocks + block`; for HND memory order, where vLLM splits each
 //! layer into virtual K and V regions for heterogeneous tensor parallelism (kvprobe has
@@ -33,7 +33,7 @@
 //!   (src/core/nixl_agent.cpp), so the request moves the run as one descriptor, as
 //!   `createXferReq` does, from the same two prepared lists;
 //! - between unequal sides (block sizes, TP head splits) a link's descriptors move pieces
-//!   of slices ([`Cuts`], [`crate::pairing::Sides::cuts`]): that link's lists are prepared
+//!   of slices ([`Cuts`], [`crate::core::pairing::Sides::cuts`]): that link's lists are prepared
 //!   in those pieces, as vLLM prepares a decode rank's part of each remote block
 //!   (`add_remote_agent`: `rank_offset`, its own `block_len`) and a decode block of
 //!   `block_size_ratio` remote blocks in pieces (`src_xfer_handles_by_block_size`); a
@@ -42,11 +42,11 @@
 //!   cannot be named by any index: that request is built with `createXferReq` instead,
 //!   and a trace line (`KVPROBE_TRACE=1`) says so.
 
-use crate::deadline::Deadline;
+use crate::core::geometry::{Geometry, SliceCoord};
 use crate::error::Result;
-use crate::geometry::{Geometry, SliceCoord};
-use crate::nixl::{Agent, Descs, Lease, Posted, PreparedList, Region, Registered, WeakLease, XferResult};
-use crate::pool::{KvPool, MemoryKind};
+use crate::mem::pool::{KvPool, MemoryKind};
+use crate::sys::deadline::Deadline;
+use crate::xfer::nixl::{Agent, Descs, Lease, Posted, PreparedList, Region, Registered, WeakLease, XferResult};
 use nixl_sys::{MemType, XferOp};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -149,7 +149,7 @@ pub struct Pair {
     /// Decode-side slice.
     pub dst: SliceCoord,
     /// Bytes to move (the slice size, or less for an injected tear or a chunk of a slice
-    /// between unequal sides, [`crate::pairing`]).
+    /// between unequal sides, [`crate::core::pairing`]).
     pub len: u64,
     /// Byte offset in the prefill slice.
     pub src_off: u64,
@@ -167,7 +167,7 @@ impl Pair {
 /// How one link's descriptors cut every block slice of each side: (byte offset in the slice,
 /// bytes) ranges, sorted and disjoint, the same for every slice of the pool; empty = the
 /// whole slice. Between equal sides both are whole. Between unequal sides (block sizes, TP
-/// head splits: [`crate::pairing::Sides::cuts`]) they are the pieces a descriptor of that
+/// head splits: [`crate::core::pairing::Sides::cuts`]) they are the pieces a descriptor of that
 /// link moves, as vLLM's NixlConnector prepares them: a decode TP rank reading part of a
 /// prefill rank's heads prepares the remote blocks at its `rank_offset` with its own
 /// `block_len` (`add_remote_agent`), a decode block of `block_size_ratio` prefill blocks is
@@ -188,10 +188,10 @@ impl Cuts {
     }
 
     /// How link (prefill rank `p`, decode rank `d`)'s descriptors cut block slices, seen from
-    /// prefill (own = prefill's, peer = decode's; [`crate::pairing::Sides::cuts`]); whole
+    /// prefill (own = prefill's, peer = decode's; [`crate::core::pairing::Sides::cuts`]); whole
     /// slices when the sides cannot be prepared in pieces (requests are then created per
     /// request).
-    pub fn of_link(sides: &crate::pairing::Sides, p: u32, d: u32) -> Cuts {
+    pub fn of_link(sides: &crate::core::pairing::Sides, p: u32, d: u32) -> Cuts {
         match sides.cuts(p, d) {
             Some((own, peer)) => Cuts { own, peer },
             None => Cuts::whole(),
@@ -241,7 +241,7 @@ pub struct Endpoint {
     /// request may still move it (else kept until exit).
     pub pool: Registered<KvPool>,
     /// Prefill: the embedded tier's arena, registered ([`Endpoint::register_tier`]).
-    tier: Option<Registered<std::sync::Arc<crate::tier::TierArena>>>,
+    tier: Option<Registered<std::sync::Arc<crate::mem::tier::TierArena>>>,
 }
 
 impl Endpoint {
@@ -278,7 +278,7 @@ impl Endpoint {
     /// decode in another process or host can READ tier entries from it
     /// ([`Endpoint::post_read_tier`]); [`Endpoint::info`] then announces it. Call before the
     /// info goes to the peer. Errors: as [`Registered::new`].
-    pub fn register_tier(&mut self, arena: std::sync::Arc<crate::tier::TierArena>) -> Result<()> {
+    pub fn register_tier(&mut self, arena: std::sync::Arc<crate::mem::tier::TierArena>) -> Result<()> {
         let (addr, len) = arena.region();
         let region = Region { addr, len, mem: MemType::Dram, dev_id: 0 };
         let Role::Local(agent) = &mut self.agent;
@@ -451,7 +451,7 @@ impl Endpoint {
                 let pieces = all_cuts(g, &bases, &cuts.peer);
                 agent.prepare(Some(&peer.agent), (pieces.as_slice(), mem_type(peer.memory), peer.device_id))?
             };
-            crate::trace!(
+            crate::sys::trace::trace!(
                 "{}: prepared {} local and {} remote descriptors (of {}; {} and {} per block slice)",
                 agent.name(),
                 pieces(own, &cuts.own)?,
@@ -517,7 +517,9 @@ impl Endpoint {
                     let descs = Descs::Prepared { local, local_idx: &li, remote, remote_idx: &ri, bytes };
                     return agent.post(xop, descs, &peer.agent, tag.as_bytes(), deadline, keep);
                 }
-                Err(why) => crate::trace!("request {tag}: {why}: no prepared index names it, so it is built with createXferReq"),
+                Err(why) => crate::sys::trace::trace!(
+                    "request {tag}: {why}: no prepared index names it, so it is built with createXferReq"
+                ),
             }
         }
         let local = descs(self.pool.geometry(), &self.pool.region_addrs(), pairs.iter().map(|p| (side(p).0, side(p).2)));
@@ -594,9 +596,9 @@ impl Endpoint {
 
     /// UCX's protocol selection for `op` as seen by the agent that initiates it from this
     /// role (this process's UCX log since `mark`).
-    pub fn transport_path(&self, mark: u64, op: Op, vram: bool) -> crate::ucx::TransportPath {
+    pub fn transport_path(&self, mark: u64, op: Op, vram: bool) -> crate::xfer::ucx::TransportPath {
         let name = if op == Op::Write { "WRITE" } else { "READ" };
-        crate::ucx::path_since(mark, &self.backend, name, vram)
+        crate::xfer::ucx::path_since(mark, &self.backend, name, vram)
     }
 
     /// Posts one NIXL READ of `pairs` from the peer (this role is decode: `dst` slices are
@@ -761,7 +763,7 @@ pub fn indices(
 /// descriptors one region further than the addresses it sent (as a wrong exchange would
 /// name them), so tests can show `checkRemoteMD` refuses them. Never set in normal use.
 fn test_wrong_peer_bases() -> bool {
-    crate::test_hooks::on(crate::test_hooks::WRONG_PEER_BASES)
+    crate::sys::test_hooks::on(crate::sys::test_hooks::WRONG_PEER_BASES)
 }
 
 /// The role that posts requests for `op` (decode for READ, prefill for WRITE) and the other.
@@ -809,7 +811,7 @@ fn query_crossed(tag: &str, from: &str, d: &Deadline, asked: Instant, returned: 
 /// request's deadline ([`post`]): a tag still missing at two checks that began after its
 /// deadline has timed out (the first check after kvprobe was busy elsewhere collects what
 /// arrived meanwhile), and so has one whose deadline passed while a notification query was
-/// in progress ([`crate::deadline::crossed`]). Errors: timeout (exit 4), transport (exit 3).
+/// in progress ([`crate::sys::deadline::crossed`]). Errors: timeout (exit 4), transport (exit 3).
 pub fn await_notifications(
     op: Op,
     prefill: &Endpoint,
@@ -827,7 +829,7 @@ pub fn await_notifications(
         let got = other.raw_notifications()?;
         let returned = Instant::now();
         if let Some((tag, d)) = next
-            && crate::deadline::crossed(&d, asked, returned)
+            && crate::sys::deadline::crossed(&d, asked, returned)
         {
             return Err(query_crossed(&tag, &from, &d, asked, returned));
         }
@@ -869,7 +871,7 @@ pub struct Inbox {
 /// the notification `tag` from the initiator; notifications of other tags are kept in
 /// `inbox`. `deadline` is the tag's request's ([`post`]): a tag still missing at two checks
 /// that began after it has timed out, and so has one whose notification query began before it
-/// and returned after it ([`crate::deadline::crossed`]). Returns true (and forgets the tag)
+/// and returned after it ([`crate::sys::deadline::crossed`]). Returns true (and forgets the tag)
 /// once it has arrived. Errors: timeout (exit 4), transport (exit 3).
 pub fn poll_notification(
     op: Op,
@@ -901,7 +903,7 @@ pub fn poll_notification_from(
     let asked = Instant::now();
     let got = other.raw_notifications()?;
     let returned = Instant::now();
-    if crate::deadline::crossed(&deadline, asked, returned) {
+    if crate::sys::deadline::crossed(&deadline, asked, returned) {
         return Err(query_crossed(tag, &from.join(" or "), &deadline, asked, returned));
     }
     inbox.got.extend(got.into_iter().filter(|(peer, _)| from.contains(peer)).map(|(_, m)| m));

@@ -21,24 +21,24 @@ use std::sync::OnceLock;
 /// `UCX_CUDA_IPC_ENABLE_GET_ZCOPY`: without it UCX serves a READ of CUDA memory from another
 /// agent on the same GPU by software emulation over tcp (0.33-0.45 GB/s on an H100, against
 /// 3.9 GB/s with it; issue 33); kvprobe turns it on for its own agents unless the user set it
-/// ([`crate::nixl::set_process_env`]).
+/// ([`crate::xfer::nixl::set_process_env`]).
 pub const GET_ZCOPY_ENV: &str = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY";
 
 /// `UCX_DEBUG_SIGNO`: the signal UCX's debug handler takes (SIGHUP by default, which would
 /// swallow a closed terminal's hangup); kvprobe sets 0 (no debug signal) unless the user set it.
 pub const DEBUG_SIGNO_ENV: &str = "UCX_DEBUG_SIGNO";
 
-/// The variables [`crate::nixl::set_process_env`] set (the user had not): kvprobe's defaults.
+/// The variables [`crate::xfer::nixl::set_process_env`] set (the user had not): kvprobe's defaults.
 static DEFAULTS: OnceLock<Vec<String>> = OnceLock::new();
 
 /// The names of the UCX_*/NIXL_* variables whose values are kvprobe's defaults, set by
-/// [`crate::nixl::set_process_env`] because the user had not set them (the report's
+/// [`crate::xfer::nixl::set_process_env`] because the user had not set them (the report's
 /// `environment.transport_env_defaults`). Empty before it ran.
 pub fn kvprobe_defaults() -> &'static [String] {
     DEFAULTS.get().map(|v| v.as_slice()).unwrap_or(&[])
 }
 
-/// Records the names [`crate::nixl::set_process_env`] set (once; later calls change nothing).
+/// Records the names [`crate::xfer::nixl::set_process_env`] set (once; later calls change nothing).
 pub fn record_defaults(names: Vec<String>) {
     let _ = DEFAULTS.set(names);
 }
@@ -110,7 +110,7 @@ pub struct TransportPath {
     pub emulated: bool,
     /// Rate of one copy of the pool, prefill to decode, measured in the same run (GB/s, bytes
     /// moved once: cuMemcpyDtoD for VRAM, memcpy on all threads for DRAM); the ceiling the
-    /// transfer rate is compared to. `None` for pools under [`crate::pool::MIN_CEILING_BYTES`]
+    /// transfer rate is compared to. `None` for pools under [`crate::mem::pool::MIN_CEILING_BYTES`]
     /// (too small to time a copy).
     pub copy_gbps: Option<f64>,
     /// Transfer rate / `copy_gbps`.
@@ -195,7 +195,7 @@ static ADOPTED: OnceLock<std::sync::Mutex<std::fs::File>> = OnceLock::new();
 
 /// Once UCX has opened its log (after the first NIXL agent with the UCX backend), keeps a
 /// handle on it through `/proc/self/fd` and removes the file (a kill before then leaves it in
-/// kvprobe's private directory, which the next kvprobe removes: [`crate::scratch`]). Later reads go through the handle.
+/// kvprobe's private directory, which the next kvprobe removes: [`crate::sys::scratch`]). Later reads go through the handle.
 pub fn adopt() {
     if ADOPTED.get().is_some() {
         return;
@@ -215,7 +215,7 @@ pub fn adopt() {
 
 /// Size of the UCX log now: a run reads what was written after it.
 pub fn mark() -> u64 {
-    crate::child::flush_c_stdio();
+    crate::sys::child::flush_c_stdio();
     match ADOPTED.get() {
         Some(f) => f.lock().ok().and_then(|f| f.metadata().ok()).map_or(0, |m| m.len()),
         None => log_path().and_then(|p| std::fs::metadata(p).ok()).map_or(0, |m| m.len()),
@@ -224,7 +224,7 @@ pub fn mark() -> u64 {
 
 /// Reads the UCX log from `from` (see [`mark`]).
 fn read_since(from: u64) -> Option<String> {
-    crate::child::flush_c_stdio();
+    crate::sys::child::flush_c_stdio();
     let read = |f: &mut std::fs::File| {
         let mut s = String::new();
         f.seek(SeekFrom::Start(from)).ok()?;
@@ -441,7 +441,7 @@ pub fn collapse_messages(text: &str) -> Vec<String> {
 }
 
 /// Removes kvprobe's UCX log (once UCX has it open, and at exit); its directory, kvprobe's
-/// private one, goes at exit ([`crate::scratch::remove_own`]).
+/// private one, goes at exit ([`crate::sys::scratch::remove_own`]).
 pub fn remove_log() {
     if let Some(p) = log_path() {
         let _ = std::fs::remove_file(p);
@@ -486,7 +486,7 @@ const CONTAINER_HINT: &str = "in a container also --device /dev/infiniband --cap
 ///   transport (rc/dc/ud/tcp): the bytes are copied to host memory and sent from there;
 /// - `nic-not-nearest`: rc/dc/ud over a device farther (PCIe distance) from `gpu` than its
 ///   nearest device with an ACTIVE port.
-pub fn path_flags(p: &TransportPath, facts: &crate::rdma::RdmaFacts, gpu: Option<usize>) -> Vec<PathFlag> {
+pub fn path_flags(p: &TransportPath, facts: &crate::xfer::rdma::RdmaFacts, gpu: Option<usize>) -> Vec<PathFlag> {
     let mut flags: Vec<PathFlag> = Vec::new();
     let mut add = |f: PathFlag| {
         if !flags.iter().any(|x| x.code == f.code && x.message == f.message) {
@@ -499,7 +499,8 @@ pub fn path_flags(p: &TransportPath, facts: &crate::rdma::RdmaFacts, gpu: Option
         .and_then(|g| g.nearest.as_deref())
         .and_then(|n| facts.net_device(n))
         .or_else(|| facts.active_ports().into_iter().next());
-    let pin_fix = |extra: &str| pin.as_ref().map(|d| format!("UCX_NET_DEVICES={d} UCX_TLS={}{extra}", crate::rdma::UCX_TLS_HINT));
+    let pin_fix =
+        |extra: &str| pin.as_ref().map(|d| format!("UCX_NET_DEVICES={d} UCX_TLS={}{extra}", crate::xfer::rdma::UCX_TLS_HINT));
     for s in &p.selections {
         let cuda = s.operation.contains("cuda");
         for r in &s.rows {
@@ -574,7 +575,7 @@ pub fn path_flags(p: &TransportPath, facts: &crate::rdma::RdmaFacts, gpu: Option
 
 /// Sets `p.flags` from the host's RDMA facts for transfers of GPU `gpu` (CUDA ordinal, `None`
 /// for DRAM): see [`path_flags`]. Replaces earlier flags, so calling it twice is harmless.
-pub fn flag_path(p: &mut TransportPath, facts: &crate::rdma::RdmaFacts, gpu: Option<usize>) {
+pub fn flag_path(p: &mut TransportPath, facts: &crate::xfer::rdma::RdmaFacts, gpu: Option<usize>) {
     p.flags = path_flags(p, facts, gpu);
 }
 

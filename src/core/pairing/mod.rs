@@ -8,7 +8,7 @@
 //! prefill blocks and `G / Bd` consecutive decode blocks hold the same tokens. The sweep's
 //! block map permutes groups; both pools hold the same tokens (decode's `num_blocks` is
 //! prefill's × `Bp / Bd`). A group's logical block names its rows, and a block holding the
-//! group's tokens from `k` on carries `token_base = k` ([`crate::fingerprint::BlockIdentity`]).
+//! group's tokens from `k` on carries `token_base = k` ([`crate::core::fingerprint::BlockIdentity`]).
 //! With equal block sizes a group is one block and everything is as between equal sides.
 //!
 //! **Descriptors** ([`Sides::chunks`]): bytes move verbatim, as NIXL moves them.
@@ -36,8 +36,8 @@
 //! vLLM converts remote HND into local NHD only; kvprobe converts either way (the
 //! permutation is the same) and [`Sides::vllm_refuses`] says what vLLM would refuse.
 
-use crate::fingerprint::RowOrder;
-use crate::geometry::{Geometry, Layout};
+use crate::core::fingerprint::RowOrder;
+use crate::core::geometry::{Geometry, Layout};
 
 pub mod tp;
 
@@ -284,7 +284,7 @@ impl Sides {
     /// Decode's conversion on receive as a permutation of a slice's head rows: entry `r` is
     /// the row (in the received slice, [`Sides::received_row`]) that becomes row `r` of
     /// decode's order ([`row_position`]); `block_size × heads` entries. The GPU kernel
-    /// (`kvp_permute_rows`) and the host apply it to every slice ([`crate::pool::KvPool::permute_rows`]).
+    /// (`kvp_permute_rows`) and the host apply it to every slice ([`crate::mem::pool::KvPool::permute_rows`]).
     pub fn row_permutation(&self) -> Vec<u32> {
         let (bd, heads, ld) = (self.decode.block_size, Sides::heads(&self.decode), RowOrder::of(&self.decode));
         let mut perm = vec![0u32; (bd * heads) as usize];
@@ -299,7 +299,7 @@ impl Sides {
     /// Rearranges a received decode slice (`received`) into decode's row order (`out`, the
     /// same length): row (t, h) from [`Sides::received_row`] to its place in decode's
     /// layout ([`Sides::row_permutation`]). What still holds poison stays poison: the poison
-    /// of a slice is the same in every 16-byte chunk ([`crate::fingerprint::poison`]) and a
+    /// of a slice is the same in every 16-byte chunk ([`crate::core::fingerprint::poison`]) and a
     /// row is a whole number of chunks, so a dropped or torn transfer stays `unwritten` or
     /// `torn`. Call only when [`Sides::converts`].
     pub fn convert(&self, received: &[u8], out: &mut [u8]) {
@@ -313,8 +313,8 @@ impl Sides {
     /// The inverse of [`Sides::convert`]: the received slice (`out`, the same length) that
     /// converts to `converted` — each row `r` of `converted` back to row
     /// `row_permutation()[r]`. Exact, because the permutation moves whole rows and is a
-    /// bijection ([`crate::pool::KvPool::permute_rows`] refuses any other): what a converting
-    /// run's dump keeps as the bytes NIXL delivered ([`crate::dump::DumpEntry::received_file`]).
+    /// bijection ([`crate::mem::pool::KvPool::permute_rows`] refuses any other): what a converting
+    /// run's dump keeps as the bytes NIXL delivered ([`crate::report::dump::DumpEntry::received_file`]).
     pub fn unconvert(&self, converted: &[u8], out: &mut [u8]) {
         let rb = self.row_bytes() as usize;
         for (to, &from) in self.row_permutation().iter().enumerate() {
@@ -383,7 +383,7 @@ impl Sides {
     /// rank `d`) move, as (byte offset, bytes), sorted: on prefill's slices and on decode's
     /// (empty: the whole slice). They are what [`Sides::chunks_between`] moves without a
     /// plant, over every prefill slice of a group; the transport prepares its descriptor
-    /// lists with them ([`crate::transport::Cuts`]), as vLLM's NixlConnector prepares a
+    /// lists with them ([`crate::xfer::transport::Cuts`]), as vLLM's NixlConnector prepares a
     /// decode rank's part of each remote block (`add_remote_agent`: `rank_offset`,
     /// `block_len`) and a block of `block_size_ratio` remote blocks in pieces. `None` when
     /// `d` reads nothing from `p`, or when pieces of different slices overlap (no prepared

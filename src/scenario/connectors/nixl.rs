@@ -8,10 +8,10 @@
 //! unique to the engine and the request id, so a late notification of an earlier run in the
 //! same process is never taken for this one's.
 
+use crate::core::geometry::{Geometry, SliceCoord};
 use crate::error::Result;
-use crate::geometry::{Geometry, SliceCoord};
-use crate::nixl::Posted;
-use crate::transport::{Endpoint, Pair};
+use crate::xfer::nixl::Posted;
+use crate::xfer::transport::{Endpoint, Pair};
 use rand::Rng;
 use std::time::Duration;
 

@@ -6,18 +6,18 @@
 //! The store is the built-in one ([`Store`] over a [`TierArena`] in prefill's host memory;
 //! `--tier embedded`) or a real Mooncake Store (`--tier mooncake`: a master kvprobe starts on
 //! prefill's host, or an existing deployment, and the Python store client as a worker per
-//! engine, each mapping its own engine's pool, [`crate::mooncake`]); with Mooncake, [`Store`]
+//! engine, each mapping its own engine's pool, [`crate::mem::mooncake`]); with Mooncake, [`Store`]
 //! keeps only the index (keys, pins, evictions and each entry's shadow content) and the bytes
 //! live in Mooncake. Decode reaches the embedded store directly in one process and over NIXL
 //! from another process or host ([`TierAccess`]).
 
+use crate::core::geometry::SliceCoord;
 use crate::error::{Error, Result};
-use crate::geometry::SliceCoord;
+use crate::mem::pool::KvPool;
+use crate::mem::tier::{EntryId, Store, TierArena, TierKind};
 use crate::peer::steps::{TierAccess, TierRef};
-use crate::pool::KvPool;
 use crate::scenario::config::ScenarioConfig;
-use crate::tier::{EntryId, Store, TierArena, TierKind};
-use crate::transport::Endpoint;
+use crate::xfer::transport::Endpoint;
 use rand::Rng;
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -98,7 +98,7 @@ impl TierConnector {
     /// its log.
     pub(crate) fn check_master(&mut self) -> Result<()> {
         match self.mooncake.as_mut().map(|mc| &mut mc.master) {
-            Some(crate::mooncake::Deployment::Started(m)) => m.alive(),
+            Some(crate::mem::mooncake::Deployment::Started(m)) => m.alive(),
             _ => Ok(()),
         }
     }
@@ -171,7 +171,7 @@ pub(crate) enum TierReader {
     /// Mooncake: decode's own store client (it maps decode's pool), getting the entry's object.
     Mooncake {
         /// The store client.
-        worker: crate::mooncake::Worker,
+        worker: crate::mem::mooncake::Worker,
         /// The run's key prefix.
         key_prefix: String,
     },
@@ -195,11 +195,11 @@ impl TierReader {
             })?),
             TierAccess::Nixl => TierReader::Nixl,
             TierAccess::Mooncake { master, metadata_url, key_prefix } => {
-                let install = crate::mooncake::find()?;
-                let shared: Vec<&crate::hostmem::HostBuffer> = decode.host_buffer().into_iter().collect();
-                let mut worker = Worker::start(&install, timeout.max(crate::deadline::SETUP_FLOOR), &shared)?;
-                let ext = crate::mooncake::External { master: master.clone(), metadata_url: metadata_url.clone() };
-                let deployment = crate::mooncake::Deployment::External(ext);
+                let install = crate::mem::mooncake::find()?;
+                let shared: Vec<&crate::sys::hostmem::HostBuffer> = decode.host_buffer().into_iter().collect();
+                let mut worker = Worker::start(&install, timeout.max(crate::sys::deadline::SETUP_FLOOR), &shared)?;
+                let ext = crate::mem::mooncake::External { master: master.clone(), metadata_url: metadata_url.clone() };
+                let deployment = crate::mem::mooncake::Deployment::External(ext);
                 // A pure client: decode contributes no memory to the store (the tier is prefill's).
                 worker.setup(&deployment, "tcp", 0).map_err(|e| match e {
                     Error::Timeout(m) | Error::Transport(m) => Error::Transport(format!(
@@ -256,7 +256,7 @@ impl TierReader {
             }
             TierReader::Mooncake { worker, key_prefix } => {
                 for (slot, entry) in loads {
-                    let key = crate::mooncake::block_key(key_prefix, entry.hash, entry.serial);
+                    let key = crate::mem::mooncake::block_key(key_prefix, entry.hash, entry.serial);
                     worker.get_block(&key, &mut ep.pool, *slot)?;
                 }
                 Ok(0)
@@ -265,7 +265,7 @@ impl TierReader {
     }
 }
 
-use crate::mooncake::Worker;
+use crate::mem::mooncake::Worker;
 
 /// Maps `pool` in `worker` (DRAM: its memfd; VRAM: its layer regions' CUDA IPC handles) and
 /// returns how it was shared, in words.
@@ -286,7 +286,7 @@ fn map_pool(worker: &mut Worker, pool: &KvPool) -> Result<&'static str> {
 /// `--tier mooncake`: the master (started by kvprobe, or an existing deployment) and
 /// prefill's store client (a worker mapping prefill's pool).
 pub(crate) struct MooncakeTier {
-    master: crate::mooncake::Deployment,
+    master: crate::mem::mooncake::Deployment,
     worker: Worker,
     /// Key prefix: the seed and a run nonce (vLLM's keys lead with a config fingerprint).
     fingerprint: String,
@@ -304,14 +304,14 @@ impl MooncakeTier {
         host: IpAddr,
         by: &str,
     ) -> Result<MooncakeTier> {
-        use crate::mooncake::{Deployment, Master};
-        let install = crate::mooncake::find()?;
+        use crate::mem::mooncake::{Deployment, Master};
+        let install = crate::mem::mooncake::find()?;
         // The worker first: its hello imports the store client, so a broken install is a
         // set-up error (exit 2) before anything else starts.
         // Set-up calls (hello, setup, mapping the pool) get at least the set-up floor; the
-        // run's calls then --timeout (crate::deadline).
-        let shared: Vec<&crate::hostmem::HostBuffer> = prefill.host_buffer().into_iter().collect();
-        let mut worker = Worker::start(&install, timeout.max(crate::deadline::SETUP_FLOOR), &shared)?;
+        // run's calls then --timeout (crate::sys::deadline).
+        let shared: Vec<&crate::sys::hostmem::HostBuffer> = prefill.host_buffer().into_iter().collect();
+        let mut worker = Worker::start(&install, timeout.max(crate::sys::deadline::SETUP_FLOOR), &shared)?;
         let mut master = match &cfg.mooncake {
             Some(ext) => {
                 ext.reachable(Duration::from_secs(5))?;
@@ -345,11 +345,11 @@ impl MooncakeTier {
             }
         })?;
         worker.set_timeout(timeout);
-        let fingerprint = format!("{:08x}-{:08x}", crate::fingerprint::seed32(seed), rand::rng().random::<u32>());
+        let fingerprint = format!("{:08x}-{:08x}", crate::core::fingerprint::seed32(seed), rand::rng().random::<u32>());
         // The store client's Transfer Engine listens on every interface (Mooncake binds its
         // handshake and TCP-transport ports to 0.0.0.0 / [::] with no setting to narrow them):
         // said, as docs/scenarios.md "Network exposure" does.
-        let exposed = crate::mooncake::listening(worker.pid())
+        let exposed = crate::mem::mooncake::listening(worker.pid())
             .map(|a| a.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(", "))
             .unwrap_or_default();
         let detail = format!(
@@ -370,7 +370,7 @@ impl MooncakeTier {
     }
 
     fn key(&self, (hash, serial): (u32, u64)) -> String {
-        crate::mooncake::block_key(&self.fingerprint, hash, serial)
+        crate::mem::mooncake::block_key(&self.fingerprint, hash, serial)
     }
 
     /// Removes this run's objects from a store kvprobe did not start (best effort: objects
@@ -393,7 +393,7 @@ impl MooncakeTier {
 /// The error to report for a failed store call `e`: the master's death (with its log) when
 /// that is the cause, else `e`. A killed master is reaped a moment after its client sees the
 /// connection drop, so a started master is watched for 300 ms.
-fn explain(master: &mut crate::mooncake::Deployment, e: Error) -> Error {
+fn explain(master: &mut crate::mem::mooncake::Deployment, e: Error) -> Error {
     let t0 = Instant::now();
     while t0.elapsed() < Duration::from_millis(300) {
         if let Err(gone) = master.alive() {
