@@ -177,11 +177,21 @@ pub fn serve(
                             let _ = tx.send(Event::Blocked(peer::gate::source(ip), g.failures(ip), block));
                         }
                     };
-                    // The failure is counted before the refusal is sent (`gate(false)`).
+                    // Whether this handshake's slot was given back (at most once).
+                    let left = std::sync::atomic::AtomicBool::new(false);
+                    let leave = || {
+                        if !left.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                            gate.lock().unwrap_or_else(|p| p.into_inner()).leave(ip);
+                        }
+                    };
+                    // The failure is counted, and the handshake's slot given back, before the
+                    // refusal is sent (`gate(false)`): the source's next connection meets its
+                    // count (and any block), never this handshake still in progress.
                     let check = |proven: bool| match proven {
                         true => gate.lock().unwrap_or_else(|p| p.into_inner()).claim(ip),
                         false => {
                             failed(&gate);
+                            leave();
                             Ok(())
                         }
                     };
@@ -197,7 +207,7 @@ pub fn serve(
                             Event::Dropped(from, e)
                         }
                     };
-                    gate.lock().unwrap_or_else(|p| p.into_inner()).leave(ip);
+                    leave();
                     let _ = tx.send(event);
                 });
             }
