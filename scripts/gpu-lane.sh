@@ -182,7 +182,9 @@ suite_tests() {
   # took ~390 s on the H200 host (2026-12-01) and grew past 480 s with issue 17's tests
   # (2026-12-02: one test unfinished, timeout::a_poll_blocked_past_its_requests_deadline_is_a_timeout,
   # 140 s alone, most of it sleeping in stalled calls).
-  run_tests tests timeout 480 "$bundle/tests" --test-threads="${LANE_TEST_THREADS:-8}"
+  # LANE_TESTS_FILTER: test-name filters (words) for a short device call; the whole binary without it.
+  # shellcheck disable=SC2086
+  run_tests tests timeout 480 "$bundle/tests" --test-threads="${LANE_TEST_THREADS:-8}" ${LANE_TESTS_FILTER:-}
 }
 
 suite_main() {

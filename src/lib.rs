@@ -7,8 +7,8 @@
 //!
 //! | floor | modules | concern |
 //! |---|---|---|
-//! | sys | [`error`], [`child`], [`interrupt`], [`scratch`], [`deadline`], [`hostmem`], [`units`], [`text`], [`par`], [`phase`], [`test_hooks`], [`sys::trace`] | the process: errors and exit codes, children, signals, temporary files, deadlines, host memory, CPU threads, progress phases, test hooks, `KVPROBE_TRACE` |
-//! | core | [`geometry`], [`model_config`], [`fingerprint`], [`pairing`], [`verify`], [`inject`], [`race`], [`workload`] | what a KV cache is and what every byte must be: vLLM's paged layout, a model's KV cache, the fingerprint (shared with the CUDA kernels), two sides that differ, classification, injections, the race vocabulary, the request load |
+//! | sys | [`error`], [`child`], [`interrupt`], [`tempdir`], [`deadline`], [`hostmem`], [`units`], [`text`], [`parallel`], [`progress`], [`test_hooks`], [`sys::trace`] | the process: errors and exit codes, children, signals, temporary files, deadlines, host memory, CPU threads, progress phases, test hooks, `KVPROBE_TRACE` |
+//! | core | [`geometry`], [`model_config`], [`fingerprint`], [`pairing`], [`verify`], [`inject`], [`mechanism`], [`workload`] | what a KV cache is and what every byte must be: vLLM's paged layout, a model's KV cache, the fingerprint (shared with the CUDA kernels), two sides that differ, classification, injections, the race vocabulary, the request load |
 //! | gpu | [`cuda`] | CUDA devices, memory, kernels |
 //! | mem | [`pool`], [`tier`], [`mooncake`] | KV cache pools on VRAM or DRAM, the KV tier, Mooncake Store |
 //! | xfer | [`nixl`], [`transport`], [`ucx`], [`rdma`] | NIXL agents and requests, prefill and decode roles, which path UCX chose, RDMA NICs |
@@ -18,7 +18,7 @@
 //! | scenario | [`scenario`] | request-level load: scheduler, connectors, shadow, the two engines |
 //! | sweep | [`sweep`] | the whole-pool sweep's configuration and plan |
 //! | drive | [`run`], [`serve`], [`ab`], [`bench`](mod@bench) | decode's side, prefill's side, the isolation matrix, the probe's own speed |
-//! | evidence | [`bundle`], [`check`], [`inspect`], [`capture`], [`redact`] | bundles, `report check`, `report show/diff`, the environment capture, `--redact` |
+//! | evidence | [`bundle`], [`report_check`], [`show`], [`env_capture`], [`redact`] | bundles, `report check`, `report show/diff`, the environment capture, `--redact` |
 //!
 //! Each floor is a folder of `src/` (a module of the same name); every module is also
 //! re-exported here under its own name (`crate::geometry` is [`core::geometry`]). The binary's
@@ -49,16 +49,16 @@ pub mod xfer;
 
 // Each module by its own name too (`crate::geometry`, `kvprobe::pool`): the paths the code and
 // its users name, whichever folder holds the file.
-pub use self::core::{fingerprint, geometry, inject, model_config, pairing, race, verify, workload};
+pub use self::core::{fingerprint, geometry, inject, mechanism, model_config, pairing, verify, workload};
 pub use drive::{ab, bench, run, serve};
 pub use env::envinfo;
 pub use error::{Error, Exit, Result};
-pub use evidence::{bundle, capture, check, inspect, redact};
+pub use evidence::{bundle, env_capture, redact, report_check, show};
 pub use gpu::cuda;
 pub use mem::{mooncake, pool, tier};
 pub use report::{dump, junit};
 pub use sys::trace::tracing;
-pub use sys::{child, deadline, hostmem, interrupt, par, phase, scratch, test_hooks, text, units};
+pub use sys::{child, deadline, hostmem, interrupt, parallel, progress, tempdir, test_hooks, text, units};
 pub use xfer::{nixl, rdma, transport, ucx};
 
 /// The floors of the modules, lowest first: (floor, its modules). A module imports only
@@ -70,18 +70,18 @@ pub const FLOORS: &[(&str, &[&str])] = &[
             "error",
             "child",
             "interrupt",
-            "scratch",
+            "tempdir",
             "deadline",
             "hostmem",
             "units",
             "text",
-            "par",
-            "phase",
+            "parallel",
+            "progress",
             "test_hooks",
             "trace",
         ],
     ),
-    ("core", &["geometry", "model_config", "fingerprint", "pairing", "verify", "inject", "race", "workload"]),
+    ("core", &["geometry", "model_config", "fingerprint", "pairing", "verify", "inject", "mechanism", "workload"]),
     ("gpu", &["cuda"]),
     ("mem", &["pool", "tier", "mooncake"]),
     ("xfer", &["nixl", "transport", "ucx", "rdma"]),
@@ -91,5 +91,5 @@ pub const FLOORS: &[(&str, &[&str])] = &[
     ("scenario", &["scenario"]),
     ("sweep", &["sweep"]),
     ("drive", &["run", "serve", "ab", "bench"]),
-    ("evidence", &["bundle", "check", "inspect", "capture", "redact"]),
+    ("evidence", &["bundle", "report_check", "show", "env_capture", "redact"]),
 ];

@@ -38,7 +38,7 @@ fn main() {
     if !matches!(&cli.command, Command::Serve(a) if a.fd.is_some()) {
         // What killed kvprobes left in their private directories (SIGKILL, a crash); the
         // prefill process of --decode-process leaves that to its parent.
-        kvprobe::scratch::sweep_stale();
+        kvprobe::tempdir::sweep_stale();
     }
     let exit = match cli.command {
         Command::Run(a) => run(a, &typed),

@@ -1,4 +1,4 @@
-//! The bundle's environment capture (`kvprobe::capture`, issue 14 item 2): every file is
+//! The bundle's environment capture (`kvprobe::env_capture`, issue 14 item 2): every file is
 //! written or its source recorded with a status and a reason; missing tools and hung tools
 //! are statuses, never errors; what a tool prints is kept verbatim; env-vars.txt holds the
 //! UCX_* / NIXL_* variables and nothing else; the UCX log given is copied verbatim.
@@ -105,7 +105,7 @@ fn capture_in_child(name: &str, env: &[(&str, &str)], ucx_log: Option<&Path>) ->
 fn capture_child() {
     let Some(out) = std::env::var_os("KVPROBE_TEST_CAPTURE_OUT").map(PathBuf::from) else { return };
     let log = std::env::var_os("KVPROBE_TEST_CAPTURE_UCX_LOG").map(PathBuf::from);
-    let returned = kvprobe::capture::capture(&out, log.as_deref()).expect("capture returns Ok");
+    let returned = kvprobe::env_capture::capture(&out, log.as_deref()).expect("capture returns Ok");
     let list: String = returned.iter().map(|p| format!("{}\n", p.display())).collect();
     std::fs::write(out.parent().unwrap().join("returned.txt"), list).unwrap();
 }
@@ -123,7 +123,7 @@ fn script(dir: &Path, name: &str, body: &str) {
 #[test]
 fn capture_here_writes_every_file_or_says_why() {
     let d = tmpdir("capture-here").join("nested/out");
-    let returned = kvprobe::capture::capture(&d, None).expect("capture never fails on a missing source");
+    let returned = kvprobe::env_capture::capture(&d, None).expect("capture never fails on a missing source");
     let m = check_complete(&d, &returned);
     assert_eq!(entry(&m, "env-vars.txt")["status"], "ok");
     assert_eq!(entry(&m, "versions.txt")["status"], "ok");
@@ -276,10 +276,10 @@ fn capture_keeps_tool_output_env_vars_and_ucx_log_verbatim() {
 fn capture_missing_ucx_log_is_a_status_and_unwritable_out_an_error() {
     let d = tmpdir("capture-nolog");
     let out = d.join("out");
-    kvprobe::capture::capture(&out, Some(&d.join("no-such.log"))).unwrap();
+    kvprobe::env_capture::capture(&out, Some(&d.join("no-such.log"))).unwrap();
     let u = entry(&manifest(&out), "ucx-protocols.txt").clone();
     assert_eq!(u["status"], "missing", "{u}");
     std::fs::write(d.join("a-file"), "x").unwrap();
-    let e = kvprobe::capture::capture(&d.join("a-file/out"), None).unwrap_err();
+    let e = kvprobe::env_capture::capture(&d.join("a-file/out"), None).unwrap_err();
     assert!(matches!(e, kvprobe::Error::Io(_)), "{e:?}");
 }

@@ -277,8 +277,8 @@ fn every_copy_source_is_in_the_build_context() {
         }
     }
     // What the build reads: the manifest, build.rs's C sources, and every file src/ embeds
-    // (include_str!: csrc/ kernels, the Mooncake worker in python/).
-    for need in ["Cargo.toml", "Cargo.lock", "build.rs", "src", "csrc", "scripts", "tests"] {
+    // (include_str!: csrc/ kernels, the fingerprint reference and the Mooncake worker in pysrc/).
+    for need in ["Cargo.toml", "Cargo.lock", "build.rs", "src", "csrc", "pysrc", "scripts", "tests"] {
         assert!(copied.iter().any(|c| c == need), "the image never copies {need}");
     }
     // Every file of src/, at any depth: an include_str! path climbs out of src/ and names a

@@ -1,5 +1,5 @@
 //! The fingerprint (kvprobe.fingerprint/2, by head row): vectors of the independent reference
-//! scripts/fingerprint_ref.py, a re-implementation of csrc/fingerprint.h's comment, tags that
+//! pysrc/fingerprint_ref.py, a re-implementation of csrc/fingerprint.h's comment, tags that
 //! name every row, checking, and classification on the CPU — unit by unit and row by row.
 
 use kvprobe::fingerprint::{self, BlockIdentity, RowOrder, RowShape, SliceRows};
@@ -41,7 +41,7 @@ fn generations_wrap_past_the_skip_marker_to_one() {
 
 #[test]
 fn vectors_match_the_python_reference() {
-    // scripts/fingerprint_ref.py SEED LAYER KV BLOCK GENERATION ORDER BLOCK_SIZE HEADS ROW_BYTES TOKEN_BASE HEAD_BASE
+    // pysrc/fingerprint_ref.py SEED LAYER KV BLOCK GENERATION ORDER BLOCK_SIZE HEADS ROW_BYTES TOKEN_BASE HEAD_BASE
     let big = id(60, KvPart::Latent, 4_000_000_000, 4_294_967_294);
     let cases: Vec<(u64, SliceRows, &str)> = vec![
         (
@@ -73,7 +73,7 @@ fn vectors_match_the_python_reference() {
     for (seed, r, digest) in cases {
         assert_eq!(fingerprint::digest(&fingerprint::expected(seed, &r)), digest, "{r:?}");
     }
-    // scripts/fingerprint_ref.py 1 3 V 17 5 nhd 1 1 32 2 1 - | xxd -i: the tag (block 17;
+    // pysrc/fingerprint_ref.py 1 3 V 17 5 nhd 1 1 32 2 1 - | xxd -i: the tag (block 17;
     // layer 3, V, unit 0, 0x4C; generation 5; token 2, head 1), then group 1: its hash h (the
     // check word), h × 0x85EBCA6B, h × 0xC2B2AE35, h × 0x27D4EB2F.
     assert_eq!(
@@ -796,7 +796,7 @@ fn the_readmes_spec_reproduces_scenario_failures() {
 }
 
 fn fingerprint_ref(args: &[&str]) -> (i32, String, String) {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/fingerprint_ref.py");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/pysrc/fingerprint_ref.py");
     let o = std::process::Command::new("python3").arg(script).args(args).output().expect("python3 runs");
     (
         o.status.code().unwrap_or(-1),

@@ -268,10 +268,31 @@ fn the_sides_line_says_what_decode_converts_and_notes_flags_that_change_nothing(
             a.extend_from_slice(&["--kv-heads", "2"]);
         }
         a.extend_from_slice(extra);
+        let rp = tmpdir("sides-line").join(format!("{}.json", extra.join("_").replace('-', "")));
+        a.extend_from_slice(&["--report", rp.to_str().unwrap()]);
         let (code, out, err) = kvprobe(&a);
         assert_eq!(code, 0, "{extra:?}: {out}{err}");
         let line = out.lines().find(|l| l.starts_with("sides:")).map(|l| format!("{l}\n")).unwrap_or_default();
         assert!(line.contains(sides), "{extra:?}: wanted {sides:?} in {line:?}");
+        // The run records what decode converted (the case's words say whether it does); the
+        // summary printed from the report reads that record.
+        let mut r = read_report(&rp);
+        assert_eq!(r["decode_converts"], sides.contains("converts on receive"), "{extra:?}");
+        if r["decode_converts"] == true {
+            // A report that says nothing was converted is rendered so, whatever the geometry
+            // would re-derive; one of an older kvprobe (no record) likewise says nothing.
+            for v in [Some(false), None] {
+                match v {
+                    Some(b) => r["decode_converts"] = b.into(),
+                    None => drop(r.as_object_mut().unwrap().remove("decode_converts")),
+                }
+                std::fs::write(&rp, serde_json::to_vec(&r).unwrap()).unwrap();
+                let (code, shown, err) = kvprobe(&["report", "show", rp.to_str().unwrap()]);
+                assert_eq!(code, 0, "{err}");
+                let l = shown.lines().find(|l| l.starts_with("sides:")).unwrap_or_default();
+                assert!(l.starts_with("sides:") && !l.contains("converts"), "{extra:?} {v:?}: {shown}");
+            }
+        }
         match note {
             Some(n) => assert!(err.contains(n), "{extra:?}: wanted the note {n:?} in {err}"),
             None => assert!(!err.contains("note:"), "{extra:?}: {err}"),

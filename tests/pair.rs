@@ -890,7 +890,7 @@ fn pair_ab_passes_every_row_with_the_embedded_tier() {
     // Rows count from 1, in ab's order.
     let saf = kvprobe::ab::cases()
         .iter()
-        .position(|c| c.unfenced == Some(kvprobe::race::Mechanism::SaveAfterFree))
+        .position(|c| c.unfenced == Some(kvprobe::mechanism::Mechanism::SaveAfterFree))
         .expect("a save-after-free row")
         + 1;
     assert!(sout.contains(&format!("kvprobe serve: row {saf}: stacked with save-after-free unfenced")), "{sout}");
@@ -1186,7 +1186,7 @@ fn a_prefill_that_breaks_the_scenario_protocol_ends_the_run_with_exit_3() {
                         block: 0,
                         content: kvprobe::tier::Content {
                             id: TableEntry::new(5, 1),
-                            cause: Some(kvprobe::race::Mechanism::SaveAfterFree),
+                            cause: Some(kvprobe::mechanism::Mechanism::SaveAfterFree),
                         },
                     },
                 }],
@@ -1248,7 +1248,7 @@ fn fake_decode(addr: &str, drive: impl FnOnce(&kvprobe::peer::Link, kvprobe::pee
     link.running();
     let begin = Begin {
         row: 0,
-        scenario: kvprobe::race::Scenario::NixlOnly,
+        scenario: kvprobe::mechanism::Scenario::NixlOnly,
         unfenced: Vec::new(),
         tag: "fake:req=".into(),
         push: false,

@@ -152,7 +152,7 @@ fn cmd(c: &str, args: &[&str]) -> Option<String> {
 #[test]
 fn redacted_capture_of_this_machine_holds_none_of_its_names() {
     let d = crate::common::tmpdir("redact-capture");
-    kvprobe::capture::capture(&d, None).unwrap();
+    kvprobe::env_capture::capture(&d, None).unwrap();
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap().trim().to_string();
     let mut hosts = vec![host.clone()];
     hosts.extend(cmd("uname", &["-n"]));

@@ -923,7 +923,7 @@ fn ab_rows_cut_short_do_not_pass() {
 fn race_help_explains_every_mechanism() {
     let (code, out, _) = kvprobe(&["run", "--help"]);
     assert_eq!(code, 0);
-    for m in kvprobe::race::Mechanism::ALL.map(|m| m.name()) {
+    for m in kvprobe::mechanism::Mechanism::ALL.map(|m| m.name()) {
         let line =
             out.lines().find(|l| l.trim_start().starts_with(&format!("{m}:"))).unwrap_or_else(|| panic!("{m} in --help: {out}"));
         assert!(line.contains("unfenced:"), "{line}");
@@ -939,8 +939,8 @@ fn race_help_explains_every_mechanism() {
 mod attribution {
     use kvprobe::fingerprint::{self, BlockIdentity};
     use kvprobe::geometry::{KvPart, SliceCoord};
+    use kvprobe::mechanism::Mechanism;
     use kvprobe::pool::TableEntry;
-    use kvprobe::race::Mechanism;
     use kvprobe::scenario::shadow::attribute;
     use kvprobe::tier::Content;
 
@@ -1186,8 +1186,8 @@ fn ab_exits_1_when_a_row_has_unexplained_corruption() {
 // are all it knows (so the same stream can come from another process or host).
 
 mod shadow_events {
+    use kvprobe::mechanism::{Mechanism, Races};
     use kvprobe::pool::TableEntry;
-    use kvprobe::race::{Mechanism, Races};
     use kvprobe::scenario::shadow::{Answer, EngineId, Event, Shadow, What};
     use kvprobe::tier::Content;
 

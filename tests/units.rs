@@ -3,8 +3,8 @@
 
 use kvprobe::Exit;
 use kvprobe::ab::{AbRow, matrix_exit};
+use kvprobe::mechanism::{Fencing, Mechanism, RaceSpec, Races, Scenario};
 use kvprobe::pool::TableEntry;
-use kvprobe::race::{Fencing, Mechanism, RaceSpec, Races, Scenario};
 use kvprobe::tier::{Content, Store};
 use kvprobe::workload::{Workload, WorkloadConfig, chain_hash};
 
@@ -319,7 +319,7 @@ fn the_bench_breakdown_takes_the_median_iteration_after_the_warm_up() {
 fn parallel_passes_visit_every_part_once_whatever_the_thread_count() {
     for threads in [0usize, 1, 2, 7, 64] {
         let mut v = vec![0u32; 1000];
-        kvprobe::par::for_each(v.chunks_mut(7).enumerate(), threads, |(i, part)| {
+        kvprobe::parallel::for_each(v.chunks_mut(7).enumerate(), threads, |(i, part)| {
             for x in part.iter_mut() {
                 *x += i as u32 + 1;
             }

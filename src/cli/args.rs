@@ -661,7 +661,7 @@ impl RunArgs {
                         flag(f)
                     )));
                 }
-                let races = kvprobe::race::Races::from_specs(&self.race);
+                let races = kvprobe::mechanism::Races::from_specs(&self.race);
                 if !s.uses_tier()
                     && (self.load.mooncake_master.is_some() || typed.iter().any(|f| *f == "tier" || *f == "tier_blocks"))
                 {

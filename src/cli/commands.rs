@@ -130,7 +130,7 @@ pub(crate) fn refused<T: serde::Serialize>(pool: &PoolArgs, doc: &T, of: JunitOf
 pub(crate) fn dump_dir(pool: &PoolArgs) -> Result<Option<PathBuf>, Error> {
     match (&pool.dump, &pool.bundle) {
         (Some(d), _) => Ok(Some(d.clone())),
-        (None, Some(_)) => Ok(Some(kvprobe::scratch::dir()?.join("dump"))),
+        (None, Some(_)) => Ok(Some(kvprobe::tempdir::dir()?.join("dump"))),
         (None, None) => Ok(None),
     }
 }
@@ -500,25 +500,25 @@ pub(crate) fn env(json: bool, probe: bool) -> Exit {
     }
 }
 
-/// `kvprobe report show|diff|check` ([`kvprobe::inspect`], [`kvprobe::check`]). What they
+/// `kvprobe report show|diff|check` ([`kvprobe::show`], [`kvprobe::report_check`]). What they
 /// print is their result: stdout that cannot take it (a full disk, `> /dev/full`) is said on
 /// stderr and exits 7, as a report that cannot be written ([`report_out`]).
 pub(crate) fn report_command(c: ReportCommand) -> Exit {
     let load = |p: &Path| {
-        kvprobe::inspect::load(p).map_err(|e| {
+        kvprobe::show::load(p).map_err(|e| {
             err(&format!("kvprobe: {e}"));
             e.exit()
         })
     };
     match c {
-        ReportCommand::Show { file } => match kvprobe::inspect::show_file(&file) {
+        ReportCommand::Show { file } => match kvprobe::show::show_file(&file) {
             Ok(text) => report_out(&text, Exit::Clean),
             Err(e) => {
                 err(&format!("kvprobe: {e}"));
                 e.exit()
             }
         },
-        ReportCommand::Check { bundle } => match kvprobe::check::check(&bundle) {
+        ReportCommand::Check { bundle } => match kvprobe::report_check::check(&bundle) {
             Ok(c) if c.problems.is_empty() => report_out(
                 &format!(
                     "{}: everything agrees ({} files match the manifest; {} dumped slices re-derived, as the report says)\n",
@@ -530,12 +530,12 @@ pub(crate) fn report_command(c: ReportCommand) -> Exit {
             ),
             Ok(c) => {
                 let mut text: String =
-                    c.problems.iter().map(|p| format!("{}\n", kvprobe::inspect::escape_for_terminal(p))).collect();
+                    c.problems.iter().map(|p| format!("{}\n", kvprobe::show::escape_for_terminal(p))).collect();
                 text += &format!("{}: {} disagreement(s)\n", bundle.display(), c.problems.len());
                 report_out(&text, Exit::Corrupt)
             }
             Err(e) => {
-                err(&format!("kvprobe: {}", kvprobe::inspect::escape_for_terminal(&e.to_string())));
+                err(&format!("kvprobe: {}", kvprobe::show::escape_for_terminal(&e.to_string())));
                 Exit::Usage
             }
         },
@@ -544,8 +544,8 @@ pub(crate) fn report_command(c: ReportCommand) -> Exit {
                 (Ok(x), Ok(y)) => (x, y),
                 (Err(x), _) | (_, Err(x)) => return x,
             };
-            let exit = if kvprobe::inspect::diff(&da, &db).0.is_empty() { Exit::Clean } else { Exit::Corrupt };
-            report_out(&kvprobe::inspect::render_diff(&a, &da, &b, &db), exit)
+            let exit = if kvprobe::show::diff(&da, &db).0.is_empty() { Exit::Clean } else { Exit::Corrupt };
+            report_out(&kvprobe::show::render_diff(&a, &da, &b, &db), exit)
         }
     }
 }

@@ -67,13 +67,13 @@ pub(crate) fn err(line: &str) {
 /// The spinner showing the current set-up or bench phase on a terminal (see [`show_phases`]).
 pub(crate) static PHASE_BAR: std::sync::Mutex<Option<indicatif::ProgressBar>> = std::sync::Mutex::new(None);
 
-/// Shows each phase the library announces ([`kvprobe::phase`]): on a terminal as one spinner
+/// Shows each phase the library announces ([`kvprobe::progress`]): on a terminal as one spinner
 /// line (cleared by [`end_phases`] before anything else is printed), otherwise as one plain
 /// line on stderr per phase. `setup_lines`: whether plain lines include `setup:` phases
 /// (bench leaves its sweeps' set-up steps to the spinner).
 pub(crate) fn show_phases(setup_lines: bool) {
     if std::io::stderr().is_terminal() {
-        kvprobe::phase::set_sink(|msg| {
+        kvprobe::progress::set_sink(|msg| {
             let mut g = PHASE_BAR.lock().unwrap_or_else(|e| e.into_inner());
             let bar = g.get_or_insert_with(|| {
                 let b = indicatif::ProgressBar::new_spinner();
@@ -86,7 +86,7 @@ pub(crate) fn show_phases(setup_lines: bool) {
             bar.set_message(msg.to_string());
         });
     } else {
-        kvprobe::phase::set_sink(move |msg| {
+        kvprobe::progress::set_sink(move |msg| {
             if setup_lines || !msg.starts_with("setup:") {
                 err(msg);
             }

@@ -10,7 +10,7 @@
 //!
 //! The definition is `csrc/fingerprint.h` (quoted in docs/fingerprint.md, "Fingerprint format"), shared
 //! by the CUDA kernels ([`KERNEL_SOURCE`]) and the CPU reference (`csrc/fingerprint_cpu.c`,
-//! linked here), so VRAM and DRAM pools hold bit-identical bytes; `scripts/fingerprint_ref.py`
+//! linked here), so VRAM and DRAM pools hold bit-identical bytes; `pysrc/fingerprint_ref.py`
 //! re-implements it.
 //!
 //! A slice holds `block_size × heads` rows in its layout's order, after the per-layer vLLM

@@ -6,8 +6,8 @@
 pub mod fingerprint;
 pub mod geometry;
 pub mod inject;
+pub mod mechanism;
 pub mod model_config;
 pub mod pairing;
-pub mod race;
 pub mod verify;
 pub mod workload;

@@ -6,7 +6,7 @@
 //! unfenced row must be detected and attributed to its mechanism (else kvprobe could not
 //! have seen that bug on this setup: exit 6).
 
-use crate::core::race::{Mechanism, Scenario};
+use crate::core::mechanism::{Mechanism, Scenario};
 use crate::drive::run::Probe;
 use crate::env::envinfo::Environment;
 use crate::error::{Error, Exit, Result};

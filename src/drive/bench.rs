@@ -294,7 +294,7 @@ fn gpu_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
         (0..g.num_blocks).map(|i| TableEntry::new(crate::drive::run::logical_block(cfg.seed, i), 1)).collect();
     let kernel_secs = |p: &KvPool| p.last_kernel_seconds().ok_or_else(|| Error::Device("no kernel time recorded".into()));
     let m =
-        |name: &str| crate::sys::phase::announce(&format!("bench: measuring {name} ({} passes after a warm-up)", cfg.repeats));
+        |name: &str| crate::sys::progress::announce(&format!("bench: measuring {name} ({} passes after a warm-up)", cfg.repeats));
     m("gpu.fill");
     let fill = timed(cfg.repeats, || {
         src.fill(&table)?;
@@ -366,7 +366,7 @@ fn gpu_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
 fn par_slices(buf: &mut [u8], sb: usize, threads: usize, f: impl Fn(usize, &mut [u8]) + Sync) {
     let slices = buf.len() / sb;
     let per = slices.div_ceil(threads.max(1)).max(1);
-    crate::sys::par::for_each(buf.chunks_mut(per * sb).enumerate(), threads, |(t, part)| f(t * per, part));
+    crate::sys::parallel::for_each(buf.chunks_mut(per * sb).enumerate(), threads, |(t, part)| f(t * per, part));
 }
 
 /// Slice `i` of the CPU figures: a llama3-8b K slice (16 tokens × 8 heads × 256-byte rows).
@@ -394,7 +394,7 @@ fn host_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
     let copy_pass = |dst: &mut [u8], src: &[u8], threads: usize| {
         let t = Instant::now();
         let per = n.div_ceil(threads).div_ceil(SB) * SB;
-        crate::sys::par::for_each(dst.chunks_mut(per).zip(src.chunks(per)), threads, |(d, s)| d.copy_from_slice(s));
+        crate::sys::parallel::for_each(dst.chunks_mut(per).zip(src.chunks(per)), threads, |(d, s)| d.copy_from_slice(s));
         t.elapsed().as_secs_f64()
     };
     let verify_pass = |buf: &mut [u8], threads: usize| -> Result<f64> {
@@ -418,7 +418,7 @@ fn host_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
     let bytes = n as u64;
     let size = if bytes >= 1 << 20 { format!("{} MiB", bytes >> 20) } else { format!("{} KiB", bytes >> 10) };
     let m =
-        |name: &str| crate::sys::phase::announce(&format!("bench: measuring {name} ({} passes after a warm-up)", cfg.repeats));
+        |name: &str| crate::sys::progress::announce(&format!("bench: measuring {name} ({} passes after a warm-up)", cfg.repeats));
     fill_pass(src.as_mut_slice(), all);
     m("cpu.memcpy.1");
     let c1 = figure(
@@ -477,7 +477,7 @@ fn request_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
     let g = llama_pool_geometry(cfg.sweep_bytes)?;
     let sb = g.slice_bytes()?;
     let bytes = g.pool_bytes()?;
-    crate::sys::phase::announce(&format!("bench: NIXL request rows: two DRAM pools of {} MiB", bytes >> 20));
+    crate::sys::progress::announce(&format!("bench: NIXL request rows: two DRAM pools of {} MiB", bytes >> 20));
     let opts = TransportOptions { xfer_req: XferReq::Prepared, backend_params: cfg.backend_params.clone() };
     let prefill = Endpoint::with_options("kvprobe-bench-prefill", &cfg.backend, KvPool::host(&g, cfg.seed)?, &opts)?;
     let mut decode = Endpoint::with_options("kvprobe-bench-decode", &cfg.backend, KvPool::host(&g, cfg.seed)?, &opts)?;
@@ -504,7 +504,7 @@ fn request_figures(cfg: &BenchConfig, out: &mut Vec<Figure>) -> Result<()> {
             .collect();
         for mode in [XferReq::Create, XferReq::Prepared] {
             let name = format!("nixl.request.{}.{shape}", mode.name());
-            crate::sys::phase::announce(&format!("bench: measuring {name} ({} passes after a warm-up)", cfg.repeats));
+            crate::sys::progress::announce(&format!("bench: measuring {name} ({} passes after a warm-up)", cfg.repeats));
             let t = timed(cfg.repeats, || decode.time_request(Op::Read, &pairs, mode))?;
             let how = match mode {
                 XferReq::Create => "createXferReq",
@@ -732,7 +732,7 @@ pub fn run(cfg: &BenchConfig, r: &mut BenchReport) -> Result<()> {
         if let Some(d) = cfg.decode_device.filter(|&d| d != cfg.device && cfg.memory == MemoryKind::Vram) {
             label += &format!(", GPU {} -> GPU {d}", cfg.device);
         }
-        crate::sys::phase::announce(&format!("bench: sweep {}/{count}: {label} ({} iterations)", k + 1, cfg.iterations));
+        crate::sys::progress::announce(&format!("bench: sweep {}/{count}: {label} ({} iterations)", k + 1, cfg.iterations));
         let b = breakdown(cfg, &label, cfg.memory, g, (n, stages), one_way);
         let failed = (b.exit_code != 0).then(|| (b.exit_code, b.error.clone().unwrap_or_default(), b.label.clone()));
         r.breakdowns.push(b);
@@ -759,7 +759,7 @@ pub fn run(cfg: &BenchConfig, r: &mut BenchReport) -> Result<()> {
     if cfg.memory == MemoryKind::Dram {
         request_figures(cfg, &mut r.figures)?;
     } else {
-        crate::sys::phase::announce(
+        crate::sys::progress::announce(
             "bench: NIXL request rows: measured by `kvprobe bench --memory dram` (not after VRAM sweeps)",
         );
     }

@@ -110,14 +110,14 @@ impl Probe {
         let mut copy_gbps = None;
         let handoff = Arc::new(crate::drive::serve::Handoff::default());
         let (link, addr) = if cfg.peer.is_none() && !cfg.decode_process {
-            crate::sys::phase::announce(&format!(
+            crate::sys::progress::announce(&format!(
                 "setup: allocating pools ({} {} per side)",
                 cfg.geometry.pool_bytes().map(crate::sys::units::bytes_binary).unwrap_or_default(),
                 if cfg.memory == MemoryKind::Vram { "VRAM" } else { "DRAM" }
             ));
             let (mut p, mut d) = build_pools(cfg)?;
             if cfg.scenario.is_none() && cfg.geometry.pool_bytes()? >= crate::mem::pool::MIN_CEILING_BYTES && same_regions(cfg)? {
-                crate::sys::phase::announce("setup: timing a copy of the prefill pool to the decode pool (the ceiling)");
+                crate::sys::progress::announce("setup: timing a copy of the prefill pool to the decode pool (the ceiling)");
                 copy_gbps = Some(time_copy(cfg, &mut p, &mut d, &plan(cfg, 1)?)?);
             }
             *handoff.pool.lock().unwrap_or_else(|p| p.into_inner()) = Some(p);
@@ -147,7 +147,7 @@ impl Probe {
             environment = None;
             (link, "in-process".to_string())
         } else if cfg.decode_process {
-            crate::sys::phase::announce(&format!(
+            crate::sys::progress::announce(&format!(
                 "setup: starting the prefill process (kvprobe serve holding prefill's NIXL agent and pool, {})",
                 if cfg.memory == MemoryKind::Vram { format!("VRAM on GPU {}", cfg.prefill_device) } else { "DRAM".into() }
             ));
@@ -164,7 +164,7 @@ impl Probe {
             (link, addr)
         } else {
             let addr = cfg.peer.clone().unwrap_or_default();
-            crate::sys::phase::announce(&format!("setup: connecting to the prefill peer at {addr}"));
+            crate::sys::progress::announce(&format!("setup: connecting to the prefill peer at {addr}"));
             let token = cfg.peer_token.clone().unwrap_or_default();
             let link = crate::peer::client::connect(&addr, &token, &run_id, timeout)?;
             link.bound_setup(timeout);
@@ -190,11 +190,11 @@ impl Probe {
         }
         let pool = match decode_pool {
             Some(d) => {
-                crate::sys::phase::announce(&format!("setup: registering the pools with NIXL (backend {})", cfg.backend));
+                crate::sys::progress::announce(&format!("setup: registering the pools with NIXL (backend {})", cfg.backend));
                 d
             }
             None => {
-                crate::sys::phase::announce(&format!(
+                crate::sys::progress::announce(&format!(
                     "setup: allocating decode's pool ({} {}), registering it with NIXL (backend {}); prefill on {} ({})",
                     cfg.decode_geom().pool_bytes().map(crate::sys::units::bytes_binary).unwrap_or_default(),
                     if cfg.memory == MemoryKind::Vram { "VRAM" } else { "DRAM" },
@@ -516,7 +516,10 @@ pub fn failed_report(cfg: &RunConfig, e: &Error) -> Report {
 
 /// A report with no results yet (status "running").
 pub(crate) fn empty_report(cfg: &RunConfig) -> Report {
-    Report::start(serde_json::to_value(cfg).unwrap_or(serde_json::Value::Null))
+    let mut r = Report::start(serde_json::to_value(cfg).unwrap_or(serde_json::Value::Null));
+    // What decode's conversion on receive does, recorded once here for every reader.
+    r.decode_converts = cfg.sides().ok().map(|s| s.converts());
+    r
 }
 
 /// The report to write when a call blocked past its deadline (`e`, a timeout) and the run
@@ -662,18 +665,18 @@ pub const PEER_BYE_BOUND: Duration = Duration::from_secs(5);
 /// there are any (`None` for sweeps, unfenced runs and clean ones).
 pub fn fenced_violations(report: &Report) -> Option<u64> {
     let sc = report.scenario.as_ref()?;
-    let fenced = sc.races.iter().all(|o| o.fencing == crate::core::race::Fencing::Fenced);
+    let fenced = sc.races.iter().all(|o| o.fencing == crate::core::mechanism::Fencing::Fenced);
     let n = sc.ownership_violations.unwrap_or(0);
     (fenced && n > 0).then_some(n)
 }
 
 /// The unfenced race mechanisms of a scenario run whose verdict is not `detected` (empty
 /// for sweeps and fenced runs).
-pub fn unfenced_not_reproduced(report: &Report) -> Vec<crate::core::race::Mechanism> {
+pub fn unfenced_not_reproduced(report: &Report) -> Vec<crate::core::mechanism::Mechanism> {
     report.scenario.as_ref().map_or_else(Vec::new, |sc| {
         sc.races
             .iter()
-            .filter(|o| o.fencing == crate::core::race::Fencing::Unfenced && o.verdict != "detected")
+            .filter(|o| o.fencing == crate::core::mechanism::Fencing::Unfenced && o.verdict != "detected")
             .map(|o| o.mechanism)
             .collect()
     })
@@ -686,7 +689,7 @@ pub(crate) fn prepare(cfg: &RunConfig, report: &mut Report) -> Result<()> {
     // environment).
     let config = check_config(cfg);
     if config.is_ok() {
-        crate::sys::phase::announce("setup: loading NIXL, checking the environment");
+        crate::sys::progress::announce("setup: loading NIXL, checking the environment");
     }
     crate::xfer::nixl::check_ucx_log_file()?;
     let lib = crate::xfer::nixl::load();
@@ -972,7 +975,7 @@ fn sweep(
     let g = cfg.decode_geom().clone();
     let sides = cfg.sides()?;
     for why in sides.vllm_refuses() {
-        crate::sys::phase::announce(&format!("note: {why}"));
+        crate::sys::progress::announce(&format!("note: {why}"));
     }
     let sb = g.slice_bytes()? as usize;
     let ranks = probe.ranks();
@@ -992,7 +995,7 @@ fn sweep(
 
     // Setup: iteration 1's fill and faults, the copy ceiling, iteration 1's poison.
     let scratch_ceiling = cfg.decode_process && pool_bytes >= crate::mem::pool::MIN_CEILING_BYTES && same_regions(cfg)?;
-    crate::sys::phase::announce(&format!(
+    crate::sys::progress::announce(&format!(
         "setup: filling the prefill pool{}, poisoning the decode pool",
         if scratch_ceiling { ", timing a copy of it (the ceiling)" } else { "" }
     ));

@@ -16,7 +16,7 @@
 //! Both sides plan each iteration from the configuration alone (`sweep::plan`: block
 //! map, injections), so the protocol never carries block lists.
 
-use crate::core::race::Scenario;
+use crate::core::mechanism::Scenario;
 use crate::error::{Error, Exit, Result};
 use crate::mem::pool::MemoryKind;
 use crate::mem::tier::TierKind;

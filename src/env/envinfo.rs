@@ -160,7 +160,7 @@ impl PathProbe {
 fn probe_one(mem: &str, op: &str, a: usize, b: usize, two: bool) -> crate::error::Result<PathProbe> {
     use crate::error::Error;
     let exe = std::env::current_exe().map_err(|e| Error::Environment(format!("cannot find kvprobe's own executable: {e}")))?;
-    let dir = tempfile::tempdir_in(crate::sys::scratch::dir()?).map_err(|e| Error::Io(format!("temporary directory: {e}")))?;
+    let dir = tempfile::tempdir_in(crate::sys::tempdir::dir()?).map_err(|e| Error::Io(format!("temporary directory: {e}")))?;
     let report = dir.path().join("probe.json");
     let mut cmd = std::process::Command::new(exe);
     cmd.args(["run", "--memory", mem, "--preset", "llama3-8b", "--blocks", "16", "--iterations", "2", "--op", op]);

@@ -69,7 +69,7 @@ pub struct Contents<'a> {
     pub dump: Option<&'a Path>,
     /// `run` or `bundle` ([`Manifest::capture_made`]).
     pub capture_made: &'static str,
-    /// The run's UCX log for the capture ([`crate::evidence::capture::capture`]); `None`: this
+    /// The run's UCX log for the capture ([`crate::evidence::env_capture::capture`]); `None`: this
     /// process's own (a run-time bundle), recorded missing when there is none (`kvprobe
     /// bundle`).
     pub ucx_log: Option<&'a Path>,
@@ -110,7 +110,7 @@ fn walk(dir: &Path) -> Result<Vec<(String, PathBuf)>> {
 }
 
 /// Report fields whose string values `--redact` never changes: fixed vocabularies (the
-/// values of enums in `src/report/mod.rs`, `src/drive/ab.rs`, `src/core/verify.rs`, `src/core/race.rs`,
+/// values of enums in `src/report/mod.rs`, `src/drive/ab.rs`, `src/core/verify.rs`, `src/core/mechanism.rs`,
 /// `src/core/geometry.rs`, `src/sweep/mod.rs`, `src/mem/tier.rs`, `src/core/inject.rs`) and hashes. A user or
 /// host name equal to one of their values (`USER=torn`) must not rename them: the redacted
 /// report would no longer be a report. Any key ending in `_digest` is kept too.
@@ -373,7 +373,7 @@ pub fn check_output(out: &Path, report: &Path, dump: Option<&Path>) -> Result<()
 }
 
 /// Writes the bundle `out` (atomically) holding `c`, with the environment captured now
-/// ([`crate::evidence::capture::capture`]) into a scratch directory; with `c.redact`, the report and the
+/// ([`crate::evidence::env_capture::capture`]) into a scratch directory; with `c.redact`, the report and the
 /// capture pass through one [`crate::evidence::redact::Redactor`]. Returns its manifest. Errors: [`Error::Io`] (the dump or capture
 /// cannot be read, the bundle cannot be written).
 pub fn write(out: &Path, c: &Contents<'_>) -> Result<Manifest> {
@@ -405,9 +405,9 @@ pub fn write(out: &Path, c: &Contents<'_>) -> Result<Manifest> {
     }
     let scratch = tempfile::Builder::new()
         .prefix("bundle-env.")
-        .tempdir_in(crate::sys::scratch::dir()?)
+        .tempdir_in(crate::sys::tempdir::dir()?)
         .map_err(|e| Error::Io(format!("bundle: scratch directory: {e}")))?;
-    crate::evidence::capture::capture(scratch.path(), c.ucx_log)?;
+    crate::evidence::env_capture::capture(scratch.path(), c.ucx_log)?;
     for (rel, p) in walk(scratch.path())? {
         let body = std::fs::read(&p).map_err(|e| Error::Io(format!("bundle: read {}: {e}", p.display())))?;
         // JSON files (`capture.json`) are redacted value by value, never their keys; only

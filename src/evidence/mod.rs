@@ -2,7 +2,7 @@
 //! show/diff`, the environment capture and `--redact`.
 
 pub mod bundle;
-pub mod capture;
-pub mod check;
-pub mod inspect;
+pub mod env_capture;
 pub mod redact;
+pub mod report_check;
+pub mod show;

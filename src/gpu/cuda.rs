@@ -731,7 +731,7 @@ fn ptx_cache_path(arch: &str) -> PathBuf {
     let nvrtc = nvrtc_version().unwrap_or_default();
     let key =
         crate::core::fingerprint::digest(format!("{}\0{arch}\0{nvrtc}", crate::core::fingerprint::KERNEL_SOURCE).as_bytes());
-    crate::sys::scratch::kvprobe_home().join("kernels").join(format!("{}-{arch}.ptx", &key[..32]))
+    crate::sys::tempdir::kvprobe_home().join("kernels").join(format!("{}-{arch}.ptx", &key[..32]))
 }
 
 fn cached_ptx(arch: &str) -> Option<String> {

@@ -7,7 +7,7 @@
 //! wheel `mooncake-transfer-engine-cuda13` (CUDA 13 hosts) or `-non-cuda` into a virtual
 //! environment at `$KVPROBE_HOME/mooncake/venv`; `$KVPROBE_MOONCAKE_VENV` names another.
 //! Mooncake exports no C API, so the store client is a worker on its Python API
-//! ([`Worker`], python/kvprobe_mooncake_worker.py) that maps kvprobe's pools (DRAM: a memfd it
+//! ([`Worker`], pysrc/kvprobe_mooncake_worker.py) that maps kvprobe's pools (DRAM: a memfd it
 //! inherits; VRAM: each layer region's CUDA IPC handle) and moves blocks between them and the
 //! store.
 
@@ -55,7 +55,7 @@ pub struct Install {
 pub fn venv_dir() -> PathBuf {
     match std::env::var_os(VENV_ENV).filter(|v| !v.is_empty()) {
         Some(v) => PathBuf::from(v),
-        None => crate::sys::scratch::kvprobe_home().join("mooncake/venv"),
+        None => crate::sys::tempdir::kvprobe_home().join("mooncake/venv"),
     }
 }
 
@@ -299,7 +299,7 @@ pub struct Master {
     /// The store clients' metadata setting: [`P2P_METADATA`] (the master runs no metadata
     /// server).
     pub metadata_url: String,
-    /// The master's stdout and stderr: an anonymous file ([`crate::sys::scratch::anonymous_file`]).
+    /// The master's stdout and stderr: an anonymous file ([`crate::sys::tempdir::anonymous_file`]).
     log: std::fs::File,
 }
 
@@ -330,7 +330,7 @@ impl Master {
 
     fn start_once(install: &Install, timeout: Duration, host: IpAddr) -> Result<Master> {
         let [rpc_port, metrics_port] = free_ports::<2>(host)?;
-        let log = crate::sys::scratch::anonymous_file().map_err(|e| Error::Environment(format!("master log file: {e}")))?;
+        let log = crate::sys::tempdir::anonymous_file().map_err(|e| Error::Environment(format!("master log file: {e}")))?;
         let out = log.try_clone().map_err(|e| Error::Environment(format!("master log file: {e}")))?;
         let err = log.try_clone().map_err(|e| Error::Environment(format!("master log file: {e}")))?;
         let mut cmd = Command::new(&install.master);
@@ -415,8 +415,8 @@ impl Drop for Master {
     }
 }
 
-/// Source of the store worker (python/kvprobe_mooncake_worker.py), run in the Mooncake venv.
-pub const WORKER_SOURCE: &str = include_str!("../../python/kvprobe_mooncake_worker.py");
+/// Source of the store worker (pysrc/kvprobe_mooncake_worker.py), run in the Mooncake venv.
+pub const WORKER_SOURCE: &str = include_str!("../../pysrc/kvprobe_mooncake_worker.py");
 
 /// The worker's protocol name.
 pub const PROTOCOL: &str = "kvprobe-mooncake/1";
@@ -436,7 +436,7 @@ pub struct Worker {
     timeout: Duration,
     /// The worker's stderr: an anonymous file.
     log: std::fs::File,
-    /// The worker's script, in kvprobe's private directory ([`crate::sys::scratch::dir`]).
+    /// The worker's script, in kvprobe's private directory ([`crate::sys::tempdir::dir`]).
     _script: tempfile::NamedTempFile,
     /// The descriptors it inherited ([`Worker::start`]'s shareable buffers).
     inherited: Vec<i32>,
@@ -456,14 +456,14 @@ impl Worker {
     pub fn start(install: &Install, timeout: Duration, shared: &[&crate::sys::hostmem::HostBuffer]) -> Result<Worker> {
         use std::io::{BufRead, Write};
         let env_err = |w: &str, e: std::io::Error| Error::Environment(format!("Mooncake worker: {w}: {e}"));
-        let dir = crate::sys::scratch::dir()?;
+        let dir = crate::sys::tempdir::dir()?;
         let mut script = tempfile::Builder::new()
             .prefix("kvprobe-mooncake-worker.")
             .suffix(".py")
             .tempfile_in(dir)
             .map_err(|e| env_err("script", e))?;
         script.write_all(WORKER_SOURCE.as_bytes()).map_err(|e| env_err("script", e))?;
-        let log = crate::sys::scratch::anonymous_file().map_err(|e| env_err("log", e))?;
+        let log = crate::sys::tempdir::anonymous_file().map_err(|e| env_err("log", e))?;
         let mut cmd = Command::new(&install.python);
         let inherited: Vec<i32> = shared.iter().filter_map(|b| b.shared_fd()).collect();
         cmd.arg("-u")

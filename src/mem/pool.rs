@@ -618,7 +618,7 @@ impl KvPool {
             return Ok(());
         }
         let per = slices.div_ceil(threads()).max(1);
-        crate::sys::par::for_each(bytes.into_chunks(per * sb).enumerate(), threads(), |(t, part)| {
+        crate::sys::parallel::for_each(bytes.into_chunks(per * sb).enumerate(), threads(), |(t, part)| {
             for (i, mut s) in part.into_chunks(sb).enumerate() {
                 let c = geom.coord_of((first + t * per + i) as u32);
                 if keep(c) {
@@ -1083,7 +1083,7 @@ impl KvPool {
                 let per = d.len().div_ceil(threads()).max(1);
                 let (dst, src) = (d.span_mut(0, d.len())?, s.span(0, s.len())?);
                 let failed = std::sync::Mutex::new(None);
-                crate::sys::par::for_each(dst.into_chunks(per).zip(src.chunks(per)), threads(), |(mut d, s)| {
+                crate::sys::parallel::for_each(dst.into_chunks(per).zip(src.chunks(per)), threads(), |(mut d, s)| {
                     if let Err(e) = d.copy_from(s) {
                         *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
                     }

@@ -12,7 +12,7 @@
 //! ([`Content`]): the identity its key promises and the identity actually copied in, so a
 //! save that copied the wrong block is attributable when a later load delivers it.
 
-use crate::core::race::Mechanism;
+use crate::core::mechanism::Mechanism;
 use crate::error::{Error, Result};
 use crate::mem::pool::TableEntry;
 use crate::sys::hostmem::{HostBuffer, Span, SpanMut};

@@ -12,7 +12,7 @@
 //! and across two. NIXL moves every byte; these messages carry control, identities and the
 //! events the shadow needs.
 
-use crate::core::race::{Mechanism, Scenario};
+use crate::core::mechanism::{Mechanism, Scenario};
 use crate::mem::pool::TableEntry;
 use crate::mem::tier::Content;
 use serde::{Deserialize, Serialize};

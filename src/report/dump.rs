@@ -35,11 +35,11 @@ pub const SCHEMA: &str = "kvprobe.dump/1";
 pub const DEFAULT_MAX_BYTES: u64 = 256 << 20;
 
 /// Which fingerprint definition the expected bytes follow (docs/fingerprint.md "Fingerprint format",
-/// `csrc/fingerprint.h`, `scripts/fingerprint_ref.py`).
+/// `csrc/fingerprint.h`, `pysrc/fingerprint_ref.py`).
 pub const FINGERPRINT: &str = crate::core::fingerprint::FORMAT;
 
 /// The fingerprint's Python reference, copied into every dump as `scripts/fingerprint_ref.py`.
-pub const REF_SCRIPT: &str = include_str!("../../scripts/fingerprint_ref.py");
+pub const REF_SCRIPT: &str = include_str!("../../pysrc/fingerprint_ref.py");
 
 /// The cap's rule, as written into `index.json`.
 pub const RULE: &str = "a slice is written while bytes_written + its size <= max_bytes, and then: into its class's \

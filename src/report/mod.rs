@@ -96,7 +96,7 @@ pub struct Failure {
     /// Scenario runs: the unfenced mechanism that explains this slice; absent when nothing
     /// the engine did explains it (a defect of the stack under test).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub attributed_to: Option<crate::core::race::Mechanism>,
+    pub attributed_to: Option<crate::core::mechanism::Mechanism>,
     /// Scenario runs: the slice is an `--inject` fault found as predicted (see `injections`),
     /// neither attributed nor unexplained. Written only when set.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -394,6 +394,12 @@ pub struct Report {
     pub started_unix: u64,
     /// Run parameters as resolved (preset expanded).
     pub config: serde_json::Value,
+    /// Whether decode converted the slices it received into its own layout and block size
+    /// (the run's [`crate::core::pairing::Sides::converts`], recorded when the run starts, so
+    /// rendering re-derives no pairing; vLLM's `kv_postprocess_*_on_receive`). Absent in
+    /// reports of older kvprobes and of runs refused before their sides were known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_converts: Option<bool>,
     /// Machine, GPUs, NIXL.
     pub environment: Option<Environment>,
     /// Totals.
@@ -467,9 +473,9 @@ pub struct PeerSide {
 #[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct RaceOutcome {
     /// The mechanism.
-    pub mechanism: crate::core::race::Mechanism,
+    pub mechanism: crate::core::mechanism::Mechanism,
     /// Kept or left out in this run.
-    pub fencing: crate::core::race::Fencing,
+    pub fencing: crate::core::mechanism::Fencing,
     /// Times the unfenced ordering let a conflicting copy happen.
     pub windows_opened: u64,
     /// Corrupt slices at decode explained by this mechanism.
@@ -530,7 +536,7 @@ impl OwnershipViolation {
 #[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct ScenarioReport {
     /// Scenario.
-    pub scenario: crate::core::race::Scenario,
+    pub scenario: crate::core::mechanism::Scenario,
     /// Tier.
     pub tier: crate::mem::tier::TierKind,
     /// Engine steps run.
@@ -584,6 +590,7 @@ impl Report {
             schema: SCHEMA.to_string(),
             started_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
             config,
+            decode_converts: None,
             environment: None,
             summary: Summary::new(),
             failures: Vec::new(),
@@ -694,7 +701,7 @@ pub const STALE_TMP_AGE: std::time::Duration = std::time::Duration::from_secs(60
 /// (see [`STALE_TMP_AGE`]); only this user's regular files. Best effort.
 fn sweep_stale_temps(dir: &Path) {
     use std::os::unix::fs::MetadataExt;
-    let (Ok(entries), Some(me)) = (std::fs::read_dir(dir), crate::sys::scratch::own_uid()) else { return };
+    let (Ok(entries), Some(me)) = (std::fs::read_dir(dir), crate::sys::tempdir::own_uid()) else { return };
     for e in entries.flatten() {
         let name = e.file_name();
         let Some(name) = name.to_str() else { continue };
@@ -904,11 +911,9 @@ pub fn render_with(r: &Report, json: Option<&str>) -> String {
                 d.block_size,
                 lay(&d),
                 {
-                    // What decode's conversion on receive does, when it does anything
-                    // (crate::core::pairing::Sides::converts; vLLM's kv_postprocess_*_on_receive).
-                    let tp = serde_json::from_value::<crate::core::pairing::tp::Tp>(r.config["tp"].clone()).ok();
-                    let permute = r.config["permute_local_kv"] == true;
-                    let converts = crate::core::pairing::Sides::check(&g, &d, permute, tp).map(|s| s.converts()).unwrap_or(false);
+                    // What decode's conversion on receive did, when it did anything (recorded
+                    // by the run: `decode_converts`; vLLM's kv_postprocess_*_on_receive).
+                    let converts = r.decode_converts == Some(true);
                     let chunks = (g.block_size < d.block_size)
                         .then(|| format!("chunks of {} tokens into blocks of {}", g.block_size, d.block_size));
                     match (converts, lay(&g) != lay(&d), chunks) {
@@ -990,7 +995,7 @@ pub fn render_with(r: &Report, json: Option<&str>) -> String {
             let unf: Vec<&str> = sc
                 .races
                 .iter()
-                .filter(|o| o.fencing == crate::core::race::Fencing::Unfenced)
+                .filter(|o| o.fencing == crate::core::mechanism::Fencing::Unfenced)
                 .map(|o| o.mechanism.name())
                 .collect();
             let tier = if sc.scenario.uses_tier() {
@@ -1021,8 +1026,8 @@ pub fn render_with(r: &Report, json: Option<&str>) -> String {
             }
             if let Some(n) = sc.transfers_failed.filter(|&n| n > 0) {
                 let fenced = !sc.races.iter().any(|o| {
-                    o.mechanism == crate::core::race::Mechanism::FailedAsComplete
-                        && o.fencing == crate::core::race::Fencing::Unfenced
+                    o.mechanism == crate::core::mechanism::Mechanism::FailedAsComplete
+                        && o.fencing == crate::core::mechanism::Fencing::Unfenced
                 });
                 out += &format!(
                     "failed transfers:  {n} moved only some blocks (--fail-rate); {}\n",
@@ -1052,7 +1057,7 @@ pub fn render_with(r: &Report, json: Option<&str>) -> String {
         out += &format!("corrupt by class:  {}\n", parts.join(", "));
     }
     if let Some(sc) = &r.scenario {
-        for o in sc.races.iter().filter(|o| o.fencing == crate::core::race::Fencing::Unfenced || o.corrupt_attributed > 0) {
+        for o in sc.races.iter().filter(|o| o.fencing == crate::core::mechanism::Fencing::Unfenced || o.corrupt_attributed > 0) {
             let classes: Vec<String> = o.classes.iter().map(|(k, n)| format!("{k} {n}")).collect();
             out += &format!(
                 "race:              {}: {} ({} windows opened, {} corrupt slices attributed{}){}\n",

@@ -3,7 +3,7 @@
 //! counters a run reports its progress with. Types only, so the sweep's configuration
 //! (`sweep::RunConfig`) and the report can carry them without the engine.
 
-use crate::core::race::{Fencing, Mechanism, Races, Scenario};
+use crate::core::mechanism::{Fencing, Mechanism, Races, Scenario};
 use crate::core::workload::WorkloadConfig;
 use crate::error::{Error, Result};
 use crate::mem::tier::TierKind;
@@ -106,7 +106,7 @@ impl ScenarioConfig {
             &self
                 .unfenced
                 .iter()
-                .map(|&m| crate::core::race::RaceSpec { mechanism: m, fencing: Fencing::Unfenced })
+                .map(|&m| crate::core::mechanism::RaceSpec { mechanism: m, fencing: Fencing::Unfenced })
                 .collect::<Vec<_>>(),
         )
     }

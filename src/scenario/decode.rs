@@ -52,7 +52,7 @@ use super::scheduler::{DecodeBlocks, Planted, Pull, PullState};
 use super::shadow::{Answer, Content, EngineId, Event, Shadow, What, attribute, ident};
 use crate::core::fingerprint::{self, SKIP_GEN};
 use crate::core::geometry::SliceCoord;
-use crate::core::race::{Mechanism, Races};
+use crate::core::mechanism::{Mechanism, Races};
 use crate::core::verify;
 use crate::error::{Error, Result};
 use crate::mem::pool::TableEntry;
@@ -100,7 +100,7 @@ pub fn run_scenario(
     dump: Option<&mut crate::report::dump::Dumper>,
 ) -> Result<()> {
     let nixl = NixlConnector::new();
-    crate::sys::phase::announce(&match (cfg.scenario.uses_tier(), cfg.tier) {
+    crate::sys::progress::announce(&match (cfg.scenario.uses_tier(), cfg.tier) {
         (false, _) => "setup: prefill fills its pool".to_string(),
         (true, crate::mem::tier::TierKind::Mooncake) => {
             "setup: prefill starts the Mooncake store (master, store client) and fills its pool".into()

@@ -43,7 +43,7 @@ use super::connectors::nixl::NixlConnector;
 use super::connectors::tier::{TierConnector, TierPlace};
 use super::scheduler::{BlockManager, Request, RequestState};
 use crate::core::fingerprint::{self, SKIP_GEN};
-use crate::core::race::{Mechanism, Races};
+use crate::core::mechanism::{Mechanism, Races};
 use crate::core::workload::Workload;
 use crate::error::{Error, Result};
 use crate::mem::pool::{KvPool, TableEntry};

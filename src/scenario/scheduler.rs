@@ -4,7 +4,7 @@
 //! list of blocks lent out before their READ completed (load-into-reading). It never moves
 //! bytes; the engine does, through the connectors.
 
-use crate::core::race::Mechanism;
+use crate::core::mechanism::Mechanism;
 use crate::core::workload::RequestSpec;
 use crate::mem::pool::TableEntry;
 use crate::mem::tier::{Content, EntryId};

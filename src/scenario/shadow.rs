@@ -19,7 +19,7 @@
 
 use crate::core::fingerprint::{self, BlockIdentity};
 use crate::core::geometry::SliceCoord;
-use crate::core::race::{Fencing, Mechanism, Races};
+use crate::core::mechanism::{Fencing, Mechanism, Races};
 use crate::core::verify::{self, Class};
 use crate::error::{Error, Result};
 use crate::mem::pool::TableEntry;

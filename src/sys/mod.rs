@@ -8,9 +8,9 @@ pub mod deadline;
 pub mod hostmem;
 #[allow(unsafe_code)] // signal handlers
 pub mod interrupt;
-pub mod par;
-pub mod phase;
-pub mod scratch;
+pub mod parallel;
+pub mod progress;
+pub mod tempdir;
 pub mod test_hooks;
 pub mod text;
 pub mod trace;

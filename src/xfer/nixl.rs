@@ -26,7 +26,7 @@ pub const INSTALL_HINT: &str = "install it with `scripts/install-deps.sh` (PyPI 
 
 /// Where the install step puts the NIXL libraries.
 pub fn default_lib_dir() -> PathBuf {
-    crate::sys::scratch::kvprobe_home().join("nixl/lib")
+    crate::sys::tempdir::kvprobe_home().join("nixl/lib")
 }
 
 /// The NIXL library kvprobe loaded.
@@ -85,7 +85,7 @@ pub struct EnvPlan {
     pub same_gpu_in_process: bool,
     /// Turn on the transport diagnosis ([`crate::xfer::ucx`]): UCX's protocol tables
     /// (`UCX_PROTO_INFO=y`) written to a log file in kvprobe's private temporary directory
-    /// ([`crate::sys::scratch::dir`], `UCX_LOG_FILE`), unless the user set either or
+    /// ([`crate::sys::tempdir::dir`], `UCX_LOG_FILE`), unless the user set either or
     /// `KVPROBE_UCX_DIAG=0`. Not for `kvprobe env`, which makes no transfer itself.
     pub diagnosis: bool,
 }
@@ -120,7 +120,7 @@ fn nvidia_driver_present() -> bool {
 /// - with `plan.diagnosis` (and an open-file limit NIXL can run with, [`ensure_open_files`],
 ///   which raises a low soft limit): `UCX_PROTO_INFO=y` and `UCX_LOG_FILE` (see [`EnvPlan::diagnosis`]);
 ///   and UCX's shared-memory segments (`UCX_POSIX_DIR`) in kvprobe's private directory in
-///   /dev/shm ([`crate::sys::scratch::shm_dir`]): UCX unlinks each right after creating it, and one
+///   /dev/shm ([`crate::sys::tempdir::shm_dir`]): UCX unlinks each right after creating it, and one
 ///   a kill catches in between is removed with the directory (at exit, or at the next
 ///   kvprobe's start).
 ///
@@ -157,7 +157,7 @@ pub fn set_process_env(plan: EnvPlan) {
         let log = if off {
             None
         } else {
-            match crate::sys::scratch::dir() {
+            match crate::sys::tempdir::dir() {
                 Ok(d) => Some(d.join("ucx.log")),
                 Err(e) => {
                     crate::xfer::ucx::set_off_because(format!(
@@ -175,7 +175,7 @@ pub fn set_process_env(plan: EnvPlan) {
         }
         crate::xfer::ucx::set_log_path(log);
         if std::env::var_os("UCX_POSIX_DIR").is_none_or(|v| v.is_empty())
-            && let Ok(d) = crate::sys::scratch::shm_dir()
+            && let Ok(d) = crate::sys::tempdir::shm_dir()
         {
             default("UCX_POSIX_DIR", d.as_os_str());
         }
@@ -385,10 +385,10 @@ pub fn exit_now(code: u8) -> ! {
         let _ = e.flush();
     }
     crate::xfer::ucx::remove_log();
-    crate::sys::scratch::remove_own();
+    crate::sys::tempdir::remove_own();
     // And what killed kvprobes left (a `--decode-process` child or a run killed hard): each start
     // sweeps too, but the last run on a host should not leave them until the next one.
-    crate::sys::scratch::sweep_stale();
+    crate::sys::tempdir::sweep_stale();
     // SAFETY: _exit(2) terminates the process at once; every file kvprobe wrote was synced
     // or closed before (reports are synced in `write_atomic`), and stdout/stderr were just
     // flushed. Nothing else needs the atexit handlers that are skipped.

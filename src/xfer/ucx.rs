@@ -195,7 +195,7 @@ static ADOPTED: OnceLock<std::sync::Mutex<std::fs::File>> = OnceLock::new();
 
 /// Once UCX has opened its log (after the first NIXL agent with the UCX backend), keeps a
 /// handle on it through `/proc/self/fd` and removes the file (a kill before then leaves it in
-/// kvprobe's private directory, which the next kvprobe removes: [`crate::sys::scratch`]). Later reads go through the handle.
+/// kvprobe's private directory, which the next kvprobe removes: [`crate::sys::tempdir`]). Later reads go through the handle.
 pub fn adopt() {
     if ADOPTED.get().is_some() {
         return;
@@ -441,7 +441,7 @@ pub fn collapse_messages(text: &str) -> Vec<String> {
 }
 
 /// Removes kvprobe's UCX log (once UCX has it open, and at exit); its directory, kvprobe's
-/// private one, goes at exit ([`crate::sys::scratch::remove_own`]).
+/// private one, goes at exit ([`crate::sys::tempdir::remove_own`]).
 pub fn remove_log() {
     if let Some(p) = log_path() {
         let _ = std::fs::remove_file(p);

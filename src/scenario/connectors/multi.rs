@@ -10,7 +10,7 @@
 //! - save-after-free: freed once the READ is done, with saves still queued;
 //! - load-into-reading: blocks whose READ is pending are lent to the next tier loads.
 
-use crate::core::race::{Mechanism, Races, Scenario};
+use crate::core::mechanism::{Mechanism, Races, Scenario};
 
 /// What each connector has reported for one request.
 #[derive(Clone, Copy, Debug)]

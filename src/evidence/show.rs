@@ -366,7 +366,7 @@ fn volatile(path: &str) -> bool {
 }
 
 /// `s` with the names of kvprobe's private scratch directories (`kvprobe-PID.RANDOM`, see
-/// [`crate::sys::scratch`]) replaced by `kvprobe-*`: they differ on every run (e.g. the UCX_LOG_FILE
+/// [`crate::sys::tempdir`]) replaced by `kvprobe-*`: they differ on every run (e.g. the UCX_LOG_FILE
 /// and UCX_POSIX_DIR kvprobe sets) and say nothing about the node pair.
 fn unscratch(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
