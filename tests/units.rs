@@ -826,3 +826,22 @@ fn attribution_takes_no_cause_from_a_content_that_supplied_nothing() {
     let written = [Content { id: at_post, cause: None }, Content { id: during, cause: Some(m) }];
     assert_eq!(attribute(&actual, &want, seed, &shape, c, &written), (Some(m), during));
 }
+
+#[test]
+fn the_environment_is_changed_only_while_the_process_has_one_thread() {
+    use kvprobe::sys::process::{Resource, SingleThreadedEnv, raise_soft_limit, thread_count};
+    // A second thread alive while the leave is asked for: none is given.
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let t = std::thread::spawn(move || rx.recv());
+    assert!(thread_count().unwrap() >= 2);
+    assert!(SingleThreadedEnv::take().is_none(), "a leave to set_var with other threads alive");
+    tx.send(()).unwrap();
+    t.join().unwrap().unwrap();
+    // The limits as /proc/self/limits states them (read here, not through getrlimit); with a
+    // soft limit at least `min` nothing is raised.
+    let limits = std::fs::read_to_string("/proc/self/limits").unwrap();
+    let line = limits.lines().find(|l| l.starts_with("Max open files")).unwrap();
+    let v: Vec<u64> = line["Max open files".len()..].split_whitespace().take(2).map(|x| x.parse().unwrap()).collect();
+    let r = raise_soft_limit(Resource::OpenFiles, 0, 1).unwrap();
+    assert_eq!((r.soft, r.hard), (v[0], v[1]));
+}

@@ -9,6 +9,8 @@ pub mod hostmem;
 #[allow(unsafe_code)] // signal handlers
 pub mod interrupt;
 pub mod parallel;
+#[allow(unsafe_code)] // set_var while one thread, rlimits, dlopen, _exit
+pub mod process;
 pub mod progress;
 pub mod tempdir;
 pub mod test_hooks;

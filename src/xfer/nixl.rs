@@ -92,12 +92,6 @@ pub struct EnvPlan {
 
 pub use crate::xfer::ucx::{DEBUG_SIGNO_ENV, GET_ZCOPY_ENV, kvprobe_defaults};
 
-/// Threads of this process (`Threads:` in /proc/self/status); `None` without /proc.
-fn thread_count() -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/self/status").ok()?;
-    s.lines().find_map(|l| l.strip_prefix("Threads:"))?.trim().parse().ok()
-}
-
 /// True when an NVIDIA driver is present (its device node or /proc entry): UCX's CUDA
 /// transports can load. Looks at files only (no CUDA call, which could start threads).
 fn nvidia_driver_present() -> bool {
@@ -129,18 +123,14 @@ pub fn set_process_env(plan: EnvPlan) {
     if crate::xfer::ucx::defaults_recorded() {
         return;
     }
-    if thread_count().is_some_and(|n| n != 1) {
+    let Some(mut env) = crate::sys::process::SingleThreadedEnv::take() else {
         crate::sys::trace::trace!("the environment was not set: the process already has other threads");
         crate::xfer::ucx::record_defaults(Vec::new());
         return;
-    }
+    };
     let mut set = Vec::new();
     let mut default = |key: &str, value: &std::ffi::OsStr| {
-        if std::env::var_os(key).is_none_or(|v| v.is_empty()) {
-            // SAFETY: this process has one thread (checked above where /proc tells; kvprobe's
-            // main calls this before it starts any, and before NIXL or CUDA is loaded, which
-            // start theirs), so nothing reads the environment concurrently.
-            unsafe { std::env::set_var(key, value) };
+        if env.set_default(key, value) {
             set.push(key.to_string());
         }
     };
@@ -224,24 +214,15 @@ pub const MIN_OPEN_FILES: u64 = 128;
 /// a server would; it changes nothing else), and refuses a hard limit below it before UCX can
 /// abort on it. Errors: the message for [`load`] (environment, exit 2).
 pub fn ensure_open_files() -> std::result::Result<(), String> {
-    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: getrlimit(2)/setrlimit(2) on this process with a fully initialised struct.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) != 0 {
-            return Ok(()); // unknown: let UCX try
-        }
-        if r.rlim_cur < MIN_OPEN_FILES && r.rlim_max > r.rlim_cur {
-            let raised =
-                libc::rlimit { rlim_cur: r.rlim_max.min(MIN_OPEN_FILES.max(4096) as libc::rlim_t), rlim_max: r.rlim_max };
-            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
-                r = raised;
-            }
-        }
-    }
-    if r.rlim_cur < MIN_OPEN_FILES {
+    use crate::sys::process::{Resource, raise_soft_limit};
+    // Raised to 4096 at most (a server's usual soft limit), never above the hard one.
+    let Some(r) = raise_soft_limit(Resource::OpenFiles, MIN_OPEN_FILES, MIN_OPEN_FILES.max(4096)) else {
+        return Ok(()); // unknown: let UCX try
+    };
+    if r.soft < MIN_OPEN_FILES {
         return Err(format!(
             "the open-file limit (ulimit -n) is {} and cannot be raised (hard limit {}); NIXL's UCX backend needs more descriptors (it fails below 48, aborts below 12): kvprobe needs at least {MIN_OPEN_FILES}",
-            r.rlim_cur, r.rlim_max
+            r.soft, r.hard
         ));
     }
     Ok(())
@@ -258,23 +239,13 @@ pub const MIN_ADDRESS_SPACE: u64 = 2 << 30;
 /// a hard limit below it before UCX can crash on it. Errors: the message for [`load`]
 /// (environment, exit 2).
 pub fn ensure_address_space() -> std::result::Result<(), String> {
-    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: getrlimit(2)/setrlimit(2) on this process with a fully initialised struct.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_AS, &mut r) != 0 || r.rlim_cur == libc::RLIM_INFINITY {
-            return Ok(());
-        }
-        if r.rlim_cur < MIN_ADDRESS_SPACE && r.rlim_max > r.rlim_cur {
-            let raised = libc::rlimit { rlim_cur: r.rlim_max, rlim_max: r.rlim_max };
-            if libc::setrlimit(libc::RLIMIT_AS, &raised) == 0 {
-                r = raised;
-            }
-        }
-    }
-    if r.rlim_cur < MIN_ADDRESS_SPACE {
+    use crate::sys::process::{Resource, raise_soft_limit};
+    // Raised as far as the hard limit allows (unlimited: u64::MAX).
+    let Some(r) = raise_soft_limit(Resource::AddressSpace, MIN_ADDRESS_SPACE, u64::MAX) else { return Ok(()) };
+    if r.soft < MIN_ADDRESS_SPACE {
         return Err(format!(
             "the address-space limit (ulimit -v) is {} KiB and cannot be raised; NIXL's UCX backend reserves address space beyond the pools and fails or crashes under tight limits: kvprobe needs at least {} KiB (ulimit -v {}) plus its DRAM pools, or no limit",
-            r.rlim_cur >> 10,
+            r.soft >> 10,
             MIN_ADDRESS_SPACE >> 10,
             MIN_ADDRESS_SPACE >> 10
         ));
@@ -300,18 +271,9 @@ fn load_once() -> std::result::Result<NixlLibrary, String> {
     // `plugins/` beside its own library (found with dladdr), the same directory here.
     let plugin_dir =
         std::env::var_os("NIXL_PLUGIN_DIR").filter(|v| !v.is_empty()).map(PathBuf::from).unwrap_or_else(|| dir.join("plugins"));
-    let c = std::ffi::CString::new(lib.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
-    // SAFETY: dlopen of a regular file by absolute path; the handle is intentionally never
-    // closed (the library stays loaded for the life of the process, as nixl-sys expects).
-    let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
-    if h.is_null() {
-        // SAFETY: dlerror returns a thread-local NUL-terminated string or null.
-        let err = unsafe {
-            let e = libc::dlerror();
-            if e.is_null() { "unknown error".to_string() } else { std::ffi::CStr::from_ptr(e).to_string_lossy().into_owned() }
-        };
-        return Err(format!("cannot load {}: {err}; {INSTALL_HINT}", lib.display()));
-    }
+    // Loaded for the life of the process, its symbols global, as nixl-sys's stubs expect.
+    crate::sys::process::load_library_global(&lib)
+        .map_err(|err| format!("cannot load {}: {err}; {INSTALL_HINT}", lib.display()))?;
     let stub = nixl_sys::is_stub();
     if stub {
         return Err(format!("loaded {} but nixl-sys still reports its stub; {INSTALL_HINT}", lib.display()));
@@ -337,31 +299,10 @@ pub fn installed_version(lib_dir: &Path) -> Option<String> {
 /// libucp is loaded (NIXL not started, or another backend) or it lacks the symbol. Loads
 /// nothing: the library is looked up with `RTLD_NOLOAD`.
 pub fn loaded_ucx_version() -> Option<String> {
-    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
-    let path = maps.lines().filter_map(|l| l.split_whitespace().nth(5)).find(|p| {
-        Path::new(p).file_name().and_then(|f| f.to_str()).is_some_and(|f| f.starts_with("libucp") && f.contains(".so"))
-    })?;
-    let c = std::ffi::CString::new(path).ok()?;
-    // SAFETY: RTLD_NOLOAD only returns a handle to a library already loaded (it loads and
-    // initialises nothing); the handle's reference is intentionally kept.
-    let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
-    if h.is_null() {
-        return None;
-    }
-    // SAFETY: a NUL-terminated symbol name on a valid handle.
-    let sym = unsafe { libc::dlsym(h, c"ucp_get_version_string".as_ptr()) };
-    if sym.is_null() {
-        return None;
-    }
+    let path = crate::sys::process::loaded_library("libucp")?;
     // SAFETY: `ucp_get_version_string` is `const char *ucp_get_version_string(void)` (UCX's
-    // ucp.h): no arguments, returns a static NUL-terminated string.
-    let f: extern "C" fn() -> *const libc::c_char = unsafe { std::mem::transmute(sym) };
-    let s = f();
-    if s.is_null() {
-        return None;
-    }
-    // SAFETY: a static NUL-terminated string owned by libucp, which stays loaded.
-    Some(unsafe { std::ffi::CStr::from_ptr(s) }.to_string_lossy().into_owned())
+    // ucp.h): no arguments, returns a static NUL-terminated string owned by libucp.
+    unsafe { crate::sys::process::call_static_string(&path, c"ucp_get_version_string") }
 }
 
 /// Ends the process with `code` without running library destructors, after flushing stdout
@@ -389,24 +330,16 @@ pub fn exit_now(code: u8) -> ! {
     // And what killed kvprobes left (a `--decode-process` child or a run killed hard): each start
     // sweeps too, but the last run on a host should not leave them until the next one.
     crate::sys::tempdir::sweep_stale();
-    // SAFETY: _exit(2) terminates the process at once; every file kvprobe wrote was synced
-    // or closed before (reports are synced in `write_atomic`), and stdout/stderr were just
-    // flushed. Nothing else needs the atexit handlers that are skipped.
-    unsafe { libc::_exit(code as libc::c_int) }
-}
-
-/// The file-size limit of this process (`ulimit -f`, RLIMIT_FSIZE) in bytes, from
-/// /proc/self/limits; `None` when unlimited or unknown.
-pub fn file_size_limit() -> Option<u64> {
-    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
-    let line = limits.lines().find(|l| l.starts_with("Max file size"))?;
-    line["Max file size".len()..].split_whitespace().next()?.parse().ok()
+    // Every file kvprobe wrote was synced or closed before (reports are synced in
+    // `write_atomic`), and stdout/stderr were just flushed: nothing needs the atexit handlers
+    // that are skipped.
+    crate::sys::process::exit_immediately(code)
 }
 
 /// Why a backend may not start under a file-size limit: UCX's shared-memory transport (posix)
 /// sizes its segments as files, which the limit caps. Empty without a limit.
 fn file_size_limit_hint() -> String {
-    match file_size_limit() {
+    match crate::sys::process::file_size_limit() {
         Some(b) => format!(
             "; the file-size limit (ulimit -f) is {b} bytes, and UCX's shared-memory segments count as files: \
              raise the limit, or leave UCX's posix transport out (UCX_TLS=^posix)"
