@@ -845,3 +845,46 @@ fn the_environment_is_changed_only_while_the_process_has_one_thread() {
     let r = raise_soft_limit(Resource::OpenFiles, 0, 1).unwrap();
     assert_eq!((r.soft, r.hard), (v[0], v[1]));
 }
+
+#[test]
+fn library_constructors_hold_the_defaults_and_derivations_the_command_line_uses() {
+    use kvprobe::geometry::{Dtype, Geometry, Layout};
+    use kvprobe::pool::MemoryKind;
+    use kvprobe::scenario::config::ScenarioConfig;
+    use kvprobe::sweep::{DecodeSide, RunConfig};
+    let g = Geometry {
+        num_layers: 4,
+        num_kv_heads: 8,
+        head_size: 64,
+        block_size: 16,
+        num_blocks: 64,
+        dtype: Dtype::Bf16,
+        layout: Layout::Hnd,
+        mla: false,
+    };
+    // Prefill TP 2, decode TP 4 and decode blocks of 32 tokens: 4 heads per prefill rank, 2
+    // per decode rank, and 64 x 16 tokens in 32-token decode blocks = 32 blocks.
+    let mut c = RunConfig::new(MemoryKind::Dram, g.clone());
+    let side = DecodeSide { block_size: Some(32), prefill_tp: Some(2), decode_tp: Some(4), ..Default::default() };
+    assert_eq!(c.set_decode_side(side).unwrap(), Vec::<String>::new());
+    assert_eq!((c.geometry.num_kv_heads, c.geometry.block_size, c.geometry.num_blocks), (4, 16, 64));
+    let d = c.decode_geometry.clone().unwrap();
+    assert_eq!((d.num_kv_heads, d.block_size, d.num_blocks, d.layout), (2, 32, 32, Layout::Hnd));
+    let tp = c.tp.unwrap();
+    assert_eq!((tp.prefill, tp.decode, tp.total_kv_heads), (2, 4, 8));
+    // A flag that changes nothing is a note; sides vLLM cannot pair are a usage error.
+    let mut c = RunConfig::new(MemoryKind::Dram, g.clone());
+    let notes = c.set_decode_side(DecodeSide { permute_local_kv: true, ..Default::default() }).unwrap();
+    assert!(notes.len() == 1 && notes[0].contains("--permute-local-kv changes nothing"), "{notes:?}");
+    assert!(c.decode_geometry.is_none() && c.tp.is_none() && c.permute_local_kv);
+    let bad =
+        RunConfig::new(MemoryKind::Dram, g.clone()).set_decode_side(DecodeSide { block_size: Some(24), ..Default::default() });
+    assert!(matches!(bad, Err(kvprobe::Error::Usage(ref m)) if m.contains("do not divide")), "{bad:?}");
+    // The default tier: 16 x the pool's blocks; a tier block is 4 layers x K/V x 16 tokens x
+    // 8 heads x 64 x 2 bytes = 128 KiB, so 4 GiB hold 32768 of them; in-flight requests
+    // pin 2 x concurrency x their largest prompt.
+    assert_eq!(ScenarioConfig::default_tier_blocks(&g, 16, 8), 16 * 64);
+    let big = Geometry { num_blocks: 4096, ..g.clone() };
+    assert_eq!(ScenarioConfig::default_tier_blocks(&big, 16, 8), 32768);
+    assert_eq!(ScenarioConfig::default_tier_blocks(&g, 100, 20), 2 * 100 * 20);
+}

@@ -29,19 +29,19 @@ pub(crate) struct BenchArgs {
     #[arg(long, default_value_t = 5)]
     pub(crate) iterations: u32,
     /// Fingerprint seed (decimal or 0x hex).
-    #[arg(long, default_value = "1", value_parser = parse_seed)]
+    #[arg(long, default_value_t = kvprobe::sweep::DEFAULT_SEED, value_parser = parse_seed)]
     pub(crate) seed: u64,
     /// Sweeps with the two NIXL agents in two kvprobe processes (run --decode-process: prefill's agent and pool in a child).
     #[arg(long)]
     pub(crate) decode_process: bool,
     /// NIXL backend of the sweeps.
-    #[arg(long, default_value = "UCX")]
+    #[arg(long, default_value = kvprobe::sweep::DEFAULT_BACKEND)]
     pub(crate) backend: String,
     /// Set a parameter of the NIXL backend plugin of the sweeps and request rows (repeatable; run --backend-param).
     #[arg(long, value_name = "KEY=VALUE", value_parser = parse_backend_param)]
     pub(crate) backend_param: Vec<(String, String)>,
     /// Seconds to wait for each transfer of the sweeps.
-    #[arg(long, default_value_t = 60.0)]
+    #[arg(long, default_value_t = kvprobe::sweep::DEFAULT_TIMEOUT_SECS)]
     pub(crate) timeout: f64,
     /// Write the results as JSON (schema kvprobe.bench/1), atomically; `-` writes it to stdout (the table then goes to stderr).
     #[arg(long)]
@@ -191,7 +191,7 @@ pub(crate) struct PoolArgs {
     #[command(flatten)]
     pub(crate) geo: GeometryArgs,
     /// Seed of fingerprints, block mapping, load and injections.
-    #[arg(long, default_value = "1", value_parser = parse_seed)]
+    #[arg(long, default_value_t = kvprobe::sweep::DEFAULT_SEED, value_parser = parse_seed)]
     pub(crate) seed: u64,
     /// Write the JSON report here (atomically; also when the run fails). `-` writes it to stdout at the end (no checkpoints), and the human summary goes to stderr.
     #[arg(long)]
@@ -200,7 +200,7 @@ pub(crate) struct PoolArgs {
     #[arg(long)]
     pub(crate) junit: Option<PathBuf>,
     /// NIXL backend plugin.
-    #[arg(long, default_value = "UCX")]
+    #[arg(long, default_value = kvprobe::sweep::DEFAULT_BACKEND)]
     pub(crate) backend: String,
     /// Set a parameter of the NIXL backend plugin when it is created (repeatable; a key given twice: the last value counts), e.g. num_threads=2 for UCX. A key the plugin does not read is refused (exit 2), listing the valid ones.
     #[arg(long, value_name = "KEY=VALUE", value_parser = parse_backend_param)]
@@ -209,10 +209,10 @@ pub(crate) struct PoolArgs {
     #[arg(long, value_enum, default_value = "prepared", value_name = "MODE")]
     pub(crate) xfer_req: XferReq,
     /// Bound of every wait, in seconds: each transfer from just before it is posted until it completes and its notification arrives, and each other blocking call (set-up calls: at least 60 s); with --scenario, also for any request to progress.
-    #[arg(long, default_value_t = 60.0)]
+    #[arg(long, default_value_t = kvprobe::sweep::DEFAULT_TIMEOUT_SECS)]
     pub(crate) timeout: f64,
     /// At most this many failures listed in the report, up to 1000000 (counts stay complete; scenarios list up to N explained and N unexplained).
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = kvprobe::sweep::DEFAULT_MAX_FAILURES)]
     pub(crate) max_failures: usize,
     /// Write every failing block slice exactly as it arrived into DIR (new or empty; ab: DIR/<row>/), with index.json (coordinates, expected identity, digests, the command that regenerates the expected bytes), up to --dump-max-bytes.
     #[arg(long, value_name = "DIR")]
@@ -420,7 +420,7 @@ pub(crate) struct ServeArgs {
     #[arg(long)]
     pub(crate) keep_serving: bool,
     /// Bound of the wait for a connected client's configuration, in seconds (then the run's --timeout bounds everything).
-    #[arg(long, default_value_t = 60.0)]
+    #[arg(long, default_value_t = kvprobe::sweep::DEFAULT_TIMEOUT_SECS)]
     pub(crate) timeout: f64,
 }
 
@@ -521,37 +521,21 @@ impl PoolArgs {
     }
 
     pub(crate) fn config_of(&self, g: kvprobe::geometry::Geometry, model: Option<kvprobe::model_config::ModelInfo>) -> RunConfig {
-        let memory =
-            self.memory.unwrap_or_else(|| if kvprobe::cuda::device_count() > 0 { MemoryKind::Vram } else { MemoryKind::Dram });
+        let memory = self.memory.unwrap_or_else(MemoryKind::default_here);
         RunConfig {
-            memory,
             prefill_device: self.prefill_device.first().copied().unwrap_or(0),
             decode_device: self.decode_device.first().copied().unwrap_or(0),
             prefill_rank_devices: if self.prefill_device.len() > 1 { self.prefill_device.clone() } else { Vec::new() },
             decode_rank_devices: if self.decode_device.len() > 1 { self.decode_device.clone() } else { Vec::new() },
             preset: if self.geo.model_config.is_some() { None } else { Some(self.geo.preset.unwrap_or(Preset::Small)) },
             model,
-            geometry: g,
-            decode_geometry: None,
-            permute_local_kv: false,
-            tp: None,
-            op: Op::Read,
-            iterations: 1,
-            fingerprint: Default::default(),
             seed: self.seed,
-            inject: Vec::new(),
             backend: self.backend.clone(),
             backend_params: self.backend_param.iter().cloned().collect(),
             xfer_req: self.xfer_req,
             timeout_secs: self.timeout,
-            min_gbps: None,
             max_failures: self.max_failures,
-            descriptor_blocks: 1,
-            stages: None,
-            decode_process: false,
-            scenario: None,
-            peer: None,
-            peer_token: None,
+            ..RunConfig::new(memory, g)
         }
     }
 }
@@ -559,15 +543,10 @@ impl PoolArgs {
 impl LoadArgs {
     pub(crate) fn config(&self, scenario: Scenario, unfenced: Vec<Mechanism>, g: &kvprobe::geometry::Geometry) -> ScenarioConfig {
         let (min_blocks, max_blocks) = self.prompt_blocks;
-        // Default tier: 16 x the pool's blocks, at most 4 GiB of host memory, and never
-        // fewer entries than in-flight requests can pin.
-        let block = (g.num_layers as u64 * g.kv_parts() as u64 * g.slice_bytes().unwrap_or(1)).max(1);
-        let pinned = 2 * self.concurrency as u64 * max_blocks as u64;
-        let auto = (16 * g.num_blocks as u64).min((4u64 << 30) / block).max(pinned).min(u32::MAX as u64) as u32;
         ScenarioConfig {
             scenario,
             unfenced,
-            requests: self.requests.unwrap_or(2000),
+            requests: self.requests.unwrap_or(kvprobe::scenario::config::DEFAULT_REQUESTS),
             duration_secs: self.duration,
             concurrency: self.concurrency,
             workload: WorkloadConfig { min_blocks, max_blocks, prefix_share: self.prefix_share, abort_rate: self.abort_rate },
@@ -576,7 +555,7 @@ impl LoadArgs {
                 (Some(m), Some(u)) => Some(kvprobe::mooncake::External { master: m.clone(), metadata_url: u.clone() }),
                 _ => None,
             },
-            tier_blocks: self.tier_blocks.unwrap_or(auto),
+            tier_blocks: self.tier_blocks.unwrap_or_else(|| ScenarioConfig::default_tier_blocks(g, self.concurrency, max_blocks)),
             interval_secs: self.interval,
             lockstep: self.lockstep,
             lease_steps: self.lease,
@@ -604,38 +583,22 @@ impl RunArgs {
         self.pair.apply(&mut c, typed)?;
         c.inject = self.inject.clone();
         c.min_gbps = self.min_gbps;
-        let mut sides =
-            kvprobe::pairing::Sides::derive(&c.geometry, self.decode_layout, self.decode_block_size, self.permute_local_kv)
-                .map_err(Error::Usage)?;
+        if (self.prefill_tp.is_some() || self.decode_tp.is_some()) && self.pool.geo.tp.is_some() {
+            return Err(Error::Usage(
+                "--tp gives one rank's geometry on both sides; with --prefill-tp/--decode-tp the model's whole KV cache is split by each side's TP size: give those alone".into(),
+            ));
+        }
+        let side = kvprobe::sweep::DecodeSide {
+            layout: self.decode_layout,
+            block_size: self.decode_block_size,
+            permute_local_kv: self.permute_local_kv,
+            prefill_tp: self.prefill_tp,
+            decode_tp: self.decode_tp,
+        };
         // Flags that change nothing here are said, not silently dropped.
-        if c.geometry.mla && self.decode_layout.is_some_and(|l| l != c.geometry.layout) {
-            eprintln!("note: --decode-layout changes nothing with --mla (one latent row per token: no layout to differ in)");
+        for note in c.set_decode_side(side)? {
+            eprintln!("note: {note}");
         }
-        if self.permute_local_kv && c.geometry.mla {
-            eprintln!("note: --permute-local-kv changes nothing with --mla (one latent row per token: no layout to convert)");
-        } else if self.permute_local_kv && sides.prefill.layout == sides.decode.layout {
-            eprintln!(
-                "note: --permute-local-kv changes nothing here: both sides have one layout (it converts between NHD and HND)"
-            );
-        }
-        if self.prefill_tp.is_some() || self.decode_tp.is_some() {
-            if self.pool.geo.tp.is_some() {
-                return Err(Error::Usage(
-                    "--tp gives one rank's geometry on both sides; with --prefill-tp/--decode-tp the model's whole KV cache is split by each side's TP size: give those alone".into(),
-                ));
-            }
-            let tp = kvprobe::pairing::tp::Tp {
-                prefill: self.prefill_tp.unwrap_or(1),
-                decode: self.decode_tp.unwrap_or(1),
-                total_kv_heads: if c.geometry.mla { 1 } else { c.geometry.num_kv_heads },
-                mla: c.geometry.mla,
-            };
-            sides = sides.with_tp(tp).map_err(Error::Usage)?;
-            c.tp = (!tp.is_single()).then_some(tp);
-            c.geometry = sides.prefill.clone();
-        }
-        c.decode_geometry = (sides.decode != sides.prefill).then_some(sides.decode);
-        c.permute_local_kv = self.permute_local_kv;
         let flag = |id: &str| format!("--{}", id.replace('_', "-"));
         let scenario = match (self.scenario, self.race.is_empty()) {
             (Some(s), true) => Some(s),

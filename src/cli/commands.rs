@@ -402,7 +402,7 @@ pub(crate) fn bench(a: BenchArgs, typed: &[&str]) -> Exit {
         return Exit::Usage;
     }
     let cfg = kvprobe::bench::BenchConfig {
-        memory: a.memory.unwrap_or_else(|| if kvprobe::cuda::device_count() > 0 { MemoryKind::Vram } else { MemoryKind::Dram }),
+        memory: a.memory.unwrap_or_else(MemoryKind::default_here),
         device: a.device,
         decode_device: a.decode_device,
         gpu_bytes: a.gpu_bytes,
@@ -613,7 +613,7 @@ pub(crate) fn serve(a: ServeArgs, typed: &[&str]) -> Exit {
     if !(a.timeout.is_finite() && a.timeout > 0.0 && a.timeout <= 1e9) {
         return fail(Error::Usage("--timeout must be a positive number of seconds (at most 1e9)".into()));
     }
-    let memory = a.memory.unwrap_or_else(|| if kvprobe::cuda::device_count() > 0 { MemoryKind::Vram } else { MemoryKind::Dram });
+    let memory = a.memory.unwrap_or_else(MemoryKind::default_here);
     if memory == MemoryKind::Dram && (a.device != 0 || typed.contains(&"device")) {
         return fail(Error::Usage("--device applies to --memory vram only (the pool is in host memory)".into()));
     }

@@ -42,6 +42,14 @@ pub enum MemoryKind {
     Dram,
 }
 
+impl MemoryKind {
+    /// The pools' memory when `--memory` is not given: VRAM when CUDA sees a GPU here
+    /// ([`crate::gpu::cuda::device_count`]), else DRAM.
+    pub fn default_here() -> MemoryKind {
+        if crate::gpu::cuda::device_count() > 0 { MemoryKind::Vram } else { MemoryKind::Dram }
+    }
+}
+
 /// What a physical block slot holds (or must hold): the same for all its layers and K/V.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct TableEntry {

@@ -80,6 +80,10 @@ pub struct ScenarioConfig {
     pub matrix: bool,
 }
 
+/// `--requests` when neither it nor `--duration` is given (requests).
+pub const DEFAULT_REQUESTS: u64 = 2000;
+/// Most host memory the default tier takes (bytes): 4 GiB.
+pub const DEFAULT_TIER_MAX_BYTES: u64 = 4 << 30;
 /// `--lease` when not given (steps).
 pub const DEFAULT_LEASE: u32 = 8;
 /// `--decode-delay` when not given (steps).
@@ -100,6 +104,16 @@ fn default_preempt_rate() -> f64 {
 }
 
 impl ScenarioConfig {
+    /// `--tier-blocks` when not given (blocks): 16 x the pool's blocks, within
+    /// [`DEFAULT_TIER_MAX_BYTES`] of host memory (a tier block holds every layer's K/V
+    /// slices: `num_layers x kv_parts x slice_bytes`), and never fewer entries than in-flight
+    /// requests can pin (2 x `concurrency` x `max_prompt_blocks`); at most `u32::MAX`.
+    pub fn default_tier_blocks(g: &crate::core::geometry::Geometry, concurrency: u32, max_prompt_blocks: u32) -> u32 {
+        let block = (g.num_layers as u64 * g.kv_parts() as u64 * g.slice_bytes().unwrap_or(1)).max(1);
+        let pinned = 2 * concurrency as u64 * max_prompt_blocks as u64;
+        (16 * g.num_blocks as u64).min(DEFAULT_TIER_MAX_BYTES / block).max(pinned).min(u32::MAX as u64) as u32
+    }
+
     /// The unfenced set.
     pub fn races(&self) -> Races {
         Races::from_specs(

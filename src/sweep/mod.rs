@@ -146,7 +146,55 @@ pub fn deserialize_seed<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::
     Ok(<Seed as serde::Deserialize>::deserialize(d)?.seed)
 }
 
+/// `--seed` when not given.
+pub const DEFAULT_SEED: u64 = 1;
+/// `--backend` when not given: NIXL's UCX plugin.
+pub const DEFAULT_BACKEND: &str = "UCX";
+/// `--timeout` when not given (seconds).
+pub const DEFAULT_TIMEOUT_SECS: f64 = 60.0;
+/// `--max-failures` when not given (failures listed; counts stay complete).
+pub const DEFAULT_MAX_FAILURES: usize = 1000;
+
 impl RunConfig {
+    /// A one-iteration READ sweep of `geometry` on `memory` (GPU 0 on both sides with VRAM),
+    /// with kvprobe's defaults: seed [`DEFAULT_SEED`], backend [`DEFAULT_BACKEND`] with its
+    /// own parameters, prepared requests (as vLLM's NixlConnector), timeout
+    /// [`DEFAULT_TIMEOUT_SECS`], [`DEFAULT_MAX_FAILURES`] listed, one block per descriptor,
+    /// automatic pipeline stages, both sides equal and in this process, no injection, no
+    /// scenario, no peer. The command line starts from this and sets what its flags give.
+    pub fn new(memory: MemoryKind, geometry: Geometry) -> RunConfig {
+        RunConfig {
+            memory,
+            prefill_device: 0,
+            decode_device: 0,
+            prefill_rank_devices: Vec::new(),
+            decode_rank_devices: Vec::new(),
+            preset: None,
+            model: None,
+            geometry,
+            decode_geometry: None,
+            permute_local_kv: false,
+            tp: None,
+            op: Op::Read,
+            iterations: 1,
+            fingerprint: Default::default(),
+            seed: DEFAULT_SEED,
+            inject: Vec::new(),
+            backend: DEFAULT_BACKEND.to_string(),
+            backend_params: Default::default(),
+            xfer_req: crate::xfer::transport::XferReq::Prepared,
+            timeout_secs: DEFAULT_TIMEOUT_SECS,
+            min_gbps: None,
+            max_failures: DEFAULT_MAX_FAILURES,
+            descriptor_blocks: 1,
+            stages: None,
+            decode_process: false,
+            scenario: None,
+            peer: None,
+            peer_token: None,
+        }
+    }
+
     /// The GPU of prefill TP rank `rank` (VRAM): its entry of `prefill_rank_devices`, else
     /// `prefill_device`.
     pub fn prefill_device_of(&self, rank: u32) -> usize {
@@ -168,6 +216,64 @@ impl RunConfig {
     pub fn sides(&self) -> Result<crate::core::pairing::Sides> {
         crate::core::pairing::Sides::check(&self.geometry, self.decode_geom(), self.permute_local_kv, self.tp)
             .map_err(Error::Usage)
+    }
+}
+
+/// What decode's side is asked to be beside prefill's geometry: `--decode-layout`,
+/// `--decode-block-size`, `--permute-local-kv`, `--prefill-tp`, `--decode-tp` (`None`: as
+/// prefill, one rank).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DecodeSide {
+    /// Decode's layout (NHD/HND); `None`: prefill's.
+    pub layout: Option<crate::core::geometry::Layout>,
+    /// Decode's block_size in tokens; `None`: prefill's.
+    pub block_size: Option<u32>,
+    /// Decode converts received slices into its own layout (vLLM's `enable_permute_local_kv`).
+    pub permute_local_kv: bool,
+    /// Prefill's TP size; `None`: 1.
+    pub prefill_tp: Option<u32>,
+    /// Decode's TP size; `None`: 1.
+    pub decode_tp: Option<u32>,
+}
+
+impl RunConfig {
+    /// Sets decode's geometry (`decode_geometry`), the TP split (`tp`) and `permute_local_kv`
+    /// from `d`, with `geometry` as prefill's: with a TP size given, `geometry` holds the
+    /// model's whole KV cache (all `num_kv_heads`) and becomes one prefill rank's. The rules
+    /// are vLLM's, in [`crate::core::pairing::Sides::derive`] (decode's `num_blocks` holds
+    /// prefill's tokens: `num_blocks x Bp / Bd`) and [`crate::core::pairing::Sides::with_tp`]
+    /// (heads per rank, `get_target_remote_ranks`). Returns notes on flags that change nothing
+    /// here (said to the user, not dropped). Errors: usage (exit 2) for sides vLLM cannot pair
+    /// (block sizes that do not divide, TP sizes that do not split the heads, ...).
+    pub fn set_decode_side(&mut self, d: DecodeSide) -> Result<Vec<String>> {
+        let mut notes = Vec::new();
+        let mut sides = crate::core::pairing::Sides::derive(&self.geometry, d.layout, d.block_size, d.permute_local_kv)
+            .map_err(Error::Usage)?;
+        let mla = self.geometry.mla;
+        if mla && d.layout.is_some_and(|l| l != self.geometry.layout) {
+            notes.push("--decode-layout changes nothing with --mla (one latent row per token: no layout to differ in)".into());
+        }
+        if d.permute_local_kv && mla {
+            notes.push("--permute-local-kv changes nothing with --mla (one latent row per token: no layout to convert)".into());
+        } else if d.permute_local_kv && sides.prefill.layout == sides.decode.layout {
+            notes.push(
+                "--permute-local-kv changes nothing here: both sides have one layout (it converts between NHD and HND)".into(),
+            );
+        }
+        if d.prefill_tp.is_some() || d.decode_tp.is_some() {
+            let tp = crate::core::pairing::tp::Tp {
+                prefill: d.prefill_tp.unwrap_or(1),
+                decode: d.decode_tp.unwrap_or(1),
+                total_kv_heads: if mla { 1 } else { self.geometry.num_kv_heads },
+                mla,
+            };
+            sides = sides.with_tp(tp).map_err(Error::Usage)?;
+            self.tp = (!tp.is_single()).then_some(tp);
+            self.geometry = sides.prefill.clone();
+        }
+        self.decode_geometry = (sides.decode != sides.prefill).then_some(sides.decode);
+        self.permute_local_kv = d.permute_local_kv;
+        Ok(notes)
     }
 }
 
