@@ -475,8 +475,12 @@ fn the_readme_is_short_and_every_link_of_the_docs_resolves() {
     };
     let link = regex::Regex::new(r"\]\(([^)\s]+)\)").unwrap();
     let mut checked = 0;
+    // Each page stands alone: a section of another page is a link, never a name in quotes
+    // (`see "Report format"`) a reader must hunt for.
+    let quoted = regex::Regex::new(r#"see "[A-Z]"#).unwrap();
     for page in &pages {
         let text = std::fs::read_to_string(page).unwrap();
+        assert!(!quoted.is_match(&text), "{}: a section named in quotes, not linked", page.display());
         for c in link.captures_iter(&text) {
             let target = &c[1];
             if target.starts_with("http") {
@@ -492,4 +496,33 @@ fn the_readme_is_short_and_every_link_of_the_docs_resolves() {
         }
     }
     assert!(checked >= 40, "only {checked} links");
+}
+
+#[test]
+fn every_subcommands_help_points_into_the_docs_that_exist() {
+    // Issue 34 item 7: `--help` texts point into docs/.
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let page = regex::Regex::new(r"docs/[a-z-]+\.md").unwrap();
+    let subs: [&[&str]; 10] = [
+        &["run"],
+        &["ab"],
+        &["bench"],
+        &["serve"],
+        &["geometry"],
+        &["env"],
+        &["bundle"],
+        &["report", "show"],
+        &["report", "check"],
+        &["report", "diff"],
+    ];
+    for sub in subs {
+        let (code, out, err) = kvprobe(&[sub, &["--help"]].concat());
+        assert_eq!(code, 0, "{sub:?}: {err}");
+        let at = out.find("Reference: docs/").unwrap_or_else(|| panic!("{sub:?} --help names no docs page:\n{out}"));
+        let pages: Vec<&str> = page.find_iter(&out[at..]).map(|m| m.as_str()).collect();
+        assert!(!pages.is_empty());
+        for p in pages {
+            assert!(root.join(p).is_file(), "{sub:?} --help names {p}, which does not exist");
+        }
+    }
 }

@@ -888,3 +888,41 @@ fn library_constructors_hold_the_defaults_and_derivations_the_command_line_uses(
     assert_eq!(ScenarioConfig::default_tier_blocks(&big, 16, 8), 32768);
     assert_eq!(ScenarioConfig::default_tier_blocks(&g, 100, 20), 2 * 100 * 20);
 }
+
+#[test]
+fn the_failure_tally_counts_every_slice_and_lists_within_each_budget() {
+    use kvprobe::fingerprint::BlockIdentity;
+    use kvprobe::geometry::{KvPart, SliceCoord};
+    use kvprobe::report::{Budget, Failure, Report, Tally};
+    use kvprobe::verify::{Class, Verdict};
+    let make = |block: u32, class: Class| {
+        move || {
+            let c = SliceCoord { layer: 0, kv: KvPart::K, block };
+            let raw = kvprobe::pool::RawFailure { slice: block, bad_bytes: 1, first_bad: 0 };
+            let v = Verdict { class, observed: None, bit_flips: None, sectors: None, displacement: None, rows: None };
+            let id = BlockIdentity { layer: 0, kv: KvPart::K, block, generation: 1, token_base: 0 };
+            Failure::new(1, c, &raw, v, &[0], &[1], id, block)
+        }
+    };
+    // One budget of 2 (sweeps): 5 slices counted, the first 2 listed, 3 omitted.
+    let mut r = Report::start(serde_json::Value::Null);
+    let mut t = Tally::new(2);
+    let listed: Vec<bool> =
+        (0..5).map(|b| t.record(&mut r, None, Budget::Shared, Class::Bitflip, &[1], None, make(b, Class::Bitflip))).collect();
+    assert_eq!(listed, [true, true, false, false, false]);
+    assert_eq!((r.summary.blocks_corrupt, r.summary.by_class["bitflip"], r.summary.failures_omitted), (5, 5, 3));
+    assert_eq!(r.failures.iter().map(|f| f.block).collect::<Vec<_>>(), [0, 1]);
+    // Budgets of 2 each (scenarios): 4 explained slices then 3 unexplained ones: the
+    // unexplained are listed although the explained budget ran out.
+    let mut r = Report::start(serde_json::Value::Null);
+    let mut t = Tally::new(2);
+    for b in 0..4 {
+        t.record(&mut r, None, Budget::Explained, Class::Stale, &[1], None, make(b, Class::Stale));
+    }
+    for b in 10..13 {
+        t.record(&mut r, None, Budget::Unexplained, Class::Unwritten, &[1], None, make(b, Class::Unwritten));
+    }
+    assert_eq!((r.summary.blocks_corrupt, r.summary.failures_omitted), (7, 3));
+    assert_eq!((r.summary.by_class["stale"], r.summary.by_class["unwritten"]), (4, 3));
+    assert_eq!(r.failures.iter().map(|f| f.block).collect::<Vec<_>>(), [0, 1, 10, 11]);
+}

@@ -388,7 +388,13 @@ pub(crate) struct RunArgs {
     pub(crate) load: LoadArgs,
 }
 
-pub(crate) const SERVE_EXIT_CODES: &str = "Exit codes: the run's own code (0 clean, 1 corrupt, 3 transport, 4 timeout, 5 below --min-gbps, 6 an unfenced race mechanism not reproduced (run --race, ab), 7 decode's report not written, 130 interrupted: the two sides end with one outcome); 2 a refused configuration (the reason names the fields; a wrong token or protocol version is refused and serve keeps listening) or a bad flag (--listen that cannot be bound); 3 the decode side died or the link broke; 4 the decode side went silent for --timeout (stopped, link dropped); 130 interrupted while waiting (--keep-serving ends only by a signal: 130).";
+/// serve's exit codes, as one string literal (so `concat!` can add a reference).
+macro_rules! serve_exit_codes {
+    () => {
+        "Exit codes: the run's own code (0 clean, 1 corrupt, 3 transport, 4 timeout, 5 below --min-gbps, 6 an unfenced race mechanism not reproduced (run --race, ab), 7 decode's report not written, 130 interrupted: the two sides end with one outcome); 2 a refused configuration (the reason names the fields; a wrong token or protocol version is refused and serve keeps listening) or a bad flag (--listen that cannot be bound); 3 the decode side died or the link broke; 4 the decode side went silent for --timeout (stopped, link dropped); 130 interrupted while waiting (--keep-serving ends only by a signal: 130)."
+    };
+}
+pub(crate) use serve_exit_codes;
 
 #[derive(Args)]
 pub(crate) struct ServeArgs {

@@ -15,7 +15,7 @@ use crate::core::geometry::SliceCoord;
 use crate::core::verify::{self, Class};
 use crate::error::{Error, Exit, Result};
 use crate::mem::pool::{KvPool, MemoryKind};
-use crate::report::{Failure, InjectionRecord, IterationTimes, PredictedHit, Report};
+use crate::report::{Budget, Failure, InjectionRecord, IterationTimes, PredictedHit, Report, Tally};
 use crate::scenario::config::Progress;
 use crate::sweep::{
     Plan, RunConfig, backend_refusal, build_decode_pool, build_pools, build_prefill_pool, check_config, check_host_memory, plan,
@@ -467,12 +467,7 @@ fn record_strays(
             report.summary.unexpected_failures += 1;
         }
         n += 1;
-        *report.summary.by_class.entry(Class::Stray.name().to_string()).or_default() += 1;
-        let listed = report.failures.len() < cfg.max_failures;
-        if !listed {
-            report.summary.failures_omitted += 1;
-        }
-        crate::report::dump::keep(dump.as_deref_mut(), listed.then_some(&mut report.failures), &buf, Class::Stray, || {
+        Tally::new(cfg.max_failures).record(report, dump.as_deref_mut(), Budget::Shared, Class::Stray, &buf, None, || {
             let mut rec = Failure::new(plan.it, c, f, v, &want, &buf, expected, plan.src_of[c.block as usize]);
             rec.stray_check = Some(check);
             rec.tp_rank = (probe.ranks() > 1).then_some(d);
@@ -1219,11 +1214,6 @@ fn sweep(
                         report.summary.unexpected_failures += 1;
                     }
                     corrupt += 1;
-                    *report.summary.by_class.entry(v.class.name().to_string()).or_default() += 1;
-                    let listed = report.failures.len() < cfg.max_failures;
-                    if !listed {
-                        report.summary.failures_omitted += 1;
-                    }
                     let class = v.class;
                     // A converting run's dump keeps what NIXL delivered beside the converted bytes.
                     let received = (dump.is_some() && sides.converts()).then(|| {
@@ -1231,8 +1221,8 @@ fn sweep(
                         sides.unconvert(&buf, &mut r);
                         r
                     });
-                    let list = listed.then_some(&mut report.failures);
-                    crate::report::dump::keep_converted(dump.as_deref_mut(), list, &buf, received.as_deref(), class, || {
+                    let mut tally = Tally::new(cfg.max_failures);
+                    tally.record(report, dump.as_deref_mut(), Budget::Shared, class, &buf, received.as_deref(), || {
                         let mut rec = Failure::new(it, c, f, v, &want, &buf, expected, cur.src_of[c.block as usize]);
                         rec.tp_rank = (ranks > 1).then_some(d);
                         rec.judged_class = judged_class;
@@ -1339,7 +1329,7 @@ fn sweep(
             }
             report.summary.stray_check_seconds += t.elapsed().as_secs_f64();
         }
-        report.summary.blocks_corrupt += corrupt;
+        // (Each corrupt slice was counted into the summary by the tally as it was found.)
         if it == 1 {
             let mut p = match cfg.op {
                 // Replaced by prefill's own table when its report part arrives ([`run`]).

@@ -581,6 +581,71 @@ pub struct ScenarioReport {
     pub intervals: Vec<Interval>,
 }
 
+/// Which listing budget a failing block slice draws on ([`Tally`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Budget {
+    /// One budget for every slice: `--max-failures` listed in all (sweeps).
+    Shared,
+    /// Slices explained by a race mechanism or planted by `--inject` as predicted
+    /// (scenarios: `--max-failures` of them).
+    Explained,
+    /// Slices nothing explains, defects of the stack under test (scenarios: another
+    /// `--max-failures`, so a flood of explained corruption never hides them).
+    Unexplained,
+}
+
+/// The failure tally of a run, the one place a failing block slice is counted and kept:
+/// `summary.blocks_corrupt` and `summary.by_class` count every slice once; the record is
+/// listed in `failures` within its [`Budget`] (else counted in `summary.failures_omitted`)
+/// and offered to the dump, which keeps it within its own cap whether listed or not
+/// ([`dump::keep_converted`]). Counts stay complete whatever is listed.
+#[derive(Clone, Debug)]
+pub struct Tally {
+    max: u64,
+    explained: u64,
+    unexplained: u64,
+}
+
+impl Tally {
+    /// A tally listing at most `max_failures` slices per budget (`--max-failures`).
+    pub fn new(max_failures: usize) -> Tally {
+        Tally { max: max_failures as u64, explained: 0, unexplained: 0 }
+    }
+
+    /// Counts one failing block slice of `class` into `report` and keeps its record (made by
+    /// `make` only when listed or dumped). `actual`: the bytes classified; `received`: with
+    /// a conversion on receive, the slice as NIXL delivered it (dumped beside `actual`).
+    /// Returns whether the record was listed.
+    #[allow(clippy::too_many_arguments)]
+    pub fn record(
+        &mut self,
+        report: &mut Report,
+        dump: Option<&mut dump::Dumper>,
+        budget: Budget,
+        class: Class,
+        actual: &[u8],
+        received: Option<&[u8]>,
+        make: impl FnOnce() -> Failure,
+    ) -> bool {
+        report.summary.blocks_corrupt += 1;
+        *report.summary.by_class.entry(class.name().to_string()).or_default() += 1;
+        let listed = match budget {
+            Budget::Shared => (report.failures.len() as u64) < self.max,
+            Budget::Explained | Budget::Unexplained => {
+                let n = if budget == Budget::Explained { &mut self.explained } else { &mut self.unexplained };
+                let listed = *n < self.max;
+                *n += listed as u64;
+                listed
+            }
+        };
+        if !listed {
+            report.summary.failures_omitted += 1;
+        }
+        dump::keep_converted(dump, listed.then_some(&mut report.failures), actual, received, class, make);
+        listed
+    }
+}
+
 impl Report {
     /// A report with no results yet, started now: `config` as the run resolved it (JSON;
     /// `Null` for a session refused before its configuration was known), status `running`,

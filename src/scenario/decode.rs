@@ -59,7 +59,7 @@ use crate::mem::pool::TableEntry;
 use crate::mem::tier::TierArena;
 use crate::peer::client::PrefillPeer;
 use crate::peer::steps::{Begin, Handed, PrefillCounters, StepIn, StepOut};
-use crate::report::{Failure, Interval, Report, ScenarioReport};
+use crate::report::{Budget, Failure, Interval, Report, ScenarioReport, Tally};
 use crate::xfer::transport::Endpoint;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -268,8 +268,8 @@ struct Decode<'a> {
     started: Instant,
     last_progress: Instant,
     busy_secs: f64,
-    listed_explained: u64,
-    listed_unexplained: u64,
+    /// The failure tally: explained and unexplained slices listed on budgets of their own.
+    tally: Tally,
     poison_secs: f64,
     /// Test-only fault (`KVPROBE_TEST_FAULT`) and how many are left to plant.
     fault: Option<(TestFault, u64)>,
@@ -353,8 +353,7 @@ impl<'a> Decode<'a> {
             started: Instant::now(),
             last_progress: Instant::now(),
             busy_secs: 0.0,
-            listed_explained: 0,
-            listed_unexplained: 0,
+            tally: Tally::new(max_failures),
             poison_secs: 0.0,
             fault: None,
             seq: 0,
@@ -1284,24 +1283,16 @@ impl<'a> Decode<'a> {
             if !as_predicted {
                 self.shadow.count(cause, v.class);
             }
-            report.summary.blocks_corrupt += 1;
-            *report.summary.by_class.entry(v.class.name().to_string()).or_default() += 1;
             if let Some(iv) = self.intervals.last_mut() {
                 iv.corrupt += 1;
             }
             // Unexplained slices (defects of the stack under test) have their own budget, so
             // a flood of explained race corruption never hides them.
-            let listed = if cause.is_some() || as_predicted { &mut self.listed_explained } else { &mut self.listed_unexplained };
-            let list = *listed < self.max_failures as u64;
-            if list {
-                *listed += 1;
-            } else {
-                report.summary.failures_omitted += 1;
-            }
+            let budget = if cause.is_some() || as_predicted { Budget::Explained } else { Budget::Unexplained };
             let step = self.now.min(u32::MAX as u64) as u32;
             let class = v.class;
             let pslot = p.pslots[i];
-            crate::report::dump::keep(self.dump.as_deref_mut(), list.then_some(&mut report.failures), &buf, class, || {
+            self.tally.record(report, self.dump.as_deref_mut(), budget, class, &buf, None, || {
                 let mut failure = Failure::new(step, c, f, v, &want, &buf, expected, pslot);
                 failure.request = Some(id);
                 failure.poison_iteration = p.poison_iter;
@@ -1431,18 +1422,10 @@ impl<'a> Decode<'a> {
                 attribute(&buf, &want, self.seed, self.ep.pool.shape(), c, &written)
             };
             self.shadow.count(cause, verify::Class::Stray);
-            report.summary.blocks_corrupt += 1;
-            *report.summary.by_class.entry(verify::Class::Stray.name().to_string()).or_default() += 1;
             if let Some(iv) = self.intervals.last_mut() {
                 iv.corrupt += 1;
             }
-            let listed = if cause.is_some() { &mut self.listed_explained } else { &mut self.listed_unexplained };
-            let list = *listed < self.max_failures as u64;
-            if list {
-                *listed += 1;
-            } else {
-                report.summary.failures_omitted += 1;
-            }
+            let budget = if cause.is_some() { Budget::Explained } else { Budget::Unexplained };
             let observed = fingerprint::observed_identity(&buf, self.seed, self.ep.pool.shape(), f.first_bad);
             let v = verify::Verdict {
                 class: verify::Class::Stray,
@@ -1453,7 +1436,7 @@ impl<'a> Decode<'a> {
                 rows: None,
             };
             let step = self.now.min(u32::MAX as u64) as u32;
-            crate::report::dump::keep(self.dump.as_deref_mut(), list.then_some(&mut report.failures), &buf, v.class, || {
+            self.tally.record(report, self.dump.as_deref_mut(), budget, v.class, &buf, None, || {
                 let mut failure = Failure::new(step, c, f, v, &want, &buf, expected, h.pslot);
                 failure.request = Some(h.req);
                 failure.poison_iteration = h.poison_iter;
