@@ -13,7 +13,7 @@
 //! | mem | [`pool`], [`tier`], [`mooncake`] | KV cache pools on VRAM or DRAM, the KV tier, Mooncake Store |
 //! | xfer | [`nixl`], [`transport`], [`ucx`], [`rdma`] | NIXL agents and requests, prefill and decode roles, which path UCX chose, RDMA NICs |
 //! | env | [`envinfo`] | the environment a run records |
-//! | report | [`report`], [`junit`], [`dump`] | the versioned JSON report, JUnit, `--dump` (nothing that drives a run) |
+//! | report | [`report`], [`report::render`], [`report::write`], [`junit`], [`dump`] | the versioned JSON report, its summary and atomic writing, JUnit, `--dump` (nothing that drives a run) |
 //! | peer | [`peer`] | the protocol between decode and a prefill side (it carries data and knows no engine) |
 //! | scenario | [`scenario`] | request-level load: scheduler, connectors, shadow, the two engines |
 //! | sweep | [`sweep`] | the whole-pool sweep's configuration and plan |
@@ -87,7 +87,7 @@ pub const FLOORS: &[(&str, &[&str])] = &[
     ("mem", &["pool", "tier", "mooncake"]),
     ("xfer", &["nixl", "transport", "ucx", "rdma"]),
     ("env", &["envinfo"]),
-    ("report", &["report", "junit", "dump"]),
+    ("report", &["report", "render", "write", "junit", "dump"]),
     ("peer", &["peer"]),
     ("scenario", &["scenario"]),
     ("sweep", &["sweep"]),
