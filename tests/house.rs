@@ -313,3 +313,22 @@ fn each_floor_is_a_folder_holding_its_modules() {
     found.insert("error".into());
     assert_eq!(found.len(), floor_of.len(), "modules with a file: {found:?}");
 }
+
+#[test]
+fn the_architecture_page_names_every_floor_and_module() {
+    // docs/ARCHITECTURE.md's table follows kvprobe::FLOORS: a module added, moved or renamed
+    // without the page fails here.
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let page = std::fs::read_to_string(root.join("docs/ARCHITECTURE.md")).unwrap();
+    let table: Vec<&str> = page.lines().filter(|l| l.starts_with("| ")).collect();
+    for (floor, modules) in kvprobe::FLOORS {
+        let row = table
+            .iter()
+            .find(|l| l.starts_with(&format!("| {floor} |")))
+            .unwrap_or_else(|| panic!("docs/ARCHITECTURE.md has no row for the floor {floor}"));
+        assert!(row.contains(&format!("`src/{floor}/`")), "{floor}: {row}");
+        for m in *modules {
+            assert!(row.contains(&format!("`{m}`")), "docs/ARCHITECTURE.md: the {floor} row does not name {m}: {row}");
+        }
+    }
+}
