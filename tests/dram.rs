@@ -770,7 +770,7 @@ pub fn late_data_is_classified_from_the_judged_bytes(memory: &str) {
         assert_eq!(r["summary"]["by_class"]["late"], late, "{ctx}");
         let (code, out, err) = crate::common::kvprobe(&["report", "check", b.to_str().unwrap()]);
         assert_eq!(code, 0, "{extra:?}: {out}{err}");
-        assert!(out.contains("everything agrees"), "{out}{err}");
+        assert!(out.contains("the bundle is consistent"), "{out}{err}");
     }
 }
 

@@ -519,10 +519,17 @@ pub(crate) fn report_command(c: ReportCommand) -> Exit {
             }
         },
         ReportCommand::Check { bundle } => match kvprobe::report_check::check(&bundle) {
+            // Consistency, not cleanliness: a bundle of a corrupt run is consistent when its
+            // corruption is exactly as its report says.
             Ok(c) if c.problems.is_empty() => report_out(
                 &format!(
-                    "{}: everything agrees ({} files match the manifest; {} dumped slices re-derived, as the report says)\n",
+                    "{}: the bundle is consistent: {} ({} files match the manifest; {} dumped slices re-derived from their bytes)\n",
                     bundle.display(),
+                    match c.corrupt {
+                        0 => "no corrupt slice, as reported".to_string(),
+                        1 => "its 1 corrupt slice is as reported".to_string(),
+                        n => format!("its {n} corrupt slices are as reported"),
+                    },
                     c.files,
                     c.slices
                 ),

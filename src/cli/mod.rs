@@ -136,7 +136,7 @@ pub(crate) enum ReportCommand {
     },
     /// Verify a bundle as its receiver (no GPU, no NIXL): the manifest (every file's size and SHA-256), then every dumped slice: the expected bytes regenerated from the fingerprint, the class, first bad offset, bad bytes, sector map, observed identity and digests re-derived from the dumped bytes and compared with the report and index.json.
     #[command(
-        after_help = "Exit codes: 0 everything agrees; 1 something disagrees (each disagreement on stdout, naming the slice or file and the field); 2 a malformed bundle (not gzip/tar, no manifest, bad JSON).\n\nReference: docs/report.md (what report check re-derives), docs/fingerprint.md (the fingerprint and the failure classes)."
+        after_help = "Exit codes: 0 the bundle is consistent (its corruption, if any, is exactly as its report says); 1 something disagrees (each disagreement on stdout, naming the slice or file and the field); 2 a malformed bundle (not gzip/tar, no manifest, bad JSON).\n\nReference: docs/report.md (what report check re-derives), docs/fingerprint.md (the fingerprint and the failure classes)."
     )]
     Check {
         /// The bundle (`--bundle` of run or ab, or `kvprobe bundle -o`).

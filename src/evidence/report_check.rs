@@ -28,12 +28,15 @@ use std::path::Path;
 /// What [`check`] found.
 #[derive(Clone, Debug, Default)]
 pub struct Checked {
-    /// The disagreements, one line each (empty: everything agrees).
+    /// The disagreements, one line each (empty: the bundle is consistent).
     pub problems: Vec<String>,
     /// Files the manifest lists (each checked for size and SHA-256).
     pub files: usize,
     /// Dumped slices whose bytes were re-derived and compared.
     pub slices: usize,
+    /// The corrupt block slices the report counts (`summary.blocks_corrupt`; an ab report:
+    /// over its rows' sections); 0 when the report could not be read.
+    pub corrupt: u64,
 }
 
 /// Checks the bundle at `path` (a `.tar.gz`, or a directory holding an unpacked bundle).
@@ -81,7 +84,7 @@ pub fn check(path: &Path) -> Result<Checked> {
     }
     if wrong_size.contains(&m.report) {
         // Its size disagrees (said above): nothing more can be compared with it.
-        return Ok(Checked { problems, files: m.files.len(), slices: 0 });
+        return Ok(Checked { problems, files: m.files.len(), slices: 0, corrupt: 0 });
     }
     let body = b
         .files
@@ -126,6 +129,7 @@ pub fn check(path: &Path) -> Result<Checked> {
     };
     // Each section's checks that need no slice bytes, then one more pass over the bundle
     // for the slices (one held at a time), then what the slices add up to.
+    let corrupt = sections.iter().map(|(_, _, sec)| sec["summary"]["blocks_corrupt"].as_u64().unwrap_or(0)).sum();
     let mut secs = Vec::new();
     for (label, dir, sec) in sections {
         let mut head = Vec::new();
@@ -200,7 +204,7 @@ pub fn check(path: &Path) -> Result<Checked> {
             problems.push(format!("{p}: a slice file no index.json lists"));
         }
     }
-    Ok(Checked { problems, files: m.files.len(), slices: met.len() })
+    Ok(Checked { problems, files: m.files.len(), slices: met.len(), corrupt })
 }
 
 /// The report's geometry, validated ([`Geometry::validate`]).
