@@ -479,6 +479,14 @@ fn kvprobe_bundle_packs_an_existing_report_and_dump_redacted() {
     let r: Value = serde_json::from_str(&report).expect("still JSON");
     assert_ne!(r["environment"]["hostname"].as_str().unwrap(), host);
     assert!(r["environment"]["hostname"].as_str().unwrap().starts_with("host-"));
+    // `report diff` of the redacted bundle against its own report: what redaction hid (the
+    // host name) is not a difference; the host name is listed among the fields that agree.
+    let (code, out, err) = kvprobe(&["report", "diff", d.join("r.json").to_str().unwrap(), b.to_str().unwrap()]);
+    assert!(code == 0 || code == 1, "{out}{err}");
+    let differences = out.split("\nsame (").next().unwrap();
+    assert!(!differences.contains("hostname"), "the redacted host name listed as a difference:\n{out}");
+    let host_row = out.lines().find(|l| l.contains("hostname")).unwrap_or_else(|| panic!("{out}"));
+    assert!(host_row.contains(&host) && host_row.contains("(redacted: host-"), "{host_row}");
     // Without --dump: the directory the report names.
     let b2 = d.join("b2.tgz");
     let (code, out, err) = kvprobe(&["bundle", "--report", d.join("r.json").to_str().unwrap(), "-o", b2.to_str().unwrap()]);

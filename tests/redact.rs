@@ -223,3 +223,17 @@ fn redact_tool_output_changes_only_identifiers() {
     assert_eq!(host_token.len(), 1, "{s}");
     assert_eq!(s, want.replace("host-1", &host_token[0]));
 }
+
+#[test]
+fn a_redacted_value_matches_the_plain_one_it_could_come_from() {
+    use kvprobe::redact::could_be_redaction_of as could;
+    assert!(could("host-1", "gpu-node-7"));
+    assert!(could("ip-1:4096", "10.0.0.1:4096"));
+    assert!(could("/home/user-2/kvprobe on host-1", "/home/alice/kvprobe on node7"));
+    // Text outside the tokens must be equal; no token, no match (equality decides then).
+    assert!(!could("ip-1:4096", "10.0.0.1:4097"));
+    assert!(!could("host-1 (rack 2)", "node7 (rack 3)"));
+    assert!(!could("node7", "node7"));
+    // A token inside a longer word is no token.
+    assert!(!could("ghost-1", "ghost-2"));
+}

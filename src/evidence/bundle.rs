@@ -892,11 +892,19 @@ pub fn read_entry(path: &Path, name: &str) -> Result<Vec<u8>> {
 /// The report a bundle at `path` holds (the manifest's `report`: `report.json` or
 /// `ab.json`), reading only the manifest and that entry, for `kvprobe report show`.
 pub fn read_report(path: &Path) -> Result<Vec<u8>> {
+    read_report_of(path).map(|(body, _)| body)
+}
+
+/// [`read_report`], and whether the bundle was redacted (the manifest's `redacted`).
+pub fn read_report_of(path: &Path) -> Result<(Vec<u8>, bool)> {
     let mut b = read_bounded(path, Only::Report)?;
     let name = b.manifest.report.clone();
-    b.files
+    let redacted = b.manifest.redacted;
+    let body = b
+        .files
         .remove(&name)
-        .ok_or_else(|| Error::Usage(format!("{}: the manifest's report {TOP}/{name} is not in the bundle", path.display())))
+        .ok_or_else(|| Error::Usage(format!("{}: the manifest's report {TOP}/{name} is not in the bundle", path.display())))?;
+    Ok((body, redacted))
 }
 
 /// The manifest of a bundle read by [`read`].

@@ -331,3 +331,28 @@ impl Redactor {
         self.words(s, &names, "user", false)
     }
 }
+
+/// Whether `redacted` could be `plain` after redaction: equal, except that each token of
+/// [`Redactor`]'s (`serial-N`, `gpu-uuid-N`, `mac-N`, `guid-N`, `ip-N`, `host-N`, `user-N`,
+/// standing alone) stands for some non-empty text of `plain`. Used by `report diff` to leave
+/// out of its differences what a redacted bundle's report hid. False when `redacted` holds
+/// no token (then only equality makes them the same).
+pub fn could_be_redaction_of(redacted: &str, plain: &str) -> bool {
+    static TOKEN: OnceLock<Regex> = OnceLock::new();
+    let token = TOKEN.get_or_init(|| {
+        Regex::new(r"(?:^|\b)(?:serial|gpu-uuid|mac|guid|ip|host|user)-[0-9]+(?:\b|$)").expect("a valid pattern")
+    });
+    if !token.is_match(redacted) {
+        return false;
+    }
+    let mut pattern = String::from("^");
+    let mut at = 0;
+    for m in token.find_iter(redacted) {
+        pattern += &regex::escape(&redacted[at..m.start()]);
+        pattern += ".+?";
+        at = m.end();
+    }
+    pattern += &regex::escape(&redacted[at..]);
+    pattern += "$";
+    Regex::new(&pattern).is_ok_and(|re| re.is_match(plain))
+}

@@ -34,6 +34,9 @@ pub struct Document {
     /// Where it was read from, as given (a run's summary names its `--report` file so):
     /// the path, or `report.json in BUNDLE` for a bundle's report.
     pub path: String,
+    /// True for the report of a bundle made with `--redact` (host names, addresses and user
+    /// names replaced by tokens: [`crate::evidence::redact`]).
+    pub redacted: bool,
 }
 
 /// Reads `path` and tells what it is by its `schema`. Every string of the document comes
@@ -41,23 +44,24 @@ pub struct Document {
 /// not a regular file, device or pipe with content, not JSON (the parser's line and column),
 /// or a schema this version does not know (named).
 pub fn load(path: &Path) -> Result<Document> {
-    let (bytes, named, kind) = read_document(path)?;
+    let (bytes, named, kind, redacted) = read_document(path)?;
     let json: Value = serde_json::from_slice(&bytes)
         .map_err(|e| Error::Usage(format!("{}: not a kvprobe JSON document: {e}", path.display())))?;
-    Ok(Document { kind, json, path: named })
+    Ok(Document { kind, json, path: named, redacted })
 }
 
 /// The document at `path` (a bundle's report for a bundle) with every string escaped
 /// ([`escape_json_strings`]), the name it is shown under, and its kind (from its `schema`
-/// alone: nothing else is parsed here).
-fn read_document(path: &Path) -> Result<(Vec<u8>, String, Kind)> {
+/// alone: nothing else is parsed here), and whether it comes from a redacted bundle.
+fn read_document(path: &Path) -> Result<(Vec<u8>, String, Kind, bool)> {
     let bad = |why: String| Error::Usage(format!("{}: {why}", path.display()));
     let mut bytes = read_bounded(path).map_err(bad)?;
     let mut named = path.display().to_string();
+    let mut redacted = false;
     if bytes.starts_with(&[0x1f, 0x8b]) {
         // A bundle (`--bundle`, `kvprobe bundle`): its report.
         // Only the manifest and the report entry are read (bounded; see [`crate::evidence::bundle`]).
-        bytes = crate::evidence::bundle::read_report(path)?;
+        (bytes, redacted) = crate::evidence::bundle::read_report_of(path)?;
         named = format!("report.json in {named}");
     }
     let bytes = escape_json_strings(&bytes);
@@ -86,14 +90,14 @@ fn read_document(path: &Path) -> Result<(Vec<u8>, String, Kind)> {
             )));
         }
     };
-    Ok((bytes, named, kind))
+    Ok((bytes, named, kind, redacted))
 }
 
 /// The human summary of the document at `path` ([`show`]), parsed straight into its type
 /// (no [`Value`] tree in between: a report of 244 MB held as a tree took 4.4 GB). Errors:
 /// as [`load`] and [`show`].
 pub fn show_file(path: &Path) -> Result<String> {
-    let (bytes, named, kind) = read_document(path)?;
+    let (bytes, named, kind, _) = read_document(path)?;
     let bad = |e: serde_json::Error| Error::Usage(format!("{}: the document does not fit its schema: {e}", path.display()));
     Ok(match kind {
         Kind::Run => render_run(&serde_json::from_slice(&bytes).map_err(bad)?, &named),
@@ -438,9 +442,20 @@ pub fn diff(a: &Document, b: &Document) -> (Vec<Row>, Vec<Row>) {
     let mb: std::collections::HashMap<&str, &str> = fb.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     let ma: std::collections::HashMap<&str, &str> = fa.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     let (mut differ, mut same) = (Vec::new(), Vec::new());
+    // One side redacted, the other not: a value that differs only where the redacted side
+    // holds tokens (`host-1`, `ip-2`, ...) is the same value, redacted.
+    let redacted_as = |x: &str, y: &str| match (a.redacted, b.redacted) {
+        (true, false) => crate::evidence::redact::could_be_redaction_of(x, y),
+        (false, true) => crate::evidence::redact::could_be_redaction_of(y, x),
+        _ => false,
+    };
     for (k, v) in &fa {
         let row = Row { path: k.clone(), a: Some(v.clone()), b: mb.get(k.as_str()).map(|s| s.to_string()) };
-        if row.a == row.b { same.push(row) } else { differ.push(row) }
+        let same_value = match (&row.a, &row.b) {
+            (Some(x), Some(y)) => x == y || redacted_as(x, y),
+            _ => false,
+        };
+        if same_value { same.push(row) } else { differ.push(row) }
     }
     for (k, v) in &fb {
         if !ma.contains_key(k.as_str()) {
@@ -509,7 +524,11 @@ pub fn render_diff(pa: &Path, a: &Document, pb: &Path, b: &Document) -> String {
     }
     s += &format!("\nsame ({}):\n", same.len());
     for r in &same {
-        s += &format!("  {:<w$}  {}\n", escape_for_terminal(&r.path), cut(&r.a));
+        // The same up to redaction: both values, so the reader sees what the token stands for.
+        let redacted =
+            if r.a != r.b { format!("  (redacted: {})", cut(if a.redacted { &r.a } else { &r.b })) } else { String::new() };
+        let shown = if a.redacted && r.a != r.b { &r.b } else { &r.a };
+        s += &format!("  {:<w$}  {}{redacted}\n", escape_for_terminal(&r.path), cut(shown));
     }
     s
 }
