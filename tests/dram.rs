@@ -434,6 +434,35 @@ fn env_probes_the_dram_path_in_a_child_run() {
 }
 
 #[test]
+fn env_exits_with_a_failed_probe_transfers_code() {
+    // A probe transfer that fails is a failure of `kvprobe env` (its CI examples start with
+    // it): an internal error of the probe run (test hook: the verify pass skips a slice) is
+    // exit 3, corruption it found (test hook: a write after the verdict) exit 1, each named.
+    for (hook, value, code, says) in [
+        ("KVPROBE_TEST_VERIFY_SKIP", "5", 3, "READ DRAM -> DRAM: failed (exit 3): internal error"),
+        (
+            "KVPROBE_TEST_LATE_WRITE",
+            "repoison:1",
+            1,
+            "READ DRAM -> DRAM: failed (exit 1): corruption: 1 corrupt block slices (stray 1)",
+        ),
+    ] {
+        let (got, out, err) = crate::common::kvprobe_env(&["env"], &[(hook, value)]);
+        assert_eq!(got, code, "{hook}: {out}{err}");
+        assert!(out.contains(says), "{hook}: wanted {says:?} in {out}");
+    }
+    // The rule itself: corruption wins, else the first failed probe's code.
+    use kvprobe::Exit;
+    use kvprobe::envinfo::{PathProbe, probes_exit};
+    let p = |c: i32| PathProbe { what: String::new(), exit_code: c, path: None, transfer_gbps: None, error: None };
+    assert_eq!(probes_exit(&[]), Exit::Clean);
+    assert_eq!(probes_exit(&[p(0), p(0)]), Exit::Clean);
+    assert_eq!(probes_exit(&[p(0), p(4), p(1)]), Exit::Corrupt);
+    assert_eq!(probes_exit(&[p(0), p(4), p(3)]), Exit::Timeout);
+    assert_eq!(probes_exit(&[p(2), p(3)]), Exit::Usage);
+}
+
+#[test]
 fn two_processes_move_and_classify_like_one() {
     // --decode-process: prefill's NIXL agent and pool in a child `kvprobe serve`, driven over
     // the peer protocol: READ (kvprobe, decode, posts) and WRITE (the child posts; kvprobe

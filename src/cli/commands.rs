@@ -488,16 +488,13 @@ pub(crate) fn env(json: bool, probe: bool) -> Exit {
     } else {
         out(&kvprobe::envinfo::render(&e));
     }
-    // NIXL (with at least one backend plugin) is what kvprobe cannot run without; a DRAM probe
-    // transfer refused by the environment (exit 2) means it is not usable either.
-    let dram_refused = e.transport_probes.first().is_some_and(|p| p.what.contains("DRAM") && p.exit_code == 2);
     if interrupted {
-        Exit::Interrupted
-    } else if e.nixl.library.is_none() || e.nixl.plugins.is_empty() || dram_refused {
-        Exit::Usage
-    } else {
-        Exit::Clean
+        return Exit::Interrupted;
     }
+    if e.nixl.library.is_none() || e.nixl.plugins.is_empty() {
+        return Exit::Usage;
+    }
+    kvprobe::envinfo::probes_exit(&e.transport_probes)
 }
 
 /// `kvprobe report show|diff|check` ([`kvprobe::show`], [`kvprobe::report_check`]). What they

@@ -110,9 +110,9 @@ pub(crate) enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Print what was found: GPUs and their links, driver, CUDA, NVRTC, NIXL library and plugins, RDMA NICs (ports, distance to each GPU, the UCX settings that pin the nearest, GPUDirect RDMA), and the path UCX selects for small probe transfers (exit 2 when NIXL is unusable).
+    /// Print what was found: GPUs and their links, driver, CUDA, NVRTC, NIXL library and plugins, RDMA NICs (ports, distance to each GPU, the UCX settings that pin the nearest, GPUDirect RDMA), and the path UCX selects for small probe transfers (exit 2 when NIXL is unusable; a failed probe transfer exits with its run's code).
     #[command(
-        after_help = "Reference: docs/gpu-hosts.md (UCX paths, RDMA NICs), docs/setup.md (what install-deps.sh installs and how each dependency is found)."
+        after_help = "Exit codes: 0 NIXL usable and every probe transfer clean; 2 NIXL unusable (no library, no backend plugin) or a probe transfer refused by the environment; 1 a probe transfer found corruption; 3 a probe transfer failed in transport or on the device; 4 a probe transfer timed out; 130 interrupted. Each failed probe is named with its error in the output.\n\nReference: docs/gpu-hosts.md (UCX paths, RDMA NICs), docs/setup.md (what install-deps.sh installs and how each dependency is found)."
     )]
     Env {
         /// Print JSON instead of text.

@@ -143,6 +143,26 @@ pub fn probe_paths(gpus: usize, rdma: &crate::xfer::rdma::RdmaFacts) -> Vec<Path
         .collect()
 }
 
+/// The exit code of `kvprobe env` for its probe transfers: 0 when every one was clean (or
+/// none ran), else as a run's: 1 when one found corruption (it wins, as in a run), else the
+/// first failed probe's own code — 2 refused by the environment, 3 a transport or device
+/// error, 4 a timeout, 130 interrupted; a code no run gives is read as 3.
+pub fn probes_exit(probes: &[PathProbe]) -> crate::error::Exit {
+    use crate::error::Exit;
+    let of = |c: i32| match c {
+        0 => Exit::Clean,
+        1 => Exit::Corrupt,
+        2 => Exit::Usage,
+        4 => Exit::Timeout,
+        130 => Exit::Interrupted,
+        _ => Exit::Transport,
+    };
+    if probes.iter().any(|p| p.exit_code == 1) {
+        return Exit::Corrupt;
+    }
+    probes.iter().map(|p| of(p.exit_code)).find(|x| *x != Exit::Clean).unwrap_or(Exit::Clean)
+}
+
 impl PathProbe {
     fn named(mut self, what: String) -> PathProbe {
         self.what = what;
@@ -226,7 +246,19 @@ fn probe_one(mem: &str, op: &str, a: usize, b: usize, two: bool) -> crate::error
         exit_code: code,
         path: serde_json::from_value(s["transport_path"].clone()).ok(),
         transfer_gbps: s["transfer_gbps"].as_f64().filter(|_| code == 0),
-        error: v["outcome"]["error"]["message"].as_str().map(str::to_string),
+        error: v["outcome"]["error"]["message"].as_str().map(str::to_string).or_else(|| {
+            // Corruption is no error of the run's: say what it found.
+            (code == 1).then(|| {
+                let classes: Vec<String> = s["by_class"]
+                    .as_object()
+                    .into_iter()
+                    .flatten()
+                    .filter(|(_, n)| n.as_u64() > Some(0))
+                    .map(|(k, n)| format!("{k} {n}"))
+                    .collect();
+                format!("corruption: {} corrupt block slices ({})", s["blocks_corrupt"], classes.join(", "))
+            })
+        }),
     })
 }
 
