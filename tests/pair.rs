@@ -1312,3 +1312,53 @@ fn a_decode_that_breaks_the_scenario_protocol_ends_serve_with_exit_3_and_its_rep
         assert!(msg.contains("a protocol error") && msg.contains(says), "{what}: {msg}");
     }
 }
+
+#[test]
+fn serve_writes_its_token_to_a_file_for_scripts() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = tmpdir("token-file");
+    // A given token: the file holds it, owner-only, and a run that reads it from the file
+    // is welcomed.
+    let f = d.join("given");
+    let serve = Serve::start(&["--token-file", f.to_str().unwrap()]);
+    let text = std::fs::read_to_string(&f).unwrap();
+    assert_eq!(text, format!("{TOKEN}\n"));
+    assert_eq!(std::fs::metadata(&f).unwrap().permissions().mode() & 0o777, 0o600);
+    let (code, _, log) = run_peer_in(&[], &serve.addr, text.trim(), &["--iterations", "1", "--layers", "2", "--blocks", "16"]);
+    assert_eq!(code, 0, "{log}");
+    drop(serve);
+    // A token serve makes: the file holds the one printed on stdout.
+    let f = d.join("made");
+    let mut c = Command::new(bin())
+        .args(["serve", "--listen", "127.0.0.1:0", "--memory", "dram", "--token-file", f.to_str().unwrap()])
+        .env_remove("KVPROBE_TOKEN")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(c.stdout.take().unwrap());
+    let mut printed = None;
+    let mut line = String::new();
+    while printed.is_none() {
+        line.clear();
+        assert!(lines.read_line(&mut line).unwrap() > 0, "serve ended before printing its token");
+        printed = line.strip_prefix("kvprobe serve: token ").map(|r| r.split_whitespace().next().unwrap().to_string());
+    }
+    let _ = c.kill();
+    let _ = c.wait();
+    assert_eq!(std::fs::read_to_string(&f).unwrap(), format!("{}\n", printed.unwrap()));
+    // A file that cannot be written: exit 2 before serve listens, naming the flag.
+    let (code, out, err) = kvprobe(&[
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--memory",
+        "dram",
+        "--token",
+        TOKEN,
+        "--token-file",
+        "/nonexistent/dir/t",
+    ]);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(err.contains("token-file") && !out.contains("listening on"), "{out}{err}");
+}

@@ -404,9 +404,12 @@ pub(crate) struct ServeArgs {
     /// Internal (the prefill process of `run --decode-process`): serve one session on the Unix socket inherited as descriptor N, token from $KVPROBE_TOKEN; nothing on stdout, no report.
     #[arg(long, value_name = "N", hide = true, conflicts_with_all = ["listen", "keep_serving", "report"])]
     pub(crate) fd: Option<i32>,
-    /// Shared token the run must prove, at least 16 characters (default: $KVPROBE_TOKEN; with neither, serve makes a random one and prints it).
+    /// Shared token the run must prove, at least 16 characters (default: $KVPROBE_TOKEN; with neither, serve makes a random one and prints it on stdout, where its other status lines go too).
     #[arg(long, value_name = "T")]
     pub(crate) token: Option<String>,
+    /// Write the token (given or made) to FILE for scripts: the token alone on one line, mode 0600, written atomically before serve listens.
+    #[arg(long, value_name = "FILE", conflicts_with = "fd")]
+    pub(crate) token_file: Option<PathBuf>,
     /// Prefill's pool memory: vram (GPU) or dram (host). Default: vram when a GPU is present, else dram.
     #[arg(long, value_enum)]
     pub(crate) memory: Option<MemoryKind>,

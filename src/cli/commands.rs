@@ -681,6 +681,17 @@ pub(crate) fn serve(a: ServeArgs, typed: &[&str]) -> Exit {
             Err(e) => return fail(e),
         },
     };
+    if let Some(p) = &a.token_file {
+        // Readable by its owner alone: whoever reads it can drive this serve.
+        let wrote = kvprobe::report::write_atomic_with(p, "--token-file", |f| {
+            use std::io::Write;
+            f.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+            f.write_all(format!("{token}\n").as_bytes())
+        });
+        if let Err(e) = wrote {
+            return fail(e);
+        }
+    }
     let cfg = kvprobe::serve::ServeConfig {
         listen: listen.clone(),
         token: token.clone(),
