@@ -471,6 +471,11 @@ fn pair_serve_bounds_frames_and_takes_one_client_at_a_time() {
     let f = read_frame(&mut other).expect("an answer to the second client");
     assert_eq!(f["type"], "refused", "{f}");
     assert!(f["reason"].as_str().unwrap().contains("busy"), "{f}");
+    assert_eq!(f["exit"], 3, "a refusal for now is no configuration error: {f}");
+    // A second run meanwhile: exit 3 (transient), saying so.
+    let (code, _, log) = run_peer_in(&[], &s.addr, TOKEN, &["--iterations", "1"]);
+    assert_eq!(code, 3, "{log}");
+    assert!(log.contains("refused for now: this kvprobe serve is busy with another client (try again later)"), "{log}");
     signal(c.id(), "INT");
     assert_eq!(c.wait().unwrap().code(), Some(130));
     let (sc, sout, _) = s.wait();

@@ -269,8 +269,9 @@ pub fn start_child(cfg: &ChildSpec<'_>, silence: Duration, run_id: &str) -> Resu
 /// Connects to `serve` at `addr` (HOST:PORT) and authenticates with `token`; `silence` is
 /// the run's `--timeout` (heartbeat bound). Errors: environment (the address does not resolve
 /// or nothing listens there: exit 2), transport (the connection broke, not a kvprobe serve, or
-/// a serve that cannot prove the token: exit 3), usage (refused: version or token, exit 2),
-/// timeout (exit 4).
+/// a serve that cannot prove the token, or a refusal for now — busy, crowded, a source
+/// refused for some seconds: exit 3), usage (refused: version or token, exit 2), timeout
+/// (exit 4).
 pub fn connect(addr: &str, token: &str, run_id: &str, silence: Duration) -> Result<Link> {
     use std::net::ToSocketAddrs;
     let who = format!("the prefill peer at {addr}");

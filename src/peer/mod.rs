@@ -11,7 +11,7 @@
 //! |---|---|---|
 //! | 1 | | [`Msg::Challenge`]: kvprobe and protocol version, a fresh nonce |
 //! | 2 | [`Msg::Hello`]: versions, run id, its own fresh nonce, decode's proof ([`proof`]) | checks version and proof ([`check_hello`]) before anything else |
-//! | 3 | checks prefill's proof before it sends anything about itself | [`Msg::Welcome`] with prefill's proof, or [`Msg::Refused`] (reason; both sides exit 2) |
+//! | 3 | checks prefill's proof before it sends anything about itself | [`Msg::Welcome`] with prefill's proof, or [`Msg::Refused`] (reason; both sides exit 2; a refusal for now — busy, crowded, a source refused for some seconds — exit 3) |
 //! | 4 | [`Msg::Config`]: the run's configuration, its hash ([`config_hash`]), decode's side (geometry, memory, GPU) and environment | re-hashes it, checks it against its own flags |
 //! | 5 | | [`Msg::Accept`] (prefill's side and environment) or [`Msg::Refused`] naming the field |
 //! | 6 | [`Msg::Connect`]: decode's NIXL agent metadata and region bases | loads them (`load_remote_md`) |
@@ -1256,6 +1256,11 @@ pub fn client_within(stream: Stream, token: &str, run_id: &str, silence: Duratio
                 ))
             })?
         }
+        // A refusal for now (busy, crowded, a source refused for some seconds) is exit 3 and
+        // says so; any other (version) is exit 2.
+        Msg::Refused { reason, exit, .. } if exit == TRANSIENT_REFUSAL_EXIT => {
+            return Err(Error::Transport(format!("{who} refused for now: {} (try again later)", esc(&reason))));
+        }
         Msg::Refused { reason, .. } => return Err(Error::Usage(format!("{who} refused: {}", esc(&reason)))),
         m => return Err(Error::Transport(format!("{who} sent {} instead of a challenge", m.name()))),
     };
@@ -1357,12 +1362,18 @@ pub fn server_gated(
     }
 }
 
-/// Refuses a connection without a session (serve is busy with another client): sends
-/// [`Msg::Refused`] and closes.
+/// The exit code of a refusal that holds only for now (serve busy with another client, too
+/// many handshakes in progress, a source refused for some seconds): a transport error (3),
+/// not a configuration error (2) — the same run can succeed when tried again.
+pub const TRANSIENT_REFUSAL_EXIT: u8 = 3;
+
+/// Refuses a connection without a session, for now (serve is busy with another client, has
+/// too many handshakes in progress, or refuses the source for some seconds): sends
+/// [`Msg::Refused`] with [`TRANSIENT_REFUSAL_EXIT`] and closes.
 pub fn refuse_busy(stream: Stream, reason: &str) {
     let mut s = stream;
     let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
-    let _ = write_frame(&mut s, &Msg::Refused { reason: reason.into(), field: None, exit: 2 });
+    let _ = write_frame(&mut s, &Msg::Refused { reason: reason.into(), field: None, exit: TRANSIENT_REFUSAL_EXIT });
     s.shutdown();
 }
 
