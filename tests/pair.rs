@@ -250,6 +250,13 @@ fn pair_read_and_write_are_clean_with_one_outcome_in_both_reports() {
         } else {
             assert_eq!(r["peer"]["writes"], 0);
         }
+        if op == "read" {
+            // Both sides on this host: the path says the bytes crossed no network (UCX's
+            // rows name only same-host transports here: shared memory, CMA, the loopback).
+            let flags = r["summary"]["transport_path"]["flags"].to_string();
+            assert!(flags.contains("\"same-host\""), "{flags}");
+            assert!(out.contains("path flag:         same-host: the bytes did not cross a network"), "{out}");
+        }
         // The token never reaches a report.
         assert!(!r.to_string().contains(TOKEN) && !sr.to_string().contains(TOKEN));
         assert!(sout.contains("result:            clean (exit 0)"), "{sout}");
@@ -617,6 +624,7 @@ fn pair_across_two_network_namespaces_moves_the_bytes_over_the_veth() {
         for shm in ["cma/", "posix/", "sysv/", "xpmem/"] {
             assert!(!path.contains(shm), "{op}: UCX reached the other side by {shm}: {path}");
         }
+        assert!(!path.contains("same-host"), "{op}: the bytes crossed the veth: {path}");
     }
 }
 

@@ -756,6 +756,13 @@ fn judge_path(cfg: &RunConfig, p: &mut crate::xfer::ucx::TransportPath, env: Opt
         let gpu = (cfg.memory == MemoryKind::Vram).then_some(initiator);
         crate::xfer::ucx::flag_path(p, &env.rdma, gpu);
     }
+    // A node pair whose bytes stayed on one host says so: its link was not tested.
+    if cfg.peer.is_some()
+        && let Some(f) = crate::xfer::ucx::same_host_flag(p)
+        && !p.flags.iter().any(|x| x.code == f.code)
+    {
+        p.flags.push(f);
+    }
 }
 
 /// The UCX path of a scenario's READs, as decode's agent (their initiator) logged it since

@@ -172,7 +172,8 @@ impl std::fmt::Display for EnvSetting {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct PathFlag {
     /// Stable short code: `tcp-with-rdma-present`, `rdma-port-down`, `no-gpudirect-rdma`,
-    /// `staged-through-host`, `nic-not-nearest` (docs/gpu-hosts.md, "Which NIC carried the bytes").
+    /// `staged-through-host`, `nic-not-nearest` (docs/gpu-hosts.md, "Which NIC carried the
+    /// bytes"); `same-host` for a node pair whose bytes never left one host ([`same_host_flag`]).
     pub code: String,
     /// One sentence saying what UCX did and why it matters.
     pub message: String,
@@ -571,6 +572,37 @@ pub fn path_flags(p: &TransportPath, facts: &crate::xfer::rdma::RdmaFacts, gpu: 
         }
     }
     flags
+}
+
+/// The flag of a node pair (`run --peer`) whose bytes never crossed a network: `same-host`
+/// when UCX's rows name transports and none of them is a network one (tcp over an interface
+/// other than the loopback `lo`, or rc/dc/ud) — shared memory (posix, sysv), CMA, xpmem,
+/// knem, cuda_ipc or cuda_copy, the loopback: the two sides ran on one host and nothing the
+/// pair's link would carry was tested. `None` when a network transport carried a row, or when
+/// the rows are unknown (capture off).
+pub fn same_host_flag(p: &TransportPath) -> Option<PathFlag> {
+    let mut local: Vec<String> = Vec::new();
+    for r in p.selections.iter().flat_map(|s| &s.rows) {
+        for (tl, dev) in lanes(&r.config) {
+            if (tl == "tcp" && dev != "lo") || is_rdma_transport(&tl) {
+                return None;
+            }
+            let l = if tl == "tcp" { "tcp/lo".to_string() } else { tl };
+            if !local.contains(&l) {
+                local.push(l);
+            }
+        }
+    }
+    (!local.is_empty()).then(|| PathFlag {
+        code: "same-host".into(),
+        message: format!(
+            "the bytes did not cross a network: UCX moved them within one host ({}), so this pair run tested no link between hosts",
+            local.join(", ")
+        ),
+        fix: Some(
+            "run serve and run on two hosts (or in two network namespaces with their own PID and IPC namespaces: docs/two-hosts.md)".into(),
+        ),
+    })
 }
 
 /// Sets `p.flags` from the host's RDMA facts for transfers of GPU `gpu` (CUDA ordinal, `None`
