@@ -888,10 +888,17 @@ fn pair_ab_passes_every_row_with_the_embedded_tier() {
     }
     assert_eq!(ab["peer"]["role"], "prefill", "{}", ab["peer"]);
     assert_eq!(ab["peer"]["exit_code"], 0);
+    let serve_report = s.report.clone();
     let (sc, sout, sr) = s.wait();
     assert_eq!(sc, 0, "{sout}");
     let sr = sr.unwrap();
     assert_eq!(sr["outcome"]["exit_code"], 0);
+    // `report show` of serve's report prints the matrix as serve printed it, not a sweep's
+    // summary.
+    let (code, shown, err) = kvprobe(&["report", "show", serve_report.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(shown.contains("stacked+save-after-free") && shown.contains("result: clean (exit 0)"), "{shown}");
+    assert!(!shown.contains("iterations"), "a sweep's summary: {shown}");
     // Serve's summary holds the matrix's totals, and it ran the eight rows.
     let checked: u64 = rows.iter().map(|r| r["slices_checked"].as_u64().unwrap()).sum();
     assert_eq!(sr["summary"]["blocks_checked"], checked);

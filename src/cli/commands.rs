@@ -723,18 +723,9 @@ pub(crate) fn serve(a: ServeArgs, typed: &[&str]) -> Exit {
     let mut say = |l: &str| out(&format!("{l}\n"));
     let mut ended = |end: &kvprobe::serve::SessionEnd| -> Exit {
         let r = &end.report;
-        match r.matrix.as_ref().and_then(|m| serde_json::from_value::<Vec<kvprobe::ab::AbRow>>(m.clone()).ok()) {
+        match kvprobe::ab::matrix_of(r) {
             // `ab --peer`: the matrix's table and outcome, as decode printed them.
-            Some(rows) => out(&kvprobe::ab::render(&kvprobe::ab::AbReport {
-                schema: kvprobe::ab::AB_SCHEMA.into(),
-                started_unix: r.started_unix,
-                config: r.config.clone(),
-                environment: None,
-                rows,
-                sections: Vec::new(),
-                outcome: r.outcome.clone(),
-                peer: None,
-            })),
+            Some(ab) => out(&kvprobe::ab::render(&ab)),
             None if r.summary.iterations > 0 || r.scenario.is_some() => {
                 out(&kvprobe::report::render_with(r, json_named(&report_path, &None).as_deref()))
             }

@@ -478,6 +478,23 @@ fn run_rows(
     Ok(())
 }
 
+/// The matrix of serve's report of an `ab --peer` session (its `matrix`: the rows decode
+/// sent at the end), as an ab report with serve's outcome, so it is shown as `ab` printed
+/// it; `None` for a report of any other run.
+pub fn matrix_of(r: &Report) -> Option<AbReport> {
+    let rows: Vec<AbRow> = serde_json::from_value(r.matrix.clone()?).ok()?;
+    Some(AbReport {
+        schema: AB_SCHEMA.into(),
+        started_unix: r.started_unix,
+        config: r.config.clone(),
+        environment: None,
+        rows,
+        sections: Vec::new(),
+        outcome: r.outcome.clone(),
+        peer: None,
+    })
+}
+
 /// The matrix as a text table.
 pub fn render(ab: &AbReport) -> String {
     let mut out = format!(

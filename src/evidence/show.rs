@@ -107,7 +107,11 @@ pub fn show_file(path: &Path) -> Result<String> {
 }
 
 fn render_run(r: &crate::report::Report, named: &str) -> String {
-    let mut s = crate::report::render_with(r, Some(named));
+    // Serve's report of an `ab --peer` session: the matrix, as serve printed it.
+    let mut s = match crate::drive::ab::matrix_of(r) {
+        Some(ab) => crate::drive::ab::render(&ab),
+        None => crate::report::render_with(r, Some(named)),
+    };
     if let Some(e) = &r.outcome.error {
         s += &format!("error:             {}\n", escape_for_terminal(&e.message));
     }
