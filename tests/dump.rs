@@ -1694,3 +1694,52 @@ fn check_rederives_a_scenario_failures_identity_from_its_seeded_load() {
         assert!(out.contains(want.as_str()), "{what}: {want:?} in {out}{err}");
     }
 }
+
+/// A self-test's bundle (status `self-test-passed`, exit 0, corrupt slices all planted) passes
+/// `report check`; a report that claims the pass while a listed failure was not planted, or
+/// an injection was missed, or the run was no self-test, does not.
+#[test]
+fn a_self_test_bundle_passes_check_only_when_every_failure_was_planted() {
+    let d = tmpdir("bundle-selftest");
+    let b = d.join("b.tar.gz");
+    let (code, out, err) = kvprobe(&[
+        "run",
+        "--memory",
+        "dram",
+        "--iterations",
+        "2",
+        "--inject",
+        "torn",
+        "--inject",
+        "misroute",
+        "--self-test",
+        "--bundle",
+        b.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+    let (code, out, err) = check(&b);
+    assert_eq!(code, 0, "{out}{err}");
+    let files = untar(&b);
+    type Edit = Box<dyn Fn(&mut Value)>;
+    let cases: Vec<(&str, Edit, &str)> = vec![
+        (
+            "not-planted",
+            Box::new(|v| v["failures"][1].as_object_mut().unwrap().remove("injected").map(|_| ()).unwrap()),
+            "but failures[1] is not a planted fault found as predicted (injected)",
+        ),
+        ("missed", Box::new(|v| v["injections"][0]["detected"] = false.into()), "but injections[0] was not detected"),
+        ("unexpected", Box::new(|v| v["summary"]["unexpected_failures"] = 1.into()), "but summary.unexpected_failures is 1"),
+        (
+            "no-self-test",
+            Box::new(|v| v["config"].as_object_mut().unwrap().remove("self_test").map(|_| ()).unwrap()),
+            "but config.self_test is not true",
+        ),
+    ];
+    for (name, edit, want) in cases {
+        let p = d.join(format!("{name}.tar.gz"));
+        retar(&p, &edit_json(&files, "report.json", &*edit));
+        let (code, out, err) = check(&p);
+        assert_eq!(code, 1, "{name}: {out}{err}");
+        assert!(out.contains(want), "{name}: {want} in {out}");
+    }
+}

@@ -974,9 +974,16 @@ fn vram_dump_host_memory_is_bounded_by_the_cap() {
     };
     let (small, _) = peak("vram-dump-10", 5);
     let (big, _) = peak("vram-dump-10000", 5000);
-    // The cap (1 MiB) plus the report's own list (--max-failures 1000 records) and slack for
-    // allocator noise: not 10 000 slices (320 MiB at 32 KiB).
-    assert!(big <= small + (1 << 20) + (48 << 20), "host_peak_bytes {small} with 10 failing slices, {big} with 10 000");
+    // What may grow with failing slices, by design: the dump's cap (1 MiB); the judged bytes
+    // of the captured parts (`CAPTURE_MAX_BYTES`, 16 MiB a pass), read to the host and made
+    // into slices (twice), for up to two verify passes in flight (the iterations pipeline);
+    // the report's own list (--max-failures 1000 records) and 10 000 injection records, with
+    // allocator slack, 16 MiB. At most 81 MiB; not 10 000 slices (320 MiB at 32 KiB). (The
+    // H100 lane of 2026-12-07 saw 52 MiB, past an older bound of 49 MiB that left out the
+    // capture.)
+    let capture = kvprobe::mem::pool::CAPTURE_MAX_BYTES;
+    let bound = (1 << 20) + 2 * 2 * capture + (16 << 20);
+    assert!(big <= small + bound, "host_peak_bytes {small} with 10 failing slices, {big} with 10 000 (bound {bound} above)");
 }
 
 #[test]

@@ -219,3 +219,116 @@ fn outputs_that_lead_to_the_same_file_are_refused_before_the_run() {
         assert!(!d.join(f).exists(), "{f} was written");
     }
 }
+
+/// `run --self-test` (CI's self-test, issue of the first hour, item 8): the same planted faults
+/// that make a plain run exit 1 make a self-test exit 0 with status `self-test-passed`, every
+/// failure record marked `injected`, and no failing JUnit case; the counts are the tests'
+/// own table of classes per fault.
+#[test]
+fn a_self_test_passes_when_every_planted_fault_is_found_as_predicted() {
+    let args = ["--inject", "torn:2", "--inject", "misroute", "--inject", "stale", "--iterations", "2", "--seed", "11"];
+    let (plain, _, _, log) = run_with_junit("junit-selftest-plain", "run", &args);
+    assert_eq!(plain, 1, "{log}");
+    let mut st = args.to_vec();
+    st.push("--self-test");
+    let (code, r, c, log) = run_with_junit("junit-selftest", "run", &st);
+    assert_eq!(code, 0, "{log}");
+    assert_eq!(r["outcome"]["status"], "self-test-passed", "{log}");
+    assert_eq!(r["config"]["self_test"], true);
+    let want = crate::common::expected_by_class(&[("torn", 4), ("misroute", 2), ("stale", 2)]);
+    let total: u64 = want.values().sum();
+    assert_eq!(r["summary"]["blocks_corrupt"], total, "{log}");
+    assert_eq!(r["summary"]["unexpected_failures"], 0);
+    assert_eq!(r["summary"]["injections_planted"], 8);
+    assert_eq!(r["summary"]["injections_detected"], 8);
+    let failures = r["failures"].as_array().unwrap();
+    assert_eq!(failures.len() as u64, total);
+    assert!(failures.iter().all(|f| f["injected"] == true), "{failures:?}");
+    for t in r["summary"]["per_iteration"].as_array().unwrap() {
+        assert_eq!(t["unexpected"], 0, "{t}");
+        assert_eq!(t["corrupt"], total / 2, "{t}");
+    }
+    assert!(c.iter().all(|x| x.1.is_none()), "no failing case: {c:?}");
+    assert_eq!(c.len(), 2 + 8 + 1, "{c:?}");
+    assert_eq!(c.last().unwrap().0, "outcome: self-test-passed (exit 0)");
+    assert!(log.contains("self-test:         passed: 8 planted faults detected as predicted, nothing else corrupt"), "{log}");
+    // `report show` prints the same verdict from the saved report.
+    let d = crate::common::tmpdir("junit-selftest-show");
+    let p = d.join("r.json");
+    std::fs::write(&p, serde_json::to_vec(&r).unwrap()).unwrap();
+    let (code, out, err) = kvprobe(&["report", "show", p.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("self-test:         passed: 8 planted faults"), "{out}");
+    assert!(out.contains("injected (--inject), as predicted"), "{out}");
+}
+
+/// A self-test fails (exit 1, the reason as the run's error, a failing JUnit case for the
+/// iteration) when something nothing planted predicts is corrupt: here a stray write into a
+/// verified slot (the test-only late-write fault), beside a bitflip found as predicted.
+#[test]
+fn a_self_test_fails_on_corruption_nothing_planted_predicts() {
+    let d = crate::common::tmpdir("junit-selftest-fail");
+    let (r, j) = (d.join("r.json"), d.join("j.xml"));
+    let (code, out, err) = crate::common::kvprobe_env(
+        &[
+            "run",
+            "--memory",
+            "dram",
+            "--iterations",
+            "2",
+            "--inject",
+            "bitflip",
+            "--self-test",
+            "--report",
+            r.to_str().unwrap(),
+            "--junit",
+            j.to_str().unwrap(),
+        ],
+        &[("KVPROBE_TEST_LATE_WRITE", "repoison:1")],
+    );
+    assert_eq!(code, 1, "{out}{err}");
+    let r = read_report(&r);
+    assert_eq!(r["outcome"]["status"], "corrupt");
+    let why = "self-test failed: 1 corrupt block slices that no planted fault predicts";
+    assert!(r["outcome"]["error"]["message"].as_str().unwrap().ends_with(why), "{}", r["outcome"]);
+    let failures = r["failures"].as_array().unwrap();
+    let stray: Vec<_> = failures.iter().filter(|f| f["class"] == "stray").collect();
+    assert_eq!(stray.len(), 1, "{failures:?}");
+    assert!(stray[0].get("injected").is_none(), "{}", stray[0]);
+    assert_eq!(failures.iter().filter(|f| f["class"] == "bitflip" && f["injected"] == true).count(), 2, "{failures:?}");
+    assert!(out.contains("self-test:         FAILED: 1 corrupt block slices that no planted fault predicts"), "{out}");
+    assert!(out.contains(", not predicted by any --inject"), "{out}");
+    let c = cases(&j);
+    let failing: Vec<&str> = c.iter().filter(|x| x.1.is_some()).map(|x| x.0.as_str()).collect();
+    // The stray is found in iteration 1 (repoison:1); iteration 2's bitflip alone passes.
+    assert_eq!(failing, ["iteration 1", "outcome: corrupt (exit 1)"], "{c:?}");
+    let it1 = &c.iter().find(|x| x.0 == "iteration 1").unwrap().2;
+    assert!(it1.starts_with("1 of 2 corrupt block slices") && it1.contains("stray 1"), "{it1}");
+}
+
+/// `--self-test` with nothing planted is a usage error (exit 2), before any set-up.
+#[test]
+fn a_self_test_with_nothing_planted_is_refused() {
+    let (code, _, err) = kvprobe(&["run", "--memory", "dram", "--self-test"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--self-test judges planted faults: give --inject"), "{err}");
+}
+
+/// A scenario's self-test: faults planted in requests, found as predicted, pass every
+/// interval case; the intervals count no unexplained slice.
+#[test]
+fn a_scenario_self_test_passes_its_intervals() {
+    let (code, r, c, log) = run_with_junit(
+        "junit-selftest-scenario",
+        "run",
+        &["--scenario", "nixl-only", "--requests", "40", "--inject", "bitflip:2", "--inject", "drop", "--self-test"],
+    );
+    assert_eq!(code, 0, "{log}");
+    assert_eq!(r["summary"]["injections_planted"], 3, "{log}");
+    let want = crate::common::expected_by_class(&[("bitflip", 2), ("drop", 1)]);
+    assert_eq!(r["summary"]["blocks_corrupt"], want.values().sum::<u64>(), "{log}");
+    let ivs = r["scenario"]["intervals"].as_array().unwrap();
+    assert_eq!(ivs.iter().map(|i| i["corrupt"].as_u64().unwrap()).sum::<u64>(), want.values().sum::<u64>());
+    assert!(ivs.iter().all(|i| i["unexplained"] == 0), "{ivs:?}");
+    assert!(c.iter().all(|x| x.1.is_none()), "{c:?}");
+}

@@ -926,3 +926,50 @@ fn the_failure_tally_counts_every_slice_and_lists_within_each_budget() {
     assert_eq!((r.summary.by_class["stale"], r.summary.by_class["unwritten"]), (4, 3));
     assert_eq!(r.failures.iter().map(|f| f.block).collect::<Vec<_>>(), [0, 1, 10, 11]);
 }
+
+/// The `--self-test` verdict, from a report's counts alone: it passes only when something
+/// was planted, everything asked for was planted, every planted fault was detected as
+/// predicted and nothing else is corrupt; each shortfall is named.
+#[test]
+fn the_self_test_verdict_names_each_shortfall() {
+    use kvprobe::geometry::{Dtype, Geometry, Layout};
+    use kvprobe::pool::MemoryKind;
+    use kvprobe::report::Report;
+    use kvprobe::run::self_test_verdict;
+    use kvprobe::sweep::RunConfig;
+    let g = Geometry {
+        num_layers: 4,
+        num_kv_heads: 8,
+        head_size: 64,
+        block_size: 16,
+        num_blocks: 64,
+        dtype: Dtype::Bf16,
+        layout: Layout::Hnd,
+        mla: false,
+    };
+    let mut cfg = RunConfig::new(MemoryKind::Dram, g);
+    cfg.self_test = true;
+    cfg.iterations = 3;
+    cfg.inject = vec!["torn:2".parse().unwrap()];
+    // 2 faults x 3 iterations asked for.
+    let report = |planted: u64, detected: u64, unexpected: u64| {
+        let mut r = Report::start(serde_json::Value::Null);
+        r.summary.iterations = 3;
+        r.summary.injections_planted = planted;
+        r.summary.injections_detected = detected;
+        r.summary.unexpected_failures = unexpected;
+        r
+    };
+    assert_eq!(self_test_verdict(&cfg, &report(6, 6, 0)), Ok(()));
+    let e = self_test_verdict(&cfg, &report(6, 5, 0)).unwrap_err();
+    assert_eq!(e, "1 of 6 planted faults not detected as predicted (injections[].detected)");
+    let e = self_test_verdict(&cfg, &report(6, 6, 3)).unwrap_err();
+    assert_eq!(e, "3 corrupt block slices that no planted fault predicts");
+    let e = self_test_verdict(&cfg, &report(4, 4, 0)).unwrap_err();
+    assert_eq!(e, "2 of the 6 faults asked for were never planted (too few requests: raise --requests)");
+    let e = self_test_verdict(&cfg, &report(6, 4, 1)).unwrap_err();
+    assert!(e.contains("2 of 6 planted") && e.contains("; 1 corrupt block slices"), "{e}");
+    cfg.inject.clear();
+    let e = self_test_verdict(&cfg, &report(0, 0, 0)).unwrap_err();
+    assert!(e.starts_with("nothing was planted"), "{e}");
+}

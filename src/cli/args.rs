@@ -358,6 +358,9 @@ pub(crate) struct RunArgs {
     /// head or one token off: class layout), optionally :COUNT. Repeatable.
     #[arg(long, value_name = "CLASS[:N]")]
     pub(crate) inject: Vec<Spec>,
+    /// Judge kvprobe itself rather than the stack (CI's self-test): exit 0 when every fault planted by --inject (and every unfenced --race mechanism) is detected as predicted and nothing else is corrupt, exit 1 with the reasons otherwise; the JUnit cases pass on the same terms. Needs --inject or an unfenced --race.
+    #[arg(long)]
+    pub(crate) self_test: bool,
     /// Exit 5 when the transfer rate (GB/s = 1e9 B/s) is below this.
     #[arg(long)]
     pub(crate) min_gbps: Option<f64>,
@@ -591,6 +594,7 @@ impl RunArgs {
         dram_takes_no_device(&c, typed)?;
         self.pair.apply(&mut c, typed)?;
         c.inject = self.inject.clone();
+        c.self_test = self.self_test;
         c.min_gbps = self.min_gbps;
         if (self.prefill_tp.is_some() || self.decode_tp.is_some()) && self.pool.geo.tp.is_some() {
             return Err(Error::Usage(
@@ -658,6 +662,12 @@ impl RunArgs {
                     )));
                 }
             }
+        }
+        if c.self_test && c.inject.is_empty() && c.scenario.as_ref().is_none_or(|s| s.unfenced.is_empty()) {
+            return Err(Error::Usage(
+                "--self-test judges planted faults: give --inject CLASS[:N] (or an unfenced --race with --scenario stacked)"
+                    .into(),
+            ));
         }
         Ok(c)
     }

@@ -31,9 +31,11 @@ pub(crate) use output::*;
 macro_rules! exit_codes {
     () => {
         "Exit codes:
-  0  clean: every block slice verified (ab: fenced rows clean, unfenced races detected)
+  0  clean: every block slice verified (ab: fenced rows clean, unfenced races detected;
+     run --self-test: every planted fault detected as predicted, nothing else corrupt)
   1  corruption found, also when planted by --inject or --race (wins over every other outcome;
-     ab: a fenced row is corrupt, or corruption no mechanism explains)
+     ab: a fenced row is corrupt, or corruption no mechanism explains; run --self-test: a
+     planted fault missed or not as predicted, or corruption nothing planted predicts)
   2  usage, configuration or environment error (bad flag, NIXL or GPU missing)
   3  transport or device error during the run
   4  a transfer did not complete within --timeout, or another wait exceeded its bound

@@ -548,6 +548,7 @@ fn breakdown(
         iterations: cfg.iterations,
         seed: cfg.seed,
         inject: Vec::new(),
+        self_test: false,
         backend: cfg.backend.clone(),
         backend_params: cfg.backend_params.clone(),
         xfer_req: crate::xfer::transport::XferReq::Prepared,

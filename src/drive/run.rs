@@ -471,6 +471,7 @@ fn record_strays(
             let mut rec = Failure::new(plan.it, c, f, v, &want, &buf, expected, plan.src_of[c.block as usize]);
             rec.stray_check = Some(check);
             rec.tp_rank = (probe.ranks() > 1).then_some(d);
+            rec.injected = as_predicted;
             rec
         });
     }
@@ -550,7 +551,16 @@ pub fn run(cfg: &RunConfig, hooks: &mut Hooks<'_>) -> (Report, Exit) {
             n
         )));
     }
-    let corrupt = report.summary.blocks_corrupt > 0 || matches!(result, Err(Error::Corrupt(_)));
+    // --self-test: planted faults found as predicted are the pass; anything else is the
+    // failure (exit 1, the reason as the run's error).
+    let mut passed = false;
+    if let (true, Ok(())) = (cfg.self_test, &result) {
+        match self_test_verdict(cfg, &report) {
+            Ok(()) => passed = true,
+            Err(why) => result = Err(Error::Corrupt(format!("self-test failed: {why}"))),
+        }
+    }
+    let corrupt = (report.summary.blocks_corrupt > 0 && !passed) || matches!(result, Err(Error::Corrupt(_)));
     let (exit, err) = match (&result, corrupt) {
         (_, true) => (Exit::Corrupt, result.as_ref().err()),
         (Err(e), false) => (e.exit(), Some(e)),
@@ -563,6 +573,9 @@ pub fn run(cfg: &RunConfig, hooks: &mut Hooks<'_>) -> (Report, Exit) {
         },
     };
     report.finish(exit, err);
+    if passed && exit == Exit::Clean {
+        report.outcome.status = crate::report::SELF_TEST_PASSED.into();
+    }
     if let Some(Probe { prefill: p, .. }) = &probe {
         // The pair ends together: prefill takes this outcome and sends its side of the report.
         let results = crate::peer::Results {
@@ -663,6 +676,51 @@ pub fn fenced_violations(report: &Report) -> Option<u64> {
     let fenced = sc.races.iter().all(|o| o.fencing == crate::core::mechanism::Fencing::Fenced);
     let n = sc.ownership_violations.unwrap_or(0);
     (fenced && n > 0).then_some(n)
+}
+
+/// The `--self-test` verdict of a finished run (`cfg.self_test`; the run itself ended
+/// without an error): `Ok` when something was planted (an `--inject` fault, or an unfenced
+/// race mechanism of a scenario), every fault asked for was planted, every planted fault
+/// was detected as predicted (`summary.injections_detected == injections_planted`: each
+/// slice it reaches found with its predicted class and bytes), every unfenced mechanism was
+/// detected, and no corrupt slice is left that no planted fault predicts
+/// (`summary.unexpected_failures == 0`; a scenario's unexplained slices). Otherwise `Err`
+/// with every reason, joined by "; ".
+pub fn self_test_verdict(cfg: &RunConfig, report: &Report) -> std::result::Result<(), String> {
+    let s = &report.summary;
+    let unfenced = cfg.scenario.as_ref().map_or(0, |sc| sc.unfenced.len());
+    let mut why = Vec::new();
+    if s.injections_planted == 0 && unfenced == 0 {
+        why.push("nothing was planted (give --inject, or an unfenced --race with --scenario stacked)".to_string());
+    }
+    // A scenario plants one fault in a request that carries one; a short run may carry fewer
+    // than asked for. A sweep plants every count in every iteration.
+    let asked: u64 =
+        cfg.inject.iter().map(|i| i.count as u64).sum::<u64>() * if cfg.scenario.is_some() { 1 } else { s.iterations as u64 };
+    if s.injections_planted < asked {
+        why.push(format!(
+            "{} of the {asked} faults asked for were never planted (too few requests: raise --requests)",
+            asked - s.injections_planted
+        ));
+    }
+    if s.injections_detected < s.injections_planted {
+        why.push(format!(
+            "{} of {} planted faults not detected as predicted (injections[].detected)",
+            s.injections_planted - s.injections_detected,
+            s.injections_planted
+        ));
+    }
+    if s.unexpected_failures > 0 {
+        why.push(format!("{} corrupt block slices that no planted fault predicts", s.unexpected_failures));
+    }
+    let missed = unfenced_not_reproduced(report);
+    if !missed.is_empty() {
+        why.push(format!(
+            "unfenced race mechanism(s) not reproduced: {}",
+            missed.iter().map(|m| m.to_string()).collect::<Vec<_>>().join(", ")
+        ));
+    }
+    if why.is_empty() { Ok(()) } else { Err(why.join("; ")) }
 }
 
 /// The unfenced race mechanisms of a scenario run whose verdict is not `detected` (empty
@@ -1042,6 +1100,7 @@ fn sweep(
         let iteration_start = Instant::now();
         let mut times = IterationTimes { index: it, ..Default::default() };
         let classes_before = report.summary.by_class.clone();
+        let unexpected_before = report.summary.unexpected_failures;
         let more = it < cfg.iterations;
         for d in 0..probe.ranks() {
             probe.rank_mut(d).pool.load_table(&cur.dst_table)?;
@@ -1233,6 +1292,7 @@ fn sweep(
                         let mut rec = Failure::new(it, c, f, v, &want, &buf, expected, cur.src_of[c.block as usize]);
                         rec.tp_rank = (ranks > 1).then_some(d);
                         rec.judged_class = judged_class;
+                        rec.injected = as_predicted;
                         rec
                     });
                 }
@@ -1393,6 +1453,7 @@ fn sweep(
         }
         report.summary.iterations = it;
         times.corrupt = corrupt;
+        times.unexpected = report.summary.unexpected_failures - unexpected_before;
         times.by_class = report
             .summary
             .by_class

@@ -214,6 +214,55 @@ fn geometry_of(v: &Value) -> std::result::Result<Geometry, String> {
     Ok(g)
 }
 
+/// A `--self-test` that says it passed (status `self-test-passed`): the run was a self-test
+/// (`config.self_test`), exit 0, every listed failure `injected`, no unexpected failure (nor,
+/// in a scenario, an unexplained one), every planted fault detected, something planted, and
+/// every checked slice compared.
+fn self_test_checks(sec: &Value, say: &mut dyn FnMut(String)) {
+    let (s, status) = (&sec["summary"], crate::report::SELF_TEST_PASSED);
+    if sec["config"]["self_test"] != true {
+        say(format!("report: outcome: status {status:?}, but config.self_test is not true"));
+    }
+    if sec["outcome"]["exit_code"].as_u64() != Some(0) {
+        say(format!("report: outcome: status {status:?}, but exit code {}", show(&sec["outcome"]["exit_code"])));
+    }
+    let failures = sec["failures"].as_array().map(Vec::as_slice).unwrap_or_default();
+    if let Some(i) = failures.iter().position(|f| f["injected"] != true) {
+        say(format!(
+            "report: outcome: status {status:?}, but failures[{i}] is not a planted fault found as predicted (injected)"
+        ));
+    }
+    if s["unexpected_failures"].as_u64() != Some(0) {
+        say(format!(
+            "report: outcome: status {status:?}, but summary.unexpected_failures is {}",
+            show(&s["unexpected_failures"])
+        ));
+    }
+    if let Some(n) = sec["scenario"]["unexplained_corrupt"].as_u64().filter(|&n| n > 0) {
+        say(format!("report: outcome: status {status:?}, but scenario.unexplained_corrupt is {n}"));
+    }
+    let (planted, detected) = (s["injections_planted"].as_u64(), s["injections_detected"].as_u64());
+    let races = sec["scenario"]["races"].as_array().into_iter().flatten().filter(|r| r["fencing"] == "unfenced").count();
+    if planted != detected || (planted.unwrap_or(0) == 0 && races == 0) {
+        say(format!(
+            "report: outcome: status {status:?}, but summary.injections_detected is {} of {} planted",
+            show(&s["injections_detected"]),
+            show(&s["injections_planted"])
+        ));
+    }
+    if let Some(i) = sec["injections"].as_array().into_iter().flatten().position(|j| j["detected"] != true) {
+        say(format!("report: outcome: status {status:?}, but injections[{i}] was not detected"));
+    }
+    let compared = &s["slices_compared"];
+    if !compared.is_null() && (compared != &s["blocks_checked"] || compared.as_u64() == Some(0)) {
+        say(format!(
+            "report: outcome: status {status:?}, but summary.slices_compared is {} of {} slices checked",
+            show(compared),
+            show(&s["blocks_checked"])
+        ));
+    }
+}
+
 /// The report's own claims, checked against each other and re-derived from its
 /// configuration (one report, or one ab section), before any dump is looked at:
 ///
@@ -238,7 +287,11 @@ fn report_checks(sec: &Value, say: &mut dyn FnMut(String)) {
     let dumped = sec["dump"]["slices_written"].as_u64().unwrap_or(0) as usize;
     let outcome = &sec["outcome"];
     let summary = &sec["summary"];
-    let clean = !outcome.is_null() && (outcome["status"] == "clean" || outcome["exit_code"].as_u64() == Some(0));
+    let self_test = outcome["status"] == crate::report::SELF_TEST_PASSED;
+    if self_test {
+        self_test_checks(sec, say);
+    }
+    let clean = !outcome.is_null() && !self_test && (outcome["status"] == "clean" || outcome["exit_code"].as_u64() == Some(0));
     if clean {
         let status = outcome["status"].as_str().unwrap_or("");
         let exit = show(&outcome["exit_code"]);

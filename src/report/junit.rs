@@ -10,6 +10,9 @@
 //!   the classes and the first failing slice's coordinates;
 //! - `run`, scenario: one per interval (`scenario.intervals`) and one per race mechanism;
 //! - one per injection (`--inject`): passes when detected as predicted;
+//! - `run --self-test` (`config.self_test`): an iteration or interval fails only on corrupt
+//!   slices nothing planted predicts (`per_iteration[].unexpected`, `intervals[].unexplained`),
+//!   so a self-test that passed (exit 0) has no failing case;
 //! - `ab`: one per row, passing when the row passes;
 //! - `bench`: one per goal (figures with a goal, and the sweep breakdowns' probe share where
 //!   the goal applies), failing when missed;
@@ -114,6 +117,7 @@ fn suite(name: &str, doc: &Value) -> TestSuite {
 /// The JUnit document of a `kvprobe run` report (`doc`: the report's JSON).
 pub fn from_run(doc: &Value) -> Report {
     let scenario = doc["scenario"].is_object();
+    let self_test = doc["config"]["self_test"].as_bool() == Some(true);
     let cls = if scenario { "kvprobe.run.scenario" } else { "kvprobe.run.sweep" };
     let mut suite = suite(if scenario { "kvprobe run (scenario)" } else { "kvprobe run" }, doc);
     let failures = doc["failures"].as_array().cloned().unwrap_or_default();
@@ -125,7 +129,7 @@ pub fn from_run(doc: &Value) -> Report {
         for (i, iv) in sc.get("intervals").and_then(Value::as_array).into_iter().flatten().enumerate() {
             let corrupt = iv["corrupt"].as_u64().unwrap_or(0);
             let (a, b) = (iv["start_s"].as_f64().unwrap_or(0.0), iv["end_s"].as_f64().unwrap_or(0.0));
-            let st = if corrupt == 0 {
+            let st = if corrupt == 0 || (self_test && iv["unexplained"].as_u64() == Some(0)) {
                 TestCaseStatus::success()
             } else {
                 // Scenario failures carry the engine step, not a time: the interval's own slices
@@ -182,13 +186,28 @@ pub fn from_run(doc: &Value) -> Report {
         }
     } else {
         let per = doc["summary"]["per_iteration"].as_array().cloned().unwrap_or_default();
-        let mut listed_corrupt = 0;
+        let (mut listed_corrupt, mut listed_unexpected) = (0, 0);
         for t in per.iter().take(LISTED_ITERATIONS) {
             let it = t["index"].as_u64().unwrap_or(0);
             let corrupt = t["corrupt"].as_u64().unwrap_or(0);
+            // An older report has no `unexpected`: every corrupt slice counts.
+            let unexpected = t["unexpected"].as_u64().unwrap_or(corrupt);
             listed_corrupt += corrupt;
+            listed_unexpected += unexpected;
             let st = if corrupt == 0 {
                 TestCaseStatus::success()
+            } else if self_test && unexpected == 0 {
+                // Only planted faults, each found as predicted (the injection cases say so).
+                TestCaseStatus::success()
+            } else if self_test {
+                failure(
+                    NonSuccessKind::Failure,
+                    "unexpected",
+                    format!(
+                        "{unexpected} of {corrupt} corrupt block slices ({}) predicted by no planted fault{note}",
+                        classes(&t["by_class"]),
+                    ),
+                )
             } else {
                 let first = first_of(&|f| f["iteration"].as_u64() == Some(it));
                 failure(
@@ -206,8 +225,10 @@ pub fn from_run(doc: &Value) -> Report {
         let iterations = doc["summary"]["iterations"].as_u64().unwrap_or(0);
         if iterations > per.len() as u64 {
             let rest = doc["summary"]["blocks_corrupt"].as_u64().unwrap_or(0).saturating_sub(listed_corrupt);
+            let rest_unexpected =
+                doc["summary"]["unexpected_failures"].as_u64().unwrap_or(rest).saturating_sub(listed_unexpected);
             let from = per.len() as u64 + 1;
-            let st = if rest == 0 {
+            let st = if rest == 0 || (self_test && rest_unexpected == 0) {
                 TestCaseStatus::success()
             } else {
                 let first = first_of(&|f| f["iteration"].as_u64().is_some_and(|i| i >= from));

@@ -101,8 +101,10 @@ pub struct Failure {
     /// the engine did explains it (a defect of the stack under test).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attributed_to: Option<crate::core::mechanism::Mechanism>,
-    /// Scenario runs: the slice is an `--inject` fault found as predicted (see `injections`),
-    /// neither attributed nor unexplained. Written only when set.
+    /// The slice is an `--inject` fault found as predicted (see `injections`): its class and
+    /// exactly the predicted bytes. In a scenario such a slice is neither attributed nor
+    /// unexplained; in a sweep it is not counted in `summary.unexpected_failures`. Written
+    /// only when set.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub injected: bool,
     /// Class `stray` only: what the slot was compared against — `poison` (the poison of
@@ -340,6 +342,11 @@ pub struct IterationTimes {
     pub kernels: KernelSeconds,
     /// Block slices found corrupt in this iteration (every class, strays included).
     pub corrupt: u64,
+    /// Of those, the slices no `--inject` fault predicts (`summary.unexpected_failures` of
+    /// this iteration; all of `corrupt` when nothing was planted). Absent in older reports
+    /// (read as 0).
+    #[serde(default)]
+    pub unexpected: u64,
     /// Those slices per class (classes with none left out).
     pub by_class: BTreeMap<String, u64>,
 }
@@ -507,6 +514,10 @@ pub struct Interval {
     pub slices_checked: u64,
     /// Corrupt slices found.
     pub corrupt: u64,
+    /// Of those, the slices neither a race mechanism nor an `--inject` fault explains
+    /// (`scenario.unexplained_corrupt` of this interval). Absent in older reports (read as 0).
+    #[serde(default)]
+    pub unexplained: u64,
 }
 
 /// One block-ownership violation of a scenario (docs/scenarios.md "Block ownership").
@@ -677,6 +688,11 @@ impl Report {
         self.outcome = Outcome::of(exit, error);
     }
 }
+
+/// `outcome.status` of a `run --self-test` that passed (exit 0): every planted fault was
+/// found as predicted and nothing else was corrupt, so `summary.blocks_corrupt` counts only
+/// planted faults.
+pub const SELF_TEST_PASSED: &str = "self-test-passed";
 
 impl Outcome {
     /// The outcome of exit code `exit` with `error`.

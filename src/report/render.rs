@@ -394,6 +394,8 @@ pub fn render_with(r: &Report, json: Option<&str>) -> String {
                 (Some(_), Some(m), _) => format!(", attributed to {m}"),
                 (Some(_), None, true) => ", injected (--inject), as predicted".to_string(),
                 (Some(_), None, false) => ", UNEXPLAINED".to_string(),
+                (None, _, true) => ", injected (--inject), as predicted".to_string(),
+                (None, _, false) if s.injections_planted > 0 => ", not predicted by any --inject".to_string(),
                 _ => String::new(),
             }
         );
@@ -419,6 +421,24 @@ pub fn render_with(r: &Report, json: Option<&str>) -> String {
     }
     if let (Some(m), 5) = (r.config.get("min_gbps").and_then(|v| v.as_f64()), r.outcome.exit_code) {
         out += &format!("min rate:          {m} GB/s required, {:.3} GB/s measured\n", s.transfer_gbps);
+    }
+    if r.config.get("self_test").and_then(|v| v.as_bool()) == Some(true) && r.outcome.status != "running" {
+        out += &if r.outcome.status == super::SELF_TEST_PASSED {
+            let races = r
+                .scenario
+                .as_ref()
+                .map_or(0, |sc| sc.races.iter().filter(|o| o.fencing == crate::core::mechanism::Fencing::Unfenced).count());
+            let plural = |n: u64| if n == 1 { "" } else { "s" };
+            format!(
+                "self-test:         passed: {} planted fault{}{} detected as predicted, nothing else corrupt\n",
+                s.injections_planted,
+                plural(s.injections_planted),
+                if races > 0 { format!(" and {races} unfenced race mechanism{}", plural(races as u64)) } else { String::new() }
+            )
+        } else {
+            let why = r.outcome.error.as_ref().and_then(|e| e.message.split_once("self-test failed: ").map(|(_, w)| w));
+            format!("self-test:         FAILED{}\n", why.map(|w| format!(": {w}")).unwrap_or_default())
+        };
     }
     out += &format!("result:            {} (exit {})\n", r.outcome.status, r.outcome.exit_code);
     out

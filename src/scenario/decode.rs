@@ -1285,6 +1285,7 @@ impl<'a> Decode<'a> {
             }
             if let Some(iv) = self.intervals.last_mut() {
                 iv.corrupt += 1;
+                iv.unexplained += (!as_predicted && cause.is_none()) as u64;
             }
             // Unexplained slices (defects of the stack under test) have their own budget, so
             // a flood of explained race corruption never hides them.
@@ -1424,6 +1425,7 @@ impl<'a> Decode<'a> {
             self.shadow.count(cause, verify::Class::Stray);
             if let Some(iv) = self.intervals.last_mut() {
                 iv.corrupt += 1;
+                iv.unexplained += cause.is_none() as u64;
             }
             let budget = if cause.is_some() { Budget::Explained } else { Budget::Unexplained };
             let observed = fingerprint::observed_identity(&buf, self.seed, self.ep.pool.shape(), f.first_bad);

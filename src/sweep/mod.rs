@@ -81,6 +81,12 @@ pub struct RunConfig {
     pub seed: u64,
     /// Faults to plant.
     pub inject: Vec<Spec>,
+    /// `--self-test`: the run judges the probe itself, not the stack: exit 0 when every
+    /// planted fault (`inject`; a scenario's unfenced race mechanisms) was detected as
+    /// predicted and nothing else was found corrupt ([`self_test_verdict`]). Written only
+    /// when set.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub self_test: bool,
     /// NIXL backend plugin.
     pub backend: String,
     /// Parameters set over the backend plugin's defaults when it is created
@@ -180,6 +186,7 @@ impl RunConfig {
             fingerprint: Default::default(),
             seed: DEFAULT_SEED,
             inject: Vec::new(),
+            self_test: false,
             backend: DEFAULT_BACKEND.to_string(),
             backend_params: Default::default(),
             xfer_req: crate::xfer::transport::XferReq::Prepared,
