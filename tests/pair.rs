@@ -1048,12 +1048,17 @@ fn pair_scenario_a_killed_mooncake_master_ends_both_sides_and_leaves_nothing() {
     }
 }
 
+/// `ab --peer --tier mooncake` across two network namespaces (the embedded tier's `ab --peer`
+/// across them is the documented recipe's: `the_documented_two_hosts_recipes_run_as_pasted`).
 #[test]
-fn pair_ab_across_two_network_namespaces_with_both_tiers() {
+fn pair_ab_across_two_network_namespaces_with_mooncake() {
+    if !mooncake_or_skip("pair_ab_across_two_network_namespaces_with_mooncake") {
+        return;
+    }
     let hosts = match TwoHosts::make() {
         Ok(h) => h,
         Err(why) => {
-            eprintln!("SKIP pair_ab_across_two_network_namespaces_with_both_tiers: {why} (needs root: ip netns, unshare)");
+            eprintln!("SKIP pair_ab_across_two_network_namespaces_with_mooncake: {why} (needs root: ip netns, unshare)");
             return;
         }
     };
@@ -1061,11 +1066,7 @@ fn pair_ab_across_two_network_namespaces_with_both_tiers() {
     let wb = TwoHosts::wrap(&hosts.b);
     let wa: Vec<&str> = wa.iter().map(String::as_str).collect();
     let wb: Vec<&str> = wb.iter().map(String::as_str).collect();
-    let mut tiers = vec!["embedded"];
-    if mooncake_or_skip("pair_ab_across_two_network_namespaces_with_both_tiers (mooncake)") {
-        tiers.push("mooncake");
-    }
-    for tier in tiers {
+    for tier in ["mooncake"] {
         let s = Serve::start_in(&wa, "198.18.0.1", &[]);
         let p = tmpdir("pair-ns-ab").join("ab.json");
         let bin = bin();
@@ -1381,4 +1382,151 @@ fn serve_writes_its_token_to_a_file_for_scripts() {
     ]);
     assert_eq!(code, 2, "{out}{err}");
     assert!(err.contains("token-file") && !out.contains("listening on"), "{out}{err}");
+}
+
+/// The network namespaces a documented recipe made (by the names [`Recipe::script`] gave
+/// them): every process left in them is killed and they are removed, when dropped too.
+struct Recipe {
+    names: [(String, String); 4],
+}
+
+impl Recipe {
+    /// Unique names for the recipe's namespaces A, B and veth ends va, vb (interface names
+    /// stay under 16 bytes).
+    fn new() -> Recipe {
+        let id = std::process::id();
+        Recipe {
+            names: [
+                ("A".into(), format!("kr{id}A")),
+                ("B".into(), format!("kr{id}B")),
+                ("va".into(), format!("kr{id}va")),
+                ("vb".into(), format!("kr{id}vb")),
+            ],
+        }
+    }
+
+    /// `text` with the recipe's names made unique and `kvprobe` this build, word by word
+    /// (a word: letters, digits, `_`); nothing else changes.
+    fn script(&self, text: &str) -> String {
+        let bin = bin();
+        let map = |w: &str| -> String {
+            if w == "kvprobe" {
+                return bin.display().to_string();
+            }
+            self.names.iter().find(|(k, _)| k == w).map_or_else(|| w.to_string(), |(_, v)| v.clone())
+        };
+        let (mut out, mut word) = (String::new(), String::new());
+        for c in text.chars().chain(std::iter::once('\n')) {
+            if c.is_ascii_alphanumeric() || c == '_' {
+                word.push(c);
+            } else {
+                out += &map(&word);
+                word.clear();
+                out.push(c);
+            }
+        }
+        out.pop();
+        out
+    }
+
+    /// Runs `script` with `bash -e`: (exit code, stdout and stderr).
+    fn run(&self, script: &str) -> (i32, String) {
+        let o = Command::new("bash").args(["-e", "-c", script]).output().expect("bash");
+        self.clean();
+        (o.status.code().unwrap_or(-1), format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)))
+    }
+
+    fn clean(&self) {
+        for (_, ns) in &self.names[..2] {
+            if let Ok(o) = Command::new("ip").args(["netns", "pids", ns]).output() {
+                for pid in String::from_utf8_lossy(&o.stdout).split_whitespace() {
+                    let _ = Command::new("kill").args(["-9", pid]).output();
+                }
+            }
+            let _ = Command::new("ip").args(["netns", "del", ns]).output();
+        }
+    }
+}
+
+impl Drop for Recipe {
+    fn drop(&mut self) {
+        self.clean();
+    }
+}
+
+/// The first ```sh block after `marker` in `doc`.
+fn sh_block<'a>(doc: &'a str, marker: &str) -> &'a str {
+    let at = doc.find(marker).unwrap_or_else(|| panic!("{marker:?} in docs/two-hosts.md"));
+    let start = doc[at..].find("```sh\n").map(|i| at + i + 6).expect("a sh block");
+    let end = doc[start..].find("```").map(|i| start + i).expect("the block's end");
+    &doc[start..end]
+}
+
+/// docs/two-hosts.md's recipes, run exactly as written (the names made unique, `kvprobe` this
+/// build), as root: "Two hosts on one machine" gives a clean `run --peer` and `ab --peer`
+/// across two network namespaces over the veth; its set-up without the loopback line makes
+/// kvprobe exit 2 at once naming the loopback (not hang in NIXL agent creation); the
+/// firewalled pair is clean with `UCX_TCP_PORT_RANGE`, and without it fails (exit 3) with
+/// decode's error naming where prefill's UCX could not connect.
+#[test]
+fn the_documented_two_hosts_recipes_run_as_pasted() {
+    let probe = Recipe::new();
+    let can = Command::new("ip").args(["netns", "add", &probe.names[0].1]).output();
+    probe.clean();
+    let tc = Command::new("tc").arg("-V").output();
+    match (can, tc) {
+        (Ok(o), Ok(_)) if o.status.success() => {}
+        (a, b) => {
+            let why = match (a, b) {
+                (Err(e), _) => format!("cannot run ip: {e}"),
+                (_, Err(e)) => format!("cannot run tc: {e}"),
+                (Ok(o), _) => format!("ip netns add failed: {}", String::from_utf8_lossy(&o.stderr).trim()),
+            };
+            eprintln!("SKIP the_documented_two_hosts_recipes_run_as_pasted: {why} (needs root: ip netns, tc, unshare)");
+            return;
+        }
+    }
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/two-hosts.md")).unwrap();
+    let pair = sh_block(&doc, "**Two hosts on one machine**");
+    let firewall = sh_block(&doc, "**A firewalled pair.**");
+    let setup: String = pair.lines().take_while(|l| !l.starts_with("ip netns exec")).map(|l| format!("{l}\n")).collect();
+    assert!(setup.contains("link set lo up"), "{setup}");
+    let r = Recipe::new();
+    let vb = &r.names[3].1;
+
+    // The set-up without its loopback line: exit 2 at once, naming the cause.
+    let no_lo: String = setup.lines().filter(|l| !l.contains("link set lo up")).map(|l| format!("{l}\n")).collect();
+    let (code, out) =
+        r.run(&r.script(&format!("{no_lo}ip netns exec A kvprobe run --memory dram --iterations 1 --timeout 20\n")));
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("the loopback interface (lo) is down in this network namespace"), "{out}");
+    assert!(!out.contains("creating NIXL agent"), "{out}");
+
+    // The pair as written: run --peer, then ab --peer, both clean, over the veth.
+    let (code, out) = r.run(&r.script(pair));
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("result:            clean (exit 0)"), "run --peer: {out}");
+    assert!(out.contains(&format!("via tcp/{vb}")), "the bytes crossed the veth: {out}");
+    assert!(!out.contains("same-host"), "{out}");
+    let rows = out
+        .lines()
+        .filter(|l| l.starts_with("row ") && (l.ends_with(")") && l.contains(" detected (") || l.contains(" clean (")))
+        .count();
+    assert!(rows > 0, "ab's rows: {out}");
+    assert!(out.lines().any(|l| l.trim() == "result: clean (exit 0)"), "ab --peer: {out}");
+
+    // The firewalled pair: clean as written; without the port range, prefill's UCX cannot
+    // reach decode and decode's error says where.
+    let (code, out) = r.run(&r.script(&format!("{setup}{firewall}")));
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("result:            clean (exit 0)"), "{out}");
+    assert!(firewall.contains("export UCX_TCP_PORT_RANGE="), "{firewall}");
+    let unpinned: String =
+        firewall.lines().filter(|l| !l.starts_with("export UCX_TCP_PORT_RANGE")).map(|l| format!("{l}\n")).collect();
+    let (code, out) = r.run(&r.script(&format!("{setup}{unpinned}")));
+    assert_eq!(code, 3, "{out}");
+    let decode =
+        out.lines().find(|l| l.contains("the prefill peer at 198.18.0.1:7000 failed")).unwrap_or_else(|| panic!("{out}"));
+    assert!(decode.contains("could not open a connection to 198.18.0.2:"), "{decode}");
+    assert!(decode.contains("UCX_TCP_PORT_RANGE"), "{decode}");
 }

@@ -973,3 +973,24 @@ fn the_self_test_verdict_names_each_shortfall() {
     let e = self_test_verdict(&cfg, &report(0, 0, 0)).unwrap_err();
     assert!(e.starts_with("nothing was planted"), "{e}");
 }
+
+/// UCX's "connect(...) failed" errors, read from its log: each address once, with its reason;
+/// other lines (warnings, errors of another form) are not connections.
+#[test]
+fn ucx_connect_failures_name_each_address_and_reason() {
+    let log = "\
+[1796609581.367479] [vm:1    :0]            sock.c:355  UCX  ERROR   connect(fd=31, dest_addr=198.18.0.2:48027) failed: Connection timed out
+[1796609581.367480] [vm:1    :0]            sock.c:355  UCX  ERROR   connect(fd=32, dest_addr=198.18.0.2:48027) failed: Connection timed out
+[1796609581.367481] [vm:1    :0]            sock.c:355  UCX  ERROR   connect(fd=33, dest_addr=[fe80::1]:5000) failed: No route to host
+[1796609574.991959] [vm:1    :0]          parser.c:2578 UCX  WARN  unused environment variable: UCX_CUDA_IPC_ENABLE_SAME_PROCESS;
+[1796609574.991960] [vm:1    :0]       ucp_worker.c:100 UCX  ERROR   failed to create endpoint
+";
+    assert_eq!(
+        kvprobe::ucx::connect_failures(log),
+        vec![
+            ("198.18.0.2:48027".to_string(), "Connection timed out".to_string()),
+            ("[fe80::1]:5000".to_string(), "No route to host".to_string())
+        ]
+    );
+    assert!(kvprobe::ucx::connect_failures("").is_empty());
+}

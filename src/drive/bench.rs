@@ -41,8 +41,9 @@ use std::time::Instant;
 /// Schema name of the JSON `kvprobe bench` writes.
 pub const SCHEMA: &str = "kvprobe.bench/1";
 
-/// Goal: fill and verify kernel rates as a share of the same-run copy ceiling (issue 18: 0.95
-/// for the fingerprint by head row; 0.85 before).
+/// Goal: fill and verify kernel rates as a share of the same-run copy ceiling: 0.95 for the
+/// fingerprint by head row (`kvprobe.fingerprint/2`; 0.85 for the byte-offset fingerprint
+/// before it).
 pub const GOAL_KERNEL_RATIO: f64 = 0.95;
 /// Goal: CPU fill and verify (all threads) as a share of memcpy (all threads).
 pub const GOAL_CPU_RATIO: f64 = 0.5;

@@ -1,4 +1,4 @@
-//! The environment capture of a bundle (issue 14): what the machine was when the run ran,
+//! The environment capture of a bundle (`--bundle`, `kvprobe bundle`): what the machine was when the run ran,
 //! one plain-text file per source, written into a directory, plus `capture.json`.
 //!
 //! | file | source |

@@ -24,7 +24,9 @@ pub fn begin_bound(silence: Duration) -> Duration {
     2 * silence.max(crate::sys::deadline::SETUP_FLOOR) + Duration::from_secs(30) + crate::sys::deadline::GRACE
 }
 
-/// How long connecting to `serve` may take (TCP connect), before the handshake's own bound.
+/// How long connecting to `serve` may take (TCP connect, a refused connection tried again
+/// every 0.2 s within it: a serve started beside the run may not listen yet), before the
+/// handshake's own bound.
 pub const CONNECT_BOUND: Duration = Duration::from_secs(10);
 
 /// Most notifications from prefill decode keeps unclaimed ([`Msg::Notified`]): a sweep has at
@@ -278,14 +280,28 @@ pub fn connect(addr: &str, token: &str, run_id: &str, silence: Duration) -> Resu
     let addrs: Vec<_> =
         addr.to_socket_addrs().map_err(|e| Error::Usage(format!("--peer {addr}: not a HOST:PORT that resolves: {e}")))?.collect();
     let mut last = None;
-    for a in &addrs {
-        match std::net::TcpStream::connect_timeout(a, CONNECT_BOUND) {
-            Ok(s) => {
-                let _ = s.set_nodelay(true);
-                return super::client(super::Stream::Tcp(s), token, run_id, silence, who);
+    // A refused connection is tried again within the bound: serve started beside this run
+    // (`kvprobe serve ... &` then `kvprobe run --peer ...`) may not listen yet.
+    let until = std::time::Instant::now() + CONNECT_BOUND;
+    'retry: loop {
+        let mut refused = false;
+        for a in &addrs {
+            let left = until.saturating_duration_since(std::time::Instant::now()).max(Duration::from_millis(100));
+            match std::net::TcpStream::connect_timeout(a, left) {
+                Ok(s) => {
+                    let _ = s.set_nodelay(true);
+                    return super::client(super::Stream::Tcp(s), token, run_id, silence, who);
+                }
+                Err(e) => {
+                    refused |= e.kind() == std::io::ErrorKind::ConnectionRefused;
+                    last = Some(format!("{a}: {e}"));
+                }
             }
-            Err(e) => last = Some(format!("{a}: {e}")),
         }
+        if !refused || std::time::Instant::now() + Duration::from_millis(200) >= until {
+            break 'retry;
+        }
+        std::thread::sleep(Duration::from_millis(200));
     }
     Err(Error::Environment(format!(
         "--peer {addr}: cannot connect ({}); is `kvprobe serve --listen` running there, and the port open?",

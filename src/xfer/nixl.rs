@@ -421,8 +421,10 @@ impl NixlDescriptor for Region {
     }
 }
 
+/// A NIXL call's failure (transport, exit 3), with what UCX's log says about connections it
+/// could not open ([`crate::xfer::ucx::connect_hint`]).
 fn terr(what: &str, e: nixl_sys::NixlError) -> Error {
-    Error::Transport(format!("{what}: {e}"))
+    Error::Transport(format!("{what}: {e}{}", crate::xfer::ucx::connect_hint()))
 }
 
 /// Memory registered with one NIXL agent by one [`Agent::register`] call: NIXL deregisters it
@@ -638,6 +640,10 @@ impl Agent {
     /// [`Agent::new`]; usage for an unknown key, naming the valid ones.
     pub fn with_params(name: &str, backend: &str, params: &BTreeMap<String, String>) -> Result<Agent> {
         load()?;
+        if backend == "UCX" {
+            // Before NIXL's agent and UCX start: without it they hang rather than fail.
+            crate::xfer::ucx::check_loopback()?;
+        }
         let w = crate::sys::deadline::watch_setup(|| format!("creating NIXL agent {name} with backend {backend}").into());
         let agent = nixl_sys::Agent::new(name).map_err(|e| terr("create NIXL agent", e))?;
         let plugins: Vec<String> = agent

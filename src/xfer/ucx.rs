@@ -20,9 +20,39 @@ use std::sync::OnceLock;
 
 /// `UCX_CUDA_IPC_ENABLE_GET_ZCOPY`: without it UCX serves a READ of CUDA memory from another
 /// agent on the same GPU by software emulation over tcp (0.33-0.45 GB/s on an H100, against
-/// 3.9 GB/s with it; issue 33); kvprobe turns it on for its own agents unless the user set it
+/// 3.9 GB/s with it); kvprobe turns it on for its own agents unless the user set it
 /// ([`crate::xfer::nixl::set_process_env`]).
 pub const GET_ZCOPY_ENV: &str = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY";
+
+/// Checks that this network namespace's loopback carries packets, which UCX needs to create
+/// a worker: a UDP datagram from 127.0.0.1 to itself. A new network namespace (`ip netns
+/// add`) starts with `lo` down, and then UCX spins inside NIXL agent creation until kvprobe's
+/// bound ends it (exit 4, naming agent creation, not the cause). Read from a socket rather
+/// than `/sys/class/net/lo/flags`, which shows the namespace that mounted sysfs (`nsenter
+/// --net` keeps the old one). Errors: environment (exit 2) when 127.0.0.1 cannot be bound
+/// (address not available: `lo` down while another interface is up) or the datagram cannot
+/// be sent (network unreachable: `lo` down), saying what to do; anything else (no socket
+/// could be made at all) tells nothing and passes.
+pub fn check_loopback() -> crate::error::Result<()> {
+    use std::io::ErrorKind;
+    let down = |e: std::io::Error, doing: &str| {
+        Err(crate::error::Error::Environment(format!(
+            "the loopback interface (lo) is down in this network namespace ({doing}: {e}): UCX cannot create its \
+             worker without it and would hang. Bring it up: `ip link set lo up` inside the namespace, or \
+             `ip -n NAMESPACE link set lo up` from outside"
+        )))
+    };
+    let s = match std::net::UdpSocket::bind((std::net::Ipv4Addr::LOCALHOST, 0)) {
+        Ok(s) => s,
+        Err(e) if e.kind() == ErrorKind::AddrNotAvailable => return down(e, "binding 127.0.0.1"),
+        Err(_) => return Ok(()),
+    };
+    let Ok(me) = s.local_addr() else { return Ok(()) };
+    match s.send_to(b"kvprobe", me) {
+        Err(e) if e.kind() == ErrorKind::NetworkUnreachable => down(e, &format!("sending to {me}")),
+        _ => Ok(()),
+    }
+}
 
 /// `UCX_DEBUG_SIGNO`: the signal UCX's debug handler takes (SIGHUP by default, which would
 /// swallow a closed terminal's hangup); kvprobe sets 0 (no debug signal) unless the user set it.
@@ -236,6 +266,45 @@ fn read_since(from: u64) -> Option<String> {
         Some(f) => read(&mut *f.lock().ok()?),
         None => read(&mut std::fs::File::open(log_path()?).ok()?),
     }
+}
+
+/// The connections UCX could not open, from UCX's messages in `text` (a UCX log): its
+/// `connect(fd=N, dest_addr=ADDRESS) failed: REASON` errors, as (ADDRESS, REASON), each
+/// address once, in order.
+pub fn connect_failures(text: &str) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = Vec::new();
+    for l in text.lines().filter(|l| l.contains("UCX  ERROR")) {
+        let Some((_, rest)) = l.split_once("dest_addr=") else { continue };
+        let Some((addr, rest)) = rest.split_once(')') else { continue };
+        let Some((_, reason)) = rest.split_once("failed: ") else { continue };
+        if !out.iter().any(|(a, _)| a == addr) {
+            out.push((addr.trim().to_string(), reason.trim().to_string()));
+        }
+    }
+    out
+}
+
+/// What UCX's log of this process says about connections it could not open, as a clause for
+/// a NIXL error (empty when it says nothing, or the capture is off): "; UCX on host H could
+/// not open a connection to ADDRESS (REASON): ..." with what to do. UCX connects in both
+/// directions between two agents, so a firewall that lets only one direction through fails
+/// here on the side that was refused, which may not be the side whose operation failed:
+/// serve passes this clause to decode inside its error.
+pub fn connect_hint() -> String {
+    let Some(text) = read_since(0) else { return String::new() };
+    let failed = connect_failures(&text);
+    if failed.is_empty() {
+        return String::new();
+    }
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default();
+    let to: Vec<String> = failed.iter().map(|(a, r)| format!("{a} ({r})")).collect();
+    format!(
+        "; UCX on host {} could not open a connection to {}: UCX connects in both directions between the hosts, so \
+         each host's UCX ports must be reachable from the other (pin them with UCX_TCP_PORT_RANGE on both sides and \
+         open that range both ways: docs/two-hosts.md, firewalled pairs)",
+        if host.is_empty() { "?" } else { &host },
+        to.join(", ")
+    )
 }
 
 /// The whole UCX log of this process (protocol tables and UCX's messages) when the capture
