@@ -1743,3 +1743,170 @@ fn a_self_test_bundle_passes_check_only_when_every_failure_was_planted() {
         assert!(out.contains(want), "{name}: {want} in {out}");
     }
 }
+
+/// Runs every dumped slice's `observed_regenerate` of the dump at `dir` (issue 35 item 11):
+/// a `misplaced`, `stale` or `unwritten` slice has one, and what it writes to
+/// `observed/<file name>` is the dumped file byte for byte, its SHA-256 (computed here)
+/// `actual_digest`, which the command also prints; a `bitflip` or `torn` slice has none.
+/// Returns how many slices of each class were seen.
+fn assert_observed_regenerate_reproduces(dir: &Path, ctx: &str) -> std::collections::BTreeMap<String, usize> {
+    let index: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("index.json")).unwrap()).unwrap();
+    let mut seen = std::collections::BTreeMap::new();
+    for s in index["slices"].as_array().unwrap() {
+        let class = s["class"].as_str().unwrap();
+        *seen.entry(class.to_string()).or_insert(0) += 1;
+        let file = s["file"].as_str().unwrap();
+        let cmd = &s["observed_regenerate"];
+        match class {
+            "misplaced" | "stale" | "unwritten" => {
+                let cmd = cmd.as_str().unwrap_or_else(|| panic!("{ctx}: {file} ({class}): no observed_regenerate: {s}"));
+                let o = std::process::Command::new("sh").arg("-c").arg(cmd).current_dir(dir).output().expect("sh");
+                assert!(o.status.success(), "{ctx}: {cmd}: {}", String::from_utf8_lossy(&o.stderr));
+                let dumped = std::fs::read(dir.join(file)).unwrap();
+                let name = Path::new(file).file_name().unwrap();
+                let wrote = std::fs::read(dir.join("observed").join(name)).unwrap_or_else(|e| panic!("{ctx}: {cmd}: {e}"));
+                let actual = s["actual_digest"].as_str().unwrap();
+                assert_eq!(sha256_hex(&wrote), actual, "{ctx}: {file} ({class}): {cmd}");
+                assert!(wrote == dumped, "{ctx}: {file} ({class}): {cmd} wrote other bytes than the dump holds");
+                assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), actual, "{ctx}: {cmd} prints the digest");
+                // The poison for an unwritten slice, a fingerprint otherwise.
+                assert_eq!(cmd.contains("fingerprint_ref.py poison "), class == "unwritten", "{ctx}: {cmd}");
+            }
+            "bitflip" | "torn" => assert!(cmd.is_null(), "{ctx}: {file} ({class}): no command reproduces it: {cmd}"),
+            _ => {}
+        }
+    }
+    seen
+}
+
+#[test]
+fn observed_regenerate_writes_exactly_the_stale_misplaced_and_unwritten_bytes() {
+    let faults = ["--inject", "stale", "--inject", "drop", "--inject", "misroute", "--inject", "bitflip", "--iterations", "2"];
+    // (case, flags): one rank; TP ranks (each rank's rows start at its first head); a run
+    // whose decode converts on receive (the command rebuilds `file`, the converted bytes).
+    let tp = ["--layout", "hnd", "--kv-heads", "4", "--prefill-tp", "2", "--decode-tp", "4"];
+    let converting = ["--kv-heads", "3", "--decode-layout", "hnd", "--permute-local-kv"];
+    let cases: [(&str, &[&str]); 3] = [("one-rank", &[]), ("tp", &tp), ("converting", &converting)];
+    for (what, flags) in cases {
+        let d = tmpdir(&format!("dump-observed-regenerate-{what}"));
+        let (dump, r) = (d.join("D"), d.join("r.json"));
+        let mut a = vec!["run", "--memory", "dram", "--dump", dump.to_str().unwrap(), "--report", r.to_str().unwrap()];
+        a.extend_from_slice(&faults);
+        a.extend_from_slice(flags);
+        if what == "one-rank" {
+            a.extend_from_slice(&["--inject", "torn"]);
+        }
+        let (code, out, err) = kvprobe(&a);
+        assert_eq!(code, 1, "{what}: {out}{err}");
+        let seen = assert_observed_regenerate_reproduces(&dump, what);
+        for class in ["misplaced", "stale", "unwritten", "bitflip"] {
+            assert!(seen.get(class) > Some(&0), "{what}: a {class} slice dumped: {seen:?}");
+        }
+        if what == "one-rank" {
+            assert!(seen.get("torn") > Some(&0), "{what}: {seen:?}");
+        }
+        if what == "converting" {
+            let index: Value = serde_json::from_str(&std::fs::read_to_string(dump.join("index.json")).unwrap()).unwrap();
+            assert!(index["slices"].as_array().unwrap().iter().all(|s| s["received_file"].is_string()), "{what}: {index}");
+        }
+    }
+}
+
+#[test]
+fn check_finds_an_observed_regenerate_that_does_not_rebuild_the_dumped_bytes() {
+    let d = tmpdir("bundle-observed-regenerate");
+    let (b, dd) = (d.join("b.tar.gz"), d.join("D"));
+    let (code, out, err) = kvprobe(&[
+        "run",
+        "--memory",
+        "dram",
+        "--iterations",
+        "1",
+        "--inject",
+        "stale",
+        "--inject",
+        "drop",
+        "--inject",
+        "bitflip",
+        "--dump",
+        dd.to_str().unwrap(),
+        "--bundle",
+        b.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 1, "{out}{err}");
+    let (code, out, err) = check(&b);
+    assert_eq!(code, 0, "{out}{err}");
+    let files = untar(&b);
+    let index = json_of(&files, "dump/index.json");
+    let slices = index["slices"].as_array().unwrap();
+    let at = |class: &str| slices.iter().position(|s| s["class"] == class).unwrap_or_else(|| panic!("a {class} slice: {index}"));
+    let (stale, unwritten, bitflip) = (at("stale"), at("unwritten"), at("bitflip"));
+    let name = |i: usize| {
+        let s = &slices[i];
+        format!("iteration {} layer {} {} block {}", s["iteration"], s["layer"], s["kv"].as_str().unwrap(), s["block"])
+    };
+    // The command with its word `w` (0-based, split at spaces) replaced by `f` of it.
+    let reword = |i: usize, w: usize, f: fn(u64) -> u64| {
+        let cmd = slices[i]["observed_regenerate"].as_str().unwrap().to_string();
+        let mut words: Vec<String> = cmd.split(' ').map(str::to_string).collect();
+        words[w] = f(words[w].parse().unwrap()).to_string();
+        words.join(" ")
+    };
+    // `mkdir -p observed && python3 scripts/fingerprint_ref.py SEED LAYER KV BLOCK GENERATION …`
+    // and `… fingerprint_ref.py poison SLOT ITERATION SLICE_BYTES OUT`.
+    let (gen_word, iter_word) = (10, 8);
+    let other_generation = reword(stale, gen_word, |g| g + 1);
+    let other_iteration = reword(unwritten, iter_word, |i| i + 1);
+    let on_bitflip = slices[bitflip]["regenerate"].as_str().unwrap().replace("expected", "observed");
+    let bitflip_line = format!("{}: observed_regenerate: index {on_bitflip:?}, expected none", name(bitflip));
+    type Edit = Box<dyn Fn(&mut Value)>;
+    // (case, edit of index.json, exit code, line expected or "")
+    let cases: Vec<(&str, Edit, i32, String)> = vec![
+        (
+            "other-generation",
+            Box::new(move |v| v["slices"][stale]["observed_regenerate"] = other_generation.clone().into()),
+            1,
+            format!("{}: observed_regenerate: index ", name(stale)),
+        ),
+        (
+            "other-poison-iteration",
+            Box::new(move |v| v["slices"][unwritten]["observed_regenerate"] = other_iteration.clone().into()),
+            1,
+            format!("{}: observed_regenerate: index ", name(unwritten)),
+        ),
+        // Bytes no single command reproduces: the field must be absent.
+        (
+            "given-for-a-bitflip",
+            Box::new(move |v| v["slices"][bitflip]["observed_regenerate"] = on_bitflip.clone().into()),
+            1,
+            bitflip_line,
+        ),
+        // Left out of one slice of a dump that writes it: a disagreement.
+        (
+            "dropped-from-one",
+            Box::new(move |v| {
+                v["slices"][stale].as_object_mut().unwrap().remove("observed_regenerate").unwrap();
+            }),
+            1,
+            format!("{}: observed_regenerate: index none, expected ", name(stale)),
+        ),
+        // A dump of a kvprobe before the field has it nowhere: still consistent.
+        (
+            "old-dump",
+            Box::new(|v| {
+                for s in v["slices"].as_array_mut().unwrap() {
+                    s.as_object_mut().unwrap().remove("observed_regenerate");
+                }
+            }),
+            0,
+            String::new(),
+        ),
+    ];
+    for (what, edit, want, line) in cases {
+        let t = d.join(format!("{what}.tar.gz"));
+        retar(&t, &edit_json(&files, "dump/index.json", &*edit));
+        let (code, out, err) = check(&t);
+        assert_eq!(code, want, "{what}: {out}{err}");
+        assert!(out.contains(&line), "{what}: {line:?} in {out}{err}");
+    }
+}

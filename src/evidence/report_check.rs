@@ -7,7 +7,11 @@
 //!    are regenerated from the fingerprint definition ([`crate::core::fingerprint::expected`], or the
 //!    poison for a `stray` slice found by the poison check) and their digest compared with
 //!    `expected_digest`; the `regenerate` command must be the one kvprobe writes for that
-//!    record; from the dumped bytes, the class ([`crate::core::verify::classify_against`]),
+//!    record; `observed_regenerate`, when given (and in a dump that gives it for any slice,
+//!    wherever it applies), must be the command kvprobe writes for that record and bytes
+//!    ([`crate::report::dump::observed_regenerate_command`]: the bytes are exactly the
+//!    fingerprint of `observed` or the poison, recomputed here); from the dumped bytes, the
+//!    class ([`crate::core::verify::classify_against`]),
 //!    `first_bad_offset` and `bad_bytes` (byte by byte against the expected bytes), the sector
 //!    map, `bit_flips`, the observed identity and `actual_digest` are derived again and
 //!    compared with the slice's record in `index.json` and in the report; coordinates,
@@ -676,6 +680,10 @@ struct Section {
     rec_of: Vec<Option<usize>>,
     /// The report's `summary.by_class`.
     by_class: BTreeMap<String, u64>,
+    /// Some entry of the index has `observed_regenerate`: the dump was made by a kvprobe that
+    /// writes it wherever it applies, so an entry without one where it applies is a
+    /// disagreement. (A dump of an older kvprobe has none anywhere, and its absence is not one.)
+    writes_observed_regenerate: bool,
 }
 
 /// A failure record's coordinates, as the report and the index write them: two records with
@@ -913,7 +921,8 @@ fn section_head(
     }
     let by_class =
         sec["summary"]["by_class"].as_object().into_iter().flatten().map(|(k, v)| (k.clone(), v.as_u64().unwrap_or(0))).collect();
-    Ok(Section { label, dir, index, failures, shapes, rec_of, by_class })
+    let writes_observed_regenerate = index.slices.iter().any(|e| e.observed_regenerate.is_some());
+    Ok(Section { label, dir, index, failures, shapes, rec_of, by_class, writes_observed_regenerate })
 }
 
 /// Re-derives one dumped slice from its bytes `actual` (the slice file, of the listed size)
@@ -941,6 +950,15 @@ fn check_slice(s: &Section, i: usize, actual: &[u8]) -> Vec<String> {
         if &got != v {
             out.push(format!("{name}: {k}: index {}, bytes {}", show(&got), show(v)));
         }
+    }
+    // observed_regenerate: the command kvprobe writes for this record and these bytes, which
+    // it writes only when the bytes are exactly the fingerprint of `observed` or the poison
+    // (recomputed here); absent is a disagreement only in a dump that writes it.
+    let fname = e.file.rsplit('/').next().unwrap_or(&e.file);
+    let want = crate::report::dump::observed_regenerate_command(&e.failure, s.index.seed, shape, actual, fname);
+    if e.observed_regenerate != want && (e.observed_regenerate.is_some() || s.writes_observed_regenerate) {
+        let q = |c: &Option<String>| c.as_ref().map_or("none".to_string(), |c| format!("{c:?}"));
+        out.push(format!("{name}: observed_regenerate: index {}, expected {}", q(&e.observed_regenerate), q(&want)));
     }
     if let Some(rec) = s.rec_of[i].and_then(|r| s.failures.get(r)) {
         for k in RECORD_FIELDS {

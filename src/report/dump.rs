@@ -8,7 +8,8 @@
 //! receive, the converted bytes the verify judged, with the bytes NIXL delivered beside them as
 //! `<name>.received.bin`, [`DumpEntry::received_file`]), and `DIR/scripts/fingerprint_ref.py`
 //! (kvprobe's independent Python reference of the fingerprint, so each slice's `regenerate`
-//! command runs from `DIR` as written).
+//! command, and its `observed_regenerate` command where the slice is exactly another identity's
+//! fingerprint or the poison, runs from `DIR` as written).
 //!
 //! Slices are written as failures are classified, up to a cap of bytes (`--dump-max-bytes`);
 //! counts stay complete ([`ClassCount`]). The cap keeps variety ([`Dumper::wants`]): half of
@@ -58,7 +59,8 @@ pub struct ClassCount {
 
 /// One dumped slice: its failure record (the report's fields: coordinates, class, expected
 /// identity, `poison_iteration`, digests, `first_bad_offset`, `bad_bytes`, sector map,
-/// observed identity), the file holding its bytes and how to regenerate the expected bytes.
+/// observed identity), the file holding its bytes, how to regenerate the expected bytes and,
+/// when one command can, the received bytes themselves.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct DumpEntry {
     /// The slice's bytes exactly as they arrived, relative to the dump directory.
@@ -83,6 +85,17 @@ pub struct DumpEntry {
     /// `expected`, or for a `stray` slice found by the poison check, the poison of (`slot`,
     /// `poison_iteration`).
     pub regenerate: String,
+    /// Present only when `file` (the bytes the verify judged) is *exactly* what one command
+    /// regenerates, this command, run from the dump directory like `regenerate`: it writes
+    /// those bytes to `observed/<file name>` and prints their SHA-256 (`actual_digest`). Either
+    /// the fingerprint of the record's `observed` identity (the decode pool's rows, as
+    /// `regenerate`: a `misplaced`, `stale` or `overwritten` slice, a stray that landed whole)
+    /// or the poison of (`slot`, `poison_iteration`) (an `unwritten` slice). Decided at dump
+    /// time by comparing the bytes with both ([`observed_regenerate_command`]); absent when
+    /// neither equals them byte for byte (`bitflip`, `torn`, `garbage`, `layout`: no single
+    /// command reproduces them), and in dumps of kvprobes before it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_regenerate: Option<String>,
     /// The failure record, as in the report.
     #[serde(flatten)]
     pub failure: Failure,
@@ -382,12 +395,15 @@ impl State {
         self.index.bytes_written += cost;
         *self.class_bytes.entry(f.class).or_default() += cost;
         self.count(f.class, true);
+        let shape = rank_shape(&self.shape, self.tp.as_ref(), f.tp_rank);
         self.index.slices.push(DumpEntry {
             file: rel,
             bytes: len,
             received_file: received_rel,
             report_index,
-            regenerate: regenerate_command(f, self.index.seed, &rank_shape(&self.shape, self.tp.as_ref(), f.tp_rank), len, &name),
+            regenerate: regenerate_command(f, self.index.seed, &shape, len, &name),
+            // `actual` is what `file` holds (the converted bytes in a converting run).
+            observed_regenerate: observed_regenerate_command(f, self.index.seed, &shape, actual, &name),
             failure: f.clone(),
         });
     }
@@ -475,28 +491,71 @@ impl State {
 pub fn regenerate_command(f: &Failure, seed: u64, shape: &RowShape, len: u64, name: &str) -> String {
     let out = format!("expected/{name}");
     if f.stray_check == Some(crate::report::StrayCheck::Poison) {
-        format!("mkdir -p expected && python3 scripts/fingerprint_ref.py poison {} {} {len} {out}", f.slot, f.poison_iteration)
+        poison_command(f.slot, f.poison_iteration, len, &out)
     } else {
-        let e = &f.expected;
-        let order = match shape.order {
-            RowOrder::Nhd => "nhd",
-            RowOrder::Hnd => "hnd",
-            RowOrder::Mla => "mla",
-        };
-        format!(
-            "mkdir -p expected && python3 scripts/fingerprint_ref.py {} {} {} {} {} {order} {} {} {} {} {} {out}",
-            crate::core::fingerprint::seed_hex(seed),
-            e.layer,
-            e.kv,
-            e.block,
-            e.generation,
-            shape.block_size,
-            shape.heads,
-            shape.row_bytes,
-            e.token_base,
-            shape.head_base
-        )
+        fingerprint_command(seed, &f.expected, shape, &out)
     }
+}
+
+/// The command that writes exactly `actual` (a dumped slice's bytes, of `f`'s slot, cut into
+/// rows by `shape`: the decode pool's rows, [`rank_shape`]) to `observed/<name>` from the dump
+/// directory, with kvprobe's Python reference, and prints its SHA-256 ([`DumpEntry::observed_regenerate`]):
+///
+/// - the fingerprint of `f.observed` in `shape` when `actual` equals it at every offset
+///   ([`fingerprint::check`](crate::core::fingerprint::check) finds 0 bad bytes);
+/// - else the poison of (`f.slot`, `f.poison_iteration`) when `actual` equals it at every
+///   offset ([`fingerprint::check_poison`](crate::core::fingerprint::check_poison));
+/// - else `None`, also when the script could not name the bytes (an identity or shape the
+///   fingerprint refuses, K/V against the row order, a slot of 2^32 - 1, a length that is not
+///   a multiple of 16 from 16 to 2^31). Compares in place: allocates nothing but the command.
+pub fn observed_regenerate_command(f: &Failure, seed: u64, shape: &RowShape, actual: &[u8], name: &str) -> Option<String> {
+    use crate::core::fingerprint;
+    let out = format!("observed/{name}");
+    let len = actual.len() as u64;
+    if let Some(o) = &f.observed
+        && o.layer <= 0xFFFF
+        && (o.kv == crate::core::geometry::KvPart::Latent) == (shape.order == RowOrder::Mla)
+        && shape.validate(o.token_base).is_ok()
+        && shape.slice_bytes() == len
+        && fingerprint::check(actual, seed, &shape.slice(*o)).0 == 0
+    {
+        return Some(fingerprint_command(seed, o, shape, &out));
+    }
+    let poison_len = (16..=crate::core::geometry::MAX_SLICE_BYTES).contains(&len) && len.is_multiple_of(16);
+    if poison_len && f.slot != u32::MAX && fingerprint::check_poison(actual, f.slot, f.poison_iteration).0 == 0 {
+        return Some(poison_command(f.slot, f.poison_iteration, len, &out));
+    }
+    None
+}
+
+/// `fingerprint_ref.py poison SLOT ITERATION SLICE_BYTES OUT`, after creating OUT's folder.
+fn poison_command(slot: u32, iteration: u32, len: u64, out: &str) -> String {
+    let dir = out.split('/').next().unwrap_or(".");
+    format!("mkdir -p {dir} && python3 scripts/fingerprint_ref.py poison {slot} {iteration} {len} {out}")
+}
+
+/// `fingerprint_ref.py SEED LAYER KV BLOCK GENERATION ORDER BLOCK_SIZE HEADS ROW_BYTES
+/// TOKEN_BASE HEAD_BASE OUT` for identity `id` in `shape`, after creating OUT's folder.
+fn fingerprint_command(seed: u64, id: &crate::core::fingerprint::BlockIdentity, shape: &RowShape, out: &str) -> String {
+    let dir = out.split('/').next().unwrap_or(".");
+    let order = match shape.order {
+        RowOrder::Nhd => "nhd",
+        RowOrder::Hnd => "hnd",
+        RowOrder::Mla => "mla",
+    };
+    format!(
+        "mkdir -p {dir} && python3 scripts/fingerprint_ref.py {} {} {} {} {} {order} {} {} {} {} {} {out}",
+        crate::core::fingerprint::seed_hex(seed),
+        id.layer,
+        id.kv,
+        id.block,
+        id.generation,
+        shape.block_size,
+        shape.heads,
+        shape.row_bytes,
+        id.token_base,
+        shape.head_base
+    )
 }
 
 /// Lists and dumps one failing slice: builds its record with `make` only when it is listed
