@@ -1501,6 +1501,12 @@ fn the_documented_two_hosts_recipes_run_as_pasted() {
     assert_eq!(code, 2, "{out}");
     assert!(out.contains("the loopback interface (lo) is down in this network namespace"), "{out}");
     assert!(!out.contains("creating NIXL agent"), "{out}");
+    // Serve says so before it listens.
+    let (code, out) = r
+        .run(&r.script(&format!("{no_lo}ip netns exec A kvprobe serve --listen 198.18.0.1:7000 --token two-hosts-test-token\n")));
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("the loopback interface (lo) is down in this network namespace"), "{out}");
+    assert!(!out.contains("listening on"), "{out}");
 
     // The pair as written: run --peer, then ab --peer, both clean, over the veth.
     let (code, out) = r.run(&r.script(pair));
@@ -1520,9 +1526,8 @@ fn the_documented_two_hosts_recipes_run_as_pasted() {
     let (code, out) = r.run(&r.script(&format!("{setup}{firewall}")));
     assert_eq!(code, 0, "{out}");
     assert!(out.contains("result:            clean (exit 0)"), "{out}");
-    assert!(firewall.contains("export UCX_TCP_PORT_RANGE="), "{firewall}");
-    let unpinned: String =
-        firewall.lines().filter(|l| !l.starts_with("export UCX_TCP_PORT_RANGE")).map(|l| format!("{l}\n")).collect();
+    assert_eq!(firewall.matches("UCX_TCP_PORT_RANGE=47104-47119 ip netns exec").count(), 2, "{firewall}");
+    let unpinned = firewall.replace("UCX_TCP_PORT_RANGE=47104-47119 ", "");
     let (code, out) = r.run(&r.script(&format!("{setup}{unpinned}")));
     assert_eq!(code, 3, "{out}");
     let decode =

@@ -227,6 +227,9 @@ fn ucx_unused_variable_warnings_drop_only_kvprobes_own_defaults() {
     assert!(kept.contains("UCX_WARN_UNUSED_ENV_VARS") && !kept.contains("GET_ZCOPY"), "{kept}");
     // Nothing kvprobe set: untouched.
     assert_eq!(drop_unused_defaults(log, &[]), log);
+    // UCX 1.19's form ends the list with ';' (seen on a pair's decode side).
+    let semi = log.replace("variable: UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "variable: UCX_CUDA_IPC_ENABLE_GET_ZCOPY;");
+    assert_eq!(drop_unused_defaults(&semi, &mine), "[2] [vm:1:0]   ucp_worker.c:1 UCX  WARN  something else\n");
 }
 
 use kvprobe::geometry::{Geometry, KvPart, Layout, SliceCoord};

@@ -681,6 +681,13 @@ pub(crate) fn serve(a: ServeArgs, typed: &[&str]) -> Exit {
             Err(e) => return fail(e),
         },
     };
+    // Said now, before listening: a client would otherwise meet it only when the session's
+    // NIXL agent starts.
+    if a.backend.as_deref().is_none_or(|b| b == "UCX")
+        && let Err(e) = kvprobe::ucx::check_loopback()
+    {
+        return fail(e);
+    }
     if let Some(p) = &a.token_file {
         // Readable by its owner alone: whoever reads it can drive this serve.
         let wrote = kvprobe::report::write_atomic_with(p, "--token-file", |f| {

@@ -388,7 +388,7 @@ pub fn render_with(r: &Report, json: Option<&str>) -> String {
             // still names its own).
             f.observed
                 .filter(|o| *o != f.expected)
-                .map(|o| format!(", holds layer {} {} block {} gen {}", o.layer, o.kv, o.block, o.generation))
+                .map(|o| format!(", holds layer {} {} logical block {} gen {}", o.layer, o.kv, o.block, o.generation))
                 .unwrap_or_default(),
             match (f.request, f.attributed_to, f.injected) {
                 (Some(_), Some(m), _) => format!(", attributed to {m}"),

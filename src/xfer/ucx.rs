@@ -463,7 +463,7 @@ pub fn messages() -> Vec<String> {
 }
 
 /// `text` (a UCX log) with the variables named in `defaults` taken out of UCX's "unused
-/// environment variable(s): A B" warnings; a warning left naming none goes, with the
+/// environment variable(s): A B" warnings (a trailing `;` on a name ignored); a warning left naming none goes, with the
 /// "(set UCX_WARN_UNUSED_ENV_VARS=n ...)" line that follows it.
 pub fn drop_unused_defaults(text: &str, defaults: &[String]) -> String {
     let mut out = String::with_capacity(text.len());
@@ -471,7 +471,12 @@ pub fn drop_unused_defaults(text: &str, defaults: &[String]) -> String {
     for l in text.lines() {
         let unused = ["unused environment variables: ", "unused environment variable: "].iter().find_map(|p| l.split_once(p));
         if let Some((head, names)) = unused {
-            let kept: Vec<&str> = names.split_whitespace().filter(|n| !defaults.iter().any(|d| d == n)).collect();
+            // UCX 1.19 ends the list with ';' ("variable: UCX_CUDA_IPC_ENABLE_SAME_PROCESS;").
+            let kept: Vec<&str> = names
+                .split_whitespace()
+                .map(|n| n.trim_end_matches(';'))
+                .filter(|n| !n.is_empty() && !defaults.iter().any(|d| d == n))
+                .collect();
             dropped = kept.is_empty();
             if !dropped {
                 let s = if kept.len() > 1 { "s" } else { "" };
