@@ -629,9 +629,18 @@ fn ab_matrix_passes_on_dram() {
     let p = d.join("ab.json");
     // --lockstep: the verdicts replay exactly from the seed, whatever the machine's load (an
     // unfenced row without it can be "not reproduced" when the timing never lets a window reach
-    // a verified READ: exit 6, see ab_without_lockstep_never_excuses_corruption).
-    let (code, out, err) =
-        kvprobe(&["ab", "--memory", "dram", "--requests", "1500", "--lockstep", "--report", p.to_str().unwrap()]);
+    // a verified READ: exit 6, see ab_without_lockstep_never_excuses_corruption). The load is
+    // the short form docker/ci/ runs (docs/scenarios.md "How long each ab form takes"), so this
+    // also proves that form detects every mechanism.
+    let short = ["--lockstep", "--requests", "500"];
+    for ci in ["docker/ci/github-actions.yml", "docker/ci/gitlab-ci.yml"] {
+        let text = std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(ci)).unwrap();
+        let ab = text.lines().find(|l| l.contains("\"$IMAGE\" ab ")).unwrap_or_else(|| panic!("{ci}: no ab step"));
+        assert!(ab.contains(&short.join(" ")), "{ci} runs another ab form than this test checks: {ab}");
+    }
+    let mut args = vec!["ab", "--memory", "dram", "--report", p.to_str().unwrap()];
+    args.extend(short);
+    let (code, out, err) = kvprobe(&args);
     assert_eq!(code, 0, "{out}{err}");
     let r = read_report(&p);
     assert_eq!(r["schema"], "kvprobe.ab/1");
@@ -843,6 +852,49 @@ fn ab_report_dash_writes_the_json_to_stdout() {
     assert_eq!(o.status.code().unwrap() as u64, r["outcome"]["exit_code"].as_u64().unwrap(), "{err}");
     assert!(err.contains("result: "), "the table goes to stderr: {err}");
     assert!(!d.join("-").exists());
+}
+
+#[test]
+fn ab_progress_names_each_rows_position_and_help_the_row_count() {
+    // Issue 35 item 5: a plain log (stderr is a pipe here) says which row of how many is
+    // running and which ended: `row 3/18 NAME: [..] ...` as each row starts, `row 3/18: NAME
+    // VERDICT (N requests, M corrupt)` as it ends. The positions, names and counts come from the
+    // report's rows, not from kvprobe's list of cases.
+    let d = tmpdir("ab-rows");
+    let p = d.join("ab.json");
+    let (code, out, err) =
+        kvprobe(&["ab", "--memory", "dram", "--requests", "40", "--lockstep", "--report", p.to_str().unwrap()]);
+    let r = read_report(&p);
+    assert_eq!(code as u64, r["outcome"]["exit_code"].as_u64().unwrap(), "{out}{err}");
+    let rows = r["rows"].as_array().unwrap();
+    let n = rows.len();
+    assert!(n >= 2, "{out}{err}");
+    for (i, row) in rows.iter().enumerate() {
+        let name = row["name"].as_str().unwrap();
+        let started = format!("row {}/{n} {name}: [", i + 1);
+        assert!(err.lines().any(|l| l.starts_with(&started) && l.contains("requests verified")), "no `{started}` line: {err}");
+        let ended = format!(
+            "row {}/{n}: {name} {} ({} requests, {} corrupt)",
+            i + 1,
+            row["verdict"].as_str().unwrap(),
+            row["requests"],
+            row["corrupt"]
+        );
+        assert!(err.lines().any(|l| l == ended), "no `{ended}` line: {err}");
+    }
+    // In order: the progress lines' positions, repeats of a row merged, run 1, 2, ..., n.
+    let mut seen: Vec<String> = Vec::new();
+    for l in err.lines().filter(|l| l.starts_with("row ") && l.contains(": [")) {
+        let at = l.split(' ').nth(1).unwrap().to_string();
+        if seen.last() != Some(&at) {
+            seen.push(at);
+        }
+    }
+    assert_eq!(seen, (1..=n).map(|i| format!("{i}/{n}")).collect::<Vec<_>>(), "{err}");
+    // --help gives the same count.
+    let (hcode, help, _) = kvprobe(&["ab", "--help"]);
+    assert_eq!(hcode, 0);
+    assert!(help.contains(&format!("{n} rows")), "ab --help does not say {n} rows: {help}");
 }
 
 #[test]

@@ -362,13 +362,15 @@ pub(crate) fn ab(args: AbArgs, typed: &[&str]) -> Exit {
     let path = checkpoints_to(&args.pool.report);
     let mut ckpt_failed = false;
     let mut shown = 0;
-    let mut progress = |name: &str, p: &Progress| display.update(&format!("{name}: "), p);
+    let rows = kvprobe::ab::cases().len();
+    // `label`: the row's position and name (`row 3/18 stacked`).
+    let mut progress = |label: &str, p: &Progress| display.update(&format!("{label}: "), p);
     show_phases(true);
     let mut after_row = |ab: &AbReport| {
         end_phases();
         if let Some(r) = ab.rows.get(shown) {
             shown += 1;
-            err(&format!("row {}: {} {} ({} requests, {} corrupt)", shown, r.name, r.verdict, r.requests, r.corrupt));
+            err(&format!("row {shown}/{rows}: {} {} ({} requests, {} corrupt)", r.name, r.verdict, r.requests, r.corrupt));
         }
         if let Some(path) = &path
             && let Err(e) = kvprobe::report::write_atomic(path, ab)

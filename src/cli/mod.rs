@@ -69,6 +69,8 @@ pub(crate) enum Command {
     )]
     Run(RunArgs),
     /// The isolation matrix: nixl-only, tier-only, stacked, and stacked with each race mechanism unfenced, same seed and load.
+    ///
+    /// 18 rows, one after the other (progress names each: `row 3/18 NAME`); at the default 2000 requests a row the matrix takes minutes. The short form for CI, `--lockstep --requests 500`, still detects every mechanism. How long each form takes: docs/scenarios.md (kvprobe ab).
     #[command(
         after_help = concat!(exit_codes!(), "\n\nReference: docs/scenarios.md (kvprobe ab: the isolation matrix; --lockstep in CI), docs/report.md (the ab report)."),
         allow_negative_numbers = true

@@ -101,10 +101,14 @@ pub(crate) fn end_phases() {
     }
 }
 
-/// Live progress on stderr: a spinner line on a terminal, else a plain line every 10 s.
+/// Live progress on stderr: a spinner line on a terminal, else a plain line every 10 s and
+/// one as soon as the label changes (`ab`: a new row, `row 3/18 NAME: `), so a plain log
+/// shows which row is running however short the rows are.
 pub(crate) struct Display {
     pub(crate) bar: Option<indicatif::ProgressBar>,
     pub(crate) last_line: Option<Instant>,
+    /// The label of the last plain line.
+    pub(crate) last_label: String,
 }
 
 impl Display {
@@ -116,7 +120,7 @@ impl Display {
             }
             b
         });
-        Display { bar, last_line: None }
+        Display { bar, last_line: None, last_label: String::new() }
     }
 
     pub(crate) fn update(&mut self, label: &str, p: &Progress) {
@@ -139,8 +143,9 @@ impl Display {
                 b.tick();
             }
             None => {
-                if self.last_line.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
+                if self.last_line.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) || self.last_label != label {
                     self.last_line = Some(Instant::now());
+                    label.clone_into(&mut self.last_label);
                     err(&msg);
                 }
             }

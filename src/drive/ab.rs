@@ -270,11 +270,18 @@ fn start(cfg: &RunConfig) -> AbReport {
     }
 }
 
+/// How progress names row `index` (from 0) of `total` called `name`: its position, counted
+/// from 1, then its name (`row 3/18 stacked`), so a reader knows how much of the matrix is left.
+pub fn row_label(index: usize, total: usize, name: &str) -> String {
+    format!("row {}/{total} {name}", index + 1)
+}
+
 /// Runs the matrix. `cfg.scenario` carries the load (its scenario and unfenced set are
-/// replaced row by row). `after_row` is called with the report so far after each row
-/// (for checkpoints and the table). `dump`: `--dump DIR` and its cap (bytes) — each row's
-/// failing slices go to `DIR/<row name>/` ([`crate::report::dump`]), each row capped at an equal share
-/// of it. Never panics on bad input.
+/// replaced row by row). `progress` is called with the row's label ([`row_label`]: its
+/// position and name) and the row's progress. `after_row` is called with the report so far
+/// after each row (for checkpoints and the table). `dump`: `--dump DIR` and its cap (bytes) —
+/// each row's failing slices go to `DIR/<row name>/` ([`crate::report::dump`]), each row capped
+/// at an equal share of it. Never panics on bad input.
 pub fn run_ab(
     cfg: &RunConfig,
     progress: &mut dyn FnMut(&str, &Progress),
@@ -415,21 +422,24 @@ fn run_rows(
     let ucx_mark = crate::xfer::ucx::mark();
     let probe = slot.insert(Probe::setup_peer(cfg, ab.environment.clone())?);
     crate::xfer::ucx::adopt();
-    for (row, case) in cases().into_iter().enumerate() {
+    let all = cases();
+    let total = all.len();
+    for (row, case) in all.into_iter().enumerate() {
         let name = row_name(case);
+        let label = row_label(row, total, &name);
         let sc = case_config(case, &template);
         let row_cfg = RunConfig { scenario: Some(sc.clone()), ..cfg.clone() };
         let mut rep = crate::drive::run::empty_report(&row_cfg);
         rep.environment = None; // recorded once, at the top
         crate::report::publish(&rep);
         publish(ab, Some((name.clone(), case)));
-        let mut p = |x: &Progress| progress(&name, x);
+        let mut p = |x: &Progress| progress(&label, x);
         let mut none = |_: &Report| {};
         let mut dumper = match dump {
             Some((dir, cap)) => {
                 let geometry = rep.config.get("geometry").cloned().unwrap_or_default();
                 // The cap holds for the whole matrix: each row gets an equal share.
-                let share = cap / cases().len() as u64;
+                let share = cap / total as u64;
                 let shape = crate::core::fingerprint::RowShape::of(&cfg.geometry);
                 Some(crate::report::dump::Dumper::new(
                     &dir.join(&name),
