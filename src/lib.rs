@@ -8,7 +8,7 @@
 //! | floor | modules | concern |
 //! |---|---|---|
 //! | sys | [`error`], [`child`], [`interrupt`], [`tempdir`], [`deadline`], [`hostmem`], [`units`], [`text`], [`parallel`], [`process`], [`progress`], [`test_hooks`], [`sys::trace`] | the process: errors and exit codes, children, signals, temporary files, deadlines, host memory, CPU threads, progress phases, test hooks, `KVPROBE_TRACE` |
-//! | core | [`geometry`], [`model_config`], [`fingerprint`], [`pairing`], [`verify`], [`inject`], [`mechanism`], [`workload`] | what a KV cache is and what every byte must be: vLLM's paged layout, a model's KV cache, the fingerprint (shared with the CUDA kernels), two sides that differ, classification, injections, the race vocabulary, the request load |
+//! | core | [`geometry`], [`hybrid`], [`model_config`], [`fingerprint`], [`pairing`], [`verify`], [`inject`], [`mechanism`], [`workload`] | what a KV cache is and what every byte must be: vLLM's paged layout, a model's KV cache and a hybrid model's other regions, the fingerprint (shared with the CUDA kernels), two sides that differ, classification, injections, the race vocabulary, the request load |
 //! | gpu | [`cuda`] | CUDA devices, memory, kernels |
 //! | mem | [`pool`], [`tier`], [`mooncake`] | KV cache pools on VRAM or DRAM, the KV tier, Mooncake Store |
 //! | xfer | [`nixl`], [`transport`], [`ucx`], [`rdma`] | NIXL agents and requests, prefill and decode roles, which path UCX chose, RDMA NICs |
@@ -49,7 +49,7 @@ pub mod xfer;
 
 // Each module by its own name too (`crate::geometry`, `kvprobe::pool`): the paths the code and
 // its users name, whichever folder holds the file.
-pub use self::core::{fingerprint, geometry, inject, mechanism, model_config, pairing, verify, workload};
+pub use self::core::{fingerprint, geometry, hybrid, inject, mechanism, model_config, pairing, verify, workload};
 pub use drive::{ab, bench, run, serve};
 pub use env::envinfo;
 pub use error::{Error, Exit, Result};
@@ -82,7 +82,7 @@ pub const FLOORS: &[(&str, &[&str])] = &[
             "trace",
         ],
     ),
-    ("core", &["geometry", "model_config", "fingerprint", "pairing", "verify", "inject", "mechanism", "workload"]),
+    ("core", &["geometry", "hybrid", "model_config", "fingerprint", "pairing", "verify", "inject", "mechanism", "workload"]),
     ("gpu", &["cuda"]),
     ("mem", &["pool", "tier", "mooncake"]),
     ("xfer", &["nixl", "transport", "ucx", "rdma"]),

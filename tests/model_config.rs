@@ -137,18 +137,15 @@ fn what_kvprobe_does_not_model_is_refused_with_the_reason() {
     let base = r#""num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 1024"#;
     let cases: &[(&str, &str)] = &[
         (r#", "layers_block_type": ["mamba", "attention", "mamba", "mamba"]"#, "Mamba"),
-        (r#", "hybrid_override_pattern": "M-M*""#, "Mamba"),
         (r#", "layer_types": ["full_attention", "linear_attention", "full_attention", "linear_attention"]"#, "linear_attention"),
         (r#", "layer_types": ["full_attention", "mamba", "full_attention", "mamba"]"#, "not a paged KV cache"),
         (r#", "sliding_window": 512, "swa_num_key_value_heads": 4"#, "own KV shape"),
         // Qwen3-Next, MiniMax-Text-01, Kimi Linear, Falcon-H1 / Mamba fields, RecurrentGemma.
         (r#", "full_attention_interval": 4"#, "recurrent state"),
         (r#", "attn_type_list": [0, 1, 0, 1]"#, "recurrent state"),
-        (r#", "linear_attn_config": {"kda_layers": [1, 2]}"#, "recurrent state"),
         (r#", "mamba_d_state": 16"#, "recurrent state"),
         (r#", "ssm_cfg": {}"#, "recurrent state"),
         (r#", "block_types": ["recurrent", "attention"]"#, "recurrent state"),
-        (r#", "index_topk": 2048"#, "indexer"),
         (r#", "full_attn_idxs": [1, 3], "conv_L_cache": 3"#, "recurrent state"),
         (r#", "block_configs": [{"attention": {"n_heads_in_group": 8}}]"#, "per-layer attention configurations"),
         (r#", "num_kv_shared_layers": 2"#, "reuse earlier layers"),

@@ -18,6 +18,7 @@ mod geometry;
 mod gpu;
 mod hetero;
 mod house;
+mod hybrid;
 mod inspect;
 mod junit;
 mod lanes;

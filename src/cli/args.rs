@@ -119,6 +119,26 @@ impl GeometryArgs {
     /// with what the model config resolved to. Errors (usage, exit 2): a model config that
     /// cannot be read or gives no geometry ([`kvprobe::model_config::ModelConfigError`]).
     pub(crate) fn resolve(&self) -> Result<(kvprobe::geometry::Geometry, Option<kvprobe::model_config::ModelInfo>), Error> {
+        let (g, model) = self.resolve_any()?;
+        if let Some(h) = model.as_ref().and_then(|m| m.kv.hybrid.as_ref()).filter(|h| h.any()) {
+            let mut what = Vec::new();
+            if let Some(s) = &h.state {
+                what.push(format!("its {} ({} layers)", s.region_name(), s.layers.len()));
+            }
+            if let Some(i) = &h.indexer {
+                what.push(format!("its sparse-attention indexer K cache ({} layers)", i.layers.len()));
+            }
+            return Err(Error::Usage(format!(
+                "model config: a hybrid model: kvprobe lays out {} (kvprobe geometry --model-config shows every region per TP rank) but does not move them yet, and a run that moved the attention pages alone would pass while decode computed from zeros; refused",
+                what.join(" and ")
+            )));
+        }
+        Ok((g, model))
+    }
+
+    /// As [`GeometryArgs::resolve`], a hybrid model's config accepted (`kvprobe geometry`
+    /// prints its regions).
+    pub(crate) fn resolve_any(&self) -> Result<(kvprobe::geometry::Geometry, Option<kvprobe::model_config::ModelInfo>), Error> {
         let (mut g, model) = match &self.model_config {
             Some(path) => {
                 let usage = |e: kvprobe::model_config::ModelConfigError| Error::Usage(e.to_string());

@@ -4,7 +4,7 @@ use super::*;
 
 /// `kvprobe geometry`: prints what the geometry flags resolve to.
 pub(crate) fn geometry_command(geo: &GeometryArgs, json: bool) -> Exit {
-    let (g, model) = match geo.resolve() {
+    let (g, model) = match geo.resolve_any() {
         Ok(r) => r,
         Err(e) => {
             eprintln!("kvprobe: {e}");
@@ -23,10 +23,29 @@ pub(crate) fn geometry_command(geo: &GeometryArgs, json: bool) -> Exit {
             pool_bytes: u64,
             #[serde(skip_serializing_if = "Option::is_none")]
             model: Option<&'a kvprobe::model_config::ModelInfo>,
+            /// A hybrid model's regions on one TP rank (kvprobe::hybrid::Region).
+            #[serde(skip_serializing_if = "Option::is_none")]
+            regions: Option<Vec<kvprobe::hybrid::Region>>,
         }
-        let out = Out { geometry: &g, pool_bytes: g.pool_bytes().unwrap_or(0), model: model.as_ref() };
+        let regions = match model.as_ref().filter(|m| m.kv.hybrid.as_ref().is_some_and(|h| h.any())) {
+            Some(m) => match m.kv.rank_regions(&g, m.tp.tp) {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    eprintln!("kvprobe: {e}");
+                    return Exit::Usage;
+                }
+            },
+            None => None,
+        };
+        let out = Out { geometry: &g, pool_bytes: g.pool_bytes().unwrap_or(0), model: model.as_ref(), regions };
         println!("{}", serde_json::to_string_pretty(&out).expect("serialisable"));
         return Exit::Clean;
+    }
+    if let Some(m) = model.as_ref().filter(|m| m.kv.hybrid.as_ref().is_some_and(|h| h.any()))
+        && let Err(e) = m.kv.rank_regions(&g, m.tp.tp)
+    {
+        eprintln!("kvprobe: {e}");
+        return Exit::Usage;
     }
     print!("{}", kvprobe::model_config::describe(&g, model.as_ref()));
     Exit::Clean

@@ -5,6 +5,7 @@
 
 pub mod fingerprint;
 pub mod geometry;
+pub mod hybrid;
 pub mod inject;
 pub mod mechanism;
 pub mod model_config;

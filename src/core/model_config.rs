@@ -36,6 +36,7 @@
 //! with the reason.
 
 use crate::core::geometry::{Dtype, Geometry, Layout};
+use crate::core::hybrid::{HybridKv, LayerRole, Region};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use std::fmt;
@@ -61,6 +62,17 @@ pub enum ModelConfigError {
     /// `--tp` does not split the model's heads the way vLLM allows.
     #[error("model config: {0}")]
     Parallel(String),
+}
+
+impl From<crate::core::hybrid::HybridError> for ModelConfigError {
+    fn from(e: crate::core::hybrid::HybridError) -> Self {
+        use crate::core::hybrid::HybridError as H;
+        match e {
+            H::Field(s) => ModelConfigError::Field(s),
+            H::Unsupported(s) => ModelConfigError::Unsupported(s),
+            H::Parallel(s) => ModelConfigError::Parallel(s),
+        }
+    }
 }
 
 /// The KV-cache element type asked for (`--kv-cache-dtype`, vLLM's `CacheConfig.cache_dtype`
@@ -140,8 +152,12 @@ pub struct ModelKv {
     pub mla: bool,
     /// The model's own dtype (`torch_dtype` resolved as `--kv-cache-dtype auto` does).
     pub dtype: Dtype,
-    /// The layers by how they attend; one group when all attend alike.
+    /// The attention layers by how they attend; one group when all attend alike.
     pub layer_groups: Vec<LayerGroup>,
+    /// A hybrid model's other regions: recurrent state layers, the sparse-attention indexer
+    /// ([`crate::core::hybrid`]); absent for an attention-only model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hybrid: Option<HybridKv>,
 }
 
 /// How `--tp` splits the KV heads over the ranks.
@@ -272,6 +288,8 @@ pub const MLA_MODEL_TYPES: &[&str] = &[
     "deepseek_v32",
     "deepseek_mtp",
     "kimi_k2",
+    "kimi_linear",
+    "kimi_k3",
     "longcat_flash",
     "pangu_ultra_moe",
     "pangu_ultra_moe_mtp",
@@ -311,17 +329,18 @@ fn window(m: &Map<String, Value>, key: &str, why: &str) -> Result<u64, ModelConf
 
 /// The layer groups (module docs): from `layer_types`, `sliding_window_pattern` or
 /// `sliding_window`; errors on layers without a paged KV cache.
-fn layer_groups(m: &Map<String, Value>, layers: u32) -> Result<Vec<LayerGroup>, ModelConfigError> {
-    // Hybrid models: some layers keep a recurrent state (Mamba/SSM, linear attention, RG-LRU)
-    // instead of a paged KV cache. Named by any of these keys, or a key starting `mamba`/`ssm_`.
+fn layer_groups(m: &Map<String, Value>, layers: u32, roles: Option<&[LayerRole]>) -> Result<Vec<LayerGroup>, ModelConfigError> {
+    // Hybrid models kvprobe does not lay out (crate::core::hybrid reads the others): some
+    // layers keep a state (Mamba/SSM, linear attention, RG-LRU, short conv) instead of a paged
+    // KV cache. Named by any of these keys, or a key starting `mamba`/`ssm_`.
     let hybrid = m
         .iter()
         .filter(|(_, v)| !v.is_null())
         .map(|(k, _)| k.as_str())
         .find(|k| HYBRID_KEYS.contains(k) || k.starts_with("mamba") || k.starts_with("ssm_"));
-    if let Some(key) = hybrid {
+    if let (Some(key), None) = (hybrid, roles) {
         return Err(ModelConfigError::Unsupported(format!(
-            "{key} is given: a hybrid model whose layers keep a recurrent state (Mamba/state-space, linear attention) besides or instead of a paged KV cache; kvprobe models attention KV caches only"
+            "{key} is given: a hybrid model whose layers keep a recurrent state besides or instead of a paged KV cache, of a family kvprobe does not lay out; it lays out Kimi Linear / Kimi-K3 (linear_attn_config), Qwen3-Next (gated DeltaNet), Nemotron-H and Granite 4.0-H (Mamba2), Jamba (Mamba1) and DeepSeek-V3.2's indexer (docs/geometry.md \"Hybrid KV caches\")"
         )));
     }
     if get(m, "block_configs").is_some() {
@@ -338,13 +357,6 @@ fn layer_groups(m: &Map<String, Value>, layers: u32) -> Result<Vec<LayerGroup>, 
         return Err(ModelConfigError::Unsupported(
             "num_kv_shared_layers is given: later layers reuse earlier layers' KV cache (Gemma 3n), a KV cache that is not one region per layer; not modelled".into(),
         ));
-    }
-    for key in ["index_topk", "index_head_dim", "index_n_heads"] {
-        if get(m, key).is_some() {
-            return Err(ModelConfigError::Unsupported(format!(
-                "{key} is given: a sparse-attention indexer (DeepSeek-V3.2) keeps a second KV cache of its own shape beside the MLA latent; not modelled"
-            )));
-        }
     }
     for key in ["swa_num_key_value_heads", "swa_head_dim"] {
         if get(m, key).is_some() {
@@ -365,8 +377,11 @@ fn layer_groups(m: &Map<String, Value>, layers: u32) -> Result<Vec<LayerGroup>, 
             )));
         }
         for (i, t) in types.iter().enumerate() {
+            if roles.is_some_and(|r| r[i] != LayerRole::Attention) {
+                continue;
+            }
             let a = match t.as_str() {
-                Some("full_attention" | "attention" | "global_attention") => Attention::Full,
+                Some("full_attention" | "attention" | "global_attention" | "*") => Attention::Full,
                 Some("sliding_attention" | "sliding_window_attention" | "local_attention") => {
                     Attention::SlidingWindow { window: window(m, "sliding_window", &format!("layer {i} is {t}"))? }
                 }
@@ -430,8 +445,18 @@ fn layer_groups(m: &Map<String, Value>, layers: u32) -> Result<Vec<LayerGroup>, 
     } else {
         per_layer.extend((0..layers).map(|_| Attention::Full));
     }
+    // A hybrid's layer_types list skipped its state layers; the other rules gave every layer.
+    let attention_layers: Vec<usize> = match roles {
+        Some(r) => (0..layers as usize).filter(|&i| r[i] == LayerRole::Attention).collect(),
+        None => (0..layers as usize).collect(),
+    };
+    let per_layer: Vec<(usize, Attention)> = if per_layer.len() == attention_layers.len() {
+        attention_layers.into_iter().zip(per_layer).collect()
+    } else {
+        attention_layers.into_iter().map(|i| (i, per_layer[i].clone())).collect()
+    };
     let mut groups: Vec<LayerGroup> = Vec::new();
-    for (i, a) in per_layer.into_iter().enumerate() {
+    for (i, a) in per_layer.into_iter() {
         match groups.iter_mut().find(|g| g.attention == a) {
             Some(g) => g.layers.push(i as u32),
             None => groups.push(LayerGroup { attention: a, layers: vec![i as u32] }),
@@ -516,8 +541,12 @@ impl ModelKv {
         if num_layers > 0xFFFF {
             return Err(ModelConfigError::Field(format!("num_hidden_layers {num_layers} exceeds 65535")));
         }
-        // What is not modelled first: a hybrid model's refusal says more than a field missing.
-        let layer_groups = layer_groups(m, num_layers)?;
+        // A hybrid model's regions first, then what is not modelled: a refusal says more than
+        // a field missing.
+        let model_dtype = dtype_of(m, top)?;
+        let hybrid = crate::core::hybrid::read(m, model_type.as_deref().unwrap_or(""), num_layers, model_dtype)?;
+        let layer_groups = layer_groups(m, num_layers, hybrid.as_ref().map(|(r, _)| r.as_slice()))?;
+        let hybrid = hybrid.map(|(_, h)| h);
         let heads = first_uint(m, &["num_attention_heads", "n_head"])?
             .ok_or_else(|| ModelConfigError::Field("num_attention_heads is not given".into()))?;
         let mla = get(m, "kv_lora_rank").is_some();
@@ -576,8 +605,17 @@ impl ModelKv {
             };
             (kv, head)
         };
-        let dtype = dtype_of(m, top)?;
-        Ok(ModelKv { model_type, num_layers, num_attention_heads: heads, total_kv_heads, head_size, mla, dtype, layer_groups })
+        Ok(ModelKv {
+            model_type,
+            num_layers,
+            num_attention_heads: heads,
+            total_kv_heads,
+            head_size,
+            mla,
+            dtype: model_dtype,
+            layer_groups,
+            hybrid,
+        })
     }
 
     /// How `tp` ranks split the KV heads (vLLM `get_num_kv_heads` and `QKVParallelLinear`).
@@ -624,13 +662,21 @@ impl ModelKv {
         }
     }
 
-    /// One TP rank's geometry: the model's layers, the rank's KV heads and head size, the
-    /// dtype of `kv_cache_dtype`, NHD, block size 16 (MLA 64), [`default_blocks`] blocks.
-    /// The caller's explicit flags then override fields. Errors: those of [`ModelKv::split`].
+    /// Layers with a paged attention KV cache (all of them unless the model is hybrid).
+    pub fn attention_layers(&self) -> u32 {
+        self.layer_groups.iter().map(|g| g.layers.len() as u32).sum()
+    }
+
+    /// One TP rank's geometry: the model's attention layers, the rank's KV heads and head
+    /// size, the dtype of `kv_cache_dtype`, NHD, block size 16 (MLA 64) — for a model with
+    /// recurrent state, raised as vLLM raises it so an attention page holds a state slot
+    /// ([`crate::core::hybrid::hybrid_block_size`]) — and [`default_blocks`] blocks. The
+    /// caller's explicit flags then override fields. Errors: those of [`ModelKv::split`] and
+    /// of the state's TP split ([`crate::core::hybrid::StateModel::rank_parts`]).
     pub fn rank_geometry(&self, tp: u32, kv_cache_dtype: KvCacheDtype) -> Result<(Geometry, TpSplit), ModelConfigError> {
         let split = self.split(tp)?;
         let mut g = Geometry {
-            num_layers: self.num_layers,
+            num_layers: self.attention_layers(),
             num_kv_heads: split.kv_heads_per_rank,
             head_size: self.head_size,
             block_size: if self.mla { 64 } else { 16 },
@@ -639,8 +685,32 @@ impl ModelKv {
             layout: Layout::Nhd,
             mla: self.mla,
         };
+        if let Some(s) = self.hybrid.as_ref().and_then(|h| h.state.as_ref()) {
+            let per_token = g.kv_parts() as u64 * g.num_kv_heads as u64 * g.head_size as u64 * g.dtype.bytes();
+            g.block_size = crate::core::hybrid::hybrid_block_size(per_token, s.rank_page_bytes(tp)?, g.mla, g.block_size);
+        }
         g.num_blocks = default_blocks(&g);
         Ok((g, split))
+    }
+
+    /// Every region of one TP rank whose attention geometry is `g` (after the flags):
+    /// [`crate::core::hybrid::rank_regions`] with this model's attention groups. Errors: those
+    /// of `rank_regions`.
+    pub fn rank_regions(&self, g: &Geometry, tp: u32) -> Result<Vec<Region>, ModelConfigError> {
+        let kind = if self.mla { "MLA" } else { "" };
+        let attention: Vec<(String, Vec<u32>)> = self
+            .layer_groups
+            .iter()
+            .map(|grp| {
+                let name = match (&grp.attention, kind) {
+                    (Attention::Full, "MLA") => "MLA".to_string(),
+                    (a, "MLA") => format!("MLA, {a}"),
+                    (a, _) => a.to_string(),
+                };
+                (name, grp.layers.clone())
+            })
+            .collect();
+        Ok(crate::core::hybrid::rank_regions(g, &attention, self.hybrid.as_ref().unwrap_or(&HybridKv::default()), tp)?)
     }
 }
 
@@ -672,6 +742,26 @@ pub fn describe(g: &Geometry, model: Option<&ModelInfo>) -> String {
         for grp in &m.kv.layer_groups {
             let _ = writeln!(s, "layer group:  {} — {} layer(s): {}", grp.attention, grp.layers.len(), ranges(&grp.layers));
         }
+        if let Some(h) = m.kv.hybrid.as_ref().filter(|h| h.any()) {
+            if !h.no_cache_layers.is_empty() {
+                let _ =
+                    writeln!(s, "no cache:     {} layer(s) (MLP, MoE): {}", h.no_cache_layers.len(), ranges(&h.no_cache_layers));
+            }
+            match m.kv.rank_regions(g, m.tp.tp) {
+                Ok(regions) => {
+                    for r in &regions {
+                        s += &describe_region(r);
+                    }
+                }
+                Err(e) => {
+                    let _ = writeln!(s, "regions:      {e}");
+                }
+            }
+            let _ = writeln!(
+                s,
+                "transfer:     run, ab and serve refuse this model for now: they move attention pages only, and a run that left the other regions out would pass while decode computed from zeros"
+            );
+        }
     }
     let layout = if g.mla { "MLA".to_string() } else { format!("{:?}", g.layout).to_uppercase() };
     let _ = writeln!(
@@ -687,6 +777,42 @@ pub fn describe(g: &Geometry, model: Option<&ModelInfo>) -> String {
     if let (Ok(slice), Ok(pool)) = (g.slice_bytes(), g.pool_bytes()) {
         let _ = writeln!(s, "block slice:  {slice} bytes ({:.1} KiB)", slice as f64 / 1024.0);
         let _ = writeln!(s, "pool:         {pool} bytes ({:.1} MiB) per side", mib(pool));
+    }
+    s
+}
+
+/// Lines of one region (`kvprobe geometry` on a hybrid model): its layers, groups, parts and
+/// page stride.
+pub fn describe_region(r: &Region) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    let unit = match r.unit {
+        crate::core::hybrid::RegionUnit::Block => "per layer and block",
+        crate::core::hybrid::RegionUnit::Slot => "per layer and request slot",
+    };
+    let _ = writeln!(s, "region:       {} ({}) — {} layer(s): {}", r.name, r.kind, r.layers.len(), ranges(&r.layers));
+    let groups: Vec<String> = r.groups.iter().map(|(i, l)| format!("{i} ({} layer(s): {})", l.len(), ranges(l))).collect();
+    if !groups.is_empty() {
+        let _ = writeln!(s, "  kv cache groups: {}", groups.join("; "));
+    }
+    let parts: Vec<String> = r
+        .parts
+        .iter()
+        .map(|p| {
+            let shape: Vec<String> = p.shape.iter().map(u64::to_string).collect();
+            format!("{} ({}) {} {} bytes", p.name, shape.join(", "), p.dtype, p.bytes)
+        })
+        .collect();
+    if parts.len() == 1 {
+        let _ = writeln!(s, "  page {unit}: {}", parts[0]);
+    } else {
+        let _ = writeln!(s, "  page {unit}: {} = {} bytes", parts.join(" + "), r.page_bytes);
+    }
+    if r.page_stride_bytes != r.page_bytes {
+        let _ = writeln!(s, "  page stride:  {} bytes (padded to the attention page)", r.page_stride_bytes);
+    }
+    if r.replicated {
+        let _ = writeln!(s, "  whole on every TP rank");
     }
     s
 }
