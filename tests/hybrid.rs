@@ -237,6 +237,31 @@ fn hybrid_block_size_and_groups_follow_vllms_rules() {
 }
 
 #[test]
+fn look_alike_hybrids_kvprobe_does_not_lay_out_are_refused() {
+    // Falcon-H1 (attention and Mamba2 in every layer), Zamba2 (shared attention blocks),
+    // MiniMax (lightning attention), LFM2 (short conv): Mamba-style keys, other layouts.
+    let base = r#""num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 1024"#;
+    for extra in [
+        r#", "model_type": "falcon_h1", "mamba_n_heads": 16, "mamba_d_head": 64, "mamba_d_state": 128"#,
+        r#", "model_type": "zamba2", "mamba_d_state": 64, "layers_block_type": ["mamba", "hybrid", "mamba", "mamba"]"#,
+        r#", "model_type": "minimax", "attn_type_list": [0, 1, 0, 1]"#,
+        r#", "model_type": "lfm2", "full_attn_idxs": [1, 3], "conv_L_cache": 3"#,
+        r#", "linear_num_value_heads": 8, "linear_num_key_heads": 4"#,
+    ] {
+        let e = ModelKv::parse(&format!("{{{base}{extra}}}")).unwrap_err();
+        assert!(matches!(e, ModelConfigError::Unsupported(_)), "{extra}: {e:?}");
+        assert!(e.to_string().contains("Kimi Linear / Kimi-K3"), "the refusal lists what is laid out: {e}");
+    }
+    // Qwen3.5's ssm dtype key.
+    let q35 = r#"{"model_type": "qwen3_5_text", "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 2,
+        "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "mamba_ssm_dtype": "float32"}"#;
+    let m = ModelKv::parse(q35).unwrap();
+    assert_eq!(hybrid(&m).state.as_ref().unwrap().ssm_dtype, Dtype::Fp32);
+    assert_eq!(m.layer_groups[0].layers, vec![3]);
+}
+
+#[test]
 fn malformed_hybrid_configs_name_the_field() {
     let kimi = |lac: &str| {
         format!(
@@ -271,6 +296,13 @@ fn malformed_hybrid_configs_name_the_field() {
     )
     .unwrap_err();
     assert!(matches!(e, ModelConfigError::Unsupported(_)) && e.to_string().contains("Kimi-K3.1"), "{e}");
+    // KDA's recurrent state is float32 or bfloat16 only (vLLM's kda_state_dtype); bf16 when asked.
+    let one = kimi(r#"{"kda_layers": [1], "num_heads": 8, "head_dim": 128, "short_conv_kernel_size": 4}"#);
+    let with =
+        |d: &str| one.replace("\"linear_attn_config\"", &format!("\"mamba_ssm_cache_dtype\": \"{d}\", \"linear_attn_config\""));
+    let e = ModelKv::parse(&with("float16")).unwrap_err();
+    assert!(matches!(e, ModelConfigError::Unsupported(_)) && e.to_string().contains("kda_state_dtype"), "{e}");
+    assert_eq!(hybrid(&ModelKv::parse(&with("bfloat16")).unwrap()).state.as_ref().unwrap().ssm_dtype, Dtype::Bf16);
 }
 
 #[test]

@@ -232,13 +232,16 @@ fn roles_from_names(key: &str, v: &Value, layers: u32) -> Result<Vec<LayerRole>,
 /// defaults): the role of each layer, and the state and indexer regions. `model_dtype` is the
 /// model's dtype as `--kv-cache-dtype auto` resolves it (the conv state's dtype).
 ///
-/// Families: Kimi Linear / Kimi-K3 (`linear_attn_config`, 1-based `kda_layers`, the others
-/// MLA), Qwen3-Next (`layer_types` or `full_attention_interval`, gated DeltaNet `linear_*`
-/// keys), Nemotron-H (`hybrid_override_pattern` or `layers_block_type`: `M` Mamba2, `*`
-/// attention, `-`/`E` none), Granite 4.0-H (`layer_types` `mamba`/`attention`, Mamba2
-/// `mamba_*` keys; absent: every layer Mamba), Jamba (`layers_block_type`, or
-/// `attn_layer_period`/`attn_layer_offset`, Mamba1), DeepSeek-V3.2 (`index_topk`: an indexer
-/// on every layer). `None` when the config names none of them.
+/// Families, by the key or `model_type` that marks them (others whose keys look alike —
+/// Falcon-H1, Zamba2, MiniMax, LFM2 — are left to the caller's refusal): Kimi Linear /
+/// Kimi-K3 (`linear_attn_config`, 1-based `kda_layers`, the others MLA), Qwen3-Next and
+/// Qwen3.5 (`model_type` `qwen3_next*`/`qwen3_5*`; `layer_types` or `full_attention_interval`,
+/// gated DeltaNet `linear_*` keys), Nemotron-H (`nemotron_h` or `hybrid_override_pattern`, or
+/// `layers_block_type`: `M` Mamba2, `*` attention, `-`/`E` none), Granite 4.0-H
+/// (`granitemoehybrid`; `layer_types` `mamba`/`attention`, Mamba2 `mamba_*` keys; absent: every
+/// layer Mamba), Jamba (`jamba`; `layers_block_type`, or `attn_layer_period`/
+/// `attn_layer_offset`, Mamba1), DeepSeek-V3.2 (`index_topk`: an indexer on every attention
+/// layer). `None` when the config names none of them.
 ///
 /// Errors: [`HybridError::Field`] for a missing or malformed dimension;
 /// [`HybridError::Unsupported`] for a hybrid kvprobe does not lay out (the reason named).
@@ -287,13 +290,20 @@ pub(crate) fn read(
                 head_dim: need(lac, "head_dim", why)?,
                 conv_kernel: need(lac, "short_conv_kernel_size", why)?,
             },
-            // KDA's recurrent state: float32 unless mamba_ssm_cache_dtype says bfloat16.
+            // KDA's recurrent state: float32 unless mamba_ssm_cache_dtype says bfloat16; vLLM's
+            // kda_state_dtype refuses any other.
             Some(match dtype_name(m, "mamba_ssm_cache_dtype")? {
                 Some(Dtype::Bf16) => Dtype::Bf16,
-                _ => Dtype::Fp32,
+                None | Some(Dtype::Fp32) => Dtype::Fp32,
+                Some(d) => {
+                    return Err(HybridError::Unsupported(format!(
+                        "mamba_ssm_cache_dtype {} for KDA layers: vLLM's kda_state_dtype keeps the recurrent state in float32 or bfloat16 only",
+                        dname(d)
+                    )));
+                }
             }),
         ));
-    } else if model_type == "qwen3_next" || get(m, "linear_num_value_heads").is_some() {
+    } else if model_type.starts_with("qwen3_next") || model_type.starts_with("qwen3_5") {
         roles = match get(m, "layer_types") {
             Some(v) => roles_from_names("layer_types", v, layers)?,
             None => {
@@ -310,7 +320,12 @@ pub(crate) fn read(
                 value_head_dim: need(m, "linear_value_head_dim", why)?,
                 conv_kernel: need(m, "linear_conv_kernel_dim", why)?,
             },
-            dtype_name(m, "mamba_ssm_cache_dtype")?,
+            // Qwen3.5 names its ssm dtype in the config (vLLM's Qwen3.5 config hook); Qwen3-Next
+            // has none.
+            match dtype_name(m, "mamba_ssm_cache_dtype")? {
+                Some(d) => Some(d),
+                None => dtype_name(m, "mamba_ssm_dtype")?,
+            },
         ));
     } else if model_type == "nemotron_h" || get(m, "hybrid_override_pattern").is_some() {
         roles = match (get(m, "hybrid_override_pattern"), get(m, "layers_block_type")) {
@@ -351,7 +366,7 @@ pub(crate) fn read(
             // Nemotron-H keeps its ssm state in float32 unless the config says otherwise.
             Some(dtype_name(m, "mamba_ssm_cache_dtype")?.unwrap_or(Dtype::Fp32)),
         ));
-    } else if model_type == "granitemoehybrid" || get(m, "mamba_n_heads").is_some() {
+    } else if model_type == "granitemoehybrid" {
         roles = match get(m, "layer_types").or_else(|| get(m, "layers_block_type")) {
             Some(v) => roles_from_names("layer_types", v, layers)?,
             None => vec![LayerRole::State; layers as usize],
@@ -386,9 +401,7 @@ pub(crate) fn read(
             },
             dtype_name(m, "mamba_ssm_cache_dtype")?,
         ));
-    } else if model_type == "jamba"
-        || (get(m, "mamba_d_state").is_some() && (get(m, "layers_block_type").is_some() || get(m, "attn_layer_period").is_some()))
-    {
+    } else if model_type == "jamba" {
         roles = match get(m, "layers_block_type") {
             Some(v) => roles_from_names("layers_block_type", v, layers)?,
             None => {
