@@ -69,10 +69,12 @@ fn kimi_k3_is_mla_plus_kda_state_laid_out_per_tp_rank() {
         assert!(att.replicated && !st.replicated);
         assert_eq!(att.layers, mla);
         // vLLM's groups: 24 MLA layers make the group size; 69 KDA layers make 3 groups.
-        assert_eq!(att.groups, vec![(0, mla.clone())]);
+        // Numbered as vLLM meets them in layer order: layer 0 is KDA, so the KDA groups are
+        // 0-2 and the MLA group 3.
+        assert_eq!(att.groups, vec![(3, mla.clone())]);
         assert_eq!(st.groups.len(), 3);
         for (i, (id, layers)) in st.groups.iter().enumerate() {
-            assert_eq!(*id, 1 + i as u32);
+            assert_eq!(*id, i as u32);
             let want: Vec<u32> = s.layers.iter().skip(i).step_by(3).copied().collect();
             assert_eq!(layers, &want);
         }
@@ -224,6 +226,10 @@ fn hybrid_block_size_and_groups_follow_vllms_rules() {
     assert_eq!(hybrid_block_size(1024, 16 * 1024, false, 16), 16);
     assert_eq!(hybrid_block_size(1024, 16 * 1024 + 1, false, 16), 32);
     assert_eq!(hybrid_block_size(1152, 1, true, 64), 128, "MLA hybrids align to 128 tokens");
+    // Nemotron-H-8B at TP 1: a 4 255 744-byte state page, 4096 bytes a token; --block-size 32
+    // aligns to 32 (33 × 32), 1024 to 1024 (2 × 1024).
+    assert_eq!(hybrid_block_size(4096, 4_255_744, false, 32), 1056);
+    assert_eq!(hybrid_block_size(4096, 4_255_744, false, 1024), 2048);
     // 10 full + 20 sliding: groups of 10, the sliding ones strided.
     let full: Vec<u32> = (0..30).step_by(3).collect();
     let sw: Vec<u32> = (0..30).filter(|i| i % 3 != 0).collect();
@@ -296,13 +302,53 @@ fn malformed_hybrid_configs_name_the_field() {
     )
     .unwrap_err();
     assert!(matches!(e, ModelConfigError::Unsupported(_)) && e.to_string().contains("Kimi-K3.1"), "{e}");
-    // KDA's recurrent state is float32 or bfloat16 only (vLLM's kda_state_dtype); bf16 when asked.
-    let one = kimi(r#"{"kda_layers": [1], "num_heads": 8, "head_dim": 128, "short_conv_kernel_size": 4}"#);
-    let with =
-        |d: &str| one.replace("\"linear_attn_config\"", &format!("\"mamba_ssm_cache_dtype\": \"{d}\", \"linear_attn_config\""));
-    let e = ModelKv::parse(&with("float16")).unwrap_err();
-    assert!(matches!(e, ModelConfigError::Unsupported(_)) && e.to_string().contains("kda_state_dtype"), "{e}");
-    assert_eq!(hybrid(&ModelKv::parse(&with("bfloat16")).unwrap()).state.as_ref().unwrap().ssm_dtype, Dtype::Bf16);
+    // A layer type no family names, a malformed attention offset, a model without attention.
+    let jamba = r#"{"model_type": "jamba", "num_hidden_layers": 4, "hidden_size": 1024, "num_attention_heads": 8"#;
+    for (extra, why) in [
+        (r#", "layers_block_type": ["mamba", "hybrid", "mamba", "attention"]}"#, "\"hybrid\""),
+        (r#", "attn_layer_offset": -1}"#, "attn_layer_offset must be"),
+        (r#", "attn_layer_offset": "3"}"#, "attn_layer_offset must be"),
+        (r#", "layers_block_type": ["mamba", "mamba", "mamba", "mamba"]}"#, "none a paged attention KV cache"),
+    ] {
+        let e = ModelKv::parse(&format!("{jamba}{extra}")).unwrap_err().to_string();
+        assert!(e.contains(why), "{extra}: {e}");
+    }
+}
+
+#[test]
+fn state_dtypes_follow_vllms_flags_and_only_the_configs_vllm_reads() {
+    let kimi = ModelKv::load(&shipped("kimi-k3.json")).unwrap();
+    let mut s = hybrid(&kimi).state.clone().unwrap();
+    use kvprobe::hybrid::MambaDtype as M;
+    // KDA: float32 or bfloat16 only (vLLM's kda_state_dtype).
+    assert!(matches!(s.set_cache_dtypes(M::Auto, M::Float16, Dtype::Bf16), Err(kvprobe::hybrid::HybridError::Unsupported(_))));
+    s.set_cache_dtypes(M::Auto, M::Bfloat16, Dtype::Bf16).unwrap();
+    assert_eq!((s.conv_dtype, s.ssm_dtype), (Dtype::Bf16, Dtype::Bf16));
+    s.set_cache_dtypes(M::Float32, M::Auto, Dtype::Bf16).unwrap();
+    assert_eq!((s.conv_dtype, s.ssm_dtype), (Dtype::Fp32, Dtype::Fp32));
+    // Jamba: vLLM takes the ssm dtype from its flag, not from a config key.
+    let jamba = r#"{"model_type": "jamba", "num_hidden_layers": 8, "hidden_size": 1024, "num_attention_heads": 8,
+        "mamba_ssm_cache_dtype": "float32"}"#;
+    let m = ModelKv::parse(jamba).unwrap();
+    let mut s = hybrid(&m).state.clone().unwrap();
+    assert_eq!(s.ssm_dtype, Dtype::Bf16, "a config key vLLM does not read changes nothing");
+    s.set_cache_dtypes(M::Auto, M::Float32, Dtype::Bf16).unwrap();
+    assert_eq!(s.ssm_dtype, Dtype::Fp32);
+    // From the command line: the page grows with the dtype (recurrent fp32 → bf16 halves it).
+    let k3 = shipped("kimi-k3.json");
+    let (code, out, err) =
+        kvprobe(&["geometry", "--model-config", k3.to_str().unwrap(), "--tp", "8", "--mamba-ssm-cache-dtype", "bfloat16"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("recurrent (12, 128, 128) bf16 393216 bytes"), "{out}");
+    let (code, _, err) = kvprobe(&["geometry", "--model-config", k3.to_str().unwrap(), "--mamba-ssm-cache-dtype", "float16"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("kda_state_dtype"), "{err}");
+    // Granite-4.0-Micro: granitemoehybrid with every layer attention is an attention model.
+    let micro = r#"{"model_type": "granitemoehybrid", "num_hidden_layers": 2, "layer_types": ["attention", "attention"],
+        "hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 2, "mamba_n_heads": 16, "mamba_d_state": 64}"#;
+    let m = ModelKv::parse(micro).unwrap();
+    assert!(m.hybrid.is_none());
+    assert_eq!(m.attention_layers(), 2);
 }
 
 #[test]
@@ -327,14 +373,20 @@ fn kvprobe_geometry_prints_every_region_and_run_refuses_to_move_them() {
     assert_eq!(v["regions"][1]["page_bytes"], 814_080);
     assert_eq!(v["regions"][1]["parts"][1]["shape"], serde_json::json!([12, 128, 128]));
     assert_eq!(v["model"]["hybrid"]["state"]["mixer"], "kda");
-    // A block size whose page cannot hold a state slot: refused, naming the one vLLM would take.
-    let (code, _, err) = kvprobe(&["geometry", "--model-config", k3, "--tp", "8", "--block-size", "64"]);
-    assert_eq!(code, 2, "{err}");
-    assert!(err.contains("--block-size 768"), "{err}");
+    // A block size whose page cannot hold a state slot is raised as vLLM raises it: the
+    // smallest multiple of max(asked, 16, MLA 128) that holds 814 080 bytes at 1152 a token.
+    let (code, out, err) = kvprobe(&["geometry", "--model-config", k3, "--tp", "8", "--block-size", "64"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("block size:   768 tokens: --block-size 64 raised"), "{out}");
+    let (code, out, err) = kvprobe(&["geometry", "--model-config", k3, "--tp", "8", "--block-size", "500", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    // 500 · ceil(814080 / (500 · 1152)) = 1000.
+    assert_eq!((v["geometry"]["block_size"].as_u64(), v["model"]["block_size_asked"].as_u64()), (Some(1000), Some(500)));
     // run and ab refuse to move a hybrid model's KV cache partly (exit 2, saying what).
     for cmd in ["run", "ab"] {
         let (code, out, err) = kvprobe(&[cmd, "--memory", "dram", "--model-config", k3, "--tp", "8"]);
         assert_eq!(code, 2, "{cmd}: {out}{err}");
-        assert!(err.contains("KDA state (69 layers)") && err.contains("does not move them yet"), "{cmd}: {err}");
+        assert!(err.contains("KDA state (69 layers)") && err.contains("does not move it yet"), "{cmd}: {err}");
     }
 }

@@ -88,6 +88,12 @@ pub(crate) struct GeometryArgs {
     /// With --model-config: KV-cache element type, vLLM's names (auto: the model's torch_dtype, float32 served as bfloat16).
     #[arg(long, value_enum, requires = "model_config")]
     pub(crate) kv_cache_dtype: Option<kvprobe::model_config::KvCacheDtype>,
+    /// With --model-config of a hybrid model: the conv state's element type, as vLLM's --mamba-cache-dtype (auto: the model's dtype).
+    #[arg(long, value_enum, requires = "model_config", value_name = "DTYPE")]
+    pub(crate) mamba_cache_dtype: Option<kvprobe::hybrid::MambaDtype>,
+    /// With --model-config of a hybrid model: the ssm / recurrent state's element type, as vLLM's --mamba-ssm-cache-dtype (auto: KDA float32, Nemotron-H its config's, else the conv state's).
+    #[arg(long, value_enum, requires = "model_config", value_name = "DTYPE")]
+    pub(crate) mamba_ssm_cache_dtype: Option<kvprobe::hybrid::MambaDtype>,
     /// Attention layers (one NIXL-registered region each).
     #[arg(long, conflicts_with = "model_config")]
     pub(crate) layers: Option<u32>,
@@ -129,8 +135,9 @@ impl GeometryArgs {
                 what.push(format!("its sparse-attention indexer K cache ({} layers)", i.layers.len()));
             }
             return Err(Error::Usage(format!(
-                "model config: a hybrid model: kvprobe lays out {} (kvprobe geometry --model-config shows every region per TP rank) but does not move them yet, and a run that moved the attention pages alone would pass while decode computed from zeros; refused",
-                what.join(" and ")
+                "model config: a hybrid model: kvprobe lays out {} (kvprobe geometry --model-config shows every region per TP rank) but does not move {} yet, and a run that moved the attention pages alone would pass while decode computed from zeros; refused",
+                what.join(" and "),
+                if what.len() == 1 { "it" } else { "them" }
             )));
         }
         Ok((g, model))
@@ -142,7 +149,12 @@ impl GeometryArgs {
         let (mut g, model) = match &self.model_config {
             Some(path) => {
                 let usage = |e: kvprobe::model_config::ModelConfigError| Error::Usage(e.to_string());
-                let kv = kvprobe::model_config::ModelKv::load(path).map_err(usage)?;
+                let mut kv = kvprobe::model_config::ModelKv::load(path).map_err(usage)?;
+                let model_dtype = kv.dtype;
+                if let Some(state) = kv.hybrid.as_mut().and_then(|h| h.state.as_mut()) {
+                    let (c, s) = (self.mamba_cache_dtype.unwrap_or_default(), self.mamba_ssm_cache_dtype.unwrap_or_default());
+                    state.set_cache_dtypes(c, s, model_dtype).map_err(|e| usage(e.into()))?;
+                }
                 let dtype = self.kv_cache_dtype.unwrap_or_default();
                 let (g, tp) = kv.rank_geometry(self.tp.unwrap_or(1), dtype).map_err(usage)?;
                 (
@@ -152,6 +164,7 @@ impl GeometryArgs {
                         kv_cache_dtype: dtype,
                         kv,
                         tp,
+                        block_size_asked: None,
                     }),
                 )
             }
@@ -171,6 +184,15 @@ impl GeometryArgs {
         set(&mut g.num_blocks, self.blocks);
         g.dtype = self.dtype.unwrap_or(g.dtype);
         g.layout = self.layout.unwrap_or(g.layout);
+        let mut model = model;
+        if let (Some(m), Some(asked)) = (model.as_mut(), self.block_size) {
+            // A hybrid model's block size follows vLLM's rule from the size asked for.
+            let b = m.kv.hybrid_block_size(&g, m.tp.tp, asked).map_err(|e| Error::Usage(e.to_string()))?;
+            if b != asked {
+                g.block_size = b;
+                m.block_size_asked = Some(asked);
+            }
+        }
         if model.is_some() && self.blocks.is_none() {
             // The default pool size follows the block size given.
             g.num_blocks = kvprobe::model_config::default_blocks(&g);
@@ -191,6 +213,8 @@ impl GeometryArgs {
             || self.mla
             || [self.layers, self.kv_heads, self.head_size, self.block_size, self.blocks].iter().any(Option::is_some)
             || self.dtype.is_some()
+            || self.mamba_cache_dtype.is_some()
+            || self.mamba_ssm_cache_dtype.is_some()
             || self.layout.is_some()
     }
 }

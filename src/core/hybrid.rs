@@ -126,6 +126,38 @@ pub struct StateModel {
     pub conv_dtype: Dtype,
     /// SSM / temporal / recurrent state dtype.
     pub ssm_dtype: Dtype,
+    /// The ssm dtype the model's config sets for `--mamba-ssm-cache-dtype auto` (Nemotron-H's
+    /// `mamba_ssm_cache_dtype`, default float32; Qwen3.5's `mamba_ssm_dtype`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ssm_config_dtype: Option<Dtype>,
+}
+
+/// vLLM's `--mamba-cache-dtype` and `--mamba-ssm-cache-dtype` (`CacheConfig.mamba_cache_dtype`,
+/// `mamba_ssm_cache_dtype`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum MambaDtype {
+    /// The conv state: the model's dtype; the ssm state: the model's rule (KDA float32,
+    /// Nemotron-H its config's, Qwen3.5 its config's), else the conv state's.
+    #[default]
+    Auto,
+    /// float32 (4 bytes).
+    Float32,
+    /// bfloat16 (2 bytes).
+    Bfloat16,
+    /// float16 (2 bytes).
+    Float16,
+}
+
+impl MambaDtype {
+    fn dtype(self) -> Option<Dtype> {
+        match self {
+            MambaDtype::Auto => None,
+            MambaDtype::Float32 => Some(Dtype::Fp32),
+            MambaDtype::Bfloat16 => Some(Dtype::Bf16),
+            MambaDtype::Float16 => Some(Dtype::Fp16),
+        }
+    }
 }
 
 /// The DeepSeek-V3.2 sparse-attention indexer's K cache, before TP (whole on every rank).
@@ -222,7 +254,13 @@ fn roles_from_names(key: &str, v: &Value, layers: u32) -> Result<Vec<LayerRole>,
         .map(|(i, t)| match t.as_str() {
             Some("mamba" | "linear_attention" | "M") => Ok(LayerRole::State),
             Some("mlp" | "moe" | "-" | "E") => Ok(LayerRole::None),
-            Some(_) => Ok(LayerRole::Attention),
+            Some(
+                "attention" | "full_attention" | "global_attention" | "*" | "sliding_attention" | "sliding_window_attention"
+                | "local_attention" | "chunked_attention",
+            ) => Ok(LayerRole::Attention),
+            Some(other) => Err(HybridError::Unsupported(format!(
+                "{key}[{i}] is {other:?}: not a layer type kvprobe knows (attention kinds: attention, full_attention, sliding_attention, chunked_attention; state: mamba, linear_attention; no cache: mlp, moe)"
+            ))),
             None => Err(HybridError::Field(format!("{key}[{i}] must be a string, not {t}"))),
         })
         .collect()
@@ -290,18 +328,7 @@ pub(crate) fn read(
                 head_dim: need(lac, "head_dim", why)?,
                 conv_kernel: need(lac, "short_conv_kernel_size", why)?,
             },
-            // KDA's recurrent state: float32 unless mamba_ssm_cache_dtype says bfloat16; vLLM's
-            // kda_state_dtype refuses any other.
-            Some(match dtype_name(m, "mamba_ssm_cache_dtype")? {
-                Some(Dtype::Bf16) => Dtype::Bf16,
-                None | Some(Dtype::Fp32) => Dtype::Fp32,
-                Some(d) => {
-                    return Err(HybridError::Unsupported(format!(
-                        "mamba_ssm_cache_dtype {} for KDA layers: vLLM's kda_state_dtype keeps the recurrent state in float32 or bfloat16 only",
-                        dname(d)
-                    )));
-                }
-            }),
+            None,
         ));
     } else if model_type.starts_with("qwen3_next") || model_type.starts_with("qwen3_5") {
         roles = match get(m, "layer_types") {
@@ -320,12 +347,9 @@ pub(crate) fn read(
                 value_head_dim: need(m, "linear_value_head_dim", why)?,
                 conv_kernel: need(m, "linear_conv_kernel_dim", why)?,
             },
-            // Qwen3.5 names its ssm dtype in the config (vLLM's Qwen3.5 config hook); Qwen3-Next
-            // has none.
-            match dtype_name(m, "mamba_ssm_cache_dtype")? {
-                Some(d) => Some(d),
-                None => dtype_name(m, "mamba_ssm_dtype")?,
-            },
+            // Qwen3.5 names its ssm dtype in the config (vLLM's Qwen3_5 config hook reads
+            // mamba_ssm_dtype); Qwen3-Next has none.
+            if model_type.starts_with("qwen3_5") { dtype_name(m, "mamba_ssm_dtype")? } else { None },
         ));
     } else if model_type == "nemotron_h" || get(m, "hybrid_override_pattern").is_some() {
         roles = match (get(m, "hybrid_override_pattern"), get(m, "layers_block_type")) {
@@ -371,6 +395,12 @@ pub(crate) fn read(
             Some(v) => roles_from_names("layer_types", v, layers)?,
             None => vec![LayerRole::State; layers as usize],
         };
+        if !roles.contains(&LayerRole::State) {
+            // Granite-4.0-Micro: a granitemoehybrid config whose layers are all attention is
+            // served as an attention model (vLLM's ModelConfig.is_hybrid); its mamba_* keys
+            // describe no layer.
+            return Ok(Some((roles, hy)));
+        }
         let why = "layers are Mamba2";
         let n_heads = need(m, "mamba_n_heads", why)?;
         let head_dim = match get(m, "mamba_d_head") {
@@ -399,14 +429,20 @@ pub(crate) fn read(
                 n_groups: need(m, "mamba_n_groups", why)?,
                 conv_kernel: need(m, "mamba_d_conv", why)?,
             },
-            dtype_name(m, "mamba_ssm_cache_dtype")?,
+            // vLLM reads the ssm dtype from --mamba-ssm-cache-dtype, not from this config.
+            None,
         ));
     } else if model_type == "jamba" {
         roles = match get(m, "layers_block_type") {
             Some(v) => roles_from_names("layers_block_type", v, layers)?,
             None => {
                 let period = opt(m, "attn_layer_period")?.unwrap_or(8);
-                let offset = get(m, "attn_layer_offset").and_then(Value::as_u64).unwrap_or(4);
+                let offset = match get(m, "attn_layer_offset") {
+                    None => 4,
+                    Some(v) => v.as_u64().filter(|&o| o <= u32::MAX as u64).ok_or_else(|| {
+                        HybridError::Field(format!("attn_layer_offset must be an integer from 0 to {}, not {v}", u32::MAX))
+                    })?,
+                };
                 (0..layers as u64)
                     .map(|i| if i % period as u64 == offset { LayerRole::Attention } else { LayerRole::State })
                     .collect()
@@ -421,7 +457,8 @@ pub(crate) fn read(
                 d_state: opt(m, "mamba_d_state")?.unwrap_or(16),
                 conv_kernel: opt(m, "mamba_d_conv")?.unwrap_or(4),
             },
-            dtype_name(m, "mamba_ssm_cache_dtype")?,
+            // vLLM reads the ssm dtype from --mamba-ssm-cache-dtype, not from this config.
+            None,
         ));
     } else {
         roles = vec![LayerRole::Attention; layers as usize];
@@ -429,6 +466,12 @@ pub(crate) fn read(
     }
     if let Some((mixer, ssm)) = mixer {
         let state_layers: Vec<u32> = (0..layers).filter(|&i| roles[i as usize] == LayerRole::State).collect();
+        if !roles.contains(&LayerRole::Attention) {
+            return Err(HybridError::Unsupported(format!(
+                "every one of the {layers} layers keeps a {} state and none a paged attention KV cache: kvprobe lays out hybrids with at least one attention layer",
+                mixer.name()
+            )));
+        }
         if state_layers.is_empty() {
             return Err(HybridError::Field(format!(
                 "the config describes {} layers but names none of its {layers} layers as one",
@@ -445,8 +488,10 @@ pub(crate) fn read(
                 "the conv kernel is {conv_kernel}: the conv state keeps kernel − 1 ≥ 1 columns"
             )));
         }
-        hy.state =
-            Some(StateModel { mixer, layers: state_layers, conv_dtype: model_dtype, ssm_dtype: ssm.unwrap_or(model_dtype) });
+        let mut state =
+            StateModel { mixer, layers: state_layers, conv_dtype: model_dtype, ssm_dtype: model_dtype, ssm_config_dtype: ssm };
+        state.set_cache_dtypes(MambaDtype::Auto, MambaDtype::Auto, model_dtype)?;
+        hy.state = Some(state);
         hy.no_cache_layers = (0..layers).filter(|&i| roles[i as usize] == LayerRole::None).collect();
     }
     if get(m, "index_topk").is_some() || get(m, "index_head_dim").is_some() || get(m, "index_n_heads").is_some() {
@@ -459,7 +504,7 @@ pub(crate) fn read(
         let att: Vec<u32> = (0..layers).filter(|&i| roles[i as usize] == LayerRole::Attention).collect();
         hy.indexer = Some(IndexerModel { head_dim, layers: att });
     }
-    Ok(hy.any().then_some((roles, hy)))
+    Ok((hy.any() || roles.iter().any(|r| *r != LayerRole::Attention)).then_some((roles, hy)))
 }
 
 /// One part of a region's page on one TP rank (a state part, an indexer part, or the
@@ -535,6 +580,30 @@ fn divide(what: &str, n: u64, tp: u32) -> Result<u64, HybridError> {
 }
 
 impl StateModel {
+    /// Sets the conv and ssm dtypes as vLLM resolves `--mamba-cache-dtype` (`conv`) and
+    /// `--mamba-ssm-cache-dtype` (`ssm`) for a model of dtype `model_dtype`
+    /// (`MambaStateDtypeCalculator`: conv auto = the model's; ssm auto = KDA float32, else the
+    /// config's ([`StateModel::ssm_config_dtype`]), else the conv's). Errors
+    /// ([`HybridError::Unsupported`]): a KDA recurrent state other than float32 or bfloat16
+    /// (`kda_state_dtype`).
+    pub fn set_cache_dtypes(&mut self, conv: MambaDtype, ssm: MambaDtype, model_dtype: Dtype) -> Result<(), HybridError> {
+        self.conv_dtype = conv.dtype().unwrap_or(model_dtype);
+        let kda = matches!(self.mixer, StateMixer::Kda { .. });
+        self.ssm_dtype = match (ssm.dtype(), kda) {
+            (None, true) => Dtype::Fp32,
+            (Some(d @ (Dtype::Fp32 | Dtype::Bf16)), true) => d,
+            (Some(d), true) => {
+                return Err(HybridError::Unsupported(format!(
+                    "--mamba-ssm-cache-dtype {} for KDA layers: vLLM's kda_state_dtype keeps the recurrent state in float32 or bfloat16 only",
+                    dname(d)
+                )));
+            }
+            (Some(d), false) => d,
+            (None, false) => self.ssm_config_dtype.unwrap_or(self.conv_dtype),
+        };
+        Ok(())
+    }
+
     /// One TP rank's parts of a state slot (conv dim-first, then the ssm/temporal/recurrent
     /// state). Errors ([`HybridError::Parallel`]): a dimension vLLM splits over TP that
     /// does not divide; Mamba2 `n_groups` that neither divides by `tp` nor is 1.
@@ -615,25 +684,29 @@ pub fn hybrid_block_size(attn_bytes_per_token: u64, state_page: u64, mla: bool, 
 /// (`_get_kv_cache_groups_uniform_page_size`): the group size is the smallest bucket's layer
 /// count, or the largest when that is under 1.5 × the smallest; a bucket of `n` layers makes
 /// `ceil(n / size)` groups, group `i` holding `layers[i::groups]`. Returns per bucket its
-/// groups (numbered across buckets in order).
+/// groups, numbered across buckets in the order of their first layers (as vLLM meets them).
 pub fn kv_cache_groups(buckets: &[Vec<u32>]) -> Vec<Vec<(u32, Vec<u32>)>> {
     let lens: Vec<usize> = buckets.iter().map(Vec::len).filter(|&n| n > 0).collect();
     let (Some(&min), Some(&max)) = (lens.iter().min(), lens.iter().max()) else { return vec![Vec::new(); buckets.len()] };
     let size = if (max as f64) < min as f64 * 1.5 { max } else { min };
+    // vLLM meets the buckets in layer order (the first layer of each), and numbers their
+    // groups in that order.
+    let mut order: Vec<usize> = (0..buckets.len()).collect();
+    order.sort_by_key(|&b| buckets[b].iter().min().copied().unwrap_or(u32::MAX));
+    let mut out = vec![Vec::new(); buckets.len()];
     let mut next = 0u32;
-    buckets
-        .iter()
-        .map(|layers| {
-            let n = layers.len().div_ceil(size);
-            (0..n)
-                .map(|i| {
-                    let g = (next, layers.iter().skip(i).step_by(n).copied().collect());
-                    next += 1;
-                    g
-                })
-                .collect()
-        })
-        .collect()
+    for b in order {
+        let layers = &buckets[b];
+        let n = layers.len().div_ceil(size);
+        out[b] = (0..n)
+            .map(|i| {
+                let g = (next, layers.iter().skip(i).step_by(n).copied().collect());
+                next += 1;
+                g
+            })
+            .collect();
+    }
+    out
 }
 
 /// Every region of one TP rank: the attention layers (as `g`, one region per attention kind

@@ -184,6 +184,10 @@ pub struct ModelInfo {
     pub kv: ModelKv,
     /// The split over TP ranks; the run's geometry is one rank's.
     pub tp: TpSplit,
+    /// A hybrid model's `--block-size` when vLLM's rule raised it (the geometry's block size
+    /// is the raised one: [`crate::core::hybrid::hybrid_block_size`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_size_asked: Option<u32>,
 }
 
 /// Most blocks [`default_blocks`] gives (a tiny model's 1 GiB would be millions of blocks,
@@ -546,7 +550,7 @@ impl ModelKv {
         let model_dtype = dtype_of(m, top)?;
         let hybrid = crate::core::hybrid::read(m, model_type.as_deref().unwrap_or(""), num_layers, model_dtype)?;
         let layer_groups = layer_groups(m, num_layers, hybrid.as_ref().map(|(r, _)| r.as_slice()))?;
-        let hybrid = hybrid.map(|(_, h)| h);
+        let hybrid = hybrid.map(|(_, h)| h).filter(HybridKv::any);
         let heads = first_uint(m, &["num_attention_heads", "n_head"])?
             .ok_or_else(|| ModelConfigError::Field("num_attention_heads is not given".into()))?;
         let mla = get(m, "kv_lora_rank").is_some();
@@ -693,6 +697,21 @@ impl ModelKv {
         Ok((g, split))
     }
 
+    /// vLLM's block size for a hybrid model with recurrent state whose attention geometry is
+    /// `g`, when `--block-size` asked for `asked` tokens: `asked` raised to the smallest
+    /// multiple of max(16, MLA 128, `asked`) whose page holds a state slot
+    /// ([`crate::core::hybrid::hybrid_block_size`]); `asked` itself for a model without state.
+    /// Errors: those of the state's TP split.
+    pub fn hybrid_block_size(&self, g: &Geometry, tp: u32, asked: u32) -> Result<u32, ModelConfigError> {
+        match self.hybrid.as_ref().and_then(|h| h.state.as_ref()) {
+            Some(s) => {
+                let per_token = g.kv_parts() as u64 * g.num_kv_heads as u64 * g.head_size as u64 * g.dtype.bytes();
+                Ok(crate::core::hybrid::hybrid_block_size(per_token, s.rank_page_bytes(tp)?, g.mla, asked))
+            }
+            None => Ok(asked),
+        }
+    }
+
     /// Every region of one TP rank whose attention geometry is `g` (after the flags):
     /// [`crate::core::hybrid::rank_regions`] with this model's attention groups. Errors: those
     /// of `rank_regions`.
@@ -737,6 +756,13 @@ pub fn describe(g: &Geometry, model: Option<&ModelInfo>) -> String {
             (false, r) => format!("each KV head replicated on {r} ranks"),
         };
         let _ = writeln!(s, "tp:           {} ({} KV head(s) per rank, {rep})", m.tp.tp, m.tp.kv_heads_per_rank);
+        if let Some(asked) = m.block_size_asked {
+            let _ = writeln!(
+                s,
+                "block size:   {} tokens: --block-size {asked} raised as vLLM raises it, so that an attention page holds a state slot",
+                g.block_size
+            );
+        }
         let dt = name(&m.kv_cache_dtype);
         let _ = writeln!(s, "kv cache:     --kv-cache-dtype {dt}: {} ({} byte(s) per element)", name(&g.dtype), g.dtype.bytes());
         for grp in &m.kv.layer_groups {
