@@ -94,9 +94,10 @@ KVP_FN void kvp_slice_coords(kvp_u32 layout, kvp_u32 num_blocks, kvp_u32 q, kvp_
  * bytes; the last may be shorter, at least 8 elements). Element w = i % 128 of unit
  * u = i / 128 is:
  *   w == 0 : logical block id
- *   w == 1 : layer | kv << 16 | u << 18 | 0x4C << 24   (kvp2_lkvu; kv: 0 K, 1 V, 2 MLA latent)
+ *   w == 1 : layer | kv << 16 | u << 18 | 0x4C << 24   (kvp2_lkvu; kv: 0 K, 1 V, 2 MLA latent,
+ *            3 region row: a state or indexer row, whose layer field is layer | part << 12)
  *   w == 2 : generation
- *   w == 3 : token | head << 16                         (kvp2_pos)
+ *   w == 3 : token | head << 16                         (kvp2_pos; a region row: its global row)
  *   w >= 4 : fmix32(rkey ^ ((i / 4) * 0x9E3779B9)) * M[i % 4]      (kvp2_group, kvp2_mult)
  *            with M = {1, 0x85EBCA6B, 0xC2B2AE35, 0x27D4EB2F}; element 4 of a unit (w == 4,
  *            the first after the tag) is its check word
@@ -121,12 +122,21 @@ KVP_FN void kvp_slice_coords(kvp_u32 layout, kvp_u32 num_blocks, kvp_u32 q, kvp_
 #define KVP2_ORDER_NHD 0u
 #define KVP2_ORDER_HND 1u
 #define KVP2_ORDER_MLA 2u
+/* Region rows (a hybrid model's state and indexer, src/core/hybrid.rs): row r of a slice is the
+ * region's global row token_base + r, its 32-bit position word that number (no token/head). */
+#define KVP2_ORDER_ROWS 3u
+/* The K/V code of a region row; its layer field is kvp2_region_layer(layer, part). */
+#define KVP2_KV_REGION 3u
 
 KVP_FN kvp_u32 kvp2_lkvu(kvp_u32 layer, kvp_u32 kv, kvp_u32 unit) {
     return (layer & 0xFFFFu) | ((kv & 3u) << 16) | ((unit & 0x3Fu) << 18) | (KVP2_MAGIC << 24);
 }
 
 KVP_FN kvp_u32 kvp2_pos(kvp_u32 token, kvp_u32 head) { return (token & 0xFFFFu) | ((head & 0xFFFFu) << 16); }
+
+/* The layer field of a region row: the model layer (12 bits) and the region part (4 bits:
+ * state parts in page order, conv 0 then ssm 1; indexer values 0, scales 1). */
+KVP_FN kvp_u32 kvp2_region_layer(kvp_u32 layer, kvp_u32 part) { return (layer & 0xFFFu) | ((part & 0xFu) << 12); }
 
 KVP_FN kvp_u32 kvp2_row_key(kvp_u32 seed32, kvp_u32 block, kvp_u32 lkv0, kvp_u32 gen, kvp_u32 pos) {
     return kvp_fmix32(seed32 ^ kvp_fmix32(block ^ kvp_fmix32(lkv0 ^ kvp_fmix32(pos ^ kvp_fmix32(gen ^ 0x9E3779B9u)))));
@@ -165,6 +175,17 @@ KVP_FN void kvp2_row_coords(kvp_u32 order, kvp_u32 block_size, kvp_u32 heads, kv
         *t = r;
         *h = 0u;
     }
+}
+
+/* The position word of row r of a slice in `order` whose first token is token_base and first
+ * head head_base: kvp2_pos of the row's (token, head), or for region rows the global row
+ * token_base + r (all 32 bits). */
+KVP_FN kvp_u32 kvp2_row_pos(kvp_u32 order, kvp_u32 block_size, kvp_u32 heads, kvp_u32 token_base, kvp_u32 head_base,
+                            kvp_u32 r) {
+    if (order == KVP2_ORDER_ROWS) return token_base + r;
+    kvp_u32 t, h;
+    kvp2_row_coords(order, block_size, heads, r, &t, &h);
+    return kvp2_pos(token_base + t, head_base + h);
 }
 
 #endif /* KVPROBE_FINGERPRINT_H */

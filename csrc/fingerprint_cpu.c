@@ -71,8 +71,8 @@ uint64_t kvp_cpu_check_poison(const uint8_t *src, uint64_t len, uint32_t slot, u
 /* A block slice's rows: what it must hold and in which order (layout shared with
  * src/core/fingerprint.rs, SliceRows and RowShape). The slice is block_size * heads * row_bytes long. */
 typedef struct {
-    uint32_t block, layer, kv, gen; /* logical block, layer, 0 K / 1 V / 2 latent, generation */
-    uint32_t token_base, head_base; /* the first row's token in the logical block, global head */
+    uint32_t block, layer, kv, gen; /* logical block, layer, 0 K / 1 V / 2 latent / 3 region, generation */
+    uint32_t token_base, head_base; /* the first row's token in the logical block (region: its global row), global head */
     uint32_t order;                 /* KVP2_ORDER_* */
     uint32_t block_size, heads;     /* tokens and heads in this slice (MLA: heads 1) */
     uint32_t row_bytes;             /* head_size * dtype bytes (fingerprint.h, "The rows") */
@@ -93,7 +93,7 @@ static void kvp2_batch(const kvp2_slice *s, kvp_u32 seed32, uint64_t r0, uint64_
     kvp_u32 t, h, lkv0 = kvp2_lkvu(s->layer, s->kv, 0u), g = kvp_fmix32(s->gen ^ 0x9E3779B9u);
     kvp2_row_coords(s->order, s->block_size, s->heads, (kvp_u32)r0, &t, &h);
     for (uint64_t k = 0; k < n; k++) {
-        pos[k] = kvp2_pos(s->token_base + t, s->head_base + h);
+        pos[k] = s->order == KVP2_ORDER_ROWS ? s->token_base + (kvp_u32)(r0 + k) : kvp2_pos(s->token_base + t, s->head_base + h);
         if (s->order == KVP2_ORDER_NHD) {
             if (++h == s->heads) { h = 0; t++; }
         } else if (s->order == KVP2_ORDER_HND) {
@@ -169,15 +169,16 @@ uint64_t kvp2_cpu_verify(const uint8_t *src, uint64_t len, uint64_t seed, const 
 
 /* Checks the tag of the unit starting at byte `off` of `src`, in rows of `row_bytes` (off must
  * be a unit's start: a row's start plus a multiple of 512); on success stores the row and unit
- * it names and returns 1. Valid: element 1's top byte is 0x4C, K/V is 0..2, the unit exists in
- * such a row and the check word (element 4) matches. */
+ * it names and returns 1. Valid: element 1's top byte is 0x4C, the unit exists in such a row
+ * and the check word (element 4) matches (K/V is 0..3: 3 a region row, whose token | head << 16
+ * is its global row). */
 int kvp2_cpu_decode_tag(const uint8_t *src, uint64_t len, uint64_t seed, uint64_t off, uint32_t row_bytes,
                         uint32_t *block, uint32_t *layer, uint32_t *kv, uint32_t *unit, uint32_t *gen, uint32_t *token,
                         uint32_t *head) {
     if (off + 20 > len || row_bytes < 32 || row_bytes % 16) return 0;
     kvp_u32 b = load32(src + off), lkvu = load32(src + off + 4), g = load32(src + off + 8), pos = load32(src + off + 12);
     kvp_u32 k = (lkvu >> 16) & 3u, u = (lkvu >> 18) & 0x3Fu, row_elems = row_bytes / 4u;
-    if ((lkvu >> 24) != KVP2_MAGIC || k > 2u || u * KVP2_UNIT_ELEMS + 4u >= row_elems) return 0;
+    if ((lkvu >> 24) != KVP2_MAGIC || u * KVP2_UNIT_ELEMS + 4u >= row_elems) return 0;
     kvp_u32 lkv0 = lkvu & ~(0x3Fu << 18);
     kvp_u32 rkey = kvp2_row_key(kvp_seed32(seed), b, lkv0, g, pos);
     if (load32(src + off + 16) != kvp2_elem(rkey, b, lkv0, g, pos, u * KVP2_UNIT_ELEMS + 4u)) return 0;

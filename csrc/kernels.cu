@@ -83,9 +83,7 @@ __device__ __forceinline__ unsigned kvp_load_rows(kvp_part_rows *pr, const kvp_r
                                                   unsigned c1) {
     const unsigned r0 = c0 / R.rc, n = (c1 - 1u) / R.rc - r0 + 1u;
     for (unsigned i = threadIdx.x; i < n; i += blockDim.x) {
-        unsigned t, h;
-        kvp2_row_coords(R.order, R.block_size, R.heads, r0 + i, &t, &h);
-        const unsigned pos = kvp2_pos(token_base + t, R.head_base + h);
+        const unsigned pos = kvp2_row_pos(R.order, R.block_size, R.heads, token_base, R.head_base, r0 + i);
         pr->pos[i] = pos;
         pr->key[i] = kvp2_row_key(seed32, blk, lkv0, gen, pos);
     }

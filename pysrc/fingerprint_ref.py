@@ -10,7 +10,9 @@ usage: scripts/fingerprint_ref.py SEED LAYER KV BLOCK GENERATION ORDER BLOCK_SIZ
   The first form prints the SHA-256 of a slice's fingerprint (a failure's expected_digest):
   BLOCK_SIZE x HEADS head rows of ROW_BYTES (head_size x dtype bytes) in ORDER nhd
   ([token][head]), hnd ([head][token]) or mla ([token], HEADS 1), naming tokens TOKEN_BASE..
-  and global heads HEAD_BASE.. . BLOCK, GENERATION and TOKEN_BASE are the *logical* block's
+  and global heads HEAD_BASE.. . ORDER rows (KV region, HEADS 1, HEAD_BASE 0) is a run of
+  BLOCK_SIZE region rows of a hybrid model's state or indexer (docs/fingerprint.md "Region
+  rows"), naming global rows TOKEN_BASE.. (32-bit), LAYER being layer | part << 12. BLOCK, GENERATION and TOKEN_BASE are the *logical* block's
   (a failure's `expected.block`, `expected.generation`, `expected.token_base` or 0, or
   `observed.*`), not the slot `block`; ORDER, BLOCK_SIZE, HEADS and ROW_BYTES follow the
   decode side's geometry, the report's config.decode_geometry when present, else
@@ -24,11 +26,12 @@ usage: scripts/fingerprint_ref.py SEED LAYER KV BLOCK GENERATION ORDER BLOCK_SIZ
   OUT, when given, receives the bytes ("-": standard output, and the digest goes to
   standard error).
 
-  SEED: 0 to 2^64-1.  LAYER: 0 to 65535.  KV: K, V or latent (or 0, 1, 2; latent only with
-  mla, K and V only without).  BLOCK, GENERATION, ITERATION: 0 to 2^32-1.  SLOT: 0 to 2^32-2.
+  SEED: 0 to 2^64-1.  LAYER: 0 to 65535.  KV: K, V, latent or region (or 0, 1, 2, 3; latent
+  only with mla, region only with rows, K and V only with nhd and hnd).  BLOCK, GENERATION, ITERATION: 0 to 2^32-1.  SLOT: 0 to 2^32-2.
   SLICE_BYTES: a multiple of 16 from 16 to 2^31 (the decode geometry's slice_bytes).
   ROW_BYTES: a multiple of 16 from 32 to 32768, not 16 more than a multiple of 512.
-  BLOCK_SIZE, HEADS: from 1; TOKEN_BASE + BLOCK_SIZE and HEAD_BASE + HEADS at most 65536; the
+  BLOCK_SIZE, HEADS: from 1; TOKEN_BASE + BLOCK_SIZE and HEAD_BASE + HEADS at most 65536 (rows:
+  TOKEN_BASE + BLOCK_SIZE at most 2^32); the
   slice at most 2^31 bytes. ORDER mla goes with KV latent, HEADS 1 and HEAD_BASE 0 (one
   latent row per token, head 0).
   NUM_LAYERS: 1 to 65535.  NUM_BLOCKS: 1 to 2^32-1.  Numbers are decimal (leading zeros
@@ -72,7 +75,8 @@ def slice_rows(seed, layer, kv, block, gen, order, block_size, heads, row_bytes,
         if order == "nhd": t, h = r // heads, r % heads
         elif order == "hnd": t, h = r % block_size, r // block_size
         else: t, h = r, 0
-        pos = ((token_base + t) & 0xFFFF) | (((head_base + h) & 0xFFFF) << 16)
+        if order == "rows": pos = (token_base + r) & M  # a region row: its global row
+        else: pos = ((token_base + t) & 0xFFFF) | (((head_base + h) & 0xFFFF) << 16)
         rkey = fmix32(s32 ^ fmix32(block ^ fmix32(lkv0 ^ fmix32(pos ^ fmix32(gen ^ 0x9E3779B9)))))
         for i in range(row_elems):
             u, w = i // 128, i % 128
@@ -119,7 +123,7 @@ def length(text):
 
 
 def kv_code(text, allowed=(0, 1, 2)):
-    names = {"K": 0, "V": 1, "latent": 2, "0": 0, "1": 1, "2": 2}
+    names = {"K": 0, "V": 1, "latent": 2, "region": 3, "0": 0, "1": 1, "2": 2, "3": 3}
     if text not in names or names[text] not in allowed:
         ok = ", ".join(n for n, c in names.items() if c in allowed and not n.isdigit())
         raise Usage("KV must be one of %s (or its code), not %r" % (ok, text))
@@ -160,18 +164,18 @@ def main(a):
         seed = number("SEED", a[0], 0, (1 << 64) - 1)
         layer = number("LAYER", a[1], 0, 0xFFFF)
         order = a[5].lower()
-        if order not in ("nhd", "hnd", "mla"):
-            raise Usage("ORDER must be nhd, hnd or mla, not %r" % a[5])
-        kv = kv_code(a[2], (2,) if order == "mla" else (0, 1))
+        if order not in ("nhd", "hnd", "mla", "rows"):
+            raise Usage("ORDER must be nhd, hnd, mla or rows, not %r" % a[5])
+        kv = kv_code(a[2], (2,) if order == "mla" else (3,) if order == "rows" else (0, 1))
         block = number("BLOCK", a[3], 0, M)
         gen = number("GENERATION", a[4], 0, M)
-        block_size = number("BLOCK_SIZE", a[6], 1, 1 << 16)
-        heads = number("HEADS", a[7], 1, 1 if order == "mla" else 1 << 16)
+        block_size = number("BLOCK_SIZE", a[6], 1, M if order == "rows" else 1 << 16)
+        heads = number("HEADS", a[7], 1, 1 if order in ("mla", "rows") else 1 << 16)
         row_bytes = number("ROW_BYTES", a[8], 32, 32768)
         if row_bytes % 16 or row_bytes % 512 == 16:
             raise Usage("ROW_BYTES must be a multiple of 16 that is not 16 more than a multiple of 512, not %d" % row_bytes)
-        token_base = number("TOKEN_BASE", a[9], 0, (1 << 16) - block_size)
-        head_base = number("HEAD_BASE", a[10], 0, 0 if order == "mla" else (1 << 16) - heads)
+        token_base = number("TOKEN_BASE", a[9], 0, (1 << (32 if order == "rows" else 16)) - block_size)
+        head_base = number("HEAD_BASE", a[10], 0, 0 if order in ("mla", "rows") else (1 << 16) - heads)
         if block_size * heads * row_bytes > MAX_SLICE_BYTES:
             raise Usage("the slice would be more than 2^31 bytes")
         b = slice_rows(seed, layer, kv, block, gen, order, block_size, heads, row_bytes, token_base, head_base)

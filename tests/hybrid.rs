@@ -390,3 +390,100 @@ fn kvprobe_geometry_prints_every_region_and_run_refuses_to_move_them() {
         assert!(err.contains("KDA state (69 layers)") && err.contains("does not move it yet"), "{cmd}: {err}");
     }
 }
+
+/// Region rows (docs/fingerprint.md "Region rows"): a Kimi-K3 KDA state slot on rank 3 of 8,
+/// laid out by hand from the page's parts: the conv's Q, K and V sections (12 288 channels × 3
+/// bf16 each in the whole model, 9216 bytes a rank: 18 rows of 512) and the recurrent state
+/// (96 × 128 × 128 fp32, 786 432 bytes a rank: 1536 rows of 512).
+#[test]
+fn a_state_slot_is_tagged_row_by_row_with_layer_part_and_global_row() {
+    use kvprobe::fingerprint;
+    use kvprobe::geometry::KvPart;
+    use kvprobe::hybrid::{RowRun, region_layer, run_rows};
+    let m = ModelKv::load(&shipped("kimi-k3.json")).unwrap();
+    let s = hybrid(&m).state.clone().unwrap();
+    let runs = s.rank_row_runs(8, 3).unwrap();
+    let run = |part, offset, rows, first_row| RowRun { part, offset, rows, row_bytes: 512, first_row };
+    assert_eq!(
+        runs,
+        vec![
+            run(0, 0, 18, 3 * 18),
+            run(0, 9216, 18, 144 + 3 * 18),
+            run(0, 2 * 9216, 18, 2 * 144 + 3 * 18),
+            run(1, 27_648, 1536, 3 * 1536),
+        ]
+    );
+    // Every rank's runs tile its page exactly, and the ranks' global rows tile the model's.
+    let page = s.rank_page_bytes(8).unwrap();
+    let mut global: Vec<(u32, u32)> = Vec::new();
+    for rank in 0..8 {
+        let runs = s.rank_row_runs(8, rank).unwrap();
+        let mut at = 0;
+        for r in &runs {
+            assert_eq!(r.offset, at);
+            at += r.rows as u64 * r.row_bytes as u64;
+            global.extend((r.first_row..r.first_row + r.rows).map(|g| (r.part, g)));
+        }
+        assert_eq!(at, page);
+    }
+    global.sort();
+    let conv_rows = 3 * 144;
+    let want: Vec<(u32, u32)> = (0..conv_rows).map(|g| (0, g)).chain((0..8 * 1536).map(|g| (1, g))).collect();
+    assert_eq!(global, want, "each global row once across the 8 ranks");
+    // Fill the page; every row's tag names layer 40, its part, request 77, generation 5 and
+    // its global row; the whole page verifies.
+    let (seed, layer, request, generation) = (0xFEED_F00D_u64, 40, 77, 5);
+    let mut bytes = vec![0u8; page as usize];
+    for r in &runs {
+        let rows = run_rows(r, layer, request, generation);
+        rows.validate().unwrap();
+        let span = r.offset as usize..(r.offset + r.rows as u64 * 512) as usize;
+        fingerprint::fill(&mut bytes[span.clone()], seed, &rows);
+        assert_eq!(fingerprint::check(&bytes[span], seed, &rows).0, 0);
+        for i in 0..r.rows {
+            let off = r.offset + i as u64 * 512;
+            let (id, unit) = fingerprint::decode_tag(&bytes, seed, off, 512).expect("a tag");
+            assert_eq!(unit, 0);
+            assert_eq!(
+                (id.slice.layer, id.slice.kv, id.slice.block, id.slice.generation),
+                (region_layer(40, r.part), KvPart::Region, 77, 5)
+            );
+            assert_eq!((id.token, id.head), (r.first_row + i, 0));
+        }
+    }
+    assert_eq!(region_layer(40, 1), 40 | 1 << 12);
+    // The same bytes from the spec re-implemented from the docs, and from the Python reference.
+    let r = runs[1];
+    let spec = crate::fingerprint::spec::rows(seed, region_layer(40, 0), 3, 77, 5, "rows", r.rows, 1, 512, r.first_row, 0);
+    assert_eq!(&bytes[9216..2 * 9216], &spec[..]);
+    let args =
+        ["0xFEEDF00D", "40", "region", "77", "5", "rows", "18", "1", "512", &r.first_row.to_string(), "0"].map(String::from);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (code, out, err) = crate::fingerprint::fingerprint_ref(&args);
+    assert_eq!((code, out.trim()), (0, fingerprint::digest(&bytes[9216..2 * 9216]).as_str()), "{err}");
+}
+
+#[test]
+fn state_sections_follow_each_mixer_and_replicated_groups() {
+    // Mamba2 with one group over 4 ranks: x is split, B and C are whole on every rank (their
+    // global rows the same on every rank); ssm split.
+    let m = ModelKv::parse(&NEMOTRON.replace(r#""n_groups": 8"#, r#""n_groups": 1"#)).unwrap();
+    let s = hybrid(&m).state.clone().unwrap();
+    let a = s.rank_row_runs(4, 1).unwrap();
+    let b = s.rank_row_runs(4, 2).unwrap();
+    assert_eq!(a.len(), 4);
+    // x: 8192 channels × 3 × 2 bytes = 49 152 bytes, 12 288 a rank; B, C: 128 × 3 × 2 = 768 each.
+    assert_eq!(a[0].rows as u64 * a[0].row_bytes as u64, 12_288);
+    assert_eq!(a[1].rows as u64 * a[1].row_bytes as u64, 768);
+    assert_ne!(a[0].first_row, b[0].first_row, "x is split");
+    assert_eq!((a[1].first_row, a[2].first_row), (b[1].first_row, b[2].first_row), "B and C are replicated");
+    assert_eq!(a[3].part, 1);
+    // Indexer: 64 tokens × 128 fp8 bytes (16 rows of 512), then 64 fp32 scales (one row of 256).
+    let v32 = ModelKv::parse(
+        r#"{"model_type": "deepseek_v32", "num_hidden_layers": 2, "num_attention_heads": 8, "kv_lora_rank": 512, "index_topk": 4}"#,
+    )
+    .unwrap();
+    let runs = hybrid(&v32).indexer.as_ref().unwrap().block_row_runs(64).unwrap();
+    let got: Vec<(u32, u64, u32, u32, u32)> = runs.iter().map(|r| (r.part, r.offset, r.rows, r.row_bytes, r.first_row)).collect();
+    assert_eq!(got, vec![(0, 0, 16, 512, 0), (1, 8192, 1, 256, 0)]);
+}

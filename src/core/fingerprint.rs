@@ -112,6 +112,9 @@ pub enum RowOrder {
     Hnd,
     /// `[token]`: row `t` (one latent row per token).
     Mla,
+    /// Region rows (a hybrid model's state and indexer): row `r` is the region's global row
+    /// `token_base + r`, its position word that 32-bit number.
+    Rows,
 }
 
 impl RowOrder {
@@ -130,6 +133,7 @@ impl RowOrder {
             RowOrder::Nhd => 0,
             RowOrder::Hnd => 1,
             RowOrder::Mla => 2,
+            RowOrder::Rows => 3,
         }
     }
 }
@@ -204,13 +208,23 @@ impl RowShape {
         if self.block_size == 0 || self.heads == 0 {
             return bad("a slice needs at least one token and one head".into());
         }
-        if self.order == RowOrder::Mla && (self.heads != 1 || self.head_base != 0) {
+        if self.order == RowOrder::Rows {
+            if self.heads != 1 || self.head_base != 0 {
+                return bad(format!(
+                    "region rows have one position per row, not {} heads from head {}",
+                    self.heads, self.head_base
+                ));
+            }
+            if max_token_base as u64 + self.block_size as u64 > 1u64 << 32 {
+                return bad(format!("region rows {max_token_base}.. of {} exceed the 32-bit row number", self.block_size));
+            }
+        } else if self.order == RowOrder::Mla && (self.heads != 1 || self.head_base != 0) {
             return bad(format!(
                 "an MLA slice has one latent row per token, head 0 (every TP rank holds the whole latent), not {} heads from head {}",
                 self.heads, self.head_base
             ));
         }
-        if max_token_base as u64 + self.block_size as u64 > MAX_POSITION as u64 {
+        if self.order != RowOrder::Rows && max_token_base as u64 + self.block_size as u64 > MAX_POSITION as u64 {
             return bad(format!(
                 "tokens {}..{} exceed the fingerprint's 16-bit token ({MAX_POSITION} per block at most)",
                 max_token_base,
@@ -244,7 +258,7 @@ impl RowShape {
         match self.order {
             RowOrder::Nhd => (r / self.heads, r % self.heads),
             RowOrder::Hnd => (r % self.block_size, r / self.block_size),
-            RowOrder::Mla => (r, 0),
+            RowOrder::Mla | RowOrder::Rows => (r, 0),
         }
     }
 
@@ -479,7 +493,12 @@ pub fn decode_tag(src: &[u8], seed: u64, off: u64, row_bytes: u32) -> Option<(Ro
     if ok == 0 {
         return None;
     }
-    let slice = BlockIdentity::new(layer, KvPart::from_code(kv)?, block, generation);
+    let kv = KvPart::from_code(kv)?;
+    let slice = BlockIdentity::new(layer, kv, block, generation);
+    if kv == KvPart::Region {
+        // A region row's position word is its global row.
+        return Some((RowIdentity { slice, token: token | head << 16, head: 0 }, unit));
+    }
     Some((RowIdentity { slice, token, head }, unit))
 }
 

@@ -64,15 +64,20 @@ pub enum KvPart {
     /// The MLA latent (one per layer instead of K and V).
     #[serde(rename = "latent")]
     Latent,
+    /// A row of a hybrid model's other regions (recurrent state, indexer K cache): its layer
+    /// field holds `layer | part << 12` ([`crate::core::hybrid`]).
+    #[serde(rename = "region")]
+    Region,
 }
 
 impl KvPart {
-    /// Code used by the fingerprint (0 = K, 1 = V, 2 = latent).
+    /// Code used by the fingerprint (0 = K, 1 = V, 2 = latent, 3 = region row).
     pub fn code(self) -> u32 {
         match self {
             KvPart::K => 0,
             KvPart::V => 1,
             KvPart::Latent => 2,
+            KvPart::Region => 3,
         }
     }
 
@@ -82,6 +87,7 @@ impl KvPart {
             0 => Some(KvPart::K),
             1 => Some(KvPart::V),
             2 => Some(KvPart::Latent),
+            3 => Some(KvPart::Region),
             _ => None,
         }
     }
@@ -93,6 +99,7 @@ impl fmt::Display for KvPart {
             KvPart::K => "K",
             KvPart::V => "V",
             KvPart::Latent => "latent",
+            KvPart::Region => "region",
         })
     }
 }

@@ -791,3 +791,152 @@ pub fn rank_regions(g: &Geometry, attention: &[(String, Vec<u32>)], hy: &HybridK
     }
     Ok(out)
 }
+
+/// One run of region rows in a page (a state slot or an indexer block of one layer, one TP
+/// rank): `rows` rows of `row_bytes` from byte `offset`, naming the region's global rows
+/// `first_row ..` of part `part`. The fingerprint of region rows (docs/fingerprint.md "Region
+/// rows") tags each with `layer | part << 12`, K/V code 3 and its global row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RowRun {
+    /// The part (state: conv 0, then ssm 1; indexer: values 0, scales 1).
+    pub part: u32,
+    /// Byte offset in the page.
+    pub offset: u64,
+    /// Rows in the run.
+    pub rows: u32,
+    /// Bytes per row (a valid fingerprint row, at most 512).
+    pub row_bytes: u32,
+    /// Global row of the run's first row: its place in the part of the whole model (before
+    /// TP splits it), counted in rows of `row_bytes`.
+    pub first_row: u32,
+}
+
+/// A contiguous section of a part: its bytes in the whole model, and whether TP splits it
+/// (rank `t` holding the `t`-th of `tp` equal chunks) or every rank holds all of it.
+struct Section {
+    global_bytes: u64,
+    split: bool,
+}
+
+/// The longest valid region row (a multiple of 16 from 32 to 512) dividing `bytes`.
+fn row_bytes_for(bytes: u64) -> Option<u32> {
+    (2..=32u32).rev().map(|k| k * 16).find(|r| bytes.is_multiple_of(*r as u64))
+}
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 { a } else { gcd(b, a % b) }
+}
+
+/// Lays out the runs of `parts` (each a list of sections) on rank `rank` of `tp`.
+fn runs_of(parts: &[(&str, Vec<Section>)], tp: u32, rank: u32) -> Result<Vec<RowRun>, HybridError> {
+    let mut out = Vec::new();
+    let mut offset = 0u64;
+    for (p, (name, sections)) in parts.iter().enumerate() {
+        let chunk = |s: &Section| if s.split { s.global_bytes / tp as u64 } else { s.global_bytes };
+        let g = sections.iter().fold(0, |g, s| gcd(g, gcd(chunk(s), s.global_bytes)));
+        let r = row_bytes_for(g).ok_or_else(|| {
+            HybridError::Unsupported(format!(
+                "the {name} state's sections on each of {tp} rank(s) are not multiples of 32 bytes: the fingerprint cannot cut them into rows"
+            ))
+        })? as u64;
+        let mut base = 0u64;
+        for s in sections {
+            let c = chunk(s);
+            let first = base + if s.split { rank as u64 * c / r } else { 0 };
+            let rows = c / r;
+            if first + rows > 1 << 32 {
+                return Err(HybridError::Unsupported(format!(
+                    "the {name} state has more than 2^32 rows of {r} bytes (the fingerprint's row number is 32-bit)"
+                )));
+            }
+            out.push(RowRun { part: p as u32, offset, rows: rows as u32, row_bytes: r as u32, first_row: first as u32 });
+            offset += c;
+            base += s.global_bytes / r;
+        }
+    }
+    Ok(out)
+}
+
+impl StateModel {
+    /// The row runs of one state slot of rank `rank` of `tp` (parts as
+    /// [`StateModel::rank_parts`]; each conv sub-projection — x|B|C, Q|K|V — a section of its
+    /// own, dim-first, split over TP or, for Mamba2's one group under `tp` > 1, whole on every
+    /// rank; the ssm state one section split over TP). Errors: those of `rank_parts`, and a
+    /// section the fingerprint cannot cut into rows of 32 to 512 bytes.
+    pub fn rank_row_runs(&self, tp: u32, rank: u32) -> Result<Vec<RowRun>, HybridError> {
+        let parts = self.rank_parts(tp)?;
+        let (ce, se) = (self.conv_dtype.bytes(), self.ssm_dtype.bytes());
+        let conv = |channels: u64, k: u32, split: bool| Section { global_bytes: channels * (k as u64 - 1) * ce, split };
+        let whole = |bytes: u64| Section { global_bytes: bytes, split: true };
+        let sections: Vec<(&str, Vec<Section>)> = match self.mixer {
+            StateMixer::Mamba1 { intermediate: i, d_state, conv_kernel: k } => {
+                vec![("conv", vec![conv(i as u64, k, true)]), ("ssm", vec![whole(i as u64 * d_state as u64 * se)])]
+            }
+            StateMixer::Mamba2 { num_heads, head_dim, d_state, n_groups, conv_kernel: k } => {
+                let x = num_heads as u64 * head_dim as u64;
+                let split_groups = n_groups.is_multiple_of(tp);
+                let bc = n_groups as u64 * d_state as u64;
+                vec![
+                    ("conv", vec![conv(x, k, true), conv(bc, k, split_groups), conv(bc, k, split_groups)]),
+                    ("ssm", vec![whole(x * d_state as u64 * se)]),
+                ]
+            }
+            StateMixer::GatedDeltaNet { key_heads, key_head_dim, value_heads, value_head_dim, conv_kernel: k } => {
+                let (kd, vd) = (key_heads as u64 * key_head_dim as u64, value_heads as u64 * value_head_dim as u64);
+                vec![
+                    ("conv", vec![conv(kd, k, true), conv(kd, k, true), conv(vd, k, true)]),
+                    ("temporal", vec![whole(vd * key_head_dim as u64 * se)]),
+                ]
+            }
+            StateMixer::Kda { heads, head_dim, conv_kernel: k } => {
+                let d = heads as u64 * head_dim as u64;
+                vec![
+                    ("conv", vec![conv(d, k, true), conv(d, k, true), conv(d, k, true)]),
+                    ("recurrent", vec![whole(d * head_dim as u64 * se)]),
+                ]
+            }
+        };
+        let runs = runs_of(&sections, tp, rank)?;
+        debug_assert_eq!(
+            runs.iter().map(|r| r.rows as u64 * r.row_bytes as u64).sum::<u64>(),
+            parts.iter().map(|p| p.bytes).sum::<u64>()
+        );
+        Ok(runs)
+    }
+}
+
+impl IndexerModel {
+    /// The row runs of one indexer block of `block_size` tokens (whole on every rank): the
+    /// values (`block_size × head_dim` fp8 bytes, part 0), then the scales (`block_size ×
+    /// head_dim / 128` fp32, part 1). Errors: a part the fingerprint cannot cut into rows.
+    pub fn block_row_runs(&self, block_size: u32) -> Result<Vec<RowRun>, HybridError> {
+        let b = block_size as u64;
+        let parts = [
+            ("indexer values", vec![Section { global_bytes: b * self.head_dim as u64, split: false }]),
+            ("indexer scales", vec![Section { global_bytes: b * (self.head_dim as u64 / 128) * 4, split: false }]),
+        ];
+        runs_of(&parts, 1, 0)
+    }
+}
+
+/// The fingerprint rows of one run: what a region row names (`layer`, the run's part, the
+/// logical id `id` — a request's state or a logical block — and `generation`).
+pub fn run_rows(run: &RowRun, layer: u32, id: u32, generation: u32) -> crate::core::fingerprint::SliceRows {
+    use crate::core::fingerprint::{BlockIdentity, RowOrder, RowShape, SliceRows};
+    SliceRows {
+        slice: BlockIdentity {
+            layer: region_layer(layer, run.part),
+            kv: crate::core::geometry::KvPart::Region,
+            block: id,
+            generation,
+            token_base: run.first_row,
+        },
+        shape: RowShape { order: RowOrder::Rows, block_size: run.rows, heads: 1, head_base: 0, row_bytes: run.row_bytes },
+    }
+}
+
+/// The layer field of a region row: `layer | part << 12` (layer below 4096, part below 16;
+/// `kvp2_region_layer` in csrc/fingerprint.h).
+pub fn region_layer(layer: u32, part: u32) -> u32 {
+    (layer & 0xFFF) | (part & 0xF) << 12
+}

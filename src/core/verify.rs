@@ -409,13 +409,13 @@ fn displacement(wrong: &[(u32, RowIdentity)], due: &SliceRows) -> Option<Displac
             order: match due.shape.order {
                 RowOrder::Nhd => RowOrder::Hnd,
                 RowOrder::Hnd => RowOrder::Nhd,
-                RowOrder::Mla => RowOrder::Mla,
+                o @ (RowOrder::Mla | RowOrder::Rows) => o,
             },
             ..due.shape
         },
         ..*due
     };
-    if due.shape.order != RowOrder::Mla && wrong.iter().all(|(r, id)| other.row(*r) == *id) {
+    if !matches!(due.shape.order, RowOrder::Mla | RowOrder::Rows) && wrong.iter().all(|(r, id)| other.row(*r) == *id) {
         return Some(Displacement::Transposed);
     }
     let d = |(r, id): &(u32, RowIdentity)| {

@@ -542,6 +542,7 @@ fn fingerprint_command(seed: u64, id: &crate::core::fingerprint::BlockIdentity, 
         RowOrder::Nhd => "nhd",
         RowOrder::Hnd => "hnd",
         RowOrder::Mla => "mla",
+        RowOrder::Rows => "rows",
     };
     format!(
         "mkdir -p {dir} && python3 scripts/fingerprint_ref.py {} {} {} {} {} {order} {} {} {} {} {} {out}",

@@ -422,7 +422,7 @@ pub fn torn_slice_bytes(r: &serde_json::Value, f: &serde_json::Value, torn_bytes
     let pos = |o: RowOrder, block: u64, t: u64, h: u64| match o {
         RowOrder::Nhd => t * heads + h,
         RowOrder::Hnd => h * block + t,
-        RowOrder::Mla => t,
+        RowOrder::Mla | RowOrder::Rows => t,
     };
     let expected: BlockIdentity = serde_json::from_value(f["expected"].clone()).unwrap();
     let shape = RowShape { order: ld, block_size: bd as u32, heads: heads as u32, head_base: 0, row_bytes: rb as u32 };

@@ -97,7 +97,7 @@ pub fn row_position(order: RowOrder, block: u32, heads: u32, t: u32, h: u32) -> 
     match order {
         RowOrder::Nhd => t as u64 * heads as u64 + h as u64,
         RowOrder::Hnd => h as u64 * block as u64 + t as u64,
-        RowOrder::Mla => t as u64,
+        RowOrder::Mla | RowOrder::Rows => t as u64,
     }
 }
 
