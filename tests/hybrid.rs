@@ -487,3 +487,34 @@ fn state_sections_follow_each_mixer_and_replicated_groups() {
     let got: Vec<(u32, u64, u32, u32, u32)> = runs.iter().map(|r| (r.part, r.offset, r.rows, r.row_bytes, r.first_row)).collect();
     assert_eq!(got, vec![(0, 0, 16, 512, 0), (1, 8192, 1, 256, 0)]);
 }
+
+/// Issue 36 item 4 (the classes, on region rows): another request's state is `misplaced`, an
+/// older generation `stale`, a slot nothing reached `unwritten`, another rank's chunk of the
+/// right state `layout` (its rows at the wrong global place), a flipped bit `bitflip`.
+#[test]
+fn region_rows_classify_like_block_rows() {
+    use kvprobe::fingerprint;
+    use kvprobe::hybrid::run_rows;
+    use kvprobe::verify::{Class, classify};
+    let m = ModelKv::load(&shipped("kimi-k3.json")).unwrap();
+    let s = hybrid(&m).state.clone().unwrap();
+    let (seed, slot, iteration) = (9u64, 123u32, 4u32);
+    let mine = s.rank_row_runs(8, 3).unwrap()[3]; // rank 3's recurrent rows
+    let due = run_rows(&mine, 40, 77, 5);
+    let arrived = |r: &kvprobe::fingerprint::SliceRows| fingerprint::expected(seed, r);
+    let v = classify(&arrived(&run_rows(&mine, 40, 78, 5)), &due, seed, slot, iteration);
+    assert_eq!((v.class, v.observed.map(|o| o.block)), (Class::Misplaced, Some(78)));
+    let v = classify(&arrived(&run_rows(&mine, 40, 77, 4)), &due, seed, slot, iteration);
+    assert_eq!((v.class, v.observed.map(|o| o.generation)), (Class::Stale, Some(4)));
+    let v = classify(&arrived(&run_rows(&mine, 41, 77, 5)), &due, seed, slot, iteration);
+    assert_eq!(v.class, Class::Misplaced, "another layer's state");
+    let mut poison = vec![0u8; due.len() as usize];
+    fingerprint::poison(&mut poison, slot, iteration);
+    assert_eq!(classify(&poison, &due, seed, slot, iteration).class, Class::Unwritten);
+    let theirs = s.rank_row_runs(8, 2).unwrap()[3];
+    let v = classify(&arrived(&run_rows(&theirs, 40, 77, 5)), &due, seed, slot, iteration);
+    assert_eq!(v.class, Class::Layout, "rank 2's chunk where rank 3's is due: {v:?}");
+    let mut flipped = arrived(&due);
+    flipped[1000] ^= 0x10;
+    assert_eq!(classify(&flipped, &due, seed, slot, iteration).class, Class::Bitflip);
+}
