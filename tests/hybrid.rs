@@ -518,3 +518,25 @@ fn region_rows_classify_like_block_rows() {
     flipped[1000] ^= 0x10;
     assert_eq!(classify(&flipped, &due, seed, slot, iteration).class, Class::Bitflip);
 }
+
+/// Unequal TP: prefill at TP 2 and decode at TP 8 cut rows for TP 8, and decode ranks 4..7
+/// hold exactly prefill rank 1's global rows (the same (part, row) names the same bytes).
+#[test]
+fn region_rows_agree_between_unequal_tp_sizes() {
+    let m = ModelKv::parse(NEMOTRON).unwrap(); // n_groups 8: B and C split too
+    let s = hybrid(&m).state.clone().unwrap();
+    let rows = |tp: u32, rank: u32| -> Vec<(u32, u32, u32)> {
+        let mut v: Vec<(u32, u32, u32)> = s
+            .rank_row_runs_with(tp, rank, 8)
+            .unwrap()
+            .iter()
+            .flat_map(|r| (r.first_row..r.first_row + r.rows).map(move |g| (r.part, g, r.row_bytes)))
+            .collect();
+        v.sort();
+        v
+    };
+    let mut decode: Vec<(u32, u32, u32)> = (4..8).flat_map(|d| rows(8, d)).collect();
+    decode.sort();
+    assert_eq!(decode, rows(2, 1));
+    assert!(s.rank_row_runs_with(2, 0, 16).is_err(), "n_groups 8 over 16 ranks is refused");
+}

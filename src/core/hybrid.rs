@@ -827,13 +827,15 @@ fn gcd(a: u64, b: u64) -> u64 {
     if b == 0 { a } else { gcd(b, a % b) }
 }
 
-/// Lays out the runs of `parts` (each a list of sections) on rank `rank` of `tp`.
-fn runs_of(parts: &[(&str, Vec<Section>)], tp: u32, rank: u32) -> Result<Vec<RowRun>, HybridError> {
+/// Lays out the runs of `parts` (each a list of sections) on rank `rank` of `tp`, in rows that
+/// also divide the chunks of `row_tp` ranks.
+fn runs_of(parts: &[(&str, Vec<Section>)], tp: u32, rank: u32, row_tp: u32) -> Result<Vec<RowRun>, HybridError> {
     let mut out = Vec::new();
     let mut offset = 0u64;
     for (p, (name, sections)) in parts.iter().enumerate() {
-        let chunk = |s: &Section| if s.split { s.global_bytes / tp as u64 } else { s.global_bytes };
-        let g = sections.iter().fold(0, |g, s| gcd(g, gcd(chunk(s), s.global_bytes)));
+        let chunk_at = |s: &Section, n: u32| if s.split { s.global_bytes / n as u64 } else { s.global_bytes };
+        let chunk = |s: &Section| chunk_at(s, tp);
+        let g = sections.iter().fold(0, |g, s| gcd(g, gcd(gcd(chunk(s), chunk_at(s, row_tp.max(1))), s.global_bytes)));
         let r = row_bytes_for(g).ok_or_else(|| {
             HybridError::Unsupported(format!(
                 "the {name} state's sections on each of {tp} rank(s) are not multiples of 32 bytes: the fingerprint cannot cut them into rows"
@@ -864,6 +866,15 @@ impl StateModel {
     /// rank; the ssm state one section split over TP). Errors: those of `rank_parts`, and a
     /// section the fingerprint cannot cut into rows of 32 to 512 bytes.
     pub fn rank_row_runs(&self, tp: u32, rank: u32) -> Result<Vec<RowRun>, HybridError> {
+        self.rank_row_runs_with(tp, rank, tp)
+    }
+
+    /// As [`StateModel::rank_row_runs`], in rows that also divide the chunks of `row_tp`
+    /// ranks: prefill and decode at different TP sizes both cut rows for the larger one, so
+    /// that global rows name the same bytes on both sides (`row_tp` a multiple of `tp` or a
+    /// divisor; its split checked as `rank_parts` checks `tp`'s).
+    pub fn rank_row_runs_with(&self, tp: u32, rank: u32, row_tp: u32) -> Result<Vec<RowRun>, HybridError> {
+        self.rank_parts(row_tp)?;
         let parts = self.rank_parts(tp)?;
         let (ce, se) = (self.conv_dtype.bytes(), self.ssm_dtype.bytes());
         let conv = |channels: u64, k: u32, split: bool| Section { global_bytes: channels * (k as u64 - 1) * ce, split };
@@ -896,7 +907,7 @@ impl StateModel {
                 ]
             }
         };
-        let runs = runs_of(&sections, tp, rank)?;
+        let runs = runs_of(&sections, tp, rank, row_tp)?;
         debug_assert_eq!(
             runs.iter().map(|r| r.rows as u64 * r.row_bytes as u64).sum::<u64>(),
             parts.iter().map(|p| p.bytes).sum::<u64>()
@@ -915,7 +926,7 @@ impl IndexerModel {
             ("indexer values", vec![Section { global_bytes: b * self.head_dim as u64, split: false }]),
             ("indexer scales", vec![Section { global_bytes: b * (self.head_dim as u64 / 128) * 4, split: false }]),
         ];
-        runs_of(&parts, 1, 0)
+        runs_of(&parts, 1, 0, 1)
     }
 }
 
