@@ -363,6 +363,8 @@ fn kvprobe_geometry_prints_every_region_and_run_refuses_to_move_them() {
         "conv (4608, 3) bf16 27648 bytes + recurrent (12, 128, 128) fp32 786432 bytes = 814080 bytes",
         "page stride:  884736 bytes (padded to the attention page)",
         "block size 768 tokens",
+        // NixlConnector's descriptors of a slot: each conv sub-projection, then the recurrent state.
+        "nixl descriptors per layer and request slot: conv q 9216 at 0, conv k 9216 at 9216, conv v 9216 at 18432, recurrent 786432 at 27648",
     ] {
         assert!(out.contains(want), "{want}\n{out}");
     }
@@ -478,6 +480,12 @@ fn state_sections_follow_each_mixer_and_replicated_groups() {
     assert_ne!(a[0].first_row, b[0].first_row, "x is split");
     assert_eq!((a[1].first_row, a[2].first_row), (b[1].first_row, b[2].first_row), "B and C are replicated");
     assert_eq!(a[3].part, 1);
+    // vLLM's _build_mamba_local: x, B, C, then the ssm state right after the conv bytes.
+    let r = regions(&m, 4);
+    let d: Vec<(&str, u64, u64)> = r[1].descriptors.iter().map(|d| (d.name.as_str(), d.offset, d.bytes)).collect();
+    let ssm = 128 / 4 * 64 * 128 * 4;
+    assert_eq!(d, vec![("conv x", 0, 12_288), ("conv B", 12_288, 768), ("conv C", 13_056, 768), ("ssm", 13_824, ssm)]);
+    assert_eq!(r[0].descriptors.len(), 1, "an attention page moves whole");
     // Indexer: 64 tokens × 128 fp8 bytes (16 rows of 512), then 64 fp32 scales (one row of 256).
     let v32 = ModelKv::parse(
         r#"{"model_type": "deepseek_v32", "num_hidden_layers": 2, "num_attention_heads": 8, "kv_lora_rank": 512, "index_topk": 4}"#,

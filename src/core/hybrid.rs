@@ -556,6 +556,22 @@ pub struct Region {
     pub page_stride_bytes: u64,
     /// Whole on every TP rank (MLA, the indexer) rather than split.
     pub replicated: bool,
+    /// The NIXL descriptors of one page (per layer and block or slot), as vLLM 0.34's
+    /// NixlConnector builds them: an attention or indexer page whole (`_build_fa_local`); a
+    /// state slot as one descriptor per conv sub-projection, then the ssm state, the padding
+    /// left out (`_build_mamba_local`).
+    pub descriptors: Vec<RegionDescriptor>,
+}
+
+/// One NIXL descriptor of a page: `bytes` from byte `offset` of the page.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegionDescriptor {
+    /// What it moves (`page`, `conv x`, `conv B`, `conv q`, ..., `ssm`, `recurrent`).
+    pub name: String,
+    /// Byte offset in the page.
+    pub offset: u64,
+    /// Bytes.
+    pub bytes: u64,
 }
 
 fn part(name: &str, shape: Vec<u64>, dtype: &str, elem: u64) -> RegionPart {
@@ -657,6 +673,17 @@ impl StateModel {
         Ok(self.rank_parts(tp)?.iter().map(|p| p.bytes).sum())
     }
 
+    /// Names of the sections of a slot, in page order ([`StateModel::rank_row_runs`]: one
+    /// run each): the conv sub-projections, then the ssm state.
+    pub fn section_names(&self) -> Vec<&'static str> {
+        match self.mixer {
+            StateMixer::Mamba1 { .. } => vec!["conv x", "ssm"],
+            StateMixer::Mamba2 { .. } => vec!["conv x", "conv B", "conv C", "ssm"],
+            StateMixer::GatedDeltaNet { .. } => vec!["conv q", "conv k", "conv v", "temporal"],
+            StateMixer::Kda { .. } => vec!["conv q", "conv k", "conv v", "recurrent"],
+        }
+    }
+
     /// Human name of the region (`KDA state`, ...).
     pub fn region_name(&self) -> String {
         match self.mixer {
@@ -754,6 +781,7 @@ pub fn rank_regions(g: &Geometry, attention: &[(String, Vec<u32>)], hy: &HybridK
             page_bytes: attn_page,
             page_stride_bytes: attn_page,
             replicated: g.mla,
+            descriptors: vec![RegionDescriptor { name: "page".into(), offset: 0, bytes: attn_page }],
         });
     }
     if let Some((s, page)) = state {
@@ -767,6 +795,16 @@ pub fn rank_regions(g: &Geometry, attention: &[(String, Vec<u32>)], hy: &HybridK
             page_bytes: page,
             page_stride_bytes: if attention.is_empty() { page } else { attn_page },
             replicated: false,
+            descriptors: s
+                .rank_row_runs(tp, 0)?
+                .iter()
+                .zip(s.section_names())
+                .map(|(r, name)| RegionDescriptor {
+                    name: name.into(),
+                    offset: r.offset,
+                    bytes: r.rows as u64 * r.row_bytes as u64,
+                })
+                .collect(),
         });
     }
     if let Some(ix) = &hy.indexer {
@@ -787,6 +825,7 @@ pub fn rank_regions(g: &Geometry, attention: &[(String, Vec<u32>)], hy: &HybridK
             page_bytes: page,
             page_stride_bytes: page,
             replicated: true,
+            descriptors: vec![RegionDescriptor { name: "page".into(), offset: 0, bytes: page }],
         });
     }
     Ok(out)

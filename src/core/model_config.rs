@@ -834,6 +834,10 @@ pub fn describe_region(r: &Region) -> String {
     } else {
         let _ = writeln!(s, "  page {unit}: {} = {} bytes", parts.join(" + "), r.page_bytes);
     }
+    if r.descriptors.len() > 1 {
+        let d: Vec<String> = r.descriptors.iter().map(|d| format!("{} {} at {}", d.name, d.bytes, d.offset)).collect();
+        let _ = writeln!(s, "  nixl descriptors {unit}: {} (bytes at page offset)", d.join(", "));
+    }
     if r.page_stride_bytes != r.page_bytes {
         let _ = writeln!(s, "  page stride:  {} bytes (padded to the attention page)", r.page_stride_bytes);
     }
