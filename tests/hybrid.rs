@@ -283,6 +283,10 @@ fn malformed_hybrid_configs_name_the_field() {
         (kimi(r#"{"kda_layers": [1], "num_heads": 8, "head_dim": 128, "short_conv_kernel_size": 1}"#), "kernel − 1"),
         (kimi(r#"{"kda_layers": [], "num_heads": 8, "head_dim": 128, "short_conv_kernel_size": 4}"#), "names none"),
         (kimi("3"), "linear_attn_config must be an object"),
+        (
+            kimi(r#"{"kda_layers": [1], "num_heads": 4294967295, "head_dim": 4294967295, "short_conv_kernel_size": 4}"#),
+            "from 1 to 1048576",
+        ),
         (NEMOTRON.replace("M-M*ME-*", "M-M*ME-"), "7 characters for 8 layers"),
         (NEMOTRON.replace("M-M*ME-*", "M-M*MX-*"), "'X'"),
         (NEMOTRON.replace(r#""ssm_state_size": 128,"#, ""), "ssm_state_size is not given"),
@@ -349,6 +353,18 @@ fn state_dtypes_follow_vllms_flags_and_only_the_configs_vllm_reads() {
     let m = ModelKv::parse(micro).unwrap();
     assert!(m.hybrid.is_none());
     assert_eq!(m.attention_layers(), 2);
+}
+
+#[test]
+fn a_state_slot_larger_than_any_attention_block_is_refused_not_wrapped() {
+    // 65 536 heads of 1024 × 1024 fp32: a 2^38-byte slot; an MLA page of 1152 bytes a token
+    // would need 2^38 / 1152 tokens, past the fingerprint's 65 536 a block.
+    let text = r#"{"model_type": "kimi_linear", "num_hidden_layers": 2, "num_attention_heads": 8, "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64, "linear_attn_config": {"kda_layers": [1], "num_heads": 65536, "head_dim": 1024,
+        "short_conv_kernel_size": 4}}"#;
+    let m = ModelKv::parse(text).unwrap();
+    let e = m.rank_geometry(1, KvCacheDtype::Auto).unwrap_err().to_string();
+    assert!(e.contains("more than the fingerprint's 65536"), "{e}");
 }
 
 #[test]

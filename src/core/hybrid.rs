@@ -209,12 +209,16 @@ fn need(m: &Map<String, Value>, key: &str, why: &str) -> Result<u32, HybridError
     opt(m, key)?.ok_or_else(|| HybridError::Field(format!("{why}, but {key} is not given")))
 }
 
+/// Most a state dimension may be (heads, head sizes, state sizes, hidden size: 2^20), so that
+/// every page size is computed exactly in 64 bits; real models stay far below it.
+pub const MAX_STATE_DIM: u32 = 1 << 20;
+
 fn opt(m: &Map<String, Value>, key: &str) -> Result<Option<u32>, HybridError> {
     match get(m, key) {
         None => Ok(None),
         Some(v) => match v.as_u64() {
-            Some(n) if n >= 1 && n <= u32::MAX as u64 => Ok(Some(n as u32)),
-            _ => Err(HybridError::Field(format!("{key} must be an integer from 1 to {}, not {v}", u32::MAX))),
+            Some(n) if n >= 1 && n <= MAX_STATE_DIM as u64 => Ok(Some(n as u32)),
+            _ => Err(HybridError::Field(format!("{key} must be an integer from 1 to {MAX_STATE_DIM}, not {v}"))),
         },
     }
 }
@@ -417,8 +421,11 @@ pub(crate) fn read(
                         "mamba_expand × hidden_size = {inner} is not a multiple of mamba_n_heads {n_heads} (mamba_d_head auto)"
                     )));
                 }
-                u32::try_from(inner / n_heads as u64)
-                    .map_err(|_| HybridError::Field("mamba_expand × hidden_size overflows".into()))?
+                u32::try_from(inner / n_heads as u64).ok().filter(|&d| d <= MAX_STATE_DIM).ok_or_else(|| {
+                    HybridError::Field(format!(
+                        "mamba_d_head auto (mamba_expand × hidden_size / mamba_n_heads) exceeds {MAX_STATE_DIM}"
+                    ))
+                })?
             }
         };
         mixer = Some((
@@ -452,8 +459,9 @@ pub(crate) fn read(
         let inner = opt(m, "mamba_expand")?.unwrap_or(2) as u64 * need(m, "hidden_size", why)? as u64;
         mixer = Some((
             StateMixer::Mamba1 {
-                intermediate: u32::try_from(inner)
-                    .map_err(|_| HybridError::Field("mamba_expand × hidden_size overflows".into()))?,
+                intermediate: u32::try_from(inner).ok().filter(|&i| i <= 1 << 24).ok_or_else(|| {
+                    HybridError::Field(format!("mamba_expand × hidden_size = {inner} exceeds 2^24 (the Mamba inner width)"))
+                })?,
                 d_state: opt(m, "mamba_d_state")?.unwrap_or(16),
                 conv_kernel: opt(m, "mamba_d_conv")?.unwrap_or(4),
             },

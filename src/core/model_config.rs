@@ -691,7 +691,16 @@ impl ModelKv {
         };
         if let Some(s) = self.hybrid.as_ref().and_then(|h| h.state.as_ref()) {
             let per_token = g.kv_parts() as u64 * g.num_kv_heads as u64 * g.head_size as u64 * g.dtype.bytes();
-            g.block_size = crate::core::hybrid::hybrid_block_size(per_token, s.rank_page_bytes(tp)?, g.mla, g.block_size);
+            let page = s.rank_page_bytes(tp)?;
+            g.block_size = crate::core::hybrid::hybrid_block_size(per_token, page, g.mla, g.block_size);
+            if g.block_size > crate::core::geometry::MAX_POSITION {
+                return Err(ModelConfigError::Unsupported(format!(
+                    "a {} slot is {page} bytes per layer on each of {tp} rank(s): an attention page that holds it takes {} tokens a block, more than the fingerprint's {} (a larger --tp splits the state)",
+                    s.region_name(),
+                    g.block_size,
+                    crate::core::geometry::MAX_POSITION
+                )));
+            }
         }
         g.num_blocks = default_blocks(&g);
         Ok((g, split))
