@@ -29,6 +29,7 @@ mod pair;
 mod peer_auth;
 mod rdma;
 mod redact;
+mod regions;
 mod scenario;
 mod setup;
 mod stray;

@@ -126,26 +126,25 @@ impl GeometryArgs {
     /// cannot be read or gives no geometry ([`kvprobe::model_config::ModelConfigError`]).
     pub(crate) fn resolve(&self) -> Result<(kvprobe::geometry::Geometry, Option<kvprobe::model_config::ModelInfo>), Error> {
         let (g, model) = self.resolve_any()?;
-        if let Some(h) = model.as_ref().and_then(|m| m.kv.hybrid.as_ref()).filter(|h| h.any()) {
-            let mut what = Vec::new();
-            if let Some(s) = &h.state {
-                what.push(format!("its {} ({} layers)", s.region_name(), s.layers.len()));
-            }
-            if let Some(i) = &h.indexer {
-                what.push(format!("its sparse-attention indexer K cache ({} layers)", i.layers.len()));
-            }
-            return Err(Error::Usage(format!(
-                "model config: a hybrid model: kvprobe lays out {} (kvprobe geometry --model-config shows every region per TP rank) but does not move {} yet, and a run that moved the attention pages alone would pass while decode computed from zeros; refused",
-                what.join(" and "),
-                if what.len() == 1 { "it" } else { "them" }
-            )));
-        }
+        refuse_hybrid(model.as_ref(), "in this command")?;
         Ok((g, model))
     }
 
     /// As [`GeometryArgs::resolve`], a hybrid model's config accepted (`kvprobe geometry`
     /// prints its regions).
     pub(crate) fn resolve_any(&self) -> Result<(kvprobe::geometry::Geometry, Option<kvprobe::model_config::ModelInfo>), Error> {
+        self.resolve_any_at(None)
+    }
+
+    /// [`GeometryArgs::resolve_any`] with a hybrid model's block size raised for its state split
+    /// over `state_tp` ranks (`run --prefill-tp P --decode-tp P`: each engine raises its block
+    /// size from its own rank's state page, vLLM's `HybridAttentionMambaModelConfig`); `None`:
+    /// over `--tp`'s ranks.
+    pub(crate) fn resolve_any_at(
+        &self,
+        state_tp: Option<u32>,
+    ) -> Result<(kvprobe::geometry::Geometry, Option<kvprobe::model_config::ModelInfo>), Error> {
+        let mut block_geometry = None;
         let (mut g, model) = match &self.model_config {
             Some(path) => {
                 let usage = |e: kvprobe::model_config::ModelConfigError| Error::Usage(e.to_string());
@@ -156,7 +155,13 @@ impl GeometryArgs {
                     state.set_cache_dtypes(c, s, model_dtype).map_err(|e| usage(e.into()))?;
                 }
                 let dtype = self.kv_cache_dtype.unwrap_or_default();
-                let (g, tp) = kv.rank_geometry(self.tp.unwrap_or(1), dtype).map_err(usage)?;
+                let (mut g, tp) = kv.rank_geometry(self.tp.unwrap_or(1), dtype).map_err(usage)?;
+                if let Some(p) = state_tp.filter(|p| *p != tp.tp && kv.hybrid.as_ref().is_some_and(|h| h.state.is_some())) {
+                    // The block size of an engine at TP p, from its rank's state page.
+                    let (rank_g, _) = kv.rank_geometry(p, dtype).map_err(usage)?;
+                    g.block_size = rank_g.block_size;
+                    block_geometry = Some((rank_g, p));
+                }
                 (
                     g,
                     Some(kvprobe::model_config::ModelInfo {
@@ -187,7 +192,8 @@ impl GeometryArgs {
         let mut model = model;
         if let (Some(m), Some(asked)) = (model.as_mut(), self.block_size) {
             // A hybrid model's block size follows vLLM's rule from the size asked for.
-            let b = m.kv.hybrid_block_size(&g, m.tp.tp, asked).map_err(|e| Error::Usage(e.to_string()))?;
+            let (bg, btp) = block_geometry.unwrap_or((g.clone(), m.tp.tp));
+            let b = m.kv.hybrid_block_size(&bg, btp, asked).map_err(|e| Error::Usage(e.to_string()))?;
             if b != asked {
                 g.block_size = b;
                 m.block_size_asked = Some(asked);
@@ -562,11 +568,39 @@ pub(crate) fn parse_range(s: &str) -> Result<(u32, u32), String> {
     Ok((a, b))
 }
 
+/// Refuses a hybrid model's config where kvprobe does not move its state and indexer regions
+/// (`how`: where, e.g. `across a node pair (--peer)`): they move in `kvprobe run`'s
+/// one-process sweep only so far ([`kvprobe::sweep::regions`]), and a run that moved the
+/// attention pages alone would pass while decode computed from zeros. Errors: usage (exit 2)
+/// naming the regions.
+pub(crate) fn refuse_hybrid(model: Option<&kvprobe::model_config::ModelInfo>, how: &str) -> Result<(), Error> {
+    let Some(h) = model.and_then(|m| m.kv.hybrid.as_ref()).filter(|h| h.any()) else { return Ok(()) };
+    let mut what = Vec::new();
+    if let Some(s) = &h.state {
+        what.push(format!("its {} ({} layers)", s.region_name(), s.layers.len()));
+    }
+    if let Some(i) = &h.indexer {
+        what.push(format!("its sparse-attention indexer K cache ({} layers)", i.layers.len()));
+    }
+    Err(Error::Usage(format!(
+        "model config: a hybrid model: kvprobe moves {} in `kvprobe run`'s one-process sweep only and does not move {} {how} yet, and a run that moved the attention pages alone would pass while decode computed from zeros; refused (kvprobe geometry --model-config shows every region per TP rank)",
+        what.join(" and "),
+        if what.len() == 1 { "it" } else { "them" }
+    )))
+}
+
 impl PoolArgs {
     /// The run's configuration from these flags; errors as [`GeometryArgs::resolve`] (the
     /// model config is read once, here).
     pub(crate) fn try_config(&self) -> Result<RunConfig, Error> {
         let (g, model) = self.geo.resolve()?;
+        Ok(self.config_of(g, model))
+    }
+
+    /// [`PoolArgs::try_config`] with a hybrid model's config accepted (`kvprobe run`, which
+    /// refuses the forms that do not move its regions yet).
+    pub(crate) fn try_config_any(&self, state_tp: Option<u32>) -> Result<RunConfig, Error> {
+        let (g, model) = self.geo.resolve_any_at(state_tp)?;
         Ok(self.config_of(g, model))
     }
 
@@ -629,7 +663,7 @@ impl LoadArgs {
 impl RunArgs {
     /// The run's configuration. `typed`: the flags given on the command line (clap ids).
     pub(crate) fn config(&self, typed: &[&str]) -> Result<RunConfig, Error> {
-        let mut c = self.pool.try_config()?;
+        let mut c = self.pool.try_config_any(self.prefill_tp)?;
         c.op = self.op;
         c.iterations = self.iterations;
         c.descriptor_blocks = self.descriptor_blocks;
@@ -706,6 +740,22 @@ impl RunArgs {
                     )));
                 }
             }
+        }
+        // A hybrid model's regions move in the one-process sweep only so far.
+        if c.scenario.is_some() {
+            refuse_hybrid(c.model.as_ref(), "in a scenario (--scenario, --race)")?;
+        }
+        if c.peer.is_some() {
+            refuse_hybrid(c.model.as_ref(), "across a node pair (--peer)")?;
+        }
+        if c.decode_process {
+            refuse_hybrid(c.model.as_ref(), "between two processes (--decode-process)")?;
+        }
+        if let Some(t) = c.tp.filter(|t| t.prefill != t.decode) {
+            refuse_hybrid(
+                c.model.as_ref(),
+                &format!("between unequal TP sizes (--prefill-tp {} --decode-tp {})", t.prefill, t.decode),
+            )?;
         }
         if c.self_test && c.inject.is_empty() && c.scenario.as_ref().is_none_or(|s| s.unfenced.is_empty()) {
             return Err(Error::Usage(

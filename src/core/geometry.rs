@@ -42,6 +42,16 @@ impl Dtype {
             Dtype::Fp8 => 1,
         }
     }
+
+    /// Its name as flags and reports write it (`bf16`, `fp16`, `fp32`, `fp8`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::Bf16 => "bf16",
+            Dtype::Fp16 => "fp16",
+            Dtype::Fp32 => "fp32",
+            Dtype::Fp8 => "fp8",
+        }
+    }
 }
 
 /// Order of a layer's K/V cache tensor (ignored when the geometry is MLA).
@@ -239,6 +249,12 @@ impl Geometry {
             .and_then(|v| v.checked_mul(self.head_size as u64))
             .and_then(|v| v.checked_mul(self.dtype.bytes()))
             .ok_or(GeometryError::Overflow("slice bytes"))
+    }
+
+    /// Bytes one token takes in one attention layer: `kv_parts × num_kv_heads × head_size ×
+    /// dtype bytes` (vLLM's `AttentionSpec.page_size_bytes` over `block_size`).
+    pub fn bytes_per_token(&self) -> u64 {
+        self.kv_parts() as u64 * self.num_kv_heads as u64 * self.head_size as u64 * self.dtype.bytes()
     }
 
     /// Parts per layer: 2 (K and V), or 1 for MLA.

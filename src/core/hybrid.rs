@@ -201,7 +201,8 @@ pub(crate) enum LayerRole {
     None,
 }
 
-fn get<'a>(m: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
+/// A config.json field, `None` when absent or null (model_config reads fields with it too).
+pub(crate) fn get<'a>(m: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
     m.get(key).filter(|v| !v.is_null())
 }
 
@@ -587,15 +588,6 @@ fn part(name: &str, shape: Vec<u64>, dtype: &str, elem: u64) -> RegionPart {
     RegionPart { name: name.into(), shape, dtype: dtype.into(), bytes }
 }
 
-fn dname(d: Dtype) -> &'static str {
-    match d {
-        Dtype::Bf16 => "bf16",
-        Dtype::Fp16 => "fp16",
-        Dtype::Fp32 => "fp32",
-        Dtype::Fp8 => "fp8",
-    }
-}
-
 fn divide(what: &str, n: u64, tp: u32) -> Result<u64, HybridError> {
     if !n.is_multiple_of(tp as u64) {
         return Err(HybridError::Parallel(format!("{what} {n} is not divisible by --tp {tp} (vLLM's divide() refuses it)")));
@@ -619,7 +611,7 @@ impl StateModel {
             (Some(d), true) => {
                 return Err(HybridError::Unsupported(format!(
                     "--mamba-ssm-cache-dtype {} for KDA layers: vLLM's kda_state_dtype keeps the recurrent state in float32 or bfloat16 only",
-                    dname(d)
+                    d.name()
                 )));
             }
             (Some(d), false) => d,
@@ -633,11 +625,11 @@ impl StateModel {
     /// does not divide; Mamba2 `n_groups` that neither divides by `tp` nor is 1.
     pub fn rank_parts(&self, tp: u32) -> Result<Vec<RegionPart>, HybridError> {
         let (c, s) = (self.conv_dtype, self.ssm_dtype);
-        let conv = |dim: u64, k: u32| part("conv", vec![dim, k as u64 - 1], dname(c), c.bytes());
+        let conv = |dim: u64, k: u32| part("conv", vec![dim, k as u64 - 1], c.name(), c.bytes());
         Ok(match self.mixer {
             StateMixer::Mamba1 { intermediate, d_state, conv_kernel } => {
                 let i = divide("the Mamba inner width (mamba_expand × hidden_size)", intermediate as u64, tp)?;
-                vec![conv(i, conv_kernel), part("ssm", vec![i, d_state as u64], dname(s), s.bytes())]
+                vec![conv(i, conv_kernel), part("ssm", vec![i, d_state as u64], s.name(), s.bytes())]
             }
             StateMixer::Mamba2 { num_heads, head_dim, d_state, n_groups, conv_kernel } => {
                 let groups = if n_groups.is_multiple_of(tp) {
@@ -653,7 +645,7 @@ impl StateModel {
                 let dim = num_heads as u64 * head_dim as u64 + 2 * groups as u64 * d_state as u64;
                 vec![
                     conv(divide("the Mamba2 conv dim", dim, tp)?, conv_kernel),
-                    part("ssm", vec![heads, head_dim as u64, d_state as u64], dname(s), s.bytes()),
+                    part("ssm", vec![heads, head_dim as u64, d_state as u64], s.name(), s.bytes()),
                 ]
             }
             StateMixer::GatedDeltaNet { key_heads, key_head_dim, value_heads, value_head_dim, conv_kernel } => {
@@ -662,14 +654,14 @@ impl StateModel {
                 let dim = 2 * key_heads as u64 * key_head_dim as u64 + value_heads as u64 * value_head_dim as u64;
                 vec![
                     conv(divide("the gated DeltaNet conv dim", dim, tp)?, conv_kernel),
-                    part("temporal", vec![hv, value_head_dim as u64, key_head_dim as u64], dname(s), s.bytes()),
+                    part("temporal", vec![hv, value_head_dim as u64, key_head_dim as u64], s.name(), s.bytes()),
                 ]
             }
             StateMixer::Kda { heads, head_dim, conv_kernel } => {
                 let h = divide("linear_attn_config.num_heads", heads as u64, tp)?;
                 vec![
                     conv(3 * h * head_dim as u64, conv_kernel),
-                    part("recurrent", vec![h, head_dim as u64, head_dim as u64], dname(s), s.bytes()),
+                    part("recurrent", vec![h, head_dim as u64, head_dim as u64], s.name(), s.bytes()),
                 ]
             }
         })
@@ -752,7 +744,7 @@ pub fn kv_cache_groups(buckets: &[Vec<u32>]) -> Vec<Vec<(u32, Vec<u32>)>> {
 /// `g.block_size` gives an attention page smaller than a state page (vLLM raises the block
 /// size to [`hybrid_block_size`]; the error names it).
 pub fn rank_regions(g: &Geometry, attention: &[(String, Vec<u32>)], hy: &HybridKv, tp: u32) -> Result<Vec<Region>, HybridError> {
-    let per_token = g.kv_parts() as u64 * g.num_kv_heads as u64 * g.head_size as u64 * g.dtype.bytes();
+    let per_token = g.bytes_per_token();
     let attn_page = per_token * g.block_size as u64;
     let mut buckets: Vec<Vec<u32>> = attention.iter().map(|(_, l)| l.clone()).collect();
     let state = match &hy.state {
@@ -785,7 +777,7 @@ pub fn rank_regions(g: &Geometry, attention: &[(String, Vec<u32>)], hy: &HybridK
             layers: layers.clone(),
             groups: groups[i].clone(),
             unit: RegionUnit::Block,
-            parts: vec![part(kv_name, kv_shape.clone(), dname(g.dtype), g.dtype.bytes())],
+            parts: vec![part(kv_name, kv_shape.clone(), g.dtype.name(), g.dtype.bytes())],
             page_bytes: attn_page,
             page_stride_bytes: attn_page,
             replicated: g.mla,

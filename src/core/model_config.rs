@@ -214,9 +214,7 @@ pub fn show_path(p: &Path) -> String {
 /// Most bytes of a config.json read (16 MiB).
 pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
 
-fn get<'a>(m: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
-    m.get(key).filter(|v| !v.is_null())
-}
+use crate::core::hybrid::get;
 
 /// A positive integer field (≤ u32::MAX); `None` when absent or null.
 fn uint(m: &Map<String, Value>, key: &str) -> Result<Option<u32>, ModelConfigError> {
@@ -690,7 +688,7 @@ impl ModelKv {
             mla: self.mla,
         };
         if let Some(s) = self.hybrid.as_ref().and_then(|h| h.state.as_ref()) {
-            let per_token = g.kv_parts() as u64 * g.num_kv_heads as u64 * g.head_size as u64 * g.dtype.bytes();
+            let per_token = g.bytes_per_token();
             let page = s.rank_page_bytes(tp)?;
             g.block_size = crate::core::hybrid::hybrid_block_size(per_token, page, g.mla, g.block_size);
             if g.block_size > crate::core::geometry::MAX_POSITION {
@@ -714,7 +712,7 @@ impl ModelKv {
     pub fn hybrid_block_size(&self, g: &Geometry, tp: u32, asked: u32) -> Result<u32, ModelConfigError> {
         match self.hybrid.as_ref().and_then(|h| h.state.as_ref()) {
             Some(s) => {
-                let per_token = g.kv_parts() as u64 * g.num_kv_heads as u64 * g.head_size as u64 * g.dtype.bytes();
+                let per_token = g.bytes_per_token();
                 Ok(crate::core::hybrid::hybrid_block_size(per_token, s.rank_page_bytes(tp)?, g.mla, asked))
             }
             None => Ok(asked),
@@ -794,7 +792,7 @@ pub fn describe(g: &Geometry, model: Option<&ModelInfo>) -> String {
             }
             let _ = writeln!(
                 s,
-                "transfer:     run, ab and serve refuse this model for now: they move attention pages only, and a run that left the other regions out would pass while decode computed from zeros"
+                "transfer:     kvprobe run moves every region in one process (the attention sweep, then each state and indexer region); scenarios, ab, --peer, --decode-process and unequal TP sizes refuse this model for now"
             );
         }
     }

@@ -793,7 +793,13 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>, slot: 
         report.summary.transport_path = Some(scenario_path(cfg, probe, ucx_mark, report.environment.as_ref()));
         return r;
     }
-    sweep(cfg, probe, report, hooks.line, hooks.dump.as_deref_mut(), started, ucx_mark)
+    // A hybrid model's state and indexer regions: planned (and refused) before anything moves.
+    let regions = crate::sweep::regions::plans(cfg)?;
+    sweep(cfg, probe, report, hooks.line, hooks.dump.as_deref_mut(), started, ucx_mark)?;
+    if !regions.is_empty() {
+        crate::sweep::regions::run(cfg, &regions, report)?;
+    }
+    Ok(())
 }
 
 /// Adds what this host's facts say of a sweep's UCX path `p` (this side's, or in process the

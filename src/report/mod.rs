@@ -433,8 +433,71 @@ pub struct Report {
     /// report has them (`summary` then holds the rows' totals).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub matrix: Option<serde_json::Value>,
+    /// A hybrid model's regions beside its attention layers (state, indexer), each as the run
+    /// moved and verified it (`crate::sweep::regions`); absent for other models.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub regions: Vec<RegionReport>,
     /// How it ended.
     pub outcome: Outcome,
+}
+
+/// One region of a hybrid model's KV cache on one TP rank (recurrent state, indexer K cache),
+/// as the run moved and verified it: its layout (docs/geometry.md "Hybrid KV caches"), what
+/// moved, what was compared, what was wrong.
+#[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
+pub struct RegionReport {
+    /// `state` or `indexer`.
+    pub kind: String,
+    /// `KDA state`, `Mamba2 state`, `indexer K cache`, ...
+    pub name: String,
+    /// The TP rank whose pages moved.
+    pub rank: u32,
+    /// The region's layers.
+    pub layers: u32,
+    /// `slot` (a request's state) or `block`.
+    pub unit: String,
+    /// Units of each side's pool.
+    pub units: u32,
+    /// Payload bytes of one page (one layer and unit, this rank).
+    pub page_bytes: u64,
+    /// Bytes from one page to the next (a state page padded to the attention page).
+    pub page_stride_bytes: u64,
+    /// NIXL descriptors per page (a state slot: one per conv sub-projection, then the state).
+    pub descriptors_per_page: u32,
+    /// Bytes the transfer moved (the descriptors' sum; 0 for a region left out).
+    pub bytes_moved: u64,
+    /// Seconds from the request's post to its notification.
+    pub seconds: f64,
+    /// Pages decode compared.
+    pub pages_compared: u64,
+    /// Pages with at least one wrong row run.
+    pub pages_corrupt: u64,
+    /// Row runs compared (a page's conv sub-projections and state, or an indexer block's
+    /// values and scales).
+    pub runs_compared: u64,
+    /// Wrong row runs, at most `--max-failures`.
+    pub failures: Vec<RegionFailure>,
+}
+
+/// One wrong row run of a region page.
+#[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
+pub struct RegionFailure {
+    /// The model layer.
+    pub layer: u32,
+    /// The run (`conv q`, `recurrent`, `ssm`, `k`, `scale`, ...).
+    pub part: String,
+    /// Decode's unit (state slot or block) that held it.
+    pub unit: u32,
+    /// The logical id due there (a request's state, or a logical block).
+    pub id: u32,
+    /// Its class ([`crate::core::verify::Class`]).
+    pub class: crate::core::verify::Class,
+    /// What the run held instead, when its rows decode.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed: Option<crate::core::fingerprint::BlockIdentity>,
+    /// Flipped bits (bitflip only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bit_flips: Option<u64>,
 }
 
 pub use crate::mem::pool::KernelSeconds;
@@ -679,6 +742,7 @@ impl Report {
             dump: None,
             peer: None,
             matrix: None,
+            regions: Vec::new(),
             outcome: Outcome { exit_code: 0, status: "running".into(), error: None },
         }
     }

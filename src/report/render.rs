@@ -349,6 +349,35 @@ pub fn render_with(r: &Report, json: Option<&str>) -> String {
             out += &format!("host memory:       {:.1} MiB peak resident\n", b as f64 / (1u64 << 20) as f64);
         }
     }
+    // A hybrid model's state and indexer regions, each on its own line.
+    for g in &r.regions {
+        out += &format!(
+            "region:            {} ({}, TP rank {}): {} layer(s) x {} {}s of {} bytes ({} descriptor(s) a page), {} bytes moved, {} page(s) compared, {} corrupt\n",
+            g.name,
+            g.kind,
+            g.rank,
+            g.layers,
+            g.units,
+            g.unit,
+            g.page_bytes,
+            g.descriptors_per_page,
+            g.bytes_moved,
+            g.pages_compared,
+            g.pages_corrupt
+        );
+        for f in g.failures.iter().take(3) {
+            out += &format!(
+                "  {} layer {} {} {} {} (id {}{})\n",
+                f.class.name(),
+                f.layer,
+                f.part,
+                g.unit,
+                f.unit,
+                f.id,
+                f.bit_flips.map(|b| format!(", {b} bit(s) flipped")).unwrap_or_default()
+            );
+        }
+    }
     if s.injections_planted > 0 {
         out += &format!(
             "injections:        {} planted, {} detected as predicted, {} unexpected failures\n",

@@ -5,6 +5,8 @@
 //! decode (`kvprobe run`, crate `run`) and prefill (`kvprobe serve`, crate `serve`, on this
 //! host or another) plan the same iteration without sending it to each other.
 
+pub mod regions;
+
 use crate::core::fingerprint::{self, logical_block, seed_hex};
 use crate::core::geometry::{Geometry, Preset, SliceCoord};
 use crate::core::inject::{self, Action, Spec};

@@ -11,6 +11,7 @@
 //! | `KVPROBE_TEST_EARLY_NOTIFY=N` | `run` | WRITE sweeps: iteration N's notifications come before the data |
 //! | `KVPROBE_TEST_FAULT=KIND:N` | `scenario::fault` | scenarios: plants N faults of KIND |
 //! | `KVPROBE_TEST_LATE_WRITE=WHEN:N` | `run` | a write into decode's pool after the verify judged it |
+//! | `KVPROBE_TEST_LEAVE_OUT_REGION=KIND\|NAME` | `sweep::regions` | a hybrid model's region left out of the transfer |
 //! | `KVPROBE_TEST_STALL_FROM_ITERATION=N[:K]` | `deadline` | arms the stall points from iteration N (stage K) |
 //! | `KVPROBE_TEST_STALL_[AGENT_]NAME=SECS` | `deadline` | blocks a call (POST, STATUS, NOTIFICATIONS, SYNC, START) |
 //! | `KVPROBE_TEST_SYSFS_ROOT=DIR` | `rdma` | reads a constructed sysfs tree instead of `/sys` |
@@ -30,6 +31,9 @@ pub const EARLY_NOTIFY: &str = "KVPROBE_TEST_EARLY_NOTIFY";
 pub const FAULT: &str = "KVPROBE_TEST_FAULT";
 /// Writes after the verdict in sweeps ([`crate::drive::run`]).
 pub const LATE_WRITE: &str = "KVPROBE_TEST_LATE_WRITE";
+/// A hybrid model's region (`state`, `indexer` or its name) left out of the transfer
+/// ([`crate::sweep::regions`]).
+pub const LEAVE_OUT_REGION: &str = "KVPROBE_TEST_LEAVE_OUT_REGION";
 /// Arms the stall points from an iteration ([`crate::sys::deadline`]).
 pub const STALL_FROM_ITERATION: &str = "KVPROBE_TEST_STALL_FROM_ITERATION";
 /// Prefix of the stall points' variables (`KVPROBE_TEST_STALL_POST`, ...;
@@ -52,6 +56,7 @@ pub const ALL: &[&str] = &[
     EARLY_NOTIFY,
     FAULT,
     LATE_WRITE,
+    LEAVE_OUT_REGION,
     STALL_FROM_ITERATION,
     STALL_PREFIX,
     SYSFS_ROOT,

@@ -1,0 +1,199 @@
+//! A hybrid model's state and indexer regions moved and verified by `kvprobe run` (issue 36,
+//! items 3–5, one process, DRAM): each family clean with the bytes and pages its layout says,
+//! a region left out of the transfer failing by name, equal TP sizes rank by rank, and the
+//! forms that do not move regions yet refusing. Expected sizes are worked out here by hand
+//! from vLLM 0.34's formulas (mamba_utils.py, the hybrid block size), not by the code under test.
+
+use crate::common::{kvprobe, kvprobe_env, read_report, tmpdir};
+use serde_json::Value;
+use std::path::PathBuf;
+
+/// Kimi-Linear-shaped, small: 8 layers (1-based in the config), MLA at 4 and 8, KDA at the rest;
+/// 16 KDA heads of 128, conv kernel 4.
+const TINY_KIMI: &str = r#"{"model_type": "kimi_linear", "num_hidden_layers": 8, "hidden_size": 2048,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128, "v_head_dim": 128, "torch_dtype": "bfloat16",
+    "linear_attn_config": {"full_attn_layers": [4, 8], "kda_layers": [1, 2, 3, 5, 6, 7], "num_heads": 16,
+    "head_dim": 128, "short_conv_kernel_size": 4}}"#;
+
+/// DeepSeek-V3.2-shaped, small: 4 MLA layers, each with the indexer K cache.
+const TINY_V32: &str = r#"{"model_type": "deepseek_v32", "num_hidden_layers": 4, "num_attention_heads": 16,
+    "kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64}"#;
+
+const NEMOTRON: &str = r#"{"model_type": "nemotron_h", "num_hidden_layers": 8, "hybrid_override_pattern": "M-M*ME-*",
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "hidden_size": 4096,
+    "mamba_num_heads": 128, "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8, "conv_kernel": 4,
+    "torch_dtype": "bfloat16"}"#;
+
+const JAMBA: &str = r#"{"model_type": "jamba", "num_hidden_layers": 16, "hidden_size": 4096, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "attn_layer_period": 8, "attn_layer_offset": 4, "mamba_d_state": 16,
+    "mamba_d_conv": 4, "mamba_expand": 2}"#;
+
+const GRANITE: &str = r#"{"model_type": "granitemoehybrid", "num_hidden_layers": 6,
+    "layer_types": ["mamba", "mamba", "mamba", "attention", "mamba", "mamba"], "hidden_size": 1536,
+    "num_attention_heads": 12, "num_key_value_heads": 4, "mamba_n_heads": 48, "mamba_d_head": "auto",
+    "mamba_d_state": 128, "mamba_n_groups": 1, "mamba_d_conv": 4, "mamba_expand": 2}"#;
+
+fn shipped(name: &str) -> String {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("configs").join(name).to_str().unwrap().to_string()
+}
+
+fn write_config(dir: &std::path::Path, name: &str, text: &str) -> String {
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p.to_str().unwrap().to_string()
+}
+
+/// `kvprobe run --memory dram --blocks 2 --iterations 1 --report R ARGS` with `env`: (exit code,
+/// report, stdout + stderr).
+fn run(name: &str, args: &[&str], env: &[(&str, &str)]) -> (i32, Value, String) {
+    let d = tmpdir(name);
+    let p = d.join("report.json");
+    let mut a = vec!["run", "--memory", "dram", "--blocks", "2", "--iterations", "1", "--report", p.to_str().unwrap()];
+    a.extend_from_slice(args);
+    let (code, out, err) = kvprobe_env(&a, env);
+    assert!(!err.contains("panicked"), "{err}");
+    (code, read_report(&p), format!("{out}{err}"))
+}
+
+/// Units of a region's pool: as many as fit 64 MiB a side, 2 to 16 (docs/geometry.md).
+fn units(layers: u64, stride: u64) -> u64 {
+    ((64u64 << 20) / (layers * stride)).clamp(2, 16)
+}
+
+/// Checks one region entry of a clean run: its layout as worked out by hand, every page
+/// compared and clean, the bytes moved those of every page's payload.
+fn assert_region(r: &Value, want: (&str, &str, u64, u64, u64, u64, u64), ctx: &str) {
+    let (kind, name, layers, page, stride, descriptors, runs_per_page) = want;
+    let n = units(layers, stride);
+    assert_eq!(r["kind"], kind, "{ctx}: {r}");
+    assert_eq!(r["name"], name, "{ctx}: {r}");
+    assert_eq!(r["layers"].as_u64(), Some(layers), "{ctx}: {r}");
+    assert_eq!(r["page_bytes"].as_u64(), Some(page), "{ctx}: {r}");
+    assert_eq!(r["page_stride_bytes"].as_u64(), Some(stride), "{ctx}: {r}");
+    assert_eq!(r["descriptors_per_page"].as_u64(), Some(descriptors), "{ctx}: {r}");
+    assert_eq!(r["units"].as_u64(), Some(n), "{ctx}: {r}");
+    assert_eq!(r["bytes_moved"].as_u64(), Some(layers * n * page), "{ctx}: {r}");
+    assert_eq!(r["pages_compared"].as_u64(), Some(layers * n), "{ctx}: {r}");
+    assert_eq!(r["runs_compared"].as_u64(), Some(layers * n * runs_per_page), "{ctx}: {r}");
+    assert_eq!(r["pages_corrupt"].as_u64(), Some(0), "{ctx}: {r}");
+    assert_eq!(r["failures"].as_array().map(Vec::len), Some(0), "{ctx}: {r}");
+}
+
+#[test]
+fn each_hybrid_family_moves_every_region_clean() {
+    let d = tmpdir("regions-families");
+    // Kimi-K3 at TP 8 (configs/kimi-k3.json): 69 KDA layers; a rank's slot is conv 3 × (12 heads
+    // × 128) channels × 3 taps × 2 bytes = 27 648, recurrent 12 × 128 × 128 × 4 = 786 432: 814 080
+    // bytes, padded to the MLA page of 768 tokens × 576 × 2 = 884 736.
+    let k3 = shipped("kimi-k3.json");
+    let (code, r, out) = run("regions-k3", &["--model-config", &k3, "--tp", "8"], &[]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(r["regions"].as_array().map(Vec::len), Some(1), "{out}");
+    assert_region(&r["regions"][0], ("state", "KDA state", 69, 814_080, 884_736, 4, 4), "kimi-k3");
+    assert!(out.contains("region:            KDA state (state, TP rank 0): 69 layer(s) x 2 slots"), "{out}");
+    // Qwen3-Next at TP 4, WRITE: 36 gated DeltaNet layers; a rank's slot is conv (2 × 16 × 128 +
+    // 32 × 128) / 4 = 2048 channels × 3 × 2 = 12 288, temporal 8 × 128 × 128 × 2 = 262 144:
+    // 274 432 bytes; attention 1 KV head a rank × 256 × 2 (K, V) × 2 = 1024 bytes a token, so
+    // 272 tokens (the multiple of 16 holding it): 278 528.
+    let q = shipped("qwen3-next-80b.json");
+    let (code, r, out) = run("regions-qwen", &["--model-config", &q, "--tp", "4", "--op", "write"], &[]);
+    assert_eq!(code, 0, "{out}");
+    assert_region(&r["regions"][0], ("state", "gated DeltaNet state", 36, 274_432, 278_528, 4, 4), "qwen3-next");
+    // DeepSeek-V3.2: the indexer K cache, 64 tokens × (128 fp8 + one fp32 scale) = 8448 bytes a
+    // block, whole on every rank, one descriptor a block, two row runs (values, scales).
+    let v32 = write_config(&d, "v32.json", TINY_V32);
+    let (code, r, out) = run("regions-v32", &["--model-config", &v32, "--tp", "8"], &[]);
+    assert_eq!(code, 0, "{out}");
+    assert_region(&r["regions"][0], ("indexer", "indexer K cache", 4, 8448, 8448, 1, 2), "deepseek-v3.2");
+    // Mamba families: Nemotron-H at TP 2 (Mamba2, 8 groups split), Jamba at TP 2 (Mamba1),
+    // Granite 4 at TP 1 (Mamba2, one group, head dim from hidden × expand / heads).
+    // Nemotron-H: conv (128 × 64 + 2 × 8 × 128) / 2 = 5120 channels × 3 × 2 = 30 720, ssm 64 heads ×
+    // 64 × 128 × 4 (fp32) = 2 097 152: 2 127 872; attention 4 heads × 128 × 2 × 2 = 2048 a token:
+    // 1040 tokens (multiple of 16): 2 129 920.
+    let nem = write_config(&d, "nemotron.json", NEMOTRON);
+    let (code, r, out) = run("regions-nemotron", &["--model-config", &nem, "--tp", "2"], &[]);
+    assert_eq!(code, 0, "{out}");
+    assert_region(&r["regions"][0], ("state", "Mamba2 state", 3, 2_127_872, 2_129_920, 4, 4), "nemotron-h");
+    // Jamba: I = 8192, a rank 4096: conv 4096 × 3 × 2 = 24 576, ssm 4096 × 16 × 2 = 131 072:
+    // 155 648; attention 4 heads × 128 × 2 × 2 = 2048 a token: 80 tokens: 163 840.
+    let jamba = write_config(&d, "jamba.json", JAMBA);
+    let (code, r, out) = run("regions-jamba", &["--model-config", &jamba, "--tp", "2"], &[]);
+    assert_eq!(code, 0, "{out}");
+    assert_region(&r["regions"][0], ("state", "Mamba1 state", 14, 155_648, 163_840, 2, 2), "jamba");
+    // Granite 4: I = 3072, 48 heads of 64; conv (3072 + 2 × 128) × 3 × 2 = 19 968, ssm 48 × 64 ×
+    // 128 × 2 = 786 432: 806 400; attention 4 heads × 128 × 2 × 2 = 2048 a token: 400 tokens:
+    // 819 200.
+    let granite = write_config(&d, "granite.json", GRANITE);
+    let (code, r, out) = run("regions-granite", &["--model-config", &granite], &[]);
+    assert_eq!(code, 0, "{out}");
+    assert_region(&r["regions"][0], ("state", "Mamba2 state", 5, 806_400, 819_200, 4, 4), "granite-4");
+}
+
+#[test]
+fn a_region_left_out_of_the_transfer_fails_by_name() {
+    let d = tmpdir("regions-left-out");
+    let v32 = write_config(&d, "v32.json", TINY_V32);
+    let hook = "KVPROBE_TEST_LEAVE_OUT_REGION";
+    let (code, r, out) = run("regions-left-out-ix", &["--model-config", &v32, "--max-failures", "1000"], &[(hook, "indexer")]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("region indexer K cache (indexer, TP rank 0) was not moved: none of its ")
+            && out.contains("decode would compute its 4 layer(s) from zeros"),
+        "{out}"
+    );
+    let g = &r["regions"][0];
+    // 4 layers × 16 blocks, each with two runs still holding decode's poison.
+    assert_eq!(
+        (g["bytes_moved"].as_u64(), g["pages_compared"].as_u64(), g["pages_corrupt"].as_u64()),
+        (Some(0), Some(64), Some(64))
+    );
+    let f = g["failures"].as_array().unwrap();
+    assert_eq!(f.len(), 128, "{g}");
+    assert!(f.iter().all(|f| f["class"] == "unwritten"), "{g}");
+    // The attention pages moved: the failure is the region's alone.
+    assert_eq!(r["summary"]["blocks_corrupt"].as_u64(), Some(0), "{out}");
+    assert_eq!(r["outcome"]["exit_code"].as_u64(), Some(1), "{out}");
+    // By name, on a state region.
+    let kimi = write_config(&d, "kimi.json", TINY_KIMI);
+    let (code, _, out) = run("regions-left-out-kda", &["--model-config", &kimi], &[(hook, "KDA state")]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("region KDA state (state, TP rank 0) was not moved"), "{out}");
+}
+
+#[test]
+fn equal_tp_sizes_move_each_ranks_state() {
+    // Tiny Kimi at --prefill-tp 8 --decode-tp 8: each engine raises its block size from its
+    // rank's slot: 2 KDA heads a rank, conv 3 × 256 × 3 × 2 = 4608, recurrent 2 × 128 × 128 × 4
+    // = 131 072: 135 680 bytes; MLA 1152 bytes a token, aligned to 128 tokens: 147 456.
+    let d = tmpdir("regions-tp");
+    let kimi = write_config(&d, "kimi.json", TINY_KIMI);
+    let (code, r, out) = run("regions-tp8", &["--model-config", &kimi, "--prefill-tp", "8", "--decode-tp", "8"], &[]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(r["config"]["geometry"]["block_size"].as_u64(), Some(128), "{out}");
+    let regions = r["regions"].as_array().unwrap();
+    assert_eq!(regions.iter().map(|g| g["rank"].as_u64().unwrap()).collect::<Vec<_>>(), (0..8).collect::<Vec<_>>());
+    for g in regions {
+        assert_region(g, ("state", "KDA state", 6, 135_680, 147_456, 4, 4), "tiny kimi tp 8");
+    }
+}
+
+#[test]
+fn forms_that_do_not_move_regions_yet_refuse_hybrid_models() {
+    let d = tmpdir("regions-refused");
+    let kimi = write_config(&d, "kimi.json", TINY_KIMI);
+    let base = ["--memory", "dram", "--model-config", kimi.as_str()];
+    for (extra, how) in [
+        (&["run", "--scenario", "stacked"][..], "in a scenario"),
+        (&["run", "--decode-process"][..], "between two processes (--decode-process)"),
+        (&["run", "--prefill-tp", "2", "--decode-tp", "1"][..], "between unequal TP sizes"),
+        (&["ab"][..], "in this command"),
+    ] {
+        let mut a = vec![extra[0]];
+        a.extend_from_slice(&base);
+        a.extend_from_slice(&extra[1..]);
+        let (code, out, err) = kvprobe(&a);
+        assert_eq!(code, 2, "{a:?}: {out}{err}");
+        assert!(err.contains("KDA state (6 layers)") && err.contains(&format!("does not move it {how}")), "{a:?}: {err}");
+    }
+}
