@@ -197,3 +197,57 @@ fn forms_that_do_not_move_regions_yet_refuse_hybrid_models() {
         assert!(err.contains("KDA state (6 layers)") && err.contains(&format!("does not move it {how}")), "{a:?}: {err}");
     }
 }
+
+/// `report check` re-derives a bundle's regions from its configuration: the bundle of a run
+/// that left a region out is consistent as written, and each claim edited (the manifest made to
+/// agree) is a disagreement naming it.
+#[test]
+fn report_check_re_derives_each_regions_layout_and_failures() {
+    use crate::dump::{check, edit_json, retar, untar};
+    let d = tmpdir("regions-check");
+    let v32 = write_config(&d, "v32.json", TINY_V32);
+    let b = d.join("b.tgz");
+    let (code, out, err) = kvprobe_env(
+        &["run", "--memory", "dram", "--model-config", &v32, "--blocks", "2", "--iterations", "1", "--bundle", b.to_str().unwrap()],
+        &[("KVPROBE_TEST_LEAVE_OUT_REGION", "indexer")],
+    );
+    assert_eq!(code, 1, "{out}{err}");
+    let (code, out, _) = check(&b);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("no corrupt slice, as reported; 64 corrupt region page(s), as reported"), "{out}");
+    let files = untar(&b);
+    type Edit = Box<dyn Fn(&mut Value)>;
+    let cases: Vec<(&str, Edit, &str)> = vec![
+        ("units", Box::new(|v| v["regions"][0]["units"] = 3.into()), "regions[0] (indexer K cache): units is 3, but the run's configuration gives 16"),
+        (
+            "stride",
+            Box::new(|v| v["regions"][0]["page_stride_bytes"] = 9000.into()),
+            "page_stride_bytes is 9000, but the run's configuration gives 8448",
+        ),
+        ("id", Box::new(|v| v["regions"][0]["failures"][0]["id"] = 7.into()), "failures[0]: id 7, but the plan puts logical id"),
+        ("layer", Box::new(|v| v["regions"][0]["failures"][1]["layer"] = 9.into()), "failures[1]: layer 9 is not one of the region's"),
+        ("unit", Box::new(|v| v["regions"][0]["failures"][2]["unit"] = 16.into()), "failures[2]: unit 16 is not one of its 16"),
+        (
+            "clean",
+            Box::new(|v| {
+                v["outcome"]["status"] = "clean".into();
+                v["outcome"]["exit_code"] = 0.into();
+            }),
+            "but 64 region page(s) are corrupt",
+        ),
+        ("missing", Box::new(|v| v["regions"] = serde_json::json!([])), ""),
+        ("moved", Box::new(|v| v["regions"][0]["bytes_moved"] = 5.into()), "bytes_moved is 5, but its descriptors move 540672"),
+    ];
+    for (case, edit, line) in cases {
+        let e = d.join(format!("{case}.tgz"));
+        retar(&e, &edit_json(&files, "report.json", &*edit));
+        let (code, out, err) = check(&e);
+        if case == "missing" {
+            // A corrupt run stopped before its regions may list none; a clean one may not.
+            assert_eq!(code, 0, "{case}: {out}{err}");
+            continue;
+        }
+        assert_eq!(code, 1, "{case}: {out}{err}");
+        assert!(out.contains(line), "{case}: {out}");
+    }
+}

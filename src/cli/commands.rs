@@ -541,12 +541,16 @@ pub(crate) fn report_command(c: ReportCommand) -> Exit {
             // corruption is exactly as its report says.
             Ok(c) if c.problems.is_empty() => report_out(
                 &format!(
-                    "{}: the bundle is consistent: {} ({} files match the manifest; {} dumped slices re-derived from their bytes)\n",
+                    "{}: the bundle is consistent: {}{} ({} files match the manifest; {} dumped slices re-derived from their bytes)\n",
                     bundle.display(),
                     match c.corrupt {
                         0 => "no corrupt slice, as reported".to_string(),
                         1 => "its 1 corrupt slice is as reported".to_string(),
                         n => format!("its {n} corrupt slices are as reported"),
+                    },
+                    match c.region_pages_corrupt {
+                        0 => String::new(),
+                        n => format!("; {n} corrupt region page(s), as reported"),
                     },
                     c.files,
                     c.slices

@@ -41,6 +41,10 @@ pub struct Checked {
     /// The corrupt block slices the report counts (`summary.blocks_corrupt`; an ab report:
     /// over its rows' sections); 0 when the report could not be read.
     pub corrupt: u64,
+    /// The corrupt pages of a hybrid model's state and indexer regions the report counts
+    /// (`regions[].pages_corrupt`; their pages are not dumped, their failures are re-derived
+    /// from the configuration).
+    pub region_pages_corrupt: u64,
 }
 
 /// Checks the bundle at `path` (a `.tar.gz`, or a directory holding an unpacked bundle).
@@ -88,7 +92,7 @@ pub fn check(path: &Path) -> Result<Checked> {
     }
     if wrong_size.contains(&m.report) {
         // Its size disagrees (said above): nothing more can be compared with it.
-        return Ok(Checked { problems, files: m.files.len(), slices: 0, corrupt: 0 });
+        return Ok(Checked { problems, files: m.files.len(), slices: 0, corrupt: 0, region_pages_corrupt: 0 });
     }
     let body = b
         .files
@@ -134,6 +138,11 @@ pub fn check(path: &Path) -> Result<Checked> {
     // Each section's checks that need no slice bytes, then one more pass over the bundle
     // for the slices (one held at a time), then what the slices add up to.
     let corrupt = sections.iter().map(|(_, _, sec)| sec["summary"]["blocks_corrupt"].as_u64().unwrap_or(0)).sum();
+    let region_pages_corrupt = sections
+        .iter()
+        .flat_map(|(_, _, sec)| sec["regions"].as_array().cloned().unwrap_or_default())
+        .map(|r| r["pages_corrupt"].as_u64().unwrap_or(0))
+        .fold(0u64, u64::saturating_add);
     let mut secs = Vec::new();
     for (label, dir, sec) in sections {
         let mut head = Vec::new();
@@ -208,7 +217,7 @@ pub fn check(path: &Path) -> Result<Checked> {
             problems.push(format!("{p}: a slice file no index.json lists"));
         }
     }
-    Ok(Checked { problems, files: m.files.len(), slices: met.len(), corrupt })
+    Ok(Checked { problems, files: m.files.len(), slices: met.len(), corrupt, region_pages_corrupt })
 }
 
 /// The report's geometry, validated ([`Geometry::validate`]).
@@ -267,6 +276,99 @@ fn self_test_checks(sec: &Value, say: &mut dyn FnMut(String)) {
     }
 }
 
+/// A hybrid model's `regions` ([`crate::sweep::regions`]) re-derived from the report's
+/// configuration: each region's layout, units and bytes moved as the run's plan gives them
+/// (all of the plan's regions present, in its order); pages corrupt at most pages compared,
+/// every listed failure's layer one of the region's, its unit one of the pool's and its `id`
+/// the logical id the plan puts there; a clean run with no corrupt region page, and a run
+/// with one not clean.
+fn region_checks(sec: &Value, say: &mut dyn FnMut(String)) {
+    let regions = sec["regions"].as_array().map(Vec::as_slice).unwrap_or_default();
+    let Ok(cfg) = serde_json::from_value::<crate::sweep::RunConfig>(sec["config"].clone()) else {
+        if !regions.is_empty() {
+            say("report: regions listed, but config is not a run's configuration".into());
+        }
+        return;
+    };
+    let plans = match crate::sweep::regions::plans(&cfg) {
+        Ok(p) => p,
+        Err(e) => {
+            if !regions.is_empty() {
+                say(format!("report: regions listed, but its config plans none: {e}"));
+            }
+            return;
+        }
+    };
+    let status = sec["outcome"]["status"].as_str().unwrap_or("");
+    let clean = status == "clean" || sec["outcome"]["exit_code"].as_u64() == Some(0);
+    let ran = status != "running" && sec["outcome"]["exit_code"].as_u64().is_some_and(|c| c <= 1);
+    // A run that ended clean or corrupt moved every planned region (a transport error may stop
+    // it before the regions).
+    if (clean && regions.len() != plans.len()) || regions.len() > plans.len() {
+        say(format!("report: {} region(s) listed, but the run's configuration plans {}", regions.len(), plans.len()));
+    }
+    let mut corrupt_pages = 0;
+    for (k, (r, p)) in regions.iter().zip(&plans).enumerate() {
+        let at = format!("report: regions[{k}] ({})", show(&r["name"]));
+        let units = p.units as u64;
+        let layers = p.region.layers.len() as u64;
+        let want = [
+            ("kind", Value::from(p.region.kind.clone())),
+            ("name", Value::from(p.region.name.clone())),
+            ("rank", Value::from(p.rank)),
+            ("layers", Value::from(layers)),
+            ("units", Value::from(units)),
+            ("page_bytes", Value::from(p.region.page_bytes)),
+            ("page_stride_bytes", Value::from(p.region.page_stride_bytes)),
+            ("descriptors_per_page", Value::from(p.region.descriptors.len())),
+        ];
+        for (field, v) in want {
+            if r[field] != v {
+                say(format!("{at}: {field} is {}, but the run's configuration gives {v}", show(&r[field])));
+            }
+        }
+        let moved = r["bytes_moved"].as_u64().unwrap_or(u64::MAX);
+        let all: u64 = p.pairs().iter().map(|x| x.len).sum();
+        if moved != all && moved != 0 {
+            say(format!("{at}: bytes_moved is {moved}, but its descriptors move {all} (or 0, left out)"));
+        }
+        let (compared, corrupt) = (r["pages_compared"].as_u64(), r["pages_corrupt"].as_u64().unwrap_or(u64::MAX));
+        if ran && compared != Some(layers * units) {
+            say(format!("{at}: pages_compared is {}, but it has {} pages", show(&r["pages_compared"]), layers * units));
+        }
+        if corrupt > compared.unwrap_or(0) {
+            say(format!("{at}: pages_corrupt is {corrupt}, more than the pages compared"));
+        }
+        corrupt_pages += corrupt.min(u32::MAX as u64);
+        let failures = r["failures"].as_array().map(Vec::as_slice).unwrap_or_default();
+        if corrupt == 0 && !failures.is_empty() {
+            say(format!("{at}: {} failure(s) listed, but pages_corrupt is 0", failures.len()));
+        }
+        for (j, f) in failures.iter().enumerate() {
+            let layer = f["layer"].as_u64();
+            let unit = f["unit"].as_u64().filter(|u| *u < units);
+            if !layer.is_some_and(|l| p.region.layers.contains(&(l as u32))) {
+                say(format!("{at}: failures[{j}]: layer {} is not one of the region's", show(&f["layer"])));
+            }
+            match unit {
+                None => say(format!("{at}: failures[{j}]: unit {} is not one of its {units}", show(&f["unit"]))),
+                Some(u) => {
+                    let due = p.id_of(cfg.seed, p.decode_unit(u as u32));
+                    if f["id"].as_u64() != Some(due as u64) {
+                        say(format!("{at}: failures[{j}]: id {}, but the plan puts logical id {due} in unit {u}", show(&f["id"])));
+                    }
+                }
+            }
+            if serde_json::from_value::<crate::core::verify::Class>(f["class"].clone()).is_err() {
+                say(format!("{at}: failures[{j}]: class {} is no class", show(&f["class"])));
+            }
+        }
+    }
+    if clean && corrupt_pages > 0 {
+        say(format!("report: outcome: status {status:?}, but {corrupt_pages} region page(s) are corrupt"));
+    }
+}
+
 /// The report's own claims, checked against each other and re-derived from its
 /// configuration (one report, or one ab section), before any dump is looked at:
 ///
@@ -287,6 +389,7 @@ fn self_test_checks(sec: &Value, say: &mut dyn FnMut(String)) {
 ///   one of that request's logical blocks, at its own layer and K/V, of a computed generation
 ///   ([`scenario_identities`]).
 fn report_checks(sec: &Value, say: &mut dyn FnMut(String)) {
+    region_checks(sec, say);
     let failures = sec["failures"].as_array().map(Vec::as_slice).unwrap_or_default();
     let dumped = sec["dump"]["slices_written"].as_u64().unwrap_or(0) as usize;
     let outcome = &sec["outcome"];
