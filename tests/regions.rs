@@ -208,7 +208,19 @@ fn report_check_re_derives_each_regions_layout_and_failures() {
     let v32 = write_config(&d, "v32.json", TINY_V32);
     let b = d.join("b.tgz");
     let (code, out, err) = kvprobe_env(
-        &["run", "--memory", "dram", "--model-config", &v32, "--blocks", "2", "--iterations", "1", "--bundle", b.to_str().unwrap()],
+        &[
+            "run",
+            "--memory",
+            "dram",
+            "--model-config",
+            &v32,
+            "--blocks",
+            "2",
+            "--iterations",
+            "1",
+            "--bundle",
+            b.to_str().unwrap(),
+        ],
         &[("KVPROBE_TEST_LEAVE_OUT_REGION", "indexer")],
     );
     assert_eq!(code, 1, "{out}{err}");
@@ -218,14 +230,22 @@ fn report_check_re_derives_each_regions_layout_and_failures() {
     let files = untar(&b);
     type Edit = Box<dyn Fn(&mut Value)>;
     let cases: Vec<(&str, Edit, &str)> = vec![
-        ("units", Box::new(|v| v["regions"][0]["units"] = 3.into()), "regions[0] (indexer K cache): units is 3, but the run's configuration gives 16"),
+        (
+            "units",
+            Box::new(|v| v["regions"][0]["units"] = 3.into()),
+            "regions[0] (indexer K cache): units is 3, but the run's configuration gives 16",
+        ),
         (
             "stride",
             Box::new(|v| v["regions"][0]["page_stride_bytes"] = 9000.into()),
             "page_stride_bytes is 9000, but the run's configuration gives 8448",
         ),
         ("id", Box::new(|v| v["regions"][0]["failures"][0]["id"] = 7.into()), "failures[0]: id 7, but the plan puts logical id"),
-        ("layer", Box::new(|v| v["regions"][0]["failures"][1]["layer"] = 9.into()), "failures[1]: layer 9 is not one of the region's"),
+        (
+            "layer",
+            Box::new(|v| v["regions"][0]["failures"][1]["layer"] = 9.into()),
+            "failures[1]: layer 9 is not one of the region's",
+        ),
         ("unit", Box::new(|v| v["regions"][0]["failures"][2]["unit"] = 16.into()), "failures[2]: unit 16 is not one of its 16"),
         (
             "clean",
@@ -249,5 +269,94 @@ fn report_check_re_derives_each_regions_layout_and_failures() {
         }
         assert_eq!(code, 1, "{case}: {out}{err}");
         assert!(out.contains(line), "{case}: {out}");
+    }
+}
+
+/// `--inject CLASS:2@REGION --self-test` on a state region (tiny Kimi, KDA: four row runs a
+/// slot, one descriptor each) and an indexer region (tiny DeepSeek-V3.2: two runs a block, one
+/// descriptor): every class is planted twice and detected as predicted, each with the runs the
+/// class must leave wrong, as worked out here from what each fault does to the descriptors.
+#[test]
+fn every_class_planted_in_a_state_and_an_indexer_region_is_detected_as_predicted() {
+    let d = tmpdir("regions-inject");
+    let kimi = write_config(&d, "kimi.json", TINY_KIMI);
+    let v32 = write_config(&d, "v32.json", TINY_V32);
+    for (config, region, runs) in [(&kimi, "state", 4usize), (&v32, "indexer", 2)] {
+        for class in ["bitflip", "drop", "misroute", "stale", "torn"] {
+            let inj = format!("{class}:2@{region}");
+            let ctx = format!("{inj} on {region}");
+            let (code, r, out) = run(
+                &format!("regions-inject-{region}-{class}"),
+                &["--model-config", config, "--inject", &inj, "--self-test"],
+                &[],
+            );
+            assert_eq!(code, 0, "{ctx}: {out}");
+            assert_eq!(r["outcome"]["status"], "self-test-passed", "{ctx}");
+            let g = &r["regions"][0];
+            assert_eq!((g["injections_planted"].as_u64(), g["injections_detected"].as_u64()), (Some(2), Some(2)), "{ctx}: {g}");
+            assert_eq!(g["unexpected_failures"].as_u64(), Some(0), "{ctx}: {g}");
+            let injections = g["injections"].as_array().unwrap();
+            assert_eq!(injections.len(), 2, "{ctx}");
+            for j in injections {
+                let classes: Vec<&str> =
+                    j["predicted"].as_array().unwrap().iter().map(|p| p["class"].as_str().unwrap()).collect();
+                let count = |c: &str| classes.iter().filter(|x| **x == c).count();
+                match class {
+                    // One run's bit: that run alone.
+                    "bitflip" => assert_eq!(classes, ["bitflip"], "{ctx}: {j}"),
+                    // A page's descriptors left out: every run of its decode unit is poison.
+                    "drop" => assert_eq!((count("unwritten"), classes.len()), (runs, runs), "{ctx}: {j}"),
+                    // Page a into b's decode unit: b's runs hold a's rows, a's unit keeps poison.
+                    "misroute" => assert_eq!((count("misplaced"), count("unwritten")), (runs, runs), "{ctx}: {j}"),
+                    "stale" => assert_eq!((count("stale"), classes.len()), (runs, runs), "{ctx}: {j}"),
+                    // A state descriptor covers one run: that run is torn. The indexer's one
+                    // descriptor covers both: a cut in the values tears them and leaves the
+                    // scales unwritten; a cut in the scales tears them alone.
+                    _ if region == "state" => assert_eq!(classes, ["torn"], "{ctx}: {j}"),
+                    _ => assert!(classes == ["torn"] || (count("torn"), count("unwritten")) == (1, 1), "{ctx}: {j}"),
+                }
+                assert_eq!(j["detected"], true, "{ctx}: {j}");
+            }
+            let failures = g["failures"].as_array().unwrap();
+            let predicted: usize = injections.iter().map(|j| j["predicted"].as_array().unwrap().len()).sum();
+            assert_eq!(failures.len(), predicted, "{ctx}: {g}");
+            assert!(failures.iter().all(|f| f["injected"] == true && f["class"] != "late"), "{ctx}: {g}");
+            if class == "bitflip" {
+                assert!(failures.iter().all(|f| f["bit_flips"] == 1), "{ctx}: {g}");
+            }
+            if class == "misroute" {
+                // The rows found are another request's (or block's): a region row of another id.
+                for f in failures.iter().filter(|f| f["class"] == "misplaced") {
+                    assert_eq!(f["observed"]["kv"], "region", "{ctx}: {f}");
+                    assert_ne!(f["observed"]["block"], f["id"], "{ctx}: {f}");
+                }
+            }
+        }
+    }
+    // Without --self-test the planted faults fail the run by region (exit 1): 6 layers × 9
+    // slots (64 MiB / (6 × 1024 tokens × 1152 bytes)).
+    let (code, _, out) = run("regions-inject-plain", &["--model-config", &kimi, "--inject", "stale@state"], &[]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("region KDA state (state, TP rank 0): 1 of 54 page(s) corrupt"), "{out}");
+    // A self-test fails when a region holds damage no planted fault predicts.
+    let (code, _, out) = run(
+        "regions-inject-unexpected",
+        &["--model-config", &kimi, "--inject", "bitflip@state", "--self-test"],
+        &[("KVPROBE_TEST_LEAVE_OUT_REGION", "state")],
+    );
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("corrupt region row runs that no planted fault predicts"), "{out}");
+    // Region classes that do not apply, regions the run does not move.
+    for (args, want) in [
+        (vec!["--model-config", kimi.as_str(), "--inject", "stray@state"], "stray does not apply to a region's pages"),
+        (vec!["--model-config", kimi.as_str(), "--inject", "torn@kv"], "REGION in \"torn@kv\" must be state or indexer"),
+        (vec!["--model-config", kimi.as_str(), "--inject", "torn@indexer"], "this run moves no indexer region"),
+        (vec!["--inject", "torn@state"], "this run moves no state region"),
+    ] {
+        let mut a = vec!["run", "--memory", "dram"];
+        a.extend(args.iter().copied());
+        let (code, out, err) = kvprobe(&a);
+        assert_eq!(code, 2, "{a:?}: {out}{err}");
+        assert!(err.contains(want), "{a:?}: {err}");
     }
 }

@@ -405,9 +405,10 @@ pub(crate) struct RunArgs {
     pub(crate) decode_process: bool,
     /// Sweep: plant a fault per iteration: bitflip, drop, misroute, stale, torn, stray (a write into another
     /// pipeline stage's slot; needs --pipeline-stages 3 or more), head-offset or token-offset (a slice's rows moved one
-    /// head or one token off: class layout), optionally :COUNT. Repeatable.
-    #[arg(long, value_name = "CLASS[:N]")]
-    pub(crate) inject: Vec<Spec>,
+    /// head or one token off: class layout), optionally :COUNT. Repeatable. A hybrid model's state or indexer region:
+    /// CLASS[:N]@state or @indexer (bitflip, drop, misroute, stale or torn; N in each such region per TP rank).
+    #[arg(long, value_name = "CLASS[:N][@REGION]")]
+    pub(crate) inject: Vec<kvprobe::inject::InjectArg>,
     /// Judge kvprobe itself rather than the stack (CI's self-test): exit 0 when every fault planted by --inject (and every unfenced --race mechanism) is detected as predicted and nothing else is corrupt, exit 1 with the reasons otherwise; the JUnit cases pass on the same terms. Needs --inject or an unfenced --race.
     #[arg(long)]
     pub(crate) self_test: bool,
@@ -671,7 +672,24 @@ impl RunArgs {
         c.decode_process = self.decode_process;
         dram_takes_no_device(&c, typed)?;
         self.pair.apply(&mut c, typed)?;
-        c.inject = self.inject.clone();
+        for a in &self.inject {
+            match a {
+                kvprobe::inject::InjectArg::Sweep(spec) => c.inject.push(*spec),
+                kvprobe::inject::InjectArg::Region(r) => c.region_inject.push(r.clone()),
+            }
+        }
+        if !c.region_inject.is_empty() {
+            let plans = kvprobe::sweep::regions::plans(&c)?;
+            if let Some(r) = c.region_inject.iter().find(|r| !plans.iter().any(|p| p.region.kind == r.region)) {
+                return Err(Error::Usage(format!(
+                    "--inject {}:{}@{}: this run moves no {} region (a hybrid model's --model-config has it: kvprobe geometry lists its regions)",
+                    r.kind.name(),
+                    r.count,
+                    r.region,
+                    r.region
+                )));
+            }
+        }
         c.self_test = self.self_test;
         c.min_gbps = self.min_gbps;
         if (self.prefill_tp.is_some() || self.decode_tp.is_some()) && self.pool.geo.tp.is_some() {
@@ -757,7 +775,11 @@ impl RunArgs {
                 &format!("between unequal TP sizes (--prefill-tp {} --decode-tp {})", t.prefill, t.decode),
             )?;
         }
-        if c.self_test && c.inject.is_empty() && c.scenario.as_ref().is_none_or(|s| s.unfenced.is_empty()) {
+        if c.self_test
+            && c.inject.is_empty()
+            && c.region_inject.is_empty()
+            && c.scenario.as_ref().is_none_or(|s| s.unfenced.is_empty())
+        {
             return Err(Error::Usage(
                 "--self-test judges planted faults: give --inject CLASS[:N] (or an unfenced --race with --scenario stacked)"
                     .into(),

@@ -4,7 +4,6 @@
 pub(crate) use clap::{Args, Parser, Subcommand};
 pub(crate) use kvprobe::ab::AbReport;
 pub(crate) use kvprobe::geometry::{Dtype, Layout, Preset};
-pub(crate) use kvprobe::inject::Spec;
 pub(crate) use kvprobe::mechanism::{Mechanism, RaceSpec, Scenario};
 pub(crate) use kvprobe::pool::MemoryKind;
 pub(crate) use kvprobe::report::Report;

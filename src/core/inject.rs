@@ -108,6 +108,54 @@ impl std::str::FromStr for Spec {
     }
 }
 
+/// One `--inject CLASS[:COUNT]@REGION` flag: faults planted in a hybrid model's state or
+/// indexer region (`REGION` = `state` or `indexer`, a region's kind) rather than in the
+/// attention sweep ([`crate::sweep::regions`]). The classes that apply to a region's pages:
+/// bitflip, drop, misroute, stale, torn; COUNT faults in each region of that kind on each TP
+/// rank the run moves.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegionSpec {
+    /// What to inject.
+    pub kind: Kind,
+    /// How many in each region of that kind, per TP rank (≥ 1).
+    pub count: u32,
+    /// The region kind (`state`, `indexer`).
+    pub region: String,
+}
+
+/// The region kinds `@REGION` names.
+pub const REGION_KINDS: &[&str] = &["state", "indexer"];
+
+/// One `--inject` value: a fault of the attention sweep ([`Spec`]) or of a region
+/// ([`RegionSpec`], written with `@REGION`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum InjectArg {
+    /// `CLASS[:COUNT]`.
+    Sweep(Spec),
+    /// `CLASS[:COUNT]@REGION`.
+    Region(RegionSpec),
+}
+
+impl std::str::FromStr for InjectArg {
+    type Err = String;
+    /// Parses `CLASS[:COUNT]` ([`Spec`]) or `CLASS[:COUNT]@REGION` (REGION `state` or `indexer`,
+    /// CLASS one of bitflip, drop, misroute, stale, torn).
+    fn from_str(s: &str) -> std::result::Result<InjectArg, String> {
+        let Some((spec, region)) = s.split_once('@') else { return s.parse().map(InjectArg::Sweep) };
+        let Spec { kind, count } = spec.parse()?;
+        if !REGION_KINDS.contains(&region) {
+            return Err(format!("REGION in {s:?} must be state or indexer (a hybrid model's region kind)"));
+        }
+        if !matches!(kind, Kind::Bitflip | Kind::Drop | Kind::Misroute | Kind::Stale | Kind::Torn) {
+            return Err(format!(
+                "{} does not apply to a region's pages (its rows have no heads, tokens or pipeline stages): give bitflip, drop, misroute, stale or torn with @{region}",
+                kind.name()
+            ));
+        }
+        Ok(InjectArg::Region(RegionSpec { kind, count, region: region.to_string() }))
+    }
+}
+
 /// One planned injection in one iteration, by source-side coordinates.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Action {

@@ -549,6 +549,7 @@ fn breakdown(
         iterations: cfg.iterations,
         seed: cfg.seed,
         inject: Vec::new(),
+        region_inject: Vec::new(),
         self_test: false,
         backend: cfg.backend.clone(),
         backend_params: cfg.backend_params.clone(),

@@ -690,7 +690,31 @@ pub fn self_test_verdict(cfg: &RunConfig, report: &Report) -> std::result::Resul
     let s = &report.summary;
     let unfenced = cfg.scenario.as_ref().map_or(0, |sc| sc.unfenced.len());
     let mut why = Vec::new();
-    if s.injections_planted == 0 && unfenced == 0 {
+    // A hybrid model's regions (--inject CLASS[:N]@REGION): each region's own counts.
+    let region_planted: u64 = report.regions.iter().map(|r| r.injections_planted).sum();
+    let region_detected: u64 = report.regions.iter().map(|r| r.injections_detected).sum();
+    let region_unexpected: u64 = report.regions.iter().map(|r| r.unexpected_failures).sum();
+    let region_asked: u64 = cfg
+        .region_inject
+        .iter()
+        .map(|spec| spec.count as u64 * report.regions.iter().filter(|r| r.kind == spec.region).count() as u64)
+        .sum();
+    if region_planted < region_asked {
+        why.push(format!(
+            "{} of the {region_asked} region faults asked for were never planted (the region has too few pages)",
+            region_asked - region_planted
+        ));
+    }
+    if region_detected < region_planted {
+        why.push(format!(
+            "{} of {region_planted} faults planted in regions not detected as predicted (regions[].injections[].detected)",
+            region_planted - region_detected
+        ));
+    }
+    if region_unexpected > 0 {
+        why.push(format!("{region_unexpected} corrupt region row runs that no planted fault predicts"));
+    }
+    if s.injections_planted == 0 && unfenced == 0 && region_planted == 0 {
         why.push("nothing was planted (give --inject, or an unfenced --race with --scenario stacked)".to_string());
     }
     // A scenario plants one fault in a request that carries one; a short run may carry fewer

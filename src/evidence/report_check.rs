@@ -256,7 +256,24 @@ fn self_test_checks(sec: &Value, say: &mut dyn FnMut(String)) {
     }
     let (planted, detected) = (s["injections_planted"].as_u64(), s["injections_detected"].as_u64());
     let races = sec["scenario"]["races"].as_array().into_iter().flatten().filter(|r| r["fencing"] == "unfenced").count();
-    if planted != detected || (planted.unwrap_or(0) == 0 && races == 0) {
+    let regions = sec["regions"].as_array().map(Vec::as_slice).unwrap_or_default();
+    let region_planted: u64 = regions.iter().map(|r| r["injections_planted"].as_u64().unwrap_or(0)).sum();
+    for (k, r) in regions.iter().enumerate() {
+        if r["injections_planted"] != r["injections_detected"] || r["unexpected_failures"].as_u64() != Some(0) {
+            say(format!(
+                "report: outcome: status {status:?}, but regions[{k}] detected {} of {} planted faults with {} unexpected failures",
+                show(&r["injections_detected"]),
+                show(&r["injections_planted"]),
+                show(&r["unexpected_failures"])
+            ));
+        }
+        if let Some(i) = r["failures"].as_array().into_iter().flatten().position(|f| f["injected"] != true) {
+            say(format!(
+                "report: outcome: status {status:?}, but regions[{k}].failures[{i}] is not a planted fault found as predicted (injected)"
+            ));
+        }
+    }
+    if planted != detected || (planted.unwrap_or(0) == 0 && races == 0 && region_planted == 0) {
         say(format!(
             "report: outcome: status {status:?}, but summary.injections_detected is {} of {} planted",
             show(&s["injections_detected"]),
@@ -355,7 +372,10 @@ fn region_checks(sec: &Value, say: &mut dyn FnMut(String)) {
                 Some(u) => {
                     let due = p.id_of(cfg.seed, p.decode_unit(u as u32));
                     if f["id"].as_u64() != Some(due as u64) {
-                        say(format!("{at}: failures[{j}]: id {}, but the plan puts logical id {due} in unit {u}", show(&f["id"])));
+                        say(format!(
+                            "{at}: failures[{j}]: id {}, but the plan puts logical id {due} in unit {u}",
+                            show(&f["id"])
+                        ));
                     }
                 }
             }

@@ -475,8 +475,49 @@ pub struct RegionReport {
     /// Row runs compared (a page's conv sub-projections and state, or an indexer block's
     /// values and scales).
     pub runs_compared: u64,
+    /// Faults planted in the region (`--inject CLASS[:N]@REGION`).
+    #[serde(default)]
+    pub injections_planted: u64,
+    /// Of those, the ones whose every predicted run was found with its class and exactly its
+    /// predicted bytes.
+    #[serde(default)]
+    pub injections_detected: u64,
+    /// Wrong row runs no planted fault predicts (all of them when nothing was planted).
+    #[serde(default)]
+    pub unexpected_failures: u64,
+    /// The faults planted, each with the runs it predicts.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub injections: Vec<RegionInjection>,
     /// Wrong row runs, at most `--max-failures`.
     pub failures: Vec<RegionFailure>,
+}
+
+/// One fault planted in a region's pages (`--inject CLASS[:N]@REGION`).
+#[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
+pub struct RegionInjection {
+    /// `bitflip`, `drop`, `misroute`, `stale`, `torn`.
+    pub kind: String,
+    /// The model layer.
+    pub layer: u32,
+    /// Prefill's unit it acted on.
+    pub unit: u32,
+    /// The runs it must leave wrong, each with its class (their exact bytes are checked too).
+    pub predicted: Vec<RegionPredicted>,
+    /// Every predicted run found with its class and exactly its predicted bytes.
+    pub detected: bool,
+}
+
+/// One row run a region fault predicts.
+#[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
+pub struct RegionPredicted {
+    /// The model layer.
+    pub layer: u32,
+    /// Decode's unit.
+    pub unit: u32,
+    /// The run (`conv q`, `recurrent`, `k`, ...).
+    pub part: String,
+    /// The class it must have.
+    pub class: crate::core::verify::Class,
 }
 
 /// One wrong row run of a region page.
@@ -498,6 +539,10 @@ pub struct RegionFailure {
     /// Flipped bits (bitflip only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bit_flips: Option<u64>,
+    /// A planted fault found as predicted (its class and exactly its predicted bytes); written
+    /// only when true.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub injected: bool,
 }
 
 pub use crate::mem::pool::KernelSeconds;

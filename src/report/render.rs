@@ -365,6 +365,12 @@ pub fn render_with(r: &Report, json: Option<&str>) -> String {
             g.pages_compared,
             g.pages_corrupt
         );
+        if g.injections_planted > 0 {
+            out += &format!(
+                "  injections: {} planted, {} detected as predicted, {} unexpected failures\n",
+                g.injections_planted, g.injections_detected, g.unexpected_failures
+            );
+        }
         for f in g.failures.iter().take(3) {
             out += &format!(
                 "  {} layer {} {} {} {} (id {}{})\n",

@@ -83,6 +83,10 @@ pub struct RunConfig {
     pub seed: u64,
     /// Faults to plant.
     pub inject: Vec<Spec>,
+    /// Faults to plant in a hybrid model's state or indexer regions (`--inject CLASS[:N]@REGION`,
+    /// [`regions`]). Written only when given.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub region_inject: Vec<crate::core::inject::RegionSpec>,
     /// `--self-test`: the run judges the probe itself, not the stack: exit 0 when every
     /// planted fault (`inject`; a scenario's unfenced race mechanisms) was detected as
     /// predicted and nothing else was found corrupt ([`self_test_verdict`]). Written only
@@ -188,6 +192,7 @@ impl RunConfig {
             fingerprint: Default::default(),
             seed: DEFAULT_SEED,
             inject: Vec::new(),
+            region_inject: Vec::new(),
             self_test: false,
             backend: DEFAULT_BACKEND.to_string(),
             backend_params: Default::default(),

@@ -23,12 +23,15 @@
 use crate::core::fingerprint::{self, logical_block};
 use crate::core::geometry::{Dtype, Geometry, KvPart, Layout, SliceCoord};
 use crate::core::hybrid::{Region, RegionUnit, RowRun, run_rows};
+use crate::core::inject::Kind;
 use crate::core::verify::{self, Class};
 use crate::error::{Error, Result};
 use crate::mem::pool::{KvPool, MemoryKind};
-use crate::report::{RegionFailure, RegionReport, Report};
+use crate::report::{RegionFailure, RegionInjection, RegionReport, Report};
 use crate::sweep::RunConfig;
 use crate::xfer::transport::{self, Endpoint, Pair, TransportOptions, XferReq};
+use rand::{Rng, SeedableRng};
+use std::collections::{BTreeMap, HashSet};
 use std::time::{Duration, Instant};
 
 /// Most bytes one region's pool takes on each side (64 MiB): the unit count is cut to fit,
@@ -46,8 +49,9 @@ pub const MAX_UNITS: u32 = 16;
 /// one is refused by name.
 pub const MAX_REGION_POOL_HARD_BYTES: u64 = 4 << 30;
 
-/// The generation the region pass's rows carry (its one pass).
-pub const REGION_GENERATION: u32 = 1;
+/// The generation the region pass's rows carry (its one pass; `--inject stale@REGION` leaves a
+/// page at the generation before it).
+pub const REGION_GENERATION: u32 = 2;
 
 /// The poison iteration of decode's region pages (the one pass).
 pub const REGION_POISON_ITERATION: u32 = 1;
@@ -190,6 +194,166 @@ fn left_out(r: &Region) -> bool {
     std::env::var(crate::sys::test_hooks::LEAVE_OUT_REGION).is_ok_and(|v| v == r.kind || v == r.name)
 }
 
+/// One fault planted in a region's pages (`--inject CLASS[:N]@REGION`), by prefill's
+/// coordinates: layer index `li`, prefill unit `unit`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RegionFault {
+    /// What is planted.
+    pub kind: Kind,
+    /// Layer index in the region.
+    pub li: u32,
+    /// Prefill's unit.
+    pub unit: u32,
+    /// Misroute: the prefill unit whose decode unit receives `unit`'s page (neither page's own
+    /// descriptors are sent).
+    pub other: u32,
+    /// Bitflip and torn: the row run hit.
+    pub run: usize,
+    /// Bitflip: the byte offset in the run; torn: the bytes of the run that still arrive (a
+    /// multiple of 16, at least 16, less than the run).
+    pub offset: u64,
+    /// Bitflip: the bit flipped (0..8).
+    pub bit: u8,
+}
+
+/// The faults `cfg`'s `--inject CLASS[:N]@REGION` plant in region `p`: N of each class named
+/// for `p`'s kind, each on pages no other fault touches (a misroute takes two of one layer),
+/// drawn from a generator seeded by the run's seed, the rank and the region; fewer when the
+/// region has too few pages (the self-test then says how many were never planted).
+pub fn plan_faults(cfg: &RunConfig, p: &RegionPlan) -> Vec<RegionFault> {
+    let salt = ((p.rank as u64) << 32) ^ p.region.layers.first().copied().unwrap_or(0) as u64 ^ 0x5245_4749_4f4e;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(cfg.seed ^ salt);
+    let layers = p.region.layers.len() as u32;
+    let mut used = HashSet::new();
+    let mut out = Vec::new();
+    for spec in cfg.region_inject.iter().filter(|s| s.region == p.region.kind) {
+        for _ in 0..spec.count {
+            // A few draws for free pages; a region too small for more keeps what it has.
+            let Some((li, unit, other)) = (0..64).find_map(|_| {
+                let li = rng.random_range(0..layers);
+                let unit = rng.random_range(0..p.units);
+                let other = if spec.kind == Kind::Misroute { (unit + rng.random_range(1..p.units)) % p.units } else { unit };
+                (!used.contains(&(li, unit)) && !used.contains(&(li, other))).then_some((li, unit, other))
+            }) else {
+                break;
+            };
+            used.insert((li, unit));
+            used.insert((li, other));
+            let run = rng.random_range(0..p.runs.len());
+            let bytes = p.runs[run].rows as u64 * p.runs[run].row_bytes as u64;
+            let (offset, bit) = match spec.kind {
+                Kind::Bitflip => (rng.random_range(0..bytes), rng.random_range(0..8u8)),
+                Kind::Torn => (16 * rng.random_range(1..bytes / 16), 0),
+                _ => (0, 0),
+            };
+            out.push(RegionFault { kind: spec.kind, li, unit, other, run, offset, bit });
+        }
+    }
+    out
+}
+
+impl RegionPlan {
+    /// Prefill's page (layer index `li`, unit `i`) as the run writes it, `faults` applied
+    /// (a stale page at the generation before; a flipped bit): `page_stride_bytes` bytes, the
+    /// padding holding prefill's own poison.
+    pub fn prefill_page(&self, seed: u64, li: u32, i: u32, faults: &[RegionFault]) -> Vec<u8> {
+        let mut page = vec![0u8; self.region.page_stride_bytes as usize];
+        fingerprint::poison(&mut page, self.page_slot(li, i), 0);
+        let here = |k: Kind| faults.iter().find(|f| f.kind == k && f.li == li && f.unit == i);
+        let generation = if here(Kind::Stale).is_some() { REGION_GENERATION - 1 } else { REGION_GENERATION };
+        let layer = self.region.layers[li as usize];
+        for run in &self.runs {
+            let rows = run_rows(run, layer, self.id_of(seed, i), generation);
+            let at = run.offset as usize;
+            fingerprint::fill(&mut page[at..at + rows.len() as usize], seed, &rows);
+        }
+        if let Some(f) = here(Kind::Bitflip) {
+            page[(self.runs[f.run].offset + f.offset) as usize] ^= 1 << f.bit;
+        }
+        page
+    }
+
+    /// The descriptors of the whole region with `faults` applied: a dropped page's left out, a
+    /// misrouted page sent to the other unit's decode unit (both pages' own left out), a torn
+    /// run's descriptor cut to end `offset` bytes into the run.
+    pub fn faulted_pairs(&self, faults: &[RegionFault]) -> Vec<Pair> {
+        let mut pairs = self.pairs();
+        for f in faults {
+            let page = |u: u32| SliceCoord { layer: f.li, kv: KvPart::Latent, block: u };
+            match f.kind {
+                Kind::Drop => pairs.retain(|x| x.src != page(f.unit)),
+                Kind::Misroute => {
+                    let moved: Vec<Pair> = pairs
+                        .iter()
+                        .filter(|x| x.src == page(f.unit))
+                        .map(|x| Pair { dst: page(self.decode_unit(f.other)), ..*x })
+                        .collect();
+                    pairs.retain(|x| x.src != page(f.unit) && x.src != page(f.other));
+                    pairs.extend(moved);
+                }
+                Kind::Torn => {
+                    let at = self.runs[f.run].offset;
+                    if let Some(x) = pairs.iter_mut().find(|x| x.src == page(f.unit) && x.src_off <= at && at < x.src_off + x.len)
+                    {
+                        x.len = at + f.offset - x.src_off;
+                    }
+                }
+                _ => {}
+            }
+        }
+        pairs
+    }
+}
+
+/// Per (layer index, decode unit, run index): the fault's index, the class and the exact bytes
+/// predicted.
+type Predictions = BTreeMap<(u32, u32, usize), (usize, Class, Vec<u8>)>;
+
+/// What each fault predicts, per (layer index, decode unit, run): the class and the exact
+/// bytes the run must hold — decode's poison where nothing of the run was written, the bytes of
+/// the (faulted) prefill pages the pairs move where something was — for every run of a page a
+/// fault reaches that differs from its expected rows. Keyed with the fault's index.
+fn predict(cfg: &RunConfig, p: &RegionPlan, faults: &[RegionFault], pairs: &[Pair]) -> Predictions {
+    let mut out = BTreeMap::new();
+    let stride = p.region.page_stride_bytes as usize;
+    for (n, f) in faults.iter().enumerate() {
+        let units = if f.kind == Kind::Misroute { vec![f.unit, f.other] } else { vec![f.unit] };
+        for i in units {
+            let u = p.decode_unit(i);
+            let mut page = vec![0u8; stride];
+            fingerprint::poison(&mut page, p.page_slot(f.li, u), REGION_POISON_ITERATION);
+            for x in pairs.iter().filter(|x| x.dst.layer == f.li && x.dst.block == u) {
+                let src = p.prefill_page(cfg.seed, f.li, x.src.block, faults);
+                let (s, d, l) = (x.src_off as usize, x.dst_off as usize, x.len as usize);
+                page[d..d + l].copy_from_slice(&src[s..s + l]);
+            }
+            let mut poison = vec![0u8; stride];
+            fingerprint::poison(&mut poison, p.page_slot(f.li, u), REGION_POISON_ITERATION);
+            let layer = p.region.layers[f.li as usize];
+            for (k, run) in p.runs.iter().enumerate() {
+                let rows = run_rows(run, layer, p.id_of(cfg.seed, i), REGION_GENERATION);
+                let at = run.offset as usize;
+                let got = &page[at..at + rows.len() as usize];
+                if fingerprint::check(got, cfg.seed, &rows).0 == 0 {
+                    continue;
+                }
+                let class = if got == &poison[at..at + rows.len() as usize] {
+                    Class::Unwritten
+                } else {
+                    match f.kind {
+                        Kind::Bitflip => Class::Bitflip,
+                        Kind::Stale => Class::Stale,
+                        Kind::Misroute => Class::Misplaced,
+                        _ => Class::Torn,
+                    }
+                };
+                out.insert((f.li, u, k), (n, class, got.to_vec()));
+            }
+        }
+    }
+    out
+}
+
 fn pool(cfg: &RunConfig, g: &Geometry, device: usize) -> Result<KvPool> {
     match cfg.memory {
         MemoryKind::Dram => KvPool::host(g, cfg.seed),
@@ -231,7 +395,8 @@ pub fn run(cfg: &RunConfig, plans: &[RegionPlan], report: &mut Report) -> Result
         }
         report.regions.push(r);
     }
-    if bad.is_empty() { Ok(()) } else { Err(Error::Corrupt(bad.join("; "))) }
+    // A self-test's planted faults are judged by its verdict (crate::drive::run::self_test_verdict).
+    if bad.is_empty() || cfg.self_test { Ok(()) } else { Err(Error::Corrupt(bad.join("; "))) }
 }
 
 fn unit_name(u: RegionUnit) -> &'static str {
@@ -248,18 +413,11 @@ fn move_one(cfg: &RunConfig, p: &RegionPlan) -> Result<RegionReport> {
     let layers = p.region.layers.len() as u32;
     let mut src = pool(cfg, &g, cfg.prefill_device)?;
     let mut dst = pool(cfg, &g, cfg.decode_device)?;
+    let faults = plan_faults(cfg, p);
     let mut page = vec![0u8; stride];
     for li in 0..layers {
-        let layer = p.region.layers[li as usize];
         for i in 0..p.units {
-            // Prefill's padding holds its own poison: never moved, never read.
-            fingerprint::poison(&mut page, p.page_slot(li, i), 0);
-            for run in &p.runs {
-                let rows = run_rows(run, layer, p.id_of(seed, i), REGION_GENERATION);
-                let at = run.offset as usize;
-                fingerprint::fill(&mut page[at..at + rows.len() as usize], seed, &rows);
-            }
-            src.write_slice(SliceCoord { layer: li, kv: KvPart::Latent, block: i }, &page)?;
+            src.write_slice(SliceCoord { layer: li, kv: KvPart::Latent, block: i }, &p.prefill_page(seed, li, i, &faults))?;
             fingerprint::poison(&mut page, p.page_slot(li, i), REGION_POISON_ITERATION);
             dst.write_slice(SliceCoord { layer: li, kv: KvPart::Latent, block: i }, &page)?;
         }
@@ -270,7 +428,11 @@ fn move_one(cfg: &RunConfig, p: &RegionPlan) -> Result<RegionReport> {
     let mut decode = Endpoint::with_options(&format!("{tag}-decode"), &cfg.backend, dst, &opts)?;
     decode.connect(prefill.info()?)?;
     prefill.connect(decode.info()?)?;
-    let pairs = if left_out(&p.region) { Vec::new() } else { p.pairs() };
+    let pairs = if left_out(&p.region) { Vec::new() } else { p.faulted_pairs(&faults) };
+    let predicted = predict(cfg, p, &faults, &pairs);
+    let mut met = vec![0usize; faults.len()];
+    let mut due = vec![0usize; faults.len()];
+    predicted.values().for_each(|(n, _, _)| due[*n] += 1);
     let moved: u64 = pairs.iter().map(|x| x.len).sum();
     let mut seconds = 0.0;
     if !pairs.is_empty() {
@@ -302,6 +464,10 @@ fn move_one(cfg: &RunConfig, p: &RegionPlan) -> Result<RegionReport> {
         pages_compared: 0,
         pages_corrupt: 0,
         runs_compared: 0,
+        injections_planted: faults.len() as u64,
+        injections_detected: 0,
+        unexpected_failures: 0,
+        injections: Vec::new(),
         failures: Vec::new(),
     };
     let dst = &decode.pool;
@@ -321,9 +487,20 @@ fn move_one(cfg: &RunConfig, p: &RegionPlan) -> Result<RegionReport> {
                     continue;
                 }
                 corrupt = true;
+                let v = verify::classify(got, &rows, seed, p.page_slot(li, u), REGION_POISON_ITERATION);
+                // A planted fault's run counts as predicted only with its class and exactly its
+                // predicted bytes.
+                let injected = match predicted.get(&(li, u, k)) {
+                    Some((n, class, bytes)) if *class == v.class && bytes.as_slice() == got => {
+                        met[*n] += 1;
+                        true
+                    }
+                    _ => false,
+                };
+                out.unexpected_failures += !injected as u64;
                 if out.failures.len() < cfg.max_failures {
-                    let v = verify::classify(got, &rows, seed, p.page_slot(li, u), REGION_POISON_ITERATION);
                     out.failures.push(RegionFailure {
+                        injected,
                         layer,
                         part: p.run_names.get(k).cloned().unwrap_or_else(|| format!("part {}", run.part)),
                         unit: u,
@@ -336,6 +513,26 @@ fn move_one(cfg: &RunConfig, p: &RegionPlan) -> Result<RegionReport> {
             }
             out.pages_corrupt += corrupt as u64;
         }
+    }
+    for (n, f) in faults.iter().enumerate() {
+        let detected = met[n] == due[n] && due[n] > 0;
+        out.injections_detected += detected as u64;
+        let mut predicted_runs: Vec<(u32, u32, String, Class)> = predicted
+            .iter()
+            .filter(|(_, (m, _, _))| *m == n)
+            .map(|((li, u, k), (_, class, _))| (p.region.layers[*li as usize], *u, p.run_names[*k].clone(), *class))
+            .collect();
+        predicted_runs.sort_by_key(|r| (r.1, r.2.clone()));
+        out.injections.push(RegionInjection {
+            kind: f.kind.name().into(),
+            layer: p.region.layers[f.li as usize],
+            unit: f.unit,
+            predicted: predicted_runs
+                .into_iter()
+                .map(|(layer, unit, part, class)| crate::report::RegionPredicted { layer, unit, part, class })
+                .collect(),
+            detected,
+        });
     }
     Ok(out)
 }
