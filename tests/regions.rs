@@ -360,3 +360,50 @@ fn every_class_planted_in_a_state_and_an_indexer_region_is_detected_as_predicted
         assert!(err.contains(want), "{a:?}: {err}");
     }
 }
+
+/// On a GPU (VRAM pools, one GPU: both sides' region pools on it): Kimi-K3 at TP 8 moves its
+/// KDA state clean with READ and WRITE, every region class planted is detected as predicted,
+/// and a region left out fails by name. Skips without a GPU.
+#[test]
+fn regions_move_and_verify_on_vram() {
+    if !crate::common::gpu_or_skip("regions_move_and_verify_on_vram") {
+        return;
+    }
+    let k3 = shipped("kimi-k3.json");
+    for op in ["read", "write"] {
+        let d = tmpdir("regions-vram");
+        let p = d.join("r.json");
+        let (code, out, err) = kvprobe(&[
+            "run",
+            "--memory",
+            "vram",
+            "--model-config",
+            &k3,
+            "--tp",
+            "8",
+            "--iterations",
+            "1",
+            "--op",
+            op,
+            "--report",
+            p.to_str().unwrap(),
+        ]);
+        assert_eq!(code, 0, "{op}: {out}{err}");
+        let r = read_report(&p);
+        assert_region(&r["regions"][0], ("state", "KDA state", 69, 814_080, 884_736, 4, 4), op);
+    }
+    let mut args =
+        vec!["run", "--memory", "vram", "--model-config", k3.as_str(), "--tp", "8", "--iterations", "1", "--self-test"];
+    for c in ["bitflip:2@state", "drop@state", "misroute@state", "stale@state", "torn:2@state"] {
+        args.extend(["--inject", c]);
+    }
+    let (code, out, err) = kvprobe(&args);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("injections: 7 planted, 7 detected as predicted, 0 unexpected failures"), "{out}");
+    let (code, out, err) = kvprobe_env(
+        &["run", "--memory", "vram", "--model-config", &k3, "--tp", "8", "--iterations", "1"],
+        &[("KVPROBE_TEST_LEAVE_OUT_REGION", "state")],
+    );
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(err.contains("region KDA state (state, TP rank 0) was not moved"), "{err}");
+}
