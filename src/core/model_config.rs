@@ -792,7 +792,7 @@ pub fn describe(g: &Geometry, model: Option<&ModelInfo>) -> String {
             }
             let _ = writeln!(
                 s,
-                "transfer:     kvprobe run moves every region in one process (the attention sweep, then each state and indexer region); scenarios, ab, --peer, --decode-process and unequal TP sizes refuse this model for now"
+                "transfer:     kvprobe run moves every region in one process (the attention sweep, then each state and indexer region); scenarios, ab, --peer and --decode-process refuse this model for now"
             );
         }
     }

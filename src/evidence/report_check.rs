@@ -337,7 +337,8 @@ fn region_checks(sec: &Value, say: &mut dyn FnMut(String)) {
             ("units", Value::from(units)),
             ("page_bytes", Value::from(p.region.page_bytes)),
             ("page_stride_bytes", Value::from(p.region.page_stride_bytes)),
-            ("descriptors_per_page", Value::from(p.region.descriptors.len())),
+            ("descriptors_per_page", Value::from(p.descriptors_per_page())),
+            ("prefill_ranks", Value::from(p.sources.iter().map(|s| s.rank).collect::<Vec<_>>())),
         ];
         for (field, v) in want {
             if r[field] != v {
@@ -345,7 +346,7 @@ fn region_checks(sec: &Value, say: &mut dyn FnMut(String)) {
             }
         }
         let moved = r["bytes_moved"].as_u64().unwrap_or(u64::MAX);
-        let all: u64 = p.pairs().iter().map(|x| x.len).sum();
+        let all = p.bytes();
         if moved != all && moved != 0 {
             say(format!("{at}: bytes_moved is {moved}, but its descriptors move {all} (or 0, left out)"));
         }

@@ -462,8 +462,13 @@ pub struct RegionReport {
     pub page_bytes: u64,
     /// Bytes from one page to the next (a state page padded to the attention page).
     pub page_stride_bytes: u64,
-    /// NIXL descriptors per page (a state slot: one per conv sub-projection, then the state).
+    /// NIXL descriptors per decode page, over every prefill rank read (a state slot between
+    /// equal TP sizes: one per conv sub-projection, then the state).
     pub descriptors_per_page: u32,
+    /// The prefill TP ranks the pages were read from (the same rank between equal TP sizes;
+    /// each rank holding part of the page's rows otherwise).
+    #[serde(default)]
+    pub prefill_ranks: Vec<u32>,
     /// Bytes the transfer moved (the descriptors' sum; 0 for a region left out).
     pub bytes_moved: u64,
     /// Seconds from the request's post to its notification.

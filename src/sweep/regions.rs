@@ -69,6 +69,54 @@ pub struct RegionPlan {
     pub run_names: Vec<String>,
     /// Units (state slots or indexer blocks) of each side's pool.
     pub units: u32,
+    /// The prefill TP ranks this decode rank reads the region from, each with its pages'
+    /// layout and the descriptors of one page (one source between equal TP sizes: the same
+    /// rank, vLLM's descriptors).
+    pub sources: Vec<RegionSource>,
+}
+
+/// One prefill TP rank a decode rank's region pages come from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RegionSource {
+    /// The prefill rank.
+    pub rank: u32,
+    /// Bytes from one of its pages to the next.
+    pub page_stride_bytes: u64,
+    /// Its pages' row runs (cut in rows of the larger TP size's chunks, so that global rows
+    /// name the same bytes on both sides).
+    pub runs: Vec<RowRun>,
+    /// The descriptors of one page: (prefill byte offset, decode byte offset, bytes).
+    pub descriptors: Vec<(u64, u64, u64)>,
+}
+
+/// The descriptors moving what decode's `runs` need from each of the prefill ranks' `sources`
+/// (their runs): per part, each overlap of global rows a decode run has with a source run not
+/// taken from an earlier source (a section every rank holds whole is read once, from the
+/// first). Errors: usage when two overlapping runs are cut in rows of different sizes.
+fn overlaps(runs: &[RowRun], sources: &mut [RegionSource]) -> Result<()> {
+    let mut covered: Vec<(u32, u64, u64)> = Vec::new();
+    for src in sources.iter_mut() {
+        for d in runs {
+            for s in src.runs.iter().filter(|s| s.part == d.part) {
+                let (a, b) = (d.first_row as u64, d.first_row as u64 + d.rows as u64);
+                let (c, e) = (s.first_row as u64, s.first_row as u64 + s.rows as u64);
+                let (lo, hi) = (a.max(c), b.min(e));
+                if lo >= hi || covered.iter().any(|&(part, x, y)| part == d.part && x < hi && lo < y) {
+                    continue;
+                }
+                if s.row_bytes != d.row_bytes {
+                    return Err(Error::Usage(format!(
+                        "region rows of part {} are {} bytes on prefill rank {} and {} on decode: they cannot be matched",
+                        d.part, s.row_bytes, src.rank, d.row_bytes
+                    )));
+                }
+                let r = d.row_bytes as u64;
+                src.descriptors.push((s.offset + (lo - c) * r, d.offset + (lo - a) * r, (hi - lo) * r));
+                covered.push((d.part, lo, hi));
+            }
+        }
+    }
+    Ok(())
 }
 
 impl RegionPlan {
@@ -77,7 +125,12 @@ impl RegionPlan {
     /// fingerprint is never used for it). Errors: usage (exit 2) when the page stride is not a
     /// multiple of 16 bytes or the pool would exceed [`MAX_REGION_POOL_HARD_BYTES`].
     pub fn pool_geometry(&self) -> Result<Geometry> {
-        let stride = self.region.page_stride_bytes;
+        self.pool_geometry_of(self.region.page_stride_bytes)
+    }
+
+    /// [`RegionPlan::pool_geometry`] for pages `stride` bytes apart (a prefill rank's, between
+    /// unequal TP sizes).
+    pub fn pool_geometry_of(&self, stride: u64) -> Result<Geometry> {
         let head = (2..=2048u64)
             .rev()
             .map(|k| k * 16)
@@ -130,20 +183,38 @@ impl RegionPlan {
         li * self.units + u
     }
 
-    /// The NIXL descriptors of the whole region: per layer, per prefill unit, the page's
-    /// descriptors ([`Region::descriptors`]) from prefill's unit to [`RegionPlan::decode_unit`].
-    pub fn pairs(&self) -> Vec<Pair> {
+    /// The NIXL descriptors of the whole region from source `k`
+    /// ([`RegionPlan::sources`]): per layer, per prefill unit, the page's descriptors from
+    /// prefill's unit to [`RegionPlan::decode_unit`].
+    pub fn pairs_of(&self, k: usize) -> Vec<Pair> {
         let mut out = Vec::new();
+        let Some(src) = self.sources.get(k) else { return out };
         for li in 0..self.region.layers.len() as u32 {
             for i in 0..self.units {
-                let src = SliceCoord { layer: li, kv: KvPart::Latent, block: i };
-                let dst = SliceCoord { layer: li, kv: KvPart::Latent, block: self.decode_unit(i) };
-                for d in &self.region.descriptors {
-                    out.push(Pair { src, dst, len: d.bytes, src_off: d.offset, dst_off: d.offset });
+                let s = SliceCoord { layer: li, kv: KvPart::Latent, block: i };
+                let d = SliceCoord { layer: li, kv: KvPart::Latent, block: self.decode_unit(i) };
+                for &(src_off, dst_off, len) in &src.descriptors {
+                    out.push(Pair { src: s, dst: d, len, src_off, dst_off });
                 }
             }
         }
         out
+    }
+
+    /// [`RegionPlan::pairs_of`] the first source (the only one between equal TP sizes).
+    pub fn pairs(&self) -> Vec<Pair> {
+        self.pairs_of(0)
+    }
+
+    /// NIXL descriptors one decode page takes, over every source (vLLM's per-section ones
+    /// between equal TP sizes).
+    pub fn descriptors_per_page(&self) -> u32 {
+        self.sources.iter().map(|s| s.descriptors.len() as u32).sum()
+    }
+
+    /// Bytes the whole region moves from every source.
+    pub fn bytes(&self) -> u64 {
+        (0..self.sources.len()).flat_map(|k| self.pairs_of(k)).map(|x| x.len).sum()
     }
 }
 
@@ -161,27 +232,52 @@ pub fn units_for(r: &Region) -> u32 {
 pub fn plans(cfg: &RunConfig) -> Result<Vec<RegionPlan>> {
     let Some(model) = &cfg.model else { return Ok(Vec::new()) };
     let Some(hy) = model.kv.hybrid.as_ref().filter(|h| h.any()) else { return Ok(Vec::new()) };
-    let (tp, ranks) = match cfg.tp {
-        Some(t) if t.prefill != t.decode => {
-            return Err(Error::Usage(format!(
-                "a hybrid model's state and indexer regions are moved between equal TP sizes only (--prefill-tp {} --decode-tp {}): not built yet",
-                t.prefill, t.decode
-            )));
-        }
-        Some(t) => (t.prefill, t.prefill),
-        None => (model.tp.tp, 1),
+    let (ptp, dtp, ranks) = match cfg.tp {
+        Some(t) => (t.prefill, t.decode, t.decode),
+        None => (model.tp.tp, model.tp.tp, 1),
     };
-    let regions = model.kv.rank_regions(&cfg.geometry, tp).map_err(|e| Error::Usage(format!("model config: {e}")))?;
+    let row_tp = ptp.max(dtp);
+    let usage = |e: crate::core::model_config::ModelConfigError| Error::Usage(format!("model config: {e}"));
+    let prefill_regions = model.kv.rank_regions(&cfg.geometry, ptp).map_err(usage)?;
+    let decode_regions = model.kv.rank_regions(cfg.decode_geom(), dtp).map_err(usage)?;
+    let runs_of = |r: &Region, tp: u32, rank: u32, block_size: u32| -> Result<(Vec<RowRun>, Vec<String>)> {
+        let (runs, names) = match (r.kind.as_str(), &hy.state, &hy.indexer) {
+            ("state", Some(s), _) => {
+                (s.rank_row_runs_with(tp, rank, row_tp), s.section_names().iter().map(|n| n.to_string()).collect())
+            }
+            ("indexer", _, Some(i)) => (i.block_row_runs(block_size), vec!["k".into(), "scale".into()]),
+            _ => return Err(Error::Usage(format!("region {}: no model part lays it out", r.name))),
+        };
+        Ok((runs.map_err(|e| Error::Usage(format!("model config: {e}")))?, names))
+    };
     let mut out = Vec::new();
     for rank in 0..ranks {
-        for r in regions.iter().filter(|r| r.kind != "attention") {
-            let (runs, run_names) = match (r.kind.as_str(), &hy.state, &hy.indexer) {
-                ("state", Some(s), _) => (s.rank_row_runs(tp, rank), s.section_names().iter().map(|n| n.to_string()).collect()),
-                ("indexer", _, Some(i)) => (i.block_row_runs(cfg.geometry.block_size), vec!["k".into(), "scale".into()]),
-                _ => return Err(Error::Usage(format!("region {}: no model part lays it out", r.name))),
-            };
-            let runs = runs.map_err(|e| Error::Usage(format!("model config: {e}")))?;
-            out.push(RegionPlan { region: r.clone(), rank, runs, run_names, units: units_for(r) });
+        for (r, pr) in decode_regions.iter().zip(&prefill_regions).filter(|(r, _)| r.kind != "attention") {
+            let (runs, run_names) = runs_of(r, dtp, rank, cfg.decode_geom().block_size)?;
+            let mut sources = Vec::new();
+            if ptp == dtp {
+                // Equal TP: the same rank, with vLLM's descriptors for the page.
+                sources.push(RegionSource {
+                    rank,
+                    page_stride_bytes: pr.page_stride_bytes,
+                    runs: runs.clone(),
+                    descriptors: r.descriptors.iter().map(|d| (d.offset, d.offset, d.bytes)).collect(),
+                });
+            } else {
+                for p in 0..ptp {
+                    let (pruns, _) = runs_of(pr, ptp, p, cfg.geometry.block_size)?;
+                    sources.push(RegionSource {
+                        rank: p,
+                        page_stride_bytes: pr.page_stride_bytes,
+                        runs: pruns,
+                        descriptors: Vec::new(),
+                    });
+                }
+                overlaps(&runs, &mut sources)?;
+                sources.retain(|s| !s.descriptors.is_empty());
+            }
+            let units = units_for(r).min(units_for(pr));
+            out.push(RegionPlan { region: r.clone(), rank, runs, run_names, units, sources });
         }
     }
     Ok(out)
@@ -257,18 +353,24 @@ impl RegionPlan {
     /// (a stale page at the generation before; a flipped bit): `page_stride_bytes` bytes, the
     /// padding holding prefill's own poison.
     pub fn prefill_page(&self, seed: u64, li: u32, i: u32, faults: &[RegionFault]) -> Vec<u8> {
-        let mut page = vec![0u8; self.region.page_stride_bytes as usize];
+        self.source_page(0, seed, li, i, faults)
+    }
+
+    /// [`RegionPlan::prefill_page`] of source `k`: its stride and row runs.
+    pub fn source_page(&self, k: usize, seed: u64, li: u32, i: u32, faults: &[RegionFault]) -> Vec<u8> {
+        let src = &self.sources[k];
+        let mut page = vec![0u8; src.page_stride_bytes as usize];
         fingerprint::poison(&mut page, self.page_slot(li, i), 0);
         let here = |k: Kind| faults.iter().find(|f| f.kind == k && f.li == li && f.unit == i);
         let generation = if here(Kind::Stale).is_some() { REGION_GENERATION - 1 } else { REGION_GENERATION };
         let layer = self.region.layers[li as usize];
-        for run in &self.runs {
+        for run in &src.runs {
             let rows = run_rows(run, layer, self.id_of(seed, i), generation);
             let at = run.offset as usize;
             fingerprint::fill(&mut page[at..at + rows.len() as usize], seed, &rows);
         }
         if let Some(f) = here(Kind::Bitflip) {
-            page[(self.runs[f.run].offset + f.offset) as usize] ^= 1 << f.bit;
+            page[(src.runs[f.run].offset + f.offset) as usize] ^= 1 << f.bit;
         }
         page
     }
@@ -386,7 +488,7 @@ pub fn run(cfg: &RunConfig, plans: &[RegionPlan], report: &mut Report) -> Result
                     r.name,
                     r.kind,
                     r.rank,
-                    p.pairs().iter().map(|x| x.len).sum::<u64>(),
+                    p.bytes(),
                     r.layers
                 )
             } else {
@@ -411,44 +513,78 @@ fn move_one(cfg: &RunConfig, p: &RegionPlan) -> Result<RegionReport> {
     let stride = p.region.page_stride_bytes as usize;
     let seed = cfg.seed;
     let layers = p.region.layers.len() as u32;
-    let mut src = pool(cfg, &g, cfg.prefill_device)?;
-    let mut dst = pool(cfg, &g, cfg.decode_device)?;
     let faults = plan_faults(cfg, p);
+    if !faults.is_empty() && (p.sources.len() != 1 || p.sources[0].rank != p.rank) {
+        return Err(Error::Usage(
+            "--inject CLASS@REGION needs equal TP sizes on the two sides (not built yet for unequal ones)".into(),
+        ));
+    }
+    let mut dst = pool(cfg, &g, cfg.decode_device)?;
     let mut page = vec![0u8; stride];
     for li in 0..layers {
         for i in 0..p.units {
-            src.write_slice(SliceCoord { layer: li, kv: KvPart::Latent, block: i }, &p.prefill_page(seed, li, i, &faults))?;
             fingerprint::poison(&mut page, p.page_slot(li, i), REGION_POISON_ITERATION);
             dst.write_slice(SliceCoord { layer: li, kv: KvPart::Latent, block: i }, &page)?;
         }
     }
     let opts = TransportOptions { xfer_req: XferReq::Create, backend_params: cfg.backend_params.clone() };
     let tag = format!("kvprobe-region-{}-tp{}", p.region.kind, p.rank);
-    let mut prefill = Endpoint::with_options(&format!("{tag}-prefill"), &cfg.backend, src, &opts)?;
     let mut decode = Endpoint::with_options(&format!("{tag}-decode"), &cfg.backend, dst, &opts)?;
-    decode.connect(prefill.info()?)?;
-    prefill.connect(decode.info()?)?;
-    let pairs = if left_out(&p.region) { Vec::new() } else { p.faulted_pairs(&faults) };
-    let predicted = predict(cfg, p, &faults, &pairs);
+    let mut prefills = Vec::new();
+    for (k, src) in p.sources.iter().enumerate() {
+        let mut pool = pool(cfg, &p.pool_geometry_of(src.page_stride_bytes)?, cfg.prefill_device)?;
+        for li in 0..layers {
+            for i in 0..p.units {
+                pool.write_slice(
+                    SliceCoord { layer: li, kv: KvPart::Latent, block: i },
+                    &p.source_page(k, seed, li, i, &faults),
+                )?;
+            }
+        }
+        let mut e = Endpoint::with_options(&format!("{tag}-prefill-tp{}", src.rank), &cfg.backend, pool, &opts)?;
+        decode.connect(e.info()?)?;
+        e.connect(decode.info()?)?;
+        prefills.push(e);
+    }
+    let out_of = |k: usize| {
+        if left_out(&p.region) {
+            Vec::new()
+        } else if faults.is_empty() {
+            p.pairs_of(k)
+        } else {
+            p.faulted_pairs(&faults)
+        }
+    };
+    let pairs: Vec<Vec<Pair>> = (0..p.sources.len()).map(out_of).collect();
+    let predicted = predict(cfg, p, &faults, pairs.first().map(Vec::as_slice).unwrap_or_default());
     let mut met = vec![0usize; faults.len()];
     let mut due = vec![0usize; faults.len()];
     predicted.values().for_each(|(n, _, _)| due[*n] += 1);
-    let moved: u64 = pairs.iter().map(|x| x.len).sum();
-    let mut seconds = 0.0;
-    if !pairs.is_empty() {
-        let timeout = Duration::from_secs_f64(cfg.timeout_secs);
-        let t0 = Instant::now();
-        let mut posted = transport::post(cfg.op, &prefill, &decode, &pairs, &tag, timeout)?;
+    let moved: u64 = pairs.iter().flatten().map(|x| x.len).sum();
+    let timeout = Duration::from_secs_f64(cfg.timeout_secs);
+    let t0 = Instant::now();
+    // One request per source, all in flight together; then every completion and notification.
+    let mut posted = Vec::new();
+    for (k, pk) in pairs.iter().enumerate().filter(|(_, pk)| !pk.is_empty()) {
+        let tag_k = format!("{tag}-from-tp{}", p.sources[k].rank);
+        let deadline = crate::sys::deadline::Deadline::after(timeout);
+        let x = match cfg.op {
+            transport::Op::Read => decode.post_to(k, transport::Op::Read, pk, &tag_k, deadline)?,
+            transport::Op::Write => prefills[k].post_as_initiator(transport::Op::Write, pk, &tag_k, deadline)?,
+        };
+        posted.push((k, tag_k, deadline, x));
+    }
+    for (k, tag_k, deadline, x) in &mut posted {
         loop {
-            if transport::poll(cfg.op, &prefill, &decode, &mut posted)?.is_some() {
+            if transport::poll(cfg.op, &prefills[*k], &decode, x)?.is_some() {
                 break;
             }
             std::thread::sleep(Duration::from_micros(20));
         }
-        let mut tags = std::collections::HashMap::from([(tag.clone(), crate::sys::deadline::Deadline::after(timeout))]);
-        transport::await_notifications(cfg.op, &prefill, &decode, &mut tags)?;
-        seconds = t0.elapsed().as_secs_f64();
+        let mut tags = std::collections::HashMap::from([(tag_k.clone(), *deadline)]);
+        transport::await_notifications(cfg.op, &prefills[*k], &decode, &mut tags)?;
     }
+    let seconds = if posted.is_empty() { 0.0 } else { t0.elapsed().as_secs_f64() };
     let mut out = RegionReport {
         kind: p.region.kind.clone(),
         name: p.region.name.clone(),
@@ -458,7 +594,8 @@ fn move_one(cfg: &RunConfig, p: &RegionPlan) -> Result<RegionReport> {
         units: p.units,
         page_bytes: p.region.page_bytes,
         page_stride_bytes: p.region.page_stride_bytes,
-        descriptors_per_page: p.region.descriptors.len() as u32,
+        descriptors_per_page: p.descriptors_per_page(),
+        prefill_ranks: p.sources.iter().map(|s| s.rank).collect(),
         bytes_moved: moved,
         seconds,
         pages_compared: 0,
