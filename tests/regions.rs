@@ -176,6 +176,16 @@ fn equal_tp_sizes_move_each_ranks_state() {
     for g in regions {
         assert_region(g, ("state", "KDA state", 6, 135_680, 147_456, 4, 4), "tiny kimi tp 8");
     }
+    // Faults on every rank of equal TP sizes: each rank's region plants its own and finds them.
+    let (code, r, out) = run(
+        "regions-tp2-inject",
+        &["--model-config", &kimi, "--prefill-tp", "2", "--decode-tp", "2", "--inject", "torn:2@state", "--self-test"],
+        &[],
+    );
+    assert_eq!(code, 0, "{out}");
+    for g in r["regions"].as_array().unwrap() {
+        assert_eq!((g["injections_planted"].as_u64(), g["injections_detected"].as_u64()), (Some(2), Some(2)), "{g}");
+    }
 }
 
 /// Unequal TP sizes: each engine raises its block size from its own rank's slot, and each
@@ -255,6 +265,29 @@ fn forms_that_do_not_move_regions_yet_refuse_hybrid_models() {
         assert_eq!(code, 2, "{a:?}: {out}{err}");
         assert!(err.contains("KDA state (6 layers)") && err.contains(&format!("does not move it {how}")), "{a:?}: {err}");
     }
+    // A state layer a region row's 12-bit layer field cannot name (Jamba of 4104 layers: state
+    // at 4097..4103 would tag as 1..7), a --block-size of 0, and a test hook naming no region.
+    let jamba = write_config(
+        &d,
+        "jamba-4104.json",
+        r#"{"model_type":"jamba","num_hidden_layers":4104,"hidden_size":64,"num_attention_heads":1,"num_key_value_heads":1,
+            "attn_layer_period":8,"attn_layer_offset":4,"mamba_d_state":16,"mamba_d_conv":4,"mamba_expand":1}"#,
+    );
+    for (args, env, want) in [
+        (vec![jamba.as_str()], vec![], "layer 4103 is beyond the 4095"),
+        (vec![kimi.as_str(), "--block-size", "0"], vec![], "--block-size must be at least 1"),
+        (
+            vec![kimi.as_str()],
+            vec![("KVPROBE_TEST_LEAVE_OUT_REGION", "KDA")],
+            "names no region of this run (its regions: KDA state (state))",
+        ),
+    ] {
+        let mut a = vec!["run", "--memory", "dram", "--blocks", "2", "--model-config"];
+        a.extend(args);
+        let (code, out, err) = kvprobe_env(&a, &env);
+        assert_eq!(code, 2, "{a:?}: {out}{err}");
+        assert!(err.contains(want), "{a:?}: {err}");
+    }
 }
 
 /// `report check` re-derives a bundle's regions from its configuration: the bundle of a run
@@ -316,6 +349,32 @@ fn report_check_re_derives_each_regions_layout_and_failures() {
         ),
         ("missing", Box::new(|v| v["regions"] = serde_json::json!([])), ""),
         ("moved", Box::new(|v| v["regions"][0]["bytes_moved"] = 5.into()), "bytes_moved is 5, but its descriptors move 540672"),
+        // A region that moved nothing cannot be clean, whatever else the report is made to say.
+        (
+            "left-out-called-clean",
+            Box::new(|v| {
+                v["regions"][0]["pages_corrupt"] = 0.into();
+                v["regions"][0]["failures"] = serde_json::json!([]);
+                v["outcome"] = serde_json::json!({"exit_code": 0, "status": "clean", "error": null});
+            }),
+            "bytes_moved is 0, but its descriptors move 540672",
+        ),
+        (
+            "runs",
+            Box::new(|v| v["regions"][0]["runs_compared"] = 1.into()),
+            "runs_compared is 1, but its pages hold 128 row runs",
+        ),
+        (
+            "unit-kind",
+            Box::new(|v| v["regions"][0]["unit"] = "slot".into()),
+            "unit is slot, but the run's configuration gives \"block\"",
+        ),
+        ("seconds", Box::new(|v| v["regions"][0]["seconds"] = (-1).into()), "seconds is -1, not a duration"),
+        (
+            "planted",
+            Box::new(|v| v["regions"][0]["injections_planted"] = 3.into()),
+            "injections_planted is 3, but the run's configuration plants 0",
+        ),
     ];
     for (case, edit, line) in cases {
         let e = d.join(format!("{case}.tgz"));
@@ -328,6 +387,32 @@ fn report_check_re_derives_each_regions_layout_and_failures() {
         }
         assert_eq!(code, 1, "{case}: {out}{err}");
         assert!(out.contains(line), "{case}: {out}");
+    }
+    // A self-test's bundle with faults planted in a region is consistent as written: its bytes
+    // moved are those of the faulted descriptors, its corrupt pages the faults'.
+    for class in ["misroute:2", "torn:2", "drop"] {
+        let b = d.join(format!("inj-{class}.tgz"));
+        let inj = format!("{class}@indexer");
+        let (code, out, err) = kvprobe(&[
+            "run",
+            "--memory",
+            "dram",
+            "--model-config",
+            &v32,
+            "--blocks",
+            "2",
+            "--iterations",
+            "1",
+            "--inject",
+            &inj,
+            "--self-test",
+            "--bundle",
+            b.to_str().unwrap(),
+        ]);
+        assert_eq!(code, 0, "{inj}: {out}{err}");
+        let (code, out, err) = check(&b);
+        assert_eq!(code, 0, "{inj}: {out}{err}");
+        assert!(out.contains("corrupt region page(s), as reported"), "{inj}: {out}");
     }
 }
 
@@ -405,12 +490,21 @@ fn every_class_planted_in_a_state_and_an_indexer_region_is_detected_as_predicted
     );
     assert_eq!(code, 1, "{out}");
     assert!(out.contains("corrupt region row runs that no planted fault predicts"), "{out}");
+    // As many faults as the region has pages are all planted (54 pages: 6 layers × 9 slots).
+    let (code, r, out) =
+        run("regions-inject-all-pages", &["--model-config", &kimi, "--inject", "bitflip:54@state", "--self-test"], &[]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(r["regions"][0]["injections_detected"].as_u64(), Some(54), "{out}");
     // Region classes that do not apply, regions the run does not move.
     for (args, want) in [
         (vec!["--model-config", kimi.as_str(), "--inject", "stray@state"], "stray does not apply to a region's pages"),
         (vec!["--model-config", kimi.as_str(), "--inject", "torn@kv"], "REGION in \"torn@kv\" must be state or indexer"),
         (vec!["--model-config", kimi.as_str(), "--inject", "torn@indexer"], "this run moves no indexer region"),
         (vec!["--inject", "torn@state"], "this run moves no state region"),
+        (
+            vec!["--model-config", kimi.as_str(), "--prefill-tp", "1", "--decode-tp", "2", "--inject", "drop@state"],
+            "--inject CLASS@REGION needs equal TP sizes",
+        ),
     ] {
         let mut a = vec!["run", "--memory", "dram"];
         a.extend(args.iter().copied());

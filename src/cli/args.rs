@@ -190,6 +190,9 @@ impl GeometryArgs {
         g.dtype = self.dtype.unwrap_or(g.dtype);
         g.layout = self.layout.unwrap_or(g.layout);
         let mut model = model;
+        if model.is_some() && self.block_size == Some(0) {
+            return Err(Error::Usage("--block-size must be at least 1".into()));
+        }
         if let (Some(m), Some(asked)) = (model.as_mut(), self.block_size) {
             // A hybrid model's block size follows vLLM's rule from the size asked for.
             let (bg, btp) = block_geometry.unwrap_or((g.clone(), m.tp.tp));
@@ -678,23 +681,6 @@ impl RunArgs {
                 kvprobe::inject::InjectArg::Region(r) => c.region_inject.push(r.clone()),
             }
         }
-        if !c.region_inject.is_empty() {
-            if self.prefill_tp.unwrap_or(1) != self.decode_tp.unwrap_or(1) {
-                return Err(Error::Usage(
-                    "--inject CLASS@REGION needs equal TP sizes on the two sides (faults in regions read from several prefill ranks are not built yet)".into(),
-                ));
-            }
-            let plans = kvprobe::sweep::regions::plans(&c)?;
-            if let Some(r) = c.region_inject.iter().find(|r| !plans.iter().any(|p| p.region.kind == r.region)) {
-                return Err(Error::Usage(format!(
-                    "--inject {}:{}@{}: this run moves no {} region (a hybrid model's --model-config has it: kvprobe geometry lists its regions)",
-                    r.kind.name(),
-                    r.count,
-                    r.region,
-                    r.region
-                )));
-            }
-        }
         c.self_test = self.self_test;
         c.min_gbps = self.min_gbps;
         if (self.prefill_tp.is_some() || self.decode_tp.is_some()) && self.pool.geo.tp.is_some() {
@@ -794,6 +780,30 @@ impl RunArgs {
         }
         if c.decode_process {
             refuse_hybrid(c.model.as_ref(), "between two processes (--decode-process)")?;
+        }
+        // A hybrid model's regions: planned here (sizes, layers, injections), so that what
+        // cannot run is refused before anything moves.
+        let plans = kvprobe::sweep::regions::plans(&c)?;
+        for p in &plans {
+            p.pool_geometry()?;
+            for src in &p.sources {
+                p.pool_geometry_of(src.page_stride_bytes)?;
+            }
+        }
+        kvprobe::sweep::regions::check_hooks(&plans)?;
+        if !c.region_inject.is_empty() && c.tp.is_some_and(|t| t.prefill != t.decode) {
+            return Err(Error::Usage(
+                "--inject CLASS@REGION needs equal TP sizes on the two sides (faults in regions read from several prefill ranks are not built yet)".into(),
+            ));
+        }
+        if let Some(r) = c.region_inject.iter().find(|r| !plans.iter().any(|p| p.region.kind == r.region)) {
+            return Err(Error::Usage(format!(
+                "--inject {}:{}@{}: this run moves no {} region (a hybrid model's --model-config has it: kvprobe geometry lists its regions)",
+                r.kind.name(),
+                r.count,
+                r.region,
+                r.region
+            )));
         }
         if c.self_test
             && c.inject.is_empty()

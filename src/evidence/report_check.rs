@@ -317,7 +317,9 @@ fn region_checks(sec: &Value, say: &mut dyn FnMut(String)) {
         }
     };
     let status = sec["outcome"]["status"].as_str().unwrap_or("");
-    let clean = status == "clean" || sec["outcome"]["exit_code"].as_u64() == Some(0);
+    // A self-test that passed has corrupt pages: its planted faults (self_test_checks).
+    let clean =
+        status == "clean" || (sec["outcome"]["exit_code"].as_u64() == Some(0) && status != crate::report::SELF_TEST_PASSED);
     let ran = status != "running" && sec["outcome"]["exit_code"].as_u64().is_some_and(|c| c <= 1);
     // A run that ended clean or corrupt moved every planned region (a transport error may stop
     // it before the regions).
@@ -337,6 +339,7 @@ fn region_checks(sec: &Value, say: &mut dyn FnMut(String)) {
             ("units", Value::from(units)),
             ("page_bytes", Value::from(p.region.page_bytes)),
             ("page_stride_bytes", Value::from(p.region.page_stride_bytes)),
+            ("unit", Value::from(crate::sweep::regions::unit_name(p.region.unit))),
             ("descriptors_per_page", Value::from(p.descriptors_per_page())),
             ("prefill_ranks", Value::from(p.sources.iter().map(|s| s.rank).collect::<Vec<_>>())),
         ];
@@ -345,10 +348,44 @@ fn region_checks(sec: &Value, say: &mut dyn FnMut(String)) {
                 say(format!("{at}: {field} is {}, but the run's configuration gives {v}", show(&r[field])));
             }
         }
-        let moved = r["bytes_moved"].as_u64().unwrap_or(u64::MAX);
-        let all = p.bytes();
-        if moved != all && moved != 0 {
-            say(format!("{at}: bytes_moved is {moved}, but its descriptors move {all} (or 0, left out)"));
+        // What the descriptors move, the planted faults applied; 0 only for a region left out
+        // of the transfer, which a clean run cannot have.
+        let faults = crate::sweep::regions::plan_faults(&cfg, p);
+        let all: u64 = if faults.is_empty() { p.bytes() } else { p.faulted_pairs(&faults).iter().map(|x| x.len).sum() };
+        let moved = r["bytes_moved"].as_u64();
+        if moved != Some(all) && (moved != Some(0) || clean) {
+            say(format!(
+                "{at}: bytes_moved is {}, but its descriptors move {all}{}",
+                show(&r["bytes_moved"]),
+                if clean { "" } else { " (or 0, left out)" }
+            ));
+        }
+        if r["injections_planted"].as_u64().unwrap_or(0) != faults.len() as u64 {
+            say(format!(
+                "{at}: injections_planted is {}, but the run's configuration plants {}",
+                show(&r["injections_planted"]),
+                faults.len()
+            ));
+        }
+        if r["injections_detected"].as_u64().unwrap_or(0) > faults.len() as u64 {
+            say(format!(
+                "{at}: injections_detected is {}, more than the {} planted",
+                show(&r["injections_detected"]),
+                faults.len()
+            ));
+        }
+        if clean && r["unexpected_failures"].as_u64().unwrap_or(0) != 0 {
+            say(format!("{at}: unexpected_failures is {} in a clean run", show(&r["unexpected_failures"])));
+        }
+        if !r["seconds"].as_f64().is_some_and(|x| x.is_finite() && x >= 0.0) {
+            say(format!("{at}: seconds is {}, not a duration", show(&r["seconds"])));
+        }
+        if !r["failures"].is_array() {
+            say(format!("{at}: failures is {}, not a list", show(&r["failures"])));
+        }
+        let want_runs = layers * units * p.runs.len() as u64;
+        if ran && r["runs_compared"].as_u64() != Some(want_runs) {
+            say(format!("{at}: runs_compared is {}, but its pages hold {want_runs} row runs", show(&r["runs_compared"])));
         }
         let (compared, corrupt) = (r["pages_compared"].as_u64(), r["pages_corrupt"].as_u64().unwrap_or(u64::MAX));
         if ran && compared != Some(layers * units) {

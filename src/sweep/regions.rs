@@ -31,7 +31,7 @@ use crate::report::{RegionFailure, RegionInjection, RegionReport, Report};
 use crate::sweep::RunConfig;
 use crate::xfer::transport::{self, Endpoint, Pair, TransportOptions, XferReq};
 use rand::{Rng, SeedableRng};
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 /// Most bytes one region's pool takes on each side (64 MiB): the unit count is cut to fit,
@@ -55,6 +55,10 @@ pub const REGION_GENERATION: u32 = 2;
 
 /// The poison iteration of decode's region pages (the one pass).
 pub const REGION_POISON_ITERATION: u32 = 1;
+
+/// The last model layer a region may have (4095): a region row's layer field holds 12 bits
+/// ([`crate::core::hybrid::region_layer`]).
+pub const MAX_REGION_LAYER: u32 = 0xFFF;
 
 /// One region of one TP rank, as the pass moves it.
 #[derive(Clone, Debug)]
@@ -237,7 +241,7 @@ pub fn plans(cfg: &RunConfig) -> Result<Vec<RegionPlan>> {
         None => (model.tp.tp, model.tp.tp, 1),
     };
     let row_tp = ptp.max(dtp);
-    let usage = |e: crate::core::model_config::ModelConfigError| Error::Usage(format!("model config: {e}"));
+    let usage = |e: crate::core::model_config::ModelConfigError| Error::Usage(e.to_string());
     let prefill_regions = model.kv.rank_regions(&cfg.geometry, ptp).map_err(usage)?;
     let decode_regions = model.kv.rank_regions(cfg.decode_geom(), dtp).map_err(usage)?;
     let runs_of = |r: &Region, tp: u32, rank: u32, block_size: u32| -> Result<(Vec<RowRun>, Vec<String>)> {
@@ -250,6 +254,14 @@ pub fn plans(cfg: &RunConfig) -> Result<Vec<RegionPlan>> {
         };
         Ok((runs.map_err(|e| Error::Usage(format!("model config: {e}")))?, names))
     };
+    if let Some(r) = decode_regions.iter().find(|r| r.kind != "attention" && r.layers.iter().any(|&l| l > MAX_REGION_LAYER)) {
+        return Err(Error::Usage(format!(
+            "region {}: layer {} is beyond the {} a region row's 12-bit layer field names (docs/fingerprint.md \"Region rows\")",
+            r.name,
+            r.layers.iter().max().copied().unwrap_or(0),
+            MAX_REGION_LAYER
+        )));
+    }
     let mut out = Vec::new();
     for rank in 0..ranks {
         for (r, pr) in decode_regions.iter().zip(&prefill_regions).filter(|(r, _)| r.kind != "attention") {
@@ -286,6 +298,24 @@ pub fn plans(cfg: &RunConfig) -> Result<Vec<RegionPlan>> {
 /// `KVPROBE_TEST_LEAVE_OUT_REGION=KIND|NAME` ([`crate::sys::test_hooks::LEAVE_OUT_REGION`]):
 /// the region whose kind (`state`, `indexer`) or name it gives is left out of the transfer, as
 /// a connector that never registered it.
+/// Checks `KVPROBE_TEST_LEAVE_OUT_REGION` against the run's `plans`: a value that names no
+/// region (a typo) would leave every region in and let a negative test pass vacuously.
+/// Errors: usage (exit 2).
+pub fn check_hooks(plans: &[RegionPlan]) -> Result<()> {
+    match std::env::var(crate::sys::test_hooks::LEAVE_OUT_REGION) {
+        Ok(v) if !plans.iter().any(|p| left_out(&p.region)) => Err(Error::Usage(format!(
+            "{}={v:?} names no region of this run (its regions: {})",
+            crate::sys::test_hooks::LEAVE_OUT_REGION,
+            if plans.is_empty() {
+                "none".to_string()
+            } else {
+                plans.iter().map(|p| format!("{} ({})", p.region.name, p.region.kind)).collect::<Vec<_>>().join(", ")
+            }
+        ))),
+        _ => Ok(()),
+    }
+}
+
 fn left_out(r: &Region) -> bool {
     std::env::var(crate::sys::test_hooks::LEAVE_OUT_REGION).is_ok_and(|v| v == r.kind || v == r.name)
 }
@@ -317,24 +347,23 @@ pub struct RegionFault {
 /// drawn from a generator seeded by the run's seed, the rank and the region; fewer when the
 /// region has too few pages (the self-test then says how many were never planted).
 pub fn plan_faults(cfg: &RunConfig, p: &RegionPlan) -> Vec<RegionFault> {
+    use rand::seq::IndexedRandom;
     let salt = ((p.rank as u64) << 32) ^ p.region.layers.first().copied().unwrap_or(0) as u64 ^ 0x5245_4749_4f4e;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(cfg.seed ^ salt);
     let layers = p.region.layers.len() as u32;
-    let mut used = HashSet::new();
+    // The pages no fault has taken yet, per layer index.
+    let mut free: Vec<Vec<u32>> = (0..layers).map(|_| (0..p.units).collect()).collect();
     let mut out = Vec::new();
     for spec in cfg.region_inject.iter().filter(|s| s.region == p.region.kind) {
+        let need = if spec.kind == Kind::Misroute { 2 } else { 1 };
         for _ in 0..spec.count {
-            // A few draws for free pages; a region too small for more keeps what it has.
-            let Some((li, unit, other)) = (0..64).find_map(|_| {
-                let li = rng.random_range(0..layers);
-                let unit = rng.random_range(0..p.units);
-                let other = if spec.kind == Kind::Misroute { (unit + rng.random_range(1..p.units)) % p.units } else { unit };
-                (!used.contains(&(li, unit)) && !used.contains(&(li, other))).then_some((li, unit, other))
-            }) else {
-                break;
-            };
-            used.insert((li, unit));
-            used.insert((li, other));
+            // A layer with enough free pages, then the pages among them; a region too small
+            // for more keeps what it has (the self-test says how many were never planted).
+            let open: Vec<u32> = (0..layers).filter(|&li| free[li as usize].len() >= need).collect();
+            let Some(&li) = open.choose(&mut rng) else { break };
+            let pages = &mut free[li as usize];
+            let unit = pages.swap_remove(rng.random_range(0..pages.len()));
+            let other = if need == 2 { pages.swap_remove(rng.random_range(0..pages.len())) } else { unit };
             let run = rng.random_range(0..p.runs.len());
             let bytes = p.runs[run].rows as u64 * p.runs[run].row_bytes as u64;
             let (offset, bit) = match spec.kind {
@@ -501,7 +530,8 @@ pub fn run(cfg: &RunConfig, plans: &[RegionPlan], report: &mut Report) -> Result
     if bad.is_empty() || cfg.self_test { Ok(()) } else { Err(Error::Corrupt(bad.join("; "))) }
 }
 
-fn unit_name(u: RegionUnit) -> &'static str {
+/// `block` or `slot`, as reports write a region's unit.
+pub fn unit_name(u: RegionUnit) -> &'static str {
     match u {
         RegionUnit::Block => "block",
         RegionUnit::Slot => "slot",
