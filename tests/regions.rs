@@ -388,6 +388,13 @@ fn report_check_re_derives_each_regions_layout_and_failures() {
         assert_eq!(code, 1, "{case}: {out}{err}");
         assert!(out.contains(line), "{case}: {out}");
     }
+    // `report show` of a report whose region name carries a terminal escape prints it escaped.
+    let mut v: Value = serde_json::from_slice(&files.iter().find(|f| f.0 == "kvprobe-bundle/report.json").unwrap().1).unwrap();
+    v["regions"][0]["name"] = "X\u{1b}[2JY".into();
+    let shown = d.join("escaped.json");
+    std::fs::write(&shown, serde_json::to_vec(&v).unwrap()).unwrap();
+    let (_, out, _) = kvprobe(&["report", "show", shown.to_str().unwrap()]);
+    assert!(out.contains("region:            X\\u{1b}[2JY (indexer") && !out.contains('\u{1b}'), "{out}");
     // A self-test's bundle with faults planted in a region is consistent as written: its bytes
     // moved are those of the faulted descriptors, its corrupt pages the faults'.
     for class in ["misroute:2", "torn:2", "drop"] {

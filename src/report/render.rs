@@ -349,16 +349,18 @@ pub fn render_with(r: &Report, json: Option<&str>) -> String {
             out += &format!("host memory:       {:.1} MiB peak resident\n", b as f64 / (1u64 << 20) as f64);
         }
     }
-    // A hybrid model's state and indexer regions, each on its own line.
+    // A hybrid model's state and indexer regions, each on its own line; their names may come
+    // from a report file (`report show`): escaped.
+    let esc = |t: &str| crate::sys::text::escape_control(t).into_owned();
     for g in &r.regions {
         out += &format!(
             "region:            {} ({}, TP rank {}): {} layer(s) x {} {}s of {} bytes ({} descriptor(s) a page), {} bytes moved, {} page(s) compared, {} corrupt\n",
-            g.name,
-            g.kind,
+            esc(&g.name),
+            esc(&g.kind),
             g.rank,
             g.layers,
             g.units,
-            g.unit,
+            esc(&g.unit),
             g.page_bytes,
             g.descriptors_per_page,
             g.bytes_moved,
@@ -376,8 +378,8 @@ pub fn render_with(r: &Report, json: Option<&str>) -> String {
                 "  {} layer {} {} {} {} (id {}{})\n",
                 f.class.name(),
                 f.layer,
-                f.part,
-                g.unit,
+                esc(&f.part),
+                esc(&g.unit),
                 f.unit,
                 f.id,
                 f.bit_flips.map(|b| format!(", {b} bit(s) flipped")).unwrap_or_default()
