@@ -188,6 +188,108 @@ fn equal_tp_sizes_move_each_ranks_state() {
     }
 }
 
+/// The region pass crosses the peer protocol as the attention sweep does: prefill's region
+/// pages live with prefill — the child of `--decode-process`, or `kvprobe serve` on loopback —
+/// and decode asks for them plan by plan (READ and WRITE, equal and unequal TP, planted faults,
+/// a region left out), with the same bytes and pages as in one process.
+#[test]
+fn regions_cross_the_peer_protocol_to_a_child_and_to_serve() {
+    let d = tmpdir("regions-peer");
+    let kimi = write_config(&d, "kimi.json", TINY_KIMI);
+    // --decode-process, 8 → 4 READ: the sizes of the one-process test above.
+    let (code, r, out) =
+        run("regions-dp-8-4", &["--model-config", &kimi, "--prefill-tp", "8", "--decode-tp", "4", "--decode-process"], &[]);
+    assert_eq!(code, 0, "{out}");
+    let regions = r["regions"].as_array().unwrap();
+    assert_eq!(regions.len(), 4, "{out}");
+    for (rank, g) in regions.iter().enumerate() {
+        assert_eq!(g["prefill_ranks"], serde_json::json!([2 * rank, 2 * rank + 1]), "{g}");
+        assert_region(g, ("state", "KDA state", 6, 271_360, 294_912, 8, 4), "--decode-process 8 -> 4");
+    }
+    // --decode-process, TP 2 WRITE (prefill's child posts), every class planted: each detected
+    // as predicted, nothing else corrupt.
+    let (code, r, out) = run(
+        "regions-dp-write-inject",
+        &[
+            "--model-config",
+            &kimi,
+            "--prefill-tp",
+            "2",
+            "--decode-tp",
+            "2",
+            "--op",
+            "write",
+            "--decode-process",
+            "--self-test",
+            "--inject",
+            "bitflip@state",
+            "--inject",
+            "drop@state",
+            "--inject",
+            "misroute@state",
+            "--inject",
+            "stale@state",
+            "--inject",
+            "torn@state",
+        ],
+        &[],
+    );
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(r["outcome"]["status"], "self-test-passed", "{out}");
+    for g in r["regions"].as_array().unwrap() {
+        assert_eq!(
+            (g["injections_planted"].as_u64(), g["injections_detected"].as_u64(), g["unexpected_failures"].as_u64()),
+            (Some(5), Some(5), Some(0)),
+            "{g}"
+        );
+    }
+    // A region left out (the hook in decode's process; the child inherits it and ignores it).
+    for op in ["read", "write"] {
+        let (code, r, out) = run(
+            &format!("regions-dp-left-out-{op}"),
+            &["--model-config", &kimi, "--decode-process", "--op", op],
+            &[("KVPROBE_TEST_LEAVE_OUT_REGION", "state")],
+        );
+        assert_eq!(code, 1, "{op}: {out}");
+        assert!(out.contains("region KDA state (state, TP rank 0) was not moved"), "{op}: {out}");
+        assert_eq!(r["regions"][0]["bytes_moved"].as_u64(), Some(0), "{op}: {out}");
+    }
+    // A node pair on loopback: serve pinned to the same hybrid model (its block size follows the
+    // run's TP), TP 8 → 8 WRITE; serve names every plan it served.
+    let serve = crate::pair::Serve::start(&["--model-config", &kimi, "--blocks", "2"]);
+    let (code, r, out) = crate::pair::run_peer(
+        &serve.addr.clone(),
+        &[
+            "--model-config",
+            &kimi,
+            "--blocks",
+            "2",
+            "--iterations",
+            "1",
+            "--prefill-tp",
+            "8",
+            "--decode-tp",
+            "8",
+            "--op",
+            "write",
+        ],
+    );
+    let (scode, sout, _) = serve.wait();
+    assert_eq!((code, scode), (0, 0), "{out}\n{sout}");
+    let regions = r["regions"].as_array().unwrap();
+    assert_eq!(regions.len(), 8, "{out}");
+    for g in regions {
+        assert_region(g, ("state", "KDA state", 6, 135_680, 147_456, 4, 4), "--peer tp 8");
+    }
+    for rank in 0..8 {
+        let want = format!(
+            "region KDA state (state, TP rank {rank}): 6 layer(s) x {} page(s) served from 1 prefill rank(s)",
+            units(6, 147_456)
+        );
+        assert!(sout.contains(&want), "{want}: {sout}");
+    }
+}
+
 /// Unequal TP sizes: each engine raises its block size from its own rank's slot, and each
 /// decode rank reads the rows of its chunk from every prefill rank holding part of them (a
 /// section every rank holds whole, from the first).
@@ -253,11 +355,7 @@ fn forms_that_do_not_move_regions_yet_refuse_hybrid_models() {
     let d = tmpdir("regions-refused");
     let kimi = write_config(&d, "kimi.json", TINY_KIMI);
     let base = ["--memory", "dram", "--model-config", kimi.as_str()];
-    for (extra, how) in [
-        (&["run", "--scenario", "stacked"][..], "in a scenario"),
-        (&["run", "--decode-process"][..], "between two processes (--decode-process)"),
-        (&["ab"][..], "in this command"),
-    ] {
+    for (extra, how) in [(&["run", "--scenario", "stacked"][..], "in a scenario"), (&["ab"][..], "in this command")] {
         let mut a = vec![extra[0]];
         a.extend_from_slice(&base);
         a.extend_from_slice(&extra[1..]);

@@ -587,7 +587,7 @@ pub(crate) fn refuse_hybrid(model: Option<&kvprobe::model_config::ModelInfo>, ho
         what.push(format!("its sparse-attention indexer K cache ({} layers)", i.layers.len()));
     }
     Err(Error::Usage(format!(
-        "model config: a hybrid model: kvprobe moves {} in `kvprobe run`'s one-process sweep only and does not move {} {how} yet, and a run that moved the attention pages alone would pass while decode computed from zeros; refused (kvprobe geometry --model-config shows every region per TP rank)",
+        "model config: a hybrid model: kvprobe moves {} in `kvprobe run`'s sweeps only and does not move {} {how} yet, and a run that moved the attention pages alone would pass while decode computed from zeros; refused (kvprobe geometry --model-config shows every region per TP rank)",
         what.join(" and "),
         if what.len() == 1 { "it" } else { "them" }
     )))
@@ -771,15 +771,10 @@ impl RunArgs {
                 }
             }
         }
-        // A hybrid model's regions move in the one-process sweep only so far.
+        // A hybrid model's regions move in sweeps (one process, --decode-process, --peer), not
+        // in scenarios yet.
         if c.scenario.is_some() {
             refuse_hybrid(c.model.as_ref(), "in a scenario (--scenario, --race)")?;
-        }
-        if c.peer.is_some() {
-            refuse_hybrid(c.model.as_ref(), "across a node pair (--peer)")?;
-        }
-        if c.decode_process {
-            refuse_hybrid(c.model.as_ref(), "between two processes (--decode-process)")?;
         }
         // A hybrid model's regions: planned here (sizes, layers, injections), so that what
         // cannot run is refused before anything moves.

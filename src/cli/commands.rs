@@ -653,8 +653,13 @@ pub(crate) fn serve(a: ServeArgs, typed: &[&str]) -> Exit {
             kvprobe::cuda::device_count()
         )));
     }
-    let geometry = match a.geo.any().then(|| a.geo.resolve()).transpose() {
-        Ok(g) => g.map(|(g, _)| g),
+    // A hybrid model's block size follows the run's TP (vLLM raises it from each rank's state
+    // slot): unless --block-size pins it, the run's is taken.
+    let (geometry, block_size_follows_tp) = match a.geo.any().then(|| a.geo.resolve_any()).transpose() {
+        Ok(g) => {
+            let hybrid = g.as_ref().and_then(|(_, m)| m.as_ref()).and_then(|m| m.kv.hybrid.as_ref()).is_some_and(|h| h.any());
+            (g.map(|(g, _)| g), hybrid && a.geo.block_size.is_none())
+        }
         Err(e) => return fail(e),
     };
     if let Some(g) = &geometry
@@ -682,6 +687,7 @@ pub(crate) fn serve(a: ServeArgs, typed: &[&str]) -> Exit {
             device: a.device,
             backend: a.backend.clone(),
             geometry,
+            block_size_follows_tp,
             keep_serving: false,
             idle_timeout: Duration::from_secs_f64(a.timeout),
             mode: kvprobe::serve::SessionMode::Child,
@@ -731,6 +737,7 @@ pub(crate) fn serve(a: ServeArgs, typed: &[&str]) -> Exit {
         device: a.device,
         backend: a.backend.clone(),
         geometry,
+        block_size_follows_tp,
         keep_serving: a.keep_serving,
         idle_timeout: Duration::from_secs_f64(a.timeout),
         mode: kvprobe::serve::SessionMode::Listen,

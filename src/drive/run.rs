@@ -134,6 +134,7 @@ impl Probe {
                     num_kv_heads: cfg.tp.map_or(cfg.geometry.num_kv_heads, |t| t.total_kv_heads),
                     ..cfg.geometry.clone()
                 }),
+                block_size_follows_tp: false,
                 keep_serving: false,
                 idle_timeout: timeout,
                 mode: crate::drive::serve::SessionMode::InProcess,
@@ -266,6 +267,9 @@ impl Probe {
                     crate::xfer::transport::Cuts::of_link(&sides, p, d as u32).swapped(),
                 )?;
             }
+        }
+        if matches!(holder, Some(Holder::Thread(_))) {
+            peer.region_leases = Some(handoff.regions.clone());
         }
         match holder {
             Some(h) => peer.adopt(h),
@@ -821,7 +825,7 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>, slot: 
     let regions = crate::sweep::regions::plans(cfg)?;
     sweep(cfg, probe, report, hooks.line, hooks.dump.as_deref_mut(), started, ucx_mark)?;
     if !regions.is_empty() {
-        crate::sweep::regions::run(cfg, &regions, report)?;
+        crate::sweep::regions::run(cfg, &regions, &probe.prefill, report)?;
     }
     Ok(())
 }

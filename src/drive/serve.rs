@@ -54,6 +54,10 @@ pub struct ServeConfig {
     /// Prefill's geometry when pinned by flags (`--preset`, `--layers`, …): the run's must
     /// equal it field by field.
     pub geometry: Option<crate::core::geometry::Geometry>,
+    /// `geometry` came from a hybrid model's config without `--block-size`: its block size
+    /// follows the run's TP (each engine raises it from its own rank's state slot, vLLM's
+    /// hybrid block size), so the run's is taken.
+    pub block_size_follows_tp: bool,
     /// Serve another run after each one (`--keep-serving`).
     pub keep_serving: bool,
     /// How long a client may stay silent before its configuration arrives (then the run's
@@ -95,6 +99,24 @@ pub struct Handoff {
     /// Scenarios with the embedded tier: its arena, set before the session says its agent is
     /// connected, so that decode's tier-only loads copy from it directly.
     pub tier_arena: std::sync::Mutex<Option<Arc<crate::mem::tier::TierArena>>>,
+    /// A hybrid model's region pass: the registrations of each plan's pools, both ways.
+    pub regions: Arc<peer::LeaseSlots>,
+}
+
+/// Where prefill's region pools of a hybrid model go ([`Msg::RegionOpen`]): serve's memory,
+/// the GPU of each prefill TP rank, and in process the slots their registrations are handed
+/// by.
+struct RegionSide<'a> {
+    memory: MemoryKind,
+    device_of: &'a dyn Fn(u32) -> usize,
+    leases: Option<&'a peer::LeaseSlots>,
+}
+
+/// The region plan prefill holds open: its index, its pools' agents, decode's agent of it.
+struct OpenRegion {
+    index: u32,
+    sources: Vec<Endpoint>,
+    decode_agent: String,
 }
 
 /// One session's end: the report serve writes and its exit code.
@@ -336,6 +358,9 @@ fn check_config(
         let mut model = rc.geometry.clone();
         if let Some(t) = rc.tp {
             model.num_kv_heads = t.total_kv_heads;
+        }
+        if cfg.block_size_follows_tp {
+            model.block_size = g.block_size;
         }
         let diff = peer::differences(&geo(g), &geo(&model));
         if let Some((f, _, _)) = diff.first() {
@@ -604,7 +629,10 @@ fn session_inner(
     let (exit, error, results) = match &rc.scenario {
         None => {
             let mut sides: Vec<Endpoint> = std::iter::once(ep).chain(ranks).collect();
-            sweep_requests(&rc, link, &mut sides, &decode_agents, &mut me, idle_bound, say)?
+            let device_of = |p: u32| rc.prefill_rank_devices.get(p as usize).copied().unwrap_or(cfg.device);
+            let region_side =
+                RegionSide { memory: cfg.memory, device_of: &device_of, leases: handoff.map(|h| h.regions.as_ref()) };
+            sweep_requests(&rc, link, &mut sides, &decode_agents, &region_side, &mut me, idle_bound, say)?
         }
         Some(template) => {
             let place = TierPlace {
@@ -683,11 +711,13 @@ fn done(link: &Link, m: Msg) -> Result<Ending> {
 /// The sweep's requests, served until decode's [`Msg::Done`]: fills of stages, WRITEs, and
 /// the NIXL notifications prefill's agent receives, forwarded. `idle_bound`: how long decode
 /// may send nothing while alive.
+#[allow(clippy::too_many_arguments)]
 fn sweep_requests(
     rc: &RunConfig,
     link: &Link,
     ranks: &mut [Endpoint],
     decode_agents: &[String],
+    region_side: &RegionSide<'_>,
     me: &mut PeerSide,
     idle_bound: Duration,
     say: &mut dyn FnMut(&str),
@@ -707,14 +737,20 @@ fn sweep_requests(
     };
     let mut last_request = Instant::now();
     let timeout = Duration::from_secs_f64(rc.timeout_secs);
+    // A hybrid model's region plans (derived from the configuration as decode derives them),
+    // the one open, and its WRITEs in flight: (tag, source, request).
+    let mut region_plans: Option<Vec<sweep::regions::RegionPlan>> = None;
+    let mut region: Option<OpenRegion> = None;
+    let mut region_inflight: Vec<(String, usize, crate::xfer::nixl::Posted)> = Vec::new();
     let out = loop {
         if crate::sys::interrupt::requested() {
             return Err(Error::Interrupted("serve was interrupted".into()));
         }
-        let m = link.recv(if inflight.is_empty() { Duration::from_millis(1) } else { Duration::ZERO })?;
+        let busy = !inflight.is_empty() || !region_inflight.is_empty();
+        let m = link.recv(if busy { Duration::ZERO } else { Duration::from_millis(1) })?;
         if m.is_some() {
             last_request = Instant::now();
-        } else if inflight.is_empty() && last_request.elapsed() > idle_bound {
+        } else if !busy && last_request.elapsed() > idle_bound {
             return Err(Error::Timeout(format!(
                 "{} sent no request for {:.0} s (2 x --timeout, at least {} s) while alive: it stopped driving the run",
                 link.who(),
@@ -787,9 +823,115 @@ fn sweep_requests(
                     rc.iterations
                 ));
             }
+            Some(Msg::RegionOpen { plan, mut decode }) => {
+                if region.is_some() {
+                    return Err(Error::Transport(format!(
+                        "{} opened region plan {plan} while another was open (a protocol error)",
+                        link.who()
+                    )));
+                }
+                let plans = match &region_plans {
+                    Some(p) => p,
+                    None => region_plans.insert(sweep::regions::plans(rc)?),
+                };
+                let Some(p) = plans.get(plan as usize) else {
+                    return Err(Error::Transport(format!(
+                        "{} asked for region plan {plan} of {} (a protocol error)",
+                        link.who(),
+                        plans.len()
+                    )));
+                };
+                if let Some(l) = region_side.leases.and_then(|s| s.to_prefill.lock().unwrap_or_else(|p| p.into_inner()).take()) {
+                    decode.lease = l;
+                }
+                let decode_agent = decode.agent.clone();
+                let mut sources = Vec::new();
+                for src in &p.sources {
+                    // One source at a time, each on its rank's GPU.
+                    let one = sweep::regions::RegionPlan { sources: vec![src.clone()], ..p.clone() };
+                    let device = (region_side.device_of)(src.rank);
+                    let mut e = sweep::regions::prefill_sources(rc, &one, region_side.memory, device, &decode)
+                        .map_err(|e| attribute(link, e))?;
+                    sources.append(&mut e);
+                }
+                let infos = sources.iter().map(|e| e.info()).collect::<Result<Vec<_>>>()?;
+                if let Some(slots) = region_side.leases {
+                    let mut lease = crate::xfer::nixl::WeakLease::default();
+                    infos.iter().for_each(|i| lease.join(&i.lease));
+                    *slots.to_decode.lock().unwrap_or_else(|p| p.into_inner()) = Some(lease);
+                }
+                region = Some(OpenRegion { index: plan, sources, decode_agent });
+                link.send(&Msg::RegionOpened { plan, sources: infos })?;
+            }
+            Some(Msg::RegionWrite { plan, sources }) => {
+                let open = region.as_ref().filter(|r| r.index == plan);
+                let p = region_plans.as_ref().and_then(|ps| ps.get(plan as usize));
+                let (Some(open), Some(p)) = (open, p) else {
+                    return Err(Error::Transport(format!(
+                        "{} asked for a WRITE of region plan {plan}, which is not open (a protocol error)",
+                        link.who()
+                    )));
+                };
+                let mut seen = std::collections::HashSet::new();
+                if rc.op != Op::Write
+                    || sources.iter().any(|(k, t)| *k as usize >= open.sources.len() || t.len() > 256 || !seen.insert(*k))
+                {
+                    return Err(Error::Transport(format!(
+                        "{} asked for a WRITE of region plan {plan}'s sources {:?} (a protocol error)",
+                        link.who(),
+                        sources.iter().map(|(k, _)| *k).collect::<Vec<_>>()
+                    )));
+                }
+                let faults = sweep::regions::plan_faults(rc, p);
+                let d = crate::sys::deadline::Deadline::after(timeout);
+                for (k, tag) in sources {
+                    let pairs = sweep::regions::source_pairs(p, &faults, k as usize);
+                    if pairs.is_empty() {
+                        link.send(&Msg::Written { tag, bytes: 0, nanos: 0 })?;
+                        continue;
+                    }
+                    let posted =
+                        open.sources[k as usize].post_as_initiator(Op::Write, &pairs, &tag, d).map_err(|e| attribute(link, e))?;
+                    region_inflight.push((tag, k as usize, posted));
+                    me.writes += 1;
+                }
+            }
+            Some(Msg::RegionClose { plan }) => {
+                if region.as_ref().is_none_or(|r| r.index != plan) || !region_inflight.is_empty() {
+                    return Err(Error::Transport(format!(
+                        "{} closed region plan {plan}, which is not open or has WRITEs in flight (a protocol error)",
+                        link.who()
+                    )));
+                }
+                if let Some(p) = region_plans.as_ref().and_then(|ps| ps.get(plan as usize)) {
+                    say(&format!(
+                        "region {} ({}, TP rank {}): {} layer(s) x {} page(s) served from {} prefill rank(s)",
+                        p.region.name,
+                        p.region.kind,
+                        p.rank,
+                        p.region.layers.len(),
+                        p.units,
+                        p.sources.len()
+                    ));
+                }
+                region = None;
+                link.send(&Msg::RegionClosed { plan })?;
+            }
             Some(m @ Msg::Done { .. }) => break done(link, m)?,
             Some(m) => {
                 return Err(Error::Transport(format!("decode sent {} during the run (a protocol error)", m.name())));
+            }
+        }
+        let mut i = 0;
+        while i < region_inflight.len() {
+            let (_, k, posted) = &mut region_inflight[i];
+            let open = region.as_ref().expect("a region WRITE in flight keeps its plan open");
+            if let Some(r) = open.sources[*k].poll(posted).map_err(|e| attribute(link, e))? {
+                let (tag, _, _) = region_inflight.swap_remove(i);
+                me.bytes_written += r.bytes;
+                link.send(&Msg::Written { tag, bytes: r.bytes, nanos: r.elapsed.as_nanos() as u64 })?;
+            } else {
+                i += 1;
             }
         }
         let mut i = 0;
@@ -821,8 +963,18 @@ fn sweep_requests(
         for ep in ranks.iter() {
             got.extend(ep.raw_notifications()?);
         }
+        if let Some(open) = &region {
+            for ep in &open.sources {
+                got.extend(ep.raw_notifications()?.into_iter().filter(|(p, _)| *p == open.decode_agent));
+            }
+        }
         let query_ns = asked.elapsed().as_nanos().min(u64::MAX as u128) as u64;
-        let tags: Vec<String> = got.into_iter().filter(|(p, _)| decode_agents.contains(p)).map(|(_, m)| m).collect();
+        let region_agent = region.as_ref().map(|r| r.decode_agent.as_str());
+        let tags: Vec<String> = got
+            .into_iter()
+            .filter(|(p, _)| decode_agents.contains(p) || region_agent == Some(p.as_str()))
+            .map(|(_, m)| m)
+            .collect();
         if !tags.is_empty() {
             link.send(&Msg::Notified { tags, query_ns })?;
         }

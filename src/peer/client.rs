@@ -61,6 +61,10 @@ struct State {
     fill_kernel_seconds: f64,
     /// Prefill's report section, once it said goodbye.
     bye: Option<PeerSide>,
+    /// The region plan prefill opened, with its agents ([`Msg::RegionOpened`]).
+    region_opened: Option<(u32, Vec<PeerInfo>)>,
+    /// The region plan prefill closed ([`Msg::RegionClosed`]).
+    region_closed: Option<u32>,
 }
 
 /// The prefill side of a node pair, reached over the peer protocol.
@@ -78,6 +82,9 @@ pub struct PrefillPeer {
     /// Where prefill lives when this process started it (after `link`: dropped once the link
     /// is closed, which ends its session).
     holder: Option<Holder>,
+    /// Prefill on a thread of this process: the slots its region agents' registrations come
+    /// by ([`super::LeaseSlots`]).
+    pub region_leases: Option<std::sync::Arc<super::LeaseSlots>>,
 }
 
 /// A prefill side this process started.
@@ -361,7 +368,16 @@ impl PrefillPeer {
             m => Err(m.name()),
         })?;
         link.running();
-        Ok(PrefillPeer { link, info, ranks_info, side, section, state: Mutex::new(State::default()), holder: None })
+        Ok(PrefillPeer {
+            link,
+            info,
+            ranks_info,
+            side,
+            section,
+            state: Mutex::new(State::default()),
+            holder: None,
+            region_leases: None,
+        })
     }
 
     /// `--decode-process` and the plain sweep: takes charge of the child or thread prefill
@@ -426,6 +442,8 @@ impl PrefillPeer {
                     s.notified.extend(tags.into_iter().map(|t| (t, (began, now))))
                 }
                 Msg::Bye { side } => s.bye = Some(super::escaped(*side)),
+                Msg::RegionOpened { plan, sources } if s.region_opened.is_none() => s.region_opened = Some((plan, sources)),
+                Msg::RegionClosed { plan } if s.region_closed.is_none() => s.region_closed = Some(plan),
                 m => {
                     return Err(Error::Transport(format!(
                         "{} sent {} during the run (a protocol error)",
@@ -510,6 +528,73 @@ impl PrefillPeer {
             return Err(Error::Interrupted(format!("while waiting for {what}")));
         }
         Ok(())
+    }
+
+    /// Has prefill set up region plan `plan` (its index in `sweep::regions::plans` of the
+    /// run's configuration) against decode's agent `decode`, and returns prefill's agents, one
+    /// per source of the plan (in process, each with shares of prefill's registrations). Waits
+    /// at most the set-up bound of a fill. Errors: timeout (exit 4), transport (exit 3: an
+    /// answer for another plan), the link's.
+    pub fn region_open(&self, plan: u32, decode: PeerInfo) -> Result<Vec<PeerInfo>> {
+        if let Some(slots) = &self.region_leases {
+            *slots.to_prefill.lock().unwrap_or_else(|p| p.into_inner()) = Some(decode.lease.clone());
+        }
+        self.link.send(&Msg::RegionOpen { plan, decode })?;
+        let bound = self.fill_bound(None);
+        let t = Instant::now();
+        let (got, mut sources) = loop {
+            if let Some(o) = self.state.lock().unwrap_or_else(|p| p.into_inner()).region_opened.take() {
+                break o;
+            }
+            self.check_interrupt("prefill's region pools")?;
+            if t.elapsed() > bound {
+                return Err(Error::Timeout(format!(
+                    "{} did not set up region plan {plan} within {:.3} s",
+                    self.link.who(),
+                    t.elapsed().as_secs_f64()
+                )));
+            }
+            self.pump(Duration::from_millis(1))?;
+        };
+        if got != plan {
+            return Err(self.protocol_error(format!("region plan {got}'s agents when plan {plan} was asked for")));
+        }
+        if let Some(l) = self.region_leases.as_ref().and_then(|s| s.to_decode.lock().unwrap_or_else(|p| p.into_inner()).take()) {
+            sources.iter_mut().for_each(|i| i.lease = l.clone());
+        }
+        Ok(sources)
+    }
+
+    /// Has prefill WRITE the region pages of each of `sources` (index in the open plan's
+    /// sources, notification tag) into decode's pool; [`PrefillPeer::take_written`] says when
+    /// each is complete.
+    pub fn region_write(&self, plan: u32, sources: Vec<(u32, String)>) -> Result<()> {
+        self.link.send(&Msg::RegionWrite { plan, sources })
+    }
+
+    /// Has prefill give region plan `plan`'s pools and agents up, and waits until it has.
+    /// Errors: as [`PrefillPeer::region_open`].
+    pub fn region_close(&self, plan: u32) -> Result<()> {
+        self.link.send(&Msg::RegionClose { plan })?;
+        let bound = self.fill_bound(None);
+        let t = Instant::now();
+        loop {
+            if let Some(got) = self.state.lock().unwrap_or_else(|p| p.into_inner()).region_closed.take() {
+                if got != plan {
+                    return Err(self.protocol_error(format!("region plan {got} closed when plan {plan} was")));
+                }
+                return Ok(());
+            }
+            self.check_interrupt("prefill's region pools")?;
+            if t.elapsed() > bound {
+                return Err(Error::Timeout(format!(
+                    "{} did not give region plan {plan} up within {:.3} s",
+                    self.link.who(),
+                    t.elapsed().as_secs_f64()
+                )));
+            }
+            self.pump(Duration::from_millis(1))?;
+        }
     }
 
     /// Has prefill post stage `stage` of iteration `it` as a WRITE with notification `tag`.

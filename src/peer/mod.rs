@@ -17,6 +17,7 @@
 //! | 6 | [`Msg::Connect`]: decode's NIXL agent metadata and region bases | loads them (`load_remote_md`) |
 //! | 7 | | [`Msg::Connected`]: prefill's; decode loads them, then `check_remote_metadata` |
 //! | 8 | per iteration: [`Msg::Fill`] (prefill refills a stage), [`Msg::Write`] (WRITE: prefill posts a stage), then [`Msg::Verified`] with the iteration's results | [`Msg::Filled`], [`Msg::Written`]; NIXL notifications prefill receives come back as [`Msg::Notified`] |
+//! | 8b | a hybrid model's state and indexer regions, one (region, TP rank) plan at a time: [`Msg::RegionOpen`] (the plan's index in `sweep::regions::plans` of the configuration, decode's NIXL agent for it), then its READs, or [`Msg::RegionWrite`], then [`Msg::RegionClose`] | [`Msg::RegionOpened`]: a pool and NIXL agent per prefill rank the plan reads, filled with region rows; [`Msg::Written`], [`Msg::Notified`] as above; [`Msg::RegionClosed`] once its agents are gone |
 //! | 9 | [`Msg::Done`] with the run's outcome | [`Msg::Bye`] with prefill's side of the report; both close |
 //!
 //! Either side sends [`Msg::Heartbeat`] every [`heartbeat_interval`] from its own thread, so
@@ -276,6 +277,44 @@ pub enum Msg {
         /// Transfer rate of the iteration (GB/s = 1e9 B/s).
         gbps: f64,
     },
+    /// run → serve (hybrid models, after the sweep): set up region plan `plan` (its index in
+    /// `sweep::regions::plans` of the run's configuration, which both sides derive): a pool per
+    /// prefill rank it reads, filled with region rows and the planted region faults, each with
+    /// a NIXL agent that has loaded `decode`; answered by [`Msg::RegionOpened`]. One plan is
+    /// open at a time.
+    RegionOpen {
+        /// The plan's index.
+        plan: u32,
+        /// Decode's NIXL agent of this plan's pool.
+        decode: crate::xfer::transport::PeerInfo,
+    },
+    /// serve → run: plan `plan`'s prefill agents, in the plan's source order.
+    RegionOpened {
+        /// The plan's index.
+        plan: u32,
+        /// One agent per source (prefill TP rank read).
+        sources: Vec<crate::xfer::transport::PeerInfo>,
+    },
+    /// run → serve (WRITE): post the region pages of each listed source (its index in the
+    /// plan's sources, its notification tag) into decode's pool; each answered by
+    /// [`Msg::Written`] with its tag. A source not listed is not written (a region left out).
+    RegionWrite {
+        /// The open plan's index.
+        plan: u32,
+        /// (source index, notification tag).
+        sources: Vec<(u32, String)>,
+    },
+    /// run → serve: plan `plan` is over (its requests complete): prefill gives its pools and
+    /// agents up and answers [`Msg::RegionClosed`].
+    RegionClose {
+        /// The plan's index.
+        plan: u32,
+    },
+    /// serve → run: plan `plan`'s prefill agents and pools are gone.
+    RegionClosed {
+        /// The plan's index.
+        plan: u32,
+    },
     /// Either way: still alive.
     Heartbeat,
     /// Either way: SIGINT/SIGTERM on the sender; the receiver ends its run as interrupted.
@@ -382,6 +421,11 @@ impl Msg {
             Msg::Notify { .. } => "notify",
             Msg::Notified { .. } => "notified",
             Msg::Verified { .. } => "verified",
+            Msg::RegionOpen { .. } => "region_open",
+            Msg::RegionOpened { .. } => "region_opened",
+            Msg::RegionWrite { .. } => "region_write",
+            Msg::RegionClose { .. } => "region_close",
+            Msg::RegionClosed { .. } => "region_closed",
             Msg::Heartbeat => "heartbeat",
             Msg::Interrupt { .. } => "interrupt",
             Msg::Failed { .. } => "failed",
@@ -395,6 +439,19 @@ impl Msg {
             Msg::Ended { .. } => "ended",
         }
     }
+}
+
+/// Shares of NIXL registrations handed between the two roles when both live in one process
+/// (prefill on a thread): what a [`crate::xfer::transport::PeerInfo`] loses when it is
+/// serialized. A request takes shares of the peer's registrations from it, so that neither
+/// side frees a pool under a request of the other (the region pass's pools; the sweep's go by
+/// `serve::Handoff`).
+#[derive(Default)]
+pub struct LeaseSlots {
+    /// Decode's registrations, for prefill's agents.
+    pub to_prefill: Mutex<Option<crate::xfer::nixl::WeakLease>>,
+    /// Prefill's registrations, for decode's agents.
+    pub to_decode: Mutex<Option<crate::xfer::nixl::WeakLease>>,
 }
 
 /// What decode tells prefill of its results as the run ends ([`Msg::Done`]), for serve's

@@ -17,8 +17,13 @@
 //! failure of its own that names it (a region left out of the transfer: decode would compute
 //! those layers from zeros).
 //!
-//! What is not moved here yet: a pair (`--peer`), `--decode-process`, scenarios, and unequal
-//! TP sizes on the two sides (refused where the run is configured).
+//! Prefill's pages live with prefill wherever it is (a thread of this process, the child of
+//! `--decode-process`, `kvprobe serve` on another host): decode asks for them plan by plan over
+//! the peer protocol (`RegionOpen`, [`prefill_sources`] on prefill's side), so that the region
+//! pass crosses the same link the attention sweep does.
+//!
+//! What is not moved here yet: scenarios, and injected region faults between unequal TP sizes
+//! (refused where the run is configured).
 
 use crate::core::fingerprint::{self, logical_block};
 use crate::core::geometry::{Dtype, Geometry, KvPart, Layout, SliceCoord};
@@ -27,6 +32,7 @@ use crate::core::inject::Kind;
 use crate::core::verify::{self, Class};
 use crate::error::{Error, Result};
 use crate::mem::pool::{KvPool, MemoryKind};
+use crate::peer::client::PrefillPeer;
 use crate::report::{RegionFailure, RegionInjection, RegionReport, Report};
 use crate::sweep::RunConfig;
 use crate::xfer::transport::{self, Endpoint, Pair, TransportOptions, XferReq};
@@ -485,20 +491,65 @@ fn predict(cfg: &RunConfig, p: &RegionPlan, faults: &[RegionFault], pairs: &[Pai
     out
 }
 
-fn pool(cfg: &RunConfig, g: &Geometry, device: usize) -> Result<KvPool> {
-    match cfg.memory {
+fn pool(cfg: &RunConfig, memory: MemoryKind, g: &Geometry, device: usize) -> Result<KvPool> {
+    match memory {
         MemoryKind::Dram => KvPool::host(g, cfg.seed),
         MemoryKind::Vram => crate::sweep::vram_pool_on(device, g, cfg.seed),
     }
+}
+
+/// The descriptors source `k` of `p` moves: every page's ([`RegionPlan::pairs_of`]), or with
+/// planted `faults` (one source) the faulted ones ([`RegionPlan::faulted_pairs`]).
+pub fn source_pairs(p: &RegionPlan, faults: &[RegionFault], k: usize) -> Vec<Pair> {
+    if faults.is_empty() { p.pairs_of(k) } else { p.faulted_pairs(faults) }
+}
+
+/// The NIXL agent name of source `k` of `p` (prefill's side).
+fn source_agent(p: &RegionPlan, k: usize) -> String {
+    format!("kvprobe-region-{}-tp{}-prefill-tp{}", p.region.kind, p.rank, p.sources[k].rank)
+}
+
+/// Prefill's side of plan `p`: a pool per source on `memory` (GPU `device`), every page
+/// written as [`RegionPlan::source_page`] writes it (the run's planted region faults
+/// applied), each with a NIXL agent that has loaded decode's agent `decode` (the name is the
+/// plan's: `kvprobe-region-KIND-tpR-prefill-tpS`). Errors: environment (allocation, a
+/// backend that cannot serve the pool, exit 2), transport (decode's metadata, exit 3).
+pub fn prefill_sources(
+    cfg: &RunConfig,
+    p: &RegionPlan,
+    memory: MemoryKind,
+    device: usize,
+    decode: &transport::PeerInfo,
+) -> Result<Vec<Endpoint>> {
+    let faults = plan_faults(cfg, p);
+    let opts = TransportOptions { xfer_req: XferReq::Create, backend_params: cfg.backend_params.clone() };
+    let layers = p.region.layers.len() as u32;
+    let mut out = Vec::new();
+    for (k, src) in p.sources.iter().enumerate() {
+        let mut pool = pool(cfg, memory, &p.pool_geometry_of(src.page_stride_bytes)?, device)?;
+        for li in 0..layers {
+            for i in 0..p.units {
+                pool.write_slice(
+                    SliceCoord { layer: li, kv: KvPart::Latent, block: i },
+                    &p.source_page(k, cfg.seed, li, i, &faults),
+                )?;
+            }
+        }
+        let mut e = Endpoint::with_options(&source_agent(p, k), &cfg.backend, pool, &opts)
+            .map_err(|e| crate::sweep::backend_refusal(&cfg.backend, memory, e))?;
+        e.connect(decode.clone())?;
+        out.push(e);
+    }
+    Ok(out)
 }
 
 /// Moves and verifies every region of `plans` (one after another), adding a
 /// [`RegionReport`] each to `report.regions`. Errors: corrupt (exit 1) naming each region with
 /// corrupt pages, and the region none of whose bytes arrived; transport (exit 3); timeout
 /// (exit 4); environment (exit 2) as the attention pools'.
-pub fn run(cfg: &RunConfig, plans: &[RegionPlan], report: &mut Report) -> Result<()> {
+pub fn run(cfg: &RunConfig, plans: &[RegionPlan], prefill: &PrefillPeer, report: &mut Report) -> Result<()> {
     let mut bad = Vec::new();
-    for p in plans {
+    for (index, p) in plans.iter().enumerate() {
         crate::sys::progress::announce(&format!(
             "regions: {} ({}), TP rank {}: {} layer(s) x {} {}s",
             p.region.name,
@@ -508,7 +559,7 @@ pub fn run(cfg: &RunConfig, plans: &[RegionPlan], report: &mut Report) -> Result
             p.units,
             unit_name(p.region.unit)
         ));
-        let r = move_one(cfg, p)?;
+        let r = move_one(cfg, index as u32, p, prefill).map_err(|e| prefill.cause_of(e))?;
         if r.pages_corrupt > 0 {
             let whole = r.pages_corrupt == r.pages_compared && r.failures.iter().all(|f| f.class == Class::Unwritten);
             bad.push(if whole {
@@ -538,7 +589,7 @@ pub fn unit_name(u: RegionUnit) -> &'static str {
     }
 }
 
-fn move_one(cfg: &RunConfig, p: &RegionPlan) -> Result<RegionReport> {
+fn move_one(cfg: &RunConfig, index: u32, p: &RegionPlan, prefill: &PrefillPeer) -> Result<RegionReport> {
     let g = p.pool_geometry()?;
     let stride = p.region.page_stride_bytes as usize;
     let seed = cfg.seed;
@@ -549,7 +600,7 @@ fn move_one(cfg: &RunConfig, p: &RegionPlan) -> Result<RegionReport> {
             "--inject CLASS@REGION needs equal TP sizes on the two sides (not built yet for unequal ones)".into(),
         ));
     }
-    let mut dst = pool(cfg, &g, cfg.decode_device)?;
+    let mut dst = pool(cfg, cfg.memory, &g, cfg.decode_device)?;
     let mut page = vec![0u8; stride];
     for li in 0..layers {
         for i in 0..p.units {
@@ -559,32 +610,34 @@ fn move_one(cfg: &RunConfig, p: &RegionPlan) -> Result<RegionReport> {
     }
     let opts = TransportOptions { xfer_req: XferReq::Create, backend_params: cfg.backend_params.clone() };
     let tag = format!("kvprobe-region-{}-tp{}", p.region.kind, p.rank);
-    let mut decode = Endpoint::with_options(&format!("{tag}-decode"), &cfg.backend, dst, &opts)?;
-    let mut prefills = Vec::new();
-    for (k, src) in p.sources.iter().enumerate() {
-        let mut pool = pool(cfg, &p.pool_geometry_of(src.page_stride_bytes)?, cfg.prefill_device)?;
-        for li in 0..layers {
-            for i in 0..p.units {
-                pool.write_slice(
-                    SliceCoord { layer: li, kv: KvPart::Latent, block: i },
-                    &p.source_page(k, seed, li, i, &faults),
-                )?;
-            }
-        }
-        let mut e = Endpoint::with_options(&format!("{tag}-prefill-tp{}", src.rank), &cfg.backend, pool, &opts)?;
-        decode.connect(e.info()?)?;
-        e.connect(decode.info()?)?;
-        prefills.push(e);
+    let mut decode = Endpoint::with_options(&format!("{tag}-decode"), &cfg.backend, dst, &opts)
+        .map_err(|e| crate::sweep::backend_refusal(&cfg.backend, cfg.memory, e))?;
+    // Prefill sets up the plan's pages and agents on its side; decode loads each.
+    let sources = prefill.region_open(index, decode.info()?)?;
+    if sources.len() != p.sources.len() {
+        return Err(Error::Transport(format!(
+            "{} sent {} NIXL agents for region {} of TP rank {}, which reads {} prefill rank(s) (a protocol error)",
+            prefill.who(),
+            sources.len(),
+            p.region.name,
+            p.rank,
+            p.sources.len()
+        )));
     }
-    let out_of = |k: usize| {
-        if left_out(&p.region) {
-            Vec::new()
-        } else if faults.is_empty() {
-            p.pairs_of(k)
-        } else {
-            p.faulted_pairs(&faults)
+    for (k, info) in sources.into_iter().enumerate() {
+        let want = p.pool_geometry_of(p.sources[k].page_stride_bytes)?;
+        if info.geometry.as_ref().is_some_and(|g| *g != want) {
+            return Err(Error::Transport(format!(
+                "{}'s NIXL agent {} announced a region pool other than region {}'s pages of prefill rank {} (a protocol error)",
+                prefill.who(),
+                info.agent,
+                p.region.name,
+                p.sources[k].rank
+            )));
         }
-    };
+        decode.connect(info)?;
+    }
+    let out_of = |k: usize| if left_out(&p.region) { Vec::new() } else { source_pairs(p, &faults, k) };
     let pairs: Vec<Vec<Pair>> = (0..p.sources.len()).map(out_of).collect();
     let predicted = predict(cfg, p, &faults, pairs.first().map(Vec::as_slice).unwrap_or_default());
     let mut met = vec![0usize; faults.len()];
@@ -594,27 +647,75 @@ fn move_one(cfg: &RunConfig, p: &RegionPlan) -> Result<RegionReport> {
     let timeout = Duration::from_secs_f64(cfg.timeout_secs);
     let t0 = Instant::now();
     // One request per source, all in flight together; then every completion and notification.
-    let mut posted = Vec::new();
-    for (k, pk) in pairs.iter().enumerate().filter(|(_, pk)| !pk.is_empty()) {
-        let tag_k = format!("{tag}-from-tp{}", p.sources[k].rank);
-        let deadline = crate::sys::deadline::Deadline::after(timeout);
-        let x = match cfg.op {
-            transport::Op::Read => decode.post_to(k, transport::Op::Read, pk, &tag_k, deadline)?,
-            transport::Op::Write => prefills[k].post_as_initiator(transport::Op::Write, pk, &tag_k, deadline)?,
-        };
-        posted.push((k, tag_k, deadline, x));
-    }
-    for (k, tag_k, deadline, x) in &mut posted {
-        loop {
-            if transport::poll(cfg.op, &prefills[*k], &decode, x)?.is_some() {
-                break;
+    let live: Vec<(usize, String)> = pairs
+        .iter()
+        .enumerate()
+        .filter(|(_, pk)| !pk.is_empty())
+        .map(|(k, _)| (k, format!("{tag}-from-tp{}", p.sources[k].rank)))
+        .collect();
+    let deadline = crate::sys::deadline::Deadline::after(timeout);
+    match cfg.op {
+        transport::Op::Read => {
+            let mut posted = Vec::new();
+            for (k, tag_k) in &live {
+                posted.push(decode.post_to(*k, transport::Op::Read, &pairs[*k], tag_k, deadline)?);
             }
-            std::thread::sleep(Duration::from_micros(20));
+            for x in &mut posted {
+                while decode.poll(x)?.is_none() {
+                    prefill.pump(Duration::ZERO)?;
+                    std::thread::sleep(Duration::from_micros(20));
+                }
+            }
+            // Prefill's agents forward the notifications of decode's READs.
+            let mut tags: std::collections::HashMap<String, crate::sys::deadline::Deadline> =
+                live.iter().map(|(_, t)| (t.clone(), deadline)).collect();
+            prefill.await_notifications(&mut tags)?;
         }
-        let mut tags = std::collections::HashMap::from([(tag_k.clone(), *deadline)]);
-        transport::await_notifications(cfg.op, &prefills[*k], &decode, &mut tags)?;
+        transport::Op::Write => {
+            prefill.region_write(index, live.iter().map(|(k, t)| (*k as u32, t.clone())).collect())?;
+            let mut misses = 0u32;
+            for (_, tag_k) in &live {
+                loop {
+                    let asked = Instant::now();
+                    match prefill.take_written(tag_k)? {
+                        Some(done) if done.elapsed > deadline.limit => {
+                            return Err(Error::Timeout(format!(
+                                "region WRITE {tag_k} by {} took {:.3} s from post to completion, over --timeout {:.6} s",
+                                prefill.who(),
+                                done.elapsed.as_secs_f64(),
+                                deadline.limit_secs()
+                            )));
+                        }
+                        Some(_) => break,
+                        None if deadline.passed_at(asked) => {
+                            misses += 1;
+                            if misses >= 2 {
+                                return Err(Error::Timeout(format!(
+                                    "region WRITE {tag_k} by {} was not complete within --timeout {:.6} s",
+                                    prefill.who(),
+                                    deadline.limit_secs()
+                                )));
+                            }
+                        }
+                        None => {}
+                    }
+                    std::thread::sleep(Duration::from_micros(20));
+                }
+            }
+            let from: Vec<String> = (0..p.sources.len()).map(|k| source_agent(p, k)).collect();
+            let mut inbox = transport::Inbox::default();
+            for (_, tag_k) in &live {
+                while !transport::poll_notification_from(&decode, &from, &mut inbox, tag_k, deadline)? {
+                    prefill.pump(Duration::ZERO)?;
+                    std::thread::sleep(Duration::from_micros(20));
+                }
+            }
+        }
     }
+    let posted = live;
     let seconds = if posted.is_empty() { 0.0 } else { t0.elapsed().as_secs_f64() };
+    // Every request is complete: prefill gives the plan's pools up before decode verifies.
+    prefill.region_close(index)?;
     let mut out = RegionReport {
         kind: p.region.kind.clone(),
         name: p.region.name.clone(),
