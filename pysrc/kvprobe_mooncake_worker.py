@@ -118,6 +118,9 @@ class Worker:
     def op_setup(self, req):
         from mooncake.store import MooncakeDistributedStore
 
+        # kvprobe's bind() shim (LD_PRELOAD, csrc/bind_host.c) binds the Transfer Engine's
+        # listeners to this address instead of 0.0.0.0 / [::].
+        os.environ["KVPROBE_BIND_HOST"] = req["local_hostname"]
         self.store = MooncakeDistributedStore()
         rc = self.store.setup(
             req["local_hostname"],

@@ -167,6 +167,15 @@ fn worker_moves_blocks_between_a_shared_pool_and_the_store() {
     let mut w = mooncake::Worker::start(&install, Duration::from_secs(300), &[&pool]).unwrap();
     assert_eq!(pool_memfds(w.pid()), 1, "the worker holds exactly the pool's memfd");
     w.setup(&master, "tcp", 64 << 20).unwrap();
+    // Its Transfer Engine's handshake and TCP-transport ports listen on loopback only, as
+    // setup's local_hostname asks (Mooncake alone binds them to 0.0.0.0 and [::]; kvprobe's
+    // bind shim narrows them).
+    let l = listeners(w.pid());
+    assert!(l.len() >= 2, "{l:?}");
+    assert!(
+        l.iter().all(|a| a.starts_with("127.0.0.1:") || a.starts_with("[0000000000000000FFFF00000100007F]:")),
+        "the store client listens on {l:?}"
+    );
     let e = w.map_shared(&other).unwrap_err();
     assert!(e.to_string().contains("not passed to the Mooncake worker"), "{e}");
     w.map_shared(&pool).unwrap();

@@ -728,6 +728,45 @@ fn a_server_listening_wider_than_asked_is_refused() {
     drop(wide);
 }
 
+/// The Mooncake worker's bind() shim (csrc/bind_host.c), preloaded into a Python process as
+/// kvprobe preloads it into the worker: binds to 0.0.0.0 and to a dual-stack [::] land on the
+/// address in KVPROBE_BIND_HOST, a named address and a v6-only [::] pass unchanged, and
+/// without the variable nothing changes.
+#[test]
+fn the_bind_shim_narrows_wildcard_binds_to_the_asked_address() {
+    let d = crate::common::tmpdir("bind-shim");
+    let so = d.join("shim.so");
+    std::fs::write(&so, kvprobe::mooncake::BIND_SHIM).unwrap();
+    let script = r#"
+import socket
+def bound(family, addr, v6only=None):
+    s = socket.socket(family, socket.SOCK_STREAM)
+    if v6only is not None:
+        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, v6only)
+    s.bind(addr)
+    return s.getsockname()[0]
+print(bound(socket.AF_INET, ("0.0.0.0", 0)))
+print(bound(socket.AF_INET6, ("::", 0), 0))
+print(bound(socket.AF_INET6, ("::", 0), 1))
+print(bound(socket.AF_INET, ("127.0.0.2", 0)))
+"#;
+    let run = |env: &[(&str, &str)]| {
+        let o = std::process::Command::new("python3")
+            .args(["-c", script])
+            .env("LD_PRELOAD", &so)
+            .env_remove("KVPROBE_BIND_HOST")
+            .envs(env.iter().copied())
+            .output()
+            .expect("python3");
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8(o.stdout).unwrap().lines().map(str::to_string).collect::<Vec<_>>()
+    };
+    assert_eq!(run(&[("KVPROBE_BIND_HOST", "127.0.0.1")]), ["127.0.0.1", "::ffff:127.0.0.1", "::", "127.0.0.2"]);
+    assert_eq!(run(&[("KVPROBE_BIND_HOST", "::1")]), ["0.0.0.0", "::1", "::1", "127.0.0.2"]);
+    assert_eq!(run(&[]), ["0.0.0.0", "::", "::", "127.0.0.2"]);
+    assert_eq!(run(&[("KVPROBE_BIND_HOST", "not-an-address")]), ["0.0.0.0", "::", "::", "127.0.0.2"]);
+}
+
 #[test]
 fn tier_entries_are_copied_one_at_a_time_through_spans() {
     use kvprobe::pool::KvPool;

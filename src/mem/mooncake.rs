@@ -421,6 +421,18 @@ pub const WORKER_SOURCE: &str = include_str!("../../pysrc/kvprobe_mooncake_worke
 /// The worker's protocol name.
 pub const PROTOCOL: &str = "kvprobe-mooncake/1";
 
+/// The bind() shim the worker runs with (`LD_PRELOAD`; csrc/bind_host.c, built by build.rs):
+/// while [`BIND_HOST_VAR`] holds an address literal (the worker sets it to setup's
+/// `local_hostname`), a bind to 0.0.0.0 or :: becomes a bind to it (`::ffff:HOST` on a dual-stack
+/// IPv6 socket). Mooncake 0.3.13/0.3.14's Transfer Engine binds its handshake port to 0.0.0.0
+/// (`findAvailableTcpPort`) and its TCP-transport port to [::] (`TcpContext`) with no setting to
+/// narrow them; with the shim both listen on the store client's own address only, which
+/// [`Worker::setup`] checks.
+pub const BIND_SHIM: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/libkvprobe_bind_host.so"));
+
+/// The variable the shim reads (in the worker's environment only).
+pub const BIND_HOST_VAR: &str = "KVPROBE_BIND_HOST";
+
 /// One byte range `(offset, length)` of the shared pool.
 pub type Range = (u64, u64);
 
@@ -438,6 +450,8 @@ pub struct Worker {
     log: std::fs::File,
     /// The worker's script, in kvprobe's private directory ([`crate::sys::tempdir::dir`]).
     _script: tempfile::NamedTempFile,
+    /// The bind() shim it runs with ([`BIND_SHIM`]), beside the script.
+    _shim: tempfile::NamedTempFile,
     /// The descriptors it inherited ([`Worker::start`]'s shareable buffers).
     inherited: Vec<i32>,
     /// Set when the run ended elsewhere (the peer of a node pair ended it or went away,
@@ -463,8 +477,26 @@ impl Worker {
             .tempfile_in(dir)
             .map_err(|e| env_err("script", e))?;
         script.write_all(WORKER_SOURCE.as_bytes()).map_err(|e| env_err("script", e))?;
+        let mut shim = tempfile::Builder::new()
+            .prefix("kvprobe-bind-host.")
+            .suffix(".so")
+            .tempfile_in(dir)
+            .map_err(|e| env_err("bind shim", e))?;
+        shim.write_all(BIND_SHIM).map_err(|e| env_err("bind shim", e))?;
         let log = crate::sys::tempdir::anonymous_file().map_err(|e| env_err("log", e))?;
         let mut cmd = Command::new(&install.python);
+        // The Transfer Engine's listeners bind where setup's local_hostname says ([`BIND_SHIM`]),
+        // before any library the user preloads.
+        let preload = match std::env::var_os("LD_PRELOAD").filter(|v| !v.is_empty()) {
+            Some(v) => {
+                let mut p = shim.path().as_os_str().to_owned();
+                p.push(" ");
+                p.push(v);
+                p
+            }
+            None => shim.path().as_os_str().to_owned(),
+        };
+        cmd.env("LD_PRELOAD", preload).env_remove(BIND_HOST_VAR);
         let inherited: Vec<i32> = shared.iter().filter_map(|b| b.shared_fd()).collect();
         cmd.arg("-u")
             .arg(script.path())
@@ -485,7 +517,8 @@ impl Worker {
                 }
             }
         });
-        let mut w = Worker { child, stdin, replies: rx, next_id: 1, timeout, log, _script: script, inherited, abort: None };
+        let mut w =
+            Worker { child, stdin, replies: rx, next_id: 1, timeout, log, _script: script, _shim: shim, inherited, abort: None };
         // hello imports the store client: a broken install fails here, as a set-up problem.
         let hello = w.call("hello", serde_json::json!({})).map_err(|e| match e {
             Error::Transport(m) => Error::Environment(format!("{m}; {INSTALL_HINT}")),
@@ -574,10 +607,11 @@ impl Worker {
     /// Connects the store client to the master of `deployment` over `protocol` ("tcp"),
     /// contributing `segment_bytes` of its memory to the store.
     pub fn setup(&mut self, deployment: &Deployment, protocol: &str, segment_bytes: u64) -> Result<()> {
+        let host = deployment.local_hostname();
         self.call(
             "setup",
             serde_json::json!({
-                "local_hostname": deployment.local_hostname(),
+                "local_hostname": host,
                 "metadata_url": deployment.metadata_url(),
                 "master": deployment.rpc(),
                 "protocol": protocol,
@@ -585,6 +619,10 @@ impl Worker {
                 "local_buffer_bytes": 16u64 << 20,
             }),
         )?;
+        // Its Transfer Engine listens where it was asked to ([`BIND_SHIM`]), or it is not run.
+        if let Ok(ip) = host.parse::<IpAddr>() {
+            check_listening("the Mooncake store client (kvprobe's worker)", self.pid(), ip)?;
+        }
         Ok(())
     }
 

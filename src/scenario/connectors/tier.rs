@@ -346,9 +346,8 @@ impl MooncakeTier {
         })?;
         worker.set_timeout(timeout);
         let fingerprint = format!("{:08x}-{:08x}", crate::core::fingerprint::seed32(seed), rand::rng().random::<u32>());
-        // The store client's Transfer Engine listens on every interface (Mooncake binds its
-        // handshake and TCP-transport ports to 0.0.0.0 / [::] with no setting to narrow them):
-        // said, as docs/scenarios.md "Network exposure" does.
+        // Where the store client's Transfer Engine listens (its own address only, checked by
+        // Worker::setup: mooncake::BIND_SHIM), said as docs/scenarios.md "Network exposure" does.
         let exposed = crate::mem::mooncake::listening(worker.pid())
             .map(|a| a.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(", "))
             .unwrap_or_default();
