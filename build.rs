@@ -15,6 +15,9 @@ fn main() {
     // object the binary carries and writes to its private directory.
     println!("cargo:rerun-if-changed=csrc/bind_host.c");
     let out = std::path::PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR")).join("libkvprobe_bind_host.so");
+    // A build script runs before the crate exists: kvprobe's spawner (src/sys/child.rs) is not
+    // there to use.
+    #[allow(clippy::disallowed_methods)]
     let status = cc::Build::new()
         .get_compiler()
         .to_command()
