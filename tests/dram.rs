@@ -741,7 +741,7 @@ fn the_early_notification_fault_is_refused_where_it_cannot_apply() {
 
 /// docs/fingerprint.md's poison of (slot, iteration): little-endian u32 elements, `slot` at even
 /// indices and 0x5A000000 | iteration at odd ones.
-fn readme_poison(len: usize, slot: u32, iteration: u32) -> Vec<u8> {
+pub(crate) fn readme_poison(len: usize, slot: u32, iteration: u32) -> Vec<u8> {
     (0..len / 4).flat_map(|e| if e % 2 == 0 { slot } else { 0x5A00_0000 | iteration }.to_le_bytes()).collect()
 }
 

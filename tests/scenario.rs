@@ -1156,6 +1156,33 @@ fn a_planted_partial_delivery_in_a_rewritten_block_is_unexplained() {
     assert!(planted(&log).is_empty());
 }
 
+/// Data that lands between a scenario's verify pass and the classification of what it found
+/// (`KVPROBE_TEST_FAULT=late-data:1`: the expected fingerprint written into a dropped slice
+/// right after the verdict) is `late`, classified from the bytes the pass judged: judged
+/// `unwritten`, its digest that of the slot's poison (the README's formula), never a bitflip
+/// of 0 bits with the expected digest (what a second read of decode's memory would give).
+#[test]
+fn data_landing_after_a_scenario_verdict_is_late_with_the_judged_class() {
+    let args = ["--scenario", "nixl-only", "--requests", "20", "--inject", "drop:2", "--max-failures", "100"];
+    let (code, r, log) = scenario_env("late-data", &args, &[("KVPROBE_TEST_FAULT", "late-data:1")]);
+    assert_eq!(code, 1, "{log}");
+    assert_eq!(log.matches("test fault: late-data planted").count(), 1, "{log}");
+    let sb = r["config"]["geometry"]["slice_bytes"].as_u64().unwrap() as usize;
+    let f = r["failures"].as_array().unwrap();
+    let late: Vec<&Value> = f.iter().filter(|x| x["class"] == "late").collect();
+    assert_eq!(late.len(), 1, "{log}");
+    let x = late[0];
+    assert_eq!(x["judged_class"], "unwritten", "{x}");
+    let poison =
+        crate::dram::readme_poison(sb, x["slot"].as_u64().unwrap() as u32, x["poison_iteration"].as_u64().unwrap() as u32);
+    assert_eq!(x["actual_digest"], crate::dump::sha256_hex(&poison), "{x}");
+    assert_ne!(x["actual_digest"], x["expected_digest"], "{x}");
+    assert!(f.iter().all(|x| x["class"] != "bitflip"), "{log}");
+    assert_eq!(r["summary"]["by_class"]["late"], 1, "{}", r["summary"]);
+    // The other drop stays as planted.
+    assert_eq!(r["summary"]["by_class"]["unwritten"], 1, "{}", r["summary"]);
+}
+
 #[test]
 fn a_write_after_the_verdict_into_a_freed_block_is_found_before_its_re_poison() {
     // The hook writes another block's fingerprint into a slice right after it verified clean

@@ -767,6 +767,18 @@ print(bound(socket.AF_INET, ("127.0.0.2", 0)))
     assert_eq!(run(&[("KVPROBE_BIND_HOST", "not-an-address")]), ["0.0.0.0", "::", "::", "127.0.0.2"]);
 }
 
+/// An injection is detected as predicted only when it reached a slice and every slice it
+/// reached was found as predicted: one that reached nothing is not (sweeps and scenarios).
+#[test]
+fn an_injection_that_reached_no_slice_is_not_detected() {
+    use kvprobe::inject::detected_as_predicted;
+    assert!(!detected_as_predicted([]), "reached nothing");
+    assert!(detected_as_predicted([true]));
+    assert!(detected_as_predicted([true, true, true]));
+    assert!(!detected_as_predicted([true, false, true]), "one slice not as predicted");
+    assert!(!detected_as_predicted([false]));
+}
+
 #[test]
 fn tier_entries_are_copied_one_at_a_time_through_spans() {
     use kvprobe::pool::KvPool;

@@ -555,6 +555,21 @@ impl Prediction {
     }
 }
 
+/// Whether an injection counts as detected as predicted, from `found`: per slice it reached,
+/// whether that slice was found with its predicted class and exactly its predicted bytes
+/// ([`matches_prediction`]). It must have reached a slice and every one must be found so: an
+/// injection that reached nothing is not detected (`all` over nothing would say it was).
+pub fn detected_as_predicted(found: impl IntoIterator<Item = bool>) -> bool {
+    let mut reached = false;
+    for f in found {
+        if !f {
+            return false;
+        }
+        reached = true;
+    }
+    reached
+}
+
 /// True when a failing slice was found as an injection predicts it: there is a prediction
 /// (`pred`), the verifier's class is its class, and the slice's `bytes` (the bytes that were
 /// classified) are exactly the predicted ones ([`Prediction::bytes`] with `seed`). Anything

@@ -1455,7 +1455,9 @@ fn sweep(
             // Detected as predicted: every slice it reaches found with its class and exactly
             // the predicted bytes.
             // An injection that reached no slice is not detected (`all` of nothing is true).
-            let detected = !hits.is_empty() && hits.iter().all(|(r, c, class)| seen.get(&(*r, *c)) == Some(&(*class, true)));
+            let detected = crate::core::inject::detected_as_predicted(
+                hits.iter().map(|(r, c, class)| seen.get(&(*r, *c)) == Some(&(*class, true))),
+            );
             let tp_rank = |r: u32| (ranks > 1).then_some(r);
             let hits: Vec<PredictedHit> = hits
                 .iter()

@@ -1223,6 +1223,7 @@ impl<'a> Decode<'a> {
                 slices * sb as u64
             )));
         }
+        self.plant_late_data(&fails, &owner, &table)?;
         let mut buf = vec![0u8; sb];
         let mut now = vec![0u8; sb];
         let nixl = self.cfg.scenario.uses_nixl();
@@ -1332,7 +1333,9 @@ impl<'a> Decode<'a> {
             // class (as the sweep's injections).
             for x in &p.planted {
                 // An injection that reached no slice is not detected (`all` of nothing is true).
-                let detected = !x.hits.is_empty() && x.hits.iter().all(|(at, class)| seen.get(at) == Some(&(*class, true)));
+                let detected = crate::core::inject::detected_as_predicted(
+                    x.hits.iter().map(|(at, class)| seen.get(at) == Some(&(*class, true))),
+                );
                 report.summary.injections_planted += 1;
                 report.summary.injections_detected += detected as u64;
                 report.injections.push(crate::report::InjectionRecord {
@@ -1461,6 +1464,36 @@ impl<'a> Decode<'a> {
         Ok(())
     }
 
+    /// Test-only (`KVPROBE_TEST_FAULT=late-data:N`): right after a verify pass judged, writes
+    /// the expected fingerprint into the next N failing slices of the requests verified, as
+    /// data landing after the verdict would: each must be classified `late` from the bytes the
+    /// pass judged.
+    fn plant_late_data(
+        &mut self,
+        fails: &[crate::mem::pool::RawFailure],
+        owner: &HashMap<u32, (u64, usize)>,
+        table: &[TableEntry],
+    ) -> Result<()> {
+        let Some((TestFault::LateData, mut left)) = self.fault else { return Ok(()) };
+        let g = self.ep.pool.geometry().clone();
+        for f in fails {
+            if left == 0 {
+                break;
+            }
+            let c = g.coord_of(f.slice);
+            let Some(&(id, _)) = owner.get(&c.block) else { continue };
+            let bytes = fingerprint::expected(self.seed, &self.ep.pool.shape().slice(ident(table[c.block as usize], c)));
+            self.ep.pool.write_slice(c, &bytes)?;
+            eprintln!(
+                "test fault: late-data planted in request {id} after the verdict at layer {} {} decode block {}",
+                c.layer, c.kv, c.block
+            );
+            left -= 1;
+        }
+        self.fault = Some((TestFault::LateData, left));
+        Ok(())
+    }
+
     /// Test-only (`KVPROBE_TEST_FAULT=late-write:N`): after the verify of the next N requests
     /// whose first block verified clean, writes another block's fingerprint into that block's
     /// first slice (layer 0, the first K/V part): a write after the verdict, which no
@@ -1493,7 +1526,9 @@ impl<'a> Decode<'a> {
     /// 0, the first K/V part) in each of the next requests about to be verified, after
     /// their READ or load completed, until the count is spent, and names each on stderr.
     fn plant_faults(&mut self, ids: &[u64]) -> Result<()> {
-        let Some((kind, mut left)) = self.fault.filter(|(k, _)| !matches!(k, TestFault::EarlyFree | TestFault::LateWrite)) else {
+        let Some((kind, mut left)) =
+            self.fault.filter(|(k, _)| !matches!(k, TestFault::EarlyFree | TestFault::LateWrite | TestFault::LateData))
+        else {
             return Ok(());
         };
         let g = self.ep.pool.geometry().clone();
@@ -1511,7 +1546,9 @@ impl<'a> Decode<'a> {
                     Some(i) => i,
                     None => continue,
                 },
-                TestFault::EarlyFree | TestFault::LateWrite => unreachable!("filtered above: planted elsewhere"),
+                TestFault::EarlyFree | TestFault::LateWrite | TestFault::LateData => {
+                    unreachable!("filtered above: planted elsewhere")
+                }
                 // A slice an `--inject torn` tore.
                 TestFault::TornTail => usize::MAX,
             };
@@ -1531,7 +1568,9 @@ impl<'a> Decode<'a> {
             match kind {
                 // Bit 0 of sector 0's check word (a 32-bit hash of the identity).
                 TestFault::Bitflip => buf[12] ^= 1,
-                TestFault::EarlyFree | TestFault::LateWrite => unreachable!("filtered above: planted elsewhere"),
+                TestFault::EarlyFree | TestFault::LateWrite | TestFault::LateData => {
+                    unreachable!("filtered above: planted elsewhere")
+                }
                 // The last 16 bytes: the tear (a multiple of 16 bytes short) left poison there.
                 TestFault::TornTail => {
                     debug_assert!(torn.is_some_and(|(_, end)| end <= sb - 16));

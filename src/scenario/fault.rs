@@ -26,6 +26,11 @@ pub enum TestFault {
     /// fingerprint into the first slice of its first decode block (which verified clean): a
     /// write after the verdict, found by the re-verify before the block's re-poison.
     LateWrite,
+    /// `late-data`: right after a verify pass judged, before its failing slices are
+    /// classified, writes the expected fingerprint into each of the next N failing slices
+    /// (data that landed after the verdict): each must be `late`, with the class of the bytes
+    /// judged (`judged_class`) and their digest, never a bitflip of 0 bits.
+    LateData,
 }
 
 impl TestFault {
@@ -40,16 +45,17 @@ impl TestFault {
             TestFault::EarlyFree => "early-free",
             TestFault::TornTail => "torn-tail",
             TestFault::LateWrite => "late-write",
+            TestFault::LateData => "late-data",
         }
     }
 
     /// Reads `KVPROBE_TEST_FAULT` (`bitflip:N`, `poison:N`, `early-free:N`,
-    /// `torn-tail:N` or `late-write:N`); errors (exit 2) on another value.
+    /// `torn-tail:N`, `late-write:N` or `late-data:N`); errors (exit 2) on another value.
     pub fn from_env() -> Result<Option<(TestFault, u64)>> {
         let Ok(v) = std::env::var(Self::VAR) else { return Ok(None) };
         let bad = || {
             Error::Usage(format!(
-                "{}={v:?}: expected bitflip:N, poison:N, early-free:N, torn-tail:N or late-write:N (test-only)",
+                "{}={v:?}: expected bitflip:N, poison:N, early-free:N, torn-tail:N, late-write:N or late-data:N (test-only)",
                 Self::VAR
             ))
         };
@@ -60,6 +66,7 @@ impl TestFault {
             "early-free" => TestFault::EarlyFree,
             "torn-tail" => TestFault::TornTail,
             "late-write" => TestFault::LateWrite,
+            "late-data" => TestFault::LateData,
             _ => return Err(bad()),
         };
         Ok(Some((kind, n.trim().parse().map_err(|_| bad())?)))
