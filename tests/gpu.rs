@@ -706,27 +706,26 @@ fn the_report_names_ucx_emulation_and_cuda_ipc_on_vram() {
     if !gpu_or_skip("the_report_names_ucx_emulation_and_cuda_ipc_on_vram") {
         return;
     }
-    for zcopy in ["n", "y"] {
+    // The user's two settings, and none at all (kvprobe's default: the README's main job).
+    for zcopy in ["n", "y", "unset"] {
         let d = tmpdir(&format!("ucx-vram-{zcopy}"));
         let p = d.join("r.json");
-        let (code, out, err) = crate::common::kvprobe_env(
-            &[
-                "run",
-                "--memory",
-                "vram",
-                "--preset",
-                "llama3-8b",
-                "--blocks",
-                "64",
-                "--iterations",
-                "2",
-                "--report",
-                p.to_str().unwrap(),
-            ],
-            &[("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", zcopy)],
-        );
+        let mut c = std::process::Command::new(crate::common::bin());
+        c.args(["run", "--memory", "vram", "--preset", "llama3-8b", "--blocks", "64", "--iterations", "2", "--report"])
+            .arg(&p);
+        match zcopy {
+            "unset" => c.env_remove("UCX_CUDA_IPC_ENABLE_GET_ZCOPY"),
+            v => c.env("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", v),
+        };
+        let o = c.output().unwrap();
+        let (code, out, err) =
+            (o.status.code().unwrap_or(-1), String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
         assert_eq!(code, 0, "{out}{err}");
         let t = &read_report(&p)["summary"]["transport_path"];
+        // Who set get zero-copy: the user, or kvprobe when the user did not.
+        let by = if zcopy == "unset" { "kvprobe" } else { "user" };
+        assert_eq!(t["get_zcopy"]["set_by"], by, "{t}");
+        assert_eq!(t["get_zcopy"]["value"], if zcopy == "n" { "n" } else { "y" }, "{t}");
         let configs: Vec<String> = t["selections"]
             .as_array()
             .unwrap()
@@ -748,8 +747,9 @@ fn the_report_names_ucx_emulation_and_cuda_ipc_on_vram() {
             // table must say so by name (a transport other than cuda_ipc carries it).
             assert!(emulated || configs.iter().any(|c| c.starts_with("cuda_ipc")), "neither emulated nor cuda_ipc: {t}");
         } else {
-            assert_eq!(t["emulated"], false, "{t}");
-            assert!(configs.iter().any(|c| c.starts_with("cuda_ipc")), "{t}");
+            // Set by the user or by kvprobe's default, the READ takes cuda_ipc, not emulation.
+            assert_eq!(t["emulated"], false, "{zcopy}: {t}");
+            assert!(configs.iter().any(|c| c.starts_with("cuda_ipc")), "{zcopy}: {t}");
         }
     }
 }
