@@ -151,6 +151,17 @@ fn assert_one_run(run: &serde_json::Value, serve: &serde_json::Value, exit: i64)
     assert!(run["peer"]["transport_path"].is_object(), "{}", run["peer"]);
     assert_eq!(run["peer"]["exit_code"], exit);
     assert_eq!(serve["summary"]["blocks_checked"], run["summary"]["blocks_checked"]);
+    // Serve's own count, not decode's figure sent back (audit T13): a clean WRITE sweep between
+    // equal sides moves every slice of the pool once per iteration, as prefill's NIXL
+    // completions add up — worked out here from the geometry.
+    let c = &run["config"];
+    let plain = c["decode_geometry"].is_null() && c["tp"].is_null() && c["inject"].as_array().is_none_or(Vec::is_empty);
+    if c["op"] == "write" && exit == 0 && plain {
+        let g = &c["geometry"];
+        let parts = if g["mla"] == true { 1 } else { 2 };
+        let pool = g["num_layers"].as_u64().unwrap() * parts * g["num_blocks"].as_u64().unwrap() * g["slice_bytes"].as_u64().unwrap();
+        assert_eq!(run["peer"]["bytes_written"].as_u64(), Some(c["iterations"].as_u64().unwrap() * pool), "{}", run["peer"]);
+    }
 }
 
 #[test]
