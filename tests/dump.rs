@@ -1684,6 +1684,13 @@ fn check_rederives_a_scenario_failures_identity_from_its_seeded_load() {
             Box::new(|v: &mut Value| v["config"]["seed"] = 43.into()),
             "of the seeded load (seed, config.scenario.workload) has logical blocks",
         ),
+        // A generation the run never computed: 40 requests of at most 64 blocks each (the
+        // load's max_blocks bound) compute at most 2560 blocks, numbered from 1.
+        (
+            "generation",
+            Box::new(|v: &mut Value| v["failures"][0]["expected"]["generation"] = 1_000_000.into()),
+            "generation 1000000 was never computed in this run",
+        ),
     ];
     for (what, edit, line) in cases {
         let t = d.join(format!("{what}.tar.gz"));

@@ -711,8 +711,7 @@ fn the_report_names_ucx_emulation_and_cuda_ipc_on_vram() {
         let d = tmpdir(&format!("ucx-vram-{zcopy}"));
         let p = d.join("r.json");
         let mut c = std::process::Command::new(crate::common::bin());
-        c.args(["run", "--memory", "vram", "--preset", "llama3-8b", "--blocks", "64", "--iterations", "2", "--report"])
-            .arg(&p);
+        c.args(["run", "--memory", "vram", "--preset", "llama3-8b", "--blocks", "64", "--iterations", "2", "--report"]).arg(&p);
         match zcopy {
             "unset" => c.env_remove("UCX_CUDA_IPC_ENABLE_GET_ZCOPY"),
             v => c.env("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", v),

@@ -159,7 +159,8 @@ fn assert_one_run(run: &serde_json::Value, serve: &serde_json::Value, exit: i64)
     if c["op"] == "write" && exit == 0 && plain {
         let g = &c["geometry"];
         let parts = if g["mla"] == true { 1 } else { 2 };
-        let pool = g["num_layers"].as_u64().unwrap() * parts * g["num_blocks"].as_u64().unwrap() * g["slice_bytes"].as_u64().unwrap();
+        let pool =
+            g["num_layers"].as_u64().unwrap() * parts * g["num_blocks"].as_u64().unwrap() * g["slice_bytes"].as_u64().unwrap();
         assert_eq!(run["peer"]["bytes_written"].as_u64(), Some(c["iterations"].as_u64().unwrap() * pool), "{}", run["peer"]);
     }
 }

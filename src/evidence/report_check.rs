@@ -543,9 +543,11 @@ fn report_checks(sec: &Value, say: &mut dyn FnMut(String)) {
 /// chained block hashes [`crate::core::workload::Workload`] draws from the report's `config.seed`
 /// and `config.scenario.workload` (prefill promises every block of a request under its
 /// hash, computed or loaded from the tier) — of the failure's own layer and K/V, with a
-/// generation prefill computes (1 up to, not including, the skip generation). The
-/// generation itself follows prefill's allocator over the run's steps and is not
-/// re-derived. Said once when the configuration has no seeded load kvprobe can replay.
+/// generation prefill computed in this run: prefill numbers each block it computes 1, 2, …
+/// (`scenario::prefill`, [`fingerprint::next_generation`]), so a generation is at least 1 and
+/// at most the blocks of every request the run admitted. Which block got which generation
+/// follows prefill's allocator over the run's steps and is not re-derived. Said once when the
+/// configuration has no seeded load kvprobe can replay.
 fn scenario_identities(sec: &Value, failures: &[Value], say: &mut dyn FnMut(String)) {
     let config = &sec["config"];
     let asked: Vec<(usize, u64)> =
@@ -577,6 +579,9 @@ fn scenario_identities(sec: &Value, failures: &[Value], say: &mut dyn FnMut(Stri
     const REPLAY_BLOCKS: u64 = 1 << 28;
     let mut load = crate::core::workload::Workload::new(workload, seed);
     let mut hashes: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
+    // The most blocks prefill can have computed: every block of every admitted request (when
+    // the load replays that far within the bound).
+    let mut computable: Option<u64> = None;
     if let Some(&last) = wanted.last() {
         if (last + 1).saturating_mul(workload.max_blocks as u64) > REPLAY_BLOCKS {
             say(format!(
@@ -586,12 +591,21 @@ fn scenario_identities(sec: &Value, failures: &[Value], say: &mut dyn FnMut(Stri
             ));
             return;
         }
-        for id in 0..=last {
+        let upto = match admitted {
+            Some(a) if a.saturating_mul(workload.max_blocks as u64) <= REPLAY_BLOCKS => a.max(last + 1),
+            _ => last + 1,
+        };
+        let mut blocks = 0u64;
+        for id in 0..upto {
             let spec = load.next_request();
+            if admitted.is_some_and(|a| id < a) {
+                blocks += spec.hashes.len() as u64;
+            }
             if wanted.contains(&id) {
                 hashes.insert(id, spec.hashes);
             }
         }
+        computable = admitted.filter(|&a| upto >= a).map(|_| blocks);
     }
     for (i, r) in asked {
         let f = &failures[i];
@@ -616,8 +630,14 @@ fn scenario_identities(sec: &Value, failures: &[Value], say: &mut dyn FnMut(Stri
                 show(e)
             )),
         }
-        match e["generation"].as_u64() {
-            Some(g) if g >= 1 && g < fingerprint::SKIP_GEN as u64 => {}
+        match (e["generation"].as_u64(), computable) {
+            (Some(g), Some(n)) if g > n && n < fingerprint::SKIP_GEN as u64 - 1 => say(format!(
+                "{name}: expected: {}: prefill numbers the blocks it computes 1, 2, ..., and the {} admitted request(s) of the \
+                 seeded load have {n} block(s) in all: generation {g} was never computed in this run",
+                show(e),
+                admitted.unwrap_or(0)
+            )),
+            (Some(g), _) if g >= 1 && g < fingerprint::SKIP_GEN as u64 => {}
             _ => say(format!("{name}: expected: {}: a generation prefill computes is 1 up to 2^32 - 1 (exclusive)", show(e))),
         }
     }
