@@ -202,6 +202,15 @@ fn short_tokens_are_refused_on_both_sides() {
     let (code, out) = kvprobe_bounded(&serve, &[("KVPROBE_TOKEN", short)]);
     assert_eq!(code, 2, "{out}");
     assert!(out.contains("KVPROBE_TOKEN") && out.contains("at least 16"), "{out}");
+    // Long enough, but of too few distinct characters: the first an offline guesser tries.
+    for weak in ["aaaaaaaaaaaaaaaa", "abababababababababab", "abcdabcdabcdabcd"] {
+        let (code, out) = kvprobe_bounded(&[&serve[..], &["--token", weak]].concat(), &[]);
+        assert_eq!(code, 2, "{weak}: {out}");
+        assert!(out.contains("distinct") && out.contains("at least 5"), "{weak}: {out}");
+        let (code, out) = kvprobe_bounded(&["run", "--peer", "127.0.0.1:1", "--memory", "dram"], &[("KVPROBE_TOKEN", weak)]);
+        assert_eq!(code, 2, "{weak}: {out}");
+        assert!(out.contains("distinct") && !out.contains("cannot connect"), "{weak}: {out}");
+    }
     // run/ab --peer refuse it before connecting (nothing listens at 127.0.0.1:1 either way).
     for sub in ["run", "ab"] {
         let (code, out) = kvprobe_bounded(&[sub, "--peer", "127.0.0.1:1", "--memory", "dram", "--token", short], &[]);

@@ -346,7 +346,7 @@ pub(crate) struct PeerArgs {
     /// Node pair: prefill is `kvprobe serve` at HOST:PORT (another host, or another process); this side is decode and drives the run (a sweep, a scenario, or ab's matrix). Every flag of the run applies; --memory and --decode-device are decode's (serve's --memory and --device are prefill's).
     #[arg(long, value_name = "HOST:PORT")]
     pub(crate) peer: Option<String>,
-    /// With --peer: the token serve printed or was given, at least 16 characters (default: $KVPROBE_TOKEN). Visible to other users in the process list: prefer KVPROBE_TOKEN.
+    /// With --peer: the token serve printed or was given, at least 16 characters of at least 5 distinct ones (default: $KVPROBE_TOKEN). Visible to other users in the process list: prefer KVPROBE_TOKEN.
     #[arg(long, value_name = "T", requires = "peer")]
     pub(crate) token: Option<String>,
 }
@@ -461,7 +461,7 @@ pub(crate) struct ServeArgs {
     /// Internal (the prefill process of `run --decode-process`): serve one session on the Unix socket inherited as descriptor N, token from $KVPROBE_TOKEN; nothing on stdout, no report.
     #[arg(long, value_name = "N", hide = true, conflicts_with_all = ["listen", "keep_serving", "report"])]
     pub(crate) fd: Option<i32>,
-    /// Shared token the run must prove, at least 16 characters (default: $KVPROBE_TOKEN; with neither, serve makes a random one and prints it on stdout, where its other status lines go too).
+    /// Shared token the run must prove, at least 16 characters of at least 5 distinct ones (default: $KVPROBE_TOKEN; with neither, serve makes a random one and prints it on stdout, where its other status lines go too).
     #[arg(long, value_name = "T")]
     pub(crate) token: Option<String>,
     /// Write the token (given or made) to FILE for scripts: the token alone on one line, mode 0600, written atomically before serve listens.

@@ -81,13 +81,26 @@ pub const NONCE_BYTES: usize = 32;
 /// Bytes of the tag at the end of every frame after the welcome (HMAC-SHA256).
 pub const TAG_BYTES: usize = 32;
 
+/// Fewest distinct characters a token may have: a long token of one or a few repeated
+/// characters (`aaaaaaaaaaaaaaaa`, `abababab…`) is among the first an offline guesser tries
+/// against a proof it saw (a proof is an HMAC of the token over values it knows).
+pub const MIN_TOKEN_DISTINCT: usize = 5;
+
 /// Checks a shared token given by `source` (`--token`, or [`TOKEN_VAR`]): at least
-/// [`MIN_TOKEN_CHARS`] characters. Errors: usage (exit 2) saying the minimum.
+/// [`MIN_TOKEN_CHARS`] characters, of at least [`MIN_TOKEN_DISTINCT`] distinct ones.
+/// Errors: usage (exit 2) saying the rule.
 pub fn check_token(token: &str, source: &str) -> Result<()> {
     let n = token.chars().count();
+    let hint = format!("give a longer one, or let serve make a random one: give serve neither --token nor {TOKEN_VAR}");
     if n < MIN_TOKEN_CHARS {
         return Err(Error::Usage(format!(
-            "{source}: the token has {n} characters; at least {MIN_TOKEN_CHARS} are needed, so that it cannot be guessed (give a longer one, or let serve make a random one: give serve neither --token nor {TOKEN_VAR})"
+            "{source}: the token has {n} characters; at least {MIN_TOKEN_CHARS} are needed, so that it cannot be guessed ({hint})"
+        )));
+    }
+    let distinct = token.chars().collect::<std::collections::BTreeSet<char>>().len();
+    if distinct < MIN_TOKEN_DISTINCT {
+        return Err(Error::Usage(format!(
+            "{source}: the token's {n} characters are only {distinct} distinct one(s); at least {MIN_TOKEN_DISTINCT} are needed, so that it cannot be guessed ({hint})"
         )));
     }
     Ok(())
