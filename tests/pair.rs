@@ -338,6 +338,30 @@ fn pair_wrong_token_is_refused_on_both_sides() {
     assert_eq!(sr.unwrap()["outcome"]["exit_code"], 0);
 }
 
+/// Serve pinned to a model config (`serve --model-config M`, no `--blocks`) takes a run of the
+/// same model at any `--tp`: the run's geometry is one rank's (heads split as vLLM's
+/// get_num_kv_heads splits them) and the default block count follows the rank's block size, so
+/// neither is a mismatch; a geometry flag serve does pin still is.
+#[test]
+fn serve_pinned_to_a_model_config_takes_a_run_of_it_at_any_tp() {
+    let llama = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("configs/llama-3-8b.json");
+    let llama = llama.to_str().unwrap();
+    for tp in ["1", "8"] {
+        let serve = Serve::start(&["--model-config", llama]);
+        let (code, r, out) =
+            run_peer(&serve.addr.clone(), &["--model-config", llama, "--tp", tp, "--blocks", "2", "--iterations", "1"]);
+        let (scode, sout, _) = serve.wait();
+        assert_eq!((code, scode), (0, 0), "--tp {tp}: {out}\n{sout}");
+        // 8 KV heads over `tp` ranks.
+        assert_eq!(r["config"]["geometry"]["num_kv_heads"].as_u64(), Some(8 / tp.parse::<u64>().unwrap()), "{out}");
+    }
+    let serve = Serve::start(&["--model-config", llama, "--blocks", "4"]);
+    let (code, _, out) = run_peer(&serve.addr.clone(), &["--model-config", llama, "--tp", "8", "--blocks", "2"]);
+    drop(serve);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("geometry.num_blocks: serve 4, run 2"), "{out}");
+}
+
 #[test]
 fn pair_configuration_mismatch_exits_2_on_both_sides_naming_the_field() {
     for (serve_flags, run_flags, field) in [

@@ -255,8 +255,9 @@ fn regions_cross_the_peer_protocol_to_a_child_and_to_serve() {
         assert_eq!(r["regions"][0]["bytes_moved"].as_u64(), Some(0), "{op}: {out}");
     }
     // A node pair on loopback: serve pinned to the same hybrid model (its block size follows the
-    // run's TP), TP 8 → 8 WRITE; serve names every plan it served.
-    let serve = crate::pair::Serve::start(&["--model-config", &kimi, "--blocks", "2"]);
+    // run's TP, its default block count the run's), TP 8 → 8 WRITE; serve names every plan it
+    // served.
+    let serve = crate::pair::Serve::start(&["--model-config", &kimi]);
     let (code, r, out) = crate::pair::run_peer(
         &serve.addr.clone(),
         &[

@@ -655,10 +655,14 @@ pub(crate) fn serve(a: ServeArgs, typed: &[&str]) -> Exit {
     }
     // A hybrid model's block size follows the run's TP (vLLM raises it from each rank's state
     // slot): unless --block-size pins it, the run's is taken.
-    let (geometry, block_size_follows_tp) = match a.geo.any().then(|| a.geo.resolve_any()).transpose() {
+    // A model config's default block count follows the block size and TP (1 GiB a rank):
+    // unless --blocks pins it, the run's is taken too.
+    let (geometry, block_size_follows_tp, num_blocks_follow_run) = match a.geo.any().then(|| a.geo.resolve_any()).transpose() {
         Ok(g) => {
-            let hybrid = g.as_ref().and_then(|(_, m)| m.as_ref()).and_then(|m| m.kv.hybrid.as_ref()).is_some_and(|h| h.any());
-            (g.map(|(g, _)| g), hybrid && a.geo.block_size.is_none())
+            let model = g.as_ref().and_then(|(_, m)| m.as_ref());
+            let hybrid = model.and_then(|m| m.kv.hybrid.as_ref()).is_some_and(|h| h.any());
+            let from_model = model.is_some() && a.geo.blocks.is_none();
+            (g.map(|(g, _)| g), hybrid && a.geo.block_size.is_none(), from_model)
         }
         Err(e) => return fail(e),
     };
@@ -688,6 +692,7 @@ pub(crate) fn serve(a: ServeArgs, typed: &[&str]) -> Exit {
             backend: a.backend.clone(),
             geometry,
             block_size_follows_tp,
+            num_blocks_follow_run,
             keep_serving: false,
             idle_timeout: Duration::from_secs_f64(a.timeout),
             mode: kvprobe::serve::SessionMode::Child,
@@ -738,6 +743,7 @@ pub(crate) fn serve(a: ServeArgs, typed: &[&str]) -> Exit {
         backend: a.backend.clone(),
         geometry,
         block_size_follows_tp,
+        num_blocks_follow_run,
         keep_serving: a.keep_serving,
         idle_timeout: Duration::from_secs_f64(a.timeout),
         mode: kvprobe::serve::SessionMode::Listen,

@@ -135,6 +135,7 @@ impl Probe {
                     ..cfg.geometry.clone()
                 }),
                 block_size_follows_tp: false,
+                num_blocks_follow_run: false,
                 keep_serving: false,
                 idle_timeout: timeout,
                 mode: crate::drive::serve::SessionMode::InProcess,

@@ -58,6 +58,9 @@ pub struct ServeConfig {
     /// follows the run's TP (each engine raises it from its own rank's state slot, vLLM's
     /// hybrid block size), so the run's is taken.
     pub block_size_follows_tp: bool,
+    /// `geometry` came from a model config without `--blocks`: its block count is a default
+    /// that follows the block size and TP (1 GiB a rank), so the run's is taken.
+    pub num_blocks_follow_run: bool,
     /// Serve another run after each one (`--keep-serving`).
     pub keep_serving: bool,
     /// How long a client may stay silent before its configuration arrives (then the run's
@@ -359,8 +362,18 @@ fn check_config(
         if let Some(t) = rc.tp {
             model.num_kv_heads = t.total_kv_heads;
         }
+        // With `--tp N` (a model config's TP) the run's geometry is one rank's too: its heads
+        // are serve's model's split as vLLM's get_num_kv_heads splits them.
+        if let Some(m) = rc.model.as_ref().filter(|m| rc.tp.is_none() && m.tp.tp > 1 && !g.mla)
+            && (g.num_kv_heads / m.tp.tp).max(1) == rc.geometry.num_kv_heads
+        {
+            model.num_kv_heads = g.num_kv_heads;
+        }
         if cfg.block_size_follows_tp {
             model.block_size = g.block_size;
+        }
+        if cfg.num_blocks_follow_run {
+            model.num_blocks = g.num_blocks;
         }
         let diff = peer::differences(&geo(g), &geo(&model));
         if let Some((f, _, _)) = diff.first() {
