@@ -1024,7 +1024,7 @@ fn tensor_parallel_chunks_bring_each_rank_its_heads() {
     for h in [1u32, 2, 4, 8] {
         for p in [1u32, 2, 4, 8] {
             for d in [1u32, 2, 4, 8] {
-                let tp = Tp { prefill: p, decode: d, total_kv_heads: h, mla: false };
+                let tp = Tp { prefill: p, decode: d, total_kv_heads: h, mla: false, state: false };
                 let g = geometry(4, Layout::Hnd, h, false);
                 let Ok(s) = Sides::derive(&g, None, None, false).unwrap().with_tp(tp) else {
                     continue; // refused: the refusal tests above
@@ -1068,7 +1068,7 @@ fn tensor_parallel_chunks_bring_each_rank_its_heads() {
 // vLLM's TP rules (kvprobe::pairing::tp).
 
 fn tp(prefill: u32, decode: u32, h: u32) -> kvprobe::pairing::tp::Tp {
-    kvprobe::pairing::tp::Tp { prefill, decode, total_kv_heads: h, mla: false }
+    kvprobe::pairing::tp::Tp { prefill, decode, total_kv_heads: h, mla: false, state: false }
 }
 
 #[test]
@@ -1118,5 +1118,5 @@ fn tp_follows_vllms_ratios_targets_and_refusals() {
     assert!(tp(4, 2, 2).check().unwrap_err().contains("_validate_remote_agent_handshake"));
     assert!(tp(3, 2, 6).check().unwrap_err().contains("divide"));
     assert!(tp(3, 3, 8).check().unwrap_err().contains("split evenly"));
-    assert!(kvprobe::pairing::tp::Tp { prefill: 4, decode: 2, total_kv_heads: 1, mla: true }.check().is_ok());
+    assert!(kvprobe::pairing::tp::Tp { prefill: 4, decode: 2, total_kv_heads: 1, mla: true, state: false }.check().is_ok());
 }

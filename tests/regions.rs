@@ -291,6 +291,53 @@ fn regions_cross_the_peer_protocol_to_a_child_and_to_serve() {
     }
 }
 
+/// Prefill TP above decode TP with replicated KV heads: vLLM refuses it for attention-only
+/// models and accepts it for models with state layers (PR #37635), a decode rank reading each
+/// of its heads from the first of its target ranks that holds it. Worked out by hand for 2 KV
+/// heads: at TP 8 ranks 0–3 hold head 0 and 4–7 head 1.
+#[test]
+fn prefill_tp_above_decode_tp_with_replicated_heads_runs_for_state_models() {
+    use kvprobe::pairing::tp::{Source, Tp};
+    let tp = |decode, state| Tp { prefill: 8, decode, total_kv_heads: 2, mla: false, state };
+    // 8 → 1: head 0 from rank 0, head 1 from rank 4 (the first holder of each among 0..8).
+    assert!(tp(1, true).check().is_ok());
+    assert_eq!(
+        tp(1, true).sources(0),
+        vec![
+            Source { prefill_rank: 0, heads: 0..1, src_head: 0, dst_head: 0 },
+            Source { prefill_rank: 4, heads: 1..2, src_head: 0, dst_head: 1 },
+        ]
+    );
+    // 8 → 4: decode rank d holds head d / 2 and reads it from rank 2d alone (2d + 1 holds the same).
+    for d in 0..4 {
+        assert_eq!(
+            tp(4, true).sources(d),
+            vec![Source { prefill_rank: 2 * d, heads: d / 2..d / 2 + 1, src_head: 0, dst_head: 0 }]
+        );
+    }
+    let e = tp(4, false).check().unwrap_err();
+    assert!(e.contains("_validate_remote_agent_handshake refuses it for a model without state layers"), "{e}");
+    // Qwen3-Next (2 KV heads, 12 attention layers of 48), both engines at block size 544, HND
+    // (heads split differently on the two sides): clean, and planted faults found as predicted.
+    let q = shipped("qwen3-next-80b.json");
+    let args = ["--model-config", &q, "--prefill-tp", "8", "--decode-tp", "1", "--block-size", "544", "--layout", "hnd"];
+    let (code, r, out) = run("regions-replicated-8-1", &args, &[]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(r["config"]["tp"]["state"], true, "{out}");
+    // 12 layers × K, V × 2 blocks, each 544 tokens × 2 heads × 256 × 2 bytes.
+    assert_eq!(r["summary"]["slices_compared"].as_u64(), Some(12 * 2 * 2), "{out}");
+    assert_eq!(r["summary"]["bytes_compared"].as_u64(), Some(48 * 544 * 2 * 256 * 2), "{out}");
+    let mut a = args.to_vec();
+    a.extend(["--inject", "bitflip", "--inject", "misroute", "--self-test"]);
+    let (code, r, out) = run("regions-replicated-8-1-inject", &a, &[]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(r["outcome"]["status"], "self-test-passed", "{out}");
+    // An attention-only model of the same heads is refused.
+    let (code, _, err) = kvprobe(&["run", "--memory", "dram", "--preset", "llama3-8b", "--prefill-tp", "16", "--decode-tp", "8"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("for a model without state layers"), "{err}");
+}
+
 /// Unequal TP sizes: each engine raises its block size from its own rank's slot, and each
 /// decode rank reads the rows of its chunk from every prefill rank holding part of them (a
 /// section every rank holds whole, from the first).

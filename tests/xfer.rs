@@ -284,7 +284,7 @@ fn prepared_lists_of_unequal_sides_hold_the_pieces_each_link_moves() {
         layout: Layout::Hnd,
         mla: false,
     };
-    let tp = |p, d| Tp { prefill: p, decode: d, total_kv_heads: 4, mla: false };
+    let tp = |p, d| Tp { prefill: p, decode: d, total_kv_heads: 4, mla: false, state: false };
     let c = |layer, kv, block| SliceCoord { layer, kv, block };
     // Decode TP 2 reads half of each prefill block (vLLM's rank_offset): rank 1's piece is
     // bytes 256.. of prefill's 512-byte slice, its own slice whole.

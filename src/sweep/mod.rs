@@ -280,6 +280,7 @@ impl RunConfig {
                 decode: d.decode_tp.unwrap_or(1),
                 total_kv_heads: if mla { 1 } else { self.geometry.num_kv_heads },
                 mla,
+                state: self.model.as_ref().and_then(|m| m.kv.hybrid.as_ref()).is_some_and(|h| h.state.is_some()),
             };
             sides = sides.with_tp(tp).map_err(Error::Usage)?;
             self.tp = (!tp.is_single()).then_some(tp);

@@ -8,7 +8,9 @@
 //! `is_kv_replicated` (`remote_tp > total_kv_heads`), `replicates_kv_cache` (MLA or
 //! replicated), `get_target_remote_ranks` (`[d / r]` for a positive ratio; `[d·|r| + i]`
 //! for a negative one), and `_validate_remote_agent_handshake`, which refuses a prefill with
-//! more ranks than decode when prefill's KV cache is replicated.
+//! more ranks than decode when prefill's KV cache is replicated — unless the model is MLA or
+//! has Mamba-style state layers (vLLM PR #37635: then a decode rank reads each head from the
+//! first target rank holding it, `compute_tp_mapping`'s one rank per unique head).
 //!
 //! Where a decode rank holds fewer heads than its prefill rank (decode TP > prefill TP),
 //! `NixlConnectorWorker.add_remote_agent` reads the chunk of the prefill block at
@@ -35,6 +37,12 @@ pub struct Tp {
     pub total_kv_heads: u32,
     /// MLA: every rank holds the whole latent (never split).
     pub mla: bool,
+    /// The model has state layers (Mamba, gated DeltaNet, KDA: vLLM's `_has_mamba`), for which
+    /// vLLM accepts prefill TP > decode TP with replicated KV heads (PR #37635): a decode rank
+    /// reads each of its heads from the first of its target ranks that holds it. Absent from
+    /// reports of attention-only models.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub state: bool,
 }
 
 /// Where some of a decode rank's heads come from.
@@ -53,7 +61,7 @@ pub struct Source {
 impl Tp {
     /// One rank on each side holding all `heads` (MLA: the latent).
     pub fn single(heads: u32, mla: bool) -> Tp {
-        Tp { prefill: 1, decode: 1, total_kv_heads: if mla { 1 } else { heads }, mla }
+        Tp { prefill: 1, decode: 1, total_kv_heads: if mla { 1 } else { heads }, mla, state: false }
     }
 
     /// True when both sides have one rank.
@@ -78,7 +86,8 @@ impl Tp {
     /// Checks the sizes as vLLM does. Errors: a TP size of 0 or above [`MAX_RANKS`]; KV heads that do not split
     /// evenly (`H mod tp ≠ 0` for `tp ≤ H`, `tp mod H ≠ 0` above); one TP size not a multiple
     /// of the other (`TpKVTopology.tp_ratio` asserts it); prefill with more ranks than decode
-    /// while prefill's KV cache is replicated and not MLA (`_validate_remote_agent_handshake`).
+    /// while prefill's KV cache is replicated, not MLA and the model has no state layers
+    /// (`_validate_remote_agent_handshake`: `not use_mla and not _has_mamba`).
     pub fn check(&self) -> Result<(), String> {
         let h = self.total_kv_heads;
         for (side, tp) in [("prefill", self.prefill), ("decode", self.decode)] {
@@ -103,10 +112,11 @@ impl Tp {
                 self.prefill, self.decode
             ));
         }
-        if self.prefill > self.decode && !self.mla && self.prefill > h {
+        if self.prefill > self.decode && !self.mla && !self.state && self.prefill > h {
             return Err(format!(
                 "prefill TP {} > decode TP {} with prefill's {h} KV heads replicated over its ranks: vLLM's \
-                 _validate_remote_agent_handshake refuses it (a decode rank would read one head from several copies)",
+                 _validate_remote_agent_handshake refuses it for a model without state layers (a decode rank would read \
+                 one head from several copies; with Mamba-style state vLLM reads each head from one rank)",
                 self.prefill, self.decode
             ));
         }
