@@ -540,22 +540,7 @@ impl PrefillPeer {
             *slots.to_prefill.lock().unwrap_or_else(|p| p.into_inner()) = Some(decode.lease.clone());
         }
         self.link.send(&Msg::RegionOpen { plan, decode })?;
-        let bound = self.fill_bound(None);
-        let t = Instant::now();
-        let (got, mut sources) = loop {
-            if let Some(o) = self.state.lock().unwrap_or_else(|p| p.into_inner()).region_opened.take() {
-                break o;
-            }
-            self.check_interrupt("prefill's region pools")?;
-            if t.elapsed() > bound {
-                return Err(Error::Timeout(format!(
-                    "{} did not set up region plan {plan} within {:.3} s",
-                    self.link.who(),
-                    t.elapsed().as_secs_f64()
-                )));
-            }
-            self.pump(Duration::from_millis(1))?;
-        };
+        let (got, mut sources) = self.await_region(&format!("set up region plan {plan}"), |s| s.region_opened.take())?;
         if got != plan {
             return Err(self.protocol_error(format!("region plan {got}'s agents when plan {plan} was asked for")));
         }
@@ -576,19 +561,27 @@ impl PrefillPeer {
     /// Errors: as [`PrefillPeer::region_open`].
     pub fn region_close(&self, plan: u32) -> Result<()> {
         self.link.send(&Msg::RegionClose { plan })?;
+        let got = self.await_region(&format!("give region plan {plan} up"), |s| s.region_closed.take())?;
+        if got != plan {
+            return Err(self.protocol_error(format!("region plan {got} closed when plan {plan} was")));
+        }
+        Ok(())
+    }
+
+    /// Waits for prefill's answer about a region plan (`take` finds it in what arrived), at
+    /// most the set-up bound of a fill. Errors: timeout (exit 4) saying prefill did not `what`;
+    /// interrupted; the link's.
+    fn await_region<T>(&self, what: &str, mut take: impl FnMut(&mut State) -> Option<T>) -> Result<T> {
         let bound = self.fill_bound(None);
         let t = Instant::now();
         loop {
-            if let Some(got) = self.state.lock().unwrap_or_else(|p| p.into_inner()).region_closed.take() {
-                if got != plan {
-                    return Err(self.protocol_error(format!("region plan {got} closed when plan {plan} was")));
-                }
-                return Ok(());
+            if let Some(x) = take(&mut self.state.lock().unwrap_or_else(|p| p.into_inner())) {
+                return Ok(x);
             }
             self.check_interrupt("prefill's region pools")?;
             if t.elapsed() > bound {
                 return Err(Error::Timeout(format!(
-                    "{} did not give region plan {plan} up within {:.3} s",
+                    "{} did not {what} within {:.3} s",
                     self.link.who(),
                     t.elapsed().as_secs_f64()
                 )));
