@@ -547,6 +547,12 @@ pub fn run(cfg: &RunConfig, hooks: &mut Hooks<'_>) -> (Report, Exit) {
     let mut report = empty_report(cfg);
     let mut probe = None;
     let mut result = run_inner(cfg, &mut report, hooks, &mut probe);
+    // What prefill said last before the run's end: a failure it sent after its last answer
+    // (serve refused a frame after it closed the last region plan, say) ends the pair as its
+    // failure, not as decode's clean.
+    if let (Ok(()), Some(p)) = (&result, &probe) {
+        result = p.prefill.pump(Duration::from_millis(20)).map_err(|e| p.prefill.cause_of(e));
+    }
     report.summary.host_peak_bytes = crate::sys::hostmem::peak_resident_bytes();
     // A fenced run breaks no block's ownership: a violation there is a defect of the stack
     // under test, as corruption is, even where the bytes survived.

@@ -65,6 +65,15 @@ struct State {
     region_opened: Option<(u32, Vec<PeerInfo>)>,
     /// The region plan prefill closed ([`Msg::RegionClosed`]).
     region_closed: Option<u32>,
+    /// The region answer decode waits for: one, once.
+    region_asked: Option<RegionAsk>,
+}
+
+/// Which region answer decode waits for ([`PrefillPeer::region_open`], [`PrefillPeer::region_close`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RegionAsk {
+    Open,
+    Close,
 }
 
 /// The prefill side of a node pair, reached over the peer protocol.
@@ -442,8 +451,15 @@ impl PrefillPeer {
                     s.notified.extend(tags.into_iter().map(|t| (t, (began, now))))
                 }
                 Msg::Bye { side } => s.bye = Some(super::escaped(*side)),
-                Msg::RegionOpened { plan, sources } if s.region_opened.is_none() => s.region_opened = Some((plan, sources)),
-                Msg::RegionClosed { plan } if s.region_closed.is_none() => s.region_closed = Some(plan),
+                // One answer per region request, and only to one decode sent.
+                Msg::RegionOpened { plan, sources } if s.region_asked == Some(RegionAsk::Open) => {
+                    s.region_asked = None;
+                    s.region_opened = Some((plan, sources));
+                }
+                Msg::RegionClosed { plan } if s.region_asked == Some(RegionAsk::Close) => {
+                    s.region_asked = None;
+                    s.region_closed = Some(plan);
+                }
                 m => {
                     return Err(Error::Transport(format!(
                         "{} sent {} during the run (a protocol error)",
@@ -539,6 +555,7 @@ impl PrefillPeer {
         if let Some(slots) = &self.region_leases {
             *slots.to_prefill.lock().unwrap_or_else(|p| p.into_inner()) = Some(decode.lease.clone());
         }
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).region_asked = Some(RegionAsk::Open);
         self.link.send(&Msg::RegionOpen { plan, decode })?;
         let (got, mut sources) = self.await_region(&format!("set up region plan {plan}"), |s| s.region_opened.take())?;
         if got != plan {
@@ -560,6 +577,7 @@ impl PrefillPeer {
     /// Has prefill give region plan `plan`'s pools and agents up, and waits until it has.
     /// Errors: as [`PrefillPeer::region_open`].
     pub fn region_close(&self, plan: u32) -> Result<()> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).region_asked = Some(RegionAsk::Close);
         self.link.send(&Msg::RegionClose { plan })?;
         let got = self.await_region(&format!("give region plan {plan} up"), |s| s.region_closed.take())?;
         if got != plan {
