@@ -394,6 +394,20 @@ fn json_to_a_stdout_that_cannot_take_it_is_refused() {
     assert_eq!(code, Some(0), "{err}");
 }
 
+/// On a host without a GPU, `run --memory vram --decode-process` exits 2 as `run --memory vram`
+/// does: its prefill child refuses the GPU it was asked for (exit 2, its reason on stderr), and
+/// the run says so instead of calling the child's early exit a transport error (3). Only
+/// meaningful without a GPU; on a GPU host the run would simply start.
+#[test]
+fn decode_process_on_vram_without_a_gpu_exits_2() {
+    if kvprobe::cuda::device_count() > 0 {
+        return;
+    }
+    let (code, out, err) = kvprobe(&["run", "--memory", "vram", "--decode-process", "--blocks", "2", "--iterations", "1"]);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(err.contains("this host has 0 CUDA GPU(s)") && err.contains("refused to start (exit 2"), "{err}");
+}
+
 #[test]
 fn a_gpu_flag_with_dram_pools_is_refused_even_when_it_names_the_default_gpu() {
     for cmd in ["run", "ab"] {

@@ -272,14 +272,32 @@ pub fn start_child(cfg: &ChildSpec<'_>, silence: Duration, run_id: &str) -> Resu
     let child = crate::sys::child::spawn_keeping(cmd, &[fd])
         .map_err(|e| Error::Environment(format!("cannot start the prefill process: {e}")))?;
     drop(theirs);
-    let child = PrefillChild { child };
+    let mut child = PrefillChild { child };
     let who = format!("the prefill process (pid {})", child.id());
     let bound = start_bound();
     let not_ready = format!("{who} was not ready within {} s of its start (a fixed bound)", bound.as_secs_f64());
-    let link = super::client_within(super::Stream::Unix(mine), &token, run_id, silence, who, bound).map_err(|e| match e {
-        Error::Timeout(m) => Error::Timeout(format!("{not_ready}: {m}")),
-        e => e,
-    })?;
+    let link = match super::client_within(super::Stream::Unix(mine), &token, run_id, silence, who.clone(), bound) {
+        Ok(l) => l,
+        Err(Error::Timeout(m)) => return Err(Error::Timeout(format!("{not_ready}: {m}"))),
+        Err(Error::Transport(m)) => {
+            // A child that exited 2 before its handshake refused what it was asked to hold (a
+            // GPU this host does not have, ...; its reason is on stderr above): exit 2 here too.
+            let t = Instant::now();
+            let mut code = None;
+            while t.elapsed() < Duration::from_secs(2) {
+                if let Ok(Some(st)) = child.child.try_wait() {
+                    code = st.code();
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            return Err(match code {
+                Some(2) => Error::Environment(format!("{who} refused to start (exit 2; its reason is above): {m}")),
+                _ => Error::Transport(m),
+            });
+        }
+        Err(e) => return Err(e),
+    };
     link.set_deadline(Some((t0 + bound, not_ready)));
     Ok((link, child))
 }
