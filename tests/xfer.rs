@@ -371,3 +371,64 @@ fn backend_param_keys_are_checked_against_the_plugins_own() {
         "{e}"
     );
 }
+
+/// Issue 33 item 12: UCX's TCP transport listens on every network interface it may use, one
+/// socket per interface and agent (a one-host run listened on the host's 192.0.2.2 beside
+/// 127.0.0.1). Seen from outside, in /proc, while a scenario runs: every listener of a run on
+/// one host is on loopback, and kvprobe says it set `UCX_NET_DEVICES`.
+#[test]
+fn a_run_on_one_host_listens_on_loopback_only() {
+    let dir = tmpdir("listen-lo");
+    let report = dir.join("r.json");
+    let mut child = std::process::Command::new(crate::common::bin())
+        .args(["run", "--memory", "dram", "--scenario", "nixl-only", "--duration", "10m", "--report"])
+        .arg(&report)
+        .env_remove("UCX_NET_DEVICES")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    // Both agents (prefill's and decode's) are up once two listeners are there; the run
+    // lasts 10 minutes, so this waits on the run, not on a clock.
+    let mut seen = Vec::new();
+    while seen.len() < 2 {
+        assert!(child.try_wait().unwrap().is_none(), "the run ended before its agents listened");
+        seen = kvprobe::sys::net::listening(pid).unwrap_or_default();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // SAFETY: a signal to our own child.
+    unsafe { libc::kill(pid as i32, libc::SIGINT) };
+    let st = child.wait().unwrap();
+    assert_eq!(st.code(), Some(130), "interrupted");
+    for a in &seen {
+        let lo = match a.ip() {
+            std::net::IpAddr::V4(v4) => v4.octets()[0] == 127,
+            std::net::IpAddr::V6(v6) => v6 == std::net::Ipv6Addr::LOCALHOST,
+        };
+        assert!(lo, "a one-host run listens on {a}: {seen:?}");
+    }
+    let r = read_report(&report);
+    let defaults = r["environment"]["transport_env_defaults"].as_array().unwrap();
+    assert!(defaults.iter().any(|d| d == "UCX_NET_DEVICES"), "{defaults:?}");
+}
+
+/// A listener an agent's backend opens on a wildcard address (the test hook opens one as a
+/// library could) is refused, exit 2 naming it; a run
+/// whose `UCX_NET_DEVICES` the user set to loopback is held to it too.
+#[test]
+fn an_agent_listening_wider_than_asked_is_not_run() {
+    for user_lo in [false, true] {
+        let mut env = vec![("KVPROBE_TEST_WIDE_LISTENER", "1")];
+        if user_lo {
+            env.push(("UCX_NET_DEVICES", "lo"));
+        }
+        let (code, _, log) = run("listen-wide", &["--iterations", "1"], &env);
+        assert_eq!(code, 2, "{log}");
+        assert!(log.contains("listens on 0.0.0.0:") && log.contains("wider than asked"), "{log}");
+        assert!(log.contains(if user_lo { "UCX_NET_DEVICES=lo asks for loopback only" } else { "asks for loopback only" }), "{log}");
+    }
+    // Without the hook the same run is clean.
+    let (code, _, log) = run("listen-ok", &["--iterations", "1"], &[]);
+    assert_eq!(code, 0, "{log}");
+}

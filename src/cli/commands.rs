@@ -612,11 +612,19 @@ pub(crate) fn env_plan(command: &Command) -> Option<kvprobe::nixl::EnvPlan> {
         p.memory != Some(MemoryKind::Dram) && p.prefill_device.first() == p.decode_device.first() && !decode_process
     };
     match command {
-        Command::Run(a) => Some(EnvPlan { same_gpu_in_process: same_gpu(&a.pool, a.decode_process), diagnosis: true }),
-        Command::Ab(a) => Some(EnvPlan { same_gpu_in_process: same_gpu(&a.pool, false), diagnosis: true }),
-        Command::Bench(a) => Some(EnvPlan { same_gpu_in_process: a.memory != Some(MemoryKind::Dram), diagnosis: true }),
-        Command::Serve(_) => Some(EnvPlan { same_gpu_in_process: false, diagnosis: true }),
-        Command::Env { .. } => Some(EnvPlan { same_gpu_in_process: false, diagnosis: false }),
+        Command::Run(a) => Some(EnvPlan {
+            same_gpu_in_process: same_gpu(&a.pool, a.decode_process),
+            diagnosis: true,
+            one_host: a.pair.peer.is_none(),
+        }),
+        Command::Ab(a) => {
+            Some(EnvPlan { same_gpu_in_process: same_gpu(&a.pool, false), diagnosis: true, one_host: a.pair.peer.is_none() })
+        }
+        Command::Bench(a) => {
+            Some(EnvPlan { same_gpu_in_process: a.memory != Some(MemoryKind::Dram), diagnosis: true, one_host: true })
+        }
+        Command::Serve(_) => Some(EnvPlan { same_gpu_in_process: false, diagnosis: true, one_host: false }),
+        Command::Env { .. } => Some(EnvPlan { same_gpu_in_process: false, diagnosis: false, one_host: false }),
         _ => None,
     }
 }

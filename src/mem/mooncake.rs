@@ -104,57 +104,7 @@ fn free_ports<const N: usize>(host: IpAddr) -> Result<[u16; N]> {
     Ok(ports)
 }
 
-/// The TCP addresses process `pid` listens on: its socket descriptors (`/proc/PID/fd`,
-/// `socket:[INODE]`) matched with the listening sockets of its network namespace
-/// (`/proc/PID/net/tcp` and `tcp6`, state `0A`). Errors: /proc unreadable (the process is
-/// gone, or another user's).
-pub fn listening(pid: u32) -> std::io::Result<Vec<SocketAddr>> {
-    let mut inodes = std::collections::HashSet::new();
-    for e in std::fs::read_dir(format!("/proc/{pid}/fd"))?.flatten() {
-        if let Ok(t) = std::fs::read_link(e.path())
-            && let Some(n) = t.to_str().and_then(|t| t.strip_prefix("socket:[")).and_then(|t| t.strip_suffix(']'))
-            && let Ok(n) = n.parse::<u64>()
-        {
-            inodes.insert(n);
-        }
-    }
-    let mut out = Vec::new();
-    for table in ["tcp", "tcp6"] {
-        let text = match std::fs::read_to_string(format!("/proc/{pid}/net/{table}")) {
-            Ok(t) => t,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue, // no IPv6
-            Err(e) => return Err(e),
-        };
-        for line in text.lines().skip(1) {
-            let f: Vec<&str> = line.split_whitespace().collect();
-            if f.len() < 10 || f[3] != "0A" || !f[9].parse::<u64>().is_ok_and(|i| inodes.contains(&i)) {
-                continue;
-            }
-            if let Some(a) = proc_net_addr(f[1]) {
-                out.push(a);
-            }
-        }
-    }
-    out.sort();
-    out.dedup();
-    Ok(out)
-}
-
-/// An address of /proc/net/tcp{,6} (`0100007F:1F90`: the address as 32-bit words in host byte
-/// order, then the port), as a socket address.
-pub fn proc_net_addr(s: &str) -> Option<SocketAddr> {
-    let (a, p) = s.split_once(':')?;
-    let port = u16::from_str_radix(p, 16).ok()?;
-    let words: Vec<u32> =
-        (0..a.len() / 8).map(|i| u32::from_str_radix(a.get(8 * i..8 * i + 8)?, 16).ok()).collect::<Option<_>>()?;
-    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_ne_bytes()).collect();
-    let ip = match bytes.len() {
-        4 => IpAddr::from(<[u8; 4]>::try_from(bytes).ok()?),
-        16 => IpAddr::from(<[u8; 16]>::try_from(bytes).ok()?),
-        _ => return None,
-    };
-    Some(SocketAddr::new(ip, port))
-}
+pub use crate::sys::net::{listening, proc_net_addr};
 
 /// Checks that every TCP socket process `pid` (`what`, e.g. "mooncake_master") listens on is
 /// bound to `host`, the address kvprobe asked it to listen on (an IPv4-mapped IPv6 form of

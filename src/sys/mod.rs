@@ -8,6 +8,7 @@ pub mod deadline;
 pub mod hostmem;
 #[allow(unsafe_code)] // signal handlers
 pub mod interrupt;
+pub mod net;
 pub mod parallel;
 #[allow(unsafe_code)] // set_var while one thread, rlimits, dlopen, _exit
 pub mod process;

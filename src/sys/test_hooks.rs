@@ -17,6 +17,7 @@
 //! | `KVPROBE_TEST_SYSFS_ROOT=DIR` | `rdma` | reads a constructed sysfs tree instead of `/sys` |
 //! | `KVPROBE_TEST_UNRECALLABLE=1` | `nixl` | requests dropped in flight count as unconfirmed |
 //! | `KVPROBE_TEST_VERIFY_SKIP=N` | `pool` | DRAM verify passes skip global slice N |
+//! | `KVPROBE_TEST_WIDE_LISTENER=1` | `nixl` | a wildcard listener opens while an agent's backend starts |
 //! | `KVPROBE_TEST_WRONG_PEER_BASES=1` | `transport` | checks the peer's descriptors one region off |
 
 /// Replaces [`crate::peer::client::START_BOUND`] (seconds).
@@ -45,6 +46,9 @@ pub const SYSFS_ROOT: &str = "KVPROBE_TEST_SYSFS_ROOT";
 pub const UNRECALLABLE: &str = "KVPROBE_TEST_UNRECALLABLE";
 /// A slice the DRAM verify passes skip ([`crate::mem::pool`]).
 pub const VERIFY_SKIP: &str = "KVPROBE_TEST_VERIFY_SKIP";
+/// A wildcard TCP listener opened while a NIXL agent's backend starts
+/// ([`crate::xfer::nixl::check_new_listeners`]).
+pub const WIDE_LISTENER: &str = "KVPROBE_TEST_WIDE_LISTENER";
 /// The peer's descriptors checked one region off ([`crate::xfer::transport`]).
 pub const WRONG_PEER_BASES: &str = "KVPROBE_TEST_WRONG_PEER_BASES";
 
@@ -62,6 +66,7 @@ pub const ALL: &[&str] = &[
     SYSFS_ROOT,
     UNRECALLABLE,
     VERIFY_SKIP,
+    WIDE_LISTENER,
     WRONG_PEER_BASES,
 ];
 

@@ -88,6 +88,13 @@ pub struct EnvPlan {
     /// ([`crate::sys::tempdir::dir`], `UCX_LOG_FILE`), unless the user set either or
     /// `KVPROBE_UCX_DIAG=0`. Not for `kvprobe env`, which makes no transfer itself.
     pub diagnosis: bool,
+    /// Both engines of the run are on this host (no `--peer`; `--decode-process` is one host
+    /// too): `UCX_NET_DEVICES` = the loopback interface ([`crate::sys::net::loopback_interface`]),
+    /// so that UCX's TCP transport listens on loopback only instead of on every network
+    /// interface of the host (it opens a listening socket per interface and agent); see
+    /// [`check_new_listeners`]. Not for `serve` nor `run --peer`, whose agents must be
+    /// reachable from the other host, nor `kvprobe env`, which lists the host's devices.
+    pub one_host: bool,
 }
 
 pub use crate::xfer::ucx::{DEBUG_SIGNO_ENV, GET_ZCOPY_ENV, kvprobe_defaults};
@@ -118,6 +125,8 @@ fn nvidia_driver_present() -> bool {
 ///   a kill catches in between is removed with the directory (at exit, or at the next
 ///   kvprobe's start).
 ///
+/// - `UCX_NET_DEVICES` = the loopback interface with `plan.one_host` ([`EnvPlan::one_host`]).
+///
 /// The names set are [`kvprobe_defaults`].
 pub fn set_process_env(plan: EnvPlan) {
     if crate::xfer::ucx::defaults_recorded() {
@@ -138,6 +147,11 @@ pub fn set_process_env(plan: EnvPlan) {
         default("NIXL_PLUGIN_DIR", dir.join("plugins").as_os_str());
     }
     default(DEBUG_SIGNO_ENV, "0".as_ref());
+    if plan.one_host
+        && let Some(lo) = crate::sys::net::loopback_interface()
+    {
+        default(NET_DEVICES_ENV, lo.as_ref());
+    }
     let mut captured = false;
     // The capture's private directories hold a descriptor each (their lock): under an
     // open-file limit NIXL cannot run with (which `load` then reports), none is made.
@@ -179,6 +193,42 @@ pub fn set_process_env(plan: EnvPlan) {
         default(GET_ZCOPY_ENV, "y".as_ref());
     }
     crate::xfer::ucx::record_defaults(set);
+}
+
+/// `UCX_NET_DEVICES`: the network devices UCX may use (its TCP transport listens on each).
+pub const NET_DEVICES_ENV: &str = "UCX_NET_DEVICES";
+
+/// Checks the TCP sockets this process started listening on since `before` (what `what`, a
+/// NIXL agent's backend, opened: UCX's TCP transport listens on every network interface it
+/// may use, one socket per interface and agent): none may be a wildcard (0.0.0.0, ::), which
+/// no UCX transport asks for; and when `UCX_NET_DEVICES` names only loopback interfaces
+/// (kvprobe's default on one host, [`EnvPlan::one_host`], or the user's), each must be a
+/// loopback address. Errors: environment (exit 2) naming each wider address: an agent that
+/// listens wider than asked is not run.
+pub fn check_new_listeners(what: &str, before: &[std::net::SocketAddr]) -> Result<()> {
+    let Ok(now) = crate::sys::net::listening(std::process::id()) else { return Ok(()) };
+    let loopback_only = std::env::var(NET_DEVICES_ENV).ok().is_some_and(|v| {
+        let lo = crate::sys::net::loopback_interface();
+        let names: Vec<&str> = v.split(',').map(|d| d.split(':').next().unwrap_or(d).trim()).collect();
+        !names.is_empty() && names.iter().all(|d| Some(*d) == lo.as_deref())
+    });
+    let wide: Vec<String> = now
+        .iter()
+        .filter(|a| !before.contains(a))
+        .filter(|a| a.ip().is_unspecified() || (loopback_only && !crate::sys::net::is_loopback(a.ip())))
+        .map(|a| a.to_string())
+        .collect();
+    if wide.is_empty() {
+        return Ok(());
+    }
+    let asked = match std::env::var(NET_DEVICES_ENV) {
+        Ok(v) if loopback_only => format!("{NET_DEVICES_ENV}={v} asks for loopback only"),
+        _ => "no UCX transport asks for a wildcard address".to_string(),
+    };
+    Err(Error::Environment(format!(
+        "{what} listens on {}, wider than asked ({asked}): not running it (docs/two-hosts.md, \"Network exposure\")",
+        wide.join(", ")
+    )))
 }
 
 /// Refuses a user-set `UCX_LOG_FILE` that UCX could not open (a directory, a missing or
@@ -666,6 +716,8 @@ impl Agent {
                 defaults.set(k, v).map_err(|e| Error::Usage(format!("--backend-param {k}={v}: NIXL refused it: {e}")))?;
             }
         }
+        // What this process listened on before the backend started: what it adds is UCX's.
+        let before = crate::sys::net::listening(std::process::id()).unwrap_or_default();
         let b = agent.create_backend(backend, &defaults).map_err(|e| {
             let given: Vec<String> = params.iter().map(|(k, v)| format!("{k}={v}")).collect();
             Error::Environment(format!(
@@ -675,6 +727,13 @@ impl Agent {
             ))
         })?;
         w.check()?;
+        if std::env::var_os(crate::sys::test_hooks::WIDE_LISTENER).is_some() {
+            // A listener as a library could open it, kept open until exit.
+            if let Ok(l) = std::net::TcpListener::bind((std::net::Ipv4Addr::UNSPECIFIED, 0)) {
+                std::mem::forget(l);
+            }
+        }
+        check_new_listeners(&format!("NIXL agent {name} ({backend} backend)"), &before)?;
         Ok(Agent { agent, backend: b, backend_name: backend.to_string(), regs: Lease::default() })
     }
 
