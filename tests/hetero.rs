@@ -1120,3 +1120,35 @@ fn tp_follows_vllms_ratios_targets_and_refusals() {
     assert!(tp(3, 3, 8).check().unwrap_err().contains("split evenly"));
     assert!(kvprobe::pairing::tp::Tp { prefill: 4, decode: 2, total_kv_heads: 1, mla: true, state: false }.check().is_ok());
 }
+
+/// Issue 33 item 9: a DRAM conversion on receive that fails (the test hook makes one slice's
+/// write back fall outside its span) ends the run as an internal error (exit 3) naming the
+/// conversion, with no verdict: the bytes the verify would judge are not what arrived.
+#[test]
+fn a_failed_dram_conversion_on_receive_ends_the_run_as_an_error() {
+    let d = tmpdir("convert-fail");
+    let p = d.join("report.json");
+    let (code, out, err) = crate::common::kvprobe_env(
+        &[
+            "run",
+            "--memory",
+            "dram",
+            "--report",
+            p.to_str().unwrap(),
+            "--iterations",
+            "2",
+            "--layout",
+            "nhd",
+            "--decode-layout",
+            "hnd",
+            "--permute-local-kv",
+        ],
+        &[("KVPROBE_TEST_CONVERT_FAIL", "1")],
+    );
+    assert_eq!(code, 3, "{out}{err}");
+    assert!(err.contains("decode's conversion on receive of layers 0..4 failed: span write"), "{err}");
+    let r = read_report(&p);
+    assert_eq!(r["outcome"]["status"], "error", "{}", r["outcome"]);
+    assert_eq!(r["outcome"]["error"]["kind"], "internal", "{}", r["outcome"]);
+    assert!(!out.contains("result:            clean"), "{out}");
+}

@@ -1571,3 +1571,23 @@ fn the_documented_two_hosts_recipes_run_as_pasted() {
     assert!(decode.contains("could not open a connection to 198.18.0.2:"), "{decode}");
     assert!(decode.contains("UCX_TCP_PORT_RANGE"), "{decode}");
 }
+
+/// Issue 33 item 9: in a WRITE sweep the rate decode reports is decode's own measurement
+/// (its bytes from the geometry, its transfer window), not what prefill's `written` says: a
+/// serve that claims a thousand times the bytes in 1 ns changes neither.
+#[test]
+fn pair_write_rate_is_decodes_own_whatever_prefill_claims() {
+    let s = Serve::start_with(&[], "127.0.0.1", &["--memory", "dram"], &[("KVPROBE_TEST_LIE_WRITTEN", "1")], &[]);
+    let (code, r, out) = run_peer(&s.addr, &["--op", "write", "--iterations", "3"]);
+    assert_eq!(code, 0, "{out}");
+    let (sc, sout, _) = s.wait();
+    assert_eq!(sc, 0, "{sout}");
+    let sm = &r["summary"];
+    // 3 iterations x 512 slices x 4096 bytes (the small preset).
+    assert_eq!(sm["bytes_transferred"], 3 * 512 * 4096, "{sm}");
+    let (secs, gbps) = (sm["transfer_seconds"].as_f64().unwrap(), sm["transfer_gbps"].as_f64().unwrap());
+    // Decode's window holds at least the 3 x 2 MiB it waited for: not 1 ns a stage.
+    assert!(secs > 3e-9 * 10.0, "{sm}");
+    let own = (3 * 512 * 4096) as f64 / secs / 1e9;
+    assert!((gbps - own).abs() <= 1e-6 * own, "{gbps} vs {own}: {sm}");
+}

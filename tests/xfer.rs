@@ -426,7 +426,10 @@ fn an_agent_listening_wider_than_asked_is_not_run() {
         let (code, _, log) = run("listen-wide", &["--iterations", "1"], &env);
         assert_eq!(code, 2, "{log}");
         assert!(log.contains("listens on 0.0.0.0:") && log.contains("wider than asked"), "{log}");
-        assert!(log.contains(if user_lo { "UCX_NET_DEVICES=lo asks for loopback only" } else { "asks for loopback only" }), "{log}");
+        assert!(
+            log.contains(if user_lo { "UCX_NET_DEVICES=lo asks for loopback only" } else { "asks for loopback only" }),
+            "{log}"
+        );
     }
     // Without the hook the same run is clean.
     let (code, _, log) = run("listen-ok", &["--iterations", "1"], &[]);

@@ -672,9 +672,15 @@ fn time_copy(cfg: &RunConfig, src: &mut KvPool, dst: &mut KvPool, plan: &Plan) -
 /// Decode's conversion on receive ([`crate::core::pairing::Sides::row_permutation`]: vLLM's
 /// `kv_postprocess_*_on_receive`) of every slice of `layers` in `pool` after a transfer:
 /// on the GPU for VRAM pools, on the host threads for DRAM ([`KvPool::permute_rows`]); what
-/// still holds the iteration's poison stays poison. Errors: a CUDA error (VRAM pools).
+/// still holds the iteration's poison stays poison. Errors: a CUDA error (VRAM pools, exit
+/// 3); any other failure of the conversion (a DRAM slice it could not read or write back) is
+/// internal (exit 3): the bytes the verify would judge are not the conversion of what arrived.
 fn convert_received(sides: &crate::core::pairing::Sides, pool: &mut KvPool, layers: Range<u32>) -> Result<()> {
-    pool.permute_rows(layers, &sides.row_permutation())
+    let what = format!("decode's conversion on receive of layers {}..{}", layers.start, layers.end);
+    pool.permute_rows(layers, &sides.row_permutation()).map_err(|e| match e {
+        Error::Device(_) | Error::Interrupted(_) | Error::Timeout(_) => e,
+        e => Error::Internal(format!("{what} failed: {e}")),
+    })
 }
 
 /// How long `run --peer` waits for prefill's side of the report after telling it the outcome.

@@ -1249,7 +1249,14 @@ impl KvPool {
         match &mut self.backing {
             Backing::Host(buf) => {
                 let (stop, failed) = (std::sync::atomic::AtomicBool::new(false), std::sync::Mutex::new(None));
-                Self::host_each(&self.geom, buf, layers, None, |_, s| {
+                // Test-only: the write of one slice (block 0 of the first layer) fails as a
+                // write out of its span does.
+                let fail_at = std::env::var_os(crate::sys::test_hooks::CONVERT_FAIL).map(|_| SliceCoord {
+                    layer: layers.start,
+                    kv: self.geom.parts()[0],
+                    block: 0,
+                });
+                Self::host_each(&self.geom, buf, layers, None, |c, s| {
                     if stop.load(std::sync::atomic::Ordering::Relaxed) {
                         return;
                     }
@@ -1260,7 +1267,7 @@ impl KvPool {
                             let from = from as usize * rb;
                             out[to * rb..(to + 1) * rb].copy_from_slice(&got[from..from + rb]);
                         }
-                        s.write_at(0, &out)
+                        s.write_at(usize::from(fail_at == Some(c)), &out)
                     });
                     if let Err(e) = r {
                         failed.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);

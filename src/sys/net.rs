@@ -57,7 +57,6 @@ pub fn proc_net_addr(s: &str) -> Option<SocketAddr> {
     Some(SocketAddr::new(ip, port))
 }
 
-
 /// True for a loopback address: 127.0.0.0/8, ::1, or an IPv4-mapped IPv6 form of
 /// 127.0.0.0/8.
 pub fn is_loopback(ip: IpAddr) -> bool {

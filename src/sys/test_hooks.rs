@@ -6,12 +6,14 @@
 //! | variable | read by | effect |
 //! |---|---|---|
 //! | `KVPROBE_TEST_AGENT_START_SECS=SECS` | `peer::client` | replaces the 120 s bound on the prefill child's start |
+//! | `KVPROBE_TEST_CONVERT_FAIL=1` | `pool` | DRAM conversion on receive: one slice's write back fails |
 //! | `KVPROBE_TEST_DAMAGE_TORN=KIND` | `run` | damages a slice `--inject torn` tore beyond its tear |
 //! | `KVPROBE_TEST_DUMP_FULL_AFTER=N` | `dump` | slice writes after the first N fail with ENOSPC |
 //! | `KVPROBE_TEST_EARLY_NOTIFY=N` | `run` | WRITE sweeps: iteration N's notifications come before the data |
 //! | `KVPROBE_TEST_FAULT=KIND:N` | `scenario::fault` | scenarios: plants N faults of KIND |
 //! | `KVPROBE_TEST_LATE_WRITE=WHEN:N` | `run` | a write into decode's pool after the verify judged it |
 //! | `KVPROBE_TEST_LEAVE_OUT_REGION=KIND\|NAME` | `sweep::regions` | a hybrid model's region left out of the transfer |
+//! | `KVPROBE_TEST_LIE_WRITTEN=1` | `serve` | WRITE sweeps: `written` claims 1000 times the bytes in 1 ns |
 //! | `KVPROBE_TEST_STALL_FROM_ITERATION=N[:K]` | `deadline` | arms the stall points from iteration N (stage K) |
 //! | `KVPROBE_TEST_STALL_[AGENT_]NAME=SECS` | `deadline` | blocks a call (POST, STATUS, NOTIFICATIONS, SYNC, START) |
 //! | `KVPROBE_TEST_SYSFS_ROOT=DIR` | `rdma` | reads a constructed sysfs tree instead of `/sys` |
@@ -22,6 +24,8 @@
 
 /// Replaces [`crate::peer::client::START_BOUND`] (seconds).
 pub const AGENT_START_SECS: &str = "KVPROBE_TEST_AGENT_START_SECS";
+/// One slice's write back in a DRAM conversion on receive fails ([`crate::mem::pool`]).
+pub const CONVERT_FAIL: &str = "KVPROBE_TEST_CONVERT_FAIL";
 /// Damage to a torn slice beyond its tear (`tail`, `prefix`, `foreign`; [`crate::drive::run`]).
 pub const DAMAGE_TORN: &str = "KVPROBE_TEST_DAMAGE_TORN";
 /// A full disk for `--dump` after N slices ([`crate::report::dump`]).
@@ -35,6 +39,8 @@ pub const LATE_WRITE: &str = "KVPROBE_TEST_LATE_WRITE";
 /// A hybrid model's region (`state`, `indexer` or its name) left out of the transfer
 /// ([`crate::sweep::regions`]).
 pub const LEAVE_OUT_REGION: &str = "KVPROBE_TEST_LEAVE_OUT_REGION";
+/// serve's `written` claims 1000 times the bytes in 1 ns ([`crate::drive::serve`]).
+pub const LIE_WRITTEN: &str = "KVPROBE_TEST_LIE_WRITTEN";
 /// Arms the stall points from an iteration ([`crate::sys::deadline`]).
 pub const STALL_FROM_ITERATION: &str = "KVPROBE_TEST_STALL_FROM_ITERATION";
 /// Prefix of the stall points' variables (`KVPROBE_TEST_STALL_POST`, ...;
@@ -55,12 +61,14 @@ pub const WRONG_PEER_BASES: &str = "KVPROBE_TEST_WRONG_PEER_BASES";
 /// Every hook above (the stall points by their prefix).
 pub const ALL: &[&str] = &[
     AGENT_START_SECS,
+    CONVERT_FAIL,
     DAMAGE_TORN,
     DUMP_FULL_AFTER,
     EARLY_NOTIFY,
     FAULT,
     LATE_WRITE,
     LEAVE_OUT_REGION,
+    LIE_WRITTEN,
     STALL_FROM_ITERATION,
     STALL_PREFIX,
     SYSFS_ROOT,
