@@ -546,7 +546,8 @@ fn report_checks(sec: &Value, say: &mut dyn FnMut(String)) {
 /// generation prefill computed in this run: prefill numbers each block it computes 1, 2, …
 /// (`scenario::prefill`, [`fingerprint::next_generation`]), so a generation is at least 1 and
 /// at most the blocks of every request the run admitted. Which block got which generation
-/// follows prefill's allocator over the run's steps and is not re-derived. Said once when the
+/// follows prefill's scheduler over the run's steps, whose order depends on when transfers
+/// and tier loads completed (timing no report records), so it is bounded, not re-derived. Said once when the
 /// configuration has no seeded load kvprobe can replay.
 fn scenario_identities(sec: &Value, failures: &[Value], say: &mut dyn FnMut(String)) {
     let config = &sec["config"];
