@@ -290,7 +290,11 @@ pub fn run_ab(
 ) -> (AbReport, Exit) {
     let mut ab = start(cfg);
     let mut probe = None;
-    let result = run_rows(cfg, &mut ab, &mut probe, progress, after_row, dump);
+    let mut result = run_rows(cfg, &mut ab, &mut probe, progress, after_row, dump);
+    // A failure prefill sent after its last answer ends the matrix as that failure.
+    if let (Ok(()), Some(p)) = (&result, &probe) {
+        result = p.prefill.last_word();
+    }
     let err = result.err();
     let exit = conclude(&mut ab, err.as_ref());
     if let Some(p) = &probe {

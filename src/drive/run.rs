@@ -356,27 +356,7 @@ impl Probe {
                 self.rank(d).poll(r).map_err(|e| p.cause_of(e))
             }
             SweepRequest::PeerWrite { tag, deadline, late_misses } => {
-                let asked = Instant::now();
-                let timeout = |why: String| {
-                    Error::Timeout(format!(
-                        "WRITE {tag} by {}: {why}, over --timeout {:.6} s ({:.3} s since it was sent)",
-                        p.who(),
-                        deadline.limit_secs(),
-                        deadline.elapsed_secs()
-                    ))
-                };
-                match p.take_written(tag)? {
-                    Some(done) if done.elapsed > deadline.limit => {
-                        Err(timeout(format!("it took {:.3} s from post to completion", done.elapsed.as_secs_f64())))
-                    }
-                    Some(done) => Ok(Some(done)),
-                    None if deadline.passed_at(asked) => {
-                        *late_misses += 1;
-                        if *late_misses >= 2 { Err(timeout("still not complete".into())) } else { Ok(None) }
-                    }
-                    None => Ok(None),
-                }
-                .map_err(|e| p.cause_of(e))
+                p.poll_written(tag, *deadline, late_misses).map_err(|e| p.cause_of(e))
             }
         }
     }
@@ -548,10 +528,9 @@ pub fn run(cfg: &RunConfig, hooks: &mut Hooks<'_>) -> (Report, Exit) {
     let mut probe = None;
     let mut result = run_inner(cfg, &mut report, hooks, &mut probe);
     // What prefill said last before the run's end: a failure it sent after its last answer
-    // (serve refused a frame after it closed the last region plan, say) ends the pair as its
-    // failure, not as decode's clean.
+    // ends the pair as its failure, not as decode's clean.
     if let (Ok(()), Some(p)) = (&result, &probe) {
-        result = p.prefill.pump(Duration::from_millis(20)).map_err(|e| p.prefill.cause_of(e));
+        result = p.prefill.last_word();
     }
     report.summary.host_peak_bytes = crate::sys::hostmem::peak_resident_bytes();
     // A fenced run breaks no block's ownership: a violation there is a defect of the stack

@@ -859,15 +859,9 @@ fn sweep_requests(
                     decode.lease = l;
                 }
                 let decode_agent = decode.agent.clone();
-                let mut sources = Vec::new();
-                for src in &p.sources {
-                    // One source at a time, each on its rank's GPU.
-                    let one = sweep::regions::RegionPlan { sources: vec![src.clone()], ..p.clone() };
-                    let device = (region_side.device_of)(src.rank);
-                    let mut e = sweep::regions::prefill_sources(rc, &one, region_side.memory, device, &decode)
-                        .map_err(|e| attribute(link, e))?;
-                    sources.append(&mut e);
-                }
+                // Each source on its rank's GPU.
+                let sources = sweep::regions::prefill_sources(rc, p, region_side.memory, region_side.device_of, &decode)
+                    .map_err(|e| attribute(link, e))?;
                 let infos = sources.iter().map(|e| e.info()).collect::<Result<Vec<_>>>()?;
                 if let Some(slots) = region_side.leases {
                     let mut lease = crate::xfer::nixl::WeakLease::default();

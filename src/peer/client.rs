@@ -647,6 +647,43 @@ impl PrefillPeer {
         Ok(self.state.lock().unwrap_or_else(|p| p.into_inner()).written.remove(tag))
     }
 
+    /// What prefill said last, read before the run decides its outcome (a short wait, 20 ms):
+    /// a failure prefill sent after its last answer (serve refusing a frame after it closed
+    /// the last region plan, say) ends the run as that failure instead of decode's clean.
+    /// Errors: the failure prefill sent, or the link's (named with [`PrefillPeer::cause_of`]).
+    pub fn last_word(&self) -> Result<()> {
+        self.pump(Duration::from_millis(20)).map_err(|e| self.cause_of(e))
+    }
+
+    /// One check whether prefill's WRITE `tag` (posted under `deadline`) is complete: `Some`
+    /// with prefill's result once it said `written`. The rule of decode's own requests: a
+    /// WRITE still missing at two checks that began after its deadline has timed out, and so
+    /// has one prefill says took longer than the deadline from post to completion (`misses`:
+    /// the caller's count of checks after the deadline, one per request). Errors: timeout
+    /// (exit 4) naming `tag`, where prefill is and the bound; the link's errors.
+    pub fn poll_written(&self, tag: &str, deadline: Deadline, misses: &mut u8) -> Result<Option<XferResult>> {
+        let asked = Instant::now();
+        let timeout = |why: String| {
+            Error::Timeout(format!(
+                "WRITE {tag} by {}: {why}, over --timeout {:.6} s ({:.3} s since it was sent)",
+                self.who(),
+                deadline.limit_secs(),
+                deadline.elapsed_secs()
+            ))
+        };
+        match self.take_written(tag)? {
+            Some(done) if done.elapsed > deadline.limit => {
+                Err(timeout(format!("it took {:.3} s from post to completion", done.elapsed.as_secs_f64())))
+            }
+            Some(done) => Ok(Some(done)),
+            None if deadline.passed_at(asked) => {
+                *misses += 1;
+                if *misses >= 2 { Err(timeout("still not complete".into())) } else { Ok(None) }
+            }
+            None => Ok(None),
+        }
+    }
+
     /// Waits until prefill has received the notification of every tag in `tags` (removed as
     /// they arrive). A tag still missing at two checks that began after its deadline has timed
     /// out; so has one whose deadline passed while prefill's query that returned it was in

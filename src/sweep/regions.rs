@@ -459,8 +459,10 @@ fn predict(cfg: &RunConfig, p: &RegionPlan, faults: &[RegionFault], pairs: &[Pai
             let u = p.decode_unit(i);
             let mut page = vec![0u8; stride];
             fingerprint::poison(&mut page, p.page_slot(f.li, u), REGION_POISON_ITERATION);
+            // A source page is built once, however many descriptors read it.
+            let mut built: BTreeMap<u32, Vec<u8>> = BTreeMap::new();
             for x in pairs.iter().filter(|x| x.dst.layer == f.li && x.dst.block == u) {
-                let src = p.prefill_page(cfg.seed, f.li, x.src.block, faults);
+                let src = built.entry(x.src.block).or_insert_with(|| p.prefill_page(cfg.seed, f.li, x.src.block, faults));
                 let (s, d, l) = (x.src_off as usize, x.dst_off as usize, x.len as usize);
                 page[d..d + l].copy_from_slice(&src[s..s + l]);
             }
@@ -509,7 +511,8 @@ fn source_agent(p: &RegionPlan, k: usize) -> String {
     format!("kvprobe-region-{}-tp{}-prefill-tp{}", p.region.kind, p.rank, p.sources[k].rank)
 }
 
-/// Prefill's side of plan `p`: a pool per source on `memory` (GPU `device`), every page
+/// Prefill's side of plan `p`: a pool per source on `memory` (source rank `r`'s on GPU
+/// `device_of(r)`), every page
 /// written as [`RegionPlan::source_page`] writes it (the run's planted region faults
 /// applied), each with a NIXL agent that has loaded decode's agent `decode` (the name is the
 /// plan's: `kvprobe-region-KIND-tpR-prefill-tpS`). Errors: environment (allocation, a
@@ -518,7 +521,7 @@ pub fn prefill_sources(
     cfg: &RunConfig,
     p: &RegionPlan,
     memory: MemoryKind,
-    device: usize,
+    device_of: &dyn Fn(u32) -> usize,
     decode: &transport::PeerInfo,
 ) -> Result<Vec<Endpoint>> {
     let faults = plan_faults(cfg, p);
@@ -526,7 +529,7 @@ pub fn prefill_sources(
     let layers = p.region.layers.len() as u32;
     let mut out = Vec::new();
     for (k, src) in p.sources.iter().enumerate() {
-        let mut pool = pool(cfg, memory, &p.pool_geometry_of(src.page_stride_bytes)?, device)?;
+        let mut pool = pool(cfg, memory, &p.pool_geometry_of(src.page_stride_bytes)?, device_of(src.rank))?;
         for li in 0..layers {
             for i in 0..p.units {
                 pool.write_slice(
@@ -673,32 +676,9 @@ fn move_one(cfg: &RunConfig, index: u32, p: &RegionPlan, prefill: &PrefillPeer) 
         }
         transport::Op::Write => {
             prefill.region_write(index, live.iter().map(|(k, t)| (*k as u32, t.clone())).collect())?;
-            let mut misses = 0u32;
             for (_, tag_k) in &live {
-                loop {
-                    let asked = Instant::now();
-                    match prefill.take_written(tag_k)? {
-                        Some(done) if done.elapsed > deadline.limit => {
-                            return Err(Error::Timeout(format!(
-                                "region WRITE {tag_k} by {} took {:.3} s from post to completion, over --timeout {:.6} s",
-                                prefill.who(),
-                                done.elapsed.as_secs_f64(),
-                                deadline.limit_secs()
-                            )));
-                        }
-                        Some(_) => break,
-                        None if deadline.passed_at(asked) => {
-                            misses += 1;
-                            if misses >= 2 {
-                                return Err(Error::Timeout(format!(
-                                    "region WRITE {tag_k} by {} was not complete within --timeout {:.6} s",
-                                    prefill.who(),
-                                    deadline.limit_secs()
-                                )));
-                            }
-                        }
-                        None => {}
-                    }
+                let mut misses = 0u8;
+                while prefill.poll_written(tag_k, deadline, &mut misses)?.is_none() {
                     std::thread::sleep(Duration::from_micros(20));
                 }
             }
