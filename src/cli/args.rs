@@ -786,11 +786,6 @@ impl RunArgs {
             }
         }
         kvprobe::sweep::regions::check_hooks(&plans)?;
-        if !c.region_inject.is_empty() && c.tp.is_some_and(|t| t.prefill != t.decode) {
-            return Err(Error::Usage(
-                "--inject CLASS@REGION needs equal TP sizes on the two sides (faults in regions read from several prefill ranks are not built yet)".into(),
-            ));
-        }
         if let Some(r) = c.region_inject.iter().find(|r| !plans.iter().any(|p| p.region.kind == r.region)) {
             return Err(Error::Usage(format!(
                 "--inject {}:{}@{}: this run moves no {} region (a hybrid model's --model-config has it: kvprobe geometry lists its regions)",

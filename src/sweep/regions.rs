@@ -22,8 +22,11 @@
 //! the peer protocol (`RegionOpen`, [`prefill_sources`] on prefill's side), so that the region
 //! pass crosses the same link the attention sweep does.
 //!
-//! What is not moved here yet: scenarios, and injected region faults between unequal TP sizes
-//! (refused where the run is configured).
+//! Faults planted in region pages (`--inject CLASS@REGION`) hit one prefill rank's page and
+//! descriptors ([`RegionFault::source`]); between unequal TP sizes a decode run may hold rows
+//! of several prefill ranks, and its predicted bytes are built from every source's pages.
+//!
+//! What is not moved here yet: scenarios.
 
 use crate::core::fingerprint::{self, logical_block};
 use crate::core::geometry::{Dtype, Geometry, KvPart, Layout, SliceCoord};
@@ -211,6 +214,12 @@ impl RegionPlan {
         out
     }
 
+    /// True when decode's pages are prefill's (equal TP sizes: one source, the same row runs,
+    /// so a fault's run and offset mean the same bytes on both sides).
+    pub fn same_pages(&self) -> bool {
+        self.sources.len() == 1 && self.sources[0].runs == self.runs
+    }
+
     /// [`RegionPlan::pairs_of`] the first source (the only one between equal TP sizes).
     pub fn pairs(&self) -> Vec<Pair> {
         self.pairs_of(0)
@@ -327,11 +336,14 @@ fn left_out(r: &Region) -> bool {
 }
 
 /// One fault planted in a region's pages (`--inject CLASS[:N]@REGION`), by prefill's
-/// coordinates: layer index `li`, prefill unit `unit`.
+/// coordinates: source `source` (the prefill rank [`RegionPlan::sources`] names; 0 between
+/// equal TP sizes), layer index `li`, prefill unit `unit`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RegionFault {
     /// What is planted.
     pub kind: Kind,
+    /// The source (index in [`RegionPlan::sources`]) whose page and descriptors it hits.
+    pub source: usize,
     /// Layer index in the region.
     pub li: u32,
     /// Prefill's unit.
@@ -339,10 +351,11 @@ pub struct RegionFault {
     /// Misroute: the prefill unit whose decode unit receives `unit`'s page (neither page's own
     /// descriptors are sent).
     pub other: u32,
-    /// Bitflip and torn: the row run hit.
+    /// Bitflip and torn: the row run hit (of the source's runs).
     pub run: usize,
     /// Bitflip: the byte offset in the run; torn: the bytes of the run that still arrive (a
-    /// multiple of 16, at least 16, less than the run).
+    /// multiple of 16, at least 16, less than the run; between unequal TP sizes, counted
+    /// from the start of the descriptor cut, which lies in the run).
     pub offset: u64,
     /// Bitflip: the bit flipped (0..8).
     pub bit: u8,
@@ -351,7 +364,10 @@ pub struct RegionFault {
 /// The faults `cfg`'s `--inject CLASS[:N]@REGION` plant in region `p`: N of each class named
 /// for `p`'s kind, each on pages no other fault touches (a misroute takes two of one layer),
 /// drawn from a generator seeded by the run's seed, the rank and the region; fewer when the
-/// region has too few pages (the self-test then says how many were never planted).
+/// region has too few pages (the self-test then says how many were never planted). Between
+/// unequal TP sizes (several sources) each fault also draws the source it hits, among those
+/// with descriptors, and a bitflip or a tear falls in the bytes that source's descriptors
+/// move (a fault in rows decode never reads would reach nothing).
 pub fn plan_faults(cfg: &RunConfig, p: &RegionPlan) -> Vec<RegionFault> {
     use rand::seq::IndexedRandom;
     let salt = ((p.rank as u64) << 32) ^ p.region.layers.first().copied().unwrap_or(0) as u64 ^ 0x5245_4749_4f4e;
@@ -370,14 +386,44 @@ pub fn plan_faults(cfg: &RunConfig, p: &RegionPlan) -> Vec<RegionFault> {
             let pages = &mut free[li as usize];
             let unit = pages.swap_remove(rng.random_range(0..pages.len()));
             let other = if need == 2 { pages.swap_remove(rng.random_range(0..pages.len())) } else { unit };
-            let run = rng.random_range(0..p.runs.len());
-            let bytes = p.runs[run].rows as u64 * p.runs[run].row_bytes as u64;
-            let (offset, bit) = match spec.kind {
-                Kind::Bitflip => (rng.random_range(0..bytes), rng.random_range(0..8u8)),
-                Kind::Torn => (16 * rng.random_range(1..bytes / 16), 0),
-                _ => (0, 0),
-            };
-            out.push(RegionFault { kind: spec.kind, li, unit, other, run, offset, bit });
+            if p.same_pages() {
+                let run = rng.random_range(0..p.runs.len());
+                let bytes = p.runs[run].rows as u64 * p.runs[run].row_bytes as u64;
+                let (offset, bit) = match spec.kind {
+                    Kind::Bitflip => (rng.random_range(0..bytes), rng.random_range(0..8u8)),
+                    Kind::Torn => (16 * rng.random_range(1..bytes / 16), 0),
+                    _ => (0, 0),
+                };
+                out.push(RegionFault { kind: spec.kind, source: 0, li, unit, other, run, offset, bit });
+                continue;
+            }
+            // Several sources: a source with descriptors, then (bitflip, torn) one of its
+            // descriptors (a tear needs one of 32 bytes or more) and a place in it.
+            let with: Vec<usize> = (0..p.sources.len())
+                .filter(|&k| {
+                    let d = &p.sources[k].descriptors;
+                    if spec.kind == Kind::Torn { d.iter().any(|x| x.2 >= 32) } else { !d.is_empty() }
+                })
+                .collect();
+            let Some(&source) = with.choose(&mut rng) else { break };
+            let src = &p.sources[source];
+            let (mut run, mut offset, mut bit) = (0, 0, 0);
+            if matches!(spec.kind, Kind::Bitflip | Kind::Torn) {
+                let ds: Vec<&(u64, u64, u64)> = src.descriptors.iter().filter(|x| spec.kind != Kind::Torn || x.2 >= 32).collect();
+                let &&(at, _, len) = ds.choose(&mut rng).expect("a source with descriptors");
+                run = src
+                    .runs
+                    .iter()
+                    .position(|r| r.offset <= at && at < r.offset + r.rows as u64 * r.row_bytes as u64)
+                    .unwrap_or(0);
+                if spec.kind == Kind::Bitflip {
+                    offset = at + rng.random_range(0..len) - src.runs[run].offset;
+                    bit = rng.random_range(0..8u8);
+                } else {
+                    offset = 16 * rng.random_range(1..len / 16);
+                }
+            }
+            out.push(RegionFault { kind: spec.kind, source, li, unit, other, run, offset, bit });
         }
     }
     out
@@ -396,7 +442,7 @@ impl RegionPlan {
         let src = &self.sources[k];
         let mut page = vec![0u8; src.page_stride_bytes as usize];
         fingerprint::poison(&mut page, self.page_slot(li, i), 0);
-        let here = |k: Kind| faults.iter().find(|f| f.kind == k && f.li == li && f.unit == i);
+        let here = |kind: Kind| faults.iter().find(|f| f.kind == kind && f.source == k && f.li == li && f.unit == i);
         let generation = if here(Kind::Stale).is_some() { REGION_GENERATION - 1 } else { REGION_GENERATION };
         let layer = self.region.layers[li as usize];
         for run in &src.runs {
@@ -410,12 +456,19 @@ impl RegionPlan {
         page
     }
 
-    /// The descriptors of the whole region with `faults` applied: a dropped page's left out, a
-    /// misrouted page sent to the other unit's decode unit (both pages' own left out), a torn
-    /// run's descriptor cut to end `offset` bytes into the run.
+    /// The descriptors of the whole region from every source with `faults` applied
+    /// ([`RegionPlan::faulted_pairs_of`] each source, in order).
     pub fn faulted_pairs(&self, faults: &[RegionFault]) -> Vec<Pair> {
-        let mut pairs = self.pairs();
-        for f in faults {
+        (0..self.sources.len()).flat_map(|k| self.faulted_pairs_of(k, faults)).collect()
+    }
+
+    /// The descriptors of the region from source `k` with the faults that hit it applied: a
+    /// dropped page's left out, a misrouted page sent to the other unit's decode unit (both
+    /// pages' own left out), a torn run's descriptor cut to end `offset` bytes into the run
+    /// (one source) or into the descriptor (several).
+    pub fn faulted_pairs_of(&self, k: usize, faults: &[RegionFault]) -> Vec<Pair> {
+        let mut pairs = self.pairs_of(k);
+        for f in faults.iter().filter(|f| f.source == k) {
             let page = |u: u32| SliceCoord { layer: f.li, kv: KvPart::Latent, block: u };
             match f.kind {
                 Kind::Drop => pairs.retain(|x| x.src != page(f.unit)),
@@ -428,11 +481,23 @@ impl RegionPlan {
                     pairs.retain(|x| x.src != page(f.unit) && x.src != page(f.other));
                     pairs.extend(moved);
                 }
-                Kind::Torn => {
+                Kind::Torn if self.same_pages() => {
                     let at = self.runs[f.run].offset;
                     if let Some(x) = pairs.iter_mut().find(|x| x.src == page(f.unit) && x.src_off <= at && at < x.src_off + x.len)
                     {
                         x.len = at + f.offset - x.src_off;
+                    }
+                }
+                Kind::Torn => {
+                    // The descriptor of run `run` of the source that offset `offset` is in (the
+                    // first of the page's descriptors starting in the run and long enough).
+                    let r = &self.sources[k].runs[f.run];
+                    let end = r.offset + r.rows as u64 * r.row_bytes as u64;
+                    if let Some(x) = pairs
+                        .iter_mut()
+                        .find(|x| x.src == page(f.unit) && r.offset <= x.src_off && x.src_off < end && f.offset < x.len)
+                    {
+                        x.len = f.offset;
                     }
                 }
                 _ => {}
@@ -450,7 +515,7 @@ type Predictions = BTreeMap<(u32, u32, usize), (usize, Class, Vec<u8>)>;
 /// bytes the run must hold — decode's poison where nothing of the run was written, the bytes of
 /// the (faulted) prefill pages the pairs move where something was — for every run of a page a
 /// fault reaches that differs from its expected rows. Keyed with the fault's index.
-fn predict(cfg: &RunConfig, p: &RegionPlan, faults: &[RegionFault], pairs: &[Pair]) -> Predictions {
+fn predict(cfg: &RunConfig, p: &RegionPlan, faults: &[RegionFault], pairs: &[Vec<Pair>]) -> Predictions {
     let mut out = BTreeMap::new();
     let stride = p.region.page_stride_bytes as usize;
     for (n, f) in faults.iter().enumerate() {
@@ -460,9 +525,10 @@ fn predict(cfg: &RunConfig, p: &RegionPlan, faults: &[RegionFault], pairs: &[Pai
             let mut page = vec![0u8; stride];
             fingerprint::poison(&mut page, p.page_slot(f.li, u), REGION_POISON_ITERATION);
             // A source page is built once, however many descriptors read it.
-            let mut built: BTreeMap<u32, Vec<u8>> = BTreeMap::new();
-            for x in pairs.iter().filter(|x| x.dst.layer == f.li && x.dst.block == u) {
-                let src = built.entry(x.src.block).or_insert_with(|| p.prefill_page(cfg.seed, f.li, x.src.block, faults));
+            let mut built: BTreeMap<(usize, u32), Vec<u8>> = BTreeMap::new();
+            let landing = pairs.iter().enumerate().flat_map(|(k, ps)| ps.iter().map(move |x| (k, x)));
+            for (k, x) in landing.filter(|(_, x)| x.dst.layer == f.li && x.dst.block == u) {
+                let src = built.entry((k, x.src.block)).or_insert_with(|| p.source_page(k, cfg.seed, f.li, x.src.block, faults));
                 let (s, d, l) = (x.src_off as usize, x.dst_off as usize, x.len as usize);
                 page[d..d + l].copy_from_slice(&src[s..s + l]);
             }
@@ -478,6 +544,10 @@ fn predict(cfg: &RunConfig, p: &RegionPlan, faults: &[RegionFault], pairs: &[Pai
                 }
                 let class = if got == &poison[at..at + rows.len() as usize] {
                     Class::Unwritten
+                } else if !p.same_pages() {
+                    // Between unequal TP sizes a run may hold rows of several prefill ranks,
+                    // of which the fault hit one: its class is what those exact bytes are.
+                    verify::classify(got, &rows, cfg.seed, p.page_slot(f.li, u), REGION_POISON_ITERATION).class
                 } else {
                     match f.kind {
                         Kind::Bitflip => Class::Bitflip,
@@ -503,7 +573,7 @@ fn pool(cfg: &RunConfig, memory: MemoryKind, g: &Geometry, device: usize) -> Res
 /// The descriptors source `k` of `p` moves: every page's ([`RegionPlan::pairs_of`]), or with
 /// planted `faults` (one source) the faulted ones ([`RegionPlan::faulted_pairs`]).
 pub fn source_pairs(p: &RegionPlan, faults: &[RegionFault], k: usize) -> Vec<Pair> {
-    if faults.is_empty() { p.pairs_of(k) } else { p.faulted_pairs(faults) }
+    if faults.is_empty() { p.pairs_of(k) } else { p.faulted_pairs_of(k, faults) }
 }
 
 /// The NIXL agent name of source `k` of `p` (prefill's side).
@@ -598,11 +668,6 @@ fn move_one(cfg: &RunConfig, index: u32, p: &RegionPlan, prefill: &PrefillPeer) 
     let seed = cfg.seed;
     let layers = p.region.layers.len() as u32;
     let faults = plan_faults(cfg, p);
-    if !faults.is_empty() && (p.sources.len() != 1 || p.sources[0].rank != p.rank) {
-        return Err(Error::Usage(
-            "--inject CLASS@REGION needs equal TP sizes on the two sides (not built yet for unequal ones)".into(),
-        ));
-    }
     let mut dst = pool(cfg, cfg.memory, &g, cfg.decode_device)?;
     let mut page = vec![0u8; stride];
     for li in 0..layers {
@@ -642,7 +707,7 @@ fn move_one(cfg: &RunConfig, index: u32, p: &RegionPlan, prefill: &PrefillPeer) 
     }
     let out_of = |k: usize| if left_out(&p.region) { Vec::new() } else { source_pairs(p, &faults, k) };
     let pairs: Vec<Vec<Pair>> = (0..p.sources.len()).map(out_of).collect();
-    let predicted = predict(cfg, p, &faults, pairs.first().map(Vec::as_slice).unwrap_or_default());
+    let predicted = predict(cfg, p, &faults, &pairs);
     let mut met = vec![0usize; faults.len()];
     let mut due = vec![0usize; faults.len()];
     predicted.values().for_each(|(n, _, _)| due[*n] += 1);
