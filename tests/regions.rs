@@ -561,7 +561,13 @@ fn report_check_re_derives_each_regions_layout_and_failures() {
             }),
             "but 64 region page(s) are corrupt",
         ),
-        ("missing", Box::new(|v| v["regions"] = serde_json::json!([])), ""),
+        // Corrupt with every attention page clean: the corruption is the regions', which the
+        // report must then list.
+        (
+            "missing",
+            Box::new(|v| v["regions"] = serde_json::json!([])),
+            "0 region(s) listed, but the run's configuration plans 1 and its attention pages were clean",
+        ),
         ("moved", Box::new(|v| v["regions"][0]["bytes_moved"] = 5.into()), "bytes_moved is 5, but its descriptors move 540672"),
         // A region that moved nothing cannot be clean, whatever else the report is made to say.
         (
@@ -594,11 +600,6 @@ fn report_check_re_derives_each_regions_layout_and_failures() {
         let e = d.join(format!("{case}.tgz"));
         retar(&e, &edit_json(&files, "report.json", &*edit));
         let (code, out, err) = check(&e);
-        if case == "missing" {
-            // A corrupt run stopped before its regions may list none; a clean one may not.
-            assert_eq!(code, 0, "{case}: {out}{err}");
-            continue;
-        }
         assert_eq!(code, 1, "{case}: {out}{err}");
         assert!(out.contains(line), "{case}: {out}");
     }
@@ -635,6 +636,72 @@ fn report_check_re_derives_each_regions_layout_and_failures() {
         assert_eq!(code, 0, "{inj}: {out}{err}");
         assert!(out.contains("corrupt region page(s), as reported"), "{inj}: {out}");
     }
+    // The injections and failures of a region are re-derived and re-counted: two misroutes on
+    // the indexer predict 2 runs misplaced and 2 unwritten each (values and scales of the two
+    // decode units), 8 failures on 4 pages, all injected.
+    let files = untar(&d.join("inj-misroute:2.tgz"));
+    let g = |v: &Value| v["regions"][0].clone();
+    let base: Value = serde_json::from_slice(&files.iter().find(|f| f.0 == "kvprobe-bundle/report.json").unwrap().1).unwrap();
+    assert_eq!(
+        (g(&base)["failures"].as_array().unwrap().len(), g(&base)["pages_corrupt"].as_u64()),
+        (8, Some(4)),
+        "{}",
+        g(&base)
+    );
+    let cases: Vec<(&str, Edit, &str)> = vec![
+        (
+            "detected-count",
+            Box::new(|v| v["regions"][0]["injections_detected"] = 1.into()),
+            "injections_detected is 1, but 2 injection(s) are marked detected",
+        ),
+        (
+            "detected-flag",
+            Box::new(|v| v["regions"][0]["injections"][0]["detected"] = false.into()),
+            "injections[0].detected is false, but all of its predicted runs are failures marked injected",
+        ),
+        (
+            "class",
+            Box::new(|v| {
+                let f =
+                    v["regions"][0]["failures"].as_array_mut().unwrap().iter_mut().find(|f| f["class"] == "misplaced").unwrap();
+                f["class"] = "stale".into();
+            }),
+            "is marked injected as stale, but its fault predicts \"misplaced\" there",
+        ),
+        (
+            "injected-flag",
+            Box::new(|v| v["regions"][0]["failures"][0]["injected"] = false.into()),
+            "unexpected_failures is 0, but 1 failure(s) are not marked injected",
+        ),
+        (
+            "pages",
+            Box::new(|v| v["regions"][0]["pages_corrupt"] = 3.into()),
+            "pages_corrupt is 3, but the failures name 4 page(s)",
+        ),
+        (
+            "dropped-failure",
+            Box::new(|v| {
+                v["regions"][0]["failures"].as_array_mut().unwrap().pop();
+            }),
+            "but not all of its predicted runs are failures marked injected",
+        ),
+        (
+            "predicted-unit",
+            Box::new(|v| {
+                let u = v["regions"][0]["injections"][0]["predicted"][0]["unit"].as_u64().unwrap();
+                v["regions"][0]["injections"][0]["predicted"][0]["unit"] = (u + 1).into();
+            }),
+            "injections[0].predicted is",
+        ),
+        ("unplanted", Box::new(|v| v["regions"][0]["injections"][0]["unit"] = 99.into()), "injections[0].unit is 99"),
+    ];
+    for (case, edit, line) in cases {
+        let e = d.join(format!("inj-{case}.tgz"));
+        retar(&e, &edit_json(&files, "report.json", &*edit));
+        let (code, out, err) = check(&e);
+        assert_eq!(code, 1, "{case}: {out}{err}");
+        assert!(out.contains(line), "{case}: {out}");
+    }
 }
 
 /// `--inject CLASS:2@REGION --self-test` on a state region (tiny Kimi, KDA: four row runs a
@@ -657,6 +724,10 @@ fn every_class_planted_in_a_state_and_an_indexer_region_is_detected_as_predicted
             );
             assert_eq!(code, 0, "{ctx}: {out}");
             assert_eq!(r["outcome"]["status"], "self-test-passed", "{ctx}");
+            assert!(
+                out.contains("self-test:         passed: 2 planted faults (2 in regions) detected as predicted"),
+                "{ctx}: {out}"
+            );
             let g = &r["regions"][0];
             assert_eq!((g["injections_planted"].as_u64(), g["injections_detected"].as_u64()), (Some(2), Some(2)), "{ctx}: {g}");
             assert_eq!(g["unexpected_failures"].as_u64(), Some(0), "{ctx}: {g}");
@@ -722,6 +793,11 @@ fn every_class_planted_in_a_state_and_an_indexer_region_is_detected_as_predicted
         (vec!["--model-config", kimi.as_str(), "--inject", "torn@kv"], "REGION in \"torn@kv\" must be state or indexer"),
         (vec!["--model-config", kimi.as_str(), "--inject", "torn@indexer"], "this run moves no indexer region"),
         (vec!["--inject", "torn@state"], "this run moves no state region"),
+        // 54 pages (6 layers x 9 slots): 55 faults do not fit, refused before anything moves.
+        (
+            vec!["--model-config", kimi.as_str(), "--inject", "bitflip:50@state", "--inject", "drop:5@state"],
+            "region KDA state (TP rank 0) has 6 layer(s) × 9 page(s), room for 54 of the 55 fault(s) asked for",
+        ),
     ] {
         let mut a = vec!["run", "--memory", "dram"];
         a.extend(args.iter().copied());

@@ -378,35 +378,44 @@ fn backend_param_keys_are_checked_against_the_plugins_own() {
 /// one host is on loopback, and kvprobe says it set `UCX_NET_DEVICES`.
 #[test]
 fn a_run_on_one_host_listens_on_loopback_only() {
+    // One process; prefill in its own process (--decode-process: the child's listeners too).
+    listens_on_loopback_only(&["--iterations", "1000000"], 2);
+    listens_on_loopback_only(&["--decode-process", "--iterations", "1000000"], 2);
+}
+
+/// Runs `kvprobe run --memory dram ARGS` until its first iteration (every NIXL agent is up),
+/// then reads what it and its children listen on (at least `agents` sockets: one per agent on
+/// loopback) and interrupts it: every socket is on loopback.
+fn listens_on_loopback_only(args: &[&str], agents: usize) {
     let dir = tmpdir("listen-lo");
     let report = dir.join("r.json");
     let mut child = std::process::Command::new(crate::common::bin())
-        .args(["run", "--memory", "dram", "--scenario", "nixl-only", "--duration", "10m", "--report"])
+        .args(["run", "--memory", "dram"])
+        .args(args)
+        .arg("--report")
         .arg(&report)
         .env_remove("UCX_NET_DEVICES")
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
     let pid = child.id();
-    // Both agents (prefill's and decode's) are up once two listeners are there; the run
-    // lasts 10 minutes, so this waits on the run, not on a clock.
-    let mut seen = Vec::new();
-    while seen.len() < 2 {
-        assert!(child.try_wait().unwrap().is_none(), "the run ended before its agents listened");
-        seen = kvprobe::sys::net::listening(pid).unwrap_or_default();
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    crate::common::wait_for_stderr_line(&mut child, "iteration 1/");
+    let seen: Vec<std::net::SocketAddr> = std::iter::once(pid)
+        .chain(crate::common::children(pid))
+        .flat_map(|p| kvprobe::sys::net::listening(p).unwrap_or_default())
+        .collect();
+    assert!(seen.len() >= agents, "{args:?}: {seen:?}");
     // SAFETY: a signal to our own child.
     unsafe { libc::kill(pid as i32, libc::SIGINT) };
     let st = child.wait().unwrap();
-    assert_eq!(st.code(), Some(130), "interrupted");
+    assert_eq!(st.code(), Some(130), "{args:?}: interrupted");
     for a in &seen {
         let lo = match a.ip() {
             std::net::IpAddr::V4(v4) => v4.octets()[0] == 127,
             std::net::IpAddr::V6(v6) => v6 == std::net::Ipv6Addr::LOCALHOST,
         };
-        assert!(lo, "a one-host run listens on {a}: {seen:?}");
+        assert!(lo, "{args:?}: a one-host run listens on {a}: {seen:?}");
     }
     let r = read_report(&report);
     let defaults = r["environment"]["transport_env_defaults"].as_array().unwrap();

@@ -795,6 +795,7 @@ impl RunArgs {
                 r.region
             )));
         }
+        kvprobe::sweep::regions::check_room(&c, &plans)?;
         if c.self_test
             && c.inject.is_empty()
             && c.region_inject.is_empty()

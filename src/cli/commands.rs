@@ -623,7 +623,8 @@ pub(crate) fn env_plan(command: &Command) -> Option<kvprobe::nixl::EnvPlan> {
         Command::Bench(a) => {
             Some(EnvPlan { same_gpu_in_process: a.memory != Some(MemoryKind::Dram), diagnosis: true, one_host: true })
         }
-        Command::Serve(_) => Some(EnvPlan { same_gpu_in_process: false, diagnosis: true, one_host: false }),
+        // The prefill process of `run --decode-process` (`--fd`) is on its parent's host.
+        Command::Serve(a) => Some(EnvPlan { same_gpu_in_process: false, diagnosis: true, one_host: a.fd.is_some() }),
         Command::Env { .. } => Some(EnvPlan { same_gpu_in_process: false, diagnosis: false, one_host: false }),
         _ => None,
     }

@@ -421,9 +421,122 @@ fn region_checks(sec: &Value, say: &mut dyn FnMut(String)) {
                 say(format!("{at}: failures[{j}]: class {} is no class", show(&f["class"])));
             }
         }
+        region_injection_checks(&cfg, p, r, &at, ran, say);
+    }
+    // A run that ended clean or corrupt with no corrupt attention slice went on to move every
+    // planned region.
+    let attention_clean = sec["summary"]["blocks_corrupt"].as_u64() == Some(0);
+    if ran && attention_clean && !clean && regions.len() != plans.len() {
+        say(format!(
+            "report: {} region(s) listed, but the run's configuration plans {} and its attention pages were clean",
+            regions.len(),
+            plans.len()
+        ));
     }
     if clean && corrupt_pages > 0 {
         say(format!("report: outcome: status {status:?}, but {corrupt_pages} region page(s) are corrupt"));
+    }
+}
+
+/// A region's planted faults and failures against each other and against what its
+/// configuration predicts ([`crate::sweep::regions::predicted_runs`]): each listed injection's
+/// class, layer, unit and predicted runs; `injections_detected` = the injections marked
+/// detected; and, when no failure was left out (fewer than `max_failures`): `pages_corrupt` =
+/// the pages the failures name, `unexpected_failures` = the failures not marked injected, a
+/// failure marked injected lies at a run its fault predicts with the predicted class, and an
+/// injection is marked detected exactly when each of its predicted runs is a failure marked
+/// injected.
+fn region_injection_checks(
+    cfg: &crate::sweep::RunConfig,
+    p: &crate::sweep::regions::RegionPlan,
+    r: &Value,
+    at: &str,
+    ran: bool,
+    say: &mut dyn FnMut(String),
+) {
+    use crate::core::verify::Class;
+    let faults = crate::sweep::regions::plan_faults(cfg, p);
+    let predicted = crate::sweep::regions::predicted_runs(cfg, p);
+    let listed = r["injections"].as_array().map(Vec::as_slice).unwrap_or_default();
+    if ran && listed.len() != faults.len() {
+        say(format!("{at}: {} injection(s) listed, but the run's configuration plants {}", listed.len(), faults.len()));
+    }
+    let marked = listed.iter().filter(|j| j["detected"] == true).count() as u64;
+    if r["injections_detected"].as_u64() != Some(marked) {
+        say(format!(
+            "{at}: injections_detected is {}, but {marked} injection(s) are marked detected",
+            show(&r["injections_detected"])
+        ));
+    }
+    for (n, (j, (f, runs))) in listed.iter().zip(faults.iter().zip(&predicted)).enumerate() {
+        let want = serde_json::json!({
+            "kind": f.kind.name(),
+            "layer": p.region.layers[f.li as usize],
+            "unit": f.unit,
+            "predicted": runs.iter().map(|(layer, unit, part, class)| serde_json::json!({
+                "layer": layer, "unit": unit, "part": part, "class": class
+            })).collect::<Vec<_>>(),
+        });
+        for field in ["kind", "layer", "unit", "predicted"] {
+            if j[field] != want[field] {
+                say(format!(
+                    "{at}: injections[{n}].{field} is {}, but the configuration plants {}",
+                    show(&j[field]),
+                    want[field]
+                ));
+            }
+        }
+    }
+    let failures = r["failures"].as_array().map(Vec::as_slice).unwrap_or_default();
+    if failures.len() >= cfg.max_failures {
+        return; // some were left out: the counts cannot be re-counted
+    }
+    let pages: BTreeSet<(u64, u64)> = failures.iter().filter_map(|f| Some((f["layer"].as_u64()?, f["unit"].as_u64()?))).collect();
+    if ran && r["pages_corrupt"].as_u64() != Some(pages.len() as u64) {
+        say(format!("{at}: pages_corrupt is {}, but the failures name {} page(s)", show(&r["pages_corrupt"]), pages.len()));
+    }
+    let unexpected = failures.iter().filter(|f| f["injected"] != true).count() as u64;
+    if r["unexpected_failures"].as_u64() != Some(unexpected) {
+        say(format!(
+            "{at}: unexpected_failures is {}, but {unexpected} failure(s) are not marked injected",
+            show(&r["unexpected_failures"])
+        ));
+    }
+    let key = |layer: u32, unit: u32, part: &str| (layer as u64, unit as u64, part.to_string());
+    let due: BTreeMap<(u64, u64, String), Class> =
+        predicted.iter().flatten().map(|(l, u, part, c)| (key(*l, *u, part), *c)).collect();
+    let mut found: BTreeSet<(u64, u64, String)> = BTreeSet::new();
+    for (k, f) in failures.iter().enumerate().filter(|(_, f)| f["injected"] == true) {
+        let here = (
+            f["layer"].as_u64().unwrap_or(u64::MAX),
+            f["unit"].as_u64().unwrap_or(u64::MAX),
+            f["part"].as_str().unwrap_or("").to_string(),
+        );
+        let class = serde_json::from_value::<Class>(f["class"].clone()).ok();
+        match due.get(&here) {
+            Some(c) if Some(*c) == class => {
+                found.insert(here);
+            }
+            Some(c) => say(format!(
+                "{at}: failures[{k}] is marked injected as {}, but its fault predicts {} there",
+                show(&f["class"]),
+                json!(c)
+            )),
+            None => say(format!(
+                "{at}: failures[{k}] is marked injected, but no planted fault predicts a run at layer {} unit {} {}",
+                here.0, here.1, here.2
+            )),
+        }
+    }
+    for (n, (j, runs)) in listed.iter().zip(&predicted).enumerate() {
+        let all = !runs.is_empty() && runs.iter().all(|(l, u, part, _)| found.contains(&key(*l, *u, part)));
+        if ran && (j["detected"] == true) != all {
+            say(format!(
+                "{at}: injections[{n}].detected is {}, but {} of its predicted runs are failures marked injected",
+                show(&j["detected"]),
+                if all { "all" } else { "not all" }
+            ));
+        }
     }
 }
 

@@ -466,10 +466,14 @@ pub fn render_with(r: &Report, json: Option<&str>) -> String {
                 .as_ref()
                 .map_or(0, |sc| sc.races.iter().filter(|o| o.fencing == crate::core::mechanism::Fencing::Unfenced).count());
             let plural = |n: u64| if n == 1 { "" } else { "s" };
+            // The sweep's or scenario's planted faults and those of a hybrid model's regions.
+            let in_regions: u64 = r.regions.iter().map(|g| g.injections_planted).sum();
+            let planted = s.injections_planted + in_regions;
             format!(
-                "self-test:         passed: {} planted fault{}{} detected as predicted, nothing else corrupt\n",
-                s.injections_planted,
-                plural(s.injections_planted),
+                "self-test:         passed: {} planted fault{}{}{} detected as predicted, nothing else corrupt\n",
+                planted,
+                plural(planted),
+                if in_regions > 0 { format!(" ({in_regions} in regions)") } else { String::new() },
                 if races > 0 { format!(" and {races} unfenced race mechanism{}", plural(races as u64)) } else { String::new() }
             )
         } else {

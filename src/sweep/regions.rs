@@ -429,6 +429,29 @@ pub fn plan_faults(cfg: &RunConfig, p: &RegionPlan) -> Vec<RegionFault> {
     out
 }
 
+/// Refuses `--inject CLASS[:N]@REGION` asking for more faults than a region of `plans` has
+/// room for (one page each, two of one layer for a misroute, no page hit twice: what
+/// [`plan_faults`] plants). Errors: usage (exit 2) naming the region, its TP rank, what was
+/// asked and what fits — before anything moves, instead of a self-test that fails after.
+pub fn check_room(cfg: &RunConfig, plans: &[RegionPlan]) -> Result<()> {
+    for p in plans {
+        let asked: u64 = cfg.region_inject.iter().filter(|s| s.region == p.region.kind).map(|s| s.count as u64).sum();
+        let fits = plan_faults(cfg, p).len() as u64;
+        if fits < asked {
+            return Err(Error::Usage(format!(
+                "--inject …@{}: region {} (TP rank {}) has {} layer(s) × {} page(s), room for {fits} of the {asked} fault(s) asked for \
+                 (one page each, a misroute two of one layer): ask for fewer",
+                p.region.kind,
+                p.region.name,
+                p.rank,
+                p.region.layers.len(),
+                p.units
+            )));
+        }
+    }
+    Ok(())
+}
+
 impl RegionPlan {
     /// Prefill's page (layer index `li`, unit `i`) as the run writes it, `faults` applied
     /// (a stale page at the generation before; a flipped bit): `page_stride_bytes` bytes, the
@@ -561,6 +584,27 @@ fn predict(cfg: &RunConfig, p: &RegionPlan, faults: &[RegionFault], pairs: &[Vec
         }
     }
     out
+}
+
+/// What each fault [`plan_faults`] plants in `p` leaves wrong, as the run predicts it (the same
+/// computation, from the configuration alone): per fault, in the order planted, the runs
+/// (model layer, decode unit, run name, class) sorted by unit and run name — what the report's
+/// `regions[].injections[].predicted` lists. For `report check`.
+pub fn predicted_runs(cfg: &RunConfig, p: &RegionPlan) -> Vec<Vec<(u32, u32, String, Class)>> {
+    let faults = plan_faults(cfg, p);
+    let pairs: Vec<Vec<Pair>> = (0..p.sources.len()).map(|k| source_pairs(p, &faults, k)).collect();
+    let predicted = predict(cfg, p, &faults, &pairs);
+    (0..faults.len())
+        .map(|n| {
+            let mut runs: Vec<(u32, u32, String, Class)> = predicted
+                .iter()
+                .filter(|(_, (m, _, _))| *m == n)
+                .map(|((li, u, k), (_, class, _))| (p.region.layers[*li as usize], *u, p.run_names[*k].clone(), *class))
+                .collect();
+            runs.sort_by_key(|r| (r.1, r.2.clone()));
+            runs
+        })
+        .collect()
 }
 
 fn pool(cfg: &RunConfig, memory: MemoryKind, g: &Geometry, device: usize) -> Result<KvPool> {
@@ -835,6 +879,7 @@ fn move_one(cfg: &RunConfig, index: u32, p: &RegionPlan, prefill: &PrefillPeer) 
             .filter(|(_, (m, _, _))| *m == n)
             .map(|((li, u, k), (_, class, _))| (p.region.layers[*li as usize], *u, p.run_names[*k].clone(), *class))
             .collect();
+        // The order `predicted_runs` (report check) gives.
         predicted_runs.sort_by_key(|r| (r.1, r.2.clone()));
         out.injections.push(RegionInjection {
             kind: f.kind.name().into(),
