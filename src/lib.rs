@@ -7,7 +7,7 @@
 //!
 //! | floor | modules | concern |
 //! |---|---|---|
-//! | sys | [`error`], [`child`], [`interrupt`], [`tempdir`], [`deadline`], [`hostmem`], [`units`], [`text`], [`parallel`], [`process`], [`progress`], [`test_hooks`], [`sys::trace`] | the process: errors and exit codes, children, signals, temporary files, deadlines, host memory, CPU threads, progress phases, test hooks, `KVPROBE_TRACE` |
+//! | sys | [`error`], [`child`], [`interrupt`], [`tempdir`], [`deadline`], [`hostmem`], [`units`], [`text`], [`parallel`], [`process`], [`progress`], [`test_hooks`], [`sys::trace`], [`sys::net`] | the process: errors and exit codes, children, signals, temporary files, deadlines, host memory, CPU threads, progress phases, test hooks, `KVPROBE_TRACE`, the sockets it listens on |
 //! | core | [`geometry`], [`hybrid`], [`model_config`], [`fingerprint`], [`pairing`], [`verify`], [`inject`], [`mechanism`], [`workload`] | what a KV cache is and what every byte must be: vLLM's paged layout, a model's KV cache and a hybrid model's other regions, the fingerprint (shared with the CUDA kernels), two sides that differ, classification, injections, the race vocabulary, the request load |
 //! | gpu | [`cuda`] | CUDA devices, memory, kernels |
 //! | mem | [`pool`], [`tier`], [`mooncake`] | KV cache pools on VRAM or DRAM, the KV tier, Mooncake Store |
@@ -80,6 +80,7 @@ pub const FLOORS: &[(&str, &[&str])] = &[
             "progress",
             "test_hooks",
             "trace",
+            "net",
         ],
     ),
     ("core", &["geometry", "hybrid", "model_config", "fingerprint", "pairing", "verify", "inject", "mechanism", "workload"]),
