@@ -594,17 +594,19 @@ pub fn predicted_runs(cfg: &RunConfig, p: &RegionPlan) -> Vec<Vec<(u32, u32, Str
     let faults = plan_faults(cfg, p);
     let pairs: Vec<Vec<Pair>> = (0..p.sources.len()).map(|k| source_pairs(p, &faults, k)).collect();
     let predicted = predict(cfg, p, &faults, &pairs);
-    (0..faults.len())
-        .map(|n| {
-            let mut runs: Vec<(u32, u32, String, Class)> = predicted
-                .iter()
-                .filter(|(_, (m, _, _))| *m == n)
-                .map(|((li, u, k), (_, class, _))| (p.region.layers[*li as usize], *u, p.run_names[*k].clone(), *class))
-                .collect();
-            runs.sort_by_key(|r| (r.1, r.2.clone()));
-            runs
-        })
-        .collect()
+    (0..faults.len()).map(|n| runs_of_fault(p, &predicted, n)).collect()
+}
+
+/// Fault `n`'s predicted runs as the report lists them: (model layer, decode unit, run name,
+/// class), sorted by unit and run name.
+fn runs_of_fault(p: &RegionPlan, predicted: &Predictions, n: usize) -> Vec<(u32, u32, String, Class)> {
+    let mut runs: Vec<(u32, u32, String, Class)> = predicted
+        .iter()
+        .filter(|(_, (m, _, _))| *m == n)
+        .map(|((li, u, k), (_, class, _))| (p.region.layers[*li as usize], *u, p.run_names[*k].clone(), *class))
+        .collect();
+    runs.sort_by_key(|r| (r.1, r.2.clone()));
+    runs
 }
 
 fn pool(cfg: &RunConfig, memory: MemoryKind, g: &Geometry, device: usize) -> Result<KvPool> {
@@ -874,13 +876,7 @@ fn move_one(cfg: &RunConfig, index: u32, p: &RegionPlan, prefill: &PrefillPeer) 
     for (n, f) in faults.iter().enumerate() {
         let detected = met[n] == due[n] && due[n] > 0;
         out.injections_detected += detected as u64;
-        let mut predicted_runs: Vec<(u32, u32, String, Class)> = predicted
-            .iter()
-            .filter(|(_, (m, _, _))| *m == n)
-            .map(|((li, u, k), (_, class, _))| (p.region.layers[*li as usize], *u, p.run_names[*k].clone(), *class))
-            .collect();
-        // The order `predicted_runs` (report check) gives.
-        predicted_runs.sort_by_key(|r| (r.1, r.2.clone()));
+        let predicted_runs = runs_of_fault(p, &predicted, n);
         out.injections.push(RegionInjection {
             kind: f.kind.name().into(),
             layer: p.region.layers[f.li as usize],
