@@ -1177,10 +1177,11 @@ fn fake_prefill(
         let ep = kvprobe::transport::Endpoint::new("fake-prefill", "UCX", kvprobe::pool::KvPool::host(&g, 1).unwrap()).unwrap();
         link.send(&Msg::Connected { prefill: ep.info().unwrap(), prefill_ranks: Vec::new() }).unwrap();
         link.running();
-        let Ok(row) = link.expect("begin", |m| if let Msg::Begin { begin } = m { Ok(begin.row) } else { Err(m.name()) }) else {
+        let Ok(row) = link.expect("begin", |m| if let Msg::Begin { begin, .. } = m { Ok(begin.row) } else { Err(m.name()) })
+        else {
             return;
         };
-        link.send(&Msg::Begun { row, tier: None, tier_detail: "none".into() }).unwrap();
+        link.send(&Msg::Begun { row, tier: None, tier_detail: "none".into(), lanes: Vec::new() }).unwrap();
         while let Ok((step, input)) =
             link.expect("step", |m| if let Msg::Step { step, input, .. } = m { Ok((step, input)) } else { Err(m.name()) })
         {
@@ -1203,6 +1204,7 @@ fn a_prefill_that_breaks_the_scenario_protocol_ends_the_run_with_exit_3() {
         blocks,
         tier: Vec::new(),
         planted: Vec::new(),
+        state_slot: None,
     };
     type Answer = Box<dyn Fn(u64, &kvprobe::peer::steps::StepIn) -> StepOut + Send>;
     let cases: Vec<(&str, Answer, &str)> = vec![
@@ -1258,6 +1260,16 @@ fn a_prefill_that_breaks_the_scenario_protocol_ends_the_run_with_exit_3() {
             "block 64 of a pool of 64",
         ),
         (
+            // Issue 36 item 6: a state slot for a model without state lanes.
+            "a hand-over naming a state slot of an attention-only model",
+            Box::new(move |k, _| StepOut {
+                handed: vec![Handed { state_slot: Some(0), ..handed(vec![3]) }],
+                counters: counts(k),
+                ..Default::default()
+            }),
+            "state slot Some(0) (0 state lane(s)",
+        ),
+        (
             "the same request handed over twice",
             Box::new(move |k, _| StepOut {
                 handed: if k <= 2 { vec![handed(vec![1, 2])] } else { Vec::new() },
@@ -1311,7 +1323,7 @@ fn fake_decode(addr: &str, drive: impl FnOnce(&kvprobe::peer::Link, kvprobe::pee
         push: false,
         staging: false,
     };
-    link.send(&Msg::Begin { begin }).unwrap();
+    link.send(&Msg::Begin { begin, lanes: Vec::new() }).unwrap();
     link.expect("begun", |m| if let Msg::Begun { .. } = m { Ok(()) } else { Err(m.name()) }).unwrap();
     link.send(&Msg::Step { row: 0, step: 1, input: StepIn { admit: true, ..Default::default() } }).unwrap();
     let out = link.expect("stepped", |m| if let Msg::Stepped { output, .. } = m { Ok(*output) } else { Err(m.name()) }).unwrap();

@@ -56,6 +56,18 @@ fn run(name: &str, args: &[&str], env: &[(&str, &str)]) -> (i32, Value, String) 
     (code, read_report(&p), format!("{out}{err}"))
 }
 
+/// `kvprobe run --memory dram --report R ARGS` (a scenario: no sweep flags) with `env`: (exit
+/// code, report, stdout + stderr).
+fn run_load(name: &str, args: &[&str], env: &[(&str, &str)]) -> (i32, Value, String) {
+    let d = tmpdir(name);
+    let p = d.join("report.json");
+    let mut a = vec!["run", "--memory", "dram", "--report", p.to_str().unwrap()];
+    a.extend_from_slice(args);
+    let (code, out, err) = kvprobe_env(&a, env);
+    assert!(!err.contains("panicked"), "{err}");
+    (code, read_report(&p), format!("{out}{err}"))
+}
+
 /// Units of a region's pool: as many as fit 64 MiB a side, 2 to 16 (docs/geometry.md).
 fn units(layers: u64, stride: u64) -> u64 {
     ((64u64 << 20) / (layers * stride)).clamp(2, 16)
@@ -291,6 +303,115 @@ fn regions_cross_the_peer_protocol_to_a_child_and_to_serve() {
     }
 }
 
+/// Under request load (`run --scenario`, issue 36 item 6) every request owns one state slot
+/// on each engine and decode READs it with the request's blocks. Worked out by hand for the
+/// small Kimi-Linear shape at TP 8 (a rank's slot: conv 3 × 2 heads × 128 × 3 taps × 2 bytes =
+/// 4608, recurrent 2 × 128 × 128 × 4 = 131 072; 135 680 bytes, padded to 128 tokens × 576 × 2
+/// = 147 456): slots = --concurrency 16 (6 × 16 pages fit 256 MiB), every verified request's 6
+/// pages compared (4 runs each: conv q, k, v, recurrent), 6 × 135 680 bytes moved a request.
+#[test]
+fn scenarios_move_each_requests_state_slot_with_its_blocks() {
+    let d = tmpdir("regions-scenario");
+    let kimi = write_config(&d, "kimi.json", TINY_KIMI);
+    let check_lane = |r: &Value, out: &str, ctx: &str| {
+        let verified = r["scenario"]["requests_verified"].as_u64().unwrap();
+        assert!(verified > 0, "{ctx}: {out}");
+        let g = &r["regions"][0];
+        assert_eq!(r["regions"].as_array().map(Vec::len), Some(1), "{ctx}: {out}");
+        assert_eq!(
+            (g["kind"].as_str(), g["name"].as_str(), g["unit"].as_str()),
+            (Some("state"), Some("KDA state"), Some("slot")),
+            "{ctx}: {g}"
+        );
+        assert_eq!(
+            (g["units"].as_u64(), g["page_bytes"].as_u64(), g["page_stride_bytes"].as_u64(), g["descriptors_per_page"].as_u64()),
+            (Some(16), Some(135_680), Some(147_456), Some(4)),
+            "{ctx}: {g}"
+        );
+        assert_eq!(g["pages_compared"].as_u64(), Some(verified * 6), "{ctx}: {g}");
+        assert_eq!(g["runs_compared"].as_u64(), Some(verified * 6 * 4), "{ctx}: {g}");
+        assert_eq!(g["bytes_moved"].as_u64(), Some(verified * 6 * 135_680), "{ctx}: {g}");
+        g.clone()
+    };
+    // nixl-only and stacked (the tier saves and loads attention blocks), in one process.
+    for (sc, extra) in [("nixl-only", &[][..]), ("stacked", &["--race", "save-after-free=fenced"][..])] {
+        let mut a = vec!["--model-config", kimi.as_str(), "--tp", "8", "--scenario", sc, "--requests", "24", "--seed", "5"];
+        a.extend_from_slice(extra);
+        let bundle = d.join(format!("{sc}.tar.gz"));
+        a.extend_from_slice(&["--bundle", bundle.to_str().unwrap()]);
+        let (code, r, out) = run_load(&format!("regions-scenario-{sc}"), &a, &[]);
+        assert_eq!(code, 0, "{sc}: {out}");
+        let g = check_lane(&r, &out, sc);
+        assert_eq!((g["pages_corrupt"].as_u64(), g["unexpected_failures"].as_u64()), (Some(0), Some(0)), "{sc}: {g}");
+        let (c, o, e) = kvprobe(&["report", "check", bundle.to_str().unwrap()]);
+        assert_eq!(c, 0, "{sc}: {o}{e}");
+    }
+    // Decode READs the next prefill slot for two requests (under --lockstep, the READ completes
+    // within decode's step): every run of their 6 pages holds another request's state or a
+    // slot's genesis: misplaced, unexplained, exit 1, each failure naming its request.
+    let bundle = d.join("misroute.tar.gz");
+    let (code, r, out) = run_load(
+        "regions-scenario-misroute",
+        &[
+            "--model-config",
+            &kimi,
+            "--tp",
+            "8",
+            "--scenario",
+            "nixl-only",
+            "--lockstep",
+            "--requests",
+            "12",
+            "--seed",
+            "5",
+            "--bundle",
+            bundle.to_str().unwrap(),
+        ],
+        &[("KVPROBE_TEST_FAULT", "state-misroute:2")],
+    );
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("region KDA state (state, TP rank 0): 12 of"), "{out}");
+    let g = check_lane(&r, &out, "misroute");
+    assert_eq!((g["pages_corrupt"].as_u64(), g["unexpected_failures"].as_u64()), (Some(12), Some(48)), "{g}");
+    let failures = g["failures"].as_array().unwrap();
+    assert_eq!(failures.len(), 48, "{g}");
+    let requests: std::collections::BTreeSet<u64> = failures.iter().map(|f| f["request"].as_u64().unwrap()).collect();
+    assert_eq!(requests.len(), 2, "{g}");
+    for f in failures {
+        assert_eq!(f["class"], "misplaced", "{f}");
+        assert_ne!(f["observed"]["block"], f["id"], "{f}");
+        // docs/fingerprint.md "Region rows": a request's state id, worked out here.
+        let req = f["request"].as_u64().unwrap() as u32;
+        let id = req.wrapping_mul(0x9E37_79B1) ^ ((5u64 ^ 0x5354_4154_4500_0000) as u32).rotate_left(7);
+        assert_eq!(f["id"].as_u64(), Some(id as u64), "{f}");
+    }
+    let (c, o, e) = kvprobe(&["report", "check", bundle.to_str().unwrap()]);
+    assert_eq!(c, 0, "{o}{e}");
+    // The state lane left out of the transfer: every page of every request poison, exit 1
+    // naming the region.
+    let (code, r, out) = run_load(
+        "regions-scenario-left-out",
+        &["--model-config", &kimi, "--tp", "8", "--scenario", "stacked", "--requests", "8"],
+        &[("KVPROBE_TEST_LEAVE_OUT_REGION", "state")],
+    );
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("region KDA state (state, TP rank 0) was not moved: none of its bytes arrived"), "{out}");
+    let g = &r["regions"][0];
+    assert_eq!(g["bytes_moved"].as_u64(), Some(0), "{g}");
+    assert_eq!(g["pages_corrupt"], g["pages_compared"], "{g}");
+    assert!(g["failures"].as_array().unwrap().iter().all(|f| f["class"] == "unwritten"), "{g}");
+    // Across a node pair on loopback: serve builds prefill's lanes from the same configuration.
+    let serve = crate::pair::Serve::start(&["--model-config", &kimi, "--tp", "8"]);
+    let (code, r, out) = crate::pair::run_peer(
+        &serve.addr.clone(),
+        &["--model-config", &kimi, "--tp", "8", "--scenario", "nixl-only", "--requests", "12"],
+    );
+    let (scode, sout, _) = serve.wait();
+    assert_eq!((code, scode), (0, 0), "{out}\n{sout}");
+    let g = check_lane(&r, &out, "--peer");
+    assert_eq!(g["pages_corrupt"].as_u64(), Some(0), "{g}");
+}
+
 /// Prefill TP above decode TP with replicated KV heads: vLLM refuses it for attention-only
 /// models and accepts it for models with state layers (PR #37635), a decode rank reading each
 /// of its heads from the first of its target ranks that holds it. Worked out by hand for 2 KV
@@ -471,13 +592,44 @@ fn forms_that_do_not_move_regions_yet_refuse_hybrid_models() {
     let d = tmpdir("regions-refused");
     let kimi = write_config(&d, "kimi.json", TINY_KIMI);
     let base = ["--memory", "dram", "--model-config", kimi.as_str()];
-    for (extra, how) in [(&["run", "--scenario", "stacked"][..], "in a scenario"), (&["ab"][..], "in this command")] {
+    for (extra, how) in [
+        (&["run", "--scenario", "tier-only"][..], "in a tier-only scenario"),
+        (&["run", "--scenario", "nixl-only", "--op", "write"][..], "in a push-mode scenario"),
+        (&["run", "--scenario", "stacked", "--host-staging"][..], "with --host-staging"),
+        (&["ab"][..], "in this command"),
+    ] {
         let mut a = vec![extra[0]];
         a.extend_from_slice(&base);
         a.extend_from_slice(&extra[1..]);
         let (code, out, err) = kvprobe(&a);
         assert_eq!(code, 2, "{a:?}: {out}{err}");
         assert!(err.contains("KDA state (6 layers)") && err.contains(&format!("does not move it {how}")), "{a:?}: {err}");
+    }
+    // Under request load: an indexer region is not moved yet, and region faults are the sweep's.
+    let v32 = write_config(&d, "v32.json", TINY_V32);
+    for (a, want) in [
+        (
+            vec!["run", "--memory", "dram", "--model-config", v32.as_str(), "--scenario", "nixl-only"],
+            "region indexer K cache (indexer, 4 layers) is not moved under request load",
+        ),
+        (
+            vec![
+                "run",
+                "--memory",
+                "dram",
+                "--model-config",
+                kimi.as_str(),
+                "--scenario",
+                "nixl-only",
+                "--inject",
+                "bitflip@state",
+            ],
+            "--inject bitflip@state: faults in a hybrid model's regions are planted by the sweep",
+        ),
+    ] {
+        let (code, out, err) = kvprobe(&a);
+        assert_eq!(code, 2, "{a:?}: {out}{err}");
+        assert!(err.contains(want), "{a:?}: {err}");
     }
     // A state layer a region row's 12-bit layer field cannot name (Jamba of 4104 layers: state
     // at 4097..4103 would tag as 1..7), a --block-size of 0, and a test hook naming no region.
@@ -852,4 +1004,38 @@ fn regions_move_and_verify_on_vram() {
     );
     assert_eq!(code, 1, "{out}{err}");
     assert!(err.contains("region KDA state (state, TP rank 0) was not moved"), "{err}");
+    // Under request load on VRAM: each request's state slot moves with its blocks (4 slots:
+    // 256 MiB / (69 × 884 736)), nixl-only and stacked clean; two misrouted state READs
+    // misplaced, exit 1.
+    for (sc, env) in [("nixl-only", None), ("stacked", None), ("nixl-only", Some("state-misroute:2"))] {
+        let d = tmpdir("regions-vram-scenario");
+        let p = d.join("r.json");
+        let a = [
+            "run",
+            "--memory",
+            "vram",
+            "--model-config",
+            &k3,
+            "--tp",
+            "8",
+            "--scenario",
+            sc,
+            "--lockstep",
+            "--requests",
+            "30",
+            "--report",
+            p.to_str().unwrap(),
+        ];
+        let env: Vec<(&str, &str)> = env.map(|f| ("KVPROBE_TEST_FAULT", f)).into_iter().collect();
+        let (code, out, err) = kvprobe_env(&a, &env);
+        assert_eq!(code, if env.is_empty() { 0 } else { 1 }, "{sc} {env:?}: {out}{err}");
+        let r = read_report(&p);
+        let g = &r["regions"][0];
+        let verified = r["scenario"]["requests_verified"].as_u64().unwrap();
+        assert_eq!((g["units"].as_u64(), g["pages_compared"].as_u64()), (Some(4), Some(verified * 69)), "{g}");
+        assert_eq!(g["bytes_moved"].as_u64(), Some(verified * 69 * 814_080), "{g}");
+        let want_corrupt = if env.is_empty() { 0 } else { 2 * 69 };
+        assert_eq!(g["pages_corrupt"].as_u64(), Some(want_corrupt), "{sc} {env:?}: {g}");
+        assert!(g["failures"].as_array().unwrap().iter().all(|f| f["class"] == "misplaced"), "{g}");
+    }
 }

@@ -573,10 +573,10 @@ pub(crate) fn parse_range(s: &str) -> Result<(u32, u32), String> {
 }
 
 /// Refuses a hybrid model's config where kvprobe does not move its state and indexer regions
-/// (`how`: where, e.g. `across a node pair (--peer)`): they move in `kvprobe run`'s
-/// one-process sweep only so far ([`kvprobe::sweep::regions`]), and a run that moved the
-/// attention pages alone would pass while decode computed from zeros. Errors: usage (exit 2)
-/// naming the regions.
+/// (`how`: where, e.g. `in this command`): they move in `kvprobe run`'s sweeps
+/// ([`kvprobe::sweep::regions`]) and, the state, in its nixl-only and stacked READ scenarios
+/// ([`kvprobe::scenario::state`]), and a run that moved the attention pages alone would pass
+/// while decode computed from zeros. Errors: usage (exit 2) naming the regions.
 pub(crate) fn refuse_hybrid(model: Option<&kvprobe::model_config::ModelInfo>, how: &str) -> Result<(), Error> {
     let Some(h) = model.and_then(|m| m.kv.hybrid.as_ref()).filter(|h| h.any()) else { return Ok(()) };
     let mut what = Vec::new();
@@ -587,7 +587,7 @@ pub(crate) fn refuse_hybrid(model: Option<&kvprobe::model_config::ModelInfo>, ho
         what.push(format!("its sparse-attention indexer K cache ({} layers)", i.layers.len()));
     }
     Err(Error::Usage(format!(
-        "model config: a hybrid model: kvprobe moves {} in `kvprobe run`'s sweeps only and does not move {} {how} yet, and a run that moved the attention pages alone would pass while decode computed from zeros; refused (kvprobe geometry --model-config shows every region per TP rank)",
+        "model config: a hybrid model: kvprobe moves {} in `kvprobe run` (sweeps; nixl-only and stacked scenarios, READ) and does not move {} {how} yet, and a run that moved the attention pages alone would pass while decode computed from zeros; refused (kvprobe geometry --model-config shows every region per TP rank)",
         what.join(" and "),
         if what.len() == 1 { "it" } else { "them" }
     )))
@@ -771,10 +771,29 @@ impl RunArgs {
                 }
             }
         }
-        // A hybrid model's regions move in sweeps (one process, --decode-process, --peer), not
-        // in scenarios yet.
-        if c.scenario.is_some() {
-            refuse_hybrid(c.model.as_ref(), "in a scenario (--scenario, --race)")?;
+        // A hybrid model's state moves per request in nixl-only and stacked scenarios
+        // (kvprobe::scenario::state), READ, without host staging; the other forms refuse it.
+        if let Some(sc) = &c.scenario {
+            let how = if !sc.scenario.uses_nixl() {
+                Some("in a tier-only scenario (kvprobe's tier saves no state)")
+            } else if sc.push {
+                Some("in a push-mode scenario (--op write)")
+            } else if sc.staging {
+                Some("with --host-staging")
+            } else {
+                None
+            };
+            if let Some(how) = how {
+                refuse_hybrid(c.model.as_ref(), how)?;
+            }
+            if let Some(r) = c.region_inject.first() {
+                return Err(Error::Usage(format!(
+                    "--inject {}@{}: faults in a hybrid model's regions are planted by the sweep (`kvprobe run` without --scenario); under request load the state is verified per request",
+                    r.kind.name(),
+                    r.region
+                )));
+            }
+            kvprobe::sweep::regions::scenario_lanes(&c)?;
         }
         // A hybrid model's regions: planned here (sizes, layers, injections), so that what
         // cannot run is refused before anything moves.

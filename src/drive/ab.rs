@@ -461,6 +461,7 @@ fn run_rows(
             prefill: &probe.prefill,
             decode: &mut probe.decode,
             arena: probe.tier_arena.clone(),
+            lanes: Vec::new(), // ab refuses hybrid models for now (cli::args::refuse_hybrid)
         };
         let r = crate::scenario::decode::run_scenario(
             &sc,

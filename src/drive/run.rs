@@ -792,10 +792,18 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>, slot: 
     }
     if let Some(sc) = &cfg.scenario {
         let timeout = Duration::from_secs_f64(cfg.timeout_secs);
+        // A hybrid model's state lanes: decode's pool and agent of each (prefill makes its own).
+        let mut lanes = Vec::new();
+        for (k, lane) in crate::sweep::regions::scenario_lanes(cfg)?.into_iter().enumerate() {
+            let agent = format!("kvprobe-state{k}-decode-{:016x}", rand::random::<u64>());
+            let ep = crate::sweep::regions::lane_endpoint(cfg, &lane, cfg.memory, cfg.decode_device, &agent, false)?;
+            lanes.push((lane, ep));
+        }
         let sides = crate::scenario::decode::Sides {
             prefill: &probe.prefill,
             decode: &mut probe.decode,
             arena: probe.tier_arena.clone(),
+            lanes,
         };
         report.summary.setup_seconds = started.elapsed().as_secs_f64(); // the prefill engine's start is added
         let r = crate::scenario::decode::run_scenario(
@@ -811,7 +819,24 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>, slot: 
             hooks.dump.as_deref_mut(),
         );
         report.summary.transport_path = Some(scenario_path(cfg, probe, ucx_mark, report.environment.as_ref()));
-        return r;
+        r?;
+        // A hybrid model's state: a wrong run is always a failure (no race reaches a state slot).
+        let bad: Vec<String> = report
+            .regions
+            .iter()
+            .filter(|r| r.pages_corrupt > 0)
+            .map(|r| {
+                if r.bytes_moved == 0 && r.pages_corrupt == r.pages_compared {
+                    format!(
+                        "region {} ({}, TP rank {}) was not moved: none of its bytes arrived in {} request(s), and decode would compute its {} layer(s) from zeros",
+                        r.name, r.kind, r.rank, r.pages_compared / r.layers.max(1) as u64, r.layers
+                    )
+                } else {
+                    format!("region {} ({}, TP rank {}): {} of {} state page(s) corrupt", r.name, r.kind, r.rank, r.pages_corrupt, r.pages_compared)
+                }
+            })
+            .collect();
+        return if bad.is_empty() || cfg.self_test { Ok(()) } else { Err(Error::Corrupt(bad.join("; "))) };
     }
     // A hybrid model's state and indexer regions: planned (and refused) before anything moves.
     let regions = crate::sweep::regions::plans(cfg)?;

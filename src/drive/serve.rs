@@ -654,7 +654,9 @@ fn session_inner(
                 host: link.local_ip().unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST)),
                 ended: link.ended(),
             };
-            scenario_requests(&rc, template, link, &mut ep, &place, &mut me, idle_bound, say)?
+            let lane_side =
+                RegionSide { memory: cfg.memory, device_of: &|_| cfg.device, leases: handoff.map(|h| h.regions.as_ref()) };
+            scenario_requests(&rc, template, link, &mut ep, &place, &lane_side, &mut me, idle_bound, say)?
         }
     };
     // Decode's totals become serve's summary (one outcome for the pair), with serve's own path.
@@ -1001,7 +1003,9 @@ pub const MAX_ROWS: u32 = 64;
 /// ([`Msg::Begin`]) runs a prefill engine ([`PrefillEngine`]) step by step as decode asks
 /// ([`Msg::Step`] → [`Msg::Stepped`]) until decode ends it ([`Msg::End`] → [`Msg::Ended`]).
 /// `template`: the run's load (for `kvprobe ab`, the matrix's, whose rows pick their
-/// scenario and unfenced mechanism); `place`: where the tier lives; `idle_bound`: how long
+/// scenario and unfenced mechanism); `place`: where the tier lives; `lane_side`: where a
+/// hybrid model's state lanes go (`sweep::regions::scenario_lanes`: a pool and NIXL agent
+/// each per row, connected to decode's agents of [`Msg::Begin`]); `idle_bound`: how long
 /// decode may send nothing while alive.
 #[allow(clippy::too_many_arguments)]
 fn scenario_requests(
@@ -1010,6 +1014,7 @@ fn scenario_requests(
     link: &Link,
     ep: &mut Endpoint,
     place: &TierPlace,
+    lane_side: &RegionSide<'_>,
     me: &mut PeerSide,
     idle_bound: Duration,
     say: &mut dyn FnMut(&str),
@@ -1030,9 +1035,11 @@ fn scenario_requests(
         m
     };
     let mut rows = 0u32;
+    // A hybrid model's state lanes, as decode derives them from the same configuration.
+    let lanes = sweep::regions::scenario_lanes(rc)?;
     loop {
-        let begin = match next("decode's next scenario run")? {
-            Msg::Begin { begin } => begin,
+        let (begin, decode_lanes) = match next("decode's next scenario run")? {
+            Msg::Begin { begin, lanes } => (begin, lanes),
             m @ Msg::Done { .. } => return done(link, m),
             m => return Err(Error::Transport(format!("decode sent {} between scenario runs (a protocol error)", m.name()))),
         };
@@ -1049,9 +1056,47 @@ fn scenario_requests(
             cfg.scenario.name(),
             cfg.unfenced.iter().map(|m| format!(" with {m} unfenced")).collect::<String>()
         ));
+        // Each state lane: prefill's pool and agent, loaded with decode's.
+        if decode_lanes.len() != lanes.len() {
+            return Err(Error::Transport(format!(
+                "{} named {} NIXL agent(s) for the {} state lane(s) of this model (a protocol error)",
+                link.who(),
+                decode_lanes.len(),
+                lanes.len()
+            )));
+        }
+        let shared = lane_side.leases.filter(|_| !lanes.is_empty());
+        let decode_lease = shared.and_then(|s| s.to_prefill.lock().unwrap_or_else(|p| p.into_inner()).take());
+        let mut lane_eps = Vec::new();
+        for (k, (lane, mut info)) in lanes.iter().zip(decode_lanes).enumerate() {
+            if info.geometry.as_ref().is_some_and(|g| *g != lane.geometry) {
+                return Err(Error::Transport(format!(
+                    "{}'s NIXL agent {} announced a pool other than state lane {k}'s ({}) (a protocol error)",
+                    link.who(),
+                    info.agent,
+                    lane.name
+                )));
+            }
+            if let Some(l) = &decode_lease {
+                info.lease = l.clone();
+            }
+            let run: String = begin.tag.chars().filter(char::is_ascii_alphanumeric).take(40).collect();
+            let agent = format!("kvprobe-state{k}-prefill-{run}");
+            let mut e = sweep::regions::lane_endpoint(rc, lane, lane_side.memory, (lane_side.device_of)(0), &agent, true)
+                .map_err(|e| attribute(link, e))?;
+            e.connect(info).map_err(|e| attribute(link, e))?;
+            lane_eps.push(e);
+        }
+        let lane_infos = lane_eps.iter().map(|e| e.info()).collect::<Result<Vec<_>>>()?;
+        if let Some(slots) = shared {
+            let mut lease = crate::xfer::nixl::WeakLease::default();
+            lane_infos.iter().for_each(|i| lease.join(&i.lease));
+            *slots.to_decode.lock().unwrap_or_else(|p| p.into_inner()) = Some(lease);
+        }
+        let state = lanes.iter().cloned().zip(lane_eps).collect();
         let (mut engine, tier, tier_detail) =
-            PrefillEngine::start(&cfg, rc.seed, ep, &begin.tag, timeout, place).map_err(|e| attribute(link, e))?;
-        link.send(&Msg::Begun { row, tier, tier_detail })?;
+            PrefillEngine::start(&cfg, rc.seed, ep, &begin.tag, timeout, place, state).map_err(|e| attribute(link, e))?;
+        link.send(&Msg::Begun { row, tier, tier_detail, lanes: lane_infos })?;
         let mut step = 0u64;
         loop {
             match next("decode's next step")? {

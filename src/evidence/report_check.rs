@@ -293,6 +293,119 @@ fn self_test_checks(sec: &Value, say: &mut dyn FnMut(String)) {
     }
 }
 
+/// A scenario's state lanes (`regions` of `run --scenario` on a hybrid model,
+/// [`crate::scenario::state`]) re-derived from the report's configuration: each lane's layout
+/// and slots as `sweep::regions::scenario_lanes` gives them (all present, in order, in a run
+/// that ended clean or corrupt); pages compared = requests verified × layers, runs compared =
+/// pages × the page's runs, bytes moved = requests verified × a request's state READ (0 only
+/// for a lane left out, which a clean run cannot have); every listed failure in the lane's
+/// layers and slots, with the state id of the request it names; no planted fault; a clean run
+/// with no corrupt page. Which slot a request had is not re-derived (it follows the scheduler's
+/// timing-dependent order).
+fn scenario_region_checks(sec: &Value, cfg: &crate::sweep::RunConfig, regions: &[Value], say: &mut dyn FnMut(String)) {
+    use crate::scenario::state::StateLane;
+    let lanes = match crate::sweep::regions::scenario_lanes(cfg) {
+        Ok(l) => l,
+        Err(e) => {
+            if !regions.is_empty() {
+                say(format!("report: regions listed, but its config plans no state lanes: {e}"));
+            }
+            return;
+        }
+    };
+    let status = sec["outcome"]["status"].as_str().unwrap_or("");
+    let clean = status == "clean" || sec["outcome"]["exit_code"].as_u64() == Some(0);
+    let ran = status != "running" && sec["outcome"]["exit_code"].as_u64().is_some_and(|c| c <= 1 || c == 6);
+    if (ran && regions.len() != lanes.len()) || regions.len() > lanes.len() {
+        say(format!(
+            "report: {} region(s) listed, but the run's configuration moves {} state lane(s)",
+            regions.len(),
+            lanes.len()
+        ));
+    }
+    let verified = sec["scenario"]["requests_verified"].as_u64().unwrap_or(0);
+    for (k, (r, lane)) in regions.iter().zip(&lanes).enumerate() {
+        let at = format!("report: regions[{k}] ({})", show(&r["name"]));
+        let layers = lane.layers.len() as u64;
+        let want = [
+            ("kind", Value::from("state")),
+            ("name", Value::from(lane.name.clone())),
+            ("rank", Value::from(lane.rank)),
+            ("layers", Value::from(layers)),
+            ("units", Value::from(lane.slots)),
+            ("page_bytes", Value::from(lane.page_bytes)),
+            ("page_stride_bytes", Value::from(lane.page_stride_bytes)),
+            ("unit", Value::from("slot")),
+            ("descriptors_per_page", Value::from(lane.descriptors.len() as u64)),
+            ("prefill_ranks", Value::from(vec![lane.rank])),
+            ("injections_planted", Value::from(0u64)),
+        ];
+        for (field, v) in want {
+            if r[field] != v {
+                say(format!("{at}: {field} is {}, but the run's configuration gives {v}", show(&r[field])));
+            }
+        }
+        let pages = verified * layers;
+        if ran && r["pages_compared"].as_u64() != Some(pages) {
+            say(format!(
+                "{at}: pages_compared is {}, but {verified} request(s) verified × {layers} layer(s) is {pages}",
+                show(&r["pages_compared"])
+            ));
+        }
+        let runs = r["pages_compared"].as_u64().unwrap_or(0) * lane.runs.len() as u64;
+        if r["runs_compared"].as_u64() != Some(runs) {
+            say(format!("{at}: runs_compared is {}, but its pages hold {runs} row runs", show(&r["runs_compared"])));
+        }
+        let bytes = verified * lane.bytes_per_request();
+        let moved = r["bytes_moved"].as_u64();
+        if ran && moved != Some(bytes) && (moved != Some(0) || clean) {
+            say(format!(
+                "{at}: bytes_moved is {}, but {verified} request(s)' state READs move {bytes}{}",
+                show(&r["bytes_moved"]),
+                if clean { "" } else { " (or 0, left out)" }
+            ));
+        }
+        let corrupt = r["pages_corrupt"].as_u64().unwrap_or(u64::MAX);
+        if corrupt > r["pages_compared"].as_u64().unwrap_or(0) {
+            say(format!("{at}: pages_corrupt is {corrupt}, more than the pages compared"));
+        }
+        if clean && corrupt != 0 {
+            say(format!("{at}: pages_corrupt is {corrupt} in a clean run"));
+        }
+        let failures = r["failures"].as_array().map(Vec::as_slice).unwrap_or_default();
+        let unexpected = r["unexpected_failures"].as_u64().unwrap_or(0);
+        if (failures.len() as u64) > unexpected || (corrupt == 0) != (unexpected == 0) {
+            say(format!(
+                "{at}: {} failure(s) listed and unexpected_failures {unexpected}, with pages_corrupt {corrupt}",
+                failures.len()
+            ));
+        }
+        for (j, f) in failures.iter().enumerate() {
+            if !f["layer"].as_u64().is_some_and(|l| lane.layers.contains(&(l as u32))) {
+                say(format!("{at}: failures[{j}]: layer {} is not one of the region's", show(&f["layer"])));
+            }
+            if f["unit"].as_u64().is_none_or(|u| u >= lane.slots as u64) {
+                say(format!("{at}: failures[{j}]: slot {} is not one of its {}", show(&f["unit"]), lane.slots));
+            }
+            match f["request"].as_u64() {
+                Some(q) if f["id"].as_u64() == Some(StateLane::state_id(cfg.seed, q) as u64) => {}
+                Some(q) => say(format!(
+                    "{at}: failures[{j}]: id {}, but request {q}'s state id is {}",
+                    show(&f["id"]),
+                    StateLane::state_id(cfg.seed, q)
+                )),
+                None => say(format!("{at}: failures[{j}]: names no request")),
+            }
+            if f["injected"].as_bool() == Some(true) {
+                say(format!("{at}: failures[{j}]: marked injected, but nothing is planted in a scenario's state"));
+            }
+            if serde_json::from_value::<crate::core::verify::Class>(f["class"].clone()).is_err() {
+                say(format!("{at}: failures[{j}]: class {} is no class", show(&f["class"])));
+            }
+        }
+    }
+}
+
 /// A hybrid model's `regions` ([`crate::sweep::regions`]) re-derived from the report's
 /// configuration: each region's layout, units and bytes moved as the run's plan gives them
 /// (all of the plan's regions present, in its order); pages corrupt at most pages compared,
@@ -307,6 +420,9 @@ fn region_checks(sec: &Value, say: &mut dyn FnMut(String)) {
         }
         return;
     };
+    if cfg.scenario.is_some() {
+        return scenario_region_checks(sec, &cfg, regions, say);
+    }
     let plans = match crate::sweep::regions::plans(&cfg) {
         Ok(p) => p,
         Err(e) => {

@@ -814,9 +814,23 @@ impl PrefillPeer {
     /// client's start and join, each `--timeout` at least 60 s, and a master's start), so that
     /// prefill's own error, naming what failed, arrives first. Errors: the link's (prefill's
     /// own failure included), timeout (exit 4), transport (a protocol error).
-    pub fn begin(&self, begin: super::steps::Begin) -> Result<(Option<super::steps::TierAccess>, String)> {
+    ///
+    /// `lanes`: decode's NIXL agent of each state lane of a hybrid model
+    /// ([`crate::scenario::state`]); the answer's third part is prefill's agent of each, in
+    /// that order (a count other than decode's is a protocol error).
+    pub fn begin(
+        &self,
+        begin: super::steps::Begin,
+        lanes: Vec<PeerInfo>,
+    ) -> Result<(Option<super::steps::TierAccess>, String, Vec<PeerInfo>)> {
         let row = begin.row;
-        self.link.send(&Msg::Begin { begin })?;
+        let asked = lanes.len();
+        if let Some(slots) = self.region_leases.as_ref().filter(|_| asked > 0) {
+            let mut lease = crate::xfer::nixl::WeakLease::default();
+            lanes.iter().for_each(|i| lease.join(&i.lease));
+            *slots.to_prefill.lock().unwrap_or_else(|p| p.into_inner()) = Some(lease);
+        }
+        self.link.send(&Msg::Begin { begin, lanes })?;
         let bound = begin_bound(self.link.silence());
         self.link.set_deadline(Some((
             Instant::now() + bound,
@@ -827,13 +841,25 @@ impl PrefillPeer {
             ),
         )));
         let got = self.link.expect("prefill's start of the scenario", |m| match m {
-            Msg::Begun { row: r, tier, tier_detail } if r == row => {
-                Ok((tier, crate::sys::text::escape_control(&tier_detail).into_owned()))
+            Msg::Begun { row: r, tier, tier_detail, lanes } if r == row => {
+                Ok((tier, crate::sys::text::escape_control(&tier_detail).into_owned(), lanes))
             }
             m => Err(m.name()),
         });
         self.link.set_deadline(None);
-        got
+        let (tier, detail, mut lanes) = got?;
+        if lanes.len() != asked {
+            return Err(self.protocol_error(format!("{} NIXL agent(s) for the scenario's {asked} state lane(s)", lanes.len())));
+        }
+        if let Some(l) = self
+            .region_leases
+            .as_ref()
+            .filter(|_| asked > 0)
+            .and_then(|s| s.to_decode.lock().unwrap_or_else(|p| p.into_inner()).take())
+        {
+            lanes.iter_mut().for_each(|i| i.lease = l.clone());
+        }
+        Ok((tier, detail, lanes))
     }
 
     /// How long prefill may take to answer a step: twice the silence bound plus

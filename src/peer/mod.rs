@@ -18,6 +18,7 @@
 //! | 7 | | [`Msg::Connected`]: prefill's; decode loads them, then `check_remote_metadata` |
 //! | 8 | per iteration: [`Msg::Fill`] (prefill refills a stage), [`Msg::Write`] (WRITE: prefill posts a stage), then [`Msg::Verified`] with the iteration's results | [`Msg::Filled`], [`Msg::Written`]; NIXL notifications prefill receives come back as [`Msg::Notified`] |
 //! | 8b | a hybrid model's state and indexer regions, one (region, TP rank) plan at a time: [`Msg::RegionOpen`] (the plan's index in `sweep::regions::plans` of the configuration, decode's NIXL agent for it), then its READs, or [`Msg::RegionWrite`], then [`Msg::RegionClose`] | [`Msg::RegionOpened`]: a pool and NIXL agent per prefill rank the plan reads, filled with region rows; [`Msg::Written`], [`Msg::Notified`] as above; [`Msg::RegionClosed`] once its agents are gone |
+//! | 8c | scenarios (`run --scenario`, `ab`): per run, [`Msg::Begin`] (with a hybrid model's state lanes: decode's NIXL agent of each, in the order of `sweep::regions::scenario_lanes`), then [`Msg::Step`] per engine step, then [`Msg::End`] | [`Msg::Begun`] (the tier; prefill's agent of each state lane, loaded with decode's), [`Msg::Stepped`], [`Msg::Ended`] |
 //! | 9 | [`Msg::Done`] with the run's outcome | [`Msg::Bye`] with prefill's side of the report; both close |
 //!
 //! Either side sends [`Msg::Heartbeat`] every [`heartbeat_interval`] from its own thread, so
@@ -369,6 +370,11 @@ pub enum Msg {
     Begin {
         /// What to start.
         begin: steps::Begin,
+        /// A hybrid model's state lanes (`crate::scenario::state`, in the order of
+        /// `sweep::regions::scenario_lanes` of the run's configuration, which both sides
+        /// derive): decode's NIXL agent of each; empty for an attention-only model.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        lanes: Vec<crate::xfer::transport::PeerInfo>,
     },
     /// serve → run: the prefill engine of row `row` is ready.
     Begun {
@@ -378,6 +384,10 @@ pub enum Msg {
         tier: Option<steps::TierAccess>,
         /// The tier in words, for the report ("embedded", Mooncake's version and master).
         tier_detail: String,
+        /// Prefill's NIXL agent of each state lane decode named in [`Msg::Begin`], in its
+        /// order, each having loaded decode's.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        lanes: Vec<crate::xfer::transport::PeerInfo>,
     },
     /// run → serve: what decode did in its last step; prefill runs step `step` of row `row`
     /// and answers [`Msg::Stepped`].

@@ -148,6 +148,10 @@ pub struct Handed {
     /// source blocks after their writes, for decode to find.
     #[serde(default)]
     pub planted: Vec<SourceFault>,
+    /// A hybrid model: prefill's state slot holding the request's final state
+    /// (`crate::scenario::state`), which decode READs with its blocks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_slot: Option<u32>,
 }
 
 /// A fault prefill planted in one source slice of a handed request (`--inject bitflip` or

@@ -548,6 +548,10 @@ pub struct RegionFailure {
     /// only when true.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub injected: bool,
+    /// Under request load (`--scenario`): the request whose state slot it was (`id` is that
+    /// request's state id).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request: Option<u64>,
 }
 
 pub use crate::mem::pool::KernelSeconds;

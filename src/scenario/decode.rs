@@ -50,6 +50,7 @@ use super::connectors::tier::TierReader;
 use super::fault::TestFault;
 use super::scheduler::{DecodeBlocks, Planted, Pull, PullState};
 use super::shadow::{Answer, Content, EngineId, Event, Shadow, What, attribute, ident};
+use super::state::StateLane;
 use crate::core::fingerprint::{self, SKIP_GEN};
 use crate::core::geometry::SliceCoord;
 use crate::core::mechanism::{Mechanism, Races};
@@ -77,6 +78,9 @@ pub struct Sides<'a> {
     /// The embedded tier's arena when prefill is a thread of this process (tier-only loads
     /// copy from it directly).
     pub arena: Option<Arc<TierArena>>,
+    /// A hybrid model's state lanes ([`super::state`]), each with decode's pool and NIXL
+    /// agent (empty for an attention-only model); connected to prefill's agents at the begin.
+    pub lanes: Vec<(StateLane, Endpoint)>,
 }
 
 /// Runs scenario run `row` (a `kvprobe ab` row, or 0) of `cfg` with `seed` on `sides`. Fills
@@ -118,7 +122,18 @@ pub fn run_scenario(
         staging: cfg.staging,
     };
     let t = Instant::now();
-    let (access, detail) = sides.prefill.begin(begin)?;
+    let mut sides = sides;
+    let infos = sides.lanes.iter().map(|(_, e)| e.info()).collect::<Result<Vec<_>>>()?;
+    let (access, detail, lanes) = sides.prefill.begin(begin, infos)?;
+    for ((lane, ep), info) in sides.lanes.iter_mut().zip(lanes) {
+        if info.geometry.as_ref().is_some_and(|g| *g != lane.geometry) {
+            return Err(Error::Transport(format!(
+                "prefill's NIXL agent {} announced a pool other than state lane {}'s (a protocol error)",
+                info.agent, lane.name
+            )));
+        }
+        ep.connect(info)?;
+    }
     report.summary.setup_seconds += t.elapsed().as_secs_f64();
     let tier = match (cfg.scenario.uses_nixl(), access) {
         (false, Some(a)) => Some(
@@ -284,6 +299,11 @@ struct Decode<'a> {
     /// Block-ownership violations prefill reported, and the first of them.
     violation_count: u64,
     violations: Vec<crate::report::OwnershipViolation>,
+    /// A hybrid model's state lanes (decode's pool and agent of each), their free slots and
+    /// their report entries.
+    state: Vec<(StateLane, Endpoint)>,
+    state_free: Vec<u32>,
+    state_reports: Vec<crate::report::RegionReport>,
 }
 
 impl<'a> Decode<'a> {
@@ -300,6 +320,8 @@ impl<'a> Decode<'a> {
         max_failures: usize,
     ) -> Decode<'a> {
         let n = sides.decode.pool.geometry().num_blocks;
+        let state_free = sides.lanes.first().map_or_else(Vec::new, |(l, _)| (0..l.slots).rev().collect());
+        let state_reports = sides.lanes.iter().map(|(l, _)| l.report()).collect();
         // Genesis: every prefill block holds a fingerprint no request asks for (prefill's
         // first fill, `PrefillEngine::start`).
         let genesis: Vec<TableEntry> = (0..n).map(|i| TableEntry::new(fingerprint::logical_block(seed, i), 0)).collect();
@@ -362,6 +384,9 @@ impl<'a> Decode<'a> {
             done_ids: std::collections::HashSet::new(),
             violation_count: 0,
             violations: Vec::new(),
+            state: sides.lanes,
+            state_free,
+            state_reports,
         }
     }
 
@@ -552,6 +577,9 @@ impl<'a> Decode<'a> {
                     landed_at: None,
                     decode_until: None,
                     aborting: false,
+                    pstate: h.state_slot,
+                    dstate: None,
+                    state_xfers: Vec::new(),
                 },
             );
         }
@@ -616,6 +644,15 @@ impl<'a> Decode<'a> {
             Some(format!("{k} blocks, {} identities and {} tier entries", h.promised.len(), h.tier.len()))
         } else if let Some(b) = h.blocks.iter().find(|&&b| b >= n) {
             Some(format!("block {b} of a pool of {n}"))
+        } else if h.state_slot.is_some() == self.state.is_empty()
+            || h.state_slot.zip(self.state.first()).is_some_and(|(s, (l, _))| s >= l.slots)
+        {
+            Some(format!(
+                "state slot {:?} ({} state lane(s) of {} slots)",
+                h.state_slot,
+                self.state.len(),
+                self.state.first().map_or(0, |(l, _)| l.slots)
+            ))
         } else if let Some(f) = h.planted.iter().find(|f| {
             let g = self.ep.pool.geometry();
             f.index as usize >= k
@@ -661,6 +698,7 @@ impl<'a> Decode<'a> {
 
     fn poll_reads(&mut self, report: &mut Report) -> Result<()> {
         for id in self.order.clone() {
+            self.poll_state(id)?;
             let Some(p) = self.pulls.get_mut(&id) else { continue };
             let Some(x) = p.xfer.as_mut() else { continue };
             // `poll` ends the run with a timeout past the READ's deadline.
@@ -668,6 +706,22 @@ impl<'a> Decode<'a> {
             if let Some(done) = done {
                 report.summary.bytes_transferred += done.bytes;
                 self.read_done(id)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Polls request `id`'s state READs (one per lane still in flight); each that completed
+    /// counts its bytes in its lane's report. Errors: transport (exit 3), timeout (exit 4) past
+    /// the READ's deadline.
+    fn poll_state(&mut self, id: u64) -> Result<()> {
+        let Some(p) = self.pulls.get_mut(&id) else { return Ok(()) };
+        for (k, x) in p.state_xfers.iter_mut().enumerate() {
+            let Some(posted) = x.as_mut() else { continue };
+            let done = self.state[k].1.poll(posted).map_err(|e| self.prefill.cause_of(e))?;
+            if let Some(done) = done {
+                self.state_reports[k].bytes_moved += done.bytes;
+                *x = None;
             }
         }
         Ok(())
@@ -826,6 +880,11 @@ impl<'a> Decode<'a> {
     fn lockstep(&mut self, ids: &[u64], report: &mut Report) -> Result<()> {
         let t = Instant::now();
         for &id in ids {
+            // Its state READs first (they complete within the step too).
+            while self.pulls[&id].state_xfers.iter().any(Option::is_some) {
+                self.poll_state(id)?;
+                std::thread::yield_now();
+            }
             if self.pulls[&id].xfer.is_none() {
                 continue;
             }
@@ -978,6 +1037,7 @@ impl<'a> Decode<'a> {
             self.downer[d as usize] = None;
             self.dblocks.free(d);
         }
+        self.state_free.extend(p.dstate);
         self.done_ids.insert(id);
         self.next.finished.push(id);
         p
@@ -1062,6 +1122,10 @@ impl<'a> Decode<'a> {
             let p = &self.pulls[&id];
             if p.stage != PullState::Waiting || p.ready_at > self.now {
                 continue;
+            }
+            // A hybrid model's request takes a state slot as well.
+            if !self.state.is_empty() && self.state_free.len() <= starting.len() {
+                break;
             }
             let Some(d) = self.dblocks.alloc(p.pslots.len()) else {
                 break; // decode is full; keep order
@@ -1166,6 +1230,7 @@ impl<'a> Decode<'a> {
                 p.at_post = at_post;
                 p.xfer = Some(x);
                 self.next.posted.push(id);
+                self.start_state(id)?;
             } else {
                 p.dloads_left = p.pslots.len() as u32;
                 p.delivered = vec![Content::default(); p.pslots.len()];
@@ -1181,8 +1246,80 @@ impl<'a> Decode<'a> {
         Ok(())
     }
 
+    /// A hybrid model: request `id` takes a decode state slot, whose pages are poisoned with
+    /// the request's poison iteration, and decode posts one READ per lane of prefill's slot
+    /// into it ([`StateLane::pairs`]; none for a lane a test hook leaves out). Errors: device
+    /// errors of the poison, transport (exit 3) of the post.
+    fn start_state(&mut self, id: u64) -> Result<()> {
+        if self.state.is_empty() {
+            return Ok(());
+        }
+        let slot = self.state_free.pop().ok_or_else(|| Error::Internal("no free decode state slot".into()))?;
+        let p = self.pulls.get_mut(&id).expect("starting request");
+        let (src, iter) = (p.pstate, p.poison_iter);
+        let mut src = src.ok_or_else(|| Error::Internal(format!("request {id} has no prefill state slot")))?;
+        p.dstate = Some(slot);
+        // Test-only: the READ names prefill's next slot instead.
+        if let Some((TestFault::StateMisroute, left)) = self.fault.as_mut().filter(|(_, n)| *n > 0) {
+            *left -= 1;
+            src = (src + 1) % self.state[0].0.slots;
+        }
+        let t = Instant::now();
+        let mut xfers = Vec::with_capacity(self.state.len());
+        for (lane, ep) in &mut self.state {
+            // The slot's page of every layer (the pool's slice (layer, slot) is global slice
+            // `lane.page_slot`), poisoned where the pool lives.
+            let mut table = vec![TableEntry::new(0, SKIP_GEN); lane.slots as usize];
+            table[slot as usize] = TableEntry::new(1, 1);
+            ep.pool.poison_blocks(&table, iter)?;
+            if super::state::left_out(lane) {
+                xfers.push(None);
+                continue;
+            }
+            let msg = format!("{}{id}:state", self.nixl.tag());
+            xfers.push(Some(ep.post_read(&lane.pairs(src, slot), &msg, self.timeout).map_err(|e| self.prefill.cause_of(e))?));
+        }
+        self.poison_secs += t.elapsed().as_secs_f64();
+        self.pulls.get_mut(&id).expect("starting request").state_xfers = xfers;
+        Ok(())
+    }
+
+    /// A hybrid model: verifies the state slot of each of `ids` (verified requests whose state
+    /// READs completed) in every lane: each page against the request's state id and
+    /// generation ([`StateLane::verify_page`]), from the bytes read once.
+    fn verify_state(&mut self, ids: &[u64]) -> Result<()> {
+        for &id in ids {
+            let p = &self.pulls[&id];
+            let Some(slot) = p.dstate else { continue };
+            let generation = StateLane::generation(p.pslots.len());
+            for (k, (lane, ep)) in self.state.iter().enumerate() {
+                let mut page = vec![0u8; lane.page_stride_bytes as usize];
+                for li in 0..lane.layers.len() as u32 {
+                    ep.pool.read_slice(StateLane::page(li, slot), &mut page)?;
+                    lane.verify_page(
+                        self.seed,
+                        &page,
+                        li,
+                        slot,
+                        p.poison_iter,
+                        id,
+                        generation,
+                        self.max_failures,
+                        &mut self.state_reports[k],
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn verify(&mut self, report: &mut Report) -> Result<()> {
-        let ids: Vec<u64> = self.order.iter().copied().filter(|id| self.pulls[id].stage == PullState::Verify).collect();
+        let ids: Vec<u64> = self
+            .order
+            .iter()
+            .copied()
+            .filter(|id| self.pulls[id].stage == PullState::Verify && self.pulls[id].state_xfers.iter().all(Option::is_none))
+            .collect();
         if ids.is_empty() {
             return Ok(());
         }
@@ -1326,6 +1463,7 @@ impl<'a> Decode<'a> {
                 });
             }
         }
+        self.verify_state(&ids)?;
         self.plant_late_writes(&ids)?;
         for id in ids {
             let p = self.release_pull(id);
@@ -1526,9 +1664,9 @@ impl<'a> Decode<'a> {
     /// 0, the first K/V part) in each of the next requests about to be verified, after
     /// their READ or load completed, until the count is spent, and names each on stderr.
     fn plant_faults(&mut self, ids: &[u64]) -> Result<()> {
-        let Some((kind, mut left)) =
-            self.fault.filter(|(k, _)| !matches!(k, TestFault::EarlyFree | TestFault::LateWrite | TestFault::LateData))
-        else {
+        let Some((kind, mut left)) = self.fault.filter(|(k, _)| {
+            !matches!(k, TestFault::EarlyFree | TestFault::LateWrite | TestFault::LateData | TestFault::StateMisroute)
+        }) else {
             return Ok(());
         };
         let g = self.ep.pool.geometry().clone();
@@ -1546,7 +1684,7 @@ impl<'a> Decode<'a> {
                     Some(i) => i,
                     None => continue,
                 },
-                TestFault::EarlyFree | TestFault::LateWrite | TestFault::LateData => {
+                TestFault::EarlyFree | TestFault::LateWrite | TestFault::LateData | TestFault::StateMisroute => {
                     unreachable!("filtered above: planted elsewhere")
                 }
                 // A slice an `--inject torn` tore.
@@ -1568,7 +1706,7 @@ impl<'a> Decode<'a> {
             match kind {
                 // Bit 0 of sector 0's check word (a 32-bit hash of the identity).
                 TestFault::Bitflip => buf[12] ^= 1,
-                TestFault::EarlyFree | TestFault::LateWrite | TestFault::LateData => {
+                TestFault::EarlyFree | TestFault::LateWrite | TestFault::LateData | TestFault::StateMisroute => {
                     unreachable!("filtered above: planted elsewhere")
                 }
                 // The last 16 bytes: the tear (a multiple of 16 bytes short) left poison there.
@@ -1637,5 +1775,8 @@ impl<'a> Decode<'a> {
             races: self.shadow.outcomes(&self.races),
             intervals: self.intervals.clone(),
         });
+        if !self.state_reports.is_empty() {
+            report.regions = self.state_reports.clone();
+        }
     }
 }

@@ -31,6 +31,10 @@ pub enum TestFault {
     /// (data that landed after the verdict): each must be `late`, with the class of the bytes
     /// judged (`judged_class`) and their digest, never a bitflip of 0 bits.
     LateData,
+    /// `state-misroute`: a hybrid model's state READ of each of the next N requests reads
+    /// prefill's next state slot instead of the request's own (another request's state, or a
+    /// slot's genesis): every run of its state pages must be `misplaced` and unexplained.
+    StateMisroute,
 }
 
 impl TestFault {
@@ -46,16 +50,18 @@ impl TestFault {
             TestFault::TornTail => "torn-tail",
             TestFault::LateWrite => "late-write",
             TestFault::LateData => "late-data",
+            TestFault::StateMisroute => "state-misroute",
         }
     }
 
     /// Reads `KVPROBE_TEST_FAULT` (`bitflip:N`, `poison:N`, `early-free:N`,
-    /// `torn-tail:N`, `late-write:N` or `late-data:N`); errors (exit 2) on another value.
+    /// `torn-tail:N`, `late-write:N`, `late-data:N` or `state-misroute:N`); errors (exit 2)
+    /// on another value.
     pub fn from_env() -> Result<Option<(TestFault, u64)>> {
         let Ok(v) = std::env::var(Self::VAR) else { return Ok(None) };
         let bad = || {
             Error::Usage(format!(
-                "{}={v:?}: expected bitflip:N, poison:N, early-free:N, torn-tail:N, late-write:N or late-data:N (test-only)",
+                "{}={v:?}: expected bitflip:N, poison:N, early-free:N, torn-tail:N, late-write:N, late-data:N or state-misroute:N (test-only)",
                 Self::VAR
             ))
         };
@@ -67,6 +73,7 @@ impl TestFault {
             "torn-tail" => TestFault::TornTail,
             "late-write" => TestFault::LateWrite,
             "late-data" => TestFault::LateData,
+            "state-misroute" => TestFault::StateMisroute,
             _ => return Err(bad()),
         };
         Ok(Some((kind, n.trim().parse().map_err(|_| bad())?)))

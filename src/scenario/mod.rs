@@ -18,6 +18,8 @@
 //! - [`decode`]: the decode engine (READs, tier-only loads, verification against the shadow)
 //!   and the loop that couples it to the prefill engine one step at a time over the peer
 //!   protocol ([`crate::peer::steps`]): the two engines talk only by messages;
+//! - [`state`]: a hybrid model's recurrent state, one slot per request on each engine, moved
+//!   with the request's blocks;
 //! - [`fault`]: test-only damage that no race can produce.
 //!
 //! Types flow one way inside: config → scheduler → connectors → shadow → prefill, decode.
@@ -29,3 +31,4 @@ pub mod fault;
 pub mod prefill;
 pub mod scheduler;
 pub mod shadow;
+pub mod state;

@@ -42,6 +42,7 @@ use super::connectors::multi::{Completions, MultiConnector, Verdict};
 use super::connectors::nixl::NixlConnector;
 use super::connectors::tier::{TierConnector, TierPlace};
 use super::scheduler::{BlockManager, Request, RequestState};
+use super::state::StateLane;
 use crate::core::fingerprint::{self, SKIP_GEN};
 use crate::core::mechanism::{Mechanism, Races};
 use crate::core::workload::Workload;
@@ -122,14 +123,21 @@ pub struct PrefillEngine<'a> {
     /// Test-only (`KVPROBE_TEST_FAULT=early-free:N`): hand-overs left whose blocks are freed at
     /// once, with no mechanism to blame ([`super::fault::TestFault::EarlyFree`]).
     early_frees: u64,
+    /// A hybrid model's state lanes ([`super::state`]): each lane's pool and NIXL agent
+    /// (connected to decode's agent of it).
+    state: Vec<(StateLane, Endpoint)>,
+    /// Free state slots (one per request from admission to retirement; taken from the end).
+    state_free: Vec<u32>,
 }
 
 impl<'a> PrefillEngine<'a> {
     /// Starts the prefill engine of `cfg` on `ep` (prefill's endpoint, connected to decode's):
     /// its tier at `place`, and the genesis fill — every block holds a fingerprint no request
     /// asks for ([`crate::core::fingerprint::logical_block`] of the seed and the block, generation
-    /// 0). `tag` is the prefix of decode's READ notifications. Returns the engine, how decode
-    /// reaches the tier (`None` without one) and the tier in words.
+    /// 0). `tag` is the prefix of decode's READ notifications. `state`: a hybrid model's state
+    /// lanes, each with prefill's pool (every slot holding its genesis state) and NIXL agent,
+    /// connected to decode's (empty for an attention-only model). Returns the engine, how
+    /// decode reaches the tier (`None` without one) and the tier in words.
     ///
     /// Errors: set-up (exit 2) for a broken Mooncake install, transport (exit 3) when the
     /// tier cannot be started or joined, device errors of the fill.
@@ -140,6 +148,7 @@ impl<'a> PrefillEngine<'a> {
         tag: &str,
         timeout: Duration,
         place: &TierPlace,
+        state: Vec<(StateLane, Endpoint)>,
     ) -> Result<(PrefillEngine<'a>, Option<TierAccess>, String)> {
         let n = ep.pool.geometry().num_blocks;
         let device = if cfg.staging { Some(ep.pool.sibling()?) } else { None };
@@ -197,6 +206,8 @@ impl<'a> PrefillEngine<'a> {
                 Some((super::fault::TestFault::EarlyFree, n)) => n,
                 _ => 0,
             },
+            state_free: state.first().map_or_else(Vec::new, |(l, _)| (0..l.slots).rev().collect()),
+            state,
         };
         Ok((e, access, detail))
     }
@@ -242,6 +253,11 @@ impl<'a> PrefillEngine<'a> {
             self.take_notifications()?;
             self.check_notification_deadlines(asked)?;
             self.deliver_duplicates();
+        }
+        // Decode's state READs notify the lanes' agents; prefill frees a state slot when decode
+        // has verified its request, so the messages are only taken off the queue.
+        for (_, ep) in &self.state {
+            ep.notifications()?;
         }
         self.run_compute()?;
         self.run_loads()?;
@@ -427,6 +443,7 @@ impl<'a> PrefillEngine<'a> {
         let waiting: Vec<u64> = self.order.iter().copied().filter(|id| self.reqs[id].stage == RequestState::Lookup).collect();
         for id in waiting {
             if let Some(r) = self.reqs.remove(&id) {
+                self.state_free.extend(r.state_slot);
                 if let Some(store) = self.tier.as_mut().map(|t| &mut t.store) {
                     for e in r.hits {
                         store.unpin(e);
@@ -929,8 +946,12 @@ impl<'a> PrefillEngine<'a> {
                 .unzip()
         };
         let blocks = r.pslots.clone();
+        let state_slot = r.state_slot;
+        if let Some(slot) = state_slot {
+            self.write_state(id, slot, blocks.len())?;
+        }
         let planted = self.plant_source_fault(id)?;
-        self.out.handed.push(Handed { req: id, blocks, promised, tier, planted });
+        self.out.handed.push(Handed { req: id, blocks, promised, tier, planted, state_slot });
         // One request in four is reported complete by the NIXL connector as it is handed
         // over, before decode's READ (drawn for every request, so that rows draw alike).
         let phantom = self.rng.random_range(0..4u32) == 0
@@ -944,6 +965,21 @@ impl<'a> PrefillEngine<'a> {
         r.handed_over = true;
         r.handed_at = now;
         r.phantom = phantom;
+        Ok(())
+    }
+
+    /// Writes request `id`'s final state (a prompt of `blocks` blocks) into state slot `slot`
+    /// of every lane: each layer's page as [`StateLane::state_page`] gives it, counted in the
+    /// fill time.
+    fn write_state(&mut self, id: u64, slot: u32, blocks: usize) -> Result<()> {
+        let t = Instant::now();
+        let (state_id, generation) = (StateLane::state_id(self.seed, id), StateLane::generation(blocks));
+        for (lane, ep) in &mut self.state {
+            for li in 0..lane.layers.len() as u32 {
+                ep.pool.write_slice(StateLane::page(li, slot), &lane.state_page(self.seed, li, slot, state_id, generation))?;
+            }
+        }
+        self.counters.fill_seconds += t.elapsed().as_secs_f64();
         Ok(())
     }
 
@@ -1063,7 +1099,9 @@ impl<'a> PrefillEngine<'a> {
         }
         for id in to_drop {
             self.free_blocks(id, None);
-            self.reqs.remove(&id);
+            if let Some(r) = self.reqs.remove(&id) {
+                self.state_free.extend(r.state_slot);
+            }
             self.order.retain(|&x| x != id);
         }
         for id in finished {
@@ -1078,6 +1116,7 @@ impl<'a> PrefillEngine<'a> {
             self.notified(id);
         }
         if let Some(r) = self.reqs.remove(&id) {
+            self.state_free.extend(r.state_slot);
             self.order.retain(|&x| x != id);
             if !self.cfg.scenario.uses_nixl()
                 && let Some(store) = self.tier.as_mut().map(|t| &mut t.store)
@@ -1101,7 +1140,11 @@ impl<'a> PrefillEngine<'a> {
         }
         let max_new = 4;
         let mut new = 0;
-        while !self.counters.stopped && self.reqs.len() < self.cfg.concurrency as usize && new < max_new {
+        while !self.counters.stopped
+            && self.reqs.len() < self.cfg.concurrency as usize
+            && new < max_new
+            && (self.state.is_empty() || !self.state_free.is_empty())
+        {
             if self.cfg.duration_secs.is_none() && self.counters.admitted >= self.cfg.requests {
                 break;
             }
@@ -1145,6 +1188,7 @@ impl<'a> PrefillEngine<'a> {
                     push_at: None,
                     staged: Vec::new(),
                     stage_calls: 0,
+                    state_slot: if self.state.is_empty() { None } else { self.state_free.pop() },
                 },
             );
             self.order.push(id);
@@ -1231,7 +1275,9 @@ impl<'a> PrefillEngine<'a> {
             self.order.retain(|&x| x != id);
             self.reqs.insert(id, r);
             self.free_blocks(id, None);
-            self.reqs.remove(&id);
+            if let Some(r) = self.reqs.remove(&id) {
+                self.state_free.extend(r.state_slot);
+            }
             return Ok(true);
         }
         // Saves of computed blocks (keys not yet stored).

@@ -72,6 +72,9 @@ pub(crate) struct Request {
     /// how many staging calls staged some.
     pub(crate) staged: Vec<bool>,
     pub(crate) stage_calls: u32,
+    /// A hybrid model: the state slot it holds on prefill from admission to retirement
+    /// ([`super::state`]).
+    pub(crate) state_slot: Option<u32>,
 }
 
 /// Where a request is on decode.
@@ -130,6 +133,11 @@ pub(crate) struct Pull {
     /// Push mode, fenced decode-abort-free: decode aborted the request; its blocks wait for
     /// the WRITE's notification.
     pub(crate) aborting: bool,
+    /// A hybrid model ([`super::state`]): prefill's state slot of the request, decode's, and
+    /// the state READ of each lane while in flight.
+    pub(crate) pstate: Option<u32>,
+    pub(crate) dstate: Option<u32>,
+    pub(crate) state_xfers: Vec<Option<Posted>>,
 }
 
 /// One `--inject` fault planted on a request's READ (`--inject` under request load): what

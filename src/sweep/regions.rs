@@ -26,7 +26,8 @@
 //! descriptors ([`RegionFault::source`]); between unequal TP sizes a decode run may hold rows
 //! of several prefill ranks, and its predicted bytes are built from every source's pages.
 //!
-//! What is not moved here yet: scenarios.
+//! Under request load (`--scenario`) the state moves per request instead: [`scenario_lanes`],
+//! [`crate::scenario::state`].
 
 use crate::core::fingerprint::{self, logical_block};
 use crate::core::geometry::{Dtype, Geometry, KvPart, Layout, SliceCoord};
@@ -308,6 +309,75 @@ pub fn plans(cfg: &RunConfig) -> Result<Vec<RegionPlan>> {
         }
     }
     Ok(out)
+}
+
+/// The state lanes of a scenario on `cfg`'s hybrid model ([`crate::scenario::state`]): one per
+/// state region of rank 0 (a scenario moves one rank, `--tp`), each with as many slots as
+/// `--concurrency` asks for while every lane's pool fits
+/// [`crate::scenario::state::MAX_STATE_POOL_BYTES`] a side (at least
+/// [`crate::scenario::state::MIN_STATE_SLOTS`]). Empty without a scenario or a state region.
+/// Errors: usage (exit 2) for a model with an indexer region (not moved under request load
+/// yet), and a pool kvprobe cannot lay out ([`RegionPlan::pool_geometry`]).
+pub fn scenario_lanes(cfg: &RunConfig) -> Result<Vec<crate::scenario::state::StateLane>> {
+    use crate::scenario::state::{MAX_STATE_POOL_BYTES, MIN_STATE_SLOTS, StateLane};
+    let Some(sc) = &cfg.scenario else { return Ok(Vec::new()) };
+    let plans: Vec<RegionPlan> = plans(cfg)?.into_iter().filter(|p| p.rank == 0).collect();
+    if let Some(p) = plans.iter().find(|p| p.region.kind != "state") {
+        return Err(Error::Usage(format!(
+            "model config: region {} ({}, {} layers) is not moved under request load yet (--scenario, --race): a run \
+             that moved the attention pages alone would pass while decode computed from zeros; `kvprobe run` without \
+             --scenario moves it",
+            p.region.name,
+            p.region.kind,
+            p.region.layers.len()
+        )));
+    }
+    let per_slot: u64 = plans.iter().map(|p| p.region.layers.len() as u64 * p.region.page_stride_bytes).sum();
+    let slots = (MAX_STATE_POOL_BYTES / per_slot.max(1)).min(sc.concurrency as u64).max(MIN_STATE_SLOTS as u64) as u32;
+    let mut out = Vec::new();
+    for mut p in plans {
+        p.units = slots;
+        let geometry = p.pool_geometry()?;
+        let src = p.sources.first().ok_or_else(|| Error::Usage(format!("region {}: no prefill rank holds it", p.region.name)))?;
+        out.push(StateLane {
+            name: p.region.name.clone(),
+            rank: p.rank,
+            layers: p.region.layers.clone(),
+            runs: p.runs.clone(),
+            run_names: p.run_names.clone(),
+            page_bytes: p.region.page_bytes,
+            page_stride_bytes: p.region.page_stride_bytes,
+            descriptors: src.descriptors.clone(),
+            slots,
+            geometry,
+        });
+    }
+    Ok(out)
+}
+
+/// One side's pool and NIXL agent of scenario lane `lane` on `memory` (GPU `device` for VRAM),
+/// named `agent`; prefill's pages hold each slot's genesis state
+/// ([`crate::scenario::state::StateLane::genesis_page`]), decode's are poisoned by the
+/// scenario as it starts each request. Errors: environment (allocation, a backend that cannot
+/// serve the pool, exit 2).
+pub fn lane_endpoint(
+    cfg: &RunConfig,
+    lane: &crate::scenario::state::StateLane,
+    memory: MemoryKind,
+    device: usize,
+    agent: &str,
+    prefill: bool,
+) -> Result<Endpoint> {
+    let mut pool = pool(cfg, memory, &lane.geometry, device)?;
+    if prefill {
+        for li in 0..lane.layers.len() as u32 {
+            for s in 0..lane.slots {
+                pool.write_slice(crate::scenario::state::StateLane::page(li, s), &lane.genesis_page(cfg.seed, li, s))?;
+            }
+        }
+    }
+    let opts = TransportOptions { xfer_req: XferReq::Create, backend_params: cfg.backend_params.clone() };
+    Endpoint::with_options(agent, &cfg.backend, pool, &opts).map_err(|e| crate::sweep::backend_refusal(&cfg.backend, memory, e))
 }
 
 /// `KVPROBE_TEST_LEAVE_OUT_REGION=KIND|NAME` ([`crate::sys::test_hooks::LEAVE_OUT_REGION`]):
@@ -867,6 +937,7 @@ fn move_one(cfg: &RunConfig, index: u32, p: &RegionPlan, prefill: &PrefillPeer) 
                         class: v.class,
                         observed: v.observed,
                         bit_flips: v.bit_flips,
+                        request: None,
                     });
                 }
             }
