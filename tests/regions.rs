@@ -346,6 +346,43 @@ fn scenarios_move_each_requests_state_slot_with_its_blocks() {
         let (c, o, e) = kvprobe(&["report", "check", bundle.to_str().unwrap()]);
         assert_eq!(c, 0, "{sc}: {o}{e}");
     }
+    // Push mode (--op write): prefill WRITEs each request's state into the slot decode names;
+    // with decode-abort-free unfenced (decode frees an aborted request's blocks while its WRITE
+    // is pending) the late WRITEs corrupt attention blocks, attributed, while the aborted
+    // requests' state slots are held until their WRITE landed: no state page is wrong.
+    let (code, r, out) = run_load(
+        "regions-scenario-push",
+        &["--model-config", &kimi, "--tp", "8", "--scenario", "nixl-only", "--op", "write", "--requests", "24"],
+        &[],
+    );
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(check_lane(&r, &out, "push")["pages_corrupt"].as_u64(), Some(0), "{out}");
+    let (code, r, out) = run_load(
+        "regions-scenario-push-abort",
+        &[
+            "--model-config",
+            &kimi,
+            "--tp",
+            "8",
+            "--scenario",
+            "nixl-only",
+            "--op",
+            "write",
+            "--race",
+            "decode-abort-free",
+            "--requests",
+            "200",
+            "--seed",
+            "3",
+        ],
+        &[],
+    );
+    assert_eq!(code, 1, "{out}");
+    let race = r["scenario"]["races"].as_array().unwrap().iter().find(|o| o["mechanism"] == "decode-abort-free").unwrap();
+    assert_eq!(race["verdict"], "detected", "{out}");
+    assert_eq!(r["scenario"]["unexplained_corrupt"].as_u64(), Some(0), "{out}");
+    let g = check_lane(&r, &out, "push, decode-abort-free");
+    assert_eq!((g["pages_corrupt"].as_u64(), g["unexpected_failures"].as_u64()), (Some(0), Some(0)), "{g}");
     // Decode READs the next prefill slot for two requests (under --lockstep, the READ completes
     // within decode's step): every run of their 6 pages holds another request's state or a
     // slot's genesis: misplaced, unexplained, exit 1, each failure naming its request.
@@ -387,6 +424,40 @@ fn scenarios_move_each_requests_state_slot_with_its_blocks() {
     }
     let (c, o, e) = kvprobe(&["report", "check", bundle.to_str().unwrap()]);
     assert_eq!(c, 0, "{o}{e}");
+    // Each count of the lane edited (the manifest made to agree) is a disagreement naming it.
+    {
+        use crate::dump::{check, edit_json, retar, untar};
+        let files = untar(&bundle);
+        type Edit = Box<dyn Fn(&mut Value)>;
+        let cases: Vec<(&str, Edit, &str)> = vec![
+            ("units", Box::new(|v| v["regions"][0]["units"] = 3.into()), "units is 3, but the run's configuration gives 16"),
+            (
+                "unexpected",
+                Box::new(|v| v["regions"][0]["unexpected_failures"] = 1_000_000_000_000u64.into()),
+                "48 failure(s) listed on 12 page(s), unexpected_failures 1000000000000, pages_corrupt 12",
+            ),
+            (
+                "pages-corrupt",
+                Box::new(|v| v["regions"][0]["pages_corrupt"] = 1.into()),
+                "48 failure(s) listed on 12 page(s), unexpected_failures 48, pages_corrupt 1",
+            ),
+            ("id", Box::new(|v| v["regions"][0]["failures"][0]["id"] = 7.into()), "failures[0]: id 7, but request"),
+            ("pages", Box::new(|v| v["regions"][0]["pages_compared"] = 6.into()), "pages_compared is 6, but"),
+            ("moved", Box::new(|v| v["regions"][0]["bytes_moved"] = 5.into()), "bytes_moved is 5, but"),
+            (
+                "injected",
+                Box::new(|v| v["regions"][0]["failures"][3]["injected"] = true.into()),
+                "failures[3]: marked injected, but nothing is planted",
+            ),
+        ];
+        for (case, edit, line) in cases {
+            let e = d.join(format!("tampered-{case}.tgz"));
+            retar(&e, &edit_json(&files, "report.json", &*edit));
+            let (code, out, err) = check(&e);
+            assert_eq!(code, 1, "{case}: {out}{err}");
+            assert!(out.contains(line), "{case}: {out}");
+        }
+    }
     // The state lane left out of the transfer: every page of every request poison, exit 1
     // naming the region.
     let (code, r, out) = run_load(
@@ -410,6 +481,27 @@ fn scenarios_move_each_requests_state_slot_with_its_blocks() {
     assert_eq!((code, scode), (0, 0), "{out}\n{sout}");
     let g = check_lane(&r, &out, "--peer");
     assert_eq!(g["pages_corrupt"].as_u64(), Some(0), "{g}");
+    // Serve pinned to another state layout (KDA heads of 64, a conv kernel of 2: the same
+    // attention pages) or another --tp refuses the run by name, as for the attention geometry.
+    let other = write_config(
+        &d,
+        "kimi-b.json",
+        &TINY_KIMI.replace("\"head_dim\": 128, \"short_conv_kernel_size\": 4", "\"head_dim\": 64, \"short_conv_kernel_size\": 2"),
+    );
+    assert!(std::fs::read_to_string(&other).unwrap().contains("\"head_dim\": 64, \"short_conv_kernel_size\": 2"));
+    for (serve_args, want) in [
+        (vec!["--model-config", other.as_str(), "--tp", "8"], "model.kv.hybrid."),
+        (vec!["--model-config", kimi.as_str(), "--tp", "4"], "tp: serve --tp 4, run --tp 8"),
+    ] {
+        let serve = crate::pair::Serve::start(&serve_args);
+        let (code, _, out) = crate::pair::run_peer(
+            &serve.addr.clone(),
+            &["--model-config", &kimi, "--tp", "8", "--scenario", "nixl-only", "--requests", "4"],
+        );
+        let (scode, sout, _) = serve.wait();
+        assert_eq!((code, scode), (2, 2), "{serve_args:?}: {out}\n{sout}");
+        assert!(out.contains(want), "{serve_args:?}: {out}");
+    }
 }
 
 /// Prefill TP above decode TP with replicated KV heads: vLLM refuses it for attention-only
@@ -594,7 +686,6 @@ fn forms_that_do_not_move_regions_yet_refuse_hybrid_models() {
     let base = ["--memory", "dram", "--model-config", kimi.as_str()];
     for (extra, how) in [
         (&["run", "--scenario", "tier-only"][..], "in a tier-only scenario"),
-        (&["run", "--scenario", "nixl-only", "--op", "write"][..], "in a push-mode scenario"),
         (&["run", "--scenario", "stacked", "--host-staging"][..], "with --host-staging"),
         (&["ab"][..], "in this command"),
     ] {

@@ -574,7 +574,7 @@ pub(crate) fn parse_range(s: &str) -> Result<(u32, u32), String> {
 
 /// Refuses a hybrid model's config where kvprobe does not move its state and indexer regions
 /// (`how`: where, e.g. `in this command`): they move in `kvprobe run`'s sweeps
-/// ([`kvprobe::sweep::regions`]) and, the state, in its nixl-only and stacked READ scenarios
+/// ([`kvprobe::sweep::regions`]) and, the state, in its nixl-only and stacked scenarios
 /// ([`kvprobe::scenario::state`]), and a run that moved the attention pages alone would pass
 /// while decode computed from zeros. Errors: usage (exit 2) naming the regions.
 pub(crate) fn refuse_hybrid(model: Option<&kvprobe::model_config::ModelInfo>, how: &str) -> Result<(), Error> {
@@ -587,7 +587,7 @@ pub(crate) fn refuse_hybrid(model: Option<&kvprobe::model_config::ModelInfo>, ho
         what.push(format!("its sparse-attention indexer K cache ({} layers)", i.layers.len()));
     }
     Err(Error::Usage(format!(
-        "model config: a hybrid model: kvprobe moves {} in `kvprobe run` (sweeps; nixl-only and stacked scenarios, READ) and does not move {} {how} yet, and a run that moved the attention pages alone would pass while decode computed from zeros; refused (kvprobe geometry --model-config shows every region per TP rank)",
+        "model config: a hybrid model: kvprobe moves {} in `kvprobe run` (sweeps; nixl-only and stacked scenarios) and does not move {} {how} yet, and a run that moved the attention pages alone would pass while decode computed from zeros; refused (kvprobe geometry --model-config shows every region per TP rank)",
         what.join(" and "),
         if what.len() == 1 { "it" } else { "them" }
     )))
@@ -772,12 +772,11 @@ impl RunArgs {
             }
         }
         // A hybrid model's state moves per request in nixl-only and stacked scenarios
-        // (kvprobe::scenario::state), READ, without host staging; the other forms refuse it.
+        // (kvprobe::scenario::state), READ or WRITE, without host staging; the other forms
+        // refuse it.
         if let Some(sc) = &c.scenario {
             let how = if !sc.scenario.uses_nixl() {
                 Some("in a tier-only scenario (kvprobe's tier saves no state)")
-            } else if sc.push {
-                Some("in a push-mode scenario (--op write)")
             } else if sc.staging {
                 Some("with --host-staging")
             } else {

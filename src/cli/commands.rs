@@ -666,15 +666,18 @@ pub(crate) fn serve(a: ServeArgs, typed: &[&str]) -> Exit {
     // slot): unless --block-size pins it, the run's is taken.
     // A model config's default block count follows the block size and TP (1 GiB a rank):
     // unless --blocks pins it, the run's is taken too.
-    let (geometry, block_size_follows_tp, num_blocks_follow_run) = match a.geo.any().then(|| a.geo.resolve_any()).transpose() {
-        Ok(g) => {
-            let model = g.as_ref().and_then(|(_, m)| m.as_ref());
-            let hybrid = model.and_then(|m| m.kv.hybrid.as_ref()).is_some_and(|h| h.any());
-            let from_model = model.is_some() && a.geo.blocks.is_none();
-            (g.map(|(g, _)| g), hybrid && a.geo.block_size.is_none(), from_model)
-        }
-        Err(e) => return fail(e),
-    };
+    let (geometry, block_size_follows_tp, num_blocks_follow_run, hybrid_pin) =
+        match a.geo.any().then(|| a.geo.resolve_any()).transpose() {
+            Ok(g) => {
+                let model = g.as_ref().and_then(|(_, m)| m.as_ref());
+                let hybrid = model.and_then(|m| m.kv.hybrid.as_ref()).is_some_and(|h| h.any());
+                let from_model = model.is_some() && a.geo.blocks.is_none();
+                // Serve's model config pins the layout of its hybrid regions.
+                let pin = model.map(|m| serde_json::to_value(m.kv.hybrid.as_ref()).unwrap_or_default());
+                (g.map(|(g, _)| g), hybrid && a.geo.block_size.is_none(), from_model, pin)
+            }
+            Err(e) => return fail(e),
+        };
     if let Some(g) = &geometry
         && let Err(e) = g.validate()
     {
@@ -702,6 +705,8 @@ pub(crate) fn serve(a: ServeArgs, typed: &[&str]) -> Exit {
             geometry,
             block_size_follows_tp,
             num_blocks_follow_run,
+            hybrid: hybrid_pin.clone(),
+            tp: a.geo.tp,
             keep_serving: false,
             idle_timeout: Duration::from_secs_f64(a.timeout),
             mode: kvprobe::serve::SessionMode::Child,
@@ -753,6 +758,8 @@ pub(crate) fn serve(a: ServeArgs, typed: &[&str]) -> Exit {
         geometry,
         block_size_follows_tp,
         num_blocks_follow_run,
+        hybrid: hybrid_pin,
+        tp: a.geo.tp,
         keep_serving: a.keep_serving,
         idle_timeout: Duration::from_secs_f64(a.timeout),
         mode: kvprobe::serve::SessionMode::Listen,

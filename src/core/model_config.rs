@@ -792,7 +792,7 @@ pub fn describe(g: &Geometry, model: Option<&ModelInfo>) -> String {
             }
             let _ = writeln!(
                 s,
-                "transfer:     kvprobe run moves every region (the attention sweep, then each state and indexer region; one process, --decode-process, --peer); under request load (--scenario nixl-only|stacked, READ) each request's state slot moves with its blocks; ab, tier-only, push mode and an indexer under load refuse this model for now"
+                "transfer:     kvprobe run moves every region (the attention sweep, then each state and indexer region; one process, --decode-process, --peer); under request load (--scenario nixl-only|stacked, READ or WRITE) each request's state slot moves with its blocks; ab, tier-only, --host-staging and an indexer under load refuse this model for now"
             );
         }
     }

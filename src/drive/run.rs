@@ -136,6 +136,8 @@ impl Probe {
                 }),
                 block_size_follows_tp: false,
                 num_blocks_follow_run: false,
+                hybrid: None, // the run's own model
+                tp: None,
                 keep_serving: false,
                 idle_timeout: timeout,
                 mode: crate::drive::serve::SessionMode::InProcess,

@@ -61,6 +61,12 @@ pub struct ServeConfig {
     /// `geometry` came from a model config without `--blocks`: its block count is a default
     /// that follows the block size and TP (1 GiB a rank), so the run's is taken.
     pub num_blocks_follow_run: bool,
+    /// Serve's own `--model-config`: its hybrid regions' layout (`ModelKv::hybrid` as JSON,
+    /// `null` for an attention-only model), which the run's must equal; `None` without a model
+    /// config (the run's is taken).
+    pub hybrid: Option<serde_json::Value>,
+    /// Serve's `--tp` when given: the run's model TP (`--tp`) must be the same.
+    pub tp: Option<u32>,
     /// Serve another run after each one (`--keep-serving`).
     pub keep_serving: bool,
     /// How long a client may stay silent before its configuration arrives (then the run's
@@ -385,6 +391,30 @@ fn check_config(
                     all.join("; ")
                 ),
             ));
+        }
+    }
+    // A hybrid model's state and indexer regions: serve's model config pins their layout as its
+    // geometry flags pin the attention pages' (a run of another state layout would be
+    // verified against pages prefill does not hold).
+    if let Some(h) = &cfg.hybrid {
+        let run = serde_json::to_value(rc.model.as_ref().and_then(|m| m.kv.hybrid.as_ref())).unwrap_or_default();
+        let diff = peer::differences(h, &run);
+        if let Some((f, _, _)) = diff.first() {
+            let all: Vec<String> =
+                diff.iter().take(4).map(|(f, a, b)| format!("model.kv.hybrid.{f}: serve {a}, run {b}")).collect();
+            return Err((
+                Some(format!("model.kv.hybrid.{f}")),
+                format!(
+                    "{} (serve's --model-config pins the model's state and indexer regions: give the run the same config and --mamba-* flags)",
+                    all.join("; ")
+                ),
+            ));
+        }
+    }
+    if let (Some(t), None) = (cfg.tp, rc.tp) {
+        let run = rc.model.as_ref().map_or(1, |m| m.tp.tp);
+        if run != t {
+            return Err((Some("model.tp".into()), format!("tp: serve --tp {t}, run --tp {run} (give both the same --tp)")));
         }
     }
     if let Some((f, a, b)) = peer::first_difference(&geo(&decode.geometry), &geo(rc.decode_geom())) {

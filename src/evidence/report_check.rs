@@ -373,11 +373,26 @@ fn scenario_region_checks(sec: &Value, cfg: &crate::sweep::RunConfig, regions: &
             say(format!("{at}: pages_corrupt is {corrupt} in a clean run"));
         }
         let failures = r["failures"].as_array().map(Vec::as_slice).unwrap_or_default();
-        let unexpected = r["unexpected_failures"].as_u64().unwrap_or(0);
-        if (failures.len() as u64) > unexpected || (corrupt == 0) != (unexpected == 0) {
+        let unexpected = r["unexpected_failures"].as_u64().unwrap_or(u64::MAX);
+        // Each corrupt page has from one to all of its runs wrong; the listed failures are
+        // some of those runs, and when all are listed their pages are exactly the corrupt ones.
+        let per_page = lane.runs.len() as u64;
+        let pages: std::collections::BTreeSet<(u64, u64)> = failures
+            .iter()
+            .map(|f| (f["request"].as_u64().unwrap_or(u64::MAX), f["layer"].as_u64().unwrap_or(u64::MAX)))
+            .collect();
+        let all_listed = failures.len() as u64 == unexpected;
+        if (failures.len() as u64) > unexpected
+            || unexpected < corrupt
+            || unexpected > corrupt.saturating_mul(per_page)
+            || (pages.len() as u64) > corrupt
+            || (all_listed && pages.len() as u64 != corrupt)
+        {
             say(format!(
-                "{at}: {} failure(s) listed and unexpected_failures {unexpected}, with pages_corrupt {corrupt}",
-                failures.len()
+                "{at}: {} failure(s) listed on {} page(s), unexpected_failures {}, pages_corrupt {corrupt} ({per_page} runs a page)",
+                failures.len(),
+                pages.len(),
+                show(&r["unexpected_failures"])
             ));
         }
         for (j, f) in failures.iter().enumerate() {

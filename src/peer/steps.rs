@@ -81,6 +81,10 @@ pub struct Push {
     pub req: u64,
     /// Decode block ids, one per prefill block of the request, in order.
     pub blocks: Vec<u32>,
+    /// A hybrid model: decode's state slot prefill WRITEs the request's state into
+    /// (`crate::scenario::state`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_slot: Option<u32>,
 }
 
 /// An event, stamped with its engine, that engine's step and its sequence number among that

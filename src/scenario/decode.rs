@@ -304,6 +304,11 @@ struct Decode<'a> {
     state: Vec<(StateLane, Endpoint)>,
     state_free: Vec<u32>,
     state_reports: Vec<crate::report::RegionReport>,
+    /// Push mode: state WRITE notifications that arrived, per request (one per lane).
+    state_arrived: HashMap<u64, u32>,
+    /// Push mode, unfenced decode-abort-free: the state slots of requests decode aborted
+    /// before their WRITE landed, held until it has (a state slot is never a race's).
+    state_orphans: HashMap<u64, u32>,
 }
 
 impl<'a> Decode<'a> {
@@ -387,6 +392,8 @@ impl<'a> Decode<'a> {
             state: sides.lanes,
             state_free,
             state_reports,
+            state_arrived: HashMap::new(),
+            state_orphans: HashMap::new(),
         }
     }
 
@@ -721,6 +728,7 @@ impl<'a> Decode<'a> {
             let done = self.state[k].1.poll(posted).map_err(|e| self.prefill.cause_of(e))?;
             if let Some(done) = done {
                 self.state_reports[k].bytes_moved += done.bytes;
+                self.state_reports[k].seconds += done.elapsed.as_secs_f64();
                 *x = None;
             }
         }
@@ -940,14 +948,17 @@ impl<'a> Decode<'a> {
         if late {
             self.observe(What::Window { mechanism: Mechanism::DecodeAbortFree })?;
         }
+        let d = crate::sys::deadline::Deadline::after(self.timeout);
         if orphan {
             self.orphans.remove(&req);
             self.arrived.remove(&req);
+            // Its state slot, held since the abort, is free once its state WRITE landed.
+            self.await_state(req, d)?;
+            self.state_free.extend(self.state_orphans.remove(&req));
             return Ok(());
         }
         self.pulls.get_mut(&req).expect("own request").landed_at = Some(now);
         // Prefill's WRITE is complete: its notification follows at once.
-        let d = crate::sys::deadline::Deadline::after(self.timeout);
         while !self.arrived.contains(&req) {
             let asked = Instant::now();
             self.take_push_notifications()?;
@@ -959,7 +970,39 @@ impl<'a> Decode<'a> {
             }
             std::thread::yield_now();
         }
-        Ok(())
+        self.await_state(req, d)
+    }
+
+    /// Push mode, a hybrid model: waits (until `d`) for the notification of request `req`'s
+    /// state WRITE on every lane not left out (prefill completed them before reporting the
+    /// request's WRITE landed). Errors: timeout (exit 4), transport (exit 3).
+    fn await_state(&mut self, req: u64, d: crate::sys::deadline::Deadline) -> Result<()> {
+        let want = self.state.iter().filter(|(l, _)| !super::state::left_out(l)).count() as u32;
+        if want == 0 {
+            return Ok(());
+        }
+        loop {
+            let asked = Instant::now();
+            for (_, ep) in &self.state {
+                for msg in ep.notifications()? {
+                    let of = msg.strip_prefix(self.nixl.tag()).and_then(|s| s.strip_suffix(":state"));
+                    if let Some(id) = of.and_then(|s| s.parse::<u64>().ok()) {
+                        *self.state_arrived.entry(id).or_default() += 1;
+                    }
+                }
+            }
+            if self.state_arrived.get(&req).is_some_and(|n| *n >= want) {
+                self.state_arrived.remove(&req);
+                return Ok(());
+            }
+            if d.passed_at(asked) {
+                return Err(Error::Timeout(format!(
+                    "no notification of request {req}'s state WRITE within --timeout {:.6} s of prefill reporting it complete",
+                    d.limit_secs()
+                )));
+            }
+            std::thread::yield_now();
+        }
     }
 
     /// Push mode: takes the agent's notifications (prefill's WRITE of a request is done).
@@ -998,6 +1041,9 @@ impl<'a> Decode<'a> {
                         }
                         let p = self.pulls.get(&id).expect("ordered request");
                         self.orphans.insert(id, p.dslots.clone());
+                        if let Some(s) = self.pulls.get_mut(&id).and_then(|p| p.dstate.take()) {
+                            self.state_orphans.insert(id, s);
+                        }
                         gone.push(id);
                     } else {
                         p.aborting = true;
@@ -1160,9 +1206,11 @@ impl<'a> Decode<'a> {
             p.stage = PullState::Pulling;
             if self.cfg.push {
                 // Push mode: prefill WRITEs the blocks into these (failed-as-complete and
-                // --inject act on READs).
+                // --inject act on READs), and a hybrid model's state into decode's slot.
                 p.asked_at = self.now;
-                self.next.push.push(crate::peer::steps::Push { req: id, blocks: p.dslots.clone() });
+                self.start_state(id, false)?;
+                let p = &self.pulls[&id];
+                self.next.push.push(crate::peer::steps::Push { req: id, blocks: p.dslots.clone(), state_slot: p.dstate });
                 continue;
             }
             let n = p.pslots.len();
@@ -1230,7 +1278,7 @@ impl<'a> Decode<'a> {
                 p.at_post = at_post;
                 p.xfer = Some(x);
                 self.next.posted.push(id);
-                self.start_state(id)?;
+                self.start_state(id, true)?;
             } else {
                 p.dloads_left = p.pslots.len() as u32;
                 p.delivered = vec![Content::default(); p.pslots.len()];
@@ -1247,10 +1295,11 @@ impl<'a> Decode<'a> {
     }
 
     /// A hybrid model: request `id` takes a decode state slot, whose pages are poisoned with
-    /// the request's poison iteration, and decode posts one READ per lane of prefill's slot
-    /// into it ([`StateLane::pairs`]; none for a lane a test hook leaves out). Errors: device
-    /// errors of the poison, transport (exit 3) of the post.
-    fn start_state(&mut self, id: u64) -> Result<()> {
+    /// the request's poison iteration, and with `read` decode posts one READ per lane of
+    /// prefill's slot into it ([`StateLane::pairs`]; none for a lane a test hook leaves out;
+    /// push mode: prefill WRITEs it). Errors: device errors of the poison, transport (exit 3)
+    /// of the post.
+    fn start_state(&mut self, id: u64, read: bool) -> Result<()> {
         if self.state.is_empty() {
             return Ok(());
         }
@@ -1272,7 +1321,7 @@ impl<'a> Decode<'a> {
             let mut table = vec![TableEntry::new(0, SKIP_GEN); lane.slots as usize];
             table[slot as usize] = TableEntry::new(1, 1);
             ep.pool.poison_blocks(&table, iter)?;
-            if super::state::left_out(lane) {
+            if !read || super::state::left_out(lane) {
                 xfers.push(None);
                 continue;
             }
@@ -1293,6 +1342,11 @@ impl<'a> Decode<'a> {
             let Some(slot) = p.dstate else { continue };
             let generation = StateLane::generation(p.pslots.len());
             for (k, (lane, ep)) in self.state.iter().enumerate() {
+                // Push mode: the state WRITE of a verified request landed (its notification
+                // came before the request could be verified).
+                if self.cfg.push && !super::state::left_out(lane) {
+                    self.state_reports[k].bytes_moved += lane.bytes_per_request();
+                }
                 let mut page = vec![0u8; lane.page_stride_bytes as usize];
                 for li in 0..lane.layers.len() as u32 {
                     ep.pool.read_slice(StateLane::page(li, slot), &mut page)?;

@@ -465,6 +465,13 @@ impl<'a> PrefillEngine<'a> {
     fn take_pushes(&mut self, pushes: &[crate::peer::steps::Push]) -> Result<()> {
         let n = self.blocks.blocks.len() as u32;
         for p in pushes {
+            // A hybrid model's push names decode's state slot (one of its lanes' slots).
+            let lanes = self.state.first().map(|(l, _)| l.slots);
+            let state_bad = match (p.state_slot, lanes) {
+                (None, None) => false,
+                (Some(s), Some(n)) => s >= n,
+                _ => true,
+            };
             let slow = self.rng.random_range(0..8u32) == 0;
             let lag = self.rng.random_range(0..=2u64) + if slow { self.cfg.decode_delay_steps as u64 } else { 0 };
             let push = self.cfg.push;
@@ -476,6 +483,8 @@ impl<'a> PrefillEngine<'a> {
                 Some("a second time".to_string())
             } else if p.blocks.len() != r.pslots.len() || p.blocks.iter().any(|&b| b >= n) {
                 Some(format!("with {} decode blocks for {} (pool of {n})", p.blocks.len(), r.pslots.len()))
+            } else if state_bad {
+                Some(format!("with state slot {:?} ({} slots)", p.state_slot, lanes.unwrap_or(0)))
             } else {
                 None
             };
@@ -483,6 +492,7 @@ impl<'a> PrefillEngine<'a> {
                 return Err(Error::Transport(format!("decode asked for request {}'s WRITE {w} (a protocol error)", p.req)));
             }
             r.read_posted = true;
+            r.push_state = p.state_slot;
             r.push_dst = p.blocks.clone();
             r.push_at = Some(now + lag);
         }
@@ -513,13 +523,26 @@ impl<'a> PrefillEngine<'a> {
         for id in due {
             let r = self.reqs.get_mut(&id).expect("ordered request");
             r.push_at = None;
-            let (blocks, dst) = (r.pslots.clone(), r.push_dst.clone());
+            let (blocks, dst, states) = (r.pslots.clone(), r.push_dst.clone(), r.state_slot.zip(r.push_state));
             let pairs = NixlConnector::read_pairs(&g, &blocks, &dst)?;
             let tag = format!("{}{id}", self.nixl.tag());
             let x = self.ep.post_as_initiator(crate::xfer::transport::Op::Write, &pairs, &tag, Deadline::after(self.timeout))?;
-            posted.push((id, blocks, dst, x));
+            // A hybrid model: the request's state, from its slot into decode's, one WRITE per
+            // lane (none for a lane a test hook leaves out).
+            let mut sx = Vec::new();
+            if let Some((ps, ds)) = states {
+                for (k, (lane, ep)) in self.state.iter().enumerate() {
+                    if super::state::left_out(lane) {
+                        continue;
+                    }
+                    let pairs = lane.pairs(ps, ds);
+                    let d = Deadline::after(self.timeout);
+                    sx.push((k, ep.post_as_initiator(crate::xfer::transport::Op::Write, &pairs, &format!("{tag}:state"), d)?));
+                }
+            }
+            posted.push((id, blocks, dst, x, sx));
         }
-        for (id, blocks, dst, mut x) in posted {
+        for (id, blocks, dst, mut x, sx) in posted {
             // `poll` ends the wait with a timeout past the WRITE's deadline.
             let done = loop {
                 if let Some(done) = self.ep.poll(&mut x)? {
@@ -527,6 +550,11 @@ impl<'a> PrefillEngine<'a> {
                 }
                 std::thread::yield_now();
             };
+            for (k, mut x) in sx {
+                while self.state[k].1.poll(&mut x)?.is_none() {
+                    std::thread::yield_now();
+                }
+            }
             self.counters.bytes_written += done.bytes;
             self.event(What::Pushed { req: id, blocks, dst });
             self.notified(id);
@@ -1189,6 +1217,7 @@ impl<'a> PrefillEngine<'a> {
                     staged: Vec::new(),
                     stage_calls: 0,
                     state_slot: if self.state.is_empty() { None } else { self.state_free.pop() },
+                    push_state: None,
                 },
             );
             self.order.push(id);

@@ -75,6 +75,8 @@ pub(crate) struct Request {
     /// A hybrid model: the state slot it holds on prefill from admission to retirement
     /// ([`super::state`]).
     pub(crate) state_slot: Option<u32>,
+    /// Push mode, a hybrid model: decode's state slot the WRITE targets.
+    pub(crate) push_state: Option<u32>,
 }
 
 /// Where a request is on decode.

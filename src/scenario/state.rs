@@ -14,8 +14,9 @@
 //! the prompt's blocks (the state advances once per block of prompt). Decode takes a slot of
 //! its own when it starts the request, poisons its pages, READs prefill's slot into it with
 //! the descriptors vLLM's NixlConnector builds for a state page (`_build_mamba_local`: one per
-//! conv sub-projection, then the ssm / temporal / recurrent state; the padding left out),
-//! and verifies every run when the request's attention blocks are verified: a run of another
+//! conv sub-projection, then the ssm / temporal / recurrent state; the padding left out; push
+//! mode: prefill WRITEs its slot into the one decode names, and decode waits for each lane's
+//! notification), and verifies every run when the request's attention blocks are verified: a run of another
 //! request or slot is `misplaced`, an older generation `stale`, poison `unwritten`.
 //!
 //! What a tier saves (vLLM 0.34): MooncakeStoreConnector and the OffloadingConnector save a
