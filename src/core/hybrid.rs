@@ -985,6 +985,29 @@ pub fn run_rows(run: &RowRun, layer: u32, id: u32, generation: u32) -> crate::co
     }
 }
 
+/// The runs of `page` (one region page of model layer `layer`, laid out as `runs`) that are
+/// not the rows of logical id `id` at `generation`: each wrong run's index, the rows it should
+/// hold and its byte range in the page — the CPU check of every region pass (the sweep's and
+/// a scenario's), one definition. `page` must hold every run (panics otherwise).
+pub fn wrong_runs(
+    runs: &[RowRun],
+    page: &[u8],
+    layer: u32,
+    id: u32,
+    generation: u32,
+    seed: u64,
+) -> Vec<(usize, crate::core::fingerprint::SliceRows, std::ops::Range<usize>)> {
+    let mut out = Vec::new();
+    for (k, run) in runs.iter().enumerate() {
+        let rows = run_rows(run, layer, id, generation);
+        let at = run.offset as usize..run.offset as usize + rows.len() as usize;
+        if crate::core::fingerprint::check(&page[at.clone()], seed, &rows).0 != 0 {
+            out.push((k, rows, at));
+        }
+    }
+    out
+}
+
 /// The layer field of a region row: `layer | part << 12` (layer below 4096, part below 16;
 /// `kvp2_region_layer` in csrc/fingerprint.h).
 pub fn region_layer(layer: u32, part: u32) -> u32 {

@@ -185,18 +185,13 @@ impl StateLane {
         let layer = self.layers[li as usize];
         let id = Self::state_id(seed, request);
         out.pages_compared += 1;
-        let mut clean = true;
-        for (k, run) in self.runs.iter().enumerate() {
-            let rows = run_rows(run, layer, id, generation);
-            let at = run.offset as usize;
-            let got = &page[at..at + rows.len() as usize];
-            out.runs_compared += 1;
-            if fingerprint::check(got, seed, &rows).0 == 0 {
-                continue;
-            }
-            clean = false;
+        out.runs_compared += self.runs.len() as u64;
+        let wrong = crate::core::hybrid::wrong_runs(&self.runs, page, layer, id, generation, seed);
+        let clean = wrong.is_empty();
+        for (k, rows, at) in wrong {
+            let run = &self.runs[k];
             out.unexpected_failures += 1;
-            let v = verify::classify(got, &rows, seed, self.page_slot(li, slot), iteration);
+            let v = verify::classify(&page[at], &rows, seed, self.page_slot(li, slot), iteration);
             if out.failures.len() < max_failures {
                 out.failures.push(RegionFailure {
                     injected: false,

@@ -906,16 +906,12 @@ fn move_one(cfg: &RunConfig, index: u32, p: &RegionPlan, prefill: &PrefillPeer) 
             let u = p.decode_unit(i);
             dst.read_slice(SliceCoord { layer: li, kv: KvPart::Latent, block: u }, &mut page)?;
             out.pages_compared += 1;
-            let mut corrupt = false;
-            for (k, run) in p.runs.iter().enumerate() {
-                let rows = run_rows(run, layer, p.id_of(seed, i), REGION_GENERATION);
-                let at = run.offset as usize;
-                let got = &page[at..at + rows.len() as usize];
-                out.runs_compared += 1;
-                if fingerprint::check(got, seed, &rows).0 == 0 {
-                    continue;
-                }
-                corrupt = true;
+            out.runs_compared += p.runs.len() as u64;
+            let wrong = crate::core::hybrid::wrong_runs(&p.runs, &page, layer, p.id_of(seed, i), REGION_GENERATION, seed);
+            let corrupt = !wrong.is_empty();
+            for (k, rows, at) in wrong {
+                let run = &p.runs[k];
+                let got = &page[at];
                 let v = verify::classify(got, &rows, seed, p.page_slot(li, u), REGION_POISON_ITERATION);
                 // A planted fault's run counts as predicted only with its class and exactly its
                 // predicted bytes.
