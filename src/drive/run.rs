@@ -823,21 +823,7 @@ fn run_inner(cfg: &RunConfig, report: &mut Report, hooks: &mut Hooks<'_>, slot: 
         report.summary.transport_path = Some(scenario_path(cfg, probe, ucx_mark, report.environment.as_ref()));
         r?;
         // A hybrid model's state: a wrong run is always a failure (no race reaches a state slot).
-        let bad: Vec<String> = report
-            .regions
-            .iter()
-            .filter(|r| r.pages_corrupt > 0)
-            .map(|r| {
-                if r.bytes_moved == 0 && r.pages_corrupt == r.pages_compared {
-                    format!(
-                        "region {} ({}, TP rank {}) was not moved: none of its bytes arrived in {} request(s), and decode would compute its {} layer(s) from zeros",
-                        r.name, r.kind, r.rank, r.pages_compared / r.layers.max(1) as u64, r.layers
-                    )
-                } else {
-                    format!("region {} ({}, TP rank {}): {} of {} state page(s) corrupt", r.name, r.kind, r.rank, r.pages_corrupt, r.pages_compared)
-                }
-            })
-            .collect();
+        let bad = crate::scenario::state::corrupt_lanes(&report.regions);
         return if bad.is_empty() || cfg.self_test { Ok(()) } else { Err(Error::Corrupt(bad.join("; "))) };
     }
     // A hybrid model's state and indexer regions: planned (and refused) before anything moves.

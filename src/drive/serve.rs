@@ -1103,7 +1103,7 @@ fn scenario_requests(
                 return Err(Error::Transport(format!(
                     "{}'s NIXL agent {} announced a pool other than state lane {k}'s ({}) (a protocol error)",
                     link.who(),
-                    info.agent,
+                    crate::sys::text::escape_control(&info.agent),
                     lane.name
                 )));
             }

@@ -129,7 +129,8 @@ pub fn run_scenario(
         if info.geometry.as_ref().is_some_and(|g| *g != lane.geometry) {
             return Err(Error::Transport(format!(
                 "prefill's NIXL agent {} announced a pool other than state lane {}'s (a protocol error)",
-                info.agent, lane.name
+                crate::sys::text::escape_control(&info.agent),
+                lane.name
             )));
         }
         ep.connect(info)?;

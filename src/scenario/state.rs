@@ -211,6 +211,30 @@ impl StateLane {
     }
 }
 
+/// What is wrong with each lane of `reports` (a scenario's `regions`) that has a corrupt page,
+/// in words: a lane none of whose bytes arrived (left out of the transfer) as such, else its
+/// corrupt pages; empty when every lane is clean.
+pub fn corrupt_lanes(reports: &[RegionReport]) -> Vec<String> {
+    reports
+        .iter()
+        .filter(|r| r.pages_corrupt > 0)
+        .map(|r| {
+            if r.bytes_moved == 0 && r.pages_corrupt == r.pages_compared {
+                format!(
+                    "region {} ({}, TP rank {}) was not moved: none of its bytes arrived in {} request(s), and decode would compute its {} layer(s) from zeros",
+                    r.name,
+                    r.kind,
+                    r.rank,
+                    r.pages_compared / r.layers.max(1) as u64,
+                    r.layers
+                )
+            } else {
+                format!("region {} ({}, TP rank {}): {} of {} state page(s) corrupt", r.name, r.kind, r.rank, r.pages_corrupt, r.pages_compared)
+            }
+        })
+        .collect()
+}
+
 /// True when `KVPROBE_TEST_LEAVE_OUT_REGION` ([`crate::sys::test_hooks::LEAVE_OUT_REGION`])
 /// names `lane` (its kind, `state`, or its name): decode never READs it, as a connector that
 /// never registered the state pool.

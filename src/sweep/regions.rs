@@ -814,7 +814,7 @@ fn move_one(cfg: &RunConfig, index: u32, p: &RegionPlan, prefill: &PrefillPeer) 
             return Err(Error::Transport(format!(
                 "{}'s NIXL agent {} announced a region pool other than region {}'s pages of prefill rank {} (a protocol error)",
                 prefill.who(),
-                info.agent,
+                crate::sys::text::escape_control(&info.agent),
                 p.region.name,
                 p.sources[k].rank
             )));
